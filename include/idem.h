@@ -1,0 +1,406 @@
+/*
+ * idem.h: the public interface of the idem store, an embedded, durable idempotency key store.
+ *
+ * A store is a directory owned by one process. Callers reserve a business key before a side
+ * effect (idem_claim), record the outcome (idem_commit), and every later copy of the request is
+ * answered from that record. docs/design.md describes the engine; docs/api.md walks through use.
+ *
+ * Handles:
+ *   idem_store  one open store. Thread-safe: any number of threads may use it at once.
+ *   idem_queue  one caller's channel into the store: the blocking calls and the asynchronous
+ *               form (idem_submit / idem_poll) both go through a queue. A queue is used by one
+ *               thread at a time; open one per thread. Bytes a queue returns (results, notes,
+ *               keys, records) stay valid until the next call on that queue.
+ *
+ * Durability: with IDEM_DURABILITY_SYNC (the default) no call returns, and no completion is
+ * delivered, before the change it reports, and every state its answer depends on, is on stable
+ * storage. Concurrent callers share group commits.
+ *
+ * Errors are negative `enum idem_err` values; claim outcomes are results, not errors.
+ * Times are store-clock milliseconds since the Unix epoch unless a name says otherwise.
+ */
+#ifndef IDEM_H
+#define IDEM_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define IDEM_VERSION_STRING "0.1.0"
+
+/* Limits. Arguments outside them answer IDEM_EINVAL. */
+#define IDEM_KEY_BYTES_MAX            512u
+#define IDEM_OWNER_BYTES_MAX          256u
+#define IDEM_NOTE_BYTES_MAX           4096u
+#define IDEM_ACTOR_BYTES_MAX          256u
+#define IDEM_RESULT_BYTES_DEFAULT     (64u * 1024u)
+#define IDEM_RESULT_BYTES_LIMIT       (1024u * 1024u)
+#define IDEM_TTL_MS_MAX               (3650ull * 24 * 3600 * 1000) /* ten years */
+#define IDEM_LEASE_MS_MAX             (7ull * 24 * 3600 * 1000)    /* one week */
+#define IDEM_WAIT_MS_MAX              60000u
+#define IDEM_FP_BYTES                 16u /* XXH3-128 digest of the content passed */
+#define IDEM_BATCH_MAX                4096u /* operations accepted by one idem_submit */
+#define IDEM_TOKEN_MAX                ((int64_t)1 << 62)
+
+typedef struct idem_store idem_store;
+typedef struct idem_queue idem_queue;
+
+enum idem_err {
+    IDEM_OK = 0,
+    IDEM_EINVAL = -1,    /* bad argument or unknown flag bit */
+    IDEM_ENOMEM = -2,    /* allocation failed */
+    IDEM_EIO = -3,       /* an I/O call failed outside the write path (open, read, create) */
+    IDEM_EFATAL = -4,    /* a write or flush failed: the store acknowledges nothing more */
+    IDEM_EFULL = -5,     /* a capacity limit or a full disk: nothing was changed or evicted */
+    IDEM_ECORRUPT = -6,  /* a checksum or invariant failed on a file of the store */
+    IDEM_EVERSION = -7,  /* the store's format version or features are unknown to this build */
+    IDEM_ELOCKED = -8,   /* another process owns the directory (see idem_last_error) */
+    IDEM_ENOTFOUND = -9, /* owner or operator call on an absent key */
+    IDEM_ESTALE = -10,   /* the token is not the current owner's */
+    IDEM_ECONFLICT = -11, /* commit repeated with a different result (counted) */
+    IDEM_ECHANGED = -12, /* resolve: the record's version is not the expected one */
+    IDEM_ESTATE = -13,   /* the record's state forbids the call (e.g. DEL of an in_flight) */
+    IDEM_ELEASE = -14,   /* resolve of an in_flight record whose lease runs, without FORCE */
+    IDEM_EREADONLY = -15, /* the store was opened read-only */
+    IDEM_ECLOSED = -16,  /* the store is closing: waiting claims answer busy, new calls this */
+    IDEM_EBUSY = -17,    /* the queue is full, or holds completions a blocking call would mix */
+    IDEM_ENOTSUP = -18,  /* not available in this configuration (e.g. clock control) */
+};
+
+/* A static, human-readable description of an idem_err value. Never NULL. */
+const char *idem_strerror(int err);
+
+/* Claim outcomes (contract: "Claim outcomes"). */
+enum idem_outcome {
+    IDEM_NEW = 1,      /* key absent or expired: you own it; act, then commit */
+    IDEM_BUSY = 2,     /* another owner's lease runs: lease_left_ms */
+    IDEM_DONE = 3,     /* committed with the same content: data holds the result */
+    IDEM_MISMATCH = 4, /* different content: recorded, route to a person */
+    IDEM_RECOVER = 5,  /* the earlier owner's lease ran out: look the target up, then finish */
+    IDEM_REVIEW = 6,   /* held for a person: data holds the note */
+};
+
+enum idem_state {
+    IDEM_STATE_IN_FLIGHT = 1,
+    IDEM_STATE_COMMITTED = 2,
+    IDEM_STATE_REVIEW = 3,
+};
+
+enum idem_durability {
+    IDEM_DURABILITY_SYNC = 0,  /* reply after the flush that covers it (group commit) */
+    IDEM_DURABILITY_BATCH = 1, /* reply at once; flush at least every 10 ms */
+    IDEM_DURABILITY_NONE = 2,  /* reply at once; flushing is left to the OS */
+};
+
+enum idem_lease_policy {
+    IDEM_LEASE_RECOVER = 0, /* an expired lease becomes `recover` for the next claimant */
+    IDEM_LEASE_REVIEW = 1,  /* an expired lease becomes `review` */
+};
+
+enum idem_io_backend {
+    IDEM_IO_AUTO = 0,   /* io_uring where the kernel allows it, else the thread backend */
+    IDEM_IO_URING = 1,  /* io_uring: writes linked to fdatasync */
+    IDEM_IO_THREAD = 2, /* pwrite + fdatasync on the store's flusher thread */
+};
+
+/* Optional clock sources. Tests inject them; NULL members mean the system's clocks. */
+typedef struct idem_clock_source {
+    int64_t (*wall_ms)(void *ctx);      /* CLOCK_REALTIME in ms since the epoch */
+    int64_t (*monotonic_ms)(void *ctx); /* CLOCK_BOOTTIME in ms: elapsed time, never steps */
+    void *ctx;
+} idem_clock_source;
+
+typedef struct idem_options {
+    int durability;             /* enum idem_durability */
+    int lease_policy;           /* enum idem_lease_policy */
+    int io_backend;             /* enum idem_io_backend */
+    int read_only;              /* nonzero: no recovery writes, no changes (for inspection) */
+    int test_clock;             /* nonzero: the store clock stands still; see idem_clock_set */
+    uint64_t max_keys;          /* 0: no limit beyond memory */
+    uint64_t max_memory_bytes;  /* 0: no limit; anonymous memory of the index and buffers */
+    uint64_t max_disk_bytes;    /* 0: no limit; bytes of all files in the directory */
+    uint32_t result_bytes_max;  /* 0: IDEM_RESULT_BYTES_DEFAULT; at most IDEM_RESULT_BYTES_LIMIT */
+    uint32_t segment_bytes;     /* 0: 64 MiB; WAL segment size, a multiple of 4096, >= 1 MiB */
+    const idem_clock_source *clock; /* NULL: system clocks; copied at open */
+} idem_options;
+
+/* Fills *o with the defaults (sync, recover, auto backend, no limits). */
+void idem_options_init(idem_options *o);
+
+/*
+ * Opens (creating if absent) the store in directory `dir`, running recovery.
+ * Returns IDEM_OK and sets *out, or: IDEM_EINVAL, IDEM_ELOCKED (another process owns it; the
+ * message from idem_last_error names its pid and host), IDEM_ECORRUPT, IDEM_EVERSION,
+ * IDEM_EIO, IDEM_ENOMEM, IDEM_EFULL (no space to create the store).
+ * On failure, idem_last_error() (thread-local) describes the cause in a sentence.
+ */
+int idem_open(const char *dir, const idem_options *o, idem_store **out)
+    __attribute__((warn_unused_result));
+
+/* Makes everything durable, writes a checkpoint (unless read-only or fatal), frees the store.
+ * Waiting claims answer busy. Returns IDEM_OK, or IDEM_EFATAL if the store had failed. */
+int idem_close(idem_store *s);
+
+/* The last open or I/O failure of this thread, as a sentence. Never NULL. */
+const char *idem_last_error(void);
+
+/* Nonzero when a failed write or flush has stopped the store. Thread-safe. */
+int idem_is_fatal(const idem_store *s);
+
+/* Name of the I/O backend in use ("io_uring" or "thread"). */
+const char *idem_io_backend_name(const idem_store *s);
+
+/* ---- The record ---- */
+
+typedef struct idem_record {
+    const void *key;
+    uint32_t key_len;
+    int state;                   /* enum idem_state */
+    int64_t first_seen_ms;       /* never changed by a repeat */
+    int64_t expires_at_ms;       /* first_seen_ms + ttl (see contract rule 5) */
+    int64_t last_seen_ms;
+    uint64_t seen_count;         /* claims in all, the first included */
+    int has_fp;
+    uint8_t fp[IDEM_FP_BYTES];   /* XXH3-128 of the content, big-endian digest bytes */
+    int64_t lease_until_ms;      /* in_flight only */
+    int64_t token;               /* in_flight only: current owner's fencing token */
+    const void *owner;           /* in_flight only, may be NULL */
+    uint32_t owner_len;
+    uint32_t attempts;           /* grants of ownership: 1 + recoveries */
+    int64_t last_grant_ms;
+    const void *result;          /* committed only */
+    uint32_t result_len;
+    const void *note;            /* last hold or operator reason, may be NULL */
+    uint32_t note_len;
+    uint64_t mismatch_count;
+    int64_t last_mismatch_ms;    /* 0 when mismatch_count is 0 */
+    uint8_t last_mismatch_fp[IDEM_FP_BYTES];
+    int has_last_mismatch_fp;
+    uint64_t version;            /* changes on every logged change of the record */
+} idem_record;
+
+/* ---- Operations (the asynchronous form, and the arguments of the blocking calls) ---- */
+
+enum idem_op_kind {
+    IDEM_OP_CLAIM = 1,
+    IDEM_OP_COMMIT = 2,
+    IDEM_OP_RELEASE = 3,
+    IDEM_OP_HOLD = 4,
+    IDEM_OP_EXTEND = 5,
+    IDEM_OP_GET = 6,
+    IDEM_OP_SET_IF_ABSENT = 7, /* SET NX: a committed record whose result is the value */
+    IDEM_OP_DEL = 8,           /* deletes a committed record (refused on unfinished: ESTATE); audited */
+    IDEM_OP_RESOLVE = 9,       /* operator decision; audited */
+    IDEM_OP_SYNC = 10,         /* completes once everything submitted before it is durable */
+};
+
+enum idem_resolve_action {
+    IDEM_RESOLVE_COMMIT = 1,  /* the target was checked: it happened (result optional) */
+    IDEM_RESOLVE_RELEASE = 2, /* the target was checked: it did not happen; re-offer */
+    IDEM_RESOLVE_SETTLE = 3,  /* close with no new action: committed with the current result */
+};
+
+/* idem_op.flags */
+#define IDEM_F_FORCE         0x1u /* resolve: act on an in_flight record whose lease runs */
+#define IDEM_F_EXPECT        0x2u /* resolve: refuse with IDEM_ECHANGED unless version matches */
+#define IDEM_F_GET_OLD       0x4u /* set_if_absent: on an existing committed key, return its value */
+
+typedef struct idem_op {
+    uint32_t kind;        /* enum idem_op_kind */
+    uint32_t flags;       /* IDEM_F_* */
+    uint64_t user_data;   /* returned untouched in the completion */
+    const void *key;
+    uint32_t key_len;     /* 1..IDEM_KEY_BYTES_MAX */
+    uint64_t ttl_ms;      /* claim, set_if_absent: 1..IDEM_TTL_MS_MAX */
+    uint64_t lease_ms;    /* claim, extend: 1..IDEM_LEASE_MS_MAX */
+    uint32_t wait_ms;     /* claim: block a busy answer up to this long, <= IDEM_WAIT_MS_MAX */
+    int64_t token;        /* commit, release, hold, extend */
+    const void *fp;       /* claim: content bytes (hashed with XXH3-128), or NULL */
+    uint32_t fp_len;
+    const void *owner;    /* claim: the worker's stable id, or NULL */
+    uint32_t owner_len;
+    const void *data;     /* commit/resolve result, set_if_absent value, hold/resolve reason */
+    uint32_t data_len;
+    const void *result;   /* resolve only: the result (data is then the reason) */
+    uint32_t result_len;
+    uint32_t action;      /* resolve: enum idem_resolve_action */
+    uint64_t expect_version; /* resolve with IDEM_F_EXPECT */
+    const char *actor;    /* resolve, del: who acts, for the audit trail (NUL-terminated) */
+} idem_op;
+
+typedef struct idem_completion {
+    uint64_t user_data;
+    int err;              /* IDEM_OK or a negative idem_err */
+    int outcome;          /* claim: enum idem_outcome; set_if_absent: IDEM_NEW or IDEM_DONE */
+    int64_t token;        /* new, recover */
+    int64_t lease_left_ms; /* busy */
+    uint32_t attempts;    /* recover */
+    int64_t last_grant_ms; /* recover: grant time of the attempt whose lease ran out */
+    const void *data;     /* done: result; review: note; set_if_absent+GET_OLD: old value */
+    uint32_t data_len;
+    int found;            /* get: nonzero when the record exists (then `record` is filled) */
+    idem_record record;   /* get */
+} idem_completion;
+
+/* Opens a queue of `depth` outstanding operations (1..65536). Returns IDEM_OK, IDEM_EINVAL,
+ * IDEM_ENOMEM. */
+int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
+    __attribute__((warn_unused_result));
+/* Frees the queue; outstanding operations still take effect but are not reported. */
+void idem_queue_close(idem_queue *q);
+
+/* A file descriptor that is readable while completions are ready to poll (an eventfd), for
+ * event loops. Reading it is idem_poll's job. */
+int idem_queue_fd(const idem_queue *q);
+
+/*
+ * Applies `n` operations in order (atomically each; the batch is not a transaction) and queues
+ * their completions. Returns the number accepted (fewer than n when the queue is full), or a
+ * negative idem_err (IDEM_EINVAL for n > IDEM_BATCH_MAX). Invalid operations are accepted and
+ * complete with err set. Never blocks on I/O.
+ */
+int idem_submit(idem_queue *q, const idem_op *ops, size_t n) __attribute__((warn_unused_result));
+
+/*
+ * Moves up to `max` completions that are ready (durable, in sync mode) into out[], in
+ * submission order per key. Waits up to timeout_ms (-1: forever, 0: not at all) for the first.
+ * Returns the count (0 on timeout) or a negative idem_err. Bytes referenced by the completions
+ * stay valid until the next call on this queue.
+ */
+int idem_poll(idem_queue *q, idem_completion *out, size_t max, int timeout_ms);
+
+/* Operations submitted and not yet polled. */
+uint32_t idem_queue_pending(const idem_queue *q);
+
+/* ---- Blocking calls: one operation, through a queue with nothing pending ---- */
+
+typedef struct idem_claim_args {
+    uint64_t ttl_ms;
+    uint64_t lease_ms;
+    const void *fp;       /* optional content bytes */
+    uint32_t fp_len;
+    const void *owner;    /* optional owner id */
+    uint32_t owner_len;
+    uint32_t wait_ms;     /* block a busy answer up to this long */
+} idem_claim_args;
+
+/* Claim outcomes are in c->outcome; the return value is IDEM_OK or an error
+ * (IDEM_EINVAL, IDEM_EFULL, IDEM_EFATAL, IDEM_EREADONLY, IDEM_EBUSY). */
+int idem_claim(idem_queue *q, const void *key, size_t key_len, const idem_claim_args *a,
+               idem_completion *c);
+/* IDEM_OK (also for a repeat with the same result), IDEM_ESTALE, IDEM_ECONFLICT,
+ * IDEM_ENOTFOUND, or a store error. */
+int idem_commit(idem_queue *q, const void *key, size_t key_len, int64_t token, const void *result,
+                size_t result_len);
+int idem_release(idem_queue *q, const void *key, size_t key_len, int64_t token);
+int idem_hold(idem_queue *q, const void *key, size_t key_len, int64_t token, const void *reason,
+              size_t reason_len);
+int idem_extend(idem_queue *q, const void *key, size_t key_len, int64_t token, uint64_t lease_ms);
+/* c->found tells whether the record exists; c->record holds it. */
+int idem_get(idem_queue *q, const void *key, size_t key_len, idem_completion *c);
+/* SET NX: c->outcome is IDEM_NEW (set) or IDEM_DONE (exists; with get_old, c->data holds the
+ * value). An unfinished record answers IDEM_ESTATE with get_old, IDEM_DONE without. */
+int idem_set_if_absent(idem_queue *q, const void *key, size_t key_len, const void *value,
+                       size_t value_len, uint64_t ttl_ms, int get_old, idem_completion *c);
+/* Deletes a committed record: IDEM_OK, IDEM_ENOTFOUND, IDEM_ESTATE (unfinished). Audited. */
+int idem_del(idem_queue *q, const void *key, size_t key_len, const char *actor);
+/* Executes one op (any kind) and waits for its completion. */
+int idem_exec(idem_queue *q, const idem_op *op, idem_completion *c);
+/* Returns when everything acknowledged so far is durable (all modes). */
+int idem_sync(idem_store *s);
+
+/* ---- Scans, audit, stats ---- */
+
+typedef struct idem_scan_args {
+    uint64_t cursor;      /* 0 to start; the returned next_cursor to go on; 0 returned: done */
+    int state;            /* 0: any, else enum idem_state */
+    int64_t older_ms;     /* 0: any, else only records with now - first_seen_ms >= older_ms */
+    uint32_t count;       /* slots to visit per call (a hint, like Redis SCAN), 0: 100 */
+} idem_scan_args;
+
+/* Keys of one scan step: keys[i], key_lens[i] for i < n, valid until the next call on q.
+ * Like Redis SCAN: every key present for the whole scan is returned at least once. */
+int idem_scan(idem_queue *q, const idem_scan_args *a, uint64_t *next_cursor, const void ***keys,
+              const uint32_t **key_lens, size_t *n);
+
+typedef struct idem_audit_entry {
+    uint64_t seq;
+    int64_t at_ms;
+    const char *actor;    /* NUL-terminated */
+    const char *action;   /* "resolve-commit", "resolve-release", "resolve-settle", "del" */
+    const void *key;
+    uint32_t key_len;
+    const char *reason;   /* NUL-terminated */
+    int state_before;     /* enum idem_state, 0 for absent */
+    int state_after;
+    uint64_t version_before;
+    uint64_t version_after;
+} idem_audit_entry;
+
+/* The newest `count` audit entries (of `key` when key != NULL), newest first, in *entries
+ * (valid until the next call on q). */
+int idem_audit(idem_queue *q, const void *key, size_t key_len, uint32_t count,
+               const idem_audit_entry **entries, size_t *n);
+
+typedef struct idem_stats {
+    uint64_t keys;                 /* records in the index, expired ones not yet swept included */
+    uint64_t keys_in_flight, keys_committed, keys_review;
+    uint64_t claims_new, claims_busy, claims_done, claims_mismatch, claims_recover, claims_review;
+    uint64_t mismatches;           /* mismatches recorded */
+    uint64_t recoveries;
+    uint64_t conflicting_commits;
+    uint64_t expired_total;        /* records reclaimed by expiry */
+    int64_t oldest_in_flight_ms;   /* first_seen of the oldest in_flight record, 0 if none */
+    int64_t oldest_review_ms;
+    uint64_t wal_bytes;            /* bytes of live WAL segments */
+    uint64_t disk_bytes;           /* all files of the store */
+    uint64_t disk_free_bytes;
+    uint64_t memory_bytes;         /* anonymous memory of the index and buffers */
+    uint64_t max_keys, max_memory_bytes, max_disk_bytes;
+    uint64_t flushes;
+    uint64_t flush_records;        /* records covered by all flushes (batch size = / flushes) */
+    uint64_t flush_latency_us_sum;
+    uint64_t flush_latency_us_buckets[16]; /* bucket i: latency < 2^(i+4) us; last: the rest */
+    int64_t clock_skew_ms;         /* store clock - wall clock */
+    int64_t store_clock_ms;
+    uint64_t checkpoints;
+    uint64_t compactions;
+    int fatal;
+    int loading;
+} idem_stats;
+
+/* Counters in O(1): no scan of keys. Thread-safe. */
+void idem_get_stats(idem_store *s, idem_stats *out);
+
+/* ---- Maintenance ---- */
+
+/* Writes a checkpoint of the index so that the next open need not replay the log. */
+int idem_checkpoint(idem_store *s);
+/* Copies a consistent point-in-time image of the live store into the new directory dest. */
+int idem_backup(idem_store *s, const char *dest_dir);
+
+/* ---- The store clock ---- */
+
+/* The store clock now (ms since the epoch). Thread-safe. */
+int64_t idem_clock_now(idem_store *s);
+/* Test clock only (IDEM_ENOTSUP otherwise): move the clock forward to ms (a step back answers
+ * IDEM_EINVAL), or by delta_ms >= 0. Due lease wake-ups fire. */
+int idem_clock_set(idem_store *s, int64_t ms);
+int idem_clock_advance(idem_store *s, int64_t delta_ms);
+
+/* ---- Helpers ---- */
+
+/* The XXH3-128 digest the store keeps for content bytes, as 16 big-endian bytes. */
+void idem_fingerprint(const void *content, size_t len, uint8_t out[IDEM_FP_BYTES]);
+
+const char *idem_outcome_name(int outcome); /* "new", "busy", ... */
+const char *idem_state_name(int state);     /* "in_flight", "committed", "review" */
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* IDEM_H */

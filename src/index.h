@@ -1,0 +1,80 @@
+/*
+ * index.h: the in-memory hash index: key hash -> log address of the key's newest record.
+ *
+ * Extendible hashing over small open-addressing segments (linear probing, backward-shift
+ * deletion, no tombstones). The directory is indexed by the top bits of the 64-bit hash; a
+ * segment that reaches its load limit splits in two (one segment rehashed: a bounded pause,
+ * no 2x memory spike); the directory doubles when a split needs it (pointers only).
+ *
+ * The index never sees keys: it stores 56 bits of each hash and calls back the caller's
+ * comparison for candidates, so keys are always compared in full by the caller.
+ *
+ * Slot pointers returned by find/insert stay valid only until the next insert or remove.
+ * Not thread-safe: the store serialises access.
+ */
+#ifndef IDEM_INDEX_H
+#define IDEM_INDEX_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define INDEX_ADDR_BITS 40
+#define INDEX_ADDR_MASK ((UINT64_C(1) << INDEX_ADDR_BITS) - 1)
+
+/* 16 bytes. addr_tag: low 40 bits the log address (never 0 in a used slot), high 24 bits the
+ * hash's top 24 bits. hash_lo: the hash's low 32 bits. aux: the caller's (moved with the slot). */
+struct index_slot {
+    uint64_t addr_tag;
+    uint32_t hash_lo;
+    uint32_t aux;
+};
+
+struct index;
+
+/* Creates an index sized for about expected_keys (0: small). Returns 0 or -ENOMEM. */
+int index_create(uint64_t expected_keys, struct index **out);
+void index_destroy(struct index *ix);
+
+/* Returns the slot with hash h for which eq(ctx, addr) returns nonzero, or NULL. eq is called
+ * only for slots whose stored hash bits equal h's. */
+struct index_slot *index_find(struct index *ix, uint64_t h, int (*eq)(void *ctx, uint64_t addr),
+                              void *ctx);
+
+/* Adds an entry; the caller has checked the key is absent. addr: 1..INDEX_ADDR_MASK. Returns
+ * the slot, or NULL when memory for a split cannot be had (nothing changed then). */
+struct index_slot *index_insert(struct index *ix, uint64_t h, uint64_t addr, uint32_t aux);
+
+/* Removes the entry in slot (from find or insert, still valid). */
+void index_remove(struct index *ix, struct index_slot *slot);
+
+static inline uint64_t index_slot_addr(const struct index_slot *s)
+{
+    return s->addr_tag & INDEX_ADDR_MASK;
+}
+static inline void index_slot_set_addr(struct index_slot *s, uint64_t addr)
+{
+    s->addr_tag = (s->addr_tag & ~INDEX_ADDR_MASK) | addr;
+}
+/* The full 64-bit hash can not be recovered; these are the 56 bits kept. */
+static inline uint64_t index_slot_hash_bits(const struct index_slot *s)
+{
+    return (s->addr_tag & ~INDEX_ADDR_MASK) | s->hash_lo;
+}
+
+uint64_t index_count(const struct index *ix);
+/* Anonymous memory held (segments + directory), in bytes. */
+size_t index_memory_bytes(const struct index *ix);
+/* The longest split pause so far, in microseconds (for the growth benchmark). */
+uint64_t index_max_split_us(const struct index *ix);
+
+/*
+ * Cursor iteration, Redis SCAN style: visits the slots of about max_slots positions starting at
+ * cursor (0 to begin), calling fn for every used slot, and returns the next cursor (0: done).
+ * Every entry present for the whole scan is visited at least once, even across splits and
+ * directory doublings; an entry may be visited twice. fn must not insert or remove; it may
+ * change the slot's addr and aux.
+ */
+uint64_t index_scan(struct index *ix, uint64_t cursor, uint32_t max_slots,
+                    void (*fn)(void *ctx, struct index_slot *slot), void *ctx);
+
+#endif /* IDEM_INDEX_H */

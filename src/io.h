@@ -1,0 +1,150 @@
+/*
+ * io.h: the one I/O interface of the store, at the ring level (submit writes and flushes, reap
+ * completions), plus the few file-system calls the store needs. Three backends implement it:
+ *   io_uring.c  io_uring; a write submitted with IO_W_FLUSH is linked (IOSQE_IO_LINK) to an
+ *               fdatasync of the same file, so the completion reports both.
+ *   io_thread.c pwrite + fdatasync, performed in io_wait() on the caller's (flusher) thread.
+ *   io_sim.c    a simulated disk for tests: files in memory, unsynced writes pending until a
+ *               flush, crashes that keep a random subset of them (torn, bit-flipped), and
+ *               faults injected as completion results (EIO, ENOSPC, short writes).
+ *
+ * Rules every backend keeps:
+ *   - Errors are negative errno values; nothing here sets errno for the caller.
+ *   - A completion's res is the byte count of a write (possibly short), 0 for a flush, or -errno.
+ *     With IO_W_FLUSH, res is the write's byte count only if the flush succeeded too.
+ *   - A flush of a file covers every write to that file whose completion was reaped before the
+ *     flush was submitted, and the write it is linked to.
+ *   - Create, rename and unlink are durable only after io_sync_dir() of the directory.
+ *   - Reads and maps see every write whose completion was reaped (the page cache view).
+ *   - One thread at a time submits and reaps (the store's flusher); open/read/map/unlink/rename
+ *     may be called from any thread.
+ */
+#ifndef IDEM_IO_H
+#define IDEM_IO_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct io;
+struct io_file;
+
+/* io_open flags */
+#define IO_O_CREATE 0x1u /* create if absent */
+#define IO_O_EXCL   0x2u /* with CREATE: fail with -EEXIST if present */
+#define IO_O_RDONLY 0x4u /* open for reading only */
+#define IO_O_DIRECT 0x8u /* try O_DIRECT for writes (4 KiB aligned buffers, offsets, lengths) */
+
+/* io_submit_write flags */
+#define IO_W_FLUSH 0x1u /* follow the write by a flush of the file; one completion for both */
+
+struct io_completion {
+    uint64_t user_data;
+    int64_t res;
+};
+
+struct io_ops {
+    const char *name;
+    int (*open)(struct io *io, const char *path, unsigned flags, struct io_file **out);
+    void (*close)(struct io *io, struct io_file *f);
+    int (*size)(struct io *io, struct io_file *f, uint64_t *out);
+    /* Reserves [off, off+len) on disk (fallocate): -ENOSPC when the disk is full. */
+    int (*allocate)(struct io *io, struct io_file *f, uint64_t off, uint64_t len);
+    int (*truncate)(struct io *io, struct io_file *f, uint64_t len);
+    /* Synchronous read; returns bytes read (short at end of file) or -errno. */
+    int64_t (*read)(struct io *io, struct io_file *f, uint64_t off, void *buf, size_t len);
+    /* Maps [0, len) of the file read-only; *out stays valid until unmap. */
+    int (*map)(struct io *io, struct io_file *f, size_t len, const void **out);
+    void (*unmap)(struct io *io, struct io_file *f, const void *p, size_t len);
+    int (*unlink)(struct io *io, const char *path);
+    int (*rename)(struct io *io, const char *from, const char *to);
+    int (*sync_dir)(struct io *io, const char *dir);
+    /* Queues a write of buf[0, len) at off (buf must stay valid until its completion). */
+    int (*submit_write)(struct io *io, struct io_file *f, uint64_t off, const void *buf,
+                        size_t len, unsigned flags, uint64_t user_data);
+    /* Queues a flush (fdatasync) of f. */
+    int (*submit_flush)(struct io *io, struct io_file *f, uint64_t user_data);
+    /* Reaps up to max completions, waiting until at least min are there (min <= submitted and
+     * unreaped). Returns the count or -errno. */
+    int (*wait)(struct io *io, struct io_completion *out, int max, int min);
+    void (*destroy)(struct io *io);
+};
+
+struct io {
+    const struct io_ops *ops;
+};
+
+/* Backends. Each returns 0 and *out, or -errno (io_uring: -ENOSYS/-EPERM where refused). */
+int io_uring_create(unsigned entries, struct io **out);
+int io_thread_create(struct io **out);
+
+/* Convenience wrappers over the vtable. */
+static inline int io_open(struct io *io, const char *path, unsigned flags, struct io_file **out)
+{
+    return io->ops->open(io, path, flags, out);
+}
+static inline void io_close(struct io *io, struct io_file *f)
+{
+    io->ops->close(io, f);
+}
+static inline int io_size(struct io *io, struct io_file *f, uint64_t *out)
+{
+    return io->ops->size(io, f, out);
+}
+static inline int io_allocate(struct io *io, struct io_file *f, uint64_t off, uint64_t len)
+{
+    return io->ops->allocate(io, f, off, len);
+}
+static inline int io_truncate(struct io *io, struct io_file *f, uint64_t len)
+{
+    return io->ops->truncate(io, f, len);
+}
+static inline int64_t io_read(struct io *io, struct io_file *f, uint64_t off, void *buf,
+                              size_t len)
+{
+    return io->ops->read(io, f, off, buf, len);
+}
+static inline int io_map(struct io *io, struct io_file *f, size_t len, const void **out)
+{
+    return io->ops->map(io, f, len, out);
+}
+static inline void io_unmap(struct io *io, struct io_file *f, const void *p, size_t len)
+{
+    io->ops->unmap(io, f, p, len);
+}
+static inline int io_unlink(struct io *io, const char *path)
+{
+    return io->ops->unlink(io, path);
+}
+static inline int io_rename(struct io *io, const char *from, const char *to)
+{
+    return io->ops->rename(io, from, to);
+}
+static inline int io_sync_dir(struct io *io, const char *dir)
+{
+    return io->ops->sync_dir(io, dir);
+}
+static inline int io_submit_write(struct io *io, struct io_file *f, uint64_t off, const void *buf,
+                                  size_t len, unsigned flags, uint64_t user_data)
+{
+    return io->ops->submit_write(io, f, off, buf, len, flags, user_data);
+}
+static inline int io_submit_flush(struct io *io, struct io_file *f, uint64_t user_data)
+{
+    return io->ops->submit_flush(io, f, user_data);
+}
+static inline int io_wait(struct io *io, struct io_completion *out, int max, int min)
+{
+    return io->ops->wait(io, out, max, min);
+}
+static inline void io_destroy(struct io *io)
+{
+    io->ops->destroy(io);
+}
+
+/* Synchronous helpers built on the ring calls (loop over short writes; any error is returned):
+ * write buf at off, then (if flush) flush; used outside the group-commit path. */
+int io_write_sync(struct io *io, struct io_file *f, uint64_t off, const void *buf, size_t len,
+                  int flush);
+int io_flush_sync(struct io *io, struct io_file *f);
+
+#endif /* IDEM_IO_H */

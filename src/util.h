@@ -1,0 +1,68 @@
+/*
+ * util.h: assertions, little-endian codecs and small helpers shared by every module.
+ * IDEM_ASSERT is always on (O(1) checks whose breach corrupts data); IDEM_DEBUG_ASSERT is gone
+ * under NDEBUG (O(n) checks). Neither is ever used on bytes from the network or the disk.
+ */
+#ifndef IDEM_UTIL_H
+#define IDEM_UTIL_H
+
+#include <stdint.h>
+#include <string.h>
+
+void util_assert_fail(const char *file, int line, const char *expr) __attribute__((noreturn));
+
+#define IDEM_ASSERT(x)                                                                             \
+    do {                                                                                           \
+        if (__builtin_expect(!(x), 0))                                                             \
+            util_assert_fail(__FILE__, __LINE__, #x);                                              \
+    } while (0)
+
+#ifdef NDEBUG
+#define IDEM_DEBUG_ASSERT(x) ((void)0)
+#else
+#define IDEM_DEBUG_ASSERT(x) IDEM_ASSERT(x)
+#endif
+
+#define IDEM_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+#define IDEM_ALIGN_UP(x, a) (((x) + ((a)-1)) & ~((uint64_t)(a)-1))
+
+static inline void util_put_u16(uint8_t *p, uint16_t v)
+{
+    p[0] = (uint8_t)v;
+    p[1] = (uint8_t)(v >> 8);
+}
+static inline void util_put_u32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline void util_put_u64(uint8_t *p, uint64_t v)
+{
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+static inline uint16_t util_get_u16(const uint8_t *p)
+{
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+static inline uint32_t util_get_u32(const uint8_t *p)
+{
+    uint32_t v = 0;
+    for (int i = 3; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+static inline uint64_t util_get_u64(const uint8_t *p)
+{
+    uint64_t v = 0;
+    for (int i = 7; i >= 0; i--)
+        v = (v << 8) | p[i];
+    return v;
+}
+
+/* Monotonic (CLOCK_BOOTTIME) and wall (CLOCK_REALTIME) time of the system, in ms and us. */
+int64_t util_boottime_ms(void);
+int64_t util_realtime_ms(void);
+int64_t util_monotonic_us(void);
+
+#endif /* IDEM_UTIL_H */

@@ -1,0 +1,68 @@
+/*
+ * testutil.c: see testutil.h.
+ */
+#include "testutil.h"
+
+#include <ftw.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+char *tu_mkdtemp(const char *tag)
+{
+    const char *base = getenv("TMPDIR");
+    char buf[512];
+    snprintf(buf, sizeof buf, "%s/idem-%s-XXXXXX", base && *base ? base : "/tmp", tag);
+    if (!mkdtemp(buf))
+        return NULL;
+    return strdup(buf);
+}
+
+static int rm_one(const char *path, const struct stat *sb, int type, struct FTW *ftw)
+{
+    (void)sb;
+    (void)type;
+    (void)ftw;
+    remove(path);
+    return 0;
+}
+
+void tu_rmtree(char *path)
+{
+    if (!path)
+        return;
+    nftw(path, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+    free(path);
+}
+
+uint64_t tu_seed(const char *test_name)
+{
+    const char *env = getenv("IDEM_SEED");
+    uint64_t seed;
+    if (env && *env) {
+        seed = strtoull(env, NULL, 0);
+    } else {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        seed = (uint64_t)ts.tv_sec * 1000000007u ^ (uint64_t)ts.tv_nsec ^ (uint64_t)getpid();
+    }
+    fprintf(stderr, "%s: seed %llu (replay with IDEM_SEED=%llu)\n", test_name,
+            (unsigned long long)seed, (unsigned long long)seed);
+    return seed;
+}
+
+uint64_t tu_rand(uint64_t *state)
+{
+    uint64_t z = (*state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+uint64_t tu_count(uint64_t ci_count, uint64_t long_count)
+{
+    const char *env = getenv("IDEM_LONG");
+    return env && *env == '1' ? long_count : ci_count;
+}

@@ -1,0 +1,22 @@
+/*
+ * testutil.h: helpers shared by the test binaries: temporary store directories that are removed
+ * afterwards, and seeds that are printed so a failing randomised test can be replayed.
+ */
+#ifndef IDEM_TESTUTIL_H
+#define IDEM_TESTUTIL_H
+
+#include <stdint.h>
+
+/* Creates a fresh empty directory under $TMPDIR (or /tmp) and returns its path (static storage
+ * per call site is not needed: the string is malloc'd). */
+char *tu_mkdtemp(const char *tag);
+/* Removes a directory tree (rm -rf); ignores errors. Frees path. */
+void tu_rmtree(char *path);
+/* A seed from $IDEM_SEED if set, else from the clock; printed to stderr with the test's name. */
+uint64_t tu_seed(const char *test_name);
+/* splitmix64: a small deterministic generator for randomised tests. */
+uint64_t tu_rand(uint64_t *state);
+/* Reduced counts for the CI tier; $IDEM_LONG=1 selects the long-tier count. */
+uint64_t tu_count(uint64_t ci_count, uint64_t long_count);
+
+#endif
