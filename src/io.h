@@ -58,6 +58,8 @@ struct io_ops {
     int (*unlink)(struct io *io, const char *path);
     int (*rename)(struct io *io, const char *from, const char *to);
     int (*sync_dir)(struct io *io, const char *dir);
+    /* Creates a directory (mode 0700); -EEXIST if present. */
+    int (*mkdir)(struct io *io, const char *path);
     /* Queues a write of buf[0, len) at off (buf must stay valid until its completion). */
     int (*submit_write)(struct io *io, struct io_file *f, uint64_t off, const void *buf,
                         size_t len, unsigned flags, uint64_t user_data);
@@ -122,6 +124,10 @@ static inline int io_rename(struct io *io, const char *from, const char *to)
 static inline int io_sync_dir(struct io *io, const char *dir)
 {
     return io->ops->sync_dir(io, dir);
+}
+static inline int io_mkdir(struct io *io, const char *path)
+{
+    return io->ops->mkdir(io, path);
 }
 static inline int io_submit_write(struct io *io, struct io_file *f, uint64_t off, const void *buf,
                                   size_t len, unsigned flags, uint64_t user_data)
