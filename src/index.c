@@ -2,10 +2,10 @@
  * index.c: the in-memory hash index of index.h (hash -> log address), extendible hashing.
  *
  * Layout
- *   - Directory: 2^global_depth pointers to segments, indexed by the top global_depth bits of
- *     the 64-bit hash (global_depth <= INDEX_DEPTH_MAX = 24, the hash bits kept in addr_tag).
- *     A segment of local depth ld covers the 2^(global_depth - ld) consecutive directory entries
- *     that share its top-ld-bit prefix; every one points to it.
+ *   - Directory: 2^global_depth entries {segment pointer, capacity}, indexed by the top
+ * global_depth bits of the 64-bit hash (global_depth <= INDEX_DEPTH_MAX = 24, the hash bits kept in
+ * addr_tag). A segment of local depth ld covers the 2^(global_depth - ld) consecutive directory
+ * entries that share its top-ld-bit prefix; every one points to it.
  *   - Segment: one malloc'd block, a 16-byte header then cap slots (struct index_slot). Linear
  *     probing, wrapping at cap. A slot is empty iff addr_tag == 0 (addresses are never 0).
  *     An entry's home position is fastrange(hash_lo, cap) = hash_lo * cap >> 32, so the home
@@ -63,8 +63,15 @@ struct index_seg {
 };
 _Static_assert(sizeof(struct index_seg) == 16, "segment header keeps slots 16-aligned");
 
+/* A directory entry carries the segment's capacity so a lookup's first miss is the slot itself,
+ * not the segment header. */
+struct index_dirent {
+    struct index_seg *seg;
+    uint64_t cap;
+};
+
 struct index {
-    struct index_seg **dir; /* 2^global_depth entries */
+    struct index_dirent *dir; /* 2^global_depth entries */
     uint32_t global_depth;
     uint64_t count;
     uint64_t seg_count;
@@ -181,7 +188,7 @@ static int dir_double(struct index *ix)
 {
     IDEM_ASSERT(ix->global_depth < INDEX_DEPTH_MAX);
     size_t old_n = (size_t)1 << ix->global_depth;
-    struct index_seg **dir = malloc(2 * old_n * sizeof(*dir));
+    struct index_dirent *dir = malloc(2 * old_n * sizeof(*dir));
     if (!dir) return -ENOMEM;
     for (size_t i = 0; i < 2 * old_n; i++)
         dir[i] = ix->dir[i >> 1];
@@ -206,8 +213,8 @@ static int seg_grow(struct index *ix, struct index_seg *seg, uint32_t top24)
     uint32_t shift = ix->global_depth - seg->local_depth;
     size_t first = (dir_pos(ix, top24) >> shift) << shift;
     for (size_t i = 0; i < ((size_t)1 << shift); i++) {
-        IDEM_ASSERT(ix->dir[first + i] == seg);
-        ix->dir[first + i] = nseg;
+        IDEM_ASSERT(ix->dir[first + i].seg == seg);
+        ix->dir[first + i] = (struct index_dirent){.seg = nseg, .cap = nseg->cap};
     }
     seg_free(ix, seg);
     IDEM_DEBUG_ASSERT(seg_check(nseg, (uint32_t)((uint64_t)top24 >> (24 - nseg->local_depth))));
@@ -243,8 +250,9 @@ static int seg_split(struct index *ix, struct index_seg *seg, uint32_t top24)
     size_t first = (dir_pos(ix, top24) >> shift) << shift;
     size_t n = (size_t)1 << shift;
     for (size_t i = 0; i < n; i++) {
-        IDEM_ASSERT(ix->dir[first + i] == seg);
-        ix->dir[first + i] = half[i >= n / 2];
+        struct index_seg *h = half[i >= n / 2];
+        IDEM_ASSERT(ix->dir[first + i].seg == seg);
+        ix->dir[first + i] = (struct index_dirent){.seg = h, .cap = h->cap};
     }
     seg_free(ix, seg);
     IDEM_DEBUG_ASSERT(seg_check(half[0], (top24 >> bit_shift) & ~UINT32_C(1)));
@@ -258,7 +266,7 @@ static int seg_split(struct index *ix, struct index_seg *seg, uint32_t top24)
 static struct index_seg *seg_make_room(struct index *ix, uint32_t top24)
 {
     for (uint32_t round = 0; round < 2 * INDEX_DEPTH_MAX + 64; round++) {
-        struct index_seg *seg = ix->dir[dir_pos(ix, top24)];
+        struct index_seg *seg = ix->dir[dir_pos(ix, top24)].seg;
         if (seg->count + 1 <= seg_limit(seg->cap)) return seg;
         if (seg->cap == SEG_CAP_MAX && seg->local_depth == INDEX_DEPTH_MAX)
             return seg->count + 1 <= HARD_LIMIT(seg->cap) ? seg : NULL;
@@ -307,15 +315,15 @@ int index_create(uint64_t expected_keys, struct index **out)
     ix->global_depth = depth;
     ix->mem_bytes = n * sizeof(*ix->dir);
     for (size_t i = 0; i < n; i++) {
-        ix->dir[i] = seg_new(ix, cap, depth);
-        if (!ix->dir[i]) goto out_free_segs;
+        ix->dir[i] = (struct index_dirent){.seg = seg_new(ix, cap, depth), .cap = cap};
+        if (!ix->dir[i].seg) goto out_free_segs;
     }
     *out = ix;
     return 0;
 
 out_free_segs:
-    for (size_t i = 0; i < n && ix->dir[i]; i++)
-        free(ix->dir[i]);
+    for (size_t i = 0; i < n && ix->dir[i].seg; i++)
+        free(ix->dir[i].seg);
     free(ix->dir);
 out_free_ix:
     free(ix);
@@ -328,7 +336,7 @@ void index_destroy(struct index *ix)
     size_t n = (size_t)1 << ix->global_depth;
     /* A segment of local depth ld owns the run of 2^(gd - ld) entries starting at i. */
     for (size_t i = 0; i < n;) {
-        struct index_seg *seg = ix->dir[i];
+        struct index_seg *seg = ix->dir[i].seg;
         i += (size_t)1 << (ix->global_depth - seg->local_depth);
         free(seg);
     }
@@ -339,17 +347,19 @@ void index_destroy(struct index *ix)
 struct index_slot *index_find(struct index *ix, uint64_t h, int (*eq)(void *ctx, uint64_t addr),
                               void *ctx)
 {
-    struct index_seg *seg = ix->dir[dir_pos(ix, hash_top24(h))];
+    const struct index_dirent *de = &ix->dir[dir_pos(ix, hash_top24(h))];
+    struct index_slot *slots = de->seg->slots;
+    uint32_t cap = (uint32_t)de->cap;
     uint64_t tag = h & TAG_MASK;
     uint32_t lo = (uint32_t)h;
-    uint32_t i = seg_home(lo, seg->cap);
-    for (uint32_t n = 0; n < seg->cap; n++) {
-        struct index_slot *s = &seg->slots[i];
+    uint32_t i = seg_home(lo, cap);
+    for (uint32_t n = 0; n < cap; n++) {
+        struct index_slot *s = &slots[i];
         if (s->addr_tag == 0) return NULL;
         if (s->hash_lo == lo && (s->addr_tag & TAG_MASK) == tag &&
             eq(ctx, s->addr_tag & INDEX_ADDR_MASK))
             return s;
-        if (++i == seg->cap) i = 0;
+        if (++i == cap) i = 0;
     }
     return NULL;
 }
@@ -368,7 +378,7 @@ struct index_slot *index_insert(struct index *ix, uint64_t h, uint64_t addr, uin
 void index_remove(struct index *ix, struct index_slot *slot)
 {
     IDEM_ASSERT(slot->addr_tag != 0);
-    struct index_seg *seg = ix->dir[dir_pos(ix, hash_top24(slot->addr_tag))];
+    struct index_seg *seg = ix->dir[dir_pos(ix, hash_top24(slot->addr_tag))].seg;
     IDEM_ASSERT(slot >= seg->slots && slot < seg->slots + seg->cap);
     uint32_t cap = seg->cap;
     uint32_t hole = (uint32_t)(slot - seg->slots);
@@ -451,7 +461,7 @@ uint64_t index_scan(struct index *ix, uint64_t cursor, uint32_t max_slots,
     if (prefix >= (UINT64_C(1) << INDEX_DEPTH_MAX))
         return 0; /* not a cursor this function returned */
     while (budget > 0) {
-        struct index_seg *seg = ix->dir[dir_pos(ix, (uint32_t)prefix)];
+        struct index_seg *seg = ix->dir[dir_pos(ix, (uint32_t)prefix)].seg;
         uint32_t block = UINT32_C(1) << (INDEX_DEPTH_MAX - seg->local_depth);
         if ((prefix & (block - 1)) != 0) {
             /* Only a cursor not from this function: restart its block (revisits, misses none). */
