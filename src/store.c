@@ -298,6 +298,8 @@ static void *flusher_main(void *arg)
     idem_store *s = arg;
     pthread_mutex_lock(&s->mu);
     for (;;) {
+        if (s->abandoned)
+            break;
         if (flush_due(s)) {
             flush_once(s);
             continue;
@@ -641,6 +643,19 @@ int idem_close(idem_store *s)
         rc = IDEM_EFATAL;
     store_free(s);
     return rc;
+}
+
+void store_abandon(idem_store *s)
+{
+    pthread_mutex_lock(&s->mu);
+    s->abandoned = 1;
+    pthread_cond_signal(&s->cond_flush);
+    pthread_mutex_unlock(&s->mu);
+    if (s->flusher_started)
+        pthread_join(s->flusher, NULL);
+    while (s->queues)
+        idem_queue_close(s->queues);
+    store_free(s);
 }
 
 int idem_is_fatal(const idem_store *s)

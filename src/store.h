@@ -91,6 +91,7 @@ struct idem_store {
     uint64_t durable_lsn;
     int fatal;
     int closing;
+    int abandoned; /* store_abandon: the flusher stops at once, nothing more is written */
     int flushing;
     uint32_t frame_max;            /* the largest frame one change can append */
     int64_t spare_failed_mono_ms;  /* last failed attempt at the spare segment (disk full) */
@@ -123,6 +124,10 @@ struct idem_store {
  * ownership of io and destroys it at close). */
 int store_open_io(const char *dir, const idem_options *o, struct io *io, int simulated,
                   idem_store **out);
+
+/* Tests: stops the store as a crash would (no flush, no checkpoint) and frees it. Queues are
+ * closed. Use io_sim_crash afterwards to drop what was not flushed. */
+void store_abandon(idem_store *s);
 
 /* ---- store.c, for ops.c ---- */
 int64_t store_now(idem_store *s);

@@ -249,12 +249,14 @@ static void frame_put(struct wal *w, struct wal_chunk *c, uint32_t type, const v
     }
 }
 
-/* Fills the rest of the tail chunk's last block (PAD frame or zeros) so a new chunk can start
- * on the next block. */
-static void chunk_close_block(struct wal *w, struct wal_chunk *c)
+/* Fills the rest of the tail chunk's last block so a new chunk can start on the next block:
+ * with a PAD frame inside a batch (the scan reads through it), with zeros after an END or a
+ * SEGEND frame (the scan jumps to the next block or segment there, and a PAD would take an
+ * LSN the scan never sees). */
+static void chunk_close_block(struct wal *w, struct wal_chunk *c, int pad_frame)
 {
     uint32_t gap = (WAL_BLOCK - w->cur_off % WAL_BLOCK) % WAL_BLOCK;
-    if (gap >= WAL_FRAME_HDR) {
+    if (pad_frame && gap >= WAL_FRAME_HDR) {
         uint64_t addr;
         frame_put(w, c, WAL_T_PAD, NULL, NULL, 0, gap, &addr);
     } else if (gap) {
@@ -275,7 +277,7 @@ static int append_frame(struct wal *w, uint32_t type, const void *const *parts,
     if (w->nfree <= reserve)
         return IDEM_EBUSY;
     if (c && c->seq == w->cur_seq)
-        chunk_close_block(w, c);
+        chunk_close_block(w, c, 1);
     c = chunk_new(w);
     if (!c)
         return IDEM_ENOMEM;
@@ -299,7 +301,7 @@ static int seg_roll(struct wal *w, int reserve)
     int rc = append_frame(w, WAL_T_SEGEND, NULL, NULL, 0, WAL_FRAME_HDR, &addr, reserve);
     if (rc < 0)
         return rc;
-    chunk_close_block(w, chunk_tail(w)); /* the chunk ends on a block boundary */
+    chunk_close_block(w, chunk_tail(w), 0); /* the chunk ends on a block boundary */
     w->spare_ready = 0;
     w->cur_seq++;
     w->cur_off = WAL_BLOCK;
@@ -404,8 +406,7 @@ int wal_flush_begin(struct wal *w, int64_t clock_ms)
     int rc = append_reserved(w, WAL_T_END, parts, lens, 1, &addr, &lsn, 0);
     if (rc < 0)
         return rc;
-    struct wal_chunk *c = chunk_tail(w);
-    chunk_close_block(w, c);
+    chunk_close_block(w, chunk_tail(w), 0);
     for (int i = 0; i < w->npend; i++)
         w->infl[i] = w->pend[i];
     w->ninfl = w->npend;
