@@ -293,6 +293,28 @@ static void flusher_maintain(idem_store *s)
     }
 }
 
+static int checkpoint_locked(idem_store *s);
+
+/* Checkpoints and compaction between batches; returns 1 when work was done (loop again). */
+static int flusher_compact(idem_store *s)
+{
+    if (s->fatal || s->closing || s->abandoned)
+        return 0;
+    if (!wal_pending(s->wal) && compact_wants_checkpoint(s)) {
+        int rc = checkpoint_locked(s);
+        if (rc == IDEM_EFATAL || rc == IDEM_EIO) {
+            store_fail(s, -EIO);
+            return 0;
+        }
+    }
+    int rc = compact_step(s);
+    if (rc < 0) {
+        store_fail(s, -EIO);
+        return 0;
+    }
+    return rc;
+}
+
 static void *flusher_main(void *arg)
 {
     idem_store *s = arg;
@@ -305,6 +327,8 @@ static void *flusher_main(void *arg)
             continue;
         }
         flusher_maintain(s);
+        if (flusher_compact(s))
+            continue;
         if (s->waiters)
             ops_wake(s, NULL, 0);
         if (s->closing && !wal_pending(s->wal))
@@ -419,6 +443,7 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
 static int store_recover(idem_store *s)
 {
     char err[512] = "";
+    s->live_bytes = s->sb.ckpt_live_bytes;
     if (s->sb.ckpt_id) {
         int rc = ckpt_load(s->io, s->dir, s->sb.ckpt_id, ckpt_entry_load, s, err, sizeof err);
         if (rc < 0) {
@@ -472,6 +497,7 @@ static void store_free(idem_store *s)
     free(s->seen);
     free(s->seen_free);
     free(s->scratch);
+    free(s->seg_max_exp);
     free(s->dir);
     free(s);
 }
@@ -567,6 +593,14 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     }
     if (!fresh)
         s->opt.segment_bytes = s->sb.seg_bytes;
+    s->seg_max_exp = malloc(WAL_SEG_SLOTS * sizeof *s->seg_max_exp);
+    if (!s->seg_max_exp) {
+        rc = IDEM_ENOMEM;
+        goto fail;
+    }
+    /* Unknown horizons (segments before the checkpoint) look expired: each is compacted once. */
+    for (uint32_t i = 0; i < WAL_SEG_SLOTS; i++)
+        s->seg_max_exp[i] = INT64_MIN;
     rc = wal_create(io, dir, s->opt.segment_bytes, &s->wal);
     if (rc == 0)
         rc = index_create(s->opt.max_keys, &s->ix) < 0 ? IDEM_ENOMEM : 0;
@@ -617,8 +651,6 @@ int idem_open(const char *dir, const idem_options *o, idem_store **out)
     }
     return store_open_io(dir, &opt, io, 0, out);
 }
-
-static int checkpoint_locked(idem_store *s);
 
 int idem_close(idem_store *s)
 {
@@ -1169,6 +1201,7 @@ static int checkpoint_locked(idem_store *s)
     wal_position(s->wal, &sb.ckpt_seq, &sb.ckpt_off);
     sb.ckpt_lsn = wal_last_lsn(s->wal);
     sb.ckpt_batch = wal_batch(s->wal) - 1;
+    sb.ckpt_live_bytes = s->live_bytes;
     sb.store_clock_ms = store_now(s);
     rc = super_store(s->io, s->dir, &sb);
     if (rc < 0) {

@@ -66,6 +66,8 @@ struct wal {
     char err[256];
 };
 
+static uint32_t frame_valid(const struct wal *w, const struct wal_segment *s, uint32_t off);
+
 static struct wal_segment *seg_of(struct wal *w, uint64_t seq)
 {
     struct wal_segment *s = &w->segs[seq % WAL_SEG_SLOTS];
@@ -480,7 +482,76 @@ int wal_chunks_free(const struct wal *w)
 }
 uint64_t wal_bytes(const struct wal *w)
 {
-    return (w->cur_seq - w->first_seq + 1) * (uint64_t)w->seg_bytes;
+    return (w->cur_seq - w->first_seq + 1 + (uint64_t)w->spare_ready) * (uint64_t)w->seg_bytes;
+}
+
+uint64_t wal_segments(const struct wal *w)
+{
+    return w->cur_seq - w->first_seq + 1;
+}
+
+uint64_t wal_cur_seq(const struct wal *w)
+{
+    return w->cur_seq;
+}
+
+uint64_t wal_addr_seq(const struct wal *w, uint64_t addr)
+{
+    return w->segs[(addr >> WAL_OFF_BITS) % WAL_SEG_SLOTS].seq;
+}
+
+int wal_seg_next(struct wal *w, uint64_t seq, uint32_t *off, struct wal_frame *f)
+{
+    struct wal_segment *s = seg_of(w, seq);
+    IDEM_ASSERT(s && seq < w->cur_seq);
+    while (*off + WAL_FRAME_HDR <= w->seg_bytes) {
+        uint32_t o = *off;
+        if (o % WAL_BLOCK && WAL_BLOCK - o % WAL_BLOCK < WAL_FRAME_HDR) {
+            *off = (uint32_t)IDEM_ALIGN_UP(o, WAL_BLOCK);
+            continue;
+        }
+        uint32_t len = frame_valid(w, s, o);
+        if (!len)
+            return 0; /* the end of what was written (a stale tail is never part of the log) */
+        const uint8_t *p = s->map + o;
+        uint32_t type = util_get_u16(p + 28);
+        if (type == WAL_T_SEGEND)
+            return 0;
+        *off = o + len;
+        if (type == WAL_T_END)
+            *off = (uint32_t)IDEM_ALIGN_UP(*off, WAL_BLOCK);
+        if (type == WAL_T_RECORD || type == WAL_T_DELETE) {
+            f->addr = addr_make(seq, o);
+            f->lsn = util_get_u64(p + 8);
+            f->type = type;
+            f->payload = p + WAL_FRAME_HDR;
+            f->payload_len = len - WAL_FRAME_HDR;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+int wal_copy(struct wal *w, const struct wal_frame *f, uint64_t *addr, uint64_t *lsn)
+{
+    const void *parts[1] = {f->payload};
+    uint32_t lens[1] = {f->payload_len};
+    return append_reserved(w, f->type, parts, lens, 1, addr, lsn, 2);
+}
+
+int wal_retire(struct wal *w, uint64_t seq)
+{
+    struct wal_segment *s = seg_of(w, seq);
+    if (!s || seq != w->first_seq || seq >= w->cur_seq)
+        return IDEM_EINVAL;
+    seg_close(w, s);
+    char path[4096];
+    seg_path(w, seq, path, sizeof path);
+    w->first_seq++;
+    int rc = io_unlink(w->io, path);
+    if (rc == 0)
+        rc = io_sync_dir(w->io, w->dir);
+    return rc < 0 ? IDEM_EIO : 0;
 }
 void wal_position(const struct wal *w, uint64_t *seq, uint32_t *off)
 {

@@ -124,6 +124,21 @@ void wal_position(const struct wal *w, uint64_t *seq, uint32_t *off);
 uint64_t wal_first_seq(const struct wal *w);
 uint64_t wal_batch(const struct wal *w);         /* the batch being filled */
 int64_t wal_last_clock_ms(const struct wal *w); /* clock of the last END frame replayed */
+/* ---- Compaction (compact.c) ---- */
+/* Segments the log holds now (the spare not counted). */
+uint64_t wal_segments(const struct wal *w);
+/* Walks the frames of a closed, durable segment: from *off (WAL_BLOCK to begin) returns the next
+ * RECORD or DELETE frame and advances *off; returns 0 at the segment's end, 1 with a frame. */
+int wal_seg_next(struct wal *w, uint64_t seq, uint32_t *off, struct wal_frame *f);
+/* Appends a copy of a frame's payload (compaction). */
+int wal_copy(struct wal *w, const struct wal_frame *f, uint64_t *addr, uint64_t *lsn);
+/* Unmaps, closes and deletes segment seq, which must be the first; the caller has already made
+ * a superblock durable that starts the log after it. */
+int wal_retire(struct wal *w, uint64_t seq);
+/* The segment holding addr (by slot); 0 if none. */
+uint64_t wal_addr_seq(const struct wal *w, uint64_t addr);
+uint64_t wal_cur_seq(const struct wal *w);
+
 /* Sentence describing the last recovery failure. */
 const char *wal_error(const struct wal *w);
 
