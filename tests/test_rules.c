@@ -936,6 +936,21 @@ Test(review_policy, expired_lease_turns_into_review)
     expect_outcome(claim("k"), IDEM_REVIEW);
 }
 
+Test(review_policy, old_token_is_stale_for_every_owner_call_after_the_transition)
+{
+    int64_t tok = claim_new("k");
+    at(LEASE);
+    expect_outcome(claim("k"), IDEM_REVIEW);
+    uint64_t v = get("k").version;
+    expect_rc(hold("k", tok, "mine"), IDEM_ESTALE);
+    expect_rc(extend("k", tok, 1000), IDEM_ESTALE);
+    expect_rc(release("k", tok), IDEM_ESTALE);
+    expect_rc(commit("k", tok, "r"), IDEM_ESTALE);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_REVIEW);
+    cr_assert_eq(r.version, v);
+}
+
 Test(review_policy, old_owner_may_commit_before_the_transition)
 {
     int64_t tok = claim_new("k");
@@ -1000,7 +1015,7 @@ Test(fencing, token_never_granted_is_stale)
 {
     int64_t tok = claim_new("k");
     expect_rc(commit("k", tok + 1000, "x"), IDEM_ESTALE);
-    expect_rc(commit("k", tok - 1, "x"), IDEM_ESTALE);
+    expect_rc(commit("k", tok + 1, "x"), IDEM_ESTALE);
     cr_assert_eq(get("k").state, IDEM_STATE_IN_FLIGHT);
 }
 
@@ -1099,6 +1114,17 @@ Test(fencing, holder_token_is_stale_after_hold_but_repeated_hold_is_ok)
     cr_assert_eq(r.state, IDEM_STATE_REVIEW);
     cr_assert_eq(r.version, v);
     expect_note(r, "unsure");
+}
+
+Test(fencing, hold_with_an_earlier_owners_token_on_a_review_record_is_estale)
+{
+    int64_t t1 = claim_new("k");
+    at(LEASE);
+    idem_completion r = claim("k");
+    expect_outcome(r, IDEM_RECOVER);
+    expect_rc(hold("k", r.token, "unsure"), IDEM_OK);
+    expect_rc(hold("k", t1, "mine"), IDEM_ESTALE);
+    expect_note(get("k"), "unsure");
 }
 
 Test(fencing, review_record_claims_never_grant_ownership)
@@ -1577,6 +1603,46 @@ Test(del, deletes_committed_and_is_audited)
     cr_assert_eq(e[0].at_ms, t0 + 50);
 }
 
+static void operator_calls_between_changes(int durability)
+{
+    store_close();
+    g_opts.durability = durability;
+    store_open();
+    char key[32];
+    for (int i = 0; i < 300; i++) {
+        snprintf(key, sizeof key, "k%d", i);
+        int64_t tok = claim_new(key);
+        if (i % 2) {
+            commit_ok(key, tok, "r");
+            expect_rc(idem_del(g_q, key, strlen(key), "alice"), IDEM_OK);
+        } else {
+            expect_rc(resolve(key, IDEM_RESOLVE_SETTLE, "x", IDEM_F_FORCE), IDEM_OK);
+        }
+    }
+    const idem_audit_entry *e;
+    size_t n = 0;
+    expect_rc(idem_audit(g_q, NULL, 0, 1000, &e, &n), IDEM_OK);
+    cr_assert_eq(n, 300);
+    reopen();
+    expect_rc(idem_audit(g_q, NULL, 0, 1000, &e, &n), IDEM_OK);
+    cr_assert_eq(n, 300, "%zu audit entries after reopen, expected 300", n);
+}
+
+Test(del, operator_calls_between_changes_in_sync_mode)
+{
+    operator_calls_between_changes(IDEM_DURABILITY_SYNC);
+}
+
+Test(del, operator_calls_between_changes_in_batch_mode)
+{
+    operator_calls_between_changes(IDEM_DURABILITY_BATCH);
+}
+
+Test(del, operator_calls_between_changes_without_durability)
+{
+    operator_calls_between_changes(IDEM_DURABILITY_NONE);
+}
+
 Test(del, absent_key_is_notfound)
 {
     expect_rc(idem_del(g_q, "nope", 4, "alice"), IDEM_ENOTFOUND);
@@ -2018,6 +2084,24 @@ Test(reopen, in_flight_record_keeps_token_lease_owner_and_the_owner_can_commit)
     expect_outcome(claim("k"), IDEM_DONE);
 }
 
+Test(reopen, owner_calls_after_plain_repeats_and_a_reopen_work)
+{
+    int64_t tok = claim_new("k");
+    make_committed("d", NULL, "r");
+    expect_outcome(claim("k"), IDEM_BUSY);
+    expect_outcome(claim("d"), IDEM_DONE);
+    reopen();
+    expect_outcome(claim("k"), IDEM_BUSY);
+    expect_outcome(claim("d"), IDEM_DONE);
+    commit_ok("k", tok, "r");
+    expect_rc(idem_del(g_q, "d", 1, "alice"), IDEM_OK);
+    expect_outcome(claim("k"), IDEM_DONE);
+    expect_outcome(claim("d"), IDEM_NEW);
+    idem_record r = get("k");
+    cr_assert_geq(r.seen_count, 1);
+    cr_assert_eq(r.first_seen_ms, t0);
+}
+
 Test(reopen, review_record_keeps_its_note)
 {
     int64_t tok = make_review("k", "call the bank");
@@ -2120,7 +2204,7 @@ Test(reopen, audit_trail_survives_and_outlives_the_key)
     const idem_audit_entry *e;
     size_t n = 0;
     expect_rc(idem_audit(g_q, "k", 1, 10, &e, &n), IDEM_OK);
-    cr_assert_eq(n, 2);
+    cr_assert_eq(n, 2, "%zu audit entries after reopen, expected 2", n);
     cr_assert_str_eq(e[0].action, "del");
     cr_assert_str_eq(e[0].actor, "bob");
     cr_assert_str_eq(e[1].action, "resolve-commit");
@@ -2170,7 +2254,9 @@ Test(reopen, stats_by_state_are_rebuilt)
     make_review("c", "n");
     reopen();
     idem_stats st = stats();
-    cr_assert_eq(st.keys_in_flight, 1);
+    cr_assert_eq(st.keys, 3);
+    cr_assert_eq(st.keys_in_flight, 1, "keys_in_flight %llu after reopen",
+                 (unsigned long long)st.keys_in_flight);
     cr_assert_eq(st.keys_committed, 1);
     cr_assert_eq(st.keys_review, 1);
     cr_assert_eq(st.oldest_in_flight_ms, t0);
@@ -2457,7 +2543,8 @@ Test(stats, counters_by_outcome_and_keys_by_state)
     cr_assert_eq(a.keys_in_flight, 1);
     cr_assert_eq(a.keys_committed, 2);
     cr_assert_eq(a.keys_review, 1);
-    cr_assert_eq(a.oldest_in_flight_ms, t0 + LEASE);
+    cr_assert_eq(a.oldest_in_flight_ms, t0 + LEASE, "oldest_in_flight_ms %" PRId64 ", t0 %" PRId64,
+                 a.oldest_in_flight_ms, t0);
     cr_assert_eq(a.oldest_review_ms, t0);
     cr_assert_eq(a.store_clock_ms, t0 + LEASE);
 }

@@ -283,13 +283,6 @@ Test(race, many_threads_claiming_distinct_keys_all_present_after_reopen)
     join_all(ws, SPREAD_THREADS);
     store_close();
     store_open();
-    idem_stats st;
-    idem_get_stats(g_s, &st);
-    uint64_t total = SPREAD_THREADS * g_spread_keys;
-    uint64_t inflight = SPREAD_THREADS * ((g_spread_keys + 2) / 3);
-    cr_assert_eq(st.keys, total);
-    cr_assert_eq(st.keys_in_flight, inflight);
-    cr_assert_eq(st.keys_committed, total - inflight);
     for (int t = 0; t < SPREAD_THREADS; t++) {
         for (size_t i = 0; i < g_spread_keys; i++) {
             char key[48], res[48];
@@ -307,6 +300,14 @@ Test(race, many_threads_claiming_distinct_keys_all_present_after_reopen)
             }
         }
     }
+    idem_stats st;
+    idem_get_stats(g_s, &st);
+    uint64_t total = SPREAD_THREADS * g_spread_keys;
+    uint64_t inflight = SPREAD_THREADS * ((g_spread_keys + 2) / 3);
+    cr_assert_eq(st.keys, total);
+    cr_assert_eq(st.keys_in_flight, inflight, "keys_in_flight %llu after reopen, expected %llu",
+                 (unsigned long long)st.keys_in_flight, (unsigned long long)inflight);
+    cr_assert_eq(st.keys_committed, total - inflight);
 }
 
 /* ------------------------------------------------------------------------------------------ */
