@@ -8,8 +8,8 @@
  * head, every older version of its key was in a segment already retired.
  *
  * A walked segment is retired (superblock first, then the file) once (a) the copies and deletes
- * it caused are durable and (b) a checkpoint starts replay after it, so no checkpoint and no
- * replay can reach into it again.
+ * it caused are durable and (b) a checkpoint was written after the walk ended, so the image
+ * recovery starts from points at no frame of it and replay starts after it.
  *
  * When: the head is compacted if the log holds more than twice the live bytes (plus slack of
  * STORE_CMP_SLACK_SEGS segments), or every record written to the head has passed its
@@ -39,15 +39,18 @@ static int head_wanted(idem_store *s, uint64_t head)
 
 int compact_wants_checkpoint(const idem_store *s)
 {
-    if (s->cmp_done && s->cmp_seq >= s->sb.ckpt_seq)
+    if (s->cmp_done && s->sb.ckpt_lsn < s->cmp_done_lsn)
         return 1;
     return wal_cur_seq(s->wal) - s->sb.ckpt_seq >= STORE_CKPT_EVERY_SEGS;
 }
 
 static int retire(idem_store *s)
 {
-    if (s->durable_lsn < s->cmp_last_lsn || s->cmp_seq >= s->sb.ckpt_seq)
-        return 0; /* wait for the flush, or for a checkpoint past it */
+    /* The checkpoint must be younger than the whole walk: an older image may point into this
+     * segment at records that were superseded or copied since. */
+    if (s->durable_lsn < s->cmp_last_lsn || s->sb.ckpt_lsn < s->cmp_done_lsn ||
+        s->cmp_seq >= s->sb.ckpt_seq)
+        return 0;
     struct super sb = s->sb;
     sb.wal_first_seq = s->cmp_seq + 1;
     int rc = super_store(s->io, s->dir, &sb);
@@ -86,6 +89,7 @@ int compact_step(idem_store *s)
         struct wal_frame f;
         if (!wal_seg_next(s->wal, s->cmp_seq, &off, &f)) {
             s->cmp_done = 1;
+            s->cmp_done_lsn = wal_last_lsn(s->wal);
             return 1;
         }
         uint64_t lsn = 0;

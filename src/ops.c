@@ -477,6 +477,7 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op,
     if (s->opt.lease_policy == IDEM_LEASE_REVIEW) {
         static const char why[] = "lease expired";
         r->state = IDEM_STATE_REVIEW;
+        r->token = 0; /* the old owner's token is stale from here on */
         r->note_len = sizeof why - 1;
         rc = write_version(s, slot, IDEM_STATE_IN_FLIGHT, r, r->key, owner, why, NULL, 0,
                            &sl->need_lsn);

@@ -433,6 +433,11 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
 {
     idem_store *s = ctx;
     uint64_t h = (e->addr_tag & ~INDEX_ADDR_MASK) | e->hash_lo;
+    if (!wal_addr_valid(s->wal, e->addr_tag & INDEX_ADDR_MASK)) {
+        store_set_error("checkpoint %llu names a log address outside the log's segments",
+                        (unsigned long long)s->sb.ckpt_id);
+        return IDEM_ECORRUPT;
+    }
     struct index_slot *slot = index_insert(s->ix, h, e->addr_tag & INDEX_ADDR_MASK, 0);
     if (!slot)
         return IDEM_ENOMEM;
@@ -444,15 +449,23 @@ static int store_recover(idem_store *s)
 {
     char err[512] = "";
     s->live_bytes = s->sb.ckpt_live_bytes;
+    s->st.keys_in_flight = s->sb.ckpt_keys_by_state[0];
+    s->st.keys_committed = s->sb.ckpt_keys_by_state[1];
+    s->st.keys_review = s->sb.ckpt_keys_by_state[2];
+    int rc = wal_open_segments(s->wal, s->sb.wal_first_seq, s->sb.ckpt_seq, s->opt.read_only);
+    if (rc < 0) {
+        store_set_error("%s", wal_error(s->wal));
+        return rc;
+    }
     if (s->sb.ckpt_id) {
-        int rc = ckpt_load(s->io, s->dir, s->sb.ckpt_id, ckpt_entry_load, s, err, sizeof err);
+        rc = ckpt_load(s->io, s->dir, s->sb.ckpt_id, ckpt_entry_load, s, err, sizeof err);
         if (rc < 0) {
             store_set_error("%s", err);
             return rc;
         }
     }
-    int rc = wal_recover(s->wal, s->sb.wal_first_seq, s->sb.ckpt_seq, s->sb.ckpt_off,
-                         s->sb.ckpt_lsn, s->sb.ckpt_batch, ops_replay, s, s->opt.read_only);
+    rc = wal_recover(s->wal, s->sb.ckpt_seq, s->sb.ckpt_off, s->sb.ckpt_lsn, s->sb.ckpt_batch,
+                     ops_replay, s, s->opt.read_only);
     if (rc < 0) {
         store_set_error("%s", *wal_error(s->wal) ? wal_error(s->wal) : idem_strerror(rc));
         return rc;
@@ -1202,6 +1215,9 @@ static int checkpoint_locked(idem_store *s)
     sb.ckpt_lsn = wal_last_lsn(s->wal);
     sb.ckpt_batch = wal_batch(s->wal) - 1;
     sb.ckpt_live_bytes = s->live_bytes;
+    sb.ckpt_keys_by_state[0] = s->st.keys_in_flight;
+    sb.ckpt_keys_by_state[1] = s->st.keys_committed;
+    sb.ckpt_keys_by_state[2] = s->st.keys_review;
     sb.store_clock_ms = store_now(s);
     rc = super_store(s->io, s->dir, &sb);
     if (rc < 0) {

@@ -126,6 +126,7 @@ struct idem_store {
     uint32_t cmp_off;      /* next frame in it */
     uint64_t cmp_last_lsn; /* last copy or delete it appended */
     int cmp_done;          /* every frame handled: retire once durable and checkpointed */
+    uint64_t cmp_done_lsn; /* the log's last LSN when the walk ended */
     int cmp_disabled;      /* a corrupt frame stopped compaction (reported) */
     int test_sim; /* the simulated disk: no lock file */
 };

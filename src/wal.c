@@ -715,9 +715,7 @@ static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch, ui
     return 0;
 }
 
-int wal_recover(struct wal *w, uint64_t first_seq, uint64_t start_seq, uint32_t start_off,
-                uint64_t prev_lsn, uint64_t prev_batch,
-                int (*fn)(void *ctx, const struct wal_frame *f), void *ctx, int read_only)
+int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int read_only)
 {
     w->first_seq = first_seq;
     uint64_t seq = first_seq;
@@ -738,6 +736,27 @@ int wal_recover(struct wal *w, uint64_t first_seq, uint64_t start_seq, uint32_t 
                  (unsigned long long)start_seq);
         return IDEM_ECORRUPT;
     }
+    for (uint64_t q = first_seq; q < start_seq; q++) {
+        if (!seg_of(w, q)) {
+            snprintf(w->err, sizeof w->err, "log segment %llu is missing", (unsigned long long)q);
+            return IDEM_ECORRUPT;
+        }
+    }
+    return 0;
+}
+
+int wal_addr_valid(const struct wal *w, uint64_t addr)
+{
+    uint32_t slot = (uint32_t)(addr >> WAL_OFF_BITS);
+    uint32_t off = (uint32_t)(addr & ((1u << WAL_OFF_BITS) - 1)) << 3;
+    return slot < WAL_SEG_SLOTS && w->segs[slot].seq != 0 && off >= WAL_BLOCK &&
+           off + WAL_FRAME_HDR <= w->seg_bytes;
+}
+
+int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t prev_lsn,
+                uint64_t prev_batch, int (*fn)(void *ctx, const struct wal_frame *f), void *ctx,
+                int read_only)
+{
     struct scan_pos p = {start_seq, start_off}, batch_start = p;
     uint64_t last_lsn = prev_lsn, last_batch = prev_batch; /* of the last complete batch */
     uint64_t cur_lsn = prev_lsn;

@@ -97,7 +97,7 @@ Test(recovery, replays_the_log_after_a_crash_without_checkpoint)
     expect_committed(s, 0, 300);
     idem_stats st;
     idem_get_stats(s, &st);
-    cr_assert_eq(st.keys, 300);
+    cr_assert_eq(st.keys, 300, "keys %llu", (unsigned long long)st.keys);
     cr_assert_eq(st.keys_committed, 300);
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
@@ -161,16 +161,26 @@ Test(recovery, a_short_write_is_completed)
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
-/* Offset of the first frame's payload in segment 1: header block, then the frame header. */
-#define SEG1 SIM_DIR "/wal-0000000000000001.log"
-
 Test(recovery, corruption_in_the_middle_of_the_log_is_reported)
 {
     idem_store *s;
     cr_assert_eq(open_sim(&s), IDEM_OK);
-    fill(s, 0, 60);
-    store_abandon(s); /* no checkpoint: the whole log is replayed */
-    cr_assert_eq(io_sim_corrupt(sim, SEG1, 4096 + 64, 0x10), 0);
+    fill(s, 0, 30);
+    cr_assert_eq(idem_checkpoint(s), IDEM_OK);
+    fill(s, 30, 60);
+    store_abandon(s); /* no clean checkpoint: the log since the last one is replayed */
+    /* Corrupt the first frame of the newest segment that replay reads from its start. */
+    uint8_t sb[8192];
+    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/super", sb, sizeof sb), 8192);
+    uint64_t g0, g1, seq;
+    memcpy(&g0, sb + 16, 8);
+    memcpy(&g1, sb + 4096 + 16, 8);
+    memcpy(&seq, sb + (g0 > g1 ? 0 : 4096) + 72, 8); /* the checkpoint's replay segment */
+    char path[256];
+    snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)seq);
+    uint32_t off;
+    memcpy(&off, sb + (g0 > g1 ? 0 : 4096) + 80, 4);
+    cr_assert_eq(io_sim_corrupt(sim, path, off + 64, 0x10), 0);
     int rc = open_sim(&s);
     cr_assert_eq(rc, IDEM_ECORRUPT, "got %s", idem_strerror(rc));
     cr_assert(strstr(idem_last_error(), "corrupt"), "message: %s", idem_last_error());
