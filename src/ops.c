@@ -213,6 +213,8 @@ static int write_version(idem_store *s, struct index_slot *slot, int old_state, 
     index_slot_set_addr(slot, addr);
     state_count(s, old_state, -1);
     state_count(s, r->state, +1);
+    if (r->state != IDEM_STATE_COMMITTED)
+        ages_push(s, r->state, r->first_seen_ms, addr);
     return 0;
 }
 
@@ -936,6 +938,8 @@ int ops_replay(void *ctx, const struct wal_frame *f)
     }
     live_move(s, old_addr, f->addr, (int64_t)util_get_u64(f->payload + 24));
     state_count(s, state, +1);
+    if (state != IDEM_STATE_COMMITTED)
+        ages_push(s, state, (int64_t)util_get_u64(f->payload + 16), f->addr);
     return 0;
 }
 
@@ -964,5 +968,7 @@ int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now, uin
         return rc;
     live_move(s, f->addr, addr, r.expires_at_ms);
     index_slot_set_addr(slot, addr);
+    if (r.state != IDEM_STATE_COMMITTED)
+        ages_push(s, r.state, r.first_seen_ms, addr);
     return 0;
 }

@@ -41,6 +41,7 @@ struct qslot {
     int64_t deadline_mono_ms;
     int64_t lease_end_ms; /* store clock: when the lease it waits on runs out */
     struct qslot *wnext; /* store's waiter list */
+    struct qslot *lprev, *lnext; /* the queue's outstanding slots, in submission order */
     struct idem_queue *q;
 };
 
@@ -48,7 +49,10 @@ struct idem_queue {
     idem_store *s;
     uint32_t depth;
     struct qslot *slots;
-    uint32_t active;
+    uint32_t *free_stack; /* indexes of free slots */
+    uint32_t nfree;
+    struct qslot *head, *tail; /* outstanding (submitted, not yet polled) */
+    uint32_t active;           /* outstanding slots */
     uint64_t seq_next;
     int efd;
     struct idem_queue *next, *prev;
@@ -66,6 +70,16 @@ struct idem_queue {
 struct seen_info {
     int64_t last_seen_ms;
     uint64_t seen_count;
+};
+
+struct age_entry {
+    int64_t first_seen_ms;
+    uint64_t addr;
+};
+
+struct age_heap {
+    struct age_entry *v;
+    size_t n, cap;
 };
 
 struct audit_rec {
@@ -128,6 +142,9 @@ struct idem_store {
     int cmp_done;          /* every frame handled: retire once durable and checkpointed */
     uint64_t cmp_done_lsn; /* the log's last LSN when the walk ended */
     int cmp_disabled;      /* a corrupt frame stopped compaction (reported) */
+    /* Unfinished records by first_seen (ages.c). */
+    struct age_heap ages_in_flight, ages_review;
+    int ages_rebuilding;
     int test_sim; /* the simulated disk: no lock file */
 };
 
@@ -187,6 +204,15 @@ int compact_step(idem_store *s);
 /* Whether the flusher should write a checkpoint now (log length since the last one, or a
  * compacted segment waiting to be retired). */
 int compact_wants_checkpoint(const idem_store *s);
+
+/* ---- ages.c ---- */
+/* A version in state (in_flight or review) with first_seen was written at addr. */
+void ages_push(idem_store *s, int state, int64_t first_seen_ms, uint64_t addr);
+/* first_seen of the oldest record in state, 0 if none. */
+int64_t ages_oldest(idem_store *s, int state);
+/* Addresses of every record in state (at most max), in no particular order. */
+size_t ages_list(idem_store *s, int state, uint64_t *addrs, size_t max);
+void ages_free(idem_store *s);
 
 /* ---- audit.c ---- */
 int audit_open(idem_store *s);

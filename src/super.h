@@ -61,11 +61,15 @@ int super_store(struct io *io, const char *dir, struct super *sb);
 int lock_acquire(const char *dir, char *err, size_t errcap);
 void lock_release(int fd);
 
+/* ckpt_entry.has_seen bits */
+#define CKPT_SEEN       0x1u /* seen_count and last_seen_ms hold the repeat counters */
+#define CKPT_UNFINISHED 0x2u /* the record is in_flight or review */
+
 /* One entry of a checkpoint: an index slot and the repeat counters of its key. */
 struct ckpt_entry {
     uint64_t addr_tag;
     uint32_t hash_lo;
-    uint32_t has_seen;
+    uint32_t has_seen; /* CKPT_* bits */
     uint64_t seen_count;
     int64_t last_seen_ms;
 };

@@ -51,6 +51,8 @@ struct wal {
     uint64_t cur_seq;
     uint32_t cur_off;
     int spare_ready; /* segment cur_seq + 1 is created and waits */
+    uint64_t frames_pending;  /* RECORD and DELETE frames in pending chunks */
+    uint64_t frames_inflight; /* ... in the batch in flight */
     int spare_err;   /* the last attempt to create it failed with this (IDEM_EFULL, ...) */
     uint64_t lsn_last;
     uint64_t lsn_durable;
@@ -364,7 +366,9 @@ int wal_append(struct wal *w, uint32_t type, const void *const *parts, const uin
                int nparts, uint64_t *addr, uint64_t *lsn)
 {
     IDEM_ASSERT(type == WAL_T_RECORD || type == WAL_T_DELETE);
-    return append_reserved(w, type, parts, part_lens, nparts, addr, lsn, 2);
+    int rc = append_reserved(w, type, parts, part_lens, nparts, addr, lsn, 2);
+    w->frames_pending += rc == 0;
+    return rc;
 }
 
 const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, uint64_t *lsn)
@@ -414,6 +418,8 @@ int wal_flush_begin(struct wal *w, int64_t clock_ms)
     w->ninfl = w->npend;
     w->npend = 0;
     w->batch++;
+    w->frames_inflight = w->frames_pending;
+    w->frames_pending = 0;
     return w->ninfl;
 }
 
@@ -472,6 +478,11 @@ uint64_t wal_durable_lsn(const struct wal *w)
 {
     return w->lsn_durable;
 }
+uint64_t wal_flush_frames(const struct wal *w)
+{
+    return w->frames_inflight;
+}
+
 int wal_pending(const struct wal *w)
 {
     return w->npend > 0;
@@ -536,7 +547,9 @@ int wal_copy(struct wal *w, const struct wal_frame *f, uint64_t *addr, uint64_t 
 {
     const void *parts[1] = {f->payload};
     uint32_t lens[1] = {f->payload_len};
-    return append_reserved(w, f->type, parts, lens, 1, addr, lsn, 2);
+    int rc = append_reserved(w, f->type, parts, lens, 1, addr, lsn, 2);
+    w->frames_pending += rc == 0;
+    return rc;
 }
 
 int wal_retire(struct wal *w, uint64_t seq)

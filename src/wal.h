@@ -125,6 +125,7 @@ uint64_t wal_flush_end(struct wal *w);
 uint64_t wal_last_lsn(const struct wal *w);     /* last LSN appended */
 uint64_t wal_durable_lsn(const struct wal *w);  /* last LSN on stable storage */
 int wal_pending(const struct wal *w);           /* nonzero: frames wait for a flush */
+uint64_t wal_flush_frames(const struct wal *w); /* RECORD/DELETE frames in the batch in flight */
 int wal_chunks_free(const struct wal *w);       /* chunk buffers not pending or in flight */
 uint64_t wal_bytes(const struct wal *w);        /* bytes of all segments */
 /* Where the next batch starts: a checkpoint taken now replays from here. */
