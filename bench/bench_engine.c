@@ -16,10 +16,11 @@
  *   - ops/s: operations completed / wall time from the first submit to the last completion.
  *     A claim+commit pair counts as one operation.
  *   - p50/p99/max: from submit to completion. For the blocking cases and growth, per operation
- *     (one idem_claim call). For the batch form (idem_submit/idem_poll, 4096 operations per
- *     batch, 8 batches in flight on one queue) and for the peers, per BATCH: from the submit of
- *     its first operation to the completion of its last (claim+commit: from the claims' submit
- *     to the last commit's completion; LMDB/SQLite: one transaction, begin to durable commit).
+ *     (one idem_claim call). For the batch form (idem_submit/idem_poll, --batch operations per
+ *     batch, default 4096, --slots batches in flight on one queue, default 8) and for the
+ *     peers, per BATCH: from the submit of its first operation to the completion of its last
+ *     (claim+commit: from the claims' submit to the last commit's completion; LMDB/SQLite: one
+ *     transaction, begin to durable commit).
  *   - flushes/s, records/flush: deltas of idem_stats.flushes and .flush_records over the case;
  *     for the peers, synced transactions per second and inserts per transaction.
  * Cases (--case NAME runs one):
@@ -72,8 +73,8 @@
 #include <sqlite3.h>
 #endif
 
-#define BATCH_OPS          IDEM_BATCH_MAX
-#define BATCH_SLOTS        8u
+#define BATCH_OPS          IDEM_BATCH_MAX /* default operations per idem_submit */
+#define BATCH_SLOTS        8u             /* default (and most) batches in flight */
 #define TTL_MS             (24ull * 3600 * 1000)
 #define LEASE_MS           30000ull
 #define RECENT_WINDOW      (128u * 1024u)
@@ -109,7 +110,8 @@ struct run {
     int own_dir;
     const char *only;
     double case_s, peer_s, blocking1_s;
-    uint32_t peer_batch; /* inserts per peer transaction */
+    uint32_t batch, slots; /* batch form: operations per submit, batches in flight */
+    uint32_t peer_batch;   /* inserts per peer transaction */
     uint8_t result_src[RESULT_SRC_BYTES];
     double new_sync_ops, lmdb_ops, sqlite_ops; /* ops/s, 0 when not run */
     int failures;
@@ -131,11 +133,12 @@ struct pipe {
     const char *name;
     enum kind kind;
     idem_queue *q;
-    idem_op *ops;          /* BATCH_SLOTS * BATCH_OPS */
+    uint32_t batch, slots; /* operations per batch, batches in flight */
+    idem_op *ops;          /* slots * batch */
     uint8_t *keys;         /* the key bytes each op points at */
     uint64_t *key_number;  /* the key index of each op */
     int64_t *tokens;       /* claim-commit: token of each claimed key */
-    idem_completion *comp; /* BATCH_OPS */
+    idem_completion *comp; /* batch */
     uint32_t stage[BATCH_SLOTS], count[BATCH_SLOTS], submitted[BATCH_SLOTS], left[BATCH_SLOTS];
     uint64_t start_ns[BATCH_SLOTS]; /* submit of the batch's first operation */
     uint32_t starts[BATCH_SLOTS];   /* the step not yet submitted begins a batch */
@@ -240,10 +243,13 @@ static void pipe_close(struct pipe *p)
     free(p->comp);
 }
 
-static int pipe_open(struct pipe *p, idem_store *s, const char *name, enum kind kind)
+static int pipe_open(struct pipe *p, const struct run *r, idem_store *s, const char *name,
+                     enum kind kind)
 {
-    size_t n = (size_t)BATCH_SLOTS * BATCH_OPS;
+    size_t n = (size_t)r->slots * r->batch;
     memset(p, 0, sizeof(*p));
+    p->batch = r->batch;
+    p->slots = r->slots;
     p->name = name;
     p->kind = kind;
     p->rng = BENCH_SEED;
@@ -251,7 +257,7 @@ static int pipe_open(struct pipe *p, idem_store *s, const char *name, enum kind 
     p->keys = calloc(n, BENCH_KEY_BYTES);
     p->key_number = calloc(n, sizeof(*p->key_number));
     p->tokens = calloc(n, sizeof(*p->tokens));
-    p->comp = calloc(BATCH_OPS, sizeof(*p->comp));
+    p->comp = calloc(p->batch, sizeof(*p->comp));
     if (!p->ops || !p->keys || !p->key_number || !p->tokens || !p->comp) {
         pipe_close(p);
         return -1;
@@ -269,7 +275,7 @@ static int pipe_open(struct pipe *p, idem_store *s, const char *name, enum kind 
 /* Fills op j of slot with an operation of `kind` on key number k. */
 static void pipe_fill(struct pipe *p, uint32_t slot, uint32_t j, uint32_t kind, uint64_t k)
 {
-    size_t at = (size_t)slot * BATCH_OPS + j;
+    size_t at = (size_t)slot * p->batch + j;
     idem_op *op = &p->ops[at];
     uint8_t *key = p->keys + at * BENCH_KEY_BYTES;
     memset(op, 0, sizeof(*op));
@@ -292,7 +298,7 @@ static uint32_t pipe_commits(struct pipe *p, uint32_t slot)
 {
     uint32_t n = p->count[slot];
     for (uint32_t j = 0; j < n; j++) {
-        size_t at = (size_t)slot * BATCH_OPS + j;
+        size_t at = (size_t)slot * p->batch + j;
         idem_op *op = &p->ops[at];
         op->kind = IDEM_OP_COMMIT;
         op->token = p->tokens[at];
@@ -315,7 +321,7 @@ static uint32_t pipe_next(struct pipe *p, uint32_t slot, int *first)
     }
     if (p->stop || p->cursor >= p->limit) return 0;
     uint64_t left = p->limit - p->cursor;
-    uint32_t n = left < BATCH_OPS ? (uint32_t)left : BATCH_OPS;
+    uint32_t n = left < p->batch ? (uint32_t)left : p->batch;
     uint32_t kind = p->kind == K_PRELOAD ? IDEM_OP_SET_IF_ABSENT : IDEM_OP_CLAIM;
     for (uint32_t j = 0; j < n; j++) {
         uint64_t k = p->cursor + j;
@@ -335,7 +341,7 @@ static uint32_t pipe_next(struct pipe *p, uint32_t slot, int *first)
 /* Checks one completion against what the case expects. */
 static void pipe_done(struct pipe *p, uint32_t slot, uint32_t j, const idem_completion *c)
 {
-    size_t at = (size_t)slot * BATCH_OPS + j;
+    size_t at = (size_t)slot * p->batch + j;
     uint64_t k = p->key_number[at];
     uint32_t kind = p->ops[at].kind;
     if (kind == IDEM_OP_COMMIT) {
@@ -371,14 +377,14 @@ static void pipe_step(struct pipe *p, uint32_t slot, uint64_t now)
 /* Submits what the slots have not yet had accepted; stops at a full queue. */
 static int pipe_submit(struct pipe *p)
 {
-    for (uint32_t slot = 0; slot < BATCH_SLOTS; slot++) {
+    for (uint32_t slot = 0; slot < p->slots; slot++) {
         uint32_t todo = p->count[slot] - p->submitted[slot];
         if (todo == 0) continue;
         if (p->starts[slot]) {
             p->start_ns[slot] = bench_now_ns();
             p->starts[slot] = 0;
         }
-        const idem_op *ops = &p->ops[(size_t)slot * BATCH_OPS + p->submitted[slot]];
+        const idem_op *ops = &p->ops[(size_t)slot * p->batch + p->submitted[slot]];
         int rc = idem_submit(p->q, ops, todo);
         if (rc < 0) {
             fprintf(stderr, "bench: %s: idem_submit: %s\n", p->name, idem_strerror(rc));
@@ -395,12 +401,12 @@ static int pipe_run(struct pipe *p, double seconds, uint64_t *elapsed_ns)
 {
     uint64_t start = bench_now_ns(), now = start;
     uint64_t deadline = start + (uint64_t)(seconds * 1e9), progress = start;
-    p->active = BATCH_SLOTS;
-    for (uint32_t slot = 0; slot < BATCH_SLOTS; slot++)
+    p->active = p->slots;
+    for (uint32_t slot = 0; slot < p->slots; slot++)
         pipe_step(p, slot, start);
     while (p->active > 0) {
         if (pipe_submit(p) != 0) return -1;
-        int n = idem_poll(p->q, p->comp, BATCH_OPS, 100);
+        int n = idem_poll(p->q, p->comp, p->batch, 100);
         if (n < 0) {
             fprintf(stderr, "bench: %s: idem_poll: %s\n", p->name, idem_strerror(n));
             return -1;
@@ -416,7 +422,7 @@ static int pipe_run(struct pipe *p, double seconds, uint64_t *elapsed_ns)
         for (int i = 0; i < n; i++) {
             uint32_t slot = (uint32_t)(p->comp[i].user_data >> 32);
             uint32_t j = (uint32_t)p->comp[i].user_data;
-            if (slot >= BATCH_SLOTS || j >= p->count[slot] || p->left[slot] == 0) {
+            if (slot >= p->slots || j >= p->count[slot] || p->left[slot] == 0) {
                 fprintf(stderr, "bench: %s: completion with unknown user_data %" PRIx64 "\n",
                         p->name, p->comp[i].user_data);
                 return -1;
@@ -463,7 +469,7 @@ static void case_batch(struct run *r, const char *name, enum kind kind, int dura
         print_case_error(r, name, "open");
         goto out_free;
     }
-    if (pipe_open(p, s, name, kind) != 0) {
+    if (pipe_open(p, r, s, name, kind) != 0) {
         print_case_error(r, name, "queue");
         goto out_close;
     }
@@ -489,7 +495,7 @@ static int dup_preload(struct run *r, idem_store *s, struct pipe *p, uint64_t *l
 {
     struct result res;
     uint64_t t0 = bench_now_ns();
-    if (pipe_open(p, s, "dup-preload", K_PRELOAD) != 0) return -1;
+    if (pipe_open(p, r, s, "dup-preload", K_PRELOAD) != 0) return -1;
     p->limit = r->keys;
     p->result_src = r->result_src;
     p->result_bytes = RESULT_SMALL_BYTES;
@@ -521,7 +527,7 @@ static void case_dup(struct run *r)
     }
     for (int recent = 0; recent < 2; recent++) {
         if (!case_selected(r, names[recent])) continue;
-        if (pipe_open(p, s, names[recent], K_DUP) != 0) {
+        if (pipe_open(p, r, s, names[recent], K_DUP) != 0) {
             print_case_error(r, names[recent], "queue");
             continue;
         }
@@ -916,8 +922,8 @@ static void run_cases(struct run *r)
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: idem-bench-engine [--quick] [--keys N] [--dir DIR] [--case NAME] "
-               "[--peer-batch N]\n"
+    fprintf(f, "usage: idem-bench-engine [--quick] [--keys N] [--dir DIR] [--case NAME]\n"
+               "                         [--batch N] [--slots N] [--peer-batch N]\n"
                "cases:");
     for (size_t i = 0; i < sizeof(case_names) / sizeof(case_names[0]); i++)
         fprintf(f, " %s", case_names[i]);
@@ -931,6 +937,17 @@ static int known_case(const char *name)
     return 0;
 }
 
+/* Parses a decimal in [min, max]; returns 0 or -1. */
+static int parse_u64(const char *text, uint64_t min, uint64_t max, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long long v = strtoull(text, &end, 10);
+    if (errno || end == text || *end || v < min || v > max) return -1;
+    *out = v;
+    return 0;
+}
+
 /* Parses the command line into r; returns 0, or 2 for a usage error, -1 for --help. */
 static int parse_args(struct run *r, int argc, char **argv)
 {
@@ -939,44 +956,39 @@ static int parse_args(struct run *r, int argc, char **argv)
         {"keys", required_argument, NULL, 'k'},
         {"dir", required_argument, NULL, 'd'},
         {"case", required_argument, NULL, 'c'},
-        {"peer-batch", required_argument, NULL, 'b'},
+        {"batch", required_argument, NULL, 'B'},
+        {"slots", required_argument, NULL, 'S'},
+        {"peer-batch", required_argument, NULL, 'P'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
-    int opt, keys_given = 0;
-    char *end;
-    while ((opt = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
-        switch (opt) {
-        case 'q':
+    uint64_t keys = 0, batch = BATCH_OPS, slots = BATCH_SLOTS, peer_batch = 0;
+    int opt, bad = 0;
+    while (!bad && (opt = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
+        if (opt == 'q')
             r->quick = 1;
-            break;
-        case 'k':
-            errno = 0;
-            r->keys = strtoull(optarg, &end, 10);
-            if (errno || *end || r->keys == 0 || r->keys > (1ull << 40)) return 2;
-            keys_given = 1;
-            break;
-        case 'd':
-            if (snprintf(r->dir, sizeof(r->dir), "%s", optarg) >= (int)sizeof(r->dir)) return 2;
-            break;
-        case 'c':
-            if (!known_case(optarg)) return 2;
+        else if (opt == 'k')
+            bad = parse_u64(optarg, 1, 1ull << 40, &keys);
+        else if (opt == 'B')
+            bad = parse_u64(optarg, 1, IDEM_BATCH_MAX, &batch);
+        else if (opt == 'S')
+            bad = parse_u64(optarg, 1, BATCH_SLOTS, &slots);
+        else if (opt == 'P')
+            bad = parse_u64(optarg, 1, 1u << 20, &peer_batch);
+        else if (opt == 'd')
+            bad = snprintf(r->dir, sizeof(r->dir), "%s", optarg) >= (int)sizeof(r->dir);
+        else if (opt == 'c' && known_case(optarg))
             r->only = optarg;
-            break;
-        case 'b':
-            errno = 0;
-            r->peer_batch = (uint32_t)strtoul(optarg, &end, 10);
-            if (errno || *end || r->peer_batch == 0 || r->peer_batch > (1u << 20)) return 2;
-            break;
-        case 'h':
+        else if (opt == 'h')
             return -1;
-        default:
-            return 2;
-        }
+        else
+            bad = 1;
     }
-    if (optind != argc) return 2;
-    if (r->peer_batch == 0) r->peer_batch = BATCH_OPS * BATCH_SLOTS;
-    if (!keys_given) r->keys = r->quick ? (1ull << 20) : 10ull * (1ull << 20);
+    if (bad || optind != argc) return 2;
+    r->keys = keys ? keys : r->quick ? (1ull << 20) : 10ull * (1ull << 20);
+    r->batch = (uint32_t)batch;
+    r->slots = (uint32_t)slots;
+    r->peer_batch = peer_batch ? (uint32_t)peer_batch : r->batch * r->slots;
     r->case_s = r->quick ? 2.5 : 60.0;
     r->blocking1_s = r->quick ? 2.0 : 10.0;
     r->peer_s = r->quick ? 10.0 : 120.0;
@@ -1013,8 +1025,8 @@ int main(int argc, char **argv)
         r.result_src[i] = (uint8_t)bench_rng(&rng);
     printf("# idem %s keys=%" PRIu64 " mode=%s batch=%u slots=%u peer_batch=%u case_cap_s=%.1f "
            "peer_cap_s=%.1f\n",
-           IDEM_VERSION_STRING, r.keys, r.quick ? "quick" : "full", BATCH_OPS, BATCH_SLOTS,
-           r.peer_batch, r.case_s, r.peer_s);
+           IDEM_VERSION_STRING, r.keys, r.quick ? "quick" : "full", r.batch, r.slots, r.peer_batch,
+           r.case_s, r.peer_s);
     fflush(stdout);
     run_cases(&r);
     if (r.own_dir) bench_rm_rf(r.dir);
