@@ -293,16 +293,42 @@ static void flusher_maintain(idem_store *s)
     }
 }
 
+static int checkpoint_locked(idem_store *s);
+
+/* Checkpoints and compaction between batches; returns 1 when work was done (loop again). */
+static int flusher_compact(idem_store *s)
+{
+    if (s->fatal || s->closing || s->abandoned)
+        return 0;
+    if (!wal_pending(s->wal) && compact_wants_checkpoint(s)) {
+        int rc = checkpoint_locked(s);
+        if (rc == IDEM_EFATAL || rc == IDEM_EIO) {
+            store_fail(s, -EIO);
+            return 0;
+        }
+    }
+    int rc = compact_step(s);
+    if (rc < 0) {
+        store_fail(s, -EIO);
+        return 0;
+    }
+    return rc;
+}
+
 static void *flusher_main(void *arg)
 {
     idem_store *s = arg;
     pthread_mutex_lock(&s->mu);
     for (;;) {
+        if (s->abandoned)
+            break;
         if (flush_due(s)) {
             flush_once(s);
             continue;
         }
         flusher_maintain(s);
+        if (flusher_compact(s))
+            continue;
         if (s->waiters)
             ops_wake(s, NULL, 0);
         if (s->closing && !wal_pending(s->wal))
@@ -407,6 +433,11 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
 {
     idem_store *s = ctx;
     uint64_t h = (e->addr_tag & ~INDEX_ADDR_MASK) | e->hash_lo;
+    if (!wal_addr_valid(s->wal, e->addr_tag & INDEX_ADDR_MASK)) {
+        store_set_error("checkpoint %llu names a log address outside the log's segments",
+                        (unsigned long long)s->sb.ckpt_id);
+        return IDEM_ECORRUPT;
+    }
     struct index_slot *slot = index_insert(s->ix, h, e->addr_tag & INDEX_ADDR_MASK, 0);
     if (!slot)
         return IDEM_ENOMEM;
@@ -417,15 +448,24 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
 static int store_recover(idem_store *s)
 {
     char err[512] = "";
+    s->live_bytes = s->sb.ckpt_live_bytes;
+    s->st.keys_in_flight = s->sb.ckpt_keys_by_state[0];
+    s->st.keys_committed = s->sb.ckpt_keys_by_state[1];
+    s->st.keys_review = s->sb.ckpt_keys_by_state[2];
+    int rc = wal_open_segments(s->wal, s->sb.wal_first_seq, s->sb.ckpt_seq, s->opt.read_only);
+    if (rc < 0) {
+        store_set_error("%s", wal_error(s->wal));
+        return rc;
+    }
     if (s->sb.ckpt_id) {
-        int rc = ckpt_load(s->io, s->dir, s->sb.ckpt_id, ckpt_entry_load, s, err, sizeof err);
+        rc = ckpt_load(s->io, s->dir, s->sb.ckpt_id, ckpt_entry_load, s, err, sizeof err);
         if (rc < 0) {
             store_set_error("%s", err);
             return rc;
         }
     }
-    int rc = wal_recover(s->wal, s->sb.wal_first_seq, s->sb.ckpt_seq, s->sb.ckpt_off,
-                         s->sb.ckpt_lsn, s->sb.ckpt_batch, ops_replay, s, s->opt.read_only);
+    rc = wal_recover(s->wal, s->sb.ckpt_seq, s->sb.ckpt_off, s->sb.ckpt_lsn, s->sb.ckpt_batch,
+                     ops_replay, s, s->opt.read_only);
     if (rc < 0) {
         store_set_error("%s", *wal_error(s->wal) ? wal_error(s->wal) : idem_strerror(rc));
         return rc;
@@ -470,6 +510,7 @@ static void store_free(idem_store *s)
     free(s->seen);
     free(s->seen_free);
     free(s->scratch);
+    free(s->seg_max_exp);
     free(s->dir);
     free(s);
 }
@@ -565,6 +606,14 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     }
     if (!fresh)
         s->opt.segment_bytes = s->sb.seg_bytes;
+    s->seg_max_exp = malloc(WAL_SEG_SLOTS * sizeof *s->seg_max_exp);
+    if (!s->seg_max_exp) {
+        rc = IDEM_ENOMEM;
+        goto fail;
+    }
+    /* Unknown horizons (segments before the checkpoint) look expired: each is compacted once. */
+    for (uint32_t i = 0; i < WAL_SEG_SLOTS; i++)
+        s->seg_max_exp[i] = INT64_MIN;
     rc = wal_create(io, dir, s->opt.segment_bytes, &s->wal);
     if (rc == 0)
         rc = index_create(s->opt.max_keys, &s->ix) < 0 ? IDEM_ENOMEM : 0;
@@ -616,8 +665,6 @@ int idem_open(const char *dir, const idem_options *o, idem_store **out)
     return store_open_io(dir, &opt, io, 0, out);
 }
 
-static int checkpoint_locked(idem_store *s);
-
 int idem_close(idem_store *s)
 {
     if (!s)
@@ -641,6 +688,19 @@ int idem_close(idem_store *s)
         rc = IDEM_EFATAL;
     store_free(s);
     return rc;
+}
+
+void store_abandon(idem_store *s)
+{
+    pthread_mutex_lock(&s->mu);
+    s->abandoned = 1;
+    pthread_cond_signal(&s->cond_flush);
+    pthread_mutex_unlock(&s->mu);
+    if (s->flusher_started)
+        pthread_join(s->flusher, NULL);
+    while (s->queues)
+        idem_queue_close(s->queues);
+    store_free(s);
 }
 
 int idem_is_fatal(const idem_store *s)
@@ -1154,6 +1214,10 @@ static int checkpoint_locked(idem_store *s)
     wal_position(s->wal, &sb.ckpt_seq, &sb.ckpt_off);
     sb.ckpt_lsn = wal_last_lsn(s->wal);
     sb.ckpt_batch = wal_batch(s->wal) - 1;
+    sb.ckpt_live_bytes = s->live_bytes;
+    sb.ckpt_keys_by_state[0] = s->st.keys_in_flight;
+    sb.ckpt_keys_by_state[1] = s->st.keys_committed;
+    sb.ckpt_keys_by_state[2] = s->st.keys_review;
     sb.store_clock_ms = store_now(s);
     rc = super_store(s->io, s->dir, &sb);
     if (rc < 0) {

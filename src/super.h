@@ -12,6 +12,8 @@
  *   72 u64 checkpoint replay segment   80 u32 checkpoint replay offset   84 u32 segment bytes
  *   88 u64 checkpoint lsn   96 u64 checkpoint batch   104 i64 store clock ms
  *  112 i64 created ms      120 u64 store generation (bumped by restore and import)
+ *  128 u64 live bytes at the checkpoint (frames the index points to)
+ *  136 u64[3] keys in_flight, committed, review at the checkpoint
  * 4088 u64 XXH3-64 of bytes [0, 4088)
  *
  * DIR/index-<id:016x>.ckpt is an image of the index at a batch boundary (see ckpt_write).
@@ -42,6 +44,8 @@ struct super {
     int64_t store_clock_ms;
     int64_t created_ms;
     uint64_t store_generation;
+    uint64_t ckpt_live_bytes;
+    uint64_t ckpt_keys_by_state[3];
 };
 
 /* Loads the newest valid copy. IDEM_ENOTFOUND: no superblock file (a new store);
