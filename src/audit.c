@@ -119,9 +119,10 @@ void audit_close(idem_store *s)
     s->audit_f = NULL;
 }
 
-int audit_append(idem_store *s, const char *actor, const char *action, const void *key,
-                 uint32_t key_len, const void *reason, uint32_t reason_len, int state_before,
-                 int state_after, uint64_t version_before, uint64_t version_after, uint64_t lsn)
+static int audit_write(idem_store *s, const char *actor, const char *action, const void *key,
+                       uint32_t key_len, const void *reason, uint32_t reason_len,
+                       int state_before, int state_after, uint64_t version_before,
+                       uint64_t version_after, uint64_t lsn, uint64_t seq, int64_t at_ms)
 {
     uint32_t alen = (uint32_t)strlen(actor), aclen = (uint32_t)strlen(action);
     uint32_t len = AUDIT_HDR - 8 + aclen + alen + key_len + reason_len;
@@ -133,8 +134,8 @@ int audit_append(idem_store *s, const char *actor, const char *action, const voi
     store_quiesce(s); /* the ring must be idle for a synchronous write */
     memset(blk, 0, AUDIT_BLOCK);
     util_put_u32(blk + 8, len);
-    util_put_u64(blk + 16, s->naudit ? s->audit[s->naudit - 1].e.seq + 1 : 1);
-    util_put_u64(blk + 24, (uint64_t)store_now(s));
+    util_put_u64(blk + 16, seq);
+    util_put_u64(blk + 24, (uint64_t)at_ms);
     util_put_u64(blk + 32, lsn);
     blk[40] = (uint8_t)state_before;
     blk[41] = (uint8_t)state_after;
@@ -160,6 +161,35 @@ int audit_append(idem_store *s, const char *actor, const char *action, const voi
     s->audit_off += AUDIT_BLOCK;
     rc = audit_keep(s, blk);
     free(blk);
+    return rc;
+}
+
+int audit_append(idem_store *s, const char *actor, const char *action, const void *key,
+                 uint32_t key_len, const void *reason, uint32_t reason_len, int state_before,
+                 int state_after, uint64_t version_before, uint64_t version_after, uint64_t lsn)
+{
+    uint64_t seq = s->naudit ? s->audit[s->naudit - 1].e.seq + 1 : 1;
+    return audit_write(s, actor, action, key, key_len, reason, reason_len, state_before,
+                       state_after, version_before, version_after, lsn, seq, store_now(s));
+}
+
+int idem_import_audit(idem_queue *q, const idem_audit_entry *e)
+{
+    if (!q || !e || !e->actor || !e->action || !e->key || e->key_len == 0 ||
+        e->key_len > IDEM_KEY_BYTES_MAX || strlen(e->actor) > IDEM_ACTOR_BYTES_MAX ||
+        strlen(e->action) > 255 || (e->reason && strlen(e->reason) > IDEM_NOTE_BYTES_MAX))
+        return IDEM_EINVAL;
+    idem_store *s = q->s;
+    pthread_mutex_lock(&s->mu);
+    int rc = s->opt.read_only ? IDEM_EREADONLY : s->fatal ? IDEM_EFATAL : 0;
+    if (rc == 0) {
+        uint64_t last = s->naudit ? s->audit[s->naudit - 1].e.seq : 0;
+        rc = audit_write(s, e->actor, e->action, e->key, e->key_len, e->reason,
+                         e->reason ? (uint32_t)strlen(e->reason) : 0, e->state_before,
+                         e->state_after, e->version_before, e->version_after,
+                         wal_durable_lsn(s->wal), e->seq > last ? e->seq : last + 1, e->at_ms);
+    }
+    pthread_mutex_unlock(&s->mu);
     return rc;
 }
 

@@ -130,9 +130,15 @@ int store_next_token(idem_store *s, int64_t *out)
     return 0;
 }
 
+static uint64_t token_headroom(const idem_store *s)
+{
+    uint64_t next = (uint64_t)s->token_next;
+    return s->sb.token_reserved > next ? s->sb.token_reserved - next : 0;
+}
+
 static int token_headroom_low(const idem_store *s)
 {
-    return s->sb.token_reserved - (uint64_t)s->token_next < STORE_TOKEN_BLOCK / 2;
+    return token_headroom(s) < STORE_TOKEN_BLOCK / 2;
 }
 
 /* Flusher (mu held, no batch in flight): moves the token reservation ahead. */
@@ -354,7 +360,7 @@ void store_kick(idem_store *s)
  * IDEM_EFULL (no space for the next segment: the append itself will answer FULL). */
 int store_room_ok(idem_store *s)
 {
-    if (token_headroom_low(s) && s->sb.token_reserved - (uint64_t)s->token_next < 64)
+    if (token_headroom(s) < 64)
         return IDEM_EBUSY;
     return wal_room(s->wal, s->frame_max);
 }
@@ -446,7 +452,7 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
                             (unsigned long long)s->sb.ckpt_id);
             return IDEM_ECORRUPT;
         }
-        ages_push(s, r.state, r.first_seen_ms, index_slot_addr(slot));
+        ages_note(s, &r, index_slot_addr(slot));
     }
     /* Repeat counters survive a clean restart through the checkpoint. */
     return (e->has_seen & CKPT_SEEN) ? ops_seen_set(s, slot, e->seen_count, e->last_seen_ms)
@@ -559,6 +565,7 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
                   idem_store **out)
 {
     last_error[0] = 0;
+    int64_t t0 = util_monotonic_us();
     idem_store *s = calloc(1, sizeof *s);
     if (!s) {
         io_destroy(io);
@@ -638,6 +645,7 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     rc = store_start(s);
     if (rc < 0)
         goto fail;
+    s->st.open_ms = (uint64_t)(util_monotonic_us() - t0) / 1000;
     *out = s;
     return 0;
 fail:
@@ -710,6 +718,14 @@ void store_abandon(idem_store *s)
     while (s->queues)
         idem_queue_close(s->queues);
     store_free(s);
+}
+
+void idem_cancel_waits(idem_store *s)
+{
+    pthread_mutex_lock(&s->mu);
+    s->no_wait = 1;
+    ops_wake(s, NULL, 0);
+    pthread_mutex_unlock(&s->mu);
 }
 
 int idem_is_fatal(const idem_store *s)
@@ -793,6 +809,8 @@ void idem_queue_close(idem_queue *q)
     free(q->scan_lens);
     free(q->scan_buf);
     free(q->audit);
+    free(q->att_recs);
+    free(q->att_buf);
     close(q->efd);
     free(q);
 }
@@ -1184,8 +1202,9 @@ void idem_get_stats(idem_store *s, idem_stats *out)
     out->max_memory_bytes = s->opt.max_memory_bytes;
     out->max_disk_bytes = s->opt.max_disk_bytes;
     out->fatal = s->fatal;
-    out->oldest_in_flight_ms = ages_oldest(s, IDEM_STATE_IN_FLIGHT);
-    out->oldest_review_ms = ages_oldest(s, IDEM_STATE_REVIEW);
+    out->oldest_in_flight_ms = ages_oldest(s, AGE_IN_FLIGHT);
+    out->oldest_review_ms = ages_oldest(s, AGE_REVIEW);
+    out->store_generation = s->sb.store_generation;
     pthread_mutex_unlock(&s->mu);
     struct statvfs vfs;
     if (!s->test_sim && statvfs(s->dir, &vfs) == 0)
@@ -1210,7 +1229,8 @@ static void ckpt_one(void *ctx, struct index_slot *slot)
     uint32_t len;
     uint64_t lsn;
     const uint8_t *p = wal_payload(cc->s->wal, index_slot_addr(slot), &len, &lsn);
-    if (p && len > 0 && p[0] != IDEM_STATE_COMMITTED)
+    if (p && len >= REC_FIXED_BYTES &&
+        (p[0] != IDEM_STATE_COMMITTED || util_get_u64(p + 80) > 0))
         e.has_seen |= CKPT_UNFINISHED;
     if (slot->aux) {
         struct seen_info *si = &cc->s->seen[slot->aux - 1];
@@ -1362,6 +1382,57 @@ int idem_backup(idem_store *s, const char *dest_dir)
     if (rc == 0 && io_sync_dir(s->io, dest_dir) < 0)
         rc = IDEM_EIO;
     pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+int idem_restore(const char *backup_dir, const char *dest_dir)
+{
+    if (!backup_dir || !dest_dir || !*backup_dir || !*dest_dir)
+        return IDEM_EINVAL;
+    struct io *io;
+    if (io_thread_create(&io) < 0)
+        return IDEM_ENOMEM;
+    struct super sb;
+    char err[512] = "";
+    int rc = super_load(io, backup_dir, &sb, err, sizeof err);
+    if (rc < 0) {
+        store_set_error("%s", rc == IDEM_ENOTFOUND ? "the backup holds no store" : err);
+        goto out;
+    }
+    rc = io_mkdir(io, dest_dir);
+    if (rc < 0) {
+        store_set_error("cannot create %s: %s", dest_dir, strerror(-rc));
+        rc = rc == -EEXIST ? IDEM_EINVAL : IDEM_EIO;
+        goto out;
+    }
+    char from[4096], to[4096];
+    for (uint64_t seq = sb.wal_first_seq; rc == 0; seq++) {
+        snprintf(from, sizeof from, "%s/wal-%016llx.log", backup_dir, (unsigned long long)seq);
+        snprintf(to, sizeof to, "%s/wal-%016llx.log", dest_dir, (unsigned long long)seq);
+        if (access(from, F_OK) != 0)
+            break;
+        rc = copy_file(io, from, to);
+    }
+    if (rc == 0 && sb.ckpt_id) {
+        ckpt_path(backup_dir, sb.ckpt_id, from, sizeof from);
+        ckpt_path(dest_dir, sb.ckpt_id, to, sizeof to);
+        rc = copy_file(io, from, to);
+    }
+    if (rc == 0) {
+        snprintf(from, sizeof from, "%s/audit.log", backup_dir);
+        snprintf(to, sizeof to, "%s/audit.log", dest_dir);
+        rc = copy_file(io, from, to);
+    }
+    if (rc == 0) {
+        /* A new generation: the copy is another store from here on. */
+        sb.store_generation++;
+        sb.generation = 0;
+        rc = super_store(io, dest_dir, &sb);
+    }
+    if (rc == 0 && io_sync_dir(io, dest_dir) < 0)
+        rc = IDEM_EIO;
+out:
+    io_destroy(io);
     return rc;
 }
 
