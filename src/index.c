@@ -1,0 +1,485 @@
+/*
+ * index.c: the in-memory hash index of index.h (hash -> log address), extendible hashing.
+ *
+ * Layout
+ *   - Directory: 2^global_depth entries {segment pointer, capacity}, indexed by the top
+ * global_depth bits of the 64-bit hash (global_depth <= INDEX_DEPTH_MAX = 24, the hash bits kept in
+ * addr_tag). A segment of local depth ld covers the 2^(global_depth - ld) consecutive directory
+ * entries that share its top-ld-bit prefix; every one points to it.
+ *   - Segment: one malloc'd block, a 16-byte header then cap slots (struct index_slot). Linear
+ *     probing, wrapping at cap. A slot is empty iff addr_tag == 0 (addresses are never 0).
+ *     An entry's home position is fastrange(hash_lo, cap) = hash_lo * cap >> 32, so the home
+ *     comes from bits stored in the slot (backward-shift deletion and rebuilds need no key) and
+ *     is monotonic in hash_lo (the scan walks hash_lo ranges, see index_scan).
+ *
+ * Capacity ladder (why segments are not all one size)
+ *   With a uniform hash every segment fills at the same rate, so with fixed-size segments that
+ *   split at load L the whole index swings between load L and L/2 (16/0.425 = 38 B/key just
+ *   after a wave of splits). Instead a segment's capacity climbs a ladder of steps of 2^(1/3)
+ *   (..., 0.63, 0.79, 1.0 x SEG_CAP_MAX): at load LOAD_MAX (85%) a segment below SEG_CAP_MAX is
+ *   rebuilt one step larger (load falls to ~67.5%), and a segment at SEG_CAP_MAX splits into two
+ *   halves of 0.63 x SEG_CAP_MAX (load ~67.5% each). Load thus stays within ~67.5%..85%:
+ *   <= 23.7 B/key plus per-segment overhead. Each rebuild rehashes one segment only (a bounded
+ *   pause); the old block is freed right after, so there is no 2x memory spike.
+ *
+ * Invariants
+ *   - 0 <= local_depth <= global_depth <= 24; every entry of a segment has the segment's prefix.
+ *   - count < cap: at least one empty slot, so every probe loop ends within cap steps.
+ *   - count <= limit(cap) (85%) except at local depth 24 and SEG_CAP_MAX, which cannot split:
+ *     there inserts go on up to the hard limit (15/16 of cap), after which index_insert returns
+ *     NULL. With a per-store secret hash seed, ~960 keys sharing 24 top hash bits do not occur.
+ *   - Linear probing without tombstones: between an entry's home and its slot no slot is empty.
+ *   - Segments never shrink or merge: memory stays at the high-water mark after removals.
+ */
+#include "index.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdbool.h>
+#include <stdlib.h>
+
+#include "util.h"
+
+#define INDEX_DEPTH_MAX 24
+#ifndef SEG_CAP_MAX
+#define SEG_CAP_MAX 1024 /* slots (16 KiB): a split rehashes <= 870 entries */
+#endif
+#define SEG_CAP_MIN     64
+#define LOAD_MAX_PCT    85 /* grow or split above this load */
+#define LOAD_AFTER_PCT  68 /* a rebuild picks the smallest ladder step at or below this load */
+#define HARD_LIMIT(cap) ((cap) - (cap) / 16)
+#define TAG_MASK        (~INDEX_ADDR_MASK)
+
+_Static_assert(sizeof(struct index_slot) == 16, "index_slot is 16 bytes");
+_Static_assert((SEG_CAP_MAX & (SEG_CAP_MAX - 1)) == 0, "SEG_CAP_MAX is a power of two");
+_Static_assert(64 - INDEX_ADDR_BITS == INDEX_DEPTH_MAX, "tag bits are the directory bits");
+
+struct index_seg {
+    uint32_t cap;   /* slots */
+    uint32_t count; /* used slots */
+    uint32_t local_depth;
+    uint32_t pad;
+    struct index_slot slots[];
+};
+_Static_assert(sizeof(struct index_seg) == 16, "segment header keeps slots 16-aligned");
+
+/* A directory entry carries the segment's capacity so a lookup's first miss is the slot itself,
+ * not the segment header. */
+struct index_dirent {
+    struct index_seg *seg;
+    uint64_t cap;
+};
+
+struct index {
+    struct index_dirent *dir; /* 2^global_depth entries */
+    uint32_t global_depth;
+    uint64_t count;
+    uint64_t seg_count;
+    size_t mem_bytes; /* segments + directory, as requested from malloc */
+    uint64_t max_split_us;
+};
+
+static inline uint32_t seg_home(uint32_t hash_lo, uint32_t cap)
+{
+    return (uint32_t)(((uint64_t)hash_lo * cap) >> 32);
+}
+
+static inline uint32_t seg_limit(uint32_t cap)
+{
+    return (uint32_t)((uint64_t)cap * LOAD_MAX_PCT / 100);
+}
+
+static inline size_t seg_bytes(uint32_t cap)
+{
+    return sizeof(struct index_seg) + (size_t)cap * sizeof(struct index_slot);
+}
+
+/* The top 24 bits of a hash, as kept in addr_tag. */
+static inline uint32_t hash_top24(uint64_t h)
+{
+    return (uint32_t)(h >> INDEX_ADDR_BITS);
+}
+
+static inline size_t dir_pos(const struct index *ix, uint32_t top24)
+{
+    return (size_t)(top24 >> (INDEX_DEPTH_MAX - ix->global_depth));
+}
+
+/* Ladder step k (0 = SEG_CAP_MAX): SEG_CAP_MAX * 2^(-k/3), rounded. */
+static uint32_t ladder_cap(uint32_t k)
+{
+    static const uint32_t frac_1024[3] = {1024, 813, 645};
+    return (uint32_t)(((uint64_t)(SEG_CAP_MAX >> (k / 3)) * frac_1024[k % 3]) / 1024);
+}
+
+/* The capacity a segment rebuilt with n entries gets: the smallest ladder step holding n at
+ * <= LOAD_AFTER_PCT, within [SEG_CAP_MIN, SEG_CAP_MAX]. */
+static uint32_t seg_cap_for(uint64_t n)
+{
+    uint32_t best = SEG_CAP_MAX;
+    for (uint32_t k = 0; k < 64; k++) {
+        uint32_t c = ladder_cap(k);
+        if (c < SEG_CAP_MIN || n * 100 > (uint64_t)c * LOAD_AFTER_PCT) break;
+        best = c;
+    }
+    return best;
+}
+
+static struct index_seg *seg_new(struct index *ix, uint32_t cap, uint32_t local_depth)
+{
+    IDEM_ASSERT(cap >= SEG_CAP_MIN / 2 && cap <= SEG_CAP_MAX);
+    struct index_seg *seg = calloc(1, seg_bytes(cap));
+    if (!seg) return NULL;
+    seg->cap = cap;
+    seg->local_depth = local_depth;
+    ix->mem_bytes += seg_bytes(cap);
+    ix->seg_count++;
+    return seg;
+}
+
+static void seg_free(struct index *ix, struct index_seg *seg)
+{
+    IDEM_ASSERT(ix->mem_bytes >= seg_bytes(seg->cap));
+    ix->mem_bytes -= seg_bytes(seg->cap);
+    ix->seg_count--;
+    free(seg);
+}
+
+/* Places a slot's contents at the first empty position from its home; returns that slot. */
+static struct index_slot *seg_place(struct index_seg *seg, const struct index_slot *src)
+{
+    IDEM_ASSERT(seg->count + 1 < seg->cap);
+    uint32_t i = seg_home(src->hash_lo, seg->cap);
+    for (uint32_t n = 0; n < seg->cap; n++) {
+        struct index_slot *s = &seg->slots[i];
+        if (s->addr_tag == 0) {
+            *s = *src;
+            seg->count++;
+            return s;
+        }
+        if (++i == seg->cap) i = 0;
+    }
+    IDEM_ASSERT(!"segment full");
+    return NULL;
+}
+
+#ifndef NDEBUG
+/* O(cap): count matches, prefixes match, no empty slot between an entry's home and its slot. */
+static bool seg_check(const struct index_seg *seg, uint32_t prefix)
+{
+    uint32_t used = 0;
+    for (uint32_t i = 0; i < seg->cap; i++) {
+        const struct index_slot *s = &seg->slots[i];
+        if (s->addr_tag == 0) continue;
+        used++;
+        uint32_t top = hash_top24(s->addr_tag);
+        if (seg->local_depth > 0 && (top >> (INDEX_DEPTH_MAX - seg->local_depth)) != prefix)
+            return false;
+        for (uint32_t j = seg_home(s->hash_lo, seg->cap); j != i; j = (j + 1) % seg->cap) {
+            if (seg->slots[j].addr_tag == 0) return false;
+        }
+    }
+    return used == seg->count;
+}
+#endif
+
+/* Doubles the directory (pointers only). Returns 0 or -ENOMEM (nothing changed). */
+static int dir_double(struct index *ix)
+{
+    IDEM_ASSERT(ix->global_depth < INDEX_DEPTH_MAX);
+    size_t old_n = (size_t)1 << ix->global_depth;
+    struct index_dirent *dir = malloc(2 * old_n * sizeof(*dir));
+    if (!dir) return -ENOMEM;
+    for (size_t i = 0; i < 2 * old_n; i++)
+        dir[i] = ix->dir[i >> 1];
+    free(ix->dir);
+    ix->dir = dir;
+    ix->global_depth++;
+    ix->mem_bytes += old_n * sizeof(*dir);
+    return 0;
+}
+
+/* Rebuilds seg one ladder step larger, in place in the directory. Returns 0 or -ENOMEM. */
+static int seg_grow(struct index *ix, struct index_seg *seg, uint32_t top24)
+{
+    uint32_t cap = seg_cap_for(seg->count + 1);
+    if (cap <= seg->cap) cap = seg->cap + 1;
+    struct index_seg *nseg = seg_new(ix, cap, seg->local_depth);
+    if (!nseg) return -ENOMEM;
+    for (uint32_t i = 0; i < seg->cap; i++) {
+        if (seg->slots[i].addr_tag != 0) seg_place(nseg, &seg->slots[i]);
+    }
+    IDEM_ASSERT(nseg->count == seg->count);
+    uint32_t shift = ix->global_depth - seg->local_depth;
+    size_t first = (dir_pos(ix, top24) >> shift) << shift;
+    for (size_t i = 0; i < ((size_t)1 << shift); i++) {
+        IDEM_ASSERT(ix->dir[first + i].seg == seg);
+        ix->dir[first + i] = (struct index_dirent){.seg = nseg, .cap = nseg->cap};
+    }
+    seg_free(ix, seg);
+    IDEM_DEBUG_ASSERT(seg_check(nseg, (uint32_t)((uint64_t)top24 >> (24 - nseg->local_depth))));
+    return 0;
+}
+
+/* Splits seg (local depth < 24) into two halves on the next hash bit. Returns 0 or -ENOMEM. */
+static int seg_split(struct index *ix, struct index_seg *seg, uint32_t top24)
+{
+    IDEM_ASSERT(seg->local_depth < INDEX_DEPTH_MAX);
+    if (seg->local_depth == ix->global_depth && dir_double(ix) != 0) return -ENOMEM;
+    uint32_t bit_shift = INDEX_DEPTH_MAX - 1 - seg->local_depth; /* within top24 */
+    uint32_t n1 = 0;
+    for (uint32_t i = 0; i < seg->cap; i++) {
+        const struct index_slot *s = &seg->slots[i];
+        if (s->addr_tag != 0) n1 += (hash_top24(s->addr_tag) >> bit_shift) & 1;
+    }
+    struct index_seg *half[2];
+    half[0] = seg_new(ix, seg_cap_for(seg->count - n1), seg->local_depth + 1);
+    half[1] = seg_new(ix, seg_cap_for(n1), seg->local_depth + 1);
+    if (!half[0] || !half[1]) {
+        for (int k = 0; k < 2; k++) {
+            if (half[k]) seg_free(ix, half[k]);
+        }
+        return -ENOMEM;
+    }
+    for (uint32_t i = 0; i < seg->cap; i++) {
+        const struct index_slot *s = &seg->slots[i];
+        if (s->addr_tag != 0) seg_place(half[(hash_top24(s->addr_tag) >> bit_shift) & 1], s);
+    }
+    IDEM_ASSERT(half[0]->count + half[1]->count == seg->count);
+    uint32_t shift = ix->global_depth - seg->local_depth;
+    size_t first = (dir_pos(ix, top24) >> shift) << shift;
+    size_t n = (size_t)1 << shift;
+    for (size_t i = 0; i < n; i++) {
+        struct index_seg *h = half[i >= n / 2];
+        IDEM_ASSERT(ix->dir[first + i].seg == seg);
+        ix->dir[first + i] = (struct index_dirent){.seg = h, .cap = h->cap};
+    }
+    seg_free(ix, seg);
+    IDEM_DEBUG_ASSERT(seg_check(half[0], (top24 >> bit_shift) & ~UINT32_C(1)));
+    IDEM_DEBUG_ASSERT(seg_check(half[1], (top24 >> bit_shift) | 1));
+    return 0;
+}
+
+/* Makes room for one more entry in the segment of top24: grows or splits (bounded: each split
+ * deepens by one, at most 24 splits plus grows). Returns the segment, or NULL if full or out of
+ * memory. */
+static struct index_seg *seg_make_room(struct index *ix, uint32_t top24)
+{
+    for (uint32_t round = 0; round < 2 * INDEX_DEPTH_MAX + 64; round++) {
+        struct index_seg *seg = ix->dir[dir_pos(ix, top24)].seg;
+        if (seg->count + 1 <= seg_limit(seg->cap)) return seg;
+        if (seg->cap == SEG_CAP_MAX && seg->local_depth == INDEX_DEPTH_MAX)
+            return seg->count + 1 <= HARD_LIMIT(seg->cap) ? seg : NULL;
+        int64_t t0_us = util_monotonic_us();
+        int rc = seg->cap < SEG_CAP_MAX ? seg_grow(ix, seg, top24) : seg_split(ix, seg, top24);
+        uint64_t pause_us = (uint64_t)(util_monotonic_us() - t0_us);
+        if (pause_us > ix->max_split_us) ix->max_split_us = pause_us;
+        if (rc != 0) return NULL;
+    }
+    IDEM_ASSERT(!"seg_make_room did not converge");
+    return NULL;
+}
+
+/* Presizing: the fewest segments (2^depth) whose expected share, plus 5 standard deviations
+ * (binomial, ~sqrt(share)) for the luckiest of them, stays under the load limit of one ladder
+ * step; then the smallest such step. Inserting expected_keys uniform hashes then rebuilds
+ * nothing, at some memory cost (up to ~28 B/key at expected_keys). False if even 2^24 full
+ * segments could not hold expected_keys. */
+static bool presize(uint64_t expected_keys, uint32_t *depth, uint32_t *cap)
+{
+    for (uint32_t d = 0; d <= INDEX_DEPTH_MAX; d++) {
+        uint64_t share = (expected_keys >> d) + 1;
+        uint64_t need = share + 5 * (uint64_t)sqrt((double)share) + 1;
+        if (need > seg_limit(SEG_CAP_MAX)) continue;
+        *depth = d;
+        *cap = SEG_CAP_MAX;
+        for (uint32_t k = 1; k < 64 && ladder_cap(k) >= SEG_CAP_MIN; k++) {
+            if (seg_limit(ladder_cap(k)) < need) break;
+            *cap = ladder_cap(k);
+        }
+        return true;
+    }
+    return false;
+}
+
+int index_create(uint64_t expected_keys, struct index **out)
+{
+    *out = NULL;
+    uint32_t depth, cap;
+    if (!presize(expected_keys, &depth, &cap)) return -ENOMEM;
+    struct index *ix = calloc(1, sizeof(*ix));
+    if (!ix) return -ENOMEM;
+    size_t n = (size_t)1 << depth;
+    ix->dir = calloc(n, sizeof(*ix->dir));
+    if (!ix->dir) goto out_free_ix;
+    ix->global_depth = depth;
+    ix->mem_bytes = n * sizeof(*ix->dir);
+    for (size_t i = 0; i < n; i++) {
+        ix->dir[i] = (struct index_dirent){.seg = seg_new(ix, cap, depth), .cap = cap};
+        if (!ix->dir[i].seg) goto out_free_segs;
+    }
+    *out = ix;
+    return 0;
+
+out_free_segs:
+    for (size_t i = 0; i < n && ix->dir[i].seg; i++)
+        free(ix->dir[i].seg);
+    free(ix->dir);
+out_free_ix:
+    free(ix);
+    return -ENOMEM;
+}
+
+void index_destroy(struct index *ix)
+{
+    if (!ix) return;
+    size_t n = (size_t)1 << ix->global_depth;
+    /* A segment of local depth ld owns the run of 2^(gd - ld) entries starting at i. */
+    for (size_t i = 0; i < n;) {
+        struct index_seg *seg = ix->dir[i].seg;
+        i += (size_t)1 << (ix->global_depth - seg->local_depth);
+        free(seg);
+    }
+    free(ix->dir);
+    free(ix);
+}
+
+struct index_slot *index_find(struct index *ix, uint64_t h, int (*eq)(void *ctx, uint64_t addr),
+                              void *ctx)
+{
+    const struct index_dirent *de = &ix->dir[dir_pos(ix, hash_top24(h))];
+    struct index_slot *slots = de->seg->slots;
+    uint32_t cap = (uint32_t)de->cap;
+    uint64_t tag = h & TAG_MASK;
+    uint32_t lo = (uint32_t)h;
+    uint32_t i = seg_home(lo, cap);
+    for (uint32_t n = 0; n < cap; n++) {
+        struct index_slot *s = &slots[i];
+        if (s->addr_tag == 0) return NULL;
+        if (s->hash_lo == lo && (s->addr_tag & TAG_MASK) == tag &&
+            eq(ctx, s->addr_tag & INDEX_ADDR_MASK))
+            return s;
+        if (++i == cap) i = 0;
+    }
+    return NULL;
+}
+
+struct index_slot *index_insert(struct index *ix, uint64_t h, uint64_t addr, uint32_t aux)
+{
+    IDEM_ASSERT(addr != 0 && addr <= INDEX_ADDR_MASK);
+    struct index_seg *seg = seg_make_room(ix, hash_top24(h));
+    if (!seg) return NULL;
+    struct index_slot s = {.addr_tag = (h & TAG_MASK) | addr, .hash_lo = (uint32_t)h, .aux = aux};
+    struct index_slot *slot = seg_place(seg, &s);
+    ix->count++;
+    return slot;
+}
+
+void index_remove(struct index *ix, struct index_slot *slot)
+{
+    IDEM_ASSERT(slot->addr_tag != 0);
+    struct index_seg *seg = ix->dir[dir_pos(ix, hash_top24(slot->addr_tag))].seg;
+    IDEM_ASSERT(slot >= seg->slots && slot < seg->slots + seg->cap);
+    uint32_t cap = seg->cap;
+    uint32_t hole = (uint32_t)(slot - seg->slots);
+    uint32_t j = hole;
+    /* Backward shift: pull each following entry of the run into the hole unless its home lies
+     * cyclically in (hole, j], which would put it before its home. */
+    for (uint32_t n = 1; n < cap; n++) {
+        if (++j == cap) j = 0;
+        struct index_slot *s = &seg->slots[j];
+        if (s->addr_tag == 0) break;
+        uint32_t home = seg_home(s->hash_lo, cap);
+        uint32_t dist_home = (j + cap - home) % cap;
+        uint32_t dist_hole = (j + cap - hole) % cap;
+        if (dist_home >= dist_hole) {
+            seg->slots[hole] = *s;
+            hole = j;
+        }
+    }
+    seg->slots[hole] = (struct index_slot){0};
+    IDEM_ASSERT(seg->count > 0 && ix->count > 0);
+    seg->count--;
+    ix->count--;
+}
+
+uint64_t index_count(const struct index *ix)
+{
+    return ix->count;
+}
+
+size_t index_memory_bytes(const struct index *ix)
+{
+    return ix->mem_bytes + sizeof(*ix);
+}
+
+uint64_t index_max_split_us(const struct index *ix)
+{
+    return ix->max_split_us;
+}
+
+/* Visits the entries of seg whose hash_lo lies in [lo_begin, lo_end): their homes lie in
+ * [home(lo_begin), home(lo_end - 1)] (fastrange is monotonic) and each sits in the occupied run
+ * that starts at or before its slot, so scanning that range then on to the next empty slot
+ * finds all of them. Returns the number of positions looked at (>= 1). */
+static uint32_t scan_seg(struct index_seg *seg, uint64_t lo_begin, uint64_t lo_end,
+                         void (*fn)(void *ctx, struct index_slot *slot), void *ctx)
+{
+    IDEM_ASSERT(lo_begin < lo_end && lo_end <= (UINT64_C(1) << 32));
+    uint32_t p0 = seg_home((uint32_t)lo_begin, seg->cap);
+    uint32_t p1 = seg_home((uint32_t)(lo_end - 1), seg->cap);
+    uint32_t i = p0;
+    uint32_t n = 0;
+    for (; n < seg->cap; n++) {
+        struct index_slot *s = &seg->slots[i];
+        if (s->addr_tag == 0 && n > p1 - p0) break;
+        if (s->addr_tag != 0 && s->hash_lo >= lo_begin && s->hash_lo < lo_end) fn(ctx, s);
+        if (++i == seg->cap) i = 0;
+    }
+    return n > 0 ? n : 1;
+}
+
+/*
+ * Cursor encoding: bits 32..55 hold prefix, a 24-bit top-hash prefix; bits 0..31 hold lo, a
+ * hash_lo value. Meaning: every entry with top24 < prefix has been visited, and so has every
+ * entry whose top24 lies in the block of prefix's segment at the time and whose hash_lo < lo.
+ * prefix is always the first prefix of its segment's block: blocks only ever split (a split
+ * refines a block into two consecutive halves; directory doubling changes no block), so the
+ * block holding prefix still starts at prefix, and the statement stays true across splits and
+ * doublings. Walking prefixes in increasing order is the order that splitting refines (the
+ * directory is indexed by top bits, so this is Redis dictScan's reverse-binary order read
+ * through a bit reversal). Within a segment, hash_lo ranges survive rebuilds because homes are
+ * recomputed from hash_lo. Entries in the other half of a block split mid-scan may be visited
+ * twice. 0 is the start and the end.
+ */
+uint64_t index_scan(struct index *ix, uint64_t cursor, uint32_t max_slots,
+                    void (*fn)(void *ctx, struct index_slot *slot), void *ctx)
+{
+    uint64_t prefix = cursor >> 32;
+    uint64_t lo = cursor & UINT32_MAX;
+    uint64_t budget = max_slots > 0 ? max_slots : 1;
+    if (prefix >= (UINT64_C(1) << INDEX_DEPTH_MAX))
+        return 0; /* not a cursor this function returned */
+    while (budget > 0) {
+        struct index_seg *seg = ix->dir[dir_pos(ix, (uint32_t)prefix)].seg;
+        uint32_t block = UINT32_C(1) << (INDEX_DEPTH_MAX - seg->local_depth);
+        if ((prefix & (block - 1)) != 0) {
+            /* Only a cursor not from this function: restart its block (revisits, misses none). */
+            prefix &= ~(uint64_t)(block - 1);
+            lo = 0;
+        }
+        uint64_t width = (budget << 32) / seg->cap;
+        uint64_t lo_end = lo + (width > 0 ? width : 1);
+        if (lo_end > (UINT64_C(1) << 32)) lo_end = UINT64_C(1) << 32;
+        uint32_t seen = scan_seg(seg, lo, lo_end, fn, ctx);
+        budget = seen < budget ? budget - seen : 0;
+        if (lo_end < (UINT64_C(1) << 32)) {
+            lo = lo_end;
+            continue;
+        }
+        prefix = (prefix | (block - 1)) + 1;
+        lo = 0;
+        if (prefix == (UINT64_C(1) << INDEX_DEPTH_MAX)) return 0;
+    }
+    return (prefix << 32) | lo;
+}

@@ -1,0 +1,164 @@
+/*
+ * io_posix.c: the file-system calls shared by the real backends (see io_posix.h).
+ * Invariants: each function maps errno to -errno where the call fails; EINTR is retried; an
+ * O_DIRECT open refused with EINVAL falls back to a buffered open of the same file.
+ */
+#include "io_posix.h"
+#include "util.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* Largest single read: pread returns at most about 2 GiB anyway. */
+#define IO_POSIX_READ_MAX ((size_t)1 << 30)
+
+static int io_posix_open_flags(unsigned flags)
+{
+    int oflags = O_CLOEXEC;
+    oflags |= (flags & IO_O_RDONLY) ? O_RDONLY : O_RDWR;
+    if (flags & IO_O_CREATE) oflags |= O_CREAT;
+    if ((flags & IO_O_CREATE) && (flags & IO_O_EXCL)) oflags |= O_EXCL;
+    return oflags;
+}
+
+int io_posix_open(struct io *io, const char *path, unsigned flags, struct io_file **out)
+{
+    (void)io;
+    if (!path || !out || (flags & ~(IO_O_CREATE | IO_O_EXCL | IO_O_RDONLY | IO_O_DIRECT)))
+        return -EINVAL;
+    struct io_file *f = malloc(sizeof *f);
+    if (!f) return -ENOMEM;
+    int oflags = io_posix_open_flags(flags);
+    int fd = -1;
+    f->direct = 0;
+    if (flags & IO_O_DIRECT) {
+        fd = open(path, oflags | O_DIRECT, 0600);
+        if (fd >= 0)
+            f->direct = 1;
+        else if (errno != EINVAL)
+            goto out_free;
+    }
+    if (fd < 0) fd = open(path, oflags, 0600);
+    if (fd < 0) goto out_free;
+    f->fd = fd;
+    *out = f;
+    return 0;
+
+out_free : {
+    int err = -errno;
+    free(f);
+    return err;
+}
+}
+
+void io_posix_close(struct io *io, struct io_file *f)
+{
+    (void)io;
+    if (!f) return;
+    IDEM_ASSERT(f->fd >= 0);
+    /* close(2) errors cannot be acted on here: durability is decided by fdatasync. */
+    (void)close(f->fd);
+    f->fd = -1;
+    free(f);
+}
+
+int io_posix_size(struct io *io, struct io_file *f, uint64_t *out)
+{
+    (void)io;
+    struct stat st;
+    if (fstat(f->fd, &st) != 0) return -errno;
+    *out = (uint64_t)st.st_size;
+    return 0;
+}
+
+int io_posix_allocate(struct io *io, struct io_file *f, uint64_t off, uint64_t len)
+{
+    (void)io;
+    if (off > INT64_MAX || len == 0 || len > INT64_MAX - off) return -EINVAL;
+    int rc;
+    do {
+        rc = fallocate(f->fd, 0, (off_t)off, (off_t)len);
+    } while (rc != 0 && errno == EINTR);
+    return rc == 0 ? 0 : -errno;
+}
+
+int io_posix_truncate(struct io *io, struct io_file *f, uint64_t len)
+{
+    (void)io;
+    if (len > INT64_MAX) return -EINVAL;
+    int rc;
+    do {
+        rc = ftruncate(f->fd, (off_t)len);
+    } while (rc != 0 && errno == EINTR);
+    return rc == 0 ? 0 : -errno;
+}
+
+int64_t io_posix_read(struct io *io, struct io_file *f, uint64_t off, void *buf, size_t len)
+{
+    (void)io;
+    if (off > INT64_MAX) return -EINVAL;
+    if (len > IO_POSIX_READ_MAX) len = IO_POSIX_READ_MAX;
+    size_t done = 0;
+    /* Bounded: each round either makes progress, ends at end of file, or fails. */
+    while (done < len) {
+        ssize_t n = pread(f->fd, (char *)buf + done, len - done, (off_t)(off + done));
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) return done > 0 ? (int64_t)done : -errno;
+        if (n == 0) break;
+        done += (size_t)n;
+    }
+    return (int64_t)done;
+}
+
+int io_posix_map(struct io *io, struct io_file *f, size_t len, const void **out)
+{
+    (void)io;
+    if (len == 0 || !out) return -EINVAL;
+    void *p = mmap(NULL, len, PROT_READ, MAP_SHARED, f->fd, 0);
+    if (p == MAP_FAILED) return -errno;
+    *out = p;
+    return 0;
+}
+
+void io_posix_unmap(struct io *io, struct io_file *f, const void *p, size_t len)
+{
+    (void)io;
+    (void)f;
+    if (!p) return;
+    int rc = munmap((void *)p, len);
+    IDEM_ASSERT(rc == 0);
+}
+
+int io_posix_unlink(struct io *io, const char *path)
+{
+    (void)io;
+    return unlink(path) == 0 ? 0 : -errno;
+}
+
+int io_posix_rename(struct io *io, const char *from, const char *to)
+{
+    (void)io;
+    return rename(from, to) == 0 ? 0 : -errno;
+}
+
+int io_posix_sync_dir(struct io *io, const char *dir)
+{
+    (void)io;
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0) return -errno;
+    int rc = 0;
+    if (fsync(fd) != 0) rc = -errno;
+    (void)close(fd);
+    return rc;
+}
+
+int io_posix_mkdir(struct io *io, const char *path)
+{
+    (void)io;
+    return mkdir(path, 0700) == 0 ? 0 : -errno;
+}

@@ -1,0 +1,65 @@
+/*
+ * io_sim.h: a simulated disk for tests, deterministic from a seed (io_sim.c). Files live in
+ * memory keyed by their full path string; the directory of a path is the part before its last
+ * '/'. Each file has a current content (what reads and maps see: every reaped write) and a
+ * durable content (what survives io_sim_crash). submit only queues; io_wait() performs the
+ * queued requests in order, and that is where injected faults show up as completion results.
+ * A flush makes durable every write to its file reaped before the flush was submitted, the
+ * write it is linked to, and (as a page cache would) any older unsynced write overlapping those.
+ * Files opened with IO_O_DIRECT require 4 KiB aligned buffers, offsets and lengths (else the
+ * write completes with -EINVAL), so callers that rely on buffered fallback are caught.
+ * Maps are private buffers of the mapped length, kept equal to the current content (bytes past
+ * the end of the file read as zero) and stable until unmap, however the file grows.
+ * Directories are implicit: mkdir only records a name (durable at once) for -EEXIST.
+ * Thread-safe: one mutex per simulated disk.
+ */
+#ifndef IDEM_IO_SIM_H
+#define IDEM_IO_SIM_H
+
+#include "io.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+struct io_sim;
+int io_sim_create(uint64_t seed, struct io_sim **out);
+void io_sim_destroy(struct io_sim *sim);
+/* A new backend handle on the simulated disk; io_destroy() on it frees only the handle.
+ * After io_sim_crash, files opened through older handles must not be used (calls on them fail
+ * with -EIO); open the store again through a new handle. */
+struct io *io_sim_io(struct io_sim *sim);
+/* Power loss. Every write not yet covered by a flush of its file is, independently at random
+ * (from the seed): lost, kept whole, or (IO_SIM_CRASH_TEAR) kept only in part, a random prefix of
+ * its 512-byte sectors; with IO_SIM_CRASH_FLIP a kept unsynced write may also get a random bit
+ * flipped. IO_SIM_CRASH_LOSE_ALL loses every unsynced write. Creates, renames and unlinks not yet
+ * covered by sync_dir of their directory are each kept or undone at random (in order:
+ * a later one is kept only if the earlier ones of that directory are).
+ * IO_SIM_CRASH_UNDO_DIR undoes every create, rename and unlink not covered by a sync_dir.
+ * Unsynced size changes (truncate, allocate) are kept or lost like writes, never torn. A rename
+ * belongs to the directory of its destination. Requests queued and not yet reaped are dropped. */
+#define IO_SIM_CRASH_TEAR     0x1u
+#define IO_SIM_CRASH_FLIP     0x2u
+#define IO_SIM_CRASH_LOSE_ALL 0x4u
+#define IO_SIM_CRASH_UNDO_DIR 0x8u
+void io_sim_crash(struct io_sim *sim, unsigned flags);
+/* Faults, counted from the call: the nth (1-based) later write or flush completes with err (a
+ * negative errno), a short write completes with about half its bytes written. A failed write
+ * changes nothing; a failed flush makes nothing durable; the flush linked to a failed write is
+ * not performed. One pending fault of each kind: a later call replaces an earlier one. */
+void io_sim_fail_write(struct io_sim *sim, uint64_t nth, int err);
+void io_sim_fail_flush(struct io_sim *sim, uint64_t nth, int err);
+void io_sim_short_write(struct io_sim *sim, uint64_t nth);
+/* Total bytes the disk holds; allocate or a write that grows the files past it: -ENOSPC. 0: no
+ * limit. */
+void io_sim_set_capacity(struct io_sim *sim, uint64_t bytes);
+struct io_sim_counts {
+    uint64_t writes, flushes, bytes_written, dir_syncs;
+};
+void io_sim_counts(const struct io_sim *sim, struct io_sim_counts *out);
+/* Flips bits (xor_mask) of the byte at off of the file's content (durable and current); for
+ * corruption tests. Returns 0 or -ENOENT/-EINVAL. */
+int io_sim_corrupt(struct io_sim *sim, const char *path, uint64_t off, uint8_t xor_mask);
+/* Reads a file's current content (for tests); returns bytes or -ENOENT. */
+int64_t io_sim_read_file(struct io_sim *sim, const char *path, void *buf, size_t len);
+
+#endif /* IDEM_IO_SIM_H */

@@ -1,0 +1,152 @@
+/*
+ * io_thread.c: the fallback backend where io_uring is refused. submit_write and submit_flush
+ * only queue requests; io_wait() performs them in submission order on the calling (flusher)
+ * thread: one pwrite (a short count is reported as is, the caller continues), then fdatasync
+ * when IO_W_FLUSH; fdatasync for a flush. File-system calls are io_posix.c.
+ * Invariants: the queue is a ring of IO_THREAD_QUEUE_MAX requests allocated at create
+ * (submit beyond it: -EAGAIN); head <= tail, tail - head <= IO_THREAD_QUEUE_MAX; requests
+ * complete in submission order, so a flush covers every write submitted before it.
+ */
+#include "io_posix.h"
+#include "util.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#define IO_THREAD_QUEUE_MAX 1024u
+
+enum io_thread_kind { IO_THREAD_WRITE, IO_THREAD_FLUSH };
+
+struct io_thread_req {
+    enum io_thread_kind kind;
+    int fd;
+    unsigned flags;
+    uint64_t off;
+    const void *buf;
+    size_t len;
+    uint64_t user_data;
+};
+
+struct io_thread {
+    struct io base;
+    uint64_t head; /* next request to perform */
+    uint64_t tail; /* next free position */
+    struct io_thread_req queue[IO_THREAD_QUEUE_MAX];
+};
+
+_Static_assert((IO_THREAD_QUEUE_MAX & (IO_THREAD_QUEUE_MAX - 1)) == 0, "power of two");
+
+static struct io_thread *io_thread_of(struct io *io)
+{
+    return (struct io_thread *)io;
+}
+
+static int io_thread_push(struct io_thread *t, const struct io_thread_req *req)
+{
+    IDEM_ASSERT(t->tail - t->head <= IO_THREAD_QUEUE_MAX);
+    if (t->tail - t->head == IO_THREAD_QUEUE_MAX) return -EAGAIN;
+    t->queue[t->tail % IO_THREAD_QUEUE_MAX] = *req;
+    t->tail++;
+    return 0;
+}
+
+static int io_thread_submit_write(struct io *io, struct io_file *f, uint64_t off, const void *buf,
+                                  size_t len, unsigned flags, uint64_t user_data)
+{
+    if ((flags & ~IO_W_FLUSH) || off > INT64_MAX || (!buf && len > 0)) return -EINVAL;
+    struct io_thread_req req = {
+        .kind = IO_THREAD_WRITE,
+        .fd = f->fd,
+        .flags = flags,
+        .off = off,
+        .buf = buf,
+        .len = len,
+        .user_data = user_data,
+    };
+    return io_thread_push(io_thread_of(io), &req);
+}
+
+static int io_thread_submit_flush(struct io *io, struct io_file *f, uint64_t user_data)
+{
+    struct io_thread_req req = {.kind = IO_THREAD_FLUSH, .fd = f->fd, .user_data = user_data};
+    return io_thread_push(io_thread_of(io), &req);
+}
+
+static int64_t io_thread_datasync(int fd)
+{
+    int rc;
+    do {
+        rc = fdatasync(fd);
+    } while (rc != 0 && errno == EINTR);
+    return rc == 0 ? 0 : -errno;
+}
+
+static int64_t io_thread_perform(const struct io_thread_req *req)
+{
+    if (req->kind == IO_THREAD_FLUSH) return io_thread_datasync(req->fd);
+    ssize_t n;
+    do {
+        n = pwrite(req->fd, req->buf, req->len, (off_t)req->off);
+    } while (n < 0 && errno == EINTR);
+    if (n < 0) return -errno;
+    if (req->flags & IO_W_FLUSH) {
+        int64_t rc = io_thread_datasync(req->fd);
+        if (rc < 0) return rc;
+    }
+    return n;
+}
+
+static int io_thread_wait(struct io *io, struct io_completion *out, int max, int min)
+{
+    struct io_thread *t = io_thread_of(io);
+    uint64_t queued = t->tail - t->head;
+    if (max < 0 || min < 0 || min > max || (uint64_t)min > queued || (max > 0 && !out))
+        return -EINVAL;
+    int n = 0;
+    /* Bounded by max and by the queue length. */
+    while (n < max && t->head != t->tail) {
+        const struct io_thread_req *req = &t->queue[t->head % IO_THREAD_QUEUE_MAX];
+        out[n].user_data = req->user_data;
+        out[n].res = io_thread_perform(req);
+        t->head++;
+        n++;
+    }
+    IDEM_ASSERT(n >= min);
+    return n;
+}
+
+static void io_thread_destroy(struct io *io)
+{
+    free(io_thread_of(io));
+}
+
+static const struct io_ops io_thread_ops = {
+    .name = "thread",
+    .open = io_posix_open,
+    .close = io_posix_close,
+    .size = io_posix_size,
+    .allocate = io_posix_allocate,
+    .truncate = io_posix_truncate,
+    .read = io_posix_read,
+    .map = io_posix_map,
+    .unmap = io_posix_unmap,
+    .unlink = io_posix_unlink,
+    .rename = io_posix_rename,
+    .sync_dir = io_posix_sync_dir,
+    .mkdir = io_posix_mkdir,
+    .submit_write = io_thread_submit_write,
+    .submit_flush = io_thread_submit_flush,
+    .wait = io_thread_wait,
+    .destroy = io_thread_destroy,
+};
+
+int io_thread_create(struct io **out)
+{
+    if (!out) return -EINVAL;
+    struct io_thread *t = calloc(1, sizeof *t);
+    if (!t) return -ENOMEM;
+    t->base.ops = &io_thread_ops;
+    *out = &t->base;
+    return 0;
+}

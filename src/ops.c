@@ -1,0 +1,904 @@
+/*
+ * ops.c: the contract's rules over one key: claim (new, busy, done, mismatch, recover, review),
+ * the owner calls (commit, release, hold, extend), get, set-if-absent, del and resolve, the
+ * parking and waking of WAIT claims, and the replay of log frames into the index.
+ *
+ * Every change writes a whole new version of the record to the log (record.h) and points the
+ * index at it; a release, a resolve-release or a del writes a DELETE frame. Plain repeats are
+ * not logged: their counters live in the seen table (slot aux) until the next version folds
+ * them in, and in checkpoints. All functions run with the store's mutex held.
+ *
+ * Durability of answers: each completion carries need_lsn, the newest log position its answer
+ * depends on (the version it read or wrote; for answers about an absent key, everything
+ * appended so far, since a DELETE may not be durable yet).
+ */
+#include <lz4.h>
+#include <string.h>
+#include <xxhash.h>
+
+#include "store.h"
+#include "util.h"
+
+#define OPS_KNOWN_FLAGS (IDEM_F_FORCE | IDEM_F_EXPECT | IDEM_F_GET_OLD)
+#define OPS_LZ4_MIN     128u
+
+uint64_t ops_hash(const idem_store *s, const void *key, uint32_t key_len)
+{
+    return XXH3_64bits_withSeed(key, key_len, s->sb.hash_seed);
+}
+
+struct key_ref {
+    idem_store *s;
+    const void *key;
+    uint32_t key_len;
+};
+
+static int key_eq(void *ctx, uint64_t addr)
+{
+    struct key_ref *k = ctx;
+    uint32_t len;
+    uint64_t lsn;
+    const uint8_t *p = wal_payload(k->s->wal, addr, &len, &lsn);
+    if (!p || len < REC_FIXED_BYTES)
+        return 0;
+    /* RECORD payloads start with the fixed part; key_len at offset 2, key at 136. */
+    uint32_t klen = util_get_u16(p + 2);
+    return klen == k->key_len && REC_FIXED_BYTES + klen <= len &&
+           memcmp(p + REC_FIXED_BYTES, k->key, klen) == 0;
+}
+
+struct index_slot *ops_find(idem_store *s, const void *key, uint32_t key_len, struct rec *r,
+                            uint64_t *lsn)
+{
+    struct key_ref k = {s, key, key_len};
+    struct index_slot *slot = index_find(s->ix, ops_hash(s, key, key_len), key_eq, &k);
+    if (!slot)
+        return NULL;
+    uint32_t len;
+    const uint8_t *p = wal_payload(s->wal, index_slot_addr(slot), &len, lsn);
+    if (!p || rec_decode(p, len, r) < 0)
+        return NULL;
+    return slot;
+}
+
+int ops_rec_expired(const struct rec *r, int64_t now)
+{
+    return r->state == IDEM_STATE_COMMITTED && now >= r->expires_at_ms;
+}
+
+/* ---- Repeat counters ---- */
+
+static struct seen_info *seen_of(idem_store *s, const struct index_slot *slot)
+{
+    return slot && slot->aux ? &s->seen[slot->aux - 1] : NULL;
+}
+
+void ops_seen_release(idem_store *s, struct index_slot *slot)
+{
+    if (!slot->aux)
+        return;
+    s->seen_free[s->seen_nfree++] = slot->aux - 1;
+    slot->aux = 0;
+}
+
+/* Counts a repeat that writes nothing. Returns 0 or IDEM_ENOMEM (then the count is lost). */
+static int seen_bump(idem_store *s, struct index_slot *slot, const struct rec *r, int64_t now)
+{
+    struct seen_info *si = seen_of(s, slot);
+    if (!si) {
+        uint32_t i;
+        if (s->seen_nfree) {
+            i = s->seen_free[--s->seen_nfree];
+        } else {
+            if (s->seen_used == s->seen_cap) {
+                uint32_t cap = s->seen_cap ? s->seen_cap * 2 : 1024;
+                struct seen_info *n = realloc(s->seen, cap * sizeof *n);
+                if (!n)
+                    return IDEM_ENOMEM;
+                s->seen = n;
+                uint32_t *f = realloc(s->seen_free, cap * sizeof *f);
+                if (!f)
+                    return IDEM_ENOMEM;
+                s->seen_free = f;
+                s->seen_cap = cap;
+            }
+            i = s->seen_used++;
+        }
+        slot->aux = i + 1;
+        si = &s->seen[i];
+        si->seen_count = r->seen_count;
+    }
+    si->seen_count++;
+    si->last_seen_ms = now;
+    return 0;
+}
+
+/* ---- Writing versions ---- */
+
+static void state_count(idem_store *s, int state, int delta)
+{
+    uint64_t *c = state == IDEM_STATE_IN_FLIGHT   ? &s->st.keys_in_flight
+                  : state == IDEM_STATE_COMMITTED ? &s->st.keys_committed
+                  : state == IDEM_STATE_REVIEW    ? &s->st.keys_review
+                                                  : NULL;
+    if (c)
+        *c += (uint64_t)(int64_t)delta;
+}
+
+/* Writes version r of key (result given raw; compressed here when that saves space). slot is
+ * the key's current slot or NULL for a new key. Returns 0 and *lsn, or an error (nothing
+ * changed). Slot pointers are invalid afterwards. */
+static int write_version(idem_store *s, struct index_slot *slot, int old_state, struct rec *r,
+                         const void *key, const void *owner, const void *note, const void *result,
+                         uint32_t result_len, uint64_t *lsn)
+{
+    struct seen_info *si = seen_of(s, slot);
+    if (si) {
+        r->seen_count = si->seen_count;
+        r->last_seen_ms = si->last_seen_ms;
+    }
+    r->flags &= (uint8_t)~REC_F_LZ4;
+    r->result_raw_len = result_len;
+    r->result_len = result_len;
+    const void *stored = result;
+    if (result_len >= OPS_LZ4_MIN) {
+        int bound = LZ4_compressBound((int)result_len);
+        if ((size_t)bound > s->scratch_cap) {
+            uint8_t *n = realloc(s->scratch, (size_t)bound);
+            if (n) {
+                s->scratch = n;
+                s->scratch_cap = (size_t)bound;
+            }
+        }
+        if ((size_t)bound <= s->scratch_cap) {
+            int c = LZ4_compress_default(result, (char *)s->scratch, (int)result_len, bound);
+            if (c > 0 && (uint32_t)c < result_len - result_len / 8) {
+                stored = s->scratch;
+                r->result_len = (uint32_t)c;
+                r->flags |= REC_F_LZ4;
+            }
+        }
+    }
+    r->version = wal_last_lsn(s->wal) + 1;
+    uint8_t fixed[REC_FIXED_BYTES];
+    rec_encode_fixed(r, fixed);
+    const void *parts[5] = {fixed, key, owner, note, stored};
+    uint32_t lens[5] = {REC_FIXED_BYTES, r->key_len, r->owner_len, r->note_len, r->result_len};
+    uint64_t h = ops_hash(s, key, r->key_len);
+    if (!slot) {
+        /* Insert first, so a failed insert leaves nothing in the log. */
+        slot = index_insert(s->ix, h, 1, 0);
+        if (!slot)
+            return IDEM_EFULL;
+    }
+    uint64_t addr;
+    int rc = wal_append(s->wal, WAL_T_RECORD, parts, lens, 5, &addr, lsn);
+    if (rc < 0) {
+        if (old_state == 0)
+            index_remove(s->ix, slot);
+        return rc;
+    }
+    ops_seen_release(s, slot);
+    index_slot_set_addr(slot, addr);
+    state_count(s, old_state, -1);
+    state_count(s, r->state, +1);
+    return 0;
+}
+
+static int write_delete(idem_store *s, struct index_slot *slot, int old_state, const void *key,
+                        uint32_t key_len, uint64_t *lsn)
+{
+    uint8_t hdr[8] = {0};
+    util_put_u16(hdr, (uint16_t)key_len);
+    const void *parts[2] = {hdr, key};
+    uint32_t lens[2] = {8, key_len};
+    uint64_t addr;
+    int rc = wal_append(s->wal, WAL_T_DELETE, parts, lens, 2, &addr, lsn);
+    if (rc < 0)
+        return rc;
+    ops_seen_release(s, slot);
+    index_remove(s->ix, slot);
+    state_count(s, old_state, -1);
+    return 0;
+}
+
+/* ---- Filling completions ---- */
+
+static int copy_result(struct qslot *sl, const struct rec *r, const void **out, uint32_t *len)
+{
+    if (r->result_len == 0) {
+        *out = "";
+        *len = 0;
+        return 0;
+    }
+    if (!(r->flags & REC_F_LZ4)) {
+        *out = qslot_copy(sl, r->result, r->result_len);
+        *len = r->result_len;
+        return *out ? 0 : IDEM_ENOMEM;
+    }
+    char *dst = qslot_reserve(sl, r->result_raw_len);
+    if (!dst)
+        return IDEM_ENOMEM;
+    int n = LZ4_decompress_safe((const char *)r->result, dst, (int)r->result_len,
+                                (int)r->result_raw_len);
+    if (n < 0 || (uint32_t)n != r->result_raw_len)
+        return IDEM_ECORRUPT;
+    sl->buf_used += r->result_raw_len;
+    *out = dst;
+    *len = r->result_raw_len;
+    return 0;
+}
+
+void ops_fill_record(struct qslot *sl, const struct rec *r, struct index_slot *slot,
+                     idem_store *s)
+{
+    idem_record *o = &sl->c.record;
+    memset(o, 0, sizeof *o);
+    o->key = qslot_copy(sl, r->key, r->key_len);
+    o->key_len = r->key_len;
+    o->state = r->state;
+    o->first_seen_ms = r->first_seen_ms;
+    o->expires_at_ms = r->expires_at_ms;
+    struct seen_info *si = seen_of(s, slot);
+    o->last_seen_ms = si ? si->last_seen_ms : r->last_seen_ms;
+    o->seen_count = si ? si->seen_count : r->seen_count;
+    o->has_fp = !!(r->flags & REC_F_FP);
+    memcpy(o->fp, r->fp, 16);
+    if (r->state == IDEM_STATE_IN_FLIGHT) {
+        o->lease_until_ms = r->lease_until_ms;
+        o->token = r->token;
+        if (r->owner_len) {
+            o->owner = qslot_copy(sl, r->owner, r->owner_len);
+            o->owner_len = r->owner_len;
+        }
+    }
+    o->attempts = r->attempts;
+    o->last_grant_ms = r->last_grant_ms;
+    if (r->state == IDEM_STATE_COMMITTED &&
+        copy_result(sl, r, &o->result, &o->result_len) < 0)
+        sl->c.err = IDEM_ECORRUPT;
+    if (r->note_len) {
+        o->note = qslot_copy(sl, r->note, r->note_len);
+        o->note_len = r->note_len;
+    }
+    o->mismatch_count = r->mismatch_count;
+    o->last_mismatch_ms = r->last_mismatch_ms;
+    o->has_last_mismatch_fp = !!(r->flags & REC_F_MFP);
+    memcpy(o->last_mismatch_fp, r->last_mismatch_fp, 16);
+    o->version = r->version;
+    sl->c.found = 1;
+}
+
+/* ---- Validation ---- */
+
+static int op_valid(const idem_store *s, const idem_op *op)
+{
+    if (op->flags & ~OPS_KNOWN_FLAGS)
+        return 0;
+    if (op->kind != IDEM_OP_SYNC &&
+        (!op->key || op->key_len == 0 || op->key_len > IDEM_KEY_BYTES_MAX))
+        return 0;
+    switch (op->kind) {
+    case IDEM_OP_CLAIM:
+        return op->ttl_ms >= 1 && op->ttl_ms <= IDEM_TTL_MS_MAX && op->lease_ms >= 1 &&
+               op->lease_ms <= IDEM_LEASE_MS_MAX && op->wait_ms <= IDEM_WAIT_MS_MAX &&
+               (op->fp || !op->fp_len) && (op->owner || !op->owner_len) &&
+               op->owner_len <= IDEM_OWNER_BYTES_MAX;
+    case IDEM_OP_COMMIT:
+        return op->token > 0 && (op->data || !op->data_len) &&
+               op->data_len <= s->opt.result_bytes_max;
+    case IDEM_OP_RELEASE:
+        return op->token > 0;
+    case IDEM_OP_HOLD:
+        return op->token > 0 && (op->data || !op->data_len) &&
+               op->data_len <= IDEM_NOTE_BYTES_MAX;
+    case IDEM_OP_EXTEND:
+        return op->token > 0 && op->lease_ms >= 1 && op->lease_ms <= IDEM_LEASE_MS_MAX;
+    case IDEM_OP_GET:
+    case IDEM_OP_SYNC:
+        return 1;
+    case IDEM_OP_SET_IF_ABSENT:
+        return op->ttl_ms >= 1 && op->ttl_ms <= IDEM_TTL_MS_MAX && (op->data || !op->data_len) &&
+               op->data_len <= s->opt.result_bytes_max;
+    case IDEM_OP_DEL:
+        return !op->actor || strlen(op->actor) <= IDEM_ACTOR_BYTES_MAX;
+    case IDEM_OP_RESOLVE:
+        return op->action >= IDEM_RESOLVE_COMMIT && op->action <= IDEM_RESOLVE_SETTLE &&
+               (op->data || !op->data_len) && op->data_len <= IDEM_NOTE_BYTES_MAX &&
+               (op->result || !op->result_len) && op->result_len <= s->opt.result_bytes_max &&
+               (!op->actor || strlen(op->actor) <= IDEM_ACTOR_BYTES_MAX);
+    default:
+        return 0;
+    }
+}
+
+/* ---- Claim ---- */
+
+static int fp_differs(const struct rec *r, const idem_op *op, const uint8_t fp[16])
+{
+    return op->fp && (r->flags & REC_F_FP) && memcmp(r->fp, fp, 16) != 0;
+}
+
+static int owner_same(const struct rec *r, const idem_op *op)
+{
+    return op->owner && op->owner_len && r->owner_len == op->owner_len &&
+           memcmp(r->owner, op->owner, op->owner_len) == 0;
+}
+
+static int capacity_full(idem_store *s)
+{
+    if (s->opt.max_keys && index_count(s->ix) >= s->opt.max_keys)
+        return 1;
+    if (s->opt.max_memory_bytes && index_memory_bytes(s->ix) >= s->opt.max_memory_bytes)
+        return 1;
+    if (s->opt.max_disk_bytes && wal_bytes(s->wal) >= s->opt.max_disk_bytes)
+        return 1;
+    return 0;
+}
+
+static void claim_new(idem_store *s, struct qslot *sl, const idem_op *op, const uint8_t fp[16],
+                      struct index_slot *slot, int old_state, int64_t now)
+{
+    if (capacity_full(s)) {
+        sl->c.err = IDEM_EFULL;
+        return;
+    }
+    struct rec r = {0};
+    r.state = IDEM_STATE_IN_FLIGHT;
+    r.key_len = (uint16_t)op->key_len;
+    r.owner_len = (uint16_t)op->owner_len;
+    r.first_seen_ms = r.last_seen_ms = r.last_grant_ms = now;
+    r.expires_at_ms = now + (int64_t)op->ttl_ms;
+    r.lease_until_ms = now + (int64_t)op->lease_ms;
+    r.seen_count = 1;
+    r.attempts = 1;
+    if (op->fp) {
+        r.flags |= REC_F_FP;
+        memcpy(r.fp, fp, 16);
+    }
+    int rc = store_next_token(s, &r.token);
+    if (rc == 0) {
+        if (slot)
+            ops_seen_release(s, slot); /* an expired record's counters do not carry over */
+        rc = write_version(s, slot, old_state, &r, op->key, op->owner, NULL, NULL, 0,
+                           &sl->need_lsn);
+    }
+    if (rc < 0) {
+        sl->c.err = rc;
+        return;
+    }
+    if (old_state)
+        s->st.expired_total++;
+    sl->c.outcome = IDEM_NEW;
+    sl->c.token = r.token;
+    s->st.claims_new++;
+}
+
+/* A claim that meets an unfinished or committed record. Returns the outcome written. */
+static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op,
+                           const uint8_t fp[16], struct index_slot *slot, struct rec *r,
+                           uint64_t lsn, int64_t now, int waking)
+{
+    const void *owner = r->owner, *note = r->note;
+    int rc = 0;
+    sl->need_lsn = lsn;
+    if (r->state != IDEM_STATE_REVIEW && fp_differs(r, op, fp)) {
+        /* Rule 3: recorded, nothing else changes. */
+        r->mismatch_count++;
+        r->last_mismatch_ms = now;
+        memcpy(r->last_mismatch_fp, fp, 16);
+        r->flags |= REC_F_MFP;
+        if (!waking && seen_bump(s, slot, r, now) < 0)
+            r->seen_count++;
+        const void *result = NULL;
+        uint32_t result_len = 0;
+        if (r->state == IDEM_STATE_COMMITTED)
+            rc = copy_result(sl, r, &result, &result_len);
+        if (rc == 0)
+            rc = write_version(s, slot, r->state, r, r->key, owner, note, result, result_len,
+                               &sl->need_lsn);
+        sl->c.outcome = IDEM_MISMATCH;
+        s->st.claims_mismatch++;
+        s->st.mismatches++;
+        goto out;
+    }
+    if (r->state == IDEM_STATE_COMMITTED) {
+        if (!waking)
+            seen_bump(s, slot, r, now);
+        rc = copy_result(sl, r, &sl->c.data, &sl->c.data_len);
+        sl->c.outcome = IDEM_DONE;
+        s->st.claims_done++;
+        goto out;
+    }
+    if (r->state == IDEM_STATE_REVIEW) {
+        if (!waking)
+            seen_bump(s, slot, r, now);
+        sl->c.data = qslot_copy(sl, r->note, r->note_len);
+        sl->c.data_len = r->note_len;
+        sl->c.outcome = IDEM_REVIEW;
+        s->st.claims_review++;
+        goto out;
+    }
+    if (now < r->lease_until_ms) {
+        if (owner_same(r, op)) {
+            /* The same worker again: resume with the same token, the lease runs on. */
+            r->lease_until_ms = now + (int64_t)op->lease_ms;
+            if (!waking)
+                seen_bump(s, slot, r, now);
+            rc = write_version(s, slot, r->state, r, r->key, owner, note, NULL, 0,
+                               &sl->need_lsn);
+            sl->c.outcome = IDEM_NEW;
+            sl->c.token = r->token;
+            s->st.claims_new++;
+            goto out;
+        }
+        if (!waking)
+            seen_bump(s, slot, r, now);
+        sl->c.outcome = IDEM_BUSY;
+        sl->c.lease_left_ms = r->lease_until_ms - now;
+        s->st.claims_busy++;
+        goto out;
+    }
+    /* Rule 6: the lease ran out; the transition is made and logged now. */
+    if (!waking)
+        seen_bump(s, slot, r, now);
+    if (s->opt.lease_policy == IDEM_LEASE_REVIEW) {
+        static const char why[] = "lease expired";
+        r->state = IDEM_STATE_REVIEW;
+        r->note_len = sizeof why - 1;
+        rc = write_version(s, slot, IDEM_STATE_IN_FLIGHT, r, r->key, owner, why, NULL, 0,
+                           &sl->need_lsn);
+        sl->c.outcome = IDEM_REVIEW;
+        sl->c.data = why;
+        sl->c.data_len = sizeof why - 1;
+        s->st.claims_review++;
+        goto out;
+    }
+    int64_t prev_grant = r->last_grant_ms;
+    rc = store_next_token(s, &r->token);
+    if (rc < 0)
+        goto out;
+    r->attempts++;
+    r->last_grant_ms = now;
+    r->lease_until_ms = now + (int64_t)op->lease_ms;
+    r->owner_len = (uint16_t)op->owner_len;
+    rc = write_version(s, slot, r->state, r, r->key, op->owner, note, NULL, 0, &sl->need_lsn);
+    sl->c.outcome = IDEM_RECOVER;
+    sl->c.token = r->token;
+    sl->c.attempts = r->attempts;
+    sl->c.last_grant_ms = prev_grant;
+    s->st.claims_recover++;
+    s->st.recoveries++;
+out:
+    if (rc < 0) {
+        sl->c.err = rc;
+        sl->c.outcome = 0;
+    }
+}
+
+/* Returns 1 when the claim should be parked (busy with WAIT). */
+static int op_claim(idem_store *s, struct qslot *sl, const idem_op *op, int waking)
+{
+    uint8_t fp[16] = {0};
+    if (op->fp)
+        idem_fingerprint(op->fp, op->fp_len, fp);
+    int64_t now = store_now(s);
+    struct rec r;
+    uint64_t lsn;
+    struct index_slot *slot = ops_find(s, op->key, op->key_len, &r, &lsn);
+    if (!slot || ops_rec_expired(&r, now)) {
+        sl->need_lsn = wal_last_lsn(s->wal);
+        claim_new(s, sl, op, fp, slot, slot ? r.state : 0, now);
+        return 0;
+    }
+    /* The record's bytes may move when the log appends: copy what a version rewrite needs. */
+    claim_existing(s, sl, op, fp, slot, &r, lsn, now, waking);
+    if (sl->c.outcome == IDEM_BUSY && op->wait_ms && !s->closing) {
+        sl->lease_end_ms = r.lease_until_ms;
+        return 1;
+    }
+    return 0;
+}
+
+/* ---- Owner calls ---- */
+
+/* Looks up the key for an owner call; fills the completion for absent/stale and returns NULL
+ * then. */
+static struct index_slot *owner_lookup(idem_store *s, struct qslot *sl, const idem_op *op,
+                                       struct rec *r, int64_t now)
+{
+    uint64_t lsn;
+    struct index_slot *slot = ops_find(s, op->key, op->key_len, r, &lsn);
+    if (!slot || ops_rec_expired(r, now)) {
+        sl->need_lsn = wal_last_lsn(s->wal);
+        sl->c.err = IDEM_ENOTFOUND;
+        return NULL;
+    }
+    sl->need_lsn = lsn;
+    return slot;
+}
+
+static void op_commit(idem_store *s, struct qslot *sl, const idem_op *op)
+{
+    int64_t now = store_now(s);
+    struct rec r;
+    struct index_slot *slot = owner_lookup(s, sl, op, &r, now);
+    if (!slot)
+        return;
+    if (r.token != op->token || r.state == IDEM_STATE_REVIEW) {
+        sl->c.err = IDEM_ESTALE;
+        return;
+    }
+    if (r.state == IDEM_STATE_COMMITTED) {
+        const void *old;
+        uint32_t old_len;
+        int rc = copy_result(sl, &r, &old, &old_len);
+        if (rc == 0 && (old_len != op->data_len || memcmp(old, op->data, old_len) != 0)) {
+            rc = IDEM_ECONFLICT;
+            s->st.conflicting_commits++;
+        }
+        sl->c.err = rc;
+        return;
+    }
+    r.state = IDEM_STATE_COMMITTED;
+    r.owner_len = 0;
+    r.lease_until_ms = 0;
+    if (now >= r.expires_at_ms)
+        r.expires_at_ms = now + (r.expires_at_ms - r.first_seen_ms); /* rule 5 */
+    sl->c.err = write_version(s, slot, IDEM_STATE_IN_FLIGHT, &r, r.key, NULL, r.note, op->data,
+                              op->data_len, &sl->need_lsn);
+    if (sl->c.err == 0)
+        ops_wake(s, op->key, op->key_len);
+}
+
+static void op_release(idem_store *s, struct qslot *sl, const idem_op *op)
+{
+    int64_t now = store_now(s);
+    struct rec r;
+    struct index_slot *slot = owner_lookup(s, sl, op, &r, now);
+    if (!slot)
+        return;
+    if (r.token != op->token || r.state != IDEM_STATE_IN_FLIGHT) {
+        sl->c.err = IDEM_ESTALE;
+        return;
+    }
+    sl->c.err = write_delete(s, slot, r.state, op->key, op->key_len, &sl->need_lsn);
+    if (sl->c.err == 0)
+        ops_wake(s, op->key, op->key_len);
+}
+
+static void op_hold(idem_store *s, struct qslot *sl, const idem_op *op)
+{
+    int64_t now = store_now(s);
+    struct rec r;
+    struct index_slot *slot = owner_lookup(s, sl, op, &r, now);
+    if (!slot)
+        return;
+    if (r.token != op->token || r.state == IDEM_STATE_COMMITTED) {
+        sl->c.err = IDEM_ESTALE;
+        return;
+    }
+    if (r.state == IDEM_STATE_REVIEW)
+        return; /* a repeated hold by the holder answers OK */
+    r.state = IDEM_STATE_REVIEW;
+    r.note_len = (uint16_t)op->data_len;
+    r.owner_len = 0;
+    sl->c.err = write_version(s, slot, IDEM_STATE_IN_FLIGHT, &r, r.key, NULL, op->data, NULL, 0,
+                              &sl->need_lsn);
+    if (sl->c.err == 0)
+        ops_wake(s, op->key, op->key_len);
+}
+
+static void op_extend(idem_store *s, struct qslot *sl, const idem_op *op)
+{
+    int64_t now = store_now(s);
+    struct rec r;
+    struct index_slot *slot = owner_lookup(s, sl, op, &r, now);
+    if (!slot)
+        return;
+    if (r.token != op->token || r.state != IDEM_STATE_IN_FLIGHT) {
+        sl->c.err = IDEM_ESTALE;
+        return;
+    }
+    r.lease_until_ms = now + (int64_t)op->lease_ms;
+    sl->c.err = write_version(s, slot, r.state, &r, r.key, r.owner, r.note, NULL, 0,
+                              &sl->need_lsn);
+}
+
+/* ---- Reads, SET NX, DEL, RESOLVE ---- */
+
+static void op_get(idem_store *s, struct qslot *sl, const idem_op *op)
+{
+    struct rec r;
+    uint64_t lsn;
+    struct index_slot *slot = ops_find(s, op->key, op->key_len, &r, &lsn);
+    if (!slot || ops_rec_expired(&r, store_now(s))) {
+        sl->need_lsn = wal_last_lsn(s->wal);
+        return;
+    }
+    sl->need_lsn = lsn;
+    ops_fill_record(sl, &r, slot, s);
+}
+
+static void op_set(idem_store *s, struct qslot *sl, const idem_op *op)
+{
+    int64_t now = store_now(s);
+    struct rec r;
+    uint64_t lsn;
+    struct index_slot *slot = ops_find(s, op->key, op->key_len, &r, &lsn);
+    if (slot && !ops_rec_expired(&r, now)) {
+        sl->need_lsn = lsn;
+        if (r.state != IDEM_STATE_COMMITTED) {
+            if (op->flags & IDEM_F_GET_OLD)
+                sl->c.err = IDEM_ESTATE;
+            else
+                sl->c.outcome = IDEM_DONE;
+            return;
+        }
+        seen_bump(s, slot, &r, now);
+        sl->c.outcome = IDEM_DONE;
+        s->st.claims_done++;
+        if (op->flags & IDEM_F_GET_OLD)
+            sl->c.err = copy_result(sl, &r, &sl->c.data, &sl->c.data_len);
+        return;
+    }
+    if (capacity_full(s)) {
+        sl->c.err = IDEM_EFULL;
+        return;
+    }
+    struct rec n = {0};
+    n.state = IDEM_STATE_COMMITTED;
+    n.key_len = (uint16_t)op->key_len;
+    n.first_seen_ms = n.last_seen_ms = now;
+    n.expires_at_ms = now + (int64_t)op->ttl_ms;
+    n.seen_count = 1;
+    if (slot)
+        ops_seen_release(s, slot);
+    sl->c.err = write_version(s, slot, slot ? r.state : 0, &n, op->key, NULL, NULL, op->data,
+                              op->data_len, &sl->need_lsn);
+    if (sl->c.err == 0) {
+        sl->c.outcome = IDEM_NEW;
+        s->st.claims_new++;
+        if (slot)
+            s->st.expired_total++;
+    }
+}
+
+static const char *actor_of(const idem_op *op)
+{
+    return op->actor && *op->actor ? op->actor : "unknown";
+}
+
+static void op_del(idem_store *s, struct qslot *sl, const idem_op *op)
+{
+    int64_t now = store_now(s);
+    struct rec r;
+    struct index_slot *slot = owner_lookup(s, sl, op, &r, now);
+    if (!slot)
+        return;
+    if (r.state != IDEM_STATE_COMMITTED) {
+        sl->c.err = IDEM_ESTATE;
+        return;
+    }
+    uint64_t version = r.version;
+    sl->c.err = write_delete(s, slot, r.state, op->key, op->key_len, &sl->need_lsn);
+    if (sl->c.err == 0)
+        sl->c.err = audit_append(s, actor_of(op), "del", op->key, op->key_len, NULL, 0,
+                                 IDEM_STATE_COMMITTED, 0, version, 0, sl->need_lsn);
+}
+
+static void op_resolve(idem_store *s, struct qslot *sl, const idem_op *op)
+{
+    static const char *const names[] = {"", "resolve-commit", "resolve-release",
+                                        "resolve-settle"};
+    int64_t now = store_now(s);
+    struct rec r;
+    struct index_slot *slot = owner_lookup(s, sl, op, &r, now);
+    if (!slot)
+        return;
+    if (r.state == IDEM_STATE_COMMITTED) {
+        sl->c.err = IDEM_ESTATE;
+        return;
+    }
+    if ((op->flags & IDEM_F_EXPECT) && op->expect_version != r.version) {
+        sl->c.err = IDEM_ECHANGED;
+        return;
+    }
+    if (r.state == IDEM_STATE_IN_FLIGHT && now < r.lease_until_ms && !(op->flags & IDEM_F_FORCE)) {
+        sl->c.err = IDEM_ELEASE;
+        return;
+    }
+    int before = r.state;
+    uint64_t version = r.version;
+    int64_t token;
+    int rc = store_next_token(s, &token); /* every resolve bumps the token */
+    if (rc == 0 && op->action == IDEM_RESOLVE_RELEASE) {
+        rc = write_delete(s, slot, r.state, op->key, op->key_len, &sl->need_lsn);
+    } else if (rc == 0) {
+        r.state = IDEM_STATE_COMMITTED;
+        r.token = token;
+        r.owner_len = 0;
+        r.lease_until_ms = 0;
+        r.note_len = (uint16_t)op->data_len;
+        if (now >= r.expires_at_ms)
+            r.expires_at_ms = now + (r.expires_at_ms - r.first_seen_ms);
+        const void *result = op->action == IDEM_RESOLVE_COMMIT ? op->result : NULL;
+        uint32_t result_len = op->action == IDEM_RESOLVE_COMMIT ? op->result_len : 0;
+        rc = write_version(s, slot, before, &r, r.key, NULL, op->data, result, result_len,
+                           &sl->need_lsn);
+    }
+    if (rc == 0)
+        rc = audit_append(s, actor_of(op), names[op->action], op->key, op->key_len, op->data,
+                          op->data_len, before,
+                          op->action == IDEM_RESOLVE_RELEASE ? 0 : IDEM_STATE_COMMITTED, version,
+                          op->action == IDEM_RESOLVE_RELEASE ? 0 : r.version, sl->need_lsn);
+    sl->c.err = rc;
+    if (rc == 0)
+        ops_wake(s, op->key, op->key_len);
+}
+
+/* ---- Dispatch and WAIT ---- */
+
+static void park(idem_store *s, struct qslot *sl, const idem_op *op)
+{
+    sl->op = *op;
+    sl->op.key = qslot_copy(sl, op->key, op->key_len);
+    sl->op.owner = op->owner_len ? qslot_copy(sl, op->owner, op->owner_len) : NULL;
+    sl->op.fp = op->fp ? qslot_copy(sl, op->fp, op->fp_len ? op->fp_len : 1) : NULL;
+    if (!sl->op.key || (op->owner_len && !sl->op.owner) || (op->fp && !sl->op.fp))
+        return; /* out of memory: answer busy now */
+    sl->deadline_mono_ms = s->clock.monotonic_ms(s->clock.ctx) + op->wait_ms;
+    sl->state = SLOT_PARKED;
+    sl->wnext = NULL;
+    if (s->waiters_tail)
+        s->waiters_tail->wnext = sl;
+    else
+        s->waiters = sl;
+    s->waiters_tail = sl;
+    store_kick(s);
+}
+
+void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op)
+{
+    if (!op_valid(s, op)) {
+        sl->c.err = IDEM_EINVAL;
+        return;
+    }
+    if (op->kind != IDEM_OP_GET && op->kind != IDEM_OP_SYNC) {
+        if (s->closing) {
+            sl->c.err = IDEM_ECLOSED;
+            return;
+        }
+        if (s->opt.read_only) {
+            sl->c.err = IDEM_EREADONLY;
+            return;
+        }
+        int rc = store_room(s);
+        if (rc < 0) {
+            sl->c.err = rc;
+            return;
+        }
+    }
+    switch (op->kind) {
+    case IDEM_OP_CLAIM:
+        if (op_claim(s, sl, op, 0))
+            park(s, sl, op);
+        break;
+    case IDEM_OP_COMMIT: op_commit(s, sl, op); break;
+    case IDEM_OP_RELEASE: op_release(s, sl, op); break;
+    case IDEM_OP_HOLD: op_hold(s, sl, op); break;
+    case IDEM_OP_EXTEND: op_extend(s, sl, op); break;
+    case IDEM_OP_GET: op_get(s, sl, op); break;
+    case IDEM_OP_SET_IF_ABSENT: op_set(s, sl, op); break;
+    case IDEM_OP_DEL: op_del(s, sl, op); break;
+    case IDEM_OP_RESOLVE: op_resolve(s, sl, op); break;
+    case IDEM_OP_SYNC: sl->need_lsn = wal_last_lsn(s->wal); break;
+    }
+    if (s->fatal && sl->need_lsn > s->durable_lsn) {
+        sl->c.err = IDEM_EFATAL;
+        sl->c.outcome = 0;
+    }
+}
+
+/* Re-runs one parked claim; returns 1 when it completed (and left the waiter list). */
+static int wake_one(idem_store *s, struct qslot *sl, int64_t mono)
+{
+    uint32_t keep = sl->buf_used;
+    uint64_t ud = sl->c.user_data;
+    memset(&sl->c, 0, sizeof sl->c);
+    sl->c.user_data = ud;
+    if (s->closing || s->fatal || wal_chunks_free(s->wal) < 3) {
+        if (!s->closing && !s->fatal && mono < sl->deadline_mono_ms)
+            return 0; /* no buffer room now: try again at the next wake-up */
+        /* Closing: waiting claims answer busy at once. */
+        struct rec r;
+        uint64_t lsn;
+        struct index_slot *slot = ops_find(s, sl->op.key, sl->op.key_len, &r, &lsn);
+        sl->c.outcome = IDEM_BUSY;
+        sl->c.lease_left_ms = slot && r.lease_until_ms > store_now(s)
+                                  ? r.lease_until_ms - store_now(s)
+                                  : 0;
+        sl->need_lsn = slot ? lsn : 0;
+        return 1;
+    }
+    sl->buf_used = keep;
+    int park_again = op_claim(s, sl, &sl->op, 1);
+    if (park_again && mono < sl->deadline_mono_ms)
+        return 0;
+    return 1;
+}
+
+void ops_wake(idem_store *s, const void *key, uint32_t key_len)
+{
+    int64_t mono = s->clock.monotonic_ms(s->clock.ctx);
+    struct qslot **pp = &s->waiters, *prev = NULL;
+    while (*pp) {
+        struct qslot *sl = *pp;
+        int match = !key || (sl->op.key_len == key_len && !memcmp(sl->op.key, key, key_len));
+        if ((match || mono >= sl->deadline_mono_ms || s->closing) && wake_one(s, sl, mono)) {
+            *pp = sl->wnext;
+            if (s->waiters_tail == sl)
+                s->waiters_tail = prev;
+            sl->state = SLOT_DONE;
+            uint64_t one = 1;
+            if (write(sl->q->efd, &one, sizeof one) < 0) {
+                /* saturated: already readable */
+            }
+            pthread_cond_broadcast(&s->cond_ready);
+            continue;
+        }
+        prev = sl;
+        pp = &sl->wnext;
+    }
+    if (wal_pending(s->wal))
+        store_kick(s);
+}
+
+/* ---- Recovery ---- */
+
+int ops_replay(void *ctx, const struct wal_frame *f)
+{
+    idem_store *s = ctx;
+    if (f->type == WAL_T_END)
+        return 0;
+    const uint8_t *key;
+    uint32_t key_len;
+    int state = 0;
+    if (f->type == WAL_T_RECORD) {
+        struct rec r;
+        if (rec_decode(f->payload, f->payload_len, &r) < 0)
+            return IDEM_ECORRUPT;
+        key = r.key;
+        key_len = r.key_len;
+        state = r.state;
+    } else {
+        if (f->payload_len < 8)
+            return IDEM_ECORRUPT;
+        key_len = util_get_u16(f->payload);
+        key = f->payload + 8;
+        if (key_len == 0 || 8 + key_len > f->payload_len)
+            return IDEM_ECORRUPT;
+    }
+    struct rec old;
+    uint64_t lsn;
+    struct index_slot *slot = ops_find(s, key, key_len, &old, &lsn);
+    if (slot)
+        state_count(s, old.state, -1);
+    if (f->type == WAL_T_DELETE) {
+        if (slot) {
+            ops_seen_release(s, slot);
+            index_remove(s->ix, slot);
+        }
+        return 0;
+    }
+    if (!slot) {
+        slot = index_insert(s->ix, ops_hash(s, key, key_len), f->addr, 0);
+        if (!slot)
+            return IDEM_ENOMEM;
+    } else {
+        ops_seen_release(s, slot);
+        index_slot_set_addr(slot, f->addr);
+    }
+    state_count(s, state, +1);
+    return 0;
+}

@@ -1,0 +1,1262 @@
+/*
+ * store.c: the store's life (open with recovery, close with a checkpoint), the flusher thread
+ * that runs group commit and WAIT timers, queues (submit, poll, blocking calls), the store
+ * clock, scans, stats, checkpoints and backups. The rules over one key live in ops.c.
+ *
+ * Invariants: every completion a queue delivers in sync mode depends only on LSNs <=
+ * durable_lsn; at most one batch is in flight (flushing); after fatal is set no change is
+ * applied and no not-yet-durable completion reports success.
+ */
+#include "store.h"
+
+#include <errno.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <time.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "util.h"
+
+static __thread char last_error[512];
+
+void store_set_error(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    va_end(ap);
+}
+
+const char *idem_last_error(void)
+{
+    return last_error;
+}
+
+void idem_options_init(idem_options *o)
+{
+    memset(o, 0, sizeof *o);
+}
+
+/* ---- Clock ---- */
+
+static int64_t sys_wall(void *ctx)
+{
+    (void)ctx;
+    return util_realtime_ms();
+}
+
+static int64_t sys_mono(void *ctx)
+{
+    (void)ctx;
+    return util_boottime_ms();
+}
+
+static int64_t mono_now(idem_store *s)
+{
+    return s->clock.monotonic_ms(s->clock.ctx);
+}
+
+/* Elapsed monotonic time moves the store clock; it follows the wall clock by at most
+ * STORE_SLEW_PER_S_MS per second of elapsed time, and never goes back. */
+int64_t store_now(idem_store *s)
+{
+    if (s->opt.test_clock)
+        return s->clk_last_ms;
+    int64_t mono = mono_now(s);
+    int64_t est = s->clk_store_ms + (mono - s->clk_mono_ms);
+    if (mono - s->clk_mono_ms >= 1000) {
+        int64_t diff = s->clock.wall_ms(s->clock.ctx) - est;
+        int64_t cap = (mono - s->clk_mono_ms) * STORE_SLEW_PER_S_MS / 1000;
+        est += diff > cap ? cap : diff < -cap ? -cap : diff;
+        s->clk_store_ms = est;
+        s->clk_mono_ms = mono;
+    }
+    if (est > s->clk_last_ms)
+        s->clk_last_ms = est;
+    return s->clk_last_ms;
+}
+
+int64_t idem_clock_now(idem_store *s)
+{
+    pthread_mutex_lock(&s->mu);
+    int64_t now = store_now(s);
+    pthread_mutex_unlock(&s->mu);
+    return now;
+}
+
+int idem_clock_set(idem_store *s, int64_t ms)
+{
+    if (!s->opt.test_clock)
+        return IDEM_ENOTSUP;
+    pthread_mutex_lock(&s->mu);
+    int rc = 0;
+    if (ms < s->clk_last_ms) {
+        rc = IDEM_EINVAL;
+    } else {
+        s->clk_last_ms = ms;
+        ops_wake(s, NULL, 0);
+        pthread_cond_broadcast(&s->cond_ready);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+int idem_clock_advance(idem_store *s, int64_t delta_ms)
+{
+    if (!s->opt.test_clock)
+        return IDEM_ENOTSUP;
+    if (delta_ms < 0)
+        return IDEM_EINVAL;
+    return idem_clock_set(s, s->clk_last_ms + delta_ms);
+}
+
+/* ---- Tokens ---- */
+
+int store_next_token(idem_store *s, int64_t *out)
+{
+    if ((uint64_t)s->token_next >= s->sb.token_reserved) {
+        if (s->opt.read_only)
+            return IDEM_EREADONLY;
+        struct super sb = s->sb;
+        sb.token_reserved = (uint64_t)s->token_next + STORE_TOKEN_BLOCK;
+        sb.store_clock_ms = s->clk_last_ms;
+        int rc = super_store(s->io, s->dir, &sb);
+        if (rc < 0) {
+            if (rc == IDEM_EFATAL)
+                s->fatal = 1;
+            return rc;
+        }
+        s->sb = sb;
+    }
+    if (s->token_next >= IDEM_TOKEN_MAX)
+        return IDEM_EFULL;
+    *out = s->token_next++;
+    return 0;
+}
+
+/* ---- Completions ---- */
+
+static int slot_ready(const idem_store *s, const struct qslot *sl)
+{
+    if (sl->state != SLOT_DONE)
+        return 0;
+    return s->opt.durability != IDEM_DURABILITY_SYNC || sl->need_lsn <= s->durable_lsn ||
+           sl->c.err == IDEM_EFATAL;
+}
+
+static void queue_signal(struct idem_queue *q)
+{
+    uint64_t one = 1;
+    if (write(q->efd, &one, sizeof one) < 0) {
+        /* The counter is saturated: the reader has plenty to read already. */
+    }
+}
+
+/* After the durable LSN moved (or fatal): wake the queues that have ready completions. */
+static void notify_ready(idem_store *s)
+{
+    for (struct idem_queue *q = s->queues; q; q = q->next) {
+        for (uint32_t i = 0; i < q->depth; i++) {
+            if (slot_ready(s, &q->slots[i])) {
+                queue_signal(q);
+                break;
+            }
+        }
+    }
+    pthread_cond_broadcast(&s->cond_ready);
+}
+
+/* The store failed: nothing more is durable; pending completions answer EFATAL. */
+static void store_fail(idem_store *s, int err)
+{
+    if (!s->fatal)
+        fprintf(stderr, "idem: event=fatal_io_error dir=%s error=\"%s\"\n", s->dir,
+                strerror(-err));
+    s->fatal = 1;
+    s->st.fatal = 1;
+    for (struct idem_queue *q = s->queues; q; q = q->next) {
+        for (uint32_t i = 0; i < q->depth; i++) {
+            struct qslot *sl = &q->slots[i];
+            if (sl->state == SLOT_DONE && sl->need_lsn > s->durable_lsn) {
+                sl->c.err = IDEM_EFATAL;
+                sl->c.outcome = 0;
+            }
+        }
+    }
+    notify_ready(s);
+}
+
+/* ---- The flusher ---- */
+
+static void flush_once(idem_store *s)
+{
+    int64_t now = store_now(s);
+    int n = wal_flush_begin(s->wal, now);
+    if (n < 0) {
+        store_fail(s, -EIO);
+        return;
+    }
+    if (n == 0)
+        return;
+    s->flushing = 1;
+    uint64_t records = wal_last_lsn(s->wal) - s->durable_lsn;
+    pthread_mutex_unlock(&s->mu);
+    int64_t t0 = util_monotonic_us();
+    int rc = wal_flush_io(s->wal);
+    int64_t us = util_monotonic_us() - t0;
+    pthread_mutex_lock(&s->mu);
+    s->flushing = 0;
+    if (rc < 0) {
+        store_fail(s, rc);
+        return;
+    }
+    s->durable_lsn = wal_flush_end(s->wal);
+    s->last_flush_mono_ms = mono_now(s);
+    s->st.flushes++;
+    s->st.flush_records += records;
+    s->st.flush_latency_us_sum += (uint64_t)us;
+    int b = 0;
+    while (b < 15 && us >= (1ll << (b + 4)))
+        b++;
+    s->st.flush_latency_us_buckets[b]++;
+    notify_ready(s);
+}
+
+static int flush_due(idem_store *s)
+{
+    if (!wal_pending(s->wal) || s->fatal)
+        return 0;
+    if (s->opt.durability == IDEM_DURABILITY_SYNC || s->sync_waiters || s->closing ||
+        wal_chunks_free(s->wal) < 4)
+        return 1;
+    return mono_now(s) - s->last_flush_mono_ms >= STORE_BATCH_FLUSH_MS;
+}
+
+/* How long the flusher may sleep: until a batch flush, a WAIT deadline, or a lease end. */
+static int64_t flusher_sleep_ms(idem_store *s)
+{
+    int64_t sleep = 1000;
+    int64_t mono = mono_now(s);
+    if (wal_pending(s->wal))
+        sleep = STORE_BATCH_FLUSH_MS - (mono - s->last_flush_mono_ms);
+    int64_t now = store_now(s);
+    for (struct qslot *w = s->waiters; w; w = w->wnext) {
+        int64_t d = w->deadline_mono_ms - mono;
+        if (d < sleep)
+            sleep = d;
+        if (!s->opt.test_clock && w->lease_end_ms - now < sleep)
+            sleep = w->lease_end_ms - now;
+    }
+    return sleep < 0 ? 0 : sleep;
+}
+
+static void *flusher_main(void *arg)
+{
+    idem_store *s = arg;
+    pthread_mutex_lock(&s->mu);
+    for (;;) {
+        if (flush_due(s)) {
+            flush_once(s);
+            continue;
+        }
+        if (s->waiters)
+            ops_wake(s, NULL, 0);
+        if (s->closing && !wal_pending(s->wal))
+            break;
+        int64_t ms = flusher_sleep_ms(s);
+        if (ms > 0) {
+            struct timespec ts;
+            clock_gettime(CLOCK_MONOTONIC, &ts);
+            ts.tv_sec += ms / 1000;
+            ts.tv_nsec += (ms % 1000) * 1000000;
+            if (ts.tv_nsec >= 1000000000) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000;
+            }
+            pthread_cond_timedwait(&s->cond_flush, &s->mu, &ts);
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+void store_kick(idem_store *s)
+{
+    pthread_cond_signal(&s->cond_flush);
+}
+
+int store_room(idem_store *s)
+{
+    while (!s->fatal && wal_chunks_free(s->wal) < 3) {
+        s->sync_waiters++;
+        pthread_cond_signal(&s->cond_flush);
+        pthread_cond_wait(&s->cond_ready, &s->mu);
+        s->sync_waiters--;
+    }
+    return s->fatal ? IDEM_EFATAL : 0;
+}
+
+/* Waits (mu held) until everything appended so far is durable. */
+static int wait_durable(idem_store *s)
+{
+    uint64_t target = wal_last_lsn(s->wal);
+    s->sync_waiters++;
+    while (!s->fatal && (s->durable_lsn < target || s->flushing)) {
+        pthread_cond_signal(&s->cond_flush);
+        pthread_cond_wait(&s->cond_ready, &s->mu);
+    }
+    s->sync_waiters--;
+    return s->fatal ? IDEM_EFATAL : 0;
+}
+
+/* ---- Open and close ---- */
+
+static int store_init_new(idem_store *s)
+{
+    struct super *sb = &s->sb;
+    memset(sb, 0, sizeof *sb);
+    uint64_t r1 = XXH3_64bits_withSeed(s->dir, strlen(s->dir), (uint64_t)util_monotonic_us());
+    uint64_t r2 = XXH3_64bits_withSeed(&r1, sizeof r1, (uint64_t)util_realtime_ms() ^ getpid());
+    FILE *ur = fopen("/dev/urandom", "rb");
+    if (ur) {
+        if (fread(&r1, sizeof r1, 1, ur) != 1 || fread(&r2, sizeof r2, 1, ur) != 1) {
+            /* keep the time-derived values */
+        }
+        fclose(ur);
+    }
+    memcpy(sb->store_id, &r1, 8);
+    memcpy(sb->store_id + 8, &r2, 8);
+    sb->hash_seed = r1 ^ (r2 << 1);
+    sb->token_reserved = 1;
+    sb->wal_first_seq = 1;
+    sb->ckpt_seq = 1;
+    sb->ckpt_off = WAL_BLOCK;
+    sb->seg_bytes = s->opt.segment_bytes;
+    sb->created_ms = s->clock.wall_ms(s->clock.ctx);
+    sb->store_clock_ms = sb->created_ms;
+    sb->store_generation = 1;
+    int rc = wal_init_new(s->wal);
+    if (rc < 0)
+        return rc;
+    return super_store(s->io, s->dir, sb);
+}
+
+static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
+{
+    idem_store *s = ctx;
+    uint64_t h = (e->addr_tag & ~INDEX_ADDR_MASK) | e->hash_lo;
+    struct index_slot *slot = index_insert(s->ix, h, e->addr_tag & INDEX_ADDR_MASK, 0);
+    if (!slot)
+        return IDEM_ENOMEM;
+    if (e->has_seen) {
+        /* Repeat counters survive a clean restart through the checkpoint. */
+        if (s->seen_used == s->seen_cap) {
+            uint32_t cap = s->seen_cap ? s->seen_cap * 2 : 1024;
+            struct seen_info *n = realloc(s->seen, cap * sizeof *n);
+            if (!n)
+                return IDEM_ENOMEM;
+            s->seen = n;
+            s->seen_cap = cap;
+        }
+        s->seen[s->seen_used] = (struct seen_info){e->last_seen_ms, e->seen_count};
+        slot->aux = ++s->seen_used; /* aux is index + 1 */
+    }
+    return 0;
+}
+
+static int store_recover(idem_store *s)
+{
+    char err[512] = "";
+    if (s->sb.ckpt_id) {
+        int rc = ckpt_load(s->io, s->dir, s->sb.ckpt_id, ckpt_entry_load, s, err, sizeof err);
+        if (rc < 0) {
+            store_set_error("%s", err);
+            return rc;
+        }
+    }
+    int rc = wal_recover(s->wal, s->sb.wal_first_seq, s->sb.ckpt_seq, s->sb.ckpt_off,
+                         s->sb.ckpt_lsn, s->sb.ckpt_batch, ops_replay, s, s->opt.read_only);
+    if (rc < 0) {
+        store_set_error("%s", *wal_error(s->wal) ? wal_error(s->wal) : idem_strerror(rc));
+        return rc;
+    }
+    s->durable_lsn = wal_last_lsn(s->wal);
+    return 0;
+}
+
+static int store_validate_options(idem_options *o)
+{
+    if (o->durability < 0 || o->durability > IDEM_DURABILITY_NONE || o->lease_policy < 0 ||
+        o->lease_policy > IDEM_LEASE_REVIEW || o->io_backend < 0 ||
+        o->io_backend > IDEM_IO_THREAD)
+        return IDEM_EINVAL;
+    if (o->result_bytes_max == 0)
+        o->result_bytes_max = IDEM_RESULT_BYTES_DEFAULT;
+    if (o->result_bytes_max > IDEM_RESULT_BYTES_LIMIT)
+        return IDEM_EINVAL;
+    if (o->segment_bytes == 0)
+        o->segment_bytes = 64u << 20;
+    uint64_t rec_max = REC_FIXED_BYTES + IDEM_KEY_BYTES_MAX + IDEM_OWNER_BYTES_MAX +
+                       IDEM_NOTE_BYTES_MAX + o->result_bytes_max + 2 * WAL_FRAME_HDR;
+    if (o->segment_bytes % WAL_BLOCK || o->segment_bytes > WAL_SEG_BYTES_MAX ||
+        o->segment_bytes < WAL_BLOCK + 2 * rec_max)
+        return IDEM_EINVAL;
+    return 0;
+}
+
+static void store_free(idem_store *s)
+{
+    if (s->wal)
+        wal_destroy(s->wal);
+    if (s->ix)
+        index_destroy(s->ix);
+    audit_close(s);
+    if (s->io)
+        io_destroy(s->io);
+    lock_release(s->lock_fd);
+    pthread_mutex_destroy(&s->mu);
+    pthread_cond_destroy(&s->cond_ready);
+    pthread_cond_destroy(&s->cond_flush);
+    free(s->seen);
+    free(s->seen_free);
+    free(s->scratch);
+    free(s->dir);
+    free(s);
+}
+
+static int store_start(idem_store *s)
+{
+    int64_t wall = s->clock.wall_ms(s->clock.ctx);
+    int64_t start = wall;
+    if (s->sb.store_clock_ms > start)
+        start = s->sb.store_clock_ms;
+    if (wal_last_clock_ms(s->wal) > start)
+        start = wal_last_clock_ms(s->wal);
+    s->clk_store_ms = s->clk_last_ms = start;
+    s->clk_mono_ms = mono_now(s);
+    s->last_flush_mono_ms = s->clk_mono_ms;
+    s->token_next = (int64_t)s->sb.token_reserved;
+    if (s->opt.read_only)
+        return 0;
+    int rc = audit_open(s);
+    if (rc < 0)
+        return rc;
+    if (pthread_create(&s->flusher, NULL, flusher_main, s) != 0)
+        return IDEM_ENOMEM;
+    s->flusher_started = 1;
+    return 0;
+}
+
+int store_open_io(const char *dir, const idem_options *o, struct io *io, int simulated,
+                  idem_store **out)
+{
+    last_error[0] = 0;
+    idem_store *s = calloc(1, sizeof *s);
+    if (!s) {
+        io_destroy(io);
+        return IDEM_ENOMEM;
+    }
+    pthread_mutex_init(&s->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&s->cond_ready, NULL);
+    pthread_cond_init(&s->cond_flush, &ca);
+    pthread_condattr_destroy(&ca);
+    s->lock_fd = -1;
+    s->io = io;
+    s->test_sim = simulated;
+    s->opt = o ? *o : (idem_options){0};
+    s->clock.wall_ms = s->opt.clock && s->opt.clock->wall_ms ? s->opt.clock->wall_ms : sys_wall;
+    s->clock.monotonic_ms =
+        s->opt.clock && s->opt.clock->monotonic_ms ? s->opt.clock->monotonic_ms : sys_mono;
+    s->clock.ctx = s->opt.clock ? s->opt.clock->ctx : NULL;
+    s->opt.clock = NULL;
+    s->dir = strdup(dir);
+    int rc = s->dir ? store_validate_options(&s->opt) : IDEM_ENOMEM;
+    if (rc < 0) {
+        store_set_error("invalid options");
+        goto fail;
+    }
+    rc = io_mkdir(io, dir);
+    if (rc < 0 && rc != -EEXIST) {
+        store_set_error("cannot create %s: %s", dir, strerror(-rc));
+        rc = s->opt.read_only ? IDEM_EIO : (rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO);
+        goto fail;
+    }
+    if (!simulated) {
+        char err[512];
+        s->lock_fd = lock_acquire(dir, err, sizeof err);
+        if (s->lock_fd < 0) {
+            rc = s->lock_fd;
+            store_set_error("%s", err);
+            goto fail;
+        }
+    }
+    char err[512] = "";
+    rc = super_load(io, dir, &s->sb, err, sizeof err);
+    int fresh = rc == IDEM_ENOTFOUND;
+    if (rc < 0 && !fresh) {
+        store_set_error("%s", err);
+        goto fail;
+    }
+    if (fresh && s->opt.read_only) {
+        store_set_error("%s holds no store (read-only open creates nothing)", dir);
+        rc = IDEM_ENOTFOUND;
+        goto fail;
+    }
+    if (!fresh)
+        s->opt.segment_bytes = s->sb.seg_bytes;
+    rc = wal_create(io, dir, s->opt.segment_bytes, &s->wal);
+    if (rc == 0)
+        rc = index_create(s->opt.max_keys, &s->ix) < 0 ? IDEM_ENOMEM : 0;
+    if (rc < 0)
+        goto fail;
+    rc = fresh ? store_init_new(s) : store_recover(s);
+    if (rc < 0) {
+        if (!*last_error)
+            store_set_error("cannot %s store %s: %s", fresh ? "create" : "recover", dir,
+                            idem_strerror(rc));
+        goto fail;
+    }
+    rc = store_start(s);
+    if (rc < 0)
+        goto fail;
+    *out = s;
+    return 0;
+fail:
+    store_free(s);
+    return rc;
+}
+
+int idem_open(const char *dir, const idem_options *o, idem_store **out)
+{
+    if (!dir || !*dir || !out)
+        return IDEM_EINVAL;
+    idem_options opt;
+    if (o)
+        opt = *o;
+    else
+        idem_options_init(&opt);
+    struct io *io = NULL;
+    int rc = -ENOSYS;
+    if (opt.io_backend == IDEM_IO_AUTO || opt.io_backend == IDEM_IO_URING) {
+        rc = io_uring_create(256, &io);
+        if (rc < 0 && opt.io_backend == IDEM_IO_URING) {
+            store_set_error("io_uring refused: %s", strerror(-rc));
+            return IDEM_ENOTSUP;
+        }
+        if (rc < 0)
+            fprintf(stderr, "idem: event=io_backend_fallback reason=\"io_uring: %s\"\n",
+                    strerror(-rc));
+    }
+    if (rc < 0) {
+        rc = io_thread_create(&io);
+        if (rc < 0)
+            return IDEM_ENOMEM;
+    }
+    return store_open_io(dir, &opt, io, 0, out);
+}
+
+static int checkpoint_locked(idem_store *s);
+
+int idem_close(idem_store *s)
+{
+    if (!s)
+        return IDEM_EINVAL;
+    pthread_mutex_lock(&s->mu);
+    s->closing = 1;
+    ops_wake(s, NULL, 0); /* parked claims answer busy */
+    int rc = 0;
+    if (!s->opt.read_only && !s->fatal) {
+        rc = wait_durable(s);
+        if (rc == 0)
+            rc = checkpoint_locked(s);
+    }
+    pthread_cond_signal(&s->cond_flush);
+    pthread_mutex_unlock(&s->mu);
+    if (s->flusher_started)
+        pthread_join(s->flusher, NULL);
+    while (s->queues)
+        idem_queue_close(s->queues);
+    if (s->fatal)
+        rc = IDEM_EFATAL;
+    store_free(s);
+    return rc;
+}
+
+int idem_is_fatal(const idem_store *s)
+{
+    return __atomic_load_n(&s->fatal, __ATOMIC_RELAXED);
+}
+
+const char *idem_io_backend_name(const idem_store *s)
+{
+    return s->io->ops->name;
+}
+
+/* ---- Queues ---- */
+
+int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
+{
+    if (!s || !out || depth == 0 || depth > 65536)
+        return IDEM_EINVAL;
+    struct idem_queue *q = calloc(1, sizeof *q);
+    if (!q)
+        return IDEM_ENOMEM;
+    q->slots = calloc(depth, sizeof *q->slots);
+    q->returned = calloc(depth, sizeof *q->returned);
+    q->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (!q->slots || !q->returned || q->efd < 0) {
+        if (q->efd >= 0)
+            close(q->efd);
+        free(q->slots);
+        free(q->returned);
+        free(q);
+        return IDEM_ENOMEM;
+    }
+    q->s = s;
+    q->depth = depth;
+    for (uint32_t i = 0; i < depth; i++)
+        q->slots[i].q = q;
+    pthread_mutex_lock(&s->mu);
+    q->next = s->queues;
+    if (s->queues)
+        s->queues->prev = q;
+    s->queues = q;
+    pthread_mutex_unlock(&s->mu);
+    *out = q;
+    return 0;
+}
+
+void idem_queue_close(idem_queue *q)
+{
+    if (!q)
+        return;
+    idem_store *s = q->s;
+    pthread_mutex_lock(&s->mu);
+    /* Drop parked claims of this queue. */
+    struct qslot **pp = &s->waiters;
+    s->waiters_tail = NULL;
+    while (*pp) {
+        if ((*pp)->q == q) {
+            *pp = (*pp)->wnext;
+        } else {
+            s->waiters_tail = *pp;
+            pp = &(*pp)->wnext;
+        }
+    }
+    if (q->prev)
+        q->prev->next = q->next;
+    else
+        s->queues = q->next;
+    if (q->next)
+        q->next->prev = q->prev;
+    pthread_mutex_unlock(&s->mu);
+    for (uint32_t i = 0; i < q->depth; i++)
+        free(q->slots[i].buf);
+    free(q->slots);
+    free(q->returned);
+    free(q->scan_keys);
+    free(q->scan_lens);
+    free(q->scan_buf);
+    free(q->audit);
+    close(q->efd);
+    free(q);
+}
+
+int idem_queue_fd(const idem_queue *q)
+{
+    return q->efd;
+}
+
+uint32_t idem_queue_pending(const idem_queue *q)
+{
+    return q->active;
+}
+
+void *qslot_reserve(struct qslot *sl, size_t len)
+{
+    if (sl->buf_used + len > sl->buf_cap) {
+        size_t cap = sl->buf_cap ? sl->buf_cap : 256;
+        while (cap < sl->buf_used + len)
+            cap *= 2;
+        if (cap > UINT32_MAX)
+            return NULL;
+        uint8_t *n = realloc(sl->buf, cap);
+        if (!n)
+            return NULL;
+        /* Copies made before would dangle: re-base every pointer into the old buffer. */
+        if (n != sl->buf && sl->buf_used) {
+            const void **ps[] = {&sl->c.data,        &sl->c.record.key,    &sl->c.record.owner,
+                                 &sl->c.record.note, &sl->c.record.result, &sl->op.key,
+                                 &sl->op.fp,         &sl->op.owner};
+            for (size_t i = 0; i < IDEM_ARRAY_LEN(ps); i++) {
+                const uint8_t *old = *ps[i];
+                if (old >= sl->buf && old < sl->buf + sl->buf_used)
+                    *ps[i] = n + (old - sl->buf);
+            }
+        }
+        sl->buf = n;
+        sl->buf_cap = (uint32_t)cap;
+    }
+    return sl->buf + sl->buf_used;
+}
+
+const void *qslot_copy(struct qslot *sl, const void *p, size_t len)
+{
+    if (len == 0)
+        return "";
+    void *dst = qslot_reserve(sl, len);
+    if (!dst)
+        return NULL;
+    memcpy(dst, p, len);
+    sl->buf_used += (uint32_t)len;
+    return dst;
+}
+
+static struct qslot *slot_take(idem_queue *q)
+{
+    for (uint32_t i = 0; i < q->depth; i++) {
+        struct qslot *sl = &q->slots[i];
+        if (sl->state == SLOT_FREE) {
+            sl->state = SLOT_DONE;
+            sl->seq = q->seq_next++;
+            sl->need_lsn = 0;
+            sl->buf_used = 0;
+            memset(&sl->c, 0, sizeof sl->c);
+            q->active++;
+            return sl;
+        }
+    }
+    return NULL;
+}
+
+static void release_returned(idem_queue *q)
+{
+    for (uint32_t i = 0; i < q->nreturned; i++) {
+        q->returned[i]->state = SLOT_FREE;
+        q->active--;
+    }
+    q->nreturned = 0;
+}
+
+int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
+{
+    if (!q || (!ops && n) || n > IDEM_BATCH_MAX)
+        return IDEM_EINVAL;
+    idem_store *s = q->s;
+    release_returned(q);
+    pthread_mutex_lock(&s->mu);
+    size_t done = 0;
+    int any_ready = 0;
+    for (; done < n; done++) {
+        struct qslot *sl = slot_take(q);
+        if (!sl)
+            break;
+        sl->c.user_data = ops[done].user_data;
+        ops_apply(s, sl, &ops[done]);
+        any_ready |= slot_ready(s, sl);
+    }
+    if (wal_pending(s->wal))
+        store_kick(s);
+    pthread_mutex_unlock(&s->mu);
+    if (any_ready)
+        queue_signal(q);
+    return (int)done;
+}
+
+static size_t collect_ready(idem_queue *q, idem_completion *out, size_t max)
+{
+    idem_store *s = q->s;
+    size_t n = 0;
+    /* Deliver in submission order among the ready ones. */
+    while (n < max) {
+        struct qslot *best = NULL;
+        for (uint32_t i = 0; i < q->depth; i++) {
+            struct qslot *sl = &q->slots[i];
+            if (slot_ready(s, sl) && (!best || sl->seq < best->seq))
+                best = sl;
+        }
+        if (!best)
+            break;
+        out[n++] = best->c;
+        best->state = SLOT_RETURNED; /* freed at the next call */
+        q->returned[q->nreturned++] = best;
+    }
+    return n;
+}
+
+int idem_poll(idem_queue *q, idem_completion *out, size_t max, int timeout_ms)
+{
+    if (!q || (!out && max))
+        return IDEM_EINVAL;
+    idem_store *s = q->s;
+    release_returned(q);
+    uint64_t drain;
+    if (read(q->efd, &drain, sizeof drain) < 0) {
+        /* nothing signalled */
+    }
+    pthread_mutex_lock(&s->mu);
+    size_t n = collect_ready(q, out, max);
+    if (n == 0 && timeout_ms != 0 && q->active > 0) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        if (timeout_ms > 0) {
+            ts.tv_sec += timeout_ms / 1000;
+            ts.tv_nsec += (timeout_ms % 1000) * 1000000L;
+            if (ts.tv_nsec >= 1000000000L) {
+                ts.tv_sec++;
+                ts.tv_nsec -= 1000000000L;
+            }
+        }
+        while (n == 0) {
+            pthread_cond_signal(&s->cond_flush);
+            int rc = timeout_ms > 0 ? pthread_cond_timedwait(&s->cond_ready, &s->mu, &ts)
+                                    : pthread_cond_wait(&s->cond_ready, &s->mu);
+            n = collect_ready(q, out, max);
+            if (rc == ETIMEDOUT)
+                break;
+        }
+    }
+    pthread_mutex_unlock(&s->mu);
+    return (int)n;
+}
+
+int idem_exec(idem_queue *q, const idem_op *op, idem_completion *c)
+{
+    if (!q || !op)
+        return IDEM_EINVAL;
+    if (q->active > q->nreturned)
+        return IDEM_EBUSY;
+    int rc = idem_submit(q, op, 1);
+    if (rc < 0)
+        return rc;
+    if (rc == 0)
+        return IDEM_EBUSY;
+    idem_completion tmp;
+    idem_completion *dst = c ? c : &tmp;
+    for (;;) {
+        int n = idem_poll(q, dst, 1, -1);
+        if (n < 0)
+            return n;
+        if (n == 1)
+            return dst->err;
+    }
+}
+
+int idem_claim(idem_queue *q, const void *key, size_t key_len, const idem_claim_args *a,
+               idem_completion *c)
+{
+    if (!a)
+        return IDEM_EINVAL;
+    idem_op op = {.kind = IDEM_OP_CLAIM,
+                  .key = key,
+                  .key_len = (uint32_t)key_len,
+                  .ttl_ms = a->ttl_ms,
+                  .lease_ms = a->lease_ms,
+                  .fp = a->fp,
+                  .fp_len = a->fp_len,
+                  .owner = a->owner,
+                  .owner_len = a->owner_len,
+                  .wait_ms = a->wait_ms};
+    if (key_len > UINT32_MAX)
+        return IDEM_EINVAL;
+    return idem_exec(q, &op, c);
+}
+
+static int exec_token_op(idem_queue *q, uint32_t kind, const void *key, size_t key_len,
+                         int64_t token, const void *data, size_t data_len, uint64_t lease_ms)
+{
+    if (key_len > UINT32_MAX || data_len > UINT32_MAX)
+        return IDEM_EINVAL;
+    idem_op op = {.kind = kind,
+                  .key = key,
+                  .key_len = (uint32_t)key_len,
+                  .token = token,
+                  .data = data,
+                  .data_len = (uint32_t)data_len,
+                  .lease_ms = lease_ms};
+    return idem_exec(q, &op, NULL);
+}
+
+int idem_commit(idem_queue *q, const void *key, size_t key_len, int64_t token, const void *result,
+                size_t result_len)
+{
+    return exec_token_op(q, IDEM_OP_COMMIT, key, key_len, token, result, result_len, 0);
+}
+
+int idem_release(idem_queue *q, const void *key, size_t key_len, int64_t token)
+{
+    return exec_token_op(q, IDEM_OP_RELEASE, key, key_len, token, NULL, 0, 0);
+}
+
+int idem_hold(idem_queue *q, const void *key, size_t key_len, int64_t token, const void *reason,
+              size_t reason_len)
+{
+    return exec_token_op(q, IDEM_OP_HOLD, key, key_len, token, reason, reason_len, 0);
+}
+
+int idem_extend(idem_queue *q, const void *key, size_t key_len, int64_t token, uint64_t lease_ms)
+{
+    return exec_token_op(q, IDEM_OP_EXTEND, key, key_len, token, NULL, 0, lease_ms);
+}
+
+int idem_get(idem_queue *q, const void *key, size_t key_len, idem_completion *c)
+{
+    if (key_len > UINT32_MAX)
+        return IDEM_EINVAL;
+    idem_op op = {.kind = IDEM_OP_GET, .key = key, .key_len = (uint32_t)key_len};
+    return idem_exec(q, &op, c);
+}
+
+int idem_set_if_absent(idem_queue *q, const void *key, size_t key_len, const void *value,
+                       size_t value_len, uint64_t ttl_ms, int get_old, idem_completion *c)
+{
+    if (key_len > UINT32_MAX || value_len > UINT32_MAX)
+        return IDEM_EINVAL;
+    idem_op op = {.kind = IDEM_OP_SET_IF_ABSENT,
+                  .flags = get_old ? IDEM_F_GET_OLD : 0,
+                  .key = key,
+                  .key_len = (uint32_t)key_len,
+                  .data = value,
+                  .data_len = (uint32_t)value_len,
+                  .ttl_ms = ttl_ms};
+    return idem_exec(q, &op, c);
+}
+
+int idem_del(idem_queue *q, const void *key, size_t key_len, const char *actor)
+{
+    if (key_len > UINT32_MAX)
+        return IDEM_EINVAL;
+    idem_op op = {.kind = IDEM_OP_DEL, .key = key, .key_len = (uint32_t)key_len, .actor = actor};
+    return idem_exec(q, &op, NULL);
+}
+
+int idem_sync(idem_store *s)
+{
+    if (!s)
+        return IDEM_EINVAL;
+    pthread_mutex_lock(&s->mu);
+    int rc = s->opt.read_only ? 0 : wait_durable(s);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+/* ---- Scan ---- */
+
+struct scan_ctx {
+    idem_store *s;
+    idem_queue *q;
+    const idem_scan_args *a;
+    int64_t now;
+    int err;
+};
+
+static void scan_one(void *ctx, struct index_slot *slot)
+{
+    struct scan_ctx *sc = ctx;
+    uint32_t len;
+    uint64_t lsn;
+    const uint8_t *p = wal_payload(sc->s->wal, index_slot_addr(slot), &len, &lsn);
+    struct rec r;
+    if (!p || rec_decode(p, len, &r) < 0 || ops_rec_expired(&r, sc->now))
+        return;
+    if (sc->a->state && r.state != sc->a->state)
+        return;
+    if (sc->a->older_ms && sc->now - r.first_seen_ms < sc->a->older_ms)
+        return;
+    idem_queue *q = sc->q;
+    if (q->scan_n == q->scan_max) {
+        size_t m = q->scan_max ? q->scan_max * 2 : 64;
+        const void **k = realloc(q->scan_keys, m * sizeof *k);
+        uint32_t *l = k ? realloc(q->scan_lens, m * sizeof *l) : NULL;
+        if (k)
+            q->scan_keys = k;
+        if (!k || !l) {
+            sc->err = IDEM_ENOMEM;
+            return;
+        }
+        q->scan_lens = l;
+        q->scan_max = m;
+    }
+    if (q->scan_used + r.key_len > q->scan_cap) {
+        size_t cap = q->scan_cap ? q->scan_cap * 2 : 4096;
+        while (cap < q->scan_used + r.key_len)
+            cap *= 2;
+        uint8_t *b = realloc(q->scan_buf, cap);
+        if (!b) {
+            sc->err = IDEM_ENOMEM;
+            return;
+        }
+        q->scan_buf = b;
+        q->scan_cap = cap;
+    }
+    memcpy(q->scan_buf + q->scan_used, r.key, r.key_len);
+    q->scan_keys[q->scan_n] = (const void *)(uintptr_t)q->scan_used; /* rebased below */
+    q->scan_lens[q->scan_n++] = r.key_len;
+    q->scan_used += r.key_len;
+}
+
+int idem_scan(idem_queue *q, const idem_scan_args *a, uint64_t *next_cursor, const void ***keys,
+              const uint32_t **key_lens, size_t *n)
+{
+    if (!q || !a || !next_cursor || !keys || !key_lens || !n || a->state < 0 ||
+        a->state > IDEM_STATE_REVIEW || a->older_ms < 0)
+        return IDEM_EINVAL;
+    idem_store *s = q->s;
+    q->scan_n = q->scan_used = 0;
+    pthread_mutex_lock(&s->mu);
+    struct scan_ctx sc = {.s = s, .q = q, .a = a, .now = store_now(s)};
+    *next_cursor = index_scan(s->ix, a->cursor, a->count ? a->count : 100, scan_one, &sc);
+    pthread_mutex_unlock(&s->mu);
+    if (sc.err)
+        return sc.err;
+    for (size_t i = 0; i < q->scan_n; i++)
+        q->scan_keys[i] = q->scan_buf + (uintptr_t)q->scan_keys[i];
+    *keys = q->scan_keys;
+    *key_lens = q->scan_lens;
+    *n = q->scan_n;
+    return 0;
+}
+
+/* ---- Stats ---- */
+
+void idem_get_stats(idem_store *s, idem_stats *out)
+{
+    pthread_mutex_lock(&s->mu);
+    *out = s->st;
+    out->keys = index_count(s->ix);
+    out->store_clock_ms = store_now(s);
+    out->clock_skew_ms = out->store_clock_ms - s->clock.wall_ms(s->clock.ctx);
+    out->wal_bytes = wal_bytes(s->wal);
+    out->memory_bytes = index_memory_bytes(s->ix) + (uint64_t)s->seen_cap * sizeof *s->seen +
+                        (uint64_t)(WAL_CHUNKS_MAX - wal_chunks_free(s->wal)) * WAL_CHUNK_BYTES;
+    out->max_keys = s->opt.max_keys;
+    out->max_memory_bytes = s->opt.max_memory_bytes;
+    out->max_disk_bytes = s->opt.max_disk_bytes;
+    out->fatal = s->fatal;
+    pthread_mutex_unlock(&s->mu);
+    struct statvfs vfs;
+    if (!s->test_sim && statvfs(s->dir, &vfs) == 0)
+        out->disk_free_bytes = (uint64_t)vfs.f_bavail * vfs.f_frsize;
+    out->disk_bytes = out->wal_bytes;
+}
+
+/* ---- Checkpoint ---- */
+
+struct ckpt_ctx {
+    idem_store *s;
+    struct ckpt_writer *cw;
+    int rc;
+};
+
+static void ckpt_one(void *ctx, struct index_slot *slot)
+{
+    struct ckpt_ctx *cc = ctx;
+    if (cc->rc < 0)
+        return;
+    struct ckpt_entry e = {.addr_tag = slot->addr_tag, .hash_lo = slot->hash_lo};
+    if (slot->aux) {
+        struct seen_info *si = &cc->s->seen[slot->aux - 1];
+        e.has_seen = 1;
+        e.seen_count = si->seen_count;
+        e.last_seen_ms = si->last_seen_ms;
+    }
+    cc->rc = ckpt_add(cc->cw, &e);
+}
+
+/* Writes a checkpoint at the current batch boundary (everything appended is durable first).
+ * The index may list an entry twice during a scan across splits: the index is not changing
+ * here (mu held), so each entry is visited once. */
+static int checkpoint_locked(idem_store *s)
+{
+    int rc = wait_durable(s);
+    if (rc < 0)
+        return rc;
+    uint64_t id = s->sb.ckpt_id + 1;
+    struct ckpt_ctx cc = {.s = s};
+    rc = ckpt_begin(s->io, s->dir, id, &cc.cw);
+    if (rc < 0)
+        return rc;
+    uint64_t cursor = 0;
+    do {
+        cursor = index_scan(s->ix, cursor, 65536, ckpt_one, &cc);
+    } while (cursor && cc.rc == 0);
+    if (cc.rc < 0) {
+        ckpt_abort(cc.cw);
+        return cc.rc;
+    }
+    rc = ckpt_end(cc.cw);
+    if (rc < 0)
+        return rc;
+    struct super sb = s->sb;
+    uint64_t old = sb.ckpt_id;
+    sb.ckpt_id = id;
+    wal_position(s->wal, &sb.ckpt_seq, &sb.ckpt_off);
+    sb.ckpt_lsn = wal_last_lsn(s->wal);
+    sb.ckpt_batch = wal_batch(s->wal) - 1;
+    sb.store_clock_ms = store_now(s);
+    rc = super_store(s->io, s->dir, &sb);
+    if (rc < 0) {
+        if (rc == IDEM_EFATAL)
+            store_fail(s, -EIO);
+        return rc;
+    }
+    s->sb = sb;
+    s->st.checkpoints++;
+    if (old) {
+        char path[4096];
+        ckpt_path(s->dir, old, path, sizeof path);
+        io_unlink(s->io, path);
+    }
+    return 0;
+}
+
+int idem_checkpoint(idem_store *s)
+{
+    if (!s)
+        return IDEM_EINVAL;
+    if (s->opt.read_only)
+        return IDEM_EREADONLY;
+    pthread_mutex_lock(&s->mu);
+    int rc = s->fatal ? IDEM_EFATAL : checkpoint_locked(s);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+/* ---- Backup ---- */
+
+static int copy_file(struct io *io, const char *from, const char *to)
+{
+    struct io_file *in, *out;
+    int rc = io_open(io, from, IO_O_RDONLY, &in);
+    if (rc == -ENOENT)
+        return 0;
+    if (rc < 0)
+        return IDEM_EIO;
+    rc = io_open(io, to, IO_O_CREATE | IO_O_EXCL, &out);
+    if (rc < 0) {
+        io_close(io, in);
+        return rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
+    }
+    uint8_t *buf = aligned_alloc(4096, 1 << 20);
+    uint64_t off = 0;
+    rc = buf ? 0 : IDEM_ENOMEM;
+    while (rc == 0) {
+        int64_t n = io_read(io, in, off, buf, 1 << 20);
+        if (n < 0)
+            rc = IDEM_EIO;
+        if (n <= 0)
+            break;
+        if (io_write_sync(io, out, off, buf, (size_t)n, 0) < 0)
+            rc = IDEM_EIO;
+        off += (uint64_t)n;
+    }
+    if (rc == 0 && io_flush_sync(io, out) < 0)
+        rc = IDEM_EIO;
+    free(buf);
+    io_close(io, in);
+    io_close(io, out);
+    return rc;
+}
+
+int idem_backup(idem_store *s, const char *dest_dir)
+{
+    if (!s || !dest_dir || !*dest_dir)
+        return IDEM_EINVAL;
+    pthread_mutex_lock(&s->mu);
+    int rc = s->fatal ? IDEM_EFATAL : s->opt.read_only ? 0 : checkpoint_locked(s);
+    if (rc == 0) {
+        int mk = io_mkdir(s->io, dest_dir);
+        if (mk < 0) {
+            store_set_error("cannot create %s: %s", dest_dir, strerror(-mk));
+            rc = mk == -EEXIST ? IDEM_EINVAL : IDEM_EIO;
+        }
+    }
+    /* The checkpoint and the segments it points into, then the superblock: the copy opens as
+     * the store was at the checkpoint. */
+    char from[4096], to[4096];
+    uint64_t cur_seq;
+    uint32_t cur_off;
+    wal_position(s->wal, &cur_seq, &cur_off);
+    for (uint64_t seq = s->sb.wal_first_seq; rc == 0 && seq <= cur_seq; seq++) {
+        snprintf(from, sizeof from, "%s/wal-%016llx.log", s->dir, (unsigned long long)seq);
+        snprintf(to, sizeof to, "%s/wal-%016llx.log", dest_dir, (unsigned long long)seq);
+        rc = copy_file(s->io, from, to);
+    }
+    if (rc == 0 && s->sb.ckpt_id) {
+        ckpt_path(s->dir, s->sb.ckpt_id, from, sizeof from);
+        ckpt_path(dest_dir, s->sb.ckpt_id, to, sizeof to);
+        rc = copy_file(s->io, from, to);
+    }
+    if (rc == 0) {
+        snprintf(from, sizeof from, "%s/audit.log", s->dir);
+        snprintf(to, sizeof to, "%s/audit.log", dest_dir);
+        rc = copy_file(s->io, from, to);
+    }
+    if (rc == 0) {
+        struct super sb = s->sb;
+        sb.generation = 0;
+        rc = super_store(s->io, dest_dir, &sb);
+    }
+    if (rc == 0 && io_sync_dir(s->io, dest_dir) < 0)
+        rc = IDEM_EIO;
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+/* ---- Names ---- */
+
+const char *idem_strerror(int err)
+{
+    switch (err) {
+    case IDEM_OK: return "ok";
+    case IDEM_EINVAL: return "invalid argument";
+    case IDEM_ENOMEM: return "out of memory";
+    case IDEM_EIO: return "I/O error";
+    case IDEM_EFATAL: return "store stopped after a failed write or flush; reopen to recover";
+    case IDEM_EFULL: return "store full: capacity limit or disk full";
+    case IDEM_ECORRUPT: return "store file corrupt";
+    case IDEM_EVERSION: return "unknown store format version";
+    case IDEM_ELOCKED: return "store in use by another process";
+    case IDEM_ENOTFOUND: return "no such key";
+    case IDEM_ESTALE: return "stale token: not the current owner";
+    case IDEM_ECONFLICT: return "commit conflicts with the recorded result";
+    case IDEM_ECHANGED: return "record changed since the expected version";
+    case IDEM_ESTATE: return "the record's state forbids this call";
+    case IDEM_ELEASE: return "the lease still runs: force needed";
+    case IDEM_EREADONLY: return "store opened read-only";
+    case IDEM_ECLOSED: return "store closing";
+    case IDEM_EBUSY: return "queue busy";
+    case IDEM_ENOTSUP: return "not supported in this configuration";
+    default: return "unknown error";
+    }
+}
+
+const char *idem_outcome_name(int outcome)
+{
+    static const char *const names[] = {"?", "new", "busy", "done", "mismatch", "recover",
+                                        "review"};
+    return outcome >= 1 && outcome <= 6 ? names[outcome] : "?";
+}
+
+const char *idem_state_name(int state)
+{
+    static const char *const names[] = {"absent", "in_flight", "committed", "review"};
+    return state >= 0 && state <= 3 ? names[state] : "?";
+}
+
+void idem_fingerprint(const void *content, size_t len, uint8_t out[IDEM_FP_BYTES])
+{
+    XXH128_hash_t h = XXH3_128bits(content, len);
+    XXH128_canonical_t c;
+    XXH128_canonicalFromHash(&c, h);
+    memcpy(out, c.digest, IDEM_FP_BYTES);
+}

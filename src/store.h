@@ -1,0 +1,164 @@
+/*
+ * store.h: the store handle shared by store.c (open, close, flusher, queues, clock), ops.c (the
+ * claim rules over one key) and audit.c (the operator trail). Not part of the public API.
+ *
+ * Locking: one mutex (mu) guards everything below it; the flusher thread drops it only around
+ * the I/O of a batch. Completions become ready when the LSN they depend on (need_lsn) is
+ * durable (sync mode) or at once (batch, none); a failed flush makes every not-yet-durable
+ * completion answer IDEM_EFATAL and the store refuses all later changes.
+ */
+#ifndef IDEM_STORE_H
+#define IDEM_STORE_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "idem.h"
+#include "index.h"
+#include "io.h"
+#include "record.h"
+#include "super.h"
+#include "wal.h"
+
+#define STORE_TOKEN_BLOCK (1u << 20) /* tokens reserved per superblock write */
+#define STORE_BATCH_FLUSH_MS 10      /* batch mode: flush at least this often */
+#define STORE_SLEW_PER_S_MS 100      /* the store clock follows the wall clock by <= 10% */
+
+enum slot_state { SLOT_FREE = 0, SLOT_DONE = 1, SLOT_PARKED = 2, SLOT_RETURNED = 3 };
+
+/* One submitted operation and its completion, owned by a queue. */
+struct qslot {
+    int state;
+    uint64_t seq;      /* submission order */
+    uint64_t need_lsn; /* ready once this LSN is durable */
+    idem_completion c;
+    /* Copies owned by the slot (results, notes, keys of a parked claim). */
+    uint8_t *buf;
+    uint32_t buf_cap;
+    uint32_t buf_used;
+    /* A parked WAIT claim: its op, with key/fp/owner copied into buf. */
+    idem_op op;
+    int64_t deadline_mono_ms;
+    int64_t lease_end_ms; /* store clock: when the lease it waits on runs out */
+    struct qslot *wnext; /* store's waiter list */
+    struct idem_queue *q;
+};
+
+struct idem_queue {
+    idem_store *s;
+    uint32_t depth;
+    struct qslot *slots;
+    uint32_t active;
+    uint64_t seq_next;
+    int efd;
+    struct idem_queue *next, *prev;
+    /* Poll results kept valid until the next call. */
+    struct qslot **returned;
+    uint32_t nreturned;
+    /* Scan and audit results. */
+    const void **scan_keys;
+    uint32_t *scan_lens;
+    uint8_t *scan_buf;
+    size_t scan_cap, scan_used, scan_n, scan_max;
+    idem_audit_entry *audit;
+};
+
+struct seen_info {
+    int64_t last_seen_ms;
+    uint64_t seen_count;
+};
+
+struct audit_rec {
+    idem_audit_entry e;
+    uint64_t lsn;
+    char *mem;
+};
+
+struct idem_store {
+    pthread_mutex_t mu;
+    pthread_cond_t cond_ready; /* durable LSN moved, or a parked claim completed */
+    pthread_cond_t cond_flush; /* work for the flusher */
+    pthread_t flusher;
+    int flusher_started;
+    char *dir;
+    idem_options opt;
+    idem_clock_source clock;
+    struct io *io;
+    int lock_fd;
+    struct super sb;
+    struct wal *wal;
+    struct index *ix;
+    uint64_t durable_lsn;
+    int fatal;
+    int closing;
+    int flushing;
+    int sync_waiters;
+    int64_t last_flush_mono_ms;
+    int64_t token_next;
+    /* Repeat counters of keys claimed again since their last logged version (slot aux). */
+    struct seen_info *seen;
+    uint32_t seen_cap, seen_used;
+    uint32_t *seen_free;
+    uint32_t seen_nfree;
+    /* Store clock. */
+    int64_t clk_store_ms, clk_mono_ms, clk_last_ms;
+    /* Parked WAIT claims, oldest first. */
+    struct qslot *waiters, *waiters_tail;
+    struct idem_queue *queues;
+    /* Audit trail. */
+    struct io_file *audit_f;
+    uint64_t audit_off;
+    struct audit_rec *audit;
+    size_t naudit, audit_cap;
+    /* Scratch for encoding (compressed results). */
+    uint8_t *scratch;
+    size_t scratch_cap;
+    idem_stats st;
+    int test_sim; /* the simulated disk: no lock file */
+};
+
+/* Opens a store over the given I/O backend (tests pass the simulated disk; the store takes
+ * ownership of io and destroys it at close). */
+int store_open_io(const char *dir, const idem_options *o, struct io *io, int simulated,
+                  idem_store **out);
+
+/* ---- store.c, for ops.c ---- */
+int64_t store_now(idem_store *s);
+int store_next_token(idem_store *s, int64_t *out);
+void store_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Ensures an append of one record will find buffer room (may wait for a flush; re-look up
+ * state afterwards). Returns 0 or IDEM_EFATAL/IDEM_ECLOSED. */
+int store_room(idem_store *s);
+void store_kick(idem_store *s);
+/* Room for len more bytes at the end of the slot's buffer (not yet counted as used); earlier
+ * copies are re-based if the buffer moves. NULL on ENOMEM. */
+void *qslot_reserve(struct qslot *sl, size_t len);
+/* Copies bytes into the slot's buffer; returns the copy (NULL on ENOMEM). */
+const void *qslot_copy(struct qslot *sl, const void *p, size_t len);
+
+/* ---- ops.c ---- */
+/* Applies op under mu; fills sl->c and sl->need_lsn, or parks the slot (WAIT). */
+void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op);
+/* Re-runs the parked claims of key (all keys when key == NULL): those that no longer get busy,
+ * or whose deadline passed, complete. */
+void ops_wake(idem_store *s, const void *key, uint32_t key_len);
+/* Replay of one log frame into the index (recovery). */
+int ops_replay(void *ctx, const struct wal_frame *f);
+/* Looks up key; returns the slot or NULL; fills *r. */
+struct index_slot *ops_find(idem_store *s, const void *key, uint32_t key_len, struct rec *r,
+                            uint64_t *lsn);
+uint64_t ops_hash(const idem_store *s, const void *key, uint32_t key_len);
+void ops_fill_record(struct qslot *sl, const struct rec *r, struct index_slot *slot,
+                     idem_store *s);
+int ops_rec_expired(const struct rec *r, int64_t now);
+void ops_seen_release(idem_store *s, struct index_slot *slot);
+
+/* ---- audit.c ---- */
+int audit_open(idem_store *s);
+void audit_close(idem_store *s);
+/* Appends and flushes one entry (rare: operator actions). */
+int audit_append(idem_store *s, const char *actor, const char *action, const void *key,
+                 uint32_t key_len, const void *reason, uint32_t reason_len, int state_before,
+                 int state_after, uint64_t version_before, uint64_t version_after, uint64_t lsn);
+
+#endif

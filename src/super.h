@@ -1,0 +1,81 @@
+/*
+ * super.h: the superblock, the lock file and the index checkpoint: the small files that say
+ * where the log starts and what the store is.
+ *
+ * DIR/super holds two 4 KiB copies of the superblock, written alternately (copy generation % 2)
+ * and flushed; open takes the valid copy with the higher generation, so a torn write of one copy
+ * leaves the other. Layout of a copy (little-endian):
+ *    0 u8[8] "IDEMSUPR"      8 u32 format version     12 u32 incompatible features (0)
+ *   16 u64 generation       24 u8[16] store id        40 u64 hash seed (secret)
+ *   48 u64 token_reserved (tokens below it may have been handed out; the next open starts there)
+ *   56 u64 wal_first_seq    64 u64 checkpoint id (0: none)
+ *   72 u64 checkpoint replay segment   80 u32 checkpoint replay offset   84 u32 segment bytes
+ *   88 u64 checkpoint lsn   96 u64 checkpoint batch   104 i64 store clock ms
+ *  112 i64 created ms      120 u64 store generation (bumped by restore and import)
+ * 4088 u64 XXH3-64 of bytes [0, 4088)
+ *
+ * DIR/index-<id:016x>.ckpt is an image of the index at a batch boundary (see ckpt_write).
+ * DIR/LOCK is held with flock by the owning process and names its pid and host.
+ */
+#ifndef IDEM_SUPER_H
+#define IDEM_SUPER_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "io.h"
+
+#define SUPER_FORMAT 1u
+
+struct super {
+    uint64_t generation;
+    uint8_t store_id[16];
+    uint64_t hash_seed;
+    uint64_t token_reserved;
+    uint64_t wal_first_seq;
+    uint64_t ckpt_id;
+    uint64_t ckpt_seq;
+    uint32_t ckpt_off;
+    uint32_t seg_bytes;
+    uint64_t ckpt_lsn;
+    uint64_t ckpt_batch;
+    int64_t store_clock_ms;
+    int64_t created_ms;
+    uint64_t store_generation;
+};
+
+/* Loads the newest valid copy. IDEM_ENOTFOUND: no superblock file (a new store);
+ * IDEM_ECORRUPT: neither copy valid; IDEM_EVERSION: unknown format or features. err gets a
+ * sentence on failure. */
+int super_load(struct io *io, const char *dir, struct super *sb, char *err, size_t errcap);
+/* Writes sb with generation+1 into the other copy and flushes it (creates the file if absent,
+ * and then syncs the directory). */
+int super_store(struct io *io, const char *dir, struct super *sb);
+
+/* Takes DIR/LOCK (flock, nonblocking). Returns an fd >= 0, or IDEM_ELOCKED with err naming the
+ * owner's pid and host, or IDEM_EIO. */
+int lock_acquire(const char *dir, char *err, size_t errcap);
+void lock_release(int fd);
+
+/* One entry of a checkpoint: an index slot and the repeat counters of its key. */
+struct ckpt_entry {
+    uint64_t addr_tag;
+    uint32_t hash_lo;
+    uint32_t has_seen;
+    uint64_t seen_count;
+    int64_t last_seen_ms;
+};
+
+struct ckpt_writer;
+int ckpt_begin(struct io *io, const char *dir, uint64_t id, struct ckpt_writer **out);
+int ckpt_add(struct ckpt_writer *cw, const struct ckpt_entry *e);
+/* Writes the trailer, flushes the file and syncs the directory; frees cw either way. */
+int ckpt_end(struct ckpt_writer *cw);
+void ckpt_abort(struct ckpt_writer *cw);
+/* Reads checkpoint id, checking every checksum; calls fn per entry. */
+int ckpt_load(struct io *io, const char *dir, uint64_t id,
+              int (*fn)(void *ctx, const struct ckpt_entry *e), void *ctx, char *err,
+              size_t errcap);
+void ckpt_path(const char *dir, uint64_t id, char *buf, size_t cap);
+
+#endif

@@ -1,0 +1,691 @@
+/*
+ * wal.c: segments, frames, chunk buffers, group-commit I/O and recovery of the write-ahead log.
+ * The format and the recovery rule are described in wal.h; docs/design.md gives the argument.
+ *
+ * Segment header (block 0 of every segment file, little-endian):
+ *    0 u8[8] magic "IDEMWAL1"   8 u32 format version   12 u32 segment bytes
+ *   16 u64 seq                 24 u64 salt (seed of the frame checksums, new at every create)
+ * 4088 u64 XXH3-64 of bytes [0, 4088)
+ *
+ * Invariants: chunks start on a block boundary; pending chunks are contiguous in log order;
+ * at most one batch is in flight; lsn_durable <= lsn_last.
+ */
+#include "wal.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <xxhash.h>
+
+#include "idem.h"
+#include "util.h"
+
+#define WAL_MAGIC         "IDEMWAL1"
+#define WAL_FORMAT        1u
+#define WAL_OFF_BITS      26u
+#define WAL_SEG_HDR_CKSUM 4088u
+
+struct wal_segment {
+    uint64_t seq; /* 0: slot unused */
+    struct io_file *f;
+    const uint8_t *map;
+    uint64_t salt;
+};
+
+struct wal_chunk {
+    uint8_t *buf;
+    uint64_t seq;
+    uint32_t off; /* block-aligned offset in the segment */
+    uint32_t len; /* bytes used */
+    uint32_t cap;
+    uint64_t last_lsn;
+};
+
+struct wal {
+    struct io *io;
+    char *dir;
+    uint32_t seg_bytes;
+    struct wal_segment *segs; /* WAL_SEG_SLOTS, by seq % WAL_SEG_SLOTS */
+    uint64_t first_seq;
+    uint64_t cur_seq;
+    uint32_t cur_off;
+    uint64_t lsn_last;
+    uint64_t lsn_durable;
+    uint64_t batch;
+    int64_t last_clock_ms;
+    struct wal_chunk chunks[WAL_CHUNKS_MAX];
+    int pend[WAL_CHUNKS_MAX]; /* chunk indexes being filled, in log order */
+    int npend;
+    int infl[WAL_CHUNKS_MAX]; /* chunk indexes of the batch in flight */
+    int ninfl;
+    int free_list[WAL_CHUNKS_MAX];
+    int nfree;
+    char err[256];
+};
+
+static struct wal_segment *seg_of(struct wal *w, uint64_t seq)
+{
+    struct wal_segment *s = &w->segs[seq % WAL_SEG_SLOTS];
+    return s->seq == seq ? s : NULL;
+}
+
+static void seg_path(const struct wal *w, uint64_t seq, char *buf, size_t cap)
+{
+    snprintf(buf, cap, "%s/wal-%016llx.log", w->dir, (unsigned long long)seq);
+}
+
+static uint64_t addr_make(uint64_t seq, uint32_t off)
+{
+    return ((seq % WAL_SEG_SLOTS) << WAL_OFF_BITS) | (off >> 3);
+}
+
+int wal_create(struct io *io, const char *dir, uint32_t seg_bytes, struct wal **out)
+{
+    if (seg_bytes % WAL_BLOCK || seg_bytes < WAL_SEG_BYTES_MIN || seg_bytes > WAL_SEG_BYTES_MAX)
+        return IDEM_EINVAL;
+    struct wal *w = calloc(1, sizeof *w);
+    if (!w)
+        return IDEM_ENOMEM;
+    w->segs = calloc(WAL_SEG_SLOTS, sizeof *w->segs);
+    w->dir = strdup(dir);
+    if (!w->segs || !w->dir) {
+        free(w->segs);
+        free(w->dir);
+        free(w);
+        return IDEM_ENOMEM;
+    }
+    w->io = io;
+    w->seg_bytes = seg_bytes;
+    for (int i = WAL_CHUNKS_MAX - 1; i >= 0; i--)
+        w->free_list[w->nfree++] = i;
+    *out = w;
+    return 0;
+}
+
+static void seg_close(struct wal *w, struct wal_segment *s)
+{
+    if (s->map)
+        io_unmap(w->io, s->f, s->map, w->seg_bytes);
+    if (s->f)
+        io_close(w->io, s->f);
+    memset(s, 0, sizeof *s);
+}
+
+void wal_destroy(struct wal *w)
+{
+    if (!w)
+        return;
+    for (uint32_t i = 0; i < WAL_SEG_SLOTS; i++)
+        if (w->segs[i].seq)
+            seg_close(w, &w->segs[i]);
+    for (int i = 0; i < WAL_CHUNKS_MAX; i++)
+        free(w->chunks[i].buf);
+    free(w->segs);
+    free(w->dir);
+    free(w);
+}
+
+static uint64_t frame_checksum(uint64_t salt, const uint8_t *frame, uint32_t len)
+{
+    return XXH3_64bits_withSeed(frame + 8, len - 8, salt);
+}
+
+/* Creates (or re-creates, with a new salt) segment seq: allocate, header, flush, dir sync. */
+static int seg_create(struct wal *w, uint64_t seq)
+{
+    char path[4096];
+    seg_path(w, seq, path, sizeof path);
+    if (w->segs[seq % WAL_SEG_SLOTS].seq)
+        return IDEM_EFULL; /* every slot holds a live segment */
+    struct wal_segment s = {.seq = seq};
+    int rc = io_open(w->io, path, IO_O_CREATE | IO_O_DIRECT, &s.f);
+    if (rc < 0)
+        return rc == -ENOSPC || rc == -EDQUOT ? IDEM_EFULL : IDEM_EIO;
+    rc = io_allocate(w->io, s.f, 0, w->seg_bytes);
+    if (rc < 0) {
+        io_close(w->io, s.f);
+        io_unlink(w->io, path);
+        return rc == -ENOSPC || rc == -EDQUOT ? IDEM_EFULL : IDEM_EIO;
+    }
+    uint8_t *hdr = aligned_alloc(WAL_BLOCK, WAL_BLOCK);
+    if (!hdr) {
+        io_close(w->io, s.f);
+        return IDEM_ENOMEM;
+    }
+    memset(hdr, 0, WAL_BLOCK);
+    s.salt = XXH3_64bits_withSeed(&seq, sizeof seq, (uint64_t)util_monotonic_us()) ^
+             (uint64_t)util_realtime_ms() * 0x9e3779b97f4a7c15ull;
+    memcpy(hdr, WAL_MAGIC, 8);
+    util_put_u32(hdr + 8, WAL_FORMAT);
+    util_put_u32(hdr + 12, w->seg_bytes);
+    util_put_u64(hdr + 16, seq);
+    util_put_u64(hdr + 24, s.salt);
+    util_put_u64(hdr + WAL_SEG_HDR_CKSUM, XXH3_64bits(hdr, WAL_SEG_HDR_CKSUM));
+    rc = io_write_sync(w->io, s.f, 0, hdr, WAL_BLOCK, 1);
+    free(hdr);
+    if (rc == 0)
+        rc = io_sync_dir(w->io, w->dir);
+    if (rc == 0)
+        rc = io_map(w->io, s.f, w->seg_bytes, (const void **)&s.map);
+    if (rc < 0) {
+        io_close(w->io, s.f);
+        return IDEM_EFATAL;
+    }
+    w->segs[seq % WAL_SEG_SLOTS] = s;
+    return 0;
+}
+
+int wal_init_new(struct wal *w)
+{
+    int rc = seg_create(w, 1);
+    if (rc < 0)
+        return rc;
+    w->first_seq = w->cur_seq = 1;
+    w->cur_off = WAL_BLOCK;
+    w->batch = 1;
+    return 0;
+}
+
+/* ---- Appending ---- */
+
+static struct wal_chunk *chunk_tail(struct wal *w)
+{
+    return w->npend ? &w->chunks[w->pend[w->npend - 1]] : NULL;
+}
+
+static struct wal_chunk *chunk_new(struct wal *w)
+{
+    if (w->nfree == 0)
+        return NULL;
+    int i = w->free_list[w->nfree - 1];
+    struct wal_chunk *c = &w->chunks[i];
+    if (!c->buf) {
+        c->buf = aligned_alloc(WAL_BLOCK, WAL_CHUNK_BYTES);
+        if (!c->buf)
+            return NULL;
+    }
+    w->nfree--;
+    IDEM_ASSERT(w->cur_off % WAL_BLOCK == 0);
+    c->seq = w->cur_seq;
+    c->off = w->cur_off;
+    c->len = 0;
+    c->cap = w->seg_bytes - w->cur_off < WAL_CHUNK_BYTES ? w->seg_bytes - w->cur_off
+                                                         : WAL_CHUNK_BYTES;
+    c->last_lsn = 0;
+    w->pend[w->npend++] = i;
+    return c;
+}
+
+/* Writes one frame into c at its end; the caller checked the room. */
+static void frame_put(struct wal *w, struct wal_chunk *c, uint32_t type, const void *const *parts,
+                      const uint32_t *lens, int nparts, uint32_t flen, uint64_t *addr)
+{
+    uint8_t *f = c->buf + c->len;
+    util_put_u64(f + 8, ++w->lsn_last);
+    util_put_u64(f + 16, w->batch);
+    util_put_u32(f + 24, flen);
+    util_put_u16(f + 28, (uint16_t)type);
+    util_put_u16(f + 30, 0);
+    uint32_t pos = WAL_FRAME_HDR;
+    for (int i = 0; i < nparts; i++) {
+        if (lens[i])
+            memcpy(f + pos, parts[i], lens[i]);
+        pos += lens[i];
+    }
+    memset(f + pos, 0, flen - pos);
+    util_put_u64(f, frame_checksum(seg_of(w, c->seq)->salt, f, flen));
+    *addr = addr_make(c->seq, c->off + c->len);
+    c->len += flen;
+    c->last_lsn = w->lsn_last;
+    w->cur_off = c->off + c->len;
+    if (WAL_BLOCK - w->cur_off % WAL_BLOCK < WAL_FRAME_HDR && w->cur_off % WAL_BLOCK) {
+        uint32_t gap = WAL_BLOCK - w->cur_off % WAL_BLOCK;
+        memset(c->buf + c->len, 0, gap);
+        c->len += gap;
+        w->cur_off += gap;
+    }
+}
+
+/* Fills the rest of the tail chunk's last block (PAD frame or zeros) so a new chunk can start
+ * on the next block. */
+static void chunk_close_block(struct wal *w, struct wal_chunk *c)
+{
+    uint32_t gap = (WAL_BLOCK - w->cur_off % WAL_BLOCK) % WAL_BLOCK;
+    if (gap >= WAL_FRAME_HDR) {
+        uint64_t addr;
+        frame_put(w, c, WAL_T_PAD, NULL, NULL, 0, gap, &addr);
+    } else if (gap) {
+        memset(c->buf + c->len, 0, gap);
+        c->len += gap;
+        w->cur_off += gap;
+    }
+}
+
+static int append_frame(struct wal *w, uint32_t type, const void *const *parts,
+                        const uint32_t *lens, int nparts, uint32_t flen, uint64_t *addr,
+                        int reserve)
+{
+    struct wal_chunk *c = chunk_tail(w);
+    if (c && c->seq == w->cur_seq && c->len + flen <= c->cap)
+        goto put;
+    /* Keep `reserve` free chunks for the END and SEGEND frames of a flush. */
+    if (w->nfree <= reserve)
+        return IDEM_EBUSY;
+    if (c && c->seq == w->cur_seq)
+        chunk_close_block(w, c);
+    c = chunk_new(w);
+    if (!c)
+        return IDEM_ENOMEM;
+    if (flen > c->cap)
+        return IDEM_EINVAL;
+put:
+    frame_put(w, c, type, parts, lens, nparts, flen, addr);
+    return 0;
+}
+
+/* Ends the current segment with SEGEND and opens the next one. */
+static int seg_roll(struct wal *w, int reserve)
+{
+    uint64_t addr;
+    int rc = append_frame(w, WAL_T_SEGEND, NULL, NULL, 0, WAL_FRAME_HDR, &addr, reserve);
+    if (rc < 0)
+        return rc;
+    rc = seg_create(w, w->cur_seq + 1);
+    if (rc < 0) {
+        /* The SEGEND frame stays; appends keep failing until space returns. */
+        w->cur_off = w->seg_bytes;
+        return rc;
+    }
+    w->cur_seq++;
+    w->cur_off = WAL_BLOCK;
+    return 0;
+}
+
+static int append_reserved(struct wal *w, uint32_t type, const void *const *parts,
+                           const uint32_t *lens, int nparts, uint64_t *addr, uint64_t *lsn,
+                           int reserve)
+{
+    uint64_t plen = 0;
+    for (int i = 0; i < nparts; i++)
+        plen += lens[i];
+    uint32_t flen = (uint32_t)IDEM_ALIGN_UP(WAL_FRAME_HDR + plen, 8);
+    if (flen + 2 * WAL_FRAME_HDR + WAL_BLOCK > w->seg_bytes || flen > WAL_CHUNK_BYTES)
+        return IDEM_EINVAL;
+    if (w->cur_off + flen + WAL_FRAME_HDR > w->seg_bytes) {
+        if (w->cur_off + WAL_FRAME_HDR > w->seg_bytes) {
+            /* A roll failed earlier (SEGEND written): try the next segment again. */
+            int rc = seg_create(w, w->cur_seq + 1);
+            if (rc < 0)
+                return rc;
+            w->cur_seq++;
+            w->cur_off = WAL_BLOCK;
+        } else {
+            int rc = seg_roll(w, reserve);
+            if (rc < 0)
+                return rc;
+        }
+    }
+    int rc = append_frame(w, type, parts, lens, nparts, flen, addr, reserve);
+    if (rc == 0)
+        *lsn = w->lsn_last;
+    return rc;
+}
+
+int wal_append(struct wal *w, uint32_t type, const void *const *parts, const uint32_t *part_lens,
+               int nparts, uint64_t *addr, uint64_t *lsn)
+{
+    IDEM_ASSERT(type == WAL_T_RECORD || type == WAL_T_DELETE);
+    return append_reserved(w, type, parts, part_lens, nparts, addr, lsn, 2);
+}
+
+const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, uint64_t *lsn)
+{
+    uint32_t slot = (uint32_t)(addr >> WAL_OFF_BITS);
+    uint32_t off = (uint32_t)(addr & ((1u << WAL_OFF_BITS) - 1)) << 3;
+    if (slot >= WAL_SEG_SLOTS || w->segs[slot].seq == 0)
+        return NULL;
+    struct wal_segment *s = &w->segs[slot];
+    const uint8_t *f = NULL;
+    for (int i = 0; i < w->npend + w->ninfl && !f; i++) {
+        int ci = i < w->npend ? w->pend[i] : w->infl[i - w->npend];
+        struct wal_chunk *c = &w->chunks[ci];
+        if (c->seq == s->seq && off >= c->off && off < c->off + c->len)
+            f = c->buf + (off - c->off);
+    }
+    if (!f) {
+        if (off < WAL_BLOCK || off + WAL_FRAME_HDR > w->seg_bytes)
+            return NULL;
+        f = s->map + off;
+    }
+    uint32_t len = util_get_u32(f + 24);
+    if (len < WAL_FRAME_HDR || len > w->seg_bytes - off)
+        return NULL;
+    *payload_len = len - WAL_FRAME_HDR;
+    *lsn = util_get_u64(f + 8);
+    return f + WAL_FRAME_HDR;
+}
+
+/* ---- Group commit ---- */
+
+int wal_flush_begin(struct wal *w, int64_t clock_ms)
+{
+    if (w->npend == 0 || w->ninfl)
+        return 0;
+    uint8_t clock[8];
+    util_put_u64(clock, (uint64_t)clock_ms);
+    const void *parts[1] = {clock};
+    uint32_t lens[1] = {8};
+    uint64_t addr, lsn;
+    int rc = append_reserved(w, WAL_T_END, parts, lens, 1, &addr, &lsn, 0);
+    if (rc < 0)
+        return rc;
+    struct wal_chunk *c = chunk_tail(w);
+    chunk_close_block(w, c);
+    for (int i = 0; i < w->npend; i++)
+        w->infl[i] = w->pend[i];
+    w->ninfl = w->npend;
+    w->npend = 0;
+    w->batch++;
+    return w->ninfl;
+}
+
+int wal_flush_io(struct wal *w)
+{
+    for (int i = 0; i < w->ninfl; i++) {
+        struct wal_chunk *c = &w->chunks[w->infl[i]];
+        struct wal_segment *s = seg_of(w, c->seq);
+        IDEM_ASSERT(s && c->len % WAL_BLOCK == 0);
+        int rc = io_submit_write(w->io, s->f, c->off, c->buf, c->len, IO_W_FLUSH, (uint64_t)i);
+        if (rc < 0)
+            return rc;
+    }
+    int left = w->ninfl;
+    int rc = 0;
+    while (left > 0) {
+        struct io_completion cqe[WAL_CHUNKS_MAX];
+        int n = io_wait(w->io, cqe, WAL_CHUNKS_MAX, 1);
+        if (n < 0)
+            return n;
+        for (int k = 0; k < n; k++) {
+            left--;
+            struct wal_chunk *c = &w->chunks[w->infl[cqe[k].user_data]];
+            if (cqe[k].res < 0) {
+                rc = rc ? rc : (int)cqe[k].res;
+            } else if ((uint64_t)cqe[k].res < c->len) {
+                /* A short write: write the rest, linked to a flush again. */
+                uint32_t done = (uint32_t)cqe[k].res & ~(WAL_BLOCK - 1);
+                int r = io_write_sync(w->io, seg_of(w, c->seq)->f, c->off + done, c->buf + done,
+                                      c->len - done, 1);
+                if (r < 0)
+                    rc = rc ? rc : r;
+            }
+        }
+    }
+    return rc;
+}
+
+uint64_t wal_flush_end(struct wal *w)
+{
+    for (int i = 0; i < w->ninfl; i++) {
+        struct wal_chunk *c = &w->chunks[w->infl[i]];
+        if (c->last_lsn > w->lsn_durable)
+            w->lsn_durable = c->last_lsn;
+        w->free_list[w->nfree++] = w->infl[i];
+    }
+    w->ninfl = 0;
+    return w->lsn_durable;
+}
+
+uint64_t wal_last_lsn(const struct wal *w)
+{
+    return w->lsn_last;
+}
+uint64_t wal_durable_lsn(const struct wal *w)
+{
+    return w->lsn_durable;
+}
+int wal_pending(const struct wal *w)
+{
+    return w->npend > 0;
+}
+int wal_chunks_free(const struct wal *w)
+{
+    return w->nfree;
+}
+uint64_t wal_bytes(const struct wal *w)
+{
+    return (w->cur_seq - w->first_seq + 1) * (uint64_t)w->seg_bytes;
+}
+void wal_position(const struct wal *w, uint64_t *seq, uint32_t *off)
+{
+    *seq = w->cur_seq;
+    *off = w->cur_off;
+}
+uint64_t wal_first_seq(const struct wal *w)
+{
+    return w->first_seq;
+}
+uint64_t wal_batch(const struct wal *w)
+{
+    return w->batch;
+}
+int64_t wal_last_clock_ms(const struct wal *w)
+{
+    return w->last_clock_ms;
+}
+const char *wal_error(const struct wal *w)
+{
+    return w->err;
+}
+
+/* ---- Recovery ---- */
+
+/* Opens and checks segment seq. Returns 0, IDEM_ENOTFOUND if absent, IDEM_ECORRUPT if its
+ * header is bad. */
+static int seg_open(struct wal *w, uint64_t seq, int read_only)
+{
+    char path[4096];
+    seg_path(w, seq, path, sizeof path);
+    struct wal_segment s = {.seq = seq};
+    int rc = io_open(w->io, path, read_only ? IO_O_RDONLY : IO_O_DIRECT, &s.f);
+    if (rc == -ENOENT)
+        return IDEM_ENOTFOUND;
+    if (rc < 0)
+        return IDEM_EIO;
+    uint64_t size = 0;
+    if (io_size(w->io, s.f, &size) < 0 || size < w->seg_bytes) {
+        io_close(w->io, s.f);
+        return IDEM_ECORRUPT;
+    }
+    if (io_map(w->io, s.f, w->seg_bytes, (const void **)&s.map) < 0) {
+        io_close(w->io, s.f);
+        return IDEM_EIO;
+    }
+    const uint8_t *h = s.map;
+    if (memcmp(h, WAL_MAGIC, 8) || util_get_u64(h + WAL_SEG_HDR_CKSUM) !=
+                                       XXH3_64bits(h, WAL_SEG_HDR_CKSUM)) {
+        seg_close(w, &s);
+        return IDEM_ECORRUPT;
+    }
+    if (util_get_u32(h + 8) != WAL_FORMAT || util_get_u32(h + 12) != w->seg_bytes ||
+        util_get_u64(h + 16) != seq) {
+        seg_close(w, &s);
+        return IDEM_ECORRUPT;
+    }
+    s.salt = util_get_u64(h + 24);
+    if (w->segs[seq % WAL_SEG_SLOTS].seq) {
+        seg_close(w, &s);
+        return IDEM_ECORRUPT;
+    }
+    w->segs[seq % WAL_SEG_SLOTS] = s;
+    return 0;
+}
+
+/* A valid frame at (s, off): checksum, bounds. Returns its length or 0. */
+static uint32_t frame_valid(const struct wal *w, const struct wal_segment *s, uint32_t off)
+{
+    if (off + WAL_FRAME_HDR > w->seg_bytes)
+        return 0;
+    const uint8_t *f = s->map + off;
+    uint32_t len = util_get_u32(f + 24);
+    if (len < WAL_FRAME_HDR || len % 8 || len > w->seg_bytes - off)
+        return 0;
+    if (util_get_u64(f) != frame_checksum(s->salt, f, len))
+        return 0;
+    return len;
+}
+
+struct scan_pos {
+    uint64_t seq;
+    uint32_t off;
+};
+
+/* Steps to the next frame position after a frame of length len at p (type t). Returns 0, or
+ * IDEM_ENOTFOUND at a SEGEND whose next segment is missing. */
+static int scan_step(struct wal *w, struct scan_pos *p, uint32_t type, uint32_t len)
+{
+    if (type == WAL_T_SEGEND) {
+        if (!seg_of(w, p->seq + 1))
+            return IDEM_ENOTFOUND;
+        p->seq++;
+        p->off = WAL_BLOCK;
+        return 0;
+    }
+    p->off += len;
+    if (type == WAL_T_END || (p->off % WAL_BLOCK && WAL_BLOCK - p->off % WAL_BLOCK < WAL_FRAME_HDR))
+        p->off = (uint32_t)IDEM_ALIGN_UP(p->off, WAL_BLOCK);
+    return 0;
+}
+
+/* Replays the frames of one batch from start to its END (already validated). */
+static int replay_batch(struct wal *w, struct scan_pos start, uint64_t end_lsn,
+                        int (*fn)(void *ctx, const struct wal_frame *f), void *ctx)
+{
+    struct scan_pos p = start;
+    for (;;) {
+        struct wal_segment *s = seg_of(w, p.seq);
+        const uint8_t *f = s->map + p.off;
+        uint32_t len = util_get_u32(f + 24);
+        uint32_t type = util_get_u16(f + 28);
+        struct wal_frame fr = {.addr = addr_make(p.seq, p.off),
+                               .lsn = util_get_u64(f + 8),
+                               .type = type,
+                               .payload = f + WAL_FRAME_HDR,
+                               .payload_len = len - WAL_FRAME_HDR};
+        if (type == WAL_T_RECORD || type == WAL_T_DELETE || type == WAL_T_END) {
+            int rc = fn(ctx, &fr);
+            if (rc < 0)
+                return rc;
+        }
+        if (fr.lsn == end_lsn)
+            return 0;
+        if (scan_step(w, &p, type, len) < 0)
+            return IDEM_ECORRUPT;
+    }
+}
+
+/* After the log stopped at p: looks at every block start beyond it for valid frames. Returns
+ * IDEM_ECORRUPT if one belongs to a batch after the one in flight; raises *max_lsn/*max_batch. */
+static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch, uint64_t *max_lsn,
+                       uint64_t *max_batch)
+{
+    for (uint64_t seq = p.seq; seg_of(w, seq); seq++) {
+        struct wal_segment *s = seg_of(w, seq);
+        uint32_t off = seq == p.seq ? (uint32_t)IDEM_ALIGN_UP(p.off + 1, WAL_BLOCK) : WAL_BLOCK;
+        if (seq == p.seq && p.off % WAL_BLOCK == 0 && p.off > WAL_BLOCK - 1)
+            off = p.off; /* the stop position itself may hold a valid stale frame */
+        for (; off + WAL_FRAME_HDR <= w->seg_bytes; off += WAL_BLOCK) {
+            if (seq == p.seq && off == p.off)
+                continue;
+            if (!frame_valid(w, s, off))
+                continue;
+            uint64_t lsn = util_get_u64(s->map + off + 8);
+            uint64_t batch = util_get_u64(s->map + off + 16);
+            if (batch > last_batch + 1) {
+                snprintf(w->err, sizeof w->err,
+                         "log corrupt: segment %llu offset %u: frame of batch %llu after the "
+                         "log stops at segment %llu offset %u (last complete batch %llu)",
+                         (unsigned long long)seq, off, (unsigned long long)batch,
+                         (unsigned long long)p.seq, p.off, (unsigned long long)last_batch);
+                return IDEM_ECORRUPT;
+            }
+            if (lsn > *max_lsn)
+                *max_lsn = lsn;
+            if (batch > *max_batch)
+                *max_batch = batch;
+        }
+    }
+    return 0;
+}
+
+int wal_recover(struct wal *w, uint64_t first_seq, uint64_t start_seq, uint32_t start_off,
+                uint64_t prev_lsn, uint64_t prev_batch,
+                int (*fn)(void *ctx, const struct wal_frame *f), void *ctx, int read_only)
+{
+    w->first_seq = first_seq;
+    uint64_t seq = first_seq;
+    for (;; seq++) {
+        int rc = seg_open(w, seq, read_only);
+        if (rc == IDEM_ENOTFOUND)
+            break;
+        if (rc == IDEM_ECORRUPT && seq > start_seq)
+            break; /* a segment whose creation was cut short: the log cannot reach it */
+        if (rc < 0) {
+            snprintf(w->err, sizeof w->err, "log segment %llu: %s", (unsigned long long)seq,
+                     idem_strerror(rc));
+            return rc;
+        }
+    }
+    if (!seg_of(w, start_seq)) {
+        snprintf(w->err, sizeof w->err, "log segment %llu is missing",
+                 (unsigned long long)start_seq);
+        return IDEM_ECORRUPT;
+    }
+    struct scan_pos p = {start_seq, start_off}, batch_start = p;
+    uint64_t last_lsn = prev_lsn, last_batch = prev_batch; /* of the last complete batch */
+    uint64_t cur_lsn = prev_lsn;
+    for (;;) {
+        struct wal_segment *s = seg_of(w, p.seq);
+        uint32_t len = frame_valid(w, s, p.off);
+        if (!len)
+            break;
+        const uint8_t *f = s->map + p.off;
+        uint64_t lsn = util_get_u64(f + 8), batch = util_get_u64(f + 16);
+        uint32_t type = util_get_u16(f + 28);
+        if (lsn <= cur_lsn || batch <= last_batch || (cur_lsn != last_lsn && lsn != cur_lsn + 1))
+            break; /* a stale frame, or a gap inside a batch */
+        cur_lsn = lsn;
+        if (type == WAL_T_END) {
+            int rc = replay_batch(w, batch_start, lsn, fn, ctx);
+            if (rc < 0)
+                return rc;
+            last_lsn = lsn;
+            last_batch = batch;
+            w->last_clock_ms = (int64_t)util_get_u64(f + WAL_FRAME_HDR);
+        }
+        struct scan_pos prev = p;
+        if (scan_step(w, &p, type, len) < 0) {
+            p = prev;
+            break;
+        }
+        if (type == WAL_T_END)
+            batch_start = p;
+    }
+    /* The log ends at the end of the last complete batch. */
+    uint64_t max_lsn = last_lsn, max_batch = last_batch;
+    int rc = scan_beyond(w, batch_start, last_batch, &max_lsn, &max_batch);
+    if (rc < 0)
+        return rc;
+    if (cur_lsn > max_lsn)
+        max_lsn = cur_lsn;
+    w->lsn_last = w->lsn_durable = max_lsn;
+    w->batch = max_batch + 1;
+    w->cur_seq = batch_start.seq;
+    w->cur_off = batch_start.off;
+    /* Segments past the end are stale; they are re-created (new salt) when the log gets there. */
+    for (uint64_t q = w->cur_seq + 1; seg_of(w, q); q++)
+        seg_close(w, seg_of(w, q));
+    (void)read_only;
+    return 0;
+}

@@ -1,0 +1,121 @@
+/*
+ * wal.h: the write-ahead log, the store's source of truth.
+ *
+ * The log is a sequence of preallocated segment files DIR/wal-<seq:016x>.log of equal size.
+ * Block 0 (4 KiB) of a segment is its header; frames follow, 8-byte aligned:
+ *
+ *   frame header (32 bytes, little-endian)
+ *     0  u64 checksum  XXH3-64 of bytes [8, len) seeded with the segment's salt
+ *     8  u64 lsn       strictly increasing over the whole log (+1 within a batch)
+ *    16  u64 batch     the flush batch the frame belongs to, increasing
+ *    24  u32 len       whole frame, header included, a multiple of 8
+ *    28  u16 type      WAL_T_*
+ *    30  u16 flags     0
+ *   payload (len - 32 bytes)
+ *
+ * Every flush batch ends with an END frame (payload: i64 store clock ms) and the rest of its last
+ * 4 KiB block is left zero: the next batch starts on a fresh block, so no flush rewrites a block
+ * that holds acknowledged data. A segment whose room is used up ends with a SEGEND frame and the
+ * log goes on at block 1 of the next segment. Where fewer than 32 bytes are left in a block the
+ * next frame starts at the next block; a PAD frame fills the rest of a block when a chunk
+ * buffer is full, so every chunk starts on a block boundary.
+ *
+ * Recovery applies only batches whose END frame is present: a batch is acknowledged only after
+ * its flush, END included, so a batch without END was never acknowledged and is dropped whole.
+ * After a torn tail, the next LSN and batch number start above every valid frame seen, so stale
+ * frames left behind can never be taken for new ones. Corruption is a valid frame, after the
+ * point where the log stops, from a batch later than the one that was in flight.
+ *
+ * Addresses: a frame is named by a 40-bit address, segment slot (seq mod WAL_SEG_SLOTS, 14 bits)
+ * and byte offset / 8 (26 bits). Offsets of frames are >= 4096, so no address is 0.
+ *
+ * Group commit: frames are appended into 4 KiB-aligned chunk buffers under the store's lock;
+ * the flusher takes every pending chunk (wal_flush_begin), writes each linked to a flush
+ * without the lock (wal_flush_io), and publishes the durable LSN (wal_flush_end). One batch is in
+ * flight while the next fills. Frames in flight or pending are read from their chunk; others
+ * from the read-only map of their segment.
+ */
+#ifndef IDEM_WAL_H
+#define IDEM_WAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "io.h"
+
+#define WAL_BLOCK           4096u
+#define WAL_FRAME_HDR       32u
+#define WAL_SEG_SLOTS       16384u
+#define WAL_SEG_BYTES_MAX   (512u * 1024u * 1024u)
+#define WAL_SEG_BYTES_MIN   (64u * 1024u)
+#define WAL_CHUNK_BYTES     (2u << 20)
+#define WAL_CHUNKS_MAX      32u
+
+enum wal_type {
+    WAL_T_RECORD = 1, /* a full version of a record (record.h) */
+    WAL_T_DELETE = 2, /* key removed: u16 key_len, key */
+    WAL_T_END = 3,    /* end of a flush batch: i64 store clock ms */
+    WAL_T_SEGEND = 4, /* the rest of this segment is unused */
+    WAL_T_PAD = 5,    /* filler to the end of a block */
+};
+
+struct wal;
+
+struct wal_frame {
+    uint64_t addr;
+    uint64_t lsn;
+    uint32_t type;
+    const uint8_t *payload;
+    uint32_t payload_len;
+};
+
+/* Creates the log handle over io in dir; segments are opened by wal_recover or wal_init_new. */
+int wal_create(struct io *io, const char *dir, uint32_t seg_bytes, struct wal **out);
+void wal_destroy(struct wal *w);
+
+/* A new store: creates the first segment (seq 1). */
+int wal_init_new(struct wal *w);
+
+/*
+ * Opens segments first_seq.. and replays frames from (start_seq, start_off) calling fn for each
+ * RECORD and DELETE frame and the END frames (fn returns 0 or a negative idem_err to stop).
+ * A torn tail is dropped: appends go on at the next block. A valid frame after a bad one, from a
+ * batch after the one that was in flight, is corruption (IDEM_ECORRUPT, with a message).
+ * read_only: nothing is written.
+ */
+int wal_recover(struct wal *w, uint64_t first_seq, uint64_t start_seq, uint32_t start_off,
+                uint64_t prev_lsn, uint64_t prev_batch, int (*fn)(void *ctx, const struct wal_frame *f), void *ctx, int read_only);
+
+/* Appends a frame of `type` whose payload is the concatenation of parts. Returns 0 and sets
+ * *addr and *lsn, IDEM_EBUSY when every chunk buffer waits for a flush (flush and retry),
+ * IDEM_EFULL when a new segment cannot be allocated, or IDEM_EFATAL/EIO. */
+int wal_append(struct wal *w, uint32_t type, const void *const *parts, const uint32_t *part_lens,
+               int nparts, uint64_t *addr, uint64_t *lsn);
+
+/* Pointer to the frame payload at addr (valid until the next append or flush end); NULL if the
+ * address names no readable frame. *payload_len and *lsn are set. */
+const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, uint64_t *lsn);
+
+/* Group commit, in three steps. begin (under the store lock): closes the batch with an END frame
+ * carrying clock_ms and moves pending chunks in flight; returns the number of chunks (0: nothing
+ * to do). io (without the lock, flusher thread only): writes and flushes them; returns 0 or a
+ * negative errno (fatal). end (under the lock): releases the chunks and returns the LSN now
+ * durable. */
+int wal_flush_begin(struct wal *w, int64_t clock_ms);
+int wal_flush_io(struct wal *w);
+uint64_t wal_flush_end(struct wal *w);
+
+uint64_t wal_last_lsn(const struct wal *w);     /* last LSN appended */
+uint64_t wal_durable_lsn(const struct wal *w);  /* last LSN on stable storage */
+int wal_pending(const struct wal *w);           /* nonzero: frames wait for a flush */
+int wal_chunks_free(const struct wal *w);       /* chunk buffers not pending or in flight */
+uint64_t wal_bytes(const struct wal *w);        /* bytes of all segments */
+/* Where the next batch starts: a checkpoint taken now replays from here. */
+void wal_position(const struct wal *w, uint64_t *seq, uint32_t *off);
+uint64_t wal_first_seq(const struct wal *w);
+uint64_t wal_batch(const struct wal *w);         /* the batch being filled */
+int64_t wal_last_clock_ms(const struct wal *w); /* clock of the last END frame replayed */
+/* Sentence describing the last recovery failure. */
+const char *wal_error(const struct wal *w);
+
+#endif /* IDEM_WAL_H */

@@ -1,0 +1,342 @@
+/*
+ * test_index.c: the hash index of src/index.h against a simple model: insert/find/remove with
+ * top-bit and full-hash collisions, growth to ~1 M entries, removal of everything, scans across
+ * splits, slot contents through splits, eq behaviour and the hard limit.
+ */
+#include <criterion/criterion.h>
+#include <signal.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+#include "index.h"
+#include "testutil.h"
+
+/* eq context: the address the caller's key lives at (addresses identify keys in these tests). */
+static int eq_addr(void *ctx, uint64_t addr)
+{
+    return addr == *(const uint64_t *)ctx;
+}
+
+static int eq_never(void *ctx, uint64_t addr)
+{
+    (void)addr;
+    (*(int *)ctx)++;
+    return 0;
+}
+
+static struct index_slot *find_addr(struct index *ix, uint64_t h, uint64_t addr)
+{
+    return index_find(ix, h, eq_addr, &addr);
+}
+
+static uint64_t mix(uint64_t x)
+{
+    uint64_t s = x;
+    return tu_rand(&s);
+}
+
+/* Key k's hash: 60% random, 25% sharing the top 18 bits (deep local depth), 15% in groups of 4
+ * keys with the same full 64-bit hash (eq decides). */
+static uint64_t model_hash(uint64_t seed, uint64_t k)
+{
+    uint64_t r = mix(seed ^ (k * 0x9e3779b97f4a7c15ull));
+    uint64_t cls = mix(seed + k / 4) % 100;
+    if (cls < 60) return r;
+    if (cls < 85) return (UINT64_C(0x2b3c5) << 46) | (r & ((UINT64_C(1) << 46) - 1));
+    return mix(seed ^ 0x5555 ^ ((k / 4) << 20)) | 1;
+}
+
+struct model_key {
+    uint64_t h;
+    uint32_t aux;
+    bool present;
+};
+
+static void model_check_all(struct index *ix, const struct model_key *keys, uint64_t n,
+                            uint64_t present, uint64_t seed)
+{
+    cr_assert_eq(index_count(ix), present, "count %llu != model %llu (seed %llu)",
+                 (unsigned long long)index_count(ix), (unsigned long long)present,
+                 (unsigned long long)seed);
+    for (uint64_t k = 0; k < n; k++) {
+        struct index_slot *s = find_addr(ix, keys[k].h, k + 1);
+        if (!keys[k].present) {
+            cr_assert_null(s, "key %llu found after removal (seed %llu)", (unsigned long long)k,
+                           (unsigned long long)seed);
+            continue;
+        }
+        cr_assert_not_null(s, "key %llu lost (seed %llu)", (unsigned long long)k,
+                           (unsigned long long)seed);
+        cr_assert_eq(index_slot_addr(s), k + 1);
+        cr_assert_eq(s->aux, keys[k].aux, "aux of key %llu (seed %llu)", (unsigned long long)k,
+                     (unsigned long long)seed);
+        cr_assert_eq(index_slot_hash_bits(s), keys[k].h & ~(UINT64_C(0xff) << 32));
+    }
+}
+
+Test(index, random_ops_match_model)
+{
+    uint64_t seed = tu_seed("index.random_ops_match_model");
+    uint64_t rng = seed;
+    uint64_t n = 20000;
+    uint64_t ops = tu_count(200000, 5000000);
+    struct model_key *keys = calloc(n, sizeof(*keys));
+    cr_assert_not_null(keys);
+    for (uint64_t k = 0; k < n; k++)
+        keys[k].h = model_hash(seed, k);
+    struct index *ix;
+    cr_assert_eq(index_create(0, &ix), 0);
+    uint64_t present = 0;
+    for (uint64_t op = 0; op < ops; op++) {
+        uint64_t k = tu_rand(&rng) % n;
+        struct model_key *m = &keys[k];
+        struct index_slot *s = find_addr(ix, m->h, k + 1);
+        uint32_t r = (uint32_t)tu_rand(&rng);
+        if (!m->present) {
+            cr_assert_null(s, "op %llu: absent key %llu found (seed %llu)", (unsigned long long)op,
+                           (unsigned long long)k, (unsigned long long)seed);
+            if (r % 4 == 0) continue; /* lookups of absent keys only */
+            cr_assert_not_null(index_insert(ix, m->h, k + 1, r));
+            m->aux = r;
+            m->present = true;
+            present++;
+            continue;
+        }
+        cr_assert_not_null(s, "op %llu: key %llu lost (seed %llu)", (unsigned long long)op,
+                           (unsigned long long)k, (unsigned long long)seed);
+        cr_assert_eq(s->aux, m->aux, "op %llu: aux (seed %llu)", (unsigned long long)op,
+                     (unsigned long long)seed);
+        if (r % 3 == 0) {
+            s->aux = r;
+            m->aux = r;
+        } else if (r % 3 == 1 && (op / 50000) % 2 == 0) {
+            index_remove(ix, s);
+            m->present = false;
+            present--;
+        } else if (r % 3 == 1) {
+            /* In alternate phases remove less, so the population swings. */
+            if (r % 9 == 1) {
+                index_remove(ix, s);
+                m->present = false;
+                present--;
+            }
+        }
+        if (op % 50000 == 0) model_check_all(ix, keys, n, present, seed);
+    }
+    model_check_all(ix, keys, n, present, seed);
+    index_destroy(ix);
+    free(keys);
+}
+
+Test(index, growth_to_1m_keeps_every_entry)
+{
+    uint64_t n = tu_count(1000000, 10000000);
+    uint64_t seed = tu_seed("index.growth_to_1m_keeps_every_entry");
+    struct index *ix;
+    cr_assert_eq(index_create(0, &ix), 0);
+    /* splitmix64 is a bijection: distinct inputs give distinct hashes. */
+    for (uint64_t i = 0; i < n; i++)
+        cr_assert_not_null(index_insert(ix, mix(seed + i), i + 1, (uint32_t)(i * 7)));
+    cr_assert_eq(index_count(ix), n);
+    for (uint64_t i = 0; i < n; i++) {
+        struct index_slot *s = find_addr(ix, mix(seed + i), i + 1);
+        cr_assert_not_null(s, "entry %llu lost (seed %llu)", (unsigned long long)i,
+                           (unsigned long long)seed);
+        cr_assert_eq(s->aux, (uint32_t)(i * 7));
+    }
+    double bytes_per_key = (double)index_memory_bytes(ix) / (double)n;
+    fprintf(stderr, "index: %llu keys: %.2f B/key, max split pause %llu us\n",
+            (unsigned long long)n, bytes_per_key, (unsigned long long)index_max_split_us(ix));
+    cr_expect_leq(bytes_per_key, 24.5);
+    index_destroy(ix);
+}
+
+Test(index, removing_everything_leaves_count_zero_and_memory_bounded)
+{
+    uint64_t n = 200000;
+    uint64_t seed = tu_seed("index.removing_everything");
+    struct index *ix;
+    cr_assert_eq(index_create(0, &ix), 0);
+    for (uint64_t i = 0; i < n; i++)
+        cr_assert_not_null(index_insert(ix, mix(seed + i), i + 1, 0));
+    size_t peak = index_memory_bytes(ix);
+    for (uint64_t i = 0; i < n; i++) {
+        struct index_slot *s = find_addr(ix, mix(seed + i), i + 1);
+        cr_assert_not_null(s);
+        index_remove(ix, s);
+        cr_assert_null(find_addr(ix, mix(seed + i), i + 1));
+    }
+    cr_assert_eq(index_count(ix), 0);
+    cr_assert_leq(index_memory_bytes(ix), peak);
+    /* The same population fits again without growing. */
+    for (uint64_t i = 0; i < n; i++)
+        cr_assert_not_null(index_insert(ix, mix(seed + i), i + 1, 0));
+    cr_assert_eq(index_count(ix), n);
+    cr_assert_leq(index_memory_bytes(ix), peak);
+    index_destroy(ix);
+}
+
+struct scan_state {
+    uint8_t *seen; /* per address */
+    uint64_t n_addr;
+    uint64_t visits;
+};
+
+static void scan_mark(void *ctx, struct index_slot *slot)
+{
+    struct scan_state *st = ctx;
+    uint64_t addr = index_slot_addr(slot);
+    cr_assert(addr >= 1 && addr <= st->n_addr);
+    st->seen[addr - 1] = 1;
+    st->visits++;
+}
+
+Test(index, scan_visits_every_entry_across_splits)
+{
+    uint64_t seed = tu_seed("index.scan_visits_every_entry_across_splits");
+    uint64_t initial = 50000, extra = 150000;
+    struct index *ix;
+    cr_assert_eq(index_create(0, &ix), 0);
+    for (uint64_t i = 0; i < initial; i++)
+        cr_assert_not_null(index_insert(ix, model_hash(seed, i), i + 1, 0));
+    struct scan_state st = {.seen = calloc(initial + extra, 1), .n_addr = initial + extra};
+    uint64_t next = initial, cursor = 0, calls = 0, removed = 0;
+    uint64_t rng = seed;
+    do {
+        cursor = index_scan(ix, cursor, 1 + (uint32_t)(tu_rand(&rng) % 64), scan_mark, &st);
+        calls++;
+        /* Between calls: inserts (splits, grows, doublings) and removals of added entries. */
+        for (int j = 0; j < 40 && next < initial + extra; j++, next++)
+            cr_assert_not_null(index_insert(ix, model_hash(seed, next), next + 1, 0));
+        if (next > initial + removed + 10 && tu_rand(&rng) % 2 == 0) {
+            uint64_t k = initial + removed++;
+            struct index_slot *s = find_addr(ix, model_hash(seed, k), k + 1);
+            cr_assert_not_null(s);
+            index_remove(ix, s);
+        }
+        cr_assert_lt(calls, 10000000, "scan does not end");
+    } while (cursor != 0);
+    for (uint64_t i = 0; i < initial; i++)
+        cr_assert(st.seen[i], "entry %llu not visited (seed %llu)", (unsigned long long)i,
+                  (unsigned long long)seed);
+    fprintf(stderr, "index scan: %llu calls, %llu visits of %llu initial entries, %llu grown\n",
+            (unsigned long long)calls, (unsigned long long)st.visits, (unsigned long long)initial,
+            (unsigned long long)(next - initial));
+    /* A scan without concurrent change visits each entry exactly once. */
+    struct scan_state st2 = {.seen = calloc(initial + extra, 1), .n_addr = initial + extra};
+    cursor = 0;
+    do {
+        cursor = index_scan(ix, cursor, 97, scan_mark, &st2);
+    } while (cursor != 0);
+    cr_assert_eq(st2.visits, index_count(ix));
+    free(st.seen);
+    free(st2.seen);
+    index_destroy(ix);
+}
+
+static void scan_rewrite(void *ctx, struct index_slot *slot)
+{
+    (void)ctx;
+    uint64_t addr = index_slot_addr(slot);
+    index_slot_set_addr(slot, addr + 1000000);
+    slot->aux = (uint32_t)(addr ^ 0xabcdef);
+}
+
+Test(index, addr_and_aux_survive_splits)
+{
+    uint64_t seed = tu_seed("index.addr_and_aux_survive_splits");
+    uint64_t n = 20000, more = 100000;
+    struct index *ix;
+    cr_assert_eq(index_create(0, &ix), 0);
+    for (uint64_t i = 0; i < n; i++)
+        cr_assert_not_null(index_insert(ix, model_hash(seed, i), i + 1, 0));
+    /* fn may change addr and aux; every entry is rewritten once by a scan without changes. */
+    uint64_t cursor = 0;
+    do {
+        cursor = index_scan(ix, cursor, 1000, scan_rewrite, NULL);
+    } while (cursor != 0);
+    for (uint64_t i = n; i < n + more; i++)
+        cr_assert_not_null(index_insert(ix, model_hash(seed, i + 5000000), i + 1, 0));
+    for (uint64_t i = 0; i < n; i++) {
+        struct index_slot *s = find_addr(ix, model_hash(seed, i), i + 1 + 1000000);
+        cr_assert_not_null(s, "entry %llu lost (seed %llu)", (unsigned long long)i,
+                           (unsigned long long)seed);
+        cr_assert_eq(s->aux, (uint32_t)((i + 1) ^ 0xabcdef));
+    }
+    index_destroy(ix);
+}
+
+Test(index, eq_decides_between_equal_hashes)
+{
+    struct index *ix;
+    cr_assert_eq(index_create(0, &ix), 0);
+    uint64_t h = 0x0123456789abcdefull;
+    cr_assert_not_null(index_insert(ix, h, 1, 11));
+    cr_assert_not_null(index_insert(ix, h, 2, 22));
+    cr_assert_not_null(index_insert(ix, h, 3, 33));
+    int calls = 0;
+    cr_assert_null(index_find(ix, h, eq_never, &calls));
+    cr_assert_eq(calls, 3, "eq is called for each stored-hash match");
+    /* Different stored bits: eq is never called. */
+    calls = 0;
+    cr_assert_null(index_find(ix, h ^ 1, eq_never, &calls));
+    cr_assert_null(index_find(ix, h ^ (UINT64_C(1) << 63), eq_never, &calls));
+    cr_assert_eq(calls, 0);
+    /* Bits 32..39 are not stored: a hash differing only there reaches eq, which decides. */
+    calls = 0;
+    cr_assert_null(index_find(ix, h ^ (UINT64_C(1) << 35), eq_never, &calls));
+    cr_assert_eq(calls, 3);
+    struct index_slot *s = find_addr(ix, h, 2);
+    cr_assert_not_null(s);
+    cr_assert_eq(s->aux, 22);
+    index_remove(ix, s);
+    cr_assert_null(find_addr(ix, h, 2));
+    cr_assert_eq(find_addr(ix, h, 1)->aux, 11);
+    cr_assert_eq(find_addr(ix, h, 3)->aux, 33);
+    cr_assert_eq(index_count(ix), 2);
+    index_destroy(ix);
+}
+
+Test(index, presized_index_does_not_grow)
+{
+    uint64_t seed = tu_seed("index.presized_index_does_not_grow");
+    uint64_t n = 100000;
+    struct index *ix;
+    cr_assert_eq(index_create(n, &ix), 0);
+    size_t before = index_memory_bytes(ix);
+    for (uint64_t i = 0; i < n; i++)
+        cr_assert_not_null(index_insert(ix, mix(seed + i), i + 1, 0));
+    cr_assert_eq(index_memory_bytes(ix), before);
+    cr_assert_eq(index_max_split_us(ix), 0);
+    index_destroy(ix);
+}
+
+Test(index, insert_of_address_zero_aborts, .signal = SIGABRT)
+{
+    struct index *ix;
+    cr_assert_eq(index_create(0, &ix), 0);
+    (void)index_insert(ix, 42, 0, 0);
+}
+
+/* Keys sharing all 24 directory bits drive one segment to local depth 24 (a 128 MiB directory):
+ * it then fills to its hard limit and insert returns NULL. Long tier only for the memory. */
+Test(index, same_top24_bits_fill_to_hard_limit_then_null)
+{
+    if (tu_count(0, 1) == 0) cr_skip_test("needs a 2^24-entry directory; run with IDEM_LONG=1");
+    uint64_t seed = tu_seed("index.same_top24_bits_fill_to_hard_limit_then_null");
+    struct index *ix;
+    cr_assert_eq(index_create(0, &ix), 0);
+    uint64_t i = 0;
+    for (; i < 10000; i++) {
+        uint64_t h = (UINT64_C(0xa5a5a5) << 40) | (mix(seed + i) >> 24);
+        if (!index_insert(ix, h, i + 1, 0)) break;
+    }
+    cr_assert_lt(i, 10000);
+    cr_assert_gt(i, 900); /* hard limit 15/16 of 1024 slots */
+    cr_assert_eq(index_count(ix), i);
+    for (uint64_t j = 0; j < i; j++)
+        cr_assert_not_null(
+            find_addr(ix, (UINT64_C(0xa5a5a5) << 40) | (mix(seed + j) >> 24), j + 1));
+    index_destroy(ix);
+}
