@@ -125,6 +125,7 @@ int audit_append(idem_store *s, const char *actor, const char *action, const voi
     uint8_t *blk = aligned_alloc(AUDIT_BLOCK, AUDIT_BLOCK);
     if (!blk)
         return IDEM_ENOMEM;
+    store_quiesce(s); /* the ring must be idle for a synchronous write */
     memset(blk, 0, AUDIT_BLOCK);
     util_put_u32(blk + 8, len);
     util_put_u64(blk + 16, s->naudit ? s->audit[s->naudit - 1].e.seq + 1 : 1);

@@ -41,7 +41,8 @@ struct index_slot *index_find(struct index *ix, uint64_t h, int (*eq)(void *ctx,
                               void *ctx);
 
 /* Adds an entry; the caller has checked the key is absent. addr: 1..INDEX_ADDR_MASK. Returns
- * the slot, or NULL when memory for a split cannot be had (nothing changed then). */
+ * the slot, or NULL when memory for a split cannot be had or a segment at the deepest local
+ * depth (24) is full (nothing changed then). */
 struct index_slot *index_insert(struct index *ix, uint64_t h, uint64_t addr, uint32_t aux);
 
 /* Removes the entry in slot (from find or insert, still valid). */
@@ -64,7 +65,8 @@ static inline uint64_t index_slot_hash_bits(const struct index_slot *s)
 uint64_t index_count(const struct index *ix);
 /* Anonymous memory held (segments + directory), in bytes. */
 size_t index_memory_bytes(const struct index *ix);
-/* The longest split pause so far, in microseconds (for the growth benchmark). */
+/* The longest growth pause so far (segment grow, split or directory doubling), in
+ * microseconds (for the growth benchmark). */
 uint64_t index_max_split_us(const struct index *ix);
 
 /*

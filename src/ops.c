@@ -13,6 +13,9 @@
  * appended so far, since a DELETE may not be durable yet).
  */
 #include <lz4.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <unistd.h>
 #include <string.h>
 #include <xxhash.h>
 
@@ -81,8 +84,7 @@ void ops_seen_release(idem_store *s, struct index_slot *slot)
     slot->aux = 0;
 }
 
-/* Counts a repeat that writes nothing. Returns 0 or IDEM_ENOMEM (then the count is lost). */
-static int seen_bump(idem_store *s, struct index_slot *slot, const struct rec *r, int64_t now)
+int ops_seen_set(idem_store *s, struct index_slot *slot, uint64_t seen_count, int64_t last_ms)
 {
     struct seen_info *si = seen_of(s, slot);
     if (!si) {
@@ -106,11 +108,17 @@ static int seen_bump(idem_store *s, struct index_slot *slot, const struct rec *r
         }
         slot->aux = i + 1;
         si = &s->seen[i];
-        si->seen_count = r->seen_count;
     }
-    si->seen_count++;
-    si->last_seen_ms = now;
+    si->seen_count = seen_count;
+    si->last_seen_ms = last_ms;
     return 0;
+}
+
+/* Counts a repeat that writes nothing. Returns 0 or IDEM_ENOMEM (then the count is lost). */
+static int seen_bump(idem_store *s, struct index_slot *slot, const struct rec *r, int64_t now)
+{
+    struct seen_info *si = seen_of(s, slot);
+    return ops_seen_set(s, slot, (si ? si->seen_count : r->seen_count) + 1, now);
 }
 
 /* ---- Writing versions ---- */
@@ -807,7 +815,7 @@ static int wake_one(idem_store *s, struct qslot *sl, int64_t mono)
     uint64_t ud = sl->c.user_data;
     memset(&sl->c, 0, sizeof sl->c);
     sl->c.user_data = ud;
-    if (s->closing || s->fatal || wal_chunks_free(s->wal) < 3) {
+    if (s->closing || s->fatal || store_room_ok(s) == IDEM_EBUSY) {
         if (!s->closing && !s->fatal && mono < sl->deadline_mono_ms)
             return 0; /* no buffer room now: try again at the next wake-up */
         /* Closing: waiting claims answer busy at once. */

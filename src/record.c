@@ -43,7 +43,7 @@ int rec_decode(const uint8_t *p, uint32_t len, struct rec *r)
     return 0;
 }
 
-void rec_encode_fixed(const struct rec *r, uint8_t *p)
+void rec_encode_fixed(const struct rec *r, uint8_t p[REC_FIXED_BYTES])
 {
     p[0] = r->state;
     p[1] = r->flags;

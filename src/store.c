@@ -118,26 +118,33 @@ int idem_clock_advance(idem_store *s, int64_t delta_ms)
 
 /* ---- Tokens ---- */
 
+/* Tokens are reserved ahead by the flusher (reserve_tokens): the superblock says no token below
+ * token_reserved may be handed out again, so no crash or durability mode repeats one. */
 int store_next_token(idem_store *s, int64_t *out)
 {
-    if ((uint64_t)s->token_next >= s->sb.token_reserved) {
-        if (s->opt.read_only)
-            return IDEM_EREADONLY;
-        struct super sb = s->sb;
-        sb.token_reserved = (uint64_t)s->token_next + STORE_TOKEN_BLOCK;
-        sb.store_clock_ms = s->clk_last_ms;
-        int rc = super_store(s->io, s->dir, &sb);
-        if (rc < 0) {
-            if (rc == IDEM_EFATAL)
-                s->fatal = 1;
-            return rc;
-        }
-        s->sb = sb;
-    }
+    if ((uint64_t)s->token_next >= s->sb.token_reserved)
+        return IDEM_EBUSY; /* store_room waits for headroom first; not reached normally */
     if (s->token_next >= IDEM_TOKEN_MAX)
         return IDEM_EFULL;
     *out = s->token_next++;
     return 0;
+}
+
+static int token_headroom_low(const idem_store *s)
+{
+    return s->sb.token_reserved - (uint64_t)s->token_next < STORE_TOKEN_BLOCK / 2;
+}
+
+/* Flusher (mu held, no batch in flight): moves the token reservation ahead. */
+static int reserve_tokens(idem_store *s)
+{
+    struct super sb = s->sb;
+    sb.token_reserved = (uint64_t)s->token_next + STORE_TOKEN_BLOCK;
+    sb.store_clock_ms = s->clk_last_ms;
+    int rc = super_store(s->io, s->dir, &sb);
+    if (rc == 0)
+        s->sb = sb;
+    return rc;
 }
 
 /* ---- Completions ---- */
@@ -256,6 +263,36 @@ static int64_t flusher_sleep_ms(idem_store *s)
     return sleep < 0 ? 0 : sleep;
 }
 
+/* Between batches (mu held, nothing in flight): the spare segment and token headroom, so
+ * callers never do file I/O of their own. A failure other than a full disk is fatal. */
+static void flusher_maintain(idem_store *s)
+{
+    if (s->fatal || s->closing)
+        return;
+    int64_t mono = mono_now(s);
+    if (wal_spare_needed(s->wal) && (!s->spare_failed_mono_ms || mono - s->spare_failed_mono_ms >= 1000)) {
+        int rc = wal_spare_create(s->wal);
+        if (rc == IDEM_EFULL) {
+            if (!s->spare_failed_mono_ms)
+                fprintf(stderr, "idem: event=full reason=\"no space for the next log segment\" dir=%s\n", s->dir);
+            s->spare_failed_mono_ms = mono;
+        } else if (rc < 0) {
+            store_fail(s, -EIO);
+            return;
+        } else {
+            s->spare_failed_mono_ms = 0;
+        }
+        pthread_cond_broadcast(&s->cond_ready);
+    }
+    if (token_headroom_low(s)) {
+        if (reserve_tokens(s) < 0) {
+            store_fail(s, -EIO);
+            return;
+        }
+        pthread_cond_broadcast(&s->cond_ready);
+    }
+}
+
 static void *flusher_main(void *arg)
 {
     idem_store *s = arg;
@@ -265,6 +302,7 @@ static void *flusher_main(void *arg)
             flush_once(s);
             continue;
         }
+        flusher_maintain(s);
         if (s->waiters)
             ops_wake(s, NULL, 0);
         if (s->closing && !wal_pending(s->wal))
@@ -291,15 +329,33 @@ void store_kick(idem_store *s)
     pthread_cond_signal(&s->cond_flush);
 }
 
+/* Whether a change can be appended now without waiting: 0, IDEM_EBUSY (wait for the flusher),
+ * IDEM_EFULL (no space for the next segment: the append itself will answer FULL). */
+int store_room_ok(idem_store *s)
+{
+    if (token_headroom_low(s) && s->sb.token_reserved - (uint64_t)s->token_next < 64)
+        return IDEM_EBUSY;
+    return wal_room(s->wal, s->frame_max);
+}
+
 int store_room(idem_store *s)
 {
-    while (!s->fatal && wal_chunks_free(s->wal) < 3) {
+    int rc;
+    while (!s->fatal && (rc = store_room_ok(s)) == IDEM_EBUSY) {
         s->sync_waiters++;
         pthread_cond_signal(&s->cond_flush);
         pthread_cond_wait(&s->cond_ready, &s->mu);
         s->sync_waiters--;
     }
     return s->fatal ? IDEM_EFATAL : 0;
+}
+
+/* Waits (mu held) until no batch is in flight, for the rare synchronous writes of the callers'
+ * paths (the audit trail): the ring is then idle. Record pointers do not survive the wait. */
+void store_quiesce(idem_store *s)
+{
+    while (s->flushing)
+        pthread_cond_wait(&s->cond_ready, &s->mu);
 }
 
 /* Waits (mu held) until everything appended so far is durable. */
@@ -354,20 +410,8 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
     struct index_slot *slot = index_insert(s->ix, h, e->addr_tag & INDEX_ADDR_MASK, 0);
     if (!slot)
         return IDEM_ENOMEM;
-    if (e->has_seen) {
-        /* Repeat counters survive a clean restart through the checkpoint. */
-        if (s->seen_used == s->seen_cap) {
-            uint32_t cap = s->seen_cap ? s->seen_cap * 2 : 1024;
-            struct seen_info *n = realloc(s->seen, cap * sizeof *n);
-            if (!n)
-                return IDEM_ENOMEM;
-            s->seen = n;
-            s->seen_cap = cap;
-        }
-        s->seen[s->seen_used] = (struct seen_info){e->last_seen_ms, e->seen_count};
-        slot->aux = ++s->seen_used; /* aux is index + 1 */
-    }
-    return 0;
+    /* Repeat counters survive a clean restart through the checkpoint. */
+    return e->has_seen ? ops_seen_set(s, slot, e->seen_count, e->last_seen_ms) : 0;
 }
 
 static int store_recover(idem_store *s)
@@ -405,7 +449,7 @@ static int store_validate_options(idem_options *o)
     uint64_t rec_max = REC_FIXED_BYTES + IDEM_KEY_BYTES_MAX + IDEM_OWNER_BYTES_MAX +
                        IDEM_NOTE_BYTES_MAX + o->result_bytes_max + 2 * WAL_FRAME_HDR;
     if (o->segment_bytes % WAL_BLOCK || o->segment_bytes > WAL_SEG_BYTES_MAX ||
-        o->segment_bytes < WAL_BLOCK + 2 * rec_max)
+        o->segment_bytes < 4 * WAL_BLOCK + 2 * rec_max)
         return IDEM_EINVAL;
     return 0;
 }
@@ -442,9 +486,17 @@ static int store_start(idem_store *s)
     s->clk_mono_ms = mono_now(s);
     s->last_flush_mono_ms = s->clk_mono_ms;
     s->token_next = (int64_t)s->sb.token_reserved;
+    s->frame_max = (uint32_t)IDEM_ALIGN_UP(WAL_FRAME_HDR + REC_FIXED_BYTES + IDEM_KEY_BYTES_MAX +
+                                               IDEM_OWNER_BYTES_MAX + IDEM_NOTE_BYTES_MAX +
+                                               s->opt.result_bytes_max,
+                                           8);
     if (s->opt.read_only)
         return 0;
-    int rc = audit_open(s);
+    int rc = reserve_tokens(s);
+    if (rc == 0 && wal_spare_create(s->wal) == IDEM_EFATAL)
+        rc = IDEM_EFATAL;
+    if (rc == 0)
+        rc = audit_open(s);
     if (rc < 0)
         return rc;
     if (pthread_create(&s->flusher, NULL, flusher_main, s) != 0)

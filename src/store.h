@@ -92,6 +92,8 @@ struct idem_store {
     int fatal;
     int closing;
     int flushing;
+    uint32_t frame_max;            /* the largest frame one change can append */
+    int64_t spare_failed_mono_ms;  /* last failed attempt at the spare segment (disk full) */
     int sync_waiters;
     int64_t last_flush_mono_ms;
     int64_t token_next;
@@ -126,9 +128,12 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
 int64_t store_now(idem_store *s);
 int store_next_token(idem_store *s, int64_t *out);
 void store_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-/* Ensures an append of one record will find buffer room (may wait for a flush; re-look up
- * state afterwards). Returns 0 or IDEM_EFATAL/IDEM_ECLOSED. */
+/* Ensures an append of one record will find buffer room, a segment and a token (may wait for
+ * the flusher; look state up afterwards). Returns 0 or IDEM_EFATAL. With the disk full it
+ * returns 0 and the append answers IDEM_EFULL, so reads and repeats go on. */
 int store_room(idem_store *s);
+int store_room_ok(idem_store *s);
+void store_quiesce(idem_store *s);
 void store_kick(idem_store *s);
 /* Room for len more bytes at the end of the slot's buffer (not yet counted as used); earlier
  * copies are re-based if the buffer moves. NULL on ENOMEM. */
@@ -152,6 +157,8 @@ void ops_fill_record(struct qslot *sl, const struct rec *r, struct index_slot *s
                      idem_store *s);
 int ops_rec_expired(const struct rec *r, int64_t now);
 void ops_seen_release(idem_store *s, struct index_slot *slot);
+/* Sets the repeat counters of the key in slot (allocating its seen entry). */
+int ops_seen_set(idem_store *s, struct index_slot *slot, uint64_t seen_count, int64_t last_ms);
 
 /* ---- audit.c ---- */
 int audit_open(idem_store *s);

@@ -50,6 +50,8 @@ struct wal {
     uint64_t first_seq;
     uint64_t cur_seq;
     uint32_t cur_off;
+    int spare_ready; /* segment cur_seq + 1 is created and waits */
+    int spare_err;   /* the last attempt to create it failed with this (IDEM_EFULL, ...) */
     uint64_t lsn_last;
     uint64_t lsn_durable;
     uint64_t batch;
@@ -97,7 +99,7 @@ int wal_create(struct io *io, const char *dir, uint32_t seg_bytes, struct wal **
     }
     w->io = io;
     w->seg_bytes = seg_bytes;
-    for (int i = WAL_CHUNKS_MAX - 1; i >= 0; i--)
+    for (int i = (int)WAL_CHUNKS_MAX - 1; i >= 0; i--)
         w->free_list[w->nfree++] = i;
     *out = w;
     return 0;
@@ -119,7 +121,7 @@ void wal_destroy(struct wal *w)
     for (uint32_t i = 0; i < WAL_SEG_SLOTS; i++)
         if (w->segs[i].seq)
             seg_close(w, &w->segs[i]);
-    for (int i = 0; i < WAL_CHUNKS_MAX; i++)
+    for (uint32_t i = 0; i < WAL_CHUNKS_MAX; i++)
         free(w->chunks[i].buf);
     free(w->segs);
     free(w->dir);
@@ -284,19 +286,21 @@ put:
     return 0;
 }
 
-/* Ends the current segment with SEGEND and opens the next one. */
+/* Room kept at the end of a segment so that a batch's END frame (after block padding) and a
+ * SEGEND always fit. */
+#define WAL_TAIL_RESERVE (2 * WAL_BLOCK)
+
+/* Ends the current segment with SEGEND and goes on in the spare segment. */
 static int seg_roll(struct wal *w, int reserve)
 {
+    if (!w->spare_ready)
+        return w->spare_err ? w->spare_err : IDEM_EBUSY;
     uint64_t addr;
     int rc = append_frame(w, WAL_T_SEGEND, NULL, NULL, 0, WAL_FRAME_HDR, &addr, reserve);
     if (rc < 0)
         return rc;
-    rc = seg_create(w, w->cur_seq + 1);
-    if (rc < 0) {
-        /* The SEGEND frame stays; appends keep failing until space returns. */
-        w->cur_off = w->seg_bytes;
-        return rc;
-    }
+    chunk_close_block(w, chunk_tail(w)); /* the chunk ends on a block boundary */
+    w->spare_ready = 0;
     w->cur_seq++;
     w->cur_off = WAL_BLOCK;
     return 0;
@@ -310,25 +314,45 @@ static int append_reserved(struct wal *w, uint32_t type, const void *const *part
     for (int i = 0; i < nparts; i++)
         plen += lens[i];
     uint32_t flen = (uint32_t)IDEM_ALIGN_UP(WAL_FRAME_HDR + plen, 8);
-    if (flen + 2 * WAL_FRAME_HDR + WAL_BLOCK > w->seg_bytes || flen > WAL_CHUNK_BYTES)
+    if (flen + WAL_TAIL_RESERVE + WAL_BLOCK > w->seg_bytes || flen > WAL_CHUNK_BYTES)
         return IDEM_EINVAL;
-    if (w->cur_off + flen + WAL_FRAME_HDR > w->seg_bytes) {
-        if (w->cur_off + WAL_FRAME_HDR > w->seg_bytes) {
-            /* A roll failed earlier (SEGEND written): try the next segment again. */
-            int rc = seg_create(w, w->cur_seq + 1);
-            if (rc < 0)
-                return rc;
-            w->cur_seq++;
-            w->cur_off = WAL_BLOCK;
-        } else {
-            int rc = seg_roll(w, reserve);
-            if (rc < 0)
-                return rc;
-        }
+    /* END frames use the reserved tail; other frames roll to the next segment first. */
+    if (type != WAL_T_END &&
+        IDEM_ALIGN_UP(w->cur_off, WAL_BLOCK) + flen + WAL_TAIL_RESERVE > w->seg_bytes) {
+        int rc = seg_roll(w, reserve);
+        if (rc < 0)
+            return rc;
     }
     int rc = append_frame(w, type, parts, lens, nparts, flen, addr, reserve);
     if (rc == 0)
         *lsn = w->lsn_last;
+    return rc;
+}
+
+int wal_room(const struct wal *w, uint32_t frame_bytes)
+{
+    if (w->nfree < 3)
+        return IDEM_EBUSY;
+    if (IDEM_ALIGN_UP(w->cur_off, WAL_BLOCK) + frame_bytes + WAL_FRAME_HDR + WAL_TAIL_RESERVE <=
+            w->seg_bytes ||
+        w->spare_ready)
+        return 0;
+    return w->spare_err ? w->spare_err : IDEM_EBUSY;
+}
+
+int wal_spare_needed(const struct wal *w)
+{
+    return !w->spare_ready;
+}
+
+int wal_spare_create(struct wal *w)
+{
+    if (w->spare_ready)
+        return 0;
+    int rc = seg_create(w, w->cur_seq + 1);
+    w->spare_err = rc == IDEM_EFULL ? rc : 0;
+    if (rc == 0)
+        w->spare_ready = 1;
     return rc;
 }
 
@@ -586,7 +610,7 @@ static int replay_batch(struct wal *w, struct scan_pos start, uint64_t end_lsn,
 }
 
 /* After the log stopped at p: looks at every block start beyond it for valid frames. Returns
- * IDEM_ECORRUPT if one belongs to a batch after the one in flight; raises *max_lsn/*max_batch. */
+ * IDEM_ECORRUPT if one belongs to a batch after the one in flight; raises max_lsn, max_batch. */
 static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch, uint64_t *max_lsn,
                        uint64_t *max_batch)
 {

@@ -88,9 +88,18 @@ int wal_recover(struct wal *w, uint64_t first_seq, uint64_t start_seq, uint32_t 
 
 /* Appends a frame of `type` whose payload is the concatenation of parts. Returns 0 and sets
  * *addr and *lsn, IDEM_EBUSY when every chunk buffer waits for a flush (flush and retry),
- * IDEM_EFULL when a new segment cannot be allocated, or IDEM_EFATAL/EIO. */
+ * IDEM_EFULL when the next segment could not be allocated; check wal_room first. */
 int wal_append(struct wal *w, uint32_t type, const void *const *parts, const uint32_t *part_lens,
                int nparts, uint64_t *addr, uint64_t *lsn);
+
+/* Whether an append of a frame of frame_bytes (payload + 32) can go ahead now: 0, IDEM_EBUSY
+ * (wait for the flusher: chunk buffers or the spare segment), or the error that creating the
+ * spare segment met (IDEM_EFULL when the disk is full). */
+int wal_room(const struct wal *w, uint32_t frame_bytes);
+/* The flusher keeps one spare segment created ahead of need (file creation, allocation and its
+ * header flush happen there, never on a caller's path). Call with no batch in flight. */
+int wal_spare_needed(const struct wal *w);
+int wal_spare_create(struct wal *w);
 
 /* Pointer to the frame payload at addr (valid until the next append or flush end); NULL if the
  * address names no readable frame. *payload_len and *lsn are set. */
