@@ -97,7 +97,8 @@ static void start_with(const char *const *extra)
     for (int64_t end = now_ms() + 10000; now_ms() < end;) {
         redisContext *c = redisConnect("127.0.0.1", srv.port);
         if (c && !c->err) {
-            redisReply *r = redisCommand(c, "PING");
+            /* EXISTS answers -LOADING until recovery is over, unlike PING */
+            redisReply *r = redisCommand(c, "EXISTS ready");
             int ok = r && r->type != REDIS_REPLY_ERROR;
             int noauth = r && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOAUTH", 6) == 0;
             freeReplyObject(r);

@@ -809,6 +809,17 @@ static int finish(srv *s, int rc)
     if (s->q) idem_queue_close(s->q);
     if (s->q_sync) idem_queue_close(s->q_sync);
     if (s->load_started) pthread_join(s->load_thread, NULL);
+    for (uint32_t i = 0; s->conns && i < s->conns_cap; i++)
+        if (s->conns[i]) conn_free(s, s->conns[i]);
+    free(s->conns);
+    free(s->dirty);
+    free(s->dead);
+    free(s->ops);
+    free(s->comps);
+    s->conns = NULL;
+    int fds[] = {s->epfd, s->sig_fd, s->load_fd};
+    for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
+        if (fds[i] >= 0) close(fds[i]);
     if (s->store) {
         int err = idem_close(s->store);
         if (err != IDEM_OK) {
@@ -823,6 +834,7 @@ static int finish(srv *s, int rc)
 int srv_run(srv *s)
 {
     s->unix_fd = s->tcp_fd = s->metrics_fd = -1;
+    s->epfd = s->sig_fd = s->load_fd = -1;
     s->started_ms = srv_now_ms();
     if (setup_fds(s) < 0 || listen_all(s) < 0) return finish(s, 1);
     s->loading = 1;
