@@ -33,6 +33,7 @@ static struct {
 } srv;
 
 static int with_test_clock = 1;
+static const char *ready_auth; /* AUTH command for the readiness probe, if users are set */
 
 static int64_t now_ms(void)
 {
@@ -98,12 +99,12 @@ static void start_with(const char *const *extra)
         redisContext *c = redisConnect("127.0.0.1", srv.port);
         if (c && !c->err) {
             /* EXISTS answers -LOADING until recovery is over, unlike PING */
+            if (ready_auth) freeReplyObject(redisCommand(c, ready_auth));
             redisReply *r = redisCommand(c, "EXISTS ready");
             int ok = r && r->type != REDIS_REPLY_ERROR;
-            int noauth = r && r->type == REDIS_REPLY_ERROR && strncmp(r->str, "NOAUTH", 6) == 0;
             freeReplyObject(r);
             redisFree(c);
-            if (ok || noauth) return;
+            if (ok) return;
         } else if (c) {
             redisFree(c);
         }
@@ -451,6 +452,7 @@ static void start_users(void)
     static const char *const extra[] = {
         "--user", "w:worker:pw-w",       "--user", "r:reader:pw-r", "--user", "boss:admin:pw-a",
         "--user", "default:worker:pw-d", NULL};
+    ready_auth = "AUTH boss pw-a";
     start_with(extra);
 }
 
