@@ -256,6 +256,10 @@ static void submit_batch(srv *s)
         uint32_t seq = (uint32_t)ud;
         c->engine_due--;
         s->engine_due--;
+        if (slot_of(c, seq)->is_wait) {
+            slot_of(c, seq)->is_wait = 0;
+            s->wait_due--;
+        }
         if (c->dead || slot_of(c, seq)->state != SLOT_PENDING) continue;
         resp_error(srv_reply_buf(c, seq), "ERR server busy: engine queue full, retry");
         srv_reply_done(s, c, seq);
@@ -274,7 +278,15 @@ void srv_submit_op(srv *s, srv_conn *c, uint32_t seq, int kind, idem_op *op)
     c->engine_due++;
     s->engine_due++;
     slot_of(c, seq)->remaining++;
-    if (op->kind == IDEM_OP_CLAIM && op->wait_ms > 0) slot_of(c, seq)->is_wait = 1;
+    if (op->kind == IDEM_OP_CLAIM && op->wait_ms > 0) {
+        /* Parked claims hold engine slots: past half the queue, a WAIT answers at once. */
+        if (s->wait_due >= s->cfg.queue_depth / 2) {
+            s->ops[s->nops - 1].wait_ms = 0;
+        } else {
+            slot_of(c, seq)->is_wait = 1;
+            s->wait_due++;
+        }
+    }
 }
 
 void srv_flush_ops(srv *s)
@@ -447,7 +459,10 @@ static void complete_one(srv *s, const idem_completion *cp)
     if (c->dead) return;
     srv_slot *sl = slot_of(c, seq);
     if (sl->state != SLOT_PENDING) return; /* answered already (drain) */
-    if (sl->is_wait) sl->is_wait = 0;
+    if (sl->is_wait) {
+        sl->is_wait = 0;
+        s->wait_due--;
+    }
     sl->remaining--;
     if (cmd_complete(s, c, sl, srv_reply_buf(c, seq), cp)) srv_reply_done(s, c, seq);
 }

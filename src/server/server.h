@@ -126,6 +126,7 @@ typedef struct srv {
     uint64_t next_id;
     uint64_t io_used;
     uint32_t engine_due; /* all connections */
+    uint32_t wait_due;   /* of which claims parked with WAIT */
     idem_op *ops;        /* this turn's batch */
     uint64_t *op_slots;  /* user_data of each op, to fail them if not accepted */
     uint32_t nops;
