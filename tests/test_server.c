@@ -725,6 +725,54 @@ Test(server, wait_times_out_as_busy, .init = start)
     redisFree(c);
 }
 
+/* ---- limits ---- */
+
+static void start_limited(void)
+{
+    static const char *const extra[] = {"--max-clients", "3", "--idle-timeout-ms", "300", NULL};
+    start_with(extra);
+}
+
+Test(server, client_limit_and_idle_timeout, .init = start_limited)
+{
+    redisContext *a = connect_tcp(), *b = connect_tcp(), *c = connect_tcp();
+    expect_status(cmd(a, "PING"), "PONG");
+    redisContext *d = connect_tcp();
+    redisReply *r = redisCommand(d, "PING");
+    cr_assert(!r || (r->type == REDIS_REPLY_ERROR && strstr(r->str, "max number of clients")),
+              "the fourth client is refused");
+    freeReplyObject(r);
+    redisFree(d);
+    usleep(800000); /* idle past the timeout: the server closes a, b and c */
+    r = redisCommand(a, "PING");
+    cr_assert(!r, "an idle connection is closed");
+    redisFree(a);
+    redisFree(b);
+    redisFree(c);
+    a = connect_tcp();
+    expect_status(cmd(a, "PING"), "PONG");
+    redisFree(a);
+}
+
+Test(server, second_server_on_the_same_socket_refuses_to_start, .init = start)
+{
+    const char *build = getenv("IDEM_BUILD_DIR");
+    char exe[512];
+    snprintf(exe, sizeof exe, "%s/idemd", build && *build ? build : "build");
+    pid_t pid = fork();
+    if (pid == 0) {
+        freopen("/dev/null", "w", stderr);
+        execl(exe, exe, "--dir", srv.dir, "--port", "0", (char *)NULL);
+        _exit(127);
+    }
+    int status;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 1, "status %d", status);
+    redisContext *c = connect_unix(); /* the first server still owns its socket */
+    expect_status(cmd(c, "PING"), "PONG");
+    redisFree(c);
+}
+
 /* ---- shutdown ---- */
 
 Test(server, sigterm_drains_and_exits_zero, .init = start)

@@ -516,6 +516,16 @@ static void housekeeping(srv *s, int64_t now)
 
 /* ---- listeners ---- */
 
+/* Does a live server accept connections on this unix socket path? */
+static int unix_in_use(const struct sockaddr_un *a)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return 0;
+    int live = connect(fd, (const struct sockaddr *)a, sizeof *a) == 0;
+    close(fd);
+    return live;
+}
+
 static int listen_unix(srv *s)
 {
     struct sockaddr_un a = {.sun_family = AF_UNIX};
@@ -525,7 +535,13 @@ static int listen_unix(srv *s)
     }
     strcpy(a.sun_path, s->cfg.socket_path);
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    unlink(a.sun_path);
+    if (unix_in_use(&a)) {
+        srv_log("error", "listen_failed", "socket=%s msg=\"another server answers there\"",
+                s->cfg.socket_path);
+        if (fd >= 0) close(fd);
+        return -1;
+    }
+    unlink(a.sun_path); /* a stale socket of a server that is gone */
     mode_t old = umask(0777);
     int rc = fd < 0 ? -1 : bind(fd, (struct sockaddr *)&a, sizeof a);
     umask(old);
