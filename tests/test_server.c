@@ -773,6 +773,82 @@ Test(server, second_server_on_the_same_socket_refuses_to_start, .init = start)
     redisFree(c);
 }
 
+/* ---- configuration ---- */
+
+/* Runs idemd with args to completion (it must exit by itself); returns its exit status. */
+static int run_idemd(const char *const *args)
+{
+    const char *build = getenv("IDEM_BUILD_DIR");
+    char exe[512];
+    const char *argv[16] = {exe};
+    snprintf(exe, sizeof exe, "%s/idemd", build && *build ? build : "build");
+    for (int i = 0; args[i] && i < 14; i++)
+        argv[i + 1] = args[i];
+    pid_t pid = fork();
+    if (pid == 0) {
+        freopen("/dev/null", "w", stderr);
+        freopen("/dev/null", "w", stdout);
+        execv(exe, (char *const *)argv);
+        _exit(127);
+    }
+    int status;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+Test(server, users_file_readable_by_others_is_refused)
+{
+    char *dir = tu_mkdtemp("users");
+    char path[600];
+    snprintf(path, sizeof path, "%s/users", dir);
+    FILE *f = fopen(path, "w");
+    fputs("app:worker:pw\n", f);
+    fclose(f);
+    chmod(path, 0644);
+    const char *const args[] = {"--dir", dir, "--port", "0", "--users-file", path, NULL};
+    cr_assert_eq(run_idemd(args), 2);
+    const char *const bad[] = {"--dir", dir, "--durability", "maybe", NULL};
+    cr_assert_eq(run_idemd(bad), 2);
+    const char *const help[] = {"--help", NULL};
+    cr_assert_eq(run_idemd(help), 0);
+    tu_rmtree(dir);
+}
+
+static void start_from_config(void)
+{
+    char *dir = tu_mkdtemp("conf");
+    static char path[600], users[600];
+    snprintf(users, sizeof users, "%s/users", dir);
+    FILE *f = fopen(users, "w");
+    fputs("# users\nops:admin:pw-ops\n", f);
+    fclose(f);
+    chmod(users, 0600);
+    snprintf(path, sizeof path, "%s/idemd.conf", dir);
+    f = fopen(path, "w");
+    fprintf(f, "# idemd settings\nusers-file %s\non-lease-expiry review\n", users);
+    fclose(f);
+    static const char *extra[] = {"--config", path, NULL};
+    ready_auth = "AUTH ops pw-ops";
+    start_with(extra);
+    tu_rmtree(dir);
+}
+
+Test(server, config_file_settings_apply, .init = start_from_config)
+{
+    redisContext *c = connect_tcp(), *admin = connect_unix();
+    expect_error(cmd(c, "PING"), "NOAUTH");
+    expect_status(cmd(c, "AUTH ops pw-ops"), "OK");
+    expect_status(cmd(admin, "AUTH ops pw-ops"), "OK");
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM lp 60000 100"), &tok), "new");
+    freeReplyObject(cmd(admin, "DEBUG CLOCK ADVANCE 100"));
+    redisReply *r = cmd(c, "IDEM.CLAIM lp 60000 100");
+    cr_assert_str_eq(r->element[0]->str, "review", "--on-lease-expiry review from the file");
+    freeReplyObject(r);
+    redisFree(c);
+    redisFree(admin);
+}
+
 /* ---- shutdown ---- */
 
 Test(server, sigterm_drains_and_exits_zero, .init = start)
