@@ -370,10 +370,64 @@ typedef struct idem_stats {
     uint64_t compactions;
     int fatal;
     int loading;
+    uint64_t store_generation;     /* 1 at creation; bumped by every restore and import */
+    uint64_t keys_with_mismatch;   /* records whose mismatch_count > 0 */
+    uint64_t frames_replayed;      /* at the last open */
+    uint64_t open_ms;              /* how long the last open took */
 } idem_stats;
 
 /* Counters in O(1): no scan of keys. Thread-safe. */
 void idem_get_stats(idem_store *s, idem_stats *out);
+
+/* ---- Operator views ---- */
+
+typedef struct idem_attention_args {
+    int64_t older_ms; /* also list in_flight records older than this (first_seen) while their
+                         lease runs; 0: only those whose lease ran out */
+    uint32_t max;     /* at most this many records (0: 1000) */
+} idem_attention_args;
+
+/*
+ * The records that need a person or a reconciler: every review record, every in_flight record
+ * whose lease ran out (or older than a->older_ms), and every record with a recorded mismatch.
+ * Costs no scan of all keys (the store keeps the unfinished and the mismatched records apart).
+ * records[i] for i < n stay valid until the next call on q; order: review first, then in_flight
+ * by first_seen, then mismatches.
+ */
+int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_record **records,
+                   size_t *n);
+
+typedef struct idem_verify_report {
+    uint64_t segments, frames, records, checkpoint_entries, audit_entries, index_entries;
+    uint64_t errors;       /* faults found (0: the store is sound) */
+    char first_error[512]; /* what and where, for the first fault */
+} idem_verify_report;
+
+/*
+ * Offline, read-only check of every checksum and invariant of the store in dir (idemd must not
+ * be running: IDEM_ELOCKED otherwise): superblock copies, every frame of every segment, the
+ * checkpoint, the audit trail, and that the index rebuilt from them names decodable records.
+ * Never writes. progress (may be NULL) is called now and then with bytes done and total.
+ * Returns IDEM_OK when the checks ran (see r->errors), or an error that stopped them.
+ */
+int idem_verify(const char *dir, idem_verify_report *r,
+                void (*progress)(void *ctx, uint64_t done, uint64_t total), void *ctx);
+
+/* ---- Import and restore ---- */
+
+/*
+ * Writes a record exactly as given (state, first_seen, expiry, counters, token, version kept;
+ * the record replaces any record of the key). For import from an export: admin use only, on a
+ * store no worker uses yet. Tokens handed out later are above every imported token. Returns
+ * IDEM_OK, IDEM_EINVAL (a field out of range), or a store error.
+ */
+int idem_import_record(idem_queue *q, const idem_record *r);
+/* Appends an audit entry as given (seq and times kept). */
+int idem_import_audit(idem_queue *q, const idem_audit_entry *e);
+/* Makes dest_dir (absent) a copy of the backup in backup_dir, under a new store generation:
+ * the restored store hands out tokens above every token the backup's store could have handed
+ * out before the backup was taken, and reports the generation in its stats. */
+int idem_restore(const char *backup_dir, const char *dest_dir);
 
 /* ---- Maintenance ---- */
 

@@ -26,6 +26,8 @@ static int audit_keep(idem_store *s, const uint8_t *p)
 {
     uint32_t klen = util_get_u16(p + 42), alen = util_get_u16(p + 44),
              rlen = util_get_u16(p + 46), aclen = p[64];
+    if (AUDIT_HDR - 8 + klen + alen + rlen + aclen != util_get_u32(p + 8))
+        return IDEM_ECORRUPT;
     if (s->naudit == s->audit_cap) {
         size_t cap = s->audit_cap ? s->audit_cap * 2 : 64;
         struct audit_rec *n = realloc(s->audit, cap * sizeof *n);
@@ -86,7 +88,7 @@ int audit_open(idem_store *s)
     for (uint64_t off = 0;; off += AUDIT_BLOCK) {
         int64_t n = io_read(s->io, s->audit_f, off, blk, AUDIT_BLOCK);
         uint32_t len = n == AUDIT_BLOCK ? util_get_u32(blk + 8) : 0;
-        if (len < AUDIT_HDR || len > AUDIT_BLOCK - 8 ||
+        if (len < AUDIT_HDR - 8 || len > AUDIT_BLOCK - 8 ||
             util_get_u64(blk) != XXH3_64bits(blk + 8, len)) {
             s->audit_off = off; /* a torn or absent tail: the next entry goes here */
             break;
@@ -94,8 +96,11 @@ int audit_open(idem_store *s)
         if (util_get_u64(blk + 32) > last)
             continue; /* the change it describes was never durable */
         rc = audit_keep(s, blk);
-        if (rc < 0)
+        if (rc < 0) {
+            store_set_error("%s: entry at offset %llu: %s", path, (unsigned long long)off,
+                            idem_strerror(rc));
             break;
+        }
         s->audit_off = off + AUDIT_BLOCK;
     }
     free(blk);

@@ -123,6 +123,28 @@ static int seen_bump(idem_store *s, struct index_slot *slot, const struct rec *r
 
 /* ---- Writing versions ---- */
 
+/* Bytes of the frame at addr (0 if unreadable). */
+static uint64_t frame_bytes(idem_store *s, uint64_t addr)
+{
+    uint32_t len;
+    uint64_t lsn;
+    return wal_payload(s->wal, addr, &len, &lsn) ? (uint64_t)len + WAL_FRAME_HDR : 0;
+}
+
+/* The index now points key at new_addr instead of old_addr (0: none): live bytes and the
+ * expiry horizon of new_addr's segment follow. */
+static void live_move(idem_store *s, uint64_t old_addr, uint64_t new_addr, int64_t expires_at_ms)
+{
+    if (old_addr)
+        s->live_bytes -= frame_bytes(s, old_addr);
+    if (new_addr) {
+        s->live_bytes += frame_bytes(s, new_addr);
+        int64_t *m = &s->seg_max_exp[wal_addr_seq(s->wal, new_addr) % WAL_SEG_SLOTS];
+        if (expires_at_ms > *m)
+            *m = expires_at_ms;
+    }
+}
+
 static void state_count(idem_store *s, int state, int delta)
 {
     uint64_t *c = state == IDEM_STATE_IN_FLIGHT   ? &s->st.keys_in_flight
@@ -187,9 +209,12 @@ static int write_version(idem_store *s, struct index_slot *slot, int old_state, 
         return rc;
     }
     ops_seen_release(s, slot);
+    live_move(s, old_state ? index_slot_addr(slot) : 0, addr, r->expires_at_ms);
     index_slot_set_addr(slot, addr);
     state_count(s, old_state, -1);
     state_count(s, r->state, +1);
+    if (r->state != IDEM_STATE_COMMITTED)
+        ages_push(s, r->state, r->first_seen_ms, addr);
     return 0;
 }
 
@@ -205,6 +230,7 @@ static int write_delete(idem_store *s, struct index_slot *slot, int old_state, c
     if (rc < 0)
         return rc;
     ops_seen_release(s, slot);
+    live_move(s, index_slot_addr(slot), 0, 0);
     index_remove(s->ix, slot);
     state_count(s, old_state, -1);
     return 0;
@@ -453,6 +479,7 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op,
     if (s->opt.lease_policy == IDEM_LEASE_REVIEW) {
         static const char why[] = "lease expired";
         r->state = IDEM_STATE_REVIEW;
+        r->token = 0; /* the old owner's token is stale from here on */
         r->note_len = sizeof why - 1;
         rc = write_version(s, slot, IDEM_STATE_IN_FLIGHT, r, r->key, owner, why, NULL, 0,
                            &sl->need_lsn);
@@ -895,10 +922,12 @@ int ops_replay(void *ctx, const struct wal_frame *f)
     if (f->type == WAL_T_DELETE) {
         if (slot) {
             ops_seen_release(s, slot);
+            live_move(s, index_slot_addr(slot), 0, 0);
             index_remove(s->ix, slot);
         }
         return 0;
     }
+    uint64_t old_addr = slot ? index_slot_addr(slot) : 0;
     if (!slot) {
         slot = index_insert(s->ix, ops_hash(s, key, key_len), f->addr, 0);
         if (!slot)
@@ -907,6 +936,39 @@ int ops_replay(void *ctx, const struct wal_frame *f)
         ops_seen_release(s, slot);
         index_slot_set_addr(slot, f->addr);
     }
+    live_move(s, old_addr, f->addr, (int64_t)util_get_u64(f->payload + 24));
     state_count(s, state, +1);
+    if (state != IDEM_STATE_COMMITTED)
+        ages_push(s, state, (int64_t)util_get_u64(f->payload + 16), f->addr);
+    return 0;
+}
+
+/* ---- Compaction ---- */
+
+int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now, uint64_t *lsn)
+{
+    if (f->type != WAL_T_RECORD)
+        return 0; /* DELETE frames in the oldest segment describe nothing older that survives */
+    struct rec r, cur;
+    if (rec_decode(f->payload, f->payload_len, &r) < 0)
+        return IDEM_ECORRUPT;
+    uint64_t cur_lsn;
+    struct index_slot *slot = ops_find(s, r.key, r.key_len, &cur, &cur_lsn);
+    if (!slot || index_slot_addr(slot) != f->addr)
+        return 0; /* superseded or deleted: dead */
+    if (ops_rec_expired(&r, now)) {
+        int rc = write_delete(s, slot, r.state, r.key, r.key_len, lsn);
+        if (rc == 0)
+            s->st.expired_total++;
+        return rc;
+    }
+    uint64_t addr;
+    int rc = wal_copy(s->wal, f, &addr, lsn);
+    if (rc < 0)
+        return rc;
+    live_move(s, f->addr, addr, r.expires_at_ms);
+    index_slot_set_addr(slot, addr);
+    if (r.state != IDEM_STATE_COMMITTED)
+        ages_push(s, r.state, r.first_seen_ms, addr);
     return 0;
 }

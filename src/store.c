@@ -168,14 +168,9 @@ static void queue_signal(struct idem_queue *q)
 /* After the durable LSN moved (or fatal): wake the queues that have ready completions. */
 static void notify_ready(idem_store *s)
 {
-    for (struct idem_queue *q = s->queues; q; q = q->next) {
-        for (uint32_t i = 0; i < q->depth; i++) {
-            if (slot_ready(s, &q->slots[i])) {
-                queue_signal(q);
-                break;
-            }
-        }
-    }
+    for (struct idem_queue *q = s->queues; q; q = q->next)
+        if (q->head)
+            queue_signal(q);
     pthread_cond_broadcast(&s->cond_ready);
 }
 
@@ -212,7 +207,7 @@ static void flush_once(idem_store *s)
     if (n == 0)
         return;
     s->flushing = 1;
-    uint64_t records = wal_last_lsn(s->wal) - s->durable_lsn;
+    uint64_t records = wal_flush_frames(s->wal);
     pthread_mutex_unlock(&s->mu);
     int64_t t0 = util_monotonic_us();
     int rc = wal_flush_io(s->wal);
@@ -293,16 +288,42 @@ static void flusher_maintain(idem_store *s)
     }
 }
 
+static int checkpoint_locked(idem_store *s);
+
+/* Checkpoints and compaction between batches; returns 1 when work was done (loop again). */
+static int flusher_compact(idem_store *s)
+{
+    if (s->fatal || s->closing || s->abandoned)
+        return 0;
+    if (!wal_pending(s->wal) && compact_wants_checkpoint(s)) {
+        int rc = checkpoint_locked(s);
+        if (rc == IDEM_EFATAL || rc == IDEM_EIO) {
+            store_fail(s, -EIO);
+            return 0;
+        }
+    }
+    int rc = compact_step(s);
+    if (rc < 0) {
+        store_fail(s, -EIO);
+        return 0;
+    }
+    return rc;
+}
+
 static void *flusher_main(void *arg)
 {
     idem_store *s = arg;
     pthread_mutex_lock(&s->mu);
     for (;;) {
+        if (s->abandoned)
+            break;
         if (flush_due(s)) {
             flush_once(s);
             continue;
         }
         flusher_maintain(s);
+        if (flusher_compact(s))
+            continue;
         if (s->waiters)
             ops_wake(s, NULL, 0);
         if (s->closing && !wal_pending(s->wal))
@@ -407,25 +428,52 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
 {
     idem_store *s = ctx;
     uint64_t h = (e->addr_tag & ~INDEX_ADDR_MASK) | e->hash_lo;
+    if (!wal_addr_valid(s->wal, e->addr_tag & INDEX_ADDR_MASK)) {
+        store_set_error("checkpoint %llu names a log address outside the log's segments",
+                        (unsigned long long)s->sb.ckpt_id);
+        return IDEM_ECORRUPT;
+    }
     struct index_slot *slot = index_insert(s->ix, h, e->addr_tag & INDEX_ADDR_MASK, 0);
     if (!slot)
         return IDEM_ENOMEM;
+    if (e->has_seen & CKPT_UNFINISHED) {
+        uint32_t len;
+        uint64_t lsn;
+        const uint8_t *p = wal_payload(s->wal, index_slot_addr(slot), &len, &lsn);
+        struct rec r;
+        if (!p || rec_decode(p, len, &r) < 0) {
+            store_set_error("checkpoint %llu names a record that does not decode",
+                            (unsigned long long)s->sb.ckpt_id);
+            return IDEM_ECORRUPT;
+        }
+        ages_push(s, r.state, r.first_seen_ms, index_slot_addr(slot));
+    }
     /* Repeat counters survive a clean restart through the checkpoint. */
-    return e->has_seen ? ops_seen_set(s, slot, e->seen_count, e->last_seen_ms) : 0;
+    return (e->has_seen & CKPT_SEEN) ? ops_seen_set(s, slot, e->seen_count, e->last_seen_ms)
+                                     : 0;
 }
 
 static int store_recover(idem_store *s)
 {
     char err[512] = "";
+    s->live_bytes = s->sb.ckpt_live_bytes;
+    s->st.keys_in_flight = s->sb.ckpt_keys_by_state[0];
+    s->st.keys_committed = s->sb.ckpt_keys_by_state[1];
+    s->st.keys_review = s->sb.ckpt_keys_by_state[2];
+    int rc = wal_open_segments(s->wal, s->sb.wal_first_seq, s->sb.ckpt_seq, s->opt.read_only);
+    if (rc < 0) {
+        store_set_error("%s", wal_error(s->wal));
+        return rc;
+    }
     if (s->sb.ckpt_id) {
-        int rc = ckpt_load(s->io, s->dir, s->sb.ckpt_id, ckpt_entry_load, s, err, sizeof err);
+        rc = ckpt_load(s->io, s->dir, s->sb.ckpt_id, ckpt_entry_load, s, err, sizeof err);
         if (rc < 0) {
             store_set_error("%s", err);
             return rc;
         }
     }
-    int rc = wal_recover(s->wal, s->sb.wal_first_seq, s->sb.ckpt_seq, s->sb.ckpt_off,
-                         s->sb.ckpt_lsn, s->sb.ckpt_batch, ops_replay, s, s->opt.read_only);
+    rc = wal_recover(s->wal, s->sb.ckpt_seq, s->sb.ckpt_off, s->sb.ckpt_lsn, s->sb.ckpt_batch,
+                     ops_replay, s, s->opt.read_only);
     if (rc < 0) {
         store_set_error("%s", *wal_error(s->wal) ? wal_error(s->wal) : idem_strerror(rc));
         return rc;
@@ -470,6 +518,8 @@ static void store_free(idem_store *s)
     free(s->seen);
     free(s->seen_free);
     free(s->scratch);
+    free(s->seg_max_exp);
+    ages_free(s);
     free(s->dir);
     free(s);
 }
@@ -565,6 +615,14 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     }
     if (!fresh)
         s->opt.segment_bytes = s->sb.seg_bytes;
+    s->seg_max_exp = malloc(WAL_SEG_SLOTS * sizeof *s->seg_max_exp);
+    if (!s->seg_max_exp) {
+        rc = IDEM_ENOMEM;
+        goto fail;
+    }
+    /* Unknown horizons (segments before the checkpoint) look expired: each is compacted once. */
+    for (uint32_t i = 0; i < WAL_SEG_SLOTS; i++)
+        s->seg_max_exp[i] = INT64_MIN;
     rc = wal_create(io, dir, s->opt.segment_bytes, &s->wal);
     if (rc == 0)
         rc = index_create(s->opt.max_keys, &s->ix) < 0 ? IDEM_ENOMEM : 0;
@@ -616,8 +674,6 @@ int idem_open(const char *dir, const idem_options *o, idem_store **out)
     return store_open_io(dir, &opt, io, 0, out);
 }
 
-static int checkpoint_locked(idem_store *s);
-
 int idem_close(idem_store *s)
 {
     if (!s)
@@ -643,6 +699,19 @@ int idem_close(idem_store *s)
     return rc;
 }
 
+void store_abandon(idem_store *s)
+{
+    pthread_mutex_lock(&s->mu);
+    s->abandoned = 1;
+    pthread_cond_signal(&s->cond_flush);
+    pthread_mutex_unlock(&s->mu);
+    if (s->flusher_started)
+        pthread_join(s->flusher, NULL);
+    while (s->queues)
+        idem_queue_close(s->queues);
+    store_free(s);
+}
+
 int idem_is_fatal(const idem_store *s)
 {
     return __atomic_load_n(&s->fatal, __ATOMIC_RELAXED);
@@ -664,19 +733,23 @@ int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
         return IDEM_ENOMEM;
     q->slots = calloc(depth, sizeof *q->slots);
     q->returned = calloc(depth, sizeof *q->returned);
+    q->free_stack = calloc(depth, sizeof *q->free_stack);
     q->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (!q->slots || !q->returned || q->efd < 0) {
+    if (!q->slots || !q->returned || !q->free_stack || q->efd < 0) {
         if (q->efd >= 0)
             close(q->efd);
         free(q->slots);
         free(q->returned);
+        free(q->free_stack);
         free(q);
         return IDEM_ENOMEM;
     }
     q->s = s;
     q->depth = depth;
-    for (uint32_t i = 0; i < depth; i++)
+    for (uint32_t i = 0; i < depth; i++) {
         q->slots[i].q = q;
+        q->free_stack[q->nfree++] = depth - 1 - i;
+    }
     pthread_mutex_lock(&s->mu);
     q->next = s->queues;
     if (s->queues)
@@ -715,6 +788,7 @@ void idem_queue_close(idem_queue *q)
         free(q->slots[i].buf);
     free(q->slots);
     free(q->returned);
+    free(q->free_stack);
     free(q->scan_keys);
     free(q->scan_lens);
     free(q->scan_buf);
@@ -775,26 +849,32 @@ const void *qslot_copy(struct qslot *sl, const void *p, size_t len)
 
 static struct qslot *slot_take(idem_queue *q)
 {
-    for (uint32_t i = 0; i < q->depth; i++) {
-        struct qslot *sl = &q->slots[i];
-        if (sl->state == SLOT_FREE) {
-            sl->state = SLOT_DONE;
-            sl->seq = q->seq_next++;
-            sl->need_lsn = 0;
-            sl->buf_used = 0;
-            memset(&sl->c, 0, sizeof sl->c);
-            q->active++;
-            return sl;
-        }
-    }
-    return NULL;
+    if (q->nfree == 0)
+        return NULL;
+    struct qslot *sl = &q->slots[q->free_stack[--q->nfree]];
+    sl->state = SLOT_DONE;
+    sl->seq = q->seq_next++;
+    sl->need_lsn = 0;
+    sl->buf_used = 0;
+    memset(&sl->c, 0, sizeof sl->c);
+    /* Append to the list of outstanding slots, in submission order. */
+    sl->lnext = NULL;
+    sl->lprev = q->tail;
+    if (q->tail)
+        q->tail->lnext = sl;
+    else
+        q->head = sl;
+    q->tail = sl;
+    q->active++;
+    return sl;
 }
 
 static void release_returned(idem_queue *q)
 {
     for (uint32_t i = 0; i < q->nreturned; i++) {
-        q->returned[i]->state = SLOT_FREE;
-        q->active--;
+        struct qslot *sl = q->returned[i];
+        sl->state = SLOT_FREE;
+        q->free_stack[q->nfree++] = (uint32_t)(sl - q->slots);
     }
     q->nreturned = 0;
 }
@@ -824,23 +904,33 @@ int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
     return (int)done;
 }
 
+/* Delivers ready completions in submission order. The walk skips parked claims and stops at the
+ * first completion that waits for a flush: later ones almost always wait for the same or a
+ * later flush, so the cost stays proportional to what is delivered. */
 static size_t collect_ready(idem_queue *q, idem_completion *out, size_t max)
 {
     idem_store *s = q->s;
     size_t n = 0;
-    /* Deliver in submission order among the ready ones. */
-    while (n < max) {
-        struct qslot *best = NULL;
-        for (uint32_t i = 0; i < q->depth; i++) {
-            struct qslot *sl = &q->slots[i];
-            if (slot_ready(s, sl) && (!best || sl->seq < best->seq))
-                best = sl;
+    struct qslot *sl = q->head;
+    while (sl && n < max) {
+        struct qslot *next = sl->lnext;
+        if (sl->state == SLOT_DONE) {
+            if (!slot_ready(s, sl))
+                break;
+            out[n++] = sl->c;
+            if (sl->lprev)
+                sl->lprev->lnext = sl->lnext;
+            else
+                q->head = sl->lnext;
+            if (sl->lnext)
+                sl->lnext->lprev = sl->lprev;
+            else
+                q->tail = sl->lprev;
+            sl->state = SLOT_RETURNED; /* freed at the next call */
+            q->returned[q->nreturned++] = sl;
+            q->active--;
         }
-        if (!best)
-            break;
-        out[n++] = best->c;
-        best->state = SLOT_RETURNED; /* freed at the next call */
-        q->returned[q->nreturned++] = best;
+        sl = next;
     }
     return n;
 }
@@ -885,7 +975,7 @@ int idem_exec(idem_queue *q, const idem_op *op, idem_completion *c)
 {
     if (!q || !op)
         return IDEM_EINVAL;
-    if (q->active > q->nreturned)
+    if (q->active > 0)
         return IDEM_EBUSY;
     int rc = idem_submit(q, op, 1);
     if (rc < 0)
@@ -1094,6 +1184,8 @@ void idem_get_stats(idem_store *s, idem_stats *out)
     out->max_memory_bytes = s->opt.max_memory_bytes;
     out->max_disk_bytes = s->opt.max_disk_bytes;
     out->fatal = s->fatal;
+    out->oldest_in_flight_ms = ages_oldest(s, IDEM_STATE_IN_FLIGHT);
+    out->oldest_review_ms = ages_oldest(s, IDEM_STATE_REVIEW);
     pthread_mutex_unlock(&s->mu);
     struct statvfs vfs;
     if (!s->test_sim && statvfs(s->dir, &vfs) == 0)
@@ -1115,9 +1207,14 @@ static void ckpt_one(void *ctx, struct index_slot *slot)
     if (cc->rc < 0)
         return;
     struct ckpt_entry e = {.addr_tag = slot->addr_tag, .hash_lo = slot->hash_lo};
+    uint32_t len;
+    uint64_t lsn;
+    const uint8_t *p = wal_payload(cc->s->wal, index_slot_addr(slot), &len, &lsn);
+    if (p && len > 0 && p[0] != IDEM_STATE_COMMITTED)
+        e.has_seen |= CKPT_UNFINISHED;
     if (slot->aux) {
         struct seen_info *si = &cc->s->seen[slot->aux - 1];
-        e.has_seen = 1;
+        e.has_seen |= CKPT_SEEN;
         e.seen_count = si->seen_count;
         e.last_seen_ms = si->last_seen_ms;
     }
@@ -1154,6 +1251,10 @@ static int checkpoint_locked(idem_store *s)
     wal_position(s->wal, &sb.ckpt_seq, &sb.ckpt_off);
     sb.ckpt_lsn = wal_last_lsn(s->wal);
     sb.ckpt_batch = wal_batch(s->wal) - 1;
+    sb.ckpt_live_bytes = s->live_bytes;
+    sb.ckpt_keys_by_state[0] = s->st.keys_in_flight;
+    sb.ckpt_keys_by_state[1] = s->st.keys_committed;
+    sb.ckpt_keys_by_state[2] = s->st.keys_review;
     sb.store_clock_ms = store_now(s);
     rc = super_store(s->io, s->dir, &sb);
     if (rc < 0) {

@@ -41,6 +41,7 @@ struct qslot {
     int64_t deadline_mono_ms;
     int64_t lease_end_ms; /* store clock: when the lease it waits on runs out */
     struct qslot *wnext; /* store's waiter list */
+    struct qslot *lprev, *lnext; /* the queue's outstanding slots, in submission order */
     struct idem_queue *q;
 };
 
@@ -48,7 +49,10 @@ struct idem_queue {
     idem_store *s;
     uint32_t depth;
     struct qslot *slots;
-    uint32_t active;
+    uint32_t *free_stack; /* indexes of free slots */
+    uint32_t nfree;
+    struct qslot *head, *tail; /* outstanding (submitted, not yet polled) */
+    uint32_t active;           /* outstanding slots */
     uint64_t seq_next;
     int efd;
     struct idem_queue *next, *prev;
@@ -66,6 +70,16 @@ struct idem_queue {
 struct seen_info {
     int64_t last_seen_ms;
     uint64_t seen_count;
+};
+
+struct age_entry {
+    int64_t first_seen_ms;
+    uint64_t addr;
+};
+
+struct age_heap {
+    struct age_entry *v;
+    size_t n, cap;
 };
 
 struct audit_rec {
@@ -91,6 +105,7 @@ struct idem_store {
     uint64_t durable_lsn;
     int fatal;
     int closing;
+    int abandoned; /* store_abandon: the flusher stops at once, nothing more is written */
     int flushing;
     uint32_t frame_max;            /* the largest frame one change can append */
     int64_t spare_failed_mono_ms;  /* last failed attempt at the spare segment (disk full) */
@@ -116,6 +131,20 @@ struct idem_store {
     uint8_t *scratch;
     size_t scratch_cap;
     idem_stats st;
+    /* Space: bytes of the frames the index points to; per segment slot, the largest
+     * expires_at_ms of the frames written there (INT64_MAX: unknown). */
+    uint64_t live_bytes;
+    int64_t *seg_max_exp;
+    /* Compaction of the oldest segment (compact.c). */
+    uint64_t cmp_seq;      /* segment being compacted, 0: none */
+    uint32_t cmp_off;      /* next frame in it */
+    uint64_t cmp_last_lsn; /* last copy or delete it appended */
+    int cmp_done;          /* every frame handled: retire once durable and checkpointed */
+    uint64_t cmp_done_lsn; /* the log's last LSN when the walk ended */
+    int cmp_disabled;      /* a corrupt frame stopped compaction (reported) */
+    /* Unfinished records by first_seen (ages.c). */
+    struct age_heap ages_in_flight, ages_review;
+    int ages_rebuilding;
     int test_sim; /* the simulated disk: no lock file */
 };
 
@@ -123,6 +152,10 @@ struct idem_store {
  * ownership of io and destroys it at close). */
 int store_open_io(const char *dir, const idem_options *o, struct io *io, int simulated,
                   idem_store **out);
+
+/* Tests: stops the store as a crash would (no flush, no checkpoint) and frees it. Queues are
+ * closed. Use io_sim_crash afterwards to drop what was not flushed. */
+void store_abandon(idem_store *s);
 
 /* ---- store.c, for ops.c ---- */
 int64_t store_now(idem_store *s);
@@ -159,6 +192,27 @@ int ops_rec_expired(const struct rec *r, int64_t now);
 void ops_seen_release(idem_store *s, struct index_slot *slot);
 /* Sets the repeat counters of the key in slot (allocating its seen entry). */
 int ops_seen_set(idem_store *s, struct index_slot *slot, uint64_t seen_count, int64_t last_ms);
+
+/* Compacts one frame of the oldest segment: copies a live record forward, logs the removal of
+ * an expired one, skips a dead one. *lsn is set when something was appended. */
+int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now, uint64_t *lsn);
+
+/* ---- compact.c (flusher thread, mu held, no batch in flight) ---- */
+/* One bounded step of space reclamation; returns 1 when it did work, 0 when there was none,
+ * or a negative idem_err when a write failed (fatal). */
+int compact_step(idem_store *s);
+/* Whether the flusher should write a checkpoint now (log length since the last one, or a
+ * compacted segment waiting to be retired). */
+int compact_wants_checkpoint(const idem_store *s);
+
+/* ---- ages.c ---- */
+/* A version in state (in_flight or review) with first_seen was written at addr. */
+void ages_push(idem_store *s, int state, int64_t first_seen_ms, uint64_t addr);
+/* first_seen of the oldest record in state, 0 if none. */
+int64_t ages_oldest(idem_store *s, int state);
+/* Addresses of every record in state (at most max), in no particular order. */
+size_t ages_list(idem_store *s, int state, uint64_t *addrs, size_t max);
+void ages_free(idem_store *s);
 
 /* ---- audit.c ---- */
 int audit_open(idem_store *s);

@@ -48,6 +48,9 @@ static void super_encode(const struct super *sb, uint8_t *p)
     util_put_u64(p + 104, (uint64_t)sb->store_clock_ms);
     util_put_u64(p + 112, (uint64_t)sb->created_ms);
     util_put_u64(p + 120, sb->store_generation);
+    util_put_u64(p + 128, sb->ckpt_live_bytes);
+    for (int i = 0; i < 3; i++)
+        util_put_u64(p + 136 + 8 * i, sb->ckpt_keys_by_state[i]);
     util_put_u64(p + SUPER_CKSUM, XXH3_64bits(p, SUPER_CKSUM));
 }
 
@@ -72,6 +75,9 @@ static int super_decode(const uint8_t *p, struct super *sb)
     sb->store_clock_ms = (int64_t)util_get_u64(p + 104);
     sb->created_ms = (int64_t)util_get_u64(p + 112);
     sb->store_generation = util_get_u64(p + 120);
+    sb->ckpt_live_bytes = util_get_u64(p + 128);
+    for (int i = 0; i < 3; i++)
+        sb->ckpt_keys_by_state[i] = util_get_u64(p + 136 + 8 * i);
     return 1;
 }
 

@@ -12,6 +12,8 @@
  *   72 u64 checkpoint replay segment   80 u32 checkpoint replay offset   84 u32 segment bytes
  *   88 u64 checkpoint lsn   96 u64 checkpoint batch   104 i64 store clock ms
  *  112 i64 created ms      120 u64 store generation (bumped by restore and import)
+ *  128 u64 live bytes at the checkpoint (frames the index points to)
+ *  136 u64[3] keys in_flight, committed, review at the checkpoint
  * 4088 u64 XXH3-64 of bytes [0, 4088)
  *
  * DIR/index-<id:016x>.ckpt is an image of the index at a batch boundary (see ckpt_write).
@@ -42,6 +44,8 @@ struct super {
     int64_t store_clock_ms;
     int64_t created_ms;
     uint64_t store_generation;
+    uint64_t ckpt_live_bytes;
+    uint64_t ckpt_keys_by_state[3];
 };
 
 /* Loads the newest valid copy. IDEM_ENOTFOUND: no superblock file (a new store);
@@ -57,11 +61,15 @@ int super_store(struct io *io, const char *dir, struct super *sb);
 int lock_acquire(const char *dir, char *err, size_t errcap);
 void lock_release(int fd);
 
+/* ckpt_entry.has_seen bits */
+#define CKPT_SEEN       0x1u /* seen_count and last_seen_ms hold the repeat counters */
+#define CKPT_UNFINISHED 0x2u /* the record is in_flight or review */
+
 /* One entry of a checkpoint: an index slot and the repeat counters of its key. */
 struct ckpt_entry {
     uint64_t addr_tag;
     uint32_t hash_lo;
-    uint32_t has_seen;
+    uint32_t has_seen; /* CKPT_* bits */
     uint64_t seen_count;
     int64_t last_seen_ms;
 };

@@ -51,6 +51,8 @@ struct wal {
     uint64_t cur_seq;
     uint32_t cur_off;
     int spare_ready; /* segment cur_seq + 1 is created and waits */
+    uint64_t frames_pending;  /* RECORD and DELETE frames in pending chunks */
+    uint64_t frames_inflight; /* ... in the batch in flight */
     int spare_err;   /* the last attempt to create it failed with this (IDEM_EFULL, ...) */
     uint64_t lsn_last;
     uint64_t lsn_durable;
@@ -65,6 +67,8 @@ struct wal {
     int nfree;
     char err[256];
 };
+
+static uint32_t frame_valid(const struct wal *w, const struct wal_segment *s, uint32_t off);
 
 static struct wal_segment *seg_of(struct wal *w, uint64_t seq)
 {
@@ -249,12 +253,14 @@ static void frame_put(struct wal *w, struct wal_chunk *c, uint32_t type, const v
     }
 }
 
-/* Fills the rest of the tail chunk's last block (PAD frame or zeros) so a new chunk can start
- * on the next block. */
-static void chunk_close_block(struct wal *w, struct wal_chunk *c)
+/* Fills the rest of the tail chunk's last block so a new chunk can start on the next block:
+ * with a PAD frame inside a batch (the scan reads through it), with zeros after an END or a
+ * SEGEND frame (the scan jumps to the next block or segment there, and a PAD would take an
+ * LSN the scan never sees). */
+static void chunk_close_block(struct wal *w, struct wal_chunk *c, int pad_frame)
 {
     uint32_t gap = (WAL_BLOCK - w->cur_off % WAL_BLOCK) % WAL_BLOCK;
-    if (gap >= WAL_FRAME_HDR) {
+    if (pad_frame && gap >= WAL_FRAME_HDR) {
         uint64_t addr;
         frame_put(w, c, WAL_T_PAD, NULL, NULL, 0, gap, &addr);
     } else if (gap) {
@@ -275,7 +281,7 @@ static int append_frame(struct wal *w, uint32_t type, const void *const *parts,
     if (w->nfree <= reserve)
         return IDEM_EBUSY;
     if (c && c->seq == w->cur_seq)
-        chunk_close_block(w, c);
+        chunk_close_block(w, c, 1);
     c = chunk_new(w);
     if (!c)
         return IDEM_ENOMEM;
@@ -299,7 +305,7 @@ static int seg_roll(struct wal *w, int reserve)
     int rc = append_frame(w, WAL_T_SEGEND, NULL, NULL, 0, WAL_FRAME_HDR, &addr, reserve);
     if (rc < 0)
         return rc;
-    chunk_close_block(w, chunk_tail(w)); /* the chunk ends on a block boundary */
+    chunk_close_block(w, chunk_tail(w), 0); /* the chunk ends on a block boundary */
     w->spare_ready = 0;
     w->cur_seq++;
     w->cur_off = WAL_BLOCK;
@@ -360,7 +366,9 @@ int wal_append(struct wal *w, uint32_t type, const void *const *parts, const uin
                int nparts, uint64_t *addr, uint64_t *lsn)
 {
     IDEM_ASSERT(type == WAL_T_RECORD || type == WAL_T_DELETE);
-    return append_reserved(w, type, parts, part_lens, nparts, addr, lsn, 2);
+    int rc = append_reserved(w, type, parts, part_lens, nparts, addr, lsn, 2);
+    w->frames_pending += rc == 0;
+    return rc;
 }
 
 const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, uint64_t *lsn)
@@ -404,13 +412,14 @@ int wal_flush_begin(struct wal *w, int64_t clock_ms)
     int rc = append_reserved(w, WAL_T_END, parts, lens, 1, &addr, &lsn, 0);
     if (rc < 0)
         return rc;
-    struct wal_chunk *c = chunk_tail(w);
-    chunk_close_block(w, c);
+    chunk_close_block(w, chunk_tail(w), 0);
     for (int i = 0; i < w->npend; i++)
         w->infl[i] = w->pend[i];
     w->ninfl = w->npend;
     w->npend = 0;
     w->batch++;
+    w->frames_inflight = w->frames_pending;
+    w->frames_pending = 0;
     return w->ninfl;
 }
 
@@ -469,6 +478,11 @@ uint64_t wal_durable_lsn(const struct wal *w)
 {
     return w->lsn_durable;
 }
+uint64_t wal_flush_frames(const struct wal *w)
+{
+    return w->frames_inflight;
+}
+
 int wal_pending(const struct wal *w)
 {
     return w->npend > 0;
@@ -479,7 +493,78 @@ int wal_chunks_free(const struct wal *w)
 }
 uint64_t wal_bytes(const struct wal *w)
 {
-    return (w->cur_seq - w->first_seq + 1) * (uint64_t)w->seg_bytes;
+    return (w->cur_seq - w->first_seq + 1 + (uint64_t)w->spare_ready) * (uint64_t)w->seg_bytes;
+}
+
+uint64_t wal_segments(const struct wal *w)
+{
+    return w->cur_seq - w->first_seq + 1;
+}
+
+uint64_t wal_cur_seq(const struct wal *w)
+{
+    return w->cur_seq;
+}
+
+uint64_t wal_addr_seq(const struct wal *w, uint64_t addr)
+{
+    return w->segs[(addr >> WAL_OFF_BITS) % WAL_SEG_SLOTS].seq;
+}
+
+int wal_seg_next(struct wal *w, uint64_t seq, uint32_t *off, struct wal_frame *f)
+{
+    struct wal_segment *s = seg_of(w, seq);
+    IDEM_ASSERT(s && seq < w->cur_seq);
+    while (*off + WAL_FRAME_HDR <= w->seg_bytes) {
+        uint32_t o = *off;
+        if (o % WAL_BLOCK && WAL_BLOCK - o % WAL_BLOCK < WAL_FRAME_HDR) {
+            *off = (uint32_t)IDEM_ALIGN_UP(o, WAL_BLOCK);
+            continue;
+        }
+        uint32_t len = frame_valid(w, s, o);
+        if (!len)
+            return 0; /* the end of what was written (a stale tail is never part of the log) */
+        const uint8_t *p = s->map + o;
+        uint32_t type = util_get_u16(p + 28);
+        if (type == WAL_T_SEGEND)
+            return 0;
+        *off = o + len;
+        if (type == WAL_T_END)
+            *off = (uint32_t)IDEM_ALIGN_UP(*off, WAL_BLOCK);
+        if (type == WAL_T_RECORD || type == WAL_T_DELETE) {
+            f->addr = addr_make(seq, o);
+            f->lsn = util_get_u64(p + 8);
+            f->type = type;
+            f->payload = p + WAL_FRAME_HDR;
+            f->payload_len = len - WAL_FRAME_HDR;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+int wal_copy(struct wal *w, const struct wal_frame *f, uint64_t *addr, uint64_t *lsn)
+{
+    const void *parts[1] = {f->payload};
+    uint32_t lens[1] = {f->payload_len};
+    int rc = append_reserved(w, f->type, parts, lens, 1, addr, lsn, 2);
+    w->frames_pending += rc == 0;
+    return rc;
+}
+
+int wal_retire(struct wal *w, uint64_t seq)
+{
+    struct wal_segment *s = seg_of(w, seq);
+    if (!s || seq != w->first_seq || seq >= w->cur_seq)
+        return IDEM_EINVAL;
+    seg_close(w, s);
+    char path[4096];
+    seg_path(w, seq, path, sizeof path);
+    w->first_seq++;
+    int rc = io_unlink(w->io, path);
+    if (rc == 0)
+        rc = io_sync_dir(w->io, w->dir);
+    return rc < 0 ? IDEM_EIO : 0;
 }
 void wal_position(const struct wal *w, uint64_t *seq, uint32_t *off)
 {
@@ -643,9 +728,7 @@ static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch, ui
     return 0;
 }
 
-int wal_recover(struct wal *w, uint64_t first_seq, uint64_t start_seq, uint32_t start_off,
-                uint64_t prev_lsn, uint64_t prev_batch,
-                int (*fn)(void *ctx, const struct wal_frame *f), void *ctx, int read_only)
+int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int read_only)
 {
     w->first_seq = first_seq;
     uint64_t seq = first_seq;
@@ -666,6 +749,27 @@ int wal_recover(struct wal *w, uint64_t first_seq, uint64_t start_seq, uint32_t 
                  (unsigned long long)start_seq);
         return IDEM_ECORRUPT;
     }
+    for (uint64_t q = first_seq; q < start_seq; q++) {
+        if (!seg_of(w, q)) {
+            snprintf(w->err, sizeof w->err, "log segment %llu is missing", (unsigned long long)q);
+            return IDEM_ECORRUPT;
+        }
+    }
+    return 0;
+}
+
+int wal_addr_valid(const struct wal *w, uint64_t addr)
+{
+    uint32_t slot = (uint32_t)(addr >> WAL_OFF_BITS);
+    uint32_t off = (uint32_t)(addr & ((1u << WAL_OFF_BITS) - 1)) << 3;
+    return slot < WAL_SEG_SLOTS && w->segs[slot].seq != 0 && off >= WAL_BLOCK &&
+           off + WAL_FRAME_HDR <= w->seg_bytes;
+}
+
+int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t prev_lsn,
+                uint64_t prev_batch, int (*fn)(void *ctx, const struct wal_frame *f), void *ctx,
+                int read_only)
+{
     struct scan_pos p = {start_seq, start_off}, batch_start = p;
     uint64_t last_lsn = prev_lsn, last_batch = prev_batch; /* of the last complete batch */
     uint64_t cur_lsn = prev_lsn;

@@ -76,15 +76,23 @@ void wal_destroy(struct wal *w);
 /* A new store: creates the first segment (seq 1). */
 int wal_init_new(struct wal *w);
 
+/* Opens and checks segments first_seq.. (stops at the first absent one; a damaged one past
+ * start_seq is a creation cut short and ends the list). IDEM_ECORRUPT if one the log needs is
+ * missing or damaged. */
+int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int read_only);
+/* Whether addr names a place inside an open segment (no page is touched). */
+int wal_addr_valid(const struct wal *w, uint64_t addr);
+
 /*
- * Opens segments first_seq.. and replays frames from (start_seq, start_off) calling fn for each
- * RECORD and DELETE frame and the END frames (fn returns 0 or a negative idem_err to stop).
- * A torn tail is dropped: appends go on at the next block. A valid frame after a bad one, from a
- * batch after the one that was in flight, is corruption (IDEM_ECORRUPT, with a message).
- * read_only: nothing is written.
+ * Replays frames from (start_seq, start_off) calling fn for each RECORD and DELETE frame and the
+ * END frames of complete batches (fn returns 0 or a negative idem_err to stop). A torn tail is
+ * dropped: appends go on at the next block. A valid frame after a bad one, from a batch after
+ * the one that was in flight, is corruption (IDEM_ECORRUPT, with a message). read_only: nothing
+ * is written.
  */
-int wal_recover(struct wal *w, uint64_t first_seq, uint64_t start_seq, uint32_t start_off,
-                uint64_t prev_lsn, uint64_t prev_batch, int (*fn)(void *ctx, const struct wal_frame *f), void *ctx, int read_only);
+int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t prev_lsn,
+                uint64_t prev_batch, int (*fn)(void *ctx, const struct wal_frame *f), void *ctx,
+                int read_only);
 
 /* Appends a frame of `type` whose payload is the concatenation of parts. Returns 0 and sets
  * *addr and *lsn, IDEM_EBUSY when every chunk buffer waits for a flush (flush and retry),
@@ -117,6 +125,7 @@ uint64_t wal_flush_end(struct wal *w);
 uint64_t wal_last_lsn(const struct wal *w);     /* last LSN appended */
 uint64_t wal_durable_lsn(const struct wal *w);  /* last LSN on stable storage */
 int wal_pending(const struct wal *w);           /* nonzero: frames wait for a flush */
+uint64_t wal_flush_frames(const struct wal *w); /* RECORD/DELETE frames in the batch in flight */
 int wal_chunks_free(const struct wal *w);       /* chunk buffers not pending or in flight */
 uint64_t wal_bytes(const struct wal *w);        /* bytes of all segments */
 /* Where the next batch starts: a checkpoint taken now replays from here. */
@@ -124,6 +133,21 @@ void wal_position(const struct wal *w, uint64_t *seq, uint32_t *off);
 uint64_t wal_first_seq(const struct wal *w);
 uint64_t wal_batch(const struct wal *w);         /* the batch being filled */
 int64_t wal_last_clock_ms(const struct wal *w); /* clock of the last END frame replayed */
+/* ---- Compaction (compact.c) ---- */
+/* Segments the log holds now (the spare not counted). */
+uint64_t wal_segments(const struct wal *w);
+/* Walks the frames of a closed, durable segment: from *off (WAL_BLOCK to begin) returns the next
+ * RECORD or DELETE frame and advances *off; returns 0 at the segment's end, 1 with a frame. */
+int wal_seg_next(struct wal *w, uint64_t seq, uint32_t *off, struct wal_frame *f);
+/* Appends a copy of a frame's payload (compaction). */
+int wal_copy(struct wal *w, const struct wal_frame *f, uint64_t *addr, uint64_t *lsn);
+/* Unmaps, closes and deletes segment seq, which must be the first; the caller has already made
+ * a superblock durable that starts the log after it. */
+int wal_retire(struct wal *w, uint64_t seq);
+/* The segment holding addr (by slot); 0 if none. */
+uint64_t wal_addr_seq(const struct wal *w, uint64_t addr);
+uint64_t wal_cur_seq(const struct wal *w);
+
 /* Sentence describing the last recovery failure. */
 const char *wal_error(const struct wal *w);
 

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The CI-tier test suite: builds Debug and Asan (ASan + UBSan) and runs every test binary in
+# both through ctest (each binary has a timeout). Reduced counts; IDEM_LONG=1 selects the long
+# tier's counts (see docs/reliability.md). Usage: tests/run.sh [ctest args...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./tools/install-deps.sh
+jobs=$(nproc)
+for type in Debug Asan; do
+  dir=build-$(echo "$type" | tr 'A-Z' 'a-z')
+  echo "== $type build in $dir"
+  cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE="$type" >/dev/null
+  cmake --build "$dir" -j"$jobs"
+  echo "== $type tests"
+  (cd "$dir" && ctest --output-on-failure --timeout 900 "$@")
+done

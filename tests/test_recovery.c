@@ -1,0 +1,432 @@
+/*
+ * test_recovery.c: what recovery trusts and what it refuses, and the store's answers to failing
+ * I/O: torn tails dropped, corruption in the middle of the log, of a superblock or of a
+ * checkpoint reported by checksum, unknown format versions refused by name, failed writes and
+ * flushes fatal, a full disk answered with FULL while repeats and reads go on, short writes
+ * completed, read-only opens that write nothing, and the golden store of format 1.
+ */
+#include <criterion/criterion.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "idem.h"
+#include "io_sim.h"
+#include "store.h"
+#include "testutil.h"
+
+#define SIM_DIR "/sim/store"
+
+static struct io_sim *sim;
+
+static void sim_setup(void)
+{
+    cr_assert_eq(io_sim_create(42, &sim), 0);
+}
+
+static void sim_teardown(void)
+{
+    io_sim_destroy(sim);
+}
+
+static int open_sim(idem_store **s)
+{
+    idem_options o;
+    idem_options_init(&o);
+    o.test_clock = 1;
+    o.segment_bytes = 64 * 1024;
+    o.result_bytes_max = 4096;
+    return store_open_io(SIM_DIR, &o, io_sim_io(sim), 1, s);
+}
+
+static void key_of(int i, char *buf)
+{
+    snprintf(buf, 32, "payment-%04d", i);
+}
+
+/* Claims and commits keys [from, to), each acknowledged (sync). */
+static void fill(idem_store *s, int from, int to)
+{
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    for (int i = from; i < to; i++) {
+        char key[32], res[32];
+        key_of(i, key);
+        snprintf(res, sizeof res, "result-%d", i);
+        idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
+        idem_completion c;
+        cr_assert_eq(idem_claim(q, key, strlen(key), &a, &c), IDEM_OK);
+        cr_assert_eq(c.outcome, IDEM_NEW);
+        cr_assert_eq(idem_commit(q, key, strlen(key), c.token, res, strlen(res)), IDEM_OK);
+    }
+    idem_queue_close(q);
+}
+
+static void expect_committed(idem_store *s, int from, int to)
+{
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    for (int i = from; i < to; i++) {
+        char key[32], res[32];
+        key_of(i, key);
+        snprintf(res, sizeof res, "result-%d", i);
+        idem_completion c;
+        cr_assert_eq(idem_get(q, key, strlen(key), &c), IDEM_OK);
+        cr_assert(c.found, "%s lost", key);
+        cr_assert_eq(c.record.state, IDEM_STATE_COMMITTED);
+        cr_assert_eq(c.record.result_len, strlen(res));
+        cr_assert(!memcmp(c.record.result, res, strlen(res)));
+    }
+    idem_queue_close(q);
+}
+
+TestSuite(recovery, .init = sim_setup, .fini = sim_teardown);
+
+Test(recovery, replays_the_log_after_a_crash_without_checkpoint)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, 300); /* several segments of 64 KiB */
+    store_abandon(s);
+    io_sim_crash(sim, IO_SIM_CRASH_TEAR | IO_SIM_CRASH_FLIP);
+    cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, 300);
+    idem_stats st;
+    idem_get_stats(s, &st);
+    cr_assert_eq(st.keys, 300, "keys %llu", (unsigned long long)st.keys);
+    cr_assert_eq(st.keys_committed, 300);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+Test(recovery, torn_tail_of_an_unacknowledged_batch_is_dropped)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, 20);
+    io_sim_fail_flush(sim, 1, -EIO); /* the next batch is written but never flushed */
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
+    idem_completion c;
+    cr_assert_eq(idem_claim(q, "lost", 4, &a, &c), IDEM_EFATAL);
+    cr_assert(idem_is_fatal(s));
+    /* Every later change is refused; the store says it failed. */
+    cr_assert_eq(idem_claim(q, "later", 5, &a, &c), IDEM_EFATAL);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_EFATAL);
+    io_sim_crash(sim, IO_SIM_CRASH_TEAR);
+    cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, 20);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+Test(recovery, a_failed_write_is_fatal_and_nothing_is_acknowledged)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, 5);
+    io_sim_fail_write(sim, 1, -EIO);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
+    idem_completion c;
+    cr_assert_eq(idem_claim(q, "x", 1, &a, &c), IDEM_EFATAL);
+    idem_stats st;
+    idem_get_stats(s, &st);
+    cr_assert(st.fatal);
+    idem_queue_close(q);
+    store_abandon(s);
+    io_sim_crash(sim, IO_SIM_CRASH_LOSE_ALL);
+    cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, 5);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+Test(recovery, a_short_write_is_completed)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    io_sim_short_write(sim, 1);
+    io_sim_short_write(sim, 3);
+    fill(s, 0, 40);
+    cr_assert(!idem_is_fatal(s));
+    store_abandon(s);
+    io_sim_crash(sim, IO_SIM_CRASH_LOSE_ALL);
+    cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, 40);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+Test(recovery, corruption_in_the_middle_of_the_log_is_reported)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, 30);
+    cr_assert_eq(idem_checkpoint(s), IDEM_OK);
+    fill(s, 30, 60);
+    store_abandon(s); /* no clean checkpoint: the log since the last one is replayed */
+    /* Corrupt the first frame of the newest segment that replay reads from its start. */
+    uint8_t sb[8192];
+    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/super", sb, sizeof sb), 8192);
+    uint64_t g0, g1, seq;
+    memcpy(&g0, sb + 16, 8);
+    memcpy(&g1, sb + 4096 + 16, 8);
+    memcpy(&seq, sb + (g0 > g1 ? 0 : 4096) + 72, 8); /* the checkpoint's replay segment */
+    char path[256];
+    snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)seq);
+    uint32_t off;
+    memcpy(&off, sb + (g0 > g1 ? 0 : 4096) + 80, 4);
+    cr_assert_eq(io_sim_corrupt(sim, path, off + 64, 0x10), 0);
+    int rc = open_sim(&s);
+    cr_assert_eq(rc, IDEM_ECORRUPT, "got %s", idem_strerror(rc));
+    cr_assert(strstr(idem_last_error(), "corrupt"), "message: %s", idem_last_error());
+}
+
+Test(recovery, one_bad_superblock_copy_falls_back_to_the_other)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, 10);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    /* The newest copy is bad: the older one (an earlier checkpoint or the creation) is used,
+     * and the log replays from there. */
+    uint8_t sb[8192];
+    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/super", sb, sizeof sb), 8192);
+    uint64_t g0 = 0, g1 = 0;
+    memcpy(&g0, sb + 16, 8);
+    memcpy(&g1, sb + 4096 + 16, 8);
+    cr_assert_eq(io_sim_corrupt(sim, SIM_DIR "/super", (g0 > g1 ? 0 : 4096) + 100, 0x01), 0);
+    cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, 10);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+Test(recovery, both_superblock_copies_bad_is_corruption)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    cr_assert_eq(io_sim_corrupt(sim, SIM_DIR "/super", 100, 0x01), 0);
+    cr_assert_eq(io_sim_corrupt(sim, SIM_DIR "/super", 4096 + 100, 0x01), 0);
+    cr_assert_eq(open_sim(&s), IDEM_ECORRUPT);
+    cr_assert(strstr(idem_last_error(), "superblock"), "message: %s", idem_last_error());
+}
+
+Test(recovery, unknown_format_version_is_refused_by_name)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    /* Rewrite both copies as format 99 with valid checksums. */
+    uint8_t sb[8192];
+    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/super", sb, sizeof sb), 8192);
+    for (int c = 0; c < 2; c++) {
+        uint8_t blk[4096];
+        memcpy(blk, sb + c * 4096, 4096);
+        blk[8] = 99;
+        uint64_t h = XXH3_64bits(blk, 4088);
+        memcpy(blk + 4088, &h, 8);
+        for (int i = 0; i < 4096; i++)
+            if (blk[i] != sb[c * 4096 + i])
+                io_sim_corrupt(sim, SIM_DIR "/super", (uint64_t)(c * 4096 + i),
+                               blk[i] ^ sb[c * 4096 + i]);
+    }
+    cr_assert_eq(open_sim(&s), IDEM_EVERSION);
+    cr_assert(strstr(idem_last_error(), "format version 99"), "message: %s", idem_last_error());
+}
+
+Test(recovery, corrupt_checkpoint_is_reported)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, 10);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    char path[256];
+    ckpt_path(SIM_DIR, 1, path, sizeof path);
+    cr_assert_eq(io_sim_corrupt(sim, path, 4096 + 3, 0x80), 0);
+    cr_assert_eq(open_sim(&s), IDEM_ECORRUPT);
+    cr_assert(strstr(idem_last_error(), "checkpoint"), "message: %s", idem_last_error());
+}
+
+Test(recovery, a_clean_restart_replays_nothing_and_keeps_repeat_counters)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, 10);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
+    idem_completion c;
+    for (int i = 0; i < 3; i++) {
+        idem_clock_advance(s, 5);
+        cr_assert_eq(idem_claim(q, "payment-0003", 12, &a, &c), IDEM_OK);
+        cr_assert_eq(c.outcome, IDEM_DONE);
+    }
+    int64_t last = idem_clock_now(s);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    cr_assert_eq(idem_get(q, "payment-0003", 12, &c), IDEM_OK);
+    cr_assert_eq(c.record.seen_count, 4);
+    cr_assert_eq(c.record.last_seen_ms, last);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+Test(recovery, full_disk_answers_full_and_serves_repeats_then_recovers)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, 10);
+    struct io_sim_counts before;
+    io_sim_counts(sim, &before);
+    /* Room for the current segments only: the next spare cannot be allocated. */
+    io_sim_set_capacity(sim, 1);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
+    idem_completion c;
+    int full = 0, i;
+    for (i = 10; i < 2000 && !full; i++) {
+        char key[32];
+        key_of(i, key);
+        int rc = idem_claim(q, key, strlen(key), &a, &c);
+        if (rc == IDEM_EFULL)
+            full = 1;
+        else
+            cr_assert_eq(rc, IDEM_OK, "claim %d: %s", i, idem_strerror(rc));
+    }
+    cr_assert(full, "the disk never filled");
+    cr_assert(!idem_is_fatal(s));
+    /* Repeats and reads are still answered. */
+    cr_assert_eq(idem_claim(q, "payment-0001", 12, &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_DONE);
+    cr_assert_eq(idem_get(q, "payment-0002", 12, &c), IDEM_OK);
+    cr_assert(c.found);
+    /* Space returns: new claims succeed again without a restart (within the retry period). */
+    io_sim_set_capacity(sim, 0);
+    int ok = 0;
+    for (int t = 0; t < 400 && !ok; t++) {
+        int rc = idem_claim(q, "after-full", 10, &a, &c);
+        ok = rc == IDEM_OK;
+        if (!ok)
+            usleep(10000);
+    }
+    cr_assert(ok, "claims still FULL after space returned");
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+Test(recovery, read_only_open_writes_nothing)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, 10);
+    store_abandon(s); /* recovery will have a log to replay */
+    struct io_sim_counts a, b;
+    io_sim_counts(sim, &a);
+    idem_options o;
+    idem_options_init(&o);
+    o.read_only = 1;
+    o.test_clock = 1;
+    cr_assert_eq(store_open_io(SIM_DIR, &o, io_sim_io(sim), 1, &s), IDEM_OK, "%s",
+                 idem_last_error());
+    expect_committed(s, 0, 10);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_claim_args ca = {.ttl_ms = 1000, .lease_ms = 1000};
+    idem_completion c;
+    cr_assert_eq(idem_claim(q, "new", 3, &ca, &c), IDEM_EREADONLY);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    io_sim_counts(sim, &b);
+    cr_assert_eq(a.writes, b.writes);
+    cr_assert_eq(a.flushes, b.flushes);
+    cr_assert_eq(a.dir_syncs, b.dir_syncs);
+}
+
+/* ---- The golden store ---- */
+
+/* tests/fixtures/golden-v1 was written by format 1 (IDEM_WRITE_GOLDEN=1 rewrites it) and left
+ * as a crash leaves a store: a checkpoint, then acknowledged changes only in the log. */
+static void golden_contents(idem_queue *q, int write)
+{
+    idem_claim_args a = {.ttl_ms = 9ull * 365 * 24 * 3600 * 1000, .lease_ms = 1000};
+    idem_completion c;
+    if (write) {
+        cr_assert_eq(idem_claim(q, "golden-committed", 16, &a, &c), IDEM_OK);
+        cr_assert_eq(idem_commit(q, "golden-committed", 16, c.token, "invoice-1", 9), IDEM_OK);
+        char big[3000];
+        memset(big, 'z', sizeof big);
+        cr_assert_eq(idem_claim(q, "golden-lz4", 10, &a, &c), IDEM_OK);
+        cr_assert_eq(idem_commit(q, "golden-lz4", 10, c.token, big, sizeof big), IDEM_OK);
+        cr_assert_eq(idem_claim(q, "golden-review", 13, &a, &c), IDEM_OK);
+        cr_assert_eq(idem_hold(q, "golden-review", 13, c.token, "target timed out", 16),
+                     IDEM_OK);
+        return;
+    }
+    cr_assert_eq(idem_get(q, "golden-committed", 16, &c), IDEM_OK);
+    cr_assert(c.found);
+    cr_assert_eq(c.record.state, IDEM_STATE_COMMITTED);
+    cr_assert_eq(c.record.result_len, 9);
+    cr_assert(!memcmp(c.record.result, "invoice-1", 9));
+    cr_assert_eq(idem_get(q, "golden-lz4", 10, &c), IDEM_OK);
+    cr_assert_eq(c.record.result_len, 3000);
+    cr_assert_eq(((const char *)c.record.result)[2999], 'z');
+    cr_assert_eq(idem_get(q, "golden-review", 13, &c), IDEM_OK);
+    cr_assert_eq(c.record.state, IDEM_STATE_REVIEW);
+    cr_assert_eq(c.record.note_len, 16);
+    cr_assert_eq(idem_get(q, "golden-in-flight", 16, &c), IDEM_OK);
+    cr_assert_eq(c.record.state, IDEM_STATE_IN_FLIGHT);
+}
+
+static char *golden_dir(void)
+{
+    const char *src = getenv("IDEM_SOURCE_DIR");
+    cr_assert(src, "IDEM_SOURCE_DIR is set by ctest");
+    char *p = malloc(4096);
+    snprintf(p, 4096, "%s/tests/fixtures/golden-v1", src);
+    return p;
+}
+
+Test(golden, format_1_store_opens_and_answers)
+{
+    char *golden = golden_dir();
+    if (getenv("IDEM_WRITE_GOLDEN")) {
+        idem_options o;
+        idem_options_init(&o);
+        o.segment_bytes = 64 * 1024;
+        o.result_bytes_max = 4096;
+        mkdir(golden, 0700);
+        idem_store *s;
+        cr_assert_eq(idem_open(golden, &o, &s), IDEM_OK, "%s", idem_last_error());
+        idem_queue *q;
+        cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+        golden_contents(q, 1);
+        cr_assert_eq(idem_checkpoint(s), IDEM_OK);
+        idem_claim_args a = {.ttl_ms = 9ull * 365 * 24 * 3600 * 1000, .lease_ms = 1000};
+        idem_completion c;
+        cr_assert_eq(idem_claim(q, "golden-in-flight", 16, &a, &c), IDEM_OK);
+        idem_queue_close(q);
+        store_abandon(s);
+    }
+    /* Open a copy: opening writes (recovery, tokens), the fixture must stay as committed. */
+    char *dir = tu_mkdtemp("golden");
+    char cmd[8192];
+    snprintf(cmd, sizeof cmd, "cp -a '%s/.' '%s/' && rm -f '%s/LOCK'", golden, dir, dir);
+    cr_assert_eq(system(cmd), 0);
+    idem_store *s;
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    golden_contents(q, 0);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    tu_rmtree(dir);
+    free(golden);
+}

@@ -1,0 +1,2571 @@
+/*
+ * test_rules.c: behavioural tests of the public API (include/idem.h) for every rule of the
+ * contract: insert-if-absent, repeats and mismatches, first_seen, exact expiry, leases and
+ * recovery, fencing, owner calls, OWNER repeats, versions and tokens, operator resolve and del
+ * with their audit trail, SET NX, bad arguments, persistence across close and reopen, read-only
+ * opens, the directory lock, scans and stats.
+ *
+ * Every store is opened with the test clock (it stands still; idem_clock_set moves it) on a
+ * temporary directory that .fini removes. Times are written relative to t0, the store clock at
+ * open: at(ms) sets the clock to t0 + ms. Tests never sleep.
+ */
+#include <criterion/criterion.h>
+
+#include <inttypes.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "idem.h"
+#include "testutil.h"
+
+#define TTL   60000u /* default ttl of the tests, ms */
+#define LEASE 5000u  /* default lease of the tests, ms */
+
+static char *g_dir;
+static idem_options g_opts;
+static idem_store *g_s;
+static idem_queue *g_q;
+static int64_t t0;
+
+static void store_open(void)
+{
+    int rc = idem_open(g_dir, &g_opts, &g_s);
+    cr_assert_eq(rc, IDEM_OK, "idem_open: %s (%s)", idem_strerror(rc), idem_last_error());
+    rc = idem_queue_open(g_s, 64, &g_q);
+    cr_assert_eq(rc, IDEM_OK, "idem_queue_open: %s", idem_strerror(rc));
+}
+
+static void store_close(void)
+{
+    if (g_q) idem_queue_close(g_q);
+    g_q = NULL;
+    if (g_s) {
+        int rc = idem_close(g_s);
+        g_s = NULL;
+        cr_assert_eq(rc, IDEM_OK, "idem_close: %s", idem_strerror(rc));
+    }
+}
+
+static void reopen(void)
+{
+    store_close();
+    store_open();
+}
+
+static void setup_with(int policy)
+{
+    g_dir = tu_mkdtemp("rules");
+    cr_assert_not_null(g_dir);
+    idem_options_init(&g_opts);
+    g_opts.test_clock = 1;
+    g_opts.lease_policy = policy;
+    store_open();
+    t0 = idem_clock_now(g_s);
+    cr_assert_gt(t0, 0);
+}
+
+static void setup(void)
+{
+    setup_with(IDEM_LEASE_RECOVER);
+}
+
+static void setup_review_policy(void)
+{
+    setup_with(IDEM_LEASE_REVIEW);
+}
+
+static void teardown(void)
+{
+    if (g_q) idem_queue_close(g_q);
+    g_q = NULL;
+    if (g_s) (void)idem_close(g_s);
+    g_s = NULL;
+    tu_rmtree(g_dir);
+    g_dir = NULL;
+}
+
+/* Sets the store clock to t0 + rel_ms. */
+static void at(int64_t rel_ms)
+{
+    int rc = idem_clock_set(g_s, t0 + rel_ms);
+    cr_assert_eq(rc, IDEM_OK, "idem_clock_set(t0+%" PRId64 "): %s", rel_ms, idem_strerror(rc));
+    cr_assert_eq(idem_clock_now(g_s), t0 + rel_ms);
+}
+
+static size_t slen(const char *s)
+{
+    return s ? strlen(s) : 0;
+}
+
+static int claim_rc(const void *key, size_t key_len, uint64_t ttl_ms, uint64_t lease_ms,
+                    const char *fp, const char *owner, idem_completion *c)
+{
+    idem_claim_args a;
+    memset(&a, 0, sizeof a);
+    a.ttl_ms = ttl_ms;
+    a.lease_ms = lease_ms;
+    a.fp = fp;
+    a.fp_len = (uint32_t)slen(fp);
+    a.owner = owner;
+    a.owner_len = (uint32_t)slen(owner);
+    memset(c, 0, sizeof *c);
+    return idem_claim(g_q, key, key_len, &a, c);
+}
+
+static idem_completion claim_bin(const void *key, size_t key_len, uint64_t ttl_ms,
+                                 uint64_t lease_ms, const char *fp, const char *owner)
+{
+    idem_completion c;
+    int rc = claim_rc(key, key_len, ttl_ms, lease_ms, fp, owner, &c);
+    cr_assert_eq(rc, IDEM_OK, "idem_claim: %s", idem_strerror(rc));
+    return c;
+}
+
+static idem_completion claim_full(const char *key, uint64_t ttl_ms, uint64_t lease_ms,
+                                  const char *fp, const char *owner)
+{
+    return claim_bin(key, strlen(key), ttl_ms, lease_ms, fp, owner);
+}
+
+static idem_completion claim(const char *key)
+{
+    return claim_full(key, TTL, LEASE, NULL, NULL);
+}
+
+static idem_completion claim_fp(const char *key, const char *fp)
+{
+    return claim_full(key, TTL, LEASE, fp, NULL);
+}
+
+static idem_completion claim_owner(const char *key, const char *owner)
+{
+    return claim_full(key, TTL, LEASE, NULL, owner);
+}
+
+#define expect_outcome(c, o)                                                                       \
+    cr_assert_eq((c).outcome, (o), "outcome %s (%d), expected %s", idem_outcome_name((c).outcome), \
+                 (c).outcome, idem_outcome_name(o))
+
+#define expect_rc(expr, want)                                                                      \
+    do {                                                                                           \
+        int rc_ = (expr);                                                                          \
+        cr_assert_eq(rc_, (want), "%s: %s (%d), expected %s", #expr, idem_strerror(rc_), rc_,      \
+                     idem_strerror(want));                                                         \
+    } while (0)
+
+#define expect_data(c, str)                                                                        \
+    do {                                                                                           \
+        const char *s_ = (str);                                                                    \
+        cr_assert_eq((c).data_len, strlen(s_), "data_len %u, expected %zu", (c).data_len,          \
+                     strlen(s_));                                                                  \
+        cr_assert(strlen(s_) == 0 || memcmp((c).data, s_, strlen(s_)) == 0,                        \
+                  "data differs from \"%s\"", s_);                                                 \
+    } while (0)
+
+static int64_t claim_new(const char *key)
+{
+    idem_completion c = claim(key);
+    expect_outcome(c, IDEM_NEW);
+    cr_assert_gt(c.token, 0);
+    return c.token;
+}
+
+static int commit(const char *key, int64_t token, const char *result)
+{
+    return idem_commit(g_q, key, strlen(key), token, result, slen(result));
+}
+
+static int release(const char *key, int64_t token)
+{
+    return idem_release(g_q, key, strlen(key), token);
+}
+
+static int hold(const char *key, int64_t token, const char *reason)
+{
+    return idem_hold(g_q, key, strlen(key), token, reason, slen(reason));
+}
+
+static int extend(const char *key, int64_t token, uint64_t lease_ms)
+{
+    return idem_extend(g_q, key, strlen(key), token, lease_ms);
+}
+
+/* The record of key; its bytes stay valid until the next call on g_q. */
+static idem_record get_bin(const void *key, size_t key_len)
+{
+    idem_completion c;
+    memset(&c, 0, sizeof c);
+    int rc = idem_get(g_q, key, key_len, &c);
+    cr_assert_eq(rc, IDEM_OK, "idem_get: %s", idem_strerror(rc));
+    cr_assert(c.found, "record of \"%.*s\" not found", (int)key_len, (const char *)key);
+    return c.record;
+}
+
+static idem_record get(const char *key)
+{
+    return get_bin(key, strlen(key));
+}
+
+static int found(const char *key)
+{
+    idem_completion c;
+    memset(&c, 0, sizeof c);
+    int rc = idem_get(g_q, key, strlen(key), &c);
+    cr_assert_eq(rc, IDEM_OK, "idem_get: %s", idem_strerror(rc));
+    return c.found;
+}
+
+#define expect_result(r, str)                                                                      \
+    do {                                                                                           \
+        const char *s_ = (str);                                                                    \
+        cr_assert_eq((r).result_len, strlen(s_), "result_len %u, expected %zu", (r).result_len,    \
+                     strlen(s_));                                                                  \
+        cr_assert(strlen(s_) == 0 || memcmp((r).result, s_, strlen(s_)) == 0,                      \
+                  "result differs from \"%s\"", s_);                                               \
+    } while (0)
+
+#define expect_note(r, str)                                                                        \
+    do {                                                                                           \
+        const char *s_ = (str);                                                                    \
+        cr_assert_eq((r).note_len, strlen(s_), "note_len %u, expected %zu", (r).note_len,          \
+                     strlen(s_));                                                                  \
+        cr_assert(memcmp((r).note, s_, strlen(s_)) == 0, "note differs from \"%s\"", s_);          \
+    } while (0)
+
+static void commit_ok(const char *key, int64_t token, const char *result)
+{
+    expect_rc(commit(key, token, result), IDEM_OK);
+}
+
+/* A committed record for key at the current clock, with content fp (may be NULL). */
+static int64_t make_committed(const char *key, const char *fp, const char *result)
+{
+    idem_completion c = claim_fp(key, fp);
+    expect_outcome(c, IDEM_NEW);
+    commit_ok(key, c.token, result);
+    return c.token;
+}
+
+static int resolve_full(const char *key, uint32_t action, const char *reason, const char *result,
+                        uint32_t flags, uint64_t expect_version, const char *actor)
+{
+    idem_op op;
+    idem_completion c;
+    memset(&op, 0, sizeof op);
+    memset(&c, 0, sizeof c);
+    op.kind = IDEM_OP_RESOLVE;
+    op.key = key;
+    op.key_len = (uint32_t)strlen(key);
+    op.data = reason;
+    op.data_len = (uint32_t)slen(reason);
+    op.result = result;
+    op.result_len = (uint32_t)slen(result);
+    op.action = action;
+    op.flags = flags;
+    op.expect_version = expect_version;
+    op.actor = actor;
+    int rc = idem_exec(g_q, &op, &c);
+    return rc != IDEM_OK ? rc : c.err;
+}
+
+static int resolve(const char *key, uint32_t action, const char *reason, uint32_t flags)
+{
+    return resolve_full(key, action, reason, NULL, flags, 0, "alice");
+}
+
+static idem_stats stats(void)
+{
+    idem_stats st;
+    memset(&st, 0, sizeof st);
+    idem_get_stats(g_s, &st);
+    return st;
+}
+
+static void fp_of(const char *content, uint8_t out[IDEM_FP_BYTES])
+{
+    idem_fingerprint(content, strlen(content), out);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Rule 1: insert-if-absent. */
+
+TestSuite(claim, .init = setup, .fini = teardown);
+
+Test(claim, absent_key_is_new_with_a_positive_token_below_the_limit)
+{
+    idem_completion c = claim("order-1");
+    expect_outcome(c, IDEM_NEW);
+    cr_assert_gt(c.token, 0);
+    cr_assert_lt(c.token, IDEM_TOKEN_MAX);
+}
+
+Test(claim, new_record_has_first_seen_expiry_lease_and_one_attempt)
+{
+    at(10);
+    int64_t tok = claim_full("order-1", TTL, LEASE, "body", "w1").token;
+    idem_record r = get("order-1");
+    cr_assert_eq(r.state, IDEM_STATE_IN_FLIGHT);
+    cr_assert_eq(r.first_seen_ms, t0 + 10);
+    cr_assert_eq(r.expires_at_ms, t0 + 10 + TTL);
+    cr_assert_eq(r.last_seen_ms, t0 + 10);
+    cr_assert_eq(r.seen_count, 1);
+    cr_assert_eq(r.lease_until_ms, t0 + 10 + LEASE);
+    cr_assert_eq(r.token, tok);
+    cr_assert_eq(r.attempts, 1);
+    cr_assert_eq(r.last_grant_ms, t0 + 10);
+    cr_assert_eq(r.owner_len, 2);
+    cr_assert(memcmp(r.owner, "w1", 2) == 0);
+    cr_assert(r.has_fp);
+    uint8_t fp[IDEM_FP_BYTES];
+    fp_of("body", fp);
+    cr_assert(memcmp(r.fp, fp, IDEM_FP_BYTES) == 0, "stored fingerprint is not XXH3-128(body)");
+    cr_assert_eq(r.mismatch_count, 0);
+    cr_assert_eq(r.last_mismatch_ms, 0);
+    cr_assert_eq(r.key_len, 7);
+    cr_assert(memcmp(r.key, "order-1", 7) == 0);
+}
+
+Test(claim, second_claim_while_lease_runs_is_busy_with_exact_lease_left)
+{
+    claim_new("k");
+    at(1234);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_BUSY);
+    cr_assert_eq(c.lease_left_ms, (int64_t)LEASE - 1234);
+}
+
+Test(claim, busy_repeat_counts_seen_but_keeps_owner_and_token)
+{
+    int64_t tok = claim_new("k");
+    at(100);
+    expect_outcome(claim("k"), IDEM_BUSY);
+    idem_record r = get("k");
+    cr_assert_eq(r.seen_count, 2);
+    cr_assert_eq(r.last_seen_ms, t0 + 100);
+    cr_assert_eq(r.first_seen_ms, t0);
+    cr_assert_eq(r.token, tok);
+    cr_assert_eq(r.lease_until_ms, t0 + LEASE);
+    cr_assert_eq(r.attempts, 1);
+}
+
+Test(claim, missing_key_get_is_not_found)
+{
+    cr_assert_not(found("nothing"));
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Rule 2: a repeat with the same content returns the stored outcome. */
+
+TestSuite(repeat, .init = setup, .fini = teardown);
+
+Test(repeat, committed_key_with_same_content_is_done_with_result)
+{
+    make_committed("k", "body", "invoice-17");
+    at(10);
+    idem_completion c = claim_fp("k", "body");
+    expect_outcome(c, IDEM_DONE);
+    expect_data(c, "invoice-17");
+}
+
+Test(repeat, repeat_creates_nothing)
+{
+    make_committed("k", NULL, "r");
+    idem_stats before = stats();
+    for (int i = 0; i < 5; i++)
+        expect_outcome(claim("k"), IDEM_DONE);
+    idem_stats after = stats();
+    cr_assert_eq(after.keys, before.keys);
+    cr_assert_eq(after.keys_committed, before.keys_committed);
+    cr_assert_eq(after.claims_new, before.claims_new);
+    cr_assert_eq(after.claims_done, before.claims_done + 5);
+}
+
+Test(repeat, committed_empty_result_is_done_with_empty_data)
+{
+    make_committed("k", NULL, "");
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_DONE);
+    cr_assert_eq(c.data_len, 0);
+}
+
+Test(repeat, binary_result_is_returned_byte_for_byte)
+{
+    uint8_t res[300];
+    for (size_t i = 0; i < sizeof res; i++)
+        res[i] = (uint8_t)(i * 7);
+    int64_t tok = claim_new("k");
+    expect_rc(idem_commit(g_q, "k", 1, tok, res, sizeof res), IDEM_OK);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_DONE);
+    cr_assert_eq(c.data_len, sizeof res);
+    cr_assert(memcmp(c.data, res, sizeof res) == 0);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Rule 3: a repeat with different content is a mismatch, recorded, and changes nothing else. */
+
+TestSuite(mismatch, .init = setup, .fini = teardown);
+
+Test(mismatch, different_fp_on_committed_is_mismatch)
+{
+    make_committed("k", "body-A", "res");
+    idem_completion c = claim_fp("k", "body-B");
+    expect_outcome(c, IDEM_MISMATCH);
+}
+
+Test(mismatch, mismatch_is_recorded_with_time_and_fingerprint)
+{
+    make_committed("k", "body-A", "res");
+    at(700);
+    expect_outcome(claim_fp("k", "body-B"), IDEM_MISMATCH);
+    idem_record r = get("k");
+    cr_assert_eq(r.mismatch_count, 1);
+    cr_assert_eq(r.last_mismatch_ms, t0 + 700);
+    cr_assert(r.has_last_mismatch_fp);
+    uint8_t fb[IDEM_FP_BYTES];
+    fp_of("body-B", fb);
+    cr_assert(memcmp(r.last_mismatch_fp, fb, IDEM_FP_BYTES) == 0);
+    at(900);
+    expect_outcome(claim_fp("k", "body-C"), IDEM_MISMATCH);
+    r = get("k");
+    cr_assert_eq(r.mismatch_count, 2);
+    cr_assert_eq(r.last_mismatch_ms, t0 + 900);
+    fp_of("body-C", fb);
+    cr_assert(memcmp(r.last_mismatch_fp, fb, IDEM_FP_BYTES) == 0);
+}
+
+Test(mismatch, mismatch_leaves_state_result_fingerprint_and_first_seen_unchanged)
+{
+    make_committed("k", "body-A", "res");
+    at(500);
+    expect_outcome(claim_fp("k", "body-B"), IDEM_MISMATCH);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_COMMITTED);
+    expect_result(r, "res");
+    cr_assert_eq(r.first_seen_ms, t0);
+    cr_assert_eq(r.expires_at_ms, t0 + TTL);
+    uint8_t fa[IDEM_FP_BYTES];
+    fp_of("body-A", fa);
+    cr_assert(r.has_fp);
+    cr_assert(memcmp(r.fp, fa, IDEM_FP_BYTES) == 0, "the mismatching content overwrote the fp");
+    /* The original content still gets its result. */
+    idem_completion c = claim_fp("k", "body-A");
+    expect_outcome(c, IDEM_DONE);
+    expect_data(c, "res");
+}
+
+Test(mismatch, different_fp_against_in_flight_with_running_lease_is_mismatch)
+{
+    idem_completion c = claim_fp("k", "body-A");
+    expect_outcome(c, IDEM_NEW);
+    at(10);
+    expect_outcome(claim_fp("k", "body-B"), IDEM_MISMATCH);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_IN_FLIGHT);
+    cr_assert_eq(r.token, c.token);
+    cr_assert_eq(r.mismatch_count, 1);
+    cr_assert_eq(r.last_mismatch_ms, t0 + 10);
+    cr_assert_eq(r.lease_until_ms, t0 + LEASE);
+    /* The owner is unaffected. */
+    commit_ok("k", c.token, "res");
+}
+
+Test(mismatch, different_fp_after_lease_ran_out_is_mismatch_not_recover)
+{
+    idem_completion c = claim_fp("k", "body-A");
+    at(LEASE + 1000);
+    expect_outcome(claim_fp("k", "body-B"), IDEM_MISMATCH);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_IN_FLIGHT);
+    cr_assert_eq(r.token, c.token);
+    cr_assert_eq(r.attempts, 1);
+    cr_assert_eq(r.mismatch_count, 1);
+    /* The claim with the original content then recovers. */
+    idem_completion rc = claim_fp("k", "body-A");
+    expect_outcome(rc, IDEM_RECOVER);
+}
+
+Test(mismatch, repeat_without_fp_is_not_compared)
+{
+    make_committed("k", "body-A", "res");
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_DONE);
+    expect_data(c, "res");
+    cr_assert_eq(get("k").mismatch_count, 0);
+}
+
+Test(mismatch, repeat_with_fp_against_a_record_without_fp_is_not_compared)
+{
+    make_committed("k", NULL, "res");
+    idem_completion c = claim_fp("k", "body-B");
+    expect_outcome(c, IDEM_DONE);
+    expect_data(c, "res");
+    cr_assert_eq(get("k").mismatch_count, 0);
+}
+
+Test(mismatch, claim_without_fp_against_in_flight_with_fp_is_busy)
+{
+    claim_fp("k", "body-A");
+    expect_outcome(claim("k"), IDEM_BUSY);
+    cr_assert_eq(get("k").mismatch_count, 0);
+}
+
+Test(mismatch, same_fp_is_done_and_not_counted)
+{
+    make_committed("k", "body-A", "res");
+    expect_outcome(claim_fp("k", "body-A"), IDEM_DONE);
+    cr_assert_eq(get("k").mismatch_count, 0);
+    cr_assert_eq(get("k").last_mismatch_ms, 0);
+}
+
+Test(mismatch, mismatch_is_counted_in_stats)
+{
+    make_committed("k", "body-A", "res");
+    idem_stats b = stats();
+    expect_outcome(claim_fp("k", "body-B"), IDEM_MISMATCH);
+    idem_stats a = stats();
+    cr_assert_eq(a.claims_mismatch, b.claims_mismatch + 1);
+    cr_assert_eq(a.mismatches, b.mismatches + 1);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Rule 4: first seen is never refreshed; repeats do not extend expiry. */
+
+TestSuite(first_seen, .init = setup, .fini = teardown);
+
+Test(first_seen, repeats_never_change_first_seen_or_expires_at)
+{
+    make_committed("k", NULL, "r");
+    for (int i = 1; i <= 5; i++) {
+        at(i * 1000);
+        expect_outcome(claim("k"), IDEM_DONE);
+    }
+    idem_record r = get("k");
+    cr_assert_eq(r.first_seen_ms, t0);
+    cr_assert_eq(r.expires_at_ms, t0 + TTL);
+    cr_assert_eq(r.seen_count, 6);
+    cr_assert_eq(r.last_seen_ms, t0 + 5000);
+}
+
+Test(first_seen, sender_resending_cannot_keep_its_key_alive)
+{
+    make_committed("k", NULL, "r");
+    for (int64_t t = 1000; t < TTL; t += 1000) {
+        at(t);
+        expect_outcome(claim("k"), IDEM_DONE);
+    }
+    at(TTL);
+    expect_outcome(claim("k"), IDEM_NEW);
+}
+
+Test(first_seen, repeat_with_longer_ttl_does_not_extend_expiry)
+{
+    make_committed("k", NULL, "r");
+    at(100);
+    expect_outcome(claim_full("k", TTL * 10, LEASE, NULL, NULL), IDEM_DONE);
+    cr_assert_eq(get("k").expires_at_ms, t0 + TTL);
+    at(TTL);
+    expect_outcome(claim("k"), IDEM_NEW);
+}
+
+Test(first_seen, recover_and_commit_keep_first_seen)
+{
+    claim_new("k");
+    at(LEASE);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_RECOVER);
+    at(LEASE + 10);
+    commit_ok("k", c.token, "r");
+    idem_record r = get("k");
+    cr_assert_eq(r.first_seen_ms, t0);
+    cr_assert_eq(r.expires_at_ms, t0 + TTL);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Rule 5: expiry is exact, and only finished records expire. */
+
+TestSuite(expiry, .init = setup, .fini = teardown);
+
+Test(expiry, committed_key_at_expires_at_minus_1_is_a_repeat)
+{
+    make_committed("k", NULL, "r");
+    at(TTL - 1);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_DONE);
+    expect_data(c, "r");
+}
+
+Test(expiry, committed_key_at_expires_at_is_new_with_fresh_first_seen)
+{
+    int64_t old = make_committed("k", NULL, "r");
+    at(TTL);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_NEW);
+    cr_assert_gt(c.token, old);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_IN_FLIGHT);
+    cr_assert_eq(r.first_seen_ms, t0 + TTL);
+    cr_assert_eq(r.expires_at_ms, t0 + 2 * (int64_t)TTL);
+    cr_assert_eq(r.seen_count, 1);
+    cr_assert_eq(r.attempts, 1);
+    cr_assert_eq(r.result_len, 0);
+}
+
+Test(expiry, committed_key_at_expires_at_is_absent_to_get)
+{
+    make_committed("k", NULL, "r");
+    at(TTL - 1);
+    cr_assert(found("k"));
+    at(TTL);
+    cr_assert_not(found("k"));
+}
+
+Test(expiry, expired_record_is_absent_to_owner_calls)
+{
+    int64_t tok = make_committed("k", NULL, "r");
+    at(TTL);
+    expect_rc(commit("k", tok, "r"), IDEM_ENOTFOUND);
+}
+
+Test(expiry, expiry_counts_from_the_ttl_of_each_key)
+{
+    make_committed("short", NULL, "r");
+    idem_completion c = claim_full("long", 3 * TTL, LEASE, NULL, NULL);
+    commit_ok("long", c.token, "r");
+    at(TTL);
+    expect_outcome(claim("short"), IDEM_NEW);
+    expect_outcome(claim("long"), IDEM_DONE);
+    at(3 * TTL - 1);
+    expect_outcome(claim("long"), IDEM_DONE);
+    at(3 * TTL);
+    expect_outcome(claim("long"), IDEM_NEW);
+}
+
+Test(expiry, in_flight_record_never_expires)
+{
+    idem_completion c = claim_full("k", 1000, 100000, NULL, NULL);
+    at(50000);
+    idem_completion b = claim_full("k", 1000, 100000, NULL, NULL);
+    expect_outcome(b, IDEM_BUSY);
+    cr_assert_eq(b.lease_left_ms, 50000);
+    cr_assert(found("k"));
+    cr_assert_eq(get("k").first_seen_ms, t0);
+    /* The owner's commit still lands (and the outcome then lives one more ttl). */
+    commit_ok("k", c.token, "r");
+    expect_outcome(claim_full("k", 1000, 1000, NULL, NULL), IDEM_DONE);
+}
+
+Test(expiry, in_flight_with_lease_run_out_past_expiry_is_recover_not_new)
+{
+    idem_completion c = claim_full("k", 1000, 500, NULL, NULL);
+    at(10 * 1000);
+    idem_completion r = claim_full("k", 1000, 500, NULL, NULL);
+    expect_outcome(r, IDEM_RECOVER);
+    cr_assert_eq(r.attempts, 2);
+    cr_assert_eq(r.last_grant_ms, t0);
+    cr_assert_gt(r.token, c.token);
+    cr_assert_eq(get("k").first_seen_ms, t0);
+}
+
+Test(expiry, review_record_never_expires)
+{
+    idem_completion c = claim_full("k", 1000, 500, NULL, NULL);
+    expect_rc(hold("k", c.token, "unsure"), IDEM_OK);
+    at(100 * 1000);
+    idem_completion r = claim_full("k", 1000, 500, NULL, NULL);
+    expect_outcome(r, IDEM_REVIEW);
+    expect_data(r, "unsure");
+    cr_assert(found("k"));
+}
+
+Test(expiry, commit_at_expires_at_keeps_outcome_one_more_ttl)
+{
+    idem_completion c = claim_full("k", 1000, 5000, NULL, NULL);
+    at(1000);
+    commit_ok("k", c.token, "r");
+    at(1999);
+    idem_completion d = claim_full("k", 1000, 5000, NULL, NULL);
+    expect_outcome(d, IDEM_DONE);
+    expect_data(d, "r");
+    at(2000);
+    expect_outcome(claim_full("k", 1000, 5000, NULL, NULL), IDEM_NEW);
+}
+
+Test(expiry, commit_after_expires_at_keeps_outcome_one_more_ttl_from_commit)
+{
+    idem_completion c = claim_full("k", 1000, 5000, NULL, NULL);
+    at(3500);
+    commit_ok("k", c.token, "r");
+    cr_assert_eq(get("k").first_seen_ms, t0);
+    at(4499);
+    expect_outcome(claim_full("k", 1000, 5000, NULL, NULL), IDEM_DONE);
+    at(4500);
+    expect_outcome(claim_full("k", 1000, 5000, NULL, NULL), IDEM_NEW);
+}
+
+Test(expiry, commit_before_expires_at_expires_at_the_original_time)
+{
+    idem_completion c = claim_full("k", 1000, 5000, NULL, NULL);
+    at(999);
+    commit_ok("k", c.token, "r");
+    at(1000);
+    expect_outcome(claim_full("k", 1000, 5000, NULL, NULL), IDEM_NEW);
+}
+
+Test(expiry, recovered_commit_after_expiry_keeps_outcome_one_more_ttl)
+{
+    claim_full("k", 1000, 500, NULL, NULL);
+    at(5000);
+    idem_completion r = claim_full("k", 1000, 500, NULL, NULL);
+    expect_outcome(r, IDEM_RECOVER);
+    at(5100);
+    commit_ok("k", r.token, "r");
+    at(6099);
+    expect_outcome(claim_full("k", 1000, 500, NULL, NULL), IDEM_DONE);
+    at(6100);
+    expect_outcome(claim_full("k", 1000, 500, NULL, NULL), IDEM_NEW);
+}
+
+Test(expiry, resolve_after_expires_at_keeps_outcome_one_more_ttl)
+{
+    idem_completion c = claim_full("k", 1000, 500, NULL, NULL);
+    expect_rc(hold("k", c.token, "check"), IDEM_OK);
+    at(7000);
+    expect_rc(resolve_full("k", IDEM_RESOLVE_COMMIT, "checked", "inv-9", 0, 0, "alice"), IDEM_OK);
+    at(7999);
+    idem_completion d = claim_full("k", 1000, 500, NULL, NULL);
+    expect_outcome(d, IDEM_DONE);
+    expect_data(d, "inv-9");
+    at(8000);
+    expect_outcome(claim_full("k", 1000, 500, NULL, NULL), IDEM_NEW);
+}
+
+Test(expiry, expired_records_are_counted)
+{
+    make_committed("a", NULL, "r");
+    make_committed("b", NULL, "r");
+    at(TTL);
+    expect_outcome(claim("a"), IDEM_NEW);
+    expect_outcome(claim("b"), IDEM_NEW);
+    cr_assert_geq(stats().expired_total, 2);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Rule 6: a lease that runs out is not a fresh start. */
+
+TestSuite(lease, .init = setup, .fini = teardown);
+
+Test(lease, claim_at_lease_until_minus_1_is_busy_with_1ms_left)
+{
+    claim_new("k");
+    at(LEASE - 1);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_BUSY);
+    cr_assert_eq(c.lease_left_ms, 1);
+}
+
+Test(lease, claim_at_lease_until_is_recover_with_attempts_2_and_last_grant_of_expired_attempt)
+{
+    at(20);
+    int64_t tok = claim_new("k");
+    at(20 + LEASE);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_RECOVER);
+    cr_assert_gt(c.token, tok);
+    cr_assert_eq(c.attempts, 2);
+    cr_assert_eq(c.last_grant_ms, t0 + 20);
+}
+
+Test(lease, recover_grants_a_new_lease_from_now)
+{
+    claim_new("k");
+    at(LEASE + 100);
+    idem_completion c = claim_full("k", TTL, 2000, NULL, "w2");
+    expect_outcome(c, IDEM_RECOVER);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_IN_FLIGHT);
+    cr_assert_eq(r.token, c.token);
+    cr_assert_eq(r.attempts, 2);
+    cr_assert_eq(r.last_grant_ms, t0 + LEASE + 100);
+    cr_assert_eq(r.lease_until_ms, t0 + LEASE + 100 + 2000);
+    cr_assert_eq(r.first_seen_ms, t0);
+    cr_assert_eq(r.owner_len, 2);
+    cr_assert(memcmp(r.owner, "w2", 2) == 0);
+    at(LEASE + 100 + 1999);
+    idem_completion b = claim("k");
+    expect_outcome(b, IDEM_BUSY);
+    cr_assert_eq(b.lease_left_ms, 1);
+}
+
+Test(lease, second_recover_reports_the_grant_of_the_first_recovery)
+{
+    claim_new("k");
+    at(LEASE);
+    idem_completion r1 = claim("k");
+    expect_outcome(r1, IDEM_RECOVER);
+    at(2 * LEASE);
+    idem_completion r2 = claim("k");
+    expect_outcome(r2, IDEM_RECOVER);
+    cr_assert_eq(r2.attempts, 3);
+    cr_assert_eq(r2.last_grant_ms, t0 + LEASE);
+    cr_assert_gt(r2.token, r1.token);
+}
+
+Test(lease, recoveries_are_counted)
+{
+    claim_new("k");
+    idem_stats b = stats();
+    at(LEASE);
+    expect_outcome(claim("k"), IDEM_RECOVER);
+    idem_stats a = stats();
+    cr_assert_eq(a.recoveries, b.recoveries + 1);
+    cr_assert_eq(a.claims_recover, b.claims_recover + 1);
+}
+
+Test(lease, old_owner_may_commit_after_lease_ran_out_before_any_claim)
+{
+    int64_t tok = claim_new("k");
+    at(LEASE + 5000);
+    commit_ok("k", tok, "late");
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_DONE);
+    expect_data(c, "late");
+    cr_assert_eq(get("k").attempts, 1);
+}
+
+Test(lease, old_owner_may_release_after_lease_ran_out_before_any_claim)
+{
+    int64_t tok = claim_new("k");
+    at(LEASE + 5000);
+    expect_rc(release("k", tok), IDEM_OK);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_NEW);
+    cr_assert_eq(get("k").attempts, 1);
+}
+
+Test(lease, old_owner_may_hold_after_lease_ran_out_before_any_claim)
+{
+    int64_t tok = claim_new("k");
+    at(LEASE + 5000);
+    expect_rc(hold("k", tok, "unsure"), IDEM_OK);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_REVIEW);
+    expect_data(c, "unsure");
+}
+
+Test(lease, old_owner_may_extend_after_lease_ran_out_before_any_claim)
+{
+    int64_t tok = claim_new("k");
+    at(LEASE + 5000);
+    expect_rc(extend("k", tok, 3000), IDEM_OK);
+    at(LEASE + 5000 + 2999);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_BUSY);
+    cr_assert_eq(c.lease_left_ms, 1);
+}
+
+Test(lease, extend_runs_the_lease_on_from_now)
+{
+    int64_t tok = claim_new("k");
+    at(800);
+    expect_rc(extend("k", tok, 1000), IDEM_OK);
+    cr_assert_eq(get("k").lease_until_ms, t0 + 1800);
+    at(1799);
+    idem_completion b = claim("k");
+    expect_outcome(b, IDEM_BUSY);
+    cr_assert_eq(b.lease_left_ms, 1);
+    at(1800);
+    expect_outcome(claim("k"), IDEM_RECOVER);
+}
+
+Test(lease, extend_may_shorten_the_lease)
+{
+    int64_t tok = claim_new("k");
+    at(100);
+    expect_rc(extend("k", tok, 50), IDEM_OK);
+    at(150);
+    expect_outcome(claim("k"), IDEM_RECOVER);
+}
+
+Test(lease, extend_does_not_change_first_seen_or_expiry)
+{
+    int64_t tok = claim_new("k");
+    at(100);
+    expect_rc(extend("k", tok, TTL * 2), IDEM_OK);
+    idem_record r = get("k");
+    cr_assert_eq(r.first_seen_ms, t0);
+    cr_assert_eq(r.expires_at_ms, t0 + TTL);
+    cr_assert_eq(r.attempts, 1);
+    cr_assert_eq(r.token, tok);
+}
+
+Test(lease, recovering_owner_with_new_token_can_commit)
+{
+    int64_t tok = claim_new("k");
+    at(LEASE);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_RECOVER);
+    commit_ok("k", c.token, "after-lookup");
+    expect_rc(commit("k", tok, "after-lookup"), IDEM_ESTALE);
+    idem_completion d = claim("k");
+    expect_outcome(d, IDEM_DONE);
+    expect_data(d, "after-lookup");
+}
+
+TestSuite(review_policy, .init = setup_review_policy, .fini = teardown);
+
+Test(review_policy, expired_lease_turns_into_review)
+{
+    int64_t tok = claim_new("k");
+    at(LEASE - 1);
+    expect_outcome(claim("k"), IDEM_BUSY);
+    at(LEASE);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_REVIEW);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_REVIEW);
+    cr_assert_eq(r.first_seen_ms, t0);
+    /* The old token is stale after the transition. */
+    expect_rc(commit("k", tok, "late"), IDEM_ESTALE);
+    cr_assert_eq(get("k").state, IDEM_STATE_REVIEW);
+    expect_outcome(claim("k"), IDEM_REVIEW);
+}
+
+Test(review_policy, old_token_is_stale_for_every_owner_call_after_the_transition)
+{
+    int64_t tok = claim_new("k");
+    at(LEASE);
+    expect_outcome(claim("k"), IDEM_REVIEW);
+    uint64_t v = get("k").version;
+    expect_rc(hold("k", tok, "mine"), IDEM_ESTALE);
+    expect_rc(extend("k", tok, 1000), IDEM_ESTALE);
+    expect_rc(release("k", tok), IDEM_ESTALE);
+    expect_rc(commit("k", tok, "r"), IDEM_ESTALE);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_REVIEW);
+    cr_assert_eq(r.version, v);
+}
+
+Test(review_policy, old_owner_may_commit_before_the_transition)
+{
+    int64_t tok = claim_new("k");
+    at(LEASE + 100);
+    commit_ok("k", tok, "r");
+    expect_outcome(claim("k"), IDEM_DONE);
+}
+
+Test(review_policy, review_from_expired_lease_never_expires_and_resolves)
+{
+    claim_new("k");
+    at(LEASE);
+    expect_outcome(claim("k"), IDEM_REVIEW);
+    at(10 * TTL);
+    expect_outcome(claim("k"), IDEM_REVIEW);
+    expect_rc(resolve("k", IDEM_RESOLVE_RELEASE, "target shows nothing", 0), IDEM_OK);
+    expect_outcome(claim("k"), IDEM_NEW);
+}
+
+Test(review_policy, review_transitions_are_counted_as_review_claims)
+{
+    claim_new("k");
+    at(LEASE);
+    idem_stats b = stats();
+    expect_outcome(claim("k"), IDEM_REVIEW);
+    idem_stats a = stats();
+    cr_assert_eq(a.claims_review, b.claims_review + 1);
+    cr_assert_eq(a.claims_recover, b.claims_recover);
+    cr_assert_eq(a.keys_review, b.keys_review + 1);
+    cr_assert_eq(a.keys_in_flight + 1, b.keys_in_flight);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Rule 7: only the owner finishes; owner calls are idempotent. */
+
+TestSuite(fencing, .init = setup, .fini = teardown);
+
+Test(fencing, stale_token_after_recover_gets_estale_and_changes_nothing)
+{
+    int64_t old = claim_new("k");
+    at(LEASE);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_RECOVER);
+    idem_record r = get("k");
+    uint64_t v = r.version;
+    int64_t lease_until = r.lease_until_ms;
+    expect_rc(commit("k", old, "late"), IDEM_ESTALE);
+    expect_rc(extend("k", old, 100000), IDEM_ESTALE);
+    expect_rc(hold("k", old, "late"), IDEM_ESTALE);
+    expect_rc(release("k", old), IDEM_ESTALE);
+    r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_IN_FLIGHT);
+    cr_assert_eq(r.token, c.token);
+    cr_assert_eq(r.version, v);
+    cr_assert_eq(r.lease_until_ms, lease_until);
+    cr_assert_eq(r.result_len, 0);
+    cr_assert_eq(r.note_len, 0);
+    commit_ok("k", c.token, "r");
+}
+
+Test(fencing, token_never_granted_is_stale)
+{
+    int64_t tok = claim_new("k");
+    expect_rc(commit("k", tok + 1000, "x"), IDEM_ESTALE);
+    expect_rc(commit("k", tok + 1, "x"), IDEM_ESTALE);
+    cr_assert_eq(get("k").state, IDEM_STATE_IN_FLIGHT);
+}
+
+Test(fencing, stale_token_on_committed_record_is_estale)
+{
+    int64_t old = claim_new("k");
+    at(LEASE);
+    idem_completion c = claim("k");
+    commit_ok("k", c.token, "r");
+    expect_rc(commit("k", old, "r"), IDEM_ESTALE);
+    expect_result(get("k"), "r");
+}
+
+Test(fencing, commit_repeated_with_same_result_is_ok)
+{
+    int64_t tok = claim_new("k");
+    commit_ok("k", tok, "inv-1");
+    uint64_t v = get("k").version;
+    at(100);
+    commit_ok("k", tok, "inv-1");
+    idem_record r = get("k");
+    expect_result(r, "inv-1");
+    cr_assert_eq(r.version, v);
+}
+
+Test(fencing, commit_repeated_with_different_result_is_conflict_and_counted)
+{
+    int64_t tok = claim_new("k");
+    commit_ok("k", tok, "inv-1");
+    idem_stats b = stats();
+    expect_rc(commit("k", tok, "inv-2"), IDEM_ECONFLICT);
+    idem_stats a = stats();
+    cr_assert_eq(a.conflicting_commits, b.conflicting_commits + 1);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_DONE);
+    expect_data(c, "inv-1");
+}
+
+Test(fencing, release_deletes_the_record_and_next_claim_is_new)
+{
+    int64_t tok = claim_new("k");
+    at(10);
+    expect_rc(release("k", tok), IDEM_OK);
+    cr_assert_not(found("k"));
+    at(20);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_NEW);
+    cr_assert_gt(c.token, tok);
+    idem_record r = get("k");
+    cr_assert_eq(r.first_seen_ms, t0 + 20);
+    cr_assert_eq(r.seen_count, 1);
+    cr_assert_eq(r.attempts, 1);
+}
+
+Test(fencing, owner_calls_on_absent_key_are_notfound)
+{
+    expect_rc(release("nope", 1), IDEM_ENOTFOUND);
+    expect_rc(commit("nope", 1, "r"), IDEM_ENOTFOUND);
+    expect_rc(hold("nope", 1, "why"), IDEM_ENOTFOUND);
+    expect_rc(extend("nope", 1, 1000), IDEM_ENOTFOUND);
+    cr_assert_not(found("nope"));
+}
+
+Test(fencing, release_repeated_is_notfound)
+{
+    int64_t tok = claim_new("k");
+    expect_rc(release("k", tok), IDEM_OK);
+    expect_rc(release("k", tok), IDEM_ENOTFOUND);
+    expect_rc(commit("k", tok, "r"), IDEM_ENOTFOUND);
+}
+
+Test(fencing, hold_turns_in_flight_into_review_with_note)
+{
+    int64_t tok = claim_new("k");
+    at(30);
+    expect_rc(hold("k", tok, "gateway timed out"), IDEM_OK);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_REVIEW);
+    expect_note(r, "gateway timed out");
+    cr_assert_eq(r.first_seen_ms, t0);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_REVIEW);
+    expect_data(c, "gateway timed out");
+}
+
+Test(fencing, holder_token_is_stale_after_hold_but_repeated_hold_is_ok)
+{
+    int64_t tok = claim_new("k");
+    expect_rc(hold("k", tok, "unsure"), IDEM_OK);
+    uint64_t v = get("k").version;
+    expect_rc(commit("k", tok, "r"), IDEM_ESTALE);
+    expect_rc(extend("k", tok, 1000), IDEM_ESTALE);
+    expect_rc(release("k", tok), IDEM_ESTALE);
+    expect_rc(hold("k", tok, "unsure"), IDEM_OK);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_REVIEW);
+    cr_assert_eq(r.version, v);
+    expect_note(r, "unsure");
+}
+
+Test(fencing, hold_with_an_earlier_owners_token_on_a_review_record_is_estale)
+{
+    int64_t t1 = claim_new("k");
+    at(LEASE);
+    idem_completion r = claim("k");
+    expect_outcome(r, IDEM_RECOVER);
+    expect_rc(hold("k", r.token, "unsure"), IDEM_OK);
+    expect_rc(hold("k", t1, "mine"), IDEM_ESTALE);
+    expect_note(get("k"), "unsure");
+}
+
+Test(fencing, review_record_claims_never_grant_ownership)
+{
+    int64_t tok = claim_new("k");
+    expect_rc(hold("k", tok, "unsure"), IDEM_OK);
+    at(LEASE * 3);
+    for (int i = 0; i < 3; i++)
+        expect_outcome(claim("k"), IDEM_REVIEW);
+    cr_assert_eq(get("k").attempts, 1);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* OWNER: a worker whose reply was lost resumes its own claim. */
+
+TestSuite(owner, .init = setup, .fini = teardown);
+
+Test(owner, same_owner_repeat_while_lease_runs_gets_same_token_as_new)
+{
+    idem_completion a = claim_owner("k", "worker-7");
+    expect_outcome(a, IDEM_NEW);
+    at(100);
+    idem_completion b = claim_owner("k", "worker-7");
+    expect_outcome(b, IDEM_NEW);
+    cr_assert_eq(b.token, a.token);
+    idem_record r = get("k");
+    cr_assert_eq(r.attempts, 1);
+    cr_assert_eq(r.first_seen_ms, t0);
+    commit_ok("k", a.token, "r");
+}
+
+Test(owner, same_owner_repeat_runs_the_lease_on_from_now)
+{
+    claim_owner("k", "worker-7");
+    at(LEASE - 1);
+    expect_outcome(claim_owner("k", "worker-7"), IDEM_NEW);
+    cr_assert_eq(get("k").lease_until_ms, t0 + LEASE - 1 + LEASE);
+    at(LEASE + 100);
+    idem_completion b = claim_owner("k", "worker-8");
+    expect_outcome(b, IDEM_BUSY);
+    cr_assert_eq(b.lease_left_ms, LEASE - 1 - 100);
+}
+
+Test(owner, another_owner_gets_busy)
+{
+    claim_owner("k", "worker-7");
+    at(10);
+    idem_completion b = claim_owner("k", "worker-8");
+    expect_outcome(b, IDEM_BUSY);
+    cr_assert_eq(b.lease_left_ms, LEASE - 10);
+}
+
+Test(owner, claim_without_owner_gets_busy)
+{
+    claim_owner("k", "worker-7");
+    expect_outcome(claim("k"), IDEM_BUSY);
+}
+
+Test(owner, owner_ids_are_compared_in_full)
+{
+    claim_owner("k", "worker-7");
+    expect_outcome(claim_owner("k", "worker-70"), IDEM_BUSY);
+    expect_outcome(claim_owner("k", "worker-"), IDEM_BUSY);
+}
+
+Test(owner, same_owner_after_lease_ran_out_gets_recover)
+{
+    idem_completion a = claim_owner("k", "worker-7");
+    at(LEASE);
+    idem_completion b = claim_owner("k", "worker-7");
+    expect_outcome(b, IDEM_RECOVER);
+    cr_assert_gt(b.token, a.token);
+    cr_assert_eq(b.attempts, 2);
+    cr_assert_eq(b.last_grant_ms, t0);
+}
+
+Test(owner, same_owner_repeat_on_committed_is_done)
+{
+    idem_completion a = claim_owner("k", "worker-7");
+    commit_ok("k", a.token, "r");
+    idem_completion b = claim_owner("k", "worker-7");
+    expect_outcome(b, IDEM_DONE);
+    expect_data(b, "r");
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Versions and tokens. */
+
+TestSuite(version, .init = setup, .fini = teardown);
+
+Test(version, changes_on_every_logged_change_and_never_on_a_plain_repeat)
+{
+    idem_completion a = claim_fp("k", "body");
+    uint64_t v1 = get("k").version;
+    at(10);
+    expect_outcome(claim_fp("k", "body"), IDEM_BUSY);
+    cr_assert_eq(get("k").version, v1, "a busy repeat changed the version");
+    expect_rc(extend("k", a.token, LEASE), IDEM_OK);
+    uint64_t v2 = get("k").version;
+    cr_assert_neq(v2, v1, "extend did not change the version");
+    expect_outcome(claim_fp("k", "other"), IDEM_MISMATCH);
+    uint64_t v3 = get("k").version;
+    cr_assert_neq(v3, v2, "a recorded mismatch did not change the version");
+    commit_ok("k", a.token, "r");
+    uint64_t v4 = get("k").version;
+    cr_assert_neq(v4, v3, "commit did not change the version");
+    at(20);
+    expect_outcome(claim_fp("k", "body"), IDEM_DONE);
+    expect_outcome(claim("k"), IDEM_DONE);
+    cr_assert_eq(get("k").version, v4, "a done repeat changed the version");
+    expect_outcome(claim_fp("k", "other"), IDEM_MISMATCH);
+    cr_assert_neq(get("k").version, v4, "a mismatch on committed did not change the version");
+}
+
+Test(version, changes_on_recover_and_hold)
+{
+    claim_new("k");
+    uint64_t v1 = get("k").version;
+    at(LEASE);
+    idem_completion r = claim("k");
+    expect_outcome(r, IDEM_RECOVER);
+    uint64_t v2 = get("k").version;
+    cr_assert_neq(v2, v1);
+    expect_rc(hold("k", r.token, "why"), IDEM_OK);
+    uint64_t v3 = get("k").version;
+    cr_assert_neq(v3, v2);
+    expect_outcome(claim("k"), IDEM_REVIEW);
+    cr_assert_eq(get("k").version, v3);
+}
+
+Test(version, a_new_lifetime_gets_a_different_version)
+{
+    int64_t tok = claim_new("k");
+    uint64_t v1 = get("k").version;
+    expect_rc(release("k", tok), IDEM_OK);
+    claim_new("k");
+    cr_assert_neq(get("k").version, v1);
+}
+
+Test(version, tokens_strictly_increase_across_keys_and_lifetimes)
+{
+    int64_t last = 0;
+    char key[32];
+    for (int i = 0; i < 50; i++) {
+        snprintf(key, sizeof key, "k%d", i % 7);
+        idem_completion c = claim(key);
+        if (c.outcome == IDEM_NEW) {
+            cr_assert_gt(c.token, last, "token %" PRId64 " after %" PRId64, c.token, last);
+            last = c.token;
+            if (i % 2)
+                expect_rc(release(key, c.token), IDEM_OK);
+            else
+                commit_ok(key, c.token, "r");
+        }
+        if (i % 10 == 9) {
+            at((i + 1) * 20000);
+        }
+    }
+    cr_assert_gt(last, 0);
+}
+
+static void tokens_never_repeat_across_reopen(int durability)
+{
+    store_close();
+    g_opts.durability = durability;
+    store_open();
+    int64_t last = 0;
+    char key[32];
+    for (int round = 0; round < 4; round++) {
+        for (int i = 0; i < 10; i++) {
+            snprintf(key, sizeof key, "r%d-%d", round, i);
+            idem_completion c = claim(key);
+            expect_outcome(c, IDEM_NEW);
+            cr_assert_gt(c.token, last, "round %d: token %" PRId64 " after %" PRId64, round,
+                         c.token, last);
+            last = c.token;
+            if (i % 3 == 0) expect_rc(release(key, c.token), IDEM_OK);
+        }
+        reopen();
+    }
+}
+
+Test(version, tokens_never_repeat_across_close_and_reopen)
+{
+    tokens_never_repeat_across_reopen(IDEM_DURABILITY_SYNC);
+}
+
+Test(version, tokens_never_repeat_across_close_and_reopen_in_batch_mode)
+{
+    tokens_never_repeat_across_reopen(IDEM_DURABILITY_BATCH);
+}
+
+Test(version, tokens_never_repeat_across_close_and_reopen_without_durability)
+{
+    tokens_never_repeat_across_reopen(IDEM_DURABILITY_NONE);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Operator resolve (rule 9 for its audit trail). */
+
+TestSuite(resolve, .init = setup, .fini = teardown);
+
+static int64_t make_review(const char *key, const char *note)
+{
+    int64_t tok = claim_new(key);
+    expect_rc(hold(key, tok, note), IDEM_OK);
+    return tok;
+}
+
+Test(resolve, commit_on_review_commits_with_the_given_result)
+{
+    make_review("k", "unsure");
+    expect_rc(resolve_full("k", IDEM_RESOLVE_COMMIT, "ledger shows it", "inv-3", 0, 0, "alice"),
+              IDEM_OK);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_COMMITTED);
+    expect_result(r, "inv-3");
+    cr_assert_eq(r.first_seen_ms, t0);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_DONE);
+    expect_data(c, "inv-3");
+}
+
+Test(resolve, commit_without_result_commits_an_empty_result)
+{
+    make_review("k", "unsure");
+    expect_rc(resolve("k", IDEM_RESOLVE_COMMIT, "it happened", 0), IDEM_OK);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_DONE);
+    cr_assert_eq(c.data_len, 0);
+}
+
+Test(resolve, release_on_review_deletes_and_reoffers)
+{
+    int64_t tok = make_review("k", "unsure");
+    expect_rc(resolve("k", IDEM_RESOLVE_RELEASE, "never reached the bank", 0), IDEM_OK);
+    cr_assert_not(found("k"));
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_NEW);
+    cr_assert_gt(c.token, tok);
+}
+
+Test(resolve, settle_on_review_commits_with_the_current_empty_result)
+{
+    make_review("k", "unsure");
+    expect_rc(resolve("k", IDEM_RESOLVE_SETTLE, "close it", 0), IDEM_OK);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_COMMITTED);
+    cr_assert_eq(r.result_len, 0);
+    expect_outcome(claim("k"), IDEM_DONE);
+}
+
+Test(resolve, resolve_records_the_reason_as_note)
+{
+    make_review("k", "unsure");
+    expect_rc(resolve("k", IDEM_RESOLVE_SETTLE, "closed by ops", 0), IDEM_OK);
+    expect_note(get("k"), "closed by ops");
+}
+
+Test(resolve, refused_on_committed_with_estate)
+{
+    make_committed("k", NULL, "r");
+    uint64_t v = get("k").version;
+    expect_rc(resolve("k", IDEM_RESOLVE_RELEASE, "x", IDEM_F_FORCE), IDEM_ESTATE);
+    expect_rc(resolve("k", IDEM_RESOLVE_COMMIT, "x", 0), IDEM_ESTATE);
+    expect_rc(resolve("k", IDEM_RESOLVE_SETTLE, "x", 0), IDEM_ESTATE);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_COMMITTED);
+    expect_result(r, "r");
+    cr_assert_eq(r.version, v);
+}
+
+Test(resolve, on_absent_key_is_notfound)
+{
+    expect_rc(resolve("nope", IDEM_RESOLVE_RELEASE, "x", IDEM_F_FORCE), IDEM_ENOTFOUND);
+    cr_assert_not(found("nope"));
+}
+
+Test(resolve, running_lease_needs_force)
+{
+    int64_t tok = claim_new("k");
+    uint64_t v = get("k").version;
+    at(LEASE - 1);
+    expect_rc(resolve("k", IDEM_RESOLVE_COMMIT, "x", 0), IDEM_ELEASE);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_IN_FLIGHT);
+    cr_assert_eq(r.version, v);
+    cr_assert_eq(r.token, tok);
+    expect_rc(resolve("k", IDEM_RESOLVE_COMMIT, "x", IDEM_F_FORCE), IDEM_OK);
+    cr_assert_eq(get("k").state, IDEM_STATE_COMMITTED);
+}
+
+Test(resolve, expired_lease_needs_no_force)
+{
+    claim_new("k");
+    at(LEASE);
+    expect_rc(resolve("k", IDEM_RESOLVE_SETTLE, "x", 0), IDEM_OK);
+    cr_assert_eq(get("k").state, IDEM_STATE_COMMITTED);
+}
+
+Test(resolve, release_of_in_flight_with_force_deletes)
+{
+    claim_new("k");
+    expect_rc(resolve("k", IDEM_RESOLVE_RELEASE, "stuck worker", IDEM_F_FORCE), IDEM_OK);
+    cr_assert_not(found("k"));
+    expect_outcome(claim("k"), IDEM_NEW);
+}
+
+Test(resolve, wrong_expected_version_is_echanged_and_changes_nothing)
+{
+    make_review("k", "unsure");
+    uint64_t v = get("k").version;
+    expect_rc(resolve_full("k", IDEM_RESOLVE_COMMIT, "x", "r", IDEM_F_EXPECT, v + 1, "alice"),
+              IDEM_ECHANGED);
+    expect_rc(resolve_full("k", IDEM_RESOLVE_COMMIT, "x", "r", IDEM_F_EXPECT, v - 1, "alice"),
+              IDEM_ECHANGED);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_REVIEW);
+    cr_assert_eq(r.version, v);
+    expect_rc(resolve_full("k", IDEM_RESOLVE_COMMIT, "x", "r", IDEM_F_EXPECT, v, "alice"), IDEM_OK);
+    cr_assert_eq(get("k").state, IDEM_STATE_COMMITTED);
+}
+
+Test(resolve, version_seen_before_a_change_is_echanged)
+{
+    idem_completion a = claim_fp("k", "body");
+    uint64_t seen = get("k").version;
+    expect_rc(extend("k", a.token, LEASE), IDEM_OK);
+    at(LEASE * 2);
+    expect_rc(resolve_full("k", IDEM_RESOLVE_RELEASE, "x", NULL, IDEM_F_EXPECT, seen, "alice"),
+              IDEM_ECHANGED);
+    cr_assert(found("k"));
+}
+
+Test(resolve, every_resolve_bumps_the_token_so_the_old_owner_is_stale)
+{
+    int64_t tok = claim_new("k");
+    expect_rc(resolve("k", IDEM_RESOLVE_SETTLE, "x", IDEM_F_FORCE), IDEM_OK);
+    expect_rc(commit("k", tok, ""), IDEM_ESTALE);
+    expect_rc(hold("k", tok, "x"), IDEM_ESTALE);
+    cr_assert_eq(get("k").state, IDEM_STATE_COMMITTED);
+
+    int64_t t2 = claim_new("k2");
+    at(LEASE);
+    expect_rc(resolve_full("k2", IDEM_RESOLVE_COMMIT, "x", "inv", 0, 0, "bob"), IDEM_OK);
+    expect_rc(commit("k2", t2, "inv"), IDEM_ESTALE);
+
+    int64_t t3 = claim_new("k3");
+    expect_rc(resolve("k3", IDEM_RESOLVE_RELEASE, "x", IDEM_F_FORCE), IDEM_OK);
+    expect_rc(commit("k3", t3, "r"), IDEM_ENOTFOUND);
+    int64_t t4 = claim_new("k3");
+    cr_assert_gt(t4, t3);
+}
+
+Test(resolve, every_resolve_appears_in_the_audit_newest_first)
+{
+    make_review("a", "n1");
+    at(100);
+    expect_rc(resolve_full("a", IDEM_RESOLVE_COMMIT, "bank says paid", "inv", 0, 0, "alice"),
+              IDEM_OK);
+    make_review("b", "n2");
+    uint64_t vb = get("b").version;
+    at(200);
+    expect_rc(resolve_full("b", IDEM_RESOLVE_RELEASE, "bank says no", NULL, 0, 0, "bob"), IDEM_OK);
+    claim_new("c");
+    uint64_t vc = get("c").version;
+    at(300);
+    expect_rc(resolve_full("c", IDEM_RESOLVE_SETTLE, "leave it", NULL, IDEM_F_FORCE, 0, "carol"),
+              IDEM_OK);
+    uint64_t vc2 = get("c").version;
+
+    const idem_audit_entry *e;
+    size_t n = 0;
+    expect_rc(idem_audit(g_q, NULL, 0, 10, &e, &n), IDEM_OK);
+    cr_assert_eq(n, 3);
+    cr_assert_str_eq(e[0].actor, "carol");
+    cr_assert_str_eq(e[0].action, "resolve-settle");
+    cr_assert_str_eq(e[0].reason, "leave it");
+    cr_assert_eq(e[0].key_len, 1);
+    cr_assert(memcmp(e[0].key, "c", 1) == 0);
+    cr_assert_eq(e[0].at_ms, t0 + 300);
+    cr_assert_eq(e[0].state_before, IDEM_STATE_IN_FLIGHT);
+    cr_assert_eq(e[0].state_after, IDEM_STATE_COMMITTED);
+    cr_assert_eq(e[0].version_before, vc);
+    cr_assert_eq(e[0].version_after, vc2);
+
+    cr_assert_str_eq(e[1].actor, "bob");
+    cr_assert_str_eq(e[1].action, "resolve-release");
+    cr_assert_str_eq(e[1].reason, "bank says no");
+    cr_assert_eq(e[1].at_ms, t0 + 200);
+    cr_assert_eq(e[1].state_before, IDEM_STATE_REVIEW);
+    cr_assert_eq(e[1].state_after, 0);
+    cr_assert_eq(e[1].version_before, vb);
+
+    cr_assert_str_eq(e[2].actor, "alice");
+    cr_assert_str_eq(e[2].action, "resolve-commit");
+    cr_assert_str_eq(e[2].reason, "bank says paid");
+    cr_assert_eq(e[2].state_before, IDEM_STATE_REVIEW);
+    cr_assert_eq(e[2].state_after, IDEM_STATE_COMMITTED);
+    cr_assert_eq(e[2].at_ms, t0 + 100);
+
+    cr_assert_gt(e[0].seq, e[1].seq);
+    cr_assert_gt(e[1].seq, e[2].seq);
+}
+
+Test(resolve, audit_filters_by_key_and_count)
+{
+    make_review("a", "n");
+    expect_rc(resolve("a", IDEM_RESOLVE_RELEASE, "first", 0), IDEM_OK);
+    make_review("b", "n");
+    expect_rc(resolve("b", IDEM_RESOLVE_SETTLE, "other", 0), IDEM_OK);
+    make_review("a", "n");
+    expect_rc(resolve("a", IDEM_RESOLVE_SETTLE, "second", 0), IDEM_OK);
+
+    const idem_audit_entry *e;
+    size_t n = 0;
+    expect_rc(idem_audit(g_q, "a", 1, 10, &e, &n), IDEM_OK);
+    cr_assert_eq(n, 2);
+    cr_assert_str_eq(e[0].reason, "second");
+    cr_assert_str_eq(e[1].reason, "first");
+    expect_rc(idem_audit(g_q, NULL, 0, 1, &e, &n), IDEM_OK);
+    cr_assert_eq(n, 1);
+    cr_assert_str_eq(e[0].reason, "second");
+}
+
+Test(resolve, refused_resolves_are_not_audited_as_done)
+{
+    make_committed("k", NULL, "r");
+    expect_rc(resolve("k", IDEM_RESOLVE_RELEASE, "x", 0), IDEM_ESTATE);
+    const idem_audit_entry *e;
+    size_t n = 0;
+    expect_rc(idem_audit(g_q, "k", 1, 10, &e, &n), IDEM_OK);
+    for (size_t i = 0; i < n; i++)
+        cr_assert_neq(e[i].state_after, 0, "a refused release is in the audit as a deletion");
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* DEL (admin). */
+
+TestSuite(del, .init = setup, .fini = teardown);
+
+Test(del, refused_on_in_flight_with_estate)
+{
+    int64_t tok = claim_new("k");
+    expect_rc(idem_del(g_q, "k", 1, "alice"), IDEM_ESTATE);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_IN_FLIGHT);
+    cr_assert_eq(r.token, tok);
+}
+
+Test(del, refused_on_review_with_estate)
+{
+    make_review("k", "unsure");
+    expect_rc(idem_del(g_q, "k", 1, "alice"), IDEM_ESTATE);
+    cr_assert_eq(get("k").state, IDEM_STATE_REVIEW);
+}
+
+Test(del, deletes_committed_and_is_audited)
+{
+    make_committed("k", NULL, "r");
+    uint64_t v = get("k").version;
+    at(50);
+    expect_rc(idem_del(g_q, "k", 1, "alice"), IDEM_OK);
+    cr_assert_not(found("k"));
+    expect_outcome(claim("k"), IDEM_NEW);
+
+    const idem_audit_entry *e;
+    size_t n = 0;
+    expect_rc(idem_audit(g_q, "k", 1, 10, &e, &n), IDEM_OK);
+    cr_assert_eq(n, 1);
+    cr_assert_str_eq(e[0].action, "del");
+    cr_assert_str_eq(e[0].actor, "alice");
+    cr_assert_eq(e[0].state_before, IDEM_STATE_COMMITTED);
+    cr_assert_eq(e[0].state_after, 0);
+    cr_assert_eq(e[0].version_before, v);
+    cr_assert_eq(e[0].at_ms, t0 + 50);
+}
+
+static void operator_calls_between_changes(int durability)
+{
+    store_close();
+    g_opts.durability = durability;
+    store_open();
+    char key[32];
+    for (int i = 0; i < 300; i++) {
+        snprintf(key, sizeof key, "k%d", i);
+        int64_t tok = claim_new(key);
+        if (i % 2) {
+            commit_ok(key, tok, "r");
+            expect_rc(idem_del(g_q, key, strlen(key), "alice"), IDEM_OK);
+        } else {
+            expect_rc(resolve(key, IDEM_RESOLVE_SETTLE, "x", IDEM_F_FORCE), IDEM_OK);
+        }
+    }
+    const idem_audit_entry *e;
+    size_t n = 0;
+    expect_rc(idem_audit(g_q, NULL, 0, 1000, &e, &n), IDEM_OK);
+    cr_assert_eq(n, 300);
+    reopen();
+    expect_rc(idem_audit(g_q, NULL, 0, 1000, &e, &n), IDEM_OK);
+    cr_assert_eq(n, 300, "%zu audit entries after reopen, expected 300", n);
+}
+
+Test(del, operator_calls_between_changes_in_sync_mode)
+{
+    operator_calls_between_changes(IDEM_DURABILITY_SYNC);
+}
+
+Test(del, operator_calls_between_changes_in_batch_mode)
+{
+    operator_calls_between_changes(IDEM_DURABILITY_BATCH);
+}
+
+Test(del, operator_calls_between_changes_without_durability)
+{
+    operator_calls_between_changes(IDEM_DURABILITY_NONE);
+}
+
+Test(del, absent_key_is_notfound)
+{
+    expect_rc(idem_del(g_q, "nope", 4, "alice"), IDEM_ENOTFOUND);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* SET NX: committed records whose result is the value, in the claims' keyspace. */
+
+TestSuite(set_if_absent, .init = setup, .fini = teardown);
+
+static idem_completion setnx(const char *key, const char *value, uint64_t ttl_ms, int get_old,
+                             int want_rc)
+{
+    idem_completion c;
+    memset(&c, 0, sizeof c);
+    int rc = idem_set_if_absent(g_q, key, strlen(key), value, strlen(value), ttl_ms, get_old, &c);
+    cr_assert_eq(rc, want_rc, "idem_set_if_absent: %s, expected %s", idem_strerror(rc),
+                 idem_strerror(want_rc));
+    return c;
+}
+
+Test(set_if_absent, new_key_is_new_and_committed_with_the_value)
+{
+    idem_completion c = setnx("k", "v1", TTL, 0, IDEM_OK);
+    expect_outcome(c, IDEM_NEW);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_COMMITTED);
+    expect_result(r, "v1");
+    cr_assert_eq(r.first_seen_ms, t0);
+    cr_assert_eq(r.expires_at_ms, t0 + TTL);
+}
+
+Test(set_if_absent, existing_key_is_done_and_keeps_its_value)
+{
+    setnx("k", "v1", TTL, 0, IDEM_OK);
+    at(10);
+    idem_completion c = setnx("k", "v2", TTL, 0, IDEM_OK);
+    expect_outcome(c, IDEM_DONE);
+    expect_result(get("k"), "v1");
+    cr_assert_eq(get("k").first_seen_ms, t0);
+}
+
+Test(set_if_absent, get_old_returns_the_existing_value)
+{
+    setnx("k", "v1", TTL, 0, IDEM_OK);
+    idem_completion c = setnx("k", "v2", TTL, 1, IDEM_OK);
+    expect_outcome(c, IDEM_DONE);
+    expect_data(c, "v1");
+}
+
+Test(set_if_absent, get_old_on_absent_key_sets_it)
+{
+    idem_completion c = setnx("k", "v1", TTL, 1, IDEM_OK);
+    expect_outcome(c, IDEM_NEW);
+    expect_result(get("k"), "v1");
+}
+
+Test(set_if_absent, get_old_on_unfinished_record_is_estate)
+{
+    int64_t tok = claim_new("k");
+    setnx("k", "v", TTL, 1, IDEM_ESTATE);
+    make_review("k2", "n");
+    setnx("k2", "v", TTL, 1, IDEM_ESTATE);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_IN_FLIGHT);
+    cr_assert_eq(r.token, tok);
+}
+
+Test(set_if_absent, without_get_old_an_unfinished_record_is_done_and_unchanged)
+{
+    int64_t tok = claim_new("k");
+    expect_outcome(setnx("k", "v", TTL, 0, IDEM_OK), IDEM_DONE);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_IN_FLIGHT);
+    cr_assert_eq(r.token, tok);
+    cr_assert_eq(r.result_len, 0);
+    commit_ok("k", tok, "r");
+}
+
+Test(set_if_absent, claim_of_a_set_key_is_done_with_the_value)
+{
+    setnx("k", "v1", TTL, 0, IDEM_OK);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_DONE);
+    expect_data(c, "v1");
+}
+
+Test(set_if_absent, set_on_a_claimed_and_committed_key_returns_its_result)
+{
+    make_committed("k", NULL, "inv-1");
+    idem_completion c = setnx("k", "v", TTL, 1, IDEM_OK);
+    expect_outcome(c, IDEM_DONE);
+    expect_data(c, "inv-1");
+}
+
+Test(set_if_absent, value_expires_exactly_at_ttl)
+{
+    setnx("k", "v1", 1000, 0, IDEM_OK);
+    at(999);
+    expect_outcome(setnx("k", "v2", 1000, 0, IDEM_OK), IDEM_DONE);
+    at(1000);
+    expect_outcome(setnx("k", "v2", 1000, 0, IDEM_OK), IDEM_NEW);
+    expect_result(get("k"), "v2");
+}
+
+Test(set_if_absent, set_keys_can_be_deleted)
+{
+    setnx("k", "v1", TTL, 0, IDEM_OK);
+    expect_rc(idem_del(g_q, "k", 1, "alice"), IDEM_OK);
+    expect_outcome(setnx("k", "v2", TTL, 0, IDEM_OK), IDEM_NEW);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Keys: binary-safe, compared in full. */
+
+TestSuite(keys, .init = setup, .fini = teardown);
+
+Test(keys, binary_keys_with_nul_bytes_are_distinct)
+{
+    const char k1[] = {'a', 0, 'b'};
+    const char k2[] = {'a', 0, 'c'};
+    const char k3[] = {'a', 0};
+    const char k4[] = {'a'};
+    idem_completion c1 = claim_bin(k1, 3, TTL, LEASE, NULL, NULL);
+    idem_completion c2 = claim_bin(k2, 3, TTL, LEASE, NULL, NULL);
+    idem_completion c3 = claim_bin(k3, 2, TTL, LEASE, NULL, NULL);
+    idem_completion c4 = claim_bin(k4, 1, TTL, LEASE, NULL, NULL);
+    expect_outcome(c1, IDEM_NEW);
+    expect_outcome(c2, IDEM_NEW);
+    expect_outcome(c3, IDEM_NEW);
+    expect_outcome(c4, IDEM_NEW);
+    expect_rc(idem_commit(g_q, k1, 3, c1.token, "one", 3), IDEM_OK);
+    expect_rc(idem_commit(g_q, k3, 2, c3.token, "three", 5), IDEM_OK);
+    idem_completion d = claim_bin(k1, 3, TTL, LEASE, NULL, NULL);
+    expect_outcome(d, IDEM_DONE);
+    expect_data(d, "one");
+    d = claim_bin(k3, 2, TTL, LEASE, NULL, NULL);
+    expect_outcome(d, IDEM_DONE);
+    expect_data(d, "three");
+    expect_outcome(claim_bin(k2, 3, TTL, LEASE, NULL, NULL), IDEM_BUSY);
+    idem_record r = get_bin(k1, 3);
+    cr_assert_eq(r.key_len, 3);
+    cr_assert(memcmp(r.key, k1, 3) == 0);
+}
+
+Test(keys, keys_sharing_a_prefix_are_distinct)
+{
+    make_committed("abc", NULL, "1");
+    make_committed("abcd", NULL, "2");
+    expect_outcome(claim("ab"), IDEM_NEW);
+    idem_completion c = claim("abc");
+    expect_outcome(c, IDEM_DONE);
+    expect_data(c, "1");
+    c = claim("abcd");
+    expect_outcome(c, IDEM_DONE);
+    expect_data(c, "2");
+}
+
+Test(keys, key_of_512_bytes_with_every_byte_value_is_accepted)
+{
+    uint8_t k[IDEM_KEY_BYTES_MAX];
+    for (size_t i = 0; i < sizeof k; i++)
+        k[i] = (uint8_t)(i & 0xff);
+    uint8_t k2[IDEM_KEY_BYTES_MAX];
+    memcpy(k2, k, sizeof k);
+    k2[IDEM_KEY_BYTES_MAX - 1] ^= 1; /* differs in the last byte only */
+    idem_completion c = claim_bin(k, sizeof k, TTL, LEASE, NULL, NULL);
+    expect_outcome(c, IDEM_NEW);
+    expect_rc(idem_commit(g_q, k, sizeof k, c.token, "r", 1), IDEM_OK);
+    expect_outcome(claim_bin(k2, sizeof k2, TTL, LEASE, NULL, NULL), IDEM_NEW);
+    expect_outcome(claim_bin(k, sizeof k, TTL, LEASE, NULL, NULL), IDEM_DONE);
+    idem_record r = get_bin(k, sizeof k);
+    cr_assert_eq(r.key_len, IDEM_KEY_BYTES_MAX);
+    cr_assert(memcmp(r.key, k, sizeof k) == 0);
+}
+
+Test(keys, many_keys_are_all_distinct)
+{
+    char key[32];
+    for (int i = 0; i < 500; i++) {
+        snprintf(key, sizeof key, "key-%d", i);
+        idem_completion c = claim(key);
+        expect_outcome(c, IDEM_NEW);
+        char res[32];
+        snprintf(res, sizeof res, "res-%d", i);
+        expect_rc(idem_commit(g_q, key, strlen(key), c.token, res, strlen(res)), IDEM_OK);
+    }
+    for (int i = 0; i < 500; i++) {
+        snprintf(key, sizeof key, "key-%d", i);
+        char res[32];
+        snprintf(res, sizeof res, "res-%d", i);
+        idem_completion c = claim(key);
+        expect_outcome(c, IDEM_DONE);
+        expect_data(c, res);
+    }
+    cr_assert_eq(stats().keys_committed, 500);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Bad arguments give IDEM_EINVAL and change nothing. */
+
+TestSuite(args, .init = setup, .fini = teardown);
+
+static int exec_rc(const idem_op *op)
+{
+    idem_completion c;
+    memset(&c, 0, sizeof c);
+    int rc = idem_exec(g_q, op, &c);
+    return rc != IDEM_OK ? rc : c.err;
+}
+
+Test(args, empty_key_is_einval)
+{
+    idem_completion c;
+    expect_rc(claim_rc("", 0, TTL, LEASE, NULL, NULL, &c), IDEM_EINVAL);
+    cr_assert_eq(stats().keys, 0);
+    cr_assert_eq(stats().claims_new, 0);
+}
+
+Test(args, key_of_513_bytes_is_einval_and_creates_nothing)
+{
+    char k[IDEM_KEY_BYTES_MAX + 1];
+    memset(k, 'x', sizeof k);
+    idem_completion c;
+    expect_rc(claim_rc(k, sizeof k, TTL, LEASE, NULL, NULL, &c), IDEM_EINVAL);
+    expect_rc(idem_set_if_absent(g_q, k, sizeof k, "v", 1, TTL, 0, &c), IDEM_EINVAL);
+    cr_assert_eq(stats().keys, 0);
+    /* Its first 512 bytes are not claimed either. */
+    expect_outcome(claim_bin(k, IDEM_KEY_BYTES_MAX, TTL, LEASE, NULL, NULL), IDEM_NEW);
+}
+
+Test(args, ttl_zero_or_over_the_maximum_is_einval)
+{
+    idem_completion c;
+    expect_rc(claim_rc("k", 1, 0, LEASE, NULL, NULL, &c), IDEM_EINVAL);
+    expect_rc(claim_rc("k", 1, IDEM_TTL_MS_MAX + 1, LEASE, NULL, NULL, &c), IDEM_EINVAL);
+    expect_rc(idem_set_if_absent(g_q, "k", 1, "v", 1, 0, 0, &c), IDEM_EINVAL);
+    cr_assert_not(found("k"));
+    cr_assert_eq(stats().keys, 0);
+}
+
+Test(args, lease_zero_or_over_the_maximum_is_einval)
+{
+    idem_completion c;
+    expect_rc(claim_rc("k", 1, TTL, 0, NULL, NULL, &c), IDEM_EINVAL);
+    expect_rc(claim_rc("k", 1, TTL, IDEM_LEASE_MS_MAX + 1, NULL, NULL, &c), IDEM_EINVAL);
+    cr_assert_not(found("k"));
+    int64_t tok = claim_new("k");
+    uint64_t v = get("k").version;
+    expect_rc(extend("k", tok, 0), IDEM_EINVAL);
+    expect_rc(extend("k", tok, IDEM_LEASE_MS_MAX + 1), IDEM_EINVAL);
+    cr_assert_eq(get("k").version, v);
+    cr_assert_eq(get("k").lease_until_ms, t0 + LEASE);
+}
+
+Test(args, wait_over_the_maximum_is_einval)
+{
+    idem_claim_args a;
+    memset(&a, 0, sizeof a);
+    a.ttl_ms = TTL;
+    a.lease_ms = LEASE;
+    a.wait_ms = IDEM_WAIT_MS_MAX + 1;
+    idem_completion c;
+    expect_rc(idem_claim(g_q, "k", 1, &a, &c), IDEM_EINVAL);
+    cr_assert_not(found("k"));
+}
+
+Test(args, owner_over_the_limit_is_einval)
+{
+    char owner[IDEM_OWNER_BYTES_MAX + 2];
+    memset(owner, 'o', sizeof owner);
+    owner[IDEM_OWNER_BYTES_MAX + 1] = 0;
+    idem_completion c;
+    expect_rc(claim_rc("k", 1, TTL, LEASE, NULL, owner, &c), IDEM_EINVAL);
+    cr_assert_not(found("k"));
+}
+
+Test(args, result_over_the_limit_is_einval_and_changes_nothing)
+{
+    size_t n = IDEM_RESULT_BYTES_DEFAULT + 1;
+    char *big = malloc(n);
+    cr_assert_not_null(big);
+    memset(big, 'r', n);
+    int64_t tok = claim_new("k");
+    uint64_t v = get("k").version;
+    expect_rc(idem_commit(g_q, "k", 1, tok, big, n), IDEM_EINVAL);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_IN_FLIGHT);
+    cr_assert_eq(r.version, v);
+    idem_completion c;
+    expect_rc(idem_set_if_absent(g_q, "s", 1, big, n, TTL, 0, &c), IDEM_EINVAL);
+    cr_assert_not(found("s"));
+    /* Exactly the limit is accepted. */
+    expect_rc(idem_commit(g_q, "k", 1, tok, big, n - 1), IDEM_OK);
+    c = claim("k");
+    expect_outcome(c, IDEM_DONE);
+    cr_assert_eq(c.data_len, n - 1);
+    free(big);
+}
+
+Test(args, note_over_the_limit_is_einval)
+{
+    char note[IDEM_NOTE_BYTES_MAX + 1];
+    memset(note, 'n', sizeof note);
+    int64_t tok = claim_new("k");
+    expect_rc(idem_hold(g_q, "k", 1, tok, note, sizeof note), IDEM_EINVAL);
+    cr_assert_eq(get("k").state, IDEM_STATE_IN_FLIGHT);
+}
+
+Test(args, unknown_flag_bits_are_einval)
+{
+    idem_op op;
+    memset(&op, 0, sizeof op);
+    op.kind = IDEM_OP_CLAIM;
+    op.key = "k";
+    op.key_len = 1;
+    op.ttl_ms = TTL;
+    op.lease_ms = LEASE;
+    op.flags = 0x80000000u;
+    cr_assert_eq(exec_rc(&op), IDEM_EINVAL);
+    op.flags = 0x100u;
+    cr_assert_eq(exec_rc(&op), IDEM_EINVAL);
+    cr_assert_not(found("k"));
+    op.flags = 0;
+    cr_assert_eq(exec_rc(&op), IDEM_OK, "the same op without the flag bits is accepted");
+    cr_assert(found("k"));
+}
+
+Test(args, unknown_op_kind_is_einval)
+{
+    idem_op op;
+    memset(&op, 0, sizeof op);
+    op.kind = 99;
+    op.key = "k";
+    op.key_len = 1;
+    op.ttl_ms = TTL;
+    op.lease_ms = LEASE;
+    cr_assert_eq(exec_rc(&op), IDEM_EINVAL);
+    cr_assert_eq(stats().keys, 0);
+}
+
+Test(args, unknown_resolve_action_is_einval)
+{
+    make_review("k", "n");
+    uint64_t v = get("k").version;
+    expect_rc(resolve("k", 0, "x", 0), IDEM_EINVAL);
+    expect_rc(resolve("k", 4, "x", 0), IDEM_EINVAL);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_REVIEW);
+    cr_assert_eq(r.version, v);
+}
+
+Test(args, submit_over_the_batch_limit_is_einval)
+{
+    static idem_op ops[IDEM_BATCH_MAX + 1];
+    int rc = idem_submit(g_q, ops, IDEM_BATCH_MAX + 1);
+    cr_assert_eq(rc, IDEM_EINVAL);
+    cr_assert_eq(idem_queue_pending(g_q), 0);
+}
+
+Test(args, smaller_result_limit_from_options_is_enforced)
+{
+    store_close();
+    g_opts.result_bytes_max = 100;
+    store_open();
+    char big[101];
+    memset(big, 'r', sizeof big);
+    int64_t tok = claim_new("k");
+    expect_rc(idem_commit(g_q, "k", 1, tok, big, 101), IDEM_EINVAL);
+    expect_rc(idem_commit(g_q, "k", 1, tok, big, 100), IDEM_OK);
+}
+
+Test(args, test_clock_cannot_step_back)
+{
+    at(1000);
+    cr_assert_eq(idem_clock_set(g_s, t0 + 999), IDEM_EINVAL);
+    cr_assert_eq(idem_clock_now(g_s), t0 + 1000);
+    cr_assert_eq(idem_clock_advance(g_s, -1), IDEM_EINVAL);
+    cr_assert_eq(idem_clock_now(g_s), t0 + 1000);
+    cr_assert_eq(idem_clock_advance(g_s, 5), IDEM_OK);
+    cr_assert_eq(idem_clock_now(g_s), t0 + 1005);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Everything survives close and reopen. */
+
+TestSuite(reopen, .init = setup, .fini = teardown);
+
+Test(reopen, committed_record_keeps_every_field)
+{
+    make_committed("k", "body", "inv-1");
+    at(10);
+    expect_outcome(claim_fp("k", "other"), IDEM_MISMATCH);
+    idem_record r = get("k");
+    uint64_t v = r.version;
+    reopen();
+    r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_COMMITTED);
+    cr_assert_eq(r.first_seen_ms, t0);
+    cr_assert_eq(r.expires_at_ms, t0 + TTL);
+    expect_result(r, "inv-1");
+    cr_assert_eq(r.version, v);
+    cr_assert_eq(r.mismatch_count, 1);
+    cr_assert_eq(r.last_mismatch_ms, t0 + 10);
+    uint8_t fp[IDEM_FP_BYTES];
+    fp_of("body", fp);
+    cr_assert(r.has_fp);
+    cr_assert(memcmp(r.fp, fp, IDEM_FP_BYTES) == 0);
+    fp_of("other", fp);
+    cr_assert(memcmp(r.last_mismatch_fp, fp, IDEM_FP_BYTES) == 0);
+    idem_completion c = claim_fp("k", "body");
+    expect_outcome(c, IDEM_DONE);
+    expect_data(c, "inv-1");
+    expect_outcome(claim_fp("k", "other"), IDEM_MISMATCH);
+}
+
+Test(reopen, in_flight_record_keeps_token_lease_owner_and_the_owner_can_commit)
+{
+    idem_completion a = claim_full("k", TTL, 3600000, NULL, "worker-1");
+    idem_record r = get("k");
+    uint64_t v = r.version;
+    reopen();
+    r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_IN_FLIGHT);
+    cr_assert_eq(r.token, a.token);
+    cr_assert_eq(r.first_seen_ms, t0);
+    cr_assert_eq(r.lease_until_ms, t0 + 3600000);
+    cr_assert_eq(r.attempts, 1);
+    cr_assert_eq(r.last_grant_ms, t0);
+    cr_assert_eq(r.version, v);
+    cr_assert_eq(r.owner_len, 8);
+    cr_assert(memcmp(r.owner, "worker-1", 8) == 0);
+    expect_outcome(claim_owner("k", "worker-2"), IDEM_BUSY);
+    idem_completion same = claim_full("k", TTL, 3600000, NULL, "worker-1");
+    expect_outcome(same, IDEM_NEW);
+    cr_assert_eq(same.token, a.token);
+    commit_ok("k", a.token, "r");
+    reopen();
+    expect_outcome(claim("k"), IDEM_DONE);
+}
+
+Test(reopen, owner_calls_after_plain_repeats_and_a_reopen_work)
+{
+    int64_t tok = claim_new("k");
+    make_committed("d", NULL, "r");
+    expect_outcome(claim("k"), IDEM_BUSY);
+    expect_outcome(claim("d"), IDEM_DONE);
+    reopen();
+    expect_outcome(claim("k"), IDEM_BUSY);
+    expect_outcome(claim("d"), IDEM_DONE);
+    commit_ok("k", tok, "r");
+    expect_rc(idem_del(g_q, "d", 1, "alice"), IDEM_OK);
+    expect_outcome(claim("k"), IDEM_DONE);
+    expect_outcome(claim("d"), IDEM_NEW);
+    idem_record r = get("k");
+    cr_assert_geq(r.seen_count, 1);
+    cr_assert_eq(r.first_seen_ms, t0);
+}
+
+Test(reopen, review_record_keeps_its_note)
+{
+    int64_t tok = make_review("k", "call the bank");
+    reopen();
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_REVIEW);
+    expect_note(r, "call the bank");
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_REVIEW);
+    expect_data(c, "call the bank");
+    expect_rc(commit("k", tok, "r"), IDEM_ESTALE);
+}
+
+Test(reopen, released_record_stays_absent)
+{
+    int64_t tok = claim_new("k");
+    expect_rc(release("k", tok), IDEM_OK);
+    reopen();
+    cr_assert_not(found("k"));
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_NEW);
+    cr_assert_gt(c.token, tok);
+}
+
+Test(reopen, expiry_boundary_holds_after_reopen)
+{
+    idem_completion c = claim_full("k", 3600000, LEASE, NULL, NULL);
+    commit_ok("k", c.token, "r");
+    reopen();
+    int64_t exp = get("k").expires_at_ms;
+    cr_assert_eq(exp, t0 + 3600000);
+    cr_assert_leq(idem_clock_now(g_s), exp - 1);
+    expect_rc(idem_clock_set(g_s, exp - 1), IDEM_OK);
+    expect_outcome(claim("k"), IDEM_DONE);
+    expect_rc(idem_clock_set(g_s, exp), IDEM_OK);
+    idem_completion n = claim("k");
+    expect_outcome(n, IDEM_NEW);
+    cr_assert_gt(n.token, c.token);
+    cr_assert_eq(get("k").first_seen_ms, exp);
+}
+
+Test(reopen, lease_boundary_holds_after_reopen)
+{
+    idem_completion c = claim_full("k", TTL, 3600000, NULL, NULL);
+    reopen();
+    int64_t until = get("k").lease_until_ms;
+    cr_assert_eq(until, t0 + 3600000);
+    expect_rc(idem_clock_set(g_s, until - 1), IDEM_OK);
+    idem_completion b = claim("k");
+    expect_outcome(b, IDEM_BUSY);
+    cr_assert_eq(b.lease_left_ms, 1);
+    expect_rc(idem_clock_set(g_s, until), IDEM_OK);
+    idem_completion r = claim("k");
+    expect_outcome(r, IDEM_RECOVER);
+    cr_assert_eq(r.attempts, 2);
+    cr_assert_eq(r.last_grant_ms, t0);
+    cr_assert_gt(r.token, c.token);
+    /* Unfinished records do not expire, after a restart either. */
+    cr_assert_gt(until, get("k").expires_at_ms);
+}
+
+Test(reopen, recovered_record_keeps_attempts_and_fencing)
+{
+    int64_t old = claim_new("k");
+    at(LEASE);
+    idem_completion r = claim("k");
+    expect_outcome(r, IDEM_RECOVER);
+    reopen();
+    idem_record rec = get("k");
+    cr_assert_eq(rec.attempts, 2);
+    cr_assert_eq(rec.token, r.token);
+    cr_assert_eq(rec.last_grant_ms, t0 + LEASE);
+    expect_rc(commit("k", old, "late"), IDEM_ESTALE);
+    commit_ok("k", r.token, "ok");
+}
+
+Test(reopen, commit_after_expiry_keeps_its_extra_ttl_after_reopen)
+{
+    idem_completion c = claim_full("k", 1000, 3600000, NULL, NULL);
+    at(5000);
+    commit_ok("k", c.token, "r");
+    reopen();
+    int64_t now = idem_clock_now(g_s);
+    cr_assert_geq(now, t0 + 5000);
+    if (now <= t0 + 5999) {
+        expect_rc(idem_clock_set(g_s, t0 + 5999), IDEM_OK);
+        expect_outcome(claim_full("k", 1000, LEASE, NULL, NULL), IDEM_DONE);
+    }
+    expect_rc(idem_clock_set(g_s, t0 + 6000 > now ? t0 + 6000 : now), IDEM_OK);
+    expect_outcome(claim_full("k", 1000, LEASE, NULL, NULL), IDEM_NEW);
+}
+
+Test(reopen, audit_trail_survives_and_outlives_the_key)
+{
+    make_review("k", "n");
+    expect_rc(resolve("k", IDEM_RESOLVE_COMMIT, "checked", 0), IDEM_OK);
+    expect_rc(idem_del(g_q, "k", 1, "bob"), IDEM_OK);
+    reopen();
+    cr_assert_not(found("k"));
+    const idem_audit_entry *e;
+    size_t n = 0;
+    expect_rc(idem_audit(g_q, "k", 1, 10, &e, &n), IDEM_OK);
+    cr_assert_eq(n, 2, "%zu audit entries after reopen, expected 2", n);
+    cr_assert_str_eq(e[0].action, "del");
+    cr_assert_str_eq(e[0].actor, "bob");
+    cr_assert_str_eq(e[1].action, "resolve-commit");
+    cr_assert_str_eq(e[1].actor, "alice");
+    cr_assert_str_eq(e[1].reason, "checked");
+}
+
+Test(reopen, set_if_absent_value_survives)
+{
+    idem_completion c;
+    expect_rc(idem_set_if_absent(g_q, "k", 1, "v", 1, TTL, 0, &c), IDEM_OK);
+    reopen();
+    expect_rc(idem_set_if_absent(g_q, "k", 1, "w", 1, TTL, 1, &c), IDEM_OK);
+    expect_outcome(c, IDEM_DONE);
+    expect_data(c, "v");
+}
+
+Test(reopen, binary_and_prefix_keys_survive_distinct)
+{
+    const char k1[] = {'a', 0, 'b'};
+    const char k2[] = {'a', 0};
+    idem_completion c1 = claim_bin(k1, 3, TTL, LEASE, NULL, NULL);
+    idem_completion c2 = claim_bin(k2, 2, TTL, LEASE, NULL, NULL);
+    expect_rc(idem_commit(g_q, k1, 3, c1.token, "one", 3), IDEM_OK);
+    expect_rc(idem_commit(g_q, k2, 2, c2.token, "two", 3), IDEM_OK);
+    reopen();
+    idem_completion d = claim_bin(k1, 3, TTL, LEASE, NULL, NULL);
+    expect_outcome(d, IDEM_DONE);
+    expect_data(d, "one");
+    d = claim_bin(k2, 2, TTL, LEASE, NULL, NULL);
+    expect_outcome(d, IDEM_DONE);
+    expect_data(d, "two");
+}
+
+Test(reopen, test_clock_does_not_go_back_at_reopen)
+{
+    at(3600000);
+    make_committed("k", NULL, "r");
+    reopen();
+    cr_assert_geq(idem_clock_now(g_s), t0 + 3600000);
+}
+
+Test(reopen, stats_by_state_are_rebuilt)
+{
+    claim_new("a");
+    make_committed("b", NULL, "r");
+    make_review("c", "n");
+    reopen();
+    idem_stats st = stats();
+    cr_assert_eq(st.keys, 3);
+    cr_assert_eq(st.keys_in_flight, 1, "keys_in_flight %llu after reopen",
+                 (unsigned long long)st.keys_in_flight);
+    cr_assert_eq(st.keys_committed, 1);
+    cr_assert_eq(st.keys_review, 1);
+    cr_assert_eq(st.oldest_in_flight_ms, t0);
+    cr_assert_eq(st.oldest_review_ms, t0);
+}
+
+Test(reopen, checkpoint_then_more_changes_survive)
+{
+    make_committed("a", NULL, "1");
+    expect_rc(idem_checkpoint(g_s), IDEM_OK);
+    make_committed("b", NULL, "2");
+    int64_t tok = claim_new("c");
+    reopen();
+    expect_outcome(claim("a"), IDEM_DONE);
+    expect_outcome(claim("b"), IDEM_DONE);
+    cr_assert_eq(get("c").token, tok);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* read-only opens and the directory lock. */
+
+TestSuite(open, .init = setup, .fini = teardown);
+
+Test(open, read_only_refuses_every_change_with_ereadonly)
+{
+    int64_t tok = claim_new("inflight");
+    make_committed("done", NULL, "r");
+    store_close();
+    g_opts.read_only = 1;
+    store_open();
+    idem_completion c;
+    expect_rc(claim_rc("new", 3, TTL, LEASE, NULL, NULL, &c), IDEM_EREADONLY);
+    expect_rc(commit("inflight", tok, "r"), IDEM_EREADONLY);
+    expect_rc(release("inflight", tok), IDEM_EREADONLY);
+    expect_rc(hold("inflight", tok, "x"), IDEM_EREADONLY);
+    expect_rc(extend("inflight", tok, 1000), IDEM_EREADONLY);
+    expect_rc(idem_set_if_absent(g_q, "new", 3, "v", 1, TTL, 0, &c), IDEM_EREADONLY);
+    expect_rc(idem_del(g_q, "done", 4, "alice"), IDEM_EREADONLY);
+    expect_rc(resolve("inflight", IDEM_RESOLVE_RELEASE, "x", IDEM_F_FORCE), IDEM_EREADONLY);
+    /* Reads work. */
+    idem_record r = get("done");
+    expect_result(r, "r");
+    cr_assert_eq(get("inflight").state, IDEM_STATE_IN_FLIGHT);
+    store_close();
+    g_opts.read_only = 0;
+    store_open();
+    cr_assert_not(found("new"));
+    cr_assert_eq(get("inflight").state, IDEM_STATE_IN_FLIGHT);
+    cr_assert(found("done"));
+    commit_ok("inflight", tok, "r");
+}
+
+/* Runs in a child: tries to open dir and reports the result code and message on fd. */
+static void child_try_open(const char *dir, int wait_fd, int report_fd)
+{
+    char b;
+    if (wait_fd >= 0 && read(wait_fd, &b, 1) != 1) _exit(3);
+    idem_options o;
+    idem_options_init(&o);
+    o.test_clock = 1;
+    idem_store *s = NULL;
+    int rc = idem_open(dir, &o, &s);
+    char msg[600];
+    int len = snprintf(msg, sizeof msg, "%d %s", rc, rc == IDEM_OK ? "" : idem_last_error());
+    if (write(report_fd, msg, (size_t)len) != len) _exit(4);
+    _exit(rc == IDEM_OK ? 0 : 1); /* a successful open is left to the process exit */
+}
+
+static int read_report(int fd, char *msg, size_t cap)
+{
+    size_t got = 0;
+    ssize_t n;
+    while (got + 1 < cap && (n = read(fd, msg + got, cap - 1 - got)) > 0)
+        got += (size_t)n;
+    msg[got] = 0;
+    cr_assert_gt(got, 0, "no report from the child");
+    return atoi(msg);
+}
+
+Test(open, second_open_in_another_process_is_elocked_and_names_the_pid, .timeout = 60)
+{
+    int rep[2];
+    cr_assert_eq(pipe(rep), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        close(rep[0]);
+        child_try_open(g_dir, -1, rep[1]);
+    }
+    close(rep[1]);
+    char msg[700];
+    int rc = read_report(rep[0], msg, sizeof msg);
+    close(rep[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    cr_assert_eq(rc, IDEM_ELOCKED, "child open: %s", msg);
+    char pidstr[32];
+    snprintf(pidstr, sizeof pidstr, "%d", (int)getpid());
+    cr_assert_not_null(strstr(msg, pidstr), "idem_last_error does not name pid %s: %s", pidstr,
+                       msg);
+    /* The owner is unaffected. */
+    claim_new("k");
+}
+
+Test(open, lock_is_released_by_close_and_by_the_death_of_its_owner, .timeout = 60)
+{
+    store_close();
+    /* After close another process may open it. */
+    int rep[2];
+    cr_assert_eq(pipe(rep), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        close(rep[0]);
+        child_try_open(g_dir, -1, rep[1]);
+    }
+    close(rep[1]);
+    char msg[700];
+    int rc = read_report(rep[0], msg, sizeof msg);
+    close(rep[0]);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    cr_assert_eq(rc, IDEM_OK, "open after close: %s", msg);
+    /* That child died holding the store open: the lock died with it. */
+    int orc = idem_open(g_dir, &g_opts, &g_s);
+    cr_assert_eq(orc, IDEM_OK, "open after the owner died: %s (%s)", idem_strerror(orc),
+                 idem_last_error());
+    expect_rc(idem_queue_open(g_s, 8, &g_q), IDEM_OK);
+}
+
+Test(open, clock_control_needs_the_test_clock)
+{
+    store_close();
+    g_opts.test_clock = 0;
+    store_open();
+    int64_t now = idem_clock_now(g_s);
+    cr_assert_eq(idem_clock_set(g_s, now + 100000), IDEM_ENOTSUP);
+    cr_assert_eq(idem_clock_advance(g_s, 100000), IDEM_ENOTSUP);
+    cr_assert_lt(idem_clock_now(g_s), now + 100000);
+}
+
+Test(open, test_clock_stands_still)
+{
+    int64_t a = idem_clock_now(g_s);
+    make_committed("k", NULL, "r");
+    for (int i = 0; i < 100; i++)
+        expect_outcome(claim("k"), IDEM_DONE);
+    cr_assert_eq(idem_clock_now(g_s), a);
+    cr_assert_eq(get("k").last_seen_ms, a);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Scans. */
+
+TestSuite(scan, .init = setup, .fini = teardown);
+
+/* Collects the keys of a full scan into a bitmask over names "k0".."k63". */
+static uint64_t scan_mask(int state, int64_t older_ms, uint32_t count)
+{
+    uint64_t mask = 0, cursor = 0;
+    int steps = 0;
+    do {
+        idem_scan_args a;
+        memset(&a, 0, sizeof a);
+        a.cursor = cursor;
+        a.state = state;
+        a.older_ms = older_ms;
+        a.count = count;
+        const void **keys;
+        const uint32_t *lens;
+        size_t n = 0;
+        expect_rc(idem_scan(g_q, &a, &cursor, &keys, &lens, &n), IDEM_OK);
+        for (size_t i = 0; i < n; i++) {
+            char name[16];
+            cr_assert(lens[i] > 1 && lens[i] < sizeof name);
+            memcpy(name, keys[i], lens[i]);
+            name[lens[i]] = 0;
+            cr_assert_eq(name[0], 'k', "unexpected key %s", name);
+            int idx = atoi(name + 1);
+            cr_assert(idx >= 0 && idx < 64);
+            mask |= 1ull << idx;
+        }
+        cr_assert_lt(++steps, 100000, "scan does not end");
+    } while (cursor != 0);
+    return mask;
+}
+
+static void key_name(char *buf, size_t cap, int i)
+{
+    snprintf(buf, cap, "k%d", i);
+}
+
+Test(scan, scan_by_state_returns_exactly_the_keys_in_that_state)
+{
+    uint64_t inflight = 0, committed = 0, review = 0;
+    char key[16];
+    for (int i = 0; i < 30; i++) {
+        key_name(key, sizeof key, i);
+        int64_t tok = claim_new(key);
+        switch (i % 3) {
+        case 0:
+            inflight |= 1ull << i;
+            break;
+        case 1:
+            commit_ok(key, tok, "r");
+            committed |= 1ull << i;
+            break;
+        default:
+            expect_rc(hold(key, tok, "n"), IDEM_OK);
+            review |= 1ull << i;
+        }
+    }
+    cr_assert_eq(scan_mask(IDEM_STATE_IN_FLIGHT, 0, 0), inflight);
+    cr_assert_eq(scan_mask(IDEM_STATE_COMMITTED, 0, 0), committed);
+    cr_assert_eq(scan_mask(IDEM_STATE_REVIEW, 0, 0), review);
+    cr_assert_eq(scan_mask(0, 0, 0), inflight | committed | review);
+    cr_assert_eq(scan_mask(0, 0, 3), inflight | committed | review, "small count steps");
+}
+
+Test(scan, scan_by_age_counts_from_first_seen)
+{
+    char key[16];
+    for (int i = 0; i < 10; i++) {
+        at(i * 1000);
+        key_name(key, sizeof key, i);
+        claim_new(key);
+    }
+    at(20000);
+    /* now - first_seen >= 15000: first_seen <= 5000: keys 0..5. */
+    cr_assert_eq(scan_mask(0, 15000, 0), 0x3full);
+    cr_assert_eq(scan_mask(IDEM_STATE_IN_FLIGHT, 19001, 0), 0x1ull);
+    cr_assert_eq(scan_mask(0, 20001, 0), 0);
+    /* Repeats do not make a key younger. */
+    key_name(key, sizeof key, 0);
+    expect_outcome(claim(key), IDEM_RECOVER);
+    cr_assert_eq(scan_mask(0, 15000, 0), 0x3full);
+}
+
+Test(scan, expired_and_released_keys_are_not_returned)
+{
+    char key[16];
+    key_name(key, sizeof key, 0);
+    make_committed(key, NULL, "r");
+    key_name(key, sizeof key, 1);
+    int64_t tok = claim_new(key);
+    expect_rc(release(key, tok), IDEM_OK);
+    key_name(key, sizeof key, 2);
+    idem_completion c = claim_full(key, 2 * TTL, LEASE, NULL, NULL);
+    commit_ok(key, c.token, "r");
+    at(TTL);
+    cr_assert_eq(scan_mask(0, 0, 0), 0x4ull);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Stats. */
+
+TestSuite(stats, .init = setup, .fini = teardown);
+
+Test(stats, counters_by_outcome_and_keys_by_state)
+{
+    idem_stats b = stats();
+    int64_t t1 = claim_new("a");                       /* new */
+    expect_outcome(claim("a"), IDEM_BUSY);             /* busy */
+    commit_ok("a", t1, "r");                           /* */
+    expect_outcome(claim("a"), IDEM_DONE);             /* done */
+    expect_outcome(claim("a"), IDEM_DONE);             /* done */
+    make_committed("m", "x", "r");                     /* new */
+    expect_outcome(claim_fp("m", "y"), IDEM_MISMATCH); /* mismatch */
+    claim_new("l");                                    /* new */
+    at(LEASE);
+    idem_completion rc = claim("l"); /* recover */
+    expect_outcome(rc, IDEM_RECOVER);
+    expect_rc(hold("l", rc.token, "n"), IDEM_OK);
+    expect_outcome(claim("l"), IDEM_REVIEW); /* review */
+    claim_new("f");                          /* new, in flight */
+    idem_stats a = stats();
+    cr_assert_eq(a.claims_new - b.claims_new, 4);
+    cr_assert_eq(a.claims_busy - b.claims_busy, 1);
+    cr_assert_eq(a.claims_done - b.claims_done, 2);
+    cr_assert_eq(a.claims_mismatch - b.claims_mismatch, 1);
+    cr_assert_eq(a.claims_recover - b.claims_recover, 1);
+    cr_assert_eq(a.claims_review - b.claims_review, 1);
+    cr_assert_eq(a.keys, 4);
+    cr_assert_eq(a.keys_in_flight, 1);
+    cr_assert_eq(a.keys_committed, 2);
+    cr_assert_eq(a.keys_review, 1);
+    cr_assert_eq(a.oldest_in_flight_ms, t0 + LEASE, "oldest_in_flight_ms %" PRId64 ", t0 %" PRId64,
+                 a.oldest_in_flight_ms, t0);
+    cr_assert_eq(a.oldest_review_ms, t0);
+    cr_assert_eq(a.store_clock_ms, t0 + LEASE);
+}
+
+Test(stats, empty_store_has_no_oldest_records)
+{
+    idem_stats a = stats();
+    cr_assert_eq(a.keys, 0);
+    cr_assert_eq(a.oldest_in_flight_ms, 0);
+    cr_assert_eq(a.oldest_review_ms, 0);
+    cr_assert_eq(a.fatal, 0);
+}
+
+Test(stats, release_and_del_lower_the_key_counts)
+{
+    int64_t tok = claim_new("a");
+    make_committed("b", NULL, "r");
+    expect_rc(release("a", tok), IDEM_OK);
+    expect_rc(idem_del(g_q, "b", 1, "alice"), IDEM_OK);
+    idem_stats a = stats();
+    cr_assert_eq(a.keys, 0);
+    cr_assert_eq(a.keys_in_flight, 0);
+    cr_assert_eq(a.keys_committed, 0);
+}

@@ -1,0 +1,1314 @@
+/*
+ * test_threads.c: concurrency and a randomised model test of the public API.
+ *
+ * - Many threads (each with its own idem_queue) racing for one key: exactly one `new`.
+ * - Many threads claiming distinct keys: every key is there after a reopen.
+ * - Blocking calls and the asynchronous form (idem_submit / idem_poll) mixed across threads.
+ * - Claims with WAIT, woken by commit, release, hold, an expired lease, or their own timeout.
+ * - A seeded model test: random claim / commit / release / hold / extend / resolve / del /
+ *   set-if-absent / clock moves / close-and-reopen against a simple reference map that predicts
+ *   every outcome and checks the invariants (at most one `new` per key per lifetime, first_seen
+ *   never changes, tokens never repeat, unfinished records never expire). The seed is printed;
+ *   IDEM_SEED replays it.
+ *
+ * Worker threads never call criterion assertions: they record the first failure in their
+ * slot, and the test thread asserts after joining.
+ */
+#include <criterion/criterion.h>
+
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "idem.h"
+#include "testutil.h"
+
+#define TTL   600000u
+#define LEASE 60000u
+
+static char *g_dir;
+static idem_options g_opts;
+static idem_store *g_s;
+static idem_queue *g_q;
+
+static void store_open(void)
+{
+    int rc = idem_open(g_dir, &g_opts, &g_s);
+    cr_assert_eq(rc, IDEM_OK, "idem_open: %s (%s)", idem_strerror(rc), idem_last_error());
+    rc = idem_queue_open(g_s, 256, &g_q);
+    cr_assert_eq(rc, IDEM_OK, "idem_queue_open: %s", idem_strerror(rc));
+}
+
+static long M_step(void);
+
+static void store_close(void)
+{
+    if (g_q) idem_queue_close(g_q);
+    g_q = NULL;
+    if (g_s) {
+        int rc = idem_close(g_s);
+        g_s = NULL;
+        cr_assert_eq(rc, IDEM_OK, "idem_close: %s (%s); model step %ld", idem_strerror(rc),
+                     idem_last_error(), M_step());
+    }
+}
+
+static void setup(void)
+{
+    g_dir = tu_mkdtemp("threads");
+    cr_assert_not_null(g_dir);
+    idem_options_init(&g_opts);
+    g_opts.test_clock = 1;
+    store_open();
+}
+
+static void teardown(void)
+{
+    if (g_q) idem_queue_close(g_q);
+    g_q = NULL;
+    if (g_s) (void)idem_close(g_s);
+    g_s = NULL;
+    tu_rmtree(g_dir);
+    g_dir = NULL;
+}
+
+#define expect_rc(expr, want)                                                                      \
+    do {                                                                                           \
+        int rc_ = (expr);                                                                          \
+        cr_assert_eq(rc_, (want), "%s: %s (%d), expected %s", #expr, idem_strerror(rc_), rc_,      \
+                     idem_strerror(want));                                                         \
+    } while (0)
+
+static idem_claim_args claim_args(uint64_t ttl_ms, uint64_t lease_ms, uint32_t wait_ms)
+{
+    idem_claim_args a;
+    memset(&a, 0, sizeof a);
+    a.ttl_ms = ttl_ms;
+    a.lease_ms = lease_ms;
+    a.wait_ms = wait_ms;
+    return a;
+}
+
+/* A failure slot for a worker thread. */
+typedef struct worker {
+    pthread_t th;
+    int idx;
+    char err[512];
+} worker;
+
+#define WFAIL(w, ...)                                                                              \
+    do {                                                                                           \
+        if (!(w)->err[0]) snprintf((w)->err, sizeof(w)->err, __VA_ARGS__);                         \
+    } while (0)
+
+static void join_all(worker *ws, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        pthread_join(ws[i].th, NULL);
+    for (size_t i = 0; i < n; i++)
+        cr_assert_eq(ws[i].err[0], 0, "thread %zu: %s", i, ws[i].err);
+}
+
+/*
+ * Submits ops[0..n) on q (as many calls as the queue's depth needs) and polls until all n
+ * completions arrived; out[i] is the completion of ops[i] (user_data must be i). Returns NULL or
+ * a static description of the failure.
+ */
+static const char *run_async(idem_queue *q, idem_op *ops, size_t n, idem_completion *out)
+{
+    size_t sent = 0, got = 0;
+    idem_completion tmp[64];
+    for (size_t i = 0; i < n; i++)
+        ops[i].user_data = i;
+    while (got < n) {
+        if (sent < n) {
+            int r = idem_submit(q, ops + sent, n - sent);
+            if (r < 0) return "idem_submit failed";
+            sent += (size_t)r;
+        }
+        int p = idem_poll(q, tmp, 64, 30000);
+        if (p < 0) return "idem_poll failed";
+        if (p == 0) return "idem_poll: no completion within 30 s";
+        for (int i = 0; i < p; i++) {
+            if (tmp[i].user_data >= n) return "completion with a user_data never submitted";
+            out[tmp[i].user_data] = tmp[i];
+            got++;
+        }
+    }
+    return NULL;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Rule 1 under contention. */
+
+TestSuite(race, .init = setup, .fini = teardown, .timeout = 120);
+
+#define HOT_THREADS_MAX 64
+#define HOT_ROUNDS_MAX  200
+
+static pthread_barrier_t g_bar;
+static size_t g_hot_rounds;
+static int g_hot_outcome[HOT_ROUNDS_MAX][HOT_THREADS_MAX];
+static int64_t g_hot_token[HOT_ROUNDS_MAX][HOT_THREADS_MAX];
+
+static void *hot_worker(void *arg)
+{
+    worker *w = arg;
+    idem_queue *q = NULL;
+    int qrc = idem_queue_open(g_s, 8, &q);
+    if (qrc != IDEM_OK) WFAIL(w, "idem_queue_open: %s", idem_strerror(qrc));
+    for (size_t r = 0; r < g_hot_rounds; r++) {
+        char key[32], res[32];
+        snprintf(key, sizeof key, "hot-%zu", r);
+        snprintf(res, sizeof res, "winner-%d", w->idx);
+        idem_claim_args a = claim_args(TTL, LEASE, 0);
+        idem_completion c;
+        memset(&c, 0, sizeof c);
+        pthread_barrier_wait(&g_bar);
+        int rc = q ? idem_claim(q, key, strlen(key), &a, &c) : IDEM_EINVAL;
+        if (rc != IDEM_OK) WFAIL(w, "round %zu: idem_claim: %s", r, idem_strerror(rc));
+        g_hot_outcome[r][w->idx] = c.outcome;
+        g_hot_token[r][w->idx] = c.token;
+        pthread_barrier_wait(&g_bar);
+        if (c.outcome == IDEM_NEW) {
+            rc = idem_commit(q, key, strlen(key), c.token, res, strlen(res));
+            if (rc != IDEM_OK) WFAIL(w, "round %zu: commit: %s", r, idem_strerror(rc));
+        }
+        pthread_barrier_wait(&g_bar);
+        rc = q ? idem_claim(q, key, strlen(key), &a, &c) : IDEM_EINVAL;
+        if (rc != IDEM_OK || c.outcome != IDEM_DONE)
+            WFAIL(w, "round %zu: claim after commit: rc %d outcome %s", r, rc,
+                  idem_outcome_name(c.outcome));
+        else if (c.data_len < 7 || memcmp(c.data, "winner-", 7) != 0)
+            WFAIL(w, "round %zu: done without the winner's result", r);
+    }
+    if (q) idem_queue_close(q);
+    return NULL;
+}
+
+static void hot_key_race(size_t nthreads)
+{
+    worker ws[HOT_THREADS_MAX];
+    memset(ws, 0, sizeof ws);
+    g_hot_rounds = tu_count(10, HOT_ROUNDS_MAX);
+    cr_assert_eq(pthread_barrier_init(&g_bar, NULL, (unsigned)nthreads), 0);
+    for (size_t i = 0; i < nthreads; i++) {
+        ws[i].idx = (int)i;
+        cr_assert_eq(pthread_create(&ws[i].th, NULL, hot_worker, &ws[i]), 0);
+    }
+    join_all(ws, nthreads);
+    pthread_barrier_destroy(&g_bar);
+    int64_t last = 0;
+    for (size_t r = 0; r < g_hot_rounds; r++) {
+        int news = 0;
+        int64_t tok = 0;
+        for (size_t i = 0; i < nthreads; i++) {
+            int o = g_hot_outcome[r][i];
+            cr_assert(o == IDEM_NEW || o == IDEM_BUSY, "round %zu thread %zu: outcome %s", r, i,
+                      idem_outcome_name(o));
+            if (o == IDEM_NEW) {
+                news++;
+                tok = g_hot_token[r][i];
+            }
+        }
+        cr_assert_eq(news, 1, "round %zu: %d threads got new", r, news);
+        cr_assert_gt(tok, last, "round %zu: token %" PRId64 " not above %" PRId64, r, tok, last);
+        last = tok;
+    }
+    idem_stats st;
+    idem_get_stats(g_s, &st);
+    cr_assert_eq(st.claims_new, g_hot_rounds);
+    cr_assert_eq(st.claims_busy, g_hot_rounds * (nthreads - 1));
+    cr_assert_eq(st.keys_committed, g_hot_rounds);
+}
+
+Test(race, sixteen_threads_claiming_one_key_get_exactly_one_new)
+{
+    hot_key_race(16);
+}
+
+Test(race, sixty_four_threads_claiming_one_key_get_exactly_one_new)
+{
+    hot_key_race(64);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Many threads, distinct keys, all present after reopen. */
+
+#define SPREAD_THREADS 16
+
+static size_t g_spread_keys;
+
+static void *spread_worker(void *arg)
+{
+    worker *w = arg;
+    idem_queue *q = NULL;
+    int rc = idem_queue_open(g_s, 8, &q);
+    if (rc != IDEM_OK) {
+        WFAIL(w, "idem_queue_open: %s", idem_strerror(rc));
+        return NULL;
+    }
+    for (size_t i = 0; i < g_spread_keys; i++) {
+        char key[48], res[48];
+        snprintf(key, sizeof key, "t%d-key-%zu", w->idx, i);
+        snprintf(res, sizeof res, "t%d-res-%zu", w->idx, i);
+        idem_claim_args a = claim_args(TTL, LEASE, 0);
+        idem_completion c;
+        rc = idem_claim(q, key, strlen(key), &a, &c);
+        if (rc != IDEM_OK || c.outcome != IDEM_NEW) {
+            WFAIL(w, "%s: rc %d outcome %s", key, rc, idem_outcome_name(c.outcome));
+            break;
+        }
+        /* Every third key stays in flight; the rest are committed. */
+        if (i % 3 != 0) {
+            rc = idem_commit(q, key, strlen(key), c.token, res, strlen(res));
+            if (rc != IDEM_OK) {
+                WFAIL(w, "%s: commit: %s", key, idem_strerror(rc));
+                break;
+            }
+        }
+    }
+    idem_queue_close(q);
+    return NULL;
+}
+
+Test(race, many_threads_claiming_distinct_keys_all_present_after_reopen)
+{
+    worker ws[SPREAD_THREADS];
+    memset(ws, 0, sizeof ws);
+    g_spread_keys = tu_count(100, 2000);
+    for (int i = 0; i < SPREAD_THREADS; i++) {
+        ws[i].idx = i;
+        cr_assert_eq(pthread_create(&ws[i].th, NULL, spread_worker, &ws[i]), 0);
+    }
+    join_all(ws, SPREAD_THREADS);
+    store_close();
+    store_open();
+    for (int t = 0; t < SPREAD_THREADS; t++) {
+        for (size_t i = 0; i < g_spread_keys; i++) {
+            char key[48], res[48];
+            snprintf(key, sizeof key, "t%d-key-%zu", t, i);
+            snprintf(res, sizeof res, "t%d-res-%zu", t, i);
+            idem_completion c;
+            expect_rc(idem_get(g_q, key, strlen(key), &c), IDEM_OK);
+            cr_assert(c.found, "%s lost after reopen", key);
+            if (i % 3 == 0) {
+                cr_assert_eq(c.record.state, IDEM_STATE_IN_FLIGHT, "%s", key);
+            } else {
+                cr_assert_eq(c.record.state, IDEM_STATE_COMMITTED, "%s", key);
+                cr_assert_eq(c.record.result_len, strlen(res), "%s", key);
+                cr_assert(memcmp(c.record.result, res, strlen(res)) == 0, "%s", key);
+            }
+        }
+    }
+    idem_stats st;
+    idem_get_stats(g_s, &st);
+    uint64_t total = SPREAD_THREADS * g_spread_keys;
+    uint64_t inflight = SPREAD_THREADS * ((g_spread_keys + 2) / 3);
+    cr_assert_eq(st.keys, total);
+    cr_assert_eq(st.keys_in_flight, inflight, "keys_in_flight %llu after reopen, expected %llu",
+                 (unsigned long long)st.keys_in_flight, (unsigned long long)inflight);
+    cr_assert_eq(st.keys_committed, total - inflight);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Blocking calls and the async form, mixed across threads. */
+
+#define MIX_THREADS 16
+#define MIX_SHARED  24
+#define MIX_OWN     48
+
+static int g_mix_new[MIX_THREADS][MIX_SHARED];
+static int64_t g_mix_tok[MIX_THREADS][MIX_SHARED];
+
+static void mix_key(char *buf, size_t cap, int shared, int t, int i)
+{
+    if (shared)
+        snprintf(buf, cap, "shared-%d", i);
+    else
+        snprintf(buf, cap, "own-%d-%d", t, i);
+}
+
+static void mix_blocking(worker *w, idem_queue *q)
+{
+    for (int j = 0; j < MIX_SHARED; j++) {
+        int i = (j + w->idx) % MIX_SHARED; /* each thread starts elsewhere */
+        char key[48], res[48];
+        mix_key(key, sizeof key, 1, w->idx, i);
+        snprintf(res, sizeof res, "by-%d", w->idx);
+        idem_claim_args a = claim_args(TTL, LEASE, 0);
+        idem_completion c;
+        int rc = idem_claim(q, key, strlen(key), &a, &c);
+        if (rc != IDEM_OK) {
+            WFAIL(w, "%s: %s", key, idem_strerror(rc));
+            return;
+        }
+        if (c.outcome == IDEM_NEW) {
+            g_mix_new[w->idx][i] = 1;
+            g_mix_tok[w->idx][i] = c.token;
+            rc = idem_commit(q, key, strlen(key), c.token, res, strlen(res));
+            if (rc != IDEM_OK) WFAIL(w, "%s: commit: %s", key, idem_strerror(rc));
+        } else if (c.outcome != IDEM_BUSY && c.outcome != IDEM_DONE) {
+            WFAIL(w, "%s: outcome %s", key, idem_outcome_name(c.outcome));
+        }
+    }
+    for (int i = 0; i < MIX_OWN; i++) {
+        char key[48];
+        mix_key(key, sizeof key, 0, w->idx, i);
+        idem_claim_args a = claim_args(TTL, LEASE, 0);
+        idem_completion c;
+        int rc = idem_claim(q, key, strlen(key), &a, &c);
+        if (rc != IDEM_OK || c.outcome != IDEM_NEW) {
+            WFAIL(w, "%s: rc %d outcome %s", key, rc, idem_outcome_name(c.outcome));
+            return;
+        }
+        rc = idem_commit(q, key, strlen(key), c.token, key, strlen(key));
+        if (rc != IDEM_OK) WFAIL(w, "%s: commit: %s", key, idem_strerror(rc));
+    }
+}
+
+static void mix_async(worker *w, idem_queue *q)
+{
+    idem_op ops[MIX_OWN];
+    idem_completion out[MIX_OWN];
+    char keys[MIX_OWN][48];
+    char res[48];
+    snprintf(res, sizeof res, "by-%d", w->idx);
+    /* Shared keys: claim all in one batch, then commit the ones won in a second batch. */
+    memset(ops, 0, sizeof ops);
+    for (int j = 0; j < MIX_SHARED; j++) {
+        int i = (j + w->idx) % MIX_SHARED;
+        mix_key(keys[j], sizeof keys[j], 1, w->idx, i);
+        ops[j].kind = IDEM_OP_CLAIM;
+        ops[j].key = keys[j];
+        ops[j].key_len = (uint32_t)strlen(keys[j]);
+        ops[j].ttl_ms = TTL;
+        ops[j].lease_ms = LEASE;
+    }
+    const char *e = run_async(q, ops, MIX_SHARED, out);
+    if (e) {
+        WFAIL(w, "shared claims: %s", e);
+        return;
+    }
+    size_t ncommit = 0;
+    idem_op cops[MIX_SHARED];
+    idem_completion cout[MIX_SHARED];
+    memset(cops, 0, sizeof cops);
+    for (int j = 0; j < MIX_SHARED; j++) {
+        int i = (j + w->idx) % MIX_SHARED;
+        if (out[j].err != IDEM_OK) {
+            WFAIL(w, "%s: %s", keys[j], idem_strerror(out[j].err));
+            return;
+        }
+        if (out[j].outcome == IDEM_NEW) {
+            g_mix_new[w->idx][i] = 1;
+            g_mix_tok[w->idx][i] = out[j].token;
+            cops[ncommit].kind = IDEM_OP_COMMIT;
+            cops[ncommit].key = keys[j];
+            cops[ncommit].key_len = (uint32_t)strlen(keys[j]);
+            cops[ncommit].token = out[j].token;
+            cops[ncommit].data = res;
+            cops[ncommit].data_len = (uint32_t)strlen(res);
+            ncommit++;
+        } else if (out[j].outcome != IDEM_BUSY && out[j].outcome != IDEM_DONE) {
+            WFAIL(w, "%s: outcome %s", keys[j], idem_outcome_name(out[j].outcome));
+        }
+    }
+    if (ncommit) {
+        e = run_async(q, cops, ncommit, cout);
+        if (e) {
+            WFAIL(w, "shared commits: %s", e);
+            return;
+        }
+        for (size_t j = 0; j < ncommit; j++)
+            if (cout[j].err != IDEM_OK) WFAIL(w, "shared commit: %s", idem_strerror(cout[j].err));
+    }
+    /* Own keys: a batch of claims, then a batch of commits. */
+    memset(ops, 0, sizeof ops);
+    for (int i = 0; i < MIX_OWN; i++) {
+        mix_key(keys[i], sizeof keys[i], 0, w->idx, i);
+        ops[i].kind = IDEM_OP_CLAIM;
+        ops[i].key = keys[i];
+        ops[i].key_len = (uint32_t)strlen(keys[i]);
+        ops[i].ttl_ms = TTL;
+        ops[i].lease_ms = LEASE;
+    }
+    e = run_async(q, ops, MIX_OWN, out);
+    if (e) {
+        WFAIL(w, "own claims: %s", e);
+        return;
+    }
+    for (int i = 0; i < MIX_OWN; i++) {
+        if (out[i].err != IDEM_OK || out[i].outcome != IDEM_NEW) {
+            WFAIL(w, "%s: err %d outcome %s", keys[i], out[i].err,
+                  idem_outcome_name(out[i].outcome));
+            return;
+        }
+        int64_t tok = out[i].token;
+        memset(&ops[i], 0, sizeof ops[i]);
+        ops[i].kind = IDEM_OP_COMMIT;
+        ops[i].key = keys[i];
+        ops[i].key_len = (uint32_t)strlen(keys[i]);
+        ops[i].token = tok;
+        ops[i].data = keys[i];
+        ops[i].data_len = (uint32_t)strlen(keys[i]);
+    }
+    e = run_async(q, ops, MIX_OWN, out);
+    if (e) {
+        WFAIL(w, "own commits: %s", e);
+        return;
+    }
+    for (int i = 0; i < MIX_OWN; i++)
+        if (out[i].err != IDEM_OK) WFAIL(w, "%s: commit: %s", keys[i], idem_strerror(out[i].err));
+}
+
+static void *mix_worker(void *arg)
+{
+    worker *w = arg;
+    idem_queue *q = NULL;
+    int rc = idem_queue_open(g_s, 16, &q); /* smaller than a batch: submit must come back */
+    if (rc != IDEM_OK) {
+        WFAIL(w, "idem_queue_open: %s", idem_strerror(rc));
+        return NULL;
+    }
+    pthread_barrier_wait(&g_bar);
+    if (w->idx % 2)
+        mix_async(w, q);
+    else
+        mix_blocking(w, q);
+    idem_queue_close(q);
+    return NULL;
+}
+
+Test(race, blocking_and_async_calls_mixed_across_threads)
+{
+    worker ws[MIX_THREADS];
+    memset(ws, 0, sizeof ws);
+    cr_assert_eq(pthread_barrier_init(&g_bar, NULL, MIX_THREADS), 0);
+    for (int i = 0; i < MIX_THREADS; i++) {
+        ws[i].idx = i;
+        cr_assert_eq(pthread_create(&ws[i].th, NULL, mix_worker, &ws[i]), 0);
+    }
+    join_all(ws, MIX_THREADS);
+    pthread_barrier_destroy(&g_bar);
+    for (int i = 0; i < MIX_SHARED; i++) {
+        int news = 0, winner = -1;
+        for (int t = 0; t < MIX_THREADS; t++) {
+            if (g_mix_new[t][i]) {
+                news++;
+                winner = t;
+            }
+        }
+        cr_assert_eq(news, 1, "shared-%d: %d threads got new", i, news);
+        char key[48], res[48];
+        mix_key(key, sizeof key, 1, 0, i);
+        snprintf(res, sizeof res, "by-%d", winner);
+        idem_completion c;
+        expect_rc(idem_get(g_q, key, strlen(key), &c), IDEM_OK);
+        cr_assert(c.found);
+        cr_assert_eq(c.record.state, IDEM_STATE_COMMITTED);
+        cr_assert_eq(c.record.result_len, strlen(res));
+        cr_assert(memcmp(c.record.result, res, strlen(res)) == 0);
+    }
+    for (int t = 0; t < MIX_THREADS; t++) {
+        for (int i = 0; i < MIX_OWN; i++) {
+            char key[48];
+            mix_key(key, sizeof key, 0, t, i);
+            idem_claim_args a = claim_args(TTL, LEASE, 0);
+            idem_completion c;
+            expect_rc(idem_claim(g_q, key, strlen(key), &a, &c), IDEM_OK);
+            cr_assert_eq(c.outcome, IDEM_DONE, "%s: %s", key, idem_outcome_name(c.outcome));
+            cr_assert_eq(c.data_len, strlen(key));
+            cr_assert(memcmp(c.data, key, strlen(key)) == 0);
+        }
+    }
+}
+
+Test(race, nothing_is_pending_after_blocking_calls_and_polled_completions)
+{
+    idem_queue *q;
+    expect_rc(idem_queue_open(g_s, 8, &q), IDEM_OK);
+    cr_assert_eq(idem_queue_pending(q), 0);
+    idem_claim_args a = claim_args(TTL, LEASE, 0);
+    idem_completion c;
+    expect_rc(idem_claim(q, "k", 1, &a, &c), IDEM_OK);
+    cr_assert_eq(idem_queue_pending(q), 0, "%u pending after a blocking claim",
+                 idem_queue_pending(q));
+    idem_op ops[3];
+    idem_completion out[3];
+    memset(ops, 0, sizeof ops);
+    for (int i = 0; i < 3; i++) {
+        ops[i].kind = IDEM_OP_GET;
+        ops[i].key = "k";
+        ops[i].key_len = 1;
+    }
+    cr_assert_eq(idem_submit(q, ops, 3), 3);
+    cr_assert_eq(idem_queue_pending(q), 3);
+    size_t got = 0;
+    while (got < 3) {
+        int n = idem_poll(q, out + got, 3 - got, 10000);
+        cr_assert_gt(n, 0);
+        got += (size_t)n;
+    }
+    cr_assert_eq(idem_queue_pending(q), 0, "%u pending after polling every completion",
+                 idem_queue_pending(q));
+    idem_queue_close(q);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Claims with WAIT (real time), woken by the owner's call, a lease running out, or ms passing. */
+
+#define WAITERS 4
+
+static idem_queue *g_wq[WAITERS];
+
+static void open_waiters(void)
+{
+    for (int i = 0; i < WAITERS; i++)
+        expect_rc(idem_queue_open(g_s, 4, &g_wq[i]), IDEM_OK);
+}
+
+static void close_waiters(void)
+{
+    for (int i = 0; i < WAITERS; i++) {
+        if (g_wq[i]) idem_queue_close(g_wq[i]);
+        g_wq[i] = NULL;
+    }
+}
+
+static void wait_teardown(void)
+{
+    close_waiters();
+    teardown();
+}
+
+TestSuite(wait, .init = setup, .fini = wait_teardown, .timeout = 120);
+
+static void submit_wait_claim(idem_queue *q, const char *key, uint32_t wait_ms, uint64_t ud)
+{
+    idem_op op;
+    memset(&op, 0, sizeof op);
+    op.kind = IDEM_OP_CLAIM;
+    op.key = key;
+    op.key_len = (uint32_t)strlen(key);
+    op.ttl_ms = TTL;
+    op.lease_ms = LEASE;
+    op.wait_ms = wait_ms;
+    op.user_data = ud;
+    cr_assert_eq(idem_submit(q, &op, 1), 1);
+}
+
+/* Polls q without waiting; returns 1 and fills *c if a completion was ready. */
+static int poll_now(idem_queue *q, idem_completion *c)
+{
+    int n = idem_poll(q, c, 1, 0);
+    cr_assert_geq(n, 0, "idem_poll: %s", idem_strerror(n));
+    return n;
+}
+
+/* Waits (by polling, up to 20 s real time) for the first completion on any of the waiters
+ * still open; returns its index. */
+static int first_woken(const int *open, idem_completion *c)
+{
+    for (int round = 0; round < 2000; round++) {
+        for (int i = 0; i < WAITERS; i++) {
+            if (!open[i]) continue;
+            int n = idem_poll(g_wq[i], c, 1, 10);
+            cr_assert_geq(n, 0);
+            if (n == 1) return i;
+        }
+    }
+    cr_assert_fail("no waiter woke within 20 s");
+    return -1;
+}
+
+static int64_t claim_new_on(idem_queue *q, const char *key)
+{
+    idem_claim_args a = claim_args(TTL, LEASE, 0);
+    idem_completion c;
+    expect_rc(idem_claim(q, key, strlen(key), &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    return c.token;
+}
+
+Test(wait, waiting_claim_answers_done_when_the_owner_commits)
+{
+    open_waiters();
+    int64_t tok = claim_new_on(g_q, "k");
+    submit_wait_claim(g_wq[0], "k", 20000, 7);
+    idem_completion c;
+    cr_assert_eq(poll_now(g_wq[0], &c), 0, "a waiting claim answered at once: %s",
+                 idem_outcome_name(c.outcome));
+    expect_rc(idem_commit(g_q, "k", 1, tok, "inv", 3), IDEM_OK);
+    cr_assert_eq(idem_poll(g_wq[0], &c, 1, 20000), 1, "the waiter was not woken by commit");
+    cr_assert_eq(c.user_data, 7);
+    cr_assert_eq(c.err, IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_DONE, "outcome %s", idem_outcome_name(c.outcome));
+    cr_assert_eq(c.data_len, 3);
+    cr_assert(memcmp(c.data, "inv", 3) == 0);
+}
+
+Test(wait, release_wakes_exactly_one_waiter_with_new_the_others_wait_on_it)
+{
+    open_waiters();
+    int64_t tok = claim_new_on(g_q, "k");
+    for (int i = 0; i < WAITERS; i++)
+        submit_wait_claim(g_wq[i], "k", 20000, (uint64_t)i);
+    idem_completion c;
+    for (int i = 0; i < WAITERS; i++)
+        cr_assert_eq(poll_now(g_wq[i], &c), 0);
+    expect_rc(idem_release(g_q, "k", 1, tok), IDEM_OK);
+    int open[WAITERS] = {1, 1, 1, 1};
+    int w = first_woken(open, &c);
+    cr_assert_eq(c.outcome, IDEM_NEW, "first woken waiter: %s", idem_outcome_name(c.outcome));
+    cr_assert_gt(c.token, tok);
+    int64_t t2 = c.token;
+    open[w] = 0;
+    /* The others still wait: on the new owner now. */
+    for (int i = 0; i < WAITERS; i++)
+        if (open[i])
+            cr_assert_eq(poll_now(g_wq[i], &c), 0, "waiter %d answered %s", i,
+                         idem_outcome_name(c.outcome));
+    expect_rc(idem_commit(g_wq[w], "k", 1, t2, "second", 6), IDEM_OK);
+    for (int i = 0; i < WAITERS; i++) {
+        if (!open[i]) continue;
+        cr_assert_eq(idem_poll(g_wq[i], &c, 1, 20000), 1);
+        cr_assert_eq(c.outcome, IDEM_DONE, "waiter %d: %s", i, idem_outcome_name(c.outcome));
+        cr_assert_eq(c.data_len, 6);
+    }
+}
+
+Test(wait, hold_wakes_waiters_with_review)
+{
+    open_waiters();
+    int64_t tok = claim_new_on(g_q, "k");
+    submit_wait_claim(g_wq[0], "k", 20000, 0);
+    submit_wait_claim(g_wq[1], "k", 20000, 1);
+    expect_rc(idem_hold(g_q, "k", 1, tok, "unsure", 6), IDEM_OK);
+    for (int i = 0; i < 2; i++) {
+        idem_completion c;
+        cr_assert_eq(idem_poll(g_wq[i], &c, 1, 20000), 1);
+        cr_assert_eq(c.outcome, IDEM_REVIEW, "waiter %d: %s", i, idem_outcome_name(c.outcome));
+        cr_assert_eq(c.data_len, 6);
+        cr_assert(memcmp(c.data, "unsure", 6) == 0);
+    }
+}
+
+Test(wait, lease_running_out_wakes_one_waiter_with_recover)
+{
+    open_waiters();
+    int64_t tok = claim_new_on(g_q, "k");
+    int64_t t0 = idem_clock_now(g_s);
+    submit_wait_claim(g_wq[0], "k", 20000, 0);
+    submit_wait_claim(g_wq[1], "k", 20000, 1);
+    idem_completion c;
+    expect_rc(idem_clock_advance(g_s, LEASE - 1), IDEM_OK);
+    cr_assert_eq(idem_poll(g_wq[0], &c, 1, 50), 0, "woken before the lease ran out");
+    expect_rc(idem_clock_advance(g_s, 1), IDEM_OK);
+    int open[WAITERS] = {1, 1, 0, 0};
+    int w = first_woken(open, &c);
+    cr_assert_eq(c.outcome, IDEM_RECOVER, "woken waiter: %s", idem_outcome_name(c.outcome));
+    cr_assert_eq(c.attempts, 2);
+    cr_assert_eq(c.last_grant_ms, t0);
+    cr_assert_gt(c.token, tok);
+    int64_t t2 = c.token;
+    int other = 1 - w;
+    cr_assert_eq(poll_now(g_wq[other], &c), 0, "the other waiter answered %s",
+                 idem_outcome_name(c.outcome));
+    expect_rc(idem_commit(g_q, "k", 1, tok, "late", 4), IDEM_ESTALE);
+    expect_rc(idem_commit(g_wq[w], "k", 1, t2, "ok", 2), IDEM_OK);
+    cr_assert_eq(idem_poll(g_wq[other], &c, 1, 20000), 1);
+    cr_assert_eq(c.outcome, IDEM_DONE);
+}
+
+Test(wait, waiting_claim_answers_busy_when_its_time_passes)
+{
+    open_waiters();
+    claim_new_on(g_q, "k");
+    idem_claim_args a = claim_args(TTL, LEASE, 100);
+    idem_completion c;
+    expect_rc(idem_claim(g_wq[0], "k", 1, &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_BUSY, "%s", idem_outcome_name(c.outcome));
+    cr_assert_eq(c.lease_left_ms, LEASE, "the test clock stood still");
+}
+
+static void *blocking_waiter(void *arg)
+{
+    worker *w = arg;
+    idem_claim_args a = claim_args(TTL, LEASE, 20000);
+    idem_completion c;
+    memset(&c, 0, sizeof c);
+    int rc = idem_claim(g_wq[w->idx], "k", 1, &a, &c);
+    if (rc != IDEM_OK)
+        WFAIL(w, "idem_claim: %s", idem_strerror(rc));
+    else if (c.outcome != IDEM_DONE)
+        WFAIL(w, "blocking waiter: %s", idem_outcome_name(c.outcome));
+    else if (c.data_len != 1 || memcmp(c.data, "r", 1) != 0)
+        WFAIL(w, "blocking waiter: done with another result");
+    return NULL;
+}
+
+Test(wait, blocking_waiters_in_other_threads_and_an_async_waiter_see_the_commit)
+{
+    open_waiters();
+    int64_t tok = claim_new_on(g_q, "k");
+    submit_wait_claim(g_wq[0], "k", 20000, 0);
+    worker ws[WAITERS - 1];
+    memset(ws, 0, sizeof ws);
+    for (int i = 0; i < WAITERS - 1; i++) {
+        ws[i].idx = i + 1;
+        cr_assert_eq(pthread_create(&ws[i].th, NULL, blocking_waiter, &ws[i]), 0);
+    }
+    /* Whether a thread is already parked or claims after the commit, it must see done. */
+    expect_rc(idem_commit(g_q, "k", 1, tok, "r", 1), IDEM_OK);
+    join_all(ws, WAITERS - 1);
+    idem_completion c;
+    cr_assert_eq(idem_poll(g_wq[0], &c, 1, 20000), 1);
+    cr_assert_eq(c.outcome, IDEM_DONE);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Randomised model test. */
+
+#define MK       6 /* keys */
+#define MGRANTED 8 /* stale tokens remembered per key */
+#define M_ABSENT 0
+
+typedef struct mkey {
+    int state; /* M_ABSENT or enum idem_state, as last set (expiry applied lazily) */
+    int64_t first_seen, expires_at, lease_until, last_grant;
+    int64_t token;    /* in_flight: the owner's token */
+    int64_t finisher; /* committed: the token that committed (0: operator/SET); review: holder */
+    uint32_t attempts;
+    int fp, owner;
+    char result[24];
+    char note[24];
+    int note_known;
+    int expiry_moved; /* committed at or after expires_at: the field may show either time */
+    int64_t granted[MGRANTED];
+    int ngranted;
+} mkey;
+
+typedef struct model {
+    uint64_t seed, rng;
+    int policy;
+    long step;
+    int64_t now;
+    int64_t max_token;
+    mkey k[MK];
+} model;
+
+static model M;
+
+static long M_step(void)
+{
+    return M.step;
+}
+
+#define MCHECK(cond, ...)                                                                          \
+    do {                                                                                           \
+        if (!(cond)) {                                                                             \
+            char m_[400];                                                                          \
+            snprintf(m_, sizeof m_, __VA_ARGS__);                                                  \
+            cr_assert_fail("seed %llu (IDEM_SEED=%llu replays) step %ld: %s",                      \
+                           (unsigned long long)M.seed, (unsigned long long)M.seed, M.step, m_);    \
+        }                                                                                          \
+    } while (0)
+
+static uint64_t mttl(int k)
+{
+    return 3000u * (uint64_t)(k + 1);
+}
+
+static const char *mfp(int fp)
+{
+    return fp == 1 ? "content-A" : fp == 2 ? "content-B" : NULL;
+}
+
+static const char *mowner(int o)
+{
+    return o == 1 ? "w1" : o == 2 ? "w2" : NULL;
+}
+
+static uint64_t rnd(uint64_t n)
+{
+    return tu_rand(&M.rng) % n;
+}
+
+static void mkey_name(char *buf, size_t cap, int k)
+{
+    /* Binary keys sharing a prefix, one with a NUL byte (see mkey_len). */
+    snprintf(buf, cap, "mkey-%d", k);
+    if (k == 3) buf[1] = 0;
+}
+
+static size_t mkey_len(int k)
+{
+    return k == 5 ? 5 : 6; /* key 5 is "mkey-", a prefix of the others */
+}
+
+static int meff(const mkey *m)
+{
+    if (m->state == IDEM_STATE_COMMITTED && M.now >= m->expires_at) return M_ABSENT;
+    return m->state;
+}
+
+static void mgrant(mkey *m, int64_t token)
+{
+    MCHECK(token > M.max_token, "token %" PRId64 " not above every earlier one (%" PRId64 ")",
+           token, M.max_token);
+    MCHECK(token < IDEM_TOKEN_MAX, "token %" PRId64 " over the limit", token);
+    M.max_token = token;
+    m->granted[m->ngranted % MGRANTED] = token;
+    m->ngranted++;
+}
+
+static int64_t mpick_token(const mkey *m)
+{
+    uint64_t r = rnd(10);
+    if (r < 6) {
+        if (m->state == IDEM_STATE_IN_FLIGHT) return m->token;
+        if (m->finisher) return m->finisher;
+    }
+    if (r < 9 && m->ngranted)
+        return m->granted[rnd((uint64_t)(m->ngranted < MGRANTED ? m->ngranted : MGRANTED))];
+    return M.max_token + 1 + (int64_t)rnd(1000);
+}
+
+static void mstore_open(void)
+{
+    store_open();
+    int64_t now = idem_clock_now(g_s);
+    MCHECK(now >= M.now, "store clock went back at open: %" PRId64 " < %" PRId64, now, M.now);
+    M.now = now;
+}
+
+static void mcheck_key(int k)
+{
+    mkey *m = &M.k[k];
+    char key[16];
+    mkey_name(key, sizeof key, k);
+    idem_completion c;
+    memset(&c, 0, sizeof c);
+    int rc = idem_get(g_q, key, mkey_len(k), &c);
+    MCHECK(rc == IDEM_OK, "get: %s", idem_strerror(rc));
+    int eff = meff(m);
+    MCHECK(!!c.found == (eff != M_ABSENT), "key %d: found %d, model state %d", k, c.found, eff);
+    if (!c.found) return;
+    const idem_record *r = &c.record;
+    MCHECK(r->state == eff, "key %d: state %d, model %d", k, r->state, eff);
+    MCHECK(r->first_seen_ms == m->first_seen,
+           "key %d: first_seen %" PRId64 ", model %" PRId64 " (rule 4)", k, r->first_seen_ms,
+           m->first_seen);
+    if (!m->expiry_moved)
+        MCHECK(r->expires_at_ms == m->first_seen + (int64_t)mttl(k), "key %d: expires_at", k);
+    MCHECK(r->key_len == mkey_len(k) && memcmp(r->key, key, mkey_len(k)) == 0, "key %d bytes", k);
+    if (eff == IDEM_STATE_IN_FLIGHT) {
+        MCHECK(r->token == m->token, "key %d: token %" PRId64 ", model %" PRId64, k, r->token,
+               m->token);
+        MCHECK(r->lease_until_ms == m->lease_until,
+               "key %d: lease_until %" PRId64 ", model %" PRId64, k, r->lease_until_ms,
+               m->lease_until);
+        MCHECK(r->attempts == m->attempts, "key %d: attempts %u, model %u", k, r->attempts,
+               m->attempts);
+        MCHECK(r->last_grant_ms == m->last_grant, "key %d: last_grant", k);
+    }
+    if (eff == IDEM_STATE_COMMITTED) {
+        size_t n = strlen(m->result);
+        MCHECK(r->result_len == n && (n == 0 || memcmp(r->result, m->result, n) == 0),
+               "key %d: result differs from \"%s\"", k, m->result);
+    }
+    if (eff == IDEM_STATE_REVIEW && m->note_known) {
+        size_t n = strlen(m->note);
+        MCHECK(r->note_len == n && memcmp(r->note, m->note, n) == 0, "key %d: note", k);
+    }
+}
+
+static void mfresh(mkey *m, int fp, int owner, uint64_t lease_ms, int64_t token)
+{
+    int64_t keep[MGRANTED];
+    int nk = m->ngranted;
+    memcpy(keep, m->granted, sizeof keep);
+    memset(m, 0, sizeof *m);
+    memcpy(m->granted, keep, sizeof keep);
+    m->ngranted = nk;
+    m->state = IDEM_STATE_IN_FLIGHT;
+    m->first_seen = M.now;
+    m->expires_at = M.now; /* set by the caller from the key's ttl */
+    m->lease_until = M.now + (int64_t)lease_ms;
+    m->last_grant = M.now;
+    m->attempts = 1;
+    m->token = token;
+    m->fp = fp;
+    m->owner = owner;
+}
+
+static void mop_claim(int k)
+{
+    mkey *m = &M.k[k];
+    int eff = meff(m);
+    static const uint64_t leases[] = {100, 1000, 4000, 20000};
+    uint64_t lease = leases[rnd(4)];
+    int owner = (int)rnd(3);
+    int fp = (int)rnd(3);
+    if (eff != M_ABSENT && m->fp == 0)
+        fp = 0; /* a repeat never brings the first fingerprint: that case is not specified */
+    if (eff == IDEM_STATE_IN_FLIGHT && owner && owner == m->owner && fp && fp != m->fp) fp = m->fp;
+    char key[16];
+    mkey_name(key, sizeof key, k);
+    idem_claim_args a;
+    memset(&a, 0, sizeof a);
+    a.ttl_ms = mttl(k);
+    a.lease_ms = lease;
+    a.fp = mfp(fp);
+    a.fp_len = a.fp ? (uint32_t)strlen(a.fp) : 0;
+    a.owner = mowner(owner);
+    a.owner_len = a.owner ? 2 : 0;
+    idem_completion c;
+    memset(&c, 0, sizeof c);
+    int rc = idem_claim(g_q, key, mkey_len(k), &a, &c);
+    MCHECK(rc == IDEM_OK, "claim: %s", idem_strerror(rc));
+    int conflict = eff != M_ABSENT && fp && m->fp && fp != m->fp;
+    const char *on = idem_outcome_name(c.outcome);
+    switch (eff) {
+    case M_ABSENT:
+        MCHECK(c.outcome == IDEM_NEW, "claim of absent key %d: %s", k, on);
+        mgrant(m, c.token);
+        mfresh(m, fp, owner, lease, c.token);
+        m->expires_at = M.now + (int64_t)mttl(k);
+        break;
+    case IDEM_STATE_IN_FLIGHT:
+        if (conflict) {
+            MCHECK(c.outcome == IDEM_MISMATCH, "key %d in flight, other content: %s", k, on);
+        } else if (M.now < m->lease_until) {
+            if (owner && owner == m->owner) {
+                MCHECK(c.outcome == IDEM_NEW && c.token == m->token,
+                       "key %d: owner repeat: %s token %" PRId64 " (model %" PRId64 ")", k, on,
+                       c.token, m->token);
+                m->lease_until = M.now + (int64_t)lease;
+            } else {
+                MCHECK(c.outcome == IDEM_BUSY, "key %d: lease runs: %s", k, on);
+                MCHECK(c.lease_left_ms == m->lease_until - M.now,
+                       "key %d: lease_left %" PRId64 ", model %" PRId64, k, c.lease_left_ms,
+                       m->lease_until - M.now);
+            }
+        } else if (M.policy == IDEM_LEASE_REVIEW) {
+            MCHECK(c.outcome == IDEM_REVIEW, "key %d: lease ran out (review policy): %s", k, on);
+            m->state = IDEM_STATE_REVIEW;
+            m->finisher = 0;
+            m->note_known = 0;
+        } else {
+            MCHECK(c.outcome == IDEM_RECOVER, "key %d: lease ran out: %s", k, on);
+            MCHECK(c.attempts == m->attempts + 1, "key %d: attempts %u, model %u", k, c.attempts,
+                   m->attempts + 1);
+            MCHECK(c.last_grant_ms == m->last_grant,
+                   "key %d: last_grant %" PRId64 ", model %" PRId64, k, c.last_grant_ms,
+                   m->last_grant);
+            mgrant(m, c.token);
+            m->token = c.token;
+            m->attempts++;
+            m->last_grant = M.now;
+            m->lease_until = M.now + (int64_t)lease;
+            m->owner = owner;
+        }
+        break;
+    case IDEM_STATE_COMMITTED:
+        if (conflict) {
+            MCHECK(c.outcome == IDEM_MISMATCH, "key %d committed, other content: %s", k, on);
+        } else {
+            size_t n = strlen(m->result);
+            MCHECK(c.outcome == IDEM_DONE, "key %d committed: %s", k, on);
+            MCHECK(c.data_len == n && (n == 0 || memcmp(c.data, m->result, n) == 0),
+                   "key %d: done with another result", k);
+        }
+        break;
+    default: /* review */
+        if (conflict) {
+            MCHECK(c.outcome == IDEM_REVIEW || c.outcome == IDEM_MISMATCH, "key %d review: %s", k,
+                   on);
+        } else {
+            MCHECK(c.outcome == IDEM_REVIEW, "key %d review: %s", k, on);
+            if (m->note_known) {
+                size_t n = strlen(m->note);
+                MCHECK(c.data_len == n && memcmp(c.data, m->note, n) == 0, "key %d: note", k);
+            }
+        }
+    }
+}
+
+/* Moves a committed record's expiry when it is finished at or after its expires_at (rule 5). */
+static void mfinish(mkey *m, int k)
+{
+    m->state = IDEM_STATE_COMMITTED;
+    if (M.now >= m->expires_at) {
+        m->expires_at = M.now + (int64_t)mttl(k);
+        m->expiry_moved = 1;
+    }
+}
+
+/* Owner calls: kind 0 commit, 1 release, 2 hold, 3 extend. */
+static void mop_owner(int k, int kind)
+{
+    mkey *m = &M.k[k];
+    int eff = meff(m);
+    if (eff == M_ABSENT) m->state = M_ABSENT;
+    int64_t tok = mpick_token(m);
+    char key[16], res[24], note[24];
+    mkey_name(key, sizeof key, k);
+    snprintf(res, sizeof res, "res-%d", (int)rnd(3));
+    snprintf(note, sizeof note, "hold-%d", k); /* one note per key: repeats carry the same */
+    uint64_t lease = 100 + rnd(5000);
+    int rc;
+    switch (kind) {
+    case 0:
+        rc = idem_commit(g_q, key, mkey_len(k), tok, res, strlen(res));
+        break;
+    case 1:
+        rc = idem_release(g_q, key, mkey_len(k), tok);
+        break;
+    case 2:
+        rc = idem_hold(g_q, key, mkey_len(k), tok, note, strlen(note));
+        break;
+    default:
+        rc = idem_extend(g_q, key, mkey_len(k), tok, lease);
+    }
+    static const char *names[] = {"commit", "release", "hold", "extend"};
+    const char *nm = names[kind];
+    if (eff == M_ABSENT) {
+        MCHECK(rc == IDEM_ENOTFOUND, "%s on absent key %d: %s", nm, k, idem_strerror(rc));
+        return;
+    }
+    if (eff == IDEM_STATE_IN_FLIGHT) {
+        if (tok != m->token) {
+            MCHECK(rc == IDEM_ESTALE, "%s with stale token on key %d: %s", nm, k,
+                   idem_strerror(rc));
+            return;
+        }
+        MCHECK(rc == IDEM_OK, "%s by the owner of key %d: %s", nm, k, idem_strerror(rc));
+        if (kind == 0) {
+            snprintf(m->result, sizeof m->result, "%s", res);
+            m->finisher = tok;
+            mfinish(m, k);
+        } else if (kind == 1) {
+            m->state = M_ABSENT;
+        } else if (kind == 2) {
+            m->state = IDEM_STATE_REVIEW;
+            m->finisher = tok;
+            snprintf(m->note, sizeof m->note, "%s", note);
+            m->note_known = 1;
+        } else {
+            m->lease_until = M.now + (int64_t)lease;
+        }
+        return;
+    }
+    if (eff == IDEM_STATE_COMMITTED && tok == m->finisher && m->finisher) {
+        if (kind == 0) {
+            int same = strcmp(res, m->result) == 0;
+            MCHECK(rc == (same ? IDEM_OK : IDEM_ECONFLICT), "repeated commit (%s) on key %d: %s",
+                   same ? "same result" : "other result", k, idem_strerror(rc));
+        } else {
+            /* Not specified beyond "an error that changes nothing". */
+            MCHECK(rc < 0, "%s after commit on key %d answered OK", nm, k);
+        }
+        return;
+    }
+    if (eff == IDEM_STATE_REVIEW && kind == 2 && tok == m->finisher && m->finisher) {
+        MCHECK(rc == IDEM_OK, "repeated hold on key %d: %s", k, idem_strerror(rc));
+        return;
+    }
+    MCHECK(rc == IDEM_ESTALE, "%s with a token that is not current on key %d (state %d): %s", nm, k,
+           eff, idem_strerror(rc));
+}
+
+static void mop_resolve(int k)
+{
+    mkey *m = &M.k[k];
+    int eff = meff(m);
+    uint32_t action = 1 + (uint32_t)rnd(3);
+    uint32_t flags = rnd(2) ? IDEM_F_FORCE : 0;
+    char key[16], res[24];
+    mkey_name(key, sizeof key, k);
+    snprintf(res, sizeof res, "op-%d", (int)rnd(3));
+    int with_result = action == IDEM_RESOLVE_COMMIT && rnd(2);
+    idem_op op;
+    memset(&op, 0, sizeof op);
+    op.kind = IDEM_OP_RESOLVE;
+    op.key = key;
+    op.key_len = (uint32_t)mkey_len(k);
+    op.data = "model";
+    op.data_len = 5;
+    op.result = with_result ? res : NULL;
+    op.result_len = with_result ? (uint32_t)strlen(res) : 0;
+    op.action = action;
+    op.flags = flags;
+    op.actor = "model";
+    idem_completion c;
+    memset(&c, 0, sizeof c);
+    int rc = idem_exec(g_q, &op, &c);
+    if (rc == IDEM_OK) rc = c.err;
+    if (eff == M_ABSENT) {
+        MCHECK(rc == IDEM_ENOTFOUND, "resolve of absent key %d: %s", k, idem_strerror(rc));
+        m->state = M_ABSENT;
+        return;
+    }
+    if (eff == IDEM_STATE_COMMITTED) {
+        MCHECK(rc == IDEM_ESTATE, "resolve of committed key %d: %s", k, idem_strerror(rc));
+        return;
+    }
+    if (eff == IDEM_STATE_IN_FLIGHT && M.now < m->lease_until && !flags) {
+        MCHECK(rc == IDEM_ELEASE, "resolve of key %d with a running lease: %s", k,
+               idem_strerror(rc));
+        return;
+    }
+    MCHECK(rc == IDEM_OK, "resolve %u of key %d (state %d): %s", action, k, eff, idem_strerror(rc));
+    m->finisher = 0; /* every resolve bumps the token */
+    if (action == IDEM_RESOLVE_RELEASE) {
+        m->state = M_ABSENT;
+        return;
+    }
+    if (action == IDEM_RESOLVE_COMMIT)
+        snprintf(m->result, sizeof m->result, "%s", with_result ? res : "");
+    else if (eff != IDEM_STATE_COMMITTED)
+        m->result[0] = 0; /* settle: the current, empty, result */
+    mfinish(m, k);
+}
+
+static void mop_del(int k)
+{
+    mkey *m = &M.k[k];
+    int eff = meff(m);
+    char key[16];
+    mkey_name(key, sizeof key, k);
+    int rc = idem_del(g_q, key, mkey_len(k), "model");
+    if (eff == M_ABSENT) {
+        MCHECK(rc == IDEM_ENOTFOUND, "del of absent key %d: %s", k, idem_strerror(rc));
+        m->state = M_ABSENT;
+    } else if (eff == IDEM_STATE_COMMITTED) {
+        MCHECK(rc == IDEM_OK, "del of committed key %d: %s", k, idem_strerror(rc));
+        m->state = M_ABSENT;
+    } else {
+        MCHECK(rc == IDEM_ESTATE, "del of unfinished key %d: %s", k, idem_strerror(rc));
+    }
+}
+
+static void mop_setnx(int k)
+{
+    mkey *m = &M.k[k];
+    int eff = meff(m);
+    int get_old = (int)rnd(2);
+    char key[16], val[24];
+    mkey_name(key, sizeof key, k);
+    snprintf(val, sizeof val, "set-%d", (int)rnd(3));
+    idem_completion c;
+    memset(&c, 0, sizeof c);
+    int rc = idem_set_if_absent(g_q, key, mkey_len(k), val, strlen(val), mttl(k), get_old, &c);
+    if (eff == M_ABSENT) {
+        MCHECK(rc == IDEM_OK && c.outcome == IDEM_NEW, "set of absent key %d: %s %s", k,
+               idem_strerror(rc), idem_outcome_name(c.outcome));
+        mfresh(m, 0, 0, 1, 0);
+        m->state = IDEM_STATE_COMMITTED;
+        m->expires_at = M.now + (int64_t)mttl(k);
+        snprintf(m->result, sizeof m->result, "%s", val);
+        return;
+    }
+    if (eff == IDEM_STATE_COMMITTED) {
+        MCHECK(rc == IDEM_OK && c.outcome == IDEM_DONE, "set of committed key %d: %s %s", k,
+               idem_strerror(rc), idem_outcome_name(c.outcome));
+        if (get_old) {
+            size_t n = strlen(m->result);
+            MCHECK(c.data_len == n && (n == 0 || memcmp(c.data, m->result, n) == 0),
+                   "set GET of key %d: another value", k);
+        }
+        return;
+    }
+    if (get_old)
+        MCHECK(rc == IDEM_ESTATE, "set GET of unfinished key %d: %s", k, idem_strerror(rc));
+    else
+        MCHECK(rc == IDEM_OK && c.outcome == IDEM_DONE, "set of unfinished key %d: %s %s", k,
+               idem_strerror(rc), idem_outcome_name(c.outcome));
+}
+
+static void mop_clock(void)
+{
+    int64_t target = M.now + (int64_t)rnd(3000);
+    if (rnd(2)) {
+        /* Aim at a boundary of some key: lease_until or expires_at, or 1 ms before. */
+        const mkey *m = &M.k[rnd(MK)];
+        int eff = meff(m);
+        int64_t b = eff == IDEM_STATE_IN_FLIGHT   ? m->lease_until
+                    : eff == IDEM_STATE_COMMITTED ? m->expires_at
+                                                  : 0;
+        b -= (int64_t)rnd(2);
+        if (b > M.now) target = b;
+    }
+    int rc = idem_clock_set(g_s, target);
+    MCHECK(rc == IDEM_OK, "clock_set: %s", idem_strerror(rc));
+    M.now = target;
+    MCHECK(idem_clock_now(g_s) == target, "the test clock is not where it was set");
+}
+
+static void model_run(const char *name, int durability, int policy, uint64_t steps)
+{
+    memset(&M, 0, sizeof M);
+    M.seed = tu_seed(name);
+    M.rng = M.seed;
+    M.policy = policy;
+    store_close();
+    g_opts.durability = durability;
+    g_opts.lease_policy = policy;
+    mstore_open();
+    for (M.step = 0; M.step < (long)steps; M.step++) {
+        int k = (int)rnd(MK);
+        uint64_t r = rnd(100);
+        if (r < 35)
+            mop_claim(k);
+        else if (r < 50)
+            mop_owner(k, 0);
+        else if (r < 55)
+            mop_owner(k, 1);
+        else if (r < 60)
+            mop_owner(k, 2);
+        else if (r < 66)
+            mop_owner(k, 3);
+        else if (r < 70)
+            mop_resolve(k);
+        else if (r < 73)
+            mop_del(k);
+        else if (r < 77)
+            mop_setnx(k);
+        else if (r < 97)
+            mop_clock();
+        else {
+            store_close();
+            mstore_open();
+            for (int i = 0; i < MK; i++)
+                mcheck_key(i);
+            continue;
+        }
+        mcheck_key(k);
+    }
+    for (int i = 0; i < MK; i++)
+        mcheck_key(i);
+}
+
+TestSuite(model, .init = setup, .fini = teardown, .timeout = 300);
+
+Test(model, random_sequences_match_the_reference_map)
+{
+    model_run("model.random_sequences_match_the_reference_map", IDEM_DURABILITY_SYNC,
+              IDEM_LEASE_RECOVER, tu_count(1500, 50000));
+}
+
+Test(model, random_sequences_match_the_reference_map_without_durability)
+{
+    model_run("model.random_sequences_match_the_reference_map_without_durability",
+              IDEM_DURABILITY_NONE, IDEM_LEASE_RECOVER, tu_count(4000, 200000));
+}
+
+Test(model, random_sequences_match_the_reference_map_under_review_policy)
+{
+    model_run("model.random_sequences_match_the_reference_map_under_review_policy",
+              IDEM_DURABILITY_BATCH, IDEM_LEASE_REVIEW, tu_count(2000, 50000));
+}
