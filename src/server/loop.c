@@ -534,6 +534,9 @@ static int listen_unix(srv *s)
         return -1;
     }
     strcpy(a.sun_path, s->cfg.socket_path);
+    /* The default socket lives in the store directory, which the store may not have made yet. */
+    if (mkdir(s->cfg.dir, 0700) != 0 && errno != EEXIST)
+        srv_log("warn", "mkdir_failed", "dir=%s error=\"%s\"", s->cfg.dir, strerror(errno));
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
     if (unix_in_use(&a)) {
         srv_log("error", "listen_failed", "socket=%s msg=\"another server answers there\"",
@@ -546,7 +549,8 @@ static int listen_unix(srv *s)
     int rc = fd < 0 ? -1 : bind(fd, (struct sockaddr *)&a, sizeof a);
     umask(old);
     if (rc != 0 || chmod(a.sun_path, s->cfg.socket_mode) != 0 || listen(fd, 511) != 0) {
-        srv_log("error", "listen_failed", "socket=%s errno=%d", s->cfg.socket_path, errno);
+        srv_log("error", "listen_failed", "socket=%s error=\"%s\"", s->cfg.socket_path,
+                strerror(errno));
         if (fd >= 0) close(fd);
         return -1;
     }
