@@ -214,9 +214,10 @@ static void flush_once(idem_store *s)
         return;
     s->flushing = 1;
     uint64_t records = wal_flush_frames(s->wal);
+    int durable = s->opt.durability != IDEM_DURABILITY_NONE || s->sync_waiters || s->closing;
     pthread_mutex_unlock(&s->mu);
     int64_t t0 = util_monotonic_us();
-    int rc = wal_flush_io(s->wal);
+    int rc = wal_flush_io(s->wal, durable);
     int64_t us = util_monotonic_us() - t0;
     pthread_mutex_lock(&s->mu);
     s->flushing = 0;
@@ -224,7 +225,7 @@ static void flush_once(idem_store *s)
         store_fail(s, rc);
         return;
     }
-    s->durable_lsn = wal_flush_end(s->wal);
+    s->durable_lsn = wal_flush_end(s->wal, durable);
     s->last_flush_mono_ms = mono_now(s);
     s->st.flushes++;
     s->st.flush_records += records;
@@ -238,8 +239,19 @@ static void flush_once(idem_store *s)
 
 static int flush_due(idem_store *s)
 {
-    if (!wal_pending(s->wal) || s->fatal)
+    if (s->fatal)
         return 0;
+    if (!wal_pending(s->wal)) {
+        /* Durability none: a caller waits for what was written without a flush. */
+        if (s->sync_waiters && s->durable_lsn < wal_written_lsn(s->wal)) {
+            if (wal_sync(s->wal) < 0)
+                store_fail(s, -EIO);
+            else
+                s->durable_lsn = wal_durable_lsn(s->wal);
+            notify_ready(s);
+        }
+        return 0;
+    }
     if (s->opt.durability == IDEM_DURABILITY_SYNC || s->sync_waiters || s->closing ||
         wal_chunks_free(s->wal) < 4)
         return 1;

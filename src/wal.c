@@ -55,6 +55,7 @@ struct wal {
     uint64_t frames_inflight; /* ... in the batch in flight */
     int spare_err;   /* the last attempt to create it failed with this (IDEM_EFULL, ...) */
     uint64_t lsn_last;
+    uint64_t lsn_written; /* written, maybe not flushed (durability none) */
     uint64_t lsn_durable;
     uint64_t batch;
     int64_t last_clock_ms;
@@ -423,13 +424,15 @@ int wal_flush_begin(struct wal *w, int64_t clock_ms)
     return w->ninfl;
 }
 
-int wal_flush_io(struct wal *w)
+int wal_flush_io(struct wal *w, int durable)
 {
     for (int i = 0; i < w->ninfl; i++) {
         struct wal_chunk *c = &w->chunks[w->infl[i]];
         struct wal_segment *s = seg_of(w, c->seq);
         IDEM_ASSERT(s && c->len % WAL_BLOCK == 0);
-        int rc = io_submit_write(w->io, s->f, c->off, c->buf, c->len, IO_W_FLUSH, (uint64_t)i);
+        /* Without durability (mode none) a segment is still flushed once it is sealed. */
+        unsigned flags = durable || c->seq < w->cur_seq ? IO_W_FLUSH : 0;
+        int rc = io_submit_write(w->io, s->f, c->off, c->buf, c->len, flags, (uint64_t)i);
         if (rc < 0)
             return rc;
     }
@@ -449,7 +452,7 @@ int wal_flush_io(struct wal *w)
                 /* A short write: write the rest, linked to a flush again. */
                 uint32_t done = (uint32_t)cqe[k].res & ~(WAL_BLOCK - 1);
                 int r = io_write_sync(w->io, seg_of(w, c->seq)->f, c->off + done, c->buf + done,
-                                      c->len - done, 1);
+                                      c->len - done, durable || c->seq < w->cur_seq);
                 if (r < 0)
                     rc = rc ? rc : r;
             }
@@ -458,16 +461,34 @@ int wal_flush_io(struct wal *w)
     return rc;
 }
 
-uint64_t wal_flush_end(struct wal *w)
+uint64_t wal_flush_end(struct wal *w, int durable)
 {
     for (int i = 0; i < w->ninfl; i++) {
         struct wal_chunk *c = &w->chunks[w->infl[i]];
-        if (c->last_lsn > w->lsn_durable)
-            w->lsn_durable = c->last_lsn;
+        if (c->last_lsn > w->lsn_written)
+            w->lsn_written = c->last_lsn;
         w->free_list[w->nfree++] = w->infl[i];
     }
     w->ninfl = 0;
+    if (durable)
+        w->lsn_durable = w->lsn_written;
     return w->lsn_durable;
+}
+
+int wal_sync(struct wal *w)
+{
+    if (w->lsn_durable == w->lsn_written)
+        return 0;
+    int rc = io_flush_sync(w->io, seg_of(w, w->cur_seq)->f);
+    if (rc < 0)
+        return rc;
+    w->lsn_durable = w->lsn_written;
+    return 0;
+}
+
+uint64_t wal_written_lsn(const struct wal *w)
+{
+    return w->lsn_written;
 }
 
 uint64_t wal_last_lsn(const struct wal *w)
@@ -807,7 +828,7 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
         return rc;
     if (cur_lsn > max_lsn)
         max_lsn = cur_lsn;
-    w->lsn_last = w->lsn_durable = max_lsn;
+    w->lsn_last = w->lsn_written = w->lsn_durable = max_lsn;
     w->batch = max_batch + 1;
     w->cur_seq = batch_start.seq;
     w->cur_off = batch_start.off;

@@ -115,12 +115,16 @@ const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, 
 
 /* Group commit, in three steps. begin (under the store lock): closes the batch with an END frame
  * carrying clock_ms and moves pending chunks in flight; returns the number of chunks (0: nothing
- * to do). io (without the lock, flusher thread only): writes and flushes them; returns 0 or a
- * negative errno (fatal). end (under the lock): releases the chunks and returns the LSN now
- * durable. */
+ * to do). io (without the lock, flusher thread only): writes them, each linked to a flush when
+ * durable; returns 0 or a negative errno (fatal). end (under the lock): releases the chunks and
+ * returns the LSN now durable. */
 int wal_flush_begin(struct wal *w, int64_t clock_ms);
-int wal_flush_io(struct wal *w);
-uint64_t wal_flush_end(struct wal *w);
+int wal_flush_io(struct wal *w, int durable);
+uint64_t wal_flush_end(struct wal *w, int durable);
+/* Durability none writes batches without flushing them (a sealed segment is flushed all the
+ * same): wal_sync flushes what was written (flusher thread, nothing in flight). */
+int wal_sync(struct wal *w);
+uint64_t wal_written_lsn(const struct wal *w);
 
 uint64_t wal_last_lsn(const struct wal *w);     /* last LSN appended */
 uint64_t wal_durable_lsn(const struct wal *w);  /* last LSN on stable storage */
