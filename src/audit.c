@@ -76,7 +76,18 @@ int audit_open(idem_store *s)
 {
     char path[4096];
     snprintf(path, sizeof path, "%s/audit.log", s->dir);
-    int rc = io_open(s->io, path, IO_O_CREATE, &s->audit_f);
+    int rc;
+    if (s->opt.read_only) {
+        rc = io_open(s->io, path, IO_O_RDONLY, &s->audit_f);
+        if (rc == -ENOENT)
+            return 0; /* no operator decision yet */
+    } else {
+        rc = io_open(s->io, path, IO_O_CREATE | IO_O_EXCL, &s->audit_f);
+        if (rc == 0)
+            rc = io_sync_dir(s->io, s->dir); /* a new file: its name must survive power loss */
+        else if (rc == -EEXIST)
+            rc = io_open(s->io, path, 0, &s->audit_f);
+    }
     if (rc < 0) {
         store_set_error("cannot open %s: %s", path, strerror(-rc));
         return IDEM_EIO;
@@ -84,24 +95,31 @@ int audit_open(idem_store *s)
     uint8_t *blk = malloc(AUDIT_BLOCK);
     if (!blk)
         return IDEM_ENOMEM;
-    uint64_t last = wal_last_lsn(s->wal);
+    uint64_t last = wal_recovered_lsn(s->wal);
     for (uint64_t off = 0;; off += AUDIT_BLOCK) {
         int64_t n = io_read(s->io, s->audit_f, off, blk, AUDIT_BLOCK);
         uint32_t len = n == AUDIT_BLOCK ? util_get_u32(blk + 8) : 0;
-        if (len < AUDIT_HDR - 8 || len > AUDIT_BLOCK - 8 ||
-            util_get_u64(blk) != XXH3_64bits(blk + 8, len)) {
-            s->audit_off = off; /* a torn or absent tail: the next entry goes here */
-            break;
+        int valid = len >= AUDIT_HDR - 8 && len <= AUDIT_BLOCK - 8 &&
+                    util_get_u64(blk) == XXH3_64bits(blk + 8, len);
+        if (valid && util_get_u64(blk + 32) <= last) {
+            rc = audit_keep(s, blk);
+            if (rc < 0) {
+                store_set_error("%s: entry at offset %llu: %s", path, (unsigned long long)off,
+                                idem_strerror(rc));
+                break;
+            }
+            s->audit_off = off + AUDIT_BLOCK;
+            continue;
         }
-        if (util_get_u64(blk + 32) > last)
-            continue; /* the change it describes was never durable */
-        rc = audit_keep(s, blk);
-        if (rc < 0) {
-            store_set_error("%s: entry at offset %llu: %s", path, (unsigned long long)off,
-                            idem_strerror(rc));
-            break;
-        }
-        s->audit_off = off + AUDIT_BLOCK;
+        /* A torn tail, or an entry whose change never reached the log (written just before a
+         * crash): the trail ends here, and what follows is cut off so it cannot come back once
+         * the log's LSNs grow past it. */
+        s->audit_off = off;
+        uint64_t size = 0;
+        if (!s->opt.read_only && io_size(s->io, s->audit_f, &size) == 0 && size > off &&
+            (io_truncate(s->io, s->audit_f, off) < 0 || io_flush_sync(s->io, s->audit_f) < 0))
+            rc = IDEM_EIO;
+        break;
     }
     free(blk);
     return rc < 0 ? rc : 0;
@@ -155,7 +173,7 @@ static int audit_write(idem_store *s, const char *actor, const char *action, con
     int rc = io_write_sync(s->io, s->audit_f, s->audit_off, blk, AUDIT_BLOCK, 1);
     if (rc < 0) {
         free(blk);
-        s->fatal = 1;
+        store_fail(s, rc);
         return IDEM_EFATAL;
     }
     s->audit_off += AUDIT_BLOCK;

@@ -876,6 +876,10 @@ static int wake_one(idem_store *s, struct qslot *sl, int64_t mono)
     if (s->closing || s->no_wait || s->fatal || store_room_ok(s) == IDEM_EBUSY) {
         if (!s->closing && !s->no_wait && !s->fatal && mono < sl->deadline_mono_ms)
             return 0; /* no buffer room now: try again at the next wake-up */
+        if (s->fatal) {
+            sl->c.err = IDEM_EFATAL;
+            return 1;
+        }
         /* Closing: waiting claims answer busy at once. */
         struct rec r;
         uint64_t lsn;
@@ -884,7 +888,7 @@ static int wake_one(idem_store *s, struct qslot *sl, int64_t mono)
         sl->c.lease_left_ms = slot && r.lease_until_ms > store_now(s)
                                   ? r.lease_until_ms - store_now(s)
                                   : 0;
-        sl->need_lsn = slot ? lsn : 0;
+        sl->need_lsn = slot ? lsn : wal_last_lsn(s->wal);
         return 1;
     }
     sl->buf_used = keep;

@@ -181,7 +181,7 @@ static void notify_ready(idem_store *s)
 }
 
 /* The store failed: nothing more is durable; pending completions answer EFATAL. */
-static void store_fail(idem_store *s, int err)
+void store_fail(idem_store *s, int err)
 {
     if (!s->fatal)
         fprintf(stderr, "idem: event=fatal_io_error dir=%s error=\"%s\"\n", s->dir,
@@ -372,6 +372,8 @@ void store_kick(idem_store *s)
  * IDEM_EFULL (no space for the next segment: the append itself will answer FULL). */
 int store_room_ok(idem_store *s)
 {
+    if (s->ckpt_quiesce)
+        return IDEM_EBUSY; /* a checkpoint is being taken at this log position */
     if (token_headroom(s) < 64)
         return IDEM_EBUSY;
     return wal_room(s->wal, s->frame_max);
@@ -558,13 +560,12 @@ static int store_start(idem_store *s)
                                                IDEM_OWNER_BYTES_MAX + IDEM_NOTE_BYTES_MAX +
                                                s->opt.result_bytes_max,
                                            8);
-    if (s->opt.read_only)
-        return 0;
-    int rc = reserve_tokens(s);
+    int rc = audit_open(s);
+    if (rc < 0 || s->opt.read_only)
+        return rc;
+    rc = reserve_tokens(s);
     if (rc == 0 && wal_spare_create(s->wal) == IDEM_EFATAL)
         rc = IDEM_EFATAL;
-    if (rc == 0)
-        rc = audit_open(s);
     if (rc < 0)
         return rc;
     if (pthread_create(&s->flusher, NULL, flusher_main, s) != 0)
@@ -702,11 +703,8 @@ int idem_close(idem_store *s)
     s->closing = 1;
     ops_wake(s, NULL, 0); /* parked claims answer busy */
     int rc = 0;
-    if (!s->opt.read_only && !s->fatal) {
-        rc = wait_durable(s);
-        if (rc == 0)
-            rc = checkpoint_locked(s);
-    }
+    if (!s->opt.read_only && !s->fatal)
+        rc = checkpoint_locked(s);
     pthread_cond_signal(&s->cond_flush);
     pthread_mutex_unlock(&s->mu);
     if (s->flusher_started)
@@ -1256,11 +1254,35 @@ static void ckpt_one(void *ctx, struct index_slot *slot)
 /* Writes a checkpoint at the current batch boundary (everything appended is durable first).
  * The index may list an entry twice during a scan across splits: the index is not changing
  * here (mu held), so each entry is visited once. */
+/* Makes every appended frame durable and returns with mu held and nothing pending or in flight,
+ * so that the index is exactly the log up to the current position. Callers' new changes wait
+ * meanwhile (store_room sees ckpt_quiesce). On the flusher thread nothing is in flight and,
+ * where this is called, nothing is pending: only an unflushed write (durability none) is left. */
+static int quiesce_durable(idem_store *s)
+{
+    if (s->flusher_started && pthread_equal(pthread_self(), s->flusher)) {
+        IDEM_ASSERT(!wal_pending(s->wal) && !s->flushing);
+        if (wal_sync(s->wal) < 0) {
+            store_fail(s, -EIO);
+            return IDEM_EFATAL;
+        }
+        s->durable_lsn = wal_durable_lsn(s->wal);
+        return 0;
+    }
+    s->ckpt_quiesce++;
+    int rc = 0;
+    while (rc == 0 && (wal_pending(s->wal) || s->flushing || s->durable_lsn < wal_last_lsn(s->wal)))
+        rc = wait_durable(s);
+    s->ckpt_quiesce--;
+    return rc;
+}
+
 static int checkpoint_locked(idem_store *s)
 {
-    int rc = wait_durable(s);
+    int rc = quiesce_durable(s);
     if (rc < 0)
         return rc;
+    IDEM_ASSERT(!wal_pending(s->wal) && s->durable_lsn == wal_last_lsn(s->wal));
     uint64_t id = s->sb.ckpt_id + 1;
     struct ckpt_ctx cc = {.s = s};
     rc = ckpt_begin(s->io, s->dir, id, &cc.cw);
@@ -1296,9 +1318,12 @@ static int checkpoint_locked(idem_store *s)
     }
     s->sb = sb;
     s->st.checkpoints++;
-    if (old) {
+    pthread_cond_broadcast(&s->cond_ready);
+    /* The superblock copy not yet overwritten may still name the previous checkpoint: keep it,
+     * and delete the one before. */
+    if (old > 1) {
         char path[4096];
-        ckpt_path(s->dir, old, path, sizeof path);
+        ckpt_path(s->dir, old - 1, path, sizeof path);
         io_unlink(s->io, path);
     }
     return 0;

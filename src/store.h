@@ -113,6 +113,7 @@ struct idem_store {
     int closing;
     int abandoned; /* store_abandon: the flusher stops at once, nothing more is written */
     int no_wait;   /* idem_cancel_waits: claims answer busy at once */
+    int ckpt_quiesce; /* a checkpoint waits for the log to be durable: no new appends */
     int flushing;
     uint32_t frame_max;            /* the largest frame one change can append */
     int64_t spare_failed_mono_ms;  /* last failed attempt at the spare segment (disk full) */
@@ -173,6 +174,9 @@ void store_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)))
  * returns 0 and the append answers IDEM_EFULL, so reads and repeats go on. */
 int store_room(idem_store *s);
 int store_room_ok(idem_store *s);
+/* Marks the store failed (a write or flush failed, err a negative errno): nothing more is
+ * acknowledged; completions not yet durable answer IDEM_EFATAL. */
+void store_fail(idem_store *s, int err);
 void store_quiesce(idem_store *s);
 void store_kick(idem_store *s);
 /* Room for len more bytes at the end of the slot's buffer (not yet counted as used); earlier

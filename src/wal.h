@@ -140,9 +140,14 @@ int64_t wal_last_clock_ms(const struct wal *w); /* clock of the last END frame r
 /* ---- Compaction (compact.c) ---- */
 /* Segments the log holds now (the spare not counted). */
 uint64_t wal_segments(const struct wal *w);
-/* Walks the frames of a closed, durable segment: from *off (WAL_BLOCK to begin) returns the next
- * RECORD or DELETE frame and advances *off; returns 0 at the segment's end, 1 with a frame. */
+/* Walks the frames of a sealed, durable segment: from *off (WAL_BLOCK to begin) returns the next
+ * RECORD or DELETE frame and advances *off; returns 1 with a frame, 0 at its SEGEND, -1 when a
+ * frame before the SEGEND fails its checksum (corruption: the walk must stop). */
 int wal_seg_next(struct wal *w, uint64_t seq, uint32_t *off, struct wal_frame *f);
+/* Whether segment seq is sealed (SEGEND written) and every frame of it is durable. */
+int wal_seg_durable(const struct wal *w, uint64_t seq, uint64_t durable_lsn);
+/* The LSN that recovery ended at: the last frame of the last complete batch. */
+uint64_t wal_recovered_lsn(const struct wal *w);
 /* Appends a copy of a frame's payload (compaction). */
 int wal_copy(struct wal *w, const struct wal_frame *f, uint64_t *addr, uint64_t *lsn);
 /* Unmaps, closes and deletes segment seq, which must be the first; the caller has already made

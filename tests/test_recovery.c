@@ -245,8 +245,15 @@ Test(recovery, corrupt_checkpoint_is_reported)
     cr_assert_eq(open_sim(&s), IDEM_OK);
     fill(s, 0, 10);
     cr_assert_eq(idem_close(s), IDEM_OK);
+    /* The checkpoint the newest superblock copy names. */
+    uint8_t sb[8192];
+    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/super", sb, sizeof sb), 8192);
+    uint64_t g0, g1, id;
+    memcpy(&g0, sb + 16, 8);
+    memcpy(&g1, sb + 4096 + 16, 8);
+    memcpy(&id, sb + (g0 > g1 ? 0 : 4096) + 64, 8);
     char path[256];
-    ckpt_path(SIM_DIR, 1, path, sizeof path);
+    ckpt_path(SIM_DIR, id, path, sizeof path);
     cr_assert_eq(io_sim_corrupt(sim, path, 4096 + 3, 0x80), 0);
     cr_assert_eq(open_sim(&s), IDEM_ECORRUPT);
     cr_assert(strstr(idem_last_error(), "checkpoint"), "message: %s", idem_last_error());
