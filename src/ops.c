@@ -34,6 +34,9 @@ struct key_ref {
     idem_store *s;
     const void *key;
     uint32_t key_len;
+    const uint8_t *payload; /* of the record that matched */
+    uint32_t payload_len;
+    uint64_t lsn;
 };
 
 static int key_eq(void *ctx, uint64_t addr)
@@ -46,21 +49,23 @@ static int key_eq(void *ctx, uint64_t addr)
         return 0;
     /* RECORD payloads start with the fixed part; key_len at offset 2, key at 136. */
     uint32_t klen = util_get_u16(p + 2);
-    return klen == k->key_len && REC_FIXED_BYTES + klen <= len &&
-           memcmp(p + REC_FIXED_BYTES, k->key, klen) == 0;
+    if (klen != k->key_len || REC_FIXED_BYTES + klen > len ||
+        memcmp(p + REC_FIXED_BYTES, k->key, klen) != 0)
+        return 0;
+    k->payload = p;
+    k->payload_len = len;
+    k->lsn = lsn;
+    return 1;
 }
 
 struct index_slot *ops_find(idem_store *s, const void *key, uint32_t key_len, struct rec *r,
                             uint64_t *lsn)
 {
-    struct key_ref k = {s, key, key_len};
+    struct key_ref k = {s, key, key_len, NULL, 0, 0};
     struct index_slot *slot = index_find(s->ix, ops_hash(s, key, key_len), key_eq, &k);
-    if (!slot)
+    if (!slot || rec_decode(k.payload, k.payload_len, r) < 0)
         return NULL;
-    uint32_t len;
-    const uint8_t *p = wal_payload(s->wal, index_slot_addr(slot), &len, lsn);
-    if (!p || rec_decode(p, len, r) < 0)
-        return NULL;
+    *lsn = k.lsn;
     return slot;
 }
 

@@ -68,6 +68,8 @@ int64_t store_now(idem_store *s)
 {
     if (s->opt.test_clock)
         return s->clk_last_ms;
+    if (s->clk_frozen)
+        return s->clk_last_ms; /* one reading serves a whole submitted batch */
     int64_t mono = mono_now(s);
     int64_t est = s->clk_store_ms + (mono - s->clk_mono_ms);
     if (mono - s->clk_mono_ms >= 1000) {
@@ -916,6 +918,8 @@ int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
     pthread_mutex_lock(&s->mu);
     size_t done = 0;
     int any_ready = 0;
+    store_now(s);
+    s->clk_frozen = 1;
     for (; done < n; done++) {
         struct qslot *sl = slot_take(q);
         if (!sl)
@@ -924,6 +928,7 @@ int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
         ops_apply(s, sl, &ops[done]);
         any_ready |= slot_ready(s, sl);
     }
+    s->clk_frozen = 0;
     if (wal_pending(s->wal))
         store_kick(s);
     pthread_mutex_unlock(&s->mu);

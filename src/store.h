@@ -127,6 +127,7 @@ struct idem_store {
     uint32_t seen_nfree;
     /* Store clock. */
     int64_t clk_store_ms, clk_mono_ms, clk_last_ms;
+    int clk_frozen; /* inside idem_submit: the clock read at its start serves every op */
     /* Parked WAIT claims, oldest first. */
     struct qslot *waiters, *waiters_tail;
     struct idem_queue *queues;

@@ -384,6 +384,13 @@ const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, 
         return NULL;
     struct wal_segment *s = &w->segs[slot];
     const uint8_t *f = NULL;
+    /* Chunks hold the newest frames, in log order: anything before the oldest one is read
+     * from the segment's map without looking at them. */
+    const struct wal_chunk *oldest = w->ninfl ? &w->chunks[w->infl[0]]
+                                     : w->npend ? &w->chunks[w->pend[0]]
+                                                : NULL;
+    if (!oldest || s->seq < oldest->seq || (s->seq == oldest->seq && off < oldest->off))
+        goto map;
     for (int i = 0; i < w->npend + w->ninfl && !f; i++) {
         int ci = i < w->npend ? w->pend[i] : w->infl[i - w->npend];
         struct wal_chunk *c = &w->chunks[ci];
@@ -391,6 +398,7 @@ const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, 
             f = c->buf + (off - c->off);
     }
     if (!f) {
+    map:
         if (off < WAL_BLOCK || off + WAL_FRAME_HDR > w->seg_bytes)
             return NULL;
         f = s->map + off;

@@ -108,7 +108,7 @@ static int apply(srv_config *cfg, const char *name, const char *v, char *err, si
     } else if (strcmp(name, "bind") == 0)
         bad = set_string(cfg->bind_addr, sizeof cfg->bind_addr, v);
     else if (strcmp(name, "port") == 0) {
-        uint32_t p;
+        uint32_t p = 0;
         bad = parse_u32(v, 0, 65535, &p);
         cfg->port = (int)p;
     } else if (strcmp(name, "durability") == 0) {
