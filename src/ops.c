@@ -25,9 +25,16 @@
 #define OPS_KNOWN_FLAGS (IDEM_F_FORCE | IDEM_F_EXPECT | IDEM_F_GET_OLD)
 #define OPS_LZ4_MIN     128u
 
-uint64_t ops_hash(const idem_store *s, const void *key, uint32_t key_len)
+uint64_t ops_hash(idem_store *s, const void *key, uint32_t key_len)
 {
-    return XXH3_64bits_withSeed(key, key_len, s->sb.hash_seed);
+    /* An operation hashes its key for the lookup and again for an insert: the second time is
+     * served from here (the same bytes at the same place within one operation). */
+    if (s->hash_cache_on && key == s->hash_key && key_len == s->hash_key_len)
+        return s->hash_value;
+    s->hash_key = key;
+    s->hash_key_len = key_len;
+    s->hash_value = XXH3_64bits_withSeed(key, key_len, s->sb.hash_seed);
+    return s->hash_value;
 }
 
 struct key_ref {
@@ -128,13 +135,6 @@ static int seen_bump(idem_store *s, struct index_slot *slot, const struct rec *r
 
 /* ---- Writing versions ---- */
 
-/* Bytes of the frame at addr (0 if unreadable). */
-static uint64_t frame_bytes(idem_store *s, uint64_t addr)
-{
-    uint32_t len;
-    uint64_t lsn;
-    return wal_payload(s->wal, addr, &len, &lsn) ? (uint64_t)len + WAL_FRAME_HDR : 0;
-}
 
 /* What the store counts about the version at addr: its bytes, mismatch count and version. */
 struct old_facts {
@@ -161,13 +161,13 @@ static struct old_facts old_facts(idem_store *s, uint64_t addr)
  * keys with mismatches, the expiry horizon of new_addr's segment and the attention heaps
  * follow. r is the new version (NULL when gone). */
 static void version_moved(idem_store *s, const struct old_facts *old, uint64_t new_addr,
-                          const struct rec *r)
+                          uint64_t new_bytes, const struct rec *r)
 {
     s->live_bytes -= old->bytes;
     s->st.keys_with_mismatch -= old->mismatch_count > 0;
     if (!r)
         return;
-    s->live_bytes += frame_bytes(s, new_addr);
+    s->live_bytes += new_bytes;
     s->st.keys_with_mismatch += r->mismatch_count > 0;
     int64_t *m = &s->seg_max_exp[wal_addr_seq(s->wal, new_addr) % WAL_SEG_SLOTS];
     if (r->expires_at_ms > *m)
@@ -247,7 +247,10 @@ static int write_version(idem_store *s, struct index_slot *slot, int old_state, 
     }
     ops_seen_release(s, slot);
     index_slot_set_addr(slot, addr);
-    version_moved(s, &old, addr, r);
+    uint64_t bytes = WAL_FRAME_HDR;
+    for (int i = 0; i < 5; i++)
+        bytes += lens[i];
+    version_moved(s, &old, addr, IDEM_ALIGN_UP(bytes, 8), r);
     state_count(s, old_state, -1);
     state_count(s, r->state, +1);
     return 0;
@@ -267,7 +270,7 @@ static int write_delete(idem_store *s, struct index_slot *slot, int old_state, c
     struct old_facts old = old_facts(s, index_slot_addr(slot));
     ops_seen_release(s, slot);
     index_remove(s->ix, slot);
-    version_moved(s, &old, 0, NULL);
+    version_moved(s, &old, 0, 0, NULL);
     state_count(s, old_state, -1);
     return 0;
 }
@@ -831,6 +834,7 @@ static void park(idem_store *s, struct qslot *sl, const idem_op *op)
 
 void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op)
 {
+    s->hash_key = NULL; /* a new operation: its key bytes may sit where the last one's did */
     if (!op_valid(s, op)) {
         sl->c.err = IDEM_EINVAL;
         return;
@@ -850,6 +854,7 @@ void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op)
             return;
         }
     }
+    s->hash_cache_on = 1; /* no wait below: key bytes stay put for the operation */
     switch (op->kind) {
     case IDEM_OP_CLAIM:
         if (op_claim(s, sl, op, 0))
@@ -865,6 +870,8 @@ void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op)
     case IDEM_OP_RESOLVE: op_resolve(s, sl, op); break;
     case IDEM_OP_SYNC: sl->need_lsn = wal_last_lsn(s->wal); break;
     }
+    s->hash_cache_on = 0;
+    s->hash_key = NULL;
     if (s->fatal && sl->need_lsn > s->durable_lsn) {
         sl->c.err = IDEM_EFATAL;
         sl->c.outcome = 0;
@@ -966,7 +973,7 @@ int ops_replay(void *ctx, const struct wal_frame *f)
         if (slot) {
             ops_seen_release(s, slot);
             index_remove(s->ix, slot);
-            version_moved(s, &old, 0, NULL);
+            version_moved(s, &old, 0, 0, NULL);
         }
         return 0;
     }
@@ -978,7 +985,7 @@ int ops_replay(void *ctx, const struct wal_frame *f)
         ops_seen_release(s, slot);
         index_slot_set_addr(slot, f->addr);
     }
-    version_moved(s, &old, f->addr, &rr);
+    version_moved(s, &old, f->addr, (uint64_t)f->payload_len + WAL_FRAME_HDR, &rr);
     state_count(s, state, +1);
     return 0;
 }
@@ -1008,7 +1015,7 @@ int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now, uin
         return rc;
     struct old_facts old = old_facts(s, f->addr);
     index_slot_set_addr(slot, addr);
-    version_moved(s, &old, addr, &r);
+    version_moved(s, &old, addr, (uint64_t)f->payload_len + WAL_FRAME_HDR, &r);
     return 0;
 }
 

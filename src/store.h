@@ -128,6 +128,11 @@ struct idem_store {
     /* Store clock. */
     int64_t clk_store_ms, clk_mono_ms, clk_last_ms;
     int clk_frozen; /* inside idem_submit: the clock read at its start serves every op */
+    /* The last key hashed in this operation (ops_hash; only inside ops_apply). */
+    int hash_cache_on;
+    const void *hash_key;
+    uint32_t hash_key_len;
+    uint64_t hash_value;
     /* Parked WAIT claims, oldest first. */
     struct qslot *waiters, *waiters_tail;
     struct idem_queue *queues;
@@ -201,7 +206,7 @@ int ops_replay(void *ctx, const struct wal_frame *f);
 /* Looks up key; returns the slot or NULL; fills *r. */
 struct index_slot *ops_find(idem_store *s, const void *key, uint32_t key_len, struct rec *r,
                             uint64_t *lsn);
-uint64_t ops_hash(const idem_store *s, const void *key, uint32_t key_len);
+uint64_t ops_hash(idem_store *s, const void *key, uint32_t key_len);
 void ops_fill_record(struct qslot *sl, const struct rec *r, struct index_slot *slot,
                      idem_store *s);
 int ops_rec_expired(const struct rec *r, int64_t now);

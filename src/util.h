@@ -26,38 +26,50 @@ void util_assert_fail(const char *file, int line, const char *expr) __attribute_
 #define IDEM_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
 #define IDEM_ALIGN_UP(x, a) (((x) + ((a)-1)) & ~((uint64_t)(a)-1))
 
+/* Little-endian codecs: one load or store on little-endian hosts (the compiler turns the
+ * memcpy into a move), a byte swap on big-endian ones. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+#define UTIL_LE16(x) __builtin_bswap16(x)
+#define UTIL_LE32(x) __builtin_bswap32(x)
+#define UTIL_LE64(x) __builtin_bswap64(x)
+#else
+#define UTIL_LE16(x) (x)
+#define UTIL_LE32(x) (x)
+#define UTIL_LE64(x) (x)
+#endif
+
 static inline void util_put_u16(uint8_t *p, uint16_t v)
 {
-    p[0] = (uint8_t)v;
-    p[1] = (uint8_t)(v >> 8);
+    v = UTIL_LE16(v);
+    memcpy(p, &v, sizeof v);
 }
 static inline void util_put_u32(uint8_t *p, uint32_t v)
 {
-    for (int i = 0; i < 4; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
+    v = UTIL_LE32(v);
+    memcpy(p, &v, sizeof v);
 }
 static inline void util_put_u64(uint8_t *p, uint64_t v)
 {
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
+    v = UTIL_LE64(v);
+    memcpy(p, &v, sizeof v);
 }
 static inline uint16_t util_get_u16(const uint8_t *p)
 {
-    return (uint16_t)(p[0] | (p[1] << 8));
+    uint16_t v;
+    memcpy(&v, p, sizeof v);
+    return UTIL_LE16(v);
 }
 static inline uint32_t util_get_u32(const uint8_t *p)
 {
-    uint32_t v = 0;
-    for (int i = 3; i >= 0; i--)
-        v = (v << 8) | p[i];
-    return v;
+    uint32_t v;
+    memcpy(&v, p, sizeof v);
+    return UTIL_LE32(v);
 }
 static inline uint64_t util_get_u64(const uint8_t *p)
 {
-    uint64_t v = 0;
-    for (int i = 7; i >= 0; i--)
-        v = (v << 8) | p[i];
-    return v;
+    uint64_t v;
+    memcpy(&v, p, sizeof v);
+    return UTIL_LE64(v);
 }
 
 /* Monotonic (CLOCK_BOOTTIME) and wall (CLOCK_REALTIME) time of the system, in ms and us. */
