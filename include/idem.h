@@ -309,6 +309,9 @@ int idem_set_if_absent(idem_queue *q, const void *key, size_t key_len, const voi
 int idem_del(idem_queue *q, const void *key, size_t key_len, const char *actor);
 /* Executes one op (any kind) and waits for its completion. */
 int idem_exec(idem_queue *q, const idem_op *op, idem_completion *c);
+/* For a server's shutdown: every parked WAIT claim completes now with busy (and the lease left),
+ * and later claims no longer wait. Poll the queues to collect them, then close. */
+void idem_cancel_waits(idem_store *s);
 /* Returns when everything acknowledged so far is durable (all modes). */
 int idem_sync(idem_store *s);
 

@@ -1,14 +1,15 @@
 /*
- * ages.c: the unfinished records (in_flight, review) by first_seen, so that the age of the
- * oldest of each, and the list of records that need a person, cost no scan of all keys.
+ * ages.c: the records that need attention, kept apart so that the age of the oldest unfinished
+ * record and the operator's attention list cost no scan of all keys: in_flight and review
+ * records ordered by first_seen, and records with recorded mismatches by last_mismatch_ms.
  *
- * One min-heap per state of 16-byte entries {first_seen_ms, log address of a version}. Every
- * version written in an unfinished state pushes an entry (claims, recoveries, extends, holds,
- * compaction copies, replay). Entries are checked lazily: one is valid while the index still
- * points the key at that very address and the record there is in the heap's state with that
- * first_seen. Invalid entries are popped when they reach the top, and the heap is rebuilt from
- * its valid entries when it holds more than twice the records in its state (plus slack), so its
- * size stays proportional to the unfinished records.
+ * One min-heap per kind of 16-byte entries {time, log address of a version}. Every version
+ * written that belongs to a kind pushes an entry (claims, recoveries, extends, holds, recorded
+ * mismatches, compaction copies, replay, checkpoint load). Entries are checked lazily: one is
+ * valid while the index still points the key at that very address and the record there still
+ * belongs to the kind with that time. Invalid entries are popped when they reach the top, and a
+ * heap is rebuilt from its valid entries when it holds more than twice the records of its kind
+ * (plus slack), so its size stays proportional to those records.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -18,7 +19,21 @@
 
 #define AGES_SLACK 1024u
 
-static int entry_valid(idem_store *s, int state, const struct age_entry *e)
+static int64_t kind_time(const struct rec *r, int kind)
+{
+    return kind == AGE_MISMATCH ? r->last_mismatch_ms : r->first_seen_ms;
+}
+
+static int kind_has(const struct rec *r, int kind)
+{
+    switch (kind) {
+    case AGE_IN_FLIGHT: return r->state == IDEM_STATE_IN_FLIGHT;
+    case AGE_REVIEW: return r->state == IDEM_STATE_REVIEW;
+    default: return r->mismatch_count > 0;
+    }
+}
+
+static int entry_valid(idem_store *s, int kind, const struct age_entry *e)
 {
     if (!wal_addr_valid(s->wal, e->addr))
         return 0;
@@ -26,7 +41,8 @@ static int entry_valid(idem_store *s, int state, const struct age_entry *e)
     uint64_t lsn;
     const uint8_t *p = wal_payload(s->wal, e->addr, &len, &lsn);
     struct rec r, cur;
-    if (!p || rec_decode(p, len, &r) < 0 || r.state != state || r.first_seen_ms != e->first_seen_ms)
+    if (!p || rec_decode(p, len, &r) < 0 || !kind_has(&r, kind) ||
+        kind_time(&r, kind) != e->first_seen_ms)
         return 0;
     struct index_slot *slot = ops_find(s, r.key, r.key_len, &cur, &lsn);
     return slot && index_slot_addr(slot) == e->addr;
@@ -62,28 +78,30 @@ static void sift_down(struct age_heap *h, size_t i)
     }
 }
 
-static uint64_t state_count(const idem_store *s, int state)
+static uint64_t kind_count(const idem_store *s, int kind)
 {
-    return state == IDEM_STATE_IN_FLIGHT ? s->st.keys_in_flight : s->st.keys_review;
+    return kind == AGE_IN_FLIGHT ? s->st.keys_in_flight
+           : kind == AGE_REVIEW  ? s->st.keys_review
+                                 : s->st.keys_with_mismatch;
 }
 
-static void rebuild(idem_store *s, struct age_heap *h, int state)
+static void rebuild(idem_store *s, struct age_heap *h, int kind)
 {
     size_t k = 0;
     for (size_t i = 0; i < h->n; i++)
-        if (entry_valid(s, state, &h->v[i]))
+        if (entry_valid(s, kind, &h->v[i]))
             h->v[k++] = h->v[i];
     h->n = k;
     for (size_t i = k / 2 + 1; i-- > 0;)
         sift_down(h, i);
 }
 
-void ages_push(idem_store *s, int state, int64_t first_seen_ms, uint64_t addr)
+static void heap_push(idem_store *s, int kind, int64_t t, uint64_t addr)
 {
-    struct age_heap *h = state == IDEM_STATE_IN_FLIGHT ? &s->ages_in_flight : &s->ages_review;
-    if (h->n > 2 * state_count(s, state) + AGES_SLACK && !s->ages_rebuilding) {
+    struct age_heap *h = &s->ages[kind];
+    if (h->n > 2 * kind_count(s, kind) + AGES_SLACK && !s->ages_rebuilding) {
         s->ages_rebuilding = 1;
-        rebuild(s, h, state);
+        rebuild(s, h, kind);
         s->ages_rebuilding = 0;
     }
     if (h->n == h->cap) {
@@ -94,24 +112,34 @@ void ages_push(idem_store *s, int state, int64_t first_seen_ms, uint64_t addr)
         h->v = v;
         h->cap = cap;
     }
-    h->v[h->n] = (struct age_entry){first_seen_ms, addr};
+    h->v[h->n] = (struct age_entry){t, addr};
     sift_up(h, h->n++);
 }
 
-int64_t ages_oldest(idem_store *s, int state)
+void ages_note(idem_store *s, const struct rec *r, uint64_t addr)
 {
-    struct age_heap *h = state == IDEM_STATE_IN_FLIGHT ? &s->ages_in_flight : &s->ages_review;
-    while (h->n > 0 && !entry_valid(s, state, &h->v[0])) {
+    if (r->state == IDEM_STATE_IN_FLIGHT)
+        heap_push(s, AGE_IN_FLIGHT, r->first_seen_ms, addr);
+    else if (r->state == IDEM_STATE_REVIEW)
+        heap_push(s, AGE_REVIEW, r->first_seen_ms, addr);
+    if (r->mismatch_count > 0)
+        heap_push(s, AGE_MISMATCH, r->last_mismatch_ms, addr);
+}
+
+int64_t ages_oldest(idem_store *s, int kind)
+{
+    struct age_heap *h = &s->ages[kind];
+    while (h->n > 0 && !entry_valid(s, kind, &h->v[0])) {
         h->v[0] = h->v[--h->n];
         sift_down(h, 0);
     }
     return h->n ? h->v[0].first_seen_ms : 0;
 }
 
-size_t ages_list(idem_store *s, int state, uint64_t *addrs, size_t max)
+size_t ages_list(idem_store *s, int kind, uint64_t *addrs, size_t max)
 {
-    struct age_heap *h = state == IDEM_STATE_IN_FLIGHT ? &s->ages_in_flight : &s->ages_review;
-    rebuild(s, h, state);
+    struct age_heap *h = &s->ages[kind];
+    rebuild(s, h, kind);
     size_t n = 0;
     for (size_t i = 0; i < h->n && n < max; i++)
         addrs[n++] = h->v[i].addr;
@@ -120,8 +148,8 @@ size_t ages_list(idem_store *s, int state, uint64_t *addrs, size_t max)
 
 void ages_free(idem_store *s)
 {
-    free(s->ages_in_flight.v);
-    free(s->ages_review.v);
-    memset(&s->ages_in_flight, 0, sizeof s->ages_in_flight);
-    memset(&s->ages_review, 0, sizeof s->ages_review);
+    for (int k = 0; k < AGE_KINDS; k++) {
+        free(s->ages[k].v);
+        memset(&s->ages[k], 0, sizeof s->ages[k]);
+    }
 }

@@ -76,7 +76,18 @@ int audit_open(idem_store *s)
 {
     char path[4096];
     snprintf(path, sizeof path, "%s/audit.log", s->dir);
-    int rc = io_open(s->io, path, IO_O_CREATE, &s->audit_f);
+    int rc;
+    if (s->opt.read_only) {
+        rc = io_open(s->io, path, IO_O_RDONLY, &s->audit_f);
+        if (rc == -ENOENT)
+            return 0; /* no operator decision yet */
+    } else {
+        rc = io_open(s->io, path, IO_O_CREATE | IO_O_EXCL, &s->audit_f);
+        if (rc == 0)
+            rc = io_sync_dir(s->io, s->dir); /* a new file: its name must survive power loss */
+        else if (rc == -EEXIST)
+            rc = io_open(s->io, path, 0, &s->audit_f);
+    }
     if (rc < 0) {
         store_set_error("cannot open %s: %s", path, strerror(-rc));
         return IDEM_EIO;
@@ -84,24 +95,31 @@ int audit_open(idem_store *s)
     uint8_t *blk = malloc(AUDIT_BLOCK);
     if (!blk)
         return IDEM_ENOMEM;
-    uint64_t last = wal_last_lsn(s->wal);
+    uint64_t last = wal_recovered_lsn(s->wal);
     for (uint64_t off = 0;; off += AUDIT_BLOCK) {
         int64_t n = io_read(s->io, s->audit_f, off, blk, AUDIT_BLOCK);
         uint32_t len = n == AUDIT_BLOCK ? util_get_u32(blk + 8) : 0;
-        if (len < AUDIT_HDR - 8 || len > AUDIT_BLOCK - 8 ||
-            util_get_u64(blk) != XXH3_64bits(blk + 8, len)) {
-            s->audit_off = off; /* a torn or absent tail: the next entry goes here */
-            break;
+        int valid = len >= AUDIT_HDR - 8 && len <= AUDIT_BLOCK - 8 &&
+                    util_get_u64(blk) == XXH3_64bits(blk + 8, len);
+        if (valid && util_get_u64(blk + 32) <= last) {
+            rc = audit_keep(s, blk);
+            if (rc < 0) {
+                store_set_error("%s: entry at offset %llu: %s", path, (unsigned long long)off,
+                                idem_strerror(rc));
+                break;
+            }
+            s->audit_off = off + AUDIT_BLOCK;
+            continue;
         }
-        if (util_get_u64(blk + 32) > last)
-            continue; /* the change it describes was never durable */
-        rc = audit_keep(s, blk);
-        if (rc < 0) {
-            store_set_error("%s: entry at offset %llu: %s", path, (unsigned long long)off,
-                            idem_strerror(rc));
-            break;
-        }
-        s->audit_off = off + AUDIT_BLOCK;
+        /* A torn tail, or an entry whose change never reached the log (written just before a
+         * crash): the trail ends here, and what follows is cut off so it cannot come back once
+         * the log's LSNs grow past it. */
+        s->audit_off = off;
+        uint64_t size = 0;
+        if (!s->opt.read_only && io_size(s->io, s->audit_f, &size) == 0 && size > off &&
+            (io_truncate(s->io, s->audit_f, off) < 0 || io_flush_sync(s->io, s->audit_f) < 0))
+            rc = IDEM_EIO;
+        break;
     }
     free(blk);
     return rc < 0 ? rc : 0;
@@ -119,9 +137,10 @@ void audit_close(idem_store *s)
     s->audit_f = NULL;
 }
 
-int audit_append(idem_store *s, const char *actor, const char *action, const void *key,
-                 uint32_t key_len, const void *reason, uint32_t reason_len, int state_before,
-                 int state_after, uint64_t version_before, uint64_t version_after, uint64_t lsn)
+static int audit_write(idem_store *s, const char *actor, const char *action, const void *key,
+                       uint32_t key_len, const void *reason, uint32_t reason_len,
+                       int state_before, int state_after, uint64_t version_before,
+                       uint64_t version_after, uint64_t lsn, uint64_t seq, int64_t at_ms)
 {
     uint32_t alen = (uint32_t)strlen(actor), aclen = (uint32_t)strlen(action);
     uint32_t len = AUDIT_HDR - 8 + aclen + alen + key_len + reason_len;
@@ -133,8 +152,8 @@ int audit_append(idem_store *s, const char *actor, const char *action, const voi
     store_quiesce(s); /* the ring must be idle for a synchronous write */
     memset(blk, 0, AUDIT_BLOCK);
     util_put_u32(blk + 8, len);
-    util_put_u64(blk + 16, s->naudit ? s->audit[s->naudit - 1].e.seq + 1 : 1);
-    util_put_u64(blk + 24, (uint64_t)store_now(s));
+    util_put_u64(blk + 16, seq);
+    util_put_u64(blk + 24, (uint64_t)at_ms);
     util_put_u64(blk + 32, lsn);
     blk[40] = (uint8_t)state_before;
     blk[41] = (uint8_t)state_after;
@@ -154,12 +173,41 @@ int audit_append(idem_store *s, const char *actor, const char *action, const voi
     int rc = io_write_sync(s->io, s->audit_f, s->audit_off, blk, AUDIT_BLOCK, 1);
     if (rc < 0) {
         free(blk);
-        s->fatal = 1;
+        store_fail(s, rc);
         return IDEM_EFATAL;
     }
     s->audit_off += AUDIT_BLOCK;
     rc = audit_keep(s, blk);
     free(blk);
+    return rc;
+}
+
+int audit_append(idem_store *s, const char *actor, const char *action, const void *key,
+                 uint32_t key_len, const void *reason, uint32_t reason_len, int state_before,
+                 int state_after, uint64_t version_before, uint64_t version_after, uint64_t lsn)
+{
+    uint64_t seq = s->naudit ? s->audit[s->naudit - 1].e.seq + 1 : 1;
+    return audit_write(s, actor, action, key, key_len, reason, reason_len, state_before,
+                       state_after, version_before, version_after, lsn, seq, store_now(s));
+}
+
+int idem_import_audit(idem_queue *q, const idem_audit_entry *e)
+{
+    if (!q || !e || !e->actor || !e->action || !e->key || e->key_len == 0 ||
+        e->key_len > IDEM_KEY_BYTES_MAX || strlen(e->actor) > IDEM_ACTOR_BYTES_MAX ||
+        strlen(e->action) > 255 || (e->reason && strlen(e->reason) > IDEM_NOTE_BYTES_MAX))
+        return IDEM_EINVAL;
+    idem_store *s = q->s;
+    pthread_mutex_lock(&s->mu);
+    int rc = s->opt.read_only ? IDEM_EREADONLY : s->fatal ? IDEM_EFATAL : 0;
+    if (rc == 0) {
+        uint64_t last = s->naudit ? s->audit[s->naudit - 1].e.seq : 0;
+        rc = audit_write(s, e->actor, e->action, e->key, e->key_len, e->reason,
+                         e->reason ? (uint32_t)strlen(e->reason) : 0, e->state_before,
+                         e->state_after, e->version_before, e->version_after,
+                         wal_durable_lsn(s->wal), e->seq > last ? e->seq : last + 1, e->at_ms);
+    }
+    pthread_mutex_unlock(&s->mu);
     return rc;
 }
 

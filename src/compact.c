@@ -28,9 +28,8 @@
 
 static int head_wanted(idem_store *s, uint64_t head)
 {
-    uint64_t cur = wal_cur_seq(s->wal);
-    if (head + 1 >= cur)
-        return 0; /* the head must be closed and durable (not the tail or its predecessor) */
+    if (!wal_seg_durable(s->wal, head, s->durable_lsn))
+        return 0; /* the head must be sealed and every frame of it durable */
     uint64_t seg = s->opt.segment_bytes;
     if (wal_bytes(s->wal) > 2 * s->live_bytes + STORE_CMP_SLACK_SEGS * seg)
         return 1;
@@ -87,19 +86,21 @@ int compact_step(idem_store *s)
             return i > 0; /* no buffer room or segment now: go on at a later step */
         uint32_t off = s->cmp_off;
         struct wal_frame f;
-        if (!wal_seg_next(s->wal, s->cmp_seq, &off, &f)) {
+        int more = wal_seg_next(s->wal, s->cmp_seq, &off, &f);
+        if (more == 0) {
             s->cmp_done = 1;
             s->cmp_done_lsn = wal_last_lsn(s->wal);
             return 1;
         }
         uint64_t lsn = 0;
-        int rc = ops_compact_frame(s, &f, now, &lsn);
+        int rc = more < 0 ? IDEM_ECORRUPT : ops_compact_frame(s, &f, now, &lsn);
         if (rc == IDEM_EBUSY || rc == IDEM_EFULL)
             return i > 0;
         if (rc == IDEM_ECORRUPT) {
             /* Reported, never trusted: compaction stops; the store serves on; verify tells. */
-            fprintf(stderr, "idem: event=compaction_stopped segment=%llu error=\"%s\"\n",
-                    (unsigned long long)s->cmp_seq, idem_strerror(rc));
+            fprintf(stderr,
+                    "idem: event=compaction_stopped segment=%llu offset=%u error=\"%s\"\n",
+                    (unsigned long long)s->cmp_seq, s->cmp_off, idem_strerror(rc));
             s->cmp_disabled = 1;
             return 0;
         }

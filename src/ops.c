@@ -34,6 +34,9 @@ struct key_ref {
     idem_store *s;
     const void *key;
     uint32_t key_len;
+    const uint8_t *payload; /* of the record that matched */
+    uint32_t payload_len;
+    uint64_t lsn;
 };
 
 static int key_eq(void *ctx, uint64_t addr)
@@ -46,21 +49,23 @@ static int key_eq(void *ctx, uint64_t addr)
         return 0;
     /* RECORD payloads start with the fixed part; key_len at offset 2, key at 136. */
     uint32_t klen = util_get_u16(p + 2);
-    return klen == k->key_len && REC_FIXED_BYTES + klen <= len &&
-           memcmp(p + REC_FIXED_BYTES, k->key, klen) == 0;
+    if (klen != k->key_len || REC_FIXED_BYTES + klen > len ||
+        memcmp(p + REC_FIXED_BYTES, k->key, klen) != 0)
+        return 0;
+    k->payload = p;
+    k->payload_len = len;
+    k->lsn = lsn;
+    return 1;
 }
 
 struct index_slot *ops_find(idem_store *s, const void *key, uint32_t key_len, struct rec *r,
                             uint64_t *lsn)
 {
-    struct key_ref k = {s, key, key_len};
+    struct key_ref k = {s, key, key_len, NULL, 0, 0};
     struct index_slot *slot = index_find(s->ix, ops_hash(s, key, key_len), key_eq, &k);
-    if (!slot)
+    if (!slot || rec_decode(k.payload, k.payload_len, r) < 0)
         return NULL;
-    uint32_t len;
-    const uint8_t *p = wal_payload(s->wal, index_slot_addr(slot), &len, lsn);
-    if (!p || rec_decode(p, len, r) < 0)
-        return NULL;
+    *lsn = k.lsn;
     return slot;
 }
 
@@ -131,18 +136,43 @@ static uint64_t frame_bytes(idem_store *s, uint64_t addr)
     return wal_payload(s->wal, addr, &len, &lsn) ? (uint64_t)len + WAL_FRAME_HDR : 0;
 }
 
-/* The index now points key at new_addr instead of old_addr (0: none): live bytes and the
- * expiry horizon of new_addr's segment follow. */
-static void live_move(idem_store *s, uint64_t old_addr, uint64_t new_addr, int64_t expires_at_ms)
+/* What the store counts about the version at addr: its bytes, mismatch count and version. */
+struct old_facts {
+    uint64_t bytes, mismatch_count, version;
+};
+
+static struct old_facts old_facts(idem_store *s, uint64_t addr)
 {
-    if (old_addr)
-        s->live_bytes -= frame_bytes(s, old_addr);
-    if (new_addr) {
-        s->live_bytes += frame_bytes(s, new_addr);
-        int64_t *m = &s->seg_max_exp[wal_addr_seq(s->wal, new_addr) % WAL_SEG_SLOTS];
-        if (expires_at_ms > *m)
-            *m = expires_at_ms;
+    struct old_facts o = {0, 0, 0};
+    uint32_t len;
+    uint64_t lsn;
+    const uint8_t *p = addr ? wal_payload(s->wal, addr, &len, &lsn) : NULL;
+    if (p) {
+        o.bytes = (uint64_t)len + WAL_FRAME_HDR;
+        if (len >= REC_FIXED_BYTES) {
+            o.mismatch_count = util_get_u64(p + 80);
+            o.version = util_get_u64(p + 96);
+        }
     }
+    return o;
+}
+
+/* The key's version moves from old to the frame at new_addr (0: the key is gone): live bytes,
+ * keys with mismatches, the expiry horizon of new_addr's segment and the attention heaps
+ * follow. r is the new version (NULL when gone). */
+static void version_moved(idem_store *s, const struct old_facts *old, uint64_t new_addr,
+                          const struct rec *r)
+{
+    s->live_bytes -= old->bytes;
+    s->st.keys_with_mismatch -= old->mismatch_count > 0;
+    if (!r)
+        return;
+    s->live_bytes += frame_bytes(s, new_addr);
+    s->st.keys_with_mismatch += r->mismatch_count > 0;
+    int64_t *m = &s->seg_max_exp[wal_addr_seq(s->wal, new_addr) % WAL_SEG_SLOTS];
+    if (r->expires_at_ms > *m)
+        *m = r->expires_at_ms;
+    ages_note(s, r, new_addr);
 }
 
 static void state_count(idem_store *s, int state, int delta)
@@ -189,7 +219,14 @@ static int write_version(idem_store *s, struct index_slot *slot, int old_state, 
             }
         }
     }
-    r->version = wal_last_lsn(s->wal) + 1;
+    struct old_facts old = old_facts(s, old_state ? index_slot_addr(slot) : 0);
+    /* Versions of a record only grow; an imported version (ahead of this log's LSNs) is kept.
+     * For every other change r->version holds the old version, below both bounds. */
+    uint64_t v = wal_last_lsn(s->wal) + 1;
+    if (old.version >= v)
+        v = old.version + 1;
+    if (r->version < v)
+        r->version = v;
     uint8_t fixed[REC_FIXED_BYTES];
     rec_encode_fixed(r, fixed);
     const void *parts[5] = {fixed, key, owner, note, stored};
@@ -209,12 +246,10 @@ static int write_version(idem_store *s, struct index_slot *slot, int old_state, 
         return rc;
     }
     ops_seen_release(s, slot);
-    live_move(s, old_state ? index_slot_addr(slot) : 0, addr, r->expires_at_ms);
     index_slot_set_addr(slot, addr);
+    version_moved(s, &old, addr, r);
     state_count(s, old_state, -1);
     state_count(s, r->state, +1);
-    if (r->state != IDEM_STATE_COMMITTED)
-        ages_push(s, r->state, r->first_seen_ms, addr);
     return 0;
 }
 
@@ -229,9 +264,10 @@ static int write_delete(idem_store *s, struct index_slot *slot, int old_state, c
     int rc = wal_append(s->wal, WAL_T_DELETE, parts, lens, 2, &addr, lsn);
     if (rc < 0)
         return rc;
+    struct old_facts old = old_facts(s, index_slot_addr(slot));
     ops_seen_release(s, slot);
-    live_move(s, index_slot_addr(slot), 0, 0);
     index_remove(s->ix, slot);
+    version_moved(s, &old, 0, NULL);
     state_count(s, old_state, -1);
     return 0;
 }
@@ -528,7 +564,7 @@ static int op_claim(idem_store *s, struct qslot *sl, const idem_op *op, int waki
     }
     /* The record's bytes may move when the log appends: copy what a version rewrite needs. */
     claim_existing(s, sl, op, fp, slot, &r, lsn, now, waking);
-    if (sl->c.outcome == IDEM_BUSY && op->wait_ms && !s->closing) {
+    if (sl->c.outcome == IDEM_BUSY && op->wait_ms && !s->closing && !s->no_wait) {
         sl->lease_end_ms = r.lease_until_ms;
         return 1;
     }
@@ -842,9 +878,13 @@ static int wake_one(idem_store *s, struct qslot *sl, int64_t mono)
     uint64_t ud = sl->c.user_data;
     memset(&sl->c, 0, sizeof sl->c);
     sl->c.user_data = ud;
-    if (s->closing || s->fatal || store_room_ok(s) == IDEM_EBUSY) {
-        if (!s->closing && !s->fatal && mono < sl->deadline_mono_ms)
+    if (s->closing || s->no_wait || s->fatal || store_room_ok(s) == IDEM_EBUSY) {
+        if (!s->closing && !s->no_wait && !s->fatal && mono < sl->deadline_mono_ms)
             return 0; /* no buffer room now: try again at the next wake-up */
+        if (s->fatal) {
+            sl->c.err = IDEM_EFATAL;
+            return 1;
+        }
         /* Closing: waiting claims answer busy at once. */
         struct rec r;
         uint64_t lsn;
@@ -853,7 +893,7 @@ static int wake_one(idem_store *s, struct qslot *sl, int64_t mono)
         sl->c.lease_left_ms = slot && r.lease_until_ms > store_now(s)
                                   ? r.lease_until_ms - store_now(s)
                                   : 0;
-        sl->need_lsn = slot ? lsn : 0;
+        sl->need_lsn = slot ? lsn : wal_last_lsn(s->wal);
         return 1;
     }
     sl->buf_used = keep;
@@ -870,7 +910,8 @@ void ops_wake(idem_store *s, const void *key, uint32_t key_len)
     while (*pp) {
         struct qslot *sl = *pp;
         int match = !key || (sl->op.key_len == key_len && !memcmp(sl->op.key, key, key_len));
-        if ((match || mono >= sl->deadline_mono_ms || s->closing) && wake_one(s, sl, mono)) {
+        if ((match || mono >= sl->deadline_mono_ms || s->closing || s->no_wait) &&
+            wake_one(s, sl, mono)) {
             *pp = sl->wnext;
             if (s->waiters_tail == sl)
                 s->waiters_tail = prev;
@@ -896,16 +937,17 @@ int ops_replay(void *ctx, const struct wal_frame *f)
     idem_store *s = ctx;
     if (f->type == WAL_T_END)
         return 0;
+    s->st.frames_replayed++;
     const uint8_t *key;
     uint32_t key_len;
     int state = 0;
+    struct rec rr;
     if (f->type == WAL_T_RECORD) {
-        struct rec r;
-        if (rec_decode(f->payload, f->payload_len, &r) < 0)
+        if (rec_decode(f->payload, f->payload_len, &rr) < 0)
             return IDEM_ECORRUPT;
-        key = r.key;
-        key_len = r.key_len;
-        state = r.state;
+        key = rr.key;
+        key_len = rr.key_len;
+        state = rr.state;
     } else {
         if (f->payload_len < 8)
             return IDEM_ECORRUPT;
@@ -914,20 +956,20 @@ int ops_replay(void *ctx, const struct wal_frame *f)
         if (key_len == 0 || 8 + key_len > f->payload_len)
             return IDEM_ECORRUPT;
     }
-    struct rec old;
+    struct rec cur;
     uint64_t lsn;
-    struct index_slot *slot = ops_find(s, key, key_len, &old, &lsn);
+    struct index_slot *slot = ops_find(s, key, key_len, &cur, &lsn);
     if (slot)
-        state_count(s, old.state, -1);
+        state_count(s, cur.state, -1);
+    struct old_facts old = old_facts(s, slot ? index_slot_addr(slot) : 0);
     if (f->type == WAL_T_DELETE) {
         if (slot) {
             ops_seen_release(s, slot);
-            live_move(s, index_slot_addr(slot), 0, 0);
             index_remove(s->ix, slot);
+            version_moved(s, &old, 0, NULL);
         }
         return 0;
     }
-    uint64_t old_addr = slot ? index_slot_addr(slot) : 0;
     if (!slot) {
         slot = index_insert(s->ix, ops_hash(s, key, key_len), f->addr, 0);
         if (!slot)
@@ -936,10 +978,8 @@ int ops_replay(void *ctx, const struct wal_frame *f)
         ops_seen_release(s, slot);
         index_slot_set_addr(slot, f->addr);
     }
-    live_move(s, old_addr, f->addr, (int64_t)util_get_u64(f->payload + 24));
+    version_moved(s, &old, f->addr, &rr);
     state_count(s, state, +1);
-    if (state != IDEM_STATE_COMMITTED)
-        ages_push(s, state, (int64_t)util_get_u64(f->payload + 16), f->addr);
     return 0;
 }
 
@@ -966,9 +1006,74 @@ int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now, uin
     int rc = wal_copy(s->wal, f, &addr, lsn);
     if (rc < 0)
         return rc;
-    live_move(s, f->addr, addr, r.expires_at_ms);
+    struct old_facts old = old_facts(s, f->addr);
     index_slot_set_addr(slot, addr);
-    if (r.state != IDEM_STATE_COMMITTED)
-        ages_push(s, r.state, r.first_seen_ms, addr);
+    version_moved(s, &old, addr, &r);
     return 0;
+}
+
+/* ---- Import ---- */
+
+static int import_valid(const idem_store *s, const idem_record *in)
+{
+    return in->key && in->key_len >= 1 && in->key_len <= IDEM_KEY_BYTES_MAX &&
+           in->state >= IDEM_STATE_IN_FLIGHT && in->state <= IDEM_STATE_REVIEW &&
+           in->owner_len <= IDEM_OWNER_BYTES_MAX && in->note_len <= IDEM_NOTE_BYTES_MAX &&
+           in->result_len <= s->opt.result_bytes_max && (in->owner || !in->owner_len) &&
+           (in->note || !in->note_len) && (in->result || !in->result_len) &&
+           in->token >= 0 && in->token < IDEM_TOKEN_MAX && in->expires_at_ms >= in->first_seen_ms;
+}
+
+int idem_import_record(idem_queue *q, const idem_record *in)
+{
+    if (!q || !in)
+        return IDEM_EINVAL;
+    idem_store *s = q->s;
+    if (!import_valid(s, in))
+        return IDEM_EINVAL;
+    struct rec r = {0};
+    r.state = (uint8_t)in->state;
+    r.key_len = (uint16_t)in->key_len;
+    r.owner_len = in->state == IDEM_STATE_IN_FLIGHT ? (uint16_t)in->owner_len : 0;
+    r.note_len = (uint16_t)in->note_len;
+    r.first_seen_ms = in->first_seen_ms;
+    r.expires_at_ms = in->expires_at_ms;
+    r.last_seen_ms = in->last_seen_ms;
+    r.seen_count = in->seen_count;
+    r.lease_until_ms = in->lease_until_ms;
+    r.token = in->token;
+    r.last_grant_ms = in->last_grant_ms;
+    r.attempts = in->attempts;
+    r.mismatch_count = in->mismatch_count;
+    r.last_mismatch_ms = in->last_mismatch_ms;
+    r.version = in->version;
+    if (in->has_fp) {
+        r.flags |= REC_F_FP;
+        memcpy(r.fp, in->fp, 16);
+    }
+    if (in->has_last_mismatch_fp) {
+        r.flags |= REC_F_MFP;
+        memcpy(r.last_mismatch_fp, in->last_mismatch_fp, 16);
+    }
+    pthread_mutex_lock(&s->mu);
+    int rc = s->opt.read_only ? IDEM_EREADONLY : s->fatal ? IDEM_EFATAL : store_room(s);
+    uint64_t lsn = 0;
+    if (rc == 0) {
+        struct rec cur;
+        uint64_t cur_lsn;
+        struct index_slot *slot = ops_find(s, in->key, in->key_len, &cur, &cur_lsn);
+        if (slot)
+            ops_seen_release(s, slot);
+        rc = write_version(s, slot, slot ? cur.state : 0, &r, in->key,
+                           r.owner_len ? in->owner : NULL, in->note,
+                           in->state == IDEM_STATE_COMMITTED ? in->result : NULL,
+                           in->state == IDEM_STATE_COMMITTED ? in->result_len : 0, &lsn);
+    }
+    /* Tokens handed out from now on are above every imported one. */
+    if (rc == 0 && in->token >= s->token_next)
+        s->token_next = in->token + 1;
+    if (rc == 0)
+        store_kick(s);
+    pthread_mutex_unlock(&s->mu);
+    return rc == 0 ? idem_sync(s) : rc;
 }

@@ -68,6 +68,8 @@ int64_t store_now(idem_store *s)
 {
     if (s->opt.test_clock)
         return s->clk_last_ms;
+    if (s->clk_frozen)
+        return s->clk_last_ms; /* one reading serves a whole submitted batch */
     int64_t mono = mono_now(s);
     int64_t est = s->clk_store_ms + (mono - s->clk_mono_ms);
     if (mono - s->clk_mono_ms >= 1000) {
@@ -130,9 +132,15 @@ int store_next_token(idem_store *s, int64_t *out)
     return 0;
 }
 
+static uint64_t token_headroom(const idem_store *s)
+{
+    uint64_t next = (uint64_t)s->token_next;
+    return s->sb.token_reserved > next ? s->sb.token_reserved - next : 0;
+}
+
 static int token_headroom_low(const idem_store *s)
 {
-    return s->sb.token_reserved - (uint64_t)s->token_next < STORE_TOKEN_BLOCK / 2;
+    return token_headroom(s) < STORE_TOKEN_BLOCK / 2;
 }
 
 /* Flusher (mu held, no batch in flight): moves the token reservation ahead. */
@@ -175,7 +183,7 @@ static void notify_ready(idem_store *s)
 }
 
 /* The store failed: nothing more is durable; pending completions answer EFATAL. */
-static void store_fail(idem_store *s, int err)
+void store_fail(idem_store *s, int err)
 {
     if (!s->fatal)
         fprintf(stderr, "idem: event=fatal_io_error dir=%s error=\"%s\"\n", s->dir,
@@ -208,9 +216,10 @@ static void flush_once(idem_store *s)
         return;
     s->flushing = 1;
     uint64_t records = wal_flush_frames(s->wal);
+    int durable = s->opt.durability != IDEM_DURABILITY_NONE || s->sync_waiters || s->closing;
     pthread_mutex_unlock(&s->mu);
     int64_t t0 = util_monotonic_us();
-    int rc = wal_flush_io(s->wal);
+    int rc = wal_flush_io(s->wal, durable);
     int64_t us = util_monotonic_us() - t0;
     pthread_mutex_lock(&s->mu);
     s->flushing = 0;
@@ -218,7 +227,7 @@ static void flush_once(idem_store *s)
         store_fail(s, rc);
         return;
     }
-    s->durable_lsn = wal_flush_end(s->wal);
+    s->durable_lsn = wal_flush_end(s->wal, durable);
     s->last_flush_mono_ms = mono_now(s);
     s->st.flushes++;
     s->st.flush_records += records;
@@ -232,8 +241,19 @@ static void flush_once(idem_store *s)
 
 static int flush_due(idem_store *s)
 {
-    if (!wal_pending(s->wal) || s->fatal)
+    if (s->fatal)
         return 0;
+    if (!wal_pending(s->wal)) {
+        /* Durability none: a caller waits for what was written without a flush. */
+        if (s->sync_waiters && s->durable_lsn < wal_written_lsn(s->wal)) {
+            if (wal_sync(s->wal) < 0)
+                store_fail(s, -EIO);
+            else
+                s->durable_lsn = wal_durable_lsn(s->wal);
+            notify_ready(s);
+        }
+        return 0;
+    }
     if (s->opt.durability == IDEM_DURABILITY_SYNC || s->sync_waiters || s->closing ||
         wal_chunks_free(s->wal) < 4)
         return 1;
@@ -354,7 +374,9 @@ void store_kick(idem_store *s)
  * IDEM_EFULL (no space for the next segment: the append itself will answer FULL). */
 int store_room_ok(idem_store *s)
 {
-    if (token_headroom_low(s) && s->sb.token_reserved - (uint64_t)s->token_next < 64)
+    if (s->ckpt_quiesce)
+        return IDEM_EBUSY; /* a checkpoint is being taken at this log position */
+    if (token_headroom(s) < 64)
         return IDEM_EBUSY;
     return wal_room(s->wal, s->frame_max);
 }
@@ -446,7 +468,7 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
                             (unsigned long long)s->sb.ckpt_id);
             return IDEM_ECORRUPT;
         }
-        ages_push(s, r.state, r.first_seen_ms, index_slot_addr(slot));
+        ages_note(s, &r, index_slot_addr(slot));
     }
     /* Repeat counters survive a clean restart through the checkpoint. */
     return (e->has_seen & CKPT_SEEN) ? ops_seen_set(s, slot, e->seen_count, e->last_seen_ms)
@@ -540,13 +562,12 @@ static int store_start(idem_store *s)
                                                IDEM_OWNER_BYTES_MAX + IDEM_NOTE_BYTES_MAX +
                                                s->opt.result_bytes_max,
                                            8);
-    if (s->opt.read_only)
-        return 0;
-    int rc = reserve_tokens(s);
+    int rc = audit_open(s);
+    if (rc < 0 || s->opt.read_only)
+        return rc;
+    rc = reserve_tokens(s);
     if (rc == 0 && wal_spare_create(s->wal) == IDEM_EFATAL)
         rc = IDEM_EFATAL;
-    if (rc == 0)
-        rc = audit_open(s);
     if (rc < 0)
         return rc;
     if (pthread_create(&s->flusher, NULL, flusher_main, s) != 0)
@@ -559,6 +580,7 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
                   idem_store **out)
 {
     last_error[0] = 0;
+    int64_t t0 = util_monotonic_us();
     idem_store *s = calloc(1, sizeof *s);
     if (!s) {
         io_destroy(io);
@@ -638,6 +660,7 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     rc = store_start(s);
     if (rc < 0)
         goto fail;
+    s->st.open_ms = (uint64_t)(util_monotonic_us() - t0) / 1000;
     *out = s;
     return 0;
 fail:
@@ -682,11 +705,8 @@ int idem_close(idem_store *s)
     s->closing = 1;
     ops_wake(s, NULL, 0); /* parked claims answer busy */
     int rc = 0;
-    if (!s->opt.read_only && !s->fatal) {
-        rc = wait_durable(s);
-        if (rc == 0)
-            rc = checkpoint_locked(s);
-    }
+    if (!s->opt.read_only && !s->fatal)
+        rc = checkpoint_locked(s);
     pthread_cond_signal(&s->cond_flush);
     pthread_mutex_unlock(&s->mu);
     if (s->flusher_started)
@@ -710,6 +730,14 @@ void store_abandon(idem_store *s)
     while (s->queues)
         idem_queue_close(s->queues);
     store_free(s);
+}
+
+void idem_cancel_waits(idem_store *s)
+{
+    pthread_mutex_lock(&s->mu);
+    s->no_wait = 1;
+    ops_wake(s, NULL, 0);
+    pthread_mutex_unlock(&s->mu);
 }
 
 int idem_is_fatal(const idem_store *s)
@@ -793,6 +821,8 @@ void idem_queue_close(idem_queue *q)
     free(q->scan_lens);
     free(q->scan_buf);
     free(q->audit);
+    free(q->att_recs);
+    free(q->att_buf);
     close(q->efd);
     free(q);
 }
@@ -888,6 +918,8 @@ int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
     pthread_mutex_lock(&s->mu);
     size_t done = 0;
     int any_ready = 0;
+    store_now(s);
+    s->clk_frozen = 1;
     for (; done < n; done++) {
         struct qslot *sl = slot_take(q);
         if (!sl)
@@ -896,6 +928,7 @@ int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
         ops_apply(s, sl, &ops[done]);
         any_ready |= slot_ready(s, sl);
     }
+    s->clk_frozen = 0;
     if (wal_pending(s->wal))
         store_kick(s);
     pthread_mutex_unlock(&s->mu);
@@ -1184,8 +1217,9 @@ void idem_get_stats(idem_store *s, idem_stats *out)
     out->max_memory_bytes = s->opt.max_memory_bytes;
     out->max_disk_bytes = s->opt.max_disk_bytes;
     out->fatal = s->fatal;
-    out->oldest_in_flight_ms = ages_oldest(s, IDEM_STATE_IN_FLIGHT);
-    out->oldest_review_ms = ages_oldest(s, IDEM_STATE_REVIEW);
+    out->oldest_in_flight_ms = ages_oldest(s, AGE_IN_FLIGHT);
+    out->oldest_review_ms = ages_oldest(s, AGE_REVIEW);
+    out->store_generation = s->sb.store_generation;
     pthread_mutex_unlock(&s->mu);
     struct statvfs vfs;
     if (!s->test_sim && statvfs(s->dir, &vfs) == 0)
@@ -1210,7 +1244,8 @@ static void ckpt_one(void *ctx, struct index_slot *slot)
     uint32_t len;
     uint64_t lsn;
     const uint8_t *p = wal_payload(cc->s->wal, index_slot_addr(slot), &len, &lsn);
-    if (p && len > 0 && p[0] != IDEM_STATE_COMMITTED)
+    if (p && len >= REC_FIXED_BYTES &&
+        (p[0] != IDEM_STATE_COMMITTED || util_get_u64(p + 80) > 0))
         e.has_seen |= CKPT_UNFINISHED;
     if (slot->aux) {
         struct seen_info *si = &cc->s->seen[slot->aux - 1];
@@ -1224,11 +1259,35 @@ static void ckpt_one(void *ctx, struct index_slot *slot)
 /* Writes a checkpoint at the current batch boundary (everything appended is durable first).
  * The index may list an entry twice during a scan across splits: the index is not changing
  * here (mu held), so each entry is visited once. */
+/* Makes every appended frame durable and returns with mu held and nothing pending or in flight,
+ * so that the index is exactly the log up to the current position. Callers' new changes wait
+ * meanwhile (store_room sees ckpt_quiesce). On the flusher thread nothing is in flight and,
+ * where this is called, nothing is pending: only an unflushed write (durability none) is left. */
+static int quiesce_durable(idem_store *s)
+{
+    if (s->flusher_started && pthread_equal(pthread_self(), s->flusher)) {
+        IDEM_ASSERT(!wal_pending(s->wal) && !s->flushing);
+        if (wal_sync(s->wal) < 0) {
+            store_fail(s, -EIO);
+            return IDEM_EFATAL;
+        }
+        s->durable_lsn = wal_durable_lsn(s->wal);
+        return 0;
+    }
+    s->ckpt_quiesce++;
+    int rc = 0;
+    while (rc == 0 && (wal_pending(s->wal) || s->flushing || s->durable_lsn < wal_last_lsn(s->wal)))
+        rc = wait_durable(s);
+    s->ckpt_quiesce--;
+    return rc;
+}
+
 static int checkpoint_locked(idem_store *s)
 {
-    int rc = wait_durable(s);
+    int rc = quiesce_durable(s);
     if (rc < 0)
         return rc;
+    IDEM_ASSERT(!wal_pending(s->wal) && s->durable_lsn == wal_last_lsn(s->wal));
     uint64_t id = s->sb.ckpt_id + 1;
     struct ckpt_ctx cc = {.s = s};
     rc = ckpt_begin(s->io, s->dir, id, &cc.cw);
@@ -1264,9 +1323,12 @@ static int checkpoint_locked(idem_store *s)
     }
     s->sb = sb;
     s->st.checkpoints++;
-    if (old) {
+    pthread_cond_broadcast(&s->cond_ready);
+    /* The superblock copy not yet overwritten may still name the previous checkpoint: keep it,
+     * and delete the one before. */
+    if (old > 1) {
         char path[4096];
-        ckpt_path(s->dir, old, path, sizeof path);
+        ckpt_path(s->dir, old - 1, path, sizeof path);
         io_unlink(s->io, path);
     }
     return 0;
@@ -1362,6 +1424,57 @@ int idem_backup(idem_store *s, const char *dest_dir)
     if (rc == 0 && io_sync_dir(s->io, dest_dir) < 0)
         rc = IDEM_EIO;
     pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+int idem_restore(const char *backup_dir, const char *dest_dir)
+{
+    if (!backup_dir || !dest_dir || !*backup_dir || !*dest_dir)
+        return IDEM_EINVAL;
+    struct io *io;
+    if (io_thread_create(&io) < 0)
+        return IDEM_ENOMEM;
+    struct super sb;
+    char err[512] = "";
+    int rc = super_load(io, backup_dir, &sb, err, sizeof err);
+    if (rc < 0) {
+        store_set_error("%s", rc == IDEM_ENOTFOUND ? "the backup holds no store" : err);
+        goto out;
+    }
+    rc = io_mkdir(io, dest_dir);
+    if (rc < 0) {
+        store_set_error("cannot create %s: %s", dest_dir, strerror(-rc));
+        rc = rc == -EEXIST ? IDEM_EINVAL : IDEM_EIO;
+        goto out;
+    }
+    char from[4096], to[4096];
+    for (uint64_t seq = sb.wal_first_seq; rc == 0; seq++) {
+        snprintf(from, sizeof from, "%s/wal-%016llx.log", backup_dir, (unsigned long long)seq);
+        snprintf(to, sizeof to, "%s/wal-%016llx.log", dest_dir, (unsigned long long)seq);
+        if (access(from, F_OK) != 0)
+            break;
+        rc = copy_file(io, from, to);
+    }
+    if (rc == 0 && sb.ckpt_id) {
+        ckpt_path(backup_dir, sb.ckpt_id, from, sizeof from);
+        ckpt_path(dest_dir, sb.ckpt_id, to, sizeof to);
+        rc = copy_file(io, from, to);
+    }
+    if (rc == 0) {
+        snprintf(from, sizeof from, "%s/audit.log", backup_dir);
+        snprintf(to, sizeof to, "%s/audit.log", dest_dir);
+        rc = copy_file(io, from, to);
+    }
+    if (rc == 0) {
+        /* A new generation: the copy is another store from here on. */
+        sb.store_generation++;
+        sb.generation = 0;
+        rc = super_store(io, dest_dir, &sb);
+    }
+    if (rc == 0 && io_sync_dir(io, dest_dir) < 0)
+        rc = IDEM_EIO;
+out:
+    io_destroy(io);
     return rc;
 }
 

@@ -65,6 +65,10 @@ struct idem_queue {
     uint8_t *scan_buf;
     size_t scan_cap, scan_used, scan_n, scan_max;
     idem_audit_entry *audit;
+    /* Attention view results. */
+    idem_record *att_recs;
+    uint8_t *att_buf;
+    size_t att_cap;
 };
 
 struct seen_info {
@@ -81,6 +85,8 @@ struct age_heap {
     struct age_entry *v;
     size_t n, cap;
 };
+
+enum age_kind { AGE_IN_FLIGHT = 0, AGE_REVIEW = 1, AGE_MISMATCH = 2, AGE_KINDS = 3 };
 
 struct audit_rec {
     idem_audit_entry e;
@@ -106,6 +112,8 @@ struct idem_store {
     int fatal;
     int closing;
     int abandoned; /* store_abandon: the flusher stops at once, nothing more is written */
+    int no_wait;   /* idem_cancel_waits: claims answer busy at once */
+    int ckpt_quiesce; /* a checkpoint waits for the log to be durable: no new appends */
     int flushing;
     uint32_t frame_max;            /* the largest frame one change can append */
     int64_t spare_failed_mono_ms;  /* last failed attempt at the spare segment (disk full) */
@@ -119,6 +127,7 @@ struct idem_store {
     uint32_t seen_nfree;
     /* Store clock. */
     int64_t clk_store_ms, clk_mono_ms, clk_last_ms;
+    int clk_frozen; /* inside idem_submit: the clock read at its start serves every op */
     /* Parked WAIT claims, oldest first. */
     struct qslot *waiters, *waiters_tail;
     struct idem_queue *queues;
@@ -142,8 +151,8 @@ struct idem_store {
     int cmp_done;          /* every frame handled: retire once durable and checkpointed */
     uint64_t cmp_done_lsn; /* the log's last LSN when the walk ended */
     int cmp_disabled;      /* a corrupt frame stopped compaction (reported) */
-    /* Unfinished records by first_seen (ages.c). */
-    struct age_heap ages_in_flight, ages_review;
+    /* Records that need attention, by kind (ages.c). */
+    struct age_heap ages[3];
     int ages_rebuilding;
     int test_sim; /* the simulated disk: no lock file */
 };
@@ -166,6 +175,9 @@ void store_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)))
  * returns 0 and the append answers IDEM_EFULL, so reads and repeats go on. */
 int store_room(idem_store *s);
 int store_room_ok(idem_store *s);
+/* Marks the store failed (a write or flush failed, err a negative errno): nothing more is
+ * acknowledged; completions not yet durable answer IDEM_EFATAL. */
+void store_fail(idem_store *s, int err);
 void store_quiesce(idem_store *s);
 void store_kick(idem_store *s);
 /* Room for len more bytes at the end of the slot's buffer (not yet counted as used); earlier
@@ -206,12 +218,13 @@ int compact_step(idem_store *s);
 int compact_wants_checkpoint(const idem_store *s);
 
 /* ---- ages.c ---- */
-/* A version in state (in_flight or review) with first_seen was written at addr. */
-void ages_push(idem_store *s, int state, int64_t first_seen_ms, uint64_t addr);
-/* first_seen of the oldest record in state, 0 if none. */
-int64_t ages_oldest(idem_store *s, int state);
-/* Addresses of every record in state (at most max), in no particular order. */
-size_t ages_list(idem_store *s, int state, uint64_t *addrs, size_t max);
+/* Version r of a key was written (or found, at load) at addr: remember it if it belongs to a
+ * kind (unfinished, or with mismatches). */
+void ages_note(idem_store *s, const struct rec *r, uint64_t addr);
+/* The time (first_seen, or last_mismatch for AGE_MISMATCH) of the oldest of kind, 0 if none. */
+int64_t ages_oldest(idem_store *s, int kind);
+/* Addresses of every record of kind (at most max), in no particular order. */
+size_t ages_list(idem_store *s, int kind, uint64_t *addrs, size_t max);
 void ages_free(idem_store *s);
 
 /* ---- audit.c ---- */

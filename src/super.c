@@ -115,6 +115,14 @@ int super_load(struct io *io, const char *dir, struct super *sb, char *err, size
         return IDEM_ECORRUPT;
     }
     *sb = (va && (!vb || a.generation > b.generation)) ? a : b;
+    /* Fields that address the log are checked before anything trusts them. */
+    if (sb->seg_bytes % 4096 || sb->seg_bytes < 64 * 1024 || sb->seg_bytes > 512u * 1024 * 1024 ||
+        sb->ckpt_off % 4096 || sb->ckpt_off < 4096 || sb->ckpt_off >= sb->seg_bytes ||
+        sb->wal_first_seq == 0 || sb->ckpt_seq < sb->wal_first_seq) {
+        snprintf(err, errcap, "%s: superblock fields out of range (segment size %u, replay at %llu:%u)",
+                 path, sb->seg_bytes, (unsigned long long)sb->ckpt_seq, sb->ckpt_off);
+        return IDEM_ECORRUPT;
+    }
     return 0;
 }
 
@@ -149,7 +157,10 @@ int super_store(struct io *io, const char *dir, struct super *sb)
     io_close(io, f);
     if (rc == 0 && created)
         rc = io_sync_dir(io, dir);
-    return rc < 0 ? (rc == -ENOSPC ? IDEM_EFULL : IDEM_EFATAL) : 0;
+    /* Only the creation may meet a full disk; a failed rewrite of the file is fatal. */
+    if (rc < 0)
+        return created && (rc == -ENOSPC || rc == -EDQUOT) ? IDEM_EFULL : IDEM_EFATAL;
+    return 0;
 }
 
 int lock_acquire(const char *dir, char *err, size_t errcap)

@@ -27,7 +27,9 @@
 #define WAL_SEG_HDR_CKSUM 4088u
 
 struct wal_segment {
-    uint64_t seq; /* 0: slot unused */
+    uint64_t seq;     /* 0: slot unused */
+    uint64_t end_lsn; /* LSN of its SEGEND frame once sealed in this run (0: none yet, or
+                         sealed before the last open and so durable) */
     struct io_file *f;
     const uint8_t *map;
     uint64_t salt;
@@ -55,6 +57,8 @@ struct wal {
     uint64_t frames_inflight; /* ... in the batch in flight */
     int spare_err;   /* the last attempt to create it failed with this (IDEM_EFULL, ...) */
     uint64_t lsn_last;
+    uint64_t lsn_written;   /* written, maybe not flushed (durability none) */
+    uint64_t lsn_recovered; /* last LSN of the last complete batch at recovery */
     uint64_t lsn_durable;
     uint64_t batch;
     int64_t last_clock_ms;
@@ -305,6 +309,7 @@ static int seg_roll(struct wal *w, int reserve)
     int rc = append_frame(w, WAL_T_SEGEND, NULL, NULL, 0, WAL_FRAME_HDR, &addr, reserve);
     if (rc < 0)
         return rc;
+    seg_of(w, w->cur_seq)->end_lsn = w->lsn_last;
     chunk_close_block(w, chunk_tail(w), 0); /* the chunk ends on a block boundary */
     w->spare_ready = 0;
     w->cur_seq++;
@@ -379,6 +384,13 @@ const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, 
         return NULL;
     struct wal_segment *s = &w->segs[slot];
     const uint8_t *f = NULL;
+    /* Chunks hold the newest frames, in log order: anything before the oldest one is read
+     * from the segment's map without looking at them. */
+    const struct wal_chunk *oldest = w->ninfl ? &w->chunks[w->infl[0]]
+                                     : w->npend ? &w->chunks[w->pend[0]]
+                                                : NULL;
+    if (!oldest || s->seq < oldest->seq || (s->seq == oldest->seq && off < oldest->off))
+        goto map;
     for (int i = 0; i < w->npend + w->ninfl && !f; i++) {
         int ci = i < w->npend ? w->pend[i] : w->infl[i - w->npend];
         struct wal_chunk *c = &w->chunks[ci];
@@ -386,6 +398,7 @@ const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, 
             f = c->buf + (off - c->off);
     }
     if (!f) {
+    map:
         if (off < WAL_BLOCK || off + WAL_FRAME_HDR > w->seg_bytes)
             return NULL;
         f = s->map + off;
@@ -423,13 +436,15 @@ int wal_flush_begin(struct wal *w, int64_t clock_ms)
     return w->ninfl;
 }
 
-int wal_flush_io(struct wal *w)
+int wal_flush_io(struct wal *w, int durable)
 {
     for (int i = 0; i < w->ninfl; i++) {
         struct wal_chunk *c = &w->chunks[w->infl[i]];
         struct wal_segment *s = seg_of(w, c->seq);
         IDEM_ASSERT(s && c->len % WAL_BLOCK == 0);
-        int rc = io_submit_write(w->io, s->f, c->off, c->buf, c->len, IO_W_FLUSH, (uint64_t)i);
+        /* Without durability (mode none) a segment is still flushed once it is sealed. */
+        unsigned flags = durable || c->seq < w->cur_seq ? IO_W_FLUSH : 0;
+        int rc = io_submit_write(w->io, s->f, c->off, c->buf, c->len, flags, (uint64_t)i);
         if (rc < 0)
             return rc;
     }
@@ -449,7 +464,7 @@ int wal_flush_io(struct wal *w)
                 /* A short write: write the rest, linked to a flush again. */
                 uint32_t done = (uint32_t)cqe[k].res & ~(WAL_BLOCK - 1);
                 int r = io_write_sync(w->io, seg_of(w, c->seq)->f, c->off + done, c->buf + done,
-                                      c->len - done, 1);
+                                      c->len - done, durable || c->seq < w->cur_seq);
                 if (r < 0)
                     rc = rc ? rc : r;
             }
@@ -458,16 +473,34 @@ int wal_flush_io(struct wal *w)
     return rc;
 }
 
-uint64_t wal_flush_end(struct wal *w)
+uint64_t wal_flush_end(struct wal *w, int durable)
 {
     for (int i = 0; i < w->ninfl; i++) {
         struct wal_chunk *c = &w->chunks[w->infl[i]];
-        if (c->last_lsn > w->lsn_durable)
-            w->lsn_durable = c->last_lsn;
+        if (c->last_lsn > w->lsn_written)
+            w->lsn_written = c->last_lsn;
         w->free_list[w->nfree++] = w->infl[i];
     }
     w->ninfl = 0;
+    if (durable)
+        w->lsn_durable = w->lsn_written;
     return w->lsn_durable;
+}
+
+int wal_sync(struct wal *w)
+{
+    if (w->lsn_durable == w->lsn_written)
+        return 0;
+    int rc = io_flush_sync(w->io, seg_of(w, w->cur_seq)->f);
+    if (rc < 0)
+        return rc;
+    w->lsn_durable = w->lsn_written;
+    return 0;
+}
+
+uint64_t wal_written_lsn(const struct wal *w)
+{
+    return w->lsn_written;
 }
 
 uint64_t wal_last_lsn(const struct wal *w)
@@ -523,7 +556,7 @@ int wal_seg_next(struct wal *w, uint64_t seq, uint32_t *off, struct wal_frame *f
         }
         uint32_t len = frame_valid(w, s, o);
         if (!len)
-            return 0; /* the end of what was written (a stale tail is never part of the log) */
+            return -1; /* a sealed segment's frames run unbroken to its SEGEND */
         const uint8_t *p = s->map + o;
         uint32_t type = util_get_u16(p + 28);
         if (type == WAL_T_SEGEND)
@@ -540,7 +573,18 @@ int wal_seg_next(struct wal *w, uint64_t seq, uint32_t *off, struct wal_frame *f
             return 1;
         }
     }
-    return 0;
+    return -1;
+}
+
+int wal_seg_durable(const struct wal *w, uint64_t seq, uint64_t durable_lsn)
+{
+    const struct wal_segment *s = &w->segs[seq % WAL_SEG_SLOTS];
+    return s->seq == seq && seq < w->cur_seq && s->end_lsn <= durable_lsn;
+}
+
+uint64_t wal_recovered_lsn(const struct wal *w)
+{
+    return w->lsn_recovered;
 }
 
 int wal_copy(struct wal *w, const struct wal_frame *f, uint64_t *addr, uint64_t *lsn)
@@ -701,12 +745,10 @@ static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch, ui
 {
     for (uint64_t seq = p.seq; seg_of(w, seq); seq++) {
         struct wal_segment *s = seg_of(w, seq);
-        uint32_t off = seq == p.seq ? (uint32_t)IDEM_ALIGN_UP(p.off + 1, WAL_BLOCK) : WAL_BLOCK;
-        if (seq == p.seq && p.off % WAL_BLOCK == 0 && p.off > WAL_BLOCK - 1)
-            off = p.off; /* the stop position itself may hold a valid stale frame */
+        /* The stop position is a block start (the end of a complete batch); it may itself
+         * hold a valid frame of the batch that was in flight. */
+        uint32_t off = seq == p.seq ? p.off : WAL_BLOCK;
         for (; off + WAL_FRAME_HDR <= w->seg_bytes; off += WAL_BLOCK) {
-            if (seq == p.seq && off == p.off)
-                continue;
             if (!frame_valid(w, s, off))
                 continue;
             uint64_t lsn = util_get_u64(s->map + off + 8);
@@ -734,6 +776,10 @@ int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int
     uint64_t seq = first_seq;
     for (;; seq++) {
         int rc = seg_open(w, seq, read_only);
+        if (rc == IDEM_ENOTFOUND && seq < start_seq) {
+            w->first_seq = seq + 1; /* retired after this superblock copy was written */
+            continue;
+        }
         if (rc == IDEM_ENOTFOUND)
             break;
         if (rc == IDEM_ECORRUPT && seq > start_seq)
@@ -749,12 +795,8 @@ int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int
                  (unsigned long long)start_seq);
         return IDEM_ECORRUPT;
     }
-    for (uint64_t q = first_seq; q < start_seq; q++) {
-        if (!seg_of(w, q)) {
-            snprintf(w->err, sizeof w->err, "log segment %llu is missing", (unsigned long long)q);
-            return IDEM_ECORRUPT;
-        }
-    }
+    /* Segments before the replay start hold only records the checkpoint points to; one that is
+     * missing is caught when a checkpoint entry points into it (wal_addr_valid). */
     return 0;
 }
 
@@ -772,7 +814,7 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
 {
     struct scan_pos p = {start_seq, start_off}, batch_start = p;
     uint64_t last_lsn = prev_lsn, last_batch = prev_batch; /* of the last complete batch */
-    uint64_t cur_lsn = prev_lsn;
+    uint64_t cur_lsn = prev_lsn, cur_batch = prev_batch;
     for (;;) {
         struct wal_segment *s = seg_of(w, p.seq);
         uint32_t len = frame_valid(w, s, p.off);
@@ -781,9 +823,11 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
         const uint8_t *f = s->map + p.off;
         uint64_t lsn = util_get_u64(f + 8), batch = util_get_u64(f + 16);
         uint32_t type = util_get_u16(f + 28);
-        if (lsn <= cur_lsn || batch <= last_batch || (cur_lsn != last_lsn && lsn != cur_lsn + 1))
+        if (lsn <= cur_lsn || batch <= last_batch ||
+            (cur_lsn != last_lsn && (lsn != cur_lsn + 1 || batch != cur_batch)))
             break; /* a stale frame, or a gap inside a batch */
         cur_lsn = lsn;
+        cur_batch = batch;
         if (type == WAL_T_END) {
             int rc = replay_batch(w, batch_start, lsn, fn, ctx);
             if (rc < 0)
@@ -807,8 +851,10 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
         return rc;
     if (cur_lsn > max_lsn)
         max_lsn = cur_lsn;
-    w->lsn_last = w->lsn_durable = max_lsn;
-    w->batch = max_batch + 1;
+    w->lsn_last = w->lsn_written = w->lsn_durable = max_lsn;
+    w->lsn_recovered = last_lsn;
+    /* At least two above the last complete batch: the torn batch's number is never reused. */
+    w->batch = (max_batch > last_batch + 1 ? max_batch : last_batch + 1) + 1;
     w->cur_seq = batch_start.seq;
     w->cur_off = batch_start.off;
     /* Segments past the end are stale; they are re-created (new salt) when the log gets there. */

@@ -115,12 +115,16 @@ const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, 
 
 /* Group commit, in three steps. begin (under the store lock): closes the batch with an END frame
  * carrying clock_ms and moves pending chunks in flight; returns the number of chunks (0: nothing
- * to do). io (without the lock, flusher thread only): writes and flushes them; returns 0 or a
- * negative errno (fatal). end (under the lock): releases the chunks and returns the LSN now
- * durable. */
+ * to do). io (without the lock, flusher thread only): writes them, each linked to a flush when
+ * durable; returns 0 or a negative errno (fatal). end (under the lock): releases the chunks and
+ * returns the LSN now durable. */
 int wal_flush_begin(struct wal *w, int64_t clock_ms);
-int wal_flush_io(struct wal *w);
-uint64_t wal_flush_end(struct wal *w);
+int wal_flush_io(struct wal *w, int durable);
+uint64_t wal_flush_end(struct wal *w, int durable);
+/* Durability none writes batches without flushing them (a sealed segment is flushed all the
+ * same): wal_sync flushes what was written (flusher thread, nothing in flight). */
+int wal_sync(struct wal *w);
+uint64_t wal_written_lsn(const struct wal *w);
 
 uint64_t wal_last_lsn(const struct wal *w);     /* last LSN appended */
 uint64_t wal_durable_lsn(const struct wal *w);  /* last LSN on stable storage */
@@ -136,9 +140,14 @@ int64_t wal_last_clock_ms(const struct wal *w); /* clock of the last END frame r
 /* ---- Compaction (compact.c) ---- */
 /* Segments the log holds now (the spare not counted). */
 uint64_t wal_segments(const struct wal *w);
-/* Walks the frames of a closed, durable segment: from *off (WAL_BLOCK to begin) returns the next
- * RECORD or DELETE frame and advances *off; returns 0 at the segment's end, 1 with a frame. */
+/* Walks the frames of a sealed, durable segment: from *off (WAL_BLOCK to begin) returns the next
+ * RECORD or DELETE frame and advances *off; returns 1 with a frame, 0 at its SEGEND, -1 when a
+ * frame before the SEGEND fails its checksum (corruption: the walk must stop). */
 int wal_seg_next(struct wal *w, uint64_t seq, uint32_t *off, struct wal_frame *f);
+/* Whether segment seq is sealed (SEGEND written) and every frame of it is durable. */
+int wal_seg_durable(const struct wal *w, uint64_t seq, uint64_t durable_lsn);
+/* The LSN that recovery ended at: the last frame of the last complete batch. */
+uint64_t wal_recovered_lsn(const struct wal *w);
 /* Appends a copy of a frame's payload (compaction). */
 int wal_copy(struct wal *w, const struct wal_frame *f, uint64_t *addr, uint64_t *lsn);
 /* Unmaps, closes and deletes segment seq, which must be the first; the caller has already made

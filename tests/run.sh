@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The CI-tier test suite: builds Debug and Asan (ASan + UBSan) and runs every test binary in
-# both through ctest (each binary has a timeout). Reduced counts; IDEM_LONG=1 selects the long
+# The CI-tier test suite: builds Debug, Asan (ASan + UBSan) and Release (which warns about what
+# only the optimiser sees) and runs every test binary in each through ctest (each binary has a
+# timeout). Reduced counts; IDEM_LONG=1 selects the long
 # tier's counts (see docs/reliability.md). Usage: tests/run.sh [ctest args...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./tools/install-deps.sh
 jobs=$(nproc)
-for type in Debug Asan; do
+for type in Debug Asan Release; do
   dir=build-$(echo "$type" | tr 'A-Z' 'a-z')
   echo "== $type build in $dir"
   cmake -S . -B "$dir" -DCMAKE_BUILD_TYPE="$type" >/dev/null

@@ -245,8 +245,15 @@ Test(recovery, corrupt_checkpoint_is_reported)
     cr_assert_eq(open_sim(&s), IDEM_OK);
     fill(s, 0, 10);
     cr_assert_eq(idem_close(s), IDEM_OK);
+    /* The checkpoint the newest superblock copy names. */
+    uint8_t sb[8192];
+    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/super", sb, sizeof sb), 8192);
+    uint64_t g0, g1, id;
+    memcpy(&g0, sb + 16, 8);
+    memcpy(&g1, sb + 4096 + 16, 8);
+    memcpy(&id, sb + (g0 > g1 ? 0 : 4096) + 64, 8);
     char path[256];
-    ckpt_path(SIM_DIR, 1, path, sizeof path);
+    ckpt_path(SIM_DIR, id, path, sizeof path);
     cr_assert_eq(io_sim_corrupt(sim, path, 4096 + 3, 0x80), 0);
     cr_assert_eq(open_sim(&s), IDEM_ECORRUPT);
     cr_assert(strstr(idem_last_error(), "checkpoint"), "message: %s", idem_last_error());
@@ -429,4 +436,37 @@ Test(golden, format_1_store_opens_and_answers)
     cr_assert_eq(idem_close(s), IDEM_OK);
     tu_rmtree(dir);
     free(golden);
+}
+
+static void durability_mode_sync_makes_durable(int mode)
+{
+    idem_options o;
+    idem_options_init(&o);
+    o.test_clock = 1;
+    o.segment_bytes = 64 * 1024;
+    o.result_bytes_max = 4096;
+    o.durability = mode;
+    idem_store *s;
+    cr_assert_eq(store_open_io(SIM_DIR, &o, io_sim_io(sim), 1, &s), IDEM_OK);
+    fill(s, 0, 200); /* acknowledged at once, several segments sealed on the way */
+    cr_assert_eq(idem_sync(s), IDEM_OK);
+    idem_stats st;
+    idem_get_stats(s, &st);
+    cr_assert_gt(st.flushes, 0);
+    store_abandon(s);
+    io_sim_crash(sim, IO_SIM_CRASH_LOSE_ALL);
+    cr_assert_eq(store_open_io(SIM_DIR, &o, io_sim_io(sim), 1, &s), IDEM_OK, "%s",
+                 idem_last_error());
+    expect_committed(s, 0, 200);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+Test(recovery, durability_none_is_durable_after_sync)
+{
+    durability_mode_sync_makes_durable(IDEM_DURABILITY_NONE);
+}
+
+Test(recovery, durability_batch_is_durable_after_sync)
+{
+    durability_mode_sync_makes_durable(IDEM_DURABILITY_BATCH);
 }
