@@ -77,6 +77,23 @@ static void write_store(void)
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
+/* The first (first: 1) or last file whose name starts with prefix, in name order. */
+static const char *file_named(const char *prefix, int first)
+{
+    static char name[2][256];
+    struct dirent **list;
+    int n = scandir(dir, &list, NULL, alphasort);
+    name[first][0] = 0;
+    for (int i = 0; i < n; i++) {
+        if (strncmp(list[i]->d_name, prefix, strlen(prefix)) == 0 && (!first || !name[first][0]))
+            snprintf(name[first], sizeof name[first], "%s", list[i]->d_name);
+        free(list[i]);
+    }
+    free(list);
+    cr_assert(name[first][0], "no file %s*", prefix);
+    return name[first];
+}
+
 struct snap {
     char name[256];
     uint8_t *data;
@@ -218,7 +235,7 @@ static uint64_t used_end(const char *name)
 Test(verify, flipped_bit_in_a_segment_is_found, .init = setup, .fini = teardown)
 {
     write_store();
-    const char *seg = "wal-0000000000000001.log";
+    const char *seg = file_named("wal-", 1);
     uint64_t end = used_end(seg);
     cr_assert_gt(end, 8192);
     expect_found(seg, 20, 1);         /* header */
@@ -230,30 +247,14 @@ Test(verify, flipped_bit_in_a_segment_is_found, .init = setup, .fini = teardown)
         uint64_t off = tu_rand(&seed) % end;
         expect_found(seg, off, (int)(tu_rand(&seed) % 8));
     }
-    expect_found("wal-0000000000000002.log", 40, 6); /* the spare segment's header */
+    expect_found(file_named("wal-", 0), 40, 6); /* the spare segment's header */
     cr_assert_eq(verify_ok().errors, 0);
-}
-
-static const char *checkpoint_name(void)
-{
-    static char name[256];
-    struct dirent **list;
-    int n = scandir(dir, &list, NULL, alphasort);
-    name[0] = 0;
-    for (int i = 0; i < n; i++) {
-        if (strncmp(list[i]->d_name, "index-", 6) == 0)
-            snprintf(name, sizeof name, "%s", list[i]->d_name);
-        free(list[i]);
-    }
-    free(list);
-    cr_assert(name[0], "no checkpoint file");
-    return name;
 }
 
 Test(verify, flipped_bit_in_the_checkpoint_is_found, .init = setup, .fini = teardown)
 {
     write_store();
-    const char *ck = checkpoint_name();
+    const char *ck = file_named("index-", 0); /* the newest */
     char path[4096];
     struct stat st;
     snprintf(path, sizeof path, "%s/%s", dir, ck);
@@ -264,6 +265,9 @@ Test(verify, flipped_bit_in_the_checkpoint_is_found, .init = setup, .fini = tear
     uint64_t end = used_end(ck);
     expect_found(ck, end - 20, 1);                 /* the trailer */
     expect_found(ck, (uint64_t)st.st_size - 1, 0); /* zero padding after it */
+    const char *older = file_named("index-", 1);
+    if (strcmp(older, ck) != 0)
+        expect_found(older, 4096 + 1, 3); /* kept for the older superblock copy */
     cr_assert_eq(verify_ok().errors, 0);
 }
 
