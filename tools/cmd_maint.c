@@ -3,9 +3,11 @@
  * with a progress bar on a terminal), backup, restore, export (JSON Lines), import,
  * checkpoint and compact. None of these reach idemd (online backup is not available yet).
  */
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -481,6 +483,12 @@ int cmd_import(const struct ctl_opts *o)
     FILE *in = strcmp(file, "-") == 0 ? stdin : fopen(file, "r");
     if (!in) {
         ctl_err("cannot read %s", file);
+        return CTL_FAIL;
+    }
+    struct stat st;
+    if (stat(oo.dir, &st) < 0 && mkdir(oo.dir, 0700) < 0) {
+        ctl_err("cannot create %s: %s", oo.dir, strerror(errno));
+        if (in != stdin) fclose(in);
         return CTL_FAIL;
     }
     struct ctl c;
