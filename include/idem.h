@@ -116,7 +116,8 @@ typedef struct idem_clock_source {
 typedef struct idem_options {
     int durability;             /* enum idem_durability */
     int lease_policy;           /* enum idem_lease_policy */
-    int io_backend;             /* enum idem_io_backend */
+    int io_backend;             /* enum idem_io_backend; with IDEM_IO_AUTO the environment
+                                   variable IDEM_IO_BACKEND=thread|io_uring decides */
     int read_only;              /* nonzero: no recovery writes, no changes (for inspection) */
     int test_clock;             /* nonzero: the store clock stands still; see idem_clock_set */
     uint64_t max_keys;          /* 0: no limit beyond memory */

@@ -677,6 +677,13 @@ int idem_open(const char *dir, const idem_options *o, idem_store **out)
         opt = *o;
     else
         idem_options_init(&opt);
+    /* IDEM_IO_BACKEND=thread|io_uring overrides an automatic choice (operators in sandboxes
+     * that refuse io_uring quietly; the test suite runs once on each backend). */
+    const char *env = getenv("IDEM_IO_BACKEND");
+    if (opt.io_backend == IDEM_IO_AUTO && env && strcmp(env, "thread") == 0)
+        opt.io_backend = IDEM_IO_THREAD;
+    if (opt.io_backend == IDEM_IO_AUTO && env && strcmp(env, "io_uring") == 0)
+        opt.io_backend = IDEM_IO_URING;
     struct io *io = NULL;
     int rc = -ENOSYS;
     if (opt.io_backend == IDEM_IO_AUTO || opt.io_backend == IDEM_IO_URING) {

@@ -166,6 +166,10 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
  * closed. Use io_sim_crash afterwards to drop what was not flushed. */
 void store_abandon(idem_store *s);
 
+/* Tests: walks the whole index; every entry must name a decodable record whose key leads back
+ * to it, and the per-state counts must match. IDEM_ECORRUPT on any fault. */
+int store_check_index(idem_store *s, uint64_t *entries);
+
 /* ---- store.c, for ops.c ---- */
 int64_t store_now(idem_store *s);
 int store_next_token(idem_store *s, int64_t *out);

@@ -15,3 +15,6 @@ for type in Debug Asan Release; do
   echo "== $type tests"
   (cd "$dir" && ctest --output-on-failure --timeout 900 "$@")
 done
+# The engine's tests once more on the other real I/O backend (pwrite + fdatasync).
+echo "== Debug tests on the thread I/O backend"
+(cd build-debug && IDEM_IO_BACKEND=thread ctest --output-on-failure --timeout 900 "$@")

@@ -63,8 +63,9 @@ struct kept {
     uint64_t version;
 };
 
-static void check_kept(idem_queue *q, const struct kept *k, int n)
+static void check_kept(idem_store *s, idem_queue *q, const struct kept *k, int n)
 {
+    cr_assert_eq(store_check_index(s, NULL), IDEM_OK, "index inconsistent");
     for (int i = 0; i < n; i++) {
         idem_completion c;
         cr_assert_eq(idem_get(q, k[i].key, strlen(k[i].key), &c), IDEM_OK);
@@ -113,14 +114,14 @@ Test(compact, expired_keys_leave_memory_and_disk_live_ones_survive_intact, .time
     cr_assert_gt(st.compactions, 0);
     cr_assert_gt(st.expired_total, 0);
     cr_assert_lt(st.keys, 400, "expired keys stay in the index: %llu", (unsigned long long)st.keys);
-    check_kept(q, kept, 20);
+    check_kept(s, q, kept, 20);
     /* A crash after compaction: the same. */
     idem_queue_close(q);
     store_abandon(s);
     io_sim_crash(sim, IO_SIM_CRASH_TEAR);
     s = open_sim(sim);
     cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
-    check_kept(q, kept, 20);
+    check_kept(s, q, kept, 20);
     idem_completion c;
     cr_assert_eq(idem_get(q, "short-0-0", 9, &c), IDEM_OK);
     cr_assert(!c.found, "an expired key came back");
@@ -171,7 +172,7 @@ Test(compact, crashes_during_compaction_lose_nothing, .timeout = 300)
         io_sim_crash(sim, IO_SIM_CRASH_TEAR | IO_SIM_CRASH_FLIP);
         s = open_sim(sim);
         cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
-        check_kept(q, kept, 10);
+        check_kept(s, q, kept, 10);
         idem_queue_close(q);
         cr_assert_eq(idem_close(s), IDEM_OK);
         io_sim_destroy(sim);

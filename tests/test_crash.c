@@ -156,6 +156,8 @@ static int run_round(idem_store *s, idem_queue *q, struct model *m, uint64_t *rn
 /* Checks every key of the model against the reopened store. */
 static void check_model(idem_store *s, struct model *m, uint64_t seed)
 {
+    cr_assert_eq(store_check_index(s, NULL), IDEM_OK, "seed %llu: index inconsistent",
+                 (unsigned long long)seed);
     idem_queue *q;
     cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
     for (int i = 0; i < m->nkeys; i++) {

@@ -366,6 +366,44 @@ Test(server, expired_lease_gives_recover, .init = start)
     redisFree(admin);
 }
 
+/* Finds `name` in a flat field/value array and returns its value, or NULL. */
+static const char *field_of(const redisReply *rec, const char *name)
+{
+    for (size_t i = 0; i + 1 < rec->elements; i += 2)
+        if (strcmp(rec->element[i]->str, name) == 0)
+            return rec->element[i + 1]->str;
+    return NULL;
+}
+
+Test(server, attention_lists_what_needs_a_person, .init = start)
+{
+    redisContext *c = connect_tcp(), *admin = connect_unix();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM stuck 60000 100"), &tok), "new");
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM running 60000 100000"), NULL), "new");
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM held 60000 100"), &tok), "new");
+    expect_status(cmd(c, "IDEM.HOLD held %lld %s", tok, "timeout"), "OK");
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM fine 60000 100"), &tok), "new");
+    expect_status(cmd(c, "IDEM.COMMIT fine %lld r", tok), "OK");
+    freeReplyObject(cmd(admin, "DEBUG CLOCK ADVANCE 100"));
+    /* A worker may not look; a reader or admin may. */
+    expect_error(cmd(c, "IDEM.ATTENTION"), "NOPERM");
+    redisReply *r = cmd(admin, "IDEM.ATTENTION");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
+    cr_assert_eq(r->elements, 2, "listed %zu records", r->elements);
+    cr_assert_str_eq(field_of(r->element[0], "key"), "held"); /* review first */
+    cr_assert_str_eq(field_of(r->element[0], "state"), "review");
+    cr_assert_str_eq(field_of(r->element[1], "key"), "stuck");
+    freeReplyObject(r);
+    /* OLDER lists in_flight records whose lease still runs, by age. */
+    r = cmd(admin, "IDEM.ATTENTION OLDER 50");
+    cr_assert_eq(r->elements, 3);
+    freeReplyObject(r);
+    expect_error(cmd(admin, "IDEM.ATTENTION OLDER"), "ERR");
+    redisFree(c);
+    redisFree(admin);
+}
+
 static void start_noclock(void)
 {
     with_test_clock = 0;

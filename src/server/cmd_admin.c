@@ -197,6 +197,38 @@ void cmd_audit(cmd_req *r)
     cmd_done(r);
 }
 
+/* IDEM.ATTENTION [OLDER ms] [COUNT n]: the records that need a person or a reconciler (review,
+ * in_flight past its lease or older than ms, recorded mismatches), each as IDEM.GET's array.
+ * Costs no scan of all keys. */
+void cmd_attention(cmd_req *r)
+{
+    uint64_t older = 0, count = 1000;
+    for (uint32_t i = 1; i < r->argc; i += 2) {
+        if (i + 1 < r->argc && cmd_is(r, i, "OLDER") &&
+            cmd_u64(r->argv[i + 1], r->argl[i + 1], &older) == 0 && older <= IDEM_TTL_MS_MAX) {
+        } else if (i + 1 < r->argc && cmd_is(r, i, "COUNT") &&
+                   cmd_u64(r->argv[i + 1], r->argl[i + 1], &count) == 0 && count > 0 &&
+                   count <= 100000) {
+        } else {
+            return cmd_fail(r, "ERR syntax error (OLDER ms, COUNT 1..100000)");
+        }
+    }
+    srv_flush_ops(r->s);
+    idem_attention_args a = {.older_ms = (int64_t)older, .max = (uint32_t)count};
+    const idem_record *recs = NULL;
+    size_t n = 0;
+    int err = idem_attention(r->s->q_sync, &a, &recs, &n);
+    resp_buf *b = cmd_out(r);
+    if (err != IDEM_OK) {
+        cmd_reply_err(b, err);
+        return cmd_done(r);
+    }
+    resp_array(b, (int64_t)n);
+    for (size_t i = 0; i < n; i++)
+        cmd_reply_record(b, &recs[i]);
+    cmd_done(r);
+}
+
 /* DEL key [key ...]: none is deleted if any is in_flight or review. */
 void cmd_del(cmd_req *r)
 {

@@ -363,7 +363,7 @@ static void f_fp(field *f, int *n, const char *name, const uint8_t *fp)
 }
 
 /* IDEM.GET: the record as field/value pairs; fields that do not apply are left out. */
-static void reply_record(resp_buf *b, const idem_record *rec)
+void cmd_reply_record(resp_buf *b, const idem_record *rec)
 {
     field f[24];
     int n = 0;
@@ -442,7 +442,7 @@ int cmd_complete(srv *s, srv_conn *c, srv_slot *sl, resp_buf *b, const idem_comp
         break;
     case RK_RECORD:
         if (cp->found)
-            reply_record(b, &cp->record);
+            cmd_reply_record(b, &cp->record);
         else
             resp_nil(b);
         break;

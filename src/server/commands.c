@@ -252,6 +252,7 @@ const cmd_def cmd_table[] = {
     {"IDEM.STATS", 1, ROLES_READ, 0, cmd_stats},
     {"IDEM.RESOLVE", -4, ROLE_ADMIN, CMD_F_WRITE, cmd_resolve},
     {"IDEM.AUDIT", -1, ROLES_READ, 0, cmd_audit},
+    {"IDEM.ATTENTION", -1, ROLES_READ, 0, cmd_attention},
     {"SET", -3, ROLES_WORK, CMD_F_WRITE, cmd_set},
     {"GET", 2, ROLES_ALL, 0, cmd_get},
     {"EXISTS", -2, ROLES_ALL, 0, cmd_exists},
