@@ -1,0 +1,364 @@
+/*
+ * test_idemctl.c: build/idemctl run as a program ($IDEM_BUILD_DIR): usage errors and exit
+ * codes; offline commands on a temporary store written through the API (status, get,
+ * attention, resolve, audit, scan, verify, export/import, backup/restore, checkpoint,
+ * compact, the refusal while another process holds the store), checked through --json; and
+ * online commands against build/idemd started with --test-clock on its unix socket (skipped,
+ * with the reason, when build/idemd is missing).
+ */
+#include <criterion/criterion.h>
+#include <stdarg.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "idem.h"
+#include "testutil.h"
+
+static char *dir;     /* the store */
+static char *scratch; /* outputs, backups, exports */
+static char out[1 << 16], err[1 << 16];
+
+static void setup(void)
+{
+    dir = tu_mkdtemp("ctl-store");
+    scratch = tu_mkdtemp("ctl-scratch");
+}
+
+static void teardown(void)
+{
+    tu_rmtree(dir);
+    tu_rmtree(scratch);
+}
+
+static const char *build_dir(void)
+{
+    const char *b = getenv("IDEM_BUILD_DIR");
+    return b ? b : ".";
+}
+
+static void slurp(const char *path, char *buf, size_t cap)
+{
+    FILE *f = fopen(path, "r");
+    size_t n = f ? fread(buf, 1, cap - 1, f) : 0;
+    buf[n] = 0;
+    if (f) fclose(f);
+}
+
+/* Runs idemctl with args (a shell fragment); stdout in out, stderr in err; the exit code. */
+static int ctl(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int ctl(const char *fmt, ...)
+{
+    char args[4096], cmd[16384], o[4200], e[4200];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(args, sizeof args, fmt, ap);
+    va_end(ap);
+    snprintf(o, sizeof o, "%s/out", scratch);
+    snprintf(e, sizeof e, "%s/err", scratch);
+    snprintf(cmd, sizeof cmd, "timeout 60 %s/idemctl %s >%s 2>%s", build_dir(), args, o, e);
+    int st = system(cmd);
+    slurp(o, out, sizeof out);
+    slurp(e, err, sizeof err);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static void claim(idem_queue *q, const char *key, uint64_t lease_ms, const char *fp,
+                  idem_completion *c)
+{
+    idem_claim_args a = {
+        .ttl_ms = 3600000, .lease_ms = lease_ms, .fp = fp, .fp_len = (uint32_t)strlen(fp)};
+    cr_assert_eq(idem_claim(q, key, strlen(key), &a, c), IDEM_OK);
+}
+
+/* order-0..9 committed ("inv-N"), late-1 in_flight with a lease that runs out at once,
+ * live-1 in_flight with a long lease, held-1 in review, order-1 with a mismatch. */
+static void write_store(void)
+{
+    idem_store *s;
+    idem_queue *q;
+    idem_completion c;
+    idem_options o;
+    idem_options_init(&o);
+    o.segment_bytes = 1u << 20;
+    cr_assert_eq(idem_open(dir, &o, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
+    for (int i = 0; i < 10; i++) {
+        char key[32], res[32];
+        snprintf(key, sizeof key, "order-%d", i);
+        snprintf(res, sizeof res, "inv-%d", i);
+        claim(q, key, 60000, key, &c);
+        cr_assert_eq(idem_commit(q, key, strlen(key), c.token, res, strlen(res)), IDEM_OK);
+    }
+    claim(q, "late-1", 1, "late-1", &c);
+    claim(q, "live-1", 3600000, "live-1", &c);
+    claim(q, "held-1", 60000, "held-1", &c);
+    cr_assert_eq(idem_hold(q, "held-1", 6, c.token, "target timed out", 16), IDEM_OK);
+    claim(q, "order-1", 60000, "different content", &c);
+    cr_assert_eq(c.outcome, IDEM_MISMATCH);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    usleep(20000); /* late-1's lease (1 ms) has run out */
+}
+
+Test(idemctl, usage_errors_exit_2, .init = setup, .fini = teardown)
+{
+    cr_assert_eq(ctl("--help"), 0);
+    cr_assert(strstr(out, "attention"), "%s", out);
+    cr_assert_eq(ctl("resolve --help"), 0);
+    cr_assert(strstr(out, "--reason"));
+    cr_assert_eq(ctl("bogus"), 2);
+    cr_assert_eq(ctl("%s", ""), 2);
+    cr_assert_eq(ctl("get --dir %s", dir), 2);
+    cr_assert_eq(ctl("status --older 5 --dir %s", dir), 2);
+    cr_assert(strstr(err, "duration"), "%s", err);
+    cr_assert_eq(ctl("scan --state done --dir %s", dir), 2);
+    cr_assert_eq(ctl("get k --force --dir %s", dir), 2);
+    cr_assert_eq(ctl("resolve k commit --dir %s", dir), 2);
+    cr_assert(strstr(err, "--reason"), "%s", err);
+    cr_assert_eq(ctl("resolve k undo --reason x --dir %s", dir), 2);
+    cr_assert_eq(ctl("get k --dir %s --socket /nonexistent", dir), 2);
+}
+
+Test(idemctl, status_offline_reports_attention, .init = setup, .fini = teardown)
+{
+    write_store();
+    cr_assert_eq(ctl("status --dir %s --json", dir), 0, "%s", err);
+    cr_assert(strstr(out, "\"verdict\":\"attention\""), "%s", out);
+    cr_assert(strstr(out, "\"keys_review\":1"), "%s", out);
+    cr_assert(strstr(out, "\"keys_in_flight\":2"), "%s", out);
+    cr_assert_eq(ctl("status --dir %s", dir), 0);
+    cr_assert(strstr(out, "attention: "), "%s", out);
+    cr_assert(strstr(out, "held for review"), "%s", out);
+}
+
+Test(idemctl, get_shows_the_whole_record, .init = setup, .fini = teardown)
+{
+    write_store();
+    cr_assert_eq(ctl("get order-1 --dir %s --json", dir), 0, "%s", err);
+    cr_assert(strstr(out, "\"state\":\"committed\""), "%s", out);
+    cr_assert(strstr(out, "\"result\":\"inv-1\""), "%s", out);
+    cr_assert(strstr(out, "\"mismatch_count\":1"), "%s", out);
+    cr_assert(strstr(out, "\"first_seen_iso\":\""), "%s", out);
+    cr_assert(strstr(out, "\"expires_in_ms\":"), "%s", out);
+    cr_assert_eq(ctl("get order-1 --dir %s", dir), 0);
+    cr_assert(strstr(out, "inv-1") && strstr(out, "ago"), "%s", out);
+    cr_assert_eq(ctl("get nope --dir %s", dir), 1);
+    cr_assert(strstr(err, "no record"), "%s", err);
+}
+
+Test(idemctl, attention_lists_what_needs_a_person_by_urgency, .init = setup, .fini = teardown)
+{
+    write_store();
+    cr_assert_eq(ctl("attention --dir %s --json", dir), 0, "%s", err);
+    char *held = strstr(out, "\"key\":\"held-1\""), *late = strstr(out, "\"key\":\"late-1\"");
+    char *mis = strstr(out, "\"key\":\"order-1\"");
+    cr_assert(held && late && mis, "%s", out);
+    cr_assert(held < late && late < mis, "not by urgency: %s", out);
+    cr_assert_null(strstr(out, "\"key\":\"live-1\""), "a running lease is not listed: %s", out);
+    cr_assert(strstr(out, "fix the source"), "%s", out);
+    cr_assert(strstr(out, "check the target by key"), "%s", out);
+    cr_assert_eq(ctl("attention --older 1ms --dir %s --json", dir), 0);
+    cr_assert(strstr(out, "\"key\":\"live-1\""), "--older lists long in_flight: %s", out);
+    cr_assert_eq(ctl("attention --dir %s", dir), 0);
+    cr_assert(strstr(out, "NEXT STEP") && strstr(out, "held-1"), "%s", out);
+}
+
+Test(idemctl, resolve_is_checked_and_audited, .init = setup, .fini = teardown)
+{
+    write_store();
+    cr_assert_eq(ctl("resolve order-2 settle --reason x --dir %s", dir), 1);
+    cr_assert(strstr(err, "already committed"), "%s", err);
+    cr_assert_eq(ctl("resolve live-1 release --reason x --dir %s", dir), 1);
+    cr_assert(strstr(err, "--force"), "%s", err);
+    cr_assert_eq(ctl("resolve held-1 commit --reason 'target shows INV-9' --result INV-9 --dir "
+                     "%s --json",
+                     dir),
+                 0, "%s", err);
+    cr_assert(strstr(out, "\"after\":{") && strstr(out, "\"result\":\"INV-9\""), "%s", out);
+    cr_assert_eq(ctl("resolve late-1 release --reason 'not charged' --dir %s", dir), 0, "%s", err);
+    cr_assert(strstr(out, "released"), "%s", out);
+    cr_assert_eq(ctl("resolve live-1 settle --force --reason stuck --dir %s", dir), 0, "%s", err);
+    cr_assert_eq(ctl("audit --dir %s --json", dir), 0, "%s", err);
+    char *a = strstr(out, "resolve-settle"), *b = strstr(out, "resolve-release");
+    char *c = strstr(out, "resolve-commit");
+    cr_assert(a && b && c && a < b && b < c, "newest first: %s", out);
+    cr_assert(strstr(out, "target shows INV-9") && strstr(out, "\"actor\":\"offline:"), "%s", out);
+    cr_assert_eq(ctl("audit held-1 --dir %s", dir), 0);
+    cr_assert(strstr(out, "review v") && !strstr(out, "late-1"), "%s", out);
+}
+
+Test(idemctl, scan_lists_keys_for_scripts, .init = setup, .fini = teardown)
+{
+    write_store();
+    cr_assert_eq(ctl("scan --state in_flight --dir %s", dir), 0, "%s", err);
+    cr_assert(strstr(out, "late-1\n") && strstr(out, "live-1\n") && !strstr(out, "order-"), "%s",
+              out);
+    cr_assert_eq(ctl("scan --dir %s --json", dir), 0);
+    cr_assert(out[0] == '[' && strstr(out, "\"order-9\""), "%s", out);
+}
+
+Test(idemctl, verify_finds_a_flipped_bit_and_changes_nothing, .init = setup, .fini = teardown)
+{
+    write_store();
+    cr_assert_eq(ctl("verify %s", dir), 0, "%s%s", out, err);
+    cr_assert(strstr(out, "sound"), "%s", out);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/super", dir);
+    FILE *f = fopen(path, "r+b");
+    cr_assert_not_null(f);
+    fseek(f, 30, SEEK_SET);
+    int ch = fgetc(f);
+    fseek(f, 30, SEEK_SET);
+    fputc(ch ^ 4, f);
+    fclose(f);
+    cr_assert_eq(ctl("verify --dir %s --json", dir), 1);
+    cr_assert(strstr(out, "\"verdict\":\"faults\"") && strstr(out, "super"), "%s", out);
+    cr_assert_eq(ctl("verify %s --socket x", dir), 2);
+}
+
+Test(idemctl, store_held_by_a_process_is_refused, .init = setup, .fini = teardown)
+{
+    write_store();
+    idem_store *s;
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK);
+    cr_assert_eq(ctl("status --dir %s", dir), 1);
+    cr_assert(strstr(err, "pid=") && strstr(err, "host="), "%s", err);
+    cr_assert_eq(ctl("verify %s", dir), 1);
+    cr_assert(strstr(err, "pid="), "%s", err);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+Test(idemctl, export_import_round_trip, .init = setup, .fini = teardown)
+{
+    write_store();
+    cr_assert_eq(ctl("resolve held-1 release --reason checked --dir %s", dir), 0, "%s", err);
+    cr_assert_eq(ctl("export --dir %s", dir), 0, "%s", err);
+    cr_assert(strstr(out, "\"type\":\"record\"") && strstr(out, "\"type\":\"audit\""), "%s", out);
+    char path[4200];
+    snprintf(path, sizeof path, "%s/exp.jsonl", scratch);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputs(out, f);
+    fclose(f);
+    cr_assert_eq(ctl("import %s/exp.jsonl --dir %s/copy", scratch, scratch), 0, "%s", err);
+    cr_assert(strstr(out, "imported 12 records and 1 audit entries"), "%s", out);
+    cr_assert_eq(ctl("get order-1 --dir %s/copy --json", scratch), 0, "%s", err);
+    cr_assert(strstr(out, "\"result\":\"inv-1\"") && strstr(out, "\"mismatch_count\":1"), "%s",
+              out);
+    cr_assert_eq(ctl("audit --dir %s/copy --json", scratch), 0);
+    cr_assert(strstr(out, "resolve-release"), "%s", out);
+    cr_assert_eq(ctl("import %s/nope.jsonl --dir %s/copy", scratch, scratch), 1);
+}
+
+Test(idemctl, backup_restore_checkpoint_compact, .init = setup, .fini = teardown)
+{
+    write_store();
+    cr_assert_eq(ctl("backup %s/b --dir %s", scratch, dir), 0, "%s", err);
+    cr_assert_eq(ctl("backup %s/b2 --socket x", scratch), 2);
+    cr_assert_eq(ctl("restore %s/b %s/r", scratch, scratch), 0, "%s", err);
+    cr_assert_eq(ctl("get order-3 --dir %s/r --json", scratch), 0, "%s", err);
+    cr_assert(strstr(out, "inv-3"), "%s", out);
+    cr_assert_eq(ctl("checkpoint --dir %s", dir), 0, "%s", err);
+    cr_assert_eq(ctl("compact --dir %s --timeout 2s --json", dir), 0, "%s", err);
+    cr_assert(strstr(out, "wal_bytes_after"), "%s", out);
+    cr_assert_eq(ctl("verify %s", dir), 0, "%s", out);
+}
+
+/* ---- Online, against build/idemd ---- */
+
+static pid_t idemd_pid;
+
+static int sock_cmd(const char *line, char *reply, size_t cap)
+{
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (strlen(dir) + 12 >= sizeof sa.sun_path) return -1;
+    strcpy(sa.sun_path, dir);
+    strcat(sa.sun_path, "/idemd.sock");
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    if (fd < 0 || connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
+        if (fd >= 0) close(fd);
+        return -1;
+    }
+    cr_assert_eq(write(fd, line, strlen(line)), (ssize_t)strlen(line));
+    ssize_t n = read(fd, reply, cap - 1);
+    reply[n > 0 ? n : 0] = 0;
+    close(fd);
+    return 0;
+}
+
+static void start_idemd(void)
+{
+    char bin[4200];
+    snprintf(bin, sizeof bin, "%s/idemd", build_dir());
+    if (access(bin, X_OK) != 0) cr_skip_test("build/idemd is missing: the online tests need it");
+    idemd_pid = fork();
+    cr_assert_geq(idemd_pid, 0);
+    if (idemd_pid == 0) {
+        freopen("/dev/null", "w", stderr);
+        execl(bin, "idemd", "--dir", dir, "--test-clock", "--port", "0", (char *)NULL);
+        _exit(127);
+    }
+    char reply[256];
+    for (int i = 0; i < 200; i++) {
+        if (sock_cmd("IDEM.GET none\r\n", reply, sizeof reply) == 0 && !strstr(reply, "LOADING"))
+            return;
+        usleep(20000);
+    }
+    cr_assert_fail("idemd did not start");
+}
+
+static void stop_idemd(void)
+{
+    if (idemd_pid > 0) {
+        kill(idemd_pid, SIGTERM);
+        waitpid(idemd_pid, NULL, 0);
+    }
+    idemd_pid = 0;
+    teardown();
+}
+
+Test(idemctl_online, views_resolve_and_audit_over_the_socket, .init = setup, .fini = stop_idemd)
+{
+    start_idemd();
+    char reply[512], sock[4200];
+    snprintf(sock, sizeof sock, "--socket %s/idemd.sock", dir);
+    cr_assert_eq(sock_cmd("IDEM.CLAIM pay-1 3600000 1000\r\n", reply, sizeof reply), 0);
+    cr_assert(strstr(reply, "new"), "%s", reply);
+    cr_assert_eq(sock_cmd("IDEM.CLAIM pay-2 3600000 1000\r\n", reply, sizeof reply), 0);
+    cr_assert_eq(ctl("get pay-1 %s --json", sock), 0, "%s", err);
+    cr_assert(strstr(out, "\"state\":\"in_flight\"") && strstr(out, "\"lease_left_ms\":"), "%s",
+              out);
+    cr_assert_eq(ctl("status %s --json --window 100ms", sock), 0, "%s", err);
+    cr_assert(strstr(out, "\"keys_in_flight\":2"), "%s", out);
+    cr_assert_eq(ctl("resolve pay-1 release --reason x %s", sock), 1, "lease runs");
+    cr_assert(strstr(err, "--force"), "%s", err);
+    cr_assert_eq(sock_cmd("DEBUG CLOCK ADVANCE 5000\r\n", reply, sizeof reply), 0);
+    cr_assert_eq(ctl("resolve pay-1 release --reason 'not charged' %s", sock), 0, "%s", err);
+    cr_assert_eq(ctl("resolve pay-2 commit --reason 'charged' --result ch_9 %s --json", sock), 0,
+                 "%s", err);
+    cr_assert(strstr(out, "\"result\":\"ch_9\""), "%s", out);
+    cr_assert_eq(ctl("audit %s --json", sock), 0, "%s", err);
+    cr_assert(strstr(out, "resolve-commit") && strstr(out, "resolve-release"), "%s", out);
+    cr_assert_eq(ctl("scan --state committed %s", sock), 0, "%s", err);
+    cr_assert(strstr(out, "pay-2"), "%s", out);
+    cr_assert_eq(ctl("watch --count 2 --interval 100ms %s --json", sock), 0, "%s", err);
+    cr_assert(strstr(out, "claims_per_s") && strchr(strchr(out, '\n') + 1, '\n'), "%s", out);
+    int rc = ctl("attention %s --json", sock);
+    cr_assert(rc == 0 || strstr(err, "IDEM.ATTENTION"), "rc %d: %s", rc, err);
+    cr_assert_eq(ctl("status --dir %s", dir), 1, "idemd holds the store");
+    cr_assert(strstr(err, "pid="), "%s", err);
+}
+
+Test(idemctl_online, connection_failure_is_reported, .init = setup, .fini = teardown)
+{
+    cr_assert_eq(ctl("status --socket %s/none.sock", dir), 1);
+    cr_assert(strstr(err, "cannot connect"), "%s", err);
+}

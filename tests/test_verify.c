@@ -1,0 +1,324 @@
+/*
+ * test_verify.c: idem_verify, the offline check of a store directory: a sound store written
+ * through the API has no fault; a bit flipped in any file of the store (superblock, a log
+ * segment, the checkpoint, the audit trail) is found and the file named; the store is
+ * byte-identical after a check; a store held by a process is refused (IDEM_ELOCKED).
+ */
+#include <criterion/criterion.h>
+#include <dirent.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "idem.h"
+#include "testutil.h"
+
+static char *dir;
+
+static void setup(void)
+{
+    dir = tu_mkdtemp("verify");
+}
+
+static void teardown(void)
+{
+    tu_rmtree(dir);
+}
+
+static void claim_commit(idem_queue *q, const char *key, const char *result)
+{
+    idem_claim_args a = {
+        .ttl_ms = 3600000, .lease_ms = 60000, .fp = key, .fp_len = (uint32_t)strlen(key)};
+    idem_completion c;
+    cr_assert_eq(idem_claim(q, key, strlen(key), &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    if (result)
+        cr_assert_eq(idem_commit(q, key, strlen(key), c.token, result, strlen(result)), IDEM_OK);
+}
+
+/* A store with committed, in_flight, review and deleted records, a resolve and a del in the
+ * audit trail, a compressible result, and a checkpoint (close writes one). */
+static void write_store(void)
+{
+    idem_store *s;
+    idem_queue *q;
+    idem_options o;
+    idem_options_init(&o);
+    o.segment_bytes = 1u << 20;
+    cr_assert_eq(idem_open(dir, &o, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 16, &q), IDEM_OK);
+    char key[64], big[8192];
+    memset(big, 'x', sizeof big - 1);
+    big[sizeof big - 1] = 0;
+    for (int i = 0; i < 200; i++) {
+        snprintf(key, sizeof key, "order-%d", i);
+        claim_commit(q, key, i == 7 ? big : "inv-1");
+    }
+    claim_commit(q, "pending-1", NULL);
+    claim_commit(q, "held-1", NULL);
+    idem_completion c;
+    cr_assert_eq(idem_get(q, "held-1", 6, &c), IDEM_OK);
+    cr_assert_eq(idem_hold(q, "held-1", 6, c.record.token, "timeout", 7), IDEM_OK);
+    claim_commit(q, "held-2", NULL);
+    cr_assert_eq(idem_get(q, "held-2", 6, &c), IDEM_OK);
+    cr_assert_eq(idem_hold(q, "held-2", 6, c.record.token, "timeout", 7), IDEM_OK);
+    idem_op op = {.kind = IDEM_OP_RESOLVE,
+                  .key = "held-2",
+                  .key_len = 6,
+                  .data = "checked",
+                  .data_len = 7,
+                  .action = IDEM_RESOLVE_COMMIT,
+                  .actor = "test"};
+    cr_assert_eq(idem_exec(q, &op, &c), IDEM_OK);
+    cr_assert_eq(c.err, IDEM_OK);
+    cr_assert_eq(idem_del(q, "order-3", 7, "test"), IDEM_OK);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+/* The first (first: 1) or last file whose name starts with prefix, in name order. */
+static const char *file_named(const char *prefix, int first)
+{
+    static char name[2][256];
+    struct dirent **list;
+    int n = scandir(dir, &list, NULL, alphasort);
+    name[first][0] = 0;
+    for (int i = 0; i < n; i++) {
+        if (strncmp(list[i]->d_name, prefix, strlen(prefix)) == 0 && (!first || !name[first][0]))
+            snprintf(name[first], sizeof name[first], "%s", list[i]->d_name);
+        free(list[i]);
+    }
+    free(list);
+    cr_assert(name[first][0], "no file %s*", prefix);
+    return name[first];
+}
+
+struct snap {
+    char name[256];
+    uint8_t *data;
+    size_t len;
+};
+
+static size_t read_all(const char *path, uint8_t **out)
+{
+    FILE *f = fopen(path, "rb");
+    cr_assert_not_null(f, "%s", path);
+    fseek(f, 0, SEEK_END);
+    long n = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    *out = malloc((size_t)n + 1);
+    cr_assert_eq(fread(*out, 1, (size_t)n, f), (size_t)n);
+    fclose(f);
+    return (size_t)n;
+}
+
+/* Every regular file of the store, sorted by name. */
+static size_t snapshot(struct snap *out, size_t max)
+{
+    struct dirent **list;
+    int n = scandir(dir, &list, NULL, alphasort);
+    cr_assert_geq(n, 0);
+    size_t k = 0;
+    for (int i = 0; i < n; i++) {
+        char path[4096];
+        struct stat st;
+        snprintf(path, sizeof path, "%s/%s", dir, list[i]->d_name);
+        if (stat(path, &st) == 0 && S_ISREG(st.st_mode) && k < max) {
+            snprintf(out[k].name, sizeof out[k].name, "%s", list[i]->d_name);
+            out[k].len = read_all(path, &out[k].data);
+            k++;
+        }
+        free(list[i]);
+    }
+    free(list);
+    return k;
+}
+
+static void flip_bit(const char *name, uint64_t off, int bit)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "r+b");
+    cr_assert_not_null(f, "%s", path);
+    fseek(f, (long)off, SEEK_SET);
+    int c = fgetc(f);
+    cr_assert_neq(c, EOF, "%s offset %llu", name, (unsigned long long)off);
+    fseek(f, (long)off, SEEK_SET);
+    fputc(c ^ (1 << bit), f);
+    fclose(f);
+}
+
+static idem_verify_report verify_ok(void)
+{
+    idem_verify_report r;
+    cr_assert_eq(idem_verify(dir, &r, NULL, NULL), IDEM_OK, "%s", idem_last_error());
+    return r;
+}
+
+/* Flips one bit, expects a fault naming the file, and flips it back. */
+static void expect_found(const char *name, uint64_t off, int bit)
+{
+    flip_bit(name, off, bit);
+    idem_verify_report r = verify_ok();
+    cr_expect_gt(r.errors, 0, "bit %d at %s offset %llu not found", bit, name,
+                 (unsigned long long)off);
+    if (r.errors)
+        cr_expect_not_null(strstr(r.first_error, name), "first error does not name %s: %s", name,
+                           r.first_error);
+    flip_bit(name, off, bit);
+}
+
+static void progress_count(void *ctx, uint64_t done, uint64_t total)
+{
+    cr_assert_leq(done, total);
+    (*(int *)ctx)++;
+}
+
+Test(verify, sound_store_has_no_fault, .init = setup, .fini = teardown)
+{
+    write_store();
+    int calls = 0;
+    idem_verify_report r;
+    cr_assert_eq(idem_verify(dir, &r, progress_count, &calls), IDEM_OK);
+    cr_assert_eq(r.errors, 0, "%s", r.first_error);
+    cr_assert_geq(r.segments, 1);
+    cr_assert_geq(r.records, 203);
+    cr_assert_eq(r.index_entries, 202, "index entries %llu", (unsigned long long)r.index_entries);
+    cr_assert_eq(r.checkpoint_entries, 202);
+    cr_assert_eq(r.audit_entries, 2);
+    cr_assert_gt(calls, 0);
+}
+
+Test(verify, store_is_byte_identical_after_verify, .init = setup, .fini = teardown)
+{
+    write_store();
+    static struct snap before[64], after[64];
+    size_t nb = snapshot(before, 64);
+    flip_bit("audit.log", 100, 3); /* a fault makes verify walk its reporting paths too */
+    flip_bit("audit.log", 100, 3);
+    verify_ok();
+    size_t na = snapshot(after, 64);
+    cr_assert_eq(nb, na);
+    for (size_t i = 0; i < nb; i++) {
+        cr_assert_str_eq(before[i].name, after[i].name);
+        cr_assert_eq(before[i].len, after[i].len, "%s", before[i].name);
+        cr_assert(memcmp(before[i].data, after[i].data, before[i].len) == 0, "%s changed",
+                  before[i].name);
+        free(before[i].data);
+        free(after[i].data);
+    }
+}
+
+Test(verify, flipped_bit_in_superblock_is_found, .init = setup, .fini = teardown)
+{
+    write_store();
+    expect_found("super", 17, 0);        /* copy 0 */
+    expect_found("super", 4096 + 50, 5); /* copy 1 */
+    expect_found("super", 4090, 7);      /* a checksum */
+    cr_assert_eq(verify_ok().errors, 0);
+}
+
+/* Offset of the last nonzero byte of a file: the end of what the log holds. */
+static uint64_t used_end(const char *name)
+{
+    char path[4096];
+    uint8_t *d;
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    size_t n = read_all(path, &d);
+    while (n > 0 && d[n - 1] == 0)
+        n--;
+    free(d);
+    return n;
+}
+
+Test(verify, flipped_bit_in_a_segment_is_found, .init = setup, .fini = teardown)
+{
+    write_store();
+    const char *seg = file_named("wal-", 1);
+    uint64_t end = used_end(seg);
+    cr_assert_gt(end, 8192);
+    expect_found(seg, 20, 1);         /* header */
+    expect_found(seg, 4096 + 3, 2);   /* checksum of the first frame */
+    expect_found(seg, 4096 + 200, 4); /* payload of the first frame */
+    expect_found(seg, end - 1, 0);    /* the last byte written */
+    uint64_t seed = tu_seed("flipped_bit_in_a_segment_is_found");
+    for (int i = 0; i < 24; i++) {
+        uint64_t off = tu_rand(&seed) % end;
+        expect_found(seg, off, (int)(tu_rand(&seed) % 8));
+    }
+    expect_found(file_named("wal-", 0), 40, 6); /* the spare segment's header */
+    cr_assert_eq(verify_ok().errors, 0);
+}
+
+Test(verify, flipped_bit_in_the_checkpoint_is_found, .init = setup, .fini = teardown)
+{
+    write_store();
+    const char *ck = file_named("index-", 0); /* the newest */
+    char path[4096];
+    struct stat st;
+    snprintf(path, sizeof path, "%s/%s", dir, ck);
+    cr_assert_eq(stat(path, &st), 0);
+    expect_found(ck, 9, 0);               /* header */
+    expect_found(ck, 4096 + 1, 3);        /* first entry */
+    expect_found(ck, 4096 + 32 * 100, 7); /* an entry in the middle */
+    uint64_t end = used_end(ck);
+    expect_found(ck, end - 20, 1);                 /* the trailer */
+    expect_found(ck, (uint64_t)st.st_size - 1, 0); /* zero padding after it */
+    const char *older = file_named("index-", 1);
+    if (strcmp(older, ck) != 0)
+        expect_found(older, 4096 + 1, 3); /* kept for the older superblock copy */
+    cr_assert_eq(verify_ok().errors, 0);
+}
+
+Test(verify, flipped_bit_in_the_audit_trail_is_found, .init = setup, .fini = teardown)
+{
+    write_store();
+    expect_found("audit.log", 0, 0);           /* checksum */
+    expect_found("audit.log", 30, 2);          /* at_ms */
+    expect_found("audit.log", 4096 + 70, 5);   /* second entry's text */
+    expect_found("audit.log", 4096 + 4000, 1); /* padding of the second entry */
+    cr_assert_eq(verify_ok().errors, 0);
+}
+
+Test(verify, store_in_use_is_refused, .init = setup, .fini = teardown)
+{
+    write_store();
+    idem_store *s;
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK);
+    idem_verify_report r;
+    cr_assert_eq(idem_verify(dir, &r, NULL, NULL), IDEM_ELOCKED);
+    cr_assert_not_null(strstr(idem_last_error(), "pid="), "%s", idem_last_error());
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    cr_assert_eq(verify_ok().errors, 0);
+}
+
+Test(verify, directory_without_a_store_is_an_error, .init = setup, .fini = teardown)
+{
+    idem_verify_report r;
+    cr_assert_eq(idem_verify(dir, &r, NULL, NULL), IDEM_ENOTFOUND);
+    cr_assert_eq(idem_verify(NULL, &r, NULL, NULL), IDEM_EINVAL);
+}
+
+Test(verify, golden_store_of_format_1_is_sound, .init = setup, .fini = teardown)
+{
+    const char *src = getenv("IDEM_SOURCE_DIR");
+    if (!src) cr_skip_test("IDEM_SOURCE_DIR is not set (run through ctest)");
+    const char *files[] = {"audit.log", "index-0000000000000001.ckpt", "super",
+                           "wal-0000000000000001.log", "wal-0000000000000002.log"};
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        char from[4096], to[4096];
+        uint8_t *d;
+        snprintf(from, sizeof from, "%s/tests/fixtures/golden-v1/%s", src, files[i]);
+        snprintf(to, sizeof to, "%s/%s", dir, files[i]);
+        size_t n = read_all(from, &d);
+        FILE *f = fopen(to, "wb");
+        cr_assert_not_null(f);
+        cr_assert_eq(fwrite(d, 1, n, f), n);
+        fclose(f);
+        free(d);
+    }
+    idem_verify_report r = verify_ok();
+    cr_assert_eq(r.errors, 0, "%s", r.first_error);
+    cr_assert_gt(r.index_entries, 0);
+}

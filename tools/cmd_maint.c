@@ -1,0 +1,511 @@
+/*
+ * cmd_maint.c: work on a stopped store directory through include/idem.h: verify (read-only,
+ * with a progress bar on a terminal), backup, restore, export (JSON Lines), import,
+ * checkpoint and compact. None of these reach idemd (online backup is not available yet).
+ */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "ctl.h"
+
+#define EXPORT_AUDIT_MAX 10000u
+
+/* Offline commands refuse idemd's flags and default the directory. */
+static int offline_opts(const struct ctl_opts *o, struct ctl_opts *out, const char *what)
+{
+    if (o->socket || o->host || o->port) {
+        ctl_err("%s works on a stopped store only%s: stop idemd and pass --dir DIR", what,
+                strcmp(what, "backup") == 0 ? " (online backup is not available yet)" : "");
+        return CTL_USAGE;
+    }
+    *out = *o;
+    if (!out->dir) out->dir = CTL_DEFAULT_DIR;
+    return 0;
+}
+
+/* ---- verify ---- */
+
+struct bar {
+    int on;
+    int last_pct;
+};
+
+static void bar_progress(void *ctx, uint64_t done, uint64_t total)
+{
+    struct bar *b = ctx;
+    int pct = total ? (int)(done * 100 / total) : 100;
+    if (!b->on || pct == b->last_pct) return;
+    b->last_pct = pct;
+    char fill[41];
+    int k = pct * 40 / 100;
+    memset(fill, '#', (size_t)k);
+    memset(fill + k, '.', (size_t)(40 - k));
+    fill[40] = 0;
+    fprintf(stderr, "\rverifying [%s] %3d%%", fill, pct);
+    fflush(stderr);
+}
+
+static void verify_print(const char *dir, const idem_verify_report *r, const struct ctl_opts *o)
+{
+    if (o->json) {
+        struct jw j;
+        jw_init(&j, stdout);
+        jw_obj(&j);
+        jw_kstr(&j, "dir", dir);
+        jw_kstr(&j, "verdict", r->errors ? "faults" : "sound");
+        jw_kuint(&j, "errors", r->errors);
+        jw_kstr(&j, "first_error", r->errors ? r->first_error : NULL);
+        jw_kuint(&j, "segments", r->segments);
+        jw_kuint(&j, "frames", r->frames);
+        jw_kuint(&j, "records", r->records);
+        jw_kuint(&j, "checkpoint_entries", r->checkpoint_entries);
+        jw_kuint(&j, "audit_entries", r->audit_entries);
+        jw_kuint(&j, "index_entries", r->index_entries);
+        jw_obj_end(&j);
+        fputc('\n', stdout);
+        return;
+    }
+    printf("%s: %llu segments, %llu frames, %llu records, %llu checkpoint entries, %llu audit "
+           "entries, %llu keys in the index\n",
+           dir, (unsigned long long)r->segments, (unsigned long long)r->frames,
+           (unsigned long long)r->records, (unsigned long long)r->checkpoint_entries,
+           (unsigned long long)r->audit_entries, (unsigned long long)r->index_entries);
+    if (r->errors)
+        printf("%s%llu fault(s)%s; the first: %s\n", col(o, CTL_C_RED),
+               (unsigned long long)r->errors, col(o, CTL_C_RESET), r->first_error);
+    else
+        printf("%ssound%s: every checksum and invariant holds\n", col(o, CTL_C_GREEN),
+               col(o, CTL_C_RESET));
+}
+
+int cmd_verify(const struct ctl_opts *o)
+{
+    struct ctl_opts oo;
+    int rc = offline_opts(o, &oo, "verify");
+    if (rc) return rc;
+    const char *dir = o->npos ? o->pos[0] : oo.dir;
+    struct bar b = {.on = isatty(STDERR_FILENO) && !o->json, .last_pct = -1};
+    idem_verify_report r;
+    rc = idem_verify(dir, &r, bar_progress, &b);
+    if (b.on && b.last_pct >= 0) fputc('\n', stderr);
+    if (rc == IDEM_ELOCKED) {
+        ctl_open_error(dir, rc);
+        return CTL_FAIL;
+    }
+    if (rc != IDEM_OK) {
+        ctl_err("verify %s: %s (%s)", dir, idem_last_error(), idem_strerror(rc));
+        return CTL_FAIL;
+    }
+    verify_print(dir, &r, o);
+    return r.errors ? CTL_FAIL : CTL_OK;
+}
+
+/* ---- backup, restore, checkpoint ---- */
+
+int cmd_backup(const struct ctl_opts *o)
+{
+    struct ctl_opts oo;
+    int rc = offline_opts(o, &oo, "backup");
+    if (rc) return rc;
+    struct ctl c;
+    rc = ctl_connect(&c, &oo, CTL_READ);
+    if (rc) return rc;
+    int err = idem_backup(c.s, o->pos[0]);
+    ctl_disconnect(&c);
+    if (err != IDEM_OK) {
+        ctl_err("backup of %s into %s failed: %s (%s)", oo.dir, o->pos[0], idem_strerror(err),
+                idem_last_error());
+        return CTL_FAIL;
+    }
+    if (o->json)
+        printf("{\"backup\":\"ok\"}\n");
+    else
+        printf("backed up %s into %s\n", oo.dir, o->pos[0]);
+    return CTL_OK;
+}
+
+int cmd_restore(const struct ctl_opts *o)
+{
+    if (o->socket || o->host || o->port || o->dir) {
+        ctl_err("restore takes BACKUP and DEST only");
+        return CTL_USAGE;
+    }
+    int err = idem_restore(o->pos[0], o->pos[1]);
+    if (err != IDEM_OK) {
+        ctl_err("restore of %s into %s failed: %s (%s)", o->pos[0], o->pos[1], idem_strerror(err),
+                idem_last_error());
+        return CTL_FAIL;
+    }
+    if (o->json)
+        printf("{\"restore\":\"ok\"}\n");
+    else
+        printf("restored %s into %s (a new store generation)\n", o->pos[0], o->pos[1]);
+    return CTL_OK;
+}
+
+int cmd_checkpoint(const struct ctl_opts *o)
+{
+    struct ctl_opts oo;
+    int rc = offline_opts(o, &oo, "checkpoint");
+    if (rc) return rc;
+    struct ctl c;
+    rc = ctl_connect(&c, &oo, CTL_OFFLINE);
+    if (rc) return rc;
+    int err = idem_checkpoint(c.s);
+    ctl_disconnect(&c);
+    if (err != IDEM_OK) {
+        ctl_err("checkpoint of %s failed: %s", oo.dir, idem_strerror(err));
+        return CTL_FAIL;
+    }
+    printf(o->json ? "{\"checkpoint\":\"ok\"}\n" : "checkpoint written\n");
+    return CTL_OK;
+}
+
+static void sleep_ms(int64_t ms)
+{
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000};
+    while (nanosleep(&ts, &ts) != 0) {
+    }
+}
+
+int cmd_compact(const struct ctl_opts *o)
+{
+    struct ctl_opts oo;
+    int rc = offline_opts(o, &oo, "compact");
+    if (rc) return rc;
+    struct ctl c;
+    rc = ctl_connect(&c, &oo, CTL_OFFLINE);
+    if (rc) return rc;
+    idem_stats before, cur, last;
+    idem_get_stats(c.s, &before);
+    last = before;
+    /* The store compacts on its own while open: wait until it has nothing more to do. */
+    int quiet = 0;
+    for (int64_t waited = 0; waited < o->timeout_ms && quiet < 5; waited += 200) {
+        sleep_ms(200);
+        idem_get_stats(c.s, &cur);
+        quiet =
+            cur.compactions == last.compactions && cur.wal_bytes == last.wal_bytes ? quiet + 1 : 0;
+        last = cur;
+    }
+    int err = idem_checkpoint(c.s);
+    idem_get_stats(c.s, &cur);
+    ctl_disconnect(&c);
+    if (err != IDEM_OK) {
+        ctl_err("checkpoint after compaction failed: %s", idem_strerror(err));
+        return CTL_FAIL;
+    }
+    char a[32], b[32];
+    fmt_size(before.wal_bytes, a, sizeof a);
+    fmt_size(cur.wal_bytes, b, sizeof b);
+    if (o->json)
+        printf("{\"wal_bytes_before\":%llu,\"wal_bytes_after\":%llu,\"segments_retired\":%llu,"
+               "\"settled\":%s}\n",
+               (unsigned long long)before.wal_bytes, (unsigned long long)cur.wal_bytes,
+               (unsigned long long)(cur.compactions - before.compactions),
+               quiet >= 5 ? "true" : "false");
+    else
+        printf("log %s -> %s, %llu segment(s) retired%s\n", a, b,
+               (unsigned long long)(cur.compactions - before.compactions),
+               quiet >= 5 ? "" : " (stopped at --timeout; run again to go on)");
+    return CTL_OK;
+}
+
+/* ---- export ---- */
+
+struct keylist {
+    char **keys;
+    size_t *lens;
+    size_t n, cap;
+    int oom;
+};
+
+static void keylist_add(void *ctx, const void *key, size_t klen)
+{
+    struct keylist *k = ctx;
+    if (k->n == k->cap) {
+        size_t cap = k->cap ? 2 * k->cap : 1024;
+        char **nk = realloc(k->keys, cap * sizeof *nk);
+        size_t *nl = nk ? realloc(k->lens, cap * sizeof *nl) : NULL;
+        if (nk) k->keys = nk;
+        if (!nk || !nl) {
+            k->oom = 1;
+            return;
+        }
+        k->lens = nl;
+        k->cap = cap;
+    }
+    k->keys[k->n] = malloc(klen ? klen : 1);
+    if (!k->keys[k->n]) {
+        k->oom = 1;
+        return;
+    }
+    memcpy(k->keys[k->n], key, klen);
+    k->lens[k->n++] = klen;
+}
+
+static void keylist_free(struct keylist *k)
+{
+    for (size_t i = 0; i < k->n; i++)
+        free(k->keys[i]);
+    free(k->keys);
+    free(k->lens);
+}
+
+static void export_audit_line(struct jw *j, const idem_audit_entry *e)
+{
+    jw_obj(j);
+    jw_kstr(j, "type", "audit");
+    jw_kuint(j, "seq", e->seq);
+    jw_ktime(j, "at_ms", e->at_ms);
+    jw_kstr(j, "actor", e->actor);
+    jw_kstr(j, "action", e->action);
+    jw_kblob_pub(j, "key", e->key, e->key_len);
+    jw_kstr(j, "reason", e->reason);
+    jw_kint(j, "state_before", e->state_before);
+    jw_kint(j, "state_after", e->state_after);
+    jw_kuint(j, "version_before", e->version_before);
+    jw_kuint(j, "version_after", e->version_after);
+    jw_obj_end(j);
+    fputc('\n', stdout);
+}
+
+/* Every record (a scan step's keys are copied before they are read), then the audit trail. */
+static int export_run(struct ctl *c)
+{
+    struct keylist k = {0};
+    uint64_t cursor = 0;
+    int rc = 0;
+    do
+        rc = ctl_scan_step(c, &cursor, 0, 0, keylist_add, &k);
+    while (rc == 0 && cursor != 0 && !k.oom);
+    struct jw j;
+    jw_init(&j, stdout);
+    jw_obj(&j);
+    jw_kstr(&j, "type", "export");
+    jw_kint(&j, "format", 1);
+    jw_kstr(&j, "idem_version", IDEM_VERSION_STRING);
+    jw_obj_end(&j);
+    fputc('\n', stdout);
+    for (size_t i = 0; rc == 0 && !k.oom && i < k.n; i++) {
+        struct ctl_record r;
+        int found = 0;
+        rc = ctl_get(c, k.keys[i], k.lens[i], &r, &found);
+        if (rc == 0 && found) {
+            jw_obj(&j);
+            jw_kstr(&j, "type", "record");
+            print_record_fields(&j, &r.r, 0);
+            jw_obj_end(&j);
+            fputc('\n', stdout);
+            ctl_record_free(&r);
+        }
+    }
+    struct ctl_audit *a = NULL;
+    size_t n = 0;
+    if (rc == 0 && !k.oom) rc = ctl_audit(c, NULL, 0, EXPORT_AUDIT_MAX, &a, &n);
+    for (size_t i = n; rc == 0 && i > 0; i--)
+        export_audit_line(&j, &a[i - 1].e); /* oldest first: import appends in order */
+    if (n == EXPORT_AUDIT_MAX)
+        ctl_err("warning: only the newest %u audit entries were exported", EXPORT_AUDIT_MAX);
+    ctl_audit_free(a, n);
+    if (k.oom) {
+        ctl_err("out of memory listing the keys");
+        rc = CTL_FAIL;
+    }
+    keylist_free(&k);
+    return rc;
+}
+
+int cmd_export(const struct ctl_opts *o)
+{
+    struct ctl_opts oo;
+    int rc = offline_opts(o, &oo, "export");
+    if (rc) return rc;
+    struct ctl c;
+    /* Writable: the engine loads the audit trail only on a writable open. */
+    rc = ctl_connect(&c, &oo, CTL_OFFLINE);
+    if (rc) return rc;
+    rc = export_run(&c);
+    ctl_disconnect(&c);
+    return rc;
+}
+
+/* ---- import ---- */
+
+struct line {
+    const struct jfield *f;
+    int n;
+    uint8_t *owned[8]; /* decoded base64 fields */
+    int nowned;
+    const char *err;
+};
+
+static int64_t num(struct line *l, const char *name)
+{
+    const struct jfield *f = jfield_get(l->f, l->n, name);
+    if (f && !f->is_num && !f->is_null) l->err = name;
+    return f && f->is_num ? f->num : 0;
+}
+
+/* A bytes field: "name" (text) or "name_base64"; *present 0 when null or absent. */
+static const void *bytes(struct line *l, const char *name, uint32_t *len, int *present)
+{
+    char b64name[64];
+    snprintf(b64name, sizeof b64name, "%s_base64", name);
+    const struct jfield *f = jfield_get(l->f, l->n, name);
+    const struct jfield *b = jfield_get(l->f, l->n, b64name);
+    *present = 0;
+    *len = 0;
+    if (f && f->str) {
+        *present = 1;
+        *len = (uint32_t)f->len;
+        return f->str;
+    }
+    if (b && b->str && l->nowned < 8) {
+        uint8_t *d;
+        size_t n;
+        if (base64_decode(b->str, &d, &n) < 0) {
+            l->err = name;
+            return NULL;
+        }
+        l->owned[l->nowned++] = d;
+        *present = 1;
+        *len = (uint32_t)n;
+        return d;
+    }
+    return NULL;
+}
+
+static int hexfield(struct line *l, const char *name, uint8_t *out)
+{
+    const struct jfield *f = jfield_get(l->f, l->n, name);
+    if (!f || !f->str) return 0;
+    if (parse_hex(f->str, out, IDEM_FP_BYTES) < 0) {
+        l->err = name;
+        return 0;
+    }
+    return 1;
+}
+
+static void line_record(struct line *l, idem_record *r)
+{
+    int p;
+    memset(r, 0, sizeof *r);
+    r->key = bytes(l, "key", &r->key_len, &p);
+    const struct jfield *st = jfield_get(l->f, l->n, "state");
+    for (int s = IDEM_STATE_IN_FLIGHT; st && st->str && s <= IDEM_STATE_REVIEW; s++)
+        if (strcmp(st->str, idem_state_name(s)) == 0) r->state = s;
+    if (!r->key || !r->state) l->err = !r->key ? "key" : "state";
+    r->first_seen_ms = num(l, "first_seen_ms");
+    r->expires_at_ms = num(l, "expires_at_ms");
+    r->last_seen_ms = num(l, "last_seen_ms");
+    r->seen_count = (uint64_t)num(l, "seen_count");
+    r->has_fp = hexfield(l, "fingerprint", r->fp);
+    r->lease_until_ms = num(l, "lease_until_ms");
+    r->token = num(l, "token");
+    r->owner = bytes(l, "owner", &r->owner_len, &p);
+    r->attempts = (uint32_t)num(l, "attempts");
+    r->last_grant_ms = num(l, "last_grant_ms");
+    r->result = bytes(l, "result", &r->result_len, &p);
+    r->note = bytes(l, "note", &r->note_len, &p);
+    r->mismatch_count = (uint64_t)num(l, "mismatch_count");
+    r->last_mismatch_ms = num(l, "last_mismatch_ms");
+    r->has_last_mismatch_fp = hexfield(l, "last_mismatch_fp", r->last_mismatch_fp);
+    r->version = (uint64_t)num(l, "version");
+}
+
+static void line_audit(struct line *l, idem_audit_entry *e)
+{
+    int p;
+    const struct jfield *f;
+    memset(e, 0, sizeof *e);
+    e->seq = (uint64_t)num(l, "seq");
+    e->at_ms = num(l, "at_ms");
+    e->actor = (f = jfield_get(l->f, l->n, "actor")) && f->str ? f->str : "";
+    e->action = (f = jfield_get(l->f, l->n, "action")) && f->str ? f->str : "";
+    e->reason = (f = jfield_get(l->f, l->n, "reason")) && f->str ? f->str : "";
+    e->key = bytes(l, "key", &e->key_len, &p);
+    e->state_before = (int)num(l, "state_before");
+    e->state_after = (int)num(l, "state_after");
+    e->version_before = (uint64_t)num(l, "version_before");
+    e->version_after = (uint64_t)num(l, "version_after");
+    if (!e->key) l->err = "key";
+}
+
+/* One line: 0 imported (or skipped), else prints why and returns CTL_FAIL. */
+static int import_line(struct ctl *c, const char *file, uint64_t no, const char *text,
+                       uint64_t *nrec, uint64_t *naud)
+{
+    char err[128];
+    struct jfield *f;
+    int n = jsonl_parse(text, &f, err, sizeof err);
+    if (n < 0) {
+        ctl_err("%s:%llu: %s", file, (unsigned long long)no, err);
+        return CTL_FAIL;
+    }
+    struct line l = {.f = f, .n = n};
+    const struct jfield *type = jfield_get(f, n, "type");
+    int rc = IDEM_OK;
+    if (type && type->str && strcmp(type->str, "record") == 0) {
+        idem_record r;
+        line_record(&l, &r);
+        rc = l.err ? IDEM_EINVAL : idem_import_record(c->q, &r);
+        *nrec += rc == IDEM_OK;
+    } else if (type && type->str && strcmp(type->str, "audit") == 0) {
+        idem_audit_entry e;
+        line_audit(&l, &e);
+        rc = l.err ? IDEM_EINVAL : idem_import_audit(c->q, &e);
+        *naud += rc == IDEM_OK;
+    } else if (!type || !type->str || strcmp(type->str, "export") != 0) {
+        l.err = "type";
+        rc = IDEM_EINVAL;
+    }
+    if (rc != IDEM_OK)
+        ctl_err("%s:%llu: %s%s%s", file, (unsigned long long)no, idem_strerror(rc),
+                l.err ? ": field " : "", l.err ? l.err : "");
+    for (int i = 0; i < l.nowned; i++)
+        free(l.owned[i]);
+    jfields_free(f, n);
+    return rc == IDEM_OK ? 0 : CTL_FAIL;
+}
+
+int cmd_import(const struct ctl_opts *o)
+{
+    struct ctl_opts oo;
+    int rc = offline_opts(o, &oo, "import");
+    if (rc) return rc;
+    const char *file = o->pos[0];
+    FILE *in = strcmp(file, "-") == 0 ? stdin : fopen(file, "r");
+    if (!in) {
+        ctl_err("cannot read %s", file);
+        return CTL_FAIL;
+    }
+    struct stat st;
+    if (stat(oo.dir, &st) < 0 && mkdir(oo.dir, 0700) < 0) {
+        ctl_err("cannot create %s: %s", oo.dir, strerror(errno));
+        if (in != stdin) fclose(in);
+        return CTL_FAIL;
+    }
+    struct ctl c;
+    rc = ctl_connect(&c, &oo, CTL_OFFLINE);
+    char *text = NULL;
+    size_t cap = 0;
+    uint64_t no = 0, nrec = 0, naud = 0;
+    while (rc == 0 && getline(&text, &cap, in) > 0) {
+        no++;
+        if (text[strspn(text, " \t\r\n")] != 0) rc = import_line(&c, file, no, text, &nrec, &naud);
+    }
+    free(text);
+    if (in != stdin) fclose(in);
+    if (c.s || c.online) ctl_disconnect(&c);
+    if (rc == 0)
+        printf(o->json ? "{\"records\":%llu,\"audit_entries\":%llu}\n"
+                       : "imported %llu records and %llu audit entries\n",
+               (unsigned long long)nrec, (unsigned long long)naud);
+    return rc;
+}

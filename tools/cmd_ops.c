@@ -1,0 +1,407 @@
+/*
+ * cmd_ops.c: the recovery work of an operator: attention (what needs a person, most urgent
+ * first, with the next step in plain words), resolve (a decision on what was seen: the version
+ * shown is passed back, so a record that changed meanwhile is refused) and audit (decisions,
+ * newest first).
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "ctl.h"
+
+#define ATTENTION_MAX_DEFAULT 1000u
+#define AUDIT_COUNT_DEFAULT   100u
+
+enum why {
+    WHY_REVIEW = 0,   /* held for a person */
+    WHY_EXPIRED = 1,  /* in_flight, lease ran out */
+    WHY_OLD = 2,      /* in_flight, older than --older, lease runs */
+    WHY_MISMATCH = 3, /* repeats with different content */
+};
+
+static const char *const why_names[] = {"review", "lease ran out", "long in_flight", "mismatch"};
+
+struct item {
+    const idem_record *r;
+    enum why why;
+};
+
+static enum why why_of(const idem_record *r, int64_t now)
+{
+    if (r->state == IDEM_STATE_REVIEW) return WHY_REVIEW;
+    if (r->state == IDEM_STATE_IN_FLIGHT) return r->lease_until_ms <= now ? WHY_EXPIRED : WHY_OLD;
+    return WHY_MISMATCH;
+}
+
+/* Most urgent first: review, then expired leases, then long in_flight (oldest first each),
+ * then mismatches (latest first). */
+static int item_cmp(const void *a, const void *b)
+{
+    const struct item *x = a, *y = b;
+    if (x->why != y->why) return x->why < y->why ? -1 : 1;
+    int64_t kx = x->why == WHY_MISMATCH ? -x->r->last_mismatch_ms : x->r->first_seen_ms;
+    int64_t ky = y->why == WHY_MISMATCH ? -y->r->last_mismatch_ms : y->r->first_seen_ms;
+    return kx < ky ? -1 : kx > ky;
+}
+
+static void next_step(const struct item *it, int64_t now, char *out, size_t cap)
+{
+    const idem_record *r = it->r;
+    char d[32];
+    const char *fix = r->mismatch_count ? "fix the source (repeats came with different "
+                                          "content); then "
+                                        : "";
+    switch (it->why) {
+    case WHY_REVIEW:
+        snprintf(out, cap,
+                 "%scheck the target by key, then resolve commit (it happened) or release (it "
+                 "did not); settle closes it without new action",
+                 fix);
+        break;
+    case WHY_EXPIRED:
+        fmt_duration(now - r->lease_until_ms, d, sizeof d);
+        snprintf(out, cap,
+                 "%sthe lease ran out %s ago: check the target by key, then resolve commit (it "
+                 "happened) or release (it did not)",
+                 fix, d);
+        break;
+    case WHY_OLD:
+        fmt_duration(r->lease_until_ms - now, d, sizeof d);
+        snprintf(out, cap,
+                 "%sstill leased for %s: wait, or check the target by key and resolve with "
+                 "--force",
+                 fix, d);
+        break;
+    case WHY_MISMATCH:
+        snprintf(out, cap,
+                 "fix the source (mismatch): repeats came with different content; the stored "
+                 "outcome stands, nothing to resolve");
+        break;
+    }
+}
+
+static void attention_json(const struct item *it, size_t n, int64_t now)
+{
+    struct jw j;
+    char step[512];
+    jw_init(&j, stdout);
+    jw_arr(&j);
+    for (size_t i = 0; i < n; i++) {
+        fputc('\n', stdout);
+        jw_obj(&j);
+        jw_kstr(&j, "why", why_names[it[i].why]);
+        next_step(&it[i], now, step, sizeof step);
+        jw_kstr(&j, "next_step", step);
+        jw_key(&j, "record");
+        print_record_json(&j, it[i].r, now);
+        jw_obj_end(&j);
+    }
+    jw_arr_end(&j);
+    fputc('\n', stdout);
+}
+
+static void attention_human(const struct item *it, size_t n, int64_t now, const struct ctl_opts *o)
+{
+    if (n == 0) {
+        printf("nothing needs attention\n");
+        return;
+    }
+    struct table *tb = table_new(9);
+    table_add(tb, "KEY", "STATE", "WHY", "FIRST SEEN", "LAST GRANT", "ATTEMPTS", "RESULT/NOTE",
+              "VERSION", "NEXT STEP");
+    for (size_t i = 0; i < n; i++) {
+        const idem_record *r = it[i].r;
+        char key[128], fs[64], lg[64], att[16], ref[96], ver[24], step[512], d[32];
+        bytes_escape(r->key, r->key_len, key, sizeof key);
+        fmt_duration(now - r->first_seen_ms, d, sizeof d);
+        snprintf(fs, sizeof fs, "%s ago", d);
+        fmt_duration(now - r->last_grant_ms, d, sizeof d);
+        snprintf(lg, sizeof lg, r->last_grant_ms ? "%s ago" : "-", d);
+        snprintf(att, sizeof att, "%u", r->attempts);
+        ref[0] = 0;
+        if (r->result && r->result_len) bytes_escape(r->result, r->result_len, ref, 48);
+        if (r->note && r->note_len) {
+            size_t k = strlen(ref);
+            snprintf(ref + k, sizeof ref - k, "%snote: ", k ? "; " : "");
+            k = strlen(ref);
+            bytes_escape(r->note, r->note_len, ref + k, sizeof ref - k);
+        }
+        snprintf(ver, sizeof ver, "%llu", (unsigned long long)r->version);
+        next_step(&it[i], now, step, sizeof step);
+        table_add(tb, key, idem_state_name(r->state), why_names[it[i].why], fs, lg, att,
+                  ref[0] ? ref : "-", ver, step);
+        table_color(tb, 2, it[i].why == WHY_MISMATCH ? CTL_C_RED : CTL_C_YELLOW);
+    }
+    table_print(tb, stdout, 1, o->color);
+    table_free(tb);
+}
+
+int cmd_attention(const struct ctl_opts *o)
+{
+    struct ctl c;
+    int rc = ctl_connect(&c, o, CTL_READ);
+    if (rc) return rc;
+    struct ctl_record *recs = NULL;
+    size_t n = 0;
+    int64_t now = 0;
+    uint32_t max = o->has_count ? (uint32_t)o->count : ATTENTION_MAX_DEFAULT;
+    rc = ctl_attention(&c, o->has_older ? o->older_ms : 0, max, &recs, &n);
+    if (rc == 0) rc = ctl_now(&c, &now);
+    ctl_disconnect(&c);
+    struct item *it = rc == 0 ? calloc(n ? n : 1, sizeof *it) : NULL;
+    if (rc == 0 && !it) rc = CTL_FAIL;
+    if (it) {
+        for (size_t i = 0; i < n; i++)
+            it[i] = (struct item){&recs[i].r, why_of(&recs[i].r, now)};
+        qsort(it, n, sizeof *it, item_cmp);
+        if (o->json)
+            attention_json(it, n, now);
+        else
+            attention_human(it, n, now, o);
+    }
+    free(it);
+    ctl_records_free(recs, n);
+    return rc;
+}
+
+/* ---- resolve ---- */
+
+static int action_of(const char *s)
+{
+    if (strcmp(s, "commit") == 0) return IDEM_RESOLVE_COMMIT;
+    if (strcmp(s, "release") == 0) return IDEM_RESOLVE_RELEASE;
+    if (strcmp(s, "settle") == 0) return IDEM_RESOLVE_SETTLE;
+    return 0;
+}
+
+/* Prints each field that differs between what the operator saw and what is there now. */
+static void print_changes(const idem_record *a, const idem_record *b, int found)
+{
+    if (!found) {
+        fprintf(stderr, "  the record is gone (released, deleted or expired)\n");
+        return;
+    }
+    char x[64], y[64];
+    if (a->state != b->state)
+        fprintf(stderr, "  state: %s -> %s\n", idem_state_name(a->state),
+                idem_state_name(b->state));
+    if (a->version != b->version)
+        fprintf(stderr, "  version: %llu -> %llu\n", (unsigned long long)a->version,
+                (unsigned long long)b->version);
+    if (a->token != b->token)
+        fprintf(stderr, "  token: %lld -> %lld (a new owner)\n", (long long)a->token,
+                (long long)b->token);
+    if (a->attempts != b->attempts)
+        fprintf(stderr, "  attempts: %u -> %u\n", a->attempts, b->attempts);
+    if (a->lease_until_ms != b->lease_until_ms) {
+        fmt_iso(a->lease_until_ms, x, sizeof x);
+        fmt_iso(b->lease_until_ms, y, sizeof y);
+        fprintf(stderr, "  lease_until: %s -> %s\n", x, y);
+    }
+    if (a->mismatch_count != b->mismatch_count)
+        fprintf(stderr, "  mismatch_count: %llu -> %llu\n", (unsigned long long)a->mismatch_count,
+                (unsigned long long)b->mismatch_count);
+    if (a->note_len != b->note_len || (a->note_len && memcmp(a->note, b->note, a->note_len))) {
+        char n[256];
+        bytes_escape(b->note ? b->note : "", b->note_len, n, sizeof n);
+        fprintf(stderr, "  note: now \"%s\"\n", n);
+    }
+    if (b->result_len && (a->result_len != b->result_len ||
+                          memcmp(a->result ? a->result : "", b->result, b->result_len))) {
+        char n[256];
+        bytes_escape(b->result, b->result_len, n, sizeof n);
+        fprintf(stderr, "  result: now \"%s\"\n", n);
+    }
+}
+
+/* Refusals decided from the record shown, before anything is sent. */
+static int resolve_precheck(const struct ctl_opts *o, const idem_record *r, int64_t now)
+{
+    char d[32];
+    if (r->state == IDEM_STATE_COMMITTED) {
+        ctl_err("%s is already committed (version %llu): resolve acts on in_flight and review "
+                "records",
+                o->pos[0], (unsigned long long)r->version);
+        return CTL_FAIL;
+    }
+    if (r->state == IDEM_STATE_IN_FLIGHT && r->lease_until_ms > now && !o->force) {
+        fmt_duration(r->lease_until_ms - now, d, sizeof d);
+        ctl_err("%s is in_flight and its lease runs %s more: a worker may still finish it; "
+                "pass --force once you have checked the target",
+                o->pos[0], d);
+        return CTL_FAIL;
+    }
+    return 0;
+}
+
+static void resolve_report(const struct ctl_opts *o, const idem_record *before,
+                           const struct ctl_record *after, int found, int64_t now)
+{
+    if (o->json) {
+        struct jw j;
+        jw_init(&j, stdout);
+        jw_obj(&j);
+        jw_kstr(&j, "action", o->pos[1]);
+        jw_kstr(&j, "reason", o->reason);
+        jw_key(&j, "before");
+        print_record_json(&j, before, now);
+        jw_key(&j, "after");
+        if (found)
+            print_record_json(&j, &after->r, now);
+        else
+            jw_null(&j);
+        jw_obj_end(&j);
+        fputc('\n', stdout);
+        return;
+    }
+    char key[256];
+    bytes_escape(before->key, before->key_len, key, sizeof key);
+    if (found)
+        printf("%s: %s (version %llu) -> %s (version %llu) by %s; recorded in the audit trail\n",
+               key, idem_state_name(before->state), (unsigned long long)before->version,
+               idem_state_name(after->r.state), (unsigned long long)after->r.version, o->pos[1]);
+    else
+        printf("%s: %s (version %llu) -> released, the next claim gets new; recorded in the "
+               "audit trail\n",
+               key, idem_state_name(before->state), (unsigned long long)before->version);
+}
+
+static int resolve_run(struct ctl *c, const struct ctl_opts *o, int action)
+{
+    const char *key = o->pos[0];
+    size_t klen = strlen(key);
+    struct ctl_record seen, now_rec;
+    int found = 0, changed = 0;
+    int64_t now = 0;
+    if (ctl_get(c, key, klen, &seen, &found) || ctl_now(c, &now)) return CTL_FAIL;
+    if (!found) {
+        ctl_err("%s: no record (absent, or expired): nothing to resolve", key);
+        return CTL_FAIL;
+    }
+    char msg[512] = "";
+    int rc = resolve_precheck(o, &seen.r, now);
+    if (rc == 0)
+        rc = ctl_resolve(c, key, klen, action, seen.r.version, o->force, msg, sizeof msg, &changed);
+    if (rc && changed) {
+        ctl_err("%s changed since it was read (version %llu): %s; nothing was done. What "
+                "changed:",
+                key, (unsigned long long)seen.r.version, msg);
+        if (ctl_get(c, key, klen, &now_rec, &found) == 0) {
+            print_changes(&seen.r, &now_rec.r, found);
+            ctl_record_free(&now_rec);
+        }
+    } else if (rc && msg[0]) {
+        if (strstr(msg, "NOPERM"))
+            ctl_err("resolve needs the admin role: %s", msg);
+        else
+            ctl_err("resolve %s %s refused: %s", key, o->pos[1], msg);
+    }
+    if (rc == 0 && ctl_get(c, key, klen, &now_rec, &found) == 0) {
+        resolve_report(o, &seen.r, &now_rec, found, now);
+        ctl_record_free(&now_rec);
+    }
+    ctl_record_free(&seen);
+    return rc;
+}
+
+int cmd_resolve(const struct ctl_opts *o)
+{
+    int action = action_of(o->pos[1]);
+    if (!action) {
+        ctl_err("resolve: action %s is not commit, release or settle", o->pos[1]);
+        return CTL_USAGE;
+    }
+    if (!o->reason || !*o->reason) {
+        ctl_err("resolve needs --reason TEXT: why, for the audit trail");
+        return CTL_USAGE;
+    }
+    if (o->has_result && action != IDEM_RESOLVE_COMMIT) {
+        ctl_err("--result goes with commit only");
+        return CTL_USAGE;
+    }
+    struct ctl c;
+    int rc = ctl_connect(&c, o, CTL_WRITE);
+    if (rc) return rc;
+    rc = resolve_run(&c, o, action);
+    ctl_disconnect(&c);
+    return rc;
+}
+
+/* ---- audit ---- */
+
+static const char *state_or_absent(int s)
+{
+    return s ? idem_state_name(s) : "absent";
+}
+
+static void audit_json(const struct ctl_audit *a, size_t n)
+{
+    struct jw j;
+    jw_init(&j, stdout);
+    jw_arr(&j);
+    for (size_t i = 0; i < n; i++) {
+        const idem_audit_entry *e = &a[i].e;
+        fputc('\n', stdout);
+        jw_obj(&j);
+        jw_kuint(&j, "seq", e->seq);
+        jw_ktime(&j, "at_ms", e->at_ms);
+        jw_kstr(&j, "actor", e->actor);
+        jw_kstr(&j, "action", e->action);
+        jw_kbytes(&j, "key", e->key, e->key_len);
+        jw_kstr(&j, "reason", e->reason);
+        jw_kstr(&j, "state_before", state_or_absent(e->state_before));
+        jw_kstr(&j, "state_after", state_or_absent(e->state_after));
+        jw_kuint(&j, "version_before", e->version_before);
+        jw_kuint(&j, "version_after", e->version_after);
+        jw_obj_end(&j);
+    }
+    jw_arr_end(&j);
+    fputc('\n', stdout);
+}
+
+static void audit_human(const struct ctl_audit *a, size_t n, const struct ctl_opts *o)
+{
+    if (n == 0) {
+        printf("no decisions recorded\n");
+        return;
+    }
+    struct table *tb = table_new(7);
+    table_add(tb, "SEQ", "WHEN", "WHO", "ACTION", "KEY", "BEFORE -> AFTER", "REASON");
+    for (size_t i = 0; i < n; i++) {
+        const idem_audit_entry *e = &a[i].e;
+        char seq[24], when[40], key[128], ch[96], reason[256];
+        snprintf(seq, sizeof seq, "%llu", (unsigned long long)e->seq);
+        fmt_iso(e->at_ms, when, sizeof when);
+        bytes_escape(e->key, e->key_len, key, sizeof key);
+        snprintf(ch, sizeof ch, "%s v%llu -> %s v%llu", state_or_absent(e->state_before),
+                 (unsigned long long)e->version_before, state_or_absent(e->state_after),
+                 (unsigned long long)e->version_after);
+        bytes_escape(e->reason, strlen(e->reason), reason, sizeof reason);
+        table_add(tb, seq, when, e->actor, e->action, key, ch, reason);
+    }
+    table_print(tb, stdout, 1, o->color);
+    table_free(tb);
+}
+
+int cmd_audit(const struct ctl_opts *o)
+{
+    struct ctl c;
+    /* Offline the engine loads the audit trail only on a writable open. */
+    int rc = ctl_connect(&c, o, o->dir ? CTL_WRITE : CTL_READ);
+    if (rc) return rc;
+    struct ctl_audit *a = NULL;
+    size_t n = 0;
+    const char *key = o->npos ? o->pos[0] : NULL;
+    rc = ctl_audit(&c, key, key ? strlen(key) : 0,
+                   o->has_count ? (uint32_t)o->count : AUDIT_COUNT_DEFAULT, &a, &n);
+    ctl_disconnect(&c);
+    if (rc == 0) {
+        if (o->json)
+            audit_json(a, n);
+        else
+            audit_human(a, n, o);
+    }
+    ctl_audit_free(a, n);
+    return rc;
+}

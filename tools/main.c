@@ -1,0 +1,330 @@
+/*
+ * main.c: idemctl, the operator's tool for idem. Parses options (anywhere on the line, long
+ * form, `--name value` or `--name=value`), picks the subcommand, prints help, and maps results
+ * to exit codes: 0 ok, 1 failure, 2 usage.
+ */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ctl.h"
+
+/* Which options a subcommand takes, beyond the global ones. */
+enum {
+    O_OLDER = 1 << 0,
+    O_STATE = 1 << 1,
+    O_COUNT = 1 << 2,
+    O_REASON = 1 << 3,
+    O_RESULT = 1 << 4,
+    O_FORCE = 1 << 5,
+    O_INTERVAL = 1 << 6,
+    O_WINDOW = 1 << 7,
+    O_MINFREE = 1 << 8,
+};
+
+struct subcmd {
+    const char *name;
+    int (*fn)(const struct ctl_opts *o);
+    int pos_min, pos_max;
+    unsigned opts;
+    const char *usage;
+    const char *help;
+};
+
+static const struct subcmd cmds[] = {
+    {"status", cmd_status, 0, 0, O_OLDER | O_WINDOW | O_MINFREE,
+     "status [--older DURATION] [--window DURATION] [--min-free SIZE]",
+     "Keys by state, duplicate ratio, oldest in_flight and review ages, mismatches, conflicting\n"
+     "commits, capacity, flush latency and disk free, with a verdict: healthy, or attention and\n"
+     "why. --older: in_flight age that needs attention (default 15m). --window: the duplicate\n"
+     "ratio is measured over this time (default 1s online; offline: since the store opened).\n"
+     "--min-free: disk free below this needs attention (default 1GiB)."},
+    {"get", cmd_get, 1, 1, 0, "get KEY",
+     "The whole record of KEY, times as ISO 8601 and as age or time remaining."},
+    {"attention", cmd_attention, 0, 0, O_OLDER | O_COUNT,
+     "attention [--older DURATION] [--count N]",
+     "Every record that needs a person or a reconciler, most urgent first: review records,\n"
+     "in_flight records whose lease ran out (or older than --older), keys with mismatches; each\n"
+     "with the suggested next step. Never scans all keys (idemd: IDEM.ATTENTION)."},
+    {"resolve", cmd_resolve, 2, 2, O_REASON | O_RESULT | O_FORCE,
+     "resolve KEY commit|release|settle --reason TEXT [--result BYTES] [--force]",
+     "An operator decision (admin role). commit: the target was checked and it happened\n"
+     "(--result: the target's reference); release: it did not happen, re-offer the key; settle:\n"
+     "close without new action. The record is read first and the decision passes the version\n"
+     "shown (EXPECT), so a record that changed meanwhile is refused with what changed. --force is\n"
+     "needed while a lease runs. Recorded in the audit trail."},
+    {"audit", cmd_audit, 0, 1, O_COUNT, "audit [KEY] [--count N]",
+     "Operator decisions, newest first: who, when, action, reason, state before and after."},
+    {"scan", cmd_scan, 0, 0, O_STATE | O_OLDER | O_COUNT,
+     "scan [--state in_flight|committed|review] [--older DURATION] [--count N]",
+     "Keys, one per line, for scripts (OLDER counts from first_seen). A key may appear twice\n"
+     "while idemd's index grows (SCAN semantics)."},
+    {"watch", cmd_watch, 0, 0, O_COUNT | O_INTERVAL, "watch [--count N] [--interval DURATION]",
+     "A live view, one line per refresh (default every 1s): claims/s, duplicates/s, ratio,\n"
+     "in_flight count, oldest in_flight age, flush p50/p99. --count: stop after N refreshes."},
+    {"verify", cmd_verify, 0, 1, 0, "verify [DIR]",
+     "Offline, read-only check of every checksum and invariant of a stopped store (DIR, or\n"
+     "--dir): superblock copies, every log frame, the checkpoint, the audit trail, the index.\n"
+     "Exit 1 on any fault. Never modifies the store."},
+    {"backup", cmd_backup, 1, 1, 0, "backup DEST --dir DIR",
+     "Copies a consistent image of the stopped store DIR into the new directory DEST. (Online\n"
+     "backup through idemd is not available yet.)"},
+    {"restore", cmd_restore, 2, 2, 0, "restore BACKUP DEST",
+     "Makes DEST (absent) a store from the backup BACKUP, under a new store generation: tokens\n"
+     "handed out later are above any the backed-up store could have handed out."},
+    {"export", cmd_export, 0, 0, 0, "export --dir DIR",
+     "JSON Lines on stdout: every field of every record, then the audit trail (oldest first)."},
+    {"import", cmd_import, 1, 1, 0, "import FILE --dir DIR",
+     "Reads an export (JSON Lines; - for stdin) into the stopped store DIR: records as they\n"
+     "were (state, times, counters, token, version), audit entries as they were. For a store\n"
+     "no worker uses yet."},
+    {"checkpoint", cmd_checkpoint, 0, 0, 0, "checkpoint --dir DIR",
+     "Writes a checkpoint of the stopped store's index, so the next open need not replay the log."},
+    {"compact", cmd_compact, 0, 0, 0, "compact --dir DIR",
+     "Opens the stopped store and lets it reclaim the space of dead and expired records (bounded\n"
+     "by --timeout, default 10s), then checkpoints; prints the disk use before and after."},
+};
+
+static const char global_help[] =
+    "Where the store is (default: idemd at " CTL_DEFAULT_SOCKET "):\n"
+    "  --socket PATH          idemd's unix socket\n"
+    "  --host HOST --port N   idemd over TCP (default port 7379)\n"
+    "  --user NAME            authenticate (with --password TEXT, --password-file FILE,\n"
+    "                         or the IDEMCTL_PASSWORD environment variable)\n"
+    "  --dir DIR              a stopped store directory (refused while idemd holds it)\n"
+    "Output:\n"
+    "  --json                 JSON for scripts (watch and export: JSON Lines)\n"
+    "  --color, --no-color    colour (default: on a terminal, unless NO_COLOR is set)\n"
+    "  --timeout DURATION     how long to wait for idemd (default 10s)\n"
+    "Durations: 250ms, 90s, 15m, 72h, 4d, 1h30m. Sizes: 64KiB, 10MB, 1GiB.\n"
+    "Exit codes: 0 ok, 1 failure (or faults found), 2 usage.\n";
+
+void ctl_err(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    fputs("idemctl: ", stderr);
+    vfprintf(stderr, fmt, ap);
+    fputc('\n', stderr);
+    va_end(ap);
+}
+
+static void usage_all(FILE *f)
+{
+    fprintf(f, "usage: idemctl COMMAND [options]\n\nCommands:\n");
+    for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++)
+        fprintf(f, "  %s\n", cmds[i].usage);
+    fprintf(f, "\n%s\nidemctl COMMAND --help describes a command.\n", global_help);
+}
+
+static void usage_cmd(const struct subcmd *c, FILE *f)
+{
+    fprintf(f, "usage: idemctl %s\n\n%s\n\n%s", c->usage, c->help, global_help);
+}
+
+static const struct subcmd *find_cmd(const char *name)
+{
+    for (size_t i = 0; name && i < sizeof cmds / sizeof cmds[0]; i++)
+        if (strcmp(cmds[i].name, name) == 0) return &cmds[i];
+    return NULL;
+}
+
+/* Option table: name, whether it takes a value, the subcommand bit (0: global). */
+static const struct {
+    const char *name;
+    int has_arg;
+    unsigned bit;
+} options[] = {
+    {"socket", 1, 0},
+    {"host", 1, 0},
+    {"port", 1, 0},
+    {"user", 1, 0},
+    {"password", 1, 0},
+    {"password-file", 1, 0},
+    {"dir", 1, 0},
+    {"json", 0, 0},
+    {"color", 0, 0},
+    {"no-color", 0, 0},
+    {"timeout", 1, 0},
+    {"help", 0, 0},
+    {"older", 1, O_OLDER},
+    {"state", 1, O_STATE},
+    {"count", 1, O_COUNT},
+    {"reason", 1, O_REASON},
+    {"result", 1, O_RESULT},
+    {"force", 0, O_FORCE},
+    {"interval", 1, O_INTERVAL},
+    {"window", 1, O_WINDOW},
+    {"min-free", 1, O_MINFREE},
+};
+
+static int bad_value(const char *name, const char *v, const char *what)
+{
+    ctl_err("--%s %s: %s", name, v, what);
+    return CTL_USAGE;
+}
+
+static int set_state(struct ctl_opts *o, const char *v)
+{
+    for (int s = IDEM_STATE_IN_FLIGHT; s <= IDEM_STATE_REVIEW; s++)
+        if (strcmp(v, idem_state_name(s)) == 0) o->state = s;
+    return o->state ? 0 : bad_value("state", v, "not in_flight, committed or review");
+}
+
+static int set_number(const char *name, const char *v, uint64_t max, uint64_t *out)
+{
+    char *end;
+    unsigned long long n = strtoull(v, &end, 10);
+    if (!*v || *end || *v == '-' || n == 0 || n > max)
+        return bad_value(name, v, "not a count in range");
+    *out = n;
+    return 0;
+}
+
+/* Applies one option. Returns 0 or CTL_USAGE. */
+static int set_option(struct ctl_opts *o, const char *name, const char *v, int *help)
+{
+    int64_t ms;
+    uint64_t n;
+    if (!strcmp(name, "socket"))
+        o->socket = v;
+    else if (!strcmp(name, "host"))
+        o->host = v;
+    else if (!strcmp(name, "port")) {
+        if (set_number(name, v, 65535, &n)) return CTL_USAGE;
+        o->port = (int)n;
+    } else if (!strcmp(name, "user"))
+        o->user = v;
+    else if (!strcmp(name, "password"))
+        o->password = v;
+    else if (!strcmp(name, "password-file"))
+        o->password_file = v;
+    else if (!strcmp(name, "dir"))
+        o->dir = v;
+    else if (!strcmp(name, "json"))
+        o->json = 1;
+    else if (!strcmp(name, "color"))
+        o->color = 1;
+    else if (!strcmp(name, "no-color"))
+        o->color = 0;
+    else if (!strcmp(name, "help"))
+        *help = 1;
+    else if (!strcmp(name, "state"))
+        return set_state(o, v);
+    else if (!strcmp(name, "count")) {
+        if (set_number(name, v, 1000000, &o->count)) return CTL_USAGE;
+        o->has_count = 1;
+    } else if (!strcmp(name, "reason"))
+        o->reason = v;
+    else if (!strcmp(name, "result")) {
+        o->result = v;
+        o->has_result = 1;
+    } else if (!strcmp(name, "force"))
+        o->force = 1;
+    else if (!strcmp(name, "min-free")) {
+        if (parse_size(v, &o->min_free_bytes) < 0)
+            return bad_value(name, v, "not a size (e.g. 512MiB, 1GiB)");
+    } else {
+        if (parse_duration_ms(v, &ms) < 0)
+            return bad_value(name, v, "not a duration (e.g. 90s, 15m, 72h, 4d)");
+        if (!strcmp(name, "timeout"))
+            o->timeout_ms = ms > 0 && ms < 3600000 ? (int)ms : 10000;
+        else if (!strcmp(name, "older")) {
+            o->older_ms = ms;
+            o->has_older = 1;
+        } else if (!strcmp(name, "interval"))
+            o->interval_ms = ms;
+        else if (!strcmp(name, "window"))
+            o->window_ms = ms;
+    }
+    return 0;
+}
+
+/* Splits "--name[=value]"; finds the option; takes its value from the next argument. */
+static int parse_one(struct ctl_opts *o, int argc, char **argv, int *i, unsigned *used, int *help)
+{
+    const char *arg = argv[*i] + 2, *eq = strchr(arg, '=');
+    size_t nl = eq ? (size_t)(eq - arg) : strlen(arg);
+    for (size_t k = 0; k < sizeof options / sizeof options[0]; k++) {
+        if (strlen(options[k].name) != nl || strncmp(options[k].name, arg, nl)) continue;
+        const char *v = NULL;
+        if (options[k].has_arg) {
+            v = eq ? eq + 1 : (*i + 1 < argc ? argv[++*i] : NULL);
+            if (!v) {
+                ctl_err("--%s needs a value", options[k].name);
+                return CTL_USAGE;
+            }
+        } else if (eq) {
+            ctl_err("--%s takes no value", options[k].name);
+            return CTL_USAGE;
+        }
+        *used |= options[k].bit;
+        return set_option(o, options[k].name, v, help);
+    }
+    ctl_err("unknown option %s (idemctl --help lists them)", argv[*i]);
+    return CTL_USAGE;
+}
+
+static int parse_args(struct ctl_opts *o, int argc, char **argv, const char **cmd, unsigned *used,
+                      int *help)
+{
+    int only_pos = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!only_pos && strcmp(argv[i], "--") == 0) {
+            only_pos = 1;
+        } else if (!only_pos && (strcmp(argv[i], "-h") == 0)) {
+            *help = 1;
+        } else if (!only_pos && strncmp(argv[i], "--", 2) == 0) {
+            int rc = parse_one(o, argc, argv, &i, used, help);
+            if (rc) return rc;
+        } else if (!*cmd) {
+            *cmd = argv[i];
+        } else if (o->npos < CTL_POS_MAX) {
+            o->pos[o->npos++] = argv[i];
+        } else {
+            ctl_err("too many arguments");
+            return CTL_USAGE;
+        }
+    }
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    struct ctl_opts o;
+    memset(&o, 0, sizeof o);
+    o.timeout_ms = 10000;
+    o.color = isatty(STDOUT_FILENO) && !getenv("NO_COLOR");
+    const char *name = NULL;
+    unsigned used = 0;
+    int help = 0;
+    int rc = parse_args(&o, argc, argv, &name, &used, &help);
+    if (rc) return rc;
+    if (name && strcmp(name, "help") == 0) {
+        name = o.npos ? o.pos[0] : NULL;
+        help = 1;
+    }
+    const struct subcmd *c = find_cmd(name);
+    if (!c) {
+        if (name) ctl_err("unknown command '%s'", name);
+        usage_all(name || !help ? stderr : stdout);
+        return name || !help ? CTL_USAGE : CTL_OK;
+    }
+    if (help) {
+        usage_cmd(c, stdout);
+        return CTL_OK;
+    }
+    if (used & ~c->opts) {
+        ctl_err("%s does not take one of the options given (idemctl %s --help)", c->name, c->name);
+        return CTL_USAGE;
+    }
+    if (o.npos < c->pos_min || o.npos > c->pos_max) {
+        fprintf(stderr, "usage: idemctl %s\n", c->usage);
+        return CTL_USAGE;
+    }
+    rc = c->fn(&o);
+    fflush(stdout);
+    return rc;
+}
