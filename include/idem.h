@@ -348,6 +348,10 @@ typedef struct idem_audit_entry {
  * (valid until the next call on q). */
 int idem_audit(idem_queue *q, const void *key, size_t key_len, uint32_t count,
                const idem_audit_entry **entries, size_t *n);
+/* The same, for entries older than before_seq (0: from the newest): page through the whole
+ * trail by passing the last entry's seq. */
+int idem_audit_page(idem_queue *q, const void *key, size_t key_len, uint64_t before_seq,
+                    uint32_t count, const idem_audit_entry **entries, size_t *n);
 
 typedef struct idem_stats {
     uint64_t keys;                 /* records in the index, expired ones not yet swept included */
@@ -437,6 +441,10 @@ int idem_restore(const char *backup_dir, const char *dest_dir);
 
 /* Writes a checkpoint of the index so that the next open need not replay the log. */
 int idem_checkpoint(idem_store *s);
+/* Compacts every sealed segment now (live records copied forward, expired ones dropped, the
+ * segments retired) and returns when that is done or timeout_ms passed (IDEM_EBUSY then; the
+ * work goes on in the background). */
+int idem_compact(idem_store *s, int timeout_ms);
 /* Copies a consistent point-in-time image of the live store into the new directory dest. */
 int idem_backup(idem_store *s, const char *dest_dir);
 

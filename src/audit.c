@@ -214,6 +214,12 @@ int idem_import_audit(idem_queue *q, const idem_audit_entry *e)
 int idem_audit(idem_queue *q, const void *key, size_t key_len, uint32_t count,
                const idem_audit_entry **entries, size_t *n)
 {
+    return idem_audit_page(q, key, key_len, 0, count, entries, n);
+}
+
+int idem_audit_page(idem_queue *q, const void *key, size_t key_len, uint64_t before_seq,
+                    uint32_t count, const idem_audit_entry **entries, size_t *n)
+{
     if (!q || !entries || !n || (key && (key_len == 0 || key_len > IDEM_KEY_BYTES_MAX)))
         return IDEM_EINVAL;
     idem_store *s = q->s;
@@ -227,6 +233,8 @@ int idem_audit(idem_queue *q, const void *key, size_t key_len, uint32_t count,
     pthread_mutex_lock(&s->mu);
     for (size_t i = s->naudit; i > 0 && k < count; i--) {
         const idem_audit_entry *e = &s->audit[i - 1].e;
+        if (before_seq && e->seq >= before_seq)
+            continue;
         if (key && (e->key_len != key_len || memcmp(e->key, key, key_len)))
             continue;
         out[k++] = *e; /* strings live as long as the store */

@@ -30,6 +30,8 @@ static int head_wanted(idem_store *s, uint64_t head)
 {
     if (!wal_seg_durable(s->wal, head, s->durable_lsn))
         return 0; /* the head must be sealed and every frame of it durable */
+    if (head < s->cmp_force_until)
+        return 1; /* idem_compact asked for it */
     uint64_t seg = s->opt.segment_bytes;
     if (wal_bytes(s->wal) > 2 * s->live_bytes + STORE_CMP_SLACK_SEGS * seg)
         return 1;
@@ -63,6 +65,7 @@ static int retire(idem_store *s)
     s->cmp_seq = 0;
     s->cmp_done = 0;
     s->st.compactions++;
+    pthread_cond_broadcast(&s->cond_ready); /* idem_compact may wait for this */
     return 1;
 }
 

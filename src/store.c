@@ -469,6 +469,7 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
             return IDEM_ECORRUPT;
         }
         ages_note(s, &r, index_slot_addr(slot));
+        s->st.keys_with_mismatch += r.mismatch_count > 0;
     }
     /* Repeat counters survive a clean restart through the checkpoint. */
     return (e->has_seen & CKPT_SEEN) ? ops_seen_set(s, slot, e->seen_count, e->last_seen_ms)
@@ -1349,6 +1350,44 @@ int idem_checkpoint(idem_store *s)
         return IDEM_EREADONLY;
     pthread_mutex_lock(&s->mu);
     int rc = s->fatal ? IDEM_EFATAL : checkpoint_locked(s);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
+/* ---- Compaction on request ---- */
+
+int idem_compact(idem_store *s, int timeout_ms)
+{
+    if (!s)
+        return IDEM_EINVAL;
+    if (s->opt.read_only)
+        return IDEM_EREADONLY;
+    pthread_mutex_lock(&s->mu);
+    /* Every segment sealed now is walked; the flusher does the work between batches. */
+    s->cmp_force_until = wal_cur_seq(s->wal);
+    int64_t deadline = mono_now(s) + timeout_ms;
+    int rc = 0;
+    while (!s->fatal && !s->cmp_disabled && wal_first_seq(s->wal) < s->cmp_force_until) {
+        if (timeout_ms >= 0 && mono_now(s) >= deadline) {
+            rc = IDEM_EBUSY;
+            break;
+        }
+        s->sync_waiters++; /* durability none: the walk waits for durable segments */
+        pthread_cond_signal(&s->cond_flush);
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 20 * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&s->cond_ready, &s->mu, &ts);
+        s->sync_waiters--;
+    }
+    if (s->fatal)
+        rc = IDEM_EFATAL;
+    else if (s->cmp_disabled)
+        rc = IDEM_ECORRUPT;
     pthread_mutex_unlock(&s->mu);
     return rc;
 }

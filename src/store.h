@@ -156,6 +156,7 @@ struct idem_store {
     int cmp_done;          /* every frame handled: retire once durable and checkpointed */
     uint64_t cmp_done_lsn; /* the log's last LSN when the walk ended */
     int cmp_disabled;      /* a corrupt frame stopped compaction (reported) */
+    uint64_t cmp_force_until; /* idem_compact: walk every segment below this one */
     /* Records that need attention, by kind (ages.c). */
     struct age_heap ages[3];
     int ages_rebuilding;

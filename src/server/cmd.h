@@ -60,6 +60,7 @@ typedef struct cmd_stat {
     const char *name;
     int64_t value;
 } cmd_stat;
+#define CMD_STATS_MAX 96
 int cmd_stats_list(srv *s, cmd_stat *out, int max);
 
 /* Handlers, by module. */

@@ -55,6 +55,17 @@ int cmd_stats_list(srv *s, cmd_stat *out, int max)
     STAT("flushes", st.flushes);
     STAT("flush_records", st.flush_records);
     STAT("flush_latency_us_sum", st.flush_latency_us_sum);
+    static const char *const buckets[16] = {
+        "flush_latency_us_bucket_0",  "flush_latency_us_bucket_1",  "flush_latency_us_bucket_2",
+        "flush_latency_us_bucket_3",  "flush_latency_us_bucket_4",  "flush_latency_us_bucket_5",
+        "flush_latency_us_bucket_6",  "flush_latency_us_bucket_7",  "flush_latency_us_bucket_8",
+        "flush_latency_us_bucket_9",  "flush_latency_us_bucket_10", "flush_latency_us_bucket_11",
+        "flush_latency_us_bucket_12", "flush_latency_us_bucket_13", "flush_latency_us_bucket_14",
+        "flush_latency_us_bucket_15"};
+    for (int i = 0; i < 16; i++) /* bucket i: flushes under 2^(i+4) us; the last: the rest */
+        STAT(buckets[i], st.flush_latency_us_buckets[i]);
+    STAT("keys_with_mismatch", st.keys_with_mismatch);
+    STAT("store_generation", st.store_generation);
     STAT("clock_skew_ms", st.clock_skew_ms);
     STAT("store_clock_ms", st.store_clock_ms);
     STAT("checkpoints", st.checkpoints);
@@ -72,8 +83,8 @@ int cmd_stats_list(srv *s, cmd_stat *out, int max)
 
 void cmd_stats(cmd_req *r)
 {
-    cmd_stat st[64];
-    int n = cmd_stats_list(r->s, st, 64);
+    cmd_stat st[CMD_STATS_MAX];
+    int n = cmd_stats_list(r->s, st, CMD_STATS_MAX);
     resp_buf *b = cmd_out(r);
     resp_array(b, 2 * n);
     for (int i = 0; i < n; i++) {
@@ -289,8 +300,8 @@ static void info_text(srv *s, resp_buf *t, int all, const char *section)
              dur[s->cfg.durability % 3]);
     }
     if ((all || strcasecmp(section, "idem") == 0) && !s->loading) {
-        cmd_stat st[64];
-        int n = cmd_stats_list(s, st, 64);
+        cmd_stat st[CMD_STATS_MAX];
+        int n = cmd_stats_list(s, st, CMD_STATS_MAX);
         LINE("# Idem\r\n");
         for (int i = 0; i < n; i++)
             LINE("%s:%lld\r\n", st[i].name, (long long)st[i].value);

@@ -58,9 +58,11 @@ void metrics_render(srv *s, resp_buf *b)
         resp_buf_append(b, line, (size_t)k);
         return;
     }
-    cmd_stat st[64];
-    int n = cmd_stats_list(s, st, 64);
+    cmd_stat st[CMD_STATS_MAX];
+    int n = cmd_stats_list(s, st, CMD_STATS_MAX);
     for (int i = 0; i < n; i++) {
+        if (strncmp(st[i].name, "flush_latency_us_bucket_", 24) == 0)
+            continue; /* rendered as the histogram below */
         int counter = is_counter(st[i].name);
         const char *suffix = counter && !strstr(st[i].name, "_total") ? "_total" : "";
         k = snprintf(line, sizeof line, "# TYPE idem_%s%s %s\nidem_%s%s %lld\n", st[i].name, suffix,
