@@ -596,9 +596,17 @@ int ctl_audit(struct ctl *c, const void *key, size_t klen, uint32_t count, struc
     *out = NULL;
     *n = 0;
     if (c->online) return audit_online(c, key, klen, count, out, n);
+    return ctl_audit_page(c, key, klen, 0, count, out, n);
+}
+
+int ctl_audit_page(struct ctl *c, const void *key, size_t klen, uint64_t before_seq,
+                   uint32_t count, struct ctl_audit **out, size_t *n)
+{
+    *out = NULL;
+    *n = 0;
     const idem_audit_entry *e;
     size_t k;
-    int rc = idem_audit(c->q, key, klen, count, &e, &k);
+    int rc = idem_audit_page(c->q, key, klen, before_seq, count, &e, &k);
     if (rc != IDEM_OK) {
         ctl_err("audit: %s", idem_strerror(rc));
         return CTL_FAIL;

@@ -13,7 +13,7 @@
 
 #include "ctl.h"
 
-#define EXPORT_AUDIT_MAX 10000u
+#define EXPORT_AUDIT_PAGE 10000u
 
 /* Offline commands refuse idemd's flags and default the directory. */
 static int offline_opts(const struct ctl_opts *o, struct ctl_opts *out, const char *what)
@@ -166,12 +166,6 @@ int cmd_checkpoint(const struct ctl_opts *o)
     return CTL_OK;
 }
 
-static void sleep_ms(int64_t ms)
-{
-    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000};
-    while (nanosleep(&ts, &ts) != 0) {
-    }
-}
 
 int cmd_compact(const struct ctl_opts *o)
 {
@@ -181,19 +175,17 @@ int cmd_compact(const struct ctl_opts *o)
     struct ctl c;
     rc = ctl_connect(&c, &oo, CTL_OFFLINE);
     if (rc) return rc;
-    idem_stats before, cur, last;
+    idem_stats before, cur;
     idem_get_stats(c.s, &before);
-    last = before;
-    /* The store compacts on its own while open: wait until it has nothing more to do. */
-    int quiet = 0;
-    for (int64_t waited = 0; waited < o->timeout_ms && quiet < 5; waited += 200) {
-        sleep_ms(200);
-        idem_get_stats(c.s, &cur);
-        quiet =
-            cur.compactions == last.compactions && cur.wal_bytes == last.wal_bytes ? quiet + 1 : 0;
-        last = cur;
+    /* Every sealed segment is walked and retired, within --timeout. */
+    int err = idem_compact(c.s, (int)o->timeout_ms);
+    int quiet = err == IDEM_OK ? 5 : 0;
+    if (err != IDEM_OK && err != IDEM_EBUSY) {
+        ctl_disconnect(&c);
+        ctl_err("compaction failed: %s", idem_strerror(err));
+        return CTL_FAIL;
     }
-    int err = idem_checkpoint(c.s);
+    err = idem_checkpoint(c.s);
     idem_get_stats(c.s, &cur);
     ctl_disconnect(&c);
     if (err != IDEM_OK) {
@@ -305,14 +297,37 @@ static int export_run(struct ctl *c)
             ctl_record_free(&r);
         }
     }
-    struct ctl_audit *a = NULL;
-    size_t n = 0;
-    if (rc == 0 && !k.oom) rc = ctl_audit(c, NULL, 0, EXPORT_AUDIT_MAX, &a, &n);
-    for (size_t i = n; rc == 0 && i > 0; i--)
-        export_audit_line(&j, &a[i - 1].e); /* oldest first: import appends in order */
-    if (n == EXPORT_AUDIT_MAX)
-        ctl_err("warning: only the newest %u audit entries were exported", EXPORT_AUDIT_MAX);
-    ctl_audit_free(a, n);
+    /* The whole trail, page by page from the newest; written oldest first (import appends). */
+    struct audit_page {
+        struct ctl_audit *a;
+        size_t n;
+    } *pages = NULL;
+    size_t npages = 0;
+    uint64_t before = 0;
+    while (rc == 0 && !k.oom) {
+        struct ctl_audit *a = NULL;
+        size_t n = 0;
+        rc = ctl_audit_page(c, NULL, 0, before, EXPORT_AUDIT_PAGE, &a, &n);
+        if (rc != 0 || n == 0) {
+            ctl_audit_free(a, n);
+            break;
+        }
+        struct audit_page *grown = realloc(pages, (npages + 1) * sizeof *pages);
+        if (!grown) {
+            ctl_audit_free(a, n);
+            k.oom = 1;
+            break;
+        }
+        pages = grown;
+        pages[npages++] = (struct audit_page){a, n};
+        before = a[n - 1].e.seq;
+    }
+    for (size_t p = npages; p > 0; p--) {
+        for (size_t i = pages[p - 1].n; rc == 0 && i > 0; i--)
+            export_audit_line(&j, &pages[p - 1].a[i - 1].e);
+        ctl_audit_free(pages[p - 1].a, pages[p - 1].n);
+    }
+    free(pages);
     if (k.oom) {
         ctl_err("out of memory listing the keys");
         rc = CTL_FAIL;
