@@ -1,0 +1,125 @@
+/*
+ * auth.c: users and roles. Users come from --user NAME:ROLE:PASSWORD flags and --users-file
+ * (one such line each; the file must not be readable by group or others). With no users, a
+ * connection's role follows its listener: unix socket admin, TCP worker. Passwords are compared
+ * in constant time over the longer of the two lengths.
+ */
+#include "server.h"
+
+#include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+
+int auth_role_parse(const char *s)
+{
+    if (strcmp(s, "worker") == 0) return ROLE_WORKER;
+    if (strcmp(s, "reader") == 0) return ROLE_READER;
+    if (strcmp(s, "admin") == 0) return ROLE_ADMIN;
+    return ROLE_NONE;
+}
+
+const char *auth_role_name(int role)
+{
+    switch (role) {
+    case ROLE_WORKER:
+        return "worker";
+    case ROLE_READER:
+        return "reader";
+    case ROLE_ADMIN:
+        return "admin";
+    default:
+        return "none";
+    }
+}
+
+int auth_user_add(srv_config *cfg, const char *spec, char *err, size_t err_len)
+{
+    const char *c1 = strchr(spec, ':');
+    const char *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
+    char role[16];
+    if (!c1 || !c2 || c1 == spec || c2 == c1 + 1) {
+        snprintf(err, err_len, "user must be NAME:ROLE:PASSWORD");
+        return -1;
+    }
+    size_t name_len = (size_t)(c1 - spec), role_len = (size_t)(c2 - c1 - 1);
+    size_t pw_len = strlen(c2 + 1);
+    if (cfg->nusers >= SRV_USERS_MAX || name_len >= SRV_NAME_MAX || role_len >= sizeof role ||
+        pw_len >= SRV_PASSWORD_MAX || pw_len == 0) {
+        snprintf(err, err_len, "user spec too long, empty password, or more than %d users",
+                 SRV_USERS_MAX);
+        return -1;
+    }
+    memcpy(role, c1 + 1, role_len);
+    role[role_len] = '\0';
+    srv_user *u = &cfg->users[cfg->nusers];
+    u->role = auth_role_parse(role);
+    if (u->role == ROLE_NONE) {
+        snprintf(err, err_len, "role must be worker, reader or admin, not '%s'", role);
+        return -1;
+    }
+    memcpy(u->name, spec, name_len);
+    u->name[name_len] = '\0';
+    memcpy(u->password, c2 + 1, pw_len + 1);
+    for (int i = 0; i < cfg->nusers; i++) {
+        if (strcmp(cfg->users[i].name, u->name) == 0) {
+            snprintf(err, err_len, "user '%s' given twice", u->name);
+            return -1;
+        }
+    }
+    cfg->nusers++;
+    return 0;
+}
+
+int auth_users_file(srv_config *cfg, const char *path, char *err, size_t err_len)
+{
+    struct stat st;
+    char line[SRV_NAME_MAX + SRV_PASSWORD_MAX + 32];
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        snprintf(err, err_len, "cannot open users file %s", path);
+        return -1;
+    }
+    if (fstat(fileno(f), &st) != 0 || (st.st_mode & (S_IRWXG | S_IRWXO))) {
+        snprintf(err, err_len,
+                 "users file %s must not be accessible by group or others "
+                 "(chmod 600)",
+                 path);
+        fclose(f);
+        return -1;
+    }
+    int rc = 0, lineno = 0;
+    while (rc == 0 && fgets(line, sizeof line, f)) {
+        lineno++;
+        line[strcspn(line, "\r\n")] = '\0';
+        if (line[0] == '\0' || line[0] == '#') continue;
+        char why[128];
+        if (auth_user_add(cfg, line, why, sizeof why) < 0) {
+            snprintf(err, err_len, "%s:%d: %s", path, lineno, why);
+            rc = -1;
+        }
+    }
+    fclose(f);
+    return rc;
+}
+
+int auth_check(const srv_config *cfg, const char *user, const uint8_t *pw, uint32_t pw_len)
+{
+    for (int i = 0; i < cfg->nusers; i++) {
+        const srv_user *u = &cfg->users[i];
+        if (strcmp(u->name, user) != 0) continue;
+        size_t ul = strlen(u->password), n = ul > pw_len ? ul : pw_len;
+        unsigned diff = (unsigned)(ul ^ pw_len);
+        for (size_t k = 0; k < n; k++) {
+            uint8_t a = k < ul ? (uint8_t)u->password[k] : 0, b = k < pw_len ? pw[k] : 0;
+            diff |= (unsigned)(a ^ b);
+        }
+        return diff == 0 ? u->role : ROLE_NONE;
+    }
+    return ROLE_NONE;
+}
+
+int auth_initial_role(const srv_config *cfg, int is_unix)
+{
+    if (cfg->nusers > 0) return ROLE_NONE;
+    return is_unix ? ROLE_ADMIN : ROLE_WORKER;
+}

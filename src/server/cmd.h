@@ -1,0 +1,92 @@
+/*
+ * cmd.h: private to the command modules (commands.c: table, dispatch and connection commands;
+ * cmd_idem.c: the key commands that go to the engine; cmd_admin.c: stats, scans, audit, DEL,
+ * INFO, CONFIG, COMMAND, DEBUG). A handler answers its request now (reply + done) or queues
+ * engine ops with srv_submit_op; it never keeps argv past its return.
+ */
+#ifndef IDEM_SERVER_CMD_H
+#define IDEM_SERVER_CMD_H
+
+#include "server.h"
+
+#define CMD_F_NOAUTH  0x1 /* allowed before AUTH */
+#define CMD_F_LOADING 0x2 /* allowed while the store recovers */
+#define CMD_F_WRITE   0x4 /* for COMMAND's flags */
+
+#define ROLES_ALL  (ROLE_WORKER | ROLE_READER | ROLE_ADMIN)
+#define ROLES_READ (ROLE_READER | ROLE_ADMIN)
+#define ROLES_WORK (ROLE_WORKER | ROLE_ADMIN)
+
+typedef struct cmd_req {
+    srv *s;
+    srv_conn *c;
+    uint32_t seq;
+    uint32_t argc;
+    const uint8_t *const *argv;
+    const uint32_t *argl;
+} cmd_req;
+
+typedef void (*cmd_fn)(cmd_req *r);
+
+typedef struct cmd_def {
+    const char *name;
+    int arity; /* > 0: exactly; < 0: at least -arity (the name included) */
+    int roles;
+    int flags;
+    cmd_fn fn;
+} cmd_def;
+
+/* The reply buffer of r, and marking it answered. */
+resp_buf *cmd_out(cmd_req *r);
+void cmd_done(cmd_req *r);
+/* Shorthands that answer at once. */
+void cmd_ok(cmd_req *r);
+void cmd_fail(cmd_req *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+void cmd_int(cmd_req *r, int64_t v);
+
+/* Is argv[i] equal to the word (ASCII case-insensitive)? */
+int cmd_is(const cmd_req *r, uint32_t i, const char *word);
+/* Strict decimal parsing. Return 0 or -1. */
+int cmd_u64(const uint8_t *p, uint32_t n, uint64_t *out);
+int cmd_i64(const uint8_t *p, uint32_t n, int64_t *out);
+/* Checks a key's length; on failure answers the request and returns -1. */
+int cmd_key_ok(cmd_req *r, uint32_t i);
+/* The actor recorded in the audit trail for this connection. */
+const char *cmd_actor(srv_conn *c);
+uint32_t cmd_result_max(const srv *s);
+
+/* The store's and the server's counters, by name (IDEM.STATS, INFO idem, metrics). */
+typedef struct cmd_stat {
+    const char *name;
+    int64_t value;
+} cmd_stat;
+int cmd_stats_list(srv *s, cmd_stat *out, int max);
+
+/* Handlers, by module. */
+void cmd_claim(cmd_req *r);
+void cmd_commit(cmd_req *r);
+void cmd_release(cmd_req *r);
+void cmd_hold(cmd_req *r);
+void cmd_extend(cmd_req *r);
+void cmd_idem_get(cmd_req *r);
+void cmd_resolve(cmd_req *r);
+void cmd_set(cmd_req *r);
+void cmd_get(cmd_req *r);
+void cmd_exists(cmd_req *r);
+void cmd_pttl(cmd_req *r);
+void cmd_ttl(cmd_req *r);
+
+void cmd_scan(cmd_req *r);
+void cmd_stats(cmd_req *r);
+void cmd_audit(cmd_req *r);
+void cmd_del(cmd_req *r);
+void cmd_dbsize(cmd_req *r);
+void cmd_info(cmd_req *r);
+void cmd_config(cmd_req *r);
+void cmd_command(cmd_req *r);
+void cmd_debug(cmd_req *r);
+
+extern const cmd_def cmd_table[];
+extern const size_t cmd_table_len;
+
+#endif /* IDEM_SERVER_CMD_H */

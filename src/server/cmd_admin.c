@@ -1,0 +1,410 @@
+/*
+ * cmd_admin.c: operator and introspection commands: IDEM.SCAN, IDEM.STATS, IDEM.AUDIT, DEL,
+ * DBSIZE, INFO, CONFIG GET, COMMAND, DEBUG CLOCK.
+ *
+ * Scans, the audit trail and DEL use blocking calls on the server's second queue (q_sync), after
+ * submitting the pending batch so that they see every earlier request. They answer at once (the
+ * reply still waits its turn in the connection's FIFO). DEL of several keys checks them all
+ * first and deletes none if any is unfinished; the loop thread owns the store's only writer
+ * queue, so nothing can change between the check and the deletes.
+ */
+#include "cmd.h"
+
+#include <fnmatch.h>
+#include <stdio.h>
+#include <string.h>
+#include <strings.h>
+#include <unistd.h>
+
+int cmd_stats_list(srv *s, cmd_stat *out, int max)
+{
+    idem_stats st;
+    int n = 0;
+    idem_get_stats(s->store, &st);
+#define STAT(name_, v_)                                                                            \
+    do {                                                                                           \
+        if (n < max) {                                                                             \
+            out[n].name = name_;                                                                   \
+            out[n].value = (int64_t)(v_);                                                          \
+            n++;                                                                                   \
+        }                                                                                          \
+    } while (0)
+    STAT("keys", st.keys);
+    STAT("keys_in_flight", st.keys_in_flight);
+    STAT("keys_committed", st.keys_committed);
+    STAT("keys_review", st.keys_review);
+    STAT("claims_new", st.claims_new);
+    STAT("claims_busy", st.claims_busy);
+    STAT("claims_done", st.claims_done);
+    STAT("claims_mismatch", st.claims_mismatch);
+    STAT("claims_recover", st.claims_recover);
+    STAT("claims_review", st.claims_review);
+    STAT("mismatches", st.mismatches);
+    STAT("recoveries", st.recoveries);
+    STAT("conflicting_commits", st.conflicting_commits);
+    STAT("expired_total", st.expired_total);
+    STAT("oldest_in_flight_ms", st.oldest_in_flight_ms);
+    STAT("oldest_review_ms", st.oldest_review_ms);
+    STAT("wal_bytes", st.wal_bytes);
+    STAT("disk_bytes", st.disk_bytes);
+    STAT("disk_free_bytes", st.disk_free_bytes);
+    STAT("memory_bytes", st.memory_bytes);
+    STAT("max_keys", st.max_keys);
+    STAT("max_memory_bytes", st.max_memory_bytes);
+    STAT("max_disk_bytes", st.max_disk_bytes);
+    STAT("flushes", st.flushes);
+    STAT("flush_records", st.flush_records);
+    STAT("flush_latency_us_sum", st.flush_latency_us_sum);
+    STAT("clock_skew_ms", st.clock_skew_ms);
+    STAT("store_clock_ms", st.store_clock_ms);
+    STAT("checkpoints", st.checkpoints);
+    STAT("compactions", st.compactions);
+    STAT("fatal", st.fatal);
+    STAT("loading", st.loading);
+    STAT("connected_clients", s->nlive);
+    STAT("total_connections", s->total_connections);
+    STAT("total_commands", s->total_commands);
+    STAT("rejected_connections", s->rejected_connections);
+    STAT("io_buffer_bytes", s->io_used);
+#undef STAT
+    return n;
+}
+
+void cmd_stats(cmd_req *r)
+{
+    cmd_stat st[64];
+    int n = cmd_stats_list(r->s, st, 64);
+    resp_buf *b = cmd_out(r);
+    resp_array(b, 2 * n);
+    for (int i = 0; i < n; i++) {
+        resp_bulk_str(b, st[i].name);
+        resp_integer(b, st[i].value);
+    }
+    cmd_done(r);
+}
+
+void cmd_dbsize(cmd_req *r)
+{
+    idem_stats st;
+    idem_get_stats(r->s->store, &st);
+    cmd_int(r, (int64_t)st.keys);
+}
+
+static int state_parse(cmd_req *r, uint32_t i)
+{
+    if (cmd_is(r, i, "in_flight")) return IDEM_STATE_IN_FLIGHT;
+    if (cmd_is(r, i, "committed")) return IDEM_STATE_COMMITTED;
+    if (cmd_is(r, i, "review")) return IDEM_STATE_REVIEW;
+    return 0;
+}
+
+/* IDEM.SCAN cursor [STATE s] [OLDER ms] [COUNT n] */
+void cmd_scan(cmd_req *r)
+{
+    idem_scan_args a = {0};
+    uint64_t v;
+    if (cmd_u64(r->argv[1], r->argl[1], &a.cursor) < 0) return cmd_fail(r, "ERR invalid cursor");
+    for (uint32_t i = 2; i < r->argc; i += 2) {
+        if (i + 1 >= r->argc) return cmd_fail(r, "ERR syntax error: option without a value");
+        if (cmd_is(r, i, "STATE") && (a.state = state_parse(r, i + 1)) != 0) continue;
+        if (cmd_is(r, i, "OLDER") && cmd_u64(r->argv[i + 1], r->argl[i + 1], &v) == 0 &&
+            v <= INT64_MAX) {
+            a.older_ms = (int64_t)v;
+            continue;
+        }
+        if (cmd_is(r, i, "COUNT") && cmd_u64(r->argv[i + 1], r->argl[i + 1], &v) == 0 && v > 0 &&
+            v <= 100000) {
+            a.count = (uint32_t)v;
+            continue;
+        }
+        return cmd_fail(r, "ERR syntax error (STATE in_flight|committed|review, OLDER ms, "
+                           "COUNT 1..100000)");
+    }
+    srv_flush_ops(r->s);
+    uint64_t next = 0;
+    const void **keys = NULL;
+    const uint32_t *lens = NULL;
+    size_t n = 0;
+    int err = idem_scan(r->s->q_sync, &a, &next, &keys, &lens, &n);
+    resp_buf *b = cmd_out(r);
+    if (err != IDEM_OK) {
+        cmd_reply_err(b, err);
+        return cmd_done(r);
+    }
+    resp_array(b, 2);
+    resp_bulk_u64(b, next);
+    resp_array(b, (int64_t)n);
+    for (size_t i = 0; i < n; i++)
+        resp_bulk(b, keys[i], lens[i]);
+    cmd_done(r);
+}
+
+static void audit_entry(resp_buf *b, const idem_audit_entry *e)
+{
+    resp_array(b, 20);
+    resp_bulk_str(b, "seq");
+    resp_bulk_u64(b, e->seq);
+    resp_bulk_str(b, "at_ms");
+    resp_bulk_i64(b, e->at_ms);
+    resp_bulk_str(b, "actor");
+    resp_bulk_str(b, e->actor ? e->actor : "");
+    resp_bulk_str(b, "action");
+    resp_bulk_str(b, e->action ? e->action : "");
+    resp_bulk_str(b, "key");
+    resp_bulk(b, e->key ? e->key : "", e->key ? e->key_len : 0);
+    resp_bulk_str(b, "reason");
+    resp_bulk_str(b, e->reason ? e->reason : "");
+    resp_bulk_str(b, "state_before");
+    resp_bulk_str(b, e->state_before ? idem_state_name(e->state_before) : "absent");
+    resp_bulk_str(b, "state_after");
+    resp_bulk_str(b, e->state_after ? idem_state_name(e->state_after) : "absent");
+    resp_bulk_str(b, "version_before");
+    resp_bulk_u64(b, e->version_before);
+    resp_bulk_str(b, "version_after");
+    resp_bulk_u64(b, e->version_after);
+}
+
+/* IDEM.AUDIT [KEY key] [COUNT n] */
+void cmd_audit(cmd_req *r)
+{
+    const void *key = NULL;
+    size_t key_len = 0;
+    uint64_t count = 10;
+    for (uint32_t i = 1; i < r->argc; i += 2) {
+        if (i + 1 < r->argc && cmd_is(r, i, "KEY")) {
+            if (cmd_key_ok(r, i + 1) < 0) return;
+            key = r->argv[i + 1];
+            key_len = r->argl[i + 1];
+        } else if (i + 1 < r->argc && cmd_is(r, i, "COUNT") &&
+                   cmd_u64(r->argv[i + 1], r->argl[i + 1], &count) == 0 && count > 0 &&
+                   count <= 10000) {
+        } else {
+            return cmd_fail(r, "ERR syntax error (KEY key, COUNT 1..10000)");
+        }
+    }
+    srv_flush_ops(r->s);
+    const idem_audit_entry *e = NULL;
+    size_t n = 0;
+    int err = idem_audit(r->s->q_sync, key, key_len, (uint32_t)count, &e, &n);
+    resp_buf *b = cmd_out(r);
+    if (err != IDEM_OK) {
+        cmd_reply_err(b, err);
+        return cmd_done(r);
+    }
+    resp_array(b, (int64_t)n);
+    for (size_t i = 0; i < n; i++)
+        audit_entry(b, &e[i]);
+    cmd_done(r);
+}
+
+/* DEL key [key ...]: none is deleted if any is in_flight or review. */
+void cmd_del(cmd_req *r)
+{
+    for (uint32_t i = 1; i < r->argc; i++)
+        if (cmd_key_ok(r, i) < 0) return;
+    srv_flush_ops(r->s);
+    for (uint32_t i = 1; i < r->argc; i++) {
+        idem_completion cp;
+        int err = idem_get(r->s->q_sync, r->argv[i], r->argl[i], &cp);
+        if (err != IDEM_OK) {
+            cmd_reply_err(cmd_out(r), err);
+            return cmd_done(r);
+        }
+        if (cp.found && cp.record.state != IDEM_STATE_COMMITTED)
+            return cmd_fail(r,
+                            "ERR DEL refused: key %u is %s; nothing was deleted (an admin "
+                            "decides with IDEM.RESOLVE)",
+                            i, idem_state_name(cp.record.state));
+    }
+    int64_t deleted = 0;
+    for (uint32_t i = 1; i < r->argc; i++) {
+        int err = idem_del(r->s->q_sync, r->argv[i], r->argl[i], cmd_actor(r->c));
+        if (err == IDEM_OK)
+            deleted++;
+        else if (err != IDEM_ENOTFOUND) {
+            cmd_reply_err(cmd_out(r), err);
+            return cmd_done(r);
+        }
+    }
+    cmd_int(r, deleted);
+}
+
+/* ---- INFO ---- */
+
+static void info_text(srv *s, resp_buf *t, int all, const char *section)
+{
+    char line[256];
+    int64_t up = (srv_now_ms() - s->started_ms) / 1000;
+#define LINE(...)                                                                                  \
+    do {                                                                                           \
+        int k_ = snprintf(line, sizeof line, __VA_ARGS__);                                         \
+        resp_buf_append(t, line, (size_t)k_);                                                      \
+    } while (0)
+    if (all || strcasecmp(section, "server") == 0) {
+        LINE("# Server\r\nidem_version:%s\r\nredis_version:7.0.0\r\nredis_mode:standalone\r\n",
+             IDEM_VERSION_STRING);
+        LINE("process_id:%d\r\ntcp_port:%d\r\nuptime_in_seconds:%lld\r\n", (int)getpid(),
+             s->cfg.port, (long long)up);
+        LINE("io_backend:%s\r\n\r\n",
+             s->store && !s->loading ? idem_io_backend_name(s->store) : "unknown");
+    }
+    if (all || strcasecmp(section, "clients") == 0)
+        LINE("# Clients\r\nconnected_clients:%u\r\nmaxclients:%u\r\n\r\n", s->nlive,
+             s->cfg.max_clients);
+    if (all || strcasecmp(section, "persistence") == 0) {
+        static const char *const dur[] = {"sync", "batch", "none"};
+        LINE("# Persistence\r\nloading:%d\r\ndurability:%s\r\n\r\n", s->loading ? 1 : 0,
+             dur[s->cfg.durability % 3]);
+    }
+    if ((all || strcasecmp(section, "idem") == 0) && !s->loading) {
+        cmd_stat st[64];
+        int n = cmd_stats_list(s, st, 64);
+        LINE("# Idem\r\n");
+        for (int i = 0; i < n; i++)
+            LINE("%s:%lld\r\n", st[i].name, (long long)st[i].value);
+    }
+#undef LINE
+}
+
+void cmd_info(cmd_req *r)
+{
+    resp_buf t;
+    const char *section = "all";
+    char sec[32] = "all";
+    if (r->argc > 1 && r->argl[1] < sizeof sec) {
+        memcpy(sec, r->argv[1], r->argl[1]);
+        sec[r->argl[1]] = '\0';
+        section = sec;
+    }
+    int all = strcasecmp(section, "all") == 0 || strcasecmp(section, "everything") == 0 ||
+              strcasecmp(section, "default") == 0;
+    resp_buf_init(&t, 1 << 20);
+    info_text(r->s, &t, all, section);
+    resp_bulk(cmd_out(r), t.data ? (const void *)t.data : "", t.len);
+    resp_buf_free(&t);
+    cmd_done(r);
+}
+
+/* ---- CONFIG GET ---- */
+
+void cmd_config(cmd_req *r)
+{
+    const srv_config *c = &r->s->cfg;
+    char pattern[128], v[11][1040];
+    if (!cmd_is(r, 1, "GET") || r->argc != 3 || r->argl[2] >= sizeof pattern)
+        return cmd_fail(r, "ERR only CONFIG GET pattern is supported; settings are flags of "
+                           "idemd (restart to change them)");
+    memcpy(pattern, r->argv[2], r->argl[2]);
+    pattern[r->argl[2]] = '\0';
+    static const char *const dur[] = {"sync", "batch", "none"};
+    const char *names[] = {"dir",        "port",       "bind",           "maxclients",
+                           "timeout",    "save",       "appendonly",     "databases",
+                           "durability", "unixsocket", "on-lease-expiry"};
+    snprintf(v[0], sizeof v[0], "%s", c->dir);
+    snprintf(v[1], sizeof v[1], "%d", c->port);
+    snprintf(v[2], sizeof v[2], "%s", c->bind_addr);
+    snprintf(v[3], sizeof v[3], "%u", c->max_clients);
+    snprintf(v[4], sizeof v[4], "%llu", (unsigned long long)(c->idle_timeout_ms / 1000));
+    snprintf(v[5], sizeof v[5], "%s", "");
+    snprintf(v[6], sizeof v[6], "%s", "yes");
+    snprintf(v[7], sizeof v[7], "%s", "1");
+    snprintf(v[8], sizeof v[8], "%s", dur[c->durability % 3]);
+    snprintf(v[9], sizeof v[9], "%s", c->socket_path);
+    snprintf(v[10], sizeof v[10], "%s", c->lease_policy ? "review" : "recover");
+    size_t n = sizeof names / sizeof names[0];
+    int matched = 0;
+    for (size_t i = 0; i < n; i++)
+        matched += fnmatch(pattern, names[i], FNM_CASEFOLD) == 0;
+    resp_buf *b = cmd_out(r);
+    resp_array(b, 2 * matched);
+    for (size_t i = 0; i < n; i++) {
+        if (fnmatch(pattern, names[i], FNM_CASEFOLD) == 0) {
+            resp_bulk_str(b, names[i]);
+            resp_bulk_str(b, v[i]);
+        }
+    }
+    cmd_done(r);
+}
+
+/* ---- COMMAND ---- */
+
+static void command_entry(resp_buf *b, const cmd_def *d)
+{
+    char lower[32];
+    size_t k = 0;
+    for (; d->name[k] && k + 1 < sizeof lower; k++)
+        lower[k] = (char)(d->name[k] >= 'A' && d->name[k] <= 'Z' ? d->name[k] + 32 : d->name[k]);
+    lower[k] = '\0';
+    int keyed = strncmp(lower, "idem.", 5) == 0 || strcmp(lower, "set") == 0 ||
+                strcmp(lower, "get") == 0 || strcmp(lower, "exists") == 0 ||
+                strcmp(lower, "del") == 0 || strcmp(lower, "pttl") == 0 ||
+                strcmp(lower, "ttl") == 0;
+    keyed = keyed && strcmp(lower, "idem.scan") && strcmp(lower, "idem.stats") &&
+            strcmp(lower, "idem.audit");
+    int multi = strcmp(lower, "exists") == 0 || strcmp(lower, "del") == 0;
+    resp_array(b, 6);
+    resp_bulk_str(b, lower);
+    resp_integer(b, d->arity);
+    resp_array(b, 1);
+    resp_simple(b, d->flags & CMD_F_WRITE ? "write" : "readonly");
+    resp_integer(b, keyed ? 1 : 0);
+    resp_integer(b, keyed ? (multi ? -1 : 1) : 0);
+    resp_integer(b, keyed ? 1 : 0);
+}
+
+void cmd_command(cmd_req *r)
+{
+    resp_buf *b = cmd_out(r);
+    if (r->argc == 1) {
+        resp_array(b, (int64_t)cmd_table_len);
+        for (size_t i = 0; i < cmd_table_len; i++)
+            command_entry(b, &cmd_table[i]);
+    } else if (cmd_is(r, 1, "COUNT")) {
+        resp_integer(b, (int64_t)cmd_table_len);
+    } else if (cmd_is(r, 1, "DOCS")) {
+        resp_array(b, 0);
+    } else if (cmd_is(r, 1, "INFO")) {
+        resp_array(b, r->argc - 2);
+        for (uint32_t i = 2; i < r->argc; i++) {
+            const cmd_def *d = NULL;
+            for (size_t k = 0; k < cmd_table_len && !d; k++)
+                if (cmd_is(r, i, cmd_table[k].name)) d = &cmd_table[k];
+            if (d)
+                command_entry(b, d);
+            else
+                resp_array(b, -1);
+        }
+    } else {
+        resp_error(b, "ERR unknown COMMAND subcommand (COUNT, DOCS, INFO)");
+    }
+    cmd_done(r);
+}
+
+/* ---- DEBUG CLOCK GET | SET ms | ADVANCE ms ---- */
+
+void cmd_debug(cmd_req *r)
+{
+    srv *s = r->s;
+    int64_t v = 0;
+    if (!cmd_is(r, 1, "CLOCK") || r->argc < 3)
+        return cmd_fail(r, "ERR only DEBUG CLOCK GET|SET ms|ADVANCE ms is supported");
+    if (!s->cfg.test_clock)
+        return cmd_fail(r, "ERR DEBUG CLOCK needs idemd started with --test-clock");
+    srv_flush_ops(s);
+    if (cmd_is(r, 2, "GET") && r->argc == 3) return cmd_int(r, idem_clock_now(s->store));
+    if (r->argc != 4 || cmd_i64(r->argv[3], r->argl[3], &v) < 0)
+        return cmd_fail(r, "ERR DEBUG CLOCK SET|ADVANCE takes an integer of ms");
+    int err;
+    if (cmd_is(r, 2, "SET"))
+        err = idem_clock_set(s->store, v);
+    else if (cmd_is(r, 2, "ADVANCE"))
+        err = v < 0 ? IDEM_EINVAL : idem_clock_advance(s->store, v);
+    else
+        return cmd_fail(r, "ERR DEBUG CLOCK GET|SET ms|ADVANCE ms");
+    if (err == IDEM_EINVAL) return cmd_fail(r, "ERR the test clock only moves forward");
+    if (err != IDEM_OK) {
+        cmd_reply_err(cmd_out(r), err);
+        return cmd_done(r);
+    }
+    cmd_int(r, idem_clock_now(s->store));
+}

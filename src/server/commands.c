@@ -1,0 +1,390 @@
+/*
+ * commands.c: the command table, dispatch (lookup, arity, authentication, role, loading), the
+ * parser's field limits, refusals by name, and the connection commands (PING, ECHO, AUTH, HELLO,
+ * CLIENT, SELECT, QUIT). The key commands live in cmd_idem.c, the operator ones in cmd_admin.c.
+ */
+#include "cmd.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <string.h>
+#include <strings.h>
+
+/* ---- helpers ---- */
+
+resp_buf *cmd_out(cmd_req *r)
+{
+    return srv_reply_buf(r->c, r->seq);
+}
+
+void cmd_done(cmd_req *r)
+{
+    srv_reply_done(r->s, r->c, r->seq);
+}
+
+void cmd_ok(cmd_req *r)
+{
+    resp_simple(cmd_out(r), "OK");
+    cmd_done(r);
+}
+
+void cmd_fail(cmd_req *r, const char *fmt, ...)
+{
+    char line[400];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    resp_error(cmd_out(r), line);
+    cmd_done(r);
+}
+
+void cmd_int(cmd_req *r, int64_t v)
+{
+    resp_integer(cmd_out(r), v);
+    cmd_done(r);
+}
+
+int cmd_is(const cmd_req *r, uint32_t i, const char *word)
+{
+    size_t n = strlen(word);
+    return i < r->argc && r->argl[i] == n && strncasecmp((const char *)r->argv[i], word, n) == 0;
+}
+
+int cmd_u64(const uint8_t *p, uint32_t n, uint64_t *out)
+{
+    uint64_t v = 0;
+    if (n == 0 || n > 20) return -1;
+    for (uint32_t i = 0; i < n; i++) {
+        if (p[i] < '0' || p[i] > '9' || v > (UINT64_MAX - 9) / 10) return -1;
+        v = v * 10 + (uint64_t)(p[i] - '0');
+    }
+    *out = v;
+    return 0;
+}
+
+int cmd_i64(const uint8_t *p, uint32_t n, int64_t *out)
+{
+    uint64_t v;
+    int neg = n > 0 && p[0] == '-';
+    if (cmd_u64(p + neg, n - (uint32_t)neg, &v) < 0 || v > (uint64_t)INT64_MAX) return -1;
+    *out = neg ? -(int64_t)v : (int64_t)v;
+    return 0;
+}
+
+int cmd_key_ok(cmd_req *r, uint32_t i)
+{
+    if (r->argl[i] == 0) {
+        cmd_fail(r, "ERR key is empty (1..%u bytes)", IDEM_KEY_BYTES_MAX);
+        return -1;
+    }
+    if (r->argl[i] > IDEM_KEY_BYTES_MAX) {
+        cmd_fail(r, "ERR key too long (%u bytes, at most %u)", r->argl[i], IDEM_KEY_BYTES_MAX);
+        return -1;
+    }
+    return 0;
+}
+
+const char *cmd_actor(srv_conn *c)
+{
+    if (c->user[0] && c->is_unix)
+        snprintf(c->actor, sizeof c->actor, "%s@unix", c->user);
+    else
+        snprintf(c->actor, sizeof c->actor, "%s@%s", c->user[0] ? c->user : "anonymous", c->peer);
+    return c->actor;
+}
+
+uint32_t cmd_result_max(const srv *s)
+{
+    return s->cfg.result_bytes_max ? s->cfg.result_bytes_max : IDEM_RESULT_BYTES_DEFAULT;
+}
+
+/* ---- connection commands ---- */
+
+static void cmd_ping(cmd_req *r)
+{
+    if (r->argc > 2) return cmd_fail(r, "ERR wrong number of arguments for 'ping' command");
+    if (r->argc == 2)
+        resp_bulk(cmd_out(r), r->argv[1], r->argl[1]);
+    else
+        resp_simple(cmd_out(r), "PONG");
+    cmd_done(r);
+}
+
+static void cmd_echo(cmd_req *r)
+{
+    resp_bulk(cmd_out(r), r->argv[1], r->argl[1]);
+    cmd_done(r);
+}
+
+static void cmd_quit(cmd_req *r)
+{
+    r->c->close_after_write = 1;
+    cmd_ok(r);
+}
+
+static void cmd_select(cmd_req *r)
+{
+    if (r->argl[1] == 1 && r->argv[1][0] == '0') return cmd_ok(r);
+    cmd_fail(r, "ERR DB index is out of range (idemd has one keyspace: SELECT 0)");
+}
+
+/* Authenticates c as user/password. Returns 0, or -1 having answered -WRONGPASS. */
+static int authenticate(cmd_req *r, const uint8_t *user, uint32_t user_len, const uint8_t *pw,
+                        uint32_t pw_len)
+{
+    char name[SRV_NAME_MAX];
+    int role = ROLE_NONE;
+    if (user_len < sizeof name) {
+        memcpy(name, user, user_len);
+        name[user_len] = '\0';
+        role = auth_check(&r->s->cfg, name, pw, pw_len);
+    }
+    if (role == ROLE_NONE) {
+        srv_log("warn", "auth_failed", "id=%llu peer=%s", (unsigned long long)r->c->id, r->c->peer);
+        cmd_fail(r, "WRONGPASS invalid username-password pair or user is disabled.");
+        return -1;
+    }
+    r->c->role = role;
+    memcpy(r->c->user, name, user_len + 1);
+    srv_log("info", "auth", "id=%llu user=%s role=%s", (unsigned long long)r->c->id, name,
+            auth_role_name(role));
+    return 0;
+}
+
+static void cmd_auth(cmd_req *r)
+{
+    if (r->argc > 3) return cmd_fail(r, "ERR syntax error");
+    if (r->s->cfg.nusers == 0)
+        return cmd_fail(r, "ERR AUTH <password> called without any password configured for "
+                           "the default user. Are you sure your configuration is correct?");
+    if (r->argc == 2) {
+        if (authenticate(r, (const uint8_t *)"default", 7, r->argv[1], r->argl[1]) == 0) cmd_ok(r);
+        return;
+    }
+    if (authenticate(r, r->argv[1], r->argl[1], r->argv[2], r->argl[2]) == 0) cmd_ok(r);
+}
+
+static void hello_reply(cmd_req *r)
+{
+    resp_buf *b = cmd_out(r);
+    resp_array(b, 14);
+    resp_bulk_str(b, "server");
+    resp_bulk_str(b, "idem");
+    resp_bulk_str(b, "version");
+    resp_bulk_str(b, IDEM_VERSION_STRING);
+    resp_bulk_str(b, "proto");
+    resp_integer(b, 2);
+    resp_bulk_str(b, "id");
+    resp_integer(b, (int64_t)r->c->id);
+    resp_bulk_str(b, "mode");
+    resp_bulk_str(b, "standalone");
+    resp_bulk_str(b, "role");
+    resp_bulk_str(b, "master");
+    resp_bulk_str(b, "modules");
+    resp_array(b, 0);
+    cmd_done(r);
+}
+
+static void cmd_hello(cmd_req *r)
+{
+    uint32_t i = 1;
+    if (r->argc > 1) {
+        if (!cmd_is(r, 1, "2"))
+            return cmd_fail(r, "NOPROTO sorry, this protocol version is not supported "
+                               "(idemd speaks RESP2: HELLO 2)");
+        i = 2;
+    }
+    int authed = 0;
+    for (; i < r->argc; i++) {
+        if (cmd_is(r, i, "AUTH") && i + 2 < r->argc) {
+            if (authenticate(r, r->argv[i + 1], r->argl[i + 1], r->argv[i + 2], r->argl[i + 2]) < 0)
+                return;
+            authed = 1;
+            i += 2;
+        } else if (cmd_is(r, i, "SETNAME") && i + 1 < r->argc && r->argl[i + 1] < SRV_NAME_MAX) {
+            memcpy(r->c->name, r->argv[i + 1], r->argl[i + 1]);
+            r->c->name[r->argl[i + 1]] = '\0';
+            i++;
+        } else {
+            return cmd_fail(r, "ERR syntax error in HELLO option");
+        }
+    }
+    if (!authed && r->c->role == ROLE_NONE)
+        return cmd_fail(r, "NOAUTH HELLO must be called with the client already authenticated, "
+                           "otherwise the HELLO <proto> AUTH <user> <pass> option can be used");
+    hello_reply(r);
+}
+
+static void cmd_client(cmd_req *r)
+{
+    srv_conn *c = r->c;
+    if (cmd_is(r, 1, "ID") && r->argc == 2) return cmd_int(r, (int64_t)c->id);
+    if (cmd_is(r, 1, "SETNAME") && r->argc == 3) {
+        if (r->argl[2] >= SRV_NAME_MAX || memchr(r->argv[2], ' ', r->argl[2]))
+            return cmd_fail(r, "ERR client name too long or contains spaces");
+        memcpy(c->name, r->argv[2], r->argl[2]);
+        c->name[r->argl[2]] = '\0';
+        return cmd_ok(r);
+    }
+    if (cmd_is(r, 1, "GETNAME") && r->argc == 2) {
+        if (c->name[0])
+            resp_bulk_str(cmd_out(r), c->name);
+        else
+            resp_nil(cmd_out(r));
+        return cmd_done(r);
+    }
+    if (cmd_is(r, 1, "SETINFO") && r->argc == 4) return cmd_ok(r);
+    cmd_fail(r, "ERR unknown CLIENT subcommand or wrong number of arguments (ID, SETNAME, "
+                "GETNAME, SETINFO)");
+}
+
+/* ---- the table ---- */
+
+const cmd_def cmd_table[] = {
+    {"IDEM.CLAIM", -4, ROLES_WORK, CMD_F_WRITE, cmd_claim},
+    {"IDEM.COMMIT", 4, ROLES_WORK, CMD_F_WRITE, cmd_commit},
+    {"IDEM.RELEASE", 3, ROLES_WORK, CMD_F_WRITE, cmd_release},
+    {"IDEM.HOLD", 4, ROLES_WORK, CMD_F_WRITE, cmd_hold},
+    {"IDEM.EXTEND", 4, ROLES_WORK, CMD_F_WRITE, cmd_extend},
+    {"IDEM.GET", 2, ROLES_ALL, 0, cmd_idem_get},
+    {"IDEM.SCAN", -2, ROLES_READ, 0, cmd_scan},
+    {"IDEM.STATS", 1, ROLES_READ, 0, cmd_stats},
+    {"IDEM.RESOLVE", -4, ROLE_ADMIN, CMD_F_WRITE, cmd_resolve},
+    {"IDEM.AUDIT", -1, ROLES_READ, 0, cmd_audit},
+    {"SET", -3, ROLES_WORK, CMD_F_WRITE, cmd_set},
+    {"GET", 2, ROLES_ALL, 0, cmd_get},
+    {"EXISTS", -2, ROLES_ALL, 0, cmd_exists},
+    {"PTTL", 2, ROLES_ALL, 0, cmd_pttl},
+    {"TTL", 2, ROLES_ALL, 0, cmd_ttl},
+    {"DEL", -2, ROLE_ADMIN, CMD_F_WRITE, cmd_del},
+    {"DBSIZE", 1, ROLES_READ, 0, cmd_dbsize},
+    {"PING", -1, ROLES_ALL, CMD_F_LOADING, cmd_ping},
+    {"ECHO", 2, ROLES_ALL, CMD_F_LOADING, cmd_echo},
+    {"INFO", -1, ROLES_ALL, CMD_F_LOADING, cmd_info},
+    {"AUTH", -2, ROLES_ALL, CMD_F_NOAUTH | CMD_F_LOADING, cmd_auth},
+    {"HELLO", -1, ROLES_ALL, CMD_F_NOAUTH | CMD_F_LOADING, cmd_hello},
+    {"CLIENT", -2, ROLES_ALL, CMD_F_LOADING, cmd_client},
+    {"SELECT", 2, ROLES_ALL, CMD_F_LOADING, cmd_select},
+    {"COMMAND", -1, ROLES_ALL, CMD_F_LOADING, cmd_command},
+    {"CONFIG", -2, ROLES_READ, CMD_F_LOADING, cmd_config},
+    {"QUIT", -1, ROLES_ALL, CMD_F_NOAUTH | CMD_F_LOADING, cmd_quit},
+    {"DEBUG", -2, ROLE_ADMIN, 0, cmd_debug},
+};
+const size_t cmd_table_len = sizeof cmd_table / sizeof cmd_table[0];
+
+/* Commands refused by name: each would extend, replace or un-expire a record. */
+static const struct {
+    const char *name;
+    const char *why;
+} refused[] = {
+    {"GETSET", "it would replace a record; records are insert-only (use SET key value NX)"},
+    {"EXPIRE", "records keep the ttl of their first claim; expiry is never extended or changed"},
+    {"PEXPIRE", "records keep the ttl of their first claim; expiry is never extended or changed"},
+    {"EXPIREAT", "records keep the ttl of their first claim; expiry is never changed"},
+    {"PEXPIREAT", "records keep the ttl of their first claim; expiry is never changed"},
+    {"PERSIST", "a record that never expires is not allowed; expiry is never removed"},
+    {"GETEX", "records keep the ttl of their first claim; expiry is never changed"},
+    {"SETEX", "it would replace a record; use SET key value NX EX seconds"},
+    {"PSETEX", "it would replace a record; use SET key value NX PX ms"},
+    {"GETDEL", "deleting is an audited admin action: use DEL"},
+    {"MSET", "it would replace records; use SET key value NX PX ms"},
+    {"APPEND", "it would change a recorded result"},
+};
+
+static const cmd_def *cmd_lookup(const uint8_t *name, uint32_t n)
+{
+    for (size_t i = 0; i < cmd_table_len; i++)
+        if (strlen(cmd_table[i].name) == n &&
+            strncasecmp(cmd_table[i].name, (const char *)name, n) == 0)
+            return &cmd_table[i];
+    return NULL;
+}
+
+static void printable(char *dst, size_t cap, const uint8_t *p, uint32_t n)
+{
+    size_t k = 0;
+    for (uint32_t i = 0; i < n && k + 1 < cap; i++)
+        dst[k++] = p[i] >= 0x20 && p[i] < 0x7f && p[i] != '\'' ? (char)p[i] : '?';
+    dst[k] = '\0';
+}
+
+static void unknown_command(cmd_req *r)
+{
+    char name[48];
+    printable(name, sizeof name, r->argv[0], r->argl[0]);
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++)
+        if (strcasecmp(refused[i].name, name) == 0)
+            return cmd_fail(r, "ERR %s is refused: %s", refused[i].name, refused[i].why);
+    cmd_fail(r, "ERR unknown command '%s'", name);
+}
+
+static int roles_allow(const cmd_def *d, int role)
+{
+    return (d->roles & role) != 0;
+}
+
+void cmd_dispatch(srv *s, srv_conn *c, uint32_t seq, uint32_t argc, const uint8_t *const *argv,
+                  const uint32_t *argl)
+{
+    cmd_req r = {s, c, seq, argc, argv, argl};
+    const cmd_def *d = cmd_lookup(argv[0], argl[0]);
+    if (!d) {
+        if (c->role == ROLE_NONE) return cmd_fail(&r, "NOAUTH Authentication required.");
+        return unknown_command(&r);
+    }
+    if (c->role == ROLE_NONE && !(d->flags & CMD_F_NOAUTH))
+        return cmd_fail(&r, "NOAUTH Authentication required.");
+    if ((d->arity > 0 && argc != (uint32_t)d->arity) ||
+        (d->arity < 0 && argc < (uint32_t)-d->arity))
+        return cmd_fail(&r, "ERR wrong number of arguments for '%s' command", d->name);
+    if (c->role != ROLE_NONE && !roles_allow(d, c->role))
+        return cmd_fail(&r,
+                        "NOPERM this user (role %s) has no permissions to run the '%s' "
+                        "command",
+                        auth_role_name(c->role), d->name);
+    if (s->loading && !(d->flags & CMD_F_LOADING))
+        return cmd_fail(&r, "LOADING idemd is recovering the store; try again shortly");
+    if (s->draining && (d->flags & CMD_F_WRITE)) return cmd_fail(&r, "ERR server is shutting down");
+    d->fn(&r);
+}
+
+/* ---- the parser's field limits ---- */
+
+static int name_is(const uint8_t *p, uint32_t n, const char *word)
+{
+    return strlen(word) == n && strncasecmp((const char *)p, word, n) == 0;
+}
+
+static uint32_t claim_arg_max(const uint8_t *const *argv, const uint32_t *argl, uint32_t index)
+{
+    if (index <= 3) return index == 1 ? IDEM_KEY_BYTES_MAX : 32;
+    if ((index - 4) % 2 == 0) return 16; /* an option name */
+    if (name_is(argv[index - 1], argl[index - 1], "FP")) return RESP_BULK_PROTO_MAX;
+    if (name_is(argv[index - 1], argl[index - 1], "OWNER")) return IDEM_OWNER_BYTES_MAX;
+    return 32;
+}
+
+uint32_t cmd_arg_max(void *ctx, const uint8_t *const *argv, const uint32_t *argl, uint32_t index)
+{
+    const srv *s = ctx;
+    const uint8_t *n = argv[0];
+    uint32_t l = argl[0];
+    if (index == 0) return 64;
+    if (name_is(n, l, "IDEM.CLAIM")) return claim_arg_max(argv, argl, index);
+    if (name_is(n, l, "EXISTS") || name_is(n, l, "DEL")) return IDEM_KEY_BYTES_MAX;
+    if (name_is(n, l, "IDEM.COMMIT") && index == 3) return cmd_result_max(s);
+    if (name_is(n, l, "SET") && index == 2) return cmd_result_max(s);
+    if ((name_is(n, l, "IDEM.HOLD") || name_is(n, l, "IDEM.RESOLVE")) && index == 3)
+        return IDEM_NOTE_BYTES_MAX;
+    if (name_is(n, l, "IDEM.RESOLVE") && index > 3 &&
+        name_is(argv[index - 1], argl[index - 1], "RESULT"))
+        return cmd_result_max(s);
+    if (name_is(n, l, "ECHO") || name_is(n, l, "PING")) return cmd_result_max(s);
+    static const char *const key_first[] = {
+        "IDEM.COMMIT",  "IDEM.RELEASE", "IDEM.HOLD", "IDEM.EXTEND", "IDEM.GET",
+        "IDEM.RESOLVE", "SET",          "GET",       "PTTL",        "TTL"};
+    for (size_t i = 0; index == 1 && i < sizeof key_first / sizeof key_first[0]; i++)
+        if (name_is(n, l, key_first[i])) return IDEM_KEY_BYTES_MAX;
+    return 4096;
+}

@@ -1,0 +1,883 @@
+/*
+ * loop.c: idemd's event loop and connections. One thread owns every socket and the engine's
+ * asynchronous queue.
+ *
+ * A loop turn: epoll_wait; accept; read each readable connection and parse its requests (each
+ * takes a slot; commands.c either answers it at once or queues engine ops into this turn's
+ * batch); idem_submit the batch; idem_poll the completions and format their replies; write.
+ * Engine ops point into connections' input buffers, so those are compacted only before the next
+ * read, after the batch that referenced them was submitted.
+ *
+ * Invariants: replies leave a connection in request order (server.h); a connection's struct
+ * lives until the engine has delivered every completion it owes it (engine_due), even after its
+ * socket is closed; the total of input and output buffers (io_used) is bounded by the budget:
+ * past it, the heaviest connections stop being read until it falls to three quarters.
+ */
+#include "server.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <arpa/inet.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/signalfd.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#define TAG_UNIX    1u
+#define TAG_TCP     2u
+#define TAG_SIG     3u
+#define TAG_QUEUE   4u
+#define TAG_LOAD    5u
+#define TAG_METRICS 6u
+#define TAG_CONN    16u /* and above: connection index + TAG_CONN */
+
+#define EVENTS_MAX      256
+#define COMPLETIONS_MAX 256
+#define DRAIN_WRITE_MS  2000
+
+int64_t srv_now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static void ep_add(srv *s, int fd, uint64_t tag, uint32_t events)
+{
+    struct epoll_event ev = {.events = events, .data.u64 = tag};
+    if (epoll_ctl(s->epfd, EPOLL_CTL_ADD, fd, &ev) != 0)
+        srv_log("error", "epoll_add", "fd=%d errno=%d", fd, errno);
+}
+
+/* ---- connections ---- */
+
+static void conn_account(srv *s, srv_conn *c)
+{
+    uint64_t now = c->in_cap + c->out.cap;
+    s->io_used = s->io_used - c->io_bytes + now;
+    c->io_bytes = now;
+}
+
+static void conn_update_events(srv *s, srv_conn *c)
+{
+    if (c->fd < 0) return;
+    uint32_t ev = 0;
+    if (!c->paused && !s->draining && !c->close_after_write) ev |= EPOLLIN;
+    if (c->out_off < c->out.len) ev |= EPOLLOUT;
+    if (ev == c->epoll_events) return;
+    struct epoll_event e = {.events = ev, .data.u64 = TAG_CONN + c->index};
+    epoll_ctl(s->epfd, EPOLL_CTL_MOD, c->fd, &e);
+    c->epoll_events = ev;
+}
+
+static void conn_free(srv *s, srv_conn *c)
+{
+    for (uint32_t i = 0; i < c->slot_cap; i++)
+        resp_buf_free(&c->slots[i].buf);
+    free(c->slots);
+    free(c->in);
+    resp_buf_free(&c->out);
+    c->in_cap = 0;
+    conn_account(s, c);
+    s->conns[c->index] = NULL;
+    s->nconns--;
+    free(c);
+}
+
+static void conn_close(srv *s, srv_conn *c, const char *why)
+{
+    if (c->fd < 0) return;
+    srv_log("info", "disconnect", "id=%llu peer=%s reason=%s", (unsigned long long)c->id, c->peer,
+            why);
+    epoll_ctl(s->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+    close(c->fd);
+    c->fd = -1;
+    c->dead = 1;
+    s->nlive--;
+    s->dead[s->ndead++] = c; /* freed by reap_dead once the engine owes it nothing */
+}
+
+/* Frees closed connections that the engine owes nothing and no list still holds. */
+static void reap_dead(srv *s)
+{
+    uint32_t keep = 0;
+    for (uint32_t i = 0; i < s->ndead; i++) {
+        srv_conn *c = s->dead[i];
+        if (c->engine_due == 0 && !c->in_dirty)
+            conn_free(s, c);
+        else
+            s->dead[keep++] = c;
+    }
+    s->ndead = keep;
+}
+
+static int conn_slot_index(srv *s, srv_conn *c)
+{
+    (void)s;
+    for (uint32_t i = 0; i < s->conns_cap; i++)
+        if (!s->conns[i]) return (int)i;
+    (void)c;
+    return -1;
+}
+
+static void conn_new(srv *s, int fd, int is_unix, const char *peer)
+{
+    int idx = conn_slot_index(s, NULL);
+    srv_conn *c = idx < 0 || s->nlive >= s->cfg.max_clients ? NULL : calloc(1, sizeof *c);
+    if (!c) {
+        static const char msg[] = "-ERR max number of clients reached\r\n";
+        ssize_t w = write(fd, msg, sizeof msg - 1);
+        (void)w;
+        close(fd);
+        s->rejected_connections++;
+        return;
+    }
+    c->id = ++s->next_id;
+    c->index = (uint32_t)idx;
+    c->fd = fd;
+    c->is_unix = is_unix;
+    c->role = auth_initial_role(&s->cfg, is_unix);
+    snprintf(c->user, sizeof c->user, "%s", s->cfg.nusers ? "" : is_unix ? "unix" : "tcp");
+    snprintf(c->peer, sizeof c->peer, "%s", peer);
+    resp_parser_init(&c->parser, RESP_ARGV_MAX, cmd_arg_max, s);
+    resp_buf_init(&c->out, s->cfg.client_output_max);
+    c->last_active_ms = srv_now_ms();
+    s->conns[idx] = c;
+    s->nconns++;
+    s->nlive++;
+    s->total_connections++;
+    c->epoll_events = EPOLLIN;
+    ep_add(s, fd, TAG_CONN + (uint64_t)idx, EPOLLIN);
+    srv_log("info", "connect", "id=%llu peer=%s role=%s", (unsigned long long)c->id, peer,
+            auth_role_name(c->role));
+}
+
+static void accept_all(srv *s, int lfd, int is_unix)
+{
+    for (int i = 0; i < 64; i++) {
+        struct sockaddr_storage ss;
+        socklen_t sl = sizeof ss;
+        int fd = accept4(lfd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) return;
+        char peer[64] = "unix";
+        if (!is_unix && ss.ss_family == AF_INET) {
+            struct sockaddr_in *in = (struct sockaddr_in *)&ss;
+            char a[INET_ADDRSTRLEN];
+            inet_ntop(AF_INET, &in->sin_addr, a, sizeof a);
+            snprintf(peer, sizeof peer, "%s:%u", a, ntohs(in->sin_port));
+            int one = 1;
+            setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+        }
+        conn_new(s, fd, is_unix, peer);
+    }
+}
+
+/* ---- the reply FIFO ---- */
+
+static srv_slot *slot_of(srv_conn *c, uint32_t seq)
+{
+    return &c->slots[seq & (c->slot_cap - 1)];
+}
+
+/* Takes the next slot for a request. Returns -1 without memory. */
+static int slot_alloc(srv_conn *c, uint32_t *seq)
+{
+    if (c->tail_seq - c->head_seq == c->slot_cap) {
+        uint32_t cap = c->slot_cap ? c->slot_cap * 2 : 8;
+        srv_slot *ns = calloc(cap, sizeof *ns);
+        if (!ns) return -1;
+        for (uint32_t q = c->head_seq; q != c->tail_seq; q++)
+            ns[q & (cap - 1)] = *slot_of(c, q);
+        for (uint32_t i = 0; i < c->slot_cap; i++) { /* free buffers of unused entries */
+            uint32_t q = c->head_seq + i;
+            if (q - c->head_seq >= c->tail_seq - c->head_seq) resp_buf_free(&c->slots[i].buf);
+        }
+        free(c->slots);
+        c->slots = ns;
+        c->slot_cap = cap;
+    }
+    *seq = c->tail_seq++;
+    srv_slot *sl = slot_of(c, *seq);
+    resp_buf keep = sl->buf;
+    memset(sl, 0, sizeof *sl);
+    sl->buf = keep;
+    sl->buf.len = 0;
+    sl->buf.overflow = 0;
+    sl->buf.limit = c->out.limit;
+    sl->state = SLOT_PENDING;
+    return 0;
+}
+
+resp_buf *srv_reply_buf(srv_conn *c, uint32_t seq)
+{
+    return seq == c->head_seq ? &c->out : &slot_of(c, seq)->buf;
+}
+
+void srv_reply_done(srv *s, srv_conn *c, uint32_t seq)
+{
+    srv_slot *sl = slot_of(c, seq);
+    sl->state = SLOT_READY;
+    while (c->head_seq != c->tail_seq && slot_of(c, c->head_seq)->state == SLOT_READY) {
+        srv_slot *h = slot_of(c, c->head_seq);
+        if (h->buf.len && resp_buf_append(&c->out, h->buf.data, h->buf.len) < 0)
+            c->out.overflow = 1;
+        if (h->buf.cap > 65536) resp_buf_free(&h->buf);
+        h->buf.len = 0;
+        h->state = SLOT_FREE;
+        c->head_seq++;
+    }
+    if (!c->in_dirty && c->fd >= 0) {
+        c->in_dirty = 1;
+        s->dirty[s->ndirty++] = c;
+    }
+}
+
+/* ---- engine batch ---- */
+
+static void submit_batch(srv *s)
+{
+    if (s->nops == 0) return;
+    int n = idem_submit(s->q, s->ops, s->nops);
+    uint32_t accepted = n < 0 ? 0 : (uint32_t)n;
+    for (uint32_t i = accepted; i < s->nops; i++) {
+        /* The engine refused the op (queue full): fail the request; nothing changed. */
+        uint64_t ud = s->ops[i].user_data;
+        srv_conn *c = s->conns[ud >> 32];
+        uint32_t seq = (uint32_t)ud;
+        c->engine_due--;
+        s->engine_due--;
+        if (slot_of(c, seq)->is_wait) {
+            slot_of(c, seq)->is_wait = 0;
+            s->wait_due--;
+        }
+        if (c->dead || slot_of(c, seq)->state != SLOT_PENDING) continue;
+        resp_error(srv_reply_buf(c, seq), "ERR server busy: engine queue full, retry");
+        srv_reply_done(s, c, seq);
+    }
+    if (n < 0 || accepted < s->nops)
+        srv_log("warn", "submit_short", "ops=%u accepted=%d", s->nops, n);
+    s->nops = 0;
+}
+
+void srv_submit_op(srv *s, srv_conn *c, uint32_t seq, int kind, idem_op *op)
+{
+    slot_of(c, seq)->kind = (uint8_t)kind;
+    if (s->nops >= IDEM_BATCH_MAX) submit_batch(s);
+    op->user_data = ((uint64_t)c->index << 32) | seq;
+    s->ops[s->nops++] = *op;
+    c->engine_due++;
+    s->engine_due++;
+    slot_of(c, seq)->remaining++;
+    if (op->kind == IDEM_OP_CLAIM && op->wait_ms > 0) {
+        /* Parked claims hold engine slots: past half the queue, a WAIT answers at once. */
+        if (s->wait_due >= s->cfg.queue_depth / 2) {
+            s->ops[s->nops - 1].wait_ms = 0;
+        } else {
+            slot_of(c, seq)->is_wait = 1;
+            s->wait_due++;
+        }
+    }
+}
+
+void srv_flush_ops(srv *s)
+{
+    submit_batch(s);
+}
+
+/* ---- reading and parsing ---- */
+
+static int conn_grow_in(srv_conn *c)
+{
+    if (c->in_start > 0) {
+        memmove(c->in, c->in + c->in_start, c->in_len - c->in_start);
+        c->in_len -= c->in_start;
+        c->in_start = 0;
+    }
+    if (c->in_len == 0 && c->in_cap > 4 * SRV_READ_CHUNK) {
+        free(c->in);
+        c->in = NULL;
+        c->in_cap = 0;
+    }
+    if (c->in_cap - c->in_len >= SRV_READ_CHUNK / 4) return 0;
+    if (c->in_cap >= SRV_IN_BUF_MAX) return -1;
+    size_t cap = c->in_cap ? c->in_cap * 2 : 16384;
+    if (cap > SRV_IN_BUF_MAX) cap = SRV_IN_BUF_MAX;
+    uint8_t *n = realloc(c->in, cap);
+    if (!n) return -1;
+    c->in = n;
+    c->in_cap = cap;
+    return 0;
+}
+
+/* Reads what the socket holds (up to the buffer's room). Returns 0, or -1 when c was closed. */
+static int conn_read(srv *s, srv_conn *c)
+{
+    if (conn_grow_in(c) < 0) {
+        conn_close(s, c, "request_too_large");
+        return -1;
+    }
+    ssize_t n = read(c->fd, c->in + c->in_len, c->in_cap - c->in_len);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+        /* The peer is gone or half-closed: answer what it sent, then close. */
+        c->close_after_write = 1;
+        conn_update_events(s, c);
+        if (c->in_len == c->in_start && c->head_seq == c->tail_seq) {
+            conn_close(s, c, n == 0 ? "eof" : "read_error");
+            return -1;
+        }
+        return 0;
+    }
+    if (n > 0) {
+        c->in_len += (size_t)n;
+        c->last_active_ms = srv_now_ms();
+    }
+    conn_account(s, c);
+    return 0;
+}
+
+static int conn_may_parse(srv *s, srv_conn *c)
+{
+    if (c->tail_seq - c->head_seq >= s->cfg.pipeline_max) return 0;
+    if (c->out.len - c->out_off >= SRV_CLIENT_OUT_SOFT) return 0;
+    return s->engine_due + s->nops + RESP_ARGV_MAX < s->cfg.queue_depth;
+}
+
+static void conn_refuse(srv *s, srv_conn *c, const char *err)
+{
+    uint32_t seq;
+    if (slot_alloc(c, &seq) < 0) {
+        c->close_after_write = 1;
+        return;
+    }
+    resp_error(srv_reply_buf(c, seq), err);
+    srv_reply_done(s, c, seq);
+}
+
+static void conn_parse(srv *s, srv_conn *c)
+{
+    c->deferred = 0;
+    while (c->fd >= 0 && !c->close_after_write) {
+        if (!conn_may_parse(s, c)) {
+            c->deferred = c->in_len > c->in_start;
+            return;
+        }
+        if (s->nops + RESP_ARGV_MAX > IDEM_BATCH_MAX) submit_batch(s);
+        size_t used;
+        int r = resp_parse(&c->parser, c->in + c->in_start, c->in_len - c->in_start, &used);
+        c->in_start += used;
+        if (r == RESP_NEED_MORE) return;
+        if (r == RESP_REFUSED) {
+            conn_refuse(s, c, c->parser.err);
+        } else if (r == RESP_CLOSE) {
+            srv_log("warn", "protocol_error", "id=%llu peer=%s msg=\"%s\"",
+                    (unsigned long long)c->id, c->peer, c->parser.err);
+            if (c->parser.err[0]) conn_refuse(s, c, c->parser.err);
+            c->close_after_write = 1;
+            conn_update_events(s, c);
+            if (!c->parser.err[0]) conn_close(s, c, "http");
+            return;
+        } else {
+            uint32_t seq;
+            if (slot_alloc(c, &seq) < 0) {
+                conn_close(s, c, "out_of_memory");
+                return;
+            }
+            s->total_commands++;
+            cmd_dispatch(s, c, seq, c->parser.nargs, c->parser.argv, c->parser.argl);
+        }
+    }
+}
+
+/* ---- writing ---- */
+
+static void conn_write(srv *s, srv_conn *c)
+{
+    if (c->fd < 0) return;
+    if (c->out.overflow) {
+        conn_close(s, c, "output_limit");
+        return;
+    }
+    while (c->out_off < c->out.len) {
+        ssize_t n = write(c->fd, c->out.data + c->out_off, c->out.len - c->out_off);
+        if (n > 0) {
+            c->out_off += (size_t)n;
+        } else if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
+            break;
+        } else {
+            conn_close(s, c, "write_error");
+            return;
+        }
+    }
+    if (c->out_off == c->out.len) {
+        c->out.len = 0;
+        c->out_off = 0;
+        if (c->out.cap > 4 * SRV_CLIENT_OUT_SOFT) resp_buf_free(&c->out);
+        if (c->close_after_write && c->head_seq == c->tail_seq) {
+            conn_close(s, c, "closed");
+            return;
+        }
+    } else if (c->out_off > c->out.len / 2) {
+        resp_buf_consume(&c->out, c->out_off);
+        c->out_off = 0;
+    }
+    conn_account(s, c);
+    conn_update_events(s, c);
+}
+
+static void write_dirty(srv *s)
+{
+    for (uint32_t i = 0; i < s->ndirty; i++) {
+        srv_conn *c = s->dirty[i];
+        c->in_dirty = 0;
+        if (c->fd >= 0) conn_write(s, c);
+        if (c->fd >= 0 && c->deferred) conn_parse(s, c);
+    }
+    s->ndirty = 0;
+    reap_dead(s);
+}
+
+/* ---- completions ---- */
+
+static void complete_one(srv *s, const idem_completion *cp)
+{
+    srv_conn *c = s->conns[cp->user_data >> 32];
+    uint32_t seq = (uint32_t)cp->user_data;
+    if (!c) return;
+    c->engine_due--;
+    s->engine_due--;
+    if (cp->err == IDEM_EFATAL) s->fatal = 1;
+    if (c->dead) return;
+    srv_slot *sl = slot_of(c, seq);
+    if (sl->state != SLOT_PENDING) return; /* answered already (drain) */
+    if (sl->is_wait) {
+        sl->is_wait = 0;
+        s->wait_due--;
+    }
+    sl->remaining--;
+    if (cmd_complete(s, c, sl, srv_reply_buf(c, seq), cp)) srv_reply_done(s, c, seq);
+}
+
+static void poll_completions(srv *s)
+{
+    for (int rounds = 0; rounds < 64 && s->q && s->engine_due > 0; rounds++) {
+        int n = idem_poll(s->q, s->comps, COMPLETIONS_MAX, 0);
+        if (n < 0 && n != IDEM_EBUSY) {
+            srv_log("error", "poll_failed", "err=\"%s\"", idem_strerror(n));
+            if (n == IDEM_EFATAL) s->fatal = 1;
+            return;
+        }
+        if (n <= 0) return;
+        for (int i = 0; i < n; i++)
+            complete_one(s, &s->comps[i]);
+        if (n < COMPLETIONS_MAX) return;
+    }
+}
+
+/* ---- budget, idle, deferred ---- */
+
+static void budget_check(srv *s, srv_conn *c)
+{
+    if (s->cfg.io_budget_bytes == 0 || s->io_used <= s->cfg.io_budget_bytes) return;
+    uint64_t fair = s->io_used / (s->nlive ? s->nlive : 1);
+    if (c->io_bytes >= fair && !c->paused) {
+        c->paused = 1;
+        srv_log("warn", "budget_pause", "id=%llu bytes=%llu used=%llu", (unsigned long long)c->id,
+                (unsigned long long)c->io_bytes, (unsigned long long)s->io_used);
+        conn_update_events(s, c);
+    }
+}
+
+static void housekeeping(srv *s, int64_t now)
+{
+    int unpause = s->io_used <= s->cfg.io_budget_bytes / 4 * 3;
+    for (uint32_t i = 0; i < s->conns_cap; i++) {
+        srv_conn *c = s->conns[i];
+        if (!c || c->fd < 0) continue;
+        if (c->paused && unpause) {
+            c->paused = 0;
+            conn_update_events(s, c);
+        }
+        if (c->deferred && !s->draining) conn_parse(s, c);
+        if (c->fd >= 0 && s->cfg.idle_timeout_ms && c->head_seq == c->tail_seq && c->out.len == 0 &&
+            now - c->last_active_ms > (int64_t)s->cfg.idle_timeout_ms)
+            conn_close(s, c, "idle_timeout");
+    }
+}
+
+/* ---- listeners ---- */
+
+/* Does a live server accept connections on this unix socket path? */
+static int unix_in_use(const struct sockaddr_un *a)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return 0;
+    int live = connect(fd, (const struct sockaddr *)a, sizeof *a) == 0;
+    close(fd);
+    return live;
+}
+
+static int listen_unix(srv *s)
+{
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    if (strlen(s->cfg.socket_path) >= sizeof a.sun_path) {
+        srv_log("error", "listen_failed", "socket=%s msg=\"path too long\"", s->cfg.socket_path);
+        return -1;
+    }
+    strcpy(a.sun_path, s->cfg.socket_path);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (unix_in_use(&a)) {
+        srv_log("error", "listen_failed", "socket=%s msg=\"another server answers there\"",
+                s->cfg.socket_path);
+        if (fd >= 0) close(fd);
+        return -1;
+    }
+    unlink(a.sun_path); /* a stale socket of a server that is gone */
+    mode_t old = umask(0777);
+    int rc = fd < 0 ? -1 : bind(fd, (struct sockaddr *)&a, sizeof a);
+    umask(old);
+    if (rc != 0 || chmod(a.sun_path, s->cfg.socket_mode) != 0 || listen(fd, 511) != 0) {
+        srv_log("error", "listen_failed", "socket=%s errno=%d", s->cfg.socket_path, errno);
+        if (fd >= 0) close(fd);
+        return -1;
+    }
+    s->unix_fd = fd;
+    ep_add(s, fd, TAG_UNIX, EPOLLIN);
+    srv_log("info", "listening", "socket=%s mode=%04o", s->cfg.socket_path, s->cfg.socket_mode);
+    return 0;
+}
+
+/* Listens on addr:port over TCP; returns the fd or -1. */
+static int listen_tcp_on(const char *addr, int port)
+{
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    if (inet_pton(AF_INET, addr, &a.sin_addr) != 1) return -1;
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0), one = 1;
+    if (fd < 0) return -1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || listen(fd, 511) != 0) {
+        close(fd);
+        return -1;
+    }
+    return fd;
+}
+
+static int listen_all(srv *s)
+{
+    if (s->cfg.socket_path[0] && listen_unix(s) < 0) return -1;
+    if (s->cfg.port > 0) {
+        s->tcp_fd = listen_tcp_on(s->cfg.bind_addr, s->cfg.port);
+        if (s->tcp_fd < 0) {
+            srv_log("error", "listen_failed", "addr=%s:%d errno=%d", s->cfg.bind_addr, s->cfg.port,
+                    errno);
+            return -1;
+        }
+        ep_add(s, s->tcp_fd, TAG_TCP, EPOLLIN);
+        srv_log("info", "listening", "addr=%s:%d", s->cfg.bind_addr, s->cfg.port);
+    }
+    if (s->cfg.metrics_listen[0]) {
+        char host[64];
+        int port = 0;
+        const char *colon = strrchr(s->cfg.metrics_listen, ':');
+        if (!colon || (size_t)(colon - s->cfg.metrics_listen) >= sizeof host) return -1;
+        memcpy(host, s->cfg.metrics_listen, (size_t)(colon - s->cfg.metrics_listen));
+        host[colon - s->cfg.metrics_listen] = '\0';
+        port = atoi(colon + 1);
+        s->metrics_fd = listen_tcp_on(host, port);
+        if (s->metrics_fd < 0) {
+            srv_log("error", "listen_failed", "metrics=%s", s->cfg.metrics_listen);
+            return -1;
+        }
+        ep_add(s, s->metrics_fd, TAG_METRICS, EPOLLIN);
+        srv_log("info", "listening", "metrics=%s", s->cfg.metrics_listen);
+    }
+    return 0;
+}
+
+static void stop_listening(srv *s)
+{
+    if (s->unix_fd >= 0) {
+        close(s->unix_fd);
+        unlink(s->cfg.socket_path);
+        s->unix_fd = -1;
+    }
+    if (s->tcp_fd >= 0) {
+        close(s->tcp_fd);
+        s->tcp_fd = -1;
+    }
+    if (s->metrics_fd >= 0) {
+        close(s->metrics_fd);
+        s->metrics_fd = -1;
+    }
+}
+
+/* ---- loading the store (recovery runs on a thread so that clients get -LOADING) ---- */
+
+static void *load_main(void *arg)
+{
+    srv *s = arg;
+    idem_options o;
+    idem_options_init(&o);
+    o.durability = s->cfg.durability;
+    o.lease_policy = s->cfg.lease_policy;
+    o.test_clock = s->cfg.test_clock;
+    o.max_keys = s->cfg.max_keys;
+    o.max_memory_bytes = s->cfg.max_memory_bytes;
+    o.max_disk_bytes = s->cfg.max_disk_bytes;
+    o.result_bytes_max = s->cfg.result_bytes_max;
+    idem_store *st = NULL;
+    s->load_err = idem_open(s->cfg.dir, &o, &st);
+    if (s->load_err != IDEM_OK)
+        srv_log("error", "open_failed", "dir=%s err=\"%s\" msg=\"%s\"", s->cfg.dir,
+                idem_strerror(s->load_err), idem_last_error());
+    s->store = s->load_err == IDEM_OK ? st : NULL;
+    uint64_t one = 1;
+    ssize_t w = write(s->load_fd, &one, sizeof one);
+    (void)w;
+    return NULL;
+}
+
+static int load_finish(srv *s)
+{
+    pthread_join(s->load_thread, NULL);
+    s->load_started = 0;
+    if (s->load_err != IDEM_OK) return -1;
+    if (idem_queue_open(s->store, s->cfg.queue_depth, &s->q) != IDEM_OK ||
+        idem_queue_open(s->store, 16, &s->q_sync) != IDEM_OK) {
+        srv_log("error", "queue_open_failed", "depth=%u", s->cfg.queue_depth);
+        return -1;
+    }
+    ep_add(s, idem_queue_fd(s->q), TAG_QUEUE, EPOLLIN);
+    s->loading = 0;
+    srv_log("info", "ready", "dir=%s backend=%s", s->cfg.dir, idem_io_backend_name(s->store));
+    return 0;
+}
+
+/* ---- shutdown ---- */
+
+/* Answers every request still waiting on the engine with `err` (fatal error or shutdown). */
+static void answer_pending(srv *s, int waits_only, const char *err)
+{
+    for (uint32_t i = 0; i < s->conns_cap; i++) {
+        srv_conn *c = s->conns[i];
+        if (!c || c->fd < 0) continue;
+        for (uint32_t q = c->head_seq; q != c->tail_seq; q++) {
+            srv_slot *sl = slot_of(c, q);
+            if (sl->state != SLOT_PENDING || (waits_only && !sl->is_wait)) continue;
+            resp_buf *b = srv_reply_buf(c, q);
+            if (waits_only) {
+                resp_array(b, 2);
+                resp_bulk_str(b, "busy");
+                resp_integer(b, 0);
+            } else {
+                resp_error(b, err);
+            }
+            srv_reply_done(s, c, q);
+        }
+    }
+}
+
+/* Writes what can be written within ms, for the last replies before exit. */
+static void flush_all(srv *s, int ms)
+{
+    int64_t end = srv_now_ms() + ms;
+    write_dirty(s);
+    for (;;) {
+        int left = 0;
+        for (uint32_t i = 0; i < s->conns_cap; i++) {
+            srv_conn *c = s->conns[i];
+            if (c && c->fd >= 0 && c->out_off < c->out.len) {
+                conn_write(s, c);
+                left += c->fd >= 0 && c->out_off < c->out.len;
+            }
+        }
+        if (!left || srv_now_ms() >= end) return;
+        struct timespec ts = {0, 5 * 1000000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+static int shutdown_fatal(srv *s)
+{
+    srv_log("error", "fatal", "msg=\"the store failed a write or flush; exiting\"");
+    answer_pending(s, 0,
+                   "ERR fatal store error: the outcome of this request is unknown, "
+                   "check it after a restart");
+    flush_all(s, 500);
+    return 1;
+}
+
+/* One drain step: returns nonzero when the server may exit. */
+static int drain_step(srv *s)
+{
+    if (s->engine_due > 0) {
+        uint32_t waits = 0;
+        for (uint32_t i = 0; i < s->conns_cap; i++) {
+            srv_conn *c = s->conns[i];
+            for (uint32_t q = c ? c->head_seq : 0; c && q != c->tail_seq; q++)
+                waits += slot_of(c, q)->state == SLOT_PENDING && slot_of(c, q)->is_wait;
+        }
+        if (waits < s->engine_due && srv_now_ms() - s->drain_started_ms < 30000) return 0;
+        answer_pending(s, 1, NULL);
+    }
+    flush_all(s, DRAIN_WRITE_MS);
+    return 1;
+}
+
+/* ---- the loop ---- */
+
+static void on_signal(srv *s)
+{
+    struct signalfd_siginfo si;
+    while (read(s->sig_fd, &si, sizeof si) == (ssize_t)sizeof si) {
+        if (!s->draining) {
+            srv_log("info", "draining", "signal=%u", si.ssi_signo);
+            s->draining = 1;
+            s->drain_started_ms = srv_now_ms();
+            stop_listening(s);
+            for (uint32_t i = 0; i < s->conns_cap; i++)
+                if (s->conns[i]) conn_update_events(s, s->conns[i]);
+        }
+    }
+}
+
+static void on_conn_event(srv *s, uint32_t idx, uint32_t events)
+{
+    srv_conn *c = s->conns[idx];
+    if (!c || c->fd < 0) return;
+    if ((events & EPOLLIN) && !c->paused && !s->draining && !c->close_after_write) {
+        budget_check(s, c);
+        if (!c->paused && conn_read(s, c) == 0) conn_parse(s, c);
+    } else if (events & (EPOLLHUP | EPOLLERR)) {
+        conn_close(s, c, "hangup");
+        return;
+    }
+    if (c->fd >= 0 && (events & EPOLLOUT)) conn_write(s, c);
+}
+
+static int on_event(srv *s, struct epoll_event *e)
+{
+    uint64_t tag = e->data.u64;
+    if (tag >= TAG_CONN) {
+        on_conn_event(s, (uint32_t)(tag - TAG_CONN), e->events);
+    } else if (tag == TAG_UNIX || tag == TAG_TCP) {
+        if (!s->draining) accept_all(s, tag == TAG_UNIX ? s->unix_fd : s->tcp_fd, tag == TAG_UNIX);
+    } else if (tag == TAG_METRICS) {
+        int fd = accept4(s->metrics_fd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd >= 0) metrics_serve(s, fd);
+    } else if (tag == TAG_SIG) {
+        on_signal(s);
+    } else if (tag == TAG_LOAD) {
+        uint64_t v;
+        ssize_t r = read(s->load_fd, &v, sizeof v);
+        (void)r;
+        if (load_finish(s) < 0) return -1;
+    }
+    return 0;
+}
+
+static int loop_turn(srv *s, int64_t *last_house)
+{
+    struct epoll_event evs[EVENTS_MAX];
+    int timeout = s->draining || s->nops ? 10 : 250;
+    int n = epoll_wait(s->epfd, evs, EVENTS_MAX, timeout);
+    if (n < 0 && errno != EINTR) {
+        srv_log("error", "epoll_wait", "errno=%d", errno);
+        return -1;
+    }
+    for (int i = 0; i < n; i++)
+        if (on_event(s, &evs[i]) < 0) return -1;
+    submit_batch(s);
+    poll_completions(s);
+    write_dirty(s);
+    submit_batch(s);
+    int64_t now = srv_now_ms();
+    if (now - *last_house >= 100 || s->io_used > s->cfg.io_budget_bytes) {
+        *last_house = now;
+        housekeeping(s, now);
+        submit_batch(s);
+    }
+    return 0;
+}
+
+static int setup_fds(srv *s)
+{
+    sigset_t set;
+    sigemptyset(&set);
+    sigaddset(&set, SIGTERM);
+    sigaddset(&set, SIGINT);
+    sigprocmask(SIG_BLOCK, &set, NULL);
+    signal(SIGPIPE, SIG_IGN);
+    s->epfd = epoll_create1(EPOLL_CLOEXEC);
+    s->sig_fd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
+    s->load_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (s->epfd < 0 || s->sig_fd < 0 || s->load_fd < 0) return -1;
+    ep_add(s, s->sig_fd, TAG_SIG, EPOLLIN);
+    ep_add(s, s->load_fd, TAG_LOAD, EPOLLIN);
+    s->conns_cap = s->cfg.max_clients + s->cfg.max_clients / 4 + 16;
+    s->conns = calloc(s->conns_cap, sizeof *s->conns);
+    s->dirty = calloc(s->conns_cap, sizeof *s->dirty);
+    s->dead = calloc(s->conns_cap, sizeof *s->dead);
+    s->ops = calloc(IDEM_BATCH_MAX, sizeof *s->ops);
+    s->comps = calloc(COMPLETIONS_MAX, sizeof *s->comps);
+    return s->conns && s->dirty && s->dead && s->ops && s->comps ? 0 : -1;
+}
+
+static int finish(srv *s, int rc)
+{
+    stop_listening(s);
+    for (uint32_t i = 0; s->conns && i < s->conns_cap; i++)
+        if (s->conns[i] && s->conns[i]->fd >= 0) conn_close(s, s->conns[i], "shutdown");
+    if (s->q) idem_queue_close(s->q);
+    if (s->q_sync) idem_queue_close(s->q_sync);
+    if (s->load_started) pthread_join(s->load_thread, NULL);
+    for (uint32_t i = 0; s->conns && i < s->conns_cap; i++)
+        if (s->conns[i]) conn_free(s, s->conns[i]);
+    free(s->conns);
+    free(s->dirty);
+    free(s->dead);
+    free(s->ops);
+    free(s->comps);
+    s->conns = NULL;
+    int fds[] = {s->epfd, s->sig_fd, s->load_fd};
+    for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
+        if (fds[i] >= 0) close(fds[i]);
+    if (s->store) {
+        int err = idem_close(s->store);
+        if (err != IDEM_OK) {
+            srv_log("error", "close_failed", "err=\"%s\"", idem_strerror(err));
+            rc = 1;
+        }
+    }
+    srv_log("info", "exit", "code=%d", rc);
+    return rc;
+}
+
+int srv_run(srv *s)
+{
+    s->unix_fd = s->tcp_fd = s->metrics_fd = -1;
+    s->epfd = s->sig_fd = s->load_fd = -1;
+    s->started_ms = srv_now_ms();
+    if (setup_fds(s) < 0 || listen_all(s) < 0) return finish(s, 1);
+    s->loading = 1;
+    if (pthread_create(&s->load_thread, NULL, load_main, s) != 0) return finish(s, 1);
+    s->load_started = 1;
+    int64_t last_house = srv_now_ms();
+    for (;;) {
+        if (loop_turn(s, &last_house) < 0) return finish(s, 1);
+        if (s->fatal || (s->store && !s->loading && idem_is_fatal(s->store)))
+            return finish(s, shutdown_fatal(s));
+        if (s->draining && !s->loading && drain_step(s)) return finish(s, 0);
+        if (s->draining && s->loading)
+            continue; /* recovery finishes first, then the store closes cleanly */
+    }
+}

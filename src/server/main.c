@@ -1,0 +1,285 @@
+/*
+ * main.c: idemd's entry: flags (--name value or --name=value), the --config file of `name value`
+ * lines (the same names without dashes; `#` starts a comment), --help, the open-files limit, and
+ * the hand-over to the event loop (loop.c). Exit codes: 0 clean shutdown, 1 failure, 2 usage.
+ */
+#include "server.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+
+static const char usage_text[] =
+    "usage: idemd [options]\n"
+    "idemd serves an idem store over RESP2 (redis-cli and Redis clients work unchanged).\n"
+    "\n"
+    "Store:\n"
+    "  --dir DIR                 store directory (default ./idem-data)\n"
+    "  --durability MODE         sync: reply after the flush that covers the change (group\n"
+    "                            commit; default); batch: reply at once, flush at least every\n"
+    "                            10 ms; none: leave flushing to the OS\n"
+    "  --on-lease-expiry P       recover (default): an expired lease goes to the next claimant\n"
+    "                            as `recover`; review: it is held for a person\n"
+    "  --max-keys N              refuse new claims (-FULL) past N records; never evict\n"
+    "  --max-memory BYTES        likewise for the index's memory (suffixes k, m, g)\n"
+    "  --max-disk BYTES          likewise for the store's files\n"
+    "  --result-max BYTES        largest result or SET value (default 65536, at most 1m)\n"
+    "  --test-clock              the store clock stands still; DEBUG CLOCK GET|SET|ADVANCE\n"
+    "                            move it (for tests only)\n"
+    "Listeners:\n"
+    "  --socket PATH             unix socket (default DIR/idemd.sock; empty: none)\n"
+    "  --socket-mode MODE        its permissions, octal (default 0600)\n"
+    "  --bind ADDR               TCP address (default 127.0.0.1)\n"
+    "  --port N                  TCP port (default 7379; 0: no TCP listener)\n"
+    "  --metrics-listen ADDR:PORT  Prometheus text endpoint (default off)\n"
+    "Users (without any, unix socket connections are admin and TCP ones workers):\n"
+    "  --user NAME:ROLE:PASSWORD repeatable; ROLE is worker, reader or admin; `AUTH password`\n"
+    "                            alone authenticates as the user named default\n"
+    "  --users-file FILE         one NAME:ROLE:PASSWORD a line; must not be readable by others\n"
+    "Limits:\n"
+    "  --max-clients N           connections at once (default 10000)\n"
+    "  --pipeline-max N          requests one connection may have outstanding (default 1024)\n"
+    "  --client-output-max BYTES unread replies after which a client is closed (default 64m)\n"
+    "  --io-budget BYTES         input and output buffers of all clients; past it the heaviest\n"
+    "                            stop being read (default 1g)\n"
+    "  --idle-timeout-ms MS      close connections idle this long (default 0: never)\n"
+    "  --queue-depth N           engine operations in flight (default 2048); at most half\n"
+    "                            of them may be claims parked by WAIT\n"
+    "Other:\n"
+    "  --config FILE             read `name value` lines (the flags above, without --)\n"
+    "  --help                    this text\n"
+    "  --version                 the version\n"
+    "Signals: SIGTERM or SIGINT drain (stop accepting, answer in-flight requests, make\n"
+    "everything durable) and exit 0. A fatal store error exits 1.\n";
+
+/* Parses a byte count with an optional k/m/g suffix (powers of 1024). */
+static int parse_size(const char *v, uint64_t *out)
+{
+    char *end;
+    errno = 0;
+    unsigned long long n = strtoull(v, &end, 10);
+    if (errno || end == v || v[0] == '-') return -1;
+    uint64_t mult = 1;
+    if (*end == 'k' || *end == 'K')
+        mult = 1024;
+    else if (*end == 'm' || *end == 'M')
+        mult = 1024 * 1024;
+    else if (*end == 'g' || *end == 'G')
+        mult = 1024ull * 1024 * 1024;
+    if (mult != 1) end++;
+    if (*end != '\0' || n > UINT64_MAX / mult) return -1;
+    *out = n * mult;
+    return 0;
+}
+
+static int set_string(char *dst, size_t cap, const char *v)
+{
+    if (strlen(v) >= cap) return -1;
+    strcpy(dst, v);
+    return 0;
+}
+
+static int parse_u32(const char *v, uint32_t min, uint32_t max, uint32_t *out)
+{
+    uint64_t n;
+    if (parse_size(v, &n) < 0 || n < min || n > max) return -1;
+    *out = (uint32_t)n;
+    return 0;
+}
+
+static int config_file(srv_config *cfg, const char *path, char *err, size_t err_len);
+
+/* Applies one setting. Returns 0, or -1 with a message in err. */
+static int apply(srv_config *cfg, const char *name, const char *v, char *err, size_t err_len)
+{
+    int bad = 0;
+    uint64_t n = 0;
+    if (strcmp(name, "dir") == 0)
+        bad = set_string(cfg->dir, sizeof cfg->dir, v);
+    else if (strcmp(name, "socket") == 0) {
+        bad = set_string(cfg->socket_path, sizeof cfg->socket_path, v);
+        cfg->socket_path_set = 1;
+    } else if (strcmp(name, "socket-mode") == 0) {
+        char *end;
+        cfg->socket_mode = (unsigned)strtoul(v, &end, 8);
+        bad = *v == '\0' || *end != '\0' || cfg->socket_mode > 0777;
+    } else if (strcmp(name, "bind") == 0)
+        bad = set_string(cfg->bind_addr, sizeof cfg->bind_addr, v);
+    else if (strcmp(name, "port") == 0) {
+        uint32_t p;
+        bad = parse_u32(v, 0, 65535, &p);
+        cfg->port = (int)p;
+    } else if (strcmp(name, "durability") == 0) {
+        cfg->durability = strcmp(v, "sync") == 0    ? IDEM_DURABILITY_SYNC
+                          : strcmp(v, "batch") == 0 ? IDEM_DURABILITY_BATCH
+                          : strcmp(v, "none") == 0  ? IDEM_DURABILITY_NONE
+                                                    : -1;
+        bad = cfg->durability < 0;
+    } else if (strcmp(name, "on-lease-expiry") == 0) {
+        cfg->lease_policy = strcmp(v, "recover") == 0  ? IDEM_LEASE_RECOVER
+                            : strcmp(v, "review") == 0 ? IDEM_LEASE_REVIEW
+                                                       : -1;
+        bad = cfg->lease_policy < 0;
+    } else if (strcmp(name, "user") == 0)
+        return auth_user_add(cfg, v, err, err_len);
+    else if (strcmp(name, "users-file") == 0)
+        return auth_users_file(cfg, v, err, err_len);
+    else if (strcmp(name, "config") == 0)
+        return config_file(cfg, v, err, err_len);
+    else if (strcmp(name, "max-keys") == 0)
+        bad = parse_size(v, &cfg->max_keys);
+    else if (strcmp(name, "max-memory") == 0)
+        bad = parse_size(v, &cfg->max_memory_bytes);
+    else if (strcmp(name, "max-disk") == 0)
+        bad = parse_size(v, &cfg->max_disk_bytes);
+    else if (strcmp(name, "result-max") == 0)
+        bad = parse_u32(v, 1, IDEM_RESULT_BYTES_LIMIT, &cfg->result_bytes_max);
+    else if (strcmp(name, "metrics-listen") == 0)
+        bad = set_string(cfg->metrics_listen, sizeof cfg->metrics_listen, v) || !strchr(v, ':');
+    else if (strcmp(name, "max-clients") == 0)
+        bad = parse_u32(v, 1, 1000000, &cfg->max_clients);
+    else if (strcmp(name, "pipeline-max") == 0)
+        bad = parse_u32(v, 1, 65536, &cfg->pipeline_max);
+    else if (strcmp(name, "queue-depth") == 0)
+        bad = parse_u32(v, 256, 65536, &cfg->queue_depth);
+    else if (strcmp(name, "client-output-max") == 0)
+        bad = parse_size(v, &cfg->client_output_max) || cfg->client_output_max < 65536;
+    else if (strcmp(name, "io-budget") == 0)
+        bad = parse_size(v, &cfg->io_budget_bytes);
+    else if (strcmp(name, "idle-timeout-ms") == 0)
+        bad = parse_size(v, &n), cfg->idle_timeout_ms = n;
+    else {
+        snprintf(err, err_len, "unknown setting '%s' (see --help)", name);
+        return -1;
+    }
+    if (bad) snprintf(err, err_len, "bad value '%s' for %s (see --help)", v, name);
+    return bad ? -1 : 0;
+}
+
+static int config_file(srv_config *cfg, const char *path, char *err, size_t err_len)
+{
+    char line[2048];
+    FILE *f = fopen(path, "r");
+    if (!f) {
+        snprintf(err, err_len, "cannot open config file %s", path);
+        return -1;
+    }
+    int lineno = 0, rc = 0;
+    while (rc == 0 && fgets(line, sizeof line, f)) {
+        lineno++;
+        char *p = line + strspn(line, " \t");
+        p[strcspn(p, "\r\n")] = '\0';
+        if (*p == '\0' || *p == '#') continue;
+        char *sp = p + strcspn(p, " \t");
+        char *val = *sp ? sp + 1 + strspn(sp + 1, " \t") : sp;
+        *sp = '\0';
+        char why[256];
+        if (strcmp(p, "test-clock") == 0) {
+            cfg->test_clock = strcmp(val, "no") != 0 && strcmp(val, "0") != 0;
+        } else if (strcmp(p, "config") == 0) {
+            snprintf(why, sizeof why, "config files do not nest");
+            rc = -1;
+        } else if (apply(cfg, p, val, why, sizeof why) < 0) {
+            rc = -1;
+        }
+        if (rc < 0) snprintf(err, err_len, "%s:%d: %s", path, lineno, why);
+    }
+    fclose(f);
+    return rc;
+}
+
+static void config_defaults(srv_config *c)
+{
+    memset(c, 0, sizeof *c);
+    strcpy(c->dir, "./idem-data");
+    c->socket_mode = 0600;
+    strcpy(c->bind_addr, "127.0.0.1");
+    c->port = 7379;
+    c->durability = IDEM_DURABILITY_SYNC;
+    c->lease_policy = IDEM_LEASE_RECOVER;
+    c->max_clients = 10000;
+    c->pipeline_max = 1024;
+    c->client_output_max = 64ull << 20;
+    c->io_budget_bytes = 1ull << 30;
+    c->queue_depth = 2048;
+}
+
+/* Parses argv. Returns 0 to run, 1 after --help/--version, 2 on a usage error. */
+static int parse_args(srv_config *cfg, int argc, char **argv)
+{
+    char err[512];
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
+            fputs(usage_text, stdout);
+            return 1;
+        }
+        if (strcmp(a, "--version") == 0) {
+            printf("idemd %s\n", IDEM_VERSION_STRING);
+            return 1;
+        }
+        if (strcmp(a, "--test-clock") == 0) {
+            cfg->test_clock = 1;
+            continue;
+        }
+        if (strncmp(a, "--", 2) != 0) {
+            fprintf(stderr, "idemd: unexpected argument '%s' (see --help)\n", a);
+            return 2;
+        }
+        char name[64];
+        const char *eq = strchr(a, '='), *val;
+        size_t nl = eq ? (size_t)(eq - a - 2) : strlen(a + 2);
+        if (nl >= sizeof name || (!eq && i + 1 >= argc)) {
+            fprintf(stderr, "idemd: %s needs a value (see --help)\n", a);
+            return 2;
+        }
+        memcpy(name, a + 2, nl);
+        name[nl] = '\0';
+        val = eq ? eq + 1 : argv[++i];
+        if (apply(cfg, name, val, err, sizeof err) < 0) {
+            fprintf(stderr, "idemd: %s\n", err);
+            return 2;
+        }
+    }
+    if (!cfg->socket_path_set &&
+        snprintf(cfg->socket_path, sizeof cfg->socket_path, "%s/idemd.sock", cfg->dir) >=
+            (int)sizeof cfg->socket_path)
+        return 2;
+    return 0;
+}
+
+/* Raises the soft open-files limit to the hard one, so max-clients can be reached. */
+static void raise_nofile(const srv_config *cfg)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
+    rlim_t want = (rlim_t)cfg->max_clients + 64;
+    if (rl.rlim_cur < want) {
+        rl.rlim_cur = rl.rlim_max == RLIM_INFINITY || rl.rlim_max > want ? want : rl.rlim_max;
+        setrlimit(RLIMIT_NOFILE, &rl);
+        getrlimit(RLIMIT_NOFILE, &rl);
+    }
+    if (rl.rlim_cur < want)
+        srv_log("warn", "nofile_limit", "limit=%llu max_clients=%u",
+                (unsigned long long)rl.rlim_cur, cfg->max_clients);
+}
+
+int main(int argc, char **argv)
+{
+    srv *s = calloc(1, sizeof *s);
+    if (!s) return 1;
+    config_defaults(&s->cfg);
+    int rc = parse_args(&s->cfg, argc, argv);
+    if (rc != 0) {
+        free(s);
+        return rc == 1 ? 0 : 2;
+    }
+    raise_nofile(&s->cfg);
+    srv_log("info", "start", "version=%s dir=%s durability=%d test_clock=%d users=%d",
+            IDEM_VERSION_STRING, s->cfg.dir, s->cfg.durability, s->cfg.test_clock, s->cfg.nusers);
+    rc = srv_run(s);
+    free(s);
+    return rc;
+}

@@ -1,0 +1,194 @@
+/*
+ * server.h: the shared state of idemd: its configuration, the server handle owned by the event
+ * loop thread, and connections with their FIFO of outstanding replies.
+ *
+ * Ownership: one thread (the event loop, loop.c) owns everything here. The engine is used only
+ * through `q` (the asynchronous form: idem_submit / idem_poll) and `q_sync` (blocking calls that
+ * complete at once: scans, audit, DEL's checks), so nothing is shared with other threads except
+ * the store handle, which is thread-safe.
+ *
+ * Reply order: every request takes the next sequence number of its connection and a slot in the
+ * connection's ring. Replies leave in sequence order: a reply for the head slot is written to
+ * `out` at once, any other waits in its slot's buffer until the slots before it are done.
+ */
+#ifndef IDEM_SERVER_SERVER_H
+#define IDEM_SERVER_SERVER_H
+
+#include <stdint.h>
+#include <pthread.h>
+#include <sys/types.h>
+
+#include "idem.h"
+#include "resp.h"
+
+#define SRV_USERS_MAX       64
+#define SRV_NAME_MAX        64
+#define SRV_PASSWORD_MAX    256
+#define SRV_IN_BUF_MAX      (2u * RESP_BULK_PROTO_MAX + 65536u) /* a whole request must fit */
+#define SRV_READ_CHUNK      65536u
+#define SRV_CLIENT_OUT_SOFT (1u << 20) /* no more requests are parsed while out holds this */
+
+enum srv_role { ROLE_NONE = 0, ROLE_WORKER = 1, ROLE_READER = 2, ROLE_ADMIN = 4 };
+
+typedef struct srv_user {
+    char name[SRV_NAME_MAX];
+    char password[SRV_PASSWORD_MAX];
+    int role;
+} srv_user;
+
+typedef struct srv_config {
+    char dir[1024];
+    char socket_path[1024]; /* empty: no unix socket */
+    int socket_path_set;
+    unsigned socket_mode;
+    char bind_addr[64];
+    int port;
+    int durability;   /* enum idem_durability */
+    int lease_policy; /* enum idem_lease_policy */
+    uint64_t max_keys, max_memory_bytes, max_disk_bytes;
+    uint32_t result_bytes_max;
+    int test_clock;
+    char metrics_listen[128];
+    uint32_t max_clients;
+    uint32_t pipeline_max;      /* outstanding requests per connection */
+    uint64_t client_output_max; /* bytes of replies a client may leave unread */
+    uint64_t io_budget_bytes;   /* input and output buffers of all connections together */
+    uint64_t idle_timeout_ms;   /* 0: never */
+    uint32_t queue_depth;
+    srv_user users[SRV_USERS_MAX];
+    int nusers;
+} srv_config;
+
+enum slot_state { SLOT_FREE = 0, SLOT_PENDING = 1, SLOT_READY = 2 };
+
+/* How a completion becomes a reply (commands.c). */
+enum reply_kind {
+    RK_CLAIM = 1,
+    RK_OWNER,  /* commit, release, hold, extend, resolve: +OK or an error */
+    RK_RECORD, /* IDEM.GET */
+    RK_GET,    /* GET */
+    RK_EXISTS, /* EXISTS (several keys add up) */
+    RK_PTTL,
+    RK_TTL,
+    RK_SET,     /* SET NX */
+    RK_SET_GET, /* SET NX GET */
+};
+
+typedef struct srv_slot {
+    uint8_t state;
+    uint8_t kind;
+    uint8_t is_wait;
+    uint32_t remaining; /* engine completions still due (EXISTS with several keys) */
+    int64_t acc;        /* EXISTS: keys found so far */
+    resp_buf buf;       /* the reply, when it cannot go to `out` yet */
+} srv_slot;
+
+typedef struct srv_conn {
+    uint64_t id;
+    uint32_t index; /* in srv.conns */
+    int fd;         /* -1 once closed (the struct lives on while engine ops are due) */
+    int is_unix;
+    int role; /* enum srv_role; ROLE_NONE until AUTH when users are configured */
+    char user[SRV_NAME_MAX];
+    char name[SRV_NAME_MAX];
+    char peer[64];
+    char actor[160]; /* who acts, for the audit trail */
+    resp_parser parser;
+    uint8_t *in;
+    size_t in_len, in_start, in_cap;
+    resp_buf out;
+    size_t out_off;  /* bytes of out already written */
+    srv_slot *slots; /* ring, slot_cap entries (a power of two) */
+    uint32_t slot_cap;
+    uint32_t head_seq, tail_seq; /* outstanding requests: [head_seq, tail_seq) */
+    uint32_t engine_due;         /* completions the engine still owes this connection */
+    int close_after_write;       /* QUIT or a protocol error: close once out is written */
+    int dead;                    /* closed; freed when engine_due reaches 0 */
+    int paused;                  /* reading stopped by the global budget */
+    int deferred;                /* unparsed input waits for pipeline room */
+    int in_work, in_dirty;       /* on this turn's lists */
+    uint64_t io_bytes;           /* accounted against the global budget */
+    int64_t last_active_ms;
+    uint32_t epoll_events;
+} srv_conn;
+
+typedef struct srv {
+    srv_config cfg;
+    idem_store *store;
+    idem_queue *q, *q_sync;
+    int epfd, unix_fd, tcp_fd, metrics_fd, sig_fd, load_fd;
+    int loading;
+    int draining;
+    int fatal;
+    int64_t drain_started_ms;
+    srv_conn **conns;
+    uint32_t conns_cap, nconns, nlive;
+    uint64_t next_id;
+    uint64_t io_used;
+    uint32_t engine_due; /* all connections */
+    uint32_t wait_due;   /* of which claims parked with WAIT */
+    idem_op *ops;        /* this turn's batch */
+    uint64_t *op_slots;  /* user_data of each op, to fail them if not accepted */
+    uint32_t nops;
+    idem_completion *comps;
+    srv_conn **work, **dirty;
+    uint32_t nwork, ndirty;
+    int64_t started_ms;
+    uint64_t total_connections, total_commands, rejected_connections;
+    pthread_t load_thread;
+    int load_started;
+    int load_err;
+    srv_conn **dead;
+    uint32_t ndead;
+} srv;
+
+/* ---- loop.c ---- */
+int srv_run(srv *s);
+int64_t srv_now_ms(void); /* monotonic, for timers */
+/* The buffer the reply of request `seq` goes to (out when it is the head, else its slot). */
+resp_buf *srv_reply_buf(srv_conn *c, uint32_t seq);
+/* The request `seq` is answered (its reply is complete): release its slot in order. */
+void srv_reply_done(srv *s, srv_conn *c, uint32_t seq);
+/* Queues an engine op for request `seq`, whose completion is formatted as `kind` (enum
+ * reply_kind). The op's user_data is set here; its pointers must stay valid until the batch is
+ * submitted (they point into the connection's input buffer). */
+void srv_submit_op(srv *s, srv_conn *c, uint32_t seq, int kind, idem_op *op);
+/* Submits the batch now: before a blocking call on q_sync, so that it sees earlier requests. */
+void srv_flush_ops(srv *s);
+
+/* ---- commands.c ---- */
+/* Runs one parsed request. The reply is written now (srv_reply_buf + srv_reply_done) or later,
+ * when the engine completes the ops it queued. */
+void cmd_dispatch(srv *s, srv_conn *c, uint32_t seq, uint32_t argc, const uint8_t *const *argv,
+                  const uint32_t *argl);
+/* Formats the reply of one engine completion for request slot sl. Returns nonzero when the
+ * request is answered. */
+int cmd_complete(srv *s, srv_conn *c, srv_slot *sl, resp_buf *b, const idem_completion *cp);
+/* The parser's field limits (resp_arg_max_fn); ctx is the srv. */
+uint32_t cmd_arg_max(void *ctx, const uint8_t *const *argv, const uint32_t *argl, uint32_t index);
+/* Writes the reply of an error code (-STALE, -NOTFOUND, ...). */
+void cmd_reply_err(resp_buf *b, int err);
+
+/* ---- auth.c ---- */
+int auth_role_parse(const char *s);
+const char *auth_role_name(int role);
+/* Parses NAME:ROLE:PASSWORD into cfg->users. Returns 0 or -1 (message in err). */
+int auth_user_add(srv_config *cfg, const char *spec, char *err, size_t err_len);
+/* Loads a users file (must not be readable by group or others). Returns 0 or -1. */
+int auth_users_file(srv_config *cfg, const char *path, char *err, size_t err_len);
+/* Checks user/password (constant time in the password); returns the role or ROLE_NONE. */
+int auth_check(const srv_config *cfg, const char *user, const uint8_t *pw, uint32_t pw_len);
+/* The role of a new connection before any AUTH. */
+int auth_initial_role(const srv_config *cfg, int is_unix);
+
+/* ---- log.c ---- */
+void srv_log(const char *level, const char *event, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* ---- metrics.c ---- */
+/* Writes the Prometheus text exposition of the store's stats into b. */
+void metrics_render(srv *s, resp_buf *b);
+/* Serves one HTTP scrape on an accepted fd (blocking briefly), then closes it. */
+void metrics_serve(srv *s, int fd);
+
+#endif /* IDEM_SERVER_SERVER_H */

@@ -1,0 +1,792 @@
+/*
+ * test_server.c: idemd over loopback. Each test starts build/idemd on a fresh temp dir with
+ * --test-clock, a free TCP port on 127.0.0.1 and its unix socket (admin when no users are
+ * configured), drives it with hiredis or raw sockets, and kills it in .fini.
+ */
+#include <criterion/criterion.h>
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "testutil.h"
+
+#ifdef IDEM_HAVE_HIREDIS
+#include <hiredis/hiredis.h>
+
+static struct {
+    char *dir;
+    char sock[512];
+    int port;
+    pid_t pid;
+} srv;
+
+static int with_test_clock = 1;
+static const char *ready_auth; /* AUTH command for the readiness probe, if users are set */
+
+static int64_t now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+static int free_port(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    socklen_t len = sizeof a;
+    cr_assert(bind(fd, (struct sockaddr *)&a, sizeof a) == 0);
+    cr_assert(getsockname(fd, (struct sockaddr *)&a, &len) == 0);
+    close(fd);
+    return ntohs(a.sin_port);
+}
+
+static redisContext *connect_tcp(void)
+{
+    struct timeval tv = {10, 0};
+    redisContext *c = redisConnectWithTimeout("127.0.0.1", srv.port, tv);
+    cr_assert(c && !c->err, "connect: %s", c ? c->errstr : "oom");
+    redisSetTimeout(c, tv);
+    return c;
+}
+
+static redisContext *connect_unix(void)
+{
+    struct timeval tv = {10, 0};
+    redisContext *c = redisConnectUnixWithTimeout(srv.sock, tv);
+    cr_assert(c && !c->err, "connect unix: %s", c ? c->errstr : "oom");
+    redisSetTimeout(c, tv);
+    return c;
+}
+
+/* Starts idemd with the given extra arguments (NULL-terminated) and waits until it answers. */
+static void start_with(const char *const *extra)
+{
+    const char *build = getenv("IDEM_BUILD_DIR");
+    char exe[512], port[16], log[600];
+    snprintf(exe, sizeof exe, "%s/idemd", build && *build ? build : "build");
+    srv.dir = tu_mkdtemp("server");
+    cr_assert(srv.dir);
+    snprintf(srv.sock, sizeof srv.sock, "%s/idemd.sock", srv.dir);
+    snprintf(log, sizeof log, "%s/idemd.log", srv.dir);
+    srv.port = free_port();
+    snprintf(port, sizeof port, "%d", srv.port);
+    const char *argv[40] = {exe, "--dir", srv.dir, "--port", port, "--test-clock"};
+    int n = with_test_clock ? 6 : 5;
+    for (int i = 0; extra && extra[i] && n < 38; i++)
+        argv[n++] = extra[i];
+    argv[n] = NULL;
+    srv.pid = fork();
+    cr_assert(srv.pid >= 0);
+    if (srv.pid == 0) {
+        freopen(log, "w", stderr);
+        execv(exe, (char *const *)argv);
+        _exit(127);
+    }
+    for (int64_t end = now_ms() + 10000; now_ms() < end;) {
+        redisContext *c = redisConnect("127.0.0.1", srv.port);
+        if (c && !c->err) {
+            /* EXISTS answers -LOADING until recovery is over, unlike PING */
+            if (ready_auth) freeReplyObject(redisCommand(c, ready_auth));
+            redisReply *r = redisCommand(c, "EXISTS ready");
+            int ok = r && r->type != REDIS_REPLY_ERROR;
+            freeReplyObject(r);
+            redisFree(c);
+            if (ok) return;
+        } else if (c) {
+            redisFree(c);
+        }
+        usleep(20000);
+    }
+    cr_assert_fail("idemd did not start (see its log in %s)", srv.dir);
+}
+
+static void start(void)
+{
+    start_with(NULL);
+}
+
+static int stop_and_wait(int sig)
+{
+    int status = 0;
+    if (srv.pid <= 0) return -1;
+    kill(srv.pid, sig);
+    for (int i = 0; i < 1000; i++) {
+        if (waitpid(srv.pid, &status, WNOHANG) == srv.pid) {
+            srv.pid = 0;
+            return status;
+        }
+        usleep(10000);
+    }
+    kill(srv.pid, SIGKILL);
+    waitpid(srv.pid, &status, 0);
+    srv.pid = 0;
+    return -1;
+}
+
+static void stop(void)
+{
+    if (srv.pid > 0) stop_and_wait(SIGKILL);
+    tu_rmtree(srv.dir);
+    srv.dir = NULL;
+}
+
+/* ---- reply checks ---- */
+
+static redisReply *cmd(redisContext *c, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    redisReply *r = redisvCommand(c, fmt, ap);
+    va_end(ap);
+    cr_assert(r, "no reply: %s", c->errstr);
+    return r;
+}
+
+static void expect_status(redisReply *r, const char *s)
+{
+    cr_assert_eq(r->type, REDIS_REPLY_STATUS, "want +%s, type %d %s", s, r->type,
+                 r->str ? r->str : "");
+    cr_assert_str_eq(r->str, s);
+    freeReplyObject(r);
+}
+
+static void expect_error(redisReply *r, const char *prefix)
+{
+    cr_assert_eq(r->type, REDIS_REPLY_ERROR, "want -%s..., type %d", prefix, r->type);
+    cr_assert(strncmp(r->str, prefix, strlen(prefix)) == 0, "want -%s..., got -%s", prefix, r->str);
+    freeReplyObject(r);
+}
+
+static void expect_int(redisReply *r, long long v)
+{
+    cr_assert_eq(r->type, REDIS_REPLY_INTEGER, "want :%lld, type %d %s", v, r->type,
+                 r->str ? r->str : "");
+    cr_assert_eq(r->integer, v);
+    freeReplyObject(r);
+}
+
+static void expect_bulk(redisReply *r, const char *s)
+{
+    cr_assert_eq(r->type, REDIS_REPLY_STRING, "want $%s, type %d %s", s, r->type,
+                 r->str ? r->str : "");
+    cr_assert_eq(r->len, strlen(s));
+    cr_assert(memcmp(r->str, s, r->len) == 0, "want %s got %s", s, r->str);
+    freeReplyObject(r);
+}
+
+static void expect_nil(redisReply *r)
+{
+    cr_assert_eq(r->type, REDIS_REPLY_NIL, "want nil, type %d %s", r->type, r->str ? r->str : "");
+    freeReplyObject(r);
+}
+
+/* A claim reply's outcome; *n gets the integer after it (token, lease left), if any. */
+static const char *outcome(redisReply *r, long long *n)
+{
+    static char out[32];
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY, "claim reply type %d %s", r->type,
+                 r->str ? r->str : "");
+    cr_assert(r->elements >= 1);
+    snprintf(out, sizeof out, "%s", r->element[0]->str);
+    if (n && r->elements >= 2 && r->element[1]->type == REDIS_REPLY_INTEGER)
+        *n = r->element[1]->integer;
+    freeReplyObject(r);
+    return out;
+}
+
+/* ---- raw sockets, for bytes hiredis will not send ---- */
+
+static int raw_connect(void)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET,
+                            .sin_port = htons((uint16_t)srv.port),
+                            .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+    cr_assert(connect(fd, (struct sockaddr *)&a, sizeof a) == 0);
+    return fd;
+}
+
+static void raw_send(int fd, const void *p, size_t n)
+{
+    cr_assert_eq(send(fd, p, n, MSG_NOSIGNAL), (ssize_t)n);
+}
+
+/* Reads until the peer closes or `want` bytes arrived or 5 s pass. Returns the bytes read;
+ * *closed is set when the peer closed. */
+static size_t raw_read(int fd, char *buf, size_t cap, size_t want, int *closed)
+{
+    size_t got = 0;
+    *closed = 0;
+    int64_t end = now_ms() + 5000;
+    while (got < want && got < cap && now_ms() < end) {
+        struct pollfd p = {.fd = fd, .events = POLLIN};
+        if (poll(&p, 1, 100) <= 0) continue;
+        ssize_t n = recv(fd, buf + got, cap - got, 0);
+        if (n <= 0) {
+            *closed = 1;
+            break;
+        }
+        got += (size_t)n;
+    }
+    if (got < cap) buf[got] = '\0';
+    return got;
+}
+
+/* Does the server close fd within 5 s (after answering whatever it answers)? */
+static int raw_closed(int fd)
+{
+    char buf[4096];
+    int closed = 0;
+    for (int i = 0; i < 50 && !closed; i++)
+        raw_read(fd, buf, sizeof buf - 1, sizeof buf, &closed);
+    return closed;
+}
+
+TestSuite(server, .fini = stop, .timeout = 60);
+
+/* ---- claim outcomes and owner calls ---- */
+
+Test(server, claim_outcomes_and_owner_calls, .init = start)
+{
+    redisContext *c = connect_tcp();
+    long long tok = 0, left = 0, tok2 = 0;
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM k1 60000 5000 FP body1"), &tok), "new");
+    cr_assert(tok > 0);
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM k1 60000 5000 FP body1"), &left), "busy");
+    cr_assert(left > 0 && left <= 5000, "lease_left %lld", left);
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM k1 60000 5000 FP other"), NULL), "mismatch");
+    expect_error(cmd(c, "IDEM.COMMIT k1 %lld inv-1", tok + 1000), "STALE");
+    expect_status(cmd(c, "IDEM.COMMIT k1 %lld inv-1", tok), "OK");
+    expect_status(cmd(c, "IDEM.COMMIT k1 %lld inv-1", tok), "OK"); /* idempotent */
+    expect_error(cmd(c, "IDEM.COMMIT k1 %lld inv-2", tok), "CONFLICT");
+    redisReply *r = cmd(c, "IDEM.CLAIM k1 60000 5000 FP body1");
+    cr_assert_eq(r->elements, 2);
+    cr_assert_str_eq(r->element[0]->str, "done");
+    cr_assert_str_eq(r->element[1]->str, "inv-1");
+    freeReplyObject(r);
+    expect_error(cmd(c, "IDEM.COMMIT nokey 5 x"), "NOTFOUND");
+
+    /* release: the next claim gets new; hold: review */
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM k2 60000 5000"), &tok), "new");
+    expect_status(cmd(c, "IDEM.RELEASE k2 %lld", tok), "OK");
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM k2 60000 5000"), &tok2), "new");
+    cr_assert(tok2 > tok, "tokens increase");
+    expect_status(cmd(c, "IDEM.EXTEND k2 %lld 9000", tok2), "OK");
+    expect_status(cmd(c, "IDEM.HOLD k2 %lld %s", tok2, "charged twice?"), "OK");
+    r = cmd(c, "IDEM.CLAIM k2 60000 5000");
+    cr_assert_str_eq(r->element[0]->str, "review");
+    cr_assert_str_eq(r->element[1]->str, "charged twice?");
+    freeReplyObject(r);
+    expect_error(cmd(c, "IDEM.COMMIT k2 %lld x", tok2), "STALE");
+
+    /* OWNER: a repeat by the same owner resumes with the same token */
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM k3 60000 5000 OWNER w1"), &tok), "new");
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM k3 60000 5000 OWNER w1"), &tok2), "new");
+    cr_assert_eq(tok, tok2);
+    redisFree(c);
+}
+
+Test(server, idem_get_shows_the_record, .init = start)
+{
+    redisContext *c = connect_tcp();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM rec 60000 5000 FP abc OWNER me"), &tok), "new");
+    redisReply *r = cmd(c, "IDEM.GET rec");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
+    cr_assert(r->elements % 2 == 0);
+    int saw_state = 0, saw_fp = 0, saw_token = 0;
+    for (size_t i = 0; i + 1 < r->elements; i += 2) {
+        const char *f = r->element[i]->str, *v = r->element[i + 1]->str;
+        cr_assert_eq(r->element[i + 1]->type, REDIS_REPLY_STRING);
+        if (strcmp(f, "state") == 0) saw_state = strcmp(v, "in_flight") == 0;
+        if (strcmp(f, "fingerprint") == 0) saw_fp = strlen(v) == 32;
+        if (strcmp(f, "token") == 0) saw_token = atoll(v) == tok;
+    }
+    cr_assert(saw_state && saw_fp && saw_token);
+    freeReplyObject(r);
+    expect_nil(cmd(c, "IDEM.GET absent"));
+    redisFree(c);
+}
+
+/* ---- the test clock: expiry and leases ---- */
+
+Test(server, expiry_boundary_via_debug_clock, .init = start)
+{
+    redisContext *c = connect_tcp(), *admin = connect_unix();
+    long long tok;
+    expect_status(cmd(c, "SET s v NX PX 1000"), "OK");
+    redisReply *r = cmd(admin, "DEBUG CLOCK ADVANCE 999");
+    cr_assert_eq(r->type, REDIS_REPLY_INTEGER);
+    freeReplyObject(r);
+    expect_bulk(cmd(c, "GET s"), "v");
+    expect_int(cmd(c, "PTTL s"), 1);
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM s 1000 100"), NULL), "done");
+    freeReplyObject(cmd(admin, "DEBUG CLOCK ADVANCE 1"));
+    expect_nil(cmd(c, "GET s"));
+    expect_int(cmd(c, "PTTL s"), -2);
+    expect_int(cmd(c, "EXISTS s"), 0);
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM s 1000 100"), &tok), "new");
+    expect_int(cmd(c, "PTTL s"), -1); /* unfinished */
+    expect_error(cmd(admin, "DEBUG CLOCK SET 1"), "ERR");
+    redisFree(c);
+    redisFree(admin);
+}
+
+Test(server, expired_lease_gives_recover, .init = start)
+{
+    redisContext *c = connect_tcp(), *admin = connect_unix();
+    long long tok, tok2;
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM L 60000 100"), &tok), "new");
+    freeReplyObject(cmd(admin, "DEBUG CLOCK ADVANCE 99"));
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM L 60000 100"), NULL), "busy");
+    freeReplyObject(cmd(admin, "DEBUG CLOCK ADVANCE 1"));
+    redisReply *r = cmd(c, "IDEM.CLAIM L 60000 100");
+    cr_assert_eq(r->elements, 4);
+    cr_assert_str_eq(r->element[0]->str, "recover");
+    tok2 = r->element[1]->integer;
+    cr_assert(tok2 > tok);
+    cr_assert_eq(r->element[2]->integer, 2);
+    freeReplyObject(r);
+    expect_error(cmd(c, "IDEM.COMMIT L %lld x", tok), "STALE");
+    expect_status(cmd(c, "IDEM.COMMIT L %lld x", tok2), "OK");
+    redisFree(c);
+    redisFree(admin);
+}
+
+static void start_noclock(void)
+{
+    with_test_clock = 0;
+    start_with(NULL);
+}
+
+Test(server, debug_clock_refused_without_test_clock, .init = start_noclock)
+{
+    redisContext *c = connect_unix();
+    expect_error(cmd(c, "DEBUG CLOCK GET"), "ERR DEBUG CLOCK needs");
+    redisFree(c);
+}
+
+/* ---- SET NX, GET, PTTL and refusals ---- */
+
+Test(server, set_nx_get_pttl, .init = start)
+{
+    redisContext *c = connect_tcp();
+    expect_status(cmd(c, "SET a 1 NX PX 5000"), "OK");
+    expect_nil(cmd(c, "SET a 2 NX PX 5000"));
+    expect_bulk(cmd(c, "SET a 3 PX 5000 GET NX"), "1");
+    expect_nil(cmd(c, "SET b 9 GET EX 5 NX"));
+    expect_bulk(cmd(c, "GET a"), "1");
+    expect_int(cmd(c, "PTTL a"), 5000);
+    expect_int(cmd(c, "TTL b"), 5);
+    expect_int(cmd(c, "EXISTS a b nope"), 2);
+    expect_nil(cmd(c, "GET nope"));
+    expect_int(cmd(c, "PTTL nope"), -2);
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM a 5000 100"), NULL), "done");
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM u 5000 100"), &tok), "new");
+    expect_nil(cmd(c, "GET u"));
+    expect_error(cmd(c, "SET u x NX PX 100 GET"), "ERR");
+    redisFree(c);
+}
+
+Test(server, refusals_by_name, .init = start)
+{
+    redisContext *c = connect_tcp();
+    expect_error(cmd(c, "SET a 1"), "ERR SET without NX");
+    expect_error(cmd(c, "SET a 1 XX PX 10"), "ERR SET XX");
+    expect_error(cmd(c, "SET a 1 NX KEEPTTL"), "ERR SET KEEPTTL");
+    expect_error(cmd(c, "GETSET a 1"), "ERR GETSET is refused");
+    expect_error(cmd(c, "EXPIRE a 1"), "ERR EXPIRE is refused");
+    expect_error(cmd(c, "PEXPIRE a 1"), "ERR PEXPIRE is refused");
+    expect_error(cmd(c, "PERSIST a"), "ERR PERSIST is refused");
+    expect_error(cmd(c, "HELLO 3"), "NOPROTO");
+    expect_error(cmd(c, "NOSUCH x"), "ERR unknown command");
+    expect_error(cmd(c, "IDEM.CLAIM k"), "ERR wrong number of arguments");
+    expect_status(cmd(c, "PING"), "PONG"); /* the connection stays usable */
+    redisFree(c);
+}
+
+Test(server, connection_commands, .init = start)
+{
+    redisContext *c = connect_tcp();
+    expect_bulk(cmd(c, "ECHO hi"), "hi");
+    expect_status(cmd(c, "SELECT 0"), "OK");
+    expect_error(cmd(c, "SELECT 1"), "ERR");
+    expect_status(cmd(c, "CLIENT SETNAME me"), "OK");
+    expect_bulk(cmd(c, "CLIENT GETNAME"), "me");
+    redisReply *r = cmd(c, "HELLO 2");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
+    freeReplyObject(r);
+    r = cmd(c, "INFO");
+    cr_assert_eq(r->type, REDIS_REPLY_STRING);
+    cr_assert(strstr(r->str, "loading:0") && strstr(r->str, "# Idem"));
+    freeReplyObject(r);
+    r = cmd(c, "COMMAND");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
+    cr_assert(r->elements > 20);
+    freeReplyObject(r);
+    r = cmd(c, "COMMAND DOCS");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
+    freeReplyObject(r);
+    expect_status(cmd(c, "QUIT"), "OK");
+    redisFree(c);
+}
+
+/* ---- roles ---- */
+
+static void start_users(void)
+{
+    static const char *const extra[] = {
+        "--user", "w:worker:pw-w",       "--user", "r:reader:pw-r", "--user", "boss:admin:pw-a",
+        "--user", "default:worker:pw-d", NULL};
+    ready_auth = "AUTH boss pw-a";
+    start_with(extra);
+}
+
+Test(server, roles_and_auth, .init = start_users)
+{
+    redisContext *c = connect_tcp();
+    expect_error(cmd(c, "PING"), "NOAUTH");
+    expect_error(cmd(c, "IDEM.CLAIM k 1000 100"), "NOAUTH");
+    expect_error(cmd(c, "AUTH w wrong"), "WRONGPASS");
+    expect_status(cmd(c, "AUTH w pw-w"), "OK");
+    expect_status(cmd(c, "PING"), "PONG");
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM k 1000 100"), NULL), "new");
+    expect_error(cmd(c, "IDEM.STATS"), "NOPERM");
+    expect_error(cmd(c, "DEL k"), "NOPERM");
+    expect_error(cmd(c, "IDEM.RESOLVE k release why FORCE"), "NOPERM");
+    redisFree(c);
+
+    c = connect_tcp();
+    expect_status(cmd(c, "AUTH r pw-r"), "OK");
+    expect_error(cmd(c, "IDEM.CLAIM k 1000 100"), "NOPERM");
+    expect_error(cmd(c, "SET x 1 NX PX 10"), "NOPERM");
+    redisReply *r = cmd(c, "IDEM.STATS");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
+    freeReplyObject(r);
+    r = cmd(c, "IDEM.SCAN 0");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
+    freeReplyObject(r);
+    redisFree(c);
+
+    c = connect_tcp();
+    expect_status(cmd(c, "AUTH pw-d"), "OK"); /* the user named default */
+    expect_status(cmd(c, "PING"), "PONG");
+    redisFree(c);
+
+    c = connect_unix(); /* with users, the socket is not admin by itself */
+    expect_error(cmd(c, "PING"), "NOAUTH");
+    r = cmd(c, "HELLO 2 AUTH boss pw-a");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
+    freeReplyObject(r);
+    expect_error(cmd(c, "IDEM.RESOLVE k release checked"), "ERR"); /* lease runs: FORCE */
+    expect_status(cmd(c, "IDEM.RESOLVE k release checked FORCE"), "OK");
+    r = cmd(c, "IDEM.AUDIT COUNT 5");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
+    cr_assert_eq(r->elements, 1);
+    freeReplyObject(r);
+    redisFree(c);
+}
+
+Test(server, default_roles_by_listener, .init = start)
+{
+    redisContext *tcp = connect_tcp(), *unx = connect_unix();
+    expect_status(cmd(tcp, "SET d 1 NX PX 10000"), "OK");
+    expect_error(cmd(tcp, "DEL d"), "NOPERM");
+    expect_error(cmd(tcp, "AUTH x"), "ERR");
+    expect_int(cmd(unx, "DEL d nope"), 1);
+    struct stat st;
+    cr_assert(stat(srv.sock, &st) == 0);
+    cr_assert_eq(st.st_mode & 0777, 0600);
+    redisFree(tcp);
+    redisFree(unx);
+}
+
+Test(server, del_refuses_unfinished_and_deletes_none, .init = start)
+{
+    redisContext *c = connect_unix();
+    long long tok;
+    expect_status(cmd(c, "SET done1 v NX PX 10000"), "OK");
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM open1 10000 1000"), &tok), "new");
+    expect_error(cmd(c, "DEL done1 open1"), "ERR DEL refused");
+    expect_bulk(cmd(c, "GET done1"), "v");
+    expect_int(cmd(c, "DEL done1"), 1);
+    expect_nil(cmd(c, "GET done1"));
+    redisFree(c);
+}
+
+/* ---- bad input ---- */
+
+Test(server, bad_arguments_get_errors_and_keep_the_connection, .init = start)
+{
+    redisContext *c = connect_tcp();
+    char key[600];
+    memset(key, 'k', sizeof key);
+    expect_error(cmd(c, "IDEM.CLAIM %b 1000 100", key, (size_t)513), "ERR");
+    expect_status(cmd(c, "PING"), "PONG");
+    expect_error(cmd(c, "IDEM.CLAIM k 0 100"), "ERR ttl_ms");
+    expect_error(cmd(c, "IDEM.CLAIM k abc 100"), "ERR ttl_ms");
+    expect_error(cmd(c, "IDEM.CLAIM k 100 -1"), "ERR lease_ms");
+    expect_error(cmd(c, "IDEM.CLAIM k 100 100 WAIT 60001"), "ERR WAIT");
+    expect_error(cmd(c, "IDEM.CLAIM k 100 100 BOGUS 1"), "ERR syntax");
+    expect_error(cmd(c, "IDEM.COMMIT k notanumber x"), "ERR token");
+    size_t big = 65 * 1024;
+    char *val = malloc(big);
+    memset(val, 'v', big);
+    expect_error(cmd(c, "SET bigv %b NX PX 1000", val, big), "ERR");
+    expect_error(cmd(c, "IDEM.COMMIT k 1 %b", val, big), "ERR");
+    free(val);
+    expect_status(cmd(c, "PING"), "PONG");
+    expect_nil(cmd(c, "GET bigv"));
+    redisFree(c);
+}
+
+Test(server, too_many_arguments_is_refused, .init = start)
+{
+    redisContext *c = connect_tcp();
+    const char *argv[80];
+    size_t lens[80];
+    argv[0] = "EXISTS";
+    lens[0] = 6;
+    for (int i = 1; i < 80; i++) {
+        argv[i] = "k";
+        lens[i] = 1;
+    }
+    redisReply *r = redisCommandArgv(c, 80, argv, lens);
+    cr_assert(r);
+    expect_error(r, "ERR");
+    expect_status(cmd(c, "PING"), "PONG");
+    redisFree(c);
+}
+
+Test(server, malformed_framing_closes_the_connection, .init = start)
+{
+    const char *bad[] = {"*1\r\n:5\r\n", "*x\r\n", "*1\r\n$3\r\nabcXY", "*1\r\n$99999999\r\n",
+                         "ECHO \"unbalanced\r\n"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        int fd = raw_connect();
+        raw_send(fd, bad[i], strlen(bad[i]));
+        cr_assert(raw_closed(fd), "input %zu left the connection open", i);
+        close(fd);
+    }
+    redisContext *c = connect_tcp(); /* the server is fine */
+    expect_status(cmd(c, "PING"), "PONG");
+    redisFree(c);
+}
+
+Test(server, http_is_closed_at_once, .init = start)
+{
+    const char *http[] = {"POST / HTTP/1.1\r\nHost: x\r\n\r\n", "GET / HTTP/1.1\r\n\r\n",
+                          "Host: evil\r\n"};
+    for (size_t i = 0; i < sizeof http / sizeof http[0]; i++) {
+        int fd = raw_connect();
+        raw_send(fd, http[i], strlen(http[i]));
+        char buf[256];
+        int closed;
+        size_t n = raw_read(fd, buf, sizeof buf - 1, sizeof buf, &closed);
+        cr_assert(closed, "input %zu", i);
+        cr_assert_eq(n, 0, "nothing is answered to HTTP");
+        close(fd);
+    }
+}
+
+Test(server, oversized_key_streams_and_is_refused, .init = start)
+{
+    int fd = raw_connect();
+    const char *head = "*4\r\n$10\r\nIDEM.CLAIM\r\n$1000000\r\n";
+    raw_send(fd, head, strlen(head));
+    char *junk = malloc(1000000);
+    memset(junk, 'x', 1000000);
+    raw_send(fd, junk, 1000000);
+    free(junk);
+    const char *tail = "\r\n$4\r\n1000\r\n$3\r\n100\r\n*1\r\n$4\r\nPING\r\n";
+    raw_send(fd, tail, strlen(tail));
+    char buf[512];
+    int closed;
+    raw_read(fd, buf, sizeof buf - 1, 200, &closed);
+    cr_assert(strncmp(buf, "-ERR", 4) == 0, "got %s", buf);
+    cr_assert(strstr(buf, "+PONG\r\n"), "got %s", buf);
+    cr_assert(!closed);
+    close(fd);
+}
+
+/* ---- pipelining ---- */
+
+Test(server, pipelined_replies_come_in_order, .init = start)
+{
+    redisContext *c = connect_tcp();
+    int n = 200;
+    for (int i = 0; i < n; i++) {
+        switch (i % 4) {
+        case 0:
+            redisAppendCommand(c, "IDEM.CLAIM p%d 10000 1000", i);
+            break;
+        case 1:
+            redisAppendCommand(c, "PING");
+            break;
+        case 2:
+            redisAppendCommand(c, "ECHO e%d", i);
+            break;
+        default:
+            redisAppendCommand(c, "GET p%d", i - 3);
+        }
+    }
+    for (int i = 0; i < n; i++) {
+        redisReply *r;
+        cr_assert_eq(redisGetReply(c, (void **)&r), REDIS_OK);
+        char want[32];
+        switch (i % 4) {
+        case 0:
+            cr_assert_str_eq(outcome(r, NULL), "new");
+            break;
+        case 1:
+            expect_status(r, "PONG");
+            break;
+        case 2:
+            snprintf(want, sizeof want, "e%d", i);
+            expect_bulk(r, want);
+            break;
+        default:
+            expect_nil(r);
+        }
+    }
+    redisFree(c);
+}
+
+/* ---- concurrency ---- */
+
+Test(server, sixty_four_connections_race_one_key, .init = start)
+{
+    enum { N = 64 };
+    redisContext *c[N];
+    for (int i = 0; i < N; i++)
+        c[i] = connect_tcp();
+    for (int i = 0; i < N; i++)
+        redisAppendCommand(c[i], "IDEM.CLAIM race 60000 10000");
+    for (int i = 0; i < N; i++) /* send all before reading any */
+        for (int done = 0; !done;)
+            cr_assert_eq(redisBufferWrite(c[i], &done), REDIS_OK);
+    int news = 0, busys = 0;
+    for (int i = 0; i < N; i++) {
+        redisReply *r;
+        cr_assert_eq(redisGetReply(c[i], (void **)&r), REDIS_OK);
+        const char *o = outcome(r, NULL);
+        news += strcmp(o, "new") == 0;
+        busys += strcmp(o, "busy") == 0;
+        redisFree(c[i]);
+    }
+    cr_assert_eq(news, 1);
+    cr_assert_eq(busys, N - 1);
+}
+
+Test(server, wait_is_woken_by_commit, .init = start)
+{
+    redisContext *owner = connect_tcp(), *waiter = connect_tcp();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(owner, "IDEM.CLAIM w 60000 30000"), &tok), "new");
+    redisAppendCommand(waiter, "IDEM.CLAIM w 60000 30000 WAIT 20000");
+    for (int done = 0; !done;)
+        cr_assert_eq(redisBufferWrite(waiter, &done), REDIS_OK);
+    usleep(100000);
+    int64_t t0 = now_ms();
+    expect_status(cmd(owner, "IDEM.COMMIT w %lld result-w", tok), "OK");
+    redisReply *r;
+    cr_assert_eq(redisGetReply(waiter, (void **)&r), REDIS_OK);
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
+    cr_assert_str_eq(r->element[0]->str, "done");
+    cr_assert_str_eq(r->element[1]->str, "result-w");
+    freeReplyObject(r);
+    cr_assert(now_ms() - t0 < 5000, "woken by the commit, not the timeout");
+    redisFree(owner);
+    redisFree(waiter);
+}
+
+Test(server, wait_times_out_as_busy, .init = start)
+{
+    redisContext *c = connect_tcp();
+    long long tok, left;
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM wt 60000 30000"), &tok), "new");
+    int64_t t0 = now_ms();
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM wt 60000 30000 WAIT 200"), &left), "busy");
+    cr_assert(now_ms() - t0 >= 150, "waited");
+    redisFree(c);
+}
+
+/* ---- limits ---- */
+
+static void start_limited(void)
+{
+    static const char *const extra[] = {"--max-clients", "3", "--idle-timeout-ms", "300", NULL};
+    start_with(extra);
+}
+
+Test(server, client_limit_and_idle_timeout, .init = start_limited)
+{
+    redisContext *a = connect_tcp(), *b = connect_tcp(), *c = connect_tcp();
+    expect_status(cmd(a, "PING"), "PONG");
+    redisContext *d = connect_tcp();
+    redisReply *r = redisCommand(d, "PING");
+    cr_assert(!r || (r->type == REDIS_REPLY_ERROR && strstr(r->str, "max number of clients")),
+              "the fourth client is refused");
+    freeReplyObject(r);
+    redisFree(d);
+    usleep(800000); /* idle past the timeout: the server closes a, b and c */
+    r = redisCommand(a, "PING");
+    cr_assert(!r, "an idle connection is closed");
+    redisFree(a);
+    redisFree(b);
+    redisFree(c);
+    a = connect_tcp();
+    expect_status(cmd(a, "PING"), "PONG");
+    redisFree(a);
+}
+
+Test(server, second_server_on_the_same_socket_refuses_to_start, .init = start)
+{
+    const char *build = getenv("IDEM_BUILD_DIR");
+    char exe[512];
+    snprintf(exe, sizeof exe, "%s/idemd", build && *build ? build : "build");
+    pid_t pid = fork();
+    if (pid == 0) {
+        freopen("/dev/null", "w", stderr);
+        execl(exe, exe, "--dir", srv.dir, "--port", "0", (char *)NULL);
+        _exit(127);
+    }
+    int status;
+    cr_assert_eq(waitpid(pid, &status, 0), pid);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 1, "status %d", status);
+    redisContext *c = connect_unix(); /* the first server still owns its socket */
+    expect_status(cmd(c, "PING"), "PONG");
+    redisFree(c);
+}
+
+/* ---- shutdown ---- */
+
+Test(server, sigterm_drains_and_exits_zero, .init = start)
+{
+    redisContext *c = connect_tcp();
+    expect_status(cmd(c, "SET keep v NX PX 100000"), "OK");
+    redisFree(c);
+    int status = stop_and_wait(SIGTERM);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "status %d", status);
+}
+
+#else
+Test(server, needs_hiredis)
+{
+    cr_skip_test("hiredis is not installed");
+}
+#endif
