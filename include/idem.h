@@ -55,7 +55,8 @@ enum idem_err {
     IDEM_EIO = -3,       /* an I/O call failed outside the write path (open, read, create) */
     IDEM_EFATAL = -4,    /* a write or flush failed: the store acknowledges nothing more */
     IDEM_EFULL = -5,     /* a capacity limit or a full disk: nothing was changed or evicted */
-    IDEM_ECORRUPT = -6,  /* a checksum or invariant failed on a file of the store */
+    IDEM_ECORRUPT = -6,  /* a checksum or invariant failed on a file of the store; any call that
+                            reads a record answers this when the record fails its checksum */
     IDEM_EVERSION = -7,  /* the store's format version or features are unknown to this build */
     IDEM_ELOCKED = -8,   /* another process owns the directory (see idem_last_error) */
     IDEM_ENOTFOUND = -9, /* owner or operator call on an absent key */

@@ -44,6 +44,7 @@ struct key_ref {
     const uint8_t *payload; /* of the record that matched */
     uint32_t payload_len;
     uint64_t lsn;
+    int corrupt; /* a candidate with the key's hash bits could not be read */
 };
 
 static int key_eq(void *ctx, uint64_t addr)
@@ -52,8 +53,12 @@ static int key_eq(void *ctx, uint64_t addr)
     uint32_t len;
     uint64_t lsn;
     const uint8_t *p = wal_payload(k->s->wal, addr, &len, &lsn);
-    if (!p || len < REC_FIXED_BYTES)
-        return 0;
+    if (!p || len < REC_FIXED_BYTES) {
+        /* 56 hash bits match and the frame fails its checksum: it is almost surely this key.
+         * Answering "absent" could grant it twice: stop and report instead. */
+        k->corrupt = 1;
+        return 1;
+    }
     /* RECORD payloads start with the fixed part; key_len at offset 2, key at 136. */
     uint32_t klen = util_get_u16(p + 2);
     if (klen != k->key_len || REC_FIXED_BYTES + klen > len ||
@@ -68,11 +73,13 @@ static int key_eq(void *ctx, uint64_t addr)
 struct index_slot *ops_find(idem_store *s, const void *key, uint32_t key_len, struct rec *r,
                             uint64_t *lsn)
 {
-    struct key_ref k = {s, key, key_len, NULL, 0, 0};
+    struct key_ref k = {s, key, key_len, NULL, 0, 0, 0};
     struct index_slot *slot = index_find(s->ix, ops_hash(s, key, key_len), key_eq, &k);
-    if (!slot || rec_decode(k.payload, k.payload_len, r) < 0)
+    s->find_corrupt = k.corrupt || (slot && rec_decode(k.payload, k.payload_len, r) < 0);
+    if (!slot || s->find_corrupt)
         return NULL;
-    *lsn = k.lsn;
+    /* An LSN can never be ahead of the log (guards a wait on a damaged frame). */
+    *lsn = k.lsn <= wal_last_lsn(s->wal) ? k.lsn : wal_last_lsn(s->wal);
     return slot;
 }
 
@@ -560,6 +567,10 @@ static int op_claim(idem_store *s, struct qslot *sl, const idem_op *op, int waki
     struct rec r;
     uint64_t lsn;
     struct index_slot *slot = ops_find(s, op->key, op->key_len, &r, &lsn);
+    if (!slot && s->find_corrupt) {
+        sl->c.err = IDEM_ECORRUPT;
+        return 0;
+    }
     if (!slot || ops_rec_expired(&r, now)) {
         sl->need_lsn = wal_last_lsn(s->wal);
         claim_new(s, sl, op, fp, slot, slot ? r.state : 0, now);
@@ -585,7 +596,7 @@ static struct index_slot *owner_lookup(idem_store *s, struct qslot *sl, const id
     struct index_slot *slot = ops_find(s, op->key, op->key_len, r, &lsn);
     if (!slot || ops_rec_expired(r, now)) {
         sl->need_lsn = wal_last_lsn(s->wal);
-        sl->c.err = IDEM_ENOTFOUND;
+        sl->c.err = !slot && s->find_corrupt ? IDEM_ECORRUPT : IDEM_ENOTFOUND;
         return NULL;
     }
     sl->need_lsn = lsn;
@@ -688,6 +699,8 @@ static void op_get(idem_store *s, struct qslot *sl, const idem_op *op)
     struct index_slot *slot = ops_find(s, op->key, op->key_len, &r, &lsn);
     if (!slot || ops_rec_expired(&r, store_now(s))) {
         sl->need_lsn = wal_last_lsn(s->wal);
+        if (!slot && s->find_corrupt)
+            sl->c.err = IDEM_ECORRUPT;
         return;
     }
     sl->need_lsn = lsn;
@@ -700,6 +713,10 @@ static void op_set(idem_store *s, struct qslot *sl, const idem_op *op)
     struct rec r;
     uint64_t lsn;
     struct index_slot *slot = ops_find(s, op->key, op->key_len, &r, &lsn);
+    if (!slot && s->find_corrupt) {
+        sl->c.err = IDEM_ECORRUPT;
+        return;
+    }
     if (slot && !ops_rec_expired(&r, now)) {
         sl->need_lsn = lsn;
         if (r.state != IDEM_STATE_COMMITTED) {
@@ -966,6 +983,12 @@ int ops_replay(void *ctx, const struct wal_frame *f)
     struct rec cur;
     uint64_t lsn;
     struct index_slot *slot = ops_find(s, key, key_len, &cur, &lsn);
+    if (!slot && s->find_corrupt) {
+        store_set_error("a record the checkpoint points to fails its checksum (key of the frame "
+                        "at log address %llu)",
+                        (unsigned long long)f->addr);
+        return IDEM_ECORRUPT;
+    }
     if (slot)
         state_count(s, cur.state, -1);
     struct old_facts old = old_facts(s, slot ? index_slot_addr(slot) : 0);
@@ -1001,6 +1024,8 @@ int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now, uin
         return IDEM_ECORRUPT;
     uint64_t cur_lsn;
     struct index_slot *slot = ops_find(s, r.key, r.key_len, &cur, &cur_lsn);
+    if (!slot && s->find_corrupt)
+        return IDEM_ECORRUPT;
     if (!slot || index_slot_addr(slot) != f->addr)
         return 0; /* superseded or deleted: dead */
     if (ops_rec_expired(&r, now)) {
@@ -1069,9 +1094,12 @@ int idem_import_record(idem_queue *q, const idem_record *in)
         struct rec cur;
         uint64_t cur_lsn;
         struct index_slot *slot = ops_find(s, in->key, in->key_len, &cur, &cur_lsn);
+        if (!slot && s->find_corrupt)
+            rc = IDEM_ECORRUPT;
         if (slot)
             ops_seen_release(s, slot);
-        rc = write_version(s, slot, slot ? cur.state : 0, &r, in->key,
+        if (rc == 0)
+            rc = write_version(s, slot, slot ? cur.state : 0, &r, in->key,
                            r.owner_len ? in->owner : NULL, in->note,
                            in->state == IDEM_STATE_COMMITTED ? in->result : NULL,
                            in->state == IDEM_STATE_COMMITTED ? in->result_len : 0, &lsn);

@@ -128,6 +128,7 @@ struct idem_store {
     /* Store clock. */
     int64_t clk_store_ms, clk_mono_ms, clk_last_ms;
     int clk_frozen; /* inside idem_submit: the clock read at its start serves every op */
+    int find_corrupt; /* the last ops_find met a damaged record with the key's hash bits */
     /* The last key hashed in this operation (ops_hash; only inside ops_apply). */
     int hash_cache_on;
     const void *hash_key;
@@ -204,7 +205,8 @@ void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op);
 void ops_wake(idem_store *s, const void *key, uint32_t key_len);
 /* Replay of one log frame into the index (recovery). */
 int ops_replay(void *ctx, const struct wal_frame *f);
-/* Looks up key; returns the slot or NULL; fills *r. */
+/* Looks up key; returns the slot and fills *r and *lsn, or NULL: absent, or (find_corrupt set)
+ * a damaged record that may be this key's, which callers report as IDEM_ECORRUPT. */
 struct index_slot *ops_find(idem_store *s, const void *key, uint32_t key_len, struct rec *r,
                             uint64_t *lsn);
 uint64_t ops_hash(idem_store *s, const void *key, uint32_t key_len);

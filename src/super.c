@@ -118,9 +118,19 @@ int super_load(struct io *io, const char *dir, struct super *sb, char *err, size
     /* Fields that address the log are checked before anything trusts them. */
     if (sb->seg_bytes % 4096 || sb->seg_bytes < 64 * 1024 || sb->seg_bytes > 512u * 1024 * 1024 ||
         sb->ckpt_off % 4096 || sb->ckpt_off < 4096 || sb->ckpt_off >= sb->seg_bytes ||
-        sb->wal_first_seq == 0 || sb->ckpt_seq < sb->wal_first_seq) {
-        snprintf(err, errcap, "%s: superblock fields out of range (segment size %u, replay at %llu:%u)",
-                 path, sb->seg_bytes, (unsigned long long)sb->ckpt_seq, sb->ckpt_off);
+        sb->wal_first_seq == 0 || sb->ckpt_seq < sb->wal_first_seq ||
+        sb->wal_first_seq >= (UINT64_C(1) << 62) || sb->ckpt_seq >= (UINT64_C(1) << 62) ||
+        sb->ckpt_seq - sb->wal_first_seq >= SUPER_SEGMENTS_MAX ||
+        sb->ckpt_lsn >= (UINT64_C(1) << 62) || sb->ckpt_batch >= (UINT64_C(1) << 62) ||
+        sb->token_reserved > (uint64_t)IDEM_TOKEN_MAX || sb->store_clock_ms < 0 ||
+        sb->store_clock_ms >= (INT64_C(1) << 50) || sb->created_ms < 0 ||
+        sb->created_ms >= (INT64_C(1) << 50)) {
+        snprintf(err, errcap,
+                 "%s: superblock fields out of range (segment size %u, replay at %llu:%u, "
+                 "lsn %llu, batch %llu, tokens %llu, clock %lld)",
+                 path, sb->seg_bytes, (unsigned long long)sb->ckpt_seq, sb->ckpt_off,
+                 (unsigned long long)sb->ckpt_lsn, (unsigned long long)sb->ckpt_batch,
+                 (unsigned long long)sb->token_reserved, (long long)sb->store_clock_ms);
         return IDEM_ECORRUPT;
     }
     return 0;

@@ -28,6 +28,8 @@
 #include "io.h"
 
 #define SUPER_FORMAT 1u
+/* The log never holds more segments than this (wal.h WAL_SEG_SLOTS). */
+#define SUPER_SEGMENTS_MAX 16384u
 
 struct super {
     uint64_t generation;

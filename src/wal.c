@@ -77,7 +77,7 @@ static uint32_t frame_valid(const struct wal *w, const struct wal_segment *s, ui
 static struct wal_segment *seg_of(struct wal *w, uint64_t seq)
 {
     struct wal_segment *s = &w->segs[seq % WAL_SEG_SLOTS];
-    return s->seq == seq ? s : NULL;
+    return seq != 0 && s->seq == seq ? s : NULL;
 }
 
 static void seg_path(const struct wal *w, uint64_t seq, char *buf, size_t cap)
@@ -399,7 +399,9 @@ const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, 
     }
     if (!f) {
     map:
-        if (off < WAL_BLOCK || off + WAL_FRAME_HDR > w->seg_bytes)
+        /* Durable frames were read from disk at some point: their checksum is checked on
+         * every read, so damage after recovery is reported, never served. */
+        if (off < WAL_BLOCK || off + WAL_FRAME_HDR > w->seg_bytes || !frame_valid(w, s, off))
             return NULL;
         f = s->map + off;
     }
@@ -834,7 +836,9 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
                 return rc;
             last_lsn = lsn;
             last_batch = batch;
-            w->last_clock_ms = (int64_t)util_get_u64(f + WAL_FRAME_HDR);
+            int64_t clock = (int64_t)util_get_u64(f + WAL_FRAME_HDR);
+            if (clock > 0 && clock < (INT64_C(1) << 50))
+                w->last_clock_ms = clock;
         }
         struct scan_pos prev = p;
         if (scan_step(w, &p, type, len) < 0) {

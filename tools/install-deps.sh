@@ -5,7 +5,7 @@
 set -euo pipefail
 pkgs=(build-essential cmake pkg-config liburing-dev libxxhash-dev liblz4-dev
       libcriterion-dev libhiredis-dev liblmdb-dev libsqlite3-dev
-      redis-server redis-tools python3-redis)
+      redis-server redis-tools python3-redis clang)
 missing=()
 for p in "${pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

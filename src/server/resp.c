@@ -200,9 +200,13 @@ static int start_array(resp_parser *p, uint8_t *buf, size_t len, size_t *consume
 }
 
 /* Does the start of a connection's first line look like an HTTP request? */
-static int looks_like_http(const uint8_t *s, size_t n)
+/* complete: s[0, n) is the whole first line; otherwise more may follow, and a bare "POST" is
+ * not yet decided ("POSTX" is a command like any other). */
+static int looks_like_http(const uint8_t *s, size_t n, int complete)
 {
-    if (n >= 4 && memcmp(s, "POST", 4) == 0 && (n == 4 || s[4] == ' ' || s[4] == '\r')) return 1;
+    if (n >= 4 && memcmp(s, "POST", 4) == 0 &&
+        ((n == 4 && complete) || (n > 4 && (s[4] == ' ' || s[4] == '\r'))))
+        return 1;
     if (n >= 5 && memcmp(s, "GET /", 5) == 0) return 1;
     return n >= 5 && strncasecmp((const char *)s, "host:", 5) == 0;
 }
@@ -307,14 +311,14 @@ static int parse_inline(resp_parser *p, uint8_t *buf, size_t len, size_t *consum
 {
     const uint8_t *nl = memchr(buf + p->pos, '\n', len - p->pos);
     if (!nl) {
-        if (!p->first_line_done && looks_like_http(buf, len)) return fail(p, RESP_CLOSE, "");
+        if (!p->first_line_done && looks_like_http(buf, len, 0)) return fail(p, RESP_CLOSE, "");
         if (len > RESP_INLINE_MAX)
             return fail(p, RESP_CLOSE, "ERR Protocol error: too big inline request");
         p->pos = len;
         return RESP_NEED_MORE;
     }
     size_t line = (size_t)(nl - buf);
-    if (!p->first_line_done && looks_like_http(buf, line)) return fail(p, RESP_CLOSE, "");
+    if (!p->first_line_done && looks_like_http(buf, line, 1)) return fail(p, RESP_CLOSE, "");
     if (line > RESP_INLINE_MAX)
         return fail(p, RESP_CLOSE, "ERR Protocol error: too big inline request");
     p->first_line_done = 1;

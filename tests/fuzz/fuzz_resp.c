@@ -15,11 +15,8 @@
  *   - the events (requests with their arguments, refusals and closes with their messages)
  *     of the whole parse equal those of the piecewise parse.
  *
- * Known divergences, reported and not yet fixed, are skipped unless FUZZ_RESP_STRICT=1 is set in
- * the environment, so that the fuzzer goes on finding new ones (docs/fuzzing.md lists them):
- *   K1  a first line starting "POST" followed by a byte other than ' ' or '\r': in pieces the
- *       4-byte prefix alone is taken for HTTP and the connection closed (resp.c looks_like_http,
- *       `n == 4`), whole it is an inline command (tests/fuzz/crashes/resp-post-prefix-split*).
+ * Divergences found so far (K1: a first line "POST..." split after its fourth byte; fixed in
+ * resp.c looks_like_http, crash input kept in tests/fuzz/crashes/) are checked like any input.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -214,18 +211,6 @@ static void parse_stream(uint32_t argc_max, const uint8_t *s, size_t n, uint64_t
     ev_put(e, "N", 1); /* ended waiting for more */
 }
 
-/* Whether the stream hits a known, reported divergence (see the file head). */
-static int known_divergence(const uint8_t *s, size_t n)
-{
-    static int strict = -1;
-    if (strict < 0) {
-        const char *e = getenv("FUZZ_RESP_STRICT");
-        strict = e && *e == '1';
-    }
-    if (strict) return 0;
-    return n > 4 && memcmp(s, "POST", 4) == 0 && s[4] != ' ' && s[4] != '\r'; /* K1 */
-}
-
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -243,7 +228,6 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     uint32_t piece_max = 1u + data[3];
     const uint8_t *s = data + 4;
     size_t n = size - 4;
-    if (known_divergence(s, n)) return 0;
 
     whole.len = pieces.len = 0;
     whole.overflow = pieces.overflow = 0;
