@@ -60,6 +60,7 @@ if [ -z "$results" ]; then
 fi
 logs=$build/long-logs
 mkdir -p "$logs"
+rm -f "$logs"/*.log "$logs/fuzz-stats.txt"   # nothing from an earlier run is counted
 if [ -z "$seed_base" ]; then
   # 40 random bits: room for every chunk's seed, short enough to read.
   seed_base=$(( $(od -An -N4 -tu4 /dev/urandom) * 256 + RANDOM % 256 ))
