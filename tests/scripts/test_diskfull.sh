@@ -1,0 +1,237 @@
+#!/usr/bin/env bash
+# test_diskfull.sh: proves that idemd survives a really full disk. Its store lives on a small
+# ext4 image (loop device) with 1 MiB log segments (idemd has no flag for the segment size; the
+# store is created with tests/load/mkstore.c, and idemd keeps the size a store was created with).
+# Scenario A: claims and commits from 4 connections while a filler file takes the rest of the
+# filesystem, until claims answer -FULL; then idemd must not exit, must lose nothing it
+# acknowledged, must still answer repeats (`done` + result), IDEM.GET and GET, and must answer
+# -FULL to new claims; once the filler is removed new claims succeed again within seconds,
+# without a restart; after a kill -9 and a restart every acknowledged key is there, and
+# `idemctl verify` finds the store sound after a clean stop.
+# Scenario B: the same with the --max-disk limit instead of a full filesystem, then a restart
+# with a higher limit.
+# Needs root, /dev/loop-control, losetup, mkfs.ext4 and mount; without them it prints why and
+# `0 passed, 0 failed, 1 skipped`. Everything runs on 127.0.0.1 and a private unix socket, with
+# bounded loops; the trap unmounts and detaches the loop device.
+set -u
+
+SRC=${IDEM_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
+BUILD=${IDEM_BUILD_DIR:-$SRC/build}
+IDEMD=$BUILD/idemd
+IDEMCTL=$BUILD/idemctl
+LOAD="python3 $SRC/tests/load/idemload.py"
+RESULT_BYTES=512
+
+passed=0
+failed=0
+ok() { passed=$((passed + 1)); echo "ok - $*"; }
+not_ok() { failed=$((failed + 1)); echo "FAIL - $*"; }
+check() { # check "description" command...: passes when the command succeeds
+    local what=$1
+    shift
+    if "$@"; then ok "$what"; else not_ok "$what"; fi
+}
+skip_all() {
+    echo "skipped: $*"
+    echo "0 passed, 0 failed, 1 skipped"
+    exit 0
+}
+
+# ---- preconditions ----
+[ "$(id -u)" = 0 ] || skip_all "not root (loop devices and mount need it)"
+[ -e /dev/loop-control ] || skip_all "no /dev/loop-control"
+for tool in losetup mkfs.ext4 mount umount fallocate python3 cc pkg-config; do
+    command -v "$tool" >/dev/null 2>&1 || skip_all "$tool is not installed"
+done
+[ -x "$IDEMD" ] || { echo "no idemd at $IDEMD"; echo "0 passed, 1 failed"; exit 1; }
+
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/idem-diskfull-XXXXXX")
+MNT=$WORK/mnt
+LOOPDEV=""
+PID=""
+cleanup() {
+    if [ -n "$PID" ] && kill -0 "$PID" 2>/dev/null; then
+        kill -KILL "$PID" 2>/dev/null
+        wait "$PID" 2>/dev/null
+    fi
+    if mountpoint -q "$MNT" 2>/dev/null; then
+        umount "$MNT" 2>/dev/null || { sleep 1; umount "$MNT" 2>/dev/null; } || umount -l "$MNT"
+    fi
+    [ -n "$LOOPDEV" ] && losetup -d "$LOOPDEV" 2>/dev/null
+    rm -rf "$WORK"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+mkdir -p "$MNT"
+truncate -s 48M "$WORK/fs.img"
+# -m 0: no blocks reserved for root (idemd runs as root here, and full must mean full)
+mkfs.ext4 -q -F -m 0 "$WORK/fs.img" >/dev/null 2>&1 || skip_all "mkfs.ext4 failed"
+LOOPDEV=$(losetup -f --show "$WORK/fs.img" 2>"$WORK/losetup.err") ||
+    skip_all "losetup failed: $(cat "$WORK/losetup.err")"
+mount "$LOOPDEV" "$MNT" 2>"$WORK/mount.err" || skip_all "mount failed: $(cat "$WORK/mount.err")"
+echo "# store filesystem: 48 MiB ext4 on $LOOPDEV"
+
+# ---- the small-segment store maker ----
+if ! cc -std=c11 -D_GNU_SOURCE -O1 -I"$SRC/include" "$SRC/tests/load/mkstore.c" "$BUILD/libidem.a" \
+    $(pkg-config --libs liburing libxxhash liblz4) -lpthread -lm -o "$WORK/mkstore" 2>"$WORK/cc.err"; then
+    cat "$WORK/cc.err"
+    not_ok "build tests/load/mkstore.c against libidem.a"
+    echo "$passed passed, $failed failed"
+    exit 1
+fi
+
+PORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+SOCK=$WORK/idemd.sock # outside the full filesystem: the socket must be creatable at a restart
+
+start_idemd() { # start_idemd DIR LOG [flags...]: starts idemd and waits until it answers
+    local dir=$1 log=$2
+    shift 2
+    "$IDEMD" --dir "$dir" --port "$PORT" --socket "$SOCK" "$@" 2>>"$log" &
+    PID=$!
+    for _ in $(seq 1 200); do
+        [ "$($LOAD cmd --port "$PORT" --timeout 2 EXISTS ready 2>/dev/null)" = ":0" ] && return 0
+        kill -0 "$PID" 2>/dev/null || return 1
+        sleep 0.05
+    done
+    return 1
+}
+alive() { kill -0 "$PID" 2>/dev/null; }
+cmd() { $LOAD cmd --port "$PORT" "$@"; }
+admin() { $LOAD cmd --unix "$SOCK" "$@"; }
+avail_bytes() { df --output=avail -B1 "$MNT" | tail -1 | tr -d ' '; }
+# fill PREFIX ACKFILE CONNS MAXKEYS: claims+commits until -FULL; prints the summary line
+fill() { $LOAD fill --port "$PORT" --prefix "$1" --ack "$2" --conns "$3" --max-keys "$4" \
+    --result-bytes "$RESULT_BYTES" --full-stop 10 --timeout 120; }
+field_of() { sed -n "s/.*\b$1=\([0-9]*\).*/\1/p" <<<"$2"; }
+stop_term() { # SIGTERM and wait (at most 30 s); the exit code goes to RC
+    kill -TERM "$PID"
+    for _ in $(seq 1 300); do
+        alive || break
+        sleep 0.1
+    done
+    if alive; then kill -KILL "$PID"; fi
+    wait "$PID"
+    RC=$?
+    PID=""
+}
+kill9() {
+    kill -KILL "$PID"
+    wait "$PID" 2>/dev/null
+    PID=""
+}
+
+# =========================== Scenario A: the filesystem is full ===========================
+A=$MNT/a
+ACK_A=$WORK/ack-a
+LOG_A=$WORK/idemd-a.log
+: >"$ACK_A"
+check "A: store created with 1 MiB segments" "$WORK/mkstore" "$A" 1048576
+start_idemd "$A" "$LOG_A" || not_ok "A: idemd starts"
+alive && ok "A: idemd starts on the loop filesystem"
+
+out=$(fill warm "$ACK_A" 2 25)
+echo "# warm-up: $out"
+check "A: 50 warm-up claims committed with space free" test "$(field_of committed "$out")" = 50
+
+# The filler takes all but 512 KiB: less than one segment, so the next segment cannot be made.
+avail=$(avail_bytes)
+fallocate -l $((avail - 512 * 1024)) "$MNT/filler" ||
+    dd if=/dev/zero of="$MNT/filler" bs=1M count=$(((avail - 512 * 1024) / 1048576)) 2>/dev/null
+echo "# filler: $(du -h "$MNT/filler" | cut -f1), free now $(avail_bytes) bytes"
+
+t0=$(date +%s%N)
+out=$(fill load "$ACK_A" 4 100000)
+echo "# fill under load ($((($(date +%s%N) - t0) / 1000000)) ms): $out"
+full=$(field_of full "$out")
+committed=$(field_of committed "$out")
+check "A: claims answer -FULL once the disk is full ($full -FULL answers)" test "${full:-0}" -gt 0
+check "A: claims were acknowledged before it filled up ($committed committed)" test "${committed:-0}" -gt 0
+check "A: no answer other than new/+OK/-FULL during the fill" test "$(field_of other "$out")" = 0
+check "A: idemd is still running with the disk full" alive
+
+r=$(cmd IDEM.CLAIM fresh:1 86400000 60000)
+check "A: a new claim answers -FULL ($r)" grep -q '^-FULL' <<<"$r"
+key=$(awk '$1=="C"{k=$2} END{print k}' "$ACK_A")
+r=$(cmd IDEM.CLAIM "$key" 86400000 60000 FP "fp:$key")
+check "A: a repeat of the last committed key answers done while full" grep -q '^done r:' <<<"$r"
+r=$(cmd PING)
+check "A: PING answers while full" test "$r" = "+PONG"
+res=$($LOAD check --port "$PORT" --ack "$ACK_A" --result-bytes "$RESULT_BYTES")
+echo "# $res" | head -5
+check "A: every acknowledged key reads back while full (IDEM.GET, GET, repeat claim = done)" \
+    grep -q ' bad=0$' <<<"$(head -1 <<<"$res")"
+r=$(admin IDEM.STATS)
+echo "# stats while full: $(grep -o 'disk_free_bytes :[0-9]*\|fatal :[0-9]*\|claims_new :[0-9]*' <<<"$r" | tr '\n' ' ')"
+check "A: IDEM.STATS reports no fatal error" grep -q 'fatal :0' <<<"$r"
+check "A: idemd logged the full disk" grep -q 'event=full' "$LOG_A"
+check "A: idemd is still running after the reads" alive
+
+# Free the space: new claims must succeed again without a restart, within a few seconds.
+rm -f "$MNT/filler"
+sync -f "$MNT" 2>/dev/null
+t0=$(date +%s%N)
+r=""
+for i in $(seq 1 100); do
+    r=$($LOAD claimcommit --port "$PORT" --key "after:$i" --ack "$ACK_A" --result-bytes "$RESULT_BYTES")
+    grep -q '^new' <<<"$r" && break
+    sleep 0.1
+done
+ms=$((($(date +%s%N) - t0) / 1000000))
+check "A: after the filler is removed a new claim succeeds in ${ms} ms (at most 10 s)" grep -q '^new' <<<"$r"
+check "A: and its commit answers +OK ($r)" test "$r" = "new +OK"
+out=$(fill again "$ACK_A" 4 50)
+echo "# after freeing space: $out"
+check "A: 200 more claims commit after space came back" test "$(field_of committed "$out")" = 200
+
+# Crash and restart: every acknowledged key is there.
+kill9
+check "A: idemd restarts on the same store after kill -9" start_idemd "$A" "$LOG_A"
+res=$($LOAD check --port "$PORT" --ack "$ACK_A" --result-bytes "$RESULT_BYTES")
+echo "# after restart: $(head -1 <<<"$res")"
+grep '^  ' <<<"$res" | head -10
+check "A: every acknowledged key survives the restart ($(wc -l <"$ACK_A") keys)" \
+    grep -q ' bad=0$' <<<"$(head -1 <<<"$res")"
+r=$(cmd IDEM.CLAIM post:1 86400000 60000)
+check "A: new claims succeed after the restart" grep -q '^new :' <<<"$r"
+stop_term
+check "A: SIGTERM drains and exits 0 (exit $RC)" test "$RC" = 0
+"$IDEMCTL" verify "$A" >"$WORK/verify-a" 2>&1
+vrc=$?
+sed 's/^/# /' "$WORK/verify-a" | tail -2
+check "A: idemctl verify finds the store sound" test "$vrc" = 0
+
+# =========================== Scenario B: --max-disk ===========================
+B=$MNT/b
+ACK_B=$WORK/ack-b
+LOG_B=$WORK/idemd-b.log
+: >"$ACK_B"
+check "B: store created with 1 MiB segments" "$WORK/mkstore" "$B" 1048576
+start_idemd "$B" "$LOG_B" --max-disk 6m || not_ok "B: idemd starts with --max-disk 6m"
+out=$(fill cap "$ACK_B" 4 100000)
+echo "# fill to --max-disk 6m: $out"
+check "B: claims answer -FULL at --max-disk ($(field_of full "$out") answers)" test "$(field_of full "$out")" -gt 0
+check "B: claims were acknowledged before the limit ($(field_of committed "$out"))" test "$(field_of committed "$out")" -gt 0
+check "B: no unexpected answers during the fill" test "$(field_of other "$out")" = 0
+check "B: idemd is still running at the limit" alive
+res=$($LOAD check --port "$PORT" --ack "$ACK_B" --result-bytes "$RESULT_BYTES")
+check "B: every acknowledged key reads back at the limit" grep -q ' bad=0$' <<<"$(head -1 <<<"$res")"
+r=$(admin IDEM.STATS)
+echo "# stats at the limit: $(grep -o 'disk_bytes :[0-9]*\|max_disk_bytes :[0-9]*' <<<"$r" | tr '\n' ' ')"
+stop_term
+check "B: SIGTERM at the limit exits 0 (exit $RC)" test "$RC" = 0
+check "B: idemd restarts with --max-disk 32m" start_idemd "$B" "$LOG_B" --max-disk 32m
+res=$($LOAD check --port "$PORT" --ack "$ACK_B" --result-bytes "$RESULT_BYTES")
+echo "# after restart: $(head -1 <<<"$res")"
+check "B: every acknowledged key survives the restart" grep -q ' bad=0$' <<<"$(head -1 <<<"$res")"
+r=$(cmd IDEM.CLAIM post:b 86400000 60000)
+check "B: new claims succeed under the higher limit" grep -q '^new :' <<<"$r"
+stop_term
+check "B: SIGTERM exits 0 (exit $RC)" test "$RC" = 0
+
+if [ "$failed" -gt 0 ]; then
+    echo "# idemd logs (last lines):"
+    tail -n 15 "$LOG_A" "$LOG_B" 2>/dev/null | sed 's/^/#   /'
+fi
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
