@@ -314,6 +314,9 @@ int idem_exec(idem_queue *q, const idem_op *op, idem_completion *c);
 /* For a server's shutdown: every parked WAIT claim completes now with busy (and the lease left),
  * and later claims no longer wait. Poll the queues to collect them, then close. */
 void idem_cancel_waits(idem_store *s);
+/* A claim of q parked by WAIT, named by its user_data, completes now with busy (for a server
+ * whose client went away). IDEM_OK, or IDEM_ENOTFOUND if no such claim waits. */
+int idem_cancel_wait(idem_queue *q, uint64_t user_data);
 /* Returns when everything acknowledged so far is durable (all modes). */
 int idem_sync(idem_store *s);
 

@@ -149,7 +149,9 @@ static int audit_write(idem_store *s, const char *actor, const char *action, con
     uint8_t *blk = aligned_alloc(AUDIT_BLOCK, AUDIT_BLOCK);
     if (!blk)
         return IDEM_ENOMEM;
-    store_quiesce(s); /* the ring must be idle for a synchronous write */
+    /* The ring must be idle for a synchronous write. Operator calls quiesced before their change
+     * already (ops.c op_del), so this does not release the lock between change and entry. */
+    store_quiesce(s);
     memset(blk, 0, AUDIT_BLOCK);
     util_put_u32(blk + 8, len);
     util_put_u64(blk + 16, seq);

@@ -760,8 +760,13 @@ static const char *actor_of(const idem_op *op)
     return op->actor && *op->actor ? op->actor : "unknown";
 }
 
+/* Operator calls write an audit entry after their change: the change must not become durable
+ * before its entry. Waiting here for the batch in flight (before anything is looked up) and
+ * holding the lock from then on keeps the flusher from starting a batch with the change until
+ * the entry is flushed. */
 static void op_del(idem_store *s, struct qslot *sl, const idem_op *op)
 {
+    store_quiesce(s);
     int64_t now = store_now(s);
     struct rec r;
     struct index_slot *slot = owner_lookup(s, sl, op, &r, now);
@@ -782,6 +787,7 @@ static void op_resolve(idem_store *s, struct qslot *sl, const idem_op *op)
 {
     static const char *const names[] = {"", "resolve-commit", "resolve-release",
                                         "resolve-settle"};
+    store_quiesce(s); /* see op_del */
     int64_t now = store_now(s);
     struct rec r;
     struct index_slot *slot = owner_lookup(s, sl, op, &r, now);
@@ -927,6 +933,26 @@ static int wake_one(idem_store *s, struct qslot *sl, int64_t mono)
     return 1;
 }
 
+int idem_cancel_wait(idem_queue *q, uint64_t user_data)
+{
+    if (!q)
+        return IDEM_EINVAL;
+    idem_store *s = q->s;
+    pthread_mutex_lock(&s->mu);
+    int rc = IDEM_ENOTFOUND;
+    for (struct qslot *w = s->waiters; w; w = w->wnext) {
+        if (w->q == q && w->c.user_data == user_data) {
+            w->deadline_mono_ms = 0; /* due now: the next wake-up answers it busy */
+            rc = IDEM_OK;
+            break;
+        }
+    }
+    if (rc == IDEM_OK)
+        ops_wake(s, NULL, 0);
+    pthread_mutex_unlock(&s->mu);
+    return rc;
+}
+
 void ops_wake(idem_store *s, const void *key, uint32_t key_len)
 {
     int64_t mono = s->clock.monotonic_ms(s->clock.ctx);
@@ -972,6 +998,8 @@ int ops_replay(void *ctx, const struct wal_frame *f)
         key = rr.key;
         key_len = rr.key_len;
         state = rr.state;
+        if (rr.token > s->max_token_seen)
+            s->max_token_seen = rr.token;
     } else {
         if (f->payload_len < 8)
             return IDEM_ECORRUPT;

@@ -558,7 +558,13 @@ static int store_start(idem_store *s)
     s->clk_store_ms = s->clk_last_ms = start;
     s->clk_mono_ms = mono_now(s);
     s->last_flush_mono_ms = s->clk_mono_ms;
+    /* Tokens start above the reservation, and above every token the replay saw (a reservation
+     * can never be below those; this guards a damaged superblock), and never at 0. */
     s->token_next = (int64_t)s->sb.token_reserved;
+    if (s->token_next <= s->max_token_seen)
+        s->token_next = s->max_token_seen + 1;
+    if (s->token_next < 1)
+        s->token_next = 1;
     s->frame_max = (uint32_t)IDEM_ALIGN_UP(WAL_FRAME_HDR + REC_FIXED_BYTES + IDEM_KEY_BYTES_MAX +
                                                IDEM_OWNER_BYTES_MAX + IDEM_NOTE_BYTES_MAX +
                                                s->opt.result_bytes_max,

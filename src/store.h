@@ -120,6 +120,7 @@ struct idem_store {
     int sync_waiters;
     int64_t last_flush_mono_ms;
     int64_t token_next;
+    int64_t max_token_seen; /* the largest token in a record replayed at open */
     /* Repeat counters of keys claimed again since their last logged version (slot aux). */
     struct seen_info *seen;
     uint32_t seen_cap, seen_used;

@@ -13,10 +13,10 @@
  * during the abuse; the peak must stay under a bound derived from its limits (see rss_bound).
  * At the end idemd is alive, answers PING, and IDEM.STATS connected_clients falls back to what
  * it was before the abusers came.
- * Three more tests pin down weaknesses found this way; they fail on the current idemd and run
- * only with IDEM_ABUSE_STRICT=1: the io budget is overrun and a bystander starved by slow
- * readers, a pipelining client that reads its replies is disconnected, and connections of
- * clients that vanished mid-WAIT are held until the WAIT ends.
+ * Three more tests are regression tests of weaknesses found this way (all fixed): the io budget
+ * overrun with a bystander starved by slow readers, a pipelining client that reads its replies
+ * being disconnected, and connections of clients that vanished mid-WAIT held until the WAIT
+ * ended.
  * Everything talks to 127.0.0.1 or idemd's unix socket, with bounded loops and time.
  */
 #include <criterion/criterion.h>
@@ -896,15 +896,7 @@ Test(abuse, everything_at_once_while_a_good_client_works, .timeout = 400)
     stop_idemd();
 }
 
-/* ---- known weaknesses of idemd: these fail today, so they run only with IDEM_ABUSE_STRICT=1
- * (otherwise they are skipped, saying why) ---- */
-
-static void skip_unless_strict(const char *what)
-{
-    const char *e = getenv("IDEM_ABUSE_STRICT");
-    if (!e || *e != '1')
-        cr_skip_test("%s: fails on the current idemd; IDEM_ABUSE_STRICT=1 runs it", what);
-}
+/* ---- regression tests of weaknesses found by the abuse test (fixed) ---- */
 
 static void set_big_values(void)
 {
@@ -927,7 +919,6 @@ static void set_big_values(void)
  * bystander that once sent 4 x 64 KiB and then idles must still be answered (PING within 2 s). */
 Test(abuse, budget_holds_against_slow_readers, .timeout = 120)
 {
-    skip_unless_strict("budget_holds_against_slow_readers");
     start_idemd(2048);
     set_big_values();
     struct idle_state idle = {.fds = calloc(1000, sizeof(int)), .want = 1000};
@@ -1007,7 +998,6 @@ static void *count_main(void *arg)
  * not be disconnected (today: reason=request_too_large once 8 MiB of input is buffered). */
 Test(abuse, pipelining_client_that_reads_is_not_disconnected, .timeout = 120)
 {
-    skip_unless_strict("pipelining_client_that_reads_is_not_disconnected");
     start_idemd(64);
     enum { N = 1000000 };
     static const char get[] = "*2\r\n$3\r\nGET\r\n$3\r\nabc\r\n";
@@ -1036,7 +1026,6 @@ Test(abuse, pipelining_client_that_reads_is_not_disconnected, .timeout = 120)
  * connected_clients and against --max-clients, until the WAIT runs out (up to 60 s). */
 Test(abuse, vanished_waiters_are_dropped, .timeout = 60)
 {
-    skip_unless_strict("vanished_waiters_are_dropped");
     start_idemd(64);
     redisContext *c = connect_unix();
     cr_assert(c && !c->err);

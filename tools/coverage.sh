@@ -43,11 +43,9 @@ out=$build/coverage
 status=0
 if [ $run_tests = 1 ]; then
   "$root/tools/install-deps.sh"
-  # Debug (-O0) so that lines map to code; benchmarks are not part of the CI tier. Atomic
-  # counters: the engine's flusher and the tests' threads update them concurrently.
-  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Debug \
-    -DCMAKE_C_FLAGS="--coverage -fprofile-update=atomic" \
-    -DIDEM_BENCH=OFF >/dev/null || exit 2
+  # The Coverage build type (-O0 so that lines map to code, atomic counters: the engine's
+  # flusher and the tests' threads update them concurrently); benchmarks are not in the tier.
+  cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Coverage -DIDEM_BENCH=OFF >/dev/null || exit 2
   cmake --build "$build" -j"$jobs" >/dev/null || { echo "coverage.sh: build failed" >&2; exit 2; }
   # Counters from an earlier run would be added to this one.
   find "$build" -name '*.gcda' -delete

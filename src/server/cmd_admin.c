@@ -383,7 +383,7 @@ static void command_entry(resp_buf *b, const cmd_def *d)
                 strcmp(lower, "del") == 0 || strcmp(lower, "pttl") == 0 ||
                 strcmp(lower, "ttl") == 0;
     keyed = keyed && strcmp(lower, "idem.scan") && strcmp(lower, "idem.stats") &&
-            strcmp(lower, "idem.audit");
+            strcmp(lower, "idem.audit") && strcmp(lower, "idem.attention");
     int multi = strcmp(lower, "exists") == 0 || strcmp(lower, "del") == 0;
     resp_array(b, 6);
     resp_bulk_str(b, lower);

@@ -72,7 +72,10 @@ static void conn_update_events(srv *s, srv_conn *c)
 {
     if (c->fd < 0) return;
     uint32_t ev = 0;
-    if (!c->paused && !s->draining && !c->close_after_write) ev |= EPOLLIN;
+    /* A connection whose parsing is held back (pipeline full, replies unread, engine queue full)
+     * is not read either: its bytes stay in the socket, so a fast pipeliner waits for its
+     * replies instead of growing its input buffer. */
+    if (!c->paused && !s->draining && !c->close_after_write && !c->deferred) ev |= EPOLLIN;
     if (c->out_off < c->out.len) ev |= EPOLLOUT;
     if (ev == c->epoll_events) return;
     struct epoll_event e = {.events = ev, .data.u64 = TAG_CONN + c->index};
@@ -294,6 +297,16 @@ void srv_flush_ops(srv *s)
     submit_batch(s);
 }
 
+/* Claims of c parked by WAIT in the engine complete now (busy), for a client that is gone. */
+static void cancel_waits(srv *s, srv_conn *c)
+{
+    for (uint32_t q = c->head_seq; q != c->tail_seq; q++) {
+        srv_slot *sl = slot_of(c, q);
+        if (sl->state == SLOT_PENDING && sl->is_wait && s->q)
+            idem_cancel_wait(s->q, ((uint64_t)c->index << 32) | q);
+    }
+}
+
 /* ---- reading and parsing ---- */
 
 static int conn_grow_in(srv_conn *c)
@@ -303,7 +316,8 @@ static int conn_grow_in(srv_conn *c)
         c->in_len -= c->in_start;
         c->in_start = 0;
     }
-    if (c->in_len == 0 && c->in_cap > 4 * SRV_READ_CHUNK) {
+    if (c->in_len == 0 && c->in_cap > 16384) {
+        /* Everything was parsed: an idle connection keeps no large buffer against the budget. */
         free(c->in);
         c->in = NULL;
         c->in_cap = 0;
@@ -328,14 +342,11 @@ static int conn_read(srv *s, srv_conn *c)
     }
     ssize_t n = read(c->fd, c->in + c->in_len, c->in_cap - c->in_len);
     if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
-        /* The peer is gone or half-closed: answer what it sent, then close. */
-        c->close_after_write = 1;
-        conn_update_events(s, c);
-        if (c->in_len == c->in_start && c->head_seq == c->tail_seq) {
-            conn_close(s, c, n == 0 ? "eof" : "read_error");
-            return -1;
-        }
-        return 0;
+        /* The peer is gone (as Redis does, a half-close is taken for a close): its claims
+         * parked by WAIT are answered now so nothing waits for it. */
+        cancel_waits(s, c);
+        conn_close(s, c, n == 0 ? "eof" : "read_error");
+        return -1;
     }
     if (n > 0) {
         c->in_len += (size_t)n;
@@ -345,10 +356,19 @@ static int conn_read(srv *s, srv_conn *c)
     return 0;
 }
 
+static int conn_over_budget(const srv *s, const srv_conn *c)
+{
+    return s->cfg.io_budget_bytes && s->io_used > s->cfg.io_budget_bytes &&
+           c->io_bytes >= SRV_HEAVY_BYTES;
+}
+
 static int conn_may_parse(srv *s, srv_conn *c)
 {
     if (c->tail_seq - c->head_seq >= s->cfg.pipeline_max) return 0;
-    if (c->out.len - c->out_off >= SRV_CLIENT_OUT_SOFT) return 0;
+    if (conn_over_budget(s, c)) return 0; /* no more replies for a heavy client while over */
+    /* Replies not yet made count too, at the largest reply this client has had so far. */
+    uint64_t owed = (uint64_t)(c->tail_seq - c->head_seq) * c->reply_est;
+    if (c->out.len - c->out_off + owed >= SRV_CLIENT_OUT_SOFT) return 0;
     return s->engine_due + s->nops + RESP_ARGV_MAX < s->cfg.queue_depth;
 }
 
@@ -365,10 +385,14 @@ static void conn_refuse(srv *s, srv_conn *c, const char *err)
 
 static void conn_parse(srv *s, srv_conn *c)
 {
-    c->deferred = 0;
+    if (c->deferred) {
+        c->deferred = 0;
+        conn_update_events(s, c);
+    }
     while (c->fd >= 0 && !c->close_after_write) {
         if (!conn_may_parse(s, c)) {
-            c->deferred = c->in_len > c->in_start;
+            c->deferred = 1;
+            conn_update_events(s, c);
             return;
         }
         if (s->nops + RESP_ARGV_MAX > IDEM_BATCH_MAX) submit_batch(s);
@@ -411,6 +435,7 @@ static void conn_write(srv *s, srv_conn *c)
         ssize_t n = write(c->fd, c->out.data + c->out_off, c->out.len - c->out_off);
         if (n > 0) {
             c->out_off += (size_t)n;
+            c->last_write_ms = srv_now_ms();
         } else if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
             break;
         } else {
@@ -421,7 +446,7 @@ static void conn_write(srv *s, srv_conn *c)
     if (c->out_off == c->out.len) {
         c->out.len = 0;
         c->out_off = 0;
-        if (c->out.cap > 4 * SRV_CLIENT_OUT_SOFT) resp_buf_free(&c->out);
+        if (c->out.cap > 65536) resp_buf_free(&c->out); /* keep idle connections light */
         if (c->close_after_write && c->head_seq == c->tail_seq) {
             conn_close(s, c, "closed");
             return;
@@ -464,7 +489,11 @@ static void complete_one(srv *s, const idem_completion *cp)
         s->wait_due--;
     }
     sl->remaining--;
-    if (cmd_complete(s, c, sl, srv_reply_buf(c, seq), cp)) srv_reply_done(s, c, seq);
+    resp_buf *rb = srv_reply_buf(c, seq);
+    size_t before = rb->len;
+    int done = cmd_complete(s, c, sl, rb, cp);
+    if (rb->len > before && rb->len - before > c->reply_est) c->reply_est = rb->len - before;
+    if (done) srv_reply_done(s, c, seq);
 }
 
 static void poll_completions(srv *s)
@@ -488,8 +517,9 @@ static void poll_completions(srv *s)
 static void budget_check(srv *s, srv_conn *c)
 {
     if (s->cfg.io_budget_bytes == 0 || s->io_used <= s->cfg.io_budget_bytes) return;
+    /* Only the heavy ones stop being read: a light client's PING still gets through. */
     uint64_t fair = s->io_used / (s->nlive ? s->nlive : 1);
-    if (c->io_bytes >= fair && !c->paused) {
+    if (c->io_bytes >= fair && c->io_bytes >= SRV_HEAVY_BYTES && !c->paused) {
         c->paused = 1;
         srv_log("warn", "budget_pause", "id=%llu bytes=%llu used=%llu", (unsigned long long)c->id,
                 (unsigned long long)c->io_bytes, (unsigned long long)s->io_used);
@@ -497,8 +527,29 @@ static void budget_check(srv *s, srv_conn *c)
     }
 }
 
+/* Over the budget, the client whose unread replies are the largest and that has read nothing for
+ * SRV_STALL_MS is closed: a slow reader must not hold the budget and pause everyone else. */
+static void close_stalled_reader(srv *s, int64_t now)
+{
+    if (s->cfg.io_budget_bytes == 0 || s->io_used <= s->cfg.io_budget_bytes) return;
+    srv_conn *worst = NULL;
+    size_t worst_backlog = 0;
+    for (uint32_t i = 0; i < s->conns_cap; i++) {
+        srv_conn *c = s->conns[i];
+        if (!c || c->fd < 0) continue;
+        size_t backlog = c->out.len - c->out_off;
+        int64_t since = c->last_write_ms > c->last_active_ms ? c->last_write_ms : c->last_active_ms;
+        if (backlog > worst_backlog && now - since >= SRV_STALL_MS) {
+            worst = c;
+            worst_backlog = backlog;
+        }
+    }
+    if (worst) conn_close(s, worst, "output_stalled");
+}
+
 static void housekeeping(srv *s, int64_t now)
 {
+    close_stalled_reader(s, now);
     int unpause = s->io_used <= s->cfg.io_budget_bytes / 4 * 3;
     for (uint32_t i = 0; i < s->conns_cap; i++) {
         srv_conn *c = s->conns[i];
@@ -747,6 +798,8 @@ static void on_signal(srv *s)
             srv_log("info", "draining", "signal=%u", si.ssi_signo);
             s->draining = 1;
             s->drain_started_ms = srv_now_ms();
+            /* Claims waiting with WAIT answer busy now, with the lease they were waiting on. */
+            if (s->store) idem_cancel_waits(s->store);
             stop_listening(s);
             for (uint32_t i = 0; i < s->conns_cap; i++)
                 if (s->conns[i]) conn_update_events(s, s->conns[i]);

@@ -27,6 +27,8 @@
 #define SRV_IN_BUF_MAX      (2u * RESP_BULK_PROTO_MAX + 65536u) /* a whole request must fit */
 #define SRV_READ_CHUNK      65536u
 #define SRV_CLIENT_OUT_SOFT (1u << 20) /* no more requests are parsed while out holds this */
+#define SRV_STALL_MS        2000 /* over the io budget, a reader this slow is closed */
+#define SRV_HEAVY_BYTES     (256u * 1024) /* over the budget, clients above this are held back */
 
 enum srv_role { ROLE_NONE = 0, ROLE_WORKER = 1, ROLE_READER = 2, ROLE_ADMIN = 4 };
 
@@ -108,6 +110,8 @@ typedef struct srv_conn {
     int deferred;                /* unparsed input waits for pipeline room */
     int in_work, in_dirty;       /* on this turn's lists */
     uint64_t io_bytes;           /* accounted against the global budget */
+    int64_t last_write_ms;       /* when a write to the client last made progress */
+    size_t reply_est;            /* the largest engine reply this client has had */
     int64_t last_active_ms;
     uint32_t epoll_events;
 } srv_conn;
