@@ -9,6 +9,7 @@ Run: IDEM_BUILD_DIR=build /usr/bin/python3 tests/python/test_idemd.py
 Prints `N passed, M failed` last; exits non-zero on any failure."""
 
 import os
+import socket
 import sys
 import threading
 import time
@@ -539,6 +540,191 @@ class Wait(Base):
         self.assertIn("WAIT", self.error("IDEM.CLAIM", self.key(), DAY, 1000, "WAIT", 60001))
 
 
+class WaitOrder(Base):
+    def test_waiters_first_come_first_served(self):
+        k = self.key()
+        t = self.new_token(k, lease=DAY)
+        res, ths = {}, []
+
+        def run(name):
+            c = self.srv.worker()
+            c.ping()
+            res[name] = c.execute_command("IDEM.CLAIM", k, DAY, DAY, "WAIT", 20000)
+            c.close()
+
+        for name in "ABC":
+            th = threading.Thread(target=run, args=(name,), daemon=True)
+            th.start()
+            ths.append(th)
+            time.sleep(0.3)  # A parks first, then B, then C
+        self.cmd("IDEM.RELEASE", k, t)
+        ths[0].join(10)
+        time.sleep(0.2)
+        self.assertEqual(sorted(res), ["A"], "the first waiter gets new, the others wait")
+        self.assertEqual(res["A"][0], b"new")
+        self.cmd("IDEM.RELEASE", k, res["A"][1])
+        ths[1].join(10)
+        time.sleep(0.2)
+        self.assertEqual(sorted(res), ["A", "B"])
+        self.assertEqual(res["B"][0], b"new")
+        self.cmd("IDEM.COMMIT", k, res["B"][1], "by-B")
+        ths[2].join(10)
+        self.assertEqual(res["C"], [b"done", b"by-B"])
+
+    def test_reply_after_wait_keeps_order(self):
+        """A PING pipelined behind a WAIT claim is answered after it, on the same connection."""
+        k = self.key()
+        self.new_token(k)
+        so = socket.create_connection(("127.0.0.1", self.srv.port))
+        try:
+            so.sendall(b"IDEM.CLAIM " + k.encode() + b" 100000 100000 WAIT 800\r\nPING\r\n")
+            so.settimeout(0.4)
+            with self.assertRaises(socket.timeout):
+                so.recv(100)
+            so.settimeout(10)
+            want = b"*2\r\n$4\r\nbusy\r\n:30000\r\n+PONG\r\n"
+            got = b""
+            while len(got) < len(want):
+                d = so.recv(100)
+                if not d:
+                    break
+                got += d
+            self.assertEqual(got, want)
+        finally:
+            so.close()
+
+
+class Framing(Base):
+    def raw(self, data, wait=0.5):
+        so = socket.create_connection(("127.0.0.1", self.srv.port))
+        so.sendall(data)
+        so.settimeout(wait)
+        out = b""
+        try:
+            while True:
+                d = so.recv(65536)
+                if not d:
+                    return out + b"<EOF>"
+                out += d
+        except socket.timeout:
+            return out
+        finally:
+            so.close()
+
+    def test_http_first_line_closes(self):
+        self.assertEqual(self.raw(b"POST / HTTP/1.1\r\nHost: x\r\n\r\n"), b"<EOF>")
+        self.assertEqual(self.raw(b"GET / HTTP/1.1\r\n\r\n"), b"<EOF>")
+        self.assertEqual(self.raw(b"Host: 127.0.0.1\r\n\r\n"), b"<EOF>")
+        # only the first line is checked; GET key is a command
+        self.assertEqual(self.raw(b"GET k\r\nPING\r\n"), b"$-1\r\n+PONG\r\n")
+
+    def test_inline_commands(self):
+        self.assertEqual(self.raw(b'ECHO "a\\x41\\n b"\r\n\r\nECHO \'c d\'\r\n'),
+                         b"$5\r\naA\n b\r\n$3\r\nc d\r\n")
+        self.assertTrue(self.raw(b'ECHO "abc\r\nPING\r\n').endswith(b"<EOF>"), "unbalanced quotes")
+
+    def test_too_many_arguments_keeps_connection(self):
+        req = b"*70\r\n" + b"".join(b"$1\r\nx\r\n" for _ in range(70)) + b"PING\r\n"
+        out = self.raw(req)
+        self.assertTrue(out.startswith(b"-ERR"), out)
+        self.assertTrue(out.endswith(b"+PONG\r\n"), out)
+
+    def test_bulk_over_protocol_limit_closes(self):
+        out = self.raw(b"*2\r\n$4\r\nECHO\r\n$5000000\r\n")
+        self.assertTrue(out.startswith(b"-ERR Protocol error"), out)
+        self.assertTrue(out.endswith(b"<EOF>"), out)
+
+    def test_long_key_discarded_while_streaming(self):
+        # a 1 MiB key: over the field limit, under the protocol limit: refused, connection kept
+        key = b"k" * (1 << 20)
+        req = b"*4\r\n$10\r\nIDEM.CLAIM\r\n$%d\r\n%s\r\n$4\r\n1000\r\n$4\r\n1000\r\nPING\r\n" % (len(key), key)
+        out = self.raw(req, wait=2)
+        self.assertTrue(out.startswith(b"-ERR") and b"too long" in out, out[:200])
+        self.assertTrue(out.endswith(b"+PONG\r\n"), out[-100:])
+
+    def test_quit(self):
+        self.assertEqual(self.raw(b"QUIT\r\nPING\r\n"), b"+OK\r\n<EOF>")
+
+
+class Shutdown(Base):
+    def parked_then_sigterm(self):
+        k = self.key()
+        self.new_token(k, lease=100000)
+        res = {}
+
+        def run():
+            c = self.srv.worker()
+            c.ping()
+            t0 = time.monotonic()
+            try:
+                res["r"] = c.execute_command("IDEM.CLAIM", k, DAY, 100000, "WAIT", 30000)
+            except Exception as e:
+                res["r"] = e
+            res["t"] = time.monotonic() - t0
+
+        th = threading.Thread(target=run, daemon=True)
+        th.start()
+        time.sleep(0.5)
+        rc = self.srv.kill(15)
+        th.join(15)
+        self.srv.start()  # the same dir, for tearDownClass and the next test
+        type(self).w = self.srv.worker()
+        type(self).a = self.srv.admin()
+        return rc, res
+
+    def test_sigterm_answers_waiting_claims_busy_and_exits_0(self):
+        rc, res = self.parked_then_sigterm()
+        self.assertEqual(rc, 0)
+        self.assertEqual(res["r"][0], b"busy", res)
+        self.assertLess(res["t"], 5)
+
+    @unittest.expectedFailure  # idemd bug: src/server/loop.c answer_pending answers busy 0
+    def test_sigterm_busy_carries_lease_left(self):
+        rc, res = self.parked_then_sigterm()
+        self.assertGreater(res["r"][1], 0, "lease_left_ms of a lease with ~100 s left")
+
+
+class Loading(Base):
+    flags = ("--durability", "batch")
+    KEYS = 100000
+
+    def test_loading_while_recovering(self):
+        for b in range(self.KEYS // 5000):
+            p = self.a.pipeline(transaction=False)
+            for i in range(5000):
+                p.execute_command("SET", "load-%d-%d" % (b, i), "v" * 40, "NX", "PX", DAY)
+            p.execute()
+        time.sleep(0.2)  # batch mode: flushed within 10 ms
+        self.srv.kill(9)
+        self.srv.spawn(self.srv.port)
+        seen_loading = pinged = info_loading = 0
+        deadline = time.monotonic() + 60
+        n = None
+        while time.monotonic() < deadline:
+            try:
+                c = redis.Redis(unix_socket_path=self.srv.sock, socket_timeout=10)
+                try:
+                    self.assertTrue(c.ping())
+                    pinged += 1
+                    n = c.dbsize()
+                    break
+                except redis.BusyLoadingError:
+                    seen_loading += 1
+                    info_loading += c.info("persistence")["loading"] == 1
+                finally:
+                    c.close()
+            except (redis.ConnectionError, FileNotFoundError, OSError):
+                pass
+            time.sleep(0.005)
+        self.srv.wait_ready(30)
+        type(self).w = self.srv.worker()
+        type(self).a = self.srv.admin()
+        self.assertEqual(n, self.KEYS, "every SET NX acknowledged 200 ms before the kill")
+        if not seen_loading:
+            self.skipTest("recovery was too quick to see -LOADING")
+        self.assertEqual(info_loading, seen_loading, "INFO says loading:1 while -LOADING")
+
+
 class ReviewPolicy(Base):
     flags = ("--test-clock", "--on-lease-expiry", "review")
 
@@ -695,6 +881,17 @@ class Wire(Base):
         self.assertEqual(self.claim(k, DAY, 1000, "FP", body), [b"done", b"r"])
         self.assertEqual(self.claim(k, DAY, 1000, "FP", body[:-1]), [b"mismatch"])
 
+    def test_command_info_key_positions(self):
+        info = self.w.execute_command("COMMAND", "INFO", "idem.claim", "idem.scan", "exists")
+        self.assertEqual(info["idem.claim"]["first_key_pos"], 1)
+        self.assertEqual(info["idem.scan"]["first_key_pos"], 0)
+        self.assertEqual(info["exists"]["last_key_pos"], -1)
+
+    @unittest.expectedFailure  # idemd bug: cmd_admin.c command_entry counts idem.attention as keyed
+    def test_command_info_attention_has_no_key(self):
+        info = self.w.execute_command("COMMAND", "INFO", "idem.attention")
+        self.assertEqual(info["idem.attention"]["first_key_pos"], 0)
+
     def test_hello_and_client_from_redis_py(self):
         self.assertEqual(self.w.client_setname("py-worker"), True)
         self.assertIn(self.w.client_getname(), ("py-worker", b"py-worker"))
@@ -722,6 +919,9 @@ def main():
     failed = len(result.failures) + len(result.errors) + len(result.unexpectedSuccesses)
     skipped = len(result.skipped)
     passed = result.passed
+    if result.expectedFailures:
+        print("%d expected failures (known idemd bugs, marked in the test file)" %
+              len(result.expectedFailures))
     if skipped:
         print("%d passed, %d failed, %d skipped" % (passed, failed, skipped))
     else:

@@ -63,6 +63,7 @@ free_port() {
 start_idemd() {
     local name=$1 dir=$2 port=$3
     shift 3
+    touch "$T/$name.log"
     "$IDEMD" --dir "$dir" --port "$port" "$@" >>"$T/$name.log" 2>&1 &
     IDEMD_PID=$!
     IDEM_PIDS+=("$IDEMD_PID")

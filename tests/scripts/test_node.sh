@@ -29,7 +29,13 @@ start_idemd_free main "$T/d" --test-clock || {
     echo "0 passed, 1 failed"
     exit 1
 }
-IDEMD_PORT=$PORT IDEMD_SOCK=$T/d/idemd.sock timeout -k 5 150 node "$NODE_DIR/test_ioredis.js"
-rc=$?
-stop_idemd "$IDEMD_PID" TERM || { echo "idemd did not exit 0 on SIGTERM"; rc=1; }
-exit $rc
+IDEMD_PORT=$PORT IDEMD_SOCK=$T/d/idemd.sock timeout -k 5 150 node "$NODE_DIR/test_ioredis.js" | tee "$T/node.out"
+rc=${PIPESTATUS[0]}
+if ! stop_idemd "$IDEMD_PID" TERM; then
+    # one more failure: the closing line is printed again with it
+    echo "FAIL idemd did not exit 0 on SIGTERM"
+    read -r p _ f _ < <(grep -E '^[0-9]+ passed, [0-9]+ failed' "$T/node.out" | tail -1)
+    echo "${p:-0} passed, $((${f:-0} + 1)) failed"
+    rc=1
+fi
+exit "$rc"

@@ -18,6 +18,7 @@ start_idemd_free main "$T/d" --test-clock || {
     exit 1
 }
 SOCK=$T/d/idemd.sock
+MAIN_PID=$IDEMD_PID
 
 R() { redis-cli --no-raw -h 127.0.0.1 -p "$PORT" "$@" 2>&1; } # TCP: role worker
 A() { redis-cli --no-raw -s "$SOCK" "$@" 2>&1; }            # unix socket: role admin
@@ -232,9 +233,20 @@ expect_re "audit actor names the user" '"ops@127\.0\.0\.1:[0-9]+"' "$(U --user o
 expect_re "admin: DEBUG CLOCK refused without --test-clock" 'needs idemd started with --test-clock' "$(U --user ops --pass apw DEBUG CLOCK GET)"
 PORT=$MAINPORT
 
-# ---- SIGTERM drains and exits 0 ----
+# ---- SIGTERM drains and exits 0 (both servers); the store reopens with its records ----
 stop_idemd "$IDEMD_PID" TERM
 rc=$?
+if [ $rc -eq 0 ]; then ok "SIGTERM: exit 0 (users)"; else bad "SIGTERM: exit 0 (users)" "exit $rc"; fi
+stop_idemd "$MAIN_PID" TERM
+rc=$?
 if [ $rc -eq 0 ]; then ok "SIGTERM: exit 0"; else bad "SIGTERM: exit 0" "exit $rc"; fi
+if start_idemd main "$T/d" "$PORT" --test-clock; then
+    expect "after restart: committed record" $'1) "done"\n2) "inv_9f2"' "$(R IDEM.CLAIM order:1 86400000 30000 FP '{"amount":100}')"
+    expect "after restart: review record" $'1) "review"\n2) "gateway timed out"' "$(R IDEM.CLAIM hold:1 86400000 30000)"
+    expect "after restart: PTTL of review" "(integer) -1" "$(R PTTL hold:1)"
+    stop_idemd "$IDEMD_PID" TERM || bad "SIGTERM after restart: exit 0"
+else
+    bad "restart on the same dir"
+fi
 
 finish
