@@ -36,6 +36,9 @@ SIGNIFICANT = ("key", "state", "first_seen_ms", "expires_at_ms", "fingerprint", 
 # always reported (the oldest, in ms before the kill); they fail the run only when
 # KILL_LOSS_WINDOW_MS is set (e.g. 10 plus scheduling slack), as the window depends on the disk.
 LOSS_WINDOW_S = float(os.environ.get("KILL_LOSS_WINDOW_MS", "inf")) / 1000
+# rule 9 for resolves that were never acknowledged but took effect: fail only when set (idemd
+# writes the audit entry after the change can already be durable; reported either way)
+STRICT_AUDIT = os.environ.get("KILL_STRICT_AUDIT") == "1"
 LOST = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
@@ -73,7 +76,7 @@ class Log:
 
 class Key:
     __slots__ = ("state", "token", "result", "fp", "pending", "first_seen", "snap", "acked_claims",
-                 "at")
+                 "at", "note", "audit", "audit_acked", "hold_note")
 
     def __init__(self, fp):
         self.state = None  # in_flight, committed, released, lost_claim
@@ -85,13 +88,19 @@ class Key:
         self.snap = None
         self.acked_claims = 0
         self.at = 0.0  # when the last acknowledged change was received (monotonic s)
+        self.note = None  # review: the hold reason
+        self.audit = None  # the reason of a resolve that took effect: in the audit trail
+        self.audit_acked = False  # that resolve was acknowledged
+        self.hold_note = None  # the note before a resolve (for a resolve lost in batch mode)
 
 
 class Checker:
     def __init__(self, lossy=False):
         self.lossy = lossy  # batch/none: the last acknowledged changes may be lost
         self.lost_acks = 0
+        self.audit_gaps = []  # unacknowledged resolves that took effect without an audit entry
         self.lost_max_age = 0.0  # the oldest lost acknowledgement, in s before the kill
+        self.lost_oldest = ""
         self.kill_at = 0.0
         self.keys = {}
         self.run_tokens = {}  # token -> key, granted in the run being replayed
@@ -152,7 +161,7 @@ class Checker:
                 return self.bad("fresh key %s: claim answered %r, not new" % (key, ev["reply"]))
             self.grant(key, ev["tok"], conn, "claim")
             k.state, k.token, k.at = "in_flight", ev["tok"], ev["at"]
-        elif op in ("commit", "release"):
+        elif op in ("commit", "release", "hold"):
             if ev.get("lost"):
                 k.pending = (op, ev.get("res"))
                 return
@@ -164,8 +173,22 @@ class Checker:
             k.at = ev["at"]
             if op == "commit":
                 k.state, k.result, k.snap = "committed", ev["res"], None
+            elif op == "hold":
+                k.state, k.note, k.snap = "review", ev["res"], None
             else:
                 k.state, k.snap = "released", None
+        elif op == "resolve":  # an operator commits a review record: audited
+            if ev.get("lost"):
+                k.pending = (op, ev["res"])
+                return
+            if ev["out"] != "OK":
+                return self.bad("resolve %s: answered %r" % (key, ev["out"]))
+            if k.state != "review":
+                return self.bad("resolve %s: acknowledged OK but the model has %s" % (key, k.state))
+            k.at = ev["at"]
+            k.hold_note = k.note
+            k.state, k.result, k.note, k.audit, k.snap = "committed", ev["res"], ev["res"], ev["res"], None
+            k.audit_acked = True
         elif op == "repeat":
             if ev.get("lost"):
                 return
@@ -179,6 +202,9 @@ class Checker:
         elif k.state == "committed":
             if reply != ["done", k.result]:
                 self.bad("%s %s: expected done %r, got %r" % (how, key, k.result, reply))
+        elif k.state == "review":
+            if reply != ["review", k.note]:
+                self.bad("%s %s: expected review %r, got %r" % (how, key, k.note, reply))
         elif k.state == "in_flight":
             if out != "busy":
                 self.bad("%s %s (in_flight, token %d): expected busy, got %r" %
@@ -217,8 +243,8 @@ class Checker:
                 self.warnings.append("%s: seen_count %s below %d acknowledged claims" %
                                      (key, rec["seen_count"], k.acked_claims))
         if claim_again:
-            live = [key for key in keys
-                    if key in self.keys and self.keys[key].state in ("in_flight", "committed")]
+            live = [key for key in keys if key in self.keys and
+                    self.keys[key].state in ("in_flight", "committed", "review")]
             p = cl.pipeline(transaction=False)
             for key in live:
                 p.execute_command("IDEM.CLAIM", key, TTL, LEASE, "FP", self.keys[key].fp)
@@ -228,6 +254,29 @@ class Checker:
                     if isinstance(reply, list) else str(reply)
                 k.acked_claims += 1
                 self.check_repeat(key, k, reply, "claim after restart")
+
+    def verify_audit(self, cl, keys):
+        """Rule 9: every acknowledged resolve is in the audit trail after the restart."""
+        keys = [key for key in keys if key in self.keys and self.keys[key].audit]
+        p = cl.pipeline(transaction=False)
+        for key in keys:
+            p.execute_command("IDEM.AUDIT", "KEY", key, "COUNT", 10)
+        for key, entries in zip(keys, p.execute()):
+            found = [record(e) for e in entries]
+            want = self.keys[key].audit.encode()
+            if any(e.get("reason") == want and e.get("state_before") == b"review" and
+                   e.get("state_after") == b"committed" for e in found):
+                continue
+            if self.keys[key].audit_acked or STRICT_AUDIT:
+                self.bad("%s: %s resolve (reason %r) took effect but is missing from the audit "
+                         "trail: %r" % (key, "acknowledged" if self.keys[key].audit_acked
+                                        else "unacknowledged", want, found))
+            else:
+                # known idemd bug: audit_write (src/audit.c) drops the store mutex in
+                # store_quiesce after the resolve's record was appended, so the flusher can
+                # make the change durable before its audit block is written
+                self.audit_gaps.append(key)
+                self.keys[key].audit = None  # reported once
 
     def settle(self, key, k, rec):
         st = rec["state"] if rec else None
@@ -250,6 +299,13 @@ class Checker:
             if what == "release" and rec is None:
                 k.state, k.snap = "released", None
                 return
+            if what == "hold" and st == "review" and rec.get("note") == res:
+                k.state, k.note, k.snap = "review", res, None
+                return
+            if what == "resolve" and st == "committed" and rec.get("result") == res:
+                k.state, k.result, k.note, k.audit, k.snap = "committed", res, res, res, None
+                k.audit_acked = False
+                return
             # else: the request was lost before it took effect; the record must be unchanged
         if self.lossy and not self.matches(k, rec):
             # an acknowledged change lost in the batch window: the record must still be one
@@ -258,6 +314,7 @@ class Checker:
             age = self.kill_at - k.at
             if age > self.lost_max_age:
                 self.lost_max_age = age
+                self.lost_oldest = "%s: acknowledged %s, found %s" % (key, k.state, st or "absent")
             if age > LOSS_WINDOW_S:
                 self.bad("%s: acknowledged %s lost, %.0f ms before the kill (window %.0f ms)" %
                          (key, k.state, age * 1000, LOSS_WINDOW_S * 1000))
@@ -266,6 +323,9 @@ class Checker:
                 return
             if st == "in_flight" and tok == k.token:
                 k.state, k.snap = "in_flight", None
+                return
+            if st == "review" and k.state == "committed" and k.audit and rec.get("note") == k.hold_note:
+                k.state, k.note, k.audit, k.snap = "review", k.hold_note, None, None  # resolve lost
                 return
             # anything else is not a state this key ever had: reported below
         if k.state == "released":
@@ -277,6 +337,8 @@ class Checker:
             self.bad("%s: acknowledged %s (token %d) but the record is %s" % (key, k.state, k.token, st))
         elif k.state == "in_flight" and tok != k.token:
             self.bad("%s: in_flight with token %s, acknowledged token %d" % (key, tok, k.token))
+        elif k.state == "review" and rec.get("note") != k.note:
+            self.bad("%s: review note %r, acknowledged %r" % (key, rec.get("note"), k.note))
         elif k.state == "committed" and rec.get("result") != k.result:
             self.bad("%s: committed result %r, acknowledged %r" % (key, rec.get("result"), k.result))
 
@@ -289,6 +351,8 @@ class Checker:
             return False
         if k.state == "in_flight":
             return int(rec["token"]) == k.token
+        if k.state == "review":
+            return rec.get("note") == k.note
         return rec.get("result") == k.result
 
     def end_run(self):
@@ -306,7 +370,8 @@ class Checker:
             del self.keys[key]
 
 
-def worker(sock, run, thr, seed, log, stop, committed, inflight, pool_lock, started, fresh_max):
+def worker(sock, run, thr, seed, log, stop, committed, inflight, review, pool_lock, started,
+           fresh_max):
     rng = random.Random("%s/%d/%d" % (seed, run, thr))
     try:
         c = redis.UnixDomainSocketConnection(path=sock, socket_timeout=60)
@@ -325,7 +390,8 @@ def worker(sock, run, thr, seed, log, stop, committed, inflight, pool_lock, star
         return r.decode() if isinstance(r, bytes) else r
 
     def owner_call(op, key, tok, res=None):
-        args = ["IDEM.COMMIT", key, tok, res] if op == "commit" else ["IDEM.RELEASE", key, tok]
+        args = {"commit": ["IDEM.COMMIT", key, tok, res], "hold": ["IDEM.HOLD", key, tok, res],
+                "release": ["IDEM.RELEASE", key, tok]}[op]
         try:
             try:
                 out = call(*args)
@@ -340,6 +406,31 @@ def worker(sock, run, thr, seed, log, stop, committed, inflight, pool_lock, star
         while not stop.is_set():
             r = rng.random()
             item = None
+            if r < 0.08:  # a review record: an operator resolves it, or someone claims it
+                with pool_lock:
+                    if review:
+                        item = review.pop(rng.randrange(len(review)))
+                if item:
+                    key, fp, note = item
+                    if rng.random() < 0.6:
+                        res = "op-%s-%d" % (key, rng.randrange(1 << 30))
+                        try:
+                            try:
+                                out = call("IDEM.RESOLVE", key, "commit", res, "RESULT", res)
+                            except redis.ResponseError as e:
+                                out = "-" + str(e)
+                        except LOST:
+                            log.write(op="resolve", run=run, thr=thr, key=key, res=res, lost=True)
+                            raise
+                        log.write(op="resolve", run=run, thr=thr, key=key, res=res, out=out)
+                    else:
+                        try:
+                            reply = call("IDEM.CLAIM", key, TTL, LEASE, "FP", fp)
+                        except LOST:
+                            log.write(op="repeat", run=run, thr=thr, key=key, lost=True)
+                            raise
+                        log.write(op="repeat", run=run, thr=thr, key=key, reply=reply)
+                    continue
             if r < 0.15:
                 with pool_lock:
                     if inflight:
@@ -382,10 +473,12 @@ def worker(sock, run, thr, seed, log, stop, committed, inflight, pool_lock, star
             if reply[0] != "new":
                 continue
             r = rng.random()
-            if r < 0.7:
+            if r < 0.6:
                 owner_call("commit", key, reply[1], "res-%s-%d" % (key, rng.randrange(1 << 30)))
-            elif r < 0.85:
+            elif r < 0.72:
                 owner_call("release", key, reply[1])
+            elif r < 0.84:
+                owner_call("hold", key, reply[1], "held-%s-%d" % (key, rng.randrange(1 << 30)))
     except LOST:
         pass
     finally:
@@ -425,11 +518,12 @@ def main():
         if len(committed) > 5000:
             committed = rng.sample(committed, 5000)
         inflight = [(key, k.fp, k.token) for key, k in chk.keys.items() if k.state == "in_flight"]
+        review = [(key, k.fp, k.note) for key, k in chk.keys.items() if k.state == "review"]
         stop = threading.Event()
         pool_lock = threading.Lock()
         started = threading.Semaphore(0)
         ths = [threading.Thread(target=worker, args=(srv.sock, run, t, args.seed, log, stop, committed,
-                                                     inflight, pool_lock, started,
+                                                     inflight, review, pool_lock, started,
                                                      args.fresh_per_thread), daemon=True)
                for t in range(args.threads)]
         for th in ths:
@@ -477,6 +571,7 @@ def main():
                 rest = rng.sample(rest, 1000)
             check = [key for key in touched if key in chk.keys] + rest
             chk.verify(cl, check, claim_again=True)
+            chk.verify_audit(cl, check)
             st = cl.execute_command("IDEM.STATS")
             st = {st[i].decode(): st[i + 1] for i in range(0, len(st), 2)}
             if chk.lossy:
@@ -511,9 +606,14 @@ def main():
     if chk.warnings:
         print("%d warnings (not failures: repeat counters may undercount after a crash, "
               "docs/design.md section 20), first: %s" % (len(chk.warnings), chk.warnings[0]))
+    if chk.audit_gaps:
+        print("KNOWN IDEMD BUG (rule 9): %d unacknowledged resolves took effect (durable after the "
+              "kill) without an audit entry, e.g. %s; KILL_STRICT_AUDIT=1 fails on it" %
+              (len(chk.audit_gaps), chk.audit_gaps[0]))
     if chk.lossy:
         print("%d acknowledged changes lost in the %s window (allowed), the oldest %.1f ms before "
-              "the kill" % (chk.lost_acks, args.durability, chk.lost_max_age * 1000))
+              "the kill (%s)" % (chk.lost_acks, args.durability, chk.lost_max_age * 1000,
+                                 chk.lost_oldest))
     print("kill9: seed %s, %d cycles in %.1f s, %d keys tracked, %d tokens" %
           (args.seed, args.cycles, time.monotonic() - t_start, len(chk.keys), chk.ntokens))
     print("%d passed, %d failed" % (passed, failed))
