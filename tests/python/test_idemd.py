@@ -678,7 +678,6 @@ class Shutdown(Base):
         self.assertEqual(res["r"][0], b"busy", res)
         self.assertLess(res["t"], 5)
 
-    @unittest.expectedFailure  # idemd bug: src/server/loop.c answer_pending answers busy 0
     def test_sigterm_busy_carries_lease_left(self):
         rc, res = self.parked_then_sigterm()
         self.assertGreater(res["r"][1], 0, "lease_left_ms of a lease with ~100 s left")
@@ -887,7 +886,6 @@ class Wire(Base):
         self.assertEqual(info["idem.scan"]["first_key_pos"], 0)
         self.assertEqual(info["exists"]["last_key_pos"], -1)
 
-    @unittest.expectedFailure  # idemd bug: cmd_admin.c command_entry counts idem.attention as keyed
     def test_command_info_attention_has_no_key(self):
         info = self.w.execute_command("COMMAND", "INFO", "idem.attention")
         self.assertEqual(info["idem.attention"]["first_key_pos"], 0)
