@@ -7,6 +7,8 @@
  * with the reason, when build/idemd is missing).
  */
 #include <criterion/criterion.h>
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <signal.h>
 #include <stdio.h>
@@ -355,6 +357,74 @@ Test(idemctl_online, views_resolve_and_audit_over_the_socket, .init = setup, .fi
     cr_assert(rc == 0 || strstr(err, "IDEM.ATTENTION"), "rc %d: %s", rc, err);
     cr_assert_eq(ctl("status --dir %s", dir), 1, "idemd holds the store");
     cr_assert(strstr(err, "pid="), "%s", err);
+}
+
+/* A writer that claims and commits keys one by one over the socket, noting which were
+ * acknowledged before a given moment. */
+struct writer {
+    atomic_int stop;
+    atomic_int acked;        /* keys 0..acked-1 are acknowledged (claim and commit) */
+    atomic_int before_backup; /* acked when the backup started */
+};
+
+static void *writer_main(void *arg)
+{
+    struct writer *w = arg;
+    char line[128], reply[256];
+    for (int i = 0; !atomic_load(&w->stop) && i < 100000; i++) {
+        snprintf(line, sizeof line, "IDEM.CLAIM live-%d 3600000 60000\r\n", i);
+        if (sock_cmd(line, reply, sizeof reply) != 0 || !strstr(reply, "new")) break;
+        long long tok = 0;
+        char *p = strstr(reply, ":");
+        if (p) tok = atoll(p + 1);
+        snprintf(line, sizeof line, "IDEM.COMMIT live-%d %lld r%d\r\n", i, tok, i);
+        if (sock_cmd(line, reply, sizeof reply) != 0 || !strstr(reply, "OK")) break;
+        atomic_store(&w->acked, i + 1);
+    }
+    return NULL;
+}
+
+Test(idemctl_online, backup_under_load_restores_every_acknowledged_key, .init = setup,
+     .fini = stop_idemd, .timeout = 120)
+{
+    start_idemd();
+    struct writer w = {0};
+    pthread_t t;
+    cr_assert_eq(pthread_create(&t, NULL, writer_main, &w), 0);
+    while (atomic_load(&w.acked) < 50)
+        usleep(1000);
+    char sock[4200], backup[4200], restored[4200];
+    snprintf(sock, sizeof sock, "--socket %s/idemd.sock", dir);
+    snprintf(backup, sizeof backup, "%s/backup", scratch);
+    snprintf(restored, sizeof restored, "%s/restored", scratch);
+    atomic_store(&w.before_backup, atomic_load(&w.acked));
+    int rc = ctl("backup %s %s", backup, sock);
+    usleep(100000); /* the load goes on after the copy */
+    atomic_store(&w.stop, 1);
+    pthread_join(t, NULL);
+    cr_assert_eq(rc, 0, "%s", err);
+    cr_assert_eq(ctl("restore %s %s", backup, restored), 0, "%s", err);
+    cr_assert_eq(ctl("verify %s", restored), 0, "%s%s", out, err);
+    idem_store *s;
+    cr_assert_eq(idem_open(restored, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    int n = atomic_load(&w.before_backup);
+    for (int i = 0; i < n; i++) {
+        char key[32], res[32];
+        snprintf(key, sizeof key, "live-%d", i);
+        snprintf(res, sizeof res, "r%d", i);
+        idem_completion c;
+        cr_assert_eq(idem_get(q, key, strlen(key), &c), IDEM_OK);
+        cr_assert(c.found, "%s, acknowledged before the backup, is not in it", key);
+        cr_assert_eq(c.record.state, IDEM_STATE_COMMITTED);
+        cr_assert(c.record.result_len == strlen(res) && !memcmp(c.record.result, res, strlen(res)));
+    }
+    idem_stats st;
+    idem_get_stats(s, &st);
+    cr_assert_eq(st.store_generation, 2, "a restore starts a new generation");
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
 Test(idemctl_online, connection_failure_is_reported, .init = setup, .fini = teardown)

@@ -206,8 +206,7 @@ int ctl_connect(struct ctl *c, const struct ctl_opts *o, int access)
     }
     if (access == CTL_OFFLINE) {
         if (explicit_online) {
-            ctl_err("this command works on a stopped store only (online backup is not "
-                    "available yet): stop idemd and pass --dir DIR");
+            ctl_err("this command works on a stopped store only: stop idemd and pass --dir DIR");
             return CTL_USAGE;
         }
         return offline_open(c, o, access);
@@ -680,4 +679,25 @@ int ctl_resolve(struct ctl *c, const void *key, size_t klen, int action, uint64_
     *changed = rc == IDEM_ECHANGED;
     snprintf(msg, cap, "%s", idem_strerror(rc));
     return CTL_FAIL;
+}
+
+/* ---- Backup ---- */
+
+int ctl_backup(struct ctl *c, const char *dest)
+{
+    if (!c->online) {
+        int err = idem_backup(c->s, dest);
+        if (err != IDEM_OK) {
+            ctl_err("backup into %s failed: %s (%s)", dest, idem_strerror(err),
+                    idem_last_error());
+            return CTL_FAIL;
+        }
+        return CTL_OK;
+    }
+    /* idemd makes the copy itself, on its host: dest is a path there. */
+    const char *argv[] = {"IDEM.BACKUP", dest};
+    resp_value *v = NULL;
+    if (call_ok(c, &v, 2, argv, NULL)) return CTL_FAIL;
+    resp_free(v);
+    return CTL_OK;
 }

@@ -19,8 +19,7 @@
 static int offline_opts(const struct ctl_opts *o, struct ctl_opts *out, const char *what)
 {
     if (o->socket || o->host || o->port) {
-        ctl_err("%s works on a stopped store only%s: stop idemd and pass --dir DIR", what,
-                strcmp(what, "backup") == 0 ? " (online backup is not available yet)" : "");
+        ctl_err("%s works on a stopped store only: stop idemd and pass --dir DIR", what);
         return CTL_USAGE;
     }
     *out = *o;
@@ -109,23 +108,17 @@ int cmd_verify(const struct ctl_opts *o)
 
 int cmd_backup(const struct ctl_opts *o)
 {
-    struct ctl_opts oo;
-    int rc = offline_opts(o, &oo, "backup");
-    if (rc) return rc;
+    /* Online (--socket, --host): idemd copies its live store; offline: the stopped store. */
     struct ctl c;
-    rc = ctl_connect(&c, &oo, CTL_READ);
+    int rc = ctl_connect(&c, o, CTL_WRITE);
     if (rc) return rc;
-    int err = idem_backup(c.s, o->pos[0]);
+    rc = ctl_backup(&c, o->pos[0]);
     ctl_disconnect(&c);
-    if (err != IDEM_OK) {
-        ctl_err("backup of %s into %s failed: %s (%s)", oo.dir, o->pos[0], idem_strerror(err),
-                idem_last_error());
-        return CTL_FAIL;
-    }
+    if (rc) return rc;
     if (o->json)
         printf("{\"backup\":\"ok\"}\n");
     else
-        printf("backed up %s into %s\n", oo.dir, o->pos[0]);
+        printf("backed up into %s\n", o->pos[0]);
     return CTL_OK;
 }
 

@@ -97,6 +97,8 @@ void ctl_records_free(struct ctl_record *recs, size_t n);
 /* One scan step: calls fn for every key; *cursor 0 on return when done. */
 int ctl_scan_step(struct ctl *c, uint64_t *cursor, int state, int64_t older_ms,
                   void (*fn)(void *ctx, const void *key, size_t klen), void *ctx);
+/* A consistent copy of the store (live through idemd, or stopped) into the new directory dest. */
+int ctl_backup(struct ctl *c, const char *dest);
 int ctl_audit(struct ctl *c, const void *key, size_t klen, uint32_t count, struct ctl_audit **out,
               size_t *n);
 /* Offline: the audit entries (of key, when not NULL) older than before_seq (0: the newest),

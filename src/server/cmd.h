@@ -81,6 +81,7 @@ void cmd_scan(cmd_req *r);
 void cmd_stats(cmd_req *r);
 void cmd_audit(cmd_req *r);
 void cmd_attention(cmd_req *r);
+void cmd_backup(cmd_req *r);
 /* Writes a record as IDEM.GET answers it (field/value pairs). */
 void cmd_reply_record(resp_buf *b, const idem_record *rec);
 void cmd_del(cmd_req *r);

@@ -240,6 +240,25 @@ void cmd_attention(cmd_req *r)
     cmd_done(r);
 }
 
+/* IDEM.BACKUP dest: a consistent point-in-time copy of the live store into the new directory
+ * dest (a path on idemd's host). Admin only. The store pauses while the copy is made. */
+void cmd_backup(cmd_req *r)
+{
+    char dest[4096];
+    if (r->argl[1] == 0 || r->argl[1] >= sizeof dest || memchr(r->argv[1], 0, r->argl[1]))
+        return cmd_fail(r, "ERR backup destination must be a path of 1..4095 bytes");
+    memcpy(dest, r->argv[1], r->argl[1]);
+    dest[r->argl[1]] = 0;
+    srv_flush_ops(r->s);
+    srv_log("info", "backup", "dest=\"%s\" id=%llu", dest, (unsigned long long)r->c->id);
+    int err = idem_backup(r->s->store, dest);
+    if (err != IDEM_OK)
+        return cmd_fail(r, "ERR backup into %s failed: %s (%s)", dest, idem_strerror(err),
+                        idem_last_error());
+    resp_simple(cmd_out(r), "OK");
+    cmd_done(r);
+}
+
 /* DEL key [key ...]: none is deleted if any is in_flight or review. */
 void cmd_del(cmd_req *r)
 {
@@ -383,7 +402,8 @@ static void command_entry(resp_buf *b, const cmd_def *d)
                 strcmp(lower, "del") == 0 || strcmp(lower, "pttl") == 0 ||
                 strcmp(lower, "ttl") == 0;
     keyed = keyed && strcmp(lower, "idem.scan") && strcmp(lower, "idem.stats") &&
-            strcmp(lower, "idem.audit") && strcmp(lower, "idem.attention");
+            strcmp(lower, "idem.audit") && strcmp(lower, "idem.attention") &&
+            strcmp(lower, "idem.backup");
     int multi = strcmp(lower, "exists") == 0 || strcmp(lower, "del") == 0;
     resp_array(b, 6);
     resp_bulk_str(b, lower);

@@ -253,6 +253,7 @@ const cmd_def cmd_table[] = {
     {"IDEM.RESOLVE", -4, ROLE_ADMIN, CMD_F_WRITE, cmd_resolve},
     {"IDEM.AUDIT", -1, ROLES_READ, 0, cmd_audit},
     {"IDEM.ATTENTION", -1, ROLES_READ, 0, cmd_attention},
+    {"IDEM.BACKUP", 2, ROLE_ADMIN, 0, cmd_backup},
     {"SET", -3, ROLES_WORK, CMD_F_WRITE, cmd_set},
     {"GET", 2, ROLES_ALL, 0, cmd_get},
     {"EXISTS", -2, ROLES_ALL, 0, cmd_exists},

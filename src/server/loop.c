@@ -116,7 +116,7 @@ static void reap_dead(srv *s)
     uint32_t keep = 0;
     for (uint32_t i = 0; i < s->ndead; i++) {
         srv_conn *c = s->dead[i];
-        if (c->engine_due == 0 && !c->in_dirty)
+        if (c->engine_due == 0 && !c->in_dirty && !c->in_held)
             conn_free(s, c);
         else
             s->dead[keep++] = c;
@@ -362,6 +362,11 @@ static int conn_over_budget(const srv *s, const srv_conn *c)
            c->io_bytes >= SRV_HEAVY_BYTES;
 }
 
+static int engine_room(const srv *s)
+{
+    return s->engine_due + s->nops + RESP_ARGV_MAX < s->cfg.queue_depth;
+}
+
 static int conn_may_parse(srv *s, srv_conn *c)
 {
     if (c->tail_seq - c->head_seq >= s->cfg.pipeline_max) return 0;
@@ -369,7 +374,7 @@ static int conn_may_parse(srv *s, srv_conn *c)
     /* Replies not yet made count too, at the largest reply this client has had so far. */
     uint64_t owed = (uint64_t)(c->tail_seq - c->head_seq) * c->reply_est;
     if (c->out.len - c->out_off + owed >= SRV_CLIENT_OUT_SOFT) return 0;
-    return s->engine_due + s->nops + RESP_ARGV_MAX < s->cfg.queue_depth;
+    return engine_room(s);
 }
 
 static void conn_refuse(srv *s, srv_conn *c, const char *err)
@@ -393,6 +398,10 @@ static void conn_parse(srv *s, srv_conn *c)
         if (!conn_may_parse(s, c)) {
             c->deferred = 1;
             conn_update_events(s, c);
+            if (!engine_room(s) && !c->in_held) {
+                c->in_held = 1; /* retried as soon as completions free engine room */
+                s->held[s->nheld++] = c;
+            }
             return;
         }
         if (s->nops + RESP_ARGV_MAX > IDEM_BATCH_MAX) submit_batch(s);
@@ -457,6 +466,18 @@ static void conn_write(srv *s, srv_conn *c)
     }
     conn_account(s, c);
     conn_update_events(s, c);
+}
+
+/* Connections held back by the full engine queue go on as soon as there is room again. */
+static void retry_held(srv *s)
+{
+    uint32_t n = s->nheld;
+    s->nheld = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        srv_conn *c = s->held[i];
+        c->in_held = 0;
+        if (c->fd >= 0 && c->deferred && !s->draining) conn_parse(s, c);
+    }
 }
 
 static void write_dirty(srv *s)
@@ -856,7 +877,9 @@ static int loop_turn(srv *s, int64_t *last_house)
     submit_batch(s);
     poll_completions(s);
     write_dirty(s);
+    if (s->nheld && engine_room(s)) retry_held(s);
     submit_batch(s);
+    reap_dead(s);
     int64_t now = srv_now_ms();
     if (now - *last_house >= 100 || s->io_used > s->cfg.io_budget_bytes) {
         *last_house = now;
@@ -883,10 +906,11 @@ static int setup_fds(srv *s)
     s->conns_cap = s->cfg.max_clients + s->cfg.max_clients / 4 + 16;
     s->conns = calloc(s->conns_cap, sizeof *s->conns);
     s->dirty = calloc(s->conns_cap, sizeof *s->dirty);
+    s->held = calloc(s->conns_cap, sizeof *s->held);
     s->dead = calloc(s->conns_cap, sizeof *s->dead);
     s->ops = calloc(IDEM_BATCH_MAX, sizeof *s->ops);
     s->comps = calloc(COMPLETIONS_MAX, sizeof *s->comps);
-    return s->conns && s->dirty && s->dead && s->ops && s->comps ? 0 : -1;
+    return s->conns && s->dirty && s->held && s->dead && s->ops && s->comps ? 0 : -1;
 }
 
 static int finish(srv *s, int rc)
@@ -901,6 +925,7 @@ static int finish(srv *s, int rc)
         if (s->conns[i]) conn_free(s, s->conns[i]);
     free(s->conns);
     free(s->dirty);
+    free(s->held);
     free(s->dead);
     free(s->ops);
     free(s->comps);

@@ -45,7 +45,7 @@ static const char usage_text[] =
     "  --io-budget BYTES         input and output buffers of all clients; past it the heaviest\n"
     "                            stop being read (default 1g)\n"
     "  --idle-timeout-ms MS      close connections idle this long (default 0: never)\n"
-    "  --queue-depth N           engine operations in flight (default 2048); at most half\n"
+    "  --queue-depth N           engine operations in flight (default 8192); at most half\n"
     "                            of them may be claims parked by WAIT\n"
     "Other:\n"
     "  --config FILE             read `name value` lines (the flags above, without --)\n"
@@ -203,7 +203,7 @@ static void config_defaults(srv_config *c)
     c->pipeline_max = 1024;
     c->client_output_max = 64ull << 20;
     c->io_budget_bytes = 1ull << 30;
-    c->queue_depth = 2048;
+    c->queue_depth = 8192;
 }
 
 /* Parses argv. Returns 0 to run, 1 after --help/--version, 2 on a usage error. */

@@ -108,6 +108,7 @@ typedef struct srv_conn {
     int dead;                    /* closed; freed when engine_due reaches 0 */
     int paused;                  /* reading stopped by the global budget */
     int deferred;                /* unparsed input waits for pipeline room */
+    int in_held;                 /* on srv.held */
     int in_work, in_dirty;       /* on this turn's lists */
     uint64_t io_bytes;           /* accounted against the global budget */
     int64_t last_write_ms;       /* when a write to the client last made progress */
@@ -137,6 +138,8 @@ typedef struct srv {
     idem_completion *comps;
     srv_conn **work, **dirty;
     uint32_t nwork, ndirty;
+    srv_conn **held;   /* connections held back by the full engine queue, to retry at once */
+    uint32_t nheld;
     int64_t started_ms;
     uint64_t total_connections, total_commands, rejected_connections;
     pthread_t load_thread;
