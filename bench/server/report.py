@@ -223,9 +223,10 @@ def cmd_report(outdir):
     w("| PostgreSQL | %s | table + index (pg_total_relation_size) | %s |" % (fnum(pk), fnum(pg_total, 1)))
     w("| PostgreSQL | %s | heap / primary key index | %s / %s |" % (fnum(pk), fnum(pg_heap, 1), fnum(pg_index, 1)))
     w("")
-    w("Absolute: idemd RSS %s MiB, anonymous %s MiB at the end of the load; Redis RSS %s MiB, "
-      "used_memory %s MiB." % (
+    w("Absolute: idemd RSS %s MiB (file-backed %s MiB: the mapped log segments), anonymous %s MiB "
+      "at the end of the load; Redis RSS %s MiB, used_memory %s MiB." % (
           fnum(float(mem.get("idemd_rss_after", "nan")) / 1048576, 1),
+          fnum(float(mem.get("idemd_rssfile_after", "nan")) / 1048576, 1),
           fnum(float(mem.get("idemd_anon_after", "nan")) / 1048576, 1),
           fnum(float(mem.get("redis_rss_after", "nan")) / 1048576, 1),
           fnum(float(mem.get("redis_used_after", "nan")) / 1048576, 1)))

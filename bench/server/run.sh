@@ -275,6 +275,7 @@ run_idemd() {
                 echo "idemd_anon_before=$a0"; echo "idemd_anon_after=$a1"; echo "idemd_anon_delta=$((a1 - a0))"
                 echo "idemd_rss_before=$r0"; echo "idemd_rss_after=$r1"; echo "idemd_rss_delta=$((r1 - r0))"
                 echo "idemd_memory_bytes=$(info_field "$port" idem memory_bytes)"
+                awk '/^RssFile:/ {print "idemd_rssfile_after=" $2 * 1024}' "/proc/$pid/status"
             } >>"$MEM"
             log "idemd: $k keys, anonymous +$((a1 - a0)) B, RSS +$((r1 - r0)) B"
         fi
