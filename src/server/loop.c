@@ -72,10 +72,11 @@ static void conn_update_events(srv *s, srv_conn *c)
 {
     if (c->fd < 0) return;
     uint32_t ev = 0;
-    /* A connection whose parsing is held back (pipeline full, replies unread, engine queue full)
-     * is not read either: its bytes stay in the socket, so a fast pipeliner waits for its
-     * replies instead of growing its input buffer. */
-    if (!c->paused && !s->draining && !c->close_after_write && !c->deferred) ev |= EPOLLIN;
+    /* A connection whose parsing is held back (pipeline full, engine queue full, over the budget)
+     * is read on only until SRV_IN_HELD_MAX bytes wait unparsed: then its bytes stay in the
+     * socket until it may go on, so no input buffer grows without bound. */
+    int held_full = c->deferred && c->in_len - c->in_start >= SRV_IN_HELD_MAX;
+    if (!c->paused && !s->draining && !c->close_after_write && !held_full) ev |= EPOLLIN;
     if (c->out_off < c->out.len) ev |= EPOLLOUT;
     if (ev == c->epoll_events) return;
     struct epoll_event e = {.events = ev, .data.u64 = TAG_CONN + c->index};
@@ -85,6 +86,7 @@ static void conn_update_events(srv *s, srv_conn *c)
 
 static void conn_free(srv *s, srv_conn *c)
 {
+    s->owed_total -= c->owed; /* replies it was owed will never be made */
     for (uint32_t i = 0; i < c->slot_cap; i++)
         resp_buf_free(&c->slots[i].buf);
     free(c->slots);
@@ -154,6 +156,8 @@ static void conn_new(srv *s, int fd, int is_unix, const char *peer)
     snprintf(c->peer, sizeof c->peer, "%s", peer);
     resp_parser_init(&c->parser, RESP_ARGV_MAX, cmd_arg_max, s);
     resp_buf_init(&c->out, s->cfg.client_output_max);
+    /* Until its replies show their size, a client is owed the largest a reply can be. */
+    c->reply_est = (s->cfg.result_bytes_max ? s->cfg.result_bytes_max : IDEM_RESULT_BYTES_DEFAULT) + 64;
     c->last_active_ms = srv_now_ms();
     s->conns[idx] = c;
     s->nconns++;
@@ -230,6 +234,9 @@ void srv_reply_done(srv *s, srv_conn *c, uint32_t seq)
 {
     srv_slot *sl = slot_of(c, seq);
     sl->state = SLOT_READY;
+    c->owed -= sl->owed; /* the reply exists now: io_used counts it instead */
+    s->owed_total -= sl->owed;
+    sl->owed = 0;
     while (c->head_seq != c->tail_seq && slot_of(c, c->head_seq)->state == SLOT_READY) {
         srv_slot *h = slot_of(c, c->head_seq);
         if (h->buf.len && resp_buf_append(&c->out, h->buf.data, h->buf.len) < 0)
@@ -239,6 +246,7 @@ void srv_reply_done(srv *s, srv_conn *c, uint32_t seq)
         h->state = SLOT_FREE;
         c->head_seq++;
     }
+    conn_account(s, c); /* the budget sees replies as they collect, not only at the next write */
     if (!c->in_dirty && c->fd >= 0) {
         c->in_dirty = 1;
         s->dirty[s->ndirty++] = c;
@@ -370,10 +378,17 @@ static int engine_room(const srv *s)
 static int conn_may_parse(srv *s, srv_conn *c)
 {
     if (c->tail_seq - c->head_seq >= s->cfg.pipeline_max) return 0;
-    if (conn_over_budget(s, c)) return 0; /* no more replies for a heavy client while over */
-    /* Replies not yet made count too, at the largest reply this client has had so far. */
-    uint64_t owed = (uint64_t)(c->tail_seq - c->head_seq) * c->reply_est;
-    if (c->out.len - c->out_off + owed >= SRV_CLIENT_OUT_SOFT) return 0;
+    /* As Redis, a client may pipeline far ahead of reading its replies: they collect in its
+     * output, up to --client-output-max (replies still owed count at the largest reply it has
+     * had). Past half the global budget the allowance shrinks to SRV_OWED_TIGHT, and past the
+     * budget heavy clients are held back altogether. */
+    if (conn_over_budget(s, c)) return 0;
+    uint64_t owed = c->out.len - c->out_off + c->owed;
+    uint64_t pressure = s->io_used + s->owed_total;
+    uint64_t cap = s->cfg.io_budget_bytes && pressure > s->cfg.io_budget_bytes / 2
+                       ? SRV_OWED_TIGHT
+                       : s->cfg.client_output_max;
+    if (cap && owed >= cap) return 0;
     return engine_room(s);
 }
 
@@ -426,6 +441,11 @@ static void conn_parse(srv *s, srv_conn *c)
                 return;
             }
             s->total_commands++;
+            /* Reserve the reply against the budget at the largest reply this client has had. */
+            srv_slot *sl = slot_of(c, seq);
+            sl->owed = (uint32_t)(c->reply_est < UINT32_MAX ? c->reply_est : UINT32_MAX);
+            c->owed += sl->owed;
+            s->owed_total += sl->owed;
             cmd_dispatch(s, c, seq, c->parser.nargs, c->parser.argv, c->parser.argl);
         }
     }
@@ -513,7 +533,9 @@ static void complete_one(srv *s, const idem_completion *cp)
     resp_buf *rb = srv_reply_buf(c, seq);
     size_t before = rb->len;
     int done = cmd_complete(s, c, sl, rb, cp);
-    if (rb->len > before && rb->len - before > c->reply_est) c->reply_est = rb->len - before;
+    /* The estimate follows the largest recent reply: it rises at once and decays slowly. */
+    size_t got = rb->len > before ? rb->len - before : 0;
+    c->reply_est = got > c->reply_est - c->reply_est / 16 ? got : c->reply_est - c->reply_est / 16;
     if (done) srv_reply_done(s, c, seq);
 }
 

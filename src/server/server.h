@@ -26,9 +26,10 @@
 #define SRV_PASSWORD_MAX    256
 #define SRV_IN_BUF_MAX      (2u * RESP_BULK_PROTO_MAX + 65536u) /* a whole request must fit */
 #define SRV_READ_CHUNK      65536u
-#define SRV_CLIENT_OUT_SOFT (1u << 20) /* no more requests are parsed while out holds this */
 #define SRV_STALL_MS        2000 /* over the io budget, a reader this slow is closed */
 #define SRV_HEAVY_BYTES     (256u * 1024) /* over the budget, clients above this are held back */
+#define SRV_IN_HELD_MAX     (256u * 1024) /* unparsed input kept for a held-back client */
+#define SRV_OWED_TIGHT      (1u << 20)    /* replies a client may be owed under memory pressure */
 
 enum srv_role { ROLE_NONE = 0, ROLE_WORKER = 1, ROLE_READER = 2, ROLE_ADMIN = 4 };
 
@@ -82,6 +83,7 @@ typedef struct srv_slot {
     uint8_t is_wait;
     uint32_t remaining; /* engine completions still due (EXISTS with several keys) */
     int64_t acc;        /* EXISTS: keys found so far */
+    uint32_t owed;      /* reply bytes reserved for it against the budget until it is made */
     resp_buf buf;       /* the reply, when it cannot go to `out` yet */
 } srv_slot;
 
@@ -112,7 +114,8 @@ typedef struct srv_conn {
     int in_work, in_dirty;       /* on this turn's lists */
     uint64_t io_bytes;           /* accounted against the global budget */
     int64_t last_write_ms;       /* when a write to the client last made progress */
-    size_t reply_est;            /* the largest engine reply this client has had */
+    size_t reply_est;            /* the size of its large recent replies (decays slowly) */
+    uint64_t owed;               /* reply bytes reserved for its requests not yet answered */
     int64_t last_active_ms;
     uint32_t epoll_events;
 } srv_conn;
@@ -130,6 +133,7 @@ typedef struct srv {
     uint32_t conns_cap, nconns, nlive;
     uint64_t next_id;
     uint64_t io_used;
+    uint64_t owed_total; /* reply bytes reserved for requests not yet answered, all clients */
     uint32_t engine_due; /* all connections */
     uint32_t wait_due;   /* of which claims parked with WAIT */
     idem_op *ops;        /* this turn's batch */
