@@ -107,6 +107,8 @@ struct io_file {
 
 struct io_sim {
     pthread_mutex_t mu;
+    pthread_cond_t held_cond; /* io_sim_hold: completions wait while held */
+    int held;
     uint64_t rng;
     uint64_t epoch;
     uint64_t seq;
@@ -915,6 +917,9 @@ static int sim_wait(struct io *io, struct io_completion *out, int max, int min)
     struct sim_io *h = sim_io_of(io);
     struct io_sim *sim = h->sim;
     sim_lock(sim);
+    /* io_sim_hold: a disk that has not answered yet (min 0 is a poll and returns at once). */
+    while (sim->held && min > 0)
+        pthread_cond_wait(&sim->held_cond, &sim->mu);
     uint64_t queued = h->tail - h->head;
     int n = 0;
     if (sim_stale(h, NULL))
@@ -981,6 +986,7 @@ int io_sim_create(uint64_t seed, struct io_sim **out)
         free(sim);
         return -rc;
     }
+    pthread_cond_init(&sim->held_cond, NULL);
     sim->rng = seed;
     *out = sim;
     return 0;
@@ -1008,8 +1014,18 @@ void io_sim_destroy(struct io_sim *sim)
     free(sim->dir_ops);
     free(sim->cur_ns.v);
     free(sim->dur_ns.v);
+    pthread_cond_destroy(&sim->held_cond);
     pthread_mutex_destroy(&sim->mu);
     free(sim);
+}
+
+void io_sim_hold(struct io_sim *sim, int hold)
+{
+    sim_lock(sim);
+    sim->held = hold;
+    if (!hold)
+        pthread_cond_broadcast(&sim->held_cond);
+    sim_unlock(sim);
 }
 
 struct io *io_sim_io(struct io_sim *sim)

@@ -62,4 +62,8 @@ int io_sim_corrupt(struct io_sim *sim, const char *path, uint64_t off, uint8_t x
 /* Reads a file's current content (for tests); returns bytes or -ENOENT. */
 int64_t io_sim_read_file(struct io_sim *sim, const char *path, void *buf, size_t len);
 
+/* While hold is nonzero, completions are not delivered (waits block): a flush that has been
+ * submitted but has not finished, for tests of what may be answered meanwhile. */
+void io_sim_hold(struct io_sim *sim, int hold);
+
 #endif /* IDEM_IO_SIM_H */
