@@ -406,6 +406,51 @@ Test(server, attention_lists_what_needs_a_person, .init = start)
     redisFree(admin);
 }
 
+static int metrics_port;
+
+static void start_metrics(void)
+{
+    static char listen[32];
+    metrics_port = free_port();
+    snprintf(listen, sizeof listen, "127.0.0.1:%d", metrics_port);
+    const char *extra[] = {"--metrics-listen", listen, NULL};
+    start_with(extra);
+}
+
+/* An HTTP GET of the metrics endpoint; returns the whole response in buf. */
+static void scrape(char *buf, size_t cap)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)metrics_port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    const char req[] = "GET /metrics HTTP/1.1\r\nHost: localhost\r\n\r\n";
+    cr_assert_eq(write(fd, req, sizeof req - 1), (ssize_t)(sizeof req - 1));
+    size_t len = 0;
+    ssize_t n;
+    while (len + 1 < cap && (n = read(fd, buf + len, cap - 1 - len)) > 0)
+        len += (size_t)n;
+    buf[len] = 0;
+    close(fd);
+}
+
+Test(server, prometheus_endpoint_counts_outcomes_and_flushes, .init = start_metrics)
+{
+    redisContext *c = connect_tcp();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM m 60000 1000"), &tok), "new");
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM m 60000 1000"), NULL), "busy");
+    static char body[1 << 16];
+    scrape(body, sizeof body);
+    cr_assert(strstr(body, "200 OK"), "%.200s", body);
+    cr_assert(strstr(body, "\nidem_claims_new_total 1\n"), "%s", body);
+    cr_assert(strstr(body, "\nidem_claims_busy_total 1\n"), "%s", body);
+    cr_assert(strstr(body, "# TYPE idem_flush_latency_us histogram"), "%s", body);
+    cr_assert(strstr(body, "idem_flush_latency_us_bucket{le=\"+Inf\"}"), "%s", body);
+    cr_assert(strstr(body, "\nidem_keys_in_flight 1\n"), "%s", body);
+    redisFree(c);
+}
+
 static void start_noclock(void)
 {
     with_test_clock = 0;
