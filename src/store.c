@@ -10,6 +10,7 @@
 #include "store.h"
 
 #include <errno.h>
+#include <stddef.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -900,7 +901,8 @@ static struct qslot *slot_take(idem_queue *q)
     sl->seq = q->seq_next++;
     sl->need_lsn = 0;
     sl->buf_used = 0;
-    memset(&sl->c, 0, sizeof sl->c);
+    /* The record part is filled (whole) only when found is set: zero the rest. */
+    memset(&sl->c, 0, offsetof(idem_completion, record));
     /* Append to the list of outstanding slots, in submission order. */
     sl->lnext = NULL;
     sl->lprev = q->tail;
