@@ -2,7 +2,7 @@
  * mkstore.c: creates an empty idem store with a chosen WAL segment size, for tests that need
  * small segments (idemd has no flag for it; a store keeps the segment size it was created with,
  * so idemd started on this directory uses it). Usage: mkstore DIR SEGMENT_BYTES
- * Built by tests/scripts/test_diskfull.sh against build/libidem.a.
+ * Built by CMake as idem-mkstore (with the build's flags: sanitizers included).
  */
 #include <stdio.h>
 #include <stdlib.h>
