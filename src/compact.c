@@ -26,6 +26,29 @@
 #define STORE_CMP_SLACK_SEGS      2
 #define STORE_CKPT_EVERY_SEGS     8
 
+/* The largest expires_at_ms of the records in a segment whose horizon is not known (segments
+ * written before the last open): one read-only pass over its frames, no copy. */
+static int64_t segment_horizon(idem_store *s, uint64_t seq)
+{
+    int64_t *m = &s->seg_max_exp[seq % WAL_SEG_SLOTS];
+    if (*m != SEG_EXP_UNKNOWN)
+        return *m;
+    int64_t max = SEG_EXP_EMPTY;
+    uint32_t off = WAL_BLOCK;
+    struct wal_frame f;
+    int more;
+    while ((more = wal_seg_next(s->wal, seq, &off, &f)) == 1) {
+        if (f.type == WAL_T_RECORD && f.payload_len >= REC_FIXED_BYTES) {
+            int64_t exp = (int64_t)util_get_u64(f.payload + 24);
+            if (exp > max)
+                max = exp;
+        }
+    }
+    /* A broken chain: let the compaction walk meet it and report it. */
+    *m = more < 0 ? SEG_EXP_EMPTY : max;
+    return *m;
+}
+
 static int head_wanted(idem_store *s, uint64_t head)
 {
     if (!wal_seg_durable(s->wal, head, s->durable_lsn))
@@ -35,7 +58,7 @@ static int head_wanted(idem_store *s, uint64_t head)
     uint64_t seg = s->opt.segment_bytes;
     if (wal_bytes(s->wal) > 2 * s->live_bytes + STORE_CMP_SLACK_SEGS * seg)
         return 1;
-    return s->seg_max_exp[head % WAL_SEG_SLOTS] <= store_now(s);
+    return segment_horizon(s, head) <= store_now(s);
 }
 
 int compact_wants_checkpoint(const idem_store *s)
@@ -61,7 +84,7 @@ static int retire(idem_store *s)
     rc = wal_retire(s->wal, s->cmp_seq);
     if (rc < 0)
         return rc;
-    s->seg_max_exp[s->cmp_seq % WAL_SEG_SLOTS] = INT64_MIN;
+    s->seg_max_exp[s->cmp_seq % WAL_SEG_SLOTS] = SEG_EXP_UNKNOWN;
     s->cmp_seq = 0;
     s->cmp_done = 0;
     s->st.compactions++;

@@ -288,6 +288,8 @@ static void flusher_maintain(idem_store *s)
     int64_t mono = mono_now(s);
     if (wal_spare_needed(s->wal) && (!s->spare_failed_mono_ms || mono - s->spare_failed_mono_ms >= 1000)) {
         int rc = wal_spare_create(s->wal);
+        if (rc == 0)
+            s->seg_max_exp[(wal_cur_seq(s->wal) + 1) % WAL_SEG_SLOTS] = SEG_EXP_EMPTY;
         if (rc == IDEM_EFULL) {
             if (!s->spare_failed_mono_ms)
                 fprintf(stderr, "idem: event=full reason=\"no space for the next log segment\" dir=%s\n", s->dir);
@@ -444,6 +446,7 @@ static int store_init_new(idem_store *s)
     int rc = wal_init_new(s->wal);
     if (rc < 0)
         return rc;
+    s->seg_max_exp[1] = SEG_EXP_EMPTY;
     return super_store(s->io, s->dir, sb);
 }
 
@@ -576,6 +579,8 @@ static int store_start(idem_store *s)
     rc = reserve_tokens(s);
     if (rc == 0 && wal_spare_create(s->wal) == IDEM_EFATAL)
         rc = IDEM_EFATAL;
+    if (rc == 0)
+        s->seg_max_exp[(wal_cur_seq(s->wal) + 1) % WAL_SEG_SLOTS] = SEG_EXP_EMPTY;
     if (rc < 0)
         return rc;
     if (pthread_create(&s->flusher, NULL, flusher_main, s) != 0)
@@ -650,9 +655,9 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
         rc = IDEM_ENOMEM;
         goto fail;
     }
-    /* Unknown horizons (segments before the checkpoint) look expired: each is compacted once. */
+    /* Horizons of segments written before this open are measured when they reach the head. */
     for (uint32_t i = 0; i < WAL_SEG_SLOTS; i++)
-        s->seg_max_exp[i] = INT64_MIN;
+        s->seg_max_exp[i] = SEG_EXP_UNKNOWN;
     rc = wal_create(io, dir, s->opt.segment_bytes, &s->wal);
     if (rc == 0)
         rc = index_create(s->opt.max_keys, &s->ix) < 0 ? IDEM_ENOMEM : 0;

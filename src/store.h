@@ -23,6 +23,8 @@
 #define STORE_TOKEN_BLOCK (1u << 20) /* tokens reserved per superblock write */
 #define STORE_BATCH_FLUSH_MS 10      /* batch mode: flush at least this often */
 #define STORE_SLEW_PER_S_MS 100      /* the store clock follows the wall clock by <= 10% */
+#define SEG_EXP_UNKNOWN INT64_MIN       /* segment expiry horizon not known (compact.c) */
+#define SEG_EXP_EMPTY   (INT64_MIN + 1) /* known: no record written there yet */
 
 enum slot_state { SLOT_FREE = 0, SLOT_DONE = 1, SLOT_PARKED = 2, SLOT_RETURNED = 3 };
 
@@ -150,7 +152,7 @@ struct idem_store {
     /* Space: bytes of the frames the index points to; per segment slot, the largest
      * expires_at_ms of the frames written there (INT64_MAX: unknown). */
     uint64_t live_bytes;
-    int64_t *seg_max_exp;
+    int64_t *seg_max_exp; /* SEG_EXP_UNKNOWN: written before this open, not measured yet */
     /* Compaction of the oldest segment (compact.c). */
     uint64_t cmp_seq;      /* segment being compacted, 0: none */
     uint32_t cmp_off;      /* next frame in it */

@@ -1,0 +1,178 @@
+/*
+ * bench_restart.c: how long a store of N keys takes to open after a clean shutdown and after a
+ * crash, and how long the operator's attention view takes on it (it must not scan the keys).
+ *
+ * Builds a store of N committed keys (default 10 M) plus 100 in_flight records whose lease ran
+ * out and 10 review records, through the batch form; closes it (clean: a checkpoint); reopens
+ * and times the open and idem_attention. Then the same after a crash: the store is reopened,
+ * 1 % more keys are written, and the process abandons it without closing (a child killed with
+ * SIGKILL), so the next open replays the log since the last checkpoint. The page cache is not
+ * dropped (that needs privileges the benchmark should not assume): "cold" figures are not
+ * measured here. One line per figure:
+ *   bench restart-clean keys=N open_ms=.. attention_ms=.. listed=..
+ *   bench restart-crash keys=N open_ms=.. frames_replayed=..
+ * Usage: idem-bench-restart [--keys N] [--dir DIR]
+ */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "idem.h"
+
+static double now_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e3 + ts.tv_nsec / 1e6;
+}
+
+static void die(const char *what, int rc)
+{
+    fprintf(stderr, "bench_restart: %s: %s (%s)\n", what, idem_strerror(rc), idem_last_error());
+    exit(1);
+}
+
+/* Claims (and commits, unless leave_open) keys [from, to) through batches. */
+static void write_keys(idem_store *s, uint64_t from, uint64_t to, int leave_open, uint64_t lease)
+{
+    idem_queue *q;
+    int rc = idem_queue_open(s, 8192, &q);
+    if (rc)
+        die("queue", rc);
+    enum { B = 4096 };
+    static idem_op ops[B];
+    static char keys[B][24];
+    static idem_completion comps[B];
+    for (uint64_t base = from; base < to; base += B) {
+        uint32_t n = (uint32_t)(to - base < B ? to - base : B);
+        for (uint32_t i = 0; i < n; i++) {
+            int len = snprintf(keys[i], sizeof keys[i], "key-%010llu", (unsigned long long)(base + i));
+            ops[i] = (idem_op){.key = keys[i], .key_len = (uint32_t)len, .ttl_ms = 86400000};
+            if (leave_open) {
+                ops[i].kind = IDEM_OP_CLAIM;
+                ops[i].lease_ms = lease;
+            } else {
+                ops[i].kind = IDEM_OP_SET_IF_ABSENT;
+                ops[i].data = "invoice";
+                ops[i].data_len = 7;
+            }
+        }
+        uint32_t sent = 0, got = 0;
+        while (got < n) {
+            if (sent < n) {
+                int k = idem_submit(q, ops + sent, n - sent);
+                if (k < 0)
+                    die("submit", k);
+                sent += (uint32_t)k;
+            }
+            int m = idem_poll(q, comps, B, -1);
+            if (m < 0)
+                die("poll", m);
+            for (int i = 0; i < m; i++)
+                if (comps[i].err)
+                    die("write", comps[i].err);
+            got += (uint32_t)m;
+        }
+    }
+    idem_queue_close(q);
+}
+
+int main(int argc, char **argv)
+{
+    uint64_t keys = 10000000;
+    char dir[4096] = "";
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--keys") && i + 1 < argc)
+            keys = strtoull(argv[++i], NULL, 0);
+        else if (!strcmp(argv[i], "--dir") && i + 1 < argc)
+            snprintf(dir, sizeof dir, "%s", argv[++i]);
+        else {
+            fprintf(stderr, "usage: idem-bench-restart [--keys N] [--dir DIR]\n");
+            return 2;
+        }
+    }
+    int own_dir = !*dir;
+    if (own_dir) {
+        snprintf(dir, sizeof dir, "/tmp/idem-bench-restart-XXXXXX");
+        if (!mkdtemp(dir))
+            return 1;
+        rmdir(dir);
+    }
+    idem_store *s;
+    idem_options o;
+    idem_options_init(&o);
+    int rc = idem_open(dir, &o, &s);
+    if (rc)
+        die("open", rc);
+    write_keys(s, 0, keys, 0, 0);
+    write_keys(s, keys, keys + 100, 1, 1);      /* leases of 1 ms: run out at once */
+    write_keys(s, keys + 100, keys + 110, 1, 60000);
+    idem_queue *q;
+    if ((rc = idem_queue_open(s, 4, &q)))
+        die("queue", rc);
+    for (uint64_t k = keys + 100; k < keys + 110; k++) {
+        char key[24];
+        idem_completion c;
+        int len = snprintf(key, sizeof key, "key-%010llu", (unsigned long long)k);
+        if ((rc = idem_get(q, key, (size_t)len, &c)) || !c.found)
+            die("get", rc);
+        if ((rc = idem_hold(q, key, (size_t)len, c.record.token, "target timed out", 16)))
+            die("hold", rc);
+    }
+    idem_queue_close(q);
+    usleep(5000);
+    if ((rc = idem_close(s)))
+        die("close", rc);
+
+    double t0 = now_ms();
+    if ((rc = idem_open(dir, &o, &s)))
+        die("reopen", rc);
+    double t1 = now_ms();
+    if ((rc = idem_queue_open(s, 4, &q)))
+        die("queue", rc);
+    idem_attention_args a = {.max = 100000};
+    const idem_record *recs;
+    size_t n;
+    double t2 = now_ms();
+    if ((rc = idem_attention(q, &a, &recs, &n)))
+        die("attention", rc);
+    double t3 = now_ms();
+    printf("bench restart-clean keys=%llu open_ms=%.1f attention_ms=%.2f listed=%zu\n",
+           (unsigned long long)keys, t1 - t0, t3 - t2, n);
+    idem_queue_close(q);
+
+    /* A crash: a child writes 1 % more keys and is killed without closing. */
+    if ((rc = idem_close(s)))
+        die("close", rc);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        idem_store *c;
+        if (idem_open(dir, &o, &c))
+            _exit(3);
+        write_keys(c, keys + 110, keys + 110 + keys / 100, 0, 0);
+        idem_sync(c);
+        kill(getpid(), SIGKILL);
+    }
+    waitpid(pid, NULL, 0);
+    t0 = now_ms();
+    if ((rc = idem_open(dir, &o, &s)))
+        die("reopen after crash", rc);
+    t1 = now_ms();
+    idem_stats st;
+    idem_get_stats(s, &st);
+    printf("bench restart-crash keys=%llu open_ms=%.1f frames_replayed=%llu\n",
+           (unsigned long long)st.keys, t1 - t0, (unsigned long long)st.frames_replayed);
+    idem_close(s);
+    if (own_dir) {
+        char cmd[4200];
+        snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+        if (system(cmd) != 0)
+            fprintf(stderr, "bench_restart: could not remove %s\n", dir);
+    }
+    return 0;
+}
