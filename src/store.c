@@ -493,6 +493,15 @@ static int store_recover(idem_store *s)
         return rc;
     }
     if (s->sb.ckpt_id) {
+        /* Size the index for the checkpoint at once: no growth while it loads. */
+        uint64_t count = ckpt_count(s->io, s->dir, s->sb.ckpt_id);
+        if (count > s->opt.max_keys && count < (UINT64_C(1) << 34)) {
+            struct index *ix;
+            if (index_create(count + count / 8, &ix) == 0) {
+                index_destroy(s->ix);
+                s->ix = ix;
+            }
+        }
         rc = ckpt_load(s->io, s->dir, s->sb.ckpt_id, ckpt_entry_load, s, err, sizeof err);
         if (rc < 0) {
             store_set_error("%s", err);

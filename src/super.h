@@ -82,6 +82,9 @@ int ckpt_add(struct ckpt_writer *cw, const struct ckpt_entry *e);
 /* Writes the trailer, flushes the file and syncs the directory; frees cw either way. */
 int ckpt_end(struct ckpt_writer *cw);
 void ckpt_abort(struct ckpt_writer *cw);
+/* The entry count a checkpoint's trailer claims (0 if unreadable): a sizing hint only, checked
+ * by ckpt_load. */
+uint64_t ckpt_count(struct io *io, const char *dir, uint64_t id);
 /* Reads checkpoint id, checking every checksum; calls fn per entry. */
 int ckpt_load(struct io *io, const char *dir, uint64_t id,
               int (*fn)(void *ctx, const struct ckpt_entry *e), void *ctx, char *err,
