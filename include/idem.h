@@ -385,6 +385,8 @@ typedef struct idem_stats {
     uint64_t store_generation;     /* 1 at creation; bumped by every restore and import */
     uint64_t keys_with_mismatch;   /* records whose mismatch_count > 0 */
     uint64_t frames_replayed;      /* at the last open */
+    uint64_t claims_last_minute;   /* claims (and SET NX) answered in the last 60 s of elapsed time */
+    uint64_t duplicates_last_minute; /* of which not `new`: the duplicate ratio's numerator */
     uint64_t open_ms;              /* how long the last open took */
 } idem_stats;
 

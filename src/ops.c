@@ -882,13 +882,19 @@ void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op)
     case IDEM_OP_CLAIM:
         if (op_claim(s, sl, op, 0))
             park(s, sl, op);
+        else if (sl->c.err == 0)
+            store_count_claim(s, sl->c.outcome);
         break;
     case IDEM_OP_COMMIT: op_commit(s, sl, op); break;
     case IDEM_OP_RELEASE: op_release(s, sl, op); break;
     case IDEM_OP_HOLD: op_hold(s, sl, op); break;
     case IDEM_OP_EXTEND: op_extend(s, sl, op); break;
     case IDEM_OP_GET: op_get(s, sl, op); break;
-    case IDEM_OP_SET_IF_ABSENT: op_set(s, sl, op); break;
+    case IDEM_OP_SET_IF_ABSENT:
+        op_set(s, sl, op);
+        if (sl->c.err == 0)
+            store_count_claim(s, sl->c.outcome);
+        break;
     case IDEM_OP_DEL: op_del(s, sl, op); break;
     case IDEM_OP_RESOLVE: op_resolve(s, sl, op); break;
     case IDEM_OP_SYNC: sl->need_lsn = wal_last_lsn(s->wal); break;

@@ -1233,6 +1233,18 @@ int idem_scan(idem_queue *q, const idem_scan_args *a, uint64_t *next_cursor, con
 
 /* ---- Stats ---- */
 
+void store_count_claim(idem_store *s, int outcome)
+{
+    int64_t sec = mono_now(s) / 1000;
+    int i = (int)(sec % 60);
+    if (s->minute[i].second != sec) {
+        s->minute[i].second = sec;
+        s->minute[i].claims = s->minute[i].duplicates = 0;
+    }
+    s->minute[i].claims++;
+    s->minute[i].duplicates += outcome != IDEM_NEW;
+}
+
 void idem_get_stats(idem_store *s, idem_stats *out)
 {
     pthread_mutex_lock(&s->mu);
@@ -1247,6 +1259,13 @@ void idem_get_stats(idem_store *s, idem_stats *out)
     out->max_memory_bytes = s->opt.max_memory_bytes;
     out->max_disk_bytes = s->opt.max_disk_bytes;
     out->fatal = s->fatal;
+    int64_t sec = mono_now(s) / 1000;
+    for (int i = 0; i < 60; i++) {
+        if (sec - s->minute[i].second < 60) {
+            out->claims_last_minute += s->minute[i].claims;
+            out->duplicates_last_minute += s->minute[i].duplicates;
+        }
+    }
     out->oldest_in_flight_ms = ages_oldest(s, AGE_IN_FLIGHT);
     out->oldest_review_ms = ages_oldest(s, AGE_REVIEW);
     out->store_generation = s->sb.store_generation;

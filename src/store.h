@@ -149,6 +149,11 @@ struct idem_store {
     uint8_t *scratch;
     size_t scratch_cap;
     idem_stats st;
+    /* Claims per second of elapsed time over the last minute (ring of 60, by monotonic second). */
+    struct {
+        int64_t second;
+        uint32_t claims, duplicates;
+    } minute[60];
     /* Space: bytes of the frames the index points to; per segment slot, the largest
      * expires_at_ms of the frames written there (INT64_MAX: unknown). */
     uint64_t live_bytes;
@@ -199,6 +204,9 @@ void store_kick(idem_store *s);
 void *qslot_reserve(struct qslot *sl, size_t len);
 /* Copies bytes into the slot's buffer; returns the copy (NULL on ENOMEM). */
 const void *qslot_copy(struct qslot *sl, const void *p, size_t len);
+
+/* Counts one claim answer (outcome) in the last-minute ring. */
+void store_count_claim(idem_store *s, int outcome);
 
 /* ---- ops.c ---- */
 /* Applies op under mu; fills sl->c and sl->need_lsn, or parks the slot (WAIT). */

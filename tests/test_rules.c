@@ -2549,6 +2549,21 @@ Test(stats, counters_by_outcome_and_keys_by_state)
     cr_assert_eq(a.store_clock_ms, t0 + LEASE);
 }
 
+Test(stats, last_minute_counts_claims_and_duplicates)
+{
+    idem_stats b = stats();
+    int64_t t = claim_new("a");                /* new */
+    expect_outcome(claim("a"), IDEM_BUSY);    /* duplicate */
+    commit_ok("a", t, "r");
+    expect_outcome(claim("a"), IDEM_DONE);    /* duplicate */
+    idem_completion c;
+    expect_rc(idem_set_if_absent(g_q, "s", 1, "v", 1, 60000, 0, &c), IDEM_OK); /* new */
+    expect_rc(idem_set_if_absent(g_q, "s", 1, "v", 1, 60000, 0, &c), IDEM_OK); /* duplicate */
+    idem_stats a = stats();
+    cr_assert_eq(a.claims_last_minute - b.claims_last_minute, 5);
+    cr_assert_eq(a.duplicates_last_minute - b.duplicates_last_minute, 3);
+}
+
 Test(stats, empty_store_has_no_oldest_records)
 {
     idem_stats a = stats();

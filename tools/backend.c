@@ -399,6 +399,8 @@ static const struct {
     STAT_U(keys_with_mismatch),
     STAT_U(frames_replayed),
     STAT_U(open_ms),
+    STAT_U(claims_last_minute),
+    STAT_U(duplicates_last_minute),
 };
 
 static void stat_set(struct ctl_stats *st, const char *name, int64_t v)
@@ -411,6 +413,7 @@ static void stat_set(struct ctl_stats *st, const char *name, int64_t v)
         else
             memcpy(p, &v, 8);
         if (strcmp(name, "keys_with_mismatch") == 0) st->has_keys_with_mismatch = 1;
+        if (strcmp(name, "claims_last_minute") == 0) st->has_last_minute = 1;
         return;
     }
     int b;
@@ -428,7 +431,7 @@ int ctl_stats(struct ctl *c, struct ctl_stats *st)
     st->connected_clients = -1;
     if (!c->online) {
         idem_get_stats(c->s, &st->s);
-        st->has_buckets = st->has_keys_with_mismatch = 1;
+        st->has_buckets = st->has_keys_with_mismatch = st->has_last_minute = 1;
         return 0;
     }
     const char *argv[1] = {"IDEM.STATS"};

@@ -73,6 +73,7 @@ struct ctl_stats {
     idem_stats s;
     int has_buckets;            /* flush latency histogram known */
     int has_keys_with_mismatch; /* otherwise the mismatches counter is what is known */
+    int has_last_minute;        /* claims_last_minute and duplicates_last_minute known */
     int64_t connected_clients;  /* -1 offline */
 };
 

@@ -65,6 +65,8 @@ int cmd_stats_list(srv *s, cmd_stat *out, int max)
     for (int i = 0; i < 16; i++) /* bucket i: flushes under 2^(i+4) us; the last: the rest */
         STAT(buckets[i], st.flush_latency_us_buckets[i]);
     STAT("keys_with_mismatch", st.keys_with_mismatch);
+    STAT("claims_last_minute", st.claims_last_minute);
+    STAT("duplicates_last_minute", st.duplicates_last_minute);
     STAT("store_generation", st.store_generation);
     STAT("clock_skew_ms", st.clock_skew_ms);
     STAT("store_clock_ms", st.store_clock_ms);
