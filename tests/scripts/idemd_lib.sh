@@ -64,6 +64,9 @@ start_idemd() {
     local name=$1 dir=$2 port=$3
     shift 3
     touch "$T/$name.log"
+    # Ready lines already in the log are an earlier start's: wait for one more.
+    local ready_before
+    ready_before=$(grep -c 'event=ready' "$T/$name.log")
     "$IDEMD" --dir "$dir" --port "$port" "$@" >>"$T/$name.log" 2>&1 &
     IDEMD_PID=$!
     IDEM_PIDS+=("$IDEMD_PID")
@@ -74,9 +77,7 @@ start_idemd() {
             tail -5 "$T/$name.log"
             return 1
         fi
-        # one ready line per start: count them against the starts of this name
-        if [ "$(grep -c 'event=ready' "$T/$name.log")" -ge "$(grep -c 'event=start ' "$T/$name.log")" ] &&
-            grep -q 'event=ready' "$T/$name.log"; then
+        if [ "$(grep -c 'event=ready' "$T/$name.log")" -gt "$ready_before" ]; then
             return 0
         fi
         sleep 0.1
