@@ -54,8 +54,7 @@ static void super_encode(const struct super *sb, uint8_t *p)
     util_put_u64(p + SUPER_CKSUM, XXH3_64bits(p, SUPER_CKSUM));
 }
 
-/* 1: valid and decoded; 0: invalid checksum or magic; IDEM_EVERSION: valid but unknown. */
-static int super_decode(const uint8_t *p, struct super *sb)
+int super_decode(const uint8_t *p, struct super *sb)
 {
     if (memcmp(p, SUPER_MAGIC, 8) || util_get_u64(p + SUPER_CKSUM) != XXH3_64bits(p, SUPER_CKSUM))
         return 0;

@@ -50,6 +50,9 @@ struct super {
     uint64_t ckpt_keys_by_state[3];
 };
 
+/* Decodes one 4 KiB copy: 1 when valid (sb filled), 0 when it fails its checksum or magic,
+ * IDEM_EVERSION when valid but of an unknown format or features. */
+int super_decode(const uint8_t *p, struct super *sb);
 /* Loads the newest valid copy. IDEM_ENOTFOUND: no superblock file (a new store);
  * IDEM_ECORRUPT: neither copy valid; IDEM_EVERSION: unknown format or features. err gets a
  * sentence on failure. */

@@ -44,7 +44,6 @@
 
 /* Format details private to super.c, wal.c and audit.c (documented in their file heads). */
 #define V_SUPER_BLOCK   4096u
-#define V_SUPER_CKSUM   4088u
 #define V_WAL_FORMAT    1u
 #define V_WAL_OFF_BITS  26u
 #define V_CKPT_ENTRY    32u
@@ -191,28 +190,8 @@ static int verify_lock(const char *dir, int *fd_out)
 /* 1: valid (sb filled); 0: fails its checksum or magic; -1: valid but unknown format. */
 static int super_copy_decode(const uint8_t *p, struct super *sb)
 {
-    if (memcmp(p, "IDEMSUPR", 8) ||
-        util_get_u64(p + V_SUPER_CKSUM) != XXH3_64bits(p, V_SUPER_CKSUM))
-        return 0;
-    if (util_get_u32(p + 8) != SUPER_FORMAT || util_get_u32(p + 12) != 0) return -1;
-    sb->generation = util_get_u64(p + 16);
-    memcpy(sb->store_id, p + 24, 16);
-    sb->hash_seed = util_get_u64(p + 40);
-    sb->token_reserved = util_get_u64(p + 48);
-    sb->wal_first_seq = util_get_u64(p + 56);
-    sb->ckpt_id = util_get_u64(p + 64);
-    sb->ckpt_seq = util_get_u64(p + 72);
-    sb->ckpt_off = util_get_u32(p + 80);
-    sb->seg_bytes = util_get_u32(p + 84);
-    sb->ckpt_lsn = util_get_u64(p + 88);
-    sb->ckpt_batch = util_get_u64(p + 96);
-    sb->store_clock_ms = (int64_t)util_get_u64(p + 104);
-    sb->created_ms = (int64_t)util_get_u64(p + 112);
-    sb->store_generation = util_get_u64(p + 120);
-    sb->ckpt_live_bytes = util_get_u64(p + 128);
-    for (int i = 0; i < 3; i++)
-        sb->ckpt_keys_by_state[i] = util_get_u64(p + 136 + 8 * i);
-    return 1;
+    int rc = super_decode(p, sb);
+    return rc == IDEM_EVERSION ? -1 : rc;
 }
 
 static int super_fields_ok(struct vctx *v, const struct super *sb)
