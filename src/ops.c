@@ -636,17 +636,24 @@ static void op_commit(idem_store *s, struct qslot *sl, const idem_op *op)
         ops_wake(s, op->key, op->key_len);
 }
 
+/* owner_lookup for calls that need the caller to own a running claim (release, extend). */
+static struct index_slot *owner_in_flight(idem_store *s, struct qslot *sl, const idem_op *op,
+                                          struct rec *r, int64_t now)
+{
+    struct index_slot *slot = owner_lookup(s, sl, op, r, now);
+    if (slot && (r->token != op->token || r->state != IDEM_STATE_IN_FLIGHT)) {
+        sl->c.err = IDEM_ESTALE;
+        return NULL;
+    }
+    return slot;
+}
+
 static void op_release(idem_store *s, struct qslot *sl, const idem_op *op)
 {
-    int64_t now = store_now(s);
     struct rec r;
-    struct index_slot *slot = owner_lookup(s, sl, op, &r, now);
+    struct index_slot *slot = owner_in_flight(s, sl, op, &r, store_now(s));
     if (!slot)
         return;
-    if (r.token != op->token || r.state != IDEM_STATE_IN_FLIGHT) {
-        sl->c.err = IDEM_ESTALE;
-        return;
-    }
     sl->c.err = write_delete(s, slot, r.state, op->key, op->key_len, &sl->need_lsn);
     if (sl->c.err == 0)
         ops_wake(s, op->key, op->key_len);
@@ -678,13 +685,9 @@ static void op_extend(idem_store *s, struct qslot *sl, const idem_op *op)
 {
     int64_t now = store_now(s);
     struct rec r;
-    struct index_slot *slot = owner_lookup(s, sl, op, &r, now);
+    struct index_slot *slot = owner_in_flight(s, sl, op, &r, now);
     if (!slot)
         return;
-    if (r.token != op->token || r.state != IDEM_STATE_IN_FLIGHT) {
-        sl->c.err = IDEM_ESTALE;
-        return;
-    }
     r.lease_until_ms = now + (int64_t)op->lease_ms;
     sl->c.err = write_version(s, slot, r.state, &r, r.key, r.owner, r.note, NULL, 0,
                               &sl->need_lsn);
