@@ -41,8 +41,7 @@ static void write_keys(idem_store *s, uint64_t from, uint64_t to, int leave_open
 {
     idem_queue *q;
     int rc = idem_queue_open(s, 8192, &q);
-    if (rc)
-        die("queue", rc);
+    if (rc) die("queue", rc);
     enum { B = 4096 };
     static idem_op ops[B];
     static char keys[B][24];
@@ -50,7 +49,8 @@ static void write_keys(idem_store *s, uint64_t from, uint64_t to, int leave_open
     for (uint64_t base = from; base < to; base += B) {
         uint32_t n = (uint32_t)(to - base < B ? to - base : B);
         for (uint32_t i = 0; i < n; i++) {
-            int len = snprintf(keys[i], sizeof keys[i], "key-%010llu", (unsigned long long)(base + i));
+            int len =
+                snprintf(keys[i], sizeof keys[i], "key-%010llu", (unsigned long long)(base + i));
             ops[i] = (idem_op){.key = keys[i], .key_len = (uint32_t)len, .ttl_ms = 86400000};
             if (leave_open) {
                 ops[i].kind = IDEM_OP_CLAIM;
@@ -65,16 +65,13 @@ static void write_keys(idem_store *s, uint64_t from, uint64_t to, int leave_open
         while (got < n) {
             if (sent < n) {
                 int k = idem_submit(q, ops + sent, n - sent);
-                if (k < 0)
-                    die("submit", k);
+                if (k < 0) die("submit", k);
                 sent += (uint32_t)k;
             }
             int m = idem_poll(q, comps, B, -1);
-            if (m < 0)
-                die("poll", m);
+            if (m < 0) die("poll", m);
             for (int i = 0; i < m; i++)
-                if (comps[i].err)
-                    die("write", comps[i].err);
+                if (comps[i].err) die("write", comps[i].err);
             got += (uint32_t)m;
         }
     }
@@ -98,70 +95,59 @@ int main(int argc, char **argv)
     int own_dir = !*dir;
     if (own_dir) {
         snprintf(dir, sizeof dir, "/tmp/idem-bench-restart-XXXXXX");
-        if (!mkdtemp(dir))
-            return 1;
+        if (!mkdtemp(dir)) return 1;
         rmdir(dir);
     }
     idem_store *s;
     idem_options o;
     idem_options_init(&o);
     int rc = idem_open(dir, &o, &s);
-    if (rc)
-        die("open", rc);
+    if (rc) die("open", rc);
     write_keys(s, 0, keys, 0, 0);
-    write_keys(s, keys, keys + 100, 1, 1);      /* leases of 1 ms: run out at once */
+    write_keys(s, keys, keys + 100, 1, 1); /* leases of 1 ms: run out at once */
     write_keys(s, keys + 100, keys + 110, 1, 60000);
     idem_queue *q;
-    if ((rc = idem_queue_open(s, 4, &q)))
-        die("queue", rc);
+    if ((rc = idem_queue_open(s, 4, &q))) die("queue", rc);
     for (uint64_t k = keys + 100; k < keys + 110; k++) {
         char key[24];
         idem_completion c;
         int len = snprintf(key, sizeof key, "key-%010llu", (unsigned long long)k);
-        if ((rc = idem_get(q, key, (size_t)len, &c)) || !c.found)
-            die("get", rc);
+        if ((rc = idem_get(q, key, (size_t)len, &c)) || !c.found) die("get", rc);
         if ((rc = idem_hold(q, key, (size_t)len, c.record.token, "target timed out", 16)))
             die("hold", rc);
     }
     idem_queue_close(q);
     usleep(5000);
-    if ((rc = idem_close(s)))
-        die("close", rc);
+    if ((rc = idem_close(s))) die("close", rc);
 
     double t0 = now_ms();
-    if ((rc = idem_open(dir, &o, &s)))
-        die("reopen", rc);
+    if ((rc = idem_open(dir, &o, &s))) die("reopen", rc);
     double t1 = now_ms();
-    if ((rc = idem_queue_open(s, 4, &q)))
-        die("queue", rc);
+    if ((rc = idem_queue_open(s, 4, &q))) die("queue", rc);
     idem_attention_args a = {.max = 100000};
     const idem_record *recs;
     size_t n;
     double t2 = now_ms();
-    if ((rc = idem_attention(q, &a, &recs, &n)))
-        die("attention", rc);
+    if ((rc = idem_attention(q, &a, &recs, &n))) die("attention", rc);
     double t3 = now_ms();
     printf("bench restart-clean keys=%llu open_ms=%.1f attention_ms=%.2f listed=%zu\n",
            (unsigned long long)keys, t1 - t0, t3 - t2, n);
     idem_queue_close(q);
 
     /* A crash: a child writes 1 % more keys and is killed without closing. */
-    if ((rc = idem_close(s)))
-        die("close", rc);
+    if ((rc = idem_close(s))) die("close", rc);
     fflush(stdout);
     pid_t pid = fork();
     if (pid == 0) {
         idem_store *c;
-        if (idem_open(dir, &o, &c))
-            _exit(3);
+        if (idem_open(dir, &o, &c)) _exit(3);
         write_keys(c, keys + 110, keys + 110 + keys / 100, 0, 0);
         idem_sync(c);
         kill(getpid(), SIGKILL);
     }
     waitpid(pid, NULL, 0);
     t0 = now_ms();
-    if ((rc = idem_open(dir, &o, &s)))
-        die("reopen after crash", rc);
+    if ((rc = idem_open(dir, &o, &s))) die("reopen after crash", rc);
     t1 = now_ms();
     idem_stats st;
     idem_get_stats(s, &st);
@@ -171,8 +157,7 @@ int main(int argc, char **argv)
     if (own_dir) {
         char cmd[4200];
         snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-        if (system(cmd) != 0)
-            fprintf(stderr, "bench_restart: could not remove %s\n", dir);
+        if (system(cmd) != 0) fprintf(stderr, "bench_restart: could not remove %s\n", dir);
     }
     return 0;
 }

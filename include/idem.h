@@ -32,43 +32,43 @@ extern "C" {
 #define IDEM_VERSION_STRING "0.1.0"
 
 /* Limits. Arguments outside them answer IDEM_EINVAL. */
-#define IDEM_KEY_BYTES_MAX            512u
-#define IDEM_OWNER_BYTES_MAX          256u
-#define IDEM_NOTE_BYTES_MAX           4096u
-#define IDEM_ACTOR_BYTES_MAX          256u
-#define IDEM_RESULT_BYTES_DEFAULT     (64u * 1024u)
-#define IDEM_RESULT_BYTES_LIMIT       (1024u * 1024u)
-#define IDEM_TTL_MS_MAX               (3650ull * 24 * 3600 * 1000) /* ten years */
-#define IDEM_LEASE_MS_MAX             (7ull * 24 * 3600 * 1000)    /* one week */
-#define IDEM_WAIT_MS_MAX              60000u
-#define IDEM_FP_BYTES                 16u /* XXH3-128 digest of the content passed */
-#define IDEM_BATCH_MAX                4096u /* operations accepted by one idem_submit */
-#define IDEM_TOKEN_MAX                ((int64_t)1 << 62)
+#define IDEM_KEY_BYTES_MAX        512u
+#define IDEM_OWNER_BYTES_MAX      256u
+#define IDEM_NOTE_BYTES_MAX       4096u
+#define IDEM_ACTOR_BYTES_MAX      256u
+#define IDEM_RESULT_BYTES_DEFAULT (64u * 1024u)
+#define IDEM_RESULT_BYTES_LIMIT   (1024u * 1024u)
+#define IDEM_TTL_MS_MAX           (3650ull * 24 * 3600 * 1000) /* ten years */
+#define IDEM_LEASE_MS_MAX         (7ull * 24 * 3600 * 1000)    /* one week */
+#define IDEM_WAIT_MS_MAX          60000u
+#define IDEM_FP_BYTES             16u   /* XXH3-128 digest of the content passed */
+#define IDEM_BATCH_MAX            4096u /* operations accepted by one idem_submit */
+#define IDEM_TOKEN_MAX            ((int64_t)1 << 62)
 
 typedef struct idem_store idem_store;
 typedef struct idem_queue idem_queue;
 
 enum idem_err {
     IDEM_OK = 0,
-    IDEM_EINVAL = -1,    /* bad argument or unknown flag bit */
-    IDEM_ENOMEM = -2,    /* allocation failed */
-    IDEM_EIO = -3,       /* an I/O call failed outside the write path (open, read, create) */
-    IDEM_EFATAL = -4,    /* a write or flush failed: the store acknowledges nothing more */
-    IDEM_EFULL = -5,     /* a capacity limit or a full disk: nothing was changed or evicted */
-    IDEM_ECORRUPT = -6,  /* a checksum or invariant failed on a file of the store; any call that
-                            reads a record answers this when the record fails its checksum */
-    IDEM_EVERSION = -7,  /* the store's format version or features are unknown to this build */
-    IDEM_ELOCKED = -8,   /* another process owns the directory (see idem_last_error) */
-    IDEM_ENOTFOUND = -9, /* owner or operator call on an absent key */
-    IDEM_ESTALE = -10,   /* the token is not the current owner's */
+    IDEM_EINVAL = -1,     /* bad argument or unknown flag bit */
+    IDEM_ENOMEM = -2,     /* allocation failed */
+    IDEM_EIO = -3,        /* an I/O call failed outside the write path (open, read, create) */
+    IDEM_EFATAL = -4,     /* a write or flush failed: the store acknowledges nothing more */
+    IDEM_EFULL = -5,      /* a capacity limit or a full disk: nothing was changed or evicted */
+    IDEM_ECORRUPT = -6,   /* a checksum or invariant failed on a file of the store; any call that
+                             reads a record answers this when the record fails its checksum */
+    IDEM_EVERSION = -7,   /* the store's format version or features are unknown to this build */
+    IDEM_ELOCKED = -8,    /* another process owns the directory (see idem_last_error) */
+    IDEM_ENOTFOUND = -9,  /* owner or operator call on an absent key */
+    IDEM_ESTALE = -10,    /* the token is not the current owner's */
     IDEM_ECONFLICT = -11, /* commit repeated with a different result (counted) */
-    IDEM_ECHANGED = -12, /* resolve: the record's version is not the expected one */
-    IDEM_ESTATE = -13,   /* the record's state forbids the call (e.g. DEL of an in_flight) */
-    IDEM_ELEASE = -14,   /* resolve of an in_flight record whose lease runs, without FORCE */
+    IDEM_ECHANGED = -12,  /* resolve: the record's version is not the expected one */
+    IDEM_ESTATE = -13,    /* the record's state forbids the call (e.g. DEL of an in_flight) */
+    IDEM_ELEASE = -14,    /* resolve of an in_flight record whose lease runs, without FORCE */
     IDEM_EREADONLY = -15, /* the store was opened read-only */
-    IDEM_ECLOSED = -16,  /* the store is closing: waiting claims answer busy, new calls this */
-    IDEM_EBUSY = -17,    /* the queue is full, or holds completions a blocking call would mix */
-    IDEM_ENOTSUP = -18,  /* not available in this configuration (e.g. clock control) */
+    IDEM_ECLOSED = -16,   /* the store is closing: waiting claims answer busy, new calls this */
+    IDEM_EBUSY = -17,     /* the queue is full, or holds completions a blocking call would mix */
+    IDEM_ENOTSUP = -18,   /* not available in this configuration (e.g. clock control) */
 };
 
 /* A static, human-readable description of an idem_err value. Never NULL. */
@@ -115,17 +115,17 @@ typedef struct idem_clock_source {
 } idem_clock_source;
 
 typedef struct idem_options {
-    int durability;             /* enum idem_durability */
-    int lease_policy;           /* enum idem_lease_policy */
-    int io_backend;             /* enum idem_io_backend; with IDEM_IO_AUTO the environment
-                                   variable IDEM_IO_BACKEND=thread|io_uring decides */
-    int read_only;              /* nonzero: no recovery writes, no changes (for inspection) */
-    int test_clock;             /* nonzero: the store clock stands still; see idem_clock_set */
-    uint64_t max_keys;          /* 0: no limit beyond memory */
-    uint64_t max_memory_bytes;  /* 0: no limit; anonymous memory of the index and buffers */
-    uint64_t max_disk_bytes;    /* 0: no limit; bytes of all files in the directory */
-    uint32_t result_bytes_max;  /* 0: IDEM_RESULT_BYTES_DEFAULT; at most IDEM_RESULT_BYTES_LIMIT */
-    uint32_t segment_bytes;     /* 0: 64 MiB; WAL segment size, a multiple of 4096, >= 1 MiB */
+    int durability;            /* enum idem_durability */
+    int lease_policy;          /* enum idem_lease_policy */
+    int io_backend;            /* enum idem_io_backend; with IDEM_IO_AUTO the environment
+                                  variable IDEM_IO_BACKEND=thread|io_uring decides */
+    int read_only;             /* nonzero: no recovery writes, no changes (for inspection) */
+    int test_clock;            /* nonzero: the store clock stands still; see idem_clock_set */
+    uint64_t max_keys;         /* 0: no limit beyond memory */
+    uint64_t max_memory_bytes; /* 0: no limit; anonymous memory of the index and buffers */
+    uint64_t max_disk_bytes;   /* 0: no limit; bytes of all files in the directory */
+    uint32_t result_bytes_max; /* 0: IDEM_RESULT_BYTES_DEFAULT; at most IDEM_RESULT_BYTES_LIMIT */
+    uint32_t segment_bytes;    /* 0: 64 MiB; WAL segment size, a multiple of 4096, >= 1 MiB */
     const idem_clock_source *clock; /* NULL: system clocks; copied at open */
 } idem_options;
 
@@ -160,28 +160,28 @@ const char *idem_io_backend_name(const idem_store *s);
 typedef struct idem_record {
     const void *key;
     uint32_t key_len;
-    int state;                   /* enum idem_state */
-    int64_t first_seen_ms;       /* never changed by a repeat */
-    int64_t expires_at_ms;       /* first_seen_ms + ttl (see contract rule 5) */
+    int state;             /* enum idem_state */
+    int64_t first_seen_ms; /* never changed by a repeat */
+    int64_t expires_at_ms; /* first_seen_ms + ttl (see contract rule 5) */
     int64_t last_seen_ms;
-    uint64_t seen_count;         /* claims in all, the first included */
+    uint64_t seen_count; /* claims in all, the first included */
     int has_fp;
-    uint8_t fp[IDEM_FP_BYTES];   /* XXH3-128 of the content, big-endian digest bytes */
-    int64_t lease_until_ms;      /* in_flight only */
-    int64_t token;               /* in_flight only: current owner's fencing token */
-    const void *owner;           /* in_flight only, may be NULL */
+    uint8_t fp[IDEM_FP_BYTES]; /* XXH3-128 of the content, big-endian digest bytes */
+    int64_t lease_until_ms;    /* in_flight only */
+    int64_t token;             /* in_flight only: current owner's fencing token */
+    const void *owner;         /* in_flight only, may be NULL */
     uint32_t owner_len;
-    uint32_t attempts;           /* grants of ownership: 1 + recoveries */
+    uint32_t attempts; /* grants of ownership: 1 + recoveries */
     int64_t last_grant_ms;
-    const void *result;          /* committed only */
+    const void *result; /* committed only */
     uint32_t result_len;
-    const void *note;            /* last hold or operator reason, may be NULL */
+    const void *note; /* last hold or operator reason, may be NULL */
     uint32_t note_len;
     uint64_t mismatch_count;
-    int64_t last_mismatch_ms;    /* 0 when mismatch_count is 0 */
+    int64_t last_mismatch_ms; /* 0 when mismatch_count is 0 */
     uint8_t last_mismatch_fp[IDEM_FP_BYTES];
     int has_last_mismatch_fp;
-    uint64_t version;            /* changes on every logged change of the record */
+    uint64_t version; /* changes on every logged change of the record */
 } idem_record;
 
 /* ---- Operations (the asynchronous form, and the arguments of the blocking calls) ---- */
@@ -194,9 +194,9 @@ enum idem_op_kind {
     IDEM_OP_EXTEND = 5,
     IDEM_OP_GET = 6,
     IDEM_OP_SET_IF_ABSENT = 7, /* SET NX: a committed record whose result is the value */
-    IDEM_OP_DEL = 8,           /* deletes a committed record (refused on unfinished: ESTATE); audited */
-    IDEM_OP_RESOLVE = 9,       /* operator decision; audited */
-    IDEM_OP_SYNC = 10,         /* completes once everything submitted before it is durable */
+    IDEM_OP_DEL = 8,     /* deletes a committed record (refused on unfinished: ESTATE); audited */
+    IDEM_OP_RESOLVE = 9, /* operator decision; audited */
+    IDEM_OP_SYNC = 10,   /* completes once everything submitted before it is durable */
 };
 
 enum idem_resolve_action {
@@ -206,45 +206,45 @@ enum idem_resolve_action {
 };
 
 /* idem_op.flags */
-#define IDEM_F_FORCE         0x1u /* resolve: act on an in_flight record whose lease runs */
-#define IDEM_F_EXPECT        0x2u /* resolve: refuse with IDEM_ECHANGED unless version matches */
-#define IDEM_F_GET_OLD       0x4u /* set_if_absent: on an existing committed key, return its value */
+#define IDEM_F_FORCE   0x1u /* resolve: act on an in_flight record whose lease runs */
+#define IDEM_F_EXPECT  0x2u /* resolve: refuse with IDEM_ECHANGED unless version matches */
+#define IDEM_F_GET_OLD 0x4u /* set_if_absent: on an existing committed key, return its value */
 
 typedef struct idem_op {
-    uint32_t kind;        /* enum idem_op_kind */
-    uint32_t flags;       /* IDEM_F_* */
-    uint64_t user_data;   /* returned untouched in the completion */
+    uint32_t kind;      /* enum idem_op_kind */
+    uint32_t flags;     /* IDEM_F_* */
+    uint64_t user_data; /* returned untouched in the completion */
     const void *key;
-    uint32_t key_len;     /* 1..IDEM_KEY_BYTES_MAX */
-    uint64_t ttl_ms;      /* claim, set_if_absent: 1..IDEM_TTL_MS_MAX */
-    uint64_t lease_ms;    /* claim, extend: 1..IDEM_LEASE_MS_MAX */
-    uint32_t wait_ms;     /* claim: block a busy answer up to this long, <= IDEM_WAIT_MS_MAX */
-    int64_t token;        /* commit, release, hold, extend */
-    const void *fp;       /* claim: content bytes (hashed with XXH3-128), or NULL */
+    uint32_t key_len;  /* 1..IDEM_KEY_BYTES_MAX */
+    uint64_t ttl_ms;   /* claim, set_if_absent: 1..IDEM_TTL_MS_MAX */
+    uint64_t lease_ms; /* claim, extend: 1..IDEM_LEASE_MS_MAX */
+    uint32_t wait_ms;  /* claim: block a busy answer up to this long, <= IDEM_WAIT_MS_MAX */
+    int64_t token;     /* commit, release, hold, extend */
+    const void *fp;    /* claim: content bytes (hashed with XXH3-128), or NULL */
     uint32_t fp_len;
-    const void *owner;    /* claim: the worker's stable id, or NULL */
+    const void *owner; /* claim: the worker's stable id, or NULL */
     uint32_t owner_len;
-    const void *data;     /* commit/resolve result, set_if_absent value, hold/resolve reason */
+    const void *data; /* commit/resolve result, set_if_absent value, hold/resolve reason */
     uint32_t data_len;
-    const void *result;   /* resolve only: the result (data is then the reason) */
+    const void *result; /* resolve only: the result (data is then the reason) */
     uint32_t result_len;
-    uint32_t action;      /* resolve: enum idem_resolve_action */
+    uint32_t action;         /* resolve: enum idem_resolve_action */
     uint64_t expect_version; /* resolve with IDEM_F_EXPECT */
-    const char *actor;    /* resolve, del: who acts, for the audit trail (NUL-terminated) */
+    const char *actor;       /* resolve, del: who acts, for the audit trail (NUL-terminated) */
 } idem_op;
 
 typedef struct idem_completion {
     uint64_t user_data;
-    int err;              /* IDEM_OK or a negative idem_err */
-    int outcome;          /* claim: enum idem_outcome; set_if_absent: IDEM_NEW or IDEM_DONE */
-    int64_t token;        /* new, recover */
+    int err;               /* IDEM_OK or a negative idem_err */
+    int outcome;           /* claim: enum idem_outcome; set_if_absent: IDEM_NEW or IDEM_DONE */
+    int64_t token;         /* new, recover */
     int64_t lease_left_ms; /* busy */
-    uint32_t attempts;    /* recover */
+    uint32_t attempts;     /* recover */
     int64_t last_grant_ms; /* recover: grant time of the attempt whose lease ran out */
-    const void *data;     /* done: result; review: note; set_if_absent+GET_OLD: old value */
+    const void *data;      /* done: result; review: note; set_if_absent+GET_OLD: old value */
     uint32_t data_len;
-    int found;            /* get: nonzero when the record exists (then `record` is filled) */
-    idem_record record;   /* get */
+    int found;          /* get: nonzero when the record exists (then `record` is filled) */
+    idem_record record; /* get */
 } idem_completion;
 
 /* Opens a queue of `depth` outstanding operations (1..65536). Returns IDEM_OK, IDEM_EINVAL,
@@ -282,11 +282,11 @@ uint32_t idem_queue_pending(const idem_queue *q);
 typedef struct idem_claim_args {
     uint64_t ttl_ms;
     uint64_t lease_ms;
-    const void *fp;       /* optional content bytes */
+    const void *fp; /* optional content bytes */
     uint32_t fp_len;
-    const void *owner;    /* optional owner id */
+    const void *owner; /* optional owner id */
     uint32_t owner_len;
-    uint32_t wait_ms;     /* block a busy answer up to this long */
+    uint32_t wait_ms; /* block a busy answer up to this long */
 } idem_claim_args;
 
 /* Claim outcomes are in c->outcome; the return value is IDEM_OK or an error
@@ -323,10 +323,10 @@ int idem_sync(idem_store *s);
 /* ---- Scans, audit, stats ---- */
 
 typedef struct idem_scan_args {
-    uint64_t cursor;      /* 0 to start; the returned next_cursor to go on; 0 returned: done */
-    int state;            /* 0: any, else enum idem_state */
-    int64_t older_ms;     /* 0: any, else only records with now - first_seen_ms >= older_ms */
-    uint32_t count;       /* slots to visit per call (a hint, like Redis SCAN), 0: 100 */
+    uint64_t cursor;  /* 0 to start; the returned next_cursor to go on; 0 returned: done */
+    int state;        /* 0: any, else enum idem_state */
+    int64_t older_ms; /* 0: any, else only records with now - first_seen_ms >= older_ms */
+    uint32_t count;   /* slots to visit per call (a hint, like Redis SCAN), 0: 100 */
 } idem_scan_args;
 
 /* Keys of one scan step: keys[i], key_lens[i] for i < n, valid until the next call on q.
@@ -337,12 +337,12 @@ int idem_scan(idem_queue *q, const idem_scan_args *a, uint64_t *next_cursor, con
 typedef struct idem_audit_entry {
     uint64_t seq;
     int64_t at_ms;
-    const char *actor;    /* NUL-terminated */
-    const char *action;   /* "resolve-commit", "resolve-release", "resolve-settle", "del" */
+    const char *actor;  /* NUL-terminated */
+    const char *action; /* "resolve-commit", "resolve-release", "resolve-settle", "del" */
     const void *key;
     uint32_t key_len;
-    const char *reason;   /* NUL-terminated */
-    int state_before;     /* enum idem_state, 0 for absent */
+    const char *reason; /* NUL-terminated */
+    int state_before;   /* enum idem_state, 0 for absent */
     int state_after;
     uint64_t version_before;
     uint64_t version_after;
@@ -358,36 +358,36 @@ int idem_audit_page(idem_queue *q, const void *key, size_t key_len, uint64_t bef
                     uint32_t count, const idem_audit_entry **entries, size_t *n);
 
 typedef struct idem_stats {
-    uint64_t keys;                 /* records in the index, expired ones not yet swept included */
+    uint64_t keys; /* records in the index, expired ones not yet swept included */
     uint64_t keys_in_flight, keys_committed, keys_review;
     uint64_t claims_new, claims_busy, claims_done, claims_mismatch, claims_recover, claims_review;
-    uint64_t mismatches;           /* mismatches recorded */
+    uint64_t mismatches; /* mismatches recorded */
     uint64_t recoveries;
     uint64_t conflicting_commits;
-    uint64_t expired_total;        /* records reclaimed by expiry */
-    int64_t oldest_in_flight_ms;   /* first_seen of the oldest in_flight record, 0 if none */
+    uint64_t expired_total;      /* records reclaimed by expiry */
+    int64_t oldest_in_flight_ms; /* first_seen of the oldest in_flight record, 0 if none */
     int64_t oldest_review_ms;
-    uint64_t wal_bytes;            /* bytes of live WAL segments */
-    uint64_t disk_bytes;           /* all files of the store */
+    uint64_t wal_bytes;  /* bytes of live WAL segments */
+    uint64_t disk_bytes; /* all files of the store */
     uint64_t disk_free_bytes;
-    uint64_t memory_bytes;         /* anonymous memory of the index and buffers */
+    uint64_t memory_bytes; /* anonymous memory of the index and buffers */
     uint64_t max_keys, max_memory_bytes, max_disk_bytes;
     uint64_t flushes;
-    uint64_t flush_records;        /* records covered by all flushes (batch size = / flushes) */
+    uint64_t flush_records; /* records covered by all flushes (batch size = / flushes) */
     uint64_t flush_latency_us_sum;
     uint64_t flush_latency_us_buckets[16]; /* bucket i: latency < 2^(i+4) us; last: the rest */
-    int64_t clock_skew_ms;         /* store clock - wall clock */
+    int64_t clock_skew_ms;                 /* store clock - wall clock */
     int64_t store_clock_ms;
     uint64_t checkpoints;
     uint64_t compactions;
     int fatal;
     int loading;
-    uint64_t store_generation;     /* 1 at creation; bumped by every restore and import */
-    uint64_t keys_with_mismatch;   /* records whose mismatch_count > 0 */
-    uint64_t frames_replayed;      /* at the last open */
-    uint64_t claims_last_minute;   /* claims (and SET NX) answered in the last 60 s of elapsed time */
+    uint64_t store_generation;   /* 1 at creation; bumped by every restore and import */
+    uint64_t keys_with_mismatch; /* records whose mismatch_count > 0 */
+    uint64_t frames_replayed;    /* at the last open */
+    uint64_t claims_last_minute; /* claims (and SET NX) answered in the last 60 s of elapsed time */
     uint64_t duplicates_last_minute; /* of which not `new`: the duplicate ratio's numerator */
-    uint64_t open_ms;              /* how long the last open took */
+    uint64_t open_ms;                /* how long the last open took */
 } idem_stats;
 
 /* Counters in O(1): no scan of keys. Thread-safe. */

@@ -27,16 +27,18 @@ static int64_t kind_time(const struct rec *r, int kind)
 static int kind_has(const struct rec *r, int kind)
 {
     switch (kind) {
-    case AGE_IN_FLIGHT: return r->state == IDEM_STATE_IN_FLIGHT;
-    case AGE_REVIEW: return r->state == IDEM_STATE_REVIEW;
-    default: return r->mismatch_count > 0;
+    case AGE_IN_FLIGHT:
+        return r->state == IDEM_STATE_IN_FLIGHT;
+    case AGE_REVIEW:
+        return r->state == IDEM_STATE_REVIEW;
+    default:
+        return r->mismatch_count > 0;
     }
 }
 
 static int entry_valid(idem_store *s, int kind, const struct age_entry *e)
 {
-    if (!wal_addr_valid(s->wal, e->addr))
-        return 0;
+    if (!wal_addr_valid(s->wal, e->addr)) return 0;
     uint32_t len;
     uint64_t lsn;
     const uint8_t *p = wal_payload(s->wal, e->addr, &len, &lsn);
@@ -52,8 +54,7 @@ static void sift_up(struct age_heap *h, size_t i)
 {
     while (i > 0) {
         size_t p = (i - 1) / 2;
-        if (h->v[p].first_seen_ms <= h->v[i].first_seen_ms)
-            break;
+        if (h->v[p].first_seen_ms <= h->v[i].first_seen_ms) break;
         struct age_entry t = h->v[p];
         h->v[p] = h->v[i];
         h->v[i] = t;
@@ -65,12 +66,9 @@ static void sift_down(struct age_heap *h, size_t i)
 {
     for (;;) {
         size_t l = 2 * i + 1, r = l + 1, m = i;
-        if (l < h->n && h->v[l].first_seen_ms < h->v[m].first_seen_ms)
-            m = l;
-        if (r < h->n && h->v[r].first_seen_ms < h->v[m].first_seen_ms)
-            m = r;
-        if (m == i)
-            return;
+        if (l < h->n && h->v[l].first_seen_ms < h->v[m].first_seen_ms) m = l;
+        if (r < h->n && h->v[r].first_seen_ms < h->v[m].first_seen_ms) m = r;
+        if (m == i) return;
         struct age_entry t = h->v[m];
         h->v[m] = h->v[i];
         h->v[i] = t;
@@ -89,8 +87,7 @@ static void rebuild(idem_store *s, struct age_heap *h, int kind)
 {
     size_t k = 0;
     for (size_t i = 0; i < h->n; i++)
-        if (entry_valid(s, kind, &h->v[i]))
-            h->v[k++] = h->v[i];
+        if (entry_valid(s, kind, &h->v[i])) h->v[k++] = h->v[i];
     h->n = k;
     for (size_t i = k / 2 + 1; i-- > 0;)
         sift_down(h, i);
@@ -107,8 +104,7 @@ static void heap_push(idem_store *s, int kind, int64_t t, uint64_t addr)
     if (h->n == h->cap) {
         size_t cap = h->cap ? h->cap * 2 : 256;
         struct age_entry *v = realloc(h->v, cap * sizeof *v);
-        if (!v)
-            return; /* the age reads high until the next rebuild; nothing else depends on it */
+        if (!v) return; /* the age reads high until the next rebuild; nothing else depends on it */
         h->v = v;
         h->cap = cap;
     }
@@ -122,8 +118,7 @@ void ages_note(idem_store *s, const struct rec *r, uint64_t addr)
         heap_push(s, AGE_IN_FLIGHT, r->first_seen_ms, addr);
     else if (r->state == IDEM_STATE_REVIEW)
         heap_push(s, AGE_REVIEW, r->first_seen_ms, addr);
-    if (r->mismatch_count > 0)
-        heap_push(s, AGE_MISMATCH, r->last_mismatch_ms, addr);
+    if (r->mismatch_count > 0) heap_push(s, AGE_MISMATCH, r->last_mismatch_ms, addr);
 }
 
 int64_t ages_oldest(idem_store *s, int kind)

@@ -25,13 +25,11 @@ static int64_t att_put(struct att_buf *ab, const void *p, size_t len)
         while (cap < ab->used + len)
             cap *= 2;
         uint8_t *n = realloc(ab->b, cap);
-        if (!n)
-            return -1;
+        if (!n) return -1;
         ab->b = n;
         ab->cap = cap;
     }
-    if (len)
-        memcpy(ab->b + ab->used, p, len);
+    if (len) memcpy(ab->b + ab->used, p, len);
     ab->used += len;
     return (int64_t)(ab->used - len);
 }
@@ -47,8 +45,7 @@ static int att_keep(struct att_buf *ab, idem_record *rec)
             continue;
         }
         int64_t off = att_put(ab, *ps[i], lens[i]);
-        if (off < 0)
-            return IDEM_ENOMEM;
+        if (off < 0) return IDEM_ENOMEM;
         *ps[i] = (const void *)(uintptr_t)off;
     }
     return 0;
@@ -73,15 +70,12 @@ static int att_take(idem_store *s, struct qslot *tmp, uint64_t addr, int kind, i
     uint64_t lsn;
     const uint8_t *p = wal_payload(s->wal, addr, &len, &lsn);
     struct rec r, cur;
-    if (!p || rec_decode(p, len, &r) < 0)
-        return 0;
+    if (!p || rec_decode(p, len, &r) < 0) return 0;
     struct index_slot *slot = ops_find(s, r.key, r.key_len, &cur, &lsn);
-    if (!slot || index_slot_addr(slot) != addr)
-        return 0;
+    if (!slot || index_slot_addr(slot) != addr) return 0;
     int stuck = r.state == IDEM_STATE_IN_FLIGHT &&
                 (now >= r.lease_until_ms || (older_ms > 0 && now - r.first_seen_ms >= older_ms));
-    if (kind == AGE_IN_FLIGHT && !stuck)
-        return 0;
+    if (kind == AGE_IN_FLIGHT && !stuck) return 0;
     if (kind == AGE_MISMATCH && (r.state == IDEM_STATE_REVIEW || stuck))
         return 0; /* listed under its state already */
     tmp->buf_used = 0;
@@ -99,15 +93,13 @@ static int cmp_first_seen(const void *a, const void *b)
 int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_record **records,
                    size_t *n)
 {
-    if (!q || !a || !records || !n || a->older_ms < 0)
-        return IDEM_EINVAL;
+    if (!q || !a || !records || !n || a->older_ms < 0) return IDEM_EINVAL;
     idem_store *s = q->s;
     size_t max = a->max ? a->max : ATTENTION_MAX_DEFAULT;
     idem_record *out = realloc(q->att_recs, max * sizeof *out);
     uint64_t *addrs = malloc(max * sizeof *addrs);
     if (!out || !addrs) {
-        if (out)
-            q->att_recs = out;
+        if (out) q->att_recs = out;
         free(addrs);
         return IDEM_ENOMEM;
     }
@@ -123,8 +115,7 @@ int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_recor
         size_t start = k;
         size_t m = ages_list(s, order[o], addrs, max - k);
         for (size_t i = 0; i < m && k < max && rc == 0; i++) {
-            if (!att_take(s, &tmp, addrs[i], order[o], now, a->older_ms))
-                continue;
+            if (!att_take(s, &tmp, addrs[i], order[o], now, a->older_ms)) continue;
             out[k] = tmp.c.record;
             rc = att_keep(&ab, &out[k]);
             k++;
@@ -136,8 +127,7 @@ int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_recor
     free(addrs);
     q->att_buf = ab.b;
     q->att_cap = ab.cap;
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     att_rebase(&ab, out, k);
     *records = out;
     *n = k;

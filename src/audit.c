@@ -24,23 +24,20 @@
 
 static int audit_keep(idem_store *s, const uint8_t *p)
 {
-    uint32_t klen = util_get_u16(p + 42), alen = util_get_u16(p + 44),
-             rlen = util_get_u16(p + 46), aclen = p[64];
-    if (AUDIT_HDR - 8 + klen + alen + rlen + aclen != util_get_u32(p + 8))
-        return IDEM_ECORRUPT;
+    uint32_t klen = util_get_u16(p + 42), alen = util_get_u16(p + 44), rlen = util_get_u16(p + 46),
+             aclen = p[64];
+    if (AUDIT_HDR - 8 + klen + alen + rlen + aclen != util_get_u32(p + 8)) return IDEM_ECORRUPT;
     if (s->naudit == s->audit_cap) {
         size_t cap = s->audit_cap ? s->audit_cap * 2 : 64;
         struct audit_rec *n = realloc(s->audit, cap * sizeof *n);
-        if (!n)
-            return IDEM_ENOMEM;
+        if (!n) return IDEM_ENOMEM;
         s->audit = n;
         s->audit_cap = cap;
     }
     struct audit_rec *a = &s->audit[s->naudit];
     memset(a, 0, sizeof *a);
     a->mem = malloc(aclen + 1 + alen + 1 + klen + rlen + 1);
-    if (!a->mem)
-        return IDEM_ENOMEM;
+    if (!a->mem) return IDEM_ENOMEM;
     const uint8_t *v = p + AUDIT_HDR;
     char *m = a->mem;
     memcpy(m, v, aclen);
@@ -79,8 +76,7 @@ int audit_open(idem_store *s)
     int rc;
     if (s->opt.read_only) {
         rc = io_open(s->io, path, IO_O_RDONLY, &s->audit_f);
-        if (rc == -ENOENT)
-            return 0; /* no operator decision yet */
+        if (rc == -ENOENT) return 0; /* no operator decision yet */
     } else {
         rc = io_open(s->io, path, IO_O_CREATE | IO_O_EXCL, &s->audit_f);
         if (rc == 0)
@@ -93,8 +89,7 @@ int audit_open(idem_store *s)
         return IDEM_EIO;
     }
     uint8_t *blk = malloc(AUDIT_BLOCK);
-    if (!blk)
-        return IDEM_ENOMEM;
+    if (!blk) return IDEM_ENOMEM;
     uint64_t last = wal_recovered_lsn(s->wal);
     for (uint64_t off = 0;; off += AUDIT_BLOCK) {
         int64_t n = io_read(s->io, s->audit_f, off, blk, AUDIT_BLOCK);
@@ -132,23 +127,20 @@ void audit_close(idem_store *s)
     free(s->audit);
     s->audit = NULL;
     s->naudit = 0;
-    if (s->audit_f)
-        io_close(s->io, s->audit_f);
+    if (s->audit_f) io_close(s->io, s->audit_f);
     s->audit_f = NULL;
 }
 
 static int audit_write(idem_store *s, const char *actor, const char *action, const void *key,
-                       uint32_t key_len, const void *reason, uint32_t reason_len,
-                       int state_before, int state_after, uint64_t version_before,
-                       uint64_t version_after, uint64_t lsn, uint64_t seq, int64_t at_ms)
+                       uint32_t key_len, const void *reason, uint32_t reason_len, int state_before,
+                       int state_after, uint64_t version_before, uint64_t version_after,
+                       uint64_t lsn, uint64_t seq, int64_t at_ms)
 {
     uint32_t alen = (uint32_t)strlen(actor), aclen = (uint32_t)strlen(action);
     uint32_t len = AUDIT_HDR - 8 + aclen + alen + key_len + reason_len;
-    if (len + 8 > AUDIT_BLOCK)
-        return IDEM_EINVAL;
+    if (len + 8 > AUDIT_BLOCK) return IDEM_EINVAL;
     uint8_t *blk = aligned_alloc(AUDIT_BLOCK, AUDIT_BLOCK);
-    if (!blk)
-        return IDEM_ENOMEM;
+    if (!blk) return IDEM_ENOMEM;
     /* The ring must be idle for a synchronous write. Operator calls quiesced before their change
      * already (ops.c op_del), so this does not release the lock between change and entry. */
     store_quiesce(s);
@@ -169,8 +161,7 @@ static int audit_write(idem_store *s, const char *actor, const char *action, con
     memcpy(v, action, aclen);
     memcpy(v + aclen, actor, alen);
     memcpy(v + aclen + alen, key, key_len);
-    if (reason_len)
-        memcpy(v + aclen + alen + key_len, reason, reason_len);
+    if (reason_len) memcpy(v + aclen + alen + key_len, reason, reason_len);
     util_put_u64(blk, XXH3_64bits(blk + 8, len));
     int rc = io_write_sync(s->io, s->audit_f, s->audit_off, blk, AUDIT_BLOCK, 1);
     if (rc < 0) {
@@ -225,20 +216,16 @@ int idem_audit_page(idem_queue *q, const void *key, size_t key_len, uint64_t bef
     if (!q || !entries || !n || (key && (key_len == 0 || key_len > IDEM_KEY_BYTES_MAX)))
         return IDEM_EINVAL;
     idem_store *s = q->s;
-    if (count == 0 || count > 10000)
-        count = count ? 10000 : 100;
+    if (count == 0 || count > 10000) count = count ? 10000 : 100;
     idem_audit_entry *out = realloc(q->audit, count * sizeof *out);
-    if (!out)
-        return IDEM_ENOMEM;
+    if (!out) return IDEM_ENOMEM;
     q->audit = out;
     size_t k = 0;
     pthread_mutex_lock(&s->mu);
     for (size_t i = s->naudit; i > 0 && k < count; i--) {
         const idem_audit_entry *e = &s->audit[i - 1].e;
-        if (before_seq && e->seq >= before_seq)
-            continue;
-        if (key && (e->key_len != key_len || memcmp(e->key, key, key_len)))
-            continue;
+        if (before_seq && e->seq >= before_seq) continue;
+        if (key && (e->key_len != key_len || memcmp(e->key, key, key_len))) continue;
         out[k++] = *e; /* strings live as long as the store */
     }
     pthread_mutex_unlock(&s->mu);

@@ -31,8 +31,7 @@
 static int64_t segment_horizon(idem_store *s, uint64_t seq)
 {
     int64_t *m = &s->seg_max_exp[seq % WAL_SEG_SLOTS];
-    if (*m != SEG_EXP_UNKNOWN)
-        return *m;
+    if (*m != SEG_EXP_UNKNOWN) return *m;
     int64_t max = SEG_EXP_EMPTY;
     uint32_t off = WAL_BLOCK;
     struct wal_frame f;
@@ -40,8 +39,7 @@ static int64_t segment_horizon(idem_store *s, uint64_t seq)
     while ((more = wal_seg_next(s->wal, seq, &off, &f)) == 1) {
         if (f.type == WAL_T_RECORD && f.payload_len >= REC_FIXED_BYTES) {
             int64_t exp = (int64_t)util_get_u64(f.payload + 24);
-            if (exp > max)
-                max = exp;
+            if (exp > max) max = exp;
         }
     }
     /* A broken chain: let the compaction walk meet it and report it. */
@@ -53,18 +51,15 @@ static int head_wanted(idem_store *s, uint64_t head)
 {
     if (!wal_seg_durable(s->wal, head, s->durable_lsn))
         return 0; /* the head must be sealed and every frame of it durable */
-    if (head < s->cmp_force_until)
-        return 1; /* idem_compact asked for it */
+    if (head < s->cmp_force_until) return 1; /* idem_compact asked for it */
     uint64_t seg = s->opt.segment_bytes;
-    if (wal_bytes(s->wal) > 2 * s->live_bytes + STORE_CMP_SLACK_SEGS * seg)
-        return 1;
+    if (wal_bytes(s->wal) > 2 * s->live_bytes + STORE_CMP_SLACK_SEGS * seg) return 1;
     return segment_horizon(s, head) <= store_now(s);
 }
 
 int compact_wants_checkpoint(const idem_store *s)
 {
-    if (s->cmp_done && s->sb.ckpt_lsn < s->cmp_done_lsn)
-        return 1;
+    if (s->cmp_done && s->sb.ckpt_lsn < s->cmp_done_lsn) return 1;
     return wal_cur_seq(s->wal) - s->sb.ckpt_seq >= STORE_CKPT_EVERY_SEGS;
 }
 
@@ -78,12 +73,10 @@ static int retire(idem_store *s)
     struct super sb = s->sb;
     sb.wal_first_seq = s->cmp_seq + 1;
     int rc = super_store(s->io, s->dir, &sb);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     s->sb = sb;
     rc = wal_retire(s->wal, s->cmp_seq);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     s->seg_max_exp[s->cmp_seq % WAL_SEG_SLOTS] = SEG_EXP_UNKNOWN;
     s->cmp_seq = 0;
     s->cmp_done = 0;
@@ -94,14 +87,11 @@ static int retire(idem_store *s)
 
 int compact_step(idem_store *s)
 {
-    if (s->fatal || s->closing || s->opt.read_only || s->cmp_disabled)
-        return 0;
-    if (s->cmp_done)
-        return retire(s);
+    if (s->fatal || s->closing || s->opt.read_only || s->cmp_disabled) return 0;
+    if (s->cmp_done) return retire(s);
     if (!s->cmp_seq) {
         uint64_t head = wal_first_seq(s->wal);
-        if (!head_wanted(s, head))
-            return 0;
+        if (!head_wanted(s, head)) return 0;
         s->cmp_seq = head;
         s->cmp_off = WAL_BLOCK;
         s->cmp_last_lsn = 0;
@@ -120,21 +110,17 @@ int compact_step(idem_store *s)
         }
         uint64_t lsn = 0;
         int rc = more < 0 ? IDEM_ECORRUPT : ops_compact_frame(s, &f, now, &lsn);
-        if (rc == IDEM_EBUSY || rc == IDEM_EFULL)
-            return i > 0;
+        if (rc == IDEM_EBUSY || rc == IDEM_EFULL) return i > 0;
         if (rc == IDEM_ECORRUPT) {
             /* Reported, never trusted: compaction stops; the store serves on; verify tells. */
-            fprintf(stderr,
-                    "idem: event=compaction_stopped segment=%llu offset=%u error=\"%s\"\n",
+            fprintf(stderr, "idem: event=compaction_stopped segment=%llu offset=%u error=\"%s\"\n",
                     (unsigned long long)s->cmp_seq, s->cmp_off, idem_strerror(rc));
             s->cmp_disabled = 1;
             return 0;
         }
-        if (rc < 0)
-            return rc;
+        if (rc < 0) return rc;
         s->cmp_off = off;
-        if (lsn)
-            s->cmp_last_lsn = lsn;
+        if (lsn) s->cmp_last_lsn = lsn;
     }
     return 1;
 }

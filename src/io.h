@@ -61,8 +61,8 @@ struct io_ops {
     /* Creates a directory (mode 0700); -EEXIST if present. */
     int (*mkdir)(struct io *io, const char *path);
     /* Queues a write of buf[0, len) at off (buf must stay valid until its completion). */
-    int (*submit_write)(struct io *io, struct io_file *f, uint64_t off, const void *buf,
-                        size_t len, unsigned flags, uint64_t user_data);
+    int (*submit_write)(struct io *io, struct io_file *f, uint64_t off, const void *buf, size_t len,
+                        unsigned flags, uint64_t user_data);
     /* Queues a flush (fdatasync) of f. */
     int (*submit_flush)(struct io *io, struct io_file *f, uint64_t user_data);
     /* Reaps up to max completions, waiting until at least min are there (min <= submitted and
@@ -100,8 +100,7 @@ static inline int io_truncate(struct io *io, struct io_file *f, uint64_t len)
 {
     return io->ops->truncate(io, f, len);
 }
-static inline int64_t io_read(struct io *io, struct io_file *f, uint64_t off, void *buf,
-                              size_t len)
+static inline int64_t io_read(struct io *io, struct io_file *f, uint64_t off, void *buf, size_t len)
 {
     return io->ops->read(io, f, off, buf, len);
 }

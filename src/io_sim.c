@@ -1023,8 +1023,7 @@ void io_sim_hold(struct io_sim *sim, int hold)
 {
     sim_lock(sim);
     sim->held = hold;
-    if (!hold)
-        pthread_cond_broadcast(&sim->held_cond);
+    if (!hold) pthread_cond_broadcast(&sim->held_cond);
     sim_unlock(sim);
 }
 

@@ -29,8 +29,7 @@ uint64_t ops_hash(idem_store *s, const void *key, uint32_t key_len)
 {
     /* An operation hashes its key for the lookup and again for an insert: the second time is
      * served from here (the same bytes at the same place within one operation). */
-    if (s->hash_cache_on && key == s->hash_key && key_len == s->hash_key_len)
-        return s->hash_value;
+    if (s->hash_cache_on && key == s->hash_key && key_len == s->hash_key_len) return s->hash_value;
     s->hash_key = key;
     s->hash_key_len = key_len;
     s->hash_value = XXH3_64bits_withSeed(key, key_len, s->sb.hash_seed);
@@ -76,8 +75,7 @@ struct index_slot *ops_find(idem_store *s, const void *key, uint32_t key_len, st
     struct key_ref k = {s, key, key_len, NULL, 0, 0, 0};
     struct index_slot *slot = index_find(s->ix, ops_hash(s, key, key_len), key_eq, &k);
     s->find_corrupt = k.corrupt || (slot && rec_decode(k.payload, k.payload_len, r) < 0);
-    if (!slot || s->find_corrupt)
-        return NULL;
+    if (!slot || s->find_corrupt) return NULL;
     /* An LSN can never be ahead of the log (guards a wait on a damaged frame). */
     *lsn = k.lsn <= wal_last_lsn(s->wal) ? k.lsn : wal_last_lsn(s->wal);
     return slot;
@@ -97,8 +95,7 @@ static struct seen_info *seen_of(idem_store *s, const struct index_slot *slot)
 
 void ops_seen_release(idem_store *s, struct index_slot *slot)
 {
-    if (!slot->aux)
-        return;
+    if (!slot->aux) return;
     s->seen_free[s->seen_nfree++] = slot->aux - 1;
     slot->aux = 0;
 }
@@ -114,12 +111,10 @@ int ops_seen_set(idem_store *s, struct index_slot *slot, uint64_t seen_count, in
             if (s->seen_used == s->seen_cap) {
                 uint32_t cap = s->seen_cap ? s->seen_cap * 2 : 1024;
                 struct seen_info *n = realloc(s->seen, cap * sizeof *n);
-                if (!n)
-                    return IDEM_ENOMEM;
+                if (!n) return IDEM_ENOMEM;
                 s->seen = n;
                 uint32_t *f = realloc(s->seen_free, cap * sizeof *f);
-                if (!f)
-                    return IDEM_ENOMEM;
+                if (!f) return IDEM_ENOMEM;
                 s->seen_free = f;
                 s->seen_cap = cap;
             }
@@ -141,7 +136,6 @@ static int seen_bump(idem_store *s, struct index_slot *slot, const struct rec *r
 }
 
 /* ---- Writing versions ---- */
-
 
 /* What the store counts about the version at addr: its bytes, mismatch count and version. */
 struct old_facts {
@@ -172,13 +166,11 @@ static void version_moved(idem_store *s, const struct old_facts *old, uint64_t n
 {
     s->live_bytes -= old->bytes;
     s->st.keys_with_mismatch -= old->mismatch_count > 0;
-    if (!r)
-        return;
+    if (!r) return;
     s->live_bytes += new_bytes;
     s->st.keys_with_mismatch += r->mismatch_count > 0;
     int64_t *m = &s->seg_max_exp[wal_addr_seq(s->wal, new_addr) % WAL_SEG_SLOTS];
-    if (r->expires_at_ms > *m)
-        *m = r->expires_at_ms;
+    if (r->expires_at_ms > *m) *m = r->expires_at_ms;
     ages_note(s, r, new_addr);
 }
 
@@ -188,8 +180,7 @@ static void state_count(idem_store *s, int state, int delta)
                   : state == IDEM_STATE_COMMITTED ? &s->st.keys_committed
                   : state == IDEM_STATE_REVIEW    ? &s->st.keys_review
                                                   : NULL;
-    if (c)
-        *c += (uint64_t)(int64_t)delta;
+    if (c) *c += (uint64_t)(int64_t)delta;
 }
 
 /* Writes version r of key (result given raw; compressed here when that saves space). slot is
@@ -230,10 +221,8 @@ static int write_version(idem_store *s, struct index_slot *slot, int old_state, 
     /* Versions of a record only grow; an imported version (ahead of this log's LSNs) is kept.
      * For every other change r->version holds the old version, below both bounds. */
     uint64_t v = wal_last_lsn(s->wal) + 1;
-    if (old.version >= v)
-        v = old.version + 1;
-    if (r->version < v)
-        r->version = v;
+    if (old.version >= v) v = old.version + 1;
+    if (r->version < v) r->version = v;
     uint8_t fixed[REC_FIXED_BYTES];
     rec_encode_fixed(r, fixed);
     const void *parts[5] = {fixed, key, owner, note, stored};
@@ -242,14 +231,12 @@ static int write_version(idem_store *s, struct index_slot *slot, int old_state, 
     if (!slot) {
         /* Insert first, so a failed insert leaves nothing in the log. */
         slot = index_insert(s->ix, h, 1, 0);
-        if (!slot)
-            return IDEM_EFULL;
+        if (!slot) return IDEM_EFULL;
     }
     uint64_t addr;
     int rc = wal_append(s->wal, WAL_T_RECORD, parts, lens, 5, &addr, lsn);
     if (rc < 0) {
-        if (old_state == 0)
-            index_remove(s->ix, slot);
+        if (old_state == 0) index_remove(s->ix, slot);
         return rc;
     }
     ops_seen_release(s, slot);
@@ -272,8 +259,7 @@ static int write_delete(idem_store *s, struct index_slot *slot, int old_state, c
     uint32_t lens[2] = {8, key_len};
     uint64_t addr;
     int rc = wal_append(s->wal, WAL_T_DELETE, parts, lens, 2, &addr, lsn);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     struct old_facts old = old_facts(s, index_slot_addr(slot));
     ops_seen_release(s, slot);
     index_remove(s->ix, slot);
@@ -297,20 +283,17 @@ static int copy_result(struct qslot *sl, const struct rec *r, const void **out, 
         return *out ? 0 : IDEM_ENOMEM;
     }
     char *dst = qslot_reserve(sl, r->result_raw_len);
-    if (!dst)
-        return IDEM_ENOMEM;
+    if (!dst) return IDEM_ENOMEM;
     int n = LZ4_decompress_safe((const char *)r->result, dst, (int)r->result_len,
                                 (int)r->result_raw_len);
-    if (n < 0 || (uint32_t)n != r->result_raw_len)
-        return IDEM_ECORRUPT;
+    if (n < 0 || (uint32_t)n != r->result_raw_len) return IDEM_ECORRUPT;
     sl->buf_used += r->result_raw_len;
     *out = dst;
     *len = r->result_raw_len;
     return 0;
 }
 
-void ops_fill_record(struct qslot *sl, const struct rec *r, struct index_slot *slot,
-                     idem_store *s)
+void ops_fill_record(struct qslot *sl, const struct rec *r, struct index_slot *slot, idem_store *s)
 {
     idem_record *o = &sl->c.record;
     memset(o, 0, sizeof *o);
@@ -334,8 +317,7 @@ void ops_fill_record(struct qslot *sl, const struct rec *r, struct index_slot *s
     }
     o->attempts = r->attempts;
     o->last_grant_ms = r->last_grant_ms;
-    if (r->state == IDEM_STATE_COMMITTED &&
-        copy_result(sl, r, &o->result, &o->result_len) < 0)
+    if (r->state == IDEM_STATE_COMMITTED && copy_result(sl, r, &o->result, &o->result_len) < 0)
         sl->c.err = IDEM_ECORRUPT;
     if (r->note_len) {
         o->note = qslot_copy(sl, r->note, r->note_len);
@@ -353,8 +335,7 @@ void ops_fill_record(struct qslot *sl, const struct rec *r, struct index_slot *s
 
 static int op_valid(const idem_store *s, const idem_op *op)
 {
-    if (op->flags & ~OPS_KNOWN_FLAGS)
-        return 0;
+    if (op->flags & ~OPS_KNOWN_FLAGS) return 0;
     if (op->kind != IDEM_OP_SYNC &&
         (!op->key || op->key_len == 0 || op->key_len > IDEM_KEY_BYTES_MAX))
         return 0;
@@ -370,8 +351,7 @@ static int op_valid(const idem_store *s, const idem_op *op)
     case IDEM_OP_RELEASE:
         return op->token > 0;
     case IDEM_OP_HOLD:
-        return op->token > 0 && (op->data || !op->data_len) &&
-               op->data_len <= IDEM_NOTE_BYTES_MAX;
+        return op->token > 0 && (op->data || !op->data_len) && op->data_len <= IDEM_NOTE_BYTES_MAX;
     case IDEM_OP_EXTEND:
         return op->token > 0 && op->lease_ms >= 1 && op->lease_ms <= IDEM_LEASE_MS_MAX;
     case IDEM_OP_GET:
@@ -407,12 +387,9 @@ static int owner_same(const struct rec *r, const idem_op *op)
 
 static int capacity_full(idem_store *s)
 {
-    if (s->opt.max_keys && index_count(s->ix) >= s->opt.max_keys)
-        return 1;
-    if (s->opt.max_memory_bytes && index_memory_bytes(s->ix) >= s->opt.max_memory_bytes)
-        return 1;
-    if (s->opt.max_disk_bytes && wal_bytes(s->wal) >= s->opt.max_disk_bytes)
-        return 1;
+    if (s->opt.max_keys && index_count(s->ix) >= s->opt.max_keys) return 1;
+    if (s->opt.max_memory_bytes && index_memory_bytes(s->ix) >= s->opt.max_memory_bytes) return 1;
+    if (s->opt.max_disk_bytes && wal_bytes(s->wal) >= s->opt.max_disk_bytes) return 1;
     return 0;
 }
 
@@ -438,26 +415,24 @@ static void claim_new(idem_store *s, struct qslot *sl, const idem_op *op, const 
     }
     int rc = store_next_token(s, &r.token);
     if (rc == 0) {
-        if (slot)
-            ops_seen_release(s, slot); /* an expired record's counters do not carry over */
-        rc = write_version(s, slot, old_state, &r, op->key, op->owner, NULL, NULL, 0,
-                           &sl->need_lsn);
+        if (slot) ops_seen_release(s, slot); /* an expired record's counters do not carry over */
+        rc =
+            write_version(s, slot, old_state, &r, op->key, op->owner, NULL, NULL, 0, &sl->need_lsn);
     }
     if (rc < 0) {
         sl->c.err = rc;
         return;
     }
-    if (old_state)
-        s->st.expired_total++;
+    if (old_state) s->st.expired_total++;
     sl->c.outcome = IDEM_NEW;
     sl->c.token = r.token;
     s->st.claims_new++;
 }
 
 /* A claim that meets an unfinished or committed record. Returns the outcome written. */
-static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op,
-                           const uint8_t fp[16], struct index_slot *slot, struct rec *r,
-                           uint64_t lsn, int64_t now, int waking)
+static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, const uint8_t fp[16],
+                           struct index_slot *slot, struct rec *r, uint64_t lsn, int64_t now,
+                           int waking)
 {
     const void *owner = r->owner, *note = r->note;
     int rc = 0;
@@ -468,12 +443,10 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op,
         r->last_mismatch_ms = now;
         memcpy(r->last_mismatch_fp, fp, 16);
         r->flags |= REC_F_MFP;
-        if (!waking && seen_bump(s, slot, r, now) < 0)
-            r->seen_count++;
+        if (!waking && seen_bump(s, slot, r, now) < 0) r->seen_count++;
         const void *result = NULL;
         uint32_t result_len = 0;
-        if (r->state == IDEM_STATE_COMMITTED)
-            rc = copy_result(sl, r, &result, &result_len);
+        if (r->state == IDEM_STATE_COMMITTED) rc = copy_result(sl, r, &result, &result_len);
         if (rc == 0)
             rc = write_version(s, slot, r->state, r, r->key, owner, note, result, result_len,
                                &sl->need_lsn);
@@ -483,16 +456,14 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op,
         goto out;
     }
     if (r->state == IDEM_STATE_COMMITTED) {
-        if (!waking)
-            seen_bump(s, slot, r, now);
+        if (!waking) seen_bump(s, slot, r, now);
         rc = copy_result(sl, r, &sl->c.data, &sl->c.data_len);
         sl->c.outcome = IDEM_DONE;
         s->st.claims_done++;
         goto out;
     }
     if (r->state == IDEM_STATE_REVIEW) {
-        if (!waking)
-            seen_bump(s, slot, r, now);
+        if (!waking) seen_bump(s, slot, r, now);
         sl->c.data = qslot_copy(sl, r->note, r->note_len);
         sl->c.data_len = r->note_len;
         sl->c.outcome = IDEM_REVIEW;
@@ -503,25 +474,21 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op,
         if (owner_same(r, op)) {
             /* The same worker again: resume with the same token, the lease runs on. */
             r->lease_until_ms = now + (int64_t)op->lease_ms;
-            if (!waking)
-                seen_bump(s, slot, r, now);
-            rc = write_version(s, slot, r->state, r, r->key, owner, note, NULL, 0,
-                               &sl->need_lsn);
+            if (!waking) seen_bump(s, slot, r, now);
+            rc = write_version(s, slot, r->state, r, r->key, owner, note, NULL, 0, &sl->need_lsn);
             sl->c.outcome = IDEM_NEW;
             sl->c.token = r->token;
             s->st.claims_new++;
             goto out;
         }
-        if (!waking)
-            seen_bump(s, slot, r, now);
+        if (!waking) seen_bump(s, slot, r, now);
         sl->c.outcome = IDEM_BUSY;
         sl->c.lease_left_ms = r->lease_until_ms - now;
         s->st.claims_busy++;
         goto out;
     }
     /* Rule 6: the lease ran out; the transition is made and logged now. */
-    if (!waking)
-        seen_bump(s, slot, r, now);
+    if (!waking) seen_bump(s, slot, r, now);
     if (s->opt.lease_policy == IDEM_LEASE_REVIEW) {
         static const char why[] = "lease expired";
         r->state = IDEM_STATE_REVIEW;
@@ -537,8 +504,7 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op,
     }
     int64_t prev_grant = r->last_grant_ms;
     rc = store_next_token(s, &r->token);
-    if (rc < 0)
-        goto out;
+    if (rc < 0) goto out;
     r->attempts++;
     r->last_grant_ms = now;
     r->lease_until_ms = now + (int64_t)op->lease_ms;
@@ -561,8 +527,7 @@ out:
 static int op_claim(idem_store *s, struct qslot *sl, const idem_op *op, int waking)
 {
     uint8_t fp[16] = {0};
-    if (op->fp)
-        idem_fingerprint(op->fp, op->fp_len, fp);
+    if (op->fp) idem_fingerprint(op->fp, op->fp_len, fp);
     int64_t now = store_now(s);
     struct rec r;
     uint64_t lsn;
@@ -608,8 +573,7 @@ static void op_commit(idem_store *s, struct qslot *sl, const idem_op *op)
     int64_t now = store_now(s);
     struct rec r;
     struct index_slot *slot = owner_lookup(s, sl, op, &r, now);
-    if (!slot)
-        return;
+    if (!slot) return;
     if (r.token != op->token || r.state == IDEM_STATE_REVIEW) {
         sl->c.err = IDEM_ESTALE;
         return;
@@ -632,8 +596,7 @@ static void op_commit(idem_store *s, struct qslot *sl, const idem_op *op)
         r.expires_at_ms = now + (r.expires_at_ms - r.first_seen_ms); /* rule 5 */
     sl->c.err = write_version(s, slot, IDEM_STATE_IN_FLIGHT, &r, r.key, NULL, r.note, op->data,
                               op->data_len, &sl->need_lsn);
-    if (sl->c.err == 0)
-        ops_wake(s, op->key, op->key_len);
+    if (sl->c.err == 0) ops_wake(s, op->key, op->key_len);
 }
 
 /* owner_lookup for calls that need the caller to own a running claim (release, extend). */
@@ -652,11 +615,9 @@ static void op_release(idem_store *s, struct qslot *sl, const idem_op *op)
 {
     struct rec r;
     struct index_slot *slot = owner_in_flight(s, sl, op, &r, store_now(s));
-    if (!slot)
-        return;
+    if (!slot) return;
     sl->c.err = write_delete(s, slot, r.state, op->key, op->key_len, &sl->need_lsn);
-    if (sl->c.err == 0)
-        ops_wake(s, op->key, op->key_len);
+    if (sl->c.err == 0) ops_wake(s, op->key, op->key_len);
 }
 
 static void op_hold(idem_store *s, struct qslot *sl, const idem_op *op)
@@ -664,21 +625,18 @@ static void op_hold(idem_store *s, struct qslot *sl, const idem_op *op)
     int64_t now = store_now(s);
     struct rec r;
     struct index_slot *slot = owner_lookup(s, sl, op, &r, now);
-    if (!slot)
-        return;
+    if (!slot) return;
     if (r.token != op->token || r.state == IDEM_STATE_COMMITTED) {
         sl->c.err = IDEM_ESTALE;
         return;
     }
-    if (r.state == IDEM_STATE_REVIEW)
-        return; /* a repeated hold by the holder answers OK */
+    if (r.state == IDEM_STATE_REVIEW) return; /* a repeated hold by the holder answers OK */
     r.state = IDEM_STATE_REVIEW;
     r.note_len = (uint16_t)op->data_len;
     r.owner_len = 0;
     sl->c.err = write_version(s, slot, IDEM_STATE_IN_FLIGHT, &r, r.key, NULL, op->data, NULL, 0,
                               &sl->need_lsn);
-    if (sl->c.err == 0)
-        ops_wake(s, op->key, op->key_len);
+    if (sl->c.err == 0) ops_wake(s, op->key, op->key_len);
 }
 
 static void op_extend(idem_store *s, struct qslot *sl, const idem_op *op)
@@ -686,11 +644,9 @@ static void op_extend(idem_store *s, struct qslot *sl, const idem_op *op)
     int64_t now = store_now(s);
     struct rec r;
     struct index_slot *slot = owner_in_flight(s, sl, op, &r, now);
-    if (!slot)
-        return;
+    if (!slot) return;
     r.lease_until_ms = now + (int64_t)op->lease_ms;
-    sl->c.err = write_version(s, slot, r.state, &r, r.key, r.owner, r.note, NULL, 0,
-                              &sl->need_lsn);
+    sl->c.err = write_version(s, slot, r.state, &r, r.key, r.owner, r.note, NULL, 0, &sl->need_lsn);
 }
 
 /* ---- Reads, SET NX, DEL, RESOLVE ---- */
@@ -702,8 +658,7 @@ static void op_get(idem_store *s, struct qslot *sl, const idem_op *op)
     struct index_slot *slot = ops_find(s, op->key, op->key_len, &r, &lsn);
     if (!slot || ops_rec_expired(&r, store_now(s))) {
         sl->need_lsn = wal_last_lsn(s->wal);
-        if (!slot && s->find_corrupt)
-            sl->c.err = IDEM_ECORRUPT;
+        if (!slot && s->find_corrupt) sl->c.err = IDEM_ECORRUPT;
         return;
     }
     sl->need_lsn = lsn;
@@ -746,15 +701,13 @@ static void op_set(idem_store *s, struct qslot *sl, const idem_op *op)
     n.first_seen_ms = n.last_seen_ms = now;
     n.expires_at_ms = now + (int64_t)op->ttl_ms;
     n.seen_count = 1;
-    if (slot)
-        ops_seen_release(s, slot);
+    if (slot) ops_seen_release(s, slot);
     sl->c.err = write_version(s, slot, slot ? r.state : 0, &n, op->key, NULL, NULL, op->data,
                               op->data_len, &sl->need_lsn);
     if (sl->c.err == 0) {
         sl->c.outcome = IDEM_NEW;
         s->st.claims_new++;
-        if (slot)
-            s->st.expired_total++;
+        if (slot) s->st.expired_total++;
     }
 }
 
@@ -773,8 +726,7 @@ static void op_del(idem_store *s, struct qslot *sl, const idem_op *op)
     int64_t now = store_now(s);
     struct rec r;
     struct index_slot *slot = owner_lookup(s, sl, op, &r, now);
-    if (!slot)
-        return;
+    if (!slot) return;
     if (r.state != IDEM_STATE_COMMITTED) {
         sl->c.err = IDEM_ESTATE;
         return;
@@ -788,14 +740,12 @@ static void op_del(idem_store *s, struct qslot *sl, const idem_op *op)
 
 static void op_resolve(idem_store *s, struct qslot *sl, const idem_op *op)
 {
-    static const char *const names[] = {"", "resolve-commit", "resolve-release",
-                                        "resolve-settle"};
+    static const char *const names[] = {"", "resolve-commit", "resolve-release", "resolve-settle"};
     store_quiesce(s); /* see op_del */
     int64_t now = store_now(s);
     struct rec r;
     struct index_slot *slot = owner_lookup(s, sl, op, &r, now);
-    if (!slot)
-        return;
+    if (!slot) return;
     if (r.state == IDEM_STATE_COMMITTED) {
         sl->c.err = IDEM_ESTATE;
         return;
@@ -820,8 +770,7 @@ static void op_resolve(idem_store *s, struct qslot *sl, const idem_op *op)
         r.owner_len = 0;
         r.lease_until_ms = 0;
         r.note_len = (uint16_t)op->data_len;
-        if (now >= r.expires_at_ms)
-            r.expires_at_ms = now + (r.expires_at_ms - r.first_seen_ms);
+        if (now >= r.expires_at_ms) r.expires_at_ms = now + (r.expires_at_ms - r.first_seen_ms);
         const void *result = op->action == IDEM_RESOLVE_COMMIT ? op->result : NULL;
         uint32_t result_len = op->action == IDEM_RESOLVE_COMMIT ? op->result_len : 0;
         rc = write_version(s, slot, before, &r, r.key, NULL, op->data, result, result_len,
@@ -833,8 +782,7 @@ static void op_resolve(idem_store *s, struct qslot *sl, const idem_op *op)
                           op->action == IDEM_RESOLVE_RELEASE ? 0 : IDEM_STATE_COMMITTED, version,
                           op->action == IDEM_RESOLVE_RELEASE ? 0 : r.version, sl->need_lsn);
     sl->c.err = rc;
-    if (rc == 0)
-        ops_wake(s, op->key, op->key_len);
+    if (rc == 0) ops_wake(s, op->key, op->key_len);
 }
 
 /* ---- Dispatch and WAIT ---- */
@@ -888,19 +836,34 @@ void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op)
         else if (sl->c.err == 0)
             store_count_claim(s, sl->c.outcome);
         break;
-    case IDEM_OP_COMMIT: op_commit(s, sl, op); break;
-    case IDEM_OP_RELEASE: op_release(s, sl, op); break;
-    case IDEM_OP_HOLD: op_hold(s, sl, op); break;
-    case IDEM_OP_EXTEND: op_extend(s, sl, op); break;
-    case IDEM_OP_GET: op_get(s, sl, op); break;
+    case IDEM_OP_COMMIT:
+        op_commit(s, sl, op);
+        break;
+    case IDEM_OP_RELEASE:
+        op_release(s, sl, op);
+        break;
+    case IDEM_OP_HOLD:
+        op_hold(s, sl, op);
+        break;
+    case IDEM_OP_EXTEND:
+        op_extend(s, sl, op);
+        break;
+    case IDEM_OP_GET:
+        op_get(s, sl, op);
+        break;
     case IDEM_OP_SET_IF_ABSENT:
         op_set(s, sl, op);
-        if (sl->c.err == 0)
-            store_count_claim(s, sl->c.outcome);
+        if (sl->c.err == 0) store_count_claim(s, sl->c.outcome);
         break;
-    case IDEM_OP_DEL: op_del(s, sl, op); break;
-    case IDEM_OP_RESOLVE: op_resolve(s, sl, op); break;
-    case IDEM_OP_SYNC: sl->need_lsn = wal_last_lsn(s->wal); break;
+    case IDEM_OP_DEL:
+        op_del(s, sl, op);
+        break;
+    case IDEM_OP_RESOLVE:
+        op_resolve(s, sl, op);
+        break;
+    case IDEM_OP_SYNC:
+        sl->need_lsn = wal_last_lsn(s->wal);
+        break;
     }
     s->hash_cache_on = 0;
     s->hash_key = NULL;
@@ -929,23 +892,20 @@ static int wake_one(idem_store *s, struct qslot *sl, int64_t mono)
         uint64_t lsn;
         struct index_slot *slot = ops_find(s, sl->op.key, sl->op.key_len, &r, &lsn);
         sl->c.outcome = IDEM_BUSY;
-        sl->c.lease_left_ms = slot && r.lease_until_ms > store_now(s)
-                                  ? r.lease_until_ms - store_now(s)
-                                  : 0;
+        sl->c.lease_left_ms =
+            slot && r.lease_until_ms > store_now(s) ? r.lease_until_ms - store_now(s) : 0;
         sl->need_lsn = slot ? lsn : wal_last_lsn(s->wal);
         return 1;
     }
     sl->buf_used = keep;
     int park_again = op_claim(s, sl, &sl->op, 1);
-    if (park_again && mono < sl->deadline_mono_ms)
-        return 0;
+    if (park_again && mono < sl->deadline_mono_ms) return 0;
     return 1;
 }
 
 int idem_cancel_wait(idem_queue *q, uint64_t user_data)
 {
-    if (!q)
-        return IDEM_EINVAL;
+    if (!q) return IDEM_EINVAL;
     idem_store *s = q->s;
     pthread_mutex_lock(&s->mu);
     int rc = IDEM_ENOTFOUND;
@@ -956,8 +916,7 @@ int idem_cancel_wait(idem_queue *q, uint64_t user_data)
             break;
         }
     }
-    if (rc == IDEM_OK)
-        ops_wake(s, NULL, 0);
+    if (rc == IDEM_OK) ops_wake(s, NULL, 0);
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
@@ -972,8 +931,7 @@ void ops_wake(idem_store *s, const void *key, uint32_t key_len)
         if ((match || mono >= sl->deadline_mono_ms || s->closing || s->no_wait) &&
             wake_one(s, sl, mono)) {
             *pp = sl->wnext;
-            if (s->waiters_tail == sl)
-                s->waiters_tail = prev;
+            if (s->waiters_tail == sl) s->waiters_tail = prev;
             sl->state = SLOT_DONE;
             uint64_t one = 1;
             if (write(sl->q->efd, &one, sizeof one) < 0) {
@@ -985,8 +943,7 @@ void ops_wake(idem_store *s, const void *key, uint32_t key_len)
         prev = sl;
         pp = &sl->wnext;
     }
-    if (wal_pending(s->wal))
-        store_kick(s);
+    if (wal_pending(s->wal)) store_kick(s);
 }
 
 /* ---- Recovery ---- */
@@ -994,28 +951,23 @@ void ops_wake(idem_store *s, const void *key, uint32_t key_len)
 int ops_replay(void *ctx, const struct wal_frame *f)
 {
     idem_store *s = ctx;
-    if (f->type == WAL_T_END)
-        return 0;
+    if (f->type == WAL_T_END) return 0;
     s->st.frames_replayed++;
     const uint8_t *key;
     uint32_t key_len;
     int state = 0;
     struct rec rr;
     if (f->type == WAL_T_RECORD) {
-        if (rec_decode(f->payload, f->payload_len, &rr) < 0)
-            return IDEM_ECORRUPT;
+        if (rec_decode(f->payload, f->payload_len, &rr) < 0) return IDEM_ECORRUPT;
         key = rr.key;
         key_len = rr.key_len;
         state = rr.state;
-        if (rr.token > s->max_token_seen)
-            s->max_token_seen = rr.token;
+        if (rr.token > s->max_token_seen) s->max_token_seen = rr.token;
     } else {
-        if (f->payload_len < 8)
-            return IDEM_ECORRUPT;
+        if (f->payload_len < 8) return IDEM_ECORRUPT;
         key_len = util_get_u16(f->payload);
         key = f->payload + 8;
-        if (key_len == 0 || 8 + key_len > f->payload_len)
-            return IDEM_ECORRUPT;
+        if (key_len == 0 || 8 + key_len > f->payload_len) return IDEM_ECORRUPT;
     }
     struct rec cur;
     uint64_t lsn;
@@ -1026,8 +978,7 @@ int ops_replay(void *ctx, const struct wal_frame *f)
                         (unsigned long long)f->addr);
         return IDEM_ECORRUPT;
     }
-    if (slot)
-        state_count(s, cur.state, -1);
+    if (slot) state_count(s, cur.state, -1);
     struct old_facts old = old_facts(s, slot ? index_slot_addr(slot) : 0);
     if (f->type == WAL_T_DELETE) {
         if (slot) {
@@ -1039,8 +990,7 @@ int ops_replay(void *ctx, const struct wal_frame *f)
     }
     if (!slot) {
         slot = index_insert(s->ix, ops_hash(s, key, key_len), f->addr, 0);
-        if (!slot)
-            return IDEM_ENOMEM;
+        if (!slot) return IDEM_ENOMEM;
     } else {
         ops_seen_release(s, slot);
         index_slot_set_addr(slot, f->addr);
@@ -1057,24 +1007,19 @@ int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now, uin
     if (f->type != WAL_T_RECORD)
         return 0; /* DELETE frames in the oldest segment describe nothing older that survives */
     struct rec r, cur;
-    if (rec_decode(f->payload, f->payload_len, &r) < 0)
-        return IDEM_ECORRUPT;
+    if (rec_decode(f->payload, f->payload_len, &r) < 0) return IDEM_ECORRUPT;
     uint64_t cur_lsn;
     struct index_slot *slot = ops_find(s, r.key, r.key_len, &cur, &cur_lsn);
-    if (!slot && s->find_corrupt)
-        return IDEM_ECORRUPT;
-    if (!slot || index_slot_addr(slot) != f->addr)
-        return 0; /* superseded or deleted: dead */
+    if (!slot && s->find_corrupt) return IDEM_ECORRUPT;
+    if (!slot || index_slot_addr(slot) != f->addr) return 0; /* superseded or deleted: dead */
     if (ops_rec_expired(&r, now)) {
         int rc = write_delete(s, slot, r.state, r.key, r.key_len, lsn);
-        if (rc == 0)
-            s->st.expired_total++;
+        if (rc == 0) s->st.expired_total++;
         return rc;
     }
     uint64_t addr;
     int rc = wal_copy(s->wal, f, &addr, lsn);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     struct old_facts old = old_facts(s, f->addr);
     index_slot_set_addr(slot, addr);
     version_moved(s, &old, addr, (uint64_t)f->payload_len + WAL_FRAME_HDR, &r);
@@ -1089,17 +1034,15 @@ static int import_valid(const idem_store *s, const idem_record *in)
            in->state >= IDEM_STATE_IN_FLIGHT && in->state <= IDEM_STATE_REVIEW &&
            in->owner_len <= IDEM_OWNER_BYTES_MAX && in->note_len <= IDEM_NOTE_BYTES_MAX &&
            in->result_len <= s->opt.result_bytes_max && (in->owner || !in->owner_len) &&
-           (in->note || !in->note_len) && (in->result || !in->result_len) &&
-           in->token >= 0 && in->token < IDEM_TOKEN_MAX && in->expires_at_ms >= in->first_seen_ms;
+           (in->note || !in->note_len) && (in->result || !in->result_len) && in->token >= 0 &&
+           in->token < IDEM_TOKEN_MAX && in->expires_at_ms >= in->first_seen_ms;
 }
 
 int idem_import_record(idem_queue *q, const idem_record *in)
 {
-    if (!q || !in)
-        return IDEM_EINVAL;
+    if (!q || !in) return IDEM_EINVAL;
     idem_store *s = q->s;
-    if (!import_valid(s, in))
-        return IDEM_EINVAL;
+    if (!import_valid(s, in)) return IDEM_EINVAL;
     struct rec r = {0};
     r.state = (uint8_t)in->state;
     r.key_len = (uint16_t)in->key_len;
@@ -1131,21 +1074,17 @@ int idem_import_record(idem_queue *q, const idem_record *in)
         struct rec cur;
         uint64_t cur_lsn;
         struct index_slot *slot = ops_find(s, in->key, in->key_len, &cur, &cur_lsn);
-        if (!slot && s->find_corrupt)
-            rc = IDEM_ECORRUPT;
-        if (slot)
-            ops_seen_release(s, slot);
+        if (!slot && s->find_corrupt) rc = IDEM_ECORRUPT;
+        if (slot) ops_seen_release(s, slot);
         if (rc == 0)
             rc = write_version(s, slot, slot ? cur.state : 0, &r, in->key,
-                           r.owner_len ? in->owner : NULL, in->note,
-                           in->state == IDEM_STATE_COMMITTED ? in->result : NULL,
-                           in->state == IDEM_STATE_COMMITTED ? in->result_len : 0, &lsn);
+                               r.owner_len ? in->owner : NULL, in->note,
+                               in->state == IDEM_STATE_COMMITTED ? in->result : NULL,
+                               in->state == IDEM_STATE_COMMITTED ? in->result_len : 0, &lsn);
     }
     /* Tokens handed out from now on are above every imported one. */
-    if (rc == 0 && in->token >= s->token_next)
-        s->token_next = in->token + 1;
-    if (rc == 0)
-        store_kick(s);
+    if (rc == 0 && in->token >= s->token_next) s->token_next = in->token + 1;
+    if (rc == 0) store_kick(s);
     pthread_mutex_unlock(&s->mu);
     return rc == 0 ? idem_sync(s) : rc;
 }
@@ -1172,8 +1111,7 @@ static void check_one(void *ctx, struct index_slot *slot)
     }
     cc->by_state[r.state]++;
     /* The key must lead back to this very slot: no duplicate, no stray entry. */
-    if (ops_find(cc->s, r.key, r.key_len, &again, &lsn) != slot)
-        cc->faults++;
+    if (ops_find(cc->s, r.key, r.key_len, &again, &lsn) != slot) cc->faults++;
 }
 
 int store_check_index(idem_store *s, uint64_t *entries)
@@ -1184,12 +1122,12 @@ int store_check_index(idem_store *s, uint64_t *entries)
     do {
         cursor = index_scan(s->ix, cursor, 65536, check_one, &cc);
     } while (cursor);
-    if (cc.entries != index_count(s->ix) || cc.by_state[IDEM_STATE_IN_FLIGHT] != s->st.keys_in_flight ||
+    if (cc.entries != index_count(s->ix) ||
+        cc.by_state[IDEM_STATE_IN_FLIGHT] != s->st.keys_in_flight ||
         cc.by_state[IDEM_STATE_COMMITTED] != s->st.keys_committed ||
         cc.by_state[IDEM_STATE_REVIEW] != s->st.keys_review)
         cc.faults++;
     pthread_mutex_unlock(&s->mu);
-    if (entries)
-        *entries = cc.entries;
+    if (entries) *entries = cc.entries;
     return cc.faults ? IDEM_ECORRUPT : 0;
 }

@@ -9,8 +9,7 @@
 
 int rec_decode(const uint8_t *p, uint32_t len, struct rec *r)
 {
-    if (len < REC_FIXED_BYTES)
-        return IDEM_ECORRUPT;
+    if (len < REC_FIXED_BYTES) return IDEM_ECORRUPT;
     r->state = p[0];
     r->flags = p[1];
     r->key_len = util_get_u16(p + 2);
@@ -31,8 +30,8 @@ int rec_decode(const uint8_t *p, uint32_t len, struct rec *r)
     r->version = util_get_u64(p + 96);
     memcpy(r->fp, p + 104, 16);
     memcpy(r->last_mismatch_fp, p + 120, 16);
-    uint64_t need = (uint64_t)REC_FIXED_BYTES + r->key_len + r->owner_len + r->note_len +
-                    r->result_len;
+    uint64_t need =
+        (uint64_t)REC_FIXED_BYTES + r->key_len + r->owner_len + r->note_len + r->result_len;
     if (need > len || r->key_len == 0 || r->state < IDEM_STATE_IN_FLIGHT ||
         r->state > IDEM_STATE_REVIEW)
         return IDEM_ECORRUPT;

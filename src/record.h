@@ -23,9 +23,9 @@
 
 #define REC_FIXED_BYTES 136u
 
-#define REC_F_FP   0x1u /* fp holds the content fingerprint */
-#define REC_F_MFP  0x2u /* last_mismatch_fp is set */
-#define REC_F_LZ4  0x4u /* the result is lz4-compressed */
+#define REC_F_FP  0x1u /* fp holds the content fingerprint */
+#define REC_F_MFP 0x2u /* last_mismatch_fp is set */
+#define REC_F_LZ4 0x4u /* the result is lz4-compressed */
 
 /* A decoded record: fixed fields by value, variable fields pointing into the frame. */
 struct rec {

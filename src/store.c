@@ -67,10 +67,8 @@ static int64_t mono_now(idem_store *s)
  * STORE_SLEW_PER_S_MS per second of elapsed time, and never goes back. */
 int64_t store_now(idem_store *s)
 {
-    if (s->opt.test_clock)
-        return s->clk_last_ms;
-    if (s->clk_frozen)
-        return s->clk_last_ms; /* one reading serves a whole submitted batch */
+    if (s->opt.test_clock) return s->clk_last_ms;
+    if (s->clk_frozen) return s->clk_last_ms; /* one reading serves a whole submitted batch */
     int64_t mono = mono_now(s);
     int64_t est = s->clk_store_ms + (mono - s->clk_mono_ms);
     if (mono - s->clk_mono_ms >= 1000) {
@@ -80,8 +78,7 @@ int64_t store_now(idem_store *s)
         s->clk_store_ms = est;
         s->clk_mono_ms = mono;
     }
-    if (est > s->clk_last_ms)
-        s->clk_last_ms = est;
+    if (est > s->clk_last_ms) s->clk_last_ms = est;
     return s->clk_last_ms;
 }
 
@@ -95,8 +92,7 @@ int64_t idem_clock_now(idem_store *s)
 
 int idem_clock_set(idem_store *s, int64_t ms)
 {
-    if (!s->opt.test_clock)
-        return IDEM_ENOTSUP;
+    if (!s->opt.test_clock) return IDEM_ENOTSUP;
     pthread_mutex_lock(&s->mu);
     int rc = 0;
     if (ms < s->clk_last_ms) {
@@ -112,10 +108,8 @@ int idem_clock_set(idem_store *s, int64_t ms)
 
 int idem_clock_advance(idem_store *s, int64_t delta_ms)
 {
-    if (!s->opt.test_clock)
-        return IDEM_ENOTSUP;
-    if (delta_ms < 0)
-        return IDEM_EINVAL;
+    if (!s->opt.test_clock) return IDEM_ENOTSUP;
+    if (delta_ms < 0) return IDEM_EINVAL;
     return idem_clock_set(s, s->clk_last_ms + delta_ms);
 }
 
@@ -127,8 +121,7 @@ int store_next_token(idem_store *s, int64_t *out)
 {
     if ((uint64_t)s->token_next >= s->sb.token_reserved)
         return IDEM_EBUSY; /* store_room waits for headroom first; not reached normally */
-    if (s->token_next >= IDEM_TOKEN_MAX)
-        return IDEM_EFULL;
+    if (s->token_next >= IDEM_TOKEN_MAX) return IDEM_EFULL;
     *out = s->token_next++;
     return 0;
 }
@@ -151,8 +144,7 @@ static int reserve_tokens(idem_store *s)
     sb.token_reserved = (uint64_t)s->token_next + STORE_TOKEN_BLOCK;
     sb.store_clock_ms = s->clk_last_ms;
     int rc = super_store(s->io, s->dir, &sb);
-    if (rc == 0)
-        s->sb = sb;
+    if (rc == 0) s->sb = sb;
     return rc;
 }
 
@@ -160,8 +152,7 @@ static int reserve_tokens(idem_store *s)
 
 static int slot_ready(const idem_store *s, const struct qslot *sl)
 {
-    if (sl->state != SLOT_DONE)
-        return 0;
+    if (sl->state != SLOT_DONE) return 0;
     return s->opt.durability != IDEM_DURABILITY_SYNC || sl->need_lsn <= s->durable_lsn ||
            sl->c.err == IDEM_EFATAL;
 }
@@ -178,8 +169,7 @@ static void queue_signal(struct idem_queue *q)
 static void notify_ready(idem_store *s)
 {
     for (struct idem_queue *q = s->queues; q; q = q->next)
-        if (q->head)
-            queue_signal(q);
+        if (q->head) queue_signal(q);
     pthread_cond_broadcast(&s->cond_ready);
 }
 
@@ -187,8 +177,7 @@ static void notify_ready(idem_store *s)
 void store_fail(idem_store *s, int err)
 {
     if (!s->fatal)
-        fprintf(stderr, "idem: event=fatal_io_error dir=%s error=\"%s\"\n", s->dir,
-                strerror(-err));
+        fprintf(stderr, "idem: event=fatal_io_error dir=%s error=\"%s\"\n", s->dir, strerror(-err));
     s->fatal = 1;
     s->st.fatal = 1;
     for (struct idem_queue *q = s->queues; q; q = q->next) {
@@ -213,8 +202,7 @@ static void flush_once(idem_store *s)
         store_fail(s, -EIO);
         return;
     }
-    if (n == 0)
-        return;
+    if (n == 0) return;
     s->flushing = 1;
     uint64_t records = wal_flush_frames(s->wal);
     int durable = s->opt.durability != IDEM_DURABILITY_NONE || s->sync_waiters || s->closing;
@@ -242,8 +230,7 @@ static void flush_once(idem_store *s)
 
 static int flush_due(idem_store *s)
 {
-    if (s->fatal)
-        return 0;
+    if (s->fatal) return 0;
     if (!wal_pending(s->wal)) {
         /* Durability none: a caller waits for what was written without a flush. */
         if (s->sync_waiters && s->durable_lsn < wal_written_lsn(s->wal)) {
@@ -266,15 +253,12 @@ static int64_t flusher_sleep_ms(idem_store *s)
 {
     int64_t sleep = 1000;
     int64_t mono = mono_now(s);
-    if (wal_pending(s->wal))
-        sleep = STORE_BATCH_FLUSH_MS - (mono - s->last_flush_mono_ms);
+    if (wal_pending(s->wal)) sleep = STORE_BATCH_FLUSH_MS - (mono - s->last_flush_mono_ms);
     int64_t now = store_now(s);
     for (struct qslot *w = s->waiters; w; w = w->wnext) {
         int64_t d = w->deadline_mono_ms - mono;
-        if (d < sleep)
-            sleep = d;
-        if (!s->opt.test_clock && w->lease_end_ms - now < sleep)
-            sleep = w->lease_end_ms - now;
+        if (d < sleep) sleep = d;
+        if (!s->opt.test_clock && w->lease_end_ms - now < sleep) sleep = w->lease_end_ms - now;
     }
     return sleep < 0 ? 0 : sleep;
 }
@@ -283,16 +267,17 @@ static int64_t flusher_sleep_ms(idem_store *s)
  * callers never do file I/O of their own. A failure other than a full disk is fatal. */
 static void flusher_maintain(idem_store *s)
 {
-    if (s->fatal || s->closing)
-        return;
+    if (s->fatal || s->closing) return;
     int64_t mono = mono_now(s);
-    if (wal_spare_needed(s->wal) && (!s->spare_failed_mono_ms || mono - s->spare_failed_mono_ms >= 1000)) {
+    if (wal_spare_needed(s->wal) &&
+        (!s->spare_failed_mono_ms || mono - s->spare_failed_mono_ms >= 1000)) {
         int rc = wal_spare_create(s->wal);
-        if (rc == 0)
-            s->seg_max_exp[(wal_cur_seq(s->wal) + 1) % WAL_SEG_SLOTS] = SEG_EXP_EMPTY;
+        if (rc == 0) s->seg_max_exp[(wal_cur_seq(s->wal) + 1) % WAL_SEG_SLOTS] = SEG_EXP_EMPTY;
         if (rc == IDEM_EFULL) {
             if (!s->spare_failed_mono_ms)
-                fprintf(stderr, "idem: event=full reason=\"no space for the next log segment\" dir=%s\n", s->dir);
+                fprintf(stderr,
+                        "idem: event=full reason=\"no space for the next log segment\" dir=%s\n",
+                        s->dir);
             s->spare_failed_mono_ms = mono;
         } else if (rc < 0) {
             store_fail(s, -EIO);
@@ -316,8 +301,7 @@ static int checkpoint_locked(idem_store *s);
 /* Checkpoints and compaction between batches; returns 1 when work was done (loop again). */
 static int flusher_compact(idem_store *s)
 {
-    if (s->fatal || s->closing || s->abandoned)
-        return 0;
+    if (s->fatal || s->closing || s->abandoned) return 0;
     if (!wal_pending(s->wal) && compact_wants_checkpoint(s)) {
         int rc = checkpoint_locked(s);
         if (rc == IDEM_EFATAL || rc == IDEM_EIO) {
@@ -338,19 +322,15 @@ static void *flusher_main(void *arg)
     idem_store *s = arg;
     pthread_mutex_lock(&s->mu);
     for (;;) {
-        if (s->abandoned)
-            break;
+        if (s->abandoned) break;
         if (flush_due(s)) {
             flush_once(s);
             continue;
         }
         flusher_maintain(s);
-        if (flusher_compact(s))
-            continue;
-        if (s->waiters)
-            ops_wake(s, NULL, 0);
-        if (s->closing && !wal_pending(s->wal))
-            break;
+        if (flusher_compact(s)) continue;
+        if (s->waiters) ops_wake(s, NULL, 0);
+        if (s->closing && !wal_pending(s->wal)) break;
         int64_t ms = flusher_sleep_ms(s);
         if (ms > 0) {
             struct timespec ts;
@@ -377,10 +357,8 @@ void store_kick(idem_store *s)
  * IDEM_EFULL (no space for the next segment: the append itself will answer FULL). */
 int store_room_ok(idem_store *s)
 {
-    if (s->ckpt_quiesce)
-        return IDEM_EBUSY; /* a checkpoint is being taken at this log position */
-    if (token_headroom(s) < 64)
-        return IDEM_EBUSY;
+    if (s->ckpt_quiesce) return IDEM_EBUSY; /* a checkpoint is being taken at this log position */
+    if (token_headroom(s) < 64) return IDEM_EBUSY;
     return wal_room(s->wal, s->frame_max);
 }
 
@@ -444,8 +422,7 @@ static int store_init_new(idem_store *s)
     sb->store_clock_ms = sb->created_ms;
     sb->store_generation = 1;
     int rc = wal_init_new(s->wal);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     s->seg_max_exp[1] = SEG_EXP_EMPTY;
     return super_store(s->io, s->dir, sb);
 }
@@ -460,8 +437,7 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
         return IDEM_ECORRUPT;
     }
     struct index_slot *slot = index_insert(s->ix, h, e->addr_tag & INDEX_ADDR_MASK, 0);
-    if (!slot)
-        return IDEM_ENOMEM;
+    if (!slot) return IDEM_ENOMEM;
     if (e->has_seen & CKPT_UNFINISHED) {
         uint32_t len;
         uint64_t lsn;
@@ -476,8 +452,7 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
         s->st.keys_with_mismatch += r.mismatch_count > 0;
     }
     /* Repeat counters survive a clean restart through the checkpoint. */
-    return (e->has_seen & CKPT_SEEN) ? ops_seen_set(s, slot, e->seen_count, e->last_seen_ms)
-                                     : 0;
+    return (e->has_seen & CKPT_SEEN) ? ops_seen_set(s, slot, e->seen_count, e->last_seen_ms) : 0;
 }
 
 static int store_recover(idem_store *s)
@@ -521,15 +496,11 @@ static int store_recover(idem_store *s)
 static int store_validate_options(idem_options *o)
 {
     if (o->durability < 0 || o->durability > IDEM_DURABILITY_NONE || o->lease_policy < 0 ||
-        o->lease_policy > IDEM_LEASE_REVIEW || o->io_backend < 0 ||
-        o->io_backend > IDEM_IO_THREAD)
+        o->lease_policy > IDEM_LEASE_REVIEW || o->io_backend < 0 || o->io_backend > IDEM_IO_THREAD)
         return IDEM_EINVAL;
-    if (o->result_bytes_max == 0)
-        o->result_bytes_max = IDEM_RESULT_BYTES_DEFAULT;
-    if (o->result_bytes_max > IDEM_RESULT_BYTES_LIMIT)
-        return IDEM_EINVAL;
-    if (o->segment_bytes == 0)
-        o->segment_bytes = 64u << 20;
+    if (o->result_bytes_max == 0) o->result_bytes_max = IDEM_RESULT_BYTES_DEFAULT;
+    if (o->result_bytes_max > IDEM_RESULT_BYTES_LIMIT) return IDEM_EINVAL;
+    if (o->segment_bytes == 0) o->segment_bytes = 64u << 20;
     uint64_t rec_max = REC_FIXED_BYTES + IDEM_KEY_BYTES_MAX + IDEM_OWNER_BYTES_MAX +
                        IDEM_NOTE_BYTES_MAX + o->result_bytes_max + 2 * WAL_FRAME_HDR;
     if (o->segment_bytes % WAL_BLOCK || o->segment_bytes > WAL_SEG_BYTES_MAX ||
@@ -540,13 +511,10 @@ static int store_validate_options(idem_options *o)
 
 static void store_free(idem_store *s)
 {
-    if (s->wal)
-        wal_destroy(s->wal);
-    if (s->ix)
-        index_destroy(s->ix);
+    if (s->wal) wal_destroy(s->wal);
+    if (s->ix) index_destroy(s->ix);
     audit_close(s);
-    if (s->io)
-        io_destroy(s->io);
+    if (s->io) io_destroy(s->io);
     lock_release(s->lock_fd);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cond_ready);
@@ -564,36 +532,27 @@ static int store_start(idem_store *s)
 {
     int64_t wall = s->clock.wall_ms(s->clock.ctx);
     int64_t start = wall;
-    if (s->sb.store_clock_ms > start)
-        start = s->sb.store_clock_ms;
-    if (wal_last_clock_ms(s->wal) > start)
-        start = wal_last_clock_ms(s->wal);
+    if (s->sb.store_clock_ms > start) start = s->sb.store_clock_ms;
+    if (wal_last_clock_ms(s->wal) > start) start = wal_last_clock_ms(s->wal);
     s->clk_store_ms = s->clk_last_ms = start;
     s->clk_mono_ms = mono_now(s);
     s->last_flush_mono_ms = s->clk_mono_ms;
     /* Tokens start above the reservation, and above every token the replay saw (a reservation
      * can never be below those; this guards a damaged superblock), and never at 0. */
     s->token_next = (int64_t)s->sb.token_reserved;
-    if (s->token_next <= s->max_token_seen)
-        s->token_next = s->max_token_seen + 1;
-    if (s->token_next < 1)
-        s->token_next = 1;
+    if (s->token_next <= s->max_token_seen) s->token_next = s->max_token_seen + 1;
+    if (s->token_next < 1) s->token_next = 1;
     s->frame_max = (uint32_t)IDEM_ALIGN_UP(WAL_FRAME_HDR + REC_FIXED_BYTES + IDEM_KEY_BYTES_MAX +
                                                IDEM_OWNER_BYTES_MAX + IDEM_NOTE_BYTES_MAX +
                                                s->opt.result_bytes_max,
                                            8);
     int rc = audit_open(s);
-    if (rc < 0 || s->opt.read_only)
-        return rc;
+    if (rc < 0 || s->opt.read_only) return rc;
     rc = reserve_tokens(s);
-    if (rc == 0 && wal_spare_create(s->wal) == IDEM_EFATAL)
-        rc = IDEM_EFATAL;
-    if (rc == 0)
-        s->seg_max_exp[(wal_cur_seq(s->wal) + 1) % WAL_SEG_SLOTS] = SEG_EXP_EMPTY;
-    if (rc < 0)
-        return rc;
-    if (pthread_create(&s->flusher, NULL, flusher_main, s) != 0)
-        return IDEM_ENOMEM;
+    if (rc == 0 && wal_spare_create(s->wal) == IDEM_EFATAL) rc = IDEM_EFATAL;
+    if (rc == 0) s->seg_max_exp[(wal_cur_seq(s->wal) + 1) % WAL_SEG_SLOTS] = SEG_EXP_EMPTY;
+    if (rc < 0) return rc;
+    if (pthread_create(&s->flusher, NULL, flusher_main, s) != 0) return IDEM_ENOMEM;
     s->flusher_started = 1;
     return 0;
 }
@@ -657,8 +616,7 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
         rc = IDEM_ENOTFOUND;
         goto fail;
     }
-    if (!fresh)
-        s->opt.segment_bytes = s->sb.seg_bytes;
+    if (!fresh) s->opt.segment_bytes = s->sb.seg_bytes;
     s->seg_max_exp = malloc(WAL_SEG_SLOTS * sizeof *s->seg_max_exp);
     if (!s->seg_max_exp) {
         rc = IDEM_ENOMEM;
@@ -668,10 +626,8 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     for (uint32_t i = 0; i < WAL_SEG_SLOTS; i++)
         s->seg_max_exp[i] = SEG_EXP_UNKNOWN;
     rc = wal_create(io, dir, s->opt.segment_bytes, &s->wal);
-    if (rc == 0)
-        rc = index_create(s->opt.max_keys, &s->ix) < 0 ? IDEM_ENOMEM : 0;
-    if (rc < 0)
-        goto fail;
+    if (rc == 0) rc = index_create(s->opt.max_keys, &s->ix) < 0 ? IDEM_ENOMEM : 0;
+    if (rc < 0) goto fail;
     rc = fresh ? store_init_new(s) : store_recover(s);
     if (rc < 0) {
         if (!*last_error)
@@ -680,8 +636,7 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
         goto fail;
     }
     rc = store_start(s);
-    if (rc < 0)
-        goto fail;
+    if (rc < 0) goto fail;
     s->st.open_ms = (uint64_t)(util_monotonic_us() - t0) / 1000;
     *out = s;
     return 0;
@@ -692,8 +647,7 @@ fail:
 
 int idem_open(const char *dir, const idem_options *o, idem_store **out)
 {
-    if (!dir || !*dir || !out)
-        return IDEM_EINVAL;
+    if (!dir || !*dir || !out) return IDEM_EINVAL;
     idem_options opt;
     if (o)
         opt = *o;
@@ -720,30 +674,25 @@ int idem_open(const char *dir, const idem_options *o, idem_store **out)
     }
     if (rc < 0) {
         rc = io_thread_create(&io);
-        if (rc < 0)
-            return IDEM_ENOMEM;
+        if (rc < 0) return IDEM_ENOMEM;
     }
     return store_open_io(dir, &opt, io, 0, out);
 }
 
 int idem_close(idem_store *s)
 {
-    if (!s)
-        return IDEM_EINVAL;
+    if (!s) return IDEM_EINVAL;
     pthread_mutex_lock(&s->mu);
     s->closing = 1;
     ops_wake(s, NULL, 0); /* parked claims answer busy */
     int rc = 0;
-    if (!s->opt.read_only && !s->fatal)
-        rc = checkpoint_locked(s);
+    if (!s->opt.read_only && !s->fatal) rc = checkpoint_locked(s);
     pthread_cond_signal(&s->cond_flush);
     pthread_mutex_unlock(&s->mu);
-    if (s->flusher_started)
-        pthread_join(s->flusher, NULL);
+    if (s->flusher_started) pthread_join(s->flusher, NULL);
     while (s->queues)
         idem_queue_close(s->queues);
-    if (s->fatal)
-        rc = IDEM_EFATAL;
+    if (s->fatal) rc = IDEM_EFATAL;
     store_free(s);
     return rc;
 }
@@ -754,8 +703,7 @@ void store_abandon(idem_store *s)
     s->abandoned = 1;
     pthread_cond_signal(&s->cond_flush);
     pthread_mutex_unlock(&s->mu);
-    if (s->flusher_started)
-        pthread_join(s->flusher, NULL);
+    if (s->flusher_started) pthread_join(s->flusher, NULL);
     while (s->queues)
         idem_queue_close(s->queues);
     store_free(s);
@@ -783,18 +731,15 @@ const char *idem_io_backend_name(const idem_store *s)
 
 int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
 {
-    if (!s || !out || depth == 0 || depth > 65536)
-        return IDEM_EINVAL;
+    if (!s || !out || depth == 0 || depth > 65536) return IDEM_EINVAL;
     struct idem_queue *q = calloc(1, sizeof *q);
-    if (!q)
-        return IDEM_ENOMEM;
+    if (!q) return IDEM_ENOMEM;
     q->slots = calloc(depth, sizeof *q->slots);
     q->returned = calloc(depth, sizeof *q->returned);
     q->free_stack = calloc(depth, sizeof *q->free_stack);
     q->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     if (!q->slots || !q->returned || !q->free_stack || q->efd < 0) {
-        if (q->efd >= 0)
-            close(q->efd);
+        if (q->efd >= 0) close(q->efd);
         free(q->slots);
         free(q->returned);
         free(q->free_stack);
@@ -809,8 +754,7 @@ int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
     }
     pthread_mutex_lock(&s->mu);
     q->next = s->queues;
-    if (s->queues)
-        s->queues->prev = q;
+    if (s->queues) s->queues->prev = q;
     s->queues = q;
     pthread_mutex_unlock(&s->mu);
     *out = q;
@@ -819,8 +763,7 @@ int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
 
 void idem_queue_close(idem_queue *q)
 {
-    if (!q)
-        return;
+    if (!q) return;
     idem_store *s = q->s;
     pthread_mutex_lock(&s->mu);
     /* Drop parked claims of this queue. */
@@ -838,8 +781,7 @@ void idem_queue_close(idem_queue *q)
         q->prev->next = q->next;
     else
         s->queues = q->next;
-    if (q->next)
-        q->next->prev = q->prev;
+    if (q->next) q->next->prev = q->prev;
     pthread_mutex_unlock(&s->mu);
     for (uint32_t i = 0; i < q->depth; i++)
         free(q->slots[i].buf);
@@ -872,11 +814,9 @@ void *qslot_reserve(struct qslot *sl, size_t len)
         size_t cap = sl->buf_cap ? sl->buf_cap : 256;
         while (cap < sl->buf_used + len)
             cap *= 2;
-        if (cap > UINT32_MAX)
-            return NULL;
+        if (cap > UINT32_MAX) return NULL;
         uint8_t *n = realloc(sl->buf, cap);
-        if (!n)
-            return NULL;
+        if (!n) return NULL;
         /* Copies made before would dangle: re-base every pointer into the old buffer. */
         if (n != sl->buf && sl->buf_used) {
             const void **ps[] = {&sl->c.data,        &sl->c.record.key,    &sl->c.record.owner,
@@ -884,8 +824,7 @@ void *qslot_reserve(struct qslot *sl, size_t len)
                                  &sl->op.fp,         &sl->op.owner};
             for (size_t i = 0; i < IDEM_ARRAY_LEN(ps); i++) {
                 const uint8_t *old = *ps[i];
-                if (old >= sl->buf && old < sl->buf + sl->buf_used)
-                    *ps[i] = n + (old - sl->buf);
+                if (old >= sl->buf && old < sl->buf + sl->buf_used) *ps[i] = n + (old - sl->buf);
             }
         }
         sl->buf = n;
@@ -896,11 +835,9 @@ void *qslot_reserve(struct qslot *sl, size_t len)
 
 const void *qslot_copy(struct qslot *sl, const void *p, size_t len)
 {
-    if (len == 0)
-        return "";
+    if (len == 0) return "";
     void *dst = qslot_reserve(sl, len);
-    if (!dst)
-        return NULL;
+    if (!dst) return NULL;
     memcpy(dst, p, len);
     sl->buf_used += (uint32_t)len;
     return dst;
@@ -908,8 +845,7 @@ const void *qslot_copy(struct qslot *sl, const void *p, size_t len)
 
 static struct qslot *slot_take(idem_queue *q)
 {
-    if (q->nfree == 0)
-        return NULL;
+    if (q->nfree == 0) return NULL;
     struct qslot *sl = &q->slots[q->free_stack[--q->nfree]];
     sl->state = SLOT_DONE;
     sl->seq = q->seq_next++;
@@ -941,8 +877,7 @@ static void release_returned(idem_queue *q)
 
 int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
 {
-    if (!q || (!ops && n) || n > IDEM_BATCH_MAX)
-        return IDEM_EINVAL;
+    if (!q || (!ops && n) || n > IDEM_BATCH_MAX) return IDEM_EINVAL;
     idem_store *s = q->s;
     release_returned(q);
     pthread_mutex_lock(&s->mu);
@@ -952,18 +887,15 @@ int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
     s->clk_frozen = 1;
     for (; done < n; done++) {
         struct qslot *sl = slot_take(q);
-        if (!sl)
-            break;
+        if (!sl) break;
         sl->c.user_data = ops[done].user_data;
         ops_apply(s, sl, &ops[done]);
         any_ready |= slot_ready(s, sl);
     }
     s->clk_frozen = 0;
-    if (wal_pending(s->wal))
-        store_kick(s);
+    if (wal_pending(s->wal)) store_kick(s);
     pthread_mutex_unlock(&s->mu);
-    if (any_ready)
-        queue_signal(q);
+    if (any_ready) queue_signal(q);
     return (int)done;
 }
 
@@ -978,8 +910,7 @@ static size_t collect_ready(idem_queue *q, idem_completion *out, size_t max)
     while (sl && n < max) {
         struct qslot *next = sl->lnext;
         if (sl->state == SLOT_DONE) {
-            if (!slot_ready(s, sl))
-                break;
+            if (!slot_ready(s, sl)) break;
             out[n++] = sl->c;
             if (sl->lprev)
                 sl->lprev->lnext = sl->lnext;
@@ -1000,8 +931,7 @@ static size_t collect_ready(idem_queue *q, idem_completion *out, size_t max)
 
 int idem_poll(idem_queue *q, idem_completion *out, size_t max, int timeout_ms)
 {
-    if (!q || (!out && max))
-        return IDEM_EINVAL;
+    if (!q || (!out && max)) return IDEM_EINVAL;
     idem_store *s = q->s;
     release_returned(q);
     uint64_t drain;
@@ -1026,8 +956,7 @@ int idem_poll(idem_queue *q, idem_completion *out, size_t max, int timeout_ms)
             int rc = timeout_ms > 0 ? pthread_cond_timedwait(&s->cond_ready, &s->mu, &ts)
                                     : pthread_cond_wait(&s->cond_ready, &s->mu);
             n = collect_ready(q, out, max);
-            if (rc == ETIMEDOUT)
-                break;
+            if (rc == ETIMEDOUT) break;
         }
     }
     pthread_mutex_unlock(&s->mu);
@@ -1036,31 +965,24 @@ int idem_poll(idem_queue *q, idem_completion *out, size_t max, int timeout_ms)
 
 int idem_exec(idem_queue *q, const idem_op *op, idem_completion *c)
 {
-    if (!q || !op)
-        return IDEM_EINVAL;
-    if (q->active > 0)
-        return IDEM_EBUSY;
+    if (!q || !op) return IDEM_EINVAL;
+    if (q->active > 0) return IDEM_EBUSY;
     int rc = idem_submit(q, op, 1);
-    if (rc < 0)
-        return rc;
-    if (rc == 0)
-        return IDEM_EBUSY;
+    if (rc < 0) return rc;
+    if (rc == 0) return IDEM_EBUSY;
     idem_completion tmp;
     idem_completion *dst = c ? c : &tmp;
     for (;;) {
         int n = idem_poll(q, dst, 1, -1);
-        if (n < 0)
-            return n;
-        if (n == 1)
-            return dst->err;
+        if (n < 0) return n;
+        if (n == 1) return dst->err;
     }
 }
 
 int idem_claim(idem_queue *q, const void *key, size_t key_len, const idem_claim_args *a,
                idem_completion *c)
 {
-    if (!a)
-        return IDEM_EINVAL;
+    if (!a) return IDEM_EINVAL;
     idem_op op = {.kind = IDEM_OP_CLAIM,
                   .key = key,
                   .key_len = (uint32_t)key_len,
@@ -1071,16 +993,14 @@ int idem_claim(idem_queue *q, const void *key, size_t key_len, const idem_claim_
                   .owner = a->owner,
                   .owner_len = a->owner_len,
                   .wait_ms = a->wait_ms};
-    if (key_len > UINT32_MAX)
-        return IDEM_EINVAL;
+    if (key_len > UINT32_MAX) return IDEM_EINVAL;
     return idem_exec(q, &op, c);
 }
 
 static int exec_token_op(idem_queue *q, uint32_t kind, const void *key, size_t key_len,
                          int64_t token, const void *data, size_t data_len, uint64_t lease_ms)
 {
-    if (key_len > UINT32_MAX || data_len > UINT32_MAX)
-        return IDEM_EINVAL;
+    if (key_len > UINT32_MAX || data_len > UINT32_MAX) return IDEM_EINVAL;
     idem_op op = {.kind = kind,
                   .key = key,
                   .key_len = (uint32_t)key_len,
@@ -1115,8 +1035,7 @@ int idem_extend(idem_queue *q, const void *key, size_t key_len, int64_t token, u
 
 int idem_get(idem_queue *q, const void *key, size_t key_len, idem_completion *c)
 {
-    if (key_len > UINT32_MAX)
-        return IDEM_EINVAL;
+    if (key_len > UINT32_MAX) return IDEM_EINVAL;
     idem_op op = {.kind = IDEM_OP_GET, .key = key, .key_len = (uint32_t)key_len};
     return idem_exec(q, &op, c);
 }
@@ -1124,8 +1043,7 @@ int idem_get(idem_queue *q, const void *key, size_t key_len, idem_completion *c)
 int idem_set_if_absent(idem_queue *q, const void *key, size_t key_len, const void *value,
                        size_t value_len, uint64_t ttl_ms, int get_old, idem_completion *c)
 {
-    if (key_len > UINT32_MAX || value_len > UINT32_MAX)
-        return IDEM_EINVAL;
+    if (key_len > UINT32_MAX || value_len > UINT32_MAX) return IDEM_EINVAL;
     idem_op op = {.kind = IDEM_OP_SET_IF_ABSENT,
                   .flags = get_old ? IDEM_F_GET_OLD : 0,
                   .key = key,
@@ -1138,16 +1056,14 @@ int idem_set_if_absent(idem_queue *q, const void *key, size_t key_len, const voi
 
 int idem_del(idem_queue *q, const void *key, size_t key_len, const char *actor)
 {
-    if (key_len > UINT32_MAX)
-        return IDEM_EINVAL;
+    if (key_len > UINT32_MAX) return IDEM_EINVAL;
     idem_op op = {.kind = IDEM_OP_DEL, .key = key, .key_len = (uint32_t)key_len, .actor = actor};
     return idem_exec(q, &op, NULL);
 }
 
 int idem_sync(idem_store *s)
 {
-    if (!s)
-        return IDEM_EINVAL;
+    if (!s) return IDEM_EINVAL;
     pthread_mutex_lock(&s->mu);
     int rc = s->opt.read_only ? 0 : wait_durable(s);
     pthread_mutex_unlock(&s->mu);
@@ -1171,19 +1087,15 @@ static void scan_one(void *ctx, struct index_slot *slot)
     uint64_t lsn;
     const uint8_t *p = wal_payload(sc->s->wal, index_slot_addr(slot), &len, &lsn);
     struct rec r;
-    if (!p || rec_decode(p, len, &r) < 0 || ops_rec_expired(&r, sc->now))
-        return;
-    if (sc->a->state && r.state != sc->a->state)
-        return;
-    if (sc->a->older_ms && sc->now - r.first_seen_ms < sc->a->older_ms)
-        return;
+    if (!p || rec_decode(p, len, &r) < 0 || ops_rec_expired(&r, sc->now)) return;
+    if (sc->a->state && r.state != sc->a->state) return;
+    if (sc->a->older_ms && sc->now - r.first_seen_ms < sc->a->older_ms) return;
     idem_queue *q = sc->q;
     if (q->scan_n == q->scan_max) {
         size_t m = q->scan_max ? q->scan_max * 2 : 64;
         const void **k = realloc(q->scan_keys, m * sizeof *k);
         uint32_t *l = k ? realloc(q->scan_lens, m * sizeof *l) : NULL;
-        if (k)
-            q->scan_keys = k;
+        if (k) q->scan_keys = k;
         if (!k || !l) {
             sc->err = IDEM_ENOMEM;
             return;
@@ -1221,8 +1133,7 @@ int idem_scan(idem_queue *q, const idem_scan_args *a, uint64_t *next_cursor, con
     struct scan_ctx sc = {.s = s, .q = q, .a = a, .now = store_now(s)};
     *next_cursor = index_scan(s->ix, a->cursor, a->count ? a->count : 100, scan_one, &sc);
     pthread_mutex_unlock(&s->mu);
-    if (sc.err)
-        return sc.err;
+    if (sc.err) return sc.err;
     for (size_t i = 0; i < q->scan_n; i++)
         q->scan_keys[i] = q->scan_buf + (uintptr_t)q->scan_keys[i];
     *keys = q->scan_keys;
@@ -1287,14 +1198,12 @@ struct ckpt_ctx {
 static void ckpt_one(void *ctx, struct index_slot *slot)
 {
     struct ckpt_ctx *cc = ctx;
-    if (cc->rc < 0)
-        return;
+    if (cc->rc < 0) return;
     struct ckpt_entry e = {.addr_tag = slot->addr_tag, .hash_lo = slot->hash_lo};
     uint32_t len;
     uint64_t lsn;
     const uint8_t *p = wal_payload(cc->s->wal, index_slot_addr(slot), &len, &lsn);
-    if (p && len >= REC_FIXED_BYTES &&
-        (p[0] != IDEM_STATE_COMMITTED || util_get_u64(p + 80) > 0))
+    if (p && len >= REC_FIXED_BYTES && (p[0] != IDEM_STATE_COMMITTED || util_get_u64(p + 80) > 0))
         e.has_seen |= CKPT_UNFINISHED;
     if (slot->aux) {
         struct seen_info *si = &cc->s->seen[slot->aux - 1];
@@ -1334,14 +1243,12 @@ static int quiesce_durable(idem_store *s)
 static int checkpoint_locked(idem_store *s)
 {
     int rc = quiesce_durable(s);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     IDEM_ASSERT(!wal_pending(s->wal) && s->durable_lsn == wal_last_lsn(s->wal));
     uint64_t id = s->sb.ckpt_id + 1;
     struct ckpt_ctx cc = {.s = s};
     rc = ckpt_begin(s->io, s->dir, id, &cc.cw);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     uint64_t cursor = 0;
     do {
         cursor = index_scan(s->ix, cursor, 65536, ckpt_one, &cc);
@@ -1351,8 +1258,7 @@ static int checkpoint_locked(idem_store *s)
         return cc.rc;
     }
     rc = ckpt_end(cc.cw);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     struct super sb = s->sb;
     uint64_t old = sb.ckpt_id;
     sb.ckpt_id = id;
@@ -1366,8 +1272,7 @@ static int checkpoint_locked(idem_store *s)
     sb.store_clock_ms = store_now(s);
     rc = super_store(s->io, s->dir, &sb);
     if (rc < 0) {
-        if (rc == IDEM_EFATAL)
-            store_fail(s, -EIO);
+        if (rc == IDEM_EFATAL) store_fail(s, -EIO);
         return rc;
     }
     s->sb = sb;
@@ -1385,10 +1290,8 @@ static int checkpoint_locked(idem_store *s)
 
 int idem_checkpoint(idem_store *s)
 {
-    if (!s)
-        return IDEM_EINVAL;
-    if (s->opt.read_only)
-        return IDEM_EREADONLY;
+    if (!s) return IDEM_EINVAL;
+    if (s->opt.read_only) return IDEM_EREADONLY;
     pthread_mutex_lock(&s->mu);
     int rc = s->fatal ? IDEM_EFATAL : checkpoint_locked(s);
     pthread_mutex_unlock(&s->mu);
@@ -1399,10 +1302,8 @@ int idem_checkpoint(idem_store *s)
 
 int idem_compact(idem_store *s, int timeout_ms)
 {
-    if (!s)
-        return IDEM_EINVAL;
-    if (s->opt.read_only)
-        return IDEM_EREADONLY;
+    if (!s) return IDEM_EINVAL;
+    if (s->opt.read_only) return IDEM_EREADONLY;
     pthread_mutex_lock(&s->mu);
     /* Every segment sealed now is walked; the flusher does the work between batches. */
     s->cmp_force_until = wal_cur_seq(s->wal);
@@ -1439,10 +1340,8 @@ static int copy_file(struct io *io, const char *from, const char *to)
 {
     struct io_file *in, *out;
     int rc = io_open(io, from, IO_O_RDONLY, &in);
-    if (rc == -ENOENT)
-        return 0;
-    if (rc < 0)
-        return IDEM_EIO;
+    if (rc == -ENOENT) return 0;
+    if (rc < 0) return IDEM_EIO;
     rc = io_open(io, to, IO_O_CREATE | IO_O_EXCL, &out);
     if (rc < 0) {
         io_close(io, in);
@@ -1453,16 +1352,12 @@ static int copy_file(struct io *io, const char *from, const char *to)
     rc = buf ? 0 : IDEM_ENOMEM;
     while (rc == 0) {
         int64_t n = io_read(io, in, off, buf, 1 << 20);
-        if (n < 0)
-            rc = IDEM_EIO;
-        if (n <= 0)
-            break;
-        if (io_write_sync(io, out, off, buf, (size_t)n, 0) < 0)
-            rc = IDEM_EIO;
+        if (n < 0) rc = IDEM_EIO;
+        if (n <= 0) break;
+        if (io_write_sync(io, out, off, buf, (size_t)n, 0) < 0) rc = IDEM_EIO;
         off += (uint64_t)n;
     }
-    if (rc == 0 && io_flush_sync(io, out) < 0)
-        rc = IDEM_EIO;
+    if (rc == 0 && io_flush_sync(io, out) < 0) rc = IDEM_EIO;
     free(buf);
     io_close(io, in);
     io_close(io, out);
@@ -1471,8 +1366,7 @@ static int copy_file(struct io *io, const char *from, const char *to)
 
 int idem_backup(idem_store *s, const char *dest_dir)
 {
-    if (!s || !dest_dir || !*dest_dir)
-        return IDEM_EINVAL;
+    if (!s || !dest_dir || !*dest_dir) return IDEM_EINVAL;
     pthread_mutex_lock(&s->mu);
     int rc = s->fatal ? IDEM_EFATAL : s->opt.read_only ? 0 : checkpoint_locked(s);
     if (rc == 0) {
@@ -1508,19 +1402,16 @@ int idem_backup(idem_store *s, const char *dest_dir)
         sb.generation = 0;
         rc = super_store(s->io, dest_dir, &sb);
     }
-    if (rc == 0 && io_sync_dir(s->io, dest_dir) < 0)
-        rc = IDEM_EIO;
+    if (rc == 0 && io_sync_dir(s->io, dest_dir) < 0) rc = IDEM_EIO;
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
 
 int idem_restore(const char *backup_dir, const char *dest_dir)
 {
-    if (!backup_dir || !dest_dir || !*backup_dir || !*dest_dir)
-        return IDEM_EINVAL;
+    if (!backup_dir || !dest_dir || !*backup_dir || !*dest_dir) return IDEM_EINVAL;
     struct io *io;
-    if (io_thread_create(&io) < 0)
-        return IDEM_ENOMEM;
+    if (io_thread_create(&io) < 0) return IDEM_ENOMEM;
     struct super sb;
     char err[512] = "";
     int rc = super_load(io, backup_dir, &sb, err, sizeof err);
@@ -1538,8 +1429,7 @@ int idem_restore(const char *backup_dir, const char *dest_dir)
     for (uint64_t seq = sb.wal_first_seq; rc == 0; seq++) {
         snprintf(from, sizeof from, "%s/wal-%016llx.log", backup_dir, (unsigned long long)seq);
         snprintf(to, sizeof to, "%s/wal-%016llx.log", dest_dir, (unsigned long long)seq);
-        if (access(from, F_OK) != 0)
-            break;
+        if (access(from, F_OK) != 0) break;
         rc = copy_file(io, from, to);
     }
     if (rc == 0 && sb.ckpt_id) {
@@ -1558,8 +1448,7 @@ int idem_restore(const char *backup_dir, const char *dest_dir)
         sb.generation = 0;
         rc = super_store(io, dest_dir, &sb);
     }
-    if (rc == 0 && io_sync_dir(io, dest_dir) < 0)
-        rc = IDEM_EIO;
+    if (rc == 0 && io_sync_dir(io, dest_dir) < 0) rc = IDEM_EIO;
 out:
     io_destroy(io);
     return rc;
@@ -1570,33 +1459,53 @@ out:
 const char *idem_strerror(int err)
 {
     switch (err) {
-    case IDEM_OK: return "ok";
-    case IDEM_EINVAL: return "invalid argument";
-    case IDEM_ENOMEM: return "out of memory";
-    case IDEM_EIO: return "I/O error";
-    case IDEM_EFATAL: return "store stopped after a failed write or flush; reopen to recover";
-    case IDEM_EFULL: return "store full: capacity limit or disk full";
-    case IDEM_ECORRUPT: return "store file corrupt";
-    case IDEM_EVERSION: return "unknown store format version";
-    case IDEM_ELOCKED: return "store in use by another process";
-    case IDEM_ENOTFOUND: return "no such key";
-    case IDEM_ESTALE: return "stale token: not the current owner";
-    case IDEM_ECONFLICT: return "commit conflicts with the recorded result";
-    case IDEM_ECHANGED: return "record changed since the expected version";
-    case IDEM_ESTATE: return "the record's state forbids this call";
-    case IDEM_ELEASE: return "the lease still runs: force needed";
-    case IDEM_EREADONLY: return "store opened read-only";
-    case IDEM_ECLOSED: return "store closing";
-    case IDEM_EBUSY: return "queue busy";
-    case IDEM_ENOTSUP: return "not supported in this configuration";
-    default: return "unknown error";
+    case IDEM_OK:
+        return "ok";
+    case IDEM_EINVAL:
+        return "invalid argument";
+    case IDEM_ENOMEM:
+        return "out of memory";
+    case IDEM_EIO:
+        return "I/O error";
+    case IDEM_EFATAL:
+        return "store stopped after a failed write or flush; reopen to recover";
+    case IDEM_EFULL:
+        return "store full: capacity limit or disk full";
+    case IDEM_ECORRUPT:
+        return "store file corrupt";
+    case IDEM_EVERSION:
+        return "unknown store format version";
+    case IDEM_ELOCKED:
+        return "store in use by another process";
+    case IDEM_ENOTFOUND:
+        return "no such key";
+    case IDEM_ESTALE:
+        return "stale token: not the current owner";
+    case IDEM_ECONFLICT:
+        return "commit conflicts with the recorded result";
+    case IDEM_ECHANGED:
+        return "record changed since the expected version";
+    case IDEM_ESTATE:
+        return "the record's state forbids this call";
+    case IDEM_ELEASE:
+        return "the lease still runs: force needed";
+    case IDEM_EREADONLY:
+        return "store opened read-only";
+    case IDEM_ECLOSED:
+        return "store closing";
+    case IDEM_EBUSY:
+        return "queue busy";
+    case IDEM_ENOTSUP:
+        return "not supported in this configuration";
+    default:
+        return "unknown error";
     }
 }
 
 const char *idem_outcome_name(int outcome)
 {
-    static const char *const names[] = {"?", "new", "busy", "done", "mismatch", "recover",
-                                        "review"};
+    static const char *const names[] = {"?",        "new",     "busy",  "done",
+                                        "mismatch", "recover", "review"};
     return outcome >= 1 && outcome <= 6 ? names[outcome] : "?";
 }
 

@@ -20,11 +20,11 @@
 #include "super.h"
 #include "wal.h"
 
-#define STORE_TOKEN_BLOCK (1u << 20) /* tokens reserved per superblock write */
-#define STORE_BATCH_FLUSH_MS 10      /* batch mode: flush at least this often */
-#define STORE_SLEW_PER_S_MS 100      /* the store clock follows the wall clock by <= 10% */
-#define SEG_EXP_UNKNOWN INT64_MIN       /* segment expiry horizon not known (compact.c) */
-#define SEG_EXP_EMPTY   (INT64_MIN + 1) /* known: no record written there yet */
+#define STORE_TOKEN_BLOCK    (1u << 20)      /* tokens reserved per superblock write */
+#define STORE_BATCH_FLUSH_MS 10              /* batch mode: flush at least this often */
+#define STORE_SLEW_PER_S_MS  100             /* the store clock follows the wall clock by <= 10% */
+#define SEG_EXP_UNKNOWN      INT64_MIN       /* segment expiry horizon not known (compact.c) */
+#define SEG_EXP_EMPTY        (INT64_MIN + 1) /* known: no record written there yet */
 
 enum slot_state { SLOT_FREE = 0, SLOT_DONE = 1, SLOT_PARKED = 2, SLOT_RETURNED = 3 };
 
@@ -41,8 +41,8 @@ struct qslot {
     /* A parked WAIT claim: its op, with key/fp/owner copied into buf. */
     idem_op op;
     int64_t deadline_mono_ms;
-    int64_t lease_end_ms; /* store clock: when the lease it waits on runs out */
-    struct qslot *wnext; /* store's waiter list */
+    int64_t lease_end_ms;        /* store clock: when the lease it waits on runs out */
+    struct qslot *wnext;         /* store's waiter list */
     struct qslot *lprev, *lnext; /* the queue's outstanding slots, in submission order */
     struct idem_queue *q;
 };
@@ -113,12 +113,12 @@ struct idem_store {
     uint64_t durable_lsn;
     int fatal;
     int closing;
-    int abandoned; /* store_abandon: the flusher stops at once, nothing more is written */
-    int no_wait;   /* idem_cancel_waits: claims answer busy at once */
+    int abandoned;    /* store_abandon: the flusher stops at once, nothing more is written */
+    int no_wait;      /* idem_cancel_waits: claims answer busy at once */
     int ckpt_quiesce; /* a checkpoint waits for the log to be durable: no new appends */
     int flushing;
-    uint32_t frame_max;            /* the largest frame one change can append */
-    int64_t spare_failed_mono_ms;  /* last failed attempt at the spare segment (disk full) */
+    uint32_t frame_max;           /* the largest frame one change can append */
+    int64_t spare_failed_mono_ms; /* last failed attempt at the spare segment (disk full) */
     int sync_waiters;
     int64_t last_flush_mono_ms;
     int64_t token_next;
@@ -130,7 +130,7 @@ struct idem_store {
     uint32_t seen_nfree;
     /* Store clock. */
     int64_t clk_store_ms, clk_mono_ms, clk_last_ms;
-    int clk_frozen; /* inside idem_submit: the clock read at its start serves every op */
+    int clk_frozen;   /* inside idem_submit: the clock read at its start serves every op */
     int find_corrupt; /* the last ops_find met a damaged record with the key's hash bits */
     /* The last key hashed in this operation (ops_hash; only inside ops_apply). */
     int hash_cache_on;
@@ -159,12 +159,12 @@ struct idem_store {
     uint64_t live_bytes;
     int64_t *seg_max_exp; /* SEG_EXP_UNKNOWN: written before this open, not measured yet */
     /* Compaction of the oldest segment (compact.c). */
-    uint64_t cmp_seq;      /* segment being compacted, 0: none */
-    uint32_t cmp_off;      /* next frame in it */
-    uint64_t cmp_last_lsn; /* last copy or delete it appended */
-    int cmp_done;          /* every frame handled: retire once durable and checkpointed */
-    uint64_t cmp_done_lsn; /* the log's last LSN when the walk ended */
-    int cmp_disabled;      /* a corrupt frame stopped compaction (reported) */
+    uint64_t cmp_seq;         /* segment being compacted, 0: none */
+    uint32_t cmp_off;         /* next frame in it */
+    uint64_t cmp_last_lsn;    /* last copy or delete it appended */
+    int cmp_done;             /* every frame handled: retire once durable and checkpointed */
+    uint64_t cmp_done_lsn;    /* the log's last LSN when the walk ended */
+    int cmp_disabled;         /* a corrupt frame stopped compaction (reported) */
     uint64_t cmp_force_until; /* idem_compact: walk every segment below this one */
     /* Records that need attention, by kind (ages.c). */
     struct age_heap ages[3];
@@ -221,8 +221,7 @@ int ops_replay(void *ctx, const struct wal_frame *f);
 struct index_slot *ops_find(idem_store *s, const void *key, uint32_t key_len, struct rec *r,
                             uint64_t *lsn);
 uint64_t ops_hash(idem_store *s, const void *key, uint32_t key_len);
-void ops_fill_record(struct qslot *sl, const struct rec *r, struct index_slot *slot,
-                     idem_store *s);
+void ops_fill_record(struct qslot *sl, const struct rec *r, struct index_slot *slot, idem_store *s);
 int ops_rec_expired(const struct rec *r, int64_t now);
 void ops_seen_release(idem_store *s, struct index_slot *slot);
 /* Sets the repeat counters of the key in slot (allocating its seen entry). */

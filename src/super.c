@@ -20,13 +20,13 @@
 #include "idem.h"
 #include "util.h"
 
-#define SUPER_MAGIC  "IDEMSUPR"
-#define SUPER_BLOCK  4096u
-#define SUPER_CKSUM  4088u
-#define CKPT_MAGIC   "IDEMCKPT"
-#define CKPT_END     "IDEMCEND"
-#define CKPT_ENTRY   32u
-#define CKPT_BUF     (1u << 20)
+#define SUPER_MAGIC "IDEMSUPR"
+#define SUPER_BLOCK 4096u
+#define SUPER_CKSUM 4088u
+#define CKPT_MAGIC  "IDEMCKPT"
+#define CKPT_END    "IDEMCEND"
+#define CKPT_ENTRY  32u
+#define CKPT_BUF    (1u << 20)
 
 static void super_encode(const struct super *sb, uint8_t *p)
 {
@@ -58,8 +58,7 @@ int super_decode(const uint8_t *p, struct super *sb)
 {
     if (memcmp(p, SUPER_MAGIC, 8) || util_get_u64(p + SUPER_CKSUM) != XXH3_64bits(p, SUPER_CKSUM))
         return 0;
-    if (util_get_u32(p + 8) != SUPER_FORMAT || util_get_u32(p + 12) != 0)
-        return IDEM_EVERSION;
+    if (util_get_u32(p + 8) != SUPER_FORMAT || util_get_u32(p + 12) != 0) return IDEM_EVERSION;
     sb->generation = util_get_u64(p + 16);
     memcpy(sb->store_id, p + 24, 16);
     sb->hash_seed = util_get_u64(p + 40);
@@ -86,8 +85,7 @@ int super_load(struct io *io, const char *dir, struct super *sb, char *err, size
     snprintf(path, sizeof path, "%s/super", dir);
     struct io_file *f;
     int rc = io_open(io, path, IO_O_RDONLY, &f);
-    if (rc == -ENOENT)
-        return IDEM_ENOTFOUND;
+    if (rc == -ENOENT) return IDEM_ENOTFOUND;
     if (rc < 0) {
         snprintf(err, errcap, "cannot open %s: %s", path, strerror(-rc));
         return IDEM_EIO;
@@ -146,8 +144,7 @@ int super_store(struct io *io, const char *dir, struct super *sb)
         rc = io_open(io, path, IO_O_CREATE, &f);
         created = 1;
     }
-    if (rc < 0)
-        return rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
+    if (rc < 0) return rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
     uint8_t *blk = aligned_alloc(SUPER_BLOCK, 2 * SUPER_BLOCK);
     if (!blk) {
         io_close(io, f);
@@ -164,11 +161,9 @@ int super_store(struct io *io, const char *dir, struct super *sb)
     }
     free(blk);
     io_close(io, f);
-    if (rc == 0 && created)
-        rc = io_sync_dir(io, dir);
+    if (rc == 0 && created) rc = io_sync_dir(io, dir);
     /* Only the creation may meet a full disk; a failed rewrite of the file is fatal. */
-    if (rc < 0)
-        return created && (rc == -ENOSPC || rc == -EDQUOT) ? IDEM_EFULL : IDEM_EFATAL;
+    if (rc < 0) return created && (rc == -ENOSPC || rc == -EDQUOT) ? IDEM_EFULL : IDEM_EFATAL;
     return 0;
 }
 
@@ -205,8 +200,7 @@ int lock_acquire(const char *dir, char *err, size_t errcap)
 
 void lock_release(int fd)
 {
-    if (fd >= 0)
-        close(fd);
+    if (fd >= 0) close(fd);
 }
 
 /* ---- Checkpoints ---- */
@@ -230,13 +224,11 @@ void ckpt_path(const char *dir, uint64_t id, char *buf, size_t cap)
 
 static int ckpt_drain(struct ckpt_writer *cw)
 {
-    if (cw->err || cw->used == 0)
-        return cw->err;
+    if (cw->err || cw->used == 0) return cw->err;
     uint32_t len = (uint32_t)IDEM_ALIGN_UP(cw->used, 4096);
     memset(cw->buf + cw->used, 0, len - cw->used);
     int rc = io_write_sync(cw->io, cw->f, cw->off, cw->buf, len, 0);
-    if (rc < 0)
-        cw->err = rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
+    if (rc < 0) cw->err = rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
     cw->off += cw->used; /* a short last piece is rewritten by the next drain */
     if (cw->used % 4096) {
         /* Keep the partial block's bytes at the head of the buffer. */
@@ -253,8 +245,7 @@ static int ckpt_drain(struct ckpt_writer *cw)
 int ckpt_begin(struct io *io, const char *dir, uint64_t id, struct ckpt_writer **out)
 {
     struct ckpt_writer *cw = calloc(1, sizeof *cw);
-    if (!cw)
-        return IDEM_ENOMEM;
+    if (!cw) return IDEM_ENOMEM;
     cw->buf = aligned_alloc(4096, CKPT_BUF + 4096);
     cw->hash = XXH3_createState();
     if (!cw->buf || !cw->hash) {
@@ -288,8 +279,7 @@ int ckpt_begin(struct io *io, const char *dir, uint64_t id, struct ckpt_writer *
 
 int ckpt_add(struct ckpt_writer *cw, const struct ckpt_entry *e)
 {
-    if (cw->used + CKPT_ENTRY > CKPT_BUF && ckpt_drain(cw) < 0)
-        return cw->err;
+    if (cw->used + CKPT_ENTRY > CKPT_BUF && ckpt_drain(cw) < 0) return cw->err;
     uint8_t *p = cw->buf + cw->used;
     util_put_u64(p, e->addr_tag);
     util_put_u32(p + 8, e->hash_lo);
@@ -312,8 +302,7 @@ void ckpt_abort(struct ckpt_writer *cw)
 
 int ckpt_end(struct ckpt_writer *cw)
 {
-    if (cw->used + CKPT_ENTRY > CKPT_BUF)
-        ckpt_drain(cw);
+    if (cw->used + CKPT_ENTRY > CKPT_BUF) ckpt_drain(cw);
     uint8_t *p = cw->buf + cw->used;
     memcpy(p, CKPT_END, 8);
     util_put_u64(p + 8, cw->count);
@@ -321,10 +310,8 @@ int ckpt_end(struct ckpt_writer *cw)
     util_put_u64(p + 24, 0);
     cw->used += CKPT_ENTRY;
     int rc = ckpt_drain(cw);
-    if (rc == 0 && io_flush_sync(cw->io, cw->f) < 0)
-        rc = IDEM_EFATAL;
-    if (rc == 0 && io_sync_dir(cw->io, cw->dir) < 0)
-        rc = IDEM_EFATAL;
+    if (rc == 0 && io_flush_sync(cw->io, cw->f) < 0) rc = IDEM_EFATAL;
+    if (rc == 0 && io_sync_dir(cw->io, cw->dir) < 0) rc = IDEM_EFATAL;
     ckpt_abort(cw);
     return rc;
 }
@@ -335,8 +322,7 @@ uint64_t ckpt_count(struct io *io, const char *dir, uint64_t id)
     ckpt_path(dir, id, path, sizeof path);
     struct io_file *f;
     uint64_t size = 0, count = 0;
-    if (io_open(io, path, IO_O_RDONLY, &f) < 0)
-        return 0;
+    if (io_open(io, path, IO_O_RDONLY, &f) < 0) return 0;
     /* The trailer is the last 32-byte record before any zero padding of the last block. */
     uint8_t blk[4096];
     if (io_size(io, f, &size) == 0 && size >= 8192) {
@@ -353,8 +339,7 @@ uint64_t ckpt_count(struct io *io, const char *dir, uint64_t id)
 }
 
 int ckpt_load(struct io *io, const char *dir, uint64_t id,
-              int (*fn)(void *ctx, const struct ckpt_entry *e), void *ctx, char *err,
-              size_t errcap)
+              int (*fn)(void *ctx, const struct ckpt_entry *e), void *ctx, char *err, size_t errcap)
 {
     char path[4096];
     ckpt_path(dir, id, path, sizeof path);
@@ -367,8 +352,7 @@ int ckpt_load(struct io *io, const char *dir, uint64_t id,
     uint64_t size = 0;
     const uint8_t *m = NULL;
     rc = io_size(io, f, &size);
-    if (rc == 0 && size >= 4096 + CKPT_ENTRY)
-        rc = io_map(io, f, size, (const void **)&m);
+    if (rc == 0 && size >= 4096 + CKPT_ENTRY) rc = io_map(io, f, size, (const void **)&m);
     if (rc < 0 || !m) {
         io_close(io, f);
         snprintf(err, errcap, "checkpoint %s: too short or unreadable", path);

@@ -13,8 +13,7 @@ void util_assert_fail(const char *file, int line, const char *expr) __attribute_
 
 #define IDEM_ASSERT(x)                                                                             \
     do {                                                                                           \
-        if (__builtin_expect(!(x), 0))                                                             \
-            util_assert_fail(__FILE__, __LINE__, #x);                                              \
+        if (__builtin_expect(!(x), 0)) util_assert_fail(__FILE__, __LINE__, #x);                   \
     } while (0)
 
 #ifdef NDEBUG
@@ -23,7 +22,7 @@ void util_assert_fail(const char *file, int line, const char *expr) __attribute_
 #define IDEM_DEBUG_ASSERT(x) IDEM_ASSERT(x)
 #endif
 
-#define IDEM_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
+#define IDEM_ARRAY_LEN(a)   (sizeof(a) / sizeof((a)[0]))
 #define IDEM_ALIGN_UP(x, a) (((x) + ((a)-1)) & ~((uint64_t)(a)-1))
 
 /* Little-endian codecs: one load or store on little-endian hosts (the compiler turns the

@@ -52,10 +52,10 @@ struct wal {
     uint64_t first_seq;
     uint64_t cur_seq;
     uint32_t cur_off;
-    int spare_ready; /* segment cur_seq + 1 is created and waits */
+    int spare_ready;          /* segment cur_seq + 1 is created and waits */
     uint64_t frames_pending;  /* RECORD and DELETE frames in pending chunks */
     uint64_t frames_inflight; /* ... in the batch in flight */
-    int spare_err;   /* the last attempt to create it failed with this (IDEM_EFULL, ...) */
+    int spare_err;            /* the last attempt to create it failed with this (IDEM_EFULL, ...) */
     uint64_t lsn_last;
     uint64_t lsn_written;   /* written, maybe not flushed (durability none) */
     uint64_t lsn_recovered; /* last LSN of the last complete batch at recovery */
@@ -95,8 +95,7 @@ int wal_create(struct io *io, const char *dir, uint32_t seg_bytes, struct wal **
     if (seg_bytes % WAL_BLOCK || seg_bytes < WAL_SEG_BYTES_MIN || seg_bytes > WAL_SEG_BYTES_MAX)
         return IDEM_EINVAL;
     struct wal *w = calloc(1, sizeof *w);
-    if (!w)
-        return IDEM_ENOMEM;
+    if (!w) return IDEM_ENOMEM;
     w->segs = calloc(WAL_SEG_SLOTS, sizeof *w->segs);
     w->dir = strdup(dir);
     if (!w->segs || !w->dir) {
@@ -115,20 +114,16 @@ int wal_create(struct io *io, const char *dir, uint32_t seg_bytes, struct wal **
 
 static void seg_close(struct wal *w, struct wal_segment *s)
 {
-    if (s->map)
-        io_unmap(w->io, s->f, s->map, w->seg_bytes);
-    if (s->f)
-        io_close(w->io, s->f);
+    if (s->map) io_unmap(w->io, s->f, s->map, w->seg_bytes);
+    if (s->f) io_close(w->io, s->f);
     memset(s, 0, sizeof *s);
 }
 
 void wal_destroy(struct wal *w)
 {
-    if (!w)
-        return;
+    if (!w) return;
     for (uint32_t i = 0; i < WAL_SEG_SLOTS; i++)
-        if (w->segs[i].seq)
-            seg_close(w, &w->segs[i]);
+        if (w->segs[i].seq) seg_close(w, &w->segs[i]);
     for (uint32_t i = 0; i < WAL_CHUNKS_MAX; i++)
         free(w->chunks[i].buf);
     free(w->segs);
@@ -146,12 +141,10 @@ static int seg_create(struct wal *w, uint64_t seq)
 {
     char path[4096];
     seg_path(w, seq, path, sizeof path);
-    if (w->segs[seq % WAL_SEG_SLOTS].seq)
-        return IDEM_EFULL; /* every slot holds a live segment */
+    if (w->segs[seq % WAL_SEG_SLOTS].seq) return IDEM_EFULL; /* every slot holds a live segment */
     struct wal_segment s = {.seq = seq};
     int rc = io_open(w->io, path, IO_O_CREATE | IO_O_DIRECT, &s.f);
-    if (rc < 0)
-        return rc == -ENOSPC || rc == -EDQUOT ? IDEM_EFULL : IDEM_EIO;
+    if (rc < 0) return rc == -ENOSPC || rc == -EDQUOT ? IDEM_EFULL : IDEM_EIO;
     rc = io_allocate(w->io, s.f, 0, w->seg_bytes);
     if (rc < 0) {
         io_close(w->io, s.f);
@@ -174,10 +167,8 @@ static int seg_create(struct wal *w, uint64_t seq)
     util_put_u64(hdr + WAL_SEG_HDR_CKSUM, XXH3_64bits(hdr, WAL_SEG_HDR_CKSUM));
     rc = io_write_sync(w->io, s.f, 0, hdr, WAL_BLOCK, 1);
     free(hdr);
-    if (rc == 0)
-        rc = io_sync_dir(w->io, w->dir);
-    if (rc == 0)
-        rc = io_map(w->io, s.f, w->seg_bytes, (const void **)&s.map);
+    if (rc == 0) rc = io_sync_dir(w->io, w->dir);
+    if (rc == 0) rc = io_map(w->io, s.f, w->seg_bytes, (const void **)&s.map);
     if (rc < 0) {
         io_close(w->io, s.f);
         return IDEM_EFATAL;
@@ -189,8 +180,7 @@ static int seg_create(struct wal *w, uint64_t seq)
 int wal_init_new(struct wal *w)
 {
     int rc = seg_create(w, 1);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     w->first_seq = w->cur_seq = 1;
     w->cur_off = WAL_BLOCK;
     w->batch = 1;
@@ -206,22 +196,20 @@ static struct wal_chunk *chunk_tail(struct wal *w)
 
 static struct wal_chunk *chunk_new(struct wal *w)
 {
-    if (w->nfree == 0)
-        return NULL;
+    if (w->nfree == 0) return NULL;
     int i = w->free_list[w->nfree - 1];
     struct wal_chunk *c = &w->chunks[i];
     if (!c->buf) {
         c->buf = aligned_alloc(WAL_BLOCK, WAL_CHUNK_BYTES);
-        if (!c->buf)
-            return NULL;
+        if (!c->buf) return NULL;
     }
     w->nfree--;
     IDEM_ASSERT(w->cur_off % WAL_BLOCK == 0);
     c->seq = w->cur_seq;
     c->off = w->cur_off;
     c->len = 0;
-    c->cap = w->seg_bytes - w->cur_off < WAL_CHUNK_BYTES ? w->seg_bytes - w->cur_off
-                                                         : WAL_CHUNK_BYTES;
+    c->cap =
+        w->seg_bytes - w->cur_off < WAL_CHUNK_BYTES ? w->seg_bytes - w->cur_off : WAL_CHUNK_BYTES;
     c->last_lsn = 0;
     w->pend[w->npend++] = i;
     return c;
@@ -239,8 +227,7 @@ static void frame_put(struct wal *w, struct wal_chunk *c, uint32_t type, const v
     util_put_u16(f + 30, 0);
     uint32_t pos = WAL_FRAME_HDR;
     for (int i = 0; i < nparts; i++) {
-        if (lens[i])
-            memcpy(f + pos, parts[i], lens[i]);
+        if (lens[i]) memcpy(f + pos, parts[i], lens[i]);
         pos += lens[i];
     }
     memset(f + pos, 0, flen - pos);
@@ -279,18 +266,13 @@ static int append_frame(struct wal *w, uint32_t type, const void *const *parts,
                         int reserve)
 {
     struct wal_chunk *c = chunk_tail(w);
-    if (c && c->seq == w->cur_seq && c->len + flen <= c->cap)
-        goto put;
+    if (c && c->seq == w->cur_seq && c->len + flen <= c->cap) goto put;
     /* Keep `reserve` free chunks for the END and SEGEND frames of a flush. */
-    if (w->nfree <= reserve)
-        return IDEM_EBUSY;
-    if (c && c->seq == w->cur_seq)
-        chunk_close_block(w, c, 1);
+    if (w->nfree <= reserve) return IDEM_EBUSY;
+    if (c && c->seq == w->cur_seq) chunk_close_block(w, c, 1);
     c = chunk_new(w);
-    if (!c)
-        return IDEM_ENOMEM;
-    if (flen > c->cap)
-        return IDEM_EINVAL;
+    if (!c) return IDEM_ENOMEM;
+    if (flen > c->cap) return IDEM_EINVAL;
 put:
     frame_put(w, c, type, parts, lens, nparts, flen, addr);
     return 0;
@@ -303,12 +285,10 @@ put:
 /* Ends the current segment with SEGEND and goes on in the spare segment. */
 static int seg_roll(struct wal *w, int reserve)
 {
-    if (!w->spare_ready)
-        return w->spare_err ? w->spare_err : IDEM_EBUSY;
+    if (!w->spare_ready) return w->spare_err ? w->spare_err : IDEM_EBUSY;
     uint64_t addr;
     int rc = append_frame(w, WAL_T_SEGEND, NULL, NULL, 0, WAL_FRAME_HDR, &addr, reserve);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     seg_of(w, w->cur_seq)->end_lsn = w->lsn_last;
     chunk_close_block(w, chunk_tail(w), 0); /* the chunk ends on a block boundary */
     w->spare_ready = 0;
@@ -331,19 +311,16 @@ static int append_reserved(struct wal *w, uint32_t type, const void *const *part
     if (type != WAL_T_END &&
         IDEM_ALIGN_UP(w->cur_off, WAL_BLOCK) + flen + WAL_TAIL_RESERVE > w->seg_bytes) {
         int rc = seg_roll(w, reserve);
-        if (rc < 0)
-            return rc;
+        if (rc < 0) return rc;
     }
     int rc = append_frame(w, type, parts, lens, nparts, flen, addr, reserve);
-    if (rc == 0)
-        *lsn = w->lsn_last;
+    if (rc == 0) *lsn = w->lsn_last;
     return rc;
 }
 
 int wal_room(const struct wal *w, uint32_t frame_bytes)
 {
-    if (w->nfree < 3)
-        return IDEM_EBUSY;
+    if (w->nfree < 3) return IDEM_EBUSY;
     if (IDEM_ALIGN_UP(w->cur_off, WAL_BLOCK) + frame_bytes + WAL_FRAME_HDR + WAL_TAIL_RESERVE <=
             w->seg_bytes ||
         w->spare_ready)
@@ -358,12 +335,10 @@ int wal_spare_needed(const struct wal *w)
 
 int wal_spare_create(struct wal *w)
 {
-    if (w->spare_ready)
-        return 0;
+    if (w->spare_ready) return 0;
     int rc = seg_create(w, w->cur_seq + 1);
     w->spare_err = rc == IDEM_EFULL ? rc : 0;
-    if (rc == 0)
-        w->spare_ready = 1;
+    if (rc == 0) w->spare_ready = 1;
     return rc;
 }
 
@@ -380,22 +355,19 @@ const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, 
 {
     uint32_t slot = (uint32_t)(addr >> WAL_OFF_BITS);
     uint32_t off = (uint32_t)(addr & ((1u << WAL_OFF_BITS) - 1)) << 3;
-    if (slot >= WAL_SEG_SLOTS || w->segs[slot].seq == 0)
-        return NULL;
+    if (slot >= WAL_SEG_SLOTS || w->segs[slot].seq == 0) return NULL;
     struct wal_segment *s = &w->segs[slot];
     const uint8_t *f = NULL;
     /* Chunks hold the newest frames, in log order: anything before the oldest one is read
      * from the segment's map without looking at them. */
-    const struct wal_chunk *oldest = w->ninfl ? &w->chunks[w->infl[0]]
+    const struct wal_chunk *oldest = w->ninfl   ? &w->chunks[w->infl[0]]
                                      : w->npend ? &w->chunks[w->pend[0]]
                                                 : NULL;
-    if (!oldest || s->seq < oldest->seq || (s->seq == oldest->seq && off < oldest->off))
-        goto map;
+    if (!oldest || s->seq < oldest->seq || (s->seq == oldest->seq && off < oldest->off)) goto map;
     for (int i = 0; i < w->npend + w->ninfl && !f; i++) {
         int ci = i < w->npend ? w->pend[i] : w->infl[i - w->npend];
         struct wal_chunk *c = &w->chunks[ci];
-        if (c->seq == s->seq && off >= c->off && off < c->off + c->len)
-            f = c->buf + (off - c->off);
+        if (c->seq == s->seq && off >= c->off && off < c->off + c->len) f = c->buf + (off - c->off);
     }
     if (!f) {
     map:
@@ -406,8 +378,7 @@ const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, 
         f = s->map + off;
     }
     uint32_t len = util_get_u32(f + 24);
-    if (len < WAL_FRAME_HDR || len > w->seg_bytes - off)
-        return NULL;
+    if (len < WAL_FRAME_HDR || len > w->seg_bytes - off) return NULL;
     *payload_len = len - WAL_FRAME_HDR;
     *lsn = util_get_u64(f + 8);
     return f + WAL_FRAME_HDR;
@@ -417,16 +388,14 @@ const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, 
 
 int wal_flush_begin(struct wal *w, int64_t clock_ms)
 {
-    if (w->npend == 0 || w->ninfl)
-        return 0;
+    if (w->npend == 0 || w->ninfl) return 0;
     uint8_t clock[8];
     util_put_u64(clock, (uint64_t)clock_ms);
     const void *parts[1] = {clock};
     uint32_t lens[1] = {8};
     uint64_t addr, lsn;
     int rc = append_reserved(w, WAL_T_END, parts, lens, 1, &addr, &lsn, 0);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     chunk_close_block(w, chunk_tail(w), 0);
     for (int i = 0; i < w->npend; i++)
         w->infl[i] = w->pend[i];
@@ -447,16 +416,14 @@ int wal_flush_io(struct wal *w, int durable)
         /* Without durability (mode none) a segment is still flushed once it is sealed. */
         unsigned flags = durable || c->seq < w->cur_seq ? IO_W_FLUSH : 0;
         int rc = io_submit_write(w->io, s->f, c->off, c->buf, c->len, flags, (uint64_t)i);
-        if (rc < 0)
-            return rc;
+        if (rc < 0) return rc;
     }
     int left = w->ninfl;
     int rc = 0;
     while (left > 0) {
         struct io_completion cqe[WAL_CHUNKS_MAX];
         int n = io_wait(w->io, cqe, WAL_CHUNKS_MAX, 1);
-        if (n < 0)
-            return n;
+        if (n < 0) return n;
         for (int k = 0; k < n; k++) {
             left--;
             struct wal_chunk *c = &w->chunks[w->infl[cqe[k].user_data]];
@@ -467,8 +434,7 @@ int wal_flush_io(struct wal *w, int durable)
                 uint32_t done = (uint32_t)cqe[k].res & ~(WAL_BLOCK - 1);
                 int r = io_write_sync(w->io, seg_of(w, c->seq)->f, c->off + done, c->buf + done,
                                       c->len - done, durable || c->seq < w->cur_seq);
-                if (r < 0)
-                    rc = rc ? rc : r;
+                if (r < 0) rc = rc ? rc : r;
             }
         }
     }
@@ -479,23 +445,19 @@ uint64_t wal_flush_end(struct wal *w, int durable)
 {
     for (int i = 0; i < w->ninfl; i++) {
         struct wal_chunk *c = &w->chunks[w->infl[i]];
-        if (c->last_lsn > w->lsn_written)
-            w->lsn_written = c->last_lsn;
+        if (c->last_lsn > w->lsn_written) w->lsn_written = c->last_lsn;
         w->free_list[w->nfree++] = w->infl[i];
     }
     w->ninfl = 0;
-    if (durable)
-        w->lsn_durable = w->lsn_written;
+    if (durable) w->lsn_durable = w->lsn_written;
     return w->lsn_durable;
 }
 
 int wal_sync(struct wal *w)
 {
-    if (w->lsn_durable == w->lsn_written)
-        return 0;
+    if (w->lsn_durable == w->lsn_written) return 0;
     int rc = io_flush_sync(w->io, seg_of(w, w->cur_seq)->f);
-    if (rc < 0)
-        return rc;
+    if (rc < 0) return rc;
     w->lsn_durable = w->lsn_written;
     return 0;
 }
@@ -557,15 +519,12 @@ int wal_seg_next(struct wal *w, uint64_t seq, uint32_t *off, struct wal_frame *f
             continue;
         }
         uint32_t len = frame_valid(w, s, o);
-        if (!len)
-            return -1; /* a sealed segment's frames run unbroken to its SEGEND */
+        if (!len) return -1; /* a sealed segment's frames run unbroken to its SEGEND */
         const uint8_t *p = s->map + o;
         uint32_t type = util_get_u16(p + 28);
-        if (type == WAL_T_SEGEND)
-            return 0;
+        if (type == WAL_T_SEGEND) return 0;
         *off = o + len;
-        if (type == WAL_T_END)
-            *off = (uint32_t)IDEM_ALIGN_UP(*off, WAL_BLOCK);
+        if (type == WAL_T_END) *off = (uint32_t)IDEM_ALIGN_UP(*off, WAL_BLOCK);
         if (type == WAL_T_RECORD || type == WAL_T_DELETE) {
             f->addr = addr_make(seq, o);
             f->lsn = util_get_u64(p + 8);
@@ -601,15 +560,13 @@ int wal_copy(struct wal *w, const struct wal_frame *f, uint64_t *addr, uint64_t 
 int wal_retire(struct wal *w, uint64_t seq)
 {
     struct wal_segment *s = seg_of(w, seq);
-    if (!s || seq != w->first_seq || seq >= w->cur_seq)
-        return IDEM_EINVAL;
+    if (!s || seq != w->first_seq || seq >= w->cur_seq) return IDEM_EINVAL;
     seg_close(w, s);
     char path[4096];
     seg_path(w, seq, path, sizeof path);
     w->first_seq++;
     int rc = io_unlink(w->io, path);
-    if (rc == 0)
-        rc = io_sync_dir(w->io, w->dir);
+    if (rc == 0) rc = io_sync_dir(w->io, w->dir);
     return rc < 0 ? IDEM_EIO : 0;
 }
 void wal_position(const struct wal *w, uint64_t *seq, uint32_t *off)
@@ -644,10 +601,8 @@ static int seg_open(struct wal *w, uint64_t seq, int read_only)
     seg_path(w, seq, path, sizeof path);
     struct wal_segment s = {.seq = seq};
     int rc = io_open(w->io, path, read_only ? IO_O_RDONLY : IO_O_DIRECT, &s.f);
-    if (rc == -ENOENT)
-        return IDEM_ENOTFOUND;
-    if (rc < 0)
-        return IDEM_EIO;
+    if (rc == -ENOENT) return IDEM_ENOTFOUND;
+    if (rc < 0) return IDEM_EIO;
     uint64_t size = 0;
     if (io_size(w->io, s.f, &size) < 0 || size < w->seg_bytes) {
         io_close(w->io, s.f);
@@ -658,8 +613,8 @@ static int seg_open(struct wal *w, uint64_t seq, int read_only)
         return IDEM_EIO;
     }
     const uint8_t *h = s.map;
-    if (memcmp(h, WAL_MAGIC, 8) || util_get_u64(h + WAL_SEG_HDR_CKSUM) !=
-                                       XXH3_64bits(h, WAL_SEG_HDR_CKSUM)) {
+    if (memcmp(h, WAL_MAGIC, 8) ||
+        util_get_u64(h + WAL_SEG_HDR_CKSUM) != XXH3_64bits(h, WAL_SEG_HDR_CKSUM)) {
         seg_close(w, &s);
         return IDEM_ECORRUPT;
     }
@@ -680,14 +635,11 @@ static int seg_open(struct wal *w, uint64_t seq, int read_only)
 /* A valid frame at (s, off): checksum, bounds. Returns its length or 0. */
 static uint32_t frame_valid(const struct wal *w, const struct wal_segment *s, uint32_t off)
 {
-    if (off + WAL_FRAME_HDR > w->seg_bytes)
-        return 0;
+    if (off + WAL_FRAME_HDR > w->seg_bytes) return 0;
     const uint8_t *f = s->map + off;
     uint32_t len = util_get_u32(f + 24);
-    if (len < WAL_FRAME_HDR || len % 8 || len > w->seg_bytes - off)
-        return 0;
-    if (util_get_u64(f) != frame_checksum(s->salt, f, len))
-        return 0;
+    if (len < WAL_FRAME_HDR || len % 8 || len > w->seg_bytes - off) return 0;
+    if (util_get_u64(f) != frame_checksum(s->salt, f, len)) return 0;
     return len;
 }
 
@@ -701,8 +653,7 @@ struct scan_pos {
 static int scan_step(struct wal *w, struct scan_pos *p, uint32_t type, uint32_t len)
 {
     if (type == WAL_T_SEGEND) {
-        if (!seg_of(w, p->seq + 1))
-            return IDEM_ENOTFOUND;
+        if (!seg_of(w, p->seq + 1)) return IDEM_ENOTFOUND;
         p->seq++;
         p->off = WAL_BLOCK;
         return 0;
@@ -730,13 +681,10 @@ static int replay_batch(struct wal *w, struct scan_pos start, uint64_t end_lsn,
                                .payload_len = len - WAL_FRAME_HDR};
         if (type == WAL_T_RECORD || type == WAL_T_DELETE || type == WAL_T_END) {
             int rc = fn(ctx, &fr);
-            if (rc < 0)
-                return rc;
+            if (rc < 0) return rc;
         }
-        if (fr.lsn == end_lsn)
-            return 0;
-        if (scan_step(w, &p, type, len) < 0)
-            return IDEM_ECORRUPT;
+        if (fr.lsn == end_lsn) return 0;
+        if (scan_step(w, &p, type, len) < 0) return IDEM_ECORRUPT;
     }
 }
 
@@ -751,8 +699,7 @@ static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch, ui
          * hold a valid frame of the batch that was in flight. */
         uint32_t off = seq == p.seq ? p.off : WAL_BLOCK;
         for (; off + WAL_FRAME_HDR <= w->seg_bytes; off += WAL_BLOCK) {
-            if (!frame_valid(w, s, off))
-                continue;
+            if (!frame_valid(w, s, off)) continue;
             uint64_t lsn = util_get_u64(s->map + off + 8);
             uint64_t batch = util_get_u64(s->map + off + 16);
             if (batch > last_batch + 1) {
@@ -763,10 +710,8 @@ static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch, ui
                          (unsigned long long)p.seq, p.off, (unsigned long long)last_batch);
                 return IDEM_ECORRUPT;
             }
-            if (lsn > *max_lsn)
-                *max_lsn = lsn;
-            if (batch > *max_batch)
-                *max_batch = batch;
+            if (lsn > *max_lsn) *max_lsn = lsn;
+            if (batch > *max_batch) *max_batch = batch;
         }
     }
     return 0;
@@ -782,8 +727,7 @@ int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int
             w->first_seq = seq + 1; /* retired after this superblock copy was written */
             continue;
         }
-        if (rc == IDEM_ENOTFOUND)
-            break;
+        if (rc == IDEM_ENOTFOUND) break;
         if (rc == IDEM_ECORRUPT && seq > start_seq)
             break; /* a segment whose creation was cut short: the log cannot reach it */
         if (rc < 0) {
@@ -820,8 +764,7 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
     for (;;) {
         struct wal_segment *s = seg_of(w, p.seq);
         uint32_t len = frame_valid(w, s, p.off);
-        if (!len)
-            break;
+        if (!len) break;
         const uint8_t *f = s->map + p.off;
         uint64_t lsn = util_get_u64(f + 8), batch = util_get_u64(f + 16);
         uint32_t type = util_get_u16(f + 28);
@@ -832,29 +775,24 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
         cur_batch = batch;
         if (type == WAL_T_END) {
             int rc = replay_batch(w, batch_start, lsn, fn, ctx);
-            if (rc < 0)
-                return rc;
+            if (rc < 0) return rc;
             last_lsn = lsn;
             last_batch = batch;
             int64_t clock = (int64_t)util_get_u64(f + WAL_FRAME_HDR);
-            if (clock > 0 && clock < (INT64_C(1) << 50))
-                w->last_clock_ms = clock;
+            if (clock > 0 && clock < (INT64_C(1) << 50)) w->last_clock_ms = clock;
         }
         struct scan_pos prev = p;
         if (scan_step(w, &p, type, len) < 0) {
             p = prev;
             break;
         }
-        if (type == WAL_T_END)
-            batch_start = p;
+        if (type == WAL_T_END) batch_start = p;
     }
     /* The log ends at the end of the last complete batch. */
     uint64_t max_lsn = last_lsn, max_batch = last_batch;
     int rc = scan_beyond(w, batch_start, last_batch, &max_lsn, &max_batch);
-    if (rc < 0)
-        return rc;
-    if (cur_lsn > max_lsn)
-        max_lsn = cur_lsn;
+    if (rc < 0) return rc;
+    if (cur_lsn > max_lsn) max_lsn = cur_lsn;
     w->lsn_last = w->lsn_written = w->lsn_durable = max_lsn;
     w->lsn_recovered = last_lsn;
     /* At least two above the last complete batch: the torn batch's number is never reused. */

@@ -43,13 +43,13 @@
 
 #include "io.h"
 
-#define WAL_BLOCK           4096u
-#define WAL_FRAME_HDR       32u
-#define WAL_SEG_SLOTS       16384u
-#define WAL_SEG_BYTES_MAX   (512u * 1024u * 1024u)
-#define WAL_SEG_BYTES_MIN   (64u * 1024u)
-#define WAL_CHUNK_BYTES     (2u << 20)
-#define WAL_CHUNKS_MAX      32u
+#define WAL_BLOCK         4096u
+#define WAL_FRAME_HDR     32u
+#define WAL_SEG_SLOTS     16384u
+#define WAL_SEG_BYTES_MAX (512u * 1024u * 1024u)
+#define WAL_SEG_BYTES_MIN (64u * 1024u)
+#define WAL_CHUNK_BYTES   (2u << 20)
+#define WAL_CHUNKS_MAX    32u
 
 enum wal_type {
     WAL_T_RECORD = 1, /* a full version of a record (record.h) */
@@ -135,7 +135,7 @@ uint64_t wal_bytes(const struct wal *w);        /* bytes of all segments */
 /* Where the next batch starts: a checkpoint taken now replays from here. */
 void wal_position(const struct wal *w, uint64_t *seq, uint32_t *off);
 uint64_t wal_first_seq(const struct wal *w);
-uint64_t wal_batch(const struct wal *w);         /* the batch being filled */
+uint64_t wal_batch(const struct wal *w);        /* the batch being filled */
 int64_t wal_last_clock_ms(const struct wal *w); /* clock of the last END frame replayed */
 /* ---- Compaction (compact.c) ---- */
 /* Segments the log holds now (the spare not counted). */

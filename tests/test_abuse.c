@@ -51,11 +51,11 @@
 #define QUEUE_DEPTH       2048
 #define RESULT_MAX        65536u
 /* idemd's own constants (src/server/server.h, resp.h) that bound one connection's buffers */
-#define PROTO_BULK_MAX  (4u << 20)
-#define IN_BUF_MAX      (2u * PROTO_BULK_MAX + 65536u)
-#define READ_CHUNK      65536u
-#define OUT_SOFT        (1u << 20)
-#define REPLY_MAX       (RESULT_MAX + 2048u) /* an IDEM.GET of a record with a 64 KiB result */
+#define PROTO_BULK_MAX (4u << 20)
+#define IN_BUF_MAX     (2u * PROTO_BULK_MAX + 65536u)
+#define READ_CHUNK     65536u
+#define OUT_SOFT       (1u << 20)
+#define REPLY_MAX      (RESULT_MAX + 2048u) /* an IDEM.GET of a record with a 64 KiB result */
 
 #define LATENCY_MAX_MS 2000
 #define BIG_KEYS       8
@@ -109,8 +109,7 @@ static long rss_kib(pid_t pid)
 static void start_idemd(uint32_t max_clients)
 {
     const char *build = getenv("IDEM_BUILD_DIR");
-    char exe[512], port[16], log[600], maxc[16], pipe_max[16], out_max[16], budget[16],
-        qdepth[16];
+    char exe[512], port[16], log[600], maxc[16], pipe_max[16], out_max[16], budget[16], qdepth[16];
     snprintf(exe, sizeof exe, "%s/idemd", build && *build ? build : "build");
     srv.dir = tu_mkdtemp("abuse");
     cr_assert(srv.dir);
@@ -123,10 +122,14 @@ static void start_idemd(uint32_t max_clients)
     snprintf(out_max, sizeof out_max, "%u", CLIENT_OUTPUT_MAX);
     snprintf(budget, sizeof budget, "%u", IO_BUDGET);
     snprintf(qdepth, sizeof qdepth, "%u", QUEUE_DEPTH);
-    const char *argv[] = {exe,           "--dir",      srv.dir,     "--port",
-                          port,          "--max-clients", maxc,     "--pipeline-max",
-                          pipe_max,      "--client-output-max", out_max, "--io-budget",
-                          budget,        "--queue-depth", qdepth,   NULL};
+    const char *argv[] = {exe,      "--dir",
+                          srv.dir,  "--port",
+                          port,     "--max-clients",
+                          maxc,     "--pipeline-max",
+                          pipe_max, "--client-output-max",
+                          out_max,  "--io-budget",
+                          budget,   "--queue-depth",
+                          qdepth,   NULL};
     srv.pid = fork();
     cr_assert(srv.pid >= 0);
     if (srv.pid == 0) {
@@ -365,14 +368,19 @@ static void *garbage_main(void *arg)
         for (size_t i = 0; i < len; i++)
             buf[i] = (char)tu_rand(&st->seed);
         switch (tu_rand(&st->seed) % 4) {
-        case 0: buf[0] = '*'; break; /* a RESP array header with junk after it */
-        case 1: buf[0] = '$'; break;
+        case 0:
+            buf[0] = '*';
+            break; /* a RESP array header with junk after it */
+        case 1:
+            buf[0] = '$';
+            break;
         case 2: /* printable junk: inline commands idemd does not know */
             for (size_t i = 0; i < len; i++)
                 buf[i] = (char)(' ' + (unsigned char)buf[i] % 95);
             buf[len - 1] = '\n';
             break;
-        default: break;
+        default:
+            break;
         }
         if (send_all(fd, buf, len) == 0) st->sent++;
         int eof = 0;
@@ -429,7 +437,8 @@ struct big_state {
     int id;
     char *fp; /* PROTO_BULK_MAX bytes */
     char *val;
-    long rounds, late, under_ok, under_bad, over_proto_ok, over_proto_bad, over_field_ok, over_field_bad;
+    long rounds, late, under_ok, under_bad, over_proto_ok, over_proto_bad, over_field_ok,
+        over_field_bad;
     char last_bad[160];
 };
 
@@ -477,8 +486,8 @@ static void *big_main(void *arg)
             }
         }
         /* over a field limit: a 1 MiB SET value (result-max is 64 KiB) */
-        h = snprintf(hdr, sizeof hdr, "*6\r\n$3\r\nSET\r\n$9\r\nbig:set:%d\r\n$%zu\r\n", st->id % 10,
-                     field);
+        h = snprintf(hdr, sizeof hdr, "*6\r\n$3\r\nSET\r\n$9\r\nbig:set:%d\r\n$%zu\r\n",
+                     st->id % 10, field);
         const char *tail = "\r\n$2\r\nNX\r\n$2\r\nPX\r\n$5\r\n60000\r\n*1\r\n$4\r\nPING\r\n";
         if (send_all(fd, hdr, (size_t)h) || send_all(fd, st->val, field) ||
             send_all(fd, tail, strlen(tail))) {
@@ -492,7 +501,8 @@ static void *big_main(void *arg)
                 continue;
             }
             char *nl = memchr(in, '\n', got);
-            if (nl && !strstr(in, "PONG")) read_some(fd, nl + 1, sizeof in - (size_t)(nl + 1 - in), 0, 10000, &eof);
+            if (nl && !strstr(in, "PONG"))
+                read_some(fd, nl + 1, sizeof in - (size_t)(nl + 1 - in), 0, 10000, &eof);
             if (strncmp(in, "-ERR", 4) == 0 && strstr(in, "too long") && strstr(in, "+PONG\r\n"))
                 st->over_field_ok++;
             else {
@@ -504,7 +514,8 @@ static void *big_main(void *arg)
         /* over the protocol limit: the connection is closed after -ERR Protocol error */
         fd = raw_connect(0, 10000);
         if (fd < 0) continue;
-        h = snprintf(hdr, sizeof hdr, "*2\r\n$4\r\nECHO\r\n$%u\r\n", PROTO_BULK_MAX + 1 + (unsigned)(round % 1000));
+        h = snprintf(hdr, sizeof hdr, "*2\r\n$4\r\nECHO\r\n$%u\r\n",
+                     PROTO_BULK_MAX + 1 + (unsigned)(round % 1000));
         send_all(fd, hdr, (size_t)h);
         send_all(fd, st->val, 65536);
         size_t got = read_some(fd, in, sizeof in, sizeof in, 10000, &eof);
@@ -548,7 +559,9 @@ static void good_wrong(struct good_state *st, const char *what, const redisReply
 {
     if (st->wrong++ == 0)
         snprintf(st->first_wrong, sizeof st->first_wrong, "%s: %s", what,
-                 !r ? c->errstr : r->str ? r->str : "(unexpected type)");
+                 !r       ? c->errstr
+                 : r->str ? r->str
+                          : "(unexpected type)");
 }
 
 static void *good_main(void *arg)
@@ -577,7 +590,8 @@ static void *good_main(void *arg)
         long long tok = r->element[1]->integer;
         freeReplyObject(r);
         r = timed(c, st, "IDEM.COMMIT %s %lld %s", key, tok, res);
-        if (!r || r->type != REDIS_REPLY_STATUS || strcmp(r->str, "OK") != 0) good_wrong(st, "commit", r, c);
+        if (!r || r->type != REDIS_REPLY_STATUS || strcmp(r->str, "OK") != 0)
+            good_wrong(st, "commit", r, c);
         freeReplyObject(r);
         r = timed(c, st, "IDEM.CLAIM %s 600000 60000 FP %s", key, fp);
         if (!r || r->type != REDIS_REPLY_ARRAY || r->elements != 2 ||
@@ -585,7 +599,8 @@ static void *good_main(void *arg)
             good_wrong(st, "repeat", r, c);
         freeReplyObject(r);
         r = timed(c, st, "GET %s", key);
-        if (!r || r->type != REDIS_REPLY_STRING || strcmp(r->str, res) != 0) good_wrong(st, "get", r, c);
+        if (!r || r->type != REDIS_REPLY_STRING || strcmp(r->str, res) != 0)
+            good_wrong(st, "get", r, c);
         freeReplyObject(r);
         if (i % 8 == 0) {
             r = timed(c, st, "IDEM.GET %s", key);
@@ -681,7 +696,8 @@ Test(abuse, everything_at_once_while_a_good_client_works, .timeout = 400)
     char *value = malloc(RESULT_MAX);
     memset(value, 'v', RESULT_MAX);
     for (int k = 0; k < BIG_KEYS; k++) {
-        redisReply *r = redisCommand(admin, "SET big:%d %b NX PX 600000", k, value, (size_t)RESULT_MAX);
+        redisReply *r =
+            redisCommand(admin, "SET big:%d %b NX PX 600000", k, value, (size_t)RESULT_MAX);
         cr_assert(r && r->type == REDIS_REPLY_STATUS, "SET big:%d", k);
         freeReplyObject(r);
     }
@@ -769,7 +785,8 @@ Test(abuse, everything_at_once_while_a_good_client_works, .timeout = 400)
         int eof;
         pinged++;
         if (send_all(idle.fds[i], "PING\r\n", 6) == 0 &&
-            read_some(idle.fds[i], in, sizeof in, 7, 5000, &eof) == 7 && strcmp(in, "+PONG\r\n") == 0)
+            read_some(idle.fds[i], in, sizeof in, 7, 5000, &eof) == 7 &&
+            strcmp(in, "+PONG\r\n") == 0)
             ping_ok++;
     }
     pthread_join(t_good, NULL);
@@ -814,7 +831,8 @@ Test(abuse, everything_at_once_while_a_good_client_works, .timeout = 400)
 
     long vanished = 0, garbage_sent = 0, garbage_closed = 0, garbage_answered = 0;
     long http_req = 0, http_silent = 0, http_answered = 0, http_open = 0;
-    long big_rounds = 0, big_late = 0, under_ok = 0, under_bad = 0, proto_ok = 0, proto_bad = 0, field_ok = 0, field_bad = 0;
+    long big_rounds = 0, big_late = 0, under_ok = 0, under_bad = 0, proto_ok = 0, proto_bad = 0,
+         field_ok = 0, field_bad = 0;
     for (int i = 0; i < N_VANISH; i++)
         vanished += vanish[i].vanished;
     for (int i = 0; i < N_GARBAGE; i++) {
@@ -837,7 +855,8 @@ Test(abuse, everything_at_once_while_a_good_client_works, .timeout = 400)
         proto_bad += big[i].over_proto_bad;
         field_ok += big[i].over_field_ok;
         field_bad += big[i].over_field_bad;
-        if (big[i].last_bad[0]) fprintf(stderr, "abuse: big[%d] last failure: %s\n", i, big[i].last_bad);
+        if (big[i].last_bad[0])
+            fprintf(stderr, "abuse: big[%d] last failure: %s\n", i, big[i].last_bad);
         free(big[i].fp);
         free(big[i].val);
     }
@@ -852,14 +871,14 @@ Test(abuse, everything_at_once_while_a_good_client_works, .timeout = 400)
     fprintf(stderr,
             "abuse: slow readers %d: %ld bursts of 32, %ld disconnects; vanished mid-WAIT %ld; "
             "garbage %ld (closed by idemd %ld, answered %ld); http %ld (closed silently %ld, "
-            "answered %ld, left open %ld); oversized rounds %ld (%ld not answered within 10 s): 4 MiB-64 FP claims %ld ok %ld bad; >4 MiB bulks %ld "
+            "answered %ld, left open %ld); oversized rounds %ld (%ld not answered within 10 s): 4 "
+            "MiB-64 FP claims %ld ok %ld bad; >4 MiB bulks %ld "
             "ok %ld bad; 1 MiB SET values %ld ok %ld bad\n",
             n_slow, slow.bursts, slow.disconnects, vanished, garbage_sent, garbage_closed,
-            garbage_answered, http_req, http_silent, http_answered, http_open, big_rounds, big_late, under_ok,
-            under_bad, proto_ok, proto_bad, field_ok, field_bad);
-    fprintf(stderr,
-            "abuse: good client %ld requests, %ld wrong, max latency %lld ms%s%s\n", good.ops,
-            good.wrong, (long long)good.max_latency_ms, good.wrong ? "; first: " : "",
+            garbage_answered, http_req, http_silent, http_answered, http_open, big_rounds, big_late,
+            under_ok, under_bad, proto_ok, proto_bad, field_ok, field_bad);
+    fprintf(stderr, "abuse: good client %ld requests, %ld wrong, max latency %lld ms%s%s\n",
+            good.ops, good.wrong, (long long)good.max_latency_ms, good.wrong ? "; first: " : "",
             good.first_wrong);
     fprintf(stderr,
             "abuse: idemd RSS before %ld KiB, peak %ld KiB, after %ld KiB; bound %ld KiB; "
@@ -928,7 +947,8 @@ Test(abuse, budget_holds_against_slow_readers, .timeout = 120)
     char *req = malloc(4 * (RESULT_MAX + 128));
     size_t len = 0;
     for (int i = 0; i < 4; i++) {
-        len += (size_t)sprintf(req + len, "*6\r\n$3\r\nSET\r\n$5\r\nby:%02d\r\n$%u\r\n", i, RESULT_MAX);
+        len += (size_t)sprintf(req + len, "*6\r\n$3\r\nSET\r\n$5\r\nby:%02d\r\n$%u\r\n", i,
+                               RESULT_MAX);
         memset(req + len, 'b', RESULT_MAX);
         len += RESULT_MAX;
         len += (size_t)sprintf(req + len, "\r\n$2\r\nNX\r\n$2\r\nPX\r\n$5\r\n60000\r\n");
@@ -937,7 +957,8 @@ Test(abuse, budget_holds_against_slow_readers, .timeout = 120)
     free(req);
     char in[256];
     int eof = 0;
-    cr_assert(read_some(by, in, sizeof in, 20, 5000, &eof) == 20, "bystander: %s", in); /* 4 x +OK */
+    cr_assert(read_some(by, in, sizeof in, 20, 5000, &eof) == 20, "bystander: %s",
+              in); /* 4 x +OK */
 
     struct slow_state slow = {.n = 16};
     pthread_t t;
@@ -959,7 +980,8 @@ Test(abuse, budget_holds_against_slow_readers, .timeout = 120)
     for (int i = 0; i < idle.opened; i++)
         close(idle.fds[i]);
     free(idle.fds);
-    fprintf(stderr, "abuse: budget %u, io_buffer_bytes peak %lld; bystander PING %s after %lld ms\n",
+    fprintf(stderr,
+            "abuse: budget %u, io_buffer_bytes peak %lld; bystander PING %s after %lld ms\n",
             IO_BUDGET, io_peak, got == 7 ? "answered" : "not answered", (long long)ping_ms);
     cr_expect_leq(io_peak, 2ll * IO_BUDGET, "io_buffer_bytes peaked at %lld, budget %u", io_peak,
                   IO_BUDGET);

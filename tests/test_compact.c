@@ -36,8 +36,7 @@ static void settle(idem_store *s, uint64_t max_bytes)
     for (int i = 0; i < 500; i++) {
         cr_assert_eq(idem_sync(s), IDEM_OK);
         idem_get_stats(s, &st);
-        if (st.wal_bytes <= max_bytes)
-            return;
+        if (st.wal_bytes <= max_bytes) return;
         usleep(2000);
     }
     cr_assert_fail("log still %llu bytes (bound %llu, live keys %llu)",

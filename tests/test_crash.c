@@ -89,16 +89,13 @@ static int run_round(idem_store *s, idem_queue *q, struct model *m, uint64_t *rn
             m->k[i].submitted_claim = 1;
             m->k[i].first_seen_ms = now;
         } else {
-            if (m->nkeys == 0)
-                continue;
+            if (m->nkeys == 0) continue;
             i = (int)(tu_rand(rng) % (uint64_t)m->nkeys);
             struct model_key *k = &m->k[i];
-            if (k->acked != M_NEW || k->submitted_commit || k->submitted_release)
-                continue;
+            if (k->acked != M_NEW || k->submitted_commit || k->submitted_release) continue;
             if (r < 9) {
                 op.kind = IDEM_OP_COMMIT;
-                snprintf(k->result, sizeof k->result, "invoice-%d-%lld", i,
-                         (long long)k->token);
+                snprintf(k->result, sizeof k->result, "invoice-%d-%lld", i, (long long)k->token);
                 op.data = k->result;
                 op.data_len = (uint32_t)strlen(k->result);
                 k->submitted_commit = 1;
@@ -114,8 +111,7 @@ static int run_round(idem_store *s, idem_queue *q, struct model *m, uint64_t *rn
         idx[n] = i;
         ops[n++] = op;
     }
-    if (n == 0)
-        return 1;
+    if (n == 0) return 1;
     for (int t = 0; t < n; t++)
         ops[t].user_data = (uint64_t)t;
     cr_assert_eq(idem_submit(q, ops, (size_t)n), n);
@@ -169,8 +165,8 @@ static void check_model(idem_store *s, struct model *m, uint64_t seed)
         const idem_record *r = &c.record;
         switch (k->acked) {
         case M_COMMITTED:
-            cr_assert(c.found, "seed %llu: acknowledged commit of %s lost", (unsigned long long)seed,
-                      key);
+            cr_assert(c.found, "seed %llu: acknowledged commit of %s lost",
+                      (unsigned long long)seed, key);
             cr_assert_eq(r->state, IDEM_STATE_COMMITTED, "seed %llu: %s", (unsigned long long)seed,
                          key);
             cr_assert_eq(r->result_len, strlen(k->result));
@@ -236,8 +232,7 @@ static void power_loss_once(uint64_t seed)
     idem_queue *q;
     cr_assert_eq(idem_queue_open(s, 64, &q), IDEM_OK);
     for (int round = 0; round < 200; round++) {
-        if (!run_round(s, q, m, &rng))
-            break;
+        if (!run_round(s, q, m, &rng)) break;
         idem_clock_advance(s, 1 + (int64_t)(tu_rand(&rng) % 5));
     }
     store_abandon(s);
@@ -277,31 +272,25 @@ static void child_run(const char *dir, int fd, uint64_t seed)
     idem_options o;
     idem_options_init(&o);
     o.io_backend = (seed % 2) ? IDEM_IO_THREAD : IDEM_IO_AUTO;
-    if (idem_open(dir, &o, &s) != IDEM_OK)
-        _exit(3);
+    if (idem_open(dir, &o, &s) != IDEM_OK) _exit(3);
     idem_queue *q;
-    if (idem_queue_open(s, 64, &q) != IDEM_OK)
-        _exit(4);
+    if (idem_queue_open(s, 64, &q) != IDEM_OK) _exit(4);
     int64_t tokens[KEYS_MAX * 8];
     for (int i = 0; i < KEYS_MAX * 8; i++) {
         char key[32];
         key_name(i, key);
         idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 600000};
         idem_completion c;
-        if (idem_claim(q, key, strlen(key), &a, &c) != IDEM_OK || c.outcome != IDEM_NEW)
-            _exit(5);
+        if (idem_claim(q, key, strlen(key), &a, &c) != IDEM_OK || c.outcome != IDEM_NEW) _exit(5);
         tokens[i] = c.token;
         struct ack ack = {i, 1, c.token};
-        if (write(fd, &ack, sizeof ack) != sizeof ack)
-            _exit(6);
+        if (write(fd, &ack, sizeof ack) != sizeof ack) _exit(6);
         if (i % 2 == 0) {
             char res[48];
             snprintf(res, sizeof res, "invoice-%d-%lld", i, (long long)tokens[i]);
-            if (idem_commit(q, key, strlen(key), tokens[i], res, strlen(res)) != IDEM_OK)
-                _exit(7);
+            if (idem_commit(q, key, strlen(key), tokens[i], res, strlen(res)) != IDEM_OK) _exit(7);
             ack.kind = 2;
-            if (write(fd, &ack, sizeof ack) != sizeof ack)
-                _exit(6);
+            if (write(fd, &ack, sizeof ack) != sizeof ack) _exit(6);
         }
     }
     _exit(0);
@@ -348,16 +337,14 @@ Test(crash, kill9_keeps_every_acknowledged_claim_and_commit, .timeout = 300)
                       key);
             if (acks[a].kind == 2) {
                 char res[48];
-                snprintf(res, sizeof res, "invoice-%d-%lld", acks[a].key,
-                         (long long)acks[a].token);
+                snprintf(res, sizeof res, "invoice-%d-%lld", acks[a].key, (long long)acks[a].token);
                 cr_assert_eq(c.record.state, IDEM_STATE_COMMITTED);
                 cr_assert_eq(c.record.result_len, strlen(res));
                 cr_assert(!memcmp(c.record.result, res, strlen(res)));
             } else if (c.record.state == IDEM_STATE_IN_FLIGHT) {
                 cr_assert_eq(c.record.token, acks[a].token);
             }
-            if (acks[a].token > max_token)
-                max_token = acks[a].token;
+            if (acks[a].token > max_token) max_token = acks[a].token;
         }
         idem_claim_args ca = {.ttl_ms = 1000, .lease_ms = 1000};
         idem_completion c;
@@ -385,8 +372,12 @@ Test(crash, answers_wait_for_the_flush_they_depend_on, .timeout = 60)
         char key[16];
         snprintf(key, sizeof key, "k%d", round);
         io_sim_hold(sim, 1); /* the disk takes the flush and does not answer */
-        idem_op claim = {.kind = IDEM_OP_CLAIM, .key = key, .key_len = 2, .ttl_ms = 60000,
-                         .lease_ms = 60000, .user_data = 1};
+        idem_op claim = {.kind = IDEM_OP_CLAIM,
+                         .key = key,
+                         .key_len = 2,
+                         .ttl_ms = 60000,
+                         .lease_ms = 60000,
+                         .user_data = 1};
         cr_assert_eq(idem_submit(q1, &claim, 1), 1);
         cr_assert_eq(idem_poll(q1, c, 4, 100), 0, "the claim was answered before its flush");
         claim.user_data = 2;
@@ -394,8 +385,7 @@ Test(crash, answers_wait_for_the_flush_they_depend_on, .timeout = 60)
         cr_assert_eq(idem_submit(q2, &claim, 1), 1);
         cr_assert_eq(idem_submit(q2, &get, 1), 1);
         cr_assert_eq(idem_poll(q2, c, 4, 100), 0, "a duplicate or read was answered early");
-        if (round == 1)
-            break; /* the second round ends in a crash with the flush still held */
+        if (round == 1) break; /* the second round ends in a crash with the flush still held */
         io_sim_hold(sim, 0);
         cr_assert_eq(idem_poll(q1, c, 4, 5000), 1);
         cr_assert_eq(c[0].outcome, IDEM_NEW);

@@ -365,7 +365,7 @@ Test(idemctl_online, views_resolve_and_audit_over_the_socket, .init = setup, .fi
  * acknowledged before a given moment. */
 struct writer {
     atomic_int stop;
-    atomic_int acked;        /* keys 0..acked-1 are acknowledged (claim and commit) */
+    atomic_int acked;         /* keys 0..acked-1 are acknowledged (claim and commit) */
     atomic_int before_backup; /* acked when the backup started */
 };
 

@@ -321,8 +321,7 @@ Test(recovery, full_disk_answers_full_and_serves_repeats_then_recovers)
     for (int t = 0; t < 400 && !ok; t++) {
         int rc = idem_claim(q, "after-full", 10, &a, &c);
         ok = rc == IDEM_OK;
-        if (!ok)
-            usleep(10000);
+        if (!ok) usleep(10000);
     }
     cr_assert(ok, "claims still FULL after space returned");
     idem_queue_close(q);
@@ -373,8 +372,7 @@ static void golden_contents(idem_queue *q, int write)
         cr_assert_eq(idem_claim(q, "golden-lz4", 10, &a, &c), IDEM_OK);
         cr_assert_eq(idem_commit(q, "golden-lz4", 10, c.token, big, sizeof big), IDEM_OK);
         cr_assert_eq(idem_claim(q, "golden-review", 13, &a, &c), IDEM_OK);
-        cr_assert_eq(idem_hold(q, "golden-review", 13, c.token, "target timed out", 16),
-                     IDEM_OK);
+        cr_assert_eq(idem_hold(q, "golden-review", 13, c.token, "target timed out", 16), IDEM_OK);
         return;
     }
     cr_assert_eq(idem_get(q, "golden-committed", 16, &c), IDEM_OK);

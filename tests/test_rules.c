@@ -2552,10 +2552,10 @@ Test(stats, counters_by_outcome_and_keys_by_state)
 Test(stats, last_minute_counts_claims_and_duplicates)
 {
     idem_stats b = stats();
-    int64_t t = claim_new("a");                /* new */
-    expect_outcome(claim("a"), IDEM_BUSY);    /* duplicate */
+    int64_t t = claim_new("a");            /* new */
+    expect_outcome(claim("a"), IDEM_BUSY); /* duplicate */
     commit_ok("a", t, "r");
-    expect_outcome(claim("a"), IDEM_DONE);    /* duplicate */
+    expect_outcome(claim("a"), IDEM_DONE); /* duplicate */
     idem_completion c;
     expect_rc(idem_set_if_absent(g_q, "s", 1, "v", 1, 60000, 0, &c), IDEM_OK); /* new */
     expect_rc(idem_set_if_absent(g_q, "s", 1, "v", 1, 60000, 0, &c), IDEM_OK); /* duplicate */

@@ -372,8 +372,7 @@ Test(server, expired_lease_gives_recover, .init = start)
 static const char *field_of(const redisReply *rec, const char *name)
 {
     for (size_t i = 0; i + 1 < rec->elements; i += 2)
-        if (strcmp(rec->element[i]->str, name) == 0)
-            return rec->element[i + 1]->str;
+        if (strcmp(rec->element[i]->str, name) == 0) return rec->element[i + 1]->str;
     return NULL;
 }
 

@@ -601,8 +601,8 @@ int ctl_audit(struct ctl *c, const void *key, size_t klen, uint32_t count, struc
     return ctl_audit_page(c, key, klen, 0, count, out, n);
 }
 
-int ctl_audit_page(struct ctl *c, const void *key, size_t klen, uint64_t before_seq,
-                   uint32_t count, struct ctl_audit **out, size_t *n)
+int ctl_audit_page(struct ctl *c, const void *key, size_t klen, uint64_t before_seq, uint32_t count,
+                   struct ctl_audit **out, size_t *n)
 {
     *out = NULL;
     *n = 0;
@@ -691,8 +691,7 @@ int ctl_backup(struct ctl *c, const char *dest)
     if (!c->online) {
         int err = idem_backup(c->s, dest);
         if (err != IDEM_OK) {
-            ctl_err("backup into %s failed: %s (%s)", dest, idem_strerror(err),
-                    idem_last_error());
+            ctl_err("backup into %s failed: %s (%s)", dest, idem_strerror(err), idem_last_error());
             return CTL_FAIL;
         }
         return CTL_OK;

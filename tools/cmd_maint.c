@@ -159,7 +159,6 @@ int cmd_checkpoint(const struct ctl_opts *o)
     return CTL_OK;
 }
 
-
 int cmd_compact(const struct ctl_opts *o)
 {
     struct ctl_opts oo;

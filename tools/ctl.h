@@ -104,8 +104,8 @@ int ctl_audit(struct ctl *c, const void *key, size_t klen, uint32_t count, struc
               size_t *n);
 /* Offline: the audit entries (of key, when not NULL) older than before_seq (0: the newest),
  * newest first. */
-int ctl_audit_page(struct ctl *c, const void *key, size_t klen, uint64_t before_seq,
-                   uint32_t count, struct ctl_audit **out, size_t *n);
+int ctl_audit_page(struct ctl *c, const void *key, size_t klen, uint64_t before_seq, uint32_t count,
+                   struct ctl_audit **out, size_t *n);
 void ctl_audit_free(struct ctl_audit *a, size_t n);
 /* Resolve with EXPECT version. Returns 0, or CTL_FAIL with msg set (changed: *changed = 1). */
 int ctl_resolve(struct ctl *c, const void *key, size_t klen, int action, uint64_t version,

@@ -157,7 +157,8 @@ static void conn_new(srv *s, int fd, int is_unix, const char *peer)
     resp_parser_init(&c->parser, RESP_ARGV_MAX, cmd_arg_max, s);
     resp_buf_init(&c->out, s->cfg.client_output_max);
     /* Until its replies show their size, a client is owed the largest a reply can be. */
-    c->reply_est = (s->cfg.result_bytes_max ? s->cfg.result_bytes_max : IDEM_RESULT_BYTES_DEFAULT) + 64;
+    c->reply_est =
+        (s->cfg.result_bytes_max ? s->cfg.result_bytes_max : IDEM_RESULT_BYTES_DEFAULT) + 64;
     c->last_active_ms = srv_now_ms();
     s->conns[idx] = c;
     s->nconns++;

@@ -21,15 +21,15 @@
 #include "idem.h"
 #include "resp.h"
 
-#define SRV_USERS_MAX       64
-#define SRV_NAME_MAX        64
-#define SRV_PASSWORD_MAX    256
-#define SRV_IN_BUF_MAX      (2u * RESP_BULK_PROTO_MAX + 65536u) /* a whole request must fit */
-#define SRV_READ_CHUNK      65536u
-#define SRV_STALL_MS        2000 /* over the io budget, a reader this slow is closed */
-#define SRV_HEAVY_BYTES     (256u * 1024) /* over the budget, clients above this are held back */
-#define SRV_IN_HELD_MAX     (256u * 1024) /* unparsed input kept for a held-back client */
-#define SRV_OWED_TIGHT      (1u << 20)    /* replies a client may be owed under memory pressure */
+#define SRV_USERS_MAX    64
+#define SRV_NAME_MAX     64
+#define SRV_PASSWORD_MAX 256
+#define SRV_IN_BUF_MAX   (2u * RESP_BULK_PROTO_MAX + 65536u) /* a whole request must fit */
+#define SRV_READ_CHUNK   65536u
+#define SRV_STALL_MS     2000          /* over the io budget, a reader this slow is closed */
+#define SRV_HEAVY_BYTES  (256u * 1024) /* over the budget, clients above this are held back */
+#define SRV_IN_HELD_MAX  (256u * 1024) /* unparsed input kept for a held-back client */
+#define SRV_OWED_TIGHT   (1u << 20)    /* replies a client may be owed under memory pressure */
 
 enum srv_role { ROLE_NONE = 0, ROLE_WORKER = 1, ROLE_READER = 2, ROLE_ADMIN = 4 };
 
@@ -142,7 +142,7 @@ typedef struct srv {
     idem_completion *comps;
     srv_conn **work, **dirty;
     uint32_t nwork, ndirty;
-    srv_conn **held;   /* connections held back by the full engine queue, to retry at once */
+    srv_conn **held; /* connections held back by the full engine queue, to retry at once */
     uint32_t nheld;
     int64_t started_ms;
     uint64_t total_connections, total_commands, rejected_connections;

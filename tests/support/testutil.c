@@ -15,8 +15,7 @@ char *tu_mkdtemp(const char *tag)
     const char *base = getenv("TMPDIR");
     char buf[512];
     snprintf(buf, sizeof buf, "%s/idem-%s-XXXXXX", base && *base ? base : "/tmp", tag);
-    if (!mkdtemp(buf))
-        return NULL;
+    if (!mkdtemp(buf)) return NULL;
     return strdup(buf);
 }
 
@@ -31,8 +30,7 @@ static int rm_one(const char *path, const struct stat *sb, int type, struct FTW 
 
 void tu_rmtree(char *path)
 {
-    if (!path)
-        return;
+    if (!path) return;
     nftw(path, rm_one, 16, FTW_DEPTH | FTW_PHYS);
     free(path);
 }
