@@ -702,14 +702,18 @@ class Loading(Base):
         while time.monotonic() < deadline:
             try:
                 c = redis.Redis(unix_socket_path=self.srv.sock, socket_timeout=10)
+                was_loading = False
                 try:
+                    # INFO first: loading only goes from 1 to 0, so a PING refused with
+                    # -LOADING after it means INFO must have said loading:1 (no race).
+                    was_loading = c.info("persistence")["loading"] == 1
                     self.assertTrue(c.ping())
                     pinged += 1
                     n = c.dbsize()
                     break
                 except redis.BusyLoadingError:
                     seen_loading += 1
-                    info_loading += c.info("persistence")["loading"] == 1
+                    info_loading += was_loading
                 finally:
                     c.close()
             except (redis.ConnectionError, FileNotFoundError, OSError):
