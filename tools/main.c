@@ -68,9 +68,10 @@ static const struct subcmd cmds[] = {
      "Offline, read-only check of every checksum and invariant of a stopped store (DIR, or\n"
      "--dir): superblock copies, every log frame, the checkpoint, the audit trail, the index.\n"
      "Exit 1 on any fault. Never modifies the store."},
-    {"backup", cmd_backup, 1, 1, 0, "backup DEST --dir DIR",
-     "Copies a consistent image of the stopped store DIR into the new directory DEST. (Online\n"
-     "backup through idemd is not available yet.)"},
+    {"backup", cmd_backup, 1, 1, 0, "backup DEST [--socket PATH | --dir DIR]",
+     "Copies a consistent point-in-time image of the store into the new directory DEST: online,\n"
+     "idemd copies its live store (IDEM.BACKUP, admin; DEST is a path on idemd's host; the\n"
+     "store pauses while it copies); offline, the stopped store DIR."},
     {"restore", cmd_restore, 2, 2, 0, "restore BACKUP DEST",
      "Makes DEST (absent) a store from the backup BACKUP, under a new store generation: tokens\n"
      "handed out later are above any the backed-up store could have handed out."},
