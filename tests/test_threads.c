@@ -413,7 +413,7 @@ static void mix_async(worker *w, idem_queue *q)
             cops[ncommit].data_len = (uint32_t)strlen(res);
             ncommit++;
         } else if (out[j].outcome != IDEM_BUSY && out[j].outcome != IDEM_DONE) {
-            WFAIL(w, "%s: outcome %s", keys[j], idem_outcome_name(out[j].outcome));
+            WFAIL(w, "%.200s: outcome %s", keys[j], idem_outcome_name(out[j].outcome));
         }
     }
     if (ncommit) {
@@ -461,7 +461,8 @@ static void mix_async(worker *w, idem_queue *q)
         return;
     }
     for (int i = 0; i < MIX_OWN; i++)
-        if (out[i].err != IDEM_OK) WFAIL(w, "%s: commit: %s", keys[i], idem_strerror(out[i].err));
+        if (out[i].err != IDEM_OK)
+            WFAIL(w, "%.200s: commit: %s", keys[i], idem_strerror(out[i].err));
 }
 
 static void *mix_worker(void *arg)
@@ -918,7 +919,7 @@ static void mcheck_key(int k)
     if (eff == IDEM_STATE_COMMITTED) {
         size_t n = strlen(m->result);
         MCHECK(r->result_len == n && (n == 0 || memcmp(r->result, m->result, n) == 0),
-               "key %d: result differs from \"%s\"", k, m->result);
+               "key %d: result differs from \"%.200s\"", k, m->result);
     }
     if (eff == IDEM_STATE_REVIEW && m->note_known) {
         size_t n = strlen(m->note);
