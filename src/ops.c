@@ -716,13 +716,12 @@ static const char *actor_of(const idem_op *op)
     return op->actor && *op->actor ? op->actor : "unknown";
 }
 
-/* Operator calls write an audit entry after their change: the change must not become durable
- * before its entry. Waiting here for the batch in flight (before anything is looked up) and
- * holding the lock from then on keeps the flusher from starting a batch with the change until
- * the entry is flushed. */
+/* Operator calls (del, resolve) write an audit entry after their change: the change must not
+ * become durable before its entry. ops_apply waits for the batch in flight before they look
+ * anything up (store_quiesce), and the lock held from then on keeps the flusher from starting a
+ * batch with the change until the entry is flushed. */
 static void op_del(idem_store *s, struct qslot *sl, const idem_op *op)
 {
-    store_quiesce(s);
     int64_t now = store_now(s);
     struct rec r;
     struct index_slot *slot = owner_lookup(s, sl, op, &r, now);
@@ -741,7 +740,6 @@ static void op_del(idem_store *s, struct qslot *sl, const idem_op *op)
 static void op_resolve(idem_store *s, struct qslot *sl, const idem_op *op)
 {
     static const char *const names[] = {"", "resolve-commit", "resolve-release", "resolve-settle"};
-    store_quiesce(s); /* see op_del */
     int64_t now = store_now(s);
     struct rec r;
     struct index_slot *slot = owner_lookup(s, sl, op, &r, now);
@@ -823,6 +821,13 @@ void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op)
             return;
         }
         int rc = store_room(s);
+        /* Operator calls also need no batch in flight (see op_del); both waits release the
+         * lock, so they are repeated until both hold at once. */
+        while (rc == 0 && (op->kind == IDEM_OP_DEL || op->kind == IDEM_OP_RESOLVE) &&
+               (s->flushing || store_room_ok(s) == IDEM_EBUSY)) {
+            store_quiesce(s);
+            rc = store_room(s);
+        }
         if (rc < 0) {
             sl->c.err = rc;
             return;
