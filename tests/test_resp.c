@@ -387,6 +387,22 @@ Test(resp, reply_writers_emit_resp2)
     resp_buf_free(&b);
 }
 
+Test(resp, integers_at_their_limits)
+{
+    resp_buf b;
+    resp_buf_init(&b, 1 << 20);
+    resp_integer(&b, 0);
+    resp_integer(&b, INT64_MIN);
+    resp_integer(&b, INT64_MAX);
+    resp_bulk_i64(&b, -1);
+    resp_array(&b, 10);
+    const char *want = ":0\r\n:-9223372036854775808\r\n:9223372036854775807\r\n$2\r\n-1\r\n"
+                       "*10\r\n";
+    cr_assert_eq(b.len, strlen(want), "%.*s", (int)b.len, b.data);
+    cr_assert(memcmp(b.data, want, b.len) == 0);
+    resp_buf_free(&b);
+}
+
 Test(resp, reply_buffer_limit_is_enforced)
 {
     resp_buf b;
