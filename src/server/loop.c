@@ -376,6 +376,21 @@ static int engine_room(const srv *s)
     return s->engine_due + s->nops + RESP_ARGV_MAX < s->cfg.queue_depth;
 }
 
+/* An idle connection keeps no input buffer: with ten thousand of them, 16 KiB each would hold
+ * the whole budget. The next read allocates one again. Only when no operation of this turn
+ * still points into the buffer (s->nops == 0: called from housekeeping, after a submit). */
+static void conn_shed_input(srv *s, srv_conn *c)
+{
+    const resp_parser *p = &c->parser;
+    if (s->nops || c->fd < 0 || !c->in || c->in_start != c->in_len || p->in_array ||
+        p->discarding || p->pos)
+        return; /* only between requests: a partial one refers to the buffer */
+    free(c->in);
+    c->in = NULL;
+    c->in_cap = c->in_len = c->in_start = 0;
+    conn_account(s, c);
+}
+
 static int conn_may_parse(srv *s, srv_conn *c)
 {
     if (c->tail_seq - c->head_seq >= s->cfg.pipeline_max) return 0;
@@ -571,29 +586,25 @@ static void budget_check(srv *s, srv_conn *c)
     }
 }
 
-/* Over the budget, the client whose unread replies are the largest and that has read nothing for
- * SRV_STALL_MS is closed: a slow reader must not hold the budget and pause everyone else. */
-static void close_stalled_reader(srv *s, int64_t now)
+/* Over the budget, every client that holds unread replies (64 KiB or more) and has read nothing
+ * for SRV_STALL_MS is closed: slow readers must not hold the budget and starve the others. */
+static void close_stalled_readers(srv *s, int64_t now)
 {
     if (s->cfg.io_budget_bytes == 0 || s->io_used <= s->cfg.io_budget_bytes) return;
-    srv_conn *worst = NULL;
-    size_t worst_backlog = 0;
     for (uint32_t i = 0; i < s->conns_cap; i++) {
         srv_conn *c = s->conns[i];
         if (!c || c->fd < 0) continue;
         size_t backlog = c->out.len - c->out_off;
         int64_t since = c->last_write_ms > c->last_active_ms ? c->last_write_ms : c->last_active_ms;
-        if (backlog > worst_backlog && now - since >= SRV_STALL_MS) {
-            worst = c;
-            worst_backlog = backlog;
-        }
+        if (backlog >= 65536 && now - since >= SRV_STALL_MS) conn_close(s, c, "output_stalled");
     }
-    if (worst) conn_close(s, worst, "output_stalled");
 }
 
 static void housekeeping(srv *s, int64_t now)
 {
-    close_stalled_reader(s, now);
+    close_stalled_readers(s, now);
+    for (uint32_t i = 0; i < s->conns_cap; i++)
+        if (s->conns[i]) conn_shed_input(s, s->conns[i]);
     int unpause = s->io_used <= s->cfg.io_budget_bytes / 4 * 3;
     for (uint32_t i = 0; i < s->conns_cap; i++) {
         srv_conn *c = s->conns[i];
