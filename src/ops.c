@@ -90,14 +90,20 @@ int ops_rec_expired(const struct rec *r, int64_t now)
 
 static struct seen_info *seen_of(idem_store *s, const struct index_slot *slot)
 {
-    return slot && slot->aux ? &s->seen[slot->aux - 1] : NULL;
+    return slot && (slot->aux & SLOT_AUX_SEEN) ? &s->seen[(slot->aux & SLOT_AUX_SEEN) - 1] : NULL;
 }
 
 void ops_seen_release(idem_store *s, struct index_slot *slot)
 {
-    if (!slot->aux) return;
-    s->seen_free[s->seen_nfree++] = slot->aux - 1;
-    slot->aux = 0;
+    if (!(slot->aux & SLOT_AUX_SEEN)) return;
+    s->seen_free[s->seen_nfree++] = (slot->aux & SLOT_AUX_SEEN) - 1;
+    slot->aux &= SLOT_AUX_APART;
+}
+
+void ops_slot_mark(struct index_slot *slot, const struct rec *r)
+{
+    int apart = r->state != IDEM_STATE_COMMITTED || r->mismatch_count > 0;
+    slot->aux = (slot->aux & SLOT_AUX_SEEN) | (apart ? SLOT_AUX_APART : 0);
 }
 
 int ops_seen_set(idem_store *s, struct index_slot *slot, uint64_t seen_count, int64_t last_ms)
@@ -120,7 +126,7 @@ int ops_seen_set(idem_store *s, struct index_slot *slot, uint64_t seen_count, in
             }
             i = s->seen_used++;
         }
-        slot->aux = i + 1;
+        slot->aux = (slot->aux & SLOT_AUX_APART) | (i + 1);
         si = &s->seen[i];
     }
     si->seen_count = seen_count;
@@ -241,6 +247,7 @@ static int write_version(idem_store *s, struct index_slot *slot, int old_state, 
     }
     ops_seen_release(s, slot);
     index_slot_set_addr(slot, addr);
+    ops_slot_mark(slot, r);
     uint64_t bytes = WAL_FRAME_HDR;
     for (int i = 0; i < 5; i++)
         bytes += lens[i];
@@ -804,9 +811,19 @@ static void park(idem_store *s, struct qslot *sl, const idem_op *op)
     store_kick(s);
 }
 
-void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op)
+int ops_hint_hash(const idem_store *s, const idem_op *op, uint64_t *h)
 {
-    s->hash_key = NULL; /* a new operation: its key bytes may sit where the last one's did */
+    if (!op->key || op->key_len < 1 || op->key_len > IDEM_KEY_BYTES_MAX) return 0;
+    *h = XXH3_64bits_withSeed(op->key, op->key_len, s->sb.hash_seed);
+    return 1;
+}
+
+void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_t *hash)
+{
+    /* A new operation: its key bytes may sit where the last one's did. */
+    s->hash_key = hash ? op->key : NULL;
+    s->hash_key_len = op->key_len;
+    if (hash) s->hash_value = *hash;
     if (!op_valid(s, op)) {
         sl->c.err = IDEM_EINVAL;
         return;
@@ -1000,6 +1017,7 @@ int ops_replay(void *ctx, const struct wal_frame *f)
         ops_seen_release(s, slot);
         index_slot_set_addr(slot, f->addr);
     }
+    ops_slot_mark(slot, &rr);
     version_moved(s, &old, f->addr, (uint64_t)f->payload_len + WAL_FRAME_HDR, &rr);
     state_count(s, state, +1);
     return 0;
@@ -1027,6 +1045,7 @@ int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now, uin
     if (rc < 0) return rc;
     struct old_facts old = old_facts(s, f->addr);
     index_slot_set_addr(slot, addr);
+    ops_slot_mark(slot, &r);
     version_moved(s, &old, addr, (uint64_t)f->payload_len + WAL_FRAME_HDR, &r);
     return 0;
 }
@@ -1115,6 +1134,9 @@ static void check_one(void *ctx, struct index_slot *slot)
         return;
     }
     cc->by_state[r.state]++;
+    /* The apart bit agrees with the record (checkpoints rely on it). */
+    int apart = r.state != IDEM_STATE_COMMITTED || r.mismatch_count > 0;
+    if (!(slot->aux & SLOT_AUX_APART) != !apart) cc->faults++;
     /* The key must lead back to this very slot: no duplicate, no stray entry. */
     if (ops_find(cc->s, r.key, r.key_len, &again, &lsn) != slot) cc->faults++;
 }

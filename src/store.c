@@ -427,6 +427,12 @@ static int store_init_new(idem_store *s)
     return super_store(s->io, s->dir, sb);
 }
 
+static void ckpt_entry_ahead(void *ctx, uint64_t addr_tag, uint32_t hash_lo)
+{
+    idem_store *s = ctx;
+    index_prefetch(s->ix, (addr_tag & ~INDEX_ADDR_MASK) | hash_lo);
+}
+
 static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
 {
     idem_store *s = ctx;
@@ -449,6 +455,7 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
             return IDEM_ECORRUPT;
         }
         ages_note(s, &r, index_slot_addr(slot));
+        ops_slot_mark(slot, &r);
         s->st.keys_with_mismatch += r.mismatch_count > 0;
     }
     /* Repeat counters survive a clean restart through the checkpoint. */
@@ -477,7 +484,8 @@ static int store_recover(idem_store *s)
                 s->ix = ix;
             }
         }
-        rc = ckpt_load(s->io, s->dir, s->sb.ckpt_id, ckpt_entry_load, s, err, sizeof err);
+        rc = ckpt_load(s->io, s->dir, s->sb.ckpt_id, ckpt_entry_load, ckpt_entry_ahead, s, err,
+                       sizeof err);
         if (rc < 0) {
             store_set_error("%s", err);
             return rc;
@@ -875,6 +883,8 @@ static void release_returned(idem_queue *q)
     q->nreturned = 0;
 }
 
+#define SUBMIT_AHEAD 8 /* operations between a prefetch and its use */
+
 int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
 {
     if (!q || (!ops && n) || n > IDEM_BATCH_MAX) return IDEM_EINVAL;
@@ -884,12 +894,29 @@ int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
     size_t done = 0;
     int any_ready = 0;
     store_now(s);
+    s->mono_batch_ms = mono_now(s);
     s->clk_frozen = 1;
+    /* Operations overlap their cache misses: 2 x SUBMIT_AHEAD ahead the key is hashed and its
+     * index slot fetched, SUBMIT_AHEAD ahead the record that slot names. */
+    uint64_t hv[2 * SUBMIT_AHEAD];
+    int hok[2 * SUBMIT_AHEAD];
+    size_t pre = 0;
     for (; done < n; done++) {
+        for (; pre < n && pre < done + 2 * SUBMIT_AHEAD; pre++) {
+            size_t k = pre % (2 * SUBMIT_AHEAD);
+            hok[k] = ops_hint_hash(s, &ops[pre], &hv[k]);
+            if (hok[k]) index_prefetch(s->ix, hv[k]);
+        }
+        size_t a = done + SUBMIT_AHEAD, ka = a % (2 * SUBMIT_AHEAD);
+        if (a < pre && hok[ka]) {
+            uint64_t addr = index_peek(s->ix, hv[ka]);
+            if (addr) wal_prefetch(s->wal, addr);
+        }
         struct qslot *sl = slot_take(q);
         if (!sl) break;
         sl->c.user_data = ops[done].user_data;
-        ops_apply(s, sl, &ops[done]);
+        size_t kd = done % (2 * SUBMIT_AHEAD);
+        ops_apply(s, sl, &ops[done], hok[kd] ? &hv[kd] : NULL);
         any_ready |= slot_ready(s, sl);
     }
     s->clk_frozen = 0;
@@ -1146,7 +1173,7 @@ int idem_scan(idem_queue *q, const idem_scan_args *a, uint64_t *next_cursor, con
 
 void store_count_claim(idem_store *s, int outcome)
 {
-    int64_t sec = mono_now(s) / 1000;
+    int64_t sec = (s->clk_frozen ? s->mono_batch_ms : mono_now(s)) / 1000;
     int i = (int)(sec % 60);
     if (s->minute[i].second != sec) {
         s->minute[i].second = sec;
@@ -1200,13 +1227,9 @@ static void ckpt_one(void *ctx, struct index_slot *slot)
     struct ckpt_ctx *cc = ctx;
     if (cc->rc < 0) return;
     struct ckpt_entry e = {.addr_tag = slot->addr_tag, .hash_lo = slot->hash_lo};
-    uint32_t len;
-    uint64_t lsn;
-    const uint8_t *p = wal_payload(cc->s->wal, index_slot_addr(slot), &len, &lsn);
-    if (p && len >= REC_FIXED_BYTES && (p[0] != IDEM_STATE_COMMITTED || util_get_u64(p + 80) > 0))
-        e.has_seen |= CKPT_UNFINISHED;
-    if (slot->aux) {
-        struct seen_info *si = &cc->s->seen[slot->aux - 1];
+    if (slot->aux & SLOT_AUX_APART) e.has_seen |= CKPT_UNFINISHED;
+    if (slot->aux & SLOT_AUX_SEEN) {
+        struct seen_info *si = &cc->s->seen[(slot->aux & SLOT_AUX_SEEN) - 1];
         e.has_seen |= CKPT_SEEN;
         e.seen_count = si->seen_count;
         e.last_seen_ms = si->last_seen_ms;

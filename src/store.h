@@ -130,8 +130,9 @@ struct idem_store {
     uint32_t seen_nfree;
     /* Store clock. */
     int64_t clk_store_ms, clk_mono_ms, clk_last_ms;
-    int clk_frozen;   /* inside idem_submit: the clock read at its start serves every op */
-    int find_corrupt; /* the last ops_find met a damaged record with the key's hash bits */
+    int clk_frozen;        /* inside idem_submit: the clock read at its start serves every op */
+    int64_t mono_batch_ms; /* the monotonic clock read at the start of that idem_submit */
+    int find_corrupt;      /* the last ops_find met a damaged record with the key's hash bits */
     /* The last key hashed in this operation (ops_hash; only inside ops_apply). */
     int hash_cache_on;
     const void *hash_key;
@@ -210,7 +211,18 @@ void store_count_claim(idem_store *s, int outcome);
 
 /* ---- ops.c ---- */
 /* Applies op under mu; fills sl->c and sl->need_lsn, or parks the slot (WAIT). */
-void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op);
+/* An index slot's aux: the low 31 bits are 1 + the key's entry in the seen table (0: none);
+ * the top bit marks a record kept apart for attention (unfinished, or with mismatches), so a
+ * checkpoint writes its entries without reading the log. */
+#define SLOT_AUX_APART 0x80000000u
+#define SLOT_AUX_SEEN  0x7fffffffu
+/* Sets slot's apart bit from r, the record it now points to. */
+void ops_slot_mark(struct index_slot *slot, const struct rec *r);
+
+/* Applies op; hash, when given, is its key's hash from ops_hint_hash. */
+void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_t *hash);
+/* The hash op's key will be looked up with (0: the key is not valid; no hint). */
+int ops_hint_hash(const idem_store *s, const idem_op *op, uint64_t *h);
 /* Re-runs the parked claims of key (all keys when key == NULL): those that no longer get busy,
  * or whose deadline passed, complete. */
 void ops_wake(idem_store *s, const void *key, uint32_t key_len);

@@ -338,8 +338,12 @@ uint64_t ckpt_count(struct io *io, const char *dir, uint64_t id)
     return count;
 }
 
+#define CKPT_AHEAD 16 /* entries between ahead() and fn() of the same entry */
+
 int ckpt_load(struct io *io, const char *dir, uint64_t id,
-              int (*fn)(void *ctx, const struct ckpt_entry *e), void *ctx, char *err, size_t errcap)
+              int (*fn)(void *ctx, const struct ckpt_entry *e),
+              void (*ahead)(void *ctx, uint64_t addr_tag, uint32_t hash_lo), void *ctx, char *err,
+              size_t errcap)
 {
     char path[4096];
     ckpt_path(dir, id, path, sizeof path);
@@ -382,6 +386,10 @@ int ckpt_load(struct io *io, const char *dir, uint64_t id,
         }
     }
     for (uint64_t i = 0; rc == 0 && i < count; i++) {
+        if (ahead && i + CKPT_AHEAD < count) {
+            const uint8_t *a = m + 4096 + (i + CKPT_AHEAD) * CKPT_ENTRY;
+            ahead(ctx, util_get_u64(a), util_get_u32(a + 8));
+        }
         const uint8_t *p = m + 4096 + i * CKPT_ENTRY;
         struct ckpt_entry e = {.addr_tag = util_get_u64(p),
                                .hash_lo = util_get_u32(p + 8),

@@ -88,9 +88,11 @@ void ckpt_abort(struct ckpt_writer *cw);
 /* The entry count a checkpoint's trailer claims (0 if unreadable): a sizing hint only, checked
  * by ckpt_load. */
 uint64_t ckpt_count(struct io *io, const char *dir, uint64_t id);
-/* Reads checkpoint id, checking every checksum; calls fn per entry. */
+/* Reads checkpoint id, checking every checksum; calls fn per entry, and ahead (if not NULL) with
+ * the address and hash fields of the entry a few places ahead, so a loader can prefetch. */
 int ckpt_load(struct io *io, const char *dir, uint64_t id,
-              int (*fn)(void *ctx, const struct ckpt_entry *e), void *ctx, char *err,
+              int (*fn)(void *ctx, const struct ckpt_entry *e),
+              void (*ahead)(void *ctx, uint64_t addr_tag, uint32_t hash_lo), void *ctx, char *err,
               size_t errcap);
 void ckpt_path(const char *dir, uint64_t id, char *buf, size_t cap);
 

@@ -111,6 +111,9 @@ int wal_spare_create(struct wal *w);
 
 /* Pointer to the frame payload at addr (valid until the next append or flush end); NULL if the
  * address names no readable frame. *payload_len and *lsn are set. */
+/* Starts loading the first bytes of the frame at addr from the segment map (any address is
+ * safe: one that names no mapped frame is ignored). */
+void wal_prefetch(const struct wal *w, uint64_t addr);
 const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, uint64_t *lsn);
 
 /* Group commit, in three steps. begin (under the store lock): closes the batch with an END frame
