@@ -955,10 +955,7 @@ void ops_wake(idem_store *s, const void *key, uint32_t key_len)
             *pp = sl->wnext;
             if (s->waiters_tail == sl) s->waiters_tail = prev;
             sl->state = SLOT_DONE;
-            uint64_t one = 1;
-            if (write(sl->q->efd, &one, sizeof one) < 0) {
-                /* saturated: already readable */
-            }
+            queue_signal(sl->q);
             pthread_cond_broadcast(&s->cond_ready);
             continue;
         }

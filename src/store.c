@@ -157,8 +157,11 @@ static int slot_ready(const idem_store *s, const struct qslot *sl)
            sl->c.err == IDEM_EFATAL;
 }
 
-static void queue_signal(struct idem_queue *q)
+/* Makes the queue's eventfd readable, if its owner asked for the fd (idem_queue_fd): blocking
+ * callers wait on cond_ready and are spared a write per completion. mu held. */
+void queue_signal(struct idem_queue *q)
 {
+    if (!q->fd_used) return;
     uint64_t one = 1;
     if (write(q->efd, &one, sizeof one) < 0) {
         /* The counter is saturated: the reader has plenty to read already. */
@@ -806,8 +809,14 @@ void idem_queue_close(idem_queue *q)
     free(q);
 }
 
-int idem_queue_fd(const idem_queue *q)
+int idem_queue_fd(idem_queue *q)
 {
+    pthread_mutex_lock(&q->s->mu);
+    if (!q->fd_used) {
+        q->fd_used = 1;
+        queue_signal(q); /* completions may be ready already: one poll finds out */
+    }
+    pthread_mutex_unlock(&q->s->mu);
     return q->efd;
 }
 
@@ -921,8 +930,8 @@ int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
     }
     s->clk_frozen = 0;
     if (wal_pending(s->wal)) store_kick(s);
-    pthread_mutex_unlock(&s->mu);
     if (any_ready) queue_signal(q);
+    pthread_mutex_unlock(&s->mu);
     return (int)done;
 }
 
@@ -962,7 +971,7 @@ int idem_poll(idem_queue *q, idem_completion *out, size_t max, int timeout_ms)
     idem_store *s = q->s;
     release_returned(q);
     uint64_t drain;
-    if (read(q->efd, &drain, sizeof drain) < 0) {
+    if (q->fd_used && read(q->efd, &drain, sizeof drain) < 0) {
         /* nothing signalled */
     }
     pthread_mutex_lock(&s->mu);

@@ -57,6 +57,7 @@ struct idem_queue {
     uint32_t active;           /* outstanding slots */
     uint64_t seq_next;
     int efd;
+    int fd_used; /* idem_queue_fd was called: signal efd (mu) */
     struct idem_queue *next, *prev;
     /* Poll results kept valid until the next call. */
     struct qslot **returned;
@@ -219,6 +220,7 @@ void store_count_claim(idem_store *s, int outcome);
 /* Sets slot's apart bit from r, the record it now points to. */
 void ops_slot_mark(struct index_slot *slot, const struct rec *r);
 
+void queue_signal(struct idem_queue *q);
 /* Applies op; hash, when given, is its key's hash from ops_hint_hash. */
 void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_t *hash);
 /* The hash op's key will be looked up with (0: the key is not valid; no hint). */
