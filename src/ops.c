@@ -166,9 +166,9 @@ static struct old_facts old_facts(idem_store *s, uint64_t addr)
 
 /* The key's version moves from old to the frame at new_addr (0: the key is gone): live bytes,
  * keys with mismatches, the expiry horizon of new_addr's segment and the attention heaps
- * follow. r is the new version (NULL when gone). */
+ * follow. r is the new version (NULL when gone), h its key's hash. */
 static void version_moved(idem_store *s, const struct old_facts *old, uint64_t new_addr,
-                          uint64_t new_bytes, const struct rec *r)
+                          uint64_t new_bytes, const struct rec *r, uint64_t h)
 {
     s->live_bytes -= old->bytes;
     s->st.keys_with_mismatch -= old->mismatch_count > 0;
@@ -177,7 +177,7 @@ static void version_moved(idem_store *s, const struct old_facts *old, uint64_t n
     s->st.keys_with_mismatch += r->mismatch_count > 0;
     int64_t *m = &s->seg_max_exp[wal_addr_seq(s->wal, new_addr) % WAL_SEG_SLOTS];
     if (r->expires_at_ms > *m) *m = r->expires_at_ms;
-    ages_note(s, r, new_addr);
+    ages_note(s, r, h, new_addr);
 }
 
 static void state_count(idem_store *s, int state, int delta)
@@ -251,7 +251,7 @@ static int write_version(idem_store *s, struct index_slot *slot, int old_state, 
     uint64_t bytes = WAL_FRAME_HDR;
     for (int i = 0; i < 5; i++)
         bytes += lens[i];
-    version_moved(s, &old, addr, IDEM_ALIGN_UP(bytes, 8), r);
+    version_moved(s, &old, addr, IDEM_ALIGN_UP(bytes, 8), r, h);
     state_count(s, old_state, -1);
     state_count(s, r->state, +1);
     return 0;
@@ -270,7 +270,7 @@ static int write_delete(idem_store *s, struct index_slot *slot, int old_state, c
     struct old_facts old = old_facts(s, index_slot_addr(slot));
     ops_seen_release(s, slot);
     index_remove(s->ix, slot);
-    version_moved(s, &old, 0, 0, NULL);
+    version_moved(s, &old, 0, 0, NULL, 0);
     state_count(s, old_state, -1);
     return 0;
 }
@@ -1003,7 +1003,7 @@ int ops_replay(void *ctx, const struct wal_frame *f)
         if (slot) {
             ops_seen_release(s, slot);
             index_remove(s->ix, slot);
-            version_moved(s, &old, 0, 0, NULL);
+            version_moved(s, &old, 0, 0, NULL, 0);
         }
         return 0;
     }
@@ -1015,7 +1015,8 @@ int ops_replay(void *ctx, const struct wal_frame *f)
         index_slot_set_addr(slot, f->addr);
     }
     ops_slot_mark(slot, &rr);
-    version_moved(s, &old, f->addr, (uint64_t)f->payload_len + WAL_FRAME_HDR, &rr);
+    version_moved(s, &old, f->addr, (uint64_t)f->payload_len + WAL_FRAME_HDR, &rr,
+                  ops_hash(s, key, key_len));
     state_count(s, state, +1);
     return 0;
 }
@@ -1043,7 +1044,8 @@ int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now, uin
     struct old_facts old = old_facts(s, f->addr);
     index_slot_set_addr(slot, addr);
     ops_slot_mark(slot, &r);
-    version_moved(s, &old, addr, (uint64_t)f->payload_len + WAL_FRAME_HDR, &r);
+    version_moved(s, &old, addr, (uint64_t)f->payload_len + WAL_FRAME_HDR, &r,
+                  ops_hash(s, r.key, r.key_len));
     return 0;
 }
 

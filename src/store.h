@@ -79,9 +79,13 @@ struct seen_info {
     uint64_t seen_count;
 };
 
+/* A version of a key at a log address, with the key's hash bits as the index keeps them, so
+ * that whether the index still points at it is answered without reading the log. */
 struct age_entry {
     int64_t first_seen_ms;
-    uint64_t addr;
+    uint64_t addr_tag; /* as in index_slot: the log address, the hash's top 24 bits above */
+    uint32_t hash_lo;
+    uint32_t pad;
 };
 
 struct age_heap {
@@ -254,9 +258,9 @@ int compact_step(idem_store *s);
 int compact_wants_checkpoint(const idem_store *s);
 
 /* ---- ages.c ---- */
-/* Version r of a key was written (or found, at load) at addr: remember it if it belongs to a
- * kind (unfinished, or with mismatches). */
-void ages_note(idem_store *s, const struct rec *r, uint64_t addr);
+/* Version r of a key (hash h) was written (or found, at load) at addr: remember it if it
+ * belongs to a kind (unfinished, or with mismatches). */
+void ages_note(idem_store *s, const struct rec *r, uint64_t h, uint64_t addr);
 /* The time (first_seen, or last_mismatch for AGE_MISMATCH) of the oldest of kind, 0 if none. */
 int64_t ages_oldest(idem_store *s, int kind);
 /* Addresses of every record of kind (at most max), in no particular order. */

@@ -143,7 +143,7 @@ static int seg_create(struct wal *w, uint64_t seq)
     seg_path(w, seq, path, sizeof path);
     if (w->segs[seq % WAL_SEG_SLOTS].seq) return IDEM_EFULL; /* every slot holds a live segment */
     struct wal_segment s = {.seq = seq};
-    int rc = io_open(w->io, path, IO_O_CREATE | IO_O_DIRECT, &s.f);
+    int rc = io_open(w->io, path, IO_O_CREATE, &s.f);
     if (rc < 0) return rc == -ENOSPC || rc == -EDQUOT ? IDEM_EFULL : IDEM_EIO;
     rc = io_allocate(w->io, s.f, 0, w->seg_bytes);
     if (rc < 0) {
@@ -612,7 +612,7 @@ static int seg_open(struct wal *w, uint64_t seq, int read_only)
     char path[4096];
     seg_path(w, seq, path, sizeof path);
     struct wal_segment s = {.seq = seq};
-    int rc = io_open(w->io, path, read_only ? IO_O_RDONLY : IO_O_DIRECT, &s.f);
+    int rc = io_open(w->io, path, read_only ? IO_O_RDONLY : 0, &s.f);
     if (rc == -ENOENT) return IDEM_ENOTFOUND;
     if (rc < 0) return IDEM_EIO;
     uint64_t size = 0;
@@ -621,7 +621,7 @@ static int seg_open(struct wal *w, uint64_t seq, int read_only)
         return IDEM_ECORRUPT;
     }
     /* The header is read, not faulted in through the map: a fault reads the disk's whole
-     * read-around window (megabytes) for one block. The buffer suits O_DIRECT. */
+     * read-around window (megabytes) for one block. */
     uint8_t *h = aligned_alloc(WAL_BLOCK, WAL_BLOCK);
     if (!h) {
         io_close(w->io, s.f);
