@@ -371,7 +371,7 @@ typedef struct idem_stats {
     uint64_t wal_bytes;  /* bytes of live WAL segments */
     uint64_t disk_bytes; /* all files of the store */
     uint64_t disk_free_bytes;
-    uint64_t memory_bytes; /* anonymous memory of the index and buffers */
+    uint64_t memory_bytes; /* anonymous memory: index, repeat counters, age heaps, buffers */
     uint64_t max_keys, max_memory_bytes, max_disk_bytes;
     uint64_t flushes;
     uint64_t flush_records; /* records covered by all flushes (batch size = / flushes) */

@@ -137,13 +137,32 @@ static int token_headroom_low(const idem_store *s)
     return token_headroom(s) < STORE_TOKEN_BLOCK / 2;
 }
 
-/* Flusher (mu held, no batch in flight): moves the token reservation ahead. */
+/* The flusher (mu held, nothing in flight) lets go of mu for file I/O of its own: flushing
+ * stays set meanwhile, so the ring stays the flusher's (callers that use it wait, see
+ * store_quiesce) and no superblock is written by anyone else (checkpoint_locked waits for it
+ * too); callers go on applying operations. */
+static void flusher_unlock(idem_store *s)
+{
+    s->flushing = 1;
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void flusher_relock(idem_store *s)
+{
+    pthread_mutex_lock(&s->mu);
+    s->flushing = 0;
+}
+
+/* Flusher (mu held, no batch in flight): moves the token reservation ahead. Until the new
+ * superblock is durable, tokens come from the old reservation. */
 static int reserve_tokens(idem_store *s)
 {
     struct super sb = s->sb;
     sb.token_reserved = (uint64_t)s->token_next + STORE_TOKEN_BLOCK;
     sb.store_clock_ms = s->clk_last_ms;
+    flusher_unlock(s);
     int rc = super_store(s->io, s->dir, &sb);
+    flusher_relock(s);
     if (rc == 0) s->sb = sb;
     return rc;
 }
@@ -267,14 +286,25 @@ static int64_t flusher_sleep_ms(idem_store *s)
 }
 
 /* Between batches (mu held, nothing in flight): the spare segment and token headroom, so
- * callers never do file I/O of their own. A failure other than a full disk is fatal. */
-static void flusher_maintain(idem_store *s)
+ * callers never do file I/O of their own; the I/O runs with mu released. A failure other than
+ * a full disk is fatal. Returns 1 when mu was released meanwhile. */
+static int flusher_maintain(idem_store *s)
 {
-    if (s->fatal || s->closing) return;
+    if (s->fatal || s->closing) return 0;
+    int released = 0;
     int64_t mono = mono_now(s);
     if (wal_spare_needed(s->wal) &&
         (!s->spare_failed_mono_ms || mono - s->spare_failed_mono_ms >= 1000)) {
-        int rc = wal_spare_create(s->wal);
+        int rc;
+        uint64_t seq = wal_spare_begin(s->wal, &rc);
+        struct wal_segment *made = NULL;
+        if (seq) {
+            flusher_unlock(s);
+            rc = wal_spare_make(s->wal, seq, &made);
+            flusher_relock(s);
+            released = 1;
+        }
+        rc = wal_spare_end(s->wal, made, rc);
         if (rc == 0) s->seg_max_exp[(wal_cur_seq(s->wal) + 1) % WAL_SEG_SLOTS] = SEG_EXP_EMPTY;
         if (rc == IDEM_EFULL) {
             if (!s->spare_failed_mono_ms)
@@ -284,19 +314,21 @@ static void flusher_maintain(idem_store *s)
             s->spare_failed_mono_ms = mono;
         } else if (rc < 0) {
             store_fail(s, -EIO);
-            return;
+            return 1;
         } else {
             s->spare_failed_mono_ms = 0;
         }
         pthread_cond_broadcast(&s->cond_ready);
     }
     if (token_headroom_low(s)) {
+        released = 1;
         if (reserve_tokens(s) < 0) {
             store_fail(s, -EIO);
-            return;
+            return 1;
         }
         pthread_cond_broadcast(&s->cond_ready);
     }
+    return released;
 }
 
 static int checkpoint_locked(idem_store *s);
@@ -330,7 +362,9 @@ static void *flusher_main(void *arg)
             flush_once(s);
             continue;
         }
-        flusher_maintain(s);
+        /* After it let go of mu, callers may have appended (and their kick found nobody
+         * waiting): look at everything again before sleeping. */
+        if (flusher_maintain(s)) continue;
         if (flusher_compact(s)) continue;
         if (s->waiters) ops_wake(s, NULL, 0);
         if (s->closing && !wal_pending(s->wal)) break;
@@ -559,7 +593,9 @@ static int store_start(idem_store *s)
                                            8);
     int rc = audit_open(s);
     if (rc < 0 || s->opt.read_only) return rc;
+    pthread_mutex_lock(&s->mu); /* reserve_tokens lets go of it for its write */
     rc = reserve_tokens(s);
+    pthread_mutex_unlock(&s->mu);
     if (rc == 0 && wal_spare_create(s->wal) == IDEM_EFATAL) rc = IDEM_EFATAL;
     if (rc == 0) s->seg_max_exp[(wal_cur_seq(s->wal) + 1) % WAL_SEG_SLOTS] = SEG_EXP_EMPTY;
     if (rc < 0) return rc;
@@ -1202,6 +1238,8 @@ void idem_get_stats(idem_store *s, idem_stats *out)
     out->wal_bytes = wal_bytes(s->wal);
     out->memory_bytes = index_memory_bytes(s->ix) + (uint64_t)s->seen_cap * sizeof *s->seen +
                         (uint64_t)(WAL_CHUNKS_MAX - wal_chunks_free(s->wal)) * WAL_CHUNK_BYTES;
+    for (int k = 0; k < AGE_KINDS; k++)
+        out->memory_bytes += (uint64_t)s->ages[k].cap * sizeof *s->ages[k].v;
     out->max_keys = s->opt.max_keys;
     out->max_memory_bytes = s->opt.max_memory_bytes;
     out->max_disk_bytes = s->opt.max_disk_bytes;

@@ -137,11 +137,12 @@ static uint64_t frame_checksum(uint64_t salt, const uint8_t *frame, uint32_t len
 }
 
 /* Creates (or re-creates, with a new salt) segment seq: allocate, header, flush, dir sync. */
-static int seg_create(struct wal *w, uint64_t seq)
+/* Creates segment seq's file into *out without touching w's state (the store's lock may be
+ * released meanwhile; the caller keeps the ring to itself). */
+static int seg_make(struct wal *w, uint64_t seq, struct wal_segment *out)
 {
     char path[4096];
     seg_path(w, seq, path, sizeof path);
-    if (w->segs[seq % WAL_SEG_SLOTS].seq) return IDEM_EFULL; /* every slot holds a live segment */
     struct wal_segment s = {.seq = seq};
     int rc = io_open(w->io, path, IO_O_CREATE, &s.f);
     if (rc < 0) return rc == -ENOSPC || rc == -EDQUOT ? IDEM_EFULL : IDEM_EIO;
@@ -173,8 +174,17 @@ static int seg_create(struct wal *w, uint64_t seq)
         io_close(w->io, s.f);
         return IDEM_EFATAL;
     }
-    w->segs[seq % WAL_SEG_SLOTS] = s;
+    *out = s;
     return 0;
+}
+
+static int seg_create(struct wal *w, uint64_t seq)
+{
+    if (w->segs[seq % WAL_SEG_SLOTS].seq) return IDEM_EFULL; /* every slot holds a live segment */
+    struct wal_segment s;
+    int rc = seg_make(w, seq, &s);
+    if (rc == 0) w->segs[seq % WAL_SEG_SLOTS] = s;
+    return rc;
 }
 
 int wal_init_new(struct wal *w)
@@ -333,13 +343,51 @@ int wal_spare_needed(const struct wal *w)
     return !w->spare_ready;
 }
 
+uint64_t wal_spare_begin(struct wal *w, int *rc)
+{
+    uint64_t seq = w->cur_seq + 1;
+    *rc = 0;
+    if (w->spare_ready) return 0;
+    if (w->segs[seq % WAL_SEG_SLOTS].seq) {
+        *rc = IDEM_EFULL; /* every slot holds a live segment */
+        return 0;
+    }
+    return seq;
+}
+
+int wal_spare_make(struct wal *w, uint64_t seq, struct wal_segment **out)
+{
+    *out = malloc(sizeof **out);
+    if (!*out) return IDEM_ENOMEM;
+    int rc = seg_make(w, seq, *out);
+    if (rc < 0) {
+        free(*out);
+        *out = NULL;
+    }
+    return rc;
+}
+
+int wal_spare_end(struct wal *w, struct wal_segment *made, int rc)
+{
+    if (made) {
+        IDEM_ASSERT(rc == 0 && made->seq == w->cur_seq + 1 && !w->spare_ready &&
+                    !w->segs[made->seq % WAL_SEG_SLOTS].seq);
+        w->segs[made->seq % WAL_SEG_SLOTS] = *made;
+        w->spare_ready = 1;
+        free(made);
+    }
+    if (rc == 0 && !w->spare_ready) return 0; /* nothing was needed */
+    w->spare_err = rc == IDEM_EFULL ? rc : 0;
+    return rc;
+}
+
 int wal_spare_create(struct wal *w)
 {
-    if (w->spare_ready) return 0;
-    int rc = seg_create(w, w->cur_seq + 1);
-    w->spare_err = rc == IDEM_EFULL ? rc : 0;
-    if (rc == 0) w->spare_ready = 1;
-    return rc;
+    int rc;
+    uint64_t seq = wal_spare_begin(w, &rc);
+    struct wal_segment *made = NULL;
+    if (seq) rc = wal_spare_make(w, seq, &made);
+    return wal_spare_end(w, made, rc);
 }
 
 int wal_append(struct wal *w, uint32_t type, const void *const *parts, const uint32_t *part_lens,

@@ -107,7 +107,17 @@ int wal_room(const struct wal *w, uint32_t frame_bytes);
 /* The flusher keeps one spare segment created ahead of need (file creation, allocation and its
  * header flush happen there, never on a caller's path). Call with no batch in flight. */
 int wal_spare_needed(const struct wal *w);
+/* Makes the spare segment at once (lock held throughout; at open). */
 int wal_spare_create(struct wal *w);
+/* The same in three steps, so that its file I/O runs without the store's lock:
+ * wal_spare_begin (lock held) names the segment to make (0: none needed, or *rc is an error);
+ * wal_spare_make (no lock needed; the caller keeps the ring to itself meanwhile) creates,
+ * allocates, writes the header, syncs the directory and maps it, touching no state of w;
+ * wal_spare_end (lock held) installs what was made, or records rc, and returns rc. */
+struct wal_segment;
+uint64_t wal_spare_begin(struct wal *w, int *rc);
+int wal_spare_make(struct wal *w, uint64_t seq, struct wal_segment **out);
+int wal_spare_end(struct wal *w, struct wal_segment *made, int rc);
 
 /* Pointer to the frame payload at addr (valid until the next append or flush end); NULL if the
  * address names no readable frame. *payload_len and *lsn are set. */
