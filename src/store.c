@@ -528,12 +528,20 @@ static int store_recover(idem_store *s)
             return rc;
         }
     }
+    struct wal_resume resume = {.first_batch = s->sb.resume_batch,
+                                .sync = s->sb.open_durability == 0 ||
+                                        s->sb.open_durability == IDEM_DURABILITY_SYNC + 1};
     rc = wal_recover(s->wal, s->sb.ckpt_seq, s->sb.ckpt_off, s->sb.ckpt_lsn, s->sb.ckpt_batch,
-                     ops_replay, s, s->opt.read_only);
+                     &resume, ops_replay, s, s->opt.read_only);
     if (rc < 0) {
         store_set_error("%s", *wal_error(s->wal) ? wal_error(s->wal) : idem_strerror(rc));
         return rc;
     }
+    if (wal_frames_beyond(s->wal))
+        fprintf(stderr, "idem: event=recovery_dropped_tail dir=%s frames=%llu reason=\"%s\"\n",
+                s->dir, (unsigned long long)wal_frames_beyond(s->wal),
+                resume.sync ? "the batch in flight at the crash"
+                            : "unflushed batches of an open without sync durability");
     s->durable_lsn = wal_last_lsn(s->wal);
     return 0;
 }
@@ -593,6 +601,9 @@ static int store_start(idem_store *s)
                                            8);
     int rc = audit_open(s);
     if (rc < 0 || s->opt.read_only) return rc;
+    /* Recorded before any batch of this open is written: recovery reads them (wal_resume). */
+    s->sb.resume_batch = wal_batch(s->wal);
+    s->sb.open_durability = (uint32_t)s->opt.durability + 1;
     pthread_mutex_lock(&s->mu); /* reserve_tokens lets go of it for its write */
     rc = reserve_tokens(s);
     pthread_mutex_unlock(&s->mu);
@@ -602,6 +613,24 @@ static int store_start(idem_store *s)
     if (pthread_create(&s->flusher, NULL, flusher_main, s) != 0) return IDEM_ENOMEM;
     s->flusher_started = 1;
     return 0;
+}
+
+/* Syncs the directory that holds path (a directory just made there). Returns 0 or -errno. */
+static int sync_parent(struct io *io, const char *path)
+{
+    char parent[4096];
+    snprintf(parent, sizeof parent, "%s", path);
+    size_t n = strlen(parent);
+    while (n > 1 && parent[n - 1] == '/')
+        parent[--n] = 0;
+    char *slash = strrchr(parent, '/');
+    if (!slash)
+        snprintf(parent, sizeof parent, ".");
+    else if (slash == parent)
+        parent[1] = 0;
+    else
+        *slash = 0;
+    return io_sync_dir(io, parent);
 }
 
 int store_open_io(const char *dir, const idem_options *o, struct io *io, int simulated,
@@ -637,6 +666,7 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
         goto fail;
     }
     rc = io_mkdir(io, dir);
+    if (rc == 0) rc = sync_parent(io, dir); /* the store's name must survive a power loss */
     if (rc < 0 && rc != -EEXIST) {
         store_set_error("cannot create %s: %s", dir, strerror(-rc));
         rc = s->opt.read_only ? IDEM_EIO : (rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO);
@@ -1441,6 +1471,7 @@ int idem_backup(idem_store *s, const char *dest_dir)
     int rc = s->fatal ? IDEM_EFATAL : s->opt.read_only ? 0 : checkpoint_locked(s);
     if (rc == 0) {
         int mk = io_mkdir(s->io, dest_dir);
+        if (mk == 0) mk = sync_parent(s->io, dest_dir);
         if (mk < 0) {
             store_set_error("cannot create %s: %s", dest_dir, strerror(-mk));
             rc = mk == -EEXIST ? IDEM_EINVAL : IDEM_EIO;
@@ -1490,6 +1521,7 @@ int idem_restore(const char *backup_dir, const char *dest_dir)
         goto out;
     }
     rc = io_mkdir(io, dest_dir);
+    if (rc == 0) rc = sync_parent(io, dest_dir);
     if (rc < 0) {
         store_set_error("cannot create %s: %s", dest_dir, strerror(-rc));
         rc = rc == -EEXIST ? IDEM_EINVAL : IDEM_EIO;

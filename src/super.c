@@ -53,6 +53,8 @@ static void super_encode(const struct super *sb, uint8_t *p)
     util_put_u64(p + 128, sb->ckpt_live_bytes);
     for (int i = 0; i < 3; i++)
         util_put_u64(p + 136 + 8 * i, sb->ckpt_keys_by_state[i]);
+    util_put_u64(p + 160, sb->resume_batch);
+    util_put_u32(p + 168, sb->open_durability);
     util_put_u64(p + SUPER_CKSUM, XXH3_64bits(p, SUPER_CKSUM));
 }
 
@@ -78,6 +80,8 @@ int super_decode(const uint8_t *p, struct super *sb)
     sb->ckpt_live_bytes = util_get_u64(p + 128);
     for (int i = 0; i < 3; i++)
         sb->ckpt_keys_by_state[i] = util_get_u64(p + 136 + 8 * i);
+    sb->resume_batch = util_get_u64(p + 160);
+    sb->open_durability = util_get_u32(p + 168);
     return 1;
 }
 
@@ -121,6 +125,7 @@ int super_load(struct io *io, const char *dir, struct super *sb, char *err, size
         sb->wal_first_seq >= (UINT64_C(1) << 62) || sb->ckpt_seq >= (UINT64_C(1) << 62) ||
         sb->ckpt_seq - sb->wal_first_seq >= SUPER_SEGMENTS_MAX ||
         sb->ckpt_lsn >= (UINT64_C(1) << 62) || sb->ckpt_batch >= (UINT64_C(1) << 62) ||
+        sb->resume_batch >= (UINT64_C(1) << 62) || sb->open_durability > 3 ||
         sb->token_reserved > (uint64_t)IDEM_TOKEN_MAX || sb->store_clock_ms < 0 ||
         sb->store_clock_ms >= (INT64_C(1) << 50) || sb->created_ms < 0 ||
         sb->created_ms >= (INT64_C(1) << 50)) {
@@ -137,13 +142,18 @@ int super_load(struct io *io, const char *dir, struct super *sb, char *err, size
 
 int super_store(struct io *io, const char *dir, struct super *sb)
 {
-    char path[4096];
+    char path[4096], tmp[4096];
     snprintf(path, sizeof path, "%s/super", dir);
+    snprintf(tmp, sizeof tmp, "%s/super.tmp", dir);
     struct io_file *f;
     int created = 0;
     int rc = io_open(io, path, 0, &f);
     if (rc == -ENOENT) {
-        rc = io_open(io, path, IO_O_CREATE, &f);
+        rc = io_open(io, tmp, IO_O_CREATE, &f); /* a leftover of a cut creation is reused */
+        if (rc == 0 && io_truncate(io, f, 0) < 0) {
+            io_close(io, f);
+            rc = -EIO;
+        }
         created = 1;
     }
     if (rc < 0) return rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
@@ -163,6 +173,7 @@ int super_store(struct io *io, const char *dir, struct super *sb)
     }
     free(blk);
     io_close(io, f);
+    if (rc == 0 && created) rc = io_rename(io, tmp, path);
     if (rc == 0 && created) rc = io_sync_dir(io, dir);
     /* Only the creation may meet a full disk; a failed rewrite of the file is fatal. */
     if (rc < 0) return created && (rc == -ENOSPC || rc == -EDQUOT) ? IDEM_EFULL : IDEM_EFATAL;

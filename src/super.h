@@ -14,6 +14,9 @@
  *  112 i64 created ms      120 u64 store generation (bumped by restore and import)
  *  128 u64 live bytes at the checkpoint (frames the index points to)
  *  136 u64[3] keys in_flight, committed, review at the checkpoint
+ *  160 u64 resume batch: the number of the first batch written after the open that wrote this
+ *      copy (0: not recorded; recovery then expects last complete batch + 1 after the end)
+ *  168 u32 durability of that open + 1 (0: not recorded, taken as sync)
  * 4088 u64 XXH3-64 of bytes [0, 4088)
  *
  * DIR/index-<id:016x>.ckpt is an image of the index at a batch boundary (see ckpt_write).
@@ -48,6 +51,8 @@ struct super {
     uint64_t store_generation;
     uint64_t ckpt_live_bytes;
     uint64_t ckpt_keys_by_state[3];
+    uint64_t resume_batch;
+    uint32_t open_durability; /* enum idem_durability + 1; 0: not recorded */
 };
 
 /* Decodes one 4 KiB copy: 1 when valid (sb filled), 0 when it fails its checksum or magic,
@@ -57,8 +62,10 @@ int super_decode(const uint8_t *p, struct super *sb);
  * IDEM_ECORRUPT: neither copy valid; IDEM_EVERSION: unknown format or features. err gets a
  * sentence on failure. */
 int super_load(struct io *io, const char *dir, struct super *sb, char *err, size_t errcap);
-/* Writes sb with generation+1 into the other copy and flushes it (creates the file if absent,
- * and then syncs the directory). */
+/* Writes sb with generation+1 into the other copy and flushes it. A new file is written as
+ * super.tmp, flushed, renamed to super and the directory synced, so super never exists without
+ * a valid copy (a power loss keeping its name but not its data would leave a store that never
+ * opens again). */
 int super_store(struct io *io, const char *dir, struct super *sb);
 
 /* Takes DIR/LOCK (flock, nonblocking). Returns an fd >= 0, or IDEM_ELOCKED with err naming the

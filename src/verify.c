@@ -540,8 +540,8 @@ static int walk_take(struct vctx *v, struct walk *w, uint32_t len, struct vpos c
     return 0;
 }
 
-/* As recovery does: a valid frame past the end of the log from a later batch than the one
- * that was in flight is corruption. */
+/* As recovery does (wal_beyond_is_corrupt): a valid frame past the end of the log from a later
+ * batch than the one that may have been in flight is corruption. */
 static void walk_beyond(struct vctx *v, const struct walk *w)
 {
     for (uint64_t seq = w->batch_start.seq; seg_get(v, seq); seq++) {
@@ -550,7 +550,10 @@ static void walk_beyond(struct vctx *v, const struct walk *w)
         for (; off + WAL_FRAME_HDR <= v->sb.seg_bytes; off += WAL_BLOCK) {
             if (!frame_valid(v, s, off)) continue;
             uint64_t batch = util_get_u64(s->f.map + off + 16);
-            if (batch > w->last_batch + 1) {
+            struct wal_resume resume = {.first_batch = v->sb.resume_batch,
+                                        .sync = v->sb.open_durability == 0 ||
+                                                v->sb.open_durability == IDEM_DURABILITY_SYNC + 1};
+            if (wal_beyond_is_corrupt(batch, w->last_batch, &resume)) {
                 char name[64];
                 seg_name(name, sizeof name, seq);
                 fault(v,

@@ -56,6 +56,7 @@ struct wal {
     uint64_t frames_pending;  /* RECORD and DELETE frames in pending chunks */
     uint64_t frames_inflight; /* ... in the batch in flight */
     int spare_err;            /* the last attempt to create it failed with this (IDEM_EFULL, ...) */
+    uint64_t frames_beyond;   /* valid frames recovery dropped past the end of the log */
     uint64_t lsn_last;
     uint64_t lsn_written;   /* written, maybe not flushed (durability none) */
     uint64_t lsn_recovered; /* last LSN of the last complete batch at recovery */
@@ -755,8 +756,8 @@ static int replay_batch(struct wal *w, struct scan_pos start, uint64_t end_lsn,
 
 /* After the log stopped at p: looks at every block start beyond it for valid frames. Returns
  * IDEM_ECORRUPT if one belongs to a batch after the one in flight; raises max_lsn, max_batch. */
-static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch, uint64_t *max_lsn,
-                       uint64_t *max_batch)
+static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch,
+                       const struct wal_resume *resume, uint64_t *max_lsn, uint64_t *max_batch)
 {
     for (uint64_t seq = p.seq; seg_of(w, seq); seq++) {
         struct wal_segment *s = seg_of(w, seq);
@@ -767,7 +768,7 @@ static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch, ui
             if (!frame_valid(w, s, off)) continue;
             uint64_t lsn = util_get_u64(s->map + off + 8);
             uint64_t batch = util_get_u64(s->map + off + 16);
-            if (batch > last_batch + 1) {
+            if (wal_beyond_is_corrupt(batch, last_batch, resume)) {
                 snprintf(w->err, sizeof w->err,
                          "log corrupt: segment %llu offset %u: frame of batch %llu after the "
                          "log stops at segment %llu offset %u (last complete batch %llu)",
@@ -777,9 +778,15 @@ static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch, ui
             }
             if (lsn > *max_lsn) *max_lsn = lsn;
             if (batch > *max_batch) *max_batch = batch;
+            w->frames_beyond++;
         }
     }
     return 0;
+}
+
+uint64_t wal_frames_beyond(const struct wal *w)
+{
+    return w->frames_beyond;
 }
 
 int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int read_only)
@@ -820,8 +827,8 @@ int wal_addr_valid(const struct wal *w, uint64_t addr)
 }
 
 int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t prev_lsn,
-                uint64_t prev_batch, int (*fn)(void *ctx, const struct wal_frame *f), void *ctx,
-                int read_only)
+                uint64_t prev_batch, const struct wal_resume *resume,
+                int (*fn)(void *ctx, const struct wal_frame *f), void *ctx, int read_only)
 {
     struct scan_pos p = {start_seq, start_off}, batch_start = p;
     uint64_t last_lsn = prev_lsn, last_batch = prev_batch; /* of the last complete batch */
@@ -855,7 +862,7 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
     }
     /* The log ends at the end of the last complete batch. */
     uint64_t max_lsn = last_lsn, max_batch = last_batch;
-    int rc = scan_beyond(w, batch_start, last_batch, &max_lsn, &max_batch);
+    int rc = scan_beyond(w, batch_start, last_batch, resume, &max_lsn, &max_batch);
     if (rc < 0) return rc;
     if (cur_lsn > max_lsn) max_lsn = cur_lsn;
     w->lsn_last = w->lsn_written = w->lsn_durable = max_lsn;
