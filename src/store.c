@@ -151,6 +151,7 @@ static void flusher_relock(idem_store *s)
 {
     pthread_mutex_lock(&s->mu);
     s->flushing = 0;
+    pthread_cond_broadcast(&s->cond_ready); /* wait_durable and store_quiesce wait on flushing */
 }
 
 /* Flusher (mu held, no batch in flight): moves the token reservation ahead. Until the new
@@ -275,7 +276,8 @@ static int64_t flusher_sleep_ms(idem_store *s)
 {
     int64_t sleep = 1000;
     int64_t mono = mono_now(s);
-    if (wal_pending(s->wal)) sleep = STORE_BATCH_FLUSH_MS - (mono - s->last_flush_mono_ms);
+    if (wal_pending(s->wal) && !s->fatal)
+        sleep = STORE_BATCH_FLUSH_MS - (mono - s->last_flush_mono_ms);
     int64_t now = store_now(s);
     for (struct qslot *w = s->waiters; w; w = w->wnext) {
         int64_t d = w->deadline_mono_ms - mono;
@@ -332,19 +334,19 @@ static int flusher_maintain(idem_store *s)
 }
 
 static int checkpoint_locked(idem_store *s);
+static int ckpt_run_step(idem_store *s);
 
 /* Checkpoints and compaction between batches; returns 1 when work was done (loop again). */
 static int flusher_compact(idem_store *s)
 {
     if (s->fatal || s->closing || s->abandoned) return 0;
-    if (!wal_pending(s->wal) && compact_wants_checkpoint(s)) {
-        int rc = checkpoint_locked(s);
-        if (rc == IDEM_EFATAL || rc == IDEM_EIO) {
-            store_fail(s, -EIO);
-            return 0;
-        }
+    int rc = ckpt_run_step(s);
+    if (rc == IDEM_EFATAL || rc == IDEM_EIO) {
+        store_fail(s, -EIO);
+        return 0;
     }
-    int rc = compact_step(s);
+    if (rc > 0) return 1; /* one step per round: flushes go on between steps */
+    rc = compact_step(s);
     if (rc < 0) {
         store_fail(s, -EIO);
         return 0;
@@ -367,7 +369,8 @@ static void *flusher_main(void *arg)
         if (flusher_maintain(s)) continue;
         if (flusher_compact(s)) continue;
         if (s->waiters) ops_wake(s, NULL, 0);
-        if (s->closing && !wal_pending(s->wal)) break;
+        /* After a fatal error nothing pending will ever be flushed. */
+        if (s->closing && (s->fatal || !wal_pending(s->wal))) break;
         int64_t ms = flusher_sleep_ms(s);
         if (ms > 0) {
             struct timespec ts;
@@ -479,7 +482,23 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
                         (unsigned long long)s->sb.ckpt_id);
         return IDEM_ECORRUPT;
     }
-    struct index_slot *slot = index_insert(s->ix, h, e->addr_tag & INDEX_ADDR_MASK, 0);
+    uint64_t addr = e->addr_tag & INDEX_ADDR_MASK;
+    /* A checkpoint taken in steps may list a key twice (moved by a split during its scan):
+     * keep the first entry. Only equal hash bits call for a look at the keys. */
+    if (s->sb.ckpt_counts_lsn > s->sb.ckpt_lsn && index_peek(s->ix, h)) {
+        if (index_holds(s->ix, h, addr)) return 0;
+        uint32_t len;
+        uint64_t lsn;
+        const uint8_t *p = wal_payload(s->wal, addr, &len, &lsn);
+        struct rec r, cur;
+        if (!p || rec_decode(p, len, &r) < 0) {
+            store_set_error("checkpoint %llu names a record that does not decode",
+                            (unsigned long long)s->sb.ckpt_id);
+            return IDEM_ECORRUPT;
+        }
+        if (ops_find(s, r.key, r.key_len, &cur, &lsn)) return 0;
+    }
+    struct index_slot *slot = index_insert(s->ix, h, addr, 0);
     if (!slot) return IDEM_ENOMEM;
     if (e->has_seen & CKPT_UNFINISHED) {
         uint32_t len;
@@ -528,6 +547,7 @@ static int store_recover(idem_store *s)
             return rc;
         }
     }
+    s->replay_counts_lsn = s->sb.ckpt_counts_lsn;
     struct wal_resume resume = {.first_batch = s->sb.resume_batch,
                                 .sync = s->sb.open_durability == 0 ||
                                         s->sb.open_durability == IDEM_DURABILITY_SYNC + 1};
@@ -564,6 +584,7 @@ static int store_validate_options(idem_options *o)
 
 static void store_free(idem_store *s)
 {
+    if (s->ckr.cw) ckpt_abort(s->ckr.cw); /* a checkpoint in steps, cut short */
     if (s->wal) wal_destroy(s->wal);
     if (s->ix) index_destroy(s->ix);
     audit_close(s);
@@ -1293,6 +1314,8 @@ void idem_get_stats(idem_store *s, idem_stats *out)
 
 /* ---- Checkpoint ---- */
 
+#define CKPT_RUN_STEP 4096 /* index positions per step: tens of microseconds */
+
 struct ckpt_ctx {
     idem_store *s;
     struct ckpt_writer *cw;
@@ -1340,11 +1363,47 @@ static int quiesce_durable(idem_store *s)
     return rc;
 }
 
+/* Makes sb (a new checkpoint's superblock) durable and current, then deletes the checkpoint
+ * before the previous one (the copy not yet overwritten may still name the previous one). On
+ * the flusher the write runs with mu released (flusher_unlock). */
+static int ckpt_install(idem_store *s, struct super *sb, int off_lock)
+{
+    uint64_t old = s->sb.ckpt_id;
+    sb->store_clock_ms = store_now(s);
+    if (off_lock) flusher_unlock(s);
+    int rc = super_store(s->io, s->dir, sb);
+    if (off_lock) flusher_relock(s);
+    if (rc < 0) {
+        if (rc == IDEM_EFATAL) store_fail(s, -EIO);
+        return rc;
+    }
+    s->sb = *sb;
+    s->st.checkpoints++;
+    pthread_cond_broadcast(&s->cond_ready);
+    if (old > 1) {
+        char path[4096];
+        ckpt_path(s->dir, old - 1, path, sizeof path);
+        io_unlink(s->io, path);
+    }
+    return 0;
+}
+
+static void ckpt_run_abort(idem_store *s)
+{
+    if (s->ckr.cw) ckpt_abort(s->ckr.cw); /* the file is truncated by the next checkpoint */
+    s->ckr.cw = NULL;
+    s->ckr.state = CKPT_RUN_IDLE;
+}
+
+/* Writes a checkpoint with changes held: everything appended is made durable first, so the
+ * image is exactly the index at the current batch boundary (idem_checkpoint, close, backup).
+ * A checkpoint the flusher is taking in steps is dropped: this one replaces it. */
 static int checkpoint_locked(idem_store *s)
 {
     int rc = quiesce_durable(s);
     if (rc < 0) return rc;
     IDEM_ASSERT(!wal_pending(s->wal) && s->durable_lsn == wal_last_lsn(s->wal));
+    ckpt_run_abort(s); /* the flusher is not inside a step: flushing is clear */
     uint64_t id = s->sb.ckpt_id + 1;
     struct ckpt_ctx cc = {.s = s};
     rc = ckpt_begin(s->io, s->dir, id, &cc.cw);
@@ -1360,32 +1419,106 @@ static int checkpoint_locked(idem_store *s)
     rc = ckpt_end(cc.cw);
     if (rc < 0) return rc;
     struct super sb = s->sb;
-    uint64_t old = sb.ckpt_id;
     sb.ckpt_id = id;
     wal_position(s->wal, &sb.ckpt_seq, &sb.ckpt_off);
-    sb.ckpt_lsn = wal_last_lsn(s->wal);
+    sb.ckpt_lsn = sb.ckpt_counts_lsn = wal_last_lsn(s->wal);
     sb.ckpt_batch = wal_batch(s->wal) - 1;
     sb.ckpt_live_bytes = s->live_bytes;
     sb.ckpt_keys_by_state[0] = s->st.keys_in_flight;
     sb.ckpt_keys_by_state[1] = s->st.keys_committed;
     sb.ckpt_keys_by_state[2] = s->st.keys_review;
-    sb.store_clock_ms = store_now(s);
-    rc = super_store(s->io, s->dir, &sb);
-    if (rc < 0) {
-        if (rc == IDEM_EFATAL) store_fail(s, -EIO);
-        return rc;
+    return ckpt_install(s, &sb, 0);
+}
+
+/*
+ * Checkpoints in steps. The flusher's periodic checkpoint must not hold changes back for the
+ * whole scan (a second or more at 10 M keys), so it runs as steps between batches:
+ *   begin   at a batch boundary (nothing pending, nothing in flight): the replay position P0,
+ *           its LSN and batch are taken, and the file created.
+ *   scan    CKPT_RUN_STEP index positions per step with mu held, changes going on between
+ *           steps; the buffer is written out with mu released.
+ *   end     the log's last LSN L1 and the counts (live bytes, keys by state) are taken with mu
+ *           held: they describe exactly the frames up to L1. The file is finished (trailer,
+ *           flush, directory sync) with mu released.
+ *   install once every frame up to L1 is durable: a superblock naming the file, replay from P0,
+ *           counts at L1 (ckpt_counts_lsn = L1).
+ * The image is not one moment of the index: an entry is the key's version at the step that saw
+ * it, between P0 and L1, and a key moved by a split during the scan may be listed twice (the
+ * loader keeps one, ckpt_entry_load). Recovery loads it and replays from P0: a key with frames
+ * after P0 ends at its newest frame whichever version the image held, one without had a single
+ * version for the whole scan, which the image holds. The counts cannot be summed over such an
+ * image, so replay leaves them alone for frames up to L1 (replay_counts_lsn) and applies the
+ * frames after L1 to the counts at L1; keys with mismatches are counted from the loaded entries
+ * and follow every replayed frame, which telescopes to the right figure from any version.
+ * Entries point at frames up to L1 only, all durable before the superblock names the file, in
+ * segments that exist: no segment is retired while a run is active (compact.c retire).
+ */
+static int ckpt_run_step(idem_store *s)
+{
+    if (s->ckr.state == CKPT_RUN_IDLE) {
+        if (wal_pending(s->wal) || !compact_wants_checkpoint(s)) return 0;
+        s->ckr.id = s->sb.ckpt_id + 1;
+        int rc = ckpt_begin(s->io, s->dir, s->ckr.id, &s->ckr.cw);
+        if (rc < 0) return rc;
+        wal_position(s->wal, &s->ckr.seq, &s->ckr.off);
+        s->ckr.lsn = wal_last_lsn(s->wal);
+        s->ckr.batch = wal_batch(s->wal) - 1;
+        s->ckr.cursor = 0;
+        s->ckr.state = CKPT_RUN_SCANNING;
     }
-    s->sb = sb;
-    s->st.checkpoints++;
-    pthread_cond_broadcast(&s->cond_ready);
-    /* The superblock copy not yet overwritten may still name the previous checkpoint: keep it,
-     * and delete the one before. */
-    if (old > 1) {
-        char path[4096];
-        ckpt_path(s->dir, old - 1, path, sizeof path);
-        io_unlink(s->io, path);
+    if (s->ckr.state == CKPT_RUN_SCANNING) {
+        struct ckpt_writer *cw = s->ckr.cw;
+        if (ckpt_room(cw) < 2 * CKPT_RUN_STEP) {
+            flusher_unlock(s);
+            int rc = ckpt_write_out(cw);
+            flusher_relock(s);
+            if (rc < 0) {
+                ckpt_run_abort(s);
+                return rc;
+            }
+            return 1;
+        }
+        struct ckpt_ctx cc = {.s = s, .cw = cw};
+        s->ckr.cursor = index_scan(s->ix, s->ckr.cursor, CKPT_RUN_STEP, ckpt_one, &cc);
+        if (cc.rc < 0) {
+            ckpt_run_abort(s);
+            return cc.rc;
+        }
+        if (s->ckr.cursor) return 1;
+        s->ckr.end_lsn = wal_last_lsn(s->wal);
+        s->ckr.live_bytes = s->live_bytes;
+        s->ckr.keys_by_state[0] = s->st.keys_in_flight;
+        s->ckr.keys_by_state[1] = s->st.keys_committed;
+        s->ckr.keys_by_state[2] = s->st.keys_review;
+        s->ckr.cw = NULL;
+        s->ckr.state = CKPT_RUN_WRITTEN;
+        flusher_unlock(s);
+        int rc = ckpt_end(cw); /* frees cw */
+        flusher_relock(s);
+        if (rc < 0) s->ckr.state = CKPT_RUN_IDLE;
+        return rc < 0 ? rc : 1;
     }
-    return 0;
+    /* Written: install once everything up to L1 is durable. */
+    if (s->durable_lsn < s->ckr.end_lsn) {
+        if (wal_pending(s->wal)) return 0; /* the flusher's next flush gets there */
+        /* Nothing pending, but written without a flush (durability none). */
+        if (wal_sync(s->wal) < 0) return IDEM_EFATAL;
+        s->durable_lsn = wal_durable_lsn(s->wal);
+        notify_ready(s);
+        if (s->durable_lsn < s->ckr.end_lsn) return IDEM_EFATAL;
+    }
+    struct super sb = s->sb;
+    sb.ckpt_id = s->ckr.id;
+    sb.ckpt_seq = s->ckr.seq;
+    sb.ckpt_off = s->ckr.off;
+    sb.ckpt_lsn = s->ckr.lsn;
+    sb.ckpt_batch = s->ckr.batch;
+    sb.ckpt_counts_lsn = s->ckr.end_lsn;
+    sb.ckpt_live_bytes = s->ckr.live_bytes;
+    memcpy(sb.ckpt_keys_by_state, s->ckr.keys_by_state, sizeof sb.ckpt_keys_by_state);
+    s->ckr.state = CKPT_RUN_IDLE;
+    int rc = ckpt_install(s, &sb, 1);
+    return rc < 0 ? rc : 1;
 }
 
 int idem_checkpoint(idem_store *s)

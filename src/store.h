@@ -74,6 +74,11 @@ struct idem_queue {
     size_t att_cap;
 };
 
+/* idem_store.ckr.state: the flusher's checkpoint in steps (store.c). */
+#define CKPT_RUN_IDLE     0
+#define CKPT_RUN_SCANNING 1
+#define CKPT_RUN_WRITTEN  2
+
 struct seen_info {
     int64_t last_seen_ms;
     uint64_t seen_count;
@@ -121,6 +126,17 @@ struct idem_store {
     int abandoned;    /* store_abandon: the flusher stops at once, nothing more is written */
     int no_wait;      /* idem_cancel_waits: claims answer busy at once */
     int ckpt_quiesce; /* a checkpoint waits for the log to be durable: no new appends */
+    /* The flusher's checkpoint taken while changes go on (store.c, "Checkpoints in steps"). */
+    struct {
+        int state; /* CKPT_RUN_* */
+        struct ckpt_writer *cw;
+        uint64_t id, cursor;
+        uint64_t seq, lsn, batch; /* the replay position: where the scan began */
+        uint32_t off;
+        uint64_t end_lsn; /* the log's last LSN when the scan ended; the counts are from then */
+        uint64_t live_bytes, keys_by_state[3];
+    } ckr;
+    uint64_t replay_counts_lsn; /* at open: frames up to this LSN leave the counts alone */
     int flushing;
     uint32_t frame_max;           /* the largest frame one change can append */
     int64_t spare_failed_mono_ms; /* last failed attempt at the spare segment (disk full) */

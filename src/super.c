@@ -55,6 +55,7 @@ static void super_encode(const struct super *sb, uint8_t *p)
         util_put_u64(p + 136 + 8 * i, sb->ckpt_keys_by_state[i]);
     util_put_u64(p + 160, sb->resume_batch);
     util_put_u32(p + 168, sb->open_durability);
+    util_put_u64(p + 176, sb->ckpt_counts_lsn);
     util_put_u64(p + SUPER_CKSUM, XXH3_64bits(p, SUPER_CKSUM));
 }
 
@@ -82,6 +83,7 @@ int super_decode(const uint8_t *p, struct super *sb)
         sb->ckpt_keys_by_state[i] = util_get_u64(p + 136 + 8 * i);
     sb->resume_batch = util_get_u64(p + 160);
     sb->open_durability = util_get_u32(p + 168);
+    sb->ckpt_counts_lsn = util_get_u64(p + 176);
     return 1;
 }
 
@@ -126,6 +128,7 @@ int super_load(struct io *io, const char *dir, struct super *sb, char *err, size
         sb->ckpt_seq - sb->wal_first_seq >= SUPER_SEGMENTS_MAX ||
         sb->ckpt_lsn >= (UINT64_C(1) << 62) || sb->ckpt_batch >= (UINT64_C(1) << 62) ||
         sb->resume_batch >= (UINT64_C(1) << 62) || sb->open_durability > 3 ||
+        sb->ckpt_counts_lsn >= (UINT64_C(1) << 62) ||
         sb->token_reserved > (uint64_t)IDEM_TOKEN_MAX || sb->store_clock_ms < 0 ||
         sb->store_clock_ms >= (INT64_C(1) << 50) || sb->created_ms < 0 ||
         sb->created_ms >= (INT64_C(1) << 50)) {
@@ -303,6 +306,16 @@ int ckpt_add(struct ckpt_writer *cw, const struct ckpt_entry *e)
     cw->used += CKPT_ENTRY;
     cw->count++;
     return 0;
+}
+
+uint32_t ckpt_room(const struct ckpt_writer *cw)
+{
+    return (CKPT_BUF - cw->used) / CKPT_ENTRY;
+}
+
+int ckpt_write_out(struct ckpt_writer *cw)
+{
+    return ckpt_drain(cw);
 }
 
 void ckpt_abort(struct ckpt_writer *cw)

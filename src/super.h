@@ -17,6 +17,9 @@
  *  160 u64 resume batch: the number of the first batch written after the open that wrote this
  *      copy (0: not recorded; recovery then expects last complete batch + 1 after the end)
  *  168 u32 durability of that open + 1 (0: not recorded, taken as sync)
+ *  176 u64 counts lsn: live bytes and key counts above are those after every frame up to this
+ *      LSN (0 or the checkpoint lsn: a checkpoint taken with changes held; above it: one taken
+ *      while changes went on, whose image mixes versions up to this LSN, see store.c)
  * 4088 u64 XXH3-64 of bytes [0, 4088)
  *
  * DIR/index-<id:016x>.ckpt is an image of the index at a batch boundary (see ckpt_write).
@@ -53,6 +56,7 @@ struct super {
     uint64_t ckpt_keys_by_state[3];
     uint64_t resume_batch;
     uint32_t open_durability; /* enum idem_durability + 1; 0: not recorded */
+    uint64_t ckpt_counts_lsn;
 };
 
 /* Decodes one 4 KiB copy: 1 when valid (sb filled), 0 when it fails its checksum or magic,
@@ -89,6 +93,10 @@ struct ckpt_entry {
 struct ckpt_writer;
 int ckpt_begin(struct io *io, const char *dir, uint64_t id, struct ckpt_writer **out);
 int ckpt_add(struct ckpt_writer *cw, const struct ckpt_entry *e);
+/* Entries ckpt_add takes before it must write its buffer out (it would then do I/O itself). */
+uint32_t ckpt_room(const struct ckpt_writer *cw);
+/* Writes the buffered entries out (no flush). Only the writer's owner calls it; no lock needed. */
+int ckpt_write_out(struct ckpt_writer *cw);
 /* Writes the trailer, flushes the file and syncs the directory; frees cw either way. */
 int ckpt_end(struct ckpt_writer *cw);
 void ckpt_abort(struct ckpt_writer *cw);
