@@ -65,6 +65,15 @@ int64_t srv_now_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
+/* The loop's clock: read twice a turn (when its events come, and before completions become
+ * replies), never per request. */
+static void clock_tick(srv *s)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    s->now_us = (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
 static void ep_add(srv *s, int fd, uint64_t tag, uint32_t events)
 {
     struct epoll_event ev = {.events = events, .data.u64 = tag};
@@ -316,6 +325,21 @@ void srv_submit_op(srv *s, srv_conn *c, uint32_t seq, int kind, idem_op *op)
             s->wait_due++;
         }
     }
+    /* Claim latency: from this turn's clock; a WAIT's time is mostly its wait, left out. */
+    slot_of(c, seq)->timed = kind == RK_CLAIM && !slot_of(c, seq)->is_wait;
+    slot_of(c, seq)->parsed_us = s->now_us;
+}
+
+/* Counts the latency of a claim answered now (srv.claim_latency_us_*). */
+static void claim_latency_add(srv *s, const srv_slot *sl)
+{
+    uint64_t us = s->now_us > sl->parsed_us ? (uint64_t)(s->now_us - sl->parsed_us) : 0;
+    int b = 0;
+    while (b < SRV_LAT_BUCKETS - 1 && us >= (1ull << (b + 4)))
+        b++;
+    s->claim_latency_us_buckets[b]++;
+    s->claim_latency_us_sum += us;
+    s->claim_latencies++;
 }
 
 void srv_flush_ops(srv *s)
@@ -655,6 +679,7 @@ static void complete_one(srv *s, const idem_completion *cp)
     /* The estimate follows the largest recent reply: it rises at once and decays slowly. */
     size_t got = rb->len > before ? rb->len - before : 0;
     c->reply_est = got > c->reply_est - c->reply_est / 16 ? got : c->reply_est - c->reply_est / 16;
+    if (done && sl->timed) claim_latency_add(s, sl);
     if (done) srv_reply_done(s, c, seq);
 }
 
@@ -1044,9 +1069,11 @@ static int loop_turn(srv *s, int64_t *last_house)
         srv_log("error", "epoll_wait", "errno=%d", errno);
         return -1;
     }
+    clock_tick(s);
     for (int i = 0; i < n; i++)
         if (on_event(s, &evs[i]) < 0) return -1;
     submit_batch(s);
+    clock_tick(s);
     poll_completions(s);
     write_dirty(s);
     if (s->nheld && engine_room(s)) retry_held(s);
@@ -1121,6 +1148,7 @@ int srv_run(srv *s)
     s->unix_fd = s->tcp_fd = s->metrics_fd = -1;
     s->epfd = s->sig_fd = s->load_fd = -1;
     s->started_ms = srv_now_ms();
+    clock_tick(s);
     if (setup_fds(s) < 0 || listen_all(s) < 0) return finish(s, 1);
     s->loading = 1;
     if (pthread_create(&s->load_thread, NULL, load_main, s) != 0) return finish(s, 1);

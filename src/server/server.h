@@ -31,6 +31,7 @@
 #define SRV_IN_HELD_MAX  (256u * 1024) /* unparsed input kept for a held-back client */
 #define SRV_OWED_TIGHT   (1u << 20)    /* replies a client may be owed under memory pressure */
 #define SRV_STALL_BYTES  65536u        /* unread replies that make a stalled client a slow reader */
+#define SRV_LAT_BUCKETS  16 /* latency histograms: bucket i < 2^(i+4) us, the last the rest */
 
 /* Why a connection is not read (srv_conn.paused). */
 enum srv_pause {
@@ -92,6 +93,8 @@ typedef struct srv_slot {
     uint32_t remaining; /* engine completions still due (EXISTS with several keys) */
     int64_t acc;        /* EXISTS: keys found so far */
     uint32_t owed;      /* reply bytes reserved for it against the budget until it is made */
+    uint8_t timed;      /* a claim whose latency is measured (not one that waits) */
+    int64_t parsed_us;  /* timed: the loop's clock when it was parsed */
     resp_buf buf;       /* the reply, when it cannot go to `out` yet */
 } srv_slot;
 
@@ -161,6 +164,10 @@ typedef struct srv {
     uint32_t big_admitted, big_waiting;
     uint64_t big_tickets;
     int64_t started_ms;
+    int64_t now_us; /* the loop's clock (monotonic), read when a turn begins and before replies */
+    /* IDEM.CLAIM latency, parsed to reply made (WAIT left out), in SRV_LAT_BUCKETS buckets. */
+    uint64_t claim_latency_us_buckets[SRV_LAT_BUCKETS];
+    uint64_t claim_latency_us_sum, claim_latencies;
     uint64_t total_connections, total_commands, rejected_connections;
     pthread_t load_thread;
     int load_started;
