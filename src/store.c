@@ -10,6 +10,7 @@
 #include "store.h"
 
 #include <errno.h>
+#include <sched.h>
 #include <stddef.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -367,7 +368,14 @@ static void *flusher_main(void *arg)
         /* After it let go of mu, callers may have appended (and their kick found nobody
          * waiting): look at everything again before sleeping. */
         if (flusher_maintain(s)) continue;
-        if (flusher_compact(s)) continue;
+        if (flusher_compact(s)) {
+            /* Between steps of a checkpoint or a compaction, let callers at the lock: the
+             * mutex is not fair, and the next step would take it straight back. */
+            pthread_mutex_unlock(&s->mu);
+            sched_yield();
+            pthread_mutex_lock(&s->mu);
+            continue;
+        }
         if (s->waiters) ops_wake(s, NULL, 0);
         /* After a fatal error nothing pending will ever be flushed. */
         if (s->closing && (s->fatal || !wal_pending(s->wal))) break;
