@@ -6,12 +6,14 @@
  * out and 10 review records, through the batch form; closes it (clean: a checkpoint); reopens
  * and times the open and idem_attention. Then the same after a crash: the store is reopened,
  * 1 % more keys are written, and the process abandons it without closing (a child killed with
- * SIGKILL), so the next open replays the log since the last checkpoint. The page cache is not
- * dropped (that needs privileges the benchmark should not assume): "cold" figures are not
- * measured here. One line per figure:
- *   bench restart-clean keys=N open_ms=.. attention_ms=.. listed=..
- *   bench restart-crash keys=N open_ms=.. frames_replayed=..
- * Usage: idem-bench-restart [--keys N] [--dir DIR]
+ * SIGKILL), so the next open replays the log since the last checkpoint. With --cold, the page
+ * cache is dropped (sync, then 3 > /proc/sys/vm/drop_caches: root only; the run stops if that
+ * fails) before each timed open, so the open reads everything from the disk; without it the
+ * cache is warm. One line per figure:
+ *   bench restart-clean keys=N cache=warm|cold open_ms=.. read_MB=.. attention_ms=.. listed=..
+ *   bench restart-crash keys=N cache=warm|cold open_ms=.. read_MB=.. frames_replayed=..
+ * (read_MB: what the open made the disk read, from /proc/self/io)
+ * Usage: idem-bench-restart [--keys N] [--dir DIR] [--cold]
  */
 #include <signal.h>
 #include <stdio.h>
@@ -78,8 +80,33 @@ static void write_keys(idem_store *s, uint64_t from, uint64_t to, int leave_open
     idem_queue_close(q);
 }
 
+/* Bytes this process has caused to be read from the disk so far (/proc/self/io), or 0. */
+static unsigned long long disk_read_bytes(void)
+{
+    FILE *f = fopen("/proc/self/io", "r");
+    char line[128];
+    unsigned long long v = 0;
+    while (f && fgets(line, sizeof line, f))
+        if (sscanf(line, "read_bytes: %llu", &v) == 1) break;
+    if (f) fclose(f);
+    return v;
+}
+
+/* Drops the page cache (clean pages, dentries, inodes) so the next open reads from disk. */
+static void drop_caches(void)
+{
+    sync();
+    FILE *f = fopen("/proc/sys/vm/drop_caches", "w");
+    if (!f || fputs("3\n", f) == EOF || fclose(f) != 0) {
+        fprintf(stderr, "bench_restart: --cold needs root (writing /proc/sys/vm/drop_caches "
+                        "failed)\n");
+        exit(1);
+    }
+}
+
 int main(int argc, char **argv)
 {
+    int cold = 0;
     uint64_t keys = 10000000;
     char dir[4096] = "";
     for (int i = 1; i < argc; i++) {
@@ -87,8 +114,10 @@ int main(int argc, char **argv)
             keys = strtoull(argv[++i], NULL, 0);
         else if (!strcmp(argv[i], "--dir") && i + 1 < argc)
             snprintf(dir, sizeof dir, "%s", argv[++i]);
+        else if (!strcmp(argv[i], "--cold"))
+            cold = 1;
         else {
-            fprintf(stderr, "usage: idem-bench-restart [--keys N] [--dir DIR]\n");
+            fprintf(stderr, "usage: idem-bench-restart [--keys N] [--dir DIR] [--cold]\n");
             return 2;
         }
     }
@@ -120,9 +149,12 @@ int main(int argc, char **argv)
     usleep(5000);
     if ((rc = idem_close(s))) die("close", rc);
 
+    if (cold) drop_caches();
+    unsigned long long rb = disk_read_bytes();
     double t0 = now_ms();
     if ((rc = idem_open(dir, &o, &s))) die("reopen", rc);
     double t1 = now_ms();
+    rb = disk_read_bytes() - rb;
     if ((rc = idem_queue_open(s, 4, &q))) die("queue", rc);
     idem_attention_args a = {.max = 100000};
     const idem_record *recs;
@@ -130,8 +162,10 @@ int main(int argc, char **argv)
     double t2 = now_ms();
     if ((rc = idem_attention(q, &a, &recs, &n))) die("attention", rc);
     double t3 = now_ms();
-    printf("bench restart-clean keys=%llu open_ms=%.1f attention_ms=%.2f listed=%zu\n",
-           (unsigned long long)keys, t1 - t0, t3 - t2, n);
+    const char *cache = cold ? "cold" : "warm";
+    printf("bench restart-clean keys=%llu cache=%s open_ms=%.1f read_MB=%.1f attention_ms=%.2f "
+           "listed=%zu\n",
+           (unsigned long long)keys, cache, t1 - t0, rb / 1e6, t3 - t2, n);
     idem_queue_close(q);
 
     /* A crash: a child writes 1 % more keys and is killed without closing. */
@@ -146,13 +180,18 @@ int main(int argc, char **argv)
         kill(getpid(), SIGKILL);
     }
     waitpid(pid, NULL, 0);
+    if (cold) drop_caches();
+    rb = disk_read_bytes();
     t0 = now_ms();
     if ((rc = idem_open(dir, &o, &s))) die("reopen after crash", rc);
     t1 = now_ms();
+    rb = disk_read_bytes() - rb;
     idem_stats st;
     idem_get_stats(s, &st);
-    printf("bench restart-crash keys=%llu open_ms=%.1f frames_replayed=%llu\n",
-           (unsigned long long)st.keys, t1 - t0, (unsigned long long)st.frames_replayed);
+    printf(
+        "bench restart-crash keys=%llu cache=%s open_ms=%.1f read_MB=%.1f frames_replayed=%llu\n",
+        (unsigned long long)st.keys, cache, t1 - t0, rb / 1e6,
+        (unsigned long long)st.frames_replayed);
     idem_close(s);
     if (own_dir) {
         char cmd[4200];

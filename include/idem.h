@@ -255,8 +255,9 @@ int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
 void idem_queue_close(idem_queue *q);
 
 /* A file descriptor that is readable while completions are ready to poll (an eventfd), for
- * event loops. Reading it is idem_poll's job. */
-int idem_queue_fd(const idem_queue *q);
+ * event loops. Reading it is idem_poll's job. Until the first call the queue keeps no eventfd
+ * signalled, so blocking callers pay no system call for it. */
+int idem_queue_fd(idem_queue *q);
 
 /*
  * Applies `n` operations in order (atomically each; the batch is not a transaction) and queues
@@ -370,7 +371,7 @@ typedef struct idem_stats {
     uint64_t wal_bytes;  /* bytes of live WAL segments */
     uint64_t disk_bytes; /* all files of the store */
     uint64_t disk_free_bytes;
-    uint64_t memory_bytes; /* anonymous memory of the index and buffers */
+    uint64_t memory_bytes; /* anonymous memory: index, repeat counters, age heaps, buffers */
     uint64_t max_keys, max_memory_bytes, max_disk_bytes;
     uint64_t flushes;
     uint64_t flush_records; /* records covered by all flushes (batch size = / flushes) */

@@ -3,13 +3,19 @@
  * record and the operator's attention list cost no scan of all keys: in_flight and review
  * records ordered by first_seen, and records with recorded mismatches by last_mismatch_ms.
  *
- * One min-heap per kind of 16-byte entries {time, log address of a version}. Every version
- * written that belongs to a kind pushes an entry (claims, recoveries, extends, holds, recorded
- * mismatches, compaction copies, replay, checkpoint load). Entries are checked lazily: one is
- * valid while the index still points the key at that very address and the record there still
- * belongs to the kind with that time. Invalid entries are popped when they reach the top, and a
- * heap is rebuilt from its valid entries when it holds more than twice the records of its kind
- * (plus slack), so its size stays proportional to those records.
+ * One min-heap per kind of 24-byte entries {time, log address of a version, the key's hash
+ * bits}. Every version written that belongs to a kind pushes an entry (claims, recoveries,
+ * extends, holds, recorded mismatches, compaction copies, replay, checkpoint load). Entries are
+ * checked lazily: one is valid while the index still points the key at that very address and
+ * the record there still belongs to the kind with that time. Invalid entries are popped when
+ * they reach the top, and a heap is rebuilt from its valid entries when it holds more than twice
+ * the records of its kind (plus slack), so its size stays proportional to those records.
+ *
+ * The rebuild that keeps a heap small runs on the write path, so it checks only the index: an
+ * entry stays while a slot with its hash bits holds its address (a record never changes at its
+ * address, so it still has its kind and time). That reads no log. The top of a heap and the
+ * attention list are checked in full, record and key, before anything is reported: a log
+ * address reused by a later segment for another record is never reported for the old one.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -36,18 +42,31 @@ static int kind_has(const struct rec *r, int kind)
     }
 }
 
+static uint64_t entry_addr(const struct age_entry *e)
+{
+    return e->addr_tag & INDEX_ADDR_MASK;
+}
+
+/* The full check: the record at the address has the kind and time, and its key leads there. */
 static int entry_valid(idem_store *s, int kind, const struct age_entry *e)
 {
-    if (!wal_addr_valid(s->wal, e->addr)) return 0;
+    if (!wal_addr_valid(s->wal, entry_addr(e))) return 0;
     uint32_t len;
     uint64_t lsn;
-    const uint8_t *p = wal_payload(s->wal, e->addr, &len, &lsn);
+    const uint8_t *p = wal_payload(s->wal, entry_addr(e), &len, &lsn);
     struct rec r, cur;
     if (!p || rec_decode(p, len, &r) < 0 || !kind_has(&r, kind) ||
         kind_time(&r, kind) != e->first_seen_ms)
         return 0;
     struct index_slot *slot = ops_find(s, r.key, r.key_len, &cur, &lsn);
-    return slot && index_slot_addr(slot) == e->addr;
+    return slot && index_slot_addr(slot) == entry_addr(e);
+}
+
+/* The write path's check: the index still holds the address under the key's hash bits. */
+static int entry_indexed(idem_store *s, int kind, const struct age_entry *e)
+{
+    (void)kind;
+    return index_holds(s->ix, (e->addr_tag & ~INDEX_ADDR_MASK) | e->hash_lo, entry_addr(e));
 }
 
 static void sift_up(struct age_heap *h, size_t i)
@@ -83,22 +102,23 @@ static uint64_t kind_count(const idem_store *s, int kind)
                                  : s->st.keys_with_mismatch;
 }
 
-static void rebuild(idem_store *s, struct age_heap *h, int kind)
+static void rebuild(idem_store *s, struct age_heap *h, int kind,
+                    int (*keep)(idem_store *s, int kind, const struct age_entry *e))
 {
     size_t k = 0;
     for (size_t i = 0; i < h->n; i++)
-        if (entry_valid(s, kind, &h->v[i])) h->v[k++] = h->v[i];
+        if (keep(s, kind, &h->v[i])) h->v[k++] = h->v[i];
     h->n = k;
     for (size_t i = k / 2 + 1; i-- > 0;)
         sift_down(h, i);
 }
 
-static void heap_push(idem_store *s, int kind, int64_t t, uint64_t addr)
+static void heap_push(idem_store *s, int kind, int64_t t, uint64_t hash, uint64_t addr)
 {
     struct age_heap *h = &s->ages[kind];
     if (h->n > 2 * kind_count(s, kind) + AGES_SLACK && !s->ages_rebuilding) {
         s->ages_rebuilding = 1;
-        rebuild(s, h, kind);
+        rebuild(s, h, kind, entry_indexed);
         s->ages_rebuilding = 0;
     }
     if (h->n == h->cap) {
@@ -108,17 +128,17 @@ static void heap_push(idem_store *s, int kind, int64_t t, uint64_t addr)
         h->v = v;
         h->cap = cap;
     }
-    h->v[h->n] = (struct age_entry){t, addr};
+    h->v[h->n] = (struct age_entry){t, (hash & ~INDEX_ADDR_MASK) | addr, (uint32_t)hash, 0};
     sift_up(h, h->n++);
 }
 
-void ages_note(idem_store *s, const struct rec *r, uint64_t addr)
+void ages_note(idem_store *s, const struct rec *r, uint64_t h, uint64_t addr)
 {
     if (r->state == IDEM_STATE_IN_FLIGHT)
-        heap_push(s, AGE_IN_FLIGHT, r->first_seen_ms, addr);
+        heap_push(s, AGE_IN_FLIGHT, r->first_seen_ms, h, addr);
     else if (r->state == IDEM_STATE_REVIEW)
-        heap_push(s, AGE_REVIEW, r->first_seen_ms, addr);
-    if (r->mismatch_count > 0) heap_push(s, AGE_MISMATCH, r->last_mismatch_ms, addr);
+        heap_push(s, AGE_REVIEW, r->first_seen_ms, h, addr);
+    if (r->mismatch_count > 0) heap_push(s, AGE_MISMATCH, r->last_mismatch_ms, h, addr);
 }
 
 int64_t ages_oldest(idem_store *s, int kind)
@@ -134,10 +154,10 @@ int64_t ages_oldest(idem_store *s, int kind)
 size_t ages_list(idem_store *s, int kind, uint64_t *addrs, size_t max)
 {
     struct age_heap *h = &s->ages[kind];
-    rebuild(s, h, kind);
+    rebuild(s, h, kind, entry_valid);
     size_t n = 0;
     for (size_t i = 0; i < h->n && n < max; i++)
-        addrs[n++] = h->v[i].addr;
+        addrs[n++] = entry_addr(&h->v[i]);
     return n;
 }
 

@@ -364,6 +364,44 @@ struct index_slot *index_find(struct index *ix, uint64_t h, int (*eq)(void *ctx,
     return NULL;
 }
 
+void index_prefetch(const struct index *ix, uint64_t h)
+{
+    const struct index_dirent *de = &ix->dir[dir_pos(ix, hash_top24(h))];
+    __builtin_prefetch(&de->seg->slots[seg_home((uint32_t)h, (uint32_t)de->cap)]);
+}
+
+uint64_t index_peek(const struct index *ix, uint64_t h)
+{
+    const struct index_dirent *de = &ix->dir[dir_pos(ix, hash_top24(h))];
+    const struct index_slot *slots = de->seg->slots;
+    uint32_t cap = (uint32_t)de->cap;
+    uint32_t i = seg_home((uint32_t)h, cap);
+    for (uint32_t n = 0; n < cap; n++) {
+        const struct index_slot *s = &slots[i];
+        if (s->addr_tag == 0) return 0;
+        if (s->hash_lo == (uint32_t)h && (s->addr_tag & TAG_MASK) == (h & TAG_MASK))
+            return s->addr_tag & INDEX_ADDR_MASK;
+        if (++i == cap) i = 0;
+    }
+    return 0;
+}
+
+int index_holds(const struct index *ix, uint64_t h, uint64_t addr)
+{
+    const struct index_dirent *de = &ix->dir[dir_pos(ix, hash_top24(h))];
+    const struct index_slot *slots = de->seg->slots;
+    uint32_t cap = (uint32_t)de->cap;
+    uint64_t want = (h & TAG_MASK) | addr;
+    uint32_t i = seg_home((uint32_t)h, cap);
+    for (uint32_t n = 0; n < cap; n++) {
+        const struct index_slot *s = &slots[i];
+        if (s->addr_tag == 0) return 0;
+        if (s->addr_tag == want && s->hash_lo == (uint32_t)h) return 1;
+        if (++i == cap) i = 0;
+    }
+    return 0;
+}
+
 struct index_slot *index_insert(struct index *ix, uint64_t h, uint64_t addr, uint32_t aux)
 {
     IDEM_ASSERT(addr != 0 && addr <= INDEX_ADDR_MASK);

@@ -40,6 +40,17 @@ void index_destroy(struct index *ix);
 struct index_slot *index_find(struct index *ix, uint64_t h, int (*eq)(void *ctx, uint64_t addr),
                               void *ctx);
 
+/* Hints for a lookup of h a few operations ahead, so batches overlap their cache misses:
+ * index_prefetch starts loading h's home slot; index_peek returns the log address of the first
+ * slot from the home on whose stored hash bits equal h's (0: none), comparing no key. Both only
+ * read; an answer made stale by later inserts costs one wasted prefetch. */
+void index_prefetch(const struct index *ix, uint64_t h);
+uint64_t index_peek(const struct index *ix, uint64_t h);
+
+/* Whether a slot with h's stored hash bits holds addr (no key compared: an address names one
+ * version of one key). */
+int index_holds(const struct index *ix, uint64_t h, uint64_t addr);
+
 /* Adds an entry; the caller has checked the key is absent. addr: 1..INDEX_ADDR_MASK. Returns
  * the slot, or NULL when memory for a split cannot be had or a segment at the deepest local
  * depth (24) is full (nothing changed then). */

@@ -10,6 +10,7 @@
 #include "store.h"
 
 #include <errno.h>
+#include <sched.h>
 #include <stddef.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -137,13 +138,33 @@ static int token_headroom_low(const idem_store *s)
     return token_headroom(s) < STORE_TOKEN_BLOCK / 2;
 }
 
-/* Flusher (mu held, no batch in flight): moves the token reservation ahead. */
+/* The flusher (mu held, nothing in flight) lets go of mu for file I/O of its own: flushing
+ * stays set meanwhile, so the ring stays the flusher's (callers that use it wait, see
+ * store_quiesce) and no superblock is written by anyone else (checkpoint_locked waits for it
+ * too); callers go on applying operations. */
+static void flusher_unlock(idem_store *s)
+{
+    s->flushing = 1;
+    pthread_mutex_unlock(&s->mu);
+}
+
+static void flusher_relock(idem_store *s)
+{
+    pthread_mutex_lock(&s->mu);
+    s->flushing = 0;
+    pthread_cond_broadcast(&s->cond_ready); /* wait_durable and store_quiesce wait on flushing */
+}
+
+/* Flusher (mu held, no batch in flight): moves the token reservation ahead. Until the new
+ * superblock is durable, tokens come from the old reservation. */
 static int reserve_tokens(idem_store *s)
 {
     struct super sb = s->sb;
     sb.token_reserved = (uint64_t)s->token_next + STORE_TOKEN_BLOCK;
     sb.store_clock_ms = s->clk_last_ms;
+    flusher_unlock(s);
     int rc = super_store(s->io, s->dir, &sb);
+    flusher_relock(s);
     if (rc == 0) s->sb = sb;
     return rc;
 }
@@ -157,8 +178,11 @@ static int slot_ready(const idem_store *s, const struct qslot *sl)
            sl->c.err == IDEM_EFATAL;
 }
 
-static void queue_signal(struct idem_queue *q)
+/* Makes the queue's eventfd readable, if its owner asked for the fd (idem_queue_fd): blocking
+ * callers wait on cond_ready and are spared a write per completion. mu held. */
+void queue_signal(struct idem_queue *q)
 {
+    if (!q->fd_used) return;
     uint64_t one = 1;
     if (write(q->efd, &one, sizeof one) < 0) {
         /* The counter is saturated: the reader has plenty to read already. */
@@ -253,7 +277,8 @@ static int64_t flusher_sleep_ms(idem_store *s)
 {
     int64_t sleep = 1000;
     int64_t mono = mono_now(s);
-    if (wal_pending(s->wal)) sleep = STORE_BATCH_FLUSH_MS - (mono - s->last_flush_mono_ms);
+    if (wal_pending(s->wal) && !s->fatal)
+        sleep = STORE_BATCH_FLUSH_MS - (mono - s->last_flush_mono_ms);
     int64_t now = store_now(s);
     for (struct qslot *w = s->waiters; w; w = w->wnext) {
         int64_t d = w->deadline_mono_ms - mono;
@@ -264,14 +289,25 @@ static int64_t flusher_sleep_ms(idem_store *s)
 }
 
 /* Between batches (mu held, nothing in flight): the spare segment and token headroom, so
- * callers never do file I/O of their own. A failure other than a full disk is fatal. */
-static void flusher_maintain(idem_store *s)
+ * callers never do file I/O of their own; the I/O runs with mu released. A failure other than
+ * a full disk is fatal. Returns 1 when mu was released meanwhile. */
+static int flusher_maintain(idem_store *s)
 {
-    if (s->fatal || s->closing) return;
+    if (s->fatal || s->closing) return 0;
+    int released = 0;
     int64_t mono = mono_now(s);
     if (wal_spare_needed(s->wal) &&
         (!s->spare_failed_mono_ms || mono - s->spare_failed_mono_ms >= 1000)) {
-        int rc = wal_spare_create(s->wal);
+        int rc;
+        uint64_t seq = wal_spare_begin(s->wal, &rc);
+        struct wal_segment *made = NULL;
+        if (seq) {
+            flusher_unlock(s);
+            rc = wal_spare_make(s->wal, seq, &made);
+            flusher_relock(s);
+            released = 1;
+        }
+        rc = wal_spare_end(s->wal, made, rc);
         if (rc == 0) s->seg_max_exp[(wal_cur_seq(s->wal) + 1) % WAL_SEG_SLOTS] = SEG_EXP_EMPTY;
         if (rc == IDEM_EFULL) {
             if (!s->spare_failed_mono_ms)
@@ -281,35 +317,37 @@ static void flusher_maintain(idem_store *s)
             s->spare_failed_mono_ms = mono;
         } else if (rc < 0) {
             store_fail(s, -EIO);
-            return;
+            return 1;
         } else {
             s->spare_failed_mono_ms = 0;
         }
         pthread_cond_broadcast(&s->cond_ready);
     }
     if (token_headroom_low(s)) {
+        released = 1;
         if (reserve_tokens(s) < 0) {
             store_fail(s, -EIO);
-            return;
+            return 1;
         }
         pthread_cond_broadcast(&s->cond_ready);
     }
+    return released;
 }
 
 static int checkpoint_locked(idem_store *s);
+static int ckpt_run_step(idem_store *s);
 
 /* Checkpoints and compaction between batches; returns 1 when work was done (loop again). */
 static int flusher_compact(idem_store *s)
 {
     if (s->fatal || s->closing || s->abandoned) return 0;
-    if (!wal_pending(s->wal) && compact_wants_checkpoint(s)) {
-        int rc = checkpoint_locked(s);
-        if (rc == IDEM_EFATAL || rc == IDEM_EIO) {
-            store_fail(s, -EIO);
-            return 0;
-        }
+    int rc = ckpt_run_step(s);
+    if (rc == IDEM_EFATAL || rc == IDEM_EIO) {
+        store_fail(s, -EIO);
+        return 0;
     }
-    int rc = compact_step(s);
+    if (rc > 0) return 1; /* one step per round: flushes go on between steps */
+    rc = compact_step(s);
     if (rc < 0) {
         store_fail(s, -EIO);
         return 0;
@@ -327,10 +365,20 @@ static void *flusher_main(void *arg)
             flush_once(s);
             continue;
         }
-        flusher_maintain(s);
-        if (flusher_compact(s)) continue;
+        /* After it let go of mu, callers may have appended (and their kick found nobody
+         * waiting): look at everything again before sleeping. */
+        if (flusher_maintain(s)) continue;
+        if (flusher_compact(s)) {
+            /* Between steps of a checkpoint or a compaction, let callers at the lock: the
+             * mutex is not fair, and the next step would take it straight back. */
+            pthread_mutex_unlock(&s->mu);
+            sched_yield();
+            pthread_mutex_lock(&s->mu);
+            continue;
+        }
         if (s->waiters) ops_wake(s, NULL, 0);
-        if (s->closing && !wal_pending(s->wal)) break;
+        /* After a fatal error nothing pending will ever be flushed. */
+        if (s->closing && (s->fatal || !wal_pending(s->wal))) break;
         int64_t ms = flusher_sleep_ms(s);
         if (ms > 0) {
             struct timespec ts;
@@ -427,6 +475,12 @@ static int store_init_new(idem_store *s)
     return super_store(s->io, s->dir, sb);
 }
 
+static void ckpt_entry_ahead(void *ctx, uint64_t addr_tag, uint32_t hash_lo)
+{
+    idem_store *s = ctx;
+    index_prefetch(s->ix, (addr_tag & ~INDEX_ADDR_MASK) | hash_lo);
+}
+
 static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
 {
     idem_store *s = ctx;
@@ -436,7 +490,23 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
                         (unsigned long long)s->sb.ckpt_id);
         return IDEM_ECORRUPT;
     }
-    struct index_slot *slot = index_insert(s->ix, h, e->addr_tag & INDEX_ADDR_MASK, 0);
+    uint64_t addr = e->addr_tag & INDEX_ADDR_MASK;
+    /* A checkpoint taken in steps may list a key twice (moved by a split during its scan):
+     * keep the first entry. Only equal hash bits call for a look at the keys. */
+    if (s->sb.ckpt_counts_lsn > s->sb.ckpt_lsn && index_peek(s->ix, h)) {
+        if (index_holds(s->ix, h, addr)) return 0;
+        uint32_t len;
+        uint64_t lsn;
+        const uint8_t *p = wal_payload(s->wal, addr, &len, &lsn);
+        struct rec r, cur;
+        if (!p || rec_decode(p, len, &r) < 0) {
+            store_set_error("checkpoint %llu names a record that does not decode",
+                            (unsigned long long)s->sb.ckpt_id);
+            return IDEM_ECORRUPT;
+        }
+        if (ops_find(s, r.key, r.key_len, &cur, &lsn)) return 0;
+    }
+    struct index_slot *slot = index_insert(s->ix, h, addr, 0);
     if (!slot) return IDEM_ENOMEM;
     if (e->has_seen & CKPT_UNFINISHED) {
         uint32_t len;
@@ -448,7 +518,8 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
                             (unsigned long long)s->sb.ckpt_id);
             return IDEM_ECORRUPT;
         }
-        ages_note(s, &r, index_slot_addr(slot));
+        ages_note(s, &r, h, index_slot_addr(slot));
+        ops_slot_mark(slot, &r);
         s->st.keys_with_mismatch += r.mismatch_count > 0;
     }
     /* Repeat counters survive a clean restart through the checkpoint. */
@@ -477,18 +548,28 @@ static int store_recover(idem_store *s)
                 s->ix = ix;
             }
         }
-        rc = ckpt_load(s->io, s->dir, s->sb.ckpt_id, ckpt_entry_load, s, err, sizeof err);
+        rc = ckpt_load(s->io, s->dir, s->sb.ckpt_id, ckpt_entry_load, ckpt_entry_ahead, s, err,
+                       sizeof err);
         if (rc < 0) {
             store_set_error("%s", err);
             return rc;
         }
     }
+    s->replay_counts_lsn = s->sb.ckpt_counts_lsn;
+    struct wal_resume resume = {.first_batch = s->sb.resume_batch,
+                                .sync = s->sb.open_durability == 0 ||
+                                        s->sb.open_durability == IDEM_DURABILITY_SYNC + 1};
     rc = wal_recover(s->wal, s->sb.ckpt_seq, s->sb.ckpt_off, s->sb.ckpt_lsn, s->sb.ckpt_batch,
-                     ops_replay, s, s->opt.read_only);
+                     &resume, ops_replay, s, s->opt.read_only);
     if (rc < 0) {
         store_set_error("%s", *wal_error(s->wal) ? wal_error(s->wal) : idem_strerror(rc));
         return rc;
     }
+    if (wal_frames_beyond(s->wal))
+        fprintf(stderr, "idem: event=recovery_dropped_tail dir=%s frames=%llu reason=\"%s\"\n",
+                s->dir, (unsigned long long)wal_frames_beyond(s->wal),
+                resume.sync ? "the batch in flight at the crash"
+                            : "unflushed batches of an open without sync durability");
     s->durable_lsn = wal_last_lsn(s->wal);
     return 0;
 }
@@ -511,6 +592,7 @@ static int store_validate_options(idem_options *o)
 
 static void store_free(idem_store *s)
 {
+    if (s->ckr.cw) ckpt_abort(s->ckr.cw); /* a checkpoint in steps, cut short */
     if (s->wal) wal_destroy(s->wal);
     if (s->ix) index_destroy(s->ix);
     audit_close(s);
@@ -548,13 +630,36 @@ static int store_start(idem_store *s)
                                            8);
     int rc = audit_open(s);
     if (rc < 0 || s->opt.read_only) return rc;
+    /* Recorded before any batch of this open is written: recovery reads them (wal_resume). */
+    s->sb.resume_batch = wal_batch(s->wal);
+    s->sb.open_durability = (uint32_t)s->opt.durability + 1;
+    pthread_mutex_lock(&s->mu); /* reserve_tokens lets go of it for its write */
     rc = reserve_tokens(s);
+    pthread_mutex_unlock(&s->mu);
     if (rc == 0 && wal_spare_create(s->wal) == IDEM_EFATAL) rc = IDEM_EFATAL;
     if (rc == 0) s->seg_max_exp[(wal_cur_seq(s->wal) + 1) % WAL_SEG_SLOTS] = SEG_EXP_EMPTY;
     if (rc < 0) return rc;
     if (pthread_create(&s->flusher, NULL, flusher_main, s) != 0) return IDEM_ENOMEM;
     s->flusher_started = 1;
     return 0;
+}
+
+/* Syncs the directory that holds path (a directory just made there). Returns 0 or -errno. */
+static int sync_parent(struct io *io, const char *path)
+{
+    char parent[4096];
+    snprintf(parent, sizeof parent, "%s", path);
+    size_t n = strlen(parent);
+    while (n > 1 && parent[n - 1] == '/')
+        parent[--n] = 0;
+    char *slash = strrchr(parent, '/');
+    if (!slash)
+        snprintf(parent, sizeof parent, ".");
+    else if (slash == parent)
+        parent[1] = 0;
+    else
+        *slash = 0;
+    return io_sync_dir(io, parent);
 }
 
 int store_open_io(const char *dir, const idem_options *o, struct io *io, int simulated,
@@ -590,6 +695,7 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
         goto fail;
     }
     rc = io_mkdir(io, dir);
+    if (rc == 0) rc = sync_parent(io, dir); /* the store's name must survive a power loss */
     if (rc < 0 && rc != -EEXIST) {
         store_set_error("cannot create %s: %s", dir, strerror(-rc));
         rc = s->opt.read_only ? IDEM_EIO : (rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO);
@@ -798,8 +904,14 @@ void idem_queue_close(idem_queue *q)
     free(q);
 }
 
-int idem_queue_fd(const idem_queue *q)
+int idem_queue_fd(idem_queue *q)
 {
+    pthread_mutex_lock(&q->s->mu);
+    if (!q->fd_used) {
+        q->fd_used = 1;
+        queue_signal(q); /* completions may be ready already: one poll finds out */
+    }
+    pthread_mutex_unlock(&q->s->mu);
     return q->efd;
 }
 
@@ -875,6 +987,8 @@ static void release_returned(idem_queue *q)
     q->nreturned = 0;
 }
 
+#define SUBMIT_AHEAD 8 /* operations between a prefetch and its use */
+
 int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
 {
     if (!q || (!ops && n) || n > IDEM_BATCH_MAX) return IDEM_EINVAL;
@@ -884,18 +998,35 @@ int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
     size_t done = 0;
     int any_ready = 0;
     store_now(s);
+    s->mono_batch_ms = mono_now(s);
     s->clk_frozen = 1;
+    /* Operations overlap their cache misses: 2 x SUBMIT_AHEAD ahead the key is hashed and its
+     * index slot fetched, SUBMIT_AHEAD ahead the record that slot names. */
+    uint64_t hv[2 * SUBMIT_AHEAD];
+    int hok[2 * SUBMIT_AHEAD];
+    size_t pre = 0;
     for (; done < n; done++) {
+        for (; pre < n && pre < done + 2 * SUBMIT_AHEAD; pre++) {
+            size_t k = pre % (2 * SUBMIT_AHEAD);
+            hok[k] = ops_hint_hash(s, &ops[pre], &hv[k]);
+            if (hok[k]) index_prefetch(s->ix, hv[k]);
+        }
+        size_t a = done + SUBMIT_AHEAD, ka = a % (2 * SUBMIT_AHEAD);
+        if (a < pre && hok[ka]) {
+            uint64_t addr = index_peek(s->ix, hv[ka]);
+            if (addr) wal_prefetch(s->wal, addr);
+        }
         struct qslot *sl = slot_take(q);
         if (!sl) break;
         sl->c.user_data = ops[done].user_data;
-        ops_apply(s, sl, &ops[done]);
+        size_t kd = done % (2 * SUBMIT_AHEAD);
+        ops_apply(s, sl, &ops[done], hok[kd] ? &hv[kd] : NULL);
         any_ready |= slot_ready(s, sl);
     }
     s->clk_frozen = 0;
     if (wal_pending(s->wal)) store_kick(s);
-    pthread_mutex_unlock(&s->mu);
     if (any_ready) queue_signal(q);
+    pthread_mutex_unlock(&s->mu);
     return (int)done;
 }
 
@@ -935,7 +1066,7 @@ int idem_poll(idem_queue *q, idem_completion *out, size_t max, int timeout_ms)
     idem_store *s = q->s;
     release_returned(q);
     uint64_t drain;
-    if (read(q->efd, &drain, sizeof drain) < 0) {
+    if (q->fd_used && read(q->efd, &drain, sizeof drain) < 0) {
         /* nothing signalled */
     }
     pthread_mutex_lock(&s->mu);
@@ -1146,7 +1277,7 @@ int idem_scan(idem_queue *q, const idem_scan_args *a, uint64_t *next_cursor, con
 
 void store_count_claim(idem_store *s, int outcome)
 {
-    int64_t sec = mono_now(s) / 1000;
+    int64_t sec = (s->clk_frozen ? s->mono_batch_ms : mono_now(s)) / 1000;
     int i = (int)(sec % 60);
     if (s->minute[i].second != sec) {
         s->minute[i].second = sec;
@@ -1166,6 +1297,8 @@ void idem_get_stats(idem_store *s, idem_stats *out)
     out->wal_bytes = wal_bytes(s->wal);
     out->memory_bytes = index_memory_bytes(s->ix) + (uint64_t)s->seen_cap * sizeof *s->seen +
                         (uint64_t)(WAL_CHUNKS_MAX - wal_chunks_free(s->wal)) * WAL_CHUNK_BYTES;
+    for (int k = 0; k < AGE_KINDS; k++)
+        out->memory_bytes += (uint64_t)s->ages[k].cap * sizeof *s->ages[k].v;
     out->max_keys = s->opt.max_keys;
     out->max_memory_bytes = s->opt.max_memory_bytes;
     out->max_disk_bytes = s->opt.max_disk_bytes;
@@ -1189,6 +1322,8 @@ void idem_get_stats(idem_store *s, idem_stats *out)
 
 /* ---- Checkpoint ---- */
 
+#define CKPT_RUN_STEP 4096 /* index positions per step: tens of microseconds */
+
 struct ckpt_ctx {
     idem_store *s;
     struct ckpt_writer *cw;
@@ -1200,13 +1335,9 @@ static void ckpt_one(void *ctx, struct index_slot *slot)
     struct ckpt_ctx *cc = ctx;
     if (cc->rc < 0) return;
     struct ckpt_entry e = {.addr_tag = slot->addr_tag, .hash_lo = slot->hash_lo};
-    uint32_t len;
-    uint64_t lsn;
-    const uint8_t *p = wal_payload(cc->s->wal, index_slot_addr(slot), &len, &lsn);
-    if (p && len >= REC_FIXED_BYTES && (p[0] != IDEM_STATE_COMMITTED || util_get_u64(p + 80) > 0))
-        e.has_seen |= CKPT_UNFINISHED;
-    if (slot->aux) {
-        struct seen_info *si = &cc->s->seen[slot->aux - 1];
+    if (slot->aux & SLOT_AUX_APART) e.has_seen |= CKPT_UNFINISHED;
+    if (slot->aux & SLOT_AUX_SEEN) {
+        struct seen_info *si = &cc->s->seen[(slot->aux & SLOT_AUX_SEEN) - 1];
         e.has_seen |= CKPT_SEEN;
         e.seen_count = si->seen_count;
         e.last_seen_ms = si->last_seen_ms;
@@ -1240,11 +1371,47 @@ static int quiesce_durable(idem_store *s)
     return rc;
 }
 
+/* Makes sb (a new checkpoint's superblock) durable and current, then deletes the checkpoint
+ * before the previous one (the copy not yet overwritten may still name the previous one). On
+ * the flusher the write runs with mu released (flusher_unlock). */
+static int ckpt_install(idem_store *s, struct super *sb, int off_lock)
+{
+    uint64_t old = s->sb.ckpt_id;
+    sb->store_clock_ms = store_now(s);
+    if (off_lock) flusher_unlock(s);
+    int rc = super_store(s->io, s->dir, sb);
+    if (off_lock) flusher_relock(s);
+    if (rc < 0) {
+        if (rc == IDEM_EFATAL) store_fail(s, -EIO);
+        return rc;
+    }
+    s->sb = *sb;
+    s->st.checkpoints++;
+    pthread_cond_broadcast(&s->cond_ready);
+    if (old > 1) {
+        char path[4096];
+        ckpt_path(s->dir, old - 1, path, sizeof path);
+        io_unlink(s->io, path);
+    }
+    return 0;
+}
+
+static void ckpt_run_abort(idem_store *s)
+{
+    if (s->ckr.cw) ckpt_abort(s->ckr.cw); /* the file is truncated by the next checkpoint */
+    s->ckr.cw = NULL;
+    s->ckr.state = CKPT_RUN_IDLE;
+}
+
+/* Writes a checkpoint with changes held: everything appended is made durable first, so the
+ * image is exactly the index at the current batch boundary (idem_checkpoint, close, backup).
+ * A checkpoint the flusher is taking in steps is dropped: this one replaces it. */
 static int checkpoint_locked(idem_store *s)
 {
     int rc = quiesce_durable(s);
     if (rc < 0) return rc;
     IDEM_ASSERT(!wal_pending(s->wal) && s->durable_lsn == wal_last_lsn(s->wal));
+    ckpt_run_abort(s); /* the flusher is not inside a step: flushing is clear */
     uint64_t id = s->sb.ckpt_id + 1;
     struct ckpt_ctx cc = {.s = s};
     rc = ckpt_begin(s->io, s->dir, id, &cc.cw);
@@ -1260,32 +1427,106 @@ static int checkpoint_locked(idem_store *s)
     rc = ckpt_end(cc.cw);
     if (rc < 0) return rc;
     struct super sb = s->sb;
-    uint64_t old = sb.ckpt_id;
     sb.ckpt_id = id;
     wal_position(s->wal, &sb.ckpt_seq, &sb.ckpt_off);
-    sb.ckpt_lsn = wal_last_lsn(s->wal);
+    sb.ckpt_lsn = sb.ckpt_counts_lsn = wal_last_lsn(s->wal);
     sb.ckpt_batch = wal_batch(s->wal) - 1;
     sb.ckpt_live_bytes = s->live_bytes;
     sb.ckpt_keys_by_state[0] = s->st.keys_in_flight;
     sb.ckpt_keys_by_state[1] = s->st.keys_committed;
     sb.ckpt_keys_by_state[2] = s->st.keys_review;
-    sb.store_clock_ms = store_now(s);
-    rc = super_store(s->io, s->dir, &sb);
-    if (rc < 0) {
-        if (rc == IDEM_EFATAL) store_fail(s, -EIO);
-        return rc;
+    return ckpt_install(s, &sb, 0);
+}
+
+/*
+ * Checkpoints in steps. The flusher's periodic checkpoint must not hold changes back for the
+ * whole scan (a second or more at 10 M keys), so it runs as steps between batches:
+ *   begin   at a batch boundary (nothing pending, nothing in flight): the replay position P0,
+ *           its LSN and batch are taken, and the file created.
+ *   scan    CKPT_RUN_STEP index positions per step with mu held, changes going on between
+ *           steps; the buffer is written out with mu released.
+ *   end     the log's last LSN L1 and the counts (live bytes, keys by state) are taken with mu
+ *           held: they describe exactly the frames up to L1. The file is finished (trailer,
+ *           flush, directory sync) with mu released.
+ *   install once every frame up to L1 is durable: a superblock naming the file, replay from P0,
+ *           counts at L1 (ckpt_counts_lsn = L1).
+ * The image is not one moment of the index: an entry is the key's version at the step that saw
+ * it, between P0 and L1, and a key moved by a split during the scan may be listed twice (the
+ * loader keeps one, ckpt_entry_load). Recovery loads it and replays from P0: a key with frames
+ * after P0 ends at its newest frame whichever version the image held, one without had a single
+ * version for the whole scan, which the image holds. The counts cannot be summed over such an
+ * image, so replay leaves them alone for frames up to L1 (replay_counts_lsn) and applies the
+ * frames after L1 to the counts at L1; keys with mismatches are counted from the loaded entries
+ * and follow every replayed frame, which telescopes to the right figure from any version.
+ * Entries point at frames up to L1 only, all durable before the superblock names the file, in
+ * segments that exist: no segment is retired while a run is active (compact.c retire).
+ */
+static int ckpt_run_step(idem_store *s)
+{
+    if (s->ckr.state == CKPT_RUN_IDLE) {
+        if (wal_pending(s->wal) || !compact_wants_checkpoint(s)) return 0;
+        s->ckr.id = s->sb.ckpt_id + 1;
+        int rc = ckpt_begin(s->io, s->dir, s->ckr.id, &s->ckr.cw);
+        if (rc < 0) return rc;
+        wal_position(s->wal, &s->ckr.seq, &s->ckr.off);
+        s->ckr.lsn = wal_last_lsn(s->wal);
+        s->ckr.batch = wal_batch(s->wal) - 1;
+        s->ckr.cursor = 0;
+        s->ckr.state = CKPT_RUN_SCANNING;
     }
-    s->sb = sb;
-    s->st.checkpoints++;
-    pthread_cond_broadcast(&s->cond_ready);
-    /* The superblock copy not yet overwritten may still name the previous checkpoint: keep it,
-     * and delete the one before. */
-    if (old > 1) {
-        char path[4096];
-        ckpt_path(s->dir, old - 1, path, sizeof path);
-        io_unlink(s->io, path);
+    if (s->ckr.state == CKPT_RUN_SCANNING) {
+        struct ckpt_writer *cw = s->ckr.cw;
+        if (ckpt_room(cw) < 2 * CKPT_RUN_STEP) {
+            flusher_unlock(s);
+            int rc = ckpt_write_out(cw);
+            flusher_relock(s);
+            if (rc < 0) {
+                ckpt_run_abort(s);
+                return rc;
+            }
+            return 1;
+        }
+        struct ckpt_ctx cc = {.s = s, .cw = cw};
+        s->ckr.cursor = index_scan(s->ix, s->ckr.cursor, CKPT_RUN_STEP, ckpt_one, &cc);
+        if (cc.rc < 0) {
+            ckpt_run_abort(s);
+            return cc.rc;
+        }
+        if (s->ckr.cursor) return 1;
+        s->ckr.end_lsn = wal_last_lsn(s->wal);
+        s->ckr.live_bytes = s->live_bytes;
+        s->ckr.keys_by_state[0] = s->st.keys_in_flight;
+        s->ckr.keys_by_state[1] = s->st.keys_committed;
+        s->ckr.keys_by_state[2] = s->st.keys_review;
+        s->ckr.cw = NULL;
+        s->ckr.state = CKPT_RUN_WRITTEN;
+        flusher_unlock(s);
+        int rc = ckpt_end(cw); /* frees cw */
+        flusher_relock(s);
+        if (rc < 0) s->ckr.state = CKPT_RUN_IDLE;
+        return rc < 0 ? rc : 1;
     }
-    return 0;
+    /* Written: install once everything up to L1 is durable. */
+    if (s->durable_lsn < s->ckr.end_lsn) {
+        if (wal_pending(s->wal)) return 0; /* the flusher's next flush gets there */
+        /* Nothing pending, but written without a flush (durability none). */
+        if (wal_sync(s->wal) < 0) return IDEM_EFATAL;
+        s->durable_lsn = wal_durable_lsn(s->wal);
+        notify_ready(s);
+        if (s->durable_lsn < s->ckr.end_lsn) return IDEM_EFATAL;
+    }
+    struct super sb = s->sb;
+    sb.ckpt_id = s->ckr.id;
+    sb.ckpt_seq = s->ckr.seq;
+    sb.ckpt_off = s->ckr.off;
+    sb.ckpt_lsn = s->ckr.lsn;
+    sb.ckpt_batch = s->ckr.batch;
+    sb.ckpt_counts_lsn = s->ckr.end_lsn;
+    sb.ckpt_live_bytes = s->ckr.live_bytes;
+    memcpy(sb.ckpt_keys_by_state, s->ckr.keys_by_state, sizeof sb.ckpt_keys_by_state);
+    s->ckr.state = CKPT_RUN_IDLE;
+    int rc = ckpt_install(s, &sb, 1);
+    return rc < 0 ? rc : 1;
 }
 
 int idem_checkpoint(idem_store *s)
@@ -1371,6 +1612,7 @@ int idem_backup(idem_store *s, const char *dest_dir)
     int rc = s->fatal ? IDEM_EFATAL : s->opt.read_only ? 0 : checkpoint_locked(s);
     if (rc == 0) {
         int mk = io_mkdir(s->io, dest_dir);
+        if (mk == 0) mk = sync_parent(s->io, dest_dir);
         if (mk < 0) {
             store_set_error("cannot create %s: %s", dest_dir, strerror(-mk));
             rc = mk == -EEXIST ? IDEM_EINVAL : IDEM_EIO;
@@ -1420,6 +1662,7 @@ int idem_restore(const char *backup_dir, const char *dest_dir)
         goto out;
     }
     rc = io_mkdir(io, dest_dir);
+    if (rc == 0) rc = sync_parent(io, dest_dir);
     if (rc < 0) {
         store_set_error("cannot create %s: %s", dest_dir, strerror(-rc));
         rc = rc == -EEXIST ? IDEM_EINVAL : IDEM_EIO;

@@ -57,6 +57,7 @@ struct idem_queue {
     uint32_t active;           /* outstanding slots */
     uint64_t seq_next;
     int efd;
+    int fd_used; /* idem_queue_fd was called: signal efd (mu) */
     struct idem_queue *next, *prev;
     /* Poll results kept valid until the next call. */
     struct qslot **returned;
@@ -73,14 +74,23 @@ struct idem_queue {
     size_t att_cap;
 };
 
+/* idem_store.ckr.state: the flusher's checkpoint in steps (store.c). */
+#define CKPT_RUN_IDLE     0
+#define CKPT_RUN_SCANNING 1
+#define CKPT_RUN_WRITTEN  2
+
 struct seen_info {
     int64_t last_seen_ms;
     uint64_t seen_count;
 };
 
+/* A version of a key at a log address, with the key's hash bits as the index keeps them, so
+ * that whether the index still points at it is answered without reading the log. */
 struct age_entry {
     int64_t first_seen_ms;
-    uint64_t addr;
+    uint64_t addr_tag; /* as in index_slot: the log address, the hash's top 24 bits above */
+    uint32_t hash_lo;
+    uint32_t pad;
 };
 
 struct age_heap {
@@ -116,6 +126,17 @@ struct idem_store {
     int abandoned;    /* store_abandon: the flusher stops at once, nothing more is written */
     int no_wait;      /* idem_cancel_waits: claims answer busy at once */
     int ckpt_quiesce; /* a checkpoint waits for the log to be durable: no new appends */
+    /* The flusher's checkpoint taken while changes go on (store.c, "Checkpoints in steps"). */
+    struct {
+        int state; /* CKPT_RUN_* */
+        struct ckpt_writer *cw;
+        uint64_t id, cursor;
+        uint64_t seq, lsn, batch; /* the replay position: where the scan began */
+        uint32_t off;
+        uint64_t end_lsn; /* the log's last LSN when the scan ended; the counts are from then */
+        uint64_t live_bytes, keys_by_state[3];
+    } ckr;
+    uint64_t replay_counts_lsn; /* at open: frames up to this LSN leave the counts alone */
     int flushing;
     uint32_t frame_max;           /* the largest frame one change can append */
     int64_t spare_failed_mono_ms; /* last failed attempt at the spare segment (disk full) */
@@ -130,8 +151,9 @@ struct idem_store {
     uint32_t seen_nfree;
     /* Store clock. */
     int64_t clk_store_ms, clk_mono_ms, clk_last_ms;
-    int clk_frozen;   /* inside idem_submit: the clock read at its start serves every op */
-    int find_corrupt; /* the last ops_find met a damaged record with the key's hash bits */
+    int clk_frozen;        /* inside idem_submit: the clock read at its start serves every op */
+    int64_t mono_batch_ms; /* the monotonic clock read at the start of that idem_submit */
+    int find_corrupt;      /* the last ops_find met a damaged record with the key's hash bits */
     /* The last key hashed in this operation (ops_hash; only inside ops_apply). */
     int hash_cache_on;
     const void *hash_key;
@@ -210,7 +232,19 @@ void store_count_claim(idem_store *s, int outcome);
 
 /* ---- ops.c ---- */
 /* Applies op under mu; fills sl->c and sl->need_lsn, or parks the slot (WAIT). */
-void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op);
+/* An index slot's aux: the low 31 bits are 1 + the key's entry in the seen table (0: none);
+ * the top bit marks a record kept apart for attention (unfinished, or with mismatches), so a
+ * checkpoint writes its entries without reading the log. */
+#define SLOT_AUX_APART 0x80000000u
+#define SLOT_AUX_SEEN  0x7fffffffu
+/* Sets slot's apart bit from r, the record it now points to. */
+void ops_slot_mark(struct index_slot *slot, const struct rec *r);
+
+void queue_signal(struct idem_queue *q);
+/* Applies op; hash, when given, is its key's hash from ops_hint_hash. */
+void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_t *hash);
+/* The hash op's key will be looked up with (0: the key is not valid; no hint). */
+int ops_hint_hash(const idem_store *s, const idem_op *op, uint64_t *h);
 /* Re-runs the parked claims of key (all keys when key == NULL): those that no longer get busy,
  * or whose deadline passed, complete. */
 void ops_wake(idem_store *s, const void *key, uint32_t key_len);
@@ -240,9 +274,9 @@ int compact_step(idem_store *s);
 int compact_wants_checkpoint(const idem_store *s);
 
 /* ---- ages.c ---- */
-/* Version r of a key was written (or found, at load) at addr: remember it if it belongs to a
- * kind (unfinished, or with mismatches). */
-void ages_note(idem_store *s, const struct rec *r, uint64_t addr);
+/* Version r of a key (hash h) was written (or found, at load) at addr: remember it if it
+ * belongs to a kind (unfinished, or with mismatches). */
+void ages_note(idem_store *s, const struct rec *r, uint64_t h, uint64_t addr);
 /* The time (first_seen, or last_mismatch for AGE_MISMATCH) of the oldest of kind, 0 if none. */
 int64_t ages_oldest(idem_store *s, int kind);
 /* Addresses of every record of kind (at most max), in no particular order. */

@@ -8,6 +8,8 @@
  */
 #include "super.h"
 
+#include <sys/mman.h>
+
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -51,6 +53,9 @@ static void super_encode(const struct super *sb, uint8_t *p)
     util_put_u64(p + 128, sb->ckpt_live_bytes);
     for (int i = 0; i < 3; i++)
         util_put_u64(p + 136 + 8 * i, sb->ckpt_keys_by_state[i]);
+    util_put_u64(p + 160, sb->resume_batch);
+    util_put_u32(p + 168, sb->open_durability);
+    util_put_u64(p + 176, sb->ckpt_counts_lsn);
     util_put_u64(p + SUPER_CKSUM, XXH3_64bits(p, SUPER_CKSUM));
 }
 
@@ -76,6 +81,9 @@ int super_decode(const uint8_t *p, struct super *sb)
     sb->ckpt_live_bytes = util_get_u64(p + 128);
     for (int i = 0; i < 3; i++)
         sb->ckpt_keys_by_state[i] = util_get_u64(p + 136 + 8 * i);
+    sb->resume_batch = util_get_u64(p + 160);
+    sb->open_durability = util_get_u32(p + 168);
+    sb->ckpt_counts_lsn = util_get_u64(p + 176);
     return 1;
 }
 
@@ -119,6 +127,8 @@ int super_load(struct io *io, const char *dir, struct super *sb, char *err, size
         sb->wal_first_seq >= (UINT64_C(1) << 62) || sb->ckpt_seq >= (UINT64_C(1) << 62) ||
         sb->ckpt_seq - sb->wal_first_seq >= SUPER_SEGMENTS_MAX ||
         sb->ckpt_lsn >= (UINT64_C(1) << 62) || sb->ckpt_batch >= (UINT64_C(1) << 62) ||
+        sb->resume_batch >= (UINT64_C(1) << 62) || sb->open_durability > 3 ||
+        sb->ckpt_counts_lsn >= (UINT64_C(1) << 62) ||
         sb->token_reserved > (uint64_t)IDEM_TOKEN_MAX || sb->store_clock_ms < 0 ||
         sb->store_clock_ms >= (INT64_C(1) << 50) || sb->created_ms < 0 ||
         sb->created_ms >= (INT64_C(1) << 50)) {
@@ -135,13 +145,18 @@ int super_load(struct io *io, const char *dir, struct super *sb, char *err, size
 
 int super_store(struct io *io, const char *dir, struct super *sb)
 {
-    char path[4096];
+    char path[4096], tmp[4096];
     snprintf(path, sizeof path, "%s/super", dir);
+    snprintf(tmp, sizeof tmp, "%s/super.tmp", dir);
     struct io_file *f;
     int created = 0;
     int rc = io_open(io, path, 0, &f);
     if (rc == -ENOENT) {
-        rc = io_open(io, path, IO_O_CREATE, &f);
+        rc = io_open(io, tmp, IO_O_CREATE, &f); /* a leftover of a cut creation is reused */
+        if (rc == 0 && io_truncate(io, f, 0) < 0) {
+            io_close(io, f);
+            rc = -EIO;
+        }
         created = 1;
     }
     if (rc < 0) return rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
@@ -161,6 +176,7 @@ int super_store(struct io *io, const char *dir, struct super *sb)
     }
     free(blk);
     io_close(io, f);
+    if (rc == 0 && created) rc = io_rename(io, tmp, path);
     if (rc == 0 && created) rc = io_sync_dir(io, dir);
     /* Only the creation may meet a full disk; a failed rewrite of the file is fatal. */
     if (rc < 0) return created && (rc == -ENOSPC || rc == -EDQUOT) ? IDEM_EFULL : IDEM_EFATAL;
@@ -292,6 +308,16 @@ int ckpt_add(struct ckpt_writer *cw, const struct ckpt_entry *e)
     return 0;
 }
 
+uint32_t ckpt_room(const struct ckpt_writer *cw)
+{
+    return (CKPT_BUF - cw->used) / CKPT_ENTRY;
+}
+
+int ckpt_write_out(struct ckpt_writer *cw)
+{
+    return ckpt_drain(cw);
+}
+
 void ckpt_abort(struct ckpt_writer *cw)
 {
     io_close(cw->io, cw->f);
@@ -338,8 +364,12 @@ uint64_t ckpt_count(struct io *io, const char *dir, uint64_t id)
     return count;
 }
 
+#define CKPT_AHEAD 16 /* entries between ahead() and fn() of the same entry */
+
 int ckpt_load(struct io *io, const char *dir, uint64_t id,
-              int (*fn)(void *ctx, const struct ckpt_entry *e), void *ctx, char *err, size_t errcap)
+              int (*fn)(void *ctx, const struct ckpt_entry *e),
+              void (*ahead)(void *ctx, uint64_t addr_tag, uint32_t hash_lo), void *ctx, char *err,
+              size_t errcap)
 {
     char path[4096];
     ckpt_path(dir, id, path, sizeof path);
@@ -353,6 +383,11 @@ int ckpt_load(struct io *io, const char *dir, uint64_t id,
     const uint8_t *m = NULL;
     rc = io_size(io, f, &size);
     if (rc == 0 && size >= 4096 + CKPT_ENTRY) rc = io_map(io, f, size, (const void **)&m);
+    /* Read front to back once: ask for large reads ahead instead of a fault per window. */
+    if (rc == 0 && m) {
+        posix_madvise((void *)m, size, POSIX_MADV_SEQUENTIAL);
+        posix_madvise((void *)m, size, POSIX_MADV_WILLNEED);
+    }
     if (rc < 0 || !m) {
         io_close(io, f);
         snprintf(err, errcap, "checkpoint %s: too short or unreadable", path);
@@ -382,6 +417,10 @@ int ckpt_load(struct io *io, const char *dir, uint64_t id,
         }
     }
     for (uint64_t i = 0; rc == 0 && i < count; i++) {
+        if (ahead && i + CKPT_AHEAD < count) {
+            const uint8_t *a = m + 4096 + (i + CKPT_AHEAD) * CKPT_ENTRY;
+            ahead(ctx, util_get_u64(a), util_get_u32(a + 8));
+        }
         const uint8_t *p = m + 4096 + i * CKPT_ENTRY;
         struct ckpt_entry e = {.addr_tag = util_get_u64(p),
                                .hash_lo = util_get_u32(p + 8),

@@ -14,6 +14,12 @@
  *  112 i64 created ms      120 u64 store generation (bumped by restore and import)
  *  128 u64 live bytes at the checkpoint (frames the index points to)
  *  136 u64[3] keys in_flight, committed, review at the checkpoint
+ *  160 u64 resume batch: the number of the first batch written after the open that wrote this
+ *      copy (0: not recorded; recovery then expects last complete batch + 1 after the end)
+ *  168 u32 durability of that open + 1 (0: not recorded, taken as sync)
+ *  176 u64 counts lsn: live bytes and key counts above are those after every frame up to this
+ *      LSN (0 or the checkpoint lsn: a checkpoint taken with changes held; above it: one taken
+ *      while changes went on, whose image mixes versions up to this LSN, see store.c)
  * 4088 u64 XXH3-64 of bytes [0, 4088)
  *
  * DIR/index-<id:016x>.ckpt is an image of the index at a batch boundary (see ckpt_write).
@@ -48,6 +54,9 @@ struct super {
     uint64_t store_generation;
     uint64_t ckpt_live_bytes;
     uint64_t ckpt_keys_by_state[3];
+    uint64_t resume_batch;
+    uint32_t open_durability; /* enum idem_durability + 1; 0: not recorded */
+    uint64_t ckpt_counts_lsn;
 };
 
 /* Decodes one 4 KiB copy: 1 when valid (sb filled), 0 when it fails its checksum or magic,
@@ -57,8 +66,10 @@ int super_decode(const uint8_t *p, struct super *sb);
  * IDEM_ECORRUPT: neither copy valid; IDEM_EVERSION: unknown format or features. err gets a
  * sentence on failure. */
 int super_load(struct io *io, const char *dir, struct super *sb, char *err, size_t errcap);
-/* Writes sb with generation+1 into the other copy and flushes it (creates the file if absent,
- * and then syncs the directory). */
+/* Writes sb with generation+1 into the other copy and flushes it. A new file is written as
+ * super.tmp, flushed, renamed to super and the directory synced, so super never exists without
+ * a valid copy (a power loss keeping its name but not its data would leave a store that never
+ * opens again). */
 int super_store(struct io *io, const char *dir, struct super *sb);
 
 /* Takes DIR/LOCK (flock, nonblocking). Returns an fd >= 0, or IDEM_ELOCKED with err naming the
@@ -82,15 +93,21 @@ struct ckpt_entry {
 struct ckpt_writer;
 int ckpt_begin(struct io *io, const char *dir, uint64_t id, struct ckpt_writer **out);
 int ckpt_add(struct ckpt_writer *cw, const struct ckpt_entry *e);
+/* Entries ckpt_add takes before it must write its buffer out (it would then do I/O itself). */
+uint32_t ckpt_room(const struct ckpt_writer *cw);
+/* Writes the buffered entries out (no flush). Only the writer's owner calls it; no lock needed. */
+int ckpt_write_out(struct ckpt_writer *cw);
 /* Writes the trailer, flushes the file and syncs the directory; frees cw either way. */
 int ckpt_end(struct ckpt_writer *cw);
 void ckpt_abort(struct ckpt_writer *cw);
 /* The entry count a checkpoint's trailer claims (0 if unreadable): a sizing hint only, checked
  * by ckpt_load. */
 uint64_t ckpt_count(struct io *io, const char *dir, uint64_t id);
-/* Reads checkpoint id, checking every checksum; calls fn per entry. */
+/* Reads checkpoint id, checking every checksum; calls fn per entry, and ahead (if not NULL) with
+ * the address and hash fields of the entry a few places ahead, so a loader can prefetch. */
 int ckpt_load(struct io *io, const char *dir, uint64_t id,
-              int (*fn)(void *ctx, const struct ckpt_entry *e), void *ctx, char *err,
+              int (*fn)(void *ctx, const struct ckpt_entry *e),
+              void (*ahead)(void *ctx, uint64_t addr_tag, uint32_t hash_lo), void *ctx, char *err,
               size_t errcap);
 void ckpt_path(const char *dir, uint64_t id, char *buf, size_t cap);
 

@@ -56,6 +56,7 @@ struct wal {
     uint64_t frames_pending;  /* RECORD and DELETE frames in pending chunks */
     uint64_t frames_inflight; /* ... in the batch in flight */
     int spare_err;            /* the last attempt to create it failed with this (IDEM_EFULL, ...) */
+    uint64_t frames_beyond;   /* valid frames recovery dropped past the end of the log */
     uint64_t lsn_last;
     uint64_t lsn_written;   /* written, maybe not flushed (durability none) */
     uint64_t lsn_recovered; /* last LSN of the last complete batch at recovery */
@@ -137,13 +138,14 @@ static uint64_t frame_checksum(uint64_t salt, const uint8_t *frame, uint32_t len
 }
 
 /* Creates (or re-creates, with a new salt) segment seq: allocate, header, flush, dir sync. */
-static int seg_create(struct wal *w, uint64_t seq)
+/* Creates segment seq's file into *out without touching w's state (the store's lock may be
+ * released meanwhile; the caller keeps the ring to itself). */
+static int seg_make(struct wal *w, uint64_t seq, struct wal_segment *out)
 {
     char path[4096];
     seg_path(w, seq, path, sizeof path);
-    if (w->segs[seq % WAL_SEG_SLOTS].seq) return IDEM_EFULL; /* every slot holds a live segment */
     struct wal_segment s = {.seq = seq};
-    int rc = io_open(w->io, path, IO_O_CREATE | IO_O_DIRECT, &s.f);
+    int rc = io_open(w->io, path, IO_O_CREATE, &s.f);
     if (rc < 0) return rc == -ENOSPC || rc == -EDQUOT ? IDEM_EFULL : IDEM_EIO;
     rc = io_allocate(w->io, s.f, 0, w->seg_bytes);
     if (rc < 0) {
@@ -173,8 +175,17 @@ static int seg_create(struct wal *w, uint64_t seq)
         io_close(w->io, s.f);
         return IDEM_EFATAL;
     }
-    w->segs[seq % WAL_SEG_SLOTS] = s;
+    *out = s;
     return 0;
+}
+
+static int seg_create(struct wal *w, uint64_t seq)
+{
+    if (w->segs[seq % WAL_SEG_SLOTS].seq) return IDEM_EFULL; /* every slot holds a live segment */
+    struct wal_segment s;
+    int rc = seg_make(w, seq, &s);
+    if (rc == 0) w->segs[seq % WAL_SEG_SLOTS] = s;
+    return rc;
 }
 
 int wal_init_new(struct wal *w)
@@ -333,13 +344,51 @@ int wal_spare_needed(const struct wal *w)
     return !w->spare_ready;
 }
 
+uint64_t wal_spare_begin(struct wal *w, int *rc)
+{
+    uint64_t seq = w->cur_seq + 1;
+    *rc = 0;
+    if (w->spare_ready) return 0;
+    if (w->segs[seq % WAL_SEG_SLOTS].seq) {
+        *rc = IDEM_EFULL; /* every slot holds a live segment */
+        return 0;
+    }
+    return seq;
+}
+
+int wal_spare_make(struct wal *w, uint64_t seq, struct wal_segment **out)
+{
+    *out = malloc(sizeof **out);
+    if (!*out) return IDEM_ENOMEM;
+    int rc = seg_make(w, seq, *out);
+    if (rc < 0) {
+        free(*out);
+        *out = NULL;
+    }
+    return rc;
+}
+
+int wal_spare_end(struct wal *w, struct wal_segment *made, int rc)
+{
+    if (made) {
+        IDEM_ASSERT(rc == 0 && made->seq == w->cur_seq + 1 && !w->spare_ready &&
+                    !w->segs[made->seq % WAL_SEG_SLOTS].seq);
+        w->segs[made->seq % WAL_SEG_SLOTS] = *made;
+        w->spare_ready = 1;
+        free(made);
+    }
+    if (rc == 0 && !w->spare_ready) return 0; /* nothing was needed */
+    w->spare_err = rc == IDEM_EFULL ? rc : 0;
+    return rc;
+}
+
 int wal_spare_create(struct wal *w)
 {
-    if (w->spare_ready) return 0;
-    int rc = seg_create(w, w->cur_seq + 1);
-    w->spare_err = rc == IDEM_EFULL ? rc : 0;
-    if (rc == 0) w->spare_ready = 1;
-    return rc;
+    int rc;
+    uint64_t seq = wal_spare_begin(w, &rc);
+    struct wal_segment *made = NULL;
+    if (seq) rc = wal_spare_make(w, seq, &made);
+    return wal_spare_end(w, made, rc);
 }
 
 int wal_append(struct wal *w, uint32_t type, const void *const *parts, const uint32_t *part_lens,
@@ -349,6 +398,18 @@ int wal_append(struct wal *w, uint32_t type, const void *const *parts, const uin
     int rc = append_reserved(w, type, parts, part_lens, nparts, addr, lsn, 2);
     w->frames_pending += rc == 0;
     return rc;
+}
+
+void wal_prefetch(const struct wal *w, uint64_t addr)
+{
+    uint32_t slot = (uint32_t)(addr >> WAL_OFF_BITS);
+    uint32_t off = (uint32_t)(addr & ((1u << WAL_OFF_BITS) - 1)) << 3;
+    if (slot >= WAL_SEG_SLOTS || w->segs[slot].seq == 0 || !w->segs[slot].map) return;
+    if (off < WAL_BLOCK || off + 256 > w->seg_bytes) return;
+    const uint8_t *f = w->segs[slot].map + off;
+    /* The header, the record's fixed part and a short key: what a lookup reads. */
+    for (int i = 0; i < 256; i += 64)
+        __builtin_prefetch(f + i);
 }
 
 const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, uint64_t *lsn)
@@ -600,7 +661,7 @@ static int seg_open(struct wal *w, uint64_t seq, int read_only)
     char path[4096];
     seg_path(w, seq, path, sizeof path);
     struct wal_segment s = {.seq = seq};
-    int rc = io_open(w->io, path, read_only ? IO_O_RDONLY : IO_O_DIRECT, &s.f);
+    int rc = io_open(w->io, path, read_only ? IO_O_RDONLY : 0, &s.f);
     if (rc == -ENOENT) return IDEM_ENOTFOUND;
     if (rc < 0) return IDEM_EIO;
     uint64_t size = 0;
@@ -608,22 +669,27 @@ static int seg_open(struct wal *w, uint64_t seq, int read_only)
         io_close(w->io, s.f);
         return IDEM_ECORRUPT;
     }
-    if (io_map(w->io, s.f, w->seg_bytes, (const void **)&s.map) < 0) {
+    /* The header is read, not faulted in through the map: a fault reads the disk's whole
+     * read-around window (megabytes) for one block. */
+    uint8_t *h = aligned_alloc(WAL_BLOCK, WAL_BLOCK);
+    if (!h) {
         io_close(w->io, s.f);
-        return IDEM_EIO;
+        return IDEM_ENOMEM;
     }
-    const uint8_t *h = s.map;
-    if (memcmp(h, WAL_MAGIC, 8) ||
-        util_get_u64(h + WAL_SEG_HDR_CKSUM) != XXH3_64bits(h, WAL_SEG_HDR_CKSUM)) {
-        seg_close(w, &s);
-        return IDEM_ECORRUPT;
-    }
-    if (util_get_u32(h + 8) != WAL_FORMAT || util_get_u32(h + 12) != w->seg_bytes ||
-        util_get_u64(h + 16) != seq) {
-        seg_close(w, &s);
-        return IDEM_ECORRUPT;
-    }
+    int64_t n = io_read(w->io, s.f, 0, h, WAL_BLOCK);
+    rc = n < 0 ? IDEM_EIO : 0;
+    if (rc == 0 && (n != WAL_BLOCK || memcmp(h, WAL_MAGIC, 8) ||
+                    util_get_u64(h + WAL_SEG_HDR_CKSUM) != XXH3_64bits(h, WAL_SEG_HDR_CKSUM) ||
+                    util_get_u32(h + 8) != WAL_FORMAT || util_get_u32(h + 12) != w->seg_bytes ||
+                    util_get_u64(h + 16) != seq))
+        rc = IDEM_ECORRUPT;
     s.salt = util_get_u64(h + 24);
+    free(h);
+    if (rc == 0 && io_map(w->io, s.f, w->seg_bytes, (const void **)&s.map) < 0) rc = IDEM_EIO;
+    if (rc < 0) {
+        seg_close(w, &s);
+        return rc;
+    }
     if (w->segs[seq % WAL_SEG_SLOTS].seq) {
         seg_close(w, &s);
         return IDEM_ECORRUPT;
@@ -690,8 +756,8 @@ static int replay_batch(struct wal *w, struct scan_pos start, uint64_t end_lsn,
 
 /* After the log stopped at p: looks at every block start beyond it for valid frames. Returns
  * IDEM_ECORRUPT if one belongs to a batch after the one in flight; raises max_lsn, max_batch. */
-static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch, uint64_t *max_lsn,
-                       uint64_t *max_batch)
+static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch,
+                       const struct wal_resume *resume, uint64_t *max_lsn, uint64_t *max_batch)
 {
     for (uint64_t seq = p.seq; seg_of(w, seq); seq++) {
         struct wal_segment *s = seg_of(w, seq);
@@ -702,7 +768,7 @@ static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch, ui
             if (!frame_valid(w, s, off)) continue;
             uint64_t lsn = util_get_u64(s->map + off + 8);
             uint64_t batch = util_get_u64(s->map + off + 16);
-            if (batch > last_batch + 1) {
+            if (wal_beyond_is_corrupt(batch, last_batch, resume)) {
                 snprintf(w->err, sizeof w->err,
                          "log corrupt: segment %llu offset %u: frame of batch %llu after the "
                          "log stops at segment %llu offset %u (last complete batch %llu)",
@@ -712,9 +778,15 @@ static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch, ui
             }
             if (lsn > *max_lsn) *max_lsn = lsn;
             if (batch > *max_batch) *max_batch = batch;
+            w->frames_beyond++;
         }
     }
     return 0;
+}
+
+uint64_t wal_frames_beyond(const struct wal *w)
+{
+    return w->frames_beyond;
 }
 
 int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int read_only)
@@ -755,8 +827,8 @@ int wal_addr_valid(const struct wal *w, uint64_t addr)
 }
 
 int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t prev_lsn,
-                uint64_t prev_batch, int (*fn)(void *ctx, const struct wal_frame *f), void *ctx,
-                int read_only)
+                uint64_t prev_batch, const struct wal_resume *resume,
+                int (*fn)(void *ctx, const struct wal_frame *f), void *ctx, int read_only)
 {
     struct scan_pos p = {start_seq, start_off}, batch_start = p;
     uint64_t last_lsn = prev_lsn, last_batch = prev_batch; /* of the last complete batch */
@@ -790,7 +862,7 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
     }
     /* The log ends at the end of the last complete batch. */
     uint64_t max_lsn = last_lsn, max_batch = last_batch;
-    int rc = scan_beyond(w, batch_start, last_batch, &max_lsn, &max_batch);
+    int rc = scan_beyond(w, batch_start, last_batch, resume, &max_lsn, &max_batch);
     if (rc < 0) return rc;
     if (cur_lsn > max_lsn) max_lsn = cur_lsn;
     w->lsn_last = w->lsn_written = w->lsn_durable = max_lsn;

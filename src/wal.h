@@ -83,16 +83,38 @@ int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int
 /* Whether addr names a place inside an open segment (no page is touched). */
 int wal_addr_valid(const struct wal *w, uint64_t addr);
 
+/* What recovery knows about the open that wrote the log's last batches (from the superblock
+ * it wrote before writing any): the number of its first batch (0: not recorded) and whether it
+ * flushed every batch before writing the next (sync mode, or not recorded). */
+struct wal_resume {
+    uint64_t first_batch;
+    int sync;
+};
+
+/* Whether a valid frame of batch b past the end of the log (last complete batch last) is
+ * corruption. In sync mode a batch is written only after the one before it is durable, so past
+ * the end lies at most the batch that was in flight: last + 1, or the open's first batch when
+ * none of its batches completed (the numbering skips at an open). Without sync, unflushed
+ * batches may reach the disk in any order: nothing past the end is corruption. */
+static inline int wal_beyond_is_corrupt(uint64_t b, uint64_t last, const struct wal_resume *r)
+{
+    if (!r->sync) return 0;
+    uint64_t in_flight = r->first_batch > last ? r->first_batch : last + 1;
+    return b > in_flight;
+}
+
 /*
  * Replays frames from (start_seq, start_off) calling fn for each RECORD and DELETE frame and the
  * END frames of complete batches (fn returns 0 or a negative idem_err to stop). A torn tail is
- * dropped: appends go on at the next block. A valid frame after a bad one, from a batch after
- * the one that was in flight, is corruption (IDEM_ECORRUPT, with a message). read_only: nothing
- * is written.
+ * dropped: appends go on at the next block. A valid frame after a bad one that
+ * wal_beyond_is_corrupt calls corruption is reported (IDEM_ECORRUPT, with a message); other
+ * valid frames past the end are counted (wal_frames_beyond). read_only: nothing is written.
  */
 int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t prev_lsn,
-                uint64_t prev_batch, int (*fn)(void *ctx, const struct wal_frame *f), void *ctx,
-                int read_only);
+                uint64_t prev_batch, const struct wal_resume *resume,
+                int (*fn)(void *ctx, const struct wal_frame *f), void *ctx, int read_only);
+/* Valid frames recovery found past the end of the log and dropped (unacknowledged writes). */
+uint64_t wal_frames_beyond(const struct wal *w);
 
 /* Appends a frame of `type` whose payload is the concatenation of parts. Returns 0 and sets
  * *addr and *lsn, IDEM_EBUSY when every chunk buffer waits for a flush (flush and retry),
@@ -107,10 +129,23 @@ int wal_room(const struct wal *w, uint32_t frame_bytes);
 /* The flusher keeps one spare segment created ahead of need (file creation, allocation and its
  * header flush happen there, never on a caller's path). Call with no batch in flight. */
 int wal_spare_needed(const struct wal *w);
+/* Makes the spare segment at once (lock held throughout; at open). */
 int wal_spare_create(struct wal *w);
+/* The same in three steps, so that its file I/O runs without the store's lock:
+ * wal_spare_begin (lock held) names the segment to make (0: none needed, or *rc is an error);
+ * wal_spare_make (no lock needed; the caller keeps the ring to itself meanwhile) creates,
+ * allocates, writes the header, syncs the directory and maps it, touching no state of w;
+ * wal_spare_end (lock held) installs what was made, or records rc, and returns rc. */
+struct wal_segment;
+uint64_t wal_spare_begin(struct wal *w, int *rc);
+int wal_spare_make(struct wal *w, uint64_t seq, struct wal_segment **out);
+int wal_spare_end(struct wal *w, struct wal_segment *made, int rc);
 
 /* Pointer to the frame payload at addr (valid until the next append or flush end); NULL if the
  * address names no readable frame. *payload_len and *lsn are set. */
+/* Starts loading the first bytes of the frame at addr from the segment map (any address is
+ * safe: one that names no mapped frame is ignored). */
+void wal_prefetch(const struct wal *w, uint64_t addr);
 const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, uint64_t *lsn);
 
 /* Group commit, in three steps. begin (under the store lock): closes the batch with an END frame

@@ -13,10 +13,12 @@
  * during the abuse; the peak must stay under a bound derived from its limits (see rss_bound).
  * At the end idemd is alive, answers PING, and IDEM.STATS connected_clients falls back to what
  * it was before the abusers came.
- * Three more tests are regression tests of weaknesses found this way (all fixed): the io budget
+ * Four more tests are regression tests of weaknesses found this way (all fixed): the io budget
  * overrun with a bystander starved by slow readers, a pipelining client that reads its replies
- * being disconnected, and connections of clients that vanished mid-WAIT held until the WAIT
- * ended.
+ * being disconnected, connections of clients that vanished mid-WAIT held until the WAIT ended,
+ * and large requests starved for as long as slow readers held the budget. Two more pin down
+ * the budget's rules: idle connections keep no input buffer, and over the budget every stalled
+ * reader is closed (a slow one that reads is not).
  * Everything talks to 127.0.0.1 or idemd's unix socket, with bounded loops and time.
  */
 #include <criterion/criterion.h>
@@ -106,7 +108,7 @@ static long rss_kib(pid_t pid)
     return kib;
 }
 
-static void start_idemd(uint32_t max_clients)
+static void start_idemd_with(uint32_t max_clients, uint32_t io_budget)
 {
     const char *build = getenv("IDEM_BUILD_DIR");
     char exe[512], port[16], log[600], maxc[16], pipe_max[16], out_max[16], budget[16], qdepth[16];
@@ -120,7 +122,7 @@ static void start_idemd(uint32_t max_clients)
     snprintf(maxc, sizeof maxc, "%u", max_clients);
     snprintf(pipe_max, sizeof pipe_max, "%u", PIPELINE_MAX);
     snprintf(out_max, sizeof out_max, "%u", CLIENT_OUTPUT_MAX);
-    snprintf(budget, sizeof budget, "%u", IO_BUDGET);
+    snprintf(budget, sizeof budget, "%u", io_budget);
     snprintf(qdepth, sizeof qdepth, "%u", QUEUE_DEPTH);
     const char *argv[] = {exe,      "--dir",
                           srv.dir,  "--port",
@@ -151,6 +153,11 @@ static void start_idemd(uint32_t max_clients)
         sleep_ms(20);
     }
     cr_assert_fail("idemd did not start (see its log in %s)", srv.dir);
+}
+
+static void start_idemd(uint32_t max_clients)
+{
+    start_idemd_with(max_clients, IO_BUDGET);
 }
 
 static void stop_idemd(void)
@@ -439,8 +446,15 @@ struct big_state {
     char *val;
     long rounds, late, under_ok, under_bad, over_proto_ok, over_proto_bad, over_field_ok,
         over_field_bad;
+    int64_t max_ms; /* the slowest answer, from the request's first byte */
     char last_bad[160];
 };
+
+static void big_took(struct big_state *st, int64_t t0)
+{
+    int64_t dt = now_ms() - t0;
+    if (dt > st->max_ms) st->max_ms = dt;
+}
 
 static void big_bad(struct big_state *st, const char *what, const char *got)
 {
@@ -467,12 +481,14 @@ static void *big_main(void *arg)
                          "*6\r\n$10\r\nIDEM.CLAIM\r\n$8\r\nbig:fp:%d\r\n$6\r\n600000\r\n"
                          "$6\r\n600000\r\n$2\r\nFP\r\n$%zu\r\n",
                          st->id, under);
+        int64_t t0 = now_ms();
         if (send_all(fd, hdr, (size_t)h) || send_all(fd, st->fp, under) ||
             send_all(fd, "\r\n", 2)) {
             st->under_bad++;
             big_bad(st, "under: send", strerror(errno));
         } else {
             size_t got = read_some(fd, in, sizeof in, 0, 10000, &eof);
+            big_took(st, t0);
             if (got == 0 && !eof) { /* not answered within 10 s: start over on a new connection */
                 st->late++;
                 rst_close(fd);
@@ -489,12 +505,14 @@ static void *big_main(void *arg)
         h = snprintf(hdr, sizeof hdr, "*6\r\n$3\r\nSET\r\n$9\r\nbig:set:%d\r\n$%zu\r\n",
                      st->id % 10, field);
         const char *tail = "\r\n$2\r\nNX\r\n$2\r\nPX\r\n$5\r\n60000\r\n*1\r\n$4\r\nPING\r\n";
+        t0 = now_ms();
         if (send_all(fd, hdr, (size_t)h) || send_all(fd, st->val, field) ||
             send_all(fd, tail, strlen(tail))) {
             st->over_field_bad++;
             big_bad(st, "field: send", strerror(errno));
         } else {
             size_t got = read_some(fd, in, sizeof in, 0, 10000, &eof);
+            big_took(st, t0);
             if (got == 0 && !eof) {
                 st->late++;
                 rst_close(fd);
@@ -831,6 +849,7 @@ Test(abuse, everything_at_once_while_a_good_client_works, .timeout = 400)
 
     long vanished = 0, garbage_sent = 0, garbage_closed = 0, garbage_answered = 0;
     long http_req = 0, http_silent = 0, http_answered = 0, http_open = 0;
+    int64_t big_max_ms = 0;
     long big_rounds = 0, big_late = 0, under_ok = 0, under_bad = 0, proto_ok = 0, proto_bad = 0,
          field_ok = 0, field_bad = 0;
     for (int i = 0; i < N_VANISH; i++)
@@ -849,6 +868,7 @@ Test(abuse, everything_at_once_while_a_good_client_works, .timeout = 400)
     for (int i = 0; i < N_BIG; i++) {
         big_rounds += big[i].rounds;
         big_late += big[i].late;
+        big_max_ms = big[i].max_ms > big_max_ms ? big[i].max_ms : big_max_ms;
         under_ok += big[i].under_ok;
         under_bad += big[i].under_bad;
         proto_ok += big[i].over_proto_ok;
@@ -871,12 +891,12 @@ Test(abuse, everything_at_once_while_a_good_client_works, .timeout = 400)
     fprintf(stderr,
             "abuse: slow readers %d: %ld bursts of 32, %ld disconnects; vanished mid-WAIT %ld; "
             "garbage %ld (closed by idemd %ld, answered %ld); http %ld (closed silently %ld, "
-            "answered %ld, left open %ld); oversized rounds %ld (%ld not answered within 10 s): 4 "
-            "MiB-64 FP claims %ld ok %ld bad; >4 MiB bulks %ld "
+            "answered %ld, left open %ld); oversized rounds %ld (%ld not answered within 10 s, "
+            "slowest answer %lld ms): 4 MiB-64 FP claims %ld ok %ld bad; >4 MiB bulks %ld "
             "ok %ld bad; 1 MiB SET values %ld ok %ld bad\n",
             n_slow, slow.bursts, slow.disconnects, vanished, garbage_sent, garbage_closed,
             garbage_answered, http_req, http_silent, http_answered, http_open, big_rounds, big_late,
-            under_ok, under_bad, proto_ok, proto_bad, field_ok, field_bad);
+            (long long)big_max_ms, under_ok, under_bad, proto_ok, proto_bad, field_ok, field_bad);
     fprintf(stderr, "abuse: good client %ld requests, %ld wrong, max latency %lld ms%s%s\n",
             good.ops, good.wrong, (long long)good.max_latency_ms, good.wrong ? "; first: " : "",
             good.first_wrong);
@@ -905,6 +925,7 @@ Test(abuse, everything_at_once_while_a_good_client_works, .timeout = 400)
     cr_expect_eq(proto_bad, 0, "bulks over 4 MiB: %ld wrong", proto_bad);
     cr_expect_gt(field_ok, 0);
     cr_expect_eq(field_bad, 0, "values over the field limit: %ld wrong", field_bad);
+    cr_expect_eq(big_late, 0, "%ld oversized requests were not answered within 10 s", big_late);
     cr_expect_gt(vanished, 0);
     cr_expect_gt(garbage_sent, 0);
     cr_expect_leq(sampler.rss_peak_kib, bound_kib, "idemd's RSS peaked at %ld KiB, bound %ld KiB",
@@ -1071,6 +1092,293 @@ Test(abuse, vanished_waiters_are_dropped, .timeout = 60)
             before, after);
     cr_expect_leq(after, before, "%lld connections of vanished WAIT clients are still held",
                   after - before);
+}
+
+struct large_state {
+    long rounds, claims_ok, fields_ok, bad;
+    int64_t max_ms;
+    char last_bad[200];
+};
+
+static void large_bad(struct large_state *st, const char *what, const char *got)
+{
+    st->bad++;
+    snprintf(st->last_bad, sizeof st->last_bad, "%s: %.150s", what, got);
+}
+
+/* Reads one reply line (or `want` bytes) and adds how long it took to st->max_ms. */
+static size_t large_answer(struct large_state *st, int fd, char *in, size_t cap, size_t want,
+                           int64_t t0)
+{
+    int eof = 0;
+    size_t got = read_some(fd, in, cap, want, 10000, &eof);
+    int64_t dt = now_ms() - t0;
+    if (dt > st->max_ms) st->max_ms = dt;
+    return got;
+}
+
+/* Rounds of a claim with a 4 MiB - 64 FP (within its field's limit: read whole, answered) and
+ * a 1 MiB SET value (over its field's limit: discarded as it streams in, refused by name), each
+ * answer timed from the request's first byte. */
+static void *large_main(void *arg)
+{
+    struct large_state *st = arg;
+    const size_t under = PROTO_BULK_MAX - 64, field = 1u << 20;
+    char *fp = malloc(under), *val = malloc(field), hdr[256], in[512];
+    memset(fp, 'f', under);
+    memset(val, 'x', field);
+    while (!atomic_load(&stop_flag)) {
+        int fd = raw_connect(0, 10000);
+        if (fd < 0) {
+            large_bad(st, "connect", strerror(errno));
+            sleep_ms(10);
+            continue;
+        }
+        int h = snprintf(hdr, sizeof hdr,
+                         "*6\r\n$10\r\nIDEM.CLAIM\r\n$11\r\nlarge:%05ld\r\n$6\r\n600000\r\n"
+                         "$6\r\n600000\r\n$2\r\nFP\r\n$%zu\r\n",
+                         st->rounds % 100000, under);
+        int64_t t0 = now_ms();
+        if (send_all(fd, hdr, (size_t)h) || send_all(fd, fp, under) || send_all(fd, "\r\n", 2)) {
+            large_bad(st, "claim: send", strerror(errno));
+        } else if (large_answer(st, fd, in, sizeof in, 0, t0) == 0) {
+            large_bad(st, "claim", "(no answer within 10 s)");
+        } else if (strncmp(in, "*2\r\n$3\r\nnew", 11) == 0 ||
+                   strncmp(in, "*2\r\n$4\r\nbusy", 12) == 0) {
+            st->claims_ok++;
+            read_some(fd, in, sizeof in, 0, 1000, &(int){0}); /* the token's line */
+        } else {
+            large_bad(st, "claim", in);
+        }
+        h = snprintf(hdr, sizeof hdr, "*6\r\n$3\r\nSET\r\n$9\r\nlarge:set\r\n$%zu\r\n", field);
+        static const char tail[] =
+            "\r\n$2\r\nNX\r\n$2\r\nPX\r\n$5\r\n60000\r\n*1\r\n$4\r\nPING\r\n";
+        t0 = now_ms();
+        if (send_all(fd, hdr, (size_t)h) || send_all(fd, val, field) ||
+            send_all(fd, tail, sizeof tail - 1)) {
+            large_bad(st, "field: send", strerror(errno));
+        } else {
+            size_t got = 0;
+            for (int i = 0; i < 4 && !strstr(in, "+PONG\r\n"); i++) {
+                got += large_answer(st, fd, in + got, sizeof in - got, 0, t0);
+                if (got == 0) break;
+            }
+            if (strncmp(in, "-ERR", 4) == 0 && strstr(in, "too long") &&
+                strstr(in, "at most 65536") && strstr(in, "+PONG\r\n"))
+                st->fields_ok++;
+            else
+                large_bad(st, "field", got ? in : "(no answer within 10 s)");
+        }
+        rst_close(fd);
+        st->rounds++;
+    }
+    free(fp);
+    free(val);
+    return NULL;
+}
+
+/* Issue 5 (the 10,000-connection run): 48 slow readers kept the io budget exceeded, and a client
+ * sending a 4 MiB request was held back with them (its input made it "heavy"), neither read on
+ * nor parsed, for as long as they held the budget: not answered within 10 s. A client that is
+ * not itself a slow reader must be answered within 2 s while slow readers hold the budget; an
+ * oversized field is still discarded as it streams in and refused with its limit named. */
+Test(abuse, large_requests_starved_while_slow_readers_hold_the_budget, .timeout = 120)
+{
+    enum { N_LARGE = 2 };
+    const uint32_t budget = 8u << 20;
+    start_idemd_with(256, budget);
+    set_big_values();
+    struct slow_state slow = {.n = 16};
+    struct large_state large[N_LARGE] = {0};
+    pthread_t t_slow, t_large[N_LARGE];
+    atomic_store(&stop_flag, 0);
+    cr_assert(pthread_create(&t_slow, NULL, slow_main, &slow) == 0);
+    long long io = 0;
+    for (int64_t end = now_ms() + 10000; now_ms() < end && io <= budget; sleep_ms(50))
+        io = stat_fresh("io_buffer_bytes");
+    cr_assert_gt(io, budget, "the slow readers did not exceed the budget (%lld bytes)", io);
+    for (int i = 0; i < N_LARGE; i++)
+        cr_assert(pthread_create(&t_large[i], NULL, large_main, &large[i]) == 0);
+    long long io_min = io, io_peak = io;
+    for (int i = 0; i < 40; i++) { /* 4 s, the budget held by the slow readers all along */
+        sleep_ms(100);
+        io = stat_fresh("io_buffer_bytes");
+        io_min = io < io_min ? io : io_min;
+        io_peak = io > io_peak ? io : io_peak;
+    }
+    atomic_store(&stop_flag, 1);
+    for (int i = 0; i < N_LARGE; i++)
+        pthread_join(t_large[i], NULL);
+    pthread_join(t_slow, NULL);
+    for (int i = 0; i < N_LARGE; i++) {
+        fprintf(stderr,
+                "abuse: large[%d]: %ld rounds, %ld claims and %ld refused fields answered, %ld "
+                "wrong, slowest answer %lld ms%s%s; io_buffer_bytes %lld..%lld (budget %u)\n",
+                i, large[i].rounds, large[i].claims_ok, large[i].fields_ok, large[i].bad,
+                (long long)large[i].max_ms, large[i].bad ? "; last: " : "", large[i].last_bad,
+                io_min, io_peak, budget);
+        cr_expect_geq(large[i].rounds, 2, "large[%d]: only %ld rounds in 4 s", i, large[i].rounds);
+        cr_expect_eq(large[i].bad, 0, "large[%d]: %ld wrong; last: %s", i, large[i].bad,
+                     large[i].last_bad);
+        cr_expect_leq(large[i].max_ms, LATENCY_MAX_MS, "large[%d]: an answer took %lld ms", i,
+                      (long long)large[i].max_ms);
+    }
+}
+
+/* An idle connection keeps no input buffer (with 10,000 of them, 16 KiB each would hold a
+ * large part of the budget): 1000 connections that sent a PING each shed theirs, and answer the
+ * next PING; a request cut in two across the shedding is still answered. */
+Test(abuse, idle_connections_shed_their_input_buffers, .timeout = 60)
+{
+    enum { N = 1000 };
+    start_idemd(2048);
+    long long before = stat_fresh("io_buffer_bytes");
+    int *fds = calloc(N, sizeof *fds);
+    char in[64];
+    int eof, answered = 0;
+    for (int i = 0; i < N; i++) {
+        fds[i] = raw_connect(0, 5000);
+        cr_assert(fds[i] >= 0, "connection %d", i);
+        send_all(fds[i], "PING\r\n", 6);
+    }
+    for (int i = 0; i < N; i++)
+        answered += read_some(fds[i], in, sizeof in, 7, 5000, &eof) == 7;
+    cr_assert_eq(answered, N);
+    int half = raw_connect(0, 5000);
+    cr_assert(half >= 0);
+    send_all(half, "*2\r\n$4\r\nECHO\r\n$5\r\nhel", 21); /* a request cut in two */
+    long long io = -1;
+    int64_t t0 = now_ms();
+    while (now_ms() - t0 < 3000) {
+        io = stat_fresh("io_buffer_bytes");
+        if (io - before < N * 1024ll) break;
+        sleep_ms(20);
+    }
+    int64_t shed_ms = now_ms() - t0;
+    char echo[64];
+    send_all(half, "lo\r\n", 4);
+    size_t got = read_some(half, echo, sizeof echo, 11, 5000, &eof);
+    int pong = 0;
+    for (int i = 0; i < N; i += 10) {
+        send_all(fds[i], "PING\r\n", 6);
+        pong +=
+            read_some(fds[i], in, sizeof in, 7, 5000, &eof) == 7 && strcmp(in, "+PONG\r\n") == 0;
+    }
+    for (int i = 0; i < N; i++)
+        close(fds[i]);
+    free(fds);
+    close(half);
+    fprintf(stderr, "abuse: %d idle connections: io_buffer_bytes %lld before, %lld after %lld ms\n",
+            N, before, io, (long long)shed_ms);
+    cr_expect_lt(io - before, N * 1024ll,
+                 "%d idle connections still hold %lld bytes of buffers after %lld ms", N,
+                 io - before, (long long)shed_ms);
+    cr_expect(got == 11 && strcmp(echo, "$5\r\nhello\r\n") == 0,
+              "the request cut in two was not answered: %s", echo);
+    cr_expect_eq(pong, N / 10, "%d of %d idle connections answer PING after shedding", pong,
+                 N / 10);
+}
+
+struct trickle_state {
+    int fd;
+    long bytes;
+    int eof;
+};
+
+/* Reads a little every 100 ms: slow, but it reads. */
+static void *trickle_main(void *arg)
+{
+    struct trickle_state *st = arg;
+    char buf[4096];
+    while (!atomic_load(&stop_flag)) {
+        ssize_t n = recv(st->fd, buf, sizeof buf, MSG_DONTWAIT);
+        if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) {
+            st->eof = 1;
+            break;
+        }
+        if (n > 0) st->bytes += n;
+        sleep_ms(100);
+    }
+    return NULL;
+}
+
+/* Over the budget, every client that has left 64 KiB of replies unread for 2 s is closed, not
+ * only the worst of them (once the worst were gone the budget was no longer exceeded and the
+ * rest were kept); a client that reads, however slowly, is not closed, and a bystander is
+ * answered throughout. */
+Test(abuse, every_stalled_reader_over_the_budget_is_closed, .timeout = 60)
+{
+    enum { N = 12, BURST = 64 };
+    const uint32_t budget = 4u << 20;
+    start_idemd_with(256, budget);
+    set_big_values();
+    long long before = stat_fresh("connected_clients");
+    static char burst[BURST * 40];
+    size_t blen = 0;
+    for (int i = 0; i < BURST; i++)
+        blen += (size_t)snprintf(burst + blen, sizeof burst - blen,
+                                 "*2\r\n$3\r\nGET\r\n$5\r\nbig:%d\r\n", i % BIG_KEYS);
+    struct trickle_state trickle = {.fd = raw_connect(4096, 2000)};
+    cr_assert(trickle.fd >= 0);
+    cr_assert(send_all(trickle.fd, burst, blen) == 0);
+    int fds[N];
+    for (int i = 0; i < N; i++) {
+        fds[i] = raw_connect(4096, 2000);
+        cr_assert(fds[i] >= 0);
+        cr_assert(send_all(fds[i], burst, blen) == 0); /* and never read */
+    }
+    pthread_t t;
+    atomic_store(&stop_flag, 0);
+    cr_assert(pthread_create(&t, NULL, trickle_main, &trickle) == 0);
+    /* The replies pile up as fast as idemd makes them (slower under sanitizers). */
+    long long io = 0;
+    for (int64_t w0 = now_ms(); io <= budget && now_ms() - w0 < 3000; sleep_ms(50)) {
+        long long now_io = stat_fresh("io_buffer_bytes");
+        io = now_io > io ? now_io : io;
+    }
+    long long during = stat_fresh("connected_clients");
+    int64_t t0 = now_ms();
+    long long clients = during;
+    int64_t worst_ping = 0;
+    redisContext *by = connect_unix();
+    cr_assert(by && !by->err);
+    while (now_ms() - t0 < 8000 && clients > before + 2) { /* + the trickling one and by */
+        int64_t p0 = now_ms();
+        redisReply *r = redisCommand(by, "PING");
+        cr_assert(r && r->type == REDIS_REPLY_STATUS, "the bystander is not answered");
+        freeReplyObject(r);
+        worst_ping = now_ms() - p0 > worst_ping ? now_ms() - p0 : worst_ping;
+        clients = stat_fresh("connected_clients");
+        sleep_ms(100);
+    }
+    int64_t closed_ms = now_ms() - t0;
+    sleep_ms(2500); /* another stall period: the trickling reader is kept */
+    atomic_store(&stop_flag, 1);
+    pthread_join(t, NULL);
+    redisFree(by);
+    int eofs = 0;
+    for (int i = 0; i < N; i++) {
+        char buf[65536];
+        int eof = 0;
+        while (read_some(fds[i], buf, sizeof buf, sizeof buf, 2000, &eof) > 0 && !eof)
+            ;
+        eofs += eof;
+        close(fds[i]);
+    }
+    close(trickle.fd);
+    fprintf(stderr,
+            "abuse: %d stalled readers, budget %u (io_buffer_bytes %lld): connected_clients %lld "
+            "before, %lld with them, %lld after %lld ms; %d saw EOF; the trickling reader read "
+            "%ld bytes, %s; bystander PING at most %lld ms\n",
+            N, budget, io, before, during, clients, (long long)closed_ms, eofs, trickle.bytes,
+            trickle.eof ? "closed" : "kept", (long long)worst_ping);
+    cr_expect_gt(io, budget, "the stalled readers did not exceed the budget (%lld bytes)", io);
+    cr_expect_eq(clients, before + 2,
+                 "%lld clients left (before %lld, plus the trickling one and the bystander)",
+                 clients, before);
+    cr_expect_eq(eofs, N, "%d of %d stalled readers were closed", eofs, N);
+    cr_expect(!trickle.eof, "a client that reads slowly was closed");
+    cr_expect_leq(worst_ping, LATENCY_MAX_MS);
 }
 
 #else

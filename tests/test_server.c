@@ -450,6 +450,98 @@ Test(server, prometheus_endpoint_counts_outcomes_and_flushes, .init = start_metr
     redisFree(c);
 }
 
+/* An IDEM.STATS value by name; -1 if absent. */
+static long long stat_value(redisContext *c, const char *name)
+{
+    redisReply *r = cmd(c, "IDEM.STATS");
+    long long v = -1;
+    for (size_t i = 0; r->type == REDIS_REPLY_ARRAY && i + 1 < r->elements; i += 2)
+        if (strcmp(r->element[i]->str, name) == 0) v = r->element[i + 1]->integer;
+    freeReplyObject(r);
+    return v;
+}
+
+/* The value of an exposition line that starts with `series ` (e.g. `idem_x_count`); -1 if none. */
+static long long scraped(const char *body, const char *series)
+{
+    char want[128];
+    snprintf(want, sizeof want, "\n%s ", series);
+    const char *p = strstr(body, want);
+    return p ? strtoll(p + strlen(want), NULL, 10) : -1;
+}
+
+/* The claim-latency histogram (issue 3: "histograms for flush and claim latency"): every
+ * IDEM.CLAIM answered by the store counts once, from parse to reply, whatever its outcome; WAIT
+ * claims (their time is the wait), SET NX and refused claims do not. IDEM.STATS and INFO idem
+ * carry the raw buckets (bucket i: under 2^(i+4) us, the last the rest), the endpoint a
+ * Prometheus histogram whose buckets are cumulative and whose +Inf bucket is the count; the sum
+ * lies between the bounds the buckets allow. */
+Test(server, claim_latency_histogram_counts_claims, .init = start_metrics)
+{
+    redisContext *c = connect_tcp(), *admin = connect_unix();
+    cr_assert_eq(stat_value(admin, "claim_latency_us_count"), 0);
+    cr_assert_eq(stat_value(admin, "claim_latency_us_sum"), 0);
+    enum { N = 40 };
+    long long tok = 0;
+    for (int i = 0; i < N / 2; i++) {
+        cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM lat:%d 60000 60000", i), &tok), "new");
+        expect_status(cmd(c, "IDEM.COMMIT lat:%d %lld r", i, tok), "OK");
+        cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM lat:%d 60000 60000", i), NULL), "done");
+    }
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM held 60000 60000"), NULL), "new");
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM held 60000 60000 WAIT 20"), NULL), "busy");
+    expect_status(cmd(c, "SET lat:set v NX PX 60000"), "OK");
+    expect_error(cmd(c, "IDEM.CLAIM lat:bad x 60000"), "ERR");
+    long long count = stat_value(admin, "claim_latency_us_count");
+    long long sum = stat_value(admin, "claim_latency_us_sum");
+    cr_expect_eq(count, N + 1, "claims counted: %lld, want %d (WAIT, SET NX, refused left out)",
+                 count, N + 1);
+    cr_expect_gt(sum, 0, "sync claims wait for a flush: the sum cannot be 0");
+    long long in_buckets = 0, low = 0, high = 0;
+    for (int i = 0; i < 16; i++) {
+        char name[64];
+        snprintf(name, sizeof name, "claim_latency_us_bucket_%d", i);
+        long long n = stat_value(admin, name);
+        cr_assert_geq(n, 0, "%s missing", name);
+        in_buckets += n;
+        low += n * (i == 0 ? 0 : 1ll << (i + 3));
+        high = high < 0 || (i == 15 && n > 0) ? -1 : high + n * (1ll << (i + 4));
+    }
+    cr_expect_eq(in_buckets, count, "the buckets hold %lld, the count is %lld", in_buckets, count);
+    cr_expect_geq(sum, low, "sum %lld under what the buckets allow (%lld)", sum, low);
+    if (high >= 0) cr_expect_leq(sum, high, "sum %lld over what the buckets allow", sum);
+
+    redisReply *info = cmd(admin, "INFO idem");
+    char want[64];
+    snprintf(want, sizeof want, "\r\nclaim_latency_us_count:%lld\r\n", count);
+    cr_expect(info->type == REDIS_REPLY_STRING && strstr(info->str, want), "INFO idem: %s",
+              info->str);
+    freeReplyObject(info);
+
+    static char body[1 << 16];
+    scrape(body, sizeof body);
+    cr_assert(strstr(body, "\n# TYPE idem_claim_latency_us histogram\n"), "%s", body);
+    long long prev = 0;
+    for (int i = 0; i < 16; i++) {
+        char series[80];
+        if (i < 15)
+            snprintf(series, sizeof series, "idem_claim_latency_us_bucket{le=\"%lld\"}",
+                     1ll << (i + 4));
+        else
+            snprintf(series, sizeof series, "idem_claim_latency_us_bucket{le=\"+Inf\"}");
+        long long v = scraped(body, series);
+        cr_expect_geq(v, prev, "%s is %lld, below the bucket before it (%lld)", series, v, prev);
+        prev = v;
+    }
+    cr_expect_eq(prev, count, "the +Inf bucket is %lld, the count %lld", prev, count);
+    cr_expect_eq(scraped(body, "idem_claim_latency_us_count"), count);
+    cr_expect_eq(scraped(body, "idem_claim_latency_us_sum"), sum);
+    cr_expect(!strstr(body, "idem_claim_latency_us_bucket_"), "raw buckets leaked: %s", body);
+    cr_expect(!strstr(body, "idem_claim_latency_us_count_total"), "count as a counter: %s", body);
+    redisFree(c);
+    redisFree(admin);
+}
+
 static void start_noclock(void)
 {
     with_test_clock = 0;

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 # Helper of bench/server/run.sh: computes percentiles (pgbench per-transaction logs, idemd flush
-# latency histograms scraped before and after a run) and prints the report of a run: the table of
-# ops/s, p50 and p99 per system and mode, the ratios at equal durability, memory per key, and
-# which targets of the server benchmark hold. Standard library only.
+# and claim latency histograms scraped before and after a run) and prints the report of a run:
+# the table of ops/s, p50 and p99 per system and mode, the ratios at equal durability, memory per
+# key, and which targets of the server benchmark hold. Standard library only.
 import statistics
 import sys
 
@@ -27,19 +27,19 @@ def cmd_pglog(paths):
     print("%.3f %.3f %d" % (pct(vals, 0.50) / 1000.0, pct(vals, 0.99) / 1000.0, len(vals)))
 
 
-def read_hist(path):
-    """idem_flush_latency_us buckets (cumulative, le upper bound, +Inf as None) and count."""
+def read_hist(path, name="flush_latency_us"):
+    """idem_<name> buckets (cumulative, le upper bound, +Inf as None)."""
     buckets = []
     with open(path) as f:
         for line in f:
-            if line.startswith("idem_flush_latency_us_bucket"):
+            if line.startswith("idem_%s_bucket" % name):
                 le = line.split('le="')[1].split('"')[0]
                 buckets.append((None if le == "+Inf" else int(le), int(line.split()[-1])))
     return buckets
 
 
 def hist_quantile(before, after, q):
-    """Quantile of the flushes between two scrapes, linear inside a power-of-two bucket."""
+    """Quantile of what was counted between two scrapes, linear inside a power-of-two bucket."""
     deltas = [(le, a - b) for (le, a), (_, b) in zip(after, before)]  # cumulative deltas
     total = deltas[-1][1]
     if total <= 0:
@@ -57,8 +57,12 @@ def hist_quantile(before, after, q):
     return float(prev_le), total
 
 
-def cmd_flush(before, after):
-    b, a = read_hist(before), read_hist(after)
+def cmd_hist(before, after, name):
+    """p50 p99 (us) and count of histogram idem_<name> between two scrapes."""
+    b, a = read_hist(before, name), read_hist(after, name)
+    if not a or len(a) != len(b):
+        print("nan nan 0")
+        return
     p50, n = hist_quantile(b, a, 0.50)
     p99, _ = hist_quantile(b, a, 0.99)
     print("%.0f %.0f %d" % (p50, p99, n))
@@ -139,6 +143,8 @@ def cmd_report(outdir):
             "flush_p99": med([float(r["extra"].get("flush_p99_us", "nan")) for r in ok]),
             "rec_per_flush": med([float(r["extra"].get("rec_per_flush", "nan")) for r in ok]),
             "unanswered": sum(int(r["extra"].get("unanswered", "0")) for r in ok),
+            "max": max([float(r["extra"].get("max_ms", "nan")) for r in ok] or [float("nan")]),
+            "ckpts": sum(int(r["extra"].get("checkpoints", "0")) for r in ok),
             "load": med([float(r.get("load1", "nan")) for r in rs]),
         }
         agg[key] = a
@@ -153,8 +159,8 @@ def cmd_report(outdir):
           meta.get("clients", "?"), meta.get("pg_clients", "?"), meta.get("keyspace", "?"),
           meta.get("idemd_version", "?")))
     w("")
-    w("| system | mode | command | pipeline | ops/s | p50 ms | p99 ms | runs | requests | flush p50/p99 us | records/flush | load1 |")
-    w("|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+    w("| system | mode | command | pipeline | ops/s | p50 ms | p99 ms | max ms | runs | requests | flush p50/p99 us | records/flush | checkpoints | load1 |")
+    w("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|")
     for key in order:
         s, m, c, p = key
         a = agg[key]
@@ -162,9 +168,15 @@ def cmd_report(outdir):
         if a["flush_p99"] == a["flush_p99"]:
             fl = "%s / %s" % (fnum(a["flush_p50"]), fnum(a["flush_p99"]))
         runs = str(a["reps"]) + (" (+%d failed)" % a["failed"] if a["failed"] else "")
-        w("| %s | %s | %s | %d | %s | %s | %s | %s | %s | %s | %s | %s |" % (
-            s, m, c, p, fnum(a["ops"]), fnum(a["p50"], 3), fnum(a["p99"], 3), runs,
-            fnum(a["n"]), fl, fnum(a["rec_per_flush"], 1), fnum(a["load"], 1)))
+        ck = str(a["ckpts"]) if s == "idemd" else "-"
+        w("| %s | %s | %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+            s, m, c, p, fnum(a["ops"]), fnum(a["p50"], 3), fnum(a["p99"], 3),
+            fnum(a["max"], 1), runs, fnum(a["n"]), fl, fnum(a["rec_per_flush"], 1), ck,
+            fnum(a["load"], 1)))
+    w("")
+    w("checkpoints: store checkpoints taken during the runs. A checkpoint pauses the store "
+      "while it writes the whole index (seconds at millions of keys), so a run that contains "
+      "one is slower and its max latency shows the pause; compare such runs with care.")
     w("")
     w("Figures with several runs are medians of the runs (p99 too). ops/s counts statements: a "
       "pgbench pipeline of 32 inserts counts 32. Latency is per request for redis-benchmark "
@@ -283,12 +295,15 @@ def cmd_report(outdir):
 
 def main():
     if len(sys.argv) < 2:
-        sys.exit("usage: report.py pglog FILE... | flush BEFORE AFTER | report OUTDIR")
+        sys.exit("usage: report.py pglog FILE... | flush BEFORE AFTER | claim BEFORE AFTER | "
+                 "report OUTDIR")
     c = sys.argv[1]
     if c == "pglog":
         cmd_pglog(sys.argv[2:])
     elif c == "flush":
-        cmd_flush(sys.argv[2], sys.argv[3])
+        cmd_hist(sys.argv[2], sys.argv[3], "flush_latency_us")
+    elif c == "claim":
+        cmd_hist(sys.argv[2], sys.argv[3], "claim_latency_us")
     elif c == "report":
         cmd_report(sys.argv[2])
     else:

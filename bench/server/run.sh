@@ -4,14 +4,16 @@
 #   - idemd and Redis: redis-benchmark, 50 clients, pipeline 1 and 32, random keys (-r):
 #     `SET key:<rand> v NX PX 86400000` on both, and `IDEM.CLAIM key:<rand> 86400000 30000` on
 #     idemd; Redis with appendonly no / appendfsync everysec / appendfsync always, idemd with
-#     --durability none / batch / sync.
+#     --durability none / batch / sync, each idemd command on a fresh server (see run_idemd).
 #   - PostgreSQL: pgbench, 16 clients, `INSERT INTO idem(k) VALUES (:key) ON CONFLICT DO NOTHING
 #     RETURNING k` with a random key, -M prepared, one insert per script (pipeline 1) or 32 in a
 #     \startpipeline ... \endpipeline block (pipeline 32), synchronous_commit on and off.
 #   - Memory per key: idemd anonymous memory (smaps_rollup) and RSS before/after loading N keys
 #     with SET NX; Redis used_memory (INFO memory) and RSS likewise; PostgreSQL table + index size
 #     per row at the end.
-#   - idemd flush latency from its Prometheus histogram, scraped before and after each run.
+#   - idemd flush latency, and its own claim latency (IDEM.CLAIM, parsed to reply), from its
+#     Prometheus histograms scraped before and after each run, and the store checkpoints taken
+#     during each run (a checkpoint pauses the store: see the report's note).
 # Prints ops/s, p50, p99 per system and mode, ratios at equal durability, memory per key and the
 # targets; raw outputs are kept in the results directory.
 #
@@ -139,6 +141,15 @@ wait_ping() { # port pid
         sleep 0.1
     done
 }
+# idemd answers PING while it recovers its store (everything else gets -LOADING): wait for the end.
+wait_loaded() { # port pid
+    local i=0
+    until redis-cli -p "$1" INFO persistence 2>/dev/null | tr -d '\r' | grep -q '^loading:0$'; do
+        kill -0 "$2" 2>/dev/null || { log "server pid $2 died while loading"; return 1; }
+        i=$((i + 1)); [ $i -lt 600 ] || { log "server on port $1 still loading after 60s"; return 1; }
+        sleep 0.1
+    done
+}
 smaps_anon() { awk '/^Anonymous:/ {print $2 * 1024}' "/proc/$1/smaps_rollup"; }
 rss_bytes() { awk '/^VmRSS:/ {print $2 * 1024}' "/proc/$1/status"; }
 info_field() { redis-cli -p "$1" INFO "$2" | tr -d '\r' | awk -F: -v k="$3" '$1 == k {print $2}'; }
@@ -162,10 +173,11 @@ sed 's/^/  /' "$OUT/meta.txt" >&2
 
 # ------------------------------------------------------------------ redis-benchmark runs
 # rb_once TAG PORT PIPELINE N CMD...: one redis-benchmark run; sets RB_OPS RB_P50 RB_P99 RB_AVG
+# RB_MAX
 rb_once() {
     local tag=$1 port=$2 p=$3 n=$4; shift 4
     local f=$OUT/raw/$tag.csv
-    RB_OPS=""; RB_P50=""; RB_P99=""; RB_AVG=""
+    RB_OPS=""; RB_P50=""; RB_P99=""; RB_AVG=""; RB_MAX=""
     if ! timeout $((SECS * 6 + 120)) redis-benchmark -h 127.0.0.1 -p "$port" -c "$CLIENTS" -P "$p" \
         -n "$n" -r "$KEYSPACE" --csv "$@" >"$f" 2>"$OUT/raw/$tag.err"; then
         log "redis-benchmark $tag failed or timed out (status $?)"
@@ -177,6 +189,7 @@ rb_once() {
     # "test","rps","avg","min","p50","p95","p99","max"
     RB_OPS=$(echo "$line" | awk -F'","' '{print $2}')
     RB_AVG=$(echo "$line" | awk -F'","' '{print $3}')
+    RB_MAX=$(echo "$line" | awk -F'","' '{print $8}' | tr -d '"')
     RB_P50=$(echo "$line" | awk -F'","' '{print $5}')
     RB_P99=$(echo "$line" | awk -F'","' '{print $7}')
 }
@@ -195,10 +208,11 @@ rb_series() {
     n=$(python3 -c "print(max($probe_n, min(50000000, int(float('$RB_OPS') * $SECS))))")
     local r
     for r in $(seq 1 "$reps"); do
-        local before="" after="" extra="" flushinfo=""
+        local before="" after="" extra="" flushinfo="" ckpt0=0
         if [ "$sys" = idemd ]; then
             curl -s "http://127.0.0.1:$IDEM_MPORT/" >"$OUT/raw/$tag-r$r.metrics.before" || true
             before=$(idem_answered "$port")
+            ckpt0=$(info_field "$port" idem checkpoints)
         fi
         local l0 ok=1
         l0=$(load1)
@@ -224,12 +238,17 @@ rb_series() {
             # than n would mean requests idemd did not count
             local ans=$((after - before)) miss=0
             [ $ans -ge "$n" ] || { miss=$((n - ans)); log "idemd counted $ans answers for $n requests"; }
-            extra="flush_p50_us=$fp50;flush_p99_us=$fp99;flushes=$fn;rec_per_flush=$rpf;answered=$ans;unanswered=$miss"
+            local cp50 cp99 cn ckpts
+            read -r cp50 cp99 cn < <(python3 "$HERE/report.py" claim "$OUT/raw/$tag-r$r.metrics.before" "$OUT/raw/$tag-r$r.metrics.after")
+            ckpts=$(($(info_field "$port" idem checkpoints) - ckpt0))
+            extra="flush_p50_us=$fp50;flush_p99_us=$fp99;flushes=$fn;rec_per_flush=$rpf;answered=$ans;unanswered=$miss;checkpoints=$ckpts"
+            [ "${cn:-0}" -gt 0 ] && extra="$extra;claim_p50_us=$cp50;claim_p99_us=$cp99"
         fi
+        [ $ok = 1 ] && extra="max_ms=$RB_MAX${extra:+;$extra}"
         if [ $ok = 1 ]; then
             printf '%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\t%s\n' "$sys" "$mode" "$cname" "$p" "$r" "$n" \
                 "$RB_OPS" "$RB_P50" "$RB_P99" "$RB_AVG" "$l0" "$extra" >>"$RES"
-            log "  -> $RB_OPS ops/s, p50 $RB_P50 ms, p99 $RB_P99 ms ${flushinfo:+(flush p50/p99/count $flushinfo)}"
+            log "  -> $RB_OPS ops/s, p50 $RB_P50 ms, p99 $RB_P99 ms, max $RB_MAX ms ${flushinfo:+(flush p50/p99/count $flushinfo)}"
         else
             printf '%s\t%s\t%s\t%s\t%s\t%s\tnan\tnan\tnan\tnan\t%s\t%s\n' "$sys" "$mode" "$cname" "$p" "$r" "$n" \
                 "$l0" "${extra:-failed=client}" >>"$RES"
@@ -247,53 +266,72 @@ SETNX=(SET 'key:__rand_int__' v NX PX 86400000)
 CLAIM=(IDEM.CLAIM 'key:__rand_int__' 86400000 30000)
 
 # ------------------------------------------------------------------ idemd
+# idemd_start MODE TAG: a fresh idemd on its own directory; sets IDEM_PORT IDEM_PID IDEM_MPORT
+idemd_start() {
+    local mode=$1 tag=$2 dir=$TMP/idemd-$1-$2
+    mkdir -p "$dir"
+    IDEM_PORT=$(free_port)
+    IDEM_MPORT=$(free_port)
+    "$IDEMD" --dir "$dir" --socket "" --bind 127.0.0.1 --port "$IDEM_PORT" \
+        --metrics-listen "127.0.0.1:$IDEM_MPORT" --durability "$mode" $IDEMD_ARGS >"$OUT/raw/idemd-$mode-$tag.log" 2>&1 &
+    IDEM_PID=$!
+    PIDS+=("$IDEM_PID")
+    wait_ping "$IDEM_PORT" "$IDEM_PID"
+    wait_loaded "$IDEM_PORT" "$IDEM_PID"
+    log "idemd --durability $mode ($tag) pid $IDEM_PID port $IDEM_PORT"
+}
+
+idemd_stop() { # MODE TAG
+    redis-cli -p "$IDEM_PORT" INFO idem | tr -d '\r' >"$OUT/raw/idemd-$1-$2.info" 2>/dev/null || true
+    stop_pid "$IDEM_PID" 120
+    forget_pid "$IDEM_PID"
+    grep -E 'level=(warn|error|fatal)' "$OUT/raw/idemd-$1-$2.log" | head -5 >&2 || true
+}
+
+# Memory per key, on a server of its own (durability none).
+run_idemd_memory() {
+    idemd_start none memory
+    local pid=$IDEM_PID port=$IDEM_PORT
+    sleep 0.5
+    local a0 r0 a1 r1 k
+    a0=$(smaps_anon "$pid"); r0=$(rss_bytes "$pid")
+    log "idemd: loading $MEMKEYS keys (SET NX, pipeline 32) for memory per key"
+    timeout 600 redis-benchmark -h 127.0.0.1 -p "$port" -c "$CLIENTS" -P 32 -n "$MEMKEYS" -r "$KEYSPACE" \
+        --csv "${SETNX[@]}" >"$OUT/raw/idemd-memload.csv" 2>"$OUT/raw/idemd-memload.err" || log "idemd memory load failed"
+    sleep 1
+    a1=$(smaps_anon "$pid"); r1=$(rss_bytes "$pid")
+    k=$(info_field "$port" idem keys)
+    {
+        echo "idemd_keys=$k"
+        echo "idemd_anon_before=$a0"; echo "idemd_anon_after=$a1"; echo "idemd_anon_delta=$((a1 - a0))"
+        echo "idemd_rss_before=$r0"; echo "idemd_rss_after=$r1"; echo "idemd_rss_delta=$((r1 - r0))"
+        echo "idemd_memory_bytes=$(info_field "$port" idem memory_bytes)"
+        awk '/^RssFile:/ {print "idemd_rssfile_after=" $2 * 1024}' "/proc/$pid/status"
+    } >>"$MEM"
+    log "idemd: $k keys, anonymous +$((a1 - a0)) B, RSS +$((r1 - r0)) B"
+    idemd_stop none memory
+}
+
+# Each command on a fresh server per mode: the store checkpoints every few million records and
+# pauses while it does (seconds at millions of keys), so runs on one growing store would meet
+# those pauses at different sizes and compare the commands unfairly.
 run_idemd() {
-    local mode
+    run_idemd_memory
+    local mode cname
     for mode in none batch sync; do
-        local dir=$TMP/idemd-$mode port
-        mkdir -p "$dir"
-        port=$(free_port)
-        IDEM_MPORT=$(free_port)
-        "$IDEMD" --dir "$dir" --socket "" --bind 127.0.0.1 --port "$port" \
-            --metrics-listen "127.0.0.1:$IDEM_MPORT" --durability "$mode" $IDEMD_ARGS >"$OUT/raw/idemd-$mode.log" 2>&1 &
-        local pid=$!
-        PIDS+=("$pid")
-        wait_ping "$port" "$pid"
-        log "idemd --durability $mode pid $pid port $port"
-        if [ "$mode" = none ]; then
-            sleep 0.5
-            local a0 r0 a1 r1 k
-            a0=$(smaps_anon "$pid"); r0=$(rss_bytes "$pid")
-            log "idemd: loading $MEMKEYS keys (SET NX, pipeline 32) for memory per key"
-            timeout 600 redis-benchmark -h 127.0.0.1 -p "$port" -c "$CLIENTS" -P 32 -n "$MEMKEYS" -r "$KEYSPACE" \
-                --csv "${SETNX[@]}" >"$OUT/raw/idemd-memload.csv" 2>"$OUT/raw/idemd-memload.err" || log "idemd memory load failed"
-            sleep 1
-            a1=$(smaps_anon "$pid"); r1=$(rss_bytes "$pid")
-            k=$(info_field "$port" idem keys)
-            {
-                echo "idemd_keys=$k"
-                echo "idemd_anon_before=$a0"; echo "idemd_anon_after=$a1"; echo "idemd_anon_delta=$((a1 - a0))"
-                echo "idemd_rss_before=$r0"; echo "idemd_rss_after=$r1"; echo "idemd_rss_delta=$((r1 - r0))"
-                echo "idemd_memory_bytes=$(info_field "$port" idem memory_bytes)"
-                awk '/^RssFile:/ {print "idemd_rssfile_after=" $2 * 1024}' "/proc/$pid/status"
-            } >>"$MEM"
-            log "idemd: $k keys, anonymous +$((a1 - a0)) B, RSS +$((r1 - r0)) B"
-        fi
-        local cname p ok=1
         for cname in "SET NX" "IDEM.CLAIM"; do
             local -a cmd
-            if [ "$cname" = "SET NX" ]; then cmd=("${SETNX[@]}"); else cmd=("${CLAIM[@]}"); fi
+            local tag p ok=1
+            if [ "$cname" = "SET NX" ]; then cmd=("${SETNX[@]}"); tag=setnx; else cmd=("${CLAIM[@]}"); tag=claim; fi
+            idemd_start "$mode" "$tag"
             for p in 1 32; do
                 local reps=1
                 [ $p = 1 ] && reps=$REPS
-                rb_series idemd "$mode" "$cname" "$port" "$pid" "$p" "$reps" "${cmd[@]}" || { ok=0; break 2; }
+                rb_series idemd "$mode" "$cname" "$IDEM_PORT" "$IDEM_PID" "$p" "$reps" "${cmd[@]}" || { ok=0; break; }
             done
+            idemd_stop "$mode" "$tag"
+            [ $ok = 1 ] || log "idemd --durability $mode ($tag): runs stopped early (server gone)"
         done
-        redis-cli -p "$port" INFO idem | tr -d '\r' >"$OUT/raw/idemd-$mode.info" 2>/dev/null || true
-        stop_pid "$pid" 120
-        forget_pid "$pid"
-        grep -E 'level=(warn|error|fatal)' "$OUT/raw/idemd-$mode.log" | head -5 >&2 || true
-        [ $ok = 1 ] || log "idemd --durability $mode: runs stopped early (server gone)"
     done
 }
 

@@ -79,6 +79,17 @@ int cmd_stats_list(srv *s, cmd_stat *out, int max)
     STAT("total_commands", s->total_commands);
     STAT("rejected_connections", s->rejected_connections);
     STAT("io_buffer_bytes", s->io_used);
+    STAT("claim_latency_us_count", s->claim_latencies);
+    STAT("claim_latency_us_sum", s->claim_latency_us_sum);
+    static const char *const claim_buckets[SRV_LAT_BUCKETS] = {
+        "claim_latency_us_bucket_0",  "claim_latency_us_bucket_1",  "claim_latency_us_bucket_2",
+        "claim_latency_us_bucket_3",  "claim_latency_us_bucket_4",  "claim_latency_us_bucket_5",
+        "claim_latency_us_bucket_6",  "claim_latency_us_bucket_7",  "claim_latency_us_bucket_8",
+        "claim_latency_us_bucket_9",  "claim_latency_us_bucket_10", "claim_latency_us_bucket_11",
+        "claim_latency_us_bucket_12", "claim_latency_us_bucket_13", "claim_latency_us_bucket_14",
+        "claim_latency_us_bucket_15"};
+    for (int i = 0; i < SRV_LAT_BUCKETS; i++) /* as the flush buckets; IDEM.CLAIM, WAIT left out */
+        STAT(claim_buckets[i], s->claim_latency_us_buckets[i]);
 #undef STAT
     return n;
 }

@@ -10,8 +10,19 @@
  *
  * Invariants: replies leave a connection in request order (server.h); a connection's struct
  * lives until the engine has delivered every completion it owes it (engine_due), even after its
- * socket is closed; the total of input and output buffers (io_used) is bounded by the budget:
- * past it, the heaviest connections stop being read until it falls to three quarters.
+ * socket is closed; the total of input and output buffers (io_used) is bounded by the budget.
+ *
+ * Past the budget (buffers plus the replies still owed), each client is held back for what it
+ * holds itself, so that slow readers holding the budget starve nobody else:
+ *   - a slow reader (SRV_HEAVY_BYTES of replies unread or owed) is neither read nor parsed until
+ *     it reads them, and one that has read nothing for SRV_STALL_MS is closed;
+ *   - a large request (SRV_HEAVY_BYTES unparsed) needs an admission to be read on: big_slots()
+ *     of them at once, the others wait in arrival order (a ticket each), so large requests go
+ *     on one after another; while others wait, an admission lasts SRV_STALL_MS, then the
+ *     client goes back in line (a client trickling a large request holds no one up for long);
+ *   - everyone else is read and parsed as usual, and a whole request is always parsed (that is
+ *     what frees its input).
+ * Once the pressure falls to three quarters of the budget, everyone is read again.
  */
 #include "server.h"
 
@@ -24,8 +35,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/sockios.h>
 #include <sys/epoll.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -50,6 +63,15 @@ int64_t srv_now_ms(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* The loop's clock: read twice a turn (when its events come, and before completions become
+ * replies), never per request. */
+static void clock_tick(srv *s)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    s->now_us = (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
 static void ep_add(srv *s, int fd, uint64_t tag, uint32_t events)
@@ -102,6 +124,10 @@ static void conn_free(srv *s, srv_conn *c)
 static void conn_close(srv *s, srv_conn *c, const char *why)
 {
     if (c->fd < 0) return;
+    if (c->big_admitted) s->big_admitted--;
+    if (c->paused == PAUSE_INPUT) s->big_waiting--;
+    c->big_admitted = 0;
+    c->paused = PAUSE_NONE;
     srv_log("info", "disconnect", "id=%llu peer=%s reason=%s", (unsigned long long)c->id, c->peer,
             why);
     epoll_ctl(s->epfd, EPOLL_CTL_DEL, c->fd, NULL);
@@ -299,6 +325,21 @@ void srv_submit_op(srv *s, srv_conn *c, uint32_t seq, int kind, idem_op *op)
             s->wait_due++;
         }
     }
+    /* Claim latency: from this turn's clock; a WAIT's time is mostly its wait, left out. */
+    slot_of(c, seq)->timed = kind == RK_CLAIM && !slot_of(c, seq)->is_wait;
+    slot_of(c, seq)->parsed_us = s->now_us;
+}
+
+/* Counts the latency of a claim answered now (srv.claim_latency_us_*). */
+static void claim_latency_add(srv *s, const srv_slot *sl)
+{
+    uint64_t us = s->now_us > sl->parsed_us ? (uint64_t)(s->now_us - sl->parsed_us) : 0;
+    int b = 0;
+    while (b < SRV_LAT_BUCKETS - 1 && us >= (1ull << (b + 4)))
+        b++;
+    s->claim_latency_us_buckets[b]++;
+    s->claim_latency_us_sum += us;
+    s->claim_latencies++;
 }
 
 void srv_flush_ops(srv *s)
@@ -365,10 +406,91 @@ static int conn_read(srv *s, srv_conn *c)
     return 0;
 }
 
-static int conn_over_budget(const srv *s, const srv_conn *c)
+/* ---- the budget (see the head of this file) ---- */
+
+/* What the budget bounds: all buffers, and the replies still owed to requests being answered. */
+static uint64_t budget_pressure(const srv *s)
 {
-    return s->cfg.io_budget_bytes && s->io_used > s->cfg.io_budget_bytes &&
-           c->io_bytes >= SRV_HEAVY_BYTES;
+    return s->io_used + s->owed_total;
+}
+
+static int over_budget(const srv *s)
+{
+    return s->cfg.io_budget_bytes && budget_pressure(s) > s->cfg.io_budget_bytes;
+}
+
+/* The replies c has not read yet and those its outstanding requests will add. */
+static uint64_t conn_out_weight(const srv_conn *c)
+{
+    return c->out.len - c->out_off + c->owed;
+}
+
+/* Input not parsed yet: past SRV_HEAVY_BYTES, a large request on its way in (a client whose
+ * pipeline is full is not read at that size: see conn_update_events). */
+static size_t conn_in_pending(const srv_conn *c)
+{
+    return c->in_len - c->in_start;
+}
+
+/* Large requests read at once over the budget: a quarter of the budget in whole input buffers,
+ * at least one, so that they go on whatever holds the rest. */
+static uint32_t big_slots(const srv *s)
+{
+    uint64_t n = s->cfg.io_budget_bytes / 4 / SRV_IN_BUF_MAX;
+    return n == 0 ? 1 : n > UINT32_MAX ? UINT32_MAX : (uint32_t)n;
+}
+
+static void conn_pause(srv *s, srv_conn *c, int why)
+{
+    if (c->paused) return;
+    c->paused = why;
+    if (why == PAUSE_INPUT) {
+        c->big_ticket = ++s->big_tickets;
+        s->big_waiting++;
+    }
+    srv_log("warn", "budget_pause", "id=%llu why=%s out=%llu in=%zu used=%llu",
+            (unsigned long long)c->id, why == PAUSE_INPUT ? "large_request" : "unread_replies",
+            (unsigned long long)conn_out_weight(c), conn_in_pending(c),
+            (unsigned long long)budget_pressure(s));
+    conn_update_events(s, c);
+}
+
+static void conn_unpause(srv *s, srv_conn *c)
+{
+    if (c->paused == PAUSE_INPUT) s->big_waiting--;
+    c->paused = PAUSE_NONE;
+    conn_update_events(s, c);
+}
+
+static void big_admit(srv *s, srv_conn *c)
+{
+    if (c->big_admitted) return;
+    if (c->paused == PAUSE_INPUT) conn_unpause(s, c);
+    c->big_admitted = 1;
+    c->big_admitted_ms = srv_now_ms();
+    s->big_admitted++;
+}
+
+/* An admitted client gives its admission up once its large request is parsed. */
+static void big_release(srv *s, srv_conn *c)
+{
+    if (!c->big_admitted || conn_in_pending(c) >= SRV_HEAVY_BYTES) return;
+    c->big_admitted = 0;
+    s->big_admitted--;
+}
+
+/* Before a read: over the budget, a client is held back only for what it holds itself. */
+static void budget_check(srv *s, srv_conn *c)
+{
+    if (c->paused || !over_budget(s)) return;
+    if (conn_out_weight(c) >= SRV_HEAVY_BYTES) {
+        conn_pause(s, c, PAUSE_OUTPUT); /* its requests would only wait unparsed */
+    } else if (conn_in_pending(c) >= SRV_HEAVY_BYTES && !c->big_admitted) {
+        if (s->big_waiting == 0 && s->big_admitted < big_slots(s))
+            big_admit(s, c);
+        else
+            conn_pause(s, c, PAUSE_INPUT);
+    }
 }
 
 static int engine_room(const srv *s)
@@ -397,10 +519,10 @@ static int conn_may_parse(srv *s, srv_conn *c)
     /* As Redis, a client may pipeline far ahead of reading its replies: they collect in its
      * output, up to --client-output-max (replies still owed count at the largest reply it has
      * had). Past half the global budget the allowance shrinks to SRV_OWED_TIGHT, and past the
-     * budget heavy clients are held back altogether. */
-    if (conn_over_budget(s, c)) return 0;
-    uint64_t owed = c->out.len - c->out_off + c->owed;
-    uint64_t pressure = s->io_used + s->owed_total;
+     * budget to SRV_HEAVY_BYTES. Input never holds parsing back: parsing is what frees it. */
+    uint64_t owed = conn_out_weight(c);
+    if (over_budget(s) && owed >= SRV_HEAVY_BYTES) return 0;
+    uint64_t pressure = budget_pressure(s);
     uint64_t cap = s->cfg.io_budget_bytes && pressure > s->cfg.io_budget_bytes / 2
                        ? SRV_OWED_TIGHT
                        : s->cfg.client_output_max;
@@ -476,11 +598,13 @@ static void conn_write(srv *s, srv_conn *c)
         conn_close(s, c, "output_limit");
         return;
     }
+    if (c->out_off < c->out.len && c->out_progress_ms == 0)
+        c->out_progress_ms = srv_now_ms(); /* a backlog begins: the stall clock starts */
     while (c->out_off < c->out.len) {
         ssize_t n = write(c->fd, c->out.data + c->out_off, c->out.len - c->out_off);
         if (n > 0) {
             c->out_off += (size_t)n;
-            c->last_write_ms = srv_now_ms();
+            c->out_progress_ms = srv_now_ms();
         } else if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
             break;
         } else {
@@ -491,6 +615,7 @@ static void conn_write(srv *s, srv_conn *c)
     if (c->out_off == c->out.len) {
         c->out.len = 0;
         c->out_off = 0;
+        c->out_progress_ms = 0;
         if (c->out.cap > 65536) resp_buf_free(&c->out); /* keep idle connections light */
         if (c->close_after_write && c->head_seq == c->tail_seq) {
             conn_close(s, c, "closed");
@@ -501,6 +626,8 @@ static void conn_write(srv *s, srv_conn *c)
         c->out_off = 0;
     }
     conn_account(s, c);
+    if (c->paused == PAUSE_OUTPUT && conn_out_weight(c) < SRV_HEAVY_BYTES / 2)
+        conn_unpause(s, c); /* it reads its replies: read it again */
     conn_update_events(s, c);
 }
 
@@ -552,6 +679,7 @@ static void complete_one(srv *s, const idem_completion *cp)
     /* The estimate follows the largest recent reply: it rises at once and decays slowly. */
     size_t got = rb->len > before ? rb->len - before : 0;
     c->reply_est = got > c->reply_est - c->reply_est / 16 ? got : c->reply_est - c->reply_est / 16;
+    if (done && sl->timed) claim_latency_add(s, sl);
     if (done) srv_reply_done(s, c, seq);
 }
 
@@ -571,53 +699,85 @@ static void poll_completions(srv *s)
     }
 }
 
-/* ---- budget, idle, deferred ---- */
+/* ---- housekeeping: stalled readers, idle input, admissions, deferred, idle ---- */
 
-static void budget_check(srv *s, srv_conn *c)
+/* Bytes the kernel holds for c that the client has not acknowledged; -1 if unknown. */
+static int conn_outq(const srv_conn *c)
 {
-    if (s->cfg.io_budget_bytes == 0 || s->io_used <= s->cfg.io_budget_bytes) return;
-    /* Only the heavy ones stop being read: a light client's PING still gets through. */
-    uint64_t fair = s->io_used / (s->nlive ? s->nlive : 1);
-    if (c->io_bytes >= fair && c->io_bytes >= SRV_HEAVY_BYTES && !c->paused) {
-        c->paused = 1;
-        srv_log("warn", "budget_pause", "id=%llu bytes=%llu used=%llu", (unsigned long long)c->id,
-                (unsigned long long)c->io_bytes, (unsigned long long)s->io_used);
-        conn_update_events(s, c);
-    }
+    int q = 0;
+    return ioctl(c->fd, SIOCOUTQ, &q) == 0 ? q : -1;
 }
 
-/* Over the budget, every client that holds unread replies (64 KiB or more) and has read nothing
- * for SRV_STALL_MS is closed: slow readers must not hold the budget and starve the others. */
-static void close_stalled_readers(srv *s, int64_t now)
+/* Over the budget, a client that holds SRV_STALL_BYTES of unread replies and has read none of
+ * them for SRV_STALL_MS is a slow reader: it is closed (every one of them, not only the worst:
+ * slow readers must not hold the budget and starve the others). Whether it read is asked of the
+ * kernel: the loop sees room only once a third of the socket's buffer is free, so a client that
+ * reads slowly makes no write progress for long, but its unacknowledged bytes (SIOCOUTQ)
+ * shrink. They are looked at twice: once half a stall period has passed, and half a period
+ * later at the earliest. */
+static int conn_stalled(srv_conn *c, int64_t now)
 {
-    if (s->cfg.io_budget_bytes == 0 || s->io_used <= s->cfg.io_budget_bytes) return;
+    if (c->out.len - c->out_off < SRV_STALL_BYTES || c->out_progress_ms == 0) return 0;
+    int64_t idle = now - c->out_progress_ms;
+    if (idle < SRV_STALL_MS / 2) return 0;
+    if (c->outq_ms <= c->out_progress_ms) { /* half-way: where the kernel's queue stands */
+        c->outq_ms = now;
+        c->outq_bytes = conn_outq(c);
+        return 0;
+    }
+    if (idle < SRV_STALL_MS || now - c->outq_ms < SRV_STALL_MS / 2) return 0;
+    int q = conn_outq(c);
+    if (q >= 0 && c->outq_bytes >= 0 && q < c->outq_bytes) { /* it reads, slowly */
+        c->out_progress_ms = now;
+        return 0;
+    }
+    return 1;
+}
+
+/* The first pass: closes stalled readers, sheds idle input buffers, ends admissions (its request
+ * parsed, or held SRV_STALL_MS while others wait). Returns the client that has waited longest
+ * for an admission, if any. */
+static srv_conn *housekeeping_sweep(srv *s, int64_t now)
+{
+    int over = over_budget(s);
+    srv_conn *first = NULL;
     for (uint32_t i = 0; i < s->conns_cap; i++) {
         srv_conn *c = s->conns[i];
         if (!c || c->fd < 0) continue;
-        size_t backlog = c->out.len - c->out_off;
-        int64_t since = c->last_write_ms > c->last_active_ms ? c->last_write_ms : c->last_active_ms;
-        if (backlog >= 65536 && now - since >= SRV_STALL_MS) conn_close(s, c, "output_stalled");
+        if (over && conn_stalled(c, now)) {
+            conn_close(s, c, "output_stalled");
+            continue;
+        }
+        conn_shed_input(s, c);
+        big_release(s, c);
+        if (c->big_admitted && s->big_waiting && now - c->big_admitted_ms >= SRV_STALL_MS) {
+            c->big_admitted = 0; /* a trickle must not keep the others waiting: back in line */
+            s->big_admitted--;
+            conn_pause(s, c, PAUSE_INPUT);
+        }
+        if (c->paused == PAUSE_INPUT && (!first || c->big_ticket < first->big_ticket)) first = c;
     }
+    return first;
 }
 
 static void housekeeping(srv *s, int64_t now)
 {
-    close_stalled_readers(s, now);
-    for (uint32_t i = 0; i < s->conns_cap; i++)
-        if (s->conns[i]) conn_shed_input(s, s->conns[i]);
-    int unpause = s->io_used <= s->cfg.io_budget_bytes / 4 * 3;
+    srv_conn *first = housekeeping_sweep(s, now);
+    int unpause_all = budget_pressure(s) <= s->cfg.io_budget_bytes / 4 * 3;
     for (uint32_t i = 0; i < s->conns_cap; i++) {
         srv_conn *c = s->conns[i];
         if (!c || c->fd < 0) continue;
-        if (c->paused && unpause) {
-            c->paused = 0;
-            conn_update_events(s, c);
-        }
+        if (c->paused && unpause_all) conn_unpause(s, c);
+        if (c->paused == PAUSE_OUTPUT && conn_out_weight(c) < SRV_HEAVY_BYTES / 2)
+            conn_unpause(s, c);
         if (c->deferred && !s->draining) conn_parse(s, c);
         if (c->fd >= 0 && s->cfg.idle_timeout_ms && c->head_seq == c->tail_seq && c->out.len == 0 &&
             now - c->last_active_ms > (int64_t)s->cfg.idle_timeout_ms)
             conn_close(s, c, "idle_timeout");
     }
+    /* Admissions in arrival order; the sweep found the oldest, later ones wait a turn each. */
+    if (first && first->fd >= 0 && first->paused == PAUSE_INPUT && s->big_admitted < big_slots(s))
+        big_admit(s, first);
 }
 
 /* ---- listeners ---- */
@@ -868,7 +1028,10 @@ static void on_conn_event(srv *s, uint32_t idx, uint32_t events)
     if (!c || c->fd < 0) return;
     if ((events & EPOLLIN) && !c->paused && !s->draining && !c->close_after_write) {
         budget_check(s, c);
-        if (!c->paused && conn_read(s, c) == 0) conn_parse(s, c);
+        if (!c->paused && conn_read(s, c) == 0) {
+            conn_parse(s, c);
+            big_release(s, c);
+        }
     } else if (events & (EPOLLHUP | EPOLLERR)) {
         conn_close(s, c, "hangup");
         return;
@@ -900,22 +1063,24 @@ static int on_event(srv *s, struct epoll_event *e)
 static int loop_turn(srv *s, int64_t *last_house)
 {
     struct epoll_event evs[EVENTS_MAX];
-    int timeout = s->draining || s->nops ? 10 : 250;
+    int timeout = s->draining || s->nops || s->big_waiting ? 10 : 250;
     int n = epoll_wait(s->epfd, evs, EVENTS_MAX, timeout);
     if (n < 0 && errno != EINTR) {
         srv_log("error", "epoll_wait", "errno=%d", errno);
         return -1;
     }
+    clock_tick(s);
     for (int i = 0; i < n; i++)
         if (on_event(s, &evs[i]) < 0) return -1;
     submit_batch(s);
+    clock_tick(s);
     poll_completions(s);
     write_dirty(s);
     if (s->nheld && engine_room(s)) retry_held(s);
     submit_batch(s);
     reap_dead(s);
     int64_t now = srv_now_ms();
-    if (now - *last_house >= 100 || s->io_used > s->cfg.io_budget_bytes) {
+    if (now - *last_house >= 100 || over_budget(s) || s->big_waiting) {
         *last_house = now;
         housekeeping(s, now);
         submit_batch(s);
@@ -983,6 +1148,7 @@ int srv_run(srv *s)
     s->unix_fd = s->tcp_fd = s->metrics_fd = -1;
     s->epfd = s->sig_fd = s->load_fd = -1;
     s->started_ms = srv_now_ms();
+    clock_tick(s);
     if (setup_fds(s) < 0 || listen_all(s) < 0) return finish(s, 1);
     s->loading = 1;
     if (pthread_create(&s->load_thread, NULL, load_main, s) != 0) return finish(s, 1);

@@ -30,6 +30,15 @@
 #define SRV_HEAVY_BYTES  (256u * 1024) /* over the budget, clients above this are held back */
 #define SRV_IN_HELD_MAX  (256u * 1024) /* unparsed input kept for a held-back client */
 #define SRV_OWED_TIGHT   (1u << 20)    /* replies a client may be owed under memory pressure */
+#define SRV_STALL_BYTES  65536u        /* unread replies that make a stalled client a slow reader */
+#define SRV_LAT_BUCKETS  16 /* latency histograms: bucket i < 2^(i+4) us, the last the rest */
+
+/* Why a connection is not read (srv_conn.paused). */
+enum srv_pause {
+    PAUSE_NONE = 0,
+    PAUSE_OUTPUT = 1, /* over the budget, it holds SRV_HEAVY_BYTES of replies it has not read */
+    PAUSE_INPUT = 2,  /* over the budget, its large request waits for an admission (FIFO) */
+};
 
 enum srv_role { ROLE_NONE = 0, ROLE_WORKER = 1, ROLE_READER = 2, ROLE_ADMIN = 4 };
 
@@ -84,6 +93,8 @@ typedef struct srv_slot {
     uint32_t remaining; /* engine completions still due (EXISTS with several keys) */
     int64_t acc;        /* EXISTS: keys found so far */
     uint32_t owed;      /* reply bytes reserved for it against the budget until it is made */
+    uint8_t timed;      /* a claim whose latency is measured (not one that waits) */
+    int64_t parsed_us;  /* timed: the loop's clock when it was parsed */
     resp_buf buf;       /* the reply, when it cannot go to `out` yet */
 } srv_slot;
 
@@ -108,12 +119,17 @@ typedef struct srv_conn {
     uint32_t engine_due;         /* completions the engine still owes this connection */
     int close_after_write;       /* QUIT or a protocol error: close once out is written */
     int dead;                    /* closed; freed when engine_due reaches 0 */
-    int paused;                  /* reading stopped by the global budget */
+    int paused;                  /* reading stopped by the global budget (enum srv_pause) */
+    int big_admitted;            /* may read a large request although over the budget */
+    int64_t big_admitted_ms;     /* since when */
+    uint64_t big_ticket;         /* PAUSE_INPUT: its place in the queue for an admission */
     int deferred;                /* unparsed input waits for pipeline room */
     int in_held;                 /* on srv.held */
     int in_work, in_dirty;       /* on this turn's lists */
     uint64_t io_bytes;           /* accounted against the global budget */
-    int64_t last_write_ms;       /* when a write to the client last made progress */
+    int64_t out_progress_ms;     /* last write progress, or when the backlog began; 0: none */
+    int64_t outq_ms;             /* when outq_bytes was looked at (conn_stalled) */
+    int outq_bytes;              /* the kernel's unacknowledged bytes then; -1: unknown */
     size_t reply_est;            /* the size of its large recent replies (decays slowly) */
     uint64_t owed;               /* reply bytes reserved for its requests not yet answered */
     int64_t last_active_ms;
@@ -144,7 +160,14 @@ typedef struct srv {
     uint32_t nwork, ndirty;
     srv_conn **held; /* connections held back by the full engine queue, to retry at once */
     uint32_t nheld;
+    /* Large requests over the budget (loop.c): admitted, waiting, the last ticket handed out. */
+    uint32_t big_admitted, big_waiting;
+    uint64_t big_tickets;
     int64_t started_ms;
+    int64_t now_us; /* the loop's clock (monotonic), read when a turn begins and before replies */
+    /* IDEM.CLAIM latency, parsed to reply made (WAIT left out), in SRV_LAT_BUCKETS buckets. */
+    uint64_t claim_latency_us_buckets[SRV_LAT_BUCKETS];
+    uint64_t claim_latency_us_sum, claim_latencies;
     uint64_t total_connections, total_commands, rejected_connections;
     pthread_t load_thread;
     int load_started;
