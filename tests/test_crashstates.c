@@ -27,9 +27,7 @@
  *     in the recovered records (I6);
  *   - after the clock moves 30 days on, in_flight and review records are still there and
  *     committed ones have expired (I7).
- * Refusals to open that are known engine bugs (known_finding) are counted apart and printed;
- * each has a regression test named after it (enum known_finding), failing until the bug is
- * fixed; IDEM_CRASHSTATES_STRICT=1 makes them violations.
+ * The recovery bugs this suite found have deterministic regression tests at the end of the file.
  *
  * Crash-state directories live in IDEM_CRASHSTATES_DIR, else /dev/shm (fsync there is free),
  * else TMPDIR. Prints `crashstates: seed N (replay with IDEM_SEED=N)`, a line per seed and
@@ -101,7 +99,6 @@ struct workload {
     idem_store *s;
     idem_queue *q;
     int durability;
-    uint64_t none_from; /* the trace seq where the phase in durability none begins */
     struct model m;
     struct snap cur[CS_KEYS];
     int has_fp[CS_KEYS], owner[CS_KEYS];
@@ -428,7 +425,6 @@ static void wl_run(struct workload *w, int rounds)
     wl_open(w, IDEM_DURABILITY_SYNC);
     wl_rounds(w, rounds);
     wl_close(w);
-    w->none_from = io_trace_now(w->t);
     wl_open(w, IDEM_DURABILITY_NONE);
     wl_rounds(w, rounds);
     wl_sync(w);
@@ -444,9 +440,7 @@ struct checker {
     uint64_t x; /* the crash point: the trace seq of the event about to take effect */
     const char *dir;
     char desc[256];
-    uint64_t none_from;
     uint64_t states, refused, reopened, violations;
-    uint64_t known[3];
     int keep_state, kept;
     int64_t now;
     struct snap got[CS_KEYS];
@@ -638,53 +632,12 @@ static void check_reopen(struct checker *c, idem_store **s, idem_queue **q)
     c->reopened++;
 }
 
-/* Refusals to open a crash state that are known engine bugs, each named by its regression test
- * (crashstates/<name>, failing until the fix). The suite counts them apart (and prints the first
- * of a seed) so that it goes on checking everything else; IDEM_CRASHSTATES_STRICT=1 makes them
- * violations. */
-enum known_finding {
-    KNOWN_SUPER_CUT_SHORT,  /* superblock_created_before_its_data_still_opens */
-    KNOWN_FIRST_BATCH_TORN, /* first_batch_after_reopen_torn_by_power_loss_is_a_torn_tail */
-    KNOWN_NONE_GAP,         /* durability_none_later_batch_on_disk_before_an_earlier_one_opens */
-    KNOWN_FINDINGS
-};
-
-static const char *const known_names[KNOWN_FINDINGS] = {
-    "superblock created before its data",
-    "first batch after an open torn",
-    "durability none: a later batch on disk without an earlier one",
-};
-
-static int known_finding(const struct checker *c, int rc)
-{
-    const char *strict = getenv("IDEM_CRASHSTATES_STRICT");
-    if (rc != IDEM_ECORRUPT || (strict && *strict == '1')) return -1;
-    char path[700];
-    snprintf(path, sizeof path, "%s/super", c->dir);
-    struct stat st;
-    if (stat(path, &st) == 0 && st.st_size < 8192) return KNOWN_SUPER_CUT_SHORT;
-    const char *msg = idem_last_error();
-    const char *b = strstr(msg, "frame of batch "), *l = strstr(msg, "last complete batch ");
-    if (!b || !l) return -1;
-    if (c->x >= c->none_from) return KNOWN_NONE_GAP;
-    unsigned long long batch = strtoull(b + 15, NULL, 10), last = strtoull(l + 20, NULL, 10);
-    return batch == last + 2 ? KNOWN_FIRST_BATCH_TORN : -1;
-}
-
 static void check_state(struct checker *c, int torn)
 {
     idem_options o = cs_options(IDEM_DURABILITY_SYNC);
     idem_store *s;
     int rc = idem_open(c->dir, &o, &s);
     c->states++;
-    int known = known_finding(c, rc);
-    if (known >= 0) {
-        if (c->known[known]++ == 0)
-            fprintf(stderr, "crashstates: seed %llu point %llu (%s): known finding (%s): %s\n",
-                    (unsigned long long)c->seed, (unsigned long long)c->x, c->desc,
-                    known_names[known], idem_last_error());
-        return;
-    }
     if (rc == IDEM_ECORRUPT && torn) {
         c->refused++;
         fprintf(stderr,
@@ -845,7 +798,7 @@ static void run_seed(uint64_t seed, int rounds, int random_subsets, struct check
     wl_run(w, rounds);
     trace_dump(w->t);
 
-    struct checker c = {.m = &w->m, .seed = seed, .dir = d.state, .none_from = w->none_from};
+    struct checker c = {.m = &w->m, .seed = seed, .dir = d.state};
     struct cs_walk *walk;
     cr_assert_eq(cs_walk_create(io_trace_events(w->t), io_trace_count(w->t), d.store, &walk), 0);
     struct point *p = calloc(1, sizeof *p);
@@ -869,8 +822,6 @@ static void run_seed(uint64_t seed, int rounds, int random_subsets, struct check
     total->refused += c.refused;
     total->reopened += c.reopened;
     total->violations += c.violations;
-    for (int i = 0; i < KNOWN_FINDINGS; i++)
-        total->known[i] += c.known[i];
     fprintf(stderr,
             "crashstates: seed %llu: %zu events, %zu changes, %llu points, %llu states (at most "
             "%llu unsynced changes at a point)\n",
@@ -897,15 +848,11 @@ Test(crashstates, every_crash_state_of_a_small_workload_recovers, .timeout = 300
             (unsigned long long)seeds, (unsigned long long)base, (unsigned long long)total.states,
             (unsigned long long)total.reopened, (unsigned long long)total.refused,
             (unsigned long long)total.violations, (long long)(time(NULL) - t0));
-    for (int i = 0; i < KNOWN_FINDINGS; i++)
-        if (total.known[i])
-            fprintf(stderr, "crashstates: %llu states refused to open: known finding: %s\n",
-                    (unsigned long long)total.known[i], known_names[i]);
     cr_assert_eq(total.violations, 0, "crashstates: %llu violations (seed %llu)",
                  (unsigned long long)total.violations, (unsigned long long)base);
 }
 
-/* ---- regression tests of the findings ---- */
+/* ---- regression tests of the recovery bugs this suite found (fixed in aeea059) ---- */
 
 struct every_state {
     struct cs_walk *w;
@@ -1013,10 +960,10 @@ static void claim_commit(idem_store *s, const char *key)
     idem_queue_close(q);
 }
 
-/* Finding: the first open of a new store creates the file super, then writes and flushes its
- * two copies, then syncs the directory. A power loss after the name reached the disk and before
- * the data did leaves an empty super, and every later open fails ("both superblock copies fail
- * their checksum"), although the store never acknowledged anything. */
+/* The first open of a new store created the file super, then wrote and flushed its two copies,
+ * then synced the directory. A power loss after the name reached the disk and before the data
+ * did left an empty super, and every later open failed ("both superblock copies fail their
+ * checksum"), although the store never acknowledged anything. */
 Test(crashstates, superblock_created_before_its_data_still_opens, .timeout = 120)
 {
     struct run_dirs d;
@@ -1027,11 +974,11 @@ Test(crashstates, superblock_created_before_its_data_still_opens, .timeout = 120
     regress_end(&d, t);
 }
 
-/* Finding: recovery numbers the next batch at least two above the last complete one (so a
- * dropped batch's number is never reused), also after a clean shutdown. The first batch after
- * any open is therefore last + 2; if a power loss tears it (or keeps the first of its chunks
- * only), the next open finds a valid frame of batch last + 2 beyond the end of the log and
- * reports corruption (scan_beyond allows only last + 1) instead of a torn tail. */
+/* Recovery numbers the next batch at least two above the last complete one (so a dropped
+ * batch's number is never reused), also after a clean shutdown. The first batch after any open
+ * is therefore last + 2; when a power loss tore it (or kept the first of its chunks only), the
+ * next open found a valid frame of batch last + 2 beyond the end of the log and reported
+ * corruption (scan_beyond allowed only last + 1) instead of a torn tail. */
 Test(crashstates, first_batch_after_reopen_torn_by_power_loss_is_a_torn_tail, .timeout = 120)
 {
     struct run_dirs d;
@@ -1068,10 +1015,10 @@ Test(crashstates, first_batch_after_reopen_torn_by_power_loss_is_a_torn_tail, .t
     regress_end(&d, t);
 }
 
-/* Finding: in durability none, batches are written every 10 ms without a flush, so a power loss
- * may leave a later batch on disk and an earlier one not. Recovery stops at the gap and then
- * calls the later batch's valid frames corruption (batch > last complete + 1), and the store
- * does not open. Durability none may lose those changes, but it must still open. */
+/* In durability none, batches are written every 10 ms without a flush, so a power loss may leave
+ * a later batch on disk and an earlier one not. Recovery stopped at the gap, then called the
+ * later batch's valid frames corruption (batch > last complete + 1), and the store did not
+ * open. Durability none may lose those changes, but the store must open. */
 Test(crashstates, durability_none_later_batch_on_disk_before_an_earlier_one_opens, .timeout = 120)
 {
     struct run_dirs d;
@@ -1095,9 +1042,9 @@ Test(crashstates, durability_none_later_batch_on_disk_before_an_earlier_one_open
     regress_end(&d, t);
 }
 
-/* Finding: idem_open creates the store directory (io_mkdir) but never syncs its parent, so by
- * io.h's own rule (a create is durable only after a sync_dir of its directory) the directory,
- * and with it every acknowledged change, may be gone after a power loss. */
+/* idem_open created the store directory (io_mkdir) but never synced its parent, so by io.h's own
+ * rule (a create is durable only after a sync_dir of its directory) the directory, and with it
+ * every acknowledged change, could be gone after a power loss. */
 Test(crashstates, store_directory_made_at_open_survives_power_loss, .timeout = 120)
 {
     struct run_dirs d;
