@@ -10,6 +10,9 @@
 #   power_loss  test_crash crash/power_loss*: 20,000 seeds (simulated disk, power lost)   2 h
 #   kill9       test_crash crash/kill9*: 10,000 kill -9 cycles of a child process        4 h
 #   compact     test_compact compact/crashes*: 5,000 crashes during compaction           2 h
+#   crashstates test_crashstates crashstates/every*: 1,300 seeds, about 1.1 M crash states
+#               (every persistence point of a small workload on the real I/O path, rebuilt
+#               with prefixes and subsets of the unsynced writes, opened and checked)     2 h
 #   threads     test_threads with IDEM_LONG=1 (the three model tests: 50,000 / 200,000 /
 #               50,000 steps; hot-key races 200 rounds; 2,000 keys per thread)           1 h
 #   index       test_index with IDEM_LONG=1 (5 M random operations, 10 M keys, the
@@ -17,12 +20,13 @@
 #   abuse       test_abuse with IDEM_LONG=1, when tests/test_abuse.c exists               2 h
 #   kill9_idemd tests/scripts/test_kill9.sh with KILL_CYCLES=10000, when it exists       4 h
 #   fuzz        tests/fuzz/run.sh, one hour per target, when it exists      targets h + 30 min
-# The seeded crash suites (power_loss, kill9, compact) run as chunks of the CI count each: chunk
-# k is the test binary with IDEM_SEED=<base>+k*<CI count>, so the chunks together run exactly the
-# seeds <base>..<base>+n-1 that one IDEM_LONG=1 run with IDEM_SEED=<base> would, but no process
-# outlives the test's own criterion timeout (300 s, less than a full long run), a violation in one
-# chunk does not hide the seeds after it, and the time limit stops between chunks. The other
-# suites run once with IDEM_LONG=1 (at --scale below 1: once with the CI counts).
+# The seeded crash suites (power_loss, kill9, compact, crashstates) run as chunks of the CI count
+# each: chunk k is the test binary with IDEM_SEED=<base>+k*<CI count>, so the chunks together run
+# exactly the seeds <base>..<base>+n-1 that one IDEM_LONG=1 run with IDEM_SEED=<base> would, but
+# no process outlives the test's own criterion timeout (300 s, less than a full long run), a
+# violation in one chunk does not hide the seeds after it, and the time limit stops between
+# chunks. The other suites run once with IDEM_LONG=1 (at --scale below 1: once with the CI
+# counts).
 # Exit status: 0 when every suite that ran passed, 1 otherwise, 2 on a build failure.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -44,7 +48,7 @@ while [ $# -gt 0 ]; do
     --skip) skip=",$2,"; shift 2 ;;
     --seed) seed_base=$2; shift 2 ;;
     --jobs) jobs=$2; shift 2 ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "long/run.sh: unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -102,11 +106,14 @@ classify() { # log exit-status
   else echo error; fi
 }
 
-# A seeded crash suite in chunks of the CI count (see the header).
-#   name binary filter ci_count long_count unit limit_s what
+# A seeded crash suite in chunks of the CI count (see the header). With states_re (a sed -E
+# script printing a number), the crash states checked are the sum of what it prints from each
+# chunk's log, else one per passing seed.
+#   name binary filter ci_count long_count unit limit_s what [states_re]
 run_chunked() {
-  local name=$1 bin=$2 filter=$3 ci=$4 long=$5 unit=$6 limit=$7 what=$8
+  local name=$1 bin=$2 filter=$3 ci=$4 long=$5 unit=$6 limit=$7 what=$8 states_re=${9:-}
   want "$name" || return 0
+  local states=0 n
   local target chunks start now left k seed log rc kind
   target=$(scaled "$long")
   chunks=$(( (target + ci - 1) / ci ))
@@ -126,6 +133,10 @@ run_chunked() {
     rc=$?
     kind=$(classify "$log" $rc)
     done_chunks=$((done_chunks + 1))
+    if [ -n "$states_re" ]; then
+      n=$(sed -nE "$states_re" "$log" | tail -1)
+      states=$((states + ${n:-0}))
+    fi
     case $kind in
       pass) ok=$((ok + 1)); rm -f "$log" ;;
       violation) viol=$((viol + 1)) ;;
@@ -147,8 +158,9 @@ run_chunked() {
   local verdict=pass
   [ $bad -gt 0 ] && { verdict=FAIL; status=1; }
   [ -n "$stopped" ] && verdict="$verdict, stopped"
-  rows+=("| $name | $what | $target | $((ok * ci)) of $((done_chunks * ci))$stopped | $((ok * ci)) | $viol | $((tout + crash + err)) | $(hms "$dur") | $verdict |")
-  echo "   $name: $((ok * ci)) $unit passed, violations $viol, timeouts/crashes/errors $((tout + crash + err)), $(hms "$dur")"
+  [ -n "$states_re" ] || states=$((ok * ci))
+  rows+=("| $name | $what | $target | $((ok * ci)) of $((done_chunks * ci))$stopped | $states | $viol | $((tout + crash + err)) | $(hms "$dur") | $verdict |")
+  echo "   $name: $((ok * ci)) $unit passed, $states crash states, violations $viol, timeouts/crashes/errors $((tout + crash + err)), $(hms "$dur")"
 }
 
 # A whole criterion binary: IDEM_LONG=1 at full scale, the CI counts below it.
@@ -260,6 +272,9 @@ run_chunked kill9 test_crash 'crash/kill9*' 12 10000 cycles 14400 \
   "kill -9 of a child process on a real directory (cycles)"
 run_chunked compact test_compact 'compact/crashes*' 40 5000 seeds 7200 \
   "crashes during compaction (seeds; 1 crash state each)"
+run_chunked crashstates test_crashstates 'crashstates/every*' 10 1300 seeds 7200 \
+  "crash states of a small workload on the real I/O path (seeds; ~1,000 states each)" \
+  's/^crashstates: ([0-9]+) states$/\1/p'
 run_binary threads test_threads 3600 \
   "IDEM_LONG=1: model 50,000 + 200,000 + 50,000 steps, races" \
   "CI counts: model 1,500 + 4,000 + 2,000 steps, races"

@@ -59,6 +59,18 @@ uint64_t tu_rand(uint64_t *state)
     return z ^ (z >> 31);
 }
 
+void *tu_grow(void *v, size_t *cap, size_t need, size_t elem)
+{
+    if (need <= *cap) return v;
+    size_t n = *cap ? *cap * 2 : 64;
+    while (n < need)
+        n *= 2;
+    void *p = realloc(v, n * elem);
+    if (!p) abort();
+    *cap = n;
+    return p;
+}
+
 uint64_t tu_count(uint64_t ci_count, uint64_t long_count)
 {
     const char *env = getenv("IDEM_LONG");
