@@ -25,6 +25,11 @@
 #define OPS_KNOWN_FLAGS (IDEM_F_FORCE | IDEM_F_EXPECT | IDEM_F_GET_OLD)
 #define OPS_LZ4_MIN     128u
 
+static uint64_t key_hash(const idem_store *s, const void *key, uint32_t key_len)
+{
+    return XXH3_64bits_withSeed(key, key_len, s->sb.hash_seed);
+}
+
 uint64_t ops_hash(idem_store *s, const void *key, uint32_t key_len)
 {
     /* An operation hashes its key for the lookup and again for an insert: the second time is
@@ -32,7 +37,7 @@ uint64_t ops_hash(idem_store *s, const void *key, uint32_t key_len)
     if (s->hash_cache_on && key == s->hash_key && key_len == s->hash_key_len) return s->hash_value;
     s->hash_key = key;
     s->hash_key_len = key_len;
-    s->hash_value = XXH3_64bits_withSeed(key, key_len, s->sb.hash_seed);
+    s->hash_value = key_hash(s, key, key_len);
     return s->hash_value;
 }
 
@@ -814,16 +819,13 @@ static void park(idem_store *s, struct qslot *sl, const idem_op *op)
 int ops_hint_hash(const idem_store *s, const idem_op *op, uint64_t *h)
 {
     if (!op->key || op->key_len < 1 || op->key_len > IDEM_KEY_BYTES_MAX) return 0;
-    *h = XXH3_64bits_withSeed(op->key, op->key_len, s->sb.hash_seed);
+    *h = key_hash(s, op->key, op->key_len);
     return 1;
 }
 
 void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_t *hash)
 {
-    /* A new operation: its key bytes may sit where the last one's did. */
-    s->hash_key = hash ? op->key : NULL;
-    s->hash_key_len = op->key_len;
-    if (hash) s->hash_value = *hash;
+    s->hash_key = NULL; /* a new operation: its key bytes may sit where the last one's did */
     if (!op_valid(s, op)) {
         sl->c.err = IDEM_EINVAL;
         return;
@@ -851,6 +853,13 @@ void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_
         }
     }
     s->hash_cache_on = 1; /* no wait below: key bytes stay put for the operation */
+    if (hash) {
+        /* Hashed ahead by idem_submit; set only now, after the waits above released mu (another
+         * caller's operation may have used the cache meanwhile). */
+        s->hash_key = op->key;
+        s->hash_key_len = op->key_len;
+        s->hash_value = *hash;
+    }
     switch (op->kind) {
     case IDEM_OP_CLAIM:
         if (op_claim(s, sl, op, 0))
