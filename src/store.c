@@ -335,13 +335,20 @@ static int flusher_maintain(idem_store *s)
 }
 
 static int checkpoint_locked(idem_store *s);
-static int ckpt_run_step(idem_store *s);
+static int ckpt_run_step(idem_store *s, int now);
 
 /* Checkpoints and compaction between batches; returns 1 when work was done (loop again). */
 static int flusher_compact(idem_store *s)
 {
     if (s->fatal || s->closing || s->abandoned) return 0;
-    int rc = ckpt_run_step(s);
+    int rc = 0;
+    if (!s->ckr.by_test) {
+        rc = ckpt_run_step(s, 0);
+    } else if (s->ckr.test_step) {
+        rc = s->ckr.test_rc = ckpt_run_step(s, 1);
+        s->ckr.test_step = 0;
+        pthread_cond_broadcast(&s->cond_ready);
+    }
     if (rc == IDEM_EFATAL || rc == IDEM_EIO) {
         store_fail(s, -EIO);
         return 0;
@@ -1461,10 +1468,11 @@ static int checkpoint_locked(idem_store *s)
  * Entries point at frames up to L1 only, all durable before the superblock names the file, in
  * segments that exist: no segment is retired while a run is active (compact.c retire).
  */
-static int ckpt_run_step(idem_store *s)
+/* now: start a run even if compaction does not want one yet (store_ckpt_step). */
+static int ckpt_run_step(idem_store *s, int now)
 {
     if (s->ckr.state == CKPT_RUN_IDLE) {
-        if (wal_pending(s->wal) || !compact_wants_checkpoint(s)) return 0;
+        if (wal_pending(s->wal) || !(now || compact_wants_checkpoint(s))) return 0;
         s->ckr.id = s->sb.ckpt_id + 1;
         int rc = ckpt_begin(s->io, s->dir, s->ckr.id, &s->ckr.cw);
         if (rc < 0) return rc;
@@ -1527,6 +1535,23 @@ static int ckpt_run_step(idem_store *s)
     s->ckr.state = CKPT_RUN_IDLE;
     int rc = ckpt_install(s, &sb, 1);
     return rc < 0 ? rc : 1;
+}
+
+int store_ckpt_step(idem_store *s)
+{
+    pthread_mutex_lock(&s->mu);
+    uint64_t installed = s->st.checkpoints;
+    s->ckr.by_test = 1;
+    s->ckr.test_step = 1;
+    pthread_cond_signal(&s->cond_flush);
+    while (s->ckr.test_step && !s->fatal)
+        pthread_cond_wait(&s->cond_ready, &s->mu);
+    int rc = s->fatal                        ? IDEM_EFATAL
+             : s->ckr.test_rc < 0            ? s->ckr.test_rc
+             : s->st.checkpoints > installed ? 0
+                                             : 1;
+    pthread_mutex_unlock(&s->mu);
+    return rc;
 }
 
 int idem_checkpoint(idem_store *s)

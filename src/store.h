@@ -135,6 +135,9 @@ struct idem_store {
         uint32_t off;
         uint64_t end_lsn; /* the log's last LSN when the scan ended; the counts are from then */
         uint64_t live_bytes, keys_by_state[3];
+        int by_test;   /* store_ckpt_step was called: the flusher steps only when asked */
+        int test_step; /* a step asked for and not yet taken */
+        int test_rc;   /* what that step returned */
     } ckr;
     uint64_t replay_counts_lsn; /* at open: frames up to this LSN leave the counts alone */
     int flushing;
@@ -202,6 +205,12 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
 /* Tests: stops the store as a crash would (no flush, no checkpoint) and frees it. Queues are
  * closed. Use io_sim_crash afterwards to drop what was not flushed. */
 void store_abandon(idem_store *s);
+
+/* Tests: has the flusher take the next step of a checkpoint in steps (starting one at the next
+ * batch boundary if none runs) and waits for it. From the first call on, the flusher takes
+ * steps only when asked. Returns 0 when this step installed the checkpoint, 1 while the run goes
+ * on (or has not started yet), or a negative idem_err. */
+int store_ckpt_step(idem_store *s);
 
 /* Tests: walks the whole index; every entry must name a decodable record whose key leads back
  * to it, and the per-state counts must match. IDEM_ECORRUPT on any fault. */
