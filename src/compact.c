@@ -70,8 +70,9 @@ static int retire(idem_store *s)
     if (s->durable_lsn < s->cmp_last_lsn || s->sb.ckpt_lsn < s->cmp_done_lsn ||
         s->cmp_seq >= s->sb.ckpt_seq)
         return 0;
-    /* A checkpoint in steps may hold entries into this segment (taken before the copies). */
-    if (s->ckr.state != CKPT_RUN_IDLE) return 0;
+    /* A checkpoint in steps may hold entries into this segment (taken before the copies), and
+     * a backup may be copying it. */
+    if (s->ckr.state != CKPT_RUN_IDLE || s->backups) return 0;
     struct super sb = s->sb;
     sb.wal_first_seq = s->cmp_seq + 1;
     int rc = super_store(s->io, s->dir, &sb);

@@ -1374,7 +1374,8 @@ static int quiesce_durable(idem_store *s)
     int rc = 0;
     while (rc == 0 && (wal_pending(s->wal) || s->flushing || s->durable_lsn < wal_last_lsn(s->wal)))
         rc = wait_durable(s);
-    s->ckpt_quiesce--;
+    /* Appends held back by ckpt_quiesce wait on cond_ready (store_room): let them go on. */
+    if (--s->ckpt_quiesce == 0) pthread_cond_broadcast(&s->cond_ready);
     return rc;
 }
 
@@ -1411,10 +1412,14 @@ static void ckpt_run_abort(idem_store *s)
 }
 
 /* Writes a checkpoint with changes held: everything appended is made durable first, so the
- * image is exactly the index at the current batch boundary (idem_checkpoint, close, backup).
+ * image is exactly the index at the current batch boundary (idem_checkpoint, close).
  * A checkpoint the flusher is taking in steps is dropped: this one replaces it. */
 static int checkpoint_locked(idem_store *s)
 {
+    /* A backup may be copying checkpoint X; a run in steps may install X+1 meanwhile, and this
+     * install would then remove X. */
+    while (s->backups)
+        pthread_cond_wait(&s->cond_ready, &s->mu);
     int rc = quiesce_durable(s);
     if (rc < 0) return rc;
     IDEM_ASSERT(!wal_pending(s->wal) && s->durable_lsn == wal_last_lsn(s->wal));
@@ -1472,7 +1477,7 @@ static int checkpoint_locked(idem_store *s)
 static int ckpt_run_step(idem_store *s, int now)
 {
     if (s->ckr.state == CKPT_RUN_IDLE) {
-        if (wal_pending(s->wal) || !(now || compact_wants_checkpoint(s))) return 0;
+        if (wal_pending(s->wal) || s->backups || !(now || compact_wants_checkpoint(s))) return 0;
         s->ckr.id = s->sb.ckpt_id + 1;
         int rc = ckpt_begin(s->io, s->dir, s->ckr.id, &s->ckr.cw);
         if (rc < 0) return rc;
@@ -1602,75 +1607,123 @@ int idem_compact(idem_store *s, int timeout_ms)
 
 /* ---- Backup ---- */
 
-static int copy_file(struct io *io, const char *from, const char *to)
+/* Copies the first len bytes of from (UINT64_MAX: all of it) into the new file to, read through
+ * rd and written and flushed through wr, then extends the copy with zeros to size bytes (0: as
+ * copied). An absent source copies nothing. */
+static int copy_file(struct io *rd, struct io *wr, const char *from, const char *to, uint64_t len,
+                     uint64_t size)
 {
     struct io_file *in, *out;
-    int rc = io_open(io, from, IO_O_RDONLY, &in);
+    int rc = io_open(rd, from, IO_O_RDONLY, &in);
     if (rc == -ENOENT) return 0;
     if (rc < 0) return IDEM_EIO;
-    rc = io_open(io, to, IO_O_CREATE | IO_O_EXCL, &out);
+    rc = io_open(wr, to, IO_O_CREATE | IO_O_EXCL, &out);
     if (rc < 0) {
-        io_close(io, in);
+        io_close(rd, in);
         return rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
     }
     uint8_t *buf = aligned_alloc(4096, 1 << 20);
     uint64_t off = 0;
     rc = buf ? 0 : IDEM_ENOMEM;
-    while (rc == 0) {
-        int64_t n = io_read(io, in, off, buf, 1 << 20);
+    while (rc == 0 && off < len) {
+        size_t want = len - off < (1 << 20) ? (size_t)(len - off) : (size_t)1 << 20;
+        int64_t n = io_read(rd, in, off, buf, want);
         if (n < 0) rc = IDEM_EIO;
         if (n <= 0) break;
-        if (io_write_sync(io, out, off, buf, (size_t)n, 0) < 0) rc = IDEM_EIO;
+        /* Flushed chunk by chunk: a copy's dirty pages, written back all at once, would hold up
+         * the log's flushes on the same disk for as long. */
+        int w = io_write_sync(wr, out, off, buf, (size_t)n, 1);
+        if (w < 0) rc = w == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
         off += (uint64_t)n;
     }
-    if (rc == 0 && io_flush_sync(io, out) < 0) rc = IDEM_EIO;
+    if (rc == 0 && size > off && io_truncate(wr, out, size) < 0) rc = IDEM_EIO;
+    if (rc == 0 && io_flush_sync(wr, out) < 0) rc = IDEM_EIO;
     free(buf);
-    io_close(io, in);
-    io_close(io, out);
+    io_close(rd, in);
+    io_close(wr, out);
     return rc;
 }
 
+/* Creates the directory of a copy (it must not exist) and makes its name durable. */
+static int make_copy_dir(struct io *io, const char *dest)
+{
+    int rc = io_mkdir(io, dest);
+    if (rc == 0) rc = sync_parent(io, dest);
+    if (rc < 0) {
+        store_set_error("cannot create %s: %s", dest, strerror(-rc));
+        return rc == -EEXIST ? IDEM_EINVAL : IDEM_EIO;
+    }
+    return 0;
+}
+
+/* Copies a store's files from src (read through rd) into dest (written through wr): the log from
+ * sb's first segment up to the end (end_seq, end_off), the rest of that segment zero, or when
+ * end_seq is 0 every segment up to the first absent one; the checkpoint sb names; the audit trail
+ * up to audit_len; then sb as the copy's superblock, and dest synced. */
+static int copy_store(struct io *rd, const char *src, struct io *wr, const char *dest,
+                      const struct super *sb, uint64_t end_seq, uint32_t end_off,
+                      uint64_t audit_len)
+{
+    char from[4096], to[4096];
+    int rc = 0;
+    for (uint64_t seq = sb->wal_first_seq; rc == 0 && (end_seq == 0 || seq <= end_seq); seq++) {
+        snprintf(from, sizeof from, "%s/wal-%016llx.log", src, (unsigned long long)seq);
+        snprintf(to, sizeof to, "%s/wal-%016llx.log", dest, (unsigned long long)seq);
+        if (end_seq == 0 && access(from, F_OK) != 0) break;
+        rc = seq != end_seq ? copy_file(rd, wr, from, to, UINT64_MAX, 0)
+                            : copy_file(rd, wr, from, to, end_off, sb->seg_bytes);
+    }
+    if (rc == 0 && sb->ckpt_id) {
+        ckpt_path(src, sb->ckpt_id, from, sizeof from);
+        ckpt_path(dest, sb->ckpt_id, to, sizeof to);
+        rc = copy_file(rd, wr, from, to, UINT64_MAX, 0);
+    }
+    if (rc == 0) {
+        snprintf(from, sizeof from, "%s/audit.log", src);
+        snprintf(to, sizeof to, "%s/audit.log", dest);
+        rc = copy_file(rd, wr, from, to, audit_len, 0);
+    }
+    if (rc == 0) {
+        struct super copy = *sb;
+        copy.generation = 0;
+        rc = super_store(wr, dest, &copy);
+    }
+    if (rc == 0 && io_sync_dir(wr, dest) < 0) rc = IDEM_EIO;
+    return rc;
+}
+
+/*
+ * A backup holds changes back only while everything appended is made durable (one flush): then
+ * the superblock, the log's end and the audit trail's end are taken together, and the files
+ * are copied with mu released while changes go on. Bytes of the log before its end are never
+ * rewritten (a batch starts on a fresh block), and while the copy runs no segment is retired
+ * and no checkpoint started (s->backups), so the checkpoint the superblock names and the
+ * segments from its replay position on stay in place. The copy recovers like the store after a
+ * crash at that point: the checkpoint, then the log replayed up to the end.
+ */
 int idem_backup(idem_store *s, const char *dest_dir)
 {
     if (!s || !dest_dir || !*dest_dir) return IDEM_EINVAL;
+    struct io *wr; /* the store's ring is the flusher's: the copy writes through its own */
+    if (io_thread_create(&wr) < 0) return IDEM_ENOMEM;
     pthread_mutex_lock(&s->mu);
-    int rc = s->fatal ? IDEM_EFATAL : s->opt.read_only ? 0 : checkpoint_locked(s);
-    if (rc == 0) {
-        int mk = io_mkdir(s->io, dest_dir);
-        if (mk == 0) mk = sync_parent(s->io, dest_dir);
-        if (mk < 0) {
-            store_set_error("cannot create %s: %s", dest_dir, strerror(-mk));
-            rc = mk == -EEXIST ? IDEM_EINVAL : IDEM_EIO;
-        }
-    }
-    /* The checkpoint and the segments it points into, then the superblock: the copy opens as
-     * the store was at the checkpoint. */
-    char from[4096], to[4096];
-    uint64_t cur_seq;
-    uint32_t cur_off;
-    wal_position(s->wal, &cur_seq, &cur_off);
-    for (uint64_t seq = s->sb.wal_first_seq; rc == 0 && seq <= cur_seq; seq++) {
-        snprintf(from, sizeof from, "%s/wal-%016llx.log", s->dir, (unsigned long long)seq);
-        snprintf(to, sizeof to, "%s/wal-%016llx.log", dest_dir, (unsigned long long)seq);
-        rc = copy_file(s->io, from, to);
-    }
-    if (rc == 0 && s->sb.ckpt_id) {
-        ckpt_path(s->dir, s->sb.ckpt_id, from, sizeof from);
-        ckpt_path(dest_dir, s->sb.ckpt_id, to, sizeof to);
-        rc = copy_file(s->io, from, to);
-    }
-    if (rc == 0) {
-        snprintf(from, sizeof from, "%s/audit.log", s->dir);
-        snprintf(to, sizeof to, "%s/audit.log", dest_dir);
-        rc = copy_file(s->io, from, to);
-    }
-    if (rc == 0) {
-        struct super sb = s->sb;
-        sb.generation = 0;
-        rc = super_store(s->io, dest_dir, &sb);
-    }
-    if (rc == 0 && io_sync_dir(s->io, dest_dir) < 0) rc = IDEM_EIO;
+    int rc = s->fatal ? IDEM_EFATAL : s->opt.read_only ? 0 : quiesce_durable(s);
+    struct super sb = s->sb;
+    uint64_t end_seq;
+    uint32_t end_off;
+    wal_position(s->wal, &end_seq, &end_off);
+    uint64_t audit_len = s->audit_off;
+    if (rc == 0) s->backups++;
     pthread_mutex_unlock(&s->mu);
+    if (rc == 0) {
+        rc = make_copy_dir(wr, dest_dir);
+        if (rc == 0) rc = copy_store(s->io, s->dir, wr, dest_dir, &sb, end_seq, end_off, audit_len);
+        pthread_mutex_lock(&s->mu);
+        s->backups--;
+        pthread_cond_broadcast(&s->cond_ready);
+        pthread_mutex_unlock(&s->mu);
+    }
+    io_destroy(wr);
     return rc;
 }
 
@@ -1686,37 +1739,11 @@ int idem_restore(const char *backup_dir, const char *dest_dir)
         store_set_error("%s", rc == IDEM_ENOTFOUND ? "the backup holds no store" : err);
         goto out;
     }
-    rc = io_mkdir(io, dest_dir);
-    if (rc == 0) rc = sync_parent(io, dest_dir);
-    if (rc < 0) {
-        store_set_error("cannot create %s: %s", dest_dir, strerror(-rc));
-        rc = rc == -EEXIST ? IDEM_EINVAL : IDEM_EIO;
-        goto out;
-    }
-    char from[4096], to[4096];
-    for (uint64_t seq = sb.wal_first_seq; rc == 0; seq++) {
-        snprintf(from, sizeof from, "%s/wal-%016llx.log", backup_dir, (unsigned long long)seq);
-        snprintf(to, sizeof to, "%s/wal-%016llx.log", dest_dir, (unsigned long long)seq);
-        if (access(from, F_OK) != 0) break;
-        rc = copy_file(io, from, to);
-    }
-    if (rc == 0 && sb.ckpt_id) {
-        ckpt_path(backup_dir, sb.ckpt_id, from, sizeof from);
-        ckpt_path(dest_dir, sb.ckpt_id, to, sizeof to);
-        rc = copy_file(io, from, to);
-    }
-    if (rc == 0) {
-        snprintf(from, sizeof from, "%s/audit.log", backup_dir);
-        snprintf(to, sizeof to, "%s/audit.log", dest_dir);
-        rc = copy_file(io, from, to);
-    }
-    if (rc == 0) {
-        /* A new generation: the copy is another store from here on. */
-        sb.store_generation++;
-        sb.generation = 0;
-        rc = super_store(io, dest_dir, &sb);
-    }
-    if (rc == 0 && io_sync_dir(io, dest_dir) < 0) rc = IDEM_EIO;
+    rc = make_copy_dir(io, dest_dir);
+    if (rc < 0) goto out;
+    /* A new generation: the copy is another store from here on. */
+    sb.store_generation++;
+    rc = copy_store(io, backup_dir, io, dest_dir, &sb, 0, 0, UINT64_MAX);
 out:
     io_destroy(io);
     return rc;

@@ -140,6 +140,9 @@ struct idem_store {
         int test_rc;   /* what that step returned */
     } ckr;
     uint64_t replay_counts_lsn; /* at open: frames up to this LSN leave the counts alone */
+    /* Backups copying files with mu released (idem_backup): while any runs, no segment is
+     * retired and no checkpoint started, so the files its image names stay in place. */
+    int backups;
     int flushing;
     uint32_t frame_max;           /* the largest frame one change can append */
     int64_t spare_failed_mono_ms; /* last failed attempt at the spare segment (disk full) */
