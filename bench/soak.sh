@@ -4,7 +4,8 @@
 #
 # Starts idemd (durability sync, the default) on a temporary directory, listening on 127.0.0.1
 # and its unix socket only, and drives it for --duration seconds at --rate claims/s with fresh
-# keys and --ttl-ms, paced in 1-second slices by bench/soak_load.py (standard-library Python).
+# keys and --ttl-ms, paced in 1-second slices by idem-soak-load (bench/soak_load.c, built next
+# to idemd when hiredis is there) or else bench/soak_load.py (standard-library Python).
 # The default workload is what a worker does: IDEM.CLAIM key ttl lease, then IDEM.COMMIT with
 # the token, so each record is committed and expires ttl after its first claim. (`--workload
 # claim` sends claims only: those records stay in_flight, which by the contract never expire, so
@@ -72,6 +73,13 @@ fi
 [ -x "$IDEMD" ] || { echo "no idemd at $IDEMD (build it: cmake -S . -B build-rel -DCMAKE_BUILD_TYPE=Release -DIDEM_TESTS=OFF && cmake --build build-rel)" >&2; exit 2; }
 command -v redis-cli >/dev/null || { echo "redis-cli missing (apt-get install redis-tools)" >&2; exit 2; }
 command -v python3 >/dev/null || { echo "python3 missing" >&2; exit 2; }
+# The C loader built next to idemd (idem-soak-load, hiredis) leaves idemd more of the CPU than
+# the Python one; both take the same options and write the same logs.
+if [ -x "$(dirname "$IDEMD")/idem-soak-load" ]; then
+    LOADER=("$(dirname "$IDEMD")/idem-soak-load")
+else
+    LOADER=(python3 "$HERE/soak_load.py")
+fi
 
 log() { printf '%s %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
@@ -119,6 +127,7 @@ done
 {
     echo "idemd=$("$IDEMD" --version 2>&1 | head -1)"
     echo "workload=$WORKLOAD rate=$RATE duration=$DURATION ttl_ms=$TTL_MS lease_ms=$LEASE_MS loaders=$LOADERS interval=$INTERVAL"
+    echo "loader=${LOADER[*]}"
     echo "nproc=$(nproc) mem_total=$(awk '/MemTotal/ {print $2 " kB"}' /proc/meminfo) kernel=$(uname -r)"
     echo "load_start=$(cat /proc/loadavg)"
 } >"$OUT/meta.txt"
@@ -129,7 +138,7 @@ sed 's/^/  /' "$OUT/meta.txt" >&2
 per=$((RATE / LOADERS)); extra=$((RATE % LOADERS))
 for n in $(seq 1 "$LOADERS"); do
     r=$per; [ "$n" -le "$extra" ] && r=$((r + 1))
-    timeout $((DURATION + 120)) python3 "$HERE/soak_load.py" --port "$PORT" --rate "$r" \
+    timeout $((DURATION + 120)) "${LOADER[@]}" --port "$PORT" --rate "$r" \
         --duration "$DURATION" --ttl-ms "$TTL_MS" --lease-ms "$LEASE_MS" --workload "$WORKLOAD" \
         --log "$OUT/load$n.log" 2>"$OUT/load$n.err" &
     LOAD_PIDS+=($!)
