@@ -178,10 +178,12 @@ static int slot_ready(const idem_store *s, const struct qslot *sl)
            sl->c.err == IDEM_EFATAL;
 }
 
-/* Makes the queue's eventfd readable, if its owner asked for the fd (idem_queue_fd): blocking
- * callers wait on cond_ready and are spared a write per completion. mu held. */
+/* Wakes whoever waits for the queue's completions: a thread in idem_poll (its condition), and
+ * the eventfd if the owner asked for it (idem_queue_fd; blocking callers are spared a write per
+ * completion). mu held. */
 void queue_signal(struct idem_queue *q)
 {
+    if (q->polling) pthread_cond_signal(&q->cond);
     if (!q->fd_used) return;
     uint64_t one = 1;
     if (write(q->efd, &one, sizeof one) < 0) {
@@ -189,11 +191,17 @@ void queue_signal(struct idem_queue *q)
     }
 }
 
-/* After the durable LSN moved (or fatal): wake the queues that have ready completions. */
+/* After the durable LSN moved (or fatal): wake the queues that have a ready completion (the
+ * first finished one in submission order, as collect_ready delivers them), and the callers
+ * waiting on cond_ready for durability. */
 static void notify_ready(idem_store *s)
 {
-    for (struct idem_queue *q = s->queues; q; q = q->next)
-        if (q->head) queue_signal(q);
+    for (struct idem_queue *q = s->queues; q; q = q->next) {
+        struct qslot *sl = q->head;
+        while (sl && sl->state != SLOT_DONE)
+            sl = sl->lnext;
+        if (sl && slot_ready(s, sl)) queue_signal(q);
+    }
     pthread_cond_broadcast(&s->cond_ready);
 }
 
@@ -851,7 +859,9 @@ int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
     q->returned = calloc(depth, sizeof *q->returned);
     q->free_stack = calloc(depth, sizeof *q->free_stack);
     q->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (!q->slots || !q->returned || !q->free_stack || q->efd < 0) {
+    int cond_ok = pthread_cond_init(&q->cond, NULL) == 0;
+    if (!q->slots || !q->returned || !q->free_stack || q->efd < 0 || !cond_ok) {
+        if (cond_ok) pthread_cond_destroy(&q->cond);
         if (q->efd >= 0) close(q->efd);
         free(q->slots);
         free(q->returned);
@@ -908,6 +918,7 @@ void idem_queue_close(idem_queue *q)
     free(q->att_recs);
     free(q->att_buf);
     close(q->efd);
+    pthread_cond_destroy(&q->cond);
     free(q);
 }
 
@@ -1089,13 +1100,15 @@ int idem_poll(idem_queue *q, idem_completion *out, size_t max, int timeout_ms)
                 ts.tv_nsec -= 1000000000L;
             }
         }
+        q->polling++;
+        pthread_cond_signal(&s->cond_flush);
         while (n == 0) {
-            pthread_cond_signal(&s->cond_flush);
-            int rc = timeout_ms > 0 ? pthread_cond_timedwait(&s->cond_ready, &s->mu, &ts)
-                                    : pthread_cond_wait(&s->cond_ready, &s->mu);
+            int rc = timeout_ms > 0 ? pthread_cond_timedwait(&q->cond, &s->mu, &ts)
+                                    : pthread_cond_wait(&q->cond, &s->mu);
             n = collect_ready(q, out, max);
             if (rc == ETIMEDOUT) break;
         }
+        q->polling--;
     }
     pthread_mutex_unlock(&s->mu);
     return (int)n;
@@ -1352,24 +1365,13 @@ static void ckpt_one(void *ctx, struct index_slot *slot)
     cc->rc = ckpt_add(cc->cw, &e);
 }
 
-/* Writes a checkpoint at the current batch boundary (everything appended is durable first).
- * The index may list an entry twice during a scan across splits: the index is not changing
- * here (mu held), so each entry is visited once. */
 /* Makes every appended frame durable and returns with mu held and nothing pending or in flight,
  * so that the index is exactly the log up to the current position. Callers' new changes wait
- * meanwhile (store_room sees ckpt_quiesce). On the flusher thread nothing is in flight and,
- * where this is called, nothing is pending: only an unflushed write (durability none) is left. */
+ * meanwhile (store_room sees ckpt_quiesce). Never on the flusher thread: it waits for the
+ * flusher (checkpoint_locked at close and idem_checkpoint, idem_backup). */
 static int quiesce_durable(idem_store *s)
 {
-    if (s->flusher_started && pthread_equal(pthread_self(), s->flusher)) {
-        IDEM_ASSERT(!wal_pending(s->wal) && !s->flushing);
-        if (wal_sync(s->wal) < 0) {
-            store_fail(s, -EIO);
-            return IDEM_EFATAL;
-        }
-        s->durable_lsn = wal_durable_lsn(s->wal);
-        return 0;
-    }
+    IDEM_ASSERT(!s->flusher_started || !pthread_equal(pthread_self(), s->flusher));
     s->ckpt_quiesce++;
     int rc = 0;
     while (rc == 0 && (wal_pending(s->wal) || s->flushing || s->durable_lsn < wal_last_lsn(s->wal)))

@@ -58,6 +58,10 @@ struct idem_queue {
     uint64_t seq_next;
     int efd;
     int fd_used; /* idem_queue_fd was called: signal efd (mu) */
+    /* A thread waits in idem_poll on this queue's own condition (with mu), so that the end of a
+     * flush wakes only the queues it has completions for, not every blocked caller. */
+    pthread_cond_t cond;
+    int polling;
     struct idem_queue *next, *prev;
     /* Poll results kept valid until the next call. */
     struct qslot **returned;
