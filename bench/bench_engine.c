@@ -8,9 +8,12 @@
  * followed by `capped=1` when the time cap ended the case before its key count, `errors=<n>` when
  * an operation answered something other than what the case expects (the first is printed to
  * stderr), and for the growth case `mem_B/key=<n>` (idem_stats.memory_bytes / keys: the index and
- * every buffer of the store). Lines starting with '#' are context. A last line prints the ratios
- * idem/peer of durable new-key claims. Exit 0 when every case ran without errors, 1 otherwise,
- * 2 on a usage error.
+ * every buffer of the store), `index_step_max_us=<n>` (the longest single growth step of the
+ * index: a segment rebuilt or split, or the directory doubled; max_us is the longest claim,
+ * whatever held it up) and `index_step_max_cpu_us=<n>` (the same step's CPU time: without the
+ * time the thread was preempted, which a shared 2-core machine adds to the wall time). Lines
+ * starting with '#' are context. A last line prints the ratios idem/peer of durable new-key claims.
+ * Exit 0 when every case ran without errors, 1 otherwise, 2 on a usage error.
  *
  * Measured how:
  *   - ops/s: operations completed / wall time from the first submit to the last completion.
@@ -67,6 +70,8 @@
 
 #include "idem.h"
 #include "bench_util.h"
+#include "index.h"
+#include "store.h" /* the index's longest growth step (growth case) */
 
 #ifdef IDEM_HAVE_PEERS
 #include <lmdb.h>
@@ -125,7 +130,8 @@ struct result {
     uint64_t flushes, flush_records;
     uint64_t errors;
     int capped;
-    double mem_bytes_per_key; /* < 0: not printed */
+    double mem_bytes_per_key;                         /* < 0: not printed */
+    int64_t index_step_max_us, index_step_max_cpu_us; /* < 0: not printed */
 };
 
 /* One queue driven in batches: each slot is a batch going through the steps of its case. */
@@ -174,6 +180,9 @@ static void print_result(struct run *r, const struct result *res)
         r->failures++;
     }
     if (res->mem_bytes_per_key >= 0) printf(" mem_B/key=%.1f", res->mem_bytes_per_key);
+    if (res->index_step_max_us >= 0)
+        printf(" index_step_max_us=%" PRId64 " index_step_max_cpu_us=%" PRId64,
+               res->index_step_max_us, res->index_step_max_cpu_us);
     printf("\n");
     fflush(stdout);
 }
@@ -454,6 +463,7 @@ static int pipe_case(struct run *r, idem_store *s, struct pipe *p, double second
     res->errors = p->errors;
     res->capped = p->cursor < p->limit;
     res->mem_bytes_per_key = -1;
+    res->index_step_max_us = -1;
     (void)r;
     return rc;
 }
@@ -650,13 +660,17 @@ static void case_blocking(struct run *r, const char *name, uint32_t threads, int
     atomic_init(&sh.next, 0);
     res->name = name;
     res->mem_bytes_per_key = -1;
+    res->index_step_max_us = -1;
     idem_get_stats(s, &before);
     int rc = blk_run(&sh, t, threads, seconds, res);
     idem_get_stats(s, &after);
     res->flushes = after.flushes - before.flushes;
     res->flush_records = after.flush_records - before.flush_records;
-    if (durability == IDEM_DURABILITY_NONE && after.keys > 0)
+    if (durability == IDEM_DURABILITY_NONE && after.keys > 0) {
         res->mem_bytes_per_key = (double)after.memory_bytes / (double)after.keys;
+        res->index_step_max_us = (int64_t)index_max_split_us(s->ix);
+        res->index_step_max_cpu_us = (int64_t)index_max_split_cpu_us(s->ix);
+    }
     if (rc != 0)
         print_case_error(r, name, "engine");
     else
@@ -748,6 +762,7 @@ static void case_lmdb(struct run *r)
     }
     res->name = "lmdb";
     res->mem_bytes_per_key = -1;
+    res->index_step_max_us = -1;
     uint64_t start = bench_now_ns(), deadline = start + (uint64_t)(r->peer_s * 1e9), now = start;
     while (res->ops < r->keys && now < deadline) {
         uint64_t left = r->keys - res->ops;
@@ -848,6 +863,7 @@ static void case_sqlite(struct run *r)
     }
     res->name = "sqlite";
     res->mem_bytes_per_key = -1;
+    res->index_step_max_us = -1;
     uint64_t start = bench_now_ns(), deadline = start + (uint64_t)(r->peer_s * 1e9), now = start;
     while (res->ops < r->keys && now < deadline) {
         uint64_t left = r->keys - res->ops;

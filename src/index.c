@@ -76,7 +76,7 @@ struct index {
     uint64_t count;
     uint64_t seg_count;
     size_t mem_bytes; /* segments + directory, as requested from malloc */
-    uint64_t max_split_us;
+    uint64_t max_split_us, max_split_cpu_us;
 };
 
 static inline uint32_t seg_home(uint32_t hash_lo, uint32_t cap)
@@ -270,10 +270,12 @@ static struct index_seg *seg_make_room(struct index *ix, uint32_t top24)
         if (seg->count + 1 <= seg_limit(seg->cap)) return seg;
         if (seg->cap == SEG_CAP_MAX && seg->local_depth == INDEX_DEPTH_MAX)
             return seg->count + 1 <= HARD_LIMIT(seg->cap) ? seg : NULL;
-        int64_t t0_us = util_monotonic_us();
+        int64_t t0_us = util_monotonic_us(), c0_us = util_thread_cpu_us();
         int rc = seg->cap < SEG_CAP_MAX ? seg_grow(ix, seg, top24) : seg_split(ix, seg, top24);
         uint64_t pause_us = (uint64_t)(util_monotonic_us() - t0_us);
+        uint64_t cpu_us = (uint64_t)(util_thread_cpu_us() - c0_us);
         if (pause_us > ix->max_split_us) ix->max_split_us = pause_us;
+        if (cpu_us > ix->max_split_cpu_us) ix->max_split_cpu_us = cpu_us;
         if (rc != 0) return NULL;
     }
     IDEM_ASSERT(!"seg_make_room did not converge");
@@ -454,6 +456,11 @@ size_t index_memory_bytes(const struct index *ix)
 uint64_t index_max_split_us(const struct index *ix)
 {
     return ix->max_split_us;
+}
+
+uint64_t index_max_split_cpu_us(const struct index *ix)
+{
+    return ix->max_split_cpu_us;
 }
 
 /* Visits the entries of seg whose hash_lo lies in [lo_begin, lo_end): their homes lie in

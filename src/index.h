@@ -77,8 +77,10 @@ uint64_t index_count(const struct index *ix);
 /* Anonymous memory held (segments + directory), in bytes. */
 size_t index_memory_bytes(const struct index *ix);
 /* The longest growth pause so far (segment grow, split or directory doubling), in
- * microseconds (for the growth benchmark). */
+ * microseconds (for the growth benchmark): wall time, and the CPU time of the thread (the
+ * step's own cost, without the time the thread was preempted). */
 uint64_t index_max_split_us(const struct index *ix);
+uint64_t index_max_split_cpu_us(const struct index *ix);
 
 /*
  * Cursor iteration, Redis SCAN style: visits the slots of about max_slots positions starting at

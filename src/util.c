@@ -34,3 +34,8 @@ int64_t util_monotonic_us(void)
 {
     return clock_ns(CLOCK_MONOTONIC) / 1000;
 }
+
+int64_t util_thread_cpu_us(void)
+{
+    return clock_ns(CLOCK_THREAD_CPUTIME_ID) / 1000;
+}

@@ -75,5 +75,7 @@ static inline uint64_t util_get_u64(const uint8_t *p)
 int64_t util_boottime_ms(void);
 int64_t util_realtime_ms(void);
 int64_t util_monotonic_us(void);
+/* CPU time the calling thread has used, in us (a pause without the time it was preempted). */
+int64_t util_thread_cpu_us(void);
 
 #endif /* IDEM_UTIL_H */
