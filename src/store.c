@@ -804,6 +804,10 @@ int idem_close(idem_store *s)
 {
     if (!s) return IDEM_EINVAL;
     pthread_mutex_lock(&s->mu);
+    /* A backup still copying reads through s->io and needs the flusher to make its start
+     * durable: it ends first (no new one starts once closing is set). */
+    while (s->backups)
+        pthread_cond_wait(&s->cond_ready, &s->mu);
     s->closing = 1;
     ops_wake(s, NULL, 0); /* parked claims answer busy */
     int rc = 0;
@@ -1419,11 +1423,14 @@ static void ckpt_run_abort(idem_store *s)
 static int checkpoint_locked(idem_store *s)
 {
     /* A backup may be copying checkpoint X; a run in steps may install X+1 meanwhile, and this
-     * install would then remove X. */
-    while (s->backups)
-        pthread_cond_wait(&s->cond_ready, &s->mu);
-    int rc = quiesce_durable(s);
-    if (rc < 0) return rc;
+     * install would then remove X. quiesce_durable lets go of mu: a backup may start there. */
+    int rc;
+    do {
+        while (s->backups)
+            pthread_cond_wait(&s->cond_ready, &s->mu);
+        rc = quiesce_durable(s);
+        if (rc < 0) return rc;
+    } while (s->backups);
     IDEM_ASSERT(!wal_pending(s->wal) && s->durable_lsn == wal_last_lsn(s->wal));
     ckpt_run_abort(s); /* the flusher is not inside a step: flushing is clear */
     uint64_t id = s->sb.ckpt_id + 1;
@@ -1551,7 +1558,7 @@ int store_ckpt_step(idem_store *s)
     s->ckr.by_test = 1;
     s->ckr.test_step = 1;
     pthread_cond_signal(&s->cond_flush);
-    while (s->ckr.test_step && !s->fatal)
+    while (s->ckr.test_step && !s->fatal && !s->closing && !s->abandoned)
         pthread_cond_wait(&s->cond_ready, &s->mu);
     int rc = s->fatal                        ? IDEM_EFATAL
              : s->ckr.test_rc < 0            ? s->ckr.test_rc
@@ -1610,15 +1617,19 @@ int idem_compact(idem_store *s, int timeout_ms)
 /* ---- Backup ---- */
 
 /* Copies the first len bytes of from (UINT64_MAX: all of it) into the new file to, read through
- * rd and written and flushed through wr, then extends the copy with zeros to size bytes (0: as
- * copied). An absent source copies nothing. */
+ * rd and written and flushed through wr, then extends the copy with allocated zeros to size
+ * bytes (0: as copied). An absent source copies nothing if it is optional, else it is an
+ * error that names it. */
 static int copy_file(struct io *rd, struct io *wr, const char *from, const char *to, uint64_t len,
-                     uint64_t size)
+                     uint64_t size, int optional)
 {
     struct io_file *in, *out;
     int rc = io_open(rd, from, IO_O_RDONLY, &in);
-    if (rc == -ENOENT) return 0;
-    if (rc < 0) return IDEM_EIO;
+    if (rc == -ENOENT && optional) return 0;
+    if (rc < 0) {
+        store_set_error("cannot read %s: %s", from, strerror(-rc));
+        return IDEM_EIO;
+    }
     rc = io_open(wr, to, IO_O_CREATE | IO_O_EXCL, &out);
     if (rc < 0) {
         io_close(rd, in);
@@ -1638,7 +1649,10 @@ static int copy_file(struct io *rd, struct io *wr, const char *from, const char 
         if (w < 0) rc = w == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
         off += (uint64_t)n;
     }
-    if (rc == 0 && size > off && io_truncate(wr, out, size) < 0) rc = IDEM_EIO;
+    if (rc == 0 && size > off) {
+        int a = io_allocate(wr, out, off, size - off);
+        if (a < 0) rc = a == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
+    }
     if (rc == 0 && io_flush_sync(wr, out) < 0) rc = IDEM_EIO;
     free(buf);
     io_close(rd, in);
@@ -1672,18 +1686,18 @@ static int copy_store(struct io *rd, const char *src, struct io *wr, const char 
         snprintf(from, sizeof from, "%s/wal-%016llx.log", src, (unsigned long long)seq);
         snprintf(to, sizeof to, "%s/wal-%016llx.log", dest, (unsigned long long)seq);
         if (end_seq == 0 && access(from, F_OK) != 0) break;
-        rc = seq != end_seq ? copy_file(rd, wr, from, to, UINT64_MAX, 0)
-                            : copy_file(rd, wr, from, to, end_off, sb->seg_bytes);
+        rc = seq != end_seq ? copy_file(rd, wr, from, to, UINT64_MAX, 0, 0)
+                            : copy_file(rd, wr, from, to, end_off, sb->seg_bytes, 0);
     }
     if (rc == 0 && sb->ckpt_id) {
         ckpt_path(src, sb->ckpt_id, from, sizeof from);
         ckpt_path(dest, sb->ckpt_id, to, sizeof to);
-        rc = copy_file(rd, wr, from, to, UINT64_MAX, 0);
+        rc = copy_file(rd, wr, from, to, UINT64_MAX, 0, 0);
     }
     if (rc == 0) {
         snprintf(from, sizeof from, "%s/audit.log", src);
         snprintf(to, sizeof to, "%s/audit.log", dest);
-        rc = copy_file(rd, wr, from, to, audit_len, 0);
+        rc = copy_file(rd, wr, from, to, audit_len, 0, 1);
     }
     if (rc == 0) {
         struct super copy = *sb;
@@ -1709,7 +1723,10 @@ int idem_backup(idem_store *s, const char *dest_dir)
     struct io *wr; /* the store's ring is the flusher's: the copy writes through its own */
     if (io_thread_create(&wr) < 0) return IDEM_ENOMEM;
     pthread_mutex_lock(&s->mu);
-    int rc = s->fatal ? IDEM_EFATAL : s->opt.read_only ? 0 : quiesce_durable(s);
+    int rc = s->fatal           ? IDEM_EFATAL
+             : s->closing       ? IDEM_EINVAL /* a call on a store being closed */
+             : s->opt.read_only ? 0
+                                : quiesce_durable(s);
     struct super sb = s->sb;
     uint64_t end_seq;
     uint32_t end_off;

@@ -429,6 +429,57 @@ Test(idemctl_online, backup_under_load_restores_every_acknowledged_key, .init = 
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
+/* A store of about 64 MiB of incompressible values, written offline before idemd starts. */
+static void prefill(int keys)
+{
+    idem_store *s;
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 256, &q), IDEM_OK);
+    tu_fill_incompressible(q, keys);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+static int64_t now_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
+}
+
+/* IDEM.BACKUP copies on a thread of its own: idemd goes on answering other clients meanwhile
+ * (it used to answer nobody until the copy was done). */
+Test(idemctl_online, backup_does_not_stop_the_server, .init = setup, .fini = stop_idemd,
+     .timeout = 120)
+{
+    prefill(16384);
+    start_idemd();
+    struct writer w = {0};
+    pthread_t t;
+    cr_assert_eq(pthread_create(&t, NULL, writer_main, &w), 0);
+    while (atomic_load(&w.acked) < 20)
+        usleep(1000);
+    char sock[4200], backup[4200];
+    snprintf(sock, sizeof sock, "--socket %s/idemd.sock", dir);
+    snprintf(backup, sizeof backup, "%s/backup", scratch);
+    int before = atomic_load(&w.acked);
+    int64_t t0 = now_us();
+    int rc = ctl("backup %s %s", backup, sock);
+    int64_t t1 = now_us();
+    int during = atomic_load(&w.acked) - before;
+    atomic_store(&w.stop, 1);
+    pthread_join(t, NULL);
+    cr_assert_eq(rc, 0, "%s", err);
+    /* Each claim and commit is a connection of its own: slower than the engine's callers. */
+    cr_assert_geq(during, 5, "%d keys claimed and committed during a backup of %lld us", during,
+                  (long long)(t1 - t0));
+    cr_assert_eq(ctl("verify %s", backup), 0, "%s%s", out, err);
+    /* A second backup into the same place is refused by name, and idemd goes on. */
+    cr_assert_eq(ctl("backup %s %s", backup, sock), 1);
+    cr_assert(strstr(err, "backup into"), "%s", err);
+}
+
 Test(idemctl_online, connection_failure_is_reported, .init = setup, .fini = teardown)
 {
     cr_assert_eq(ctl("status --socket %s/none.sock", dir), 1);

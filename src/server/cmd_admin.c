@@ -254,22 +254,20 @@ void cmd_attention(cmd_req *r)
 }
 
 /* IDEM.BACKUP dest: a consistent point-in-time copy of the live store into the new directory
- * dest (a path on idemd's host). Admin only. The store pauses while the copy is made. */
+ * dest (a path on idemd's host). Admin only. The copy runs on a thread of its own (backup.c):
+ * the store holds changes back for one flush, the loop goes on serving, and the reply comes
+ * when the copy is durable. */
 void cmd_backup(cmd_req *r)
 {
-    char dest[4096];
+    char dest[4096], err[600];
     if (r->argl[1] == 0 || r->argl[1] >= sizeof dest || memchr(r->argv[1], 0, r->argl[1]))
         return cmd_fail(r, "ERR backup destination must be a path of 1..4095 bytes");
     memcpy(dest, r->argv[1], r->argl[1]);
     dest[r->argl[1]] = 0;
-    srv_flush_ops(r->s);
+    srv_flush_ops(r->s); /* the copy holds every request before this one */
     srv_log("info", "backup", "dest=\"%s\" id=%llu", dest, (unsigned long long)r->c->id);
-    int err = idem_backup(r->s->store, dest);
-    if (err != IDEM_OK)
-        return cmd_fail(r, "ERR backup into %s failed: %s (%s)", dest, idem_strerror(err),
-                        idem_last_error());
-    resp_simple(cmd_out(r), "OK");
-    cmd_done(r);
+    if (srv_backup_start(r->s, r->c, r->seq, dest, err, sizeof err) < 0)
+        return cmd_fail(r, "%s", err);
 }
 
 /* DEL key [key ...]: none is deleted if any is in_flight or review. */

@@ -52,6 +52,7 @@
 #define TAG_QUEUE   4u
 #define TAG_LOAD    5u
 #define TAG_METRICS 6u
+#define TAG_BACKUP  7u
 #define TAG_CONN    16u /* and above: connection index + TAG_CONN */
 
 #define EVENTS_MAX      256
@@ -250,6 +251,11 @@ static int slot_alloc(srv_conn *c, uint32_t *seq)
     sl->buf.limit = c->out.limit;
     sl->state = SLOT_PENDING;
     return 0;
+}
+
+int srv_reply_pending(srv_conn *c, uint32_t seq)
+{
+    return seq - c->head_seq < c->tail_seq - c->head_seq && slot_of(c, seq)->state == SLOT_PENDING;
 }
 
 resp_buf *srv_reply_buf(srv_conn *c, uint32_t seq)
@@ -1056,6 +1062,8 @@ static int on_event(srv *s, struct epoll_event *e)
         ssize_t r = read(s->load_fd, &v, sizeof v);
         (void)r;
         if (load_finish(s) < 0) return -1;
+    } else if (tag == TAG_BACKUP) {
+        srv_backup_done(s);
     }
     return 0;
 }
@@ -1099,9 +1107,11 @@ static int setup_fds(srv *s)
     s->epfd = epoll_create1(EPOLL_CLOEXEC);
     s->sig_fd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
     s->load_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (s->epfd < 0 || s->sig_fd < 0 || s->load_fd < 0) return -1;
+    s->backup_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (s->epfd < 0 || s->sig_fd < 0 || s->load_fd < 0 || s->backup_fd < 0) return -1;
     ep_add(s, s->sig_fd, TAG_SIG, EPOLLIN);
     ep_add(s, s->load_fd, TAG_LOAD, EPOLLIN);
+    ep_add(s, s->backup_fd, TAG_BACKUP, EPOLLIN);
     s->conns_cap = s->cfg.max_clients + s->cfg.max_clients / 4 + 16;
     s->conns = calloc(s->conns_cap, sizeof *s->conns);
     s->dirty = calloc(s->conns_cap, sizeof *s->dirty);
@@ -1120,6 +1130,7 @@ static int finish(srv *s, int rc)
     if (s->q) idem_queue_close(s->q);
     if (s->q_sync) idem_queue_close(s->q_sync);
     if (s->load_started) pthread_join(s->load_thread, NULL);
+    if (s->backup_running) pthread_join(s->backup_thread, NULL); /* the store must outlive it */
     for (uint32_t i = 0; s->conns && i < s->conns_cap; i++)
         if (s->conns[i]) conn_free(s, s->conns[i]);
     free(s->conns);
@@ -1129,7 +1140,7 @@ static int finish(srv *s, int rc)
     free(s->ops);
     free(s->comps);
     s->conns = NULL;
-    int fds[] = {s->epfd, s->sig_fd, s->load_fd};
+    int fds[] = {s->epfd, s->sig_fd, s->load_fd, s->backup_fd};
     for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
         if (fds[i] >= 0) close(fds[i]);
     if (s->store) {
@@ -1146,7 +1157,7 @@ static int finish(srv *s, int rc)
 int srv_run(srv *s)
 {
     s->unix_fd = s->tcp_fd = s->metrics_fd = -1;
-    s->epfd = s->sig_fd = s->load_fd = -1;
+    s->epfd = s->sig_fd = s->load_fd = s->backup_fd = -1;
     s->started_ms = srv_now_ms();
     clock_tick(s);
     if (setup_fds(s) < 0 || listen_all(s) < 0) return finish(s, 1);

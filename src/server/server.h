@@ -174,6 +174,16 @@ typedef struct srv {
     int load_err;
     srv_conn **dead;
     uint32_t ndead;
+    /* IDEM.BACKUP copies on a thread of its own (backup.c), one at a time; backup_fd (an
+     * eventfd in the loop's epoll set) says it is done. The request it answers is held open
+     * like one the engine owes a completion (engine_due), so its connection lives on. */
+    int backup_fd;
+    int backup_running;
+    pthread_t backup_thread;
+    uint32_t backup_conn, backup_seq; /* connection index and request */
+    int backup_err;
+    char backup_dest[4096];
+    char backup_msg[512];
 } srv;
 
 /* ---- loop.c ---- */
@@ -189,6 +199,17 @@ void srv_reply_done(srv *s, srv_conn *c, uint32_t seq);
 void srv_submit_op(srv *s, srv_conn *c, uint32_t seq, int kind, idem_op *op);
 /* Submits the batch now: before a blocking call on q_sync, so that it sees earlier requests. */
 void srv_flush_ops(srv *s);
+
+/* Whether request `seq` of c still waits for its reply. */
+int srv_reply_pending(srv_conn *c, uint32_t seq);
+
+/* ---- backup.c ---- */
+/* Starts copying the store into dest for request `seq` of c; the reply comes when the copy is
+ * done (srv_backup_done). Returns 0, or -1 with a message in err (one runs already). */
+int srv_backup_start(srv *s, srv_conn *c, uint32_t seq, const char *dest, char *err,
+                     size_t err_len);
+/* The loop saw backup_fd readable: joins the thread and answers the request. */
+void srv_backup_done(srv *s);
 
 /* ---- commands.c ---- */
 /* Runs one parsed request. The reply is written now (srv_reply_buf + srv_reply_done) or later,

@@ -23,4 +23,9 @@ uint64_t tu_count(uint64_t ci_count, uint64_t long_count);
  * Aborts on ENOMEM (a test cannot go on without its record). */
 void *tu_grow(void *v, size_t *cap, size_t need, size_t elem);
 
+/* SET NX of keys fill-0 .. fill-(keys-1) (keys a multiple of 256) with the same 4 KiB of
+ * incompressible bytes, through q (depth >= 256): a log of keys x 4 KiB. Asserts each succeeds. */
+struct idem_queue;
+void tu_fill_incompressible(struct idem_queue *q, int keys);
+
 #endif
