@@ -1064,7 +1064,12 @@ static size_t collect_ready(idem_queue *q, idem_completion *out, size_t max)
         struct qslot *next = sl->lnext;
         if (sl->state == SLOT_DONE) {
             if (!slot_ready(s, sl)) break;
-            out[n++] = sl->c;
+            /* The record is filled only when found (idem.h): most completions are 64 bytes. */
+            if (sl->c.found)
+                out[n] = sl->c;
+            else
+                memcpy(&out[n], &sl->c, offsetof(idem_completion, record));
+            n++;
             if (sl->lprev)
                 sl->lprev->lnext = sl->lnext;
             else
