@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <xxhash.h>
 
 #include "idem.h"
 #include "testutil.h"
@@ -279,6 +280,43 @@ Test(verify, flipped_bit_in_the_audit_trail_is_found, .init = setup, .fini = tea
     expect_found("audit.log", 4096 + 70, 5);   /* second entry's text */
     expect_found("audit.log", 4096 + 4000, 1); /* padding of the second entry */
     cr_assert_eq(verify_ok().errors, 0);
+}
+
+/* Rewrites the first audit entry with its key length one longer and a checksum that matches:
+ * the lengths no longer add up to the entry's length, which no checksum can catch. */
+static void audit_entry_with_inconsistent_lengths(void)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/audit.log", dir);
+    FILE *f = fopen(path, "r+b");
+    cr_assert_not_null(f, "%s", path);
+    uint8_t b[4096];
+    cr_assert_eq(fread(b, 1, sizeof b, f), sizeof b);
+    uint32_t len =
+        (uint32_t)b[8] | (uint32_t)b[9] << 8 | (uint32_t)b[10] << 16 | (uint32_t)b[11] << 24;
+    b[42]++; /* key_len, u16 little-endian */
+    uint64_t sum = XXH3_64bits(b + 8, len);
+    for (int i = 0; i < 8; i++)
+        b[i] = (uint8_t)(sum >> (8 * i));
+    fseek(f, 0, SEEK_SET);
+    cr_assert_eq(fwrite(b, 1, sizeof b, f), sizeof b);
+    fclose(f);
+}
+
+/* Regression: audit entries whose field lengths disagreed with their length were kept (the
+ * checksum holds, so only the length check stops them). Open refuses the store and names the
+ * file and the entry's offset; verify reports it. */
+Test(verify, audit_entry_whose_lengths_disagree_is_corruption, .init = setup, .fini = teardown)
+{
+    write_store();
+    audit_entry_with_inconsistent_lengths();
+    idem_store *s;
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_ECORRUPT);
+    cr_assert_not_null(strstr(idem_last_error(), "audit.log"), "%s", idem_last_error());
+    cr_assert_not_null(strstr(idem_last_error(), "offset 0"), "%s", idem_last_error());
+    idem_verify_report r = verify_ok();
+    cr_assert_gt(r.errors, 0);
+    cr_assert_not_null(strstr(r.first_error, "audit.log offset 0"), "%s", r.first_error);
 }
 
 Test(verify, store_in_use_is_refused, .init = setup, .fini = teardown)
