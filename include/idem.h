@@ -446,7 +446,10 @@ int idem_restore(const char *backup_dir, const char *dest_dir);
 
 /* ---- Maintenance ---- */
 
-/* Writes a checkpoint of the index so that the next open need not replay the log. */
+/* Writes a checkpoint of the index so that the next open need not replay the log: one taken in
+ * steps by the store's flusher while changes go on, starting after this call (so it holds every
+ * change made before it). Returns once it is installed: IDEM_OK, IDEM_EREADONLY, IDEM_EFATAL,
+ * IDEM_EFULL (no room for the file), or IDEM_EINVAL if the store is closed meanwhile. */
 int idem_checkpoint(idem_store *s);
 /* Compacts every sealed segment now (live records copied forward, expired ones dropped, the
  * segments retired) and returns when that is done or timeout_ms passed (IDEM_EBUSY then; the

@@ -351,7 +351,7 @@ static int flusher_compact(idem_store *s)
     if (s->fatal || s->closing || s->abandoned) return 0;
     int rc = 0;
     if (!s->ckr.by_test) {
-        rc = ckpt_run_step(s, 0);
+        rc = ckpt_run_step(s, s->ckr.want_run > s->ckr.installed_run);
     } else if (s->ckr.test_step) {
         rc = s->ckr.test_rc = ckpt_run_step(s, 1);
         s->ckr.test_step = 0;
@@ -360,6 +360,13 @@ static int flusher_compact(idem_store *s)
     if (rc == IDEM_EFATAL || rc == IDEM_EIO) {
         store_fail(s, -EIO);
         return 0;
+    }
+    if (rc < 0) {
+        /* Not fatal (no room for the file): the run is dropped, and idem_checkpoint told. */
+        s->ckr.failures++;
+        s->ckr.last_err = rc;
+        s->ckr.want_run = s->ckr.installed_run;
+        pthread_cond_broadcast(&s->cond_ready);
     }
     if (rc > 0) return 1; /* one step per round: flushes go on between steps */
     rc = compact_step(s);
@@ -1377,7 +1384,7 @@ static void ckpt_one(void *ctx, struct index_slot *slot)
 /* Makes every appended frame durable and returns with mu held and nothing pending or in flight,
  * so that the index is exactly the log up to the current position. Callers' new changes wait
  * meanwhile (store_room sees ckpt_quiesce). Never on the flusher thread: it waits for the
- * flusher (checkpoint_locked at close and idem_checkpoint, idem_backup). */
+ * flusher (checkpoint_locked at close, idem_backup). */
 static int quiesce_durable(idem_store *s)
 {
     IDEM_ASSERT(!s->flusher_started || !pthread_equal(pthread_self(), s->flusher));
@@ -1423,7 +1430,7 @@ static void ckpt_run_abort(idem_store *s)
 }
 
 /* Writes a checkpoint with changes held: everything appended is made durable first, so the
- * image is exactly the index at the current batch boundary (idem_checkpoint, close).
+ * image is exactly the index at the current batch boundary (idem_close).
  * A checkpoint the flusher is taking in steps is dropped: this one replaces it. */
 static int checkpoint_locked(idem_store *s)
 {
@@ -1495,6 +1502,7 @@ static int ckpt_run_step(idem_store *s, int now)
         s->ckr.id = s->sb.ckpt_id + 1;
         int rc = ckpt_begin(s->io, s->dir, s->ckr.id, &s->ckr.cw);
         if (rc < 0) return rc;
+        s->ckr.run = ++s->ckr.runs_started;
         wal_position(s->wal, &s->ckr.seq, &s->ckr.off);
         s->ckr.lsn = wal_last_lsn(s->wal);
         s->ckr.batch = wal_batch(s->wal) - 1;
@@ -1553,6 +1561,7 @@ static int ckpt_run_step(idem_store *s, int now)
     memcpy(sb.ckpt_keys_by_state, s->ckr.keys_by_state, sizeof sb.ckpt_keys_by_state);
     s->ckr.state = CKPT_RUN_IDLE;
     int rc = ckpt_install(s, &sb, 1);
+    if (rc == 0) s->ckr.installed_run = s->ckr.run; /* ckpt_install woke the waiters */
     return rc < 0 ? rc : 1;
 }
 
@@ -1573,12 +1582,26 @@ int store_ckpt_step(idem_store *s)
     return rc;
 }
 
+/* A checkpoint in steps that starts after this call, taken by the flusher between batches while
+ * changes go on: it holds every change made before the call, and nothing waits for it but the
+ * caller (counted in sync_waiters, so that a store without sync durability flushes what the
+ * run's install waits for). */
 int idem_checkpoint(idem_store *s)
 {
     if (!s) return IDEM_EINVAL;
     if (s->opt.read_only) return IDEM_EREADONLY;
     pthread_mutex_lock(&s->mu);
-    int rc = s->fatal ? IDEM_EFATAL : checkpoint_locked(s);
+    uint64_t want = s->ckr.runs_started + 1, failures = s->ckr.failures;
+    if (want > s->ckr.want_run) s->ckr.want_run = want;
+    s->sync_waiters++;
+    pthread_cond_signal(&s->cond_flush);
+    while (!s->fatal && !s->closing && s->ckr.installed_run < want && s->ckr.failures == failures)
+        pthread_cond_wait(&s->cond_ready, &s->mu);
+    s->sync_waiters--;
+    int rc = s->fatal                       ? IDEM_EFATAL
+             : s->ckr.installed_run >= want ? IDEM_OK
+             : s->ckr.failures != failures  ? s->ckr.last_err
+                                            : IDEM_EINVAL; /* the store is being closed */
     pthread_mutex_unlock(&s->mu);
     return rc;
 }

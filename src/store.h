@@ -139,6 +139,11 @@ struct idem_store {
         uint32_t off;
         uint64_t end_lsn; /* the log's last LSN when the scan ended; the counts are from then */
         uint64_t live_bytes, keys_by_state[3];
+        /* Runs are numbered as they start; idem_checkpoint asks for one that starts after its
+         * call (want_run) and waits until a run of at least that number is installed. */
+        uint64_t run, runs_started, installed_run, want_run;
+        uint64_t failures; /* runs that ended in an error that is not fatal (last_err) */
+        int last_err;
         int by_test;   /* store_ckpt_step was called: the flusher steps only when asked */
         int test_step; /* a step asked for and not yet taken */
         int test_rc;   /* what that step returned */
@@ -215,7 +220,7 @@ void store_abandon(idem_store *s);
 
 /* Tests: has the flusher take the next step of a checkpoint in steps (starting one at the next
  * batch boundary if none runs) and waits for it. From the first call on, the flusher takes
- * steps only when asked. Returns 0 when this step installed the checkpoint, 1 while the run goes
+ * steps only when asked (idem_checkpoint would wait for ever: do not mix them). Returns 0 when this step installed the checkpoint, 1 while the run goes
  * on (or has not started yet), or a negative idem_err. */
 int store_ckpt_step(idem_store *s);
 

@@ -748,6 +748,60 @@ Test(race, close_during_a_backup_of_a_read_only_store_waits_for_it)
     cr_assert_eq(backup_finish(th), BACKUP_FILL);
 }
 
+/* idem_checkpoint takes a checkpoint in steps: claims go on being acknowledged while it scans
+ * half a million keys (the checkpoint used to hold every change back for the whole scan). */
+Test(race, explicit_checkpoint_lets_claims_go_on, .timeout = 120)
+{
+    enum { KEYS = 500000 };
+    static idem_op ops[4096];
+    static idem_completion out[4096];
+    static char keyv[4096][24];
+    for (int base = 0; base < KEYS; base += 4096) {
+        int n = KEYS - base < 4096 ? KEYS - base : 4096;
+        for (int i = 0; i < n; i++) {
+            snprintf(keyv[i], sizeof keyv[i], "small-%d", base + i);
+            ops[i] = (idem_op){.kind = IDEM_OP_SET_IF_ABSENT,
+                               .key = keyv[i],
+                               .key_len = (uint32_t)strlen(keyv[i]),
+                               .ttl_ms = TTL,
+                               .data = "v",
+                               .data_len = 1};
+        }
+        idem_queue *q;
+        expect_rc(idem_queue_open(g_s, 4096, &q), IDEM_OK);
+        const char *err = run_async(q, ops, (size_t)n, out);
+        idem_queue_close(q);
+        cr_assert_null(err, "%s", err);
+    }
+    worker w;
+    memset(&w, 0, sizeof w);
+    atomic_store(&g_backup_stop, 0);
+    atomic_store(&g_backup_live, 0);
+    cr_assert_eq(pthread_create(&w.th, NULL, backup_claimer, &w), 0);
+    while (atomic_load(&g_backup_live) < 50)
+        usleep(1000);
+    idem_stats before, after;
+    idem_get_stats(g_s, &before);
+    int64_t t0 = mono_us();
+    expect_rc(idem_checkpoint(g_s), IDEM_OK);
+    int64_t t1 = mono_us();
+    atomic_store(&g_backup_stop, 1);
+    join_all(&w, 1);
+    idem_get_stats(g_s, &after);
+    cr_assert_gt(after.checkpoints, before.checkpoints);
+    int live = atomic_load(&g_backup_live), during = 0;
+    for (int i = 0; i < live; i++)
+        during += g_backup_acked_us[i] > t0 && g_backup_acked_us[i] < t1;
+    cr_assert_geq(during, 10, "%d claims acknowledged during a checkpoint of %lld us", during,
+                  (long long)(t1 - t0));
+    /* Everything is there after a restart from that checkpoint. */
+    store_close();
+    store_open();
+    idem_stats st;
+    idem_get_stats(g_s, &st);
+    cr_assert_eq(st.keys, (uint64_t)KEYS + (uint64_t)live);
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* Claims with WAIT (real time), woken by the owner's call, a lease running out, or ms passing. */
 
