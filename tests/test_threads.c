@@ -566,11 +566,11 @@ Test(race, nothing_is_pending_after_blocking_calls_and_polled_completions)
 /* An online backup holds changes back for one flush only; the copy holds what was acknowledged. */
 
 #define BACKUP_FILL 16384 /* keys with 4 KiB results: about 64 MiB of log to copy */
-#define BACKUP_LIVE 200000
+#define LIVE_MAX    200000
 
-static atomic_int g_backup_stop;
-static int64_t g_backup_acked_us[BACKUP_LIVE]; /* when each live key's claim was acknowledged */
-static atomic_int g_backup_live;
+static atomic_int g_live_stop;
+static int64_t g_live_acked_us[LIVE_MAX]; /* when each live key's claim was acknowledged */
+static atomic_int g_live_count;
 
 static int64_t mono_us(void)
 {
@@ -579,7 +579,7 @@ static int64_t mono_us(void)
     return (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
-static void *backup_claimer(void *arg)
+static void *live_claimer(void *arg)
 {
     worker *w = arg;
     idem_queue *q;
@@ -588,7 +588,7 @@ static void *backup_claimer(void *arg)
         return NULL;
     }
     idem_claim_args a = claim_args(TTL, LEASE, 0);
-    for (int i = 0; i < BACKUP_LIVE && !atomic_load(&g_backup_stop); i++) {
+    for (int i = 0; i < LIVE_MAX && !atomic_load(&g_live_stop); i++) {
         char key[32];
         snprintf(key, sizeof key, "live-%d", i);
         idem_completion c;
@@ -597,8 +597,8 @@ static void *backup_claimer(void *arg)
             WFAIL(w, "claim %s: %s, outcome %d", key, idem_strerror(rc), c.outcome);
             break;
         }
-        g_backup_acked_us[i] = mono_us();
-        atomic_store(&g_backup_live, i + 1);
+        g_live_acked_us[i] = mono_us();
+        atomic_store(&g_live_count, i + 1);
     }
     idem_queue_close(q);
     return NULL;
@@ -609,23 +609,23 @@ Test(race, backup_goes_on_while_claims_are_acknowledged_and_holds_every_earlier_
     tu_fill_incompressible(g_q, BACKUP_FILL);
     worker w;
     memset(&w, 0, sizeof w);
-    atomic_store(&g_backup_stop, 0);
-    atomic_store(&g_backup_live, 0);
-    cr_assert_eq(pthread_create(&w.th, NULL, backup_claimer, &w), 0);
-    while (atomic_load(&g_backup_live) < 100) /* the claimer is running */
+    atomic_store(&g_live_stop, 0);
+    atomic_store(&g_live_count, 0);
+    cr_assert_eq(pthread_create(&w.th, NULL, live_claimer, &w), 0);
+    while (atomic_load(&g_live_count) < 100) /* the claimer is running */
         usleep(1000);
     char dest[4200];
     snprintf(dest, sizeof dest, "%s/backup", g_dir);
-    int live_before = atomic_load(&g_backup_live);
+    int live_before = atomic_load(&g_live_count);
     int64_t t0 = mono_us();
     int rc = idem_backup(g_s, dest);
     int64_t t1 = mono_us();
-    atomic_store(&g_backup_stop, 1);
+    atomic_store(&g_live_stop, 1);
     join_all(&w, 1);
     cr_assert_eq(rc, IDEM_OK, "idem_backup: %s (%s)", idem_strerror(rc), idem_last_error());
-    int live = atomic_load(&g_backup_live), during = 0;
+    int live = atomic_load(&g_live_count), during = 0;
     for (int i = 0; i < live; i++)
-        during += g_backup_acked_us[i] > t0 && g_backup_acked_us[i] < t1;
+        during += g_live_acked_us[i] > t0 && g_live_acked_us[i] < t1;
     /* Holding the store for the whole copy would let at most the claims already flushing at
      * its start through. */
     cr_assert_geq(during, 10, "%d claims acknowledged during a backup of %lld us", during,
@@ -659,7 +659,7 @@ Test(race, backup_goes_on_while_claims_are_acknowledged_and_holds_every_earlier_
         cr_assert(!c.found || present == i,
                   "%s is in the backup but live-%d is not (acked %lld us after the backup began, "
                   "which took %lld us; %d acked before it)",
-                  key, present, (long long)(g_backup_acked_us[present] - t0), (long long)(t1 - t0),
+                  key, present, (long long)(g_live_acked_us[present] - t0), (long long)(t1 - t0),
                   live_before);
         present += c.found;
     }
@@ -775,23 +775,23 @@ Test(race, explicit_checkpoint_lets_claims_go_on, .timeout = 120)
     }
     worker w;
     memset(&w, 0, sizeof w);
-    atomic_store(&g_backup_stop, 0);
-    atomic_store(&g_backup_live, 0);
-    cr_assert_eq(pthread_create(&w.th, NULL, backup_claimer, &w), 0);
-    while (atomic_load(&g_backup_live) < 50)
+    atomic_store(&g_live_stop, 0);
+    atomic_store(&g_live_count, 0);
+    cr_assert_eq(pthread_create(&w.th, NULL, live_claimer, &w), 0);
+    while (atomic_load(&g_live_count) < 50)
         usleep(1000);
     idem_stats before, after;
     idem_get_stats(g_s, &before);
     int64_t t0 = mono_us();
     expect_rc(idem_checkpoint(g_s), IDEM_OK);
     int64_t t1 = mono_us();
-    atomic_store(&g_backup_stop, 1);
+    atomic_store(&g_live_stop, 1);
     join_all(&w, 1);
     idem_get_stats(g_s, &after);
     cr_assert_gt(after.checkpoints, before.checkpoints);
-    int live = atomic_load(&g_backup_live), during = 0;
+    int live = atomic_load(&g_live_count), during = 0;
     for (int i = 0; i < live; i++)
-        during += g_backup_acked_us[i] > t0 && g_backup_acked_us[i] < t1;
+        during += g_live_acked_us[i] > t0 && g_live_acked_us[i] < t1;
     cr_assert_geq(during, 10, "%d claims acknowledged during a checkpoint of %lld us", during,
                   (long long)(t1 - t0));
     /* Everything is there after a restart from that checkpoint. */
