@@ -1066,6 +1066,9 @@ int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now, uin
     }
     uint64_t addr;
     int rc = wal_copy(s->wal, f, &addr, lsn);
+    /* Too large to append again: this store never wrote such a frame (damage behind a valid
+     * checksum, found by fuzzing). Corruption stops compaction; it must not fail the store. */
+    if (rc == IDEM_EINVAL) return IDEM_ECORRUPT;
     if (rc < 0) return rc;
     struct old_facts old = old_facts(s, f->addr);
     index_slot_set_addr(slot, addr);
