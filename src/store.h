@@ -220,8 +220,9 @@ void store_abandon(idem_store *s);
 
 /* Tests: has the flusher take the next step of a checkpoint in steps (starting one at the next
  * batch boundary if none runs) and waits for it. From the first call on, the flusher takes
- * steps only when asked (idem_checkpoint would wait for ever: do not mix them). Returns 0 when this step installed the checkpoint, 1 while the run goes
- * on (or has not started yet), or a negative idem_err. */
+ * steps only when asked (idem_checkpoint would wait for ever: do not mix them). Returns 0 when this
+ * step installed the checkpoint, 1 while the run goes on (or has not started yet), or a negative
+ * idem_err. */
 int store_ckpt_step(idem_store *s);
 
 /* Tests: walks the whole index; every entry must name a decodable record whose key leads back

@@ -645,13 +645,13 @@ Test(recovery, a_checkpoint_in_steps_across_index_splits_recovers_every_key, .ti
     cr_assert_eq(rc, 0, "%s", idem_strerror(rc));
     size_t mem_after = index_memory_bytes(s->ix);
     cr_assert_geq(steps, 4, "only %d steps: no scan to split across", steps);
-    cr_assert_gt(mem_after, mem_before * 3 / 2, "the index did not grow during the scan (%zu -> %zu)",
-                 mem_before, mem_after);
+    cr_assert_gt(mem_after, mem_before * 3 / 2,
+                 "the index did not grow during the scan (%zu -> %zu)", mem_before, mem_after);
     idem_stats st;
     idem_get_stats(s, &st);
     cr_assert_eq(st.checkpoints, 1);
-    fprintf(stderr, "checkpoint in %d steps, index %zu -> %zu bytes, %d keys\n", steps,
-            mem_before, mem_after, m.n);
+    fprintf(stderr, "checkpoint in %d steps, index %zu -> %zu bytes, %d keys\n", steps, mem_before,
+            mem_after, m.n);
     split_round(q, &m, 1000, 1000, &rng); /* frames after the scan's end */
     idem_queue_close(q);
 
