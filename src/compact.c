@@ -1,20 +1,22 @@
 /*
  * compact.c: space reclamation and expiry sweeping, in log order.
  *
- * The oldest segment (the head) is walked frame by frame, a bounded number per step on the
+ * Segments are walked from the oldest, frame by frame, a bounded number per step on the
  * flusher thread: a record the index still points to is copied forward unchanged (first_seen,
  * token, version and all), an expired committed record is removed with a logged DELETE, anything
- * else is dead. Working strictly from the head keeps deletion safe: when a frame reaches the
- * head, every older version of its key was in a segment already retired.
+ * else is dead. Working strictly in log order keeps deletion safe: when a frame is walked, every
+ * older version of its key was in a segment walked before, which is retired no later than it.
  *
- * A walked segment is retired (superblock first, then the file) once (a) the copies and deletes
- * it caused are durable and (b) a checkpoint was written after the walk ended, so the image
- * recovery starts from points at no frame of it and replay starts after it.
+ * Walked segments wait (up to STORE_CMP_AHEAD of them) and are retired oldest first, superblock
+ * first, then the files, once (a) the copies and deletes their walk caused are durable and (b)
+ * the installed checkpoint was begun after their walk ended, so neither its image nor a run
+ * begun since points at a frame of them, and replay starts after them. The next segment is
+ * walked meanwhile, so one checkpoint retires every segment walked before it began.
  *
- * When: the head is compacted if the log holds more than twice the live bytes (plus slack of
- * STORE_CMP_SLACK_SEGS segments), or every record written to the head has passed its
- * expires_at (its records are all expired or unfinished). Disk use thus stays within about 2x
- * the live bytes, and expired keys leave memory as the log turns over.
+ * When: the next segment is walked if the log, less the walked segments, holds more than twice
+ * the live bytes (plus slack of STORE_CMP_SLACK_SEGS segments), or every record written to it
+ * has passed its expires_at (its records are all expired or unfinished). Disk use thus stays
+ * within about 2x the live bytes, and expired keys leave memory as the log turns over.
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -47,43 +49,56 @@ static int64_t segment_horizon(idem_store *s, uint64_t seq)
     return *m;
 }
 
-static int head_wanted(idem_store *s, uint64_t head)
+/* Whether segment seq, the next after those walked already, should be walked now. */
+static int walk_wanted(idem_store *s, uint64_t seq)
 {
-    if (!wal_seg_durable(s->wal, head, s->durable_lsn))
-        return 0; /* the head must be sealed and every frame of it durable */
-    if (head < s->cmp_force_until) return 1; /* idem_compact asked for it */
-    uint64_t seg = s->opt.segment_bytes;
-    if (wal_bytes(s->wal) > 2 * s->live_bytes + STORE_CMP_SLACK_SEGS * seg) return 1;
-    return segment_horizon(s, head) <= store_now(s);
+    uint64_t first = wal_first_seq(s->wal);
+    if (seq - first >= STORE_CMP_AHEAD) return 0; /* enough wait for a checkpoint */
+    if (!wal_seg_durable(s->wal, seq, s->durable_lsn))
+        return 0; /* the segment must be sealed and every frame of it durable */
+    if (seq < s->cmp_force_until) return 1; /* idem_compact asked for it */
+    /* Walked segments hold nothing live any more: they only wait to be retired. */
+    uint64_t seg = s->opt.segment_bytes, walked = (seq - first) * seg;
+    if (wal_bytes(s->wal) - walked > 2 * s->live_bytes + STORE_CMP_SLACK_SEGS * seg) return 1;
+    return segment_horizon(s, seq) <= store_now(s);
+}
+
+static uint64_t walk_end_lsn(const idem_store *s, uint64_t seq)
+{
+    return s->cmp_walked_lsn[seq % STORE_CMP_AHEAD];
 }
 
 int compact_wants_checkpoint(const idem_store *s)
 {
-    if (s->cmp_done && s->sb.ckpt_lsn < s->cmp_done_lsn) return 1;
+    if (s->cmp_walked && s->sb.ckpt_lsn < walk_end_lsn(s, s->cmp_walked)) return 1;
     return wal_cur_seq(s->wal) - s->sb.ckpt_seq >= STORE_CKPT_EVERY_SEGS;
 }
 
+/* Retires the walked segments the installed checkpoint covers, oldest first. */
 static int retire(idem_store *s)
 {
-    /* The checkpoint must be younger than the whole walk: an older image may point into this
-     * segment at records that were superseded or copied since. */
-    if (s->durable_lsn < s->cmp_last_lsn || s->sb.ckpt_lsn < s->cmp_done_lsn ||
-        s->cmp_seq >= s->sb.ckpt_seq)
-        return 0;
-    /* A checkpoint in steps may hold entries into this segment (taken before the copies), and
-     * a backup may be copying it. */
-    if (s->ckr.state != CKPT_RUN_IDLE || s->backups) return 0;
+    if (!s->cmp_walked || s->backups) return 0; /* a backup may be copying them */
+    uint64_t first = wal_first_seq(s->wal), upto = 0;
+    for (uint64_t seq = first; seq <= s->cmp_walked; seq++) {
+        /* The copies and deletes the walk made are durable, the checkpoint was taken after the
+         * walk ended (so neither it nor a run started since points into the segment), and
+         * replay starts after the segment. */
+        uint64_t end = walk_end_lsn(s, seq);
+        if (s->durable_lsn < end || s->sb.ckpt_lsn < end || seq >= s->sb.ckpt_seq) break;
+        upto = seq;
+    }
+    if (!upto) return 0;
     struct super sb = s->sb;
-    sb.wal_first_seq = s->cmp_seq + 1;
+    sb.wal_first_seq = upto + 1;
     int rc = super_store(s->io, s->dir, &sb);
     if (rc < 0) return rc;
     s->sb = sb;
-    rc = wal_retire(s->wal, s->cmp_seq);
+    rc = wal_retire(s->wal, upto);
     if (rc < 0) return rc;
-    s->seg_max_exp[s->cmp_seq % WAL_SEG_SLOTS] = SEG_EXP_UNKNOWN;
-    s->cmp_seq = 0;
-    s->cmp_done = 0;
-    s->st.compactions++;
+    for (uint64_t seq = first; seq <= upto; seq++)
+        s->seg_max_exp[seq % WAL_SEG_SLOTS] = SEG_EXP_UNKNOWN;
+    if (upto == s->cmp_walked) s->cmp_walked = 0;
+    s->st.compactions += upto - first + 1;
     pthread_cond_broadcast(&s->cond_ready); /* idem_compact may wait for this */
     return 1;
 }
@@ -91,13 +106,13 @@ static int retire(idem_store *s)
 int compact_step(idem_store *s)
 {
     if (s->fatal || s->closing || s->opt.read_only || s->cmp_disabled) return 0;
-    if (s->cmp_done) return retire(s);
+    int rc = retire(s);
+    if (rc != 0) return rc;
     if (!s->cmp_seq) {
-        uint64_t head = wal_first_seq(s->wal);
-        if (!head_wanted(s, head)) return 0;
-        s->cmp_seq = head;
+        uint64_t next = s->cmp_walked ? s->cmp_walked + 1 : wal_first_seq(s->wal);
+        if (!walk_wanted(s, next)) return 0;
+        s->cmp_seq = next;
         s->cmp_off = WAL_BLOCK;
-        s->cmp_last_lsn = 0;
     }
     int64_t now = store_now(s);
     for (int i = 0; i < STORE_CMP_FRAMES_PER_STEP; i++) {
@@ -107,12 +122,13 @@ int compact_step(idem_store *s)
         struct wal_frame f;
         int more = wal_seg_next(s->wal, s->cmp_seq, &off, &f);
         if (more == 0) {
-            s->cmp_done = 1;
-            s->cmp_done_lsn = wal_last_lsn(s->wal);
+            s->cmp_walked = s->cmp_seq;
+            s->cmp_walked_lsn[s->cmp_seq % STORE_CMP_AHEAD] = wal_last_lsn(s->wal);
+            s->cmp_seq = 0;
             return 1;
         }
         uint64_t lsn = 0;
-        int rc = more < 0 ? IDEM_ECORRUPT : ops_compact_frame(s, &f, now, &lsn);
+        rc = more < 0 ? IDEM_ECORRUPT : ops_compact_frame(s, &f, now, &lsn);
         if (rc == IDEM_EBUSY || rc == IDEM_EFULL) return i > 0;
         if (rc == IDEM_ECORRUPT) {
             /* Reported, never trusted: compaction stops; the store serves on; verify tells. */
@@ -123,7 +139,6 @@ int compact_step(idem_store *s)
         }
         if (rc < 0) return rc;
         s->cmp_off = off;
-        if (lsn) s->cmp_last_lsn = lsn;
     }
     return 1;
 }

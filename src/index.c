@@ -388,20 +388,25 @@ uint64_t index_peek(const struct index *ix, uint64_t h)
     return 0;
 }
 
-int index_holds(const struct index *ix, uint64_t h, uint64_t addr)
+struct index_slot *index_find_addr(struct index *ix, uint64_t h, uint64_t addr)
 {
     const struct index_dirent *de = &ix->dir[dir_pos(ix, hash_top24(h))];
-    const struct index_slot *slots = de->seg->slots;
+    struct index_slot *slots = de->seg->slots;
     uint32_t cap = (uint32_t)de->cap;
     uint64_t want = (h & TAG_MASK) | addr;
     uint32_t i = seg_home((uint32_t)h, cap);
     for (uint32_t n = 0; n < cap; n++) {
-        const struct index_slot *s = &slots[i];
-        if (s->addr_tag == 0) return 0;
-        if (s->addr_tag == want && s->hash_lo == (uint32_t)h) return 1;
+        struct index_slot *s = &slots[i];
+        if (s->addr_tag == 0) return NULL;
+        if (s->addr_tag == want && s->hash_lo == (uint32_t)h) return s;
         if (++i == cap) i = 0;
     }
-    return 0;
+    return NULL;
+}
+
+int index_holds(const struct index *ix, uint64_t h, uint64_t addr)
+{
+    return index_find_addr((struct index *)ix, h, addr) != NULL; /* reads only */
 }
 
 struct index_slot *index_insert(struct index *ix, uint64_t h, uint64_t addr, uint32_t aux)
@@ -430,8 +435,8 @@ void index_remove(struct index *ix, struct index_slot *slot)
         struct index_slot *s = &seg->slots[j];
         if (s->addr_tag == 0) break;
         uint32_t home = seg_home(s->hash_lo, cap);
-        uint32_t dist_home = (j + cap - home) % cap;
-        uint32_t dist_hole = (j + cap - hole) % cap;
+        uint32_t dist_home = j >= home ? j - home : j + cap - home;
+        uint32_t dist_hole = j >= hole ? j - hole : j + cap - hole;
         if (dist_home >= dist_hole) {
             seg->slots[hole] = *s;
             hole = j;

@@ -47,8 +47,10 @@ struct index_slot *index_find(struct index *ix, uint64_t h, int (*eq)(void *ctx,
 void index_prefetch(const struct index *ix, uint64_t h);
 uint64_t index_peek(const struct index *ix, uint64_t h);
 
-/* Whether a slot with h's stored hash bits holds addr (no key compared: an address names one
- * version of one key). */
+/* The slot with h's stored hash bits that holds addr, or NULL (no key compared: an address
+ * names one version of one key). */
+struct index_slot *index_find_addr(struct index *ix, uint64_t h, uint64_t addr);
+/* Whether that slot exists. */
 int index_holds(const struct index *ix, uint64_t h, uint64_t addr);
 
 /* Adds an entry; the caller has checked the key is absent. addr: 1..INDEX_ADDR_MASK. Returns

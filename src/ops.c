@@ -1053,12 +1053,12 @@ int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now, uin
 {
     if (f->type != WAL_T_RECORD)
         return 0; /* DELETE frames in the oldest segment describe nothing older that survives */
-    struct rec r, cur;
+    struct rec r;
     if (rec_decode(f->payload, f->payload_len, &r) < 0) return IDEM_ECORRUPT;
-    uint64_t cur_lsn;
-    struct index_slot *slot = ops_find(s, r.key, r.key_len, &cur, &cur_lsn);
-    if (!slot && s->find_corrupt) return IDEM_ECORRUPT;
-    if (!slot || index_slot_addr(slot) != f->addr) return 0; /* superseded or deleted: dead */
+    /* Live iff the index holds this very address: no key to compare, nothing else to read. */
+    uint64_t h = ops_hash(s, r.key, r.key_len);
+    struct index_slot *slot = index_find_addr(s->ix, h, f->addr);
+    if (!slot) return 0; /* superseded or deleted: dead */
     if (ops_rec_expired(&r, now)) {
         int rc = write_delete(s, slot, r.state, r.key, r.key_len, lsn);
         if (rc == 0) s->st.expired_total++;
@@ -1073,8 +1073,7 @@ int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now, uin
     struct old_facts old = old_facts(s, f->addr);
     index_slot_set_addr(slot, addr);
     ops_slot_mark(slot, &r);
-    version_moved(s, &old, addr, (uint64_t)f->payload_len + WAL_FRAME_HDR, &r,
-                  ops_hash(s, r.key, r.key_len));
+    version_moved(s, &old, addr, (uint64_t)f->payload_len + WAL_FRAME_HDR, &r, h);
     return 0;
 }
 

@@ -226,6 +226,10 @@ void store_fail(idem_store *s, int err)
 
 /* ---- The flusher ---- */
 
+static int ckpt_run_wanted(const idem_store *s, int now);
+static int ckpt_run_begin(idem_store *s);
+static void ckpt_run_failed(idem_store *s, int rc);
+
 static void flush_once(idem_store *s)
 {
     int64_t now = store_now(s);
@@ -235,6 +239,15 @@ static void flush_once(idem_store *s)
         return;
     }
     if (n == 0) return;
+    /* The batch just closed, so the next one starts here: a batch boundary, where a checkpoint
+     * in steps may begin. Under steady load something is pending whenever the flusher looks
+     * between flushes, so a run that waited for an idle moment might never begin. */
+    if (s->ckr.state == CKPT_RUN_IDLE && !s->ckr.by_test && !s->closing &&
+        ckpt_run_wanted(s, s->ckr.want_run > s->ckr.installed_run)) {
+        int rc = ckpt_run_begin(s);
+        if (rc < 0) ckpt_run_failed(s, rc);
+        if (s->fatal) return;
+    }
     s->flushing = 1;
     uint64_t records = wal_flush_frames(s->wal);
     int durable = s->opt.durability != IDEM_DURABILITY_NONE || s->sync_waiters || s->closing;
@@ -353,28 +366,24 @@ static int flusher_compact(idem_store *s)
     if (!s->ckr.by_test) {
         rc = ckpt_run_step(s, s->ckr.want_run > s->ckr.installed_run);
     } else if (s->ckr.test_step) {
+        uint64_t installed = s->st.checkpoints;
         rc = s->ckr.test_rc = ckpt_run_step(s, 1);
+        s->ckr.test_installed = s->st.checkpoints > installed;
         s->ckr.test_step = 0;
         pthread_cond_broadcast(&s->cond_ready);
     }
-    if (rc == IDEM_EFATAL || rc == IDEM_EIO) {
-        store_fail(s, -EIO);
-        return 0;
-    }
-    if (rc < 0) {
-        /* Not fatal (no room for the file): the run is dropped, and idem_checkpoint told. */
-        s->ckr.failures++;
-        s->ckr.last_err = rc;
-        s->ckr.want_run = s->ckr.installed_run;
-        pthread_cond_broadcast(&s->cond_ready);
-    }
-    if (rc > 0) return 1; /* one step per round: flushes go on between steps */
+    if (rc < 0) ckpt_run_failed(s, rc);
+    if (s->fatal) return 0;
+    /* One step per round, flushes going on between steps; while a checkpoint runs, compaction
+     * takes every other round, so expiry keeps pace with the log. */
+    int ckpt_busy = rc > 0;
+    if (ckpt_busy && (s->cmp_turn = !s->cmp_turn) == 0) return 1;
     rc = compact_step(s);
     if (rc < 0) {
         store_fail(s, -EIO);
         return 0;
     }
-    return rc;
+    return rc || ckpt_busy;
 }
 
 static void *flusher_main(void *arg)
@@ -383,21 +392,31 @@ static void *flusher_main(void *arg)
     pthread_mutex_lock(&s->mu);
     for (;;) {
         if (s->abandoned) break;
-        if (flush_due(s)) {
+        /* Under steady load a flush is always due, so checkpoints and compaction take their
+         * steps after each flush, one more per STORE_FRAMES_PER_STEP frames flushed: they keep
+         * pace with the log, or expired keys would pile up faster than they are swept. Idle,
+         * one step per round. */
+        int flushed = flush_due(s);
+        uint64_t steps = 1;
+        if (flushed) {
+            uint64_t frames = s->st.flush_records;
             flush_once(s);
-            continue;
+            if (s->abandoned) break;
+            steps += (s->st.flush_records - frames) / STORE_FRAMES_PER_STEP;
         }
         /* After it let go of mu, callers may have appended (and their kick found nobody
          * waiting): look at everything again before sleeping. */
-        if (flusher_maintain(s)) continue;
-        if (flusher_compact(s)) {
+        int maintained = flusher_maintain(s);
+        int stepped = 0;
+        while (steps-- > 0 && !s->abandoned && flusher_compact(s)) {
             /* Between steps of a checkpoint or a compaction, let callers at the lock: the
              * mutex is not fair, and the next step would take it straight back. */
             pthread_mutex_unlock(&s->mu);
             sched_yield();
             pthread_mutex_lock(&s->mu);
-            continue;
+            stepped = 1;
         }
+        if (maintained || stepped || flushed) continue;
         if (s->waiters) ops_wake(s, NULL, 0);
         /* After a fatal error nothing pending will ever be flushed. */
         if (s->closing && (s->fatal || !wal_pending(s->wal))) break;
@@ -1492,22 +1511,54 @@ static int checkpoint_locked(idem_store *s)
  * frames after L1 to the counts at L1; keys with mismatches are counted from the loaded entries
  * and follow every replayed frame, which telescopes to the right figure from any version.
  * Entries point at frames up to L1 only, all durable before the superblock names the file, in
- * segments that exist: no segment is retired while a run is active (compact.c retire).
+ * segments that exist: a segment is retired only when the installed checkpoint began after its
+ * compaction walk ended, and so did any run active then; from that moment the index points at
+ * no frame of it (compact.c retire).
  */
-/* now: start a run even if compaction does not want one yet (store_ckpt_step). */
+/* now: a run was asked for (idem_checkpoint, store_ckpt_step) even if compaction does not want
+ * one yet. */
+static int ckpt_run_wanted(const idem_store *s, int now)
+{
+    return !s->backups && (now || compact_wants_checkpoint(s));
+}
+
+/* Begins a run at the current batch boundary: nothing may be pending (those frames belong to a
+ * batch that closes after the replay position); a batch in flight is closed already. */
+static int ckpt_run_begin(idem_store *s)
+{
+    IDEM_ASSERT(s->ckr.state == CKPT_RUN_IDLE && !wal_pending(s->wal));
+    s->ckr.id = s->sb.ckpt_id + 1;
+    int rc = ckpt_begin(s->io, s->dir, s->ckr.id, &s->ckr.cw);
+    if (rc < 0) return rc;
+    s->ckr.run = ++s->ckr.runs_started;
+    wal_position(s->wal, &s->ckr.seq, &s->ckr.off);
+    s->ckr.lsn = wal_last_lsn(s->wal);
+    s->ckr.batch = wal_batch(s->wal) - 1;
+    s->ckr.cursor = 0;
+    s->ckr.state = CKPT_RUN_SCANNING;
+    return 0;
+}
+
+/* A run failed: fatal for the store on an I/O error; otherwise (no room for the file) the run
+ * is dropped and idem_checkpoint told. */
+static void ckpt_run_failed(idem_store *s, int rc)
+{
+    if (rc == IDEM_EFATAL || rc == IDEM_EIO) {
+        store_fail(s, -EIO);
+        return;
+    }
+    s->ckr.failures++;
+    s->ckr.last_err = rc;
+    s->ckr.want_run = s->ckr.installed_run;
+    pthread_cond_broadcast(&s->cond_ready);
+}
+
 static int ckpt_run_step(idem_store *s, int now)
 {
     if (s->ckr.state == CKPT_RUN_IDLE) {
-        if (wal_pending(s->wal) || s->backups || !(now || compact_wants_checkpoint(s))) return 0;
-        s->ckr.id = s->sb.ckpt_id + 1;
-        int rc = ckpt_begin(s->io, s->dir, s->ckr.id, &s->ckr.cw);
+        if (wal_pending(s->wal) || !ckpt_run_wanted(s, now)) return 0;
+        int rc = ckpt_run_begin(s);
         if (rc < 0) return rc;
-        s->ckr.run = ++s->ckr.runs_started;
-        wal_position(s->wal, &s->ckr.seq, &s->ckr.off);
-        s->ckr.lsn = wal_last_lsn(s->wal);
-        s->ckr.batch = wal_batch(s->wal) - 1;
-        s->ckr.cursor = 0;
-        s->ckr.state = CKPT_RUN_SCANNING;
     }
     if (s->ckr.state == CKPT_RUN_SCANNING) {
         struct ckpt_writer *cw = s->ckr.cw;
@@ -1568,16 +1619,15 @@ static int ckpt_run_step(idem_store *s, int now)
 int store_ckpt_step(idem_store *s)
 {
     pthread_mutex_lock(&s->mu);
-    uint64_t installed = s->st.checkpoints;
     s->ckr.by_test = 1;
     s->ckr.test_step = 1;
     pthread_cond_signal(&s->cond_flush);
     while (s->ckr.test_step && !s->fatal && !s->closing && !s->abandoned)
         pthread_cond_wait(&s->cond_ready, &s->mu);
-    int rc = s->fatal                        ? IDEM_EFATAL
-             : s->ckr.test_rc < 0            ? s->ckr.test_rc
-             : s->st.checkpoints > installed ? 0
-                                             : 1;
+    int rc = s->fatal                ? IDEM_EFATAL
+             : s->ckr.test_rc < 0    ? s->ckr.test_rc
+             : s->ckr.test_installed ? 0
+                                     : 1;
     pthread_mutex_unlock(&s->mu);
     return rc;
 }

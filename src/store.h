@@ -20,11 +20,13 @@
 #include "super.h"
 #include "wal.h"
 
-#define STORE_TOKEN_BLOCK    (1u << 20)      /* tokens reserved per superblock write */
-#define STORE_BATCH_FLUSH_MS 10              /* batch mode: flush at least this often */
-#define STORE_SLEW_PER_S_MS  100             /* the store clock follows the wall clock by <= 10% */
-#define SEG_EXP_UNKNOWN      INT64_MIN       /* segment expiry horizon not known (compact.c) */
-#define SEG_EXP_EMPTY        (INT64_MIN + 1) /* known: no record written there yet */
+#define STORE_TOKEN_BLOCK     (1u << 20) /* tokens reserved per superblock write */
+#define STORE_BATCH_FLUSH_MS  10         /* batch mode: flush at least this often */
+#define STORE_FRAMES_PER_STEP 128        /* frames flushed that earn compaction one more step */
+#define STORE_SLEW_PER_S_MS   100        /* the store clock follows the wall clock by <= 10% */
+#define STORE_CMP_AHEAD       64         /* walked segments awaiting retirement, at most */
+#define SEG_EXP_UNKNOWN       INT64_MIN  /* segment expiry horizon not known (compact.c) */
+#define SEG_EXP_EMPTY         (INT64_MIN + 1) /* known: no record written there yet */
 
 enum slot_state { SLOT_FREE = 0, SLOT_DONE = 1, SLOT_PARKED = 2, SLOT_RETURNED = 3 };
 
@@ -144,9 +146,10 @@ struct idem_store {
         uint64_t run, runs_started, installed_run, want_run;
         uint64_t failures; /* runs that ended in an error that is not fatal (last_err) */
         int last_err;
-        int by_test;   /* store_ckpt_step was called: the flusher steps only when asked */
-        int test_step; /* a step asked for and not yet taken */
-        int test_rc;   /* what that step returned */
+        int by_test;        /* store_ckpt_step was called: the flusher steps only when asked */
+        int test_step;      /* a step asked for and not yet taken */
+        int test_rc;        /* what that step returned */
+        int test_installed; /* and whether it installed a checkpoint */
     } ckr;
     uint64_t replay_counts_lsn; /* at open: frames up to this LSN leave the counts alone */
     /* Backups copying files with mu released (idem_backup): while any runs, no segment is
@@ -195,14 +198,15 @@ struct idem_store {
      * expires_at_ms of the frames written there (INT64_MAX: unknown). */
     uint64_t live_bytes;
     int64_t *seg_max_exp; /* SEG_EXP_UNKNOWN: written before this open, not measured yet */
-    /* Compaction of the oldest segment (compact.c). */
-    uint64_t cmp_seq;         /* segment being compacted, 0: none */
-    uint32_t cmp_off;         /* next frame in it */
-    uint64_t cmp_last_lsn;    /* last copy or delete it appended */
-    int cmp_done;             /* every frame handled: retire once durable and checkpointed */
-    uint64_t cmp_done_lsn;    /* the log's last LSN when the walk ended */
-    int cmp_disabled;         /* a corrupt frame stopped compaction (reported) */
-    uint64_t cmp_force_until; /* idem_compact: walk every segment below this one */
+    /* Compaction from the oldest segment (compact.c). Segments wal_first_seq..cmp_walked
+     * were walked and wait for a checkpoint to be retired; cmp_seq is being walked. */
+    uint64_t cmp_seq;                         /* segment being walked, 0: none */
+    uint32_t cmp_off;                         /* next frame in it */
+    uint64_t cmp_walked;                      /* last walked segment, 0: none */
+    uint64_t cmp_walked_lsn[STORE_CMP_AHEAD]; /* by seq % AHEAD: the log's last LSN at walk end */
+    int cmp_disabled;                         /* a corrupt frame stopped compaction (reported) */
+    int cmp_turn;                             /* compaction's turn beside a checkpoint run */
+    uint64_t cmp_force_until;                 /* idem_compact: walk every segment below this one */
     /* Records that need attention, by kind (ages.c). */
     struct age_heap ages[3];
     int ages_rebuilding;

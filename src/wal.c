@@ -618,15 +618,19 @@ int wal_copy(struct wal *w, const struct wal_frame *f, uint64_t *addr, uint64_t 
     return rc;
 }
 
-int wal_retire(struct wal *w, uint64_t seq)
+int wal_retire(struct wal *w, uint64_t upto)
 {
-    struct wal_segment *s = seg_of(w, seq);
-    if (!s || seq != w->first_seq || seq >= w->cur_seq) return IDEM_EINVAL;
-    seg_close(w, s);
-    char path[4096];
-    seg_path(w, seq, path, sizeof path);
-    w->first_seq++;
-    int rc = io_unlink(w->io, path);
+    if (upto < w->first_seq || upto >= w->cur_seq) return IDEM_EINVAL;
+    int rc = 0;
+    while (w->first_seq <= upto && rc == 0) {
+        struct wal_segment *s = seg_of(w, w->first_seq);
+        if (!s) return IDEM_EINVAL;
+        seg_close(w, s);
+        char path[4096];
+        seg_path(w, w->first_seq, path, sizeof path);
+        w->first_seq++;
+        rc = io_unlink(w->io, path);
+    }
     if (rc == 0) rc = io_sync_dir(w->io, w->dir);
     return rc < 0 ? IDEM_EIO : 0;
 }

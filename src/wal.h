@@ -185,9 +185,10 @@ int wal_seg_durable(const struct wal *w, uint64_t seq, uint64_t durable_lsn);
 uint64_t wal_recovered_lsn(const struct wal *w);
 /* Appends a copy of a frame's payload (compaction). */
 int wal_copy(struct wal *w, const struct wal_frame *f, uint64_t *addr, uint64_t *lsn);
-/* Unmaps, closes and deletes segment seq, which must be the first; the caller has already made
- * a superblock durable that starts the log after it. */
-int wal_retire(struct wal *w, uint64_t seq);
+/* Unmaps, closes and deletes the segments from the first through upto (sealed), then syncs the
+ * directory once; the caller has already made a superblock durable that starts the log after
+ * upto. */
+int wal_retire(struct wal *w, uint64_t upto);
 /* The segment holding addr (by slot); 0 if none. */
 uint64_t wal_addr_seq(const struct wal *w, uint64_t addr);
 uint64_t wal_cur_seq(const struct wal *w);
