@@ -105,9 +105,9 @@ static int retire(idem_store *s)
 
 int compact_step(idem_store *s)
 {
-    if (s->fatal || s->closing || s->opt.read_only || s->cmp_disabled) return 0;
-    int rc = retire(s);
-    if (rc != 0) return rc;
+    if (s->fatal || s->closing || s->opt.read_only) return 0;
+    int rc = retire(s); /* segments walked before a corrupt frame stopped compaction, too */
+    if (rc != 0 || s->cmp_disabled) return rc;
     if (!s->cmp_seq) {
         uint64_t next = s->cmp_walked ? s->cmp_walked + 1 : wal_first_seq(s->wal);
         if (!walk_wanted(s, next)) return 0;

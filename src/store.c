@@ -242,12 +242,10 @@ static void flush_once(idem_store *s)
     /* The batch just closed, so the next one starts here: a batch boundary, where a checkpoint
      * in steps may begin. Under steady load something is pending whenever the flusher looks
      * between flushes, so a run that waited for an idle moment might never begin. */
+    int begin_rc = 0;
     if (s->ckr.state == CKPT_RUN_IDLE && !s->ckr.by_test && !s->closing &&
-        ckpt_run_wanted(s, s->ckr.want_run > s->ckr.installed_run)) {
-        int rc = ckpt_run_begin(s);
-        if (rc < 0) ckpt_run_failed(s, rc);
-        if (s->fatal) return;
-    }
+        ckpt_run_wanted(s, s->ckr.want_run > s->ckr.installed_run))
+        begin_rc = ckpt_run_begin(s); /* a failure is handled once the batch is written */
     s->flushing = 1;
     uint64_t records = wal_flush_frames(s->wal);
     int durable = s->opt.durability != IDEM_DURABILITY_NONE || s->sync_waiters || s->closing;
@@ -257,6 +255,7 @@ static void flush_once(idem_store *s)
     int64_t us = util_monotonic_us() - t0;
     pthread_mutex_lock(&s->mu);
     s->flushing = 0;
+    if (begin_rc < 0) ckpt_run_failed(s, begin_rc);
     if (rc < 0) {
         store_fail(s, rc);
         return;
@@ -393,7 +392,8 @@ static void *flusher_main(void *arg)
     for (;;) {
         if (s->abandoned) break;
         /* Under steady load a flush is always due, so checkpoints and compaction take their
-         * steps after each flush, one more per STORE_FRAMES_PER_STEP frames flushed: they keep
+         * steps after each flush, one more per STORE_FRAMES_PER_STEP frames flushed (up to
+         * STORE_STEPS_PER_FLUSH more): they keep
          * pace with the log, or expired keys would pile up faster than they are swept. Idle,
          * one step per round. */
         int flushed = flush_due(s);
@@ -402,7 +402,10 @@ static void *flusher_main(void *arg)
             uint64_t frames = s->st.flush_records;
             flush_once(s);
             if (s->abandoned) break;
-            steps += (s->st.flush_records - frames) / STORE_FRAMES_PER_STEP;
+            frames = (s->st.flush_records - frames) / STORE_FRAMES_PER_STEP;
+            /* Capped: the frames flushed include compaction's own copies and deletes, and the
+             * callers the next flush answers wait for these steps. */
+            steps += frames < STORE_STEPS_PER_FLUSH ? frames : STORE_STEPS_PER_FLUSH;
         }
         /* After it let go of mu, callers may have appended (and their kick found nobody
          * waiting): look at everything again before sleeping. */
@@ -1621,6 +1624,8 @@ int store_ckpt_step(idem_store *s)
     pthread_mutex_lock(&s->mu);
     s->ckr.by_test = 1;
     s->ckr.test_step = 1;
+    s->ckr.test_rc = 0;
+    s->ckr.test_installed = 0;
     pthread_cond_signal(&s->cond_flush);
     while (s->ckr.test_step && !s->fatal && !s->closing && !s->abandoned)
         pthread_cond_wait(&s->cond_ready, &s->mu);

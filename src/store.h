@@ -23,6 +23,7 @@
 #define STORE_TOKEN_BLOCK     (1u << 20) /* tokens reserved per superblock write */
 #define STORE_BATCH_FLUSH_MS  10         /* batch mode: flush at least this often */
 #define STORE_FRAMES_PER_STEP 128        /* frames flushed that earn compaction one more step */
+#define STORE_STEPS_PER_FLUSH 8          /* at most this many more after one flush */
 #define STORE_SLEW_PER_S_MS   100        /* the store clock follows the wall clock by <= 10% */
 #define STORE_CMP_AHEAD       64         /* walked segments awaiting retirement, at most */
 #define SEG_EXP_UNKNOWN       INT64_MIN  /* segment expiry horizon not known (compact.c) */

@@ -278,6 +278,10 @@ Test(compact, one_checkpoint_retires_every_segment_walked_before_it, .timeout = 
     uint64_t retired = st.compactions;
     /* Begin a run and scan: its replay position and entries predate everything below. */
     cr_assert_eq(store_ckpt_step(s), 1, "a run in one step: the test needs it unfinished");
+    pthread_mutex_lock(&s->mu);
+    int began = s->ckr.state != CKPT_RUN_IDLE;
+    pthread_mutex_unlock(&s->mu);
+    cr_assert(began, "no run began");
     short_lived_rounds(s, q, 30);
     uint64_t walked = 0;
     for (int i = 0; i < 500 && (walked = walked_waiting(s)) < 4; i++) {
