@@ -127,8 +127,7 @@ int compact_step(idem_store *s)
             s->cmp_seq = 0;
             return 1;
         }
-        uint64_t lsn = 0;
-        rc = more < 0 ? IDEM_ECORRUPT : ops_compact_frame(s, &f, now, &lsn);
+        rc = more < 0 ? IDEM_ECORRUPT : ops_compact_frame(s, &f, now);
         if (rc == IDEM_EBUSY || rc == IDEM_EFULL) return i > 0;
         if (rc == IDEM_ECORRUPT) {
             /* Reported, never trusted: compaction stops; the store serves on; verify tells. */

@@ -1049,8 +1049,9 @@ static int replay_frame(idem_store *s, const struct wal_frame *f)
 
 /* ---- Compaction ---- */
 
-int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now, uint64_t *lsn)
+int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now)
 {
+    uint64_t lsn;
     if (f->type != WAL_T_RECORD)
         return 0; /* DELETE frames in the oldest segment describe nothing older that survives */
     struct rec r;
@@ -1060,12 +1061,12 @@ int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now, uin
     struct index_slot *slot = index_find_addr(s->ix, h, f->addr);
     if (!slot) return 0; /* superseded or deleted: dead */
     if (ops_rec_expired(&r, now)) {
-        int rc = write_delete(s, slot, r.state, r.key, r.key_len, lsn);
+        int rc = write_delete(s, slot, r.state, r.key, r.key_len, &lsn);
         if (rc == 0) s->st.expired_total++;
         return rc;
     }
     uint64_t addr;
-    int rc = wal_copy(s->wal, f, &addr, lsn);
+    int rc = wal_copy(s->wal, f, &addr, &lsn);
     /* Too large to append again: this store never wrote such a frame (damage behind a valid
      * checksum, found by fuzzing). Corruption stops compaction; it must not fail the store. */
     if (rc == IDEM_EINVAL) return IDEM_ECORRUPT;

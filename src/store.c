@@ -392,20 +392,19 @@ static void *flusher_main(void *arg)
     for (;;) {
         if (s->abandoned) break;
         /* Under steady load a flush is always due, so checkpoints and compaction take their
-         * steps after each flush, one more per STORE_FRAMES_PER_STEP frames flushed (up to
-         * STORE_STEPS_PER_FLUSH more): they keep
-         * pace with the log, or expired keys would pile up faster than they are swept. Idle,
-         * one step per round. */
+         * steps after each flush, one more per STORE_FRAMES_PER_STEP frames flushed: they keep
+         * pace with the log, or expired keys would pile up faster than they are swept. Capped
+         * at STORE_STEPS_PER_FLUSH more: those frames include compaction's own copies and
+         * deletes, and the callers the next flush answers wait for the steps. Idle, one step
+         * per round. */
         int flushed = flush_due(s);
         uint64_t steps = 1;
         if (flushed) {
-            uint64_t frames = s->st.flush_records;
+            uint64_t before = s->st.flush_records;
             flush_once(s);
             if (s->abandoned) break;
-            frames = (s->st.flush_records - frames) / STORE_FRAMES_PER_STEP;
-            /* Capped: the frames flushed include compaction's own copies and deletes, and the
-             * callers the next flush answers wait for these steps. */
-            steps += frames < STORE_STEPS_PER_FLUSH ? frames : STORE_STEPS_PER_FLUSH;
+            uint64_t earned = (s->st.flush_records - before) / STORE_FRAMES_PER_STEP;
+            steps += earned < STORE_STEPS_PER_FLUSH ? earned : STORE_STEPS_PER_FLUSH;
         }
         /* After it let go of mu, callers may have appended (and their kick found nobody
          * waiting): look at everything again before sleeping. */

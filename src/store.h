@@ -288,9 +288,9 @@ void ops_seen_release(idem_store *s, struct index_slot *slot);
 /* Sets the repeat counters of the key in slot (allocating its seen entry). */
 int ops_seen_set(idem_store *s, struct index_slot *slot, uint64_t seen_count, int64_t last_ms);
 
-/* Compacts one frame of the oldest segment: copies a live record forward, logs the removal of
- * an expired one, skips a dead one. *lsn is set when something was appended. */
-int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now, uint64_t *lsn);
+/* Compacts one frame of a walked segment: copies a live record (one the index holds by this
+ * address) forward, logs the removal of an expired one, skips a dead one. */
+int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now);
 
 /* ---- compact.c (flusher thread, mu held, no batch in flight) ---- */
 /* One bounded step of space reclamation; returns 1 when it did work, 0 when there was none,
