@@ -23,7 +23,8 @@
 #include "store.h"
 #include "util.h"
 
-#define AGES_SLACK 1024u
+#define AGES_SLACK 16384u /* entries beyond 2x the records before a rebuild: ~1.2 checks per push  \
+                           */
 
 static int64_t kind_time(const struct rec *r, int kind)
 {

@@ -11,7 +11,9 @@
  * first, then the files, once (a) the copies and deletes their walk caused are durable and (b)
  * the installed checkpoint was begun after their walk ended, so neither its image nor a run
  * begun since points at a frame of them, and replay starts after them. The next segment is
- * walked meanwhile, so one checkpoint retires every segment walked before it began.
+ * walked meanwhile, so one checkpoint retires every segment walked before it began; while the
+ * walk goes on, a checkpoint (a scan of the whole index) is asked for once
+ * STORE_CKPT_RETIRE_BATCH segments wait, and at once when the walk stops.
  *
  * When: the next segment is walked if the log, less the walked segments, holds more than twice
  * the live bytes (plus slack of STORE_CMP_SLACK_SEGS segments), or every record written to it
@@ -25,8 +27,11 @@
 #include "util.h"
 
 #define STORE_CMP_FRAMES_PER_STEP 512
+#define STORE_CMP_LOOKAHEAD       8 /* frames prepared ahead: their index misses overlap */
 #define STORE_CMP_SLACK_SEGS      2
 #define STORE_CKPT_EVERY_SEGS     8
+#define STORE_CKPT_RETIRE_BATCH   4    /* walked segments one checkpoint retires under load */
+#define STORE_CKPT_QUIET_MS       5000 /* else the walk has stopped this long */
 
 /* The largest expires_at_ms of the records in a segment whose horizon is not known (segments
  * written before the last open): one read-only pass over its frames, no copy. */
@@ -68,9 +73,22 @@ static uint64_t walk_end_lsn(const idem_store *s, uint64_t seq)
     return s->cmp_walked_lsn[seq % STORE_CMP_AHEAD];
 }
 
-int compact_wants_checkpoint(const idem_store *s)
+int compact_wants_checkpoint(idem_store *s)
 {
-    if (s->cmp_walked && s->sb.ckpt_lsn < walk_end_lsn(s, s->cmp_walked)) return 1;
+    /* Walked segments wait for a checkpoint begun after their walk ended. A checkpoint scans the
+     * whole index, so under load it is asked for once STORE_CKPT_RETIRE_BATCH segments wait
+     * (the walk of a log that expires as it grows stops and starts again with each segment);
+     * else once no segment has been walked for STORE_CKPT_QUIET_MS, at once when idem_compact
+     * waits, STORE_CMP_AHEAD is reached or corruption stopped compaction. */
+    uint64_t first = wal_first_seq(s->wal), waiting = 0;
+    for (uint64_t seq = s->cmp_walked; seq >= first && seq > 0; seq--) {
+        if (walk_end_lsn(s, seq) <= s->sb.ckpt_lsn) break;
+        waiting++;
+    }
+    if (waiting && (waiting >= STORE_CKPT_RETIRE_BATCH || s->cmp_disabled ||
+                    first < s->cmp_force_until || s->cmp_walked - first + 1 >= STORE_CMP_AHEAD ||
+                    (s->cmp_idle && store_now(s) - s->cmp_walked_ms >= STORE_CKPT_QUIET_MS)))
+        return 1;
     return wal_cur_seq(s->wal) - s->sb.ckpt_seq >= STORE_CKPT_EVERY_SEGS;
 }
 
@@ -103,6 +121,23 @@ static int retire(idem_store *s)
     return 1;
 }
 
+/* A frame read ahead of its turn: prepared (decoded, its index slot prefetched), with where the
+ * walk goes on after it. more: 1 a frame, 0 the segment's end, IDEM_ECORRUPT a broken chain or
+ * record. */
+struct cmp_ahead {
+    struct cmp_frame cf;
+    uint32_t next;
+    int more;
+};
+
+static void read_ahead(idem_store *s, uint32_t *off, struct cmp_ahead *a)
+{
+    a->more = wal_seg_next(s->wal, s->cmp_seq, off, &a->cf.f);
+    a->next = *off;
+    if (a->more < 0) a->more = IDEM_ECORRUPT;
+    if (a->more == 1 && ops_compact_prepare(s, &a->cf) < 0) a->more = IDEM_ECORRUPT;
+}
+
 int compact_step(idem_store *s)
 {
     if (s->fatal || s->closing || s->opt.read_only) return 0;
@@ -110,24 +145,34 @@ int compact_step(idem_store *s)
     if (rc != 0 || s->cmp_disabled) return rc;
     if (!s->cmp_seq) {
         uint64_t next = s->cmp_walked ? s->cmp_walked + 1 : wal_first_seq(s->wal);
-        if (!walk_wanted(s, next)) return 0;
+        s->cmp_idle = !walk_wanted(s, next);
+        if (s->cmp_idle) return 0;
         s->cmp_seq = next;
         s->cmp_off = WAL_BLOCK;
     }
     int64_t now = store_now(s);
+    /* Frames are read up to STORE_CMP_LOOKAHEAD ahead of the one compacted; those not reached
+     * when the step ends are read again by the next (cmp_off is the first not compacted). */
+    struct cmp_ahead ring[STORE_CMP_LOOKAHEAD];
+    uint32_t rd = s->cmp_off;
+    int head = 0, n = 0, ended = 0;
     for (int i = 0; i < STORE_CMP_FRAMES_PER_STEP; i++) {
+        for (; n < STORE_CMP_LOOKAHEAD && !ended; n++) {
+            struct cmp_ahead *a = &ring[(head + n) % STORE_CMP_LOOKAHEAD];
+            read_ahead(s, &rd, a);
+            ended = a->more != 1;
+        }
         if (store_room_ok(s) != 0)
             return i > 0; /* no buffer room or segment now: go on at a later step */
-        uint32_t off = s->cmp_off;
-        struct wal_frame f;
-        int more = wal_seg_next(s->wal, s->cmp_seq, &off, &f);
-        if (more == 0) {
+        const struct cmp_ahead *a = &ring[head];
+        if (a->more == 0) {
             s->cmp_walked = s->cmp_seq;
             s->cmp_walked_lsn[s->cmp_seq % STORE_CMP_AHEAD] = wal_last_lsn(s->wal);
+            s->cmp_walked_ms = now;
             s->cmp_seq = 0;
             return 1;
         }
-        rc = more < 0 ? IDEM_ECORRUPT : ops_compact_frame(s, &f, now);
+        rc = a->more < 0 ? a->more : ops_compact_frame(s, &a->cf, now);
         if (rc == IDEM_EBUSY || rc == IDEM_EFULL) return i > 0;
         if (rc == IDEM_ECORRUPT) {
             /* Reported, never trusted: compaction stops; the store serves on; verify tells. */
@@ -137,7 +182,9 @@ int compact_step(idem_store *s)
             return 0;
         }
         if (rc < 0) return rc;
-        s->cmp_off = off;
+        s->cmp_off = a->next;
+        head = (head + 1) % STORE_CMP_LOOKAHEAD;
+        n--;
     }
     return 1;
 }

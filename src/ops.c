@@ -1049,19 +1049,27 @@ static int replay_frame(idem_store *s, const struct wal_frame *f)
 
 /* ---- Compaction ---- */
 
-int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now)
+int ops_compact_prepare(idem_store *s, struct cmp_frame *cf)
 {
-    uint64_t lsn;
+    if (cf->f.type != WAL_T_RECORD) return 0;
+    if (rec_decode(cf->f.payload, cf->f.payload_len, &cf->r) < 0) return IDEM_ECORRUPT;
+    cf->h = key_hash(s, cf->r.key, cf->r.key_len);
+    index_prefetch(s->ix, cf->h);
+    return 0;
+}
+
+int ops_compact_frame(idem_store *s, const struct cmp_frame *cf, int64_t now)
+{
+    const struct wal_frame *f = &cf->f;
+    const struct rec *r = &cf->r;
+    uint64_t lsn, h = cf->h;
     if (f->type != WAL_T_RECORD)
         return 0; /* DELETE frames in the oldest segment describe nothing older that survives */
-    struct rec r;
-    if (rec_decode(f->payload, f->payload_len, &r) < 0) return IDEM_ECORRUPT;
     /* Live iff the index holds this very address: no key to compare, nothing else to read. */
-    uint64_t h = ops_hash(s, r.key, r.key_len);
     struct index_slot *slot = index_find_addr(s->ix, h, f->addr);
     if (!slot) return 0; /* superseded or deleted: dead */
-    if (ops_rec_expired(&r, now)) {
-        int rc = write_delete(s, slot, r.state, r.key, r.key_len, &lsn);
+    if (ops_rec_expired(r, now)) {
+        int rc = write_delete(s, slot, r->state, r->key, r->key_len, &lsn);
         if (rc == 0) s->st.expired_total++;
         return rc;
     }
@@ -1073,8 +1081,8 @@ int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now)
     if (rc < 0) return rc;
     struct old_facts old = old_facts(s, f->addr);
     index_slot_set_addr(slot, addr);
-    ops_slot_mark(slot, &r);
-    version_moved(s, &old, addr, (uint64_t)f->payload_len + WAL_FRAME_HDR, &r, h);
+    ops_slot_mark(slot, r);
+    version_moved(s, &old, addr, (uint64_t)f->payload_len + WAL_FRAME_HDR, r, h);
     return 0;
 }
 

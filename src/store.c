@@ -226,7 +226,7 @@ void store_fail(idem_store *s, int err)
 
 /* ---- The flusher ---- */
 
-static int ckpt_run_wanted(const idem_store *s, int now);
+static int ckpt_run_wanted(idem_store *s, int now);
 static int ckpt_run_begin(idem_store *s);
 static void ckpt_run_failed(idem_store *s, int rc);
 
@@ -1519,7 +1519,7 @@ static int checkpoint_locked(idem_store *s)
  */
 /* now: a run was asked for (idem_checkpoint, store_ckpt_step) even if compaction does not want
  * one yet. */
-static int ckpt_run_wanted(const idem_store *s, int now)
+static int ckpt_run_wanted(idem_store *s, int now)
 {
     return !s->backups && (now || compact_wants_checkpoint(s));
 }

@@ -206,6 +206,8 @@ struct idem_store {
     uint64_t cmp_walked;                      /* last walked segment, 0: none */
     uint64_t cmp_walked_lsn[STORE_CMP_AHEAD]; /* by seq % AHEAD: the log's last LSN at walk end */
     int cmp_disabled;                         /* a corrupt frame stopped compaction (reported) */
+    int cmp_idle;                             /* the next segment is not to be walked yet */
+    int64_t cmp_walked_ms;                    /* store clock when the last walk ended */
     int cmp_turn;                             /* compaction's turn beside a checkpoint run */
     uint64_t cmp_force_until;                 /* idem_compact: walk every segment below this one */
     /* Records that need attention, by kind (ages.c). */
@@ -288,9 +290,18 @@ void ops_seen_release(idem_store *s, struct index_slot *slot);
 /* Sets the repeat counters of the key in slot (allocating its seen entry). */
 int ops_seen_set(idem_store *s, struct index_slot *slot, uint64_t seen_count, int64_t last_ms);
 
-/* Compacts one frame of a walked segment: copies a live record (one the index holds by this
- * address) forward, logs the removal of an expired one, skips a dead one. */
-int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now);
+/* A frame of a walked segment, decoded and its key hashed some frames before its turn, so the
+ * cache misses of several index lookups overlap (ops_compact_prepare starts the load). */
+struct cmp_frame {
+    struct wal_frame f;
+    struct rec r; /* records only */
+    uint64_t h;   /* the key's hash (records only) */
+};
+/* Decodes cf->f and prefetches its key's index slot. Returns 0, or IDEM_ECORRUPT. */
+int ops_compact_prepare(idem_store *s, struct cmp_frame *cf);
+/* Compacts one prepared frame: copies a live record (one the index holds by this address)
+ * forward, logs the removal of an expired one, skips a dead one. */
+int ops_compact_frame(idem_store *s, const struct cmp_frame *cf, int64_t now);
 
 /* ---- compact.c (flusher thread, mu held, no batch in flight) ---- */
 /* One bounded step of space reclamation; returns 1 when it did work, 0 when there was none,
@@ -298,7 +309,7 @@ int ops_compact_frame(idem_store *s, const struct wal_frame *f, int64_t now);
 int compact_step(idem_store *s);
 /* Whether the flusher should write a checkpoint now (log length since the last one, or a
  * compacted segment waiting to be retired). */
-int compact_wants_checkpoint(const idem_store *s);
+int compact_wants_checkpoint(idem_store *s);
 
 /* ---- ages.c ---- */
 /* Version r of a key (hash h) was written (or found, at load) at addr: remember it if it

@@ -393,3 +393,108 @@ Test(compact, expiry_keeps_pace_with_a_log_that_never_idles, .timeout = 120)
     cr_assert_eq(idem_close(s), IDEM_OK);
     io_sim_destroy(sim);
 }
+
+static uint64_t cur_seq(idem_store *s)
+{
+    pthread_mutex_lock(&s->mu);
+    uint64_t seq = wal_cur_seq(s->wal);
+    pthread_mutex_unlock(&s->mu);
+    return seq;
+}
+
+/* SET NX keys with a 1 s ttl, 200 to a batch, from *next on, until `sealed` more segments are
+ * sealed. */
+static void fill_segments(idem_queue *q, idem_store *s, int *next, uint64_t sealed)
+{
+    static char names[200][24];
+    static idem_op ops[200];
+    uint64_t until = cur_seq(s) + sealed;
+    while (cur_seq(s) < until) {
+        cr_assert_lt(*next, 1000000, "the log does not grow");
+        submit_window(q, names, ops, *next, 200);
+        reap_window(q, 200);
+        *next += 200;
+    }
+    cr_assert_eq(idem_sync(s), IDEM_OK);
+}
+
+/* Syncs until walked + retired segments reach n, then until compaction wants no more walks. */
+static void until_walk_stops(idem_store *s, uint64_t retired_before, uint64_t n)
+{
+    for (int i = 0; i < 1000; i++) {
+        cr_assert_eq(idem_sync(s), IDEM_OK);
+        usleep(2000);
+        idem_stats st;
+        idem_get_stats(s, &st);
+        pthread_mutex_lock(&s->mu);
+        uint64_t walked = s->cmp_walked ? s->cmp_walked - wal_first_seq(s->wal) + 1 : 0;
+        int stopped = !s->cmp_seq && s->cmp_idle;
+        pthread_mutex_unlock(&s->mu);
+        if (stopped && st.compactions - retired_before + walked >= n) return;
+    }
+    cr_assert_fail("compaction never walked %llu segments and stopped", (unsigned long long)n);
+}
+
+/* A checkpoint scans the whole index, so under load it is taken once 4 walked segments wait
+ * (STORE_CKPT_RETIRE_BATCH), not after every walk; fewer wait until the walk has stopped for
+ * 5 s of store time (STORE_CKPT_QUIET_MS). Found by the soak: a checkpoint per segment took a
+ * tenth of the CPU at 100 k claims/s. */
+Test(compact, walked_segments_wait_for_a_batch_or_a_quiet_log, .timeout = 60)
+{
+    struct io_sim *sim;
+    cr_assert_eq(io_sim_create(19, &sim), 0);
+    idem_store *s = open_sim(sim);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 256, &q), IDEM_OK);
+    int next = 0;
+
+    /* Two segments expire and are walked: they wait, with no checkpoint, while time stands. */
+    fill_segments(q, s, &next, 2);
+    idem_stats st;
+    idem_get_stats(s, &st);
+    uint64_t c0 = st.checkpoints, r0 = st.compactions;
+    cr_assert_eq(idem_clock_advance(s, 2000), IDEM_OK);
+    until_walk_stops(s, r0, 2);
+    for (int i = 0; i < 20; i++) {
+        cr_assert_eq(idem_sync(s), IDEM_OK);
+        usleep(1000);
+    }
+    idem_get_stats(s, &st);
+    cr_assert_gt(st.expired_total, 0);
+    cr_assert_eq(st.checkpoints, c0, "a checkpoint taken for fewer than 4 walked segments");
+    cr_assert_eq(st.compactions, r0);
+    cr_assert_eq(walked_waiting(s), 2);
+
+    /* The walk has stopped for 5 s: one checkpoint retires both. */
+    cr_assert_eq(idem_clock_advance(s, 5000), IDEM_OK);
+    for (int i = 0; i < 500 && st.compactions < r0 + 2; i++) {
+        cr_assert_eq(idem_sync(s), IDEM_OK);
+        usleep(2000);
+        idem_get_stats(s, &st);
+    }
+    cr_assert_eq(st.compactions, r0 + 2, "walked segments never retired on a quiet log");
+    cr_assert_eq(st.checkpoints, c0 + 1);
+
+    /* Six segments or more (with the deletes) expire together: while time stands, each
+     * checkpoint retires four or more; fewer than four are left waiting. */
+    fill_segments(q, s, &next, 6);
+    idem_get_stats(s, &st);
+    uint64_t c1 = st.checkpoints, r1 = st.compactions;
+    cr_assert_eq(idem_clock_advance(s, 2000), IDEM_OK);
+    until_walk_stops(s, r1, 6);
+    idem_get_stats(s, &st);
+    uint64_t ckpts = st.checkpoints - c1, retired = st.compactions - r1,
+             waiting = walked_waiting(s);
+    cr_assert_geq(ckpts, 1, "no checkpoint while %llu segments waited",
+                  (unsigned long long)waiting);
+    cr_assert_geq(retired, 4 * ckpts, "%llu checkpoints retired only %llu segments",
+                  (unsigned long long)ckpts, (unsigned long long)retired);
+    cr_assert_lt(
+        waiting, 4,
+        "%llu walked segments wait (%llu checkpoints, %llu retired, log at %llu, first %llu)",
+        (unsigned long long)waiting, (unsigned long long)ckpts, (unsigned long long)retired,
+        (unsigned long long)cur_seq(s), (unsigned long long)wal_first_seq(s->wal));
+
+    /* Nothing was lost on the way: a crash keeps no expired key either. */
+    crash_and_check(sim, s, q, NULL, 0);
+}
