@@ -11,9 +11,9 @@
  * first, then the files, once (a) the copies and deletes their walk caused are durable and (b)
  * the installed checkpoint was begun after their walk ended, so neither its image nor a run
  * begun since points at a frame of them, and replay starts after them. The next segment is
- * walked meanwhile, so one checkpoint retires every segment walked before it began; while the
- * walk goes on, a checkpoint (a scan of the whole index) is asked for once
- * STORE_CKPT_RETIRE_BATCH segments wait, and at once when the walk stops.
+ * walked meanwhile, so one checkpoint retires every segment walked before it began. A checkpoint
+ * (a scan of the whole index) is asked for once STORE_CKPT_RETIRE_BATCH segments wait, or once
+ * no walk has ended for STORE_CKPT_QUIET_MS of store time (compact_wants_checkpoint).
  *
  * When: the next segment is walked if the log, less the walked segments, holds more than twice
  * the live bytes (plus slack of STORE_CMP_SLACK_SEGS segments), or every record written to it
@@ -27,7 +27,7 @@
 #include "util.h"
 
 #define STORE_CMP_FRAMES_PER_STEP 512
-#define STORE_CMP_LOOKAHEAD       8 /* frames prepared ahead: their index misses overlap */
+#define STORE_CMP_LOOKAHEAD       8 /* frames prepared at once: their index misses overlap */
 #define STORE_CMP_SLACK_SEGS      2
 #define STORE_CKPT_EVERY_SEGS     8
 #define STORE_CKPT_RETIRE_BATCH   4    /* walked segments one checkpoint retires under load */
@@ -77,9 +77,11 @@ int compact_wants_checkpoint(idem_store *s)
 {
     /* Walked segments wait for a checkpoint begun after their walk ended. A checkpoint scans the
      * whole index, so under load it is asked for once STORE_CKPT_RETIRE_BATCH segments wait
-     * (the walk of a log that expires as it grows stops and starts again with each segment);
-     * else once no segment has been walked for STORE_CKPT_QUIET_MS, at once when idem_compact
-     * waits, STORE_CMP_AHEAD is reached or corruption stopped compaction. */
+     * (a log that expires as it grows is walked a segment at a time, as each expires); else
+     * once no walk has ended for STORE_CKPT_QUIET_MS of store time (the walk has nothing more
+     * to do, or cannot go on: no room for the copies), and at once when idem_compact waits,
+     * STORE_CMP_AHEAD segments wait or corruption stopped compaction. With a test clock, the
+     * quiet time passes only when the test moves the clock. */
     uint64_t first = wal_first_seq(s->wal), waiting = 0;
     for (uint64_t seq = s->cmp_walked; seq >= first && seq > 0; seq--) {
         if (walk_end_lsn(s, seq) <= s->sb.ckpt_lsn) break;
@@ -87,7 +89,7 @@ int compact_wants_checkpoint(idem_store *s)
     }
     if (waiting && (waiting >= STORE_CKPT_RETIRE_BATCH || s->cmp_disabled ||
                     first < s->cmp_force_until || s->cmp_walked - first + 1 >= STORE_CMP_AHEAD ||
-                    (s->cmp_idle && store_now(s) - s->cmp_walked_ms >= STORE_CKPT_QUIET_MS)))
+                    store_now(s) - s->cmp_walked_ms >= STORE_CKPT_QUIET_MS))
         return 1;
     return wal_cur_seq(s->wal) - s->sb.ckpt_seq >= STORE_CKPT_EVERY_SEGS;
 }
@@ -145,14 +147,14 @@ int compact_step(idem_store *s)
     if (rc != 0 || s->cmp_disabled) return rc;
     if (!s->cmp_seq) {
         uint64_t next = s->cmp_walked ? s->cmp_walked + 1 : wal_first_seq(s->wal);
-        s->cmp_idle = !walk_wanted(s, next);
-        if (s->cmp_idle) return 0;
+        if (!walk_wanted(s, next)) return 0;
         s->cmp_seq = next;
         s->cmp_off = WAL_BLOCK;
     }
     int64_t now = store_now(s);
-    /* Frames are read up to STORE_CMP_LOOKAHEAD ahead of the one compacted; those not reached
-     * when the step ends are read again by the next (cmp_off is the first not compacted). */
+    /* A ring of STORE_CMP_LOOKAHEAD frames: the one compacted and those read ahead of it; those
+     * not compacted when the step ends are read again by the next (cmp_off is the first not
+     * compacted). */
     struct cmp_ahead ring[STORE_CMP_LOOKAHEAD];
     uint32_t rd = s->cmp_off;
     int head = 0, n = 0, ended = 0;

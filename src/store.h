@@ -206,7 +206,6 @@ struct idem_store {
     uint64_t cmp_walked;                      /* last walked segment, 0: none */
     uint64_t cmp_walked_lsn[STORE_CMP_AHEAD]; /* by seq % AHEAD: the log's last LSN at walk end */
     int cmp_disabled;                         /* a corrupt frame stopped compaction (reported) */
-    int cmp_idle;                             /* the next segment is not to be walked yet */
     int64_t cmp_walked_ms;                    /* store clock when the last walk ended */
     int cmp_turn;                             /* compaction's turn beside a checkpoint run */
     uint64_t cmp_force_until;                 /* idem_compact: walk every segment below this one */
@@ -307,8 +306,8 @@ int ops_compact_frame(idem_store *s, const struct cmp_frame *cf, int64_t now);
 /* One bounded step of space reclamation; returns 1 when it did work, 0 when there was none,
  * or a negative idem_err when a write failed (fatal). */
 int compact_step(idem_store *s);
-/* Whether the flusher should write a checkpoint now (log length since the last one, or a
- * compacted segment waiting to be retired). */
+/* Whether the flusher should write a checkpoint now (log length since the last one, or walked
+ * segments waiting to be retired: see the function). */
 int compact_wants_checkpoint(idem_store *s);
 
 /* ---- ages.c ---- */

@@ -418,9 +418,12 @@ static void fill_segments(idem_queue *q, idem_store *s, int *next, uint64_t seal
     cr_assert_eq(idem_sync(s), IDEM_OK);
 }
 
-/* Syncs until walked + retired segments reach n, then until compaction wants no more walks. */
+/* Syncs until walked + retired segments reach n and no walk is under way, and that stays so for
+ * 10 rounds of the flusher (compaction wants no more walks). */
 static void until_walk_stops(idem_store *s, uint64_t retired_before, uint64_t n)
 {
+    uint64_t last = 0;
+    int still = 0;
     for (int i = 0; i < 1000; i++) {
         cr_assert_eq(idem_sync(s), IDEM_OK);
         usleep(2000);
@@ -428,9 +431,12 @@ static void until_walk_stops(idem_store *s, uint64_t retired_before, uint64_t n)
         idem_get_stats(s, &st);
         pthread_mutex_lock(&s->mu);
         uint64_t walked = s->cmp_walked ? s->cmp_walked - wal_first_seq(s->wal) + 1 : 0;
-        int stopped = !s->cmp_seq && s->cmp_idle;
+        int walking = s->cmp_seq != 0;
         pthread_mutex_unlock(&s->mu);
-        if (stopped && st.compactions - retired_before + walked >= n) return;
+        uint64_t done = st.compactions - retired_before + walked;
+        still = !walking && done >= n && done == last ? still + 1 : 0;
+        last = done;
+        if (still >= 10) return;
     }
     cr_assert_fail("compaction never walked %llu segments and stopped", (unsigned long long)n);
 }
