@@ -17,6 +17,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -126,6 +127,8 @@ struct io_sim {
     struct io_sim_counts counts;
     uint64_t fail_write_at, fail_flush_at, short_write_at; /* 0: none */
     int fail_write_err, fail_flush_err;
+    char fail_create_suffix[64]; /* "": none */
+    int fail_create_err;
 };
 
 /* ---- small helpers ---- */
@@ -632,6 +635,15 @@ static int sim_open_new(struct io_sim *sim, const char *path, struct sim_node **
     return 0;
 }
 
+/* Whether this creation is the one io_sim_fail_create armed (disarms it). */
+static int sim_create_fails(struct io_sim *sim, const char *path)
+{
+    size_t n = strlen(sim->fail_create_suffix), len = strlen(path);
+    if (!n || len < n || strcmp(path + len - n, sim->fail_create_suffix) != 0) return 0;
+    sim->fail_create_suffix[0] = 0;
+    return 1;
+}
+
 static int sim_open(struct io *io, const char *path, unsigned flags, struct io_file **out)
 {
     struct sim_io *h = sim_io_of(io);
@@ -652,6 +664,8 @@ static int sim_open(struct io *io, const char *path, unsigned flags, struct io_f
         rc = -EISDIR;
     else if (!e && !(flags & IO_O_CREATE))
         rc = -ENOENT;
+    else if (!e && sim_create_fails(sim, path))
+        rc = sim->fail_create_err;
     else if (!e)
         rc = sim_open_new(sim, path, &f->node);
     if (rc == 0 && e) {
@@ -1047,6 +1061,14 @@ void io_sim_fail_write(struct io_sim *sim, uint64_t nth, int err)
     sim_lock(sim);
     sim->fail_write_at = nth ? sim->counts.writes + nth : 0;
     sim->fail_write_err = err;
+    sim_unlock(sim);
+}
+
+void io_sim_fail_create(struct io_sim *sim, const char *suffix, int err)
+{
+    sim_lock(sim);
+    snprintf(sim->fail_create_suffix, sizeof sim->fail_create_suffix, "%s", suffix ? suffix : "");
+    sim->fail_create_err = err;
     sim_unlock(sim);
 }
 

@@ -49,6 +49,9 @@ void io_sim_crash(struct io_sim *sim, unsigned flags);
 void io_sim_fail_write(struct io_sim *sim, uint64_t nth, int err);
 void io_sim_fail_flush(struct io_sim *sim, uint64_t nth, int err);
 void io_sim_short_write(struct io_sim *sim, uint64_t nth);
+/* The next open that creates a file whose path ends with suffix fails with err (a negative
+ * errno) and creates nothing; NULL disarms it. */
+void io_sim_fail_create(struct io_sim *sim, const char *suffix, int err);
 /* Total bytes the disk holds; allocate or a write that grows the files past it: -ENOSPC. 0: no
  * limit. */
 void io_sim_set_capacity(struct io_sim *sim, uint64_t bytes);

@@ -504,3 +504,49 @@ Test(compact, walked_segments_wait_for_a_batch_or_a_quiet_log, .timeout = 60)
     /* Nothing was lost on the way: a crash keeps no expired key either. */
     crash_and_check(sim, s, q, NULL, 0);
 }
+
+static int compaction_stopped(idem_store *s)
+{
+    pthread_mutex_lock(&s->mu);
+    int stopped = s->cmp_disabled;
+    pthread_mutex_unlock(&s->mu);
+    return stopped;
+}
+
+/* Compaction that meets a damaged frame stops there and says so (the store serves on, verify
+ * tells more), and the segments it walked before that are still retired: a checkpoint is asked
+ * for at once, though time stands still and fewer than 4 wait. */
+Test(compact, segments_walked_before_a_corrupt_frame_are_still_retired, .timeout = 60)
+{
+    struct io_sim *sim;
+    cr_assert_eq(io_sim_create(23, &sim), 0);
+    idem_store *s = open_sim(sim);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 256, &q), IDEM_OK);
+    int next = 0;
+    uint64_t first = cur_seq(s);
+    fill_segments(q, s, &next, 4);
+    idem_stats st;
+    idem_get_stats(s, &st);
+    uint64_t r0 = st.compactions;
+    char path[64];
+    snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)(first + 2));
+    cr_assert_eq(io_sim_corrupt(sim, path, 4096 + 64, 0x10), 0); /* its first frame */
+    cr_assert_eq(idem_clock_advance(s, 2000), IDEM_OK);
+    for (int i = 0; i < 1000 && !(compaction_stopped(s) && st.compactions >= r0 + 2); i++) {
+        cr_assert_eq(idem_sync(s), IDEM_OK);
+        usleep(2000);
+        idem_get_stats(s, &st);
+    }
+    cr_assert(compaction_stopped(s), "compaction walked over a damaged frame");
+    cr_assert_eq(st.compactions, r0 + 2, "%llu of the 2 segments walked before it retired",
+                 (unsigned long long)(st.compactions - r0));
+    cr_assert_eq(idem_compact(s, 1000), IDEM_ECORRUPT);
+    idem_completion c;
+    idem_claim_args a = {.ttl_ms = 60000, .lease_ms = 1000};
+    cr_assert_eq(idem_claim(q, "after", 5, &a, &c), IDEM_OK, "the store stopped serving");
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    io_sim_destroy(sim);
+}
