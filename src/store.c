@@ -518,6 +518,19 @@ static int store_init_new(idem_store *s)
     return super_store(s->io, s->dir, sb);
 }
 
+/* The index is made for the checkpoint's entries at once (their count is checked against the
+ * file's checksum by then), so it does not grow while they load. Without memory for that, the
+ * index grows as usual. */
+static void ckpt_sized(void *ctx, uint64_t count)
+{
+    idem_store *s = ctx;
+    struct index *ix;
+    if (count > s->opt.max_keys && index_create(count + count / 8, &ix) == 0) {
+        index_destroy(s->ix);
+        s->ix = ix;
+    }
+}
+
 static void ckpt_entry_ahead(void *ctx, uint64_t addr_tag, uint32_t hash_lo)
 {
     idem_store *s = ctx;
@@ -582,17 +595,8 @@ static int store_recover(idem_store *s)
         return rc;
     }
     if (s->sb.ckpt_id) {
-        /* Size the index for the checkpoint at once: no growth while it loads. */
-        uint64_t count = ckpt_count(s->io, s->dir, s->sb.ckpt_id);
-        if (count > s->opt.max_keys && count < (UINT64_C(1) << 34)) {
-            struct index *ix;
-            if (index_create(count + count / 8, &ix) == 0) {
-                index_destroy(s->ix);
-                s->ix = ix;
-            }
-        }
-        rc = ckpt_load(s->io, s->dir, s->sb.ckpt_id, ckpt_entry_load, ckpt_entry_ahead, s, err,
-                       sizeof err);
+        rc = ckpt_load(s->io, s->dir, s->sb.ckpt_id, ckpt_sized, ckpt_entry_load, ckpt_entry_ahead,
+                       s, err, sizeof err);
         if (rc < 0) {
             store_set_error("%s", err);
             return rc;

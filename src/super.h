@@ -100,12 +100,11 @@ int ckpt_write_out(struct ckpt_writer *cw);
 /* Writes the trailer, flushes the file and syncs the directory; frees cw either way. */
 int ckpt_end(struct ckpt_writer *cw);
 void ckpt_abort(struct ckpt_writer *cw);
-/* The entry count a checkpoint's trailer claims (0 if unreadable): a sizing hint only, checked
- * by ckpt_load. */
-uint64_t ckpt_count(struct io *io, const char *dir, uint64_t id);
-/* Reads checkpoint id, checking every checksum; calls fn per entry, and ahead (if not NULL) with
- * the address and hash fields of the entry a few places ahead, so a loader can prefetch. */
-int ckpt_load(struct io *io, const char *dir, uint64_t id,
+/* Reads checkpoint id, checking every checksum; then calls sized (if not NULL) once with the
+ * entry count, checked by then, so a loader can size its table; then fn per entry, and ahead (if
+ * not NULL) with the address and hash fields of the entry a few places ahead, so a loader can
+ * prefetch. */
+int ckpt_load(struct io *io, const char *dir, uint64_t id, void (*sized)(void *ctx, uint64_t count),
               int (*fn)(void *ctx, const struct ckpt_entry *e),
               void (*ahead)(void *ctx, uint64_t addr_tag, uint32_t hash_lo), void *ctx, char *err,
               size_t errcap);
