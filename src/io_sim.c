@@ -1066,6 +1066,7 @@ void io_sim_fail_write(struct io_sim *sim, uint64_t nth, int err)
 
 void io_sim_fail_create(struct io_sim *sim, const char *suffix, int err)
 {
+    IDEM_ASSERT(err < 0 && (!suffix || strlen(suffix) < sizeof sim->fail_create_suffix));
     sim_lock(sim);
     snprintf(sim->fail_create_suffix, sizeof sim->fail_create_suffix, "%s", suffix ? suffix : "");
     sim->fail_create_err = err;

@@ -361,9 +361,11 @@ static void until_locked(idem_store *s, int (*pred)(idem_store *s), const char *
     cr_assert_fail("never: %s", what);
 }
 
-static int is_flushing(idem_store *s)
+/* The flusher is flushing the batch with the newest frame: nothing pending, nothing durable past
+ * it (flushing alone is also set while the flusher does other file I/O). */
+static int flushing_the_last_frame(idem_store *s)
 {
-    return s->flushing;
+    return s->flushing && !wal_pending(s->wal) && s->durable_lsn < wal_last_lsn(s->wal);
 }
 
 static int run_wanted(idem_store *s)
@@ -395,7 +397,7 @@ Test(recovery, a_checkpoint_that_cannot_begin_inside_a_flush_fails_alone, .timeo
     cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
     io_sim_hold(sim, 1);
     submit_claim(q, "in-the-held-flush");
-    until_locked(s, is_flushing, "the flusher flushes");
+    until_locked(s, flushing_the_last_frame, "the flusher flushes the claim");
     struct ckpt_call call = {.s = s};
     pthread_t t;
     cr_assert_eq(pthread_create(&t, NULL, checkpoint_thread, &call), 0);
