@@ -23,8 +23,8 @@
 #include "store.h"
 #include "util.h"
 
-#define AGES_SLACK 16384u /* entries beyond 2x the records before a rebuild: ~1.2 checks per push  \
-                           */
+/* Entries beyond twice the records before a rebuild: about 1.2 index checks per push. */
+#define AGES_SLACK 16384u
 
 static int64_t kind_time(const struct rec *r, int kind)
 {
