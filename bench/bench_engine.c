@@ -70,6 +70,7 @@
 
 #include "idem.h"
 #include "bench_util.h"
+#include "huge_pages.h"
 #include "index.h"
 #include "store.h" /* the index's longest growth step (growth case) */
 
@@ -1030,6 +1031,7 @@ static int prepare_dir(struct run *r)
 int main(int argc, char **argv)
 {
     static struct run r;
+    huge_pages_reexec(argv); /* as idemd does: the index on huge pages, for idem and the peers */
     int rc = parse_args(&r, argc, argv);
     if (rc != 0) {
         usage(rc < 0 ? stdout : stderr);
@@ -1040,9 +1042,9 @@ int main(int argc, char **argv)
     for (size_t i = 0; i < sizeof(r.result_src); i++)
         r.result_src[i] = (uint8_t)bench_rng(&rng);
     printf("# idem %s keys=%" PRIu64 " mode=%s batch=%u slots=%u peer_batch=%u case_cap_s=%.1f "
-           "peer_cap_s=%.1f\n",
+           "peer_cap_s=%.1f malloc_hugetlb=%d\n",
            IDEM_VERSION_STRING, r.keys, r.quick ? "quick" : "full", r.batch, r.slots, r.peer_batch,
-           r.case_s, r.peer_s);
+           r.case_s, r.peer_s, huge_pages_tunable());
     fflush(stdout);
     run_cases(&r);
     if (r.own_dir) bench_rm_rf(r.dir);

@@ -23,6 +23,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "huge_pages.h"
 #include "idem.h"
 
 static double now_ms(void)
@@ -106,6 +107,7 @@ static void drop_caches(void)
 
 int main(int argc, char **argv)
 {
+    huge_pages_reexec(argv); /* as idemd does: the index it loads on huge pages */
     int cold = 0;
     uint64_t keys = 10000000;
     char dir[4096] = "";

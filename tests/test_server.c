@@ -1025,6 +1025,57 @@ Test(server, config_file_settings_apply, .init = start_from_config)
     redisFree(admin);
 }
 
+/* ---- huge pages for the index (huge_pages.c) ---- */
+
+/* The first line of a file, or "" (a NUL-terminated copy, at most cap - 1 bytes). */
+static void read_text(const char *path, char *buf, size_t cap)
+{
+    FILE *f = fopen(path, "r");
+    size_t n = f ? fread(buf, 1, cap - 1, f) : 0;
+    buf[n] = 0;
+    if (f) fclose(f);
+}
+
+/* idemd's start line in its log (the first event=start), with the tunable's flag. */
+static void start_line(char *line, size_t cap)
+{
+    char path[600], all[8192];
+    snprintf(path, sizeof path, "%s/idemd.log", srv.dir);
+    read_text(path, all, sizeof all);
+    char *p = strstr(all, "event=start");
+    cr_assert(p, "no start line in %s", all);
+    cr_assert_null(strstr(p + 1, "event=start"), "started twice: %s", all);
+    size_t n = strcspn(p, "\n");
+    snprintf(line, cap, "%.*s", (int)n, p);
+}
+
+Test(server, malloc_heap_asks_for_huge_pages_after_one_reexecution, .init = start)
+{
+    char line[1024], path[64], comm[64];
+    start_line(line, sizeof line);
+    cr_assert(strstr(line, "malloc_hugetlb_tunable=1"), "%s", line);
+    snprintf(path, sizeof path, "/proc/%d/comm", (int)srv.pid);
+    read_text(path, comm, sizeof comm);
+    cr_assert_str_eq(comm, "idemd\n", "the process keeps its name");
+    redisContext *c = connect_tcp();
+    expect_status(cmd(c, "PING"), "PONG");
+    redisFree(c);
+}
+
+static void start_without_huge_pages(void)
+{
+    setenv("IDEM_MALLOC_HUGE", "0", 1); /* the child inherits it */
+    start();
+    unsetenv("IDEM_MALLOC_HUGE");
+}
+
+Test(server, malloc_huge_0_leaves_the_heap_alone, .init = start_without_huge_pages)
+{
+    char line[1024];
+    start_line(line, sizeof line);
+    cr_assert(strstr(line, "malloc_hugetlb_tunable=0"), "%s", line);
+}
+
 /* ---- shutdown ---- */
 
 Test(server, sigterm_drains_and_exits_zero, .init = start)

@@ -1,17 +1,16 @@
 /*
  * main.c: idemd's entry: flags (--name value or --name=value), the --config file of `name value`
  * lines (the same names without dashes; `#` starts a comment), --help, the open-files limit, and
- * the hand-over to the event loop (loop.c), and huge pages for malloc's heap (one re-execution
- * at start). Exit codes: 0 clean shutdown, 1 failure, 2 usage.
+ * the hand-over to the event loop (loop.c), after huge pages for malloc's heap (huge_pages.c). Exit
+ * codes: 0 clean shutdown, 1 failure, 2 usage.
  */
 #include "server.h"
+#include "huge_pages.h"
 
 #include <errno.h>
-#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/auxv.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -272,51 +271,9 @@ static void raise_nofile(const srv_config *cfg)
                 (unsigned long long)rl.rlim_cur, cfg->max_clients);
 }
 
-/* The index is hundreds of megabytes of small blocks read at random: on 4 KiB pages nearly every
- * lookup misses the TLB as well as the cache. glibc (2.35 and later) backs malloc's heap with
- * transparent huge pages when its tunable glibc.malloc.hugetlb=1 is set, and reads tunables only
- * when a program starts: so idemd adds it to GLIBC_TUNABLES and executes itself again, once
- * (IDEM_MALLOC_HUGE=exec marks the second start). Other C libraries and older glibc ignore it.
- * Skipped for a set-user-ID or capability-raised start (glibc drops tunables there) and for a
- * start through the dynamic loader (its program is not this file). IDEM_MALLOC_HUGE=0 leaves
- * the heap alone. Measured with bench/soak.sh (docs/benchmarks.md): 88 k -> 100 k claims/s. */
-static void malloc_huge_pages(char **argv)
-{
-    const char *opt = getenv("IDEM_MALLOC_HUGE");
-    if (opt && strcmp(opt, "exec") == 0) {
-        unsetenv("IDEM_MALLOC_HUGE");
-        return;
-    }
-    if ((opt && strcmp(opt, "0") == 0) || getauxval(AT_SECURE)) return;
-    const char *t = getenv("GLIBC_TUNABLES");
-    if (t && strstr(t, "glibc.malloc.hugetlb")) return; /* the user chose */
-    char exe[PATH_MAX];
-    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (n <= 0) return; /* no /proc: ordinary pages */
-    exe[n] = 0;
-    const char *base = strrchr(exe, '/');
-    if (strncmp(base ? base + 1 : exe, "ld-", 3) == 0) return;
-    char v[1024];
-    int len = snprintf(v, sizeof v, "%s%sglibc.malloc.hugetlb=1", t ? t : "", t && *t ? ":" : "");
-    if (len < 0 || (size_t)len >= sizeof v) return;
-    char *old = t ? strdup(t) : NULL;
-    if ((t && !old) || setenv("GLIBC_TUNABLES", v, 1) != 0 ||
-        setenv("IDEM_MALLOC_HUGE", "exec", 1) != 0) {
-        free(old);
-        return;
-    }
-    execv(exe, argv); /* by its path, so that the process keeps its name */
-    unsetenv("IDEM_MALLOC_HUGE");
-    if (old)
-        setenv("GLIBC_TUNABLES", old, 1);
-    else
-        unsetenv("GLIBC_TUNABLES");
-    free(old);
-}
-
 int main(int argc, char **argv)
 {
-    malloc_huge_pages(argv);
+    huge_pages_reexec(argv);
     srv *s = calloc(1, sizeof *s);
     if (!s) return 1;
     config_defaults(&s->cfg);
@@ -326,11 +283,10 @@ int main(int argc, char **argv)
         return rc == 1 ? 0 : 2;
     }
     raise_nofile(&s->cfg);
-    const char *tun = getenv("GLIBC_TUNABLES");
     srv_log("info", "start",
             "version=%s dir=%s durability=%d test_clock=%d users=%d malloc_hugetlb_tunable=%d",
             IDEM_VERSION_STRING, s->cfg.dir, s->cfg.durability, s->cfg.test_clock, s->cfg.nusers,
-            tun && strstr(tun, "glibc.malloc.hugetlb=1") != NULL);
+            huge_pages_tunable());
     rc = srv_run(s);
     free(s);
     return rc;
