@@ -265,6 +265,10 @@ idem_answered() {
 SETNX=(SET 'key:__rand_int__' v NX PX 86400000)
 CLAIM=(IDEM.CLAIM 'key:__rand_int__' 86400000 30000)
 
+# A stopped server's data goes at once (unless --keep-data): a full run writes tens of GB in all,
+# and a disk that fills up mid-run turns the later runs into error replies.
+drop_data() { [ "$KEEP" = 1 ] || rm -rf "$1"; }
+
 # ------------------------------------------------------------------ idemd
 # idemd_start MODE TAG: a fresh idemd on its own directory; sets IDEM_PORT IDEM_PID IDEM_MPORT
 idemd_start() {
@@ -286,6 +290,7 @@ idemd_stop() { # MODE TAG
     stop_pid "$IDEM_PID" 120
     forget_pid "$IDEM_PID"
     grep -E 'level=(warn|error|fatal)' "$OUT/raw/idemd-$1-$2.log" | head -5 >&2 || true
+    drop_data "$TMP/idemd-$1-$2"
 }
 
 # Memory per key, on a server of its own (durability none).
@@ -376,6 +381,7 @@ run_redis() {
         redis-cli -p "$port" INFO persistence | tr -d '\r' >"$OUT/raw/redis-$mode.persistence" 2>/dev/null || true
         stop_pid "$pid" 120
         forget_pid "$pid"
+        drop_data "$dir"
     done
 }
 
