@@ -1027,7 +1027,7 @@ Test(server, config_file_settings_apply, .init = start_from_config)
 
 /* ---- huge pages for the index (huge_pages.c) ---- */
 
-/* The first line of a file, or "" (a NUL-terminated copy, at most cap - 1 bytes). */
+/* A file's text, or "" (a NUL-terminated copy of at most cap - 1 bytes). */
 static void read_text(const char *path, char *buf, size_t cap)
 {
     FILE *f = fopen(path, "r");
