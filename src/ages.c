@@ -3,13 +3,13 @@
  * record and the operator's attention list cost no scan of all keys: in_flight and review
  * records ordered by first_seen, and records with recorded mismatches by last_mismatch_ms.
  *
- * One min-heap per kind of 24-byte entries {time, log address of a version, the key's hash
- * bits}. Every version written that belongs to a kind pushes an entry (claims, recoveries,
- * extends, holds, recorded mismatches, compaction copies, replay, checkpoint load). Entries are
- * checked lazily: one is valid while the index still points the key at that very address and
- * the record there still belongs to the kind with that time. Invalid entries are popped when
- * they reach the top, and a heap is rebuilt from its valid entries when it holds more than twice
- * the records of its kind (plus slack), so its size stays proportional to those records.
+ * One min-heap per kind of 16-byte entries {time, log address of a version, 40 of the key's
+ * hash bits} (struct age_entry). Every version written that belongs to a kind pushes an entry
+ * (claims, recoveries, extends, holds, recorded mismatches, compaction copies, replay, checkpoint
+ * load). Entries are checked lazily: one is valid while the index still points the key at that very
+ * address and the record there still belongs to the kind with that time. Invalid entries are popped
+ * when they reach the top, and a heap is rebuilt from its valid entries when it holds more than
+ * twice the records of its kind (plus slack), so its size stays proportional to those records.
  *
  * The rebuild that keeps a heap small runs on the write path, so it checks only the index: an
  * entry stays while a slot with its hash bits holds its address (a record never changes at its
@@ -25,6 +25,25 @@
 
 /* Entries beyond twice the records before a rebuild: about 1.2 index checks per push. */
 #define AGES_SLACK 16384u
+
+/* The entry's time_hi for a time t and hash h: ordered as t, with hash bits in the low 16. */
+static uint64_t time_key(int64_t t, uint64_t h)
+{
+    if (t < -AGE_TIME_BIAS) t = -AGE_TIME_BIAS;
+    if (t > AGE_TIME_BIAS - 1) t = AGE_TIME_BIAS - 1;
+    return (uint64_t)(t + AGE_TIME_BIAS) << 16 | ((uint32_t)h >> 16);
+}
+
+static int64_t entry_time(const struct age_entry *e)
+{
+    return (int64_t)(e->time_hi >> 16) - AGE_TIME_BIAS;
+}
+
+/* The hash bits kept: the top 24 and the top 16 of the low 32 (index_holds ignores the rest). */
+static uint64_t entry_hash(const struct age_entry *e)
+{
+    return (e->addr_tag & ~INDEX_ADDR_MASK) | (uint32_t)(e->time_hi & 0xffff) << 16;
+}
 
 static int64_t kind_time(const struct rec *r, int kind)
 {
@@ -57,7 +76,7 @@ static int entry_valid(idem_store *s, int kind, const struct age_entry *e)
     const uint8_t *p = wal_payload(s->wal, entry_addr(e), &len, &lsn);
     struct rec r, cur;
     if (!p || rec_decode(p, len, &r) < 0 || !kind_has(&r, kind) ||
-        kind_time(&r, kind) != e->first_seen_ms)
+        time_key(kind_time(&r, kind), 0) != (e->time_hi & ~UINT64_C(0xffff)))
         return 0;
     struct index_slot *slot = ops_find(s, r.key, r.key_len, &cur, &lsn);
     return slot && index_slot_addr(slot) == entry_addr(e);
@@ -67,14 +86,14 @@ static int entry_valid(idem_store *s, int kind, const struct age_entry *e)
 static int entry_indexed(idem_store *s, int kind, const struct age_entry *e)
 {
     (void)kind;
-    return index_holds(s->ix, (e->addr_tag & ~INDEX_ADDR_MASK) | e->hash_lo, entry_addr(e));
+    return index_holds(s->ix, entry_hash(e), entry_addr(e));
 }
 
 static void sift_up(struct age_heap *h, size_t i)
 {
     while (i > 0) {
         size_t p = (i - 1) / 2;
-        if (h->v[p].first_seen_ms <= h->v[i].first_seen_ms) break;
+        if (h->v[p].time_hi <= h->v[i].time_hi) break;
         struct age_entry t = h->v[p];
         h->v[p] = h->v[i];
         h->v[i] = t;
@@ -86,8 +105,8 @@ static void sift_down(struct age_heap *h, size_t i)
 {
     for (;;) {
         size_t l = 2 * i + 1, r = l + 1, m = i;
-        if (l < h->n && h->v[l].first_seen_ms < h->v[m].first_seen_ms) m = l;
-        if (r < h->n && h->v[r].first_seen_ms < h->v[m].first_seen_ms) m = r;
+        if (l < h->n && h->v[l].time_hi < h->v[m].time_hi) m = l;
+        if (r < h->n && h->v[r].time_hi < h->v[m].time_hi) m = r;
         if (m == i) return;
         struct age_entry t = h->v[m];
         h->v[m] = h->v[i];
@@ -123,13 +142,13 @@ static void heap_push(idem_store *s, int kind, int64_t t, uint64_t hash, uint64_
         s->ages_rebuilding = 0;
     }
     if (h->n == h->cap) {
-        size_t cap = h->cap ? h->cap * 2 : 256;
+        size_t cap = h->cap ? h->cap + h->cap / 2 : 256; /* 1.5x: at most a third unused */
         struct age_entry *v = realloc(h->v, cap * sizeof *v);
         if (!v) return; /* the age reads high until the next rebuild; nothing else depends on it */
         h->v = v;
         h->cap = cap;
     }
-    h->v[h->n] = (struct age_entry){t, (hash & ~INDEX_ADDR_MASK) | addr, (uint32_t)hash, 0};
+    h->v[h->n] = (struct age_entry){time_key(t, hash), (hash & ~INDEX_ADDR_MASK) | addr};
     sift_up(h, h->n++);
 }
 
@@ -149,7 +168,7 @@ int64_t ages_oldest(idem_store *s, int kind)
         h->v[0] = h->v[--h->n];
         sift_down(h, 0);
     }
-    return h->n ? h->v[0].first_seen_ms : 0;
+    return h->n ? entry_time(&h->v[0]) : 0;
 }
 
 size_t ages_list(idem_store *s, int kind, uint64_t *addrs, size_t max)

@@ -52,6 +52,7 @@
 
 _Static_assert(sizeof(struct index_slot) == 16, "index_slot is 16 bytes");
 _Static_assert((SEG_CAP_MAX & (SEG_CAP_MAX - 1)) == 0, "SEG_CAP_MAX is a power of two");
+_Static_assert(SEG_CAP_MAX <= 65536, "index_holds finds a home from 16 of hash_lo's bits");
 _Static_assert(64 - INDEX_ADDR_BITS == INDEX_DEPTH_MAX, "tag bits are the directory bits");
 
 struct index_seg {
@@ -404,9 +405,25 @@ struct index_slot *index_find_addr(struct index *ix, uint64_t h, uint64_t addr)
     return NULL;
 }
 
+/* Without h's low 16 bits the home is known to within one: lo * cap >> 32 moves by less than one
+ * when lo's low 16 bits change, as cap <= 2^16. The entry's run starts at the lower candidate or,
+ * when that slot is empty, at the next. */
 int index_holds(const struct index *ix, uint64_t h, uint64_t addr)
 {
-    return index_find_addr((struct index *)ix, h, addr) != NULL; /* reads only */
+    const struct index_dirent *de = &ix->dir[dir_pos(ix, hash_top24(h))];
+    const struct index_slot *slots = de->seg->slots;
+    uint32_t cap = (uint32_t)de->cap;
+    uint64_t want = (h & TAG_MASK) | addr;
+    uint32_t lo_top = (uint32_t)h >> 16;
+    uint32_t i = seg_home(lo_top << 16, cap);
+    if (slots[i].addr_tag == 0 && ++i == cap) return 0;
+    for (uint32_t n = 0; n < cap; n++) {
+        const struct index_slot *s = &slots[i];
+        if (s->addr_tag == 0) return 0;
+        if (s->addr_tag == want && s->hash_lo >> 16 == lo_top) return 1;
+        if (++i == cap) i = 0;
+    }
+    return 0;
 }
 
 struct index_slot *index_insert(struct index *ix, uint64_t h, uint64_t addr, uint32_t aux)

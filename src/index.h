@@ -50,7 +50,8 @@ uint64_t index_peek(const struct index *ix, uint64_t h);
 /* The slot with h's stored hash bits that holds addr, or NULL (no key compared: an address
  * names one version of one key). */
 struct index_slot *index_find_addr(struct index *ix, uint64_t h, uint64_t addr);
-/* Whether that slot exists. */
+/* Whether a slot holds addr under h's stored hash bits, h's low 16 bits not compared (the age
+ * heaps keep 40 of the 56 bits). */
 int index_holds(const struct index *ix, uint64_t h, uint64_t addr);
 
 /* Adds an entry; the caller has checked the key is absent. addr: 1..INDEX_ADDR_MASK. Returns

@@ -518,9 +518,8 @@ static int store_init_new(idem_store *s)
     return super_store(s->io, s->dir, sb);
 }
 
-/* The index is made for the checkpoint's entries at once (their count is checked against the
- * file's checksum by then), so it does not grow while they load. Without memory for that, the
- * index grows as usual. */
+/* The index is made for the checkpoint's entries at once (their count is checked by then), so
+ * it does not grow while they load. Without memory for that, the index grows as usual. */
 static void ckpt_sized(void *ctx, uint64_t count)
 {
     idem_store *s = ctx;
@@ -532,16 +531,21 @@ static void ckpt_sized(void *ctx, uint64_t count)
     }
 }
 
-static void ckpt_entry_ahead(void *ctx, uint64_t addr_tag, uint32_t hash_lo)
+static uint64_t ckpt_entry_hash(const struct ckpt_entry *e)
+{
+    return (e->addr_tag & ~INDEX_ADDR_MASK) | e->hash_lo;
+}
+
+static void ckpt_entry_ahead(void *ctx, const struct ckpt_entry *e)
 {
     idem_store *s = ctx;
-    index_prefetch(s->ix, (addr_tag & ~INDEX_ADDR_MASK) | hash_lo);
+    index_prefetch(s->ix, ckpt_entry_hash(e));
 }
 
 static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
 {
     idem_store *s = ctx;
-    uint64_t h = (e->addr_tag & ~INDEX_ADDR_MASK) | e->hash_lo;
+    uint64_t h = ckpt_entry_hash(e);
     if (!wal_addr_valid(s->wal, e->addr_tag & INDEX_ADDR_MASK)) {
         store_set_error("checkpoint %llu names a log address outside the log's segments",
                         (unsigned long long)s->sb.ckpt_id);
@@ -599,7 +603,11 @@ static int store_recover(idem_store *s)
         rc = ckpt_load(s->io, s->dir, s->sb.ckpt_id, ckpt_sized, ckpt_entry_load, ckpt_entry_ahead,
                        s, err, sizeof err);
         if (rc < 0) {
-            store_set_error("%s", err);
+            if (*err)
+                store_set_error("%s", err);
+            else if (!last_error[0]) /* ckpt_entry_load says why, except for memory */
+                store_set_error("loading checkpoint %llu: %s", (unsigned long long)s->sb.ckpt_id,
+                                idem_strerror(rc));
             return rc;
         }
     }

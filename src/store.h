@@ -91,14 +91,17 @@ struct seen_info {
     uint64_t seen_count;
 };
 
-/* A version of a key at a log address, with the key's hash bits as the index keeps them, so
- * that whether the index still points at it is answered without reading the log. */
+/* A version of a key at a log address, with enough of the key's hash bits to find its slot in
+ * the index, so that whether the index still points at it is answered without reading the log.
+ * 16 bytes: time_hi = (the kind's time in ms + AGE_TIME_BIAS) << 16 | the top 16 bits of the
+ * hash's low 32 (the heap orders by time_hi: by time, then by those bits); addr_tag as in
+ * index_slot (the log address, the hash's top 24 bits above). Times outside +-2^47 ms (4,460
+ * years) are clamped: their order among themselves is lost, nothing else. */
 struct age_entry {
-    int64_t first_seen_ms;
-    uint64_t addr_tag; /* as in index_slot: the log address, the hash's top 24 bits above */
-    uint32_t hash_lo;
-    uint32_t pad;
+    uint64_t time_hi;
+    uint64_t addr_tag;
 };
+#define AGE_TIME_BIAS (INT64_C(1) << 47)
 
 struct age_heap {
     struct age_entry *v;

@@ -1,10 +1,24 @@
 /*
- * super.c: superblock copies, the directory lock, and checkpoint files (formats in super.h).
+ * super.c: superblock copies, the directory lock, and checkpoint files (formats in super.h and
+ * below).
  *
- * Checkpoint file: a 4 KiB header block ("IDEMCKPT", u32 format, u32 0, u64 id, then at 4088 an
- * XXH3-64 of [0, 4088)), then 32-byte entries (u64 addr_tag, u32 hash_lo, u32 has_seen,
- * u64 seen_count, i64 last_seen_ms), then a 32-byte trailer ("IDEMCEND", u64 entry count,
- * u64 XXH3-64 of all entry bytes, u64 0). The file is complete only with a valid trailer.
+ * Checkpoint file, both formats: a 4 KiB header block ("IDEMCKPT", u32 format, u32 0, u64 id,
+ * then at 4088 an XXH3-64 of [0, 4088)), the entries, a 32-byte trailer, then zero padding to a
+ * multiple of 4 KiB. The file is complete only with a valid trailer; it is never loaded before
+ * a superblock names it, which happens only after it was flushed.
+ *
+ * Format 2 (written): chunks, each a 32-byte header ("IDEMCCHK", u32 entries (>= 1), u32 body
+ * bytes, u64 XXH3-64 of the body seeded with the chunk's number from 0, u64 0) and a body of
+ * entries: u64 addr_tag, u32 hash_lo, u32 has_seen (CKPT_* bits, no others), and when CKPT_SEEN
+ * is set 16 more bytes: u64 seen_count, i64 last_seen_ms. Chunks follow each other without a
+ * gap; each holds what one write-out buffered (at most 1 MiB). Trailer: "IDEMCEND", u64 entry
+ * count, u64 chunk count, u64 XXH3-64 of the trailer's first 24 bytes seeded with the id. A
+ * loader checks each chunk before it uses its entries, so it can read and load at once.
+ *
+ * Format 1 (read only, stores written before format 2): 32-byte entries (u64 addr_tag, u32
+ * hash_lo, u32 has_seen, u64 seen_count, i64 last_seen_ms), then the trailer "IDEMCEND", u64
+ * entry count, u64 XXH3-64 of all entry bytes, u64 0. Its one checksum is checked before any
+ * entry is used.
  */
 #include "super.h"
 
@@ -27,15 +41,19 @@
 #define SUPER_CKSUM 4088u
 #define CKPT_MAGIC  "IDEMCKPT"
 #define CKPT_END    "IDEMCEND"
-#define CKPT_ENTRY  32u
+#define CKPT_CHUNK  "IDEMCCHK"
+#define CKPT_ENTRY                                                                                 \
+    32u /* format 1's entries, the trailer, format 2's chunk header, its largest entry */
+#define CKPT_SLOT   16u /* format 2's entry without repeat counters */
 #define CKPT_BUF    (1u << 20)
+#define CKPT_FORMAT 2u
 
 static void super_encode(const struct super *sb, uint8_t *p)
 {
     memset(p, 0, SUPER_BLOCK);
     memcpy(p, SUPER_MAGIC, 8);
     util_put_u32(p + 8, SUPER_FORMAT);
-    util_put_u32(p + 12, 0);
+    util_put_u32(p + 12, SUPER_FEATURES_KNOWN);
     util_put_u64(p + 16, sb->generation);
     memcpy(p + 24, sb->store_id, 16);
     util_put_u64(p + 40, sb->hash_seed);
@@ -63,7 +81,9 @@ int super_decode(const uint8_t *p, struct super *sb)
 {
     if (memcmp(p, SUPER_MAGIC, 8) || util_get_u64(p + SUPER_CKSUM) != XXH3_64bits(p, SUPER_CKSUM))
         return 0;
-    if (util_get_u32(p + 8) != SUPER_FORMAT || util_get_u32(p + 12) != 0) return IDEM_EVERSION;
+    if (util_get_u32(p + 8) != SUPER_FORMAT || (util_get_u32(p + 12) & ~SUPER_FEATURES_KNOWN))
+        return IDEM_EVERSION;
+    sb->features = util_get_u32(p + 12);
     sb->generation = util_get_u64(p + 16);
     memcpy(sb->store_id, p + 24, 16);
     sb->hash_seed = util_get_u64(p + 40);
@@ -225,29 +245,50 @@ struct ckpt_writer {
     struct io *io;
     struct io_file *f;
     char dir[4096];
-    uint8_t *buf;
+    uint64_t id;
+    uint8_t *buf; /* buf[0] is the file's byte at off */
     uint32_t used;
+    uint32_t chunk_at; /* where in buf the open chunk's header is; CKPT_NO_CHUNK: none open */
+    uint32_t chunk_entries;
     uint64_t off;
-    uint64_t count;
-    XXH3_state_t *hash;
+    uint64_t count, chunks;
     int err;
 };
+#define CKPT_NO_CHUNK UINT32_MAX
 
 void ckpt_path(const char *dir, uint64_t id, char *buf, size_t cap)
 {
     snprintf(buf, cap, "%s/index-%016llx.ckpt", dir, (unsigned long long)id);
 }
 
+/* Fills in the open chunk's header, if any: its body is complete. */
+static void chunk_close(struct ckpt_writer *cw)
+{
+    if (cw->chunk_at == CKPT_NO_CHUNK) return;
+    uint8_t *h = cw->buf + cw->chunk_at;
+    uint32_t len = cw->used - cw->chunk_at - CKPT_ENTRY;
+    memcpy(h, CKPT_CHUNK, 8);
+    util_put_u32(h + 8, cw->chunk_entries);
+    util_put_u32(h + 12, len);
+    util_put_u64(h + 16, XXH3_64bits_withSeed(h + CKPT_ENTRY, len, cw->chunks));
+    util_put_u64(h + 24, 0);
+    cw->chunks++;
+    cw->chunk_at = CKPT_NO_CHUNK;
+    cw->chunk_entries = 0;
+}
+
+/* Closes the open chunk and writes the buffer out; a partial last block stays at the head of
+ * the buffer and is written again by the next drain. */
 static int ckpt_drain(struct ckpt_writer *cw)
 {
+    chunk_close(cw);
     if (cw->err || cw->used == 0) return cw->err;
     uint32_t len = (uint32_t)IDEM_ALIGN_UP(cw->used, 4096);
     memset(cw->buf + cw->used, 0, len - cw->used);
     int rc = io_write_sync(cw->io, cw->f, cw->off, cw->buf, len, 0);
     if (rc < 0) cw->err = rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
-    cw->off += cw->used; /* a short last piece is rewritten by the next drain */
+    cw->off += cw->used;
     if (cw->used % 4096) {
-        /* Keep the partial block's bytes at the head of the buffer. */
         uint32_t keep = cw->used % 4096;
         memmove(cw->buf, cw->buf + cw->used - keep, keep);
         cw->off -= keep;
@@ -263,29 +304,26 @@ int ckpt_begin(struct io *io, const char *dir, uint64_t id, struct ckpt_writer *
     struct ckpt_writer *cw = calloc(1, sizeof *cw);
     if (!cw) return IDEM_ENOMEM;
     cw->buf = aligned_alloc(4096, CKPT_BUF + 4096);
-    cw->hash = XXH3_createState();
-    if (!cw->buf || !cw->hash) {
-        free(cw->buf);
-        XXH3_freeState(cw->hash);
+    if (!cw->buf) {
         free(cw);
         return IDEM_ENOMEM;
     }
-    XXH3_64bits_reset(cw->hash);
     cw->io = io;
+    cw->id = id;
+    cw->chunk_at = CKPT_NO_CHUNK;
     snprintf(cw->dir, sizeof cw->dir, "%s", dir);
     char path[4096];
     ckpt_path(dir, id, path, sizeof path);
     int rc = io_open(io, path, IO_O_CREATE, &cw->f);
     if (rc < 0) {
         free(cw->buf);
-        XXH3_freeState(cw->hash);
         free(cw);
         return rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
     }
     io_truncate(io, cw->f, 0);
     memset(cw->buf, 0, 4096);
     memcpy(cw->buf, CKPT_MAGIC, 8);
-    util_put_u32(cw->buf + 8, SUPER_FORMAT);
+    util_put_u32(cw->buf + 8, CKPT_FORMAT);
     util_put_u64(cw->buf + 16, id);
     util_put_u64(cw->buf + 4088, XXH3_64bits(cw->buf, 4088));
     cw->used = 4096;
@@ -293,24 +331,35 @@ int ckpt_begin(struct io *io, const char *dir, uint64_t id, struct ckpt_writer *
     return 0;
 }
 
+/* Room kept for one more entry at its largest, with a chunk header before it. */
+#define CKPT_ADD_MAX (CKPT_ENTRY + 2 * CKPT_SLOT)
+
 int ckpt_add(struct ckpt_writer *cw, const struct ckpt_entry *e)
 {
-    if (cw->used + CKPT_ENTRY > CKPT_BUF && ckpt_drain(cw) < 0) return cw->err;
+    if (cw->used + CKPT_ADD_MAX > CKPT_BUF && ckpt_drain(cw) < 0) return cw->err;
+    if (cw->chunk_at == CKPT_NO_CHUNK) {
+        cw->chunk_at = cw->used;
+        cw->used += CKPT_ENTRY;
+    }
     uint8_t *p = cw->buf + cw->used;
     util_put_u64(p, e->addr_tag);
     util_put_u32(p + 8, e->hash_lo);
     util_put_u32(p + 12, e->has_seen);
-    util_put_u64(p + 16, e->seen_count);
-    util_put_u64(p + 24, (uint64_t)e->last_seen_ms);
-    XXH3_64bits_update(cw->hash, p, CKPT_ENTRY);
-    cw->used += CKPT_ENTRY;
+    cw->used += CKPT_SLOT;
+    if (e->has_seen & CKPT_SEEN) {
+        util_put_u64(p + 16, e->seen_count);
+        util_put_u64(p + 24, (uint64_t)e->last_seen_ms);
+        cw->used += CKPT_SLOT;
+    }
+    cw->chunk_entries++;
     cw->count++;
     return 0;
 }
 
 uint32_t ckpt_room(const struct ckpt_writer *cw)
 {
-    return (CKPT_BUF - cw->used) / CKPT_ENTRY;
+    uint32_t free_bytes = CKPT_BUF - cw->used;
+    return free_bytes < CKPT_ADD_MAX ? 0 : (free_bytes - CKPT_ENTRY) / (2 * CKPT_SLOT);
 }
 
 int ckpt_write_out(struct ckpt_writer *cw)
@@ -322,18 +371,18 @@ void ckpt_abort(struct ckpt_writer *cw)
 {
     io_close(cw->io, cw->f);
     free(cw->buf);
-    XXH3_freeState(cw->hash);
     free(cw);
 }
 
 int ckpt_end(struct ckpt_writer *cw)
 {
-    if (cw->used + CKPT_ENTRY > CKPT_BUF) ckpt_drain(cw);
+    if (cw->used + CKPT_ADD_MAX > CKPT_BUF) ckpt_drain(cw);
+    chunk_close(cw);
     uint8_t *p = cw->buf + cw->used;
     memcpy(p, CKPT_END, 8);
     util_put_u64(p + 8, cw->count);
-    util_put_u64(p + 16, XXH3_64bits_digest(cw->hash));
-    util_put_u64(p + 24, 0);
+    util_put_u64(p + 16, cw->chunks);
+    util_put_u64(p + 24, XXH3_64bits_withSeed(p, 24, cw->id));
     cw->used += CKPT_ENTRY;
     int rc = ckpt_drain(cw);
     if (rc == 0 && io_flush_sync(cw->io, cw->f) < 0) rc = IDEM_EFATAL;
@@ -342,74 +391,192 @@ int ckpt_end(struct ckpt_writer *cw)
     return rc;
 }
 
+/* ---- Reading ---- */
+
+static int ckpt_bad(char *err, size_t errcap, const char *name, uint64_t off, const char *what)
+{
+    snprintf(err, errcap, "%s offset %llu: %s", name, (unsigned long long)off, what);
+    return IDEM_ECORRUPT;
+}
+
+int ckpt_parse_open(const uint8_t *m, uint64_t size, uint64_t id, const char *name,
+                    struct ckpt_file *cf, char *err, size_t errcap)
+{
+    memset(cf, 0, sizeof *cf);
+    if (size < 4096 + CKPT_ENTRY) return ckpt_bad(err, errcap, name, 0, "too short");
+    if (memcmp(m, CKPT_MAGIC, 8) || util_get_u64(m + 4088) != XXH3_64bits(m, 4088) ||
+        util_get_u64(m + 16) != id)
+        return ckpt_bad(err, errcap, name, 0, "bad header (magic, checksum or checkpoint id)");
+    uint32_t format = util_get_u32(m + 8);
+    if ((format != 1 && format != CKPT_FORMAT) || util_get_u32(m + 12) != 0) {
+        snprintf(err, errcap, "%s: checkpoint format %u unknown to this build (formats 1 and %u)",
+                 name, format, CKPT_FORMAT);
+        return IDEM_EVERSION;
+    }
+    /* The trailer is the last record written; the file may end in zero padding. */
+    uint32_t step = format == 1 ? CKPT_ENTRY : CKPT_SLOT;
+    uint64_t n = (size - 4096 - CKPT_ENTRY) / step + 1; /* places a trailer could start at */
+    while (n > 0 && memcmp(m + 4096 + (n - 1) * step, CKPT_END, 8))
+        n--;
+    if (n == 0) return ckpt_bad(err, errcap, name, size, "no trailer");
+    const uint8_t *t = m + 4096 + (n - 1) * step;
+    cf->m = m;
+    cf->size = size;
+    cf->format = format;
+    cf->end = (uint64_t)(t - m);
+    cf->count = util_get_u64(t + 8);
+    for (uint64_t i = cf->end + CKPT_ENTRY; i < size; i++)
+        if (m[i]) return ckpt_bad(err, errcap, name, i, "bytes after the trailer are not zero");
+    if (format == 1) {
+        if (cf->count != n - 1 || util_get_u64(t + 24) != 0)
+            return ckpt_bad(err, errcap, name, cf->end, "the trailer's count is not the file's");
+        if (util_get_u64(t + 16) != XXH3_64bits(m + 4096, cf->count * CKPT_ENTRY))
+            return ckpt_bad(err, errcap, name, 4096, "the entries fail their checksum");
+        cf->chunks = cf->count > 0;
+        return 0;
+    }
+    cf->chunks = util_get_u64(t + 16);
+    if (util_get_u64(t + 24) != XXH3_64bits_withSeed(t, 24, id))
+        return ckpt_bad(err, errcap, name, cf->end, "the trailer fails its checksum");
+    /* Bounded by the length before anything is sized by them: a chunk takes at least 48 bytes
+     * (header and one entry), an entry at least 16. */
+    uint64_t room = cf->end - 4096;
+    if (cf->chunks > room / (CKPT_ENTRY + CKPT_SLOT) || cf->count > room / CKPT_SLOT ||
+        cf->chunks > cf->count || (cf->count > 0 && cf->chunks == 0))
+        return ckpt_bad(err, errcap, name, cf->end,
+                        "the trailer's counts do not fit the file's length");
+    return 0;
+}
+
+int ckpt_parse_chunk(const struct ckpt_file *cf, struct ckpt_cursor *cur, struct ckpt_chunk *ch,
+                     const char *name, char *err, size_t errcap)
+{
+    if (cur->pos == cf->end) {
+        if (cur->k != cf->chunks || cur->entries != cf->count)
+            return ckpt_bad(err, errcap, name, cf->end,
+                            "the trailer's counts are not those of the chunks before it");
+        return 0;
+    }
+    if (cf->format == 1) {
+        /* One run of 32-byte entries, its checksum checked by ckpt_parse_open. */
+        *ch = (struct ckpt_chunk){cf->m + 4096, cf->count * CKPT_ENTRY, cf->count};
+        cur->pos = cf->end;
+        cur->k = 1;
+        cur->entries = cf->count;
+        return 1;
+    }
+    char what[160];
+    const uint8_t *h = cf->m + cur->pos;
+    if (cur->k >= cf->chunks || cf->end - cur->pos < CKPT_ENTRY + CKPT_SLOT ||
+        memcmp(h, CKPT_CHUNK, 8) || util_get_u64(h + 24) != 0) {
+        snprintf(what, sizeof what, "chunk %llu: no chunk header", (unsigned long long)cur->k);
+        return ckpt_bad(err, errcap, name, cur->pos, what);
+    }
+    uint32_t n = util_get_u32(h + 8), len = util_get_u32(h + 12);
+    const uint8_t *body = h + CKPT_ENTRY;
+    if (n == 0 || len > cf->end - cur->pos - CKPT_ENTRY ||
+        util_get_u64(h + 16) != XXH3_64bits_withSeed(body, len, cur->k)) {
+        snprintf(what, sizeof what, "chunk %llu fails its checksum", (unsigned long long)cur->k);
+        return ckpt_bad(err, errcap, name, cur->pos, what);
+    }
+    /* Every entry whole, with known flags, and nothing after the last. */
+    uint64_t off = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        uint32_t flags = off + CKPT_SLOT <= len ? util_get_u32(body + off + 12) : UINT32_MAX;
+        if (flags & ~(CKPT_SEEN | CKPT_UNFINISHED)) {
+            off = UINT64_MAX;
+            break;
+        }
+        off += flags & CKPT_SEEN ? 2 * CKPT_SLOT : CKPT_SLOT;
+    }
+    if (off != len || cf->count - cur->entries < n) {
+        snprintf(what, sizeof what, "chunk %llu: its %u entries do not fill its %u bytes",
+                 (unsigned long long)cur->k, n, len);
+        return ckpt_bad(err, errcap, name, cur->pos, what);
+    }
+    *ch = (struct ckpt_chunk){body, len, n};
+    cur->pos += CKPT_ENTRY + len;
+    cur->k++;
+    cur->entries += n;
+    return 1;
+}
+
+uint32_t ckpt_decode(const struct ckpt_file *cf, const uint8_t *p, struct ckpt_entry *e)
+{
+    e->addr_tag = util_get_u64(p);
+    e->hash_lo = util_get_u32(p + 8);
+    e->has_seen = util_get_u32(p + 12);
+    e->seen_count = 0;
+    e->last_seen_ms = 0;
+    if (cf->format == 1 || (e->has_seen & CKPT_SEEN)) {
+        e->seen_count = util_get_u64(p + 16);
+        e->last_seen_ms = (int64_t)util_get_u64(p + 24);
+        return CKPT_ENTRY;
+    }
+    return CKPT_SLOT;
+}
+
 #define CKPT_AHEAD 16 /* entries between ahead() and fn() of the same entry */
+
+/* Passes a checked chunk's entries on, with ahead() CKPT_AHEAD entries before fn(). */
+static int chunk_apply(const struct ckpt_file *cf, const struct ckpt_chunk *ch,
+                       int (*fn)(void *ctx, const struct ckpt_entry *e),
+                       void (*ahead)(void *ctx, const struct ckpt_entry *e), void *ctx)
+{
+    const uint8_t *p = ch->body, *a = ch->body, *end = ch->body + ch->len;
+    struct ckpt_entry e;
+    for (int i = 0; ahead && i < CKPT_AHEAD && a < end; i++) {
+        a += ckpt_decode(cf, a, &e);
+        ahead(ctx, &e);
+    }
+    while (p < end) {
+        if (ahead && a < end) {
+            a += ckpt_decode(cf, a, &e);
+            ahead(ctx, &e);
+        }
+        p += ckpt_decode(cf, p, &e);
+        int rc = fn(ctx, &e);
+        if (rc < 0) return rc;
+    }
+    return 0;
+}
 
 int ckpt_load(struct io *io, const char *dir, uint64_t id, void (*sized)(void *ctx, uint64_t count),
               int (*fn)(void *ctx, const struct ckpt_entry *e),
-              void (*ahead)(void *ctx, uint64_t addr_tag, uint32_t hash_lo), void *ctx, char *err,
+              void (*ahead)(void *ctx, const struct ckpt_entry *e), void *ctx, char *err,
               size_t errcap)
 {
-    char path[4096];
+    char path[4096], name[4200];
     ckpt_path(dir, id, path, sizeof path);
+    snprintf(name, sizeof name, "checkpoint %s", path);
     struct io_file *f;
     int rc = io_open(io, path, IO_O_RDONLY, &f);
     if (rc < 0) {
-        snprintf(err, errcap, "checkpoint %s: %s", path, strerror(-rc));
+        snprintf(err, errcap, "%s: %s", name, strerror(-rc));
         return IDEM_ECORRUPT;
     }
     uint64_t size = 0;
     const uint8_t *m = NULL;
     rc = io_size(io, f, &size);
     if (rc == 0 && size >= 4096 + CKPT_ENTRY) rc = io_map(io, f, size, (const void **)&m);
-    /* Read front to back once: ask for large reads ahead instead of a fault per window. */
-    if (rc == 0 && m) {
-        posix_madvise((void *)m, size, POSIX_MADV_SEQUENTIAL);
-        posix_madvise((void *)m, size, POSIX_MADV_WILLNEED);
-    }
     if (rc < 0 || !m) {
         io_close(io, f);
-        snprintf(err, errcap, "checkpoint %s: too short or unreadable", path);
+        snprintf(err, errcap, "%s: too short or unreadable", name);
         return IDEM_ECORRUPT;
     }
-    rc = 0;
-    if (memcmp(m, CKPT_MAGIC, 8) || util_get_u64(m + 4088) != XXH3_64bits(m, 4088) ||
-        util_get_u64(m + 16) != id) {
-        snprintf(err, errcap, "checkpoint %s: bad header", path);
-        rc = IDEM_ECORRUPT;
-    }
-    uint64_t n = (size - 4096) / CKPT_ENTRY;
-    /* The trailer is the last 32-byte record written; the file may end in zero padding. */
-    uint64_t count = 0;
-    while (rc == 0 && n > 0 && memcmp(m + 4096 + (n - 1) * CKPT_ENTRY, CKPT_END, 8))
-        n--;
-    if (rc == 0 && n == 0) {
-        snprintf(err, errcap, "checkpoint %s: no trailer", path);
-        rc = IDEM_ECORRUPT;
-    }
-    if (rc == 0) {
-        const uint8_t *t = m + 4096 + (n - 1) * CKPT_ENTRY;
-        count = util_get_u64(t + 8);
-        if (count != n - 1 || util_get_u64(t + 16) != XXH3_64bits(m + 4096, count * CKPT_ENTRY)) {
-            snprintf(err, errcap, "checkpoint %s: entries fail their checksum", path);
-            rc = IDEM_ECORRUPT;
-        }
-    }
+    /* Read front to back once: large reads ahead instead of a fault per window, so the disk
+     * reads on while the chunks already read are loaded. */
+    posix_madvise((void *)m, size, POSIX_MADV_SEQUENTIAL);
+    posix_madvise((void *)m, size, POSIX_MADV_WILLNEED);
+    struct ckpt_file cf;
+    rc = ckpt_parse_open(m, size, id, name, &cf, err, errcap);
     /* Only a checked count sizes anything (fuzz_checkpoint: a damaged trailer once asked for
      * gigabytes before its checksum was looked at). */
-    if (rc == 0 && sized) sized(ctx, count);
-    for (uint64_t i = 0; rc == 0 && i < count; i++) {
-        if (ahead && i + CKPT_AHEAD < count) {
-            const uint8_t *a = m + 4096 + (i + CKPT_AHEAD) * CKPT_ENTRY;
-            ahead(ctx, util_get_u64(a), util_get_u32(a + 8));
-        }
-        const uint8_t *p = m + 4096 + i * CKPT_ENTRY;
-        struct ckpt_entry e = {.addr_tag = util_get_u64(p),
-                               .hash_lo = util_get_u32(p + 8),
-                               .has_seen = util_get_u32(p + 12),
-                               .seen_count = util_get_u64(p + 16),
-                               .last_seen_ms = (int64_t)util_get_u64(p + 24)};
-        rc = fn(ctx, &e);
-    }
+    if (rc == 0 && sized) sized(ctx, cf.count);
+    struct ckpt_cursor cur = {.pos = 4096};
+    struct ckpt_chunk ch;
+    while (rc == 0 && (rc = ckpt_parse_chunk(&cf, &cur, &ch, name, err, errcap)) == 1)
+        rc = chunk_apply(&cf, &ch, fn, ahead, ctx);
     io_unmap(io, f, m, size);
     io_close(io, f);
     return rc;

@@ -5,7 +5,7 @@
  * DIR/super holds two 4 KiB copies of the superblock, written alternately (copy generation % 2)
  * and flushed; open takes the valid copy with the higher generation, so a torn write of one copy
  * leaves the other. Layout of a copy (little-endian):
- *    0 u8[8] "IDEMSUPR"      8 u32 format version     12 u32 incompatible features (0)
+ *    0 u8[8] "IDEMSUPR"      8 u32 format version     12 u32 incompatible features (bits below)
  *   16 u64 generation       24 u8[16] store id        40 u64 hash seed (secret)
  *   48 u64 token_reserved (tokens below it may have been handed out; the next open starts there)
  *   56 u64 wal_first_seq    64 u64 checkpoint id (0: none)
@@ -22,7 +22,7 @@
  *      while changes went on, whose image mixes versions up to this LSN, see store.c)
  * 4088 u64 XXH3-64 of bytes [0, 4088)
  *
- * DIR/index-<id:016x>.ckpt is an image of the index at a batch boundary (see ckpt_write).
+ * DIR/index-<id:016x>.ckpt is an image of the index at a batch boundary (formats in super.c).
  * DIR/LOCK is held with flock by the owning process and names its pid and host.
  */
 #ifndef IDEM_SUPER_H
@@ -34,10 +34,16 @@
 #include "io.h"
 
 #define SUPER_FORMAT 1u
+/* Incompatible features: a build that does not know a bit set in a copy refuses the store.
+ * SUPER_FEAT_CKPT_CHUNKS: checkpoints may be in format 2 (chunks, each with its checksum); every
+ * copy written since that format exists sets it. */
+#define SUPER_FEAT_CKPT_CHUNKS 0x1u
+#define SUPER_FEATURES_KNOWN   SUPER_FEAT_CKPT_CHUNKS
 /* The log never holds more segments than this (wal.h WAL_SEG_SLOTS). */
 #define SUPER_SEGMENTS_MAX 16384u
 
 struct super {
+    uint32_t features; /* as read; every copy written sets SUPER_FEATURES_KNOWN */
     uint64_t generation;
     uint8_t store_id[16];
     uint64_t hash_seed;
@@ -100,13 +106,47 @@ int ckpt_write_out(struct ckpt_writer *cw);
 /* Writes the trailer, flushes the file and syncs the directory; frees cw either way. */
 int ckpt_end(struct ckpt_writer *cw);
 void ckpt_abort(struct ckpt_writer *cw);
-/* Reads checkpoint id, checking every checksum; then calls sized (if not NULL) once with the
- * entry count, checked by then, so a loader can size its table; then fn per entry, and ahead (if
- * not NULL) with the address and hash fields of the entry a few places ahead, so a loader can
- * prefetch. */
+
+/* A checkpoint file in memory whose header and trailer have been checked (ckpt_parse_open). */
+struct ckpt_file {
+    const uint8_t *m;
+    uint64_t size;
+    uint32_t format; /* 1 or 2 */
+    uint64_t count;  /* entries, per the trailer */
+    uint64_t chunks; /* per the trailer (format 1: one) */
+    uint64_t end;    /* offset of the trailer */
+};
+/* A run of entries whose checksum has been checked. */
+struct ckpt_chunk {
+    const uint8_t *body;
+    uint64_t len, entries;
+};
+/* Where ckpt_parse_chunk is: the file offset (4096 at first), chunks and entries passed. */
+struct ckpt_cursor {
+    uint64_t pos, k, entries;
+};
+/* Checks the header (magic, checksum, id, a known format) and the trailer; format 1 also gets
+ * its one checksum over all entries checked here. 0, or IDEM_ECORRUPT / IDEM_EVERSION with err
+ * naming the file part (name) and offset. */
+int ckpt_parse_open(const uint8_t *m, uint64_t size, uint64_t id, const char *name,
+                    struct ckpt_file *cf, char *err, size_t errcap);
+/* The chunk at the cursor: checks its checksum and that its entries decode to exactly its
+ * length, and advances the cursor. 1 with ch filled, 0 after the last one (every count of the
+ * trailer matched), or IDEM_ECORRUPT with err. Format 1 is one chunk, checked already. */
+int ckpt_parse_chunk(const struct ckpt_file *cf, struct ckpt_cursor *cur, struct ckpt_chunk *ch,
+                     const char *name, char *err, size_t errcap);
+/* Decodes the entry at p inside a checked chunk; returns its length in bytes. */
+uint32_t ckpt_decode(const struct ckpt_file *cf, const uint8_t *p, struct ckpt_entry *e);
+
+/* Reads checkpoint id, passing each entry on only after the checksum that covers it held (in
+ * format 2 chunk by chunk, so the disk reads ahead while earlier chunks load). sized (if not
+ * NULL) is called first with the entry count from the trailer (checked, and bounded by the
+ * file's length), so a loader can size its table; then fn per entry, and ahead (if not NULL)
+ * with the entry 16 places ahead, so a loader can prefetch. A file that fails a check part-way
+ * leaves the entries before it passed on: the caller discards what it built. */
 int ckpt_load(struct io *io, const char *dir, uint64_t id, void (*sized)(void *ctx, uint64_t count),
               int (*fn)(void *ctx, const struct ckpt_entry *e),
-              void (*ahead)(void *ctx, uint64_t addr_tag, uint32_t hash_lo), void *ctx, char *err,
+              void (*ahead)(void *ctx, const struct ckpt_entry *e), void *ctx, char *err,
               size_t errcap);
 void ckpt_path(const char *dir, uint64_t id, char *buf, size_t cap);
 

@@ -43,13 +43,13 @@
 #include "wal.h"
 
 /* Format details private to super.c, wal.c and audit.c (documented in their file heads). */
-#define V_SUPER_BLOCK   4096u
-#define V_WAL_FORMAT    1u
-#define V_WAL_OFF_BITS  26u
-#define V_CKPT_ENTRY    32u
-#define V_AUDIT_BLOCK   4096u
-#define V_AUDIT_HDR     65u
-#define V_PROGRESS_STEP (4u << 20)
+#define V_SUPER_BLOCK    4096u
+#define V_WAL_FORMAT     1u
+#define V_WAL_OFF_BITS   26u
+#define V_CKPT_ENTRY_MIN 16u /* a checkpoint entry at its smallest (format 2) */
+#define V_AUDIT_BLOCK    4096u
+#define V_AUDIT_HDR      65u
+#define V_PROGRESS_STEP  (4u << 20)
 
 struct vfile {
     int fd;
@@ -713,10 +713,11 @@ static uint64_t key_hash(const struct vctx *v, const void *key, uint32_t klen)
 
 /* ---- Checkpoint ---- */
 
-static void ckpt_entry_check(struct vctx *v, const char *name, uint64_t i, const uint8_t *p)
+static void ckpt_entry_check(struct vctx *v, const char *name, uint64_t i,
+                             const struct ckpt_entry *e)
 {
-    uint64_t tag = util_get_u64(p), addr = tag & INDEX_ADDR_MASK;
-    uint32_t hash_lo = util_get_u32(p + 8), bits = util_get_u32(p + 12);
+    uint64_t tag = e->addr_tag, addr = tag & INDEX_ADDR_MASK;
+    uint32_t hash_lo = e->hash_lo, bits = e->has_seen;
     uint32_t len;
     const uint8_t *f = fset_has(v, addr) ? frame_at(v, addr, &len) : NULL;
     struct rec r;
@@ -745,45 +746,37 @@ static void ckpt_entry_check(struct vctx *v, const char *name, uint64_t i, const
     v->r->checkpoint_entries++;
 }
 
-/* Header and trailer; returns the entry count, or -1 after a fault. */
-static int64_t ckpt_frame_check(struct vctx *v, const char *name, const struct vfile *f,
-                                uint64_t id)
+/* Header, trailer and every chunk's checksum (super.c's parser, which recovery uses), then,
+ * with entries, every entry against the log. Returns the entries, or -1 after a fault. */
+static int64_t ckpt_entries_check(struct vctx *v, const char *name, const struct vfile *f,
+                                  uint64_t id, int entries)
 {
-    const uint8_t *m = f->map;
-    if (f->size < 4096 + V_CKPT_ENTRY || f->size % 4096) {
+    if (f->size % 4096) {
         fault(v, "%s: %llu bytes is not a whole checkpoint", name, (unsigned long long)f->size);
         return -1;
     }
-    if (memcmp(m, "IDEMCKPT", 8) || util_get_u64(m + 4088) != XXH3_64bits(m, 4088)) {
-        fault(v, "%s: header (offset 0) fails its checksum", name);
+    char err[512];
+    struct ckpt_file cf;
+    if (ckpt_parse_open(f->map, f->size, id, name, &cf, err, sizeof err) < 0) {
+        fault(v, "%s", err);
         return -1;
     }
-    if (util_get_u32(m + 8) != SUPER_FORMAT || util_get_u32(m + 12) != 0 ||
-        util_get_u64(m + 16) != id) {
-        fault(v, "%s: header names another format or checkpoint id", name);
+    struct ckpt_cursor cur = {.pos = 4096};
+    struct ckpt_chunk ch;
+    uint64_t i = 0;
+    int rc;
+    while ((rc = ckpt_parse_chunk(&cf, &cur, &ch, name, err, sizeof err)) == 1) {
+        for (const uint8_t *p = ch.body; p < ch.body + ch.len; i++) {
+            struct ckpt_entry e;
+            p += ckpt_decode(&cf, p, &e);
+            if (entries) ckpt_entry_check(v, name, i, &e);
+        }
+    }
+    if (rc < 0) {
+        fault(v, "%s", err);
         return -1;
     }
-    uint64_t n = (f->size - 4096) / V_CKPT_ENTRY;
-    while (n > 0 && all_zero(m + 4096 + (n - 1) * V_CKPT_ENTRY, V_CKPT_ENTRY))
-        n--;
-    const uint8_t *t = n ? m + 4096 + (n - 1) * V_CKPT_ENTRY : NULL;
-    if (!t || memcmp(t, "IDEMCEND", 8)) {
-        fault(v, "%s offset %llu: the trailer is missing or damaged", name,
-              (unsigned long long)(4096 + (n ? n - 1 : 0) * V_CKPT_ENTRY));
-        return -1;
-    }
-    uint64_t count = util_get_u64(t + 8);
-    if (count != n - 1 || util_get_u64(t + 24) != 0) {
-        fault(v, "%s offset %llu: the trailer counts %llu entries, the file holds %llu", name,
-              (unsigned long long)(t - m), (unsigned long long)count, (unsigned long long)(n - 1));
-        return -1;
-    }
-    if (util_get_u64(t + 16) != XXH3_64bits(m + 4096, count * V_CKPT_ENTRY)) {
-        fault(v, "%s: the entries (offset 4096..%llu) fail their checksum", name,
-              (unsigned long long)(t - m));
-        return -1;
-    }
-    return (int64_t)count;
+    return (int64_t)i;
 }
 
 static int verify_checkpoint(struct vctx *v)
@@ -803,9 +796,7 @@ static int verify_checkpoint(struct vctx *v)
         store_set_error("cannot read %s: %s", path, strerror(errno));
         return rc;
     }
-    int64_t count = ckpt_frame_check(v, name, &f, v->sb.ckpt_id);
-    for (int64_t i = 0; i < count; i++)
-        ckpt_entry_check(v, name, (uint64_t)i, f.map + 4096 + (uint64_t)i * V_CKPT_ENTRY);
+    int64_t count = ckpt_entries_check(v, name, &f, v->sb.ckpt_id, 1);
     /* Counts match the entries only for a checkpoint taken with changes held; one taken in
      * steps holds the counts at a later LSN (ckpt_counts_lsn), over a mixed image. */
     int stepped = v->sb.ckpt_counts_lsn > v->sb.ckpt_lsn;
@@ -835,7 +826,7 @@ static int verify_older_checkpoint(struct vctx *v)
         store_set_error("cannot read %s: %s", path, strerror(errno));
         return rc;
     }
-    ckpt_frame_check(v, name, &f, v->older_ckpt_id);
+    ckpt_entries_check(v, name, &f, v->older_ckpt_id, 0);
     advance(v, f.size);
     vfile_close(&f);
     return 0;
@@ -961,7 +952,7 @@ static int verify_run(struct vctx *v)
     rc = verify_log(v);
     if (rc == 0) rc = fset_build(v);
     if (rc < 0) return rc;
-    v->ix_cap = pow2_at_least(2 * (v->nframes + v->ckpt_bytes / V_CKPT_ENTRY) + 1);
+    v->ix_cap = pow2_at_least(2 * (v->nframes + v->ckpt_bytes / V_CKPT_ENTRY_MIN) + 1);
     if (v->ix_cap > ((size_t)1 << 40) / sizeof *v->ix) return IDEM_ENOMEM;
     v->ix = calloc(v->ix_cap, sizeof *v->ix);
     if (!v->ix) return IDEM_ENOMEM;

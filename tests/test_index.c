@@ -73,6 +73,14 @@ static void model_check_all(struct index *ix, const struct model_key *keys, uint
                      (unsigned long long)seed);
         cr_assert_eq(index_slot_hash_bits(s), keys[k].h & ~(UINT64_C(0xff) << 32));
     }
+    /* index_holds ignores the hash's low 16 bits (the age heaps do not keep them). */
+    for (uint64_t k = 0; k < n; k++) {
+        uint64_t h = keys[k].h ^ (mix(seed + k) & 0xffff);
+        cr_assert_eq(index_holds(ix, h, k + 1), keys[k].present,
+                     "index_holds of key %llu (seed %llu)", (unsigned long long)k,
+                     (unsigned long long)seed);
+        cr_assert_eq(index_holds(ix, h, n + 1 + k), 0);
+    }
 }
 
 Test(index, random_ops_match_model)

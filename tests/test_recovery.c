@@ -224,27 +224,80 @@ Test(recovery, both_superblock_copies_bad_is_corruption)
     cr_assert(strstr(idem_last_error(), "superblock"), "message: %s", idem_last_error());
 }
 
+/* The path of the checkpoint the newest superblock copy names. */
+static void current_ckpt_path(char *path, size_t cap)
+{
+    uint8_t sb[8192];
+    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/super", sb, sizeof sb), 8192);
+    uint64_t g0, g1, id;
+    memcpy(&g0, sb + 16, 8);
+    memcpy(&g1, sb + 4096 + 16, 8);
+    memcpy(&id, sb + (g0 > g1 ? 0 : 4096) + 64, 8);
+    ckpt_path(SIM_DIR, id, path, cap);
+}
+
+/* Sets the byte at offset at of the 4 KiB block at off in path to v, and the block's checksum
+ * (XXH3-64 of its first 4088 bytes, at 4088) to match: superblock copies, checkpoint headers. */
+static void block_set_byte(const char *path, uint64_t off, int at, uint8_t v)
+{
+    uint8_t blk[8192];
+    cr_assert_geq(io_sim_read_file(sim, path, blk, sizeof blk), (int64_t)(off + 4096));
+    uint8_t *b = blk + off, old[4096];
+    memcpy(old, b, sizeof old);
+    b[at] = v;
+    uint64_t h = XXH3_64bits(b, 4088);
+    memcpy(b + 4088, &h, 8);
+    for (int i = 0; i < 4096; i++)
+        if (b[i] != old[i]) io_sim_corrupt(sim, path, off + (uint64_t)i, b[i] ^ old[i]);
+}
+
+static void super_set_byte(int at, uint8_t v)
+{
+    block_set_byte(SIM_DIR "/super", 0, at, v);
+    block_set_byte(SIM_DIR "/super", 4096, at, v);
+}
+
 Test(recovery, unknown_format_version_is_refused_by_name)
 {
     idem_store *s;
     cr_assert_eq(open_sim(&s), IDEM_OK);
     cr_assert_eq(idem_close(s), IDEM_OK);
-    /* Rewrite both copies as format 99 with valid checksums. */
-    uint8_t sb[8192];
-    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/super", sb, sizeof sb), 8192);
-    for (int c = 0; c < 2; c++) {
-        uint8_t blk[4096];
-        memcpy(blk, sb + c * 4096, 4096);
-        blk[8] = 99;
-        uint64_t h = XXH3_64bits(blk, 4088);
-        memcpy(blk + 4088, &h, 8);
-        for (int i = 0; i < 4096; i++)
-            if (blk[i] != sb[c * 4096 + i])
-                io_sim_corrupt(sim, SIM_DIR "/super", (uint64_t)(c * 4096 + i),
-                               blk[i] ^ sb[c * 4096 + i]);
-    }
+    super_set_byte(8, 99);
     cr_assert_eq(open_sim(&s), IDEM_EVERSION);
     cr_assert(strstr(idem_last_error(), "format version 99"), "message: %s", idem_last_error());
+}
+
+/* A build that knows checkpoint format 2 sets SUPER_FEAT_CKPT_CHUNKS in every copy; a feature
+ * bit it does not know refuses the store (an older build refuses this build's stores so). */
+Test(recovery, unknown_feature_bit_is_refused_by_name)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    uint8_t sb[8192];
+    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/super", sb, sizeof sb), 8192);
+    cr_assert_eq(sb[12], SUPER_FEAT_CKPT_CHUNKS);
+    super_set_byte(12, SUPER_FEAT_CKPT_CHUNKS | 0x4);
+    cr_assert_eq(open_sim(&s), IDEM_EVERSION);
+    cr_assert(strstr(idem_last_error(), "features 0x5"), "message: %s", idem_last_error());
+}
+
+/* A checkpoint whose header names a format this build does not know is refused by name. */
+Test(recovery, unknown_checkpoint_format_is_refused_by_name)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, 10);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    char path[256];
+    current_ckpt_path(path, sizeof path);
+    uint8_t h[4096];
+    cr_assert_eq(io_sim_read_file(sim, path, h, sizeof h), 4096);
+    cr_assert_eq(h[8], 2);
+    block_set_byte(path, 0, 8, 7);
+    cr_assert_eq(open_sim(&s), IDEM_EVERSION);
+    cr_assert(strstr(idem_last_error(), "checkpoint format 7 unknown"), "message: %s",
+              idem_last_error());
 }
 
 Test(recovery, corrupt_checkpoint_is_reported)
@@ -253,18 +306,115 @@ Test(recovery, corrupt_checkpoint_is_reported)
     cr_assert_eq(open_sim(&s), IDEM_OK);
     fill(s, 0, 10);
     cr_assert_eq(idem_close(s), IDEM_OK);
-    /* The checkpoint the newest superblock copy names. */
-    uint8_t sb[8192];
-    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/super", sb, sizeof sb), 8192);
-    uint64_t g0, g1, id;
-    memcpy(&g0, sb + 16, 8);
-    memcpy(&g1, sb + 4096 + 16, 8);
-    memcpy(&id, sb + (g0 > g1 ? 0 : 4096) + 64, 8);
     char path[256];
-    ckpt_path(SIM_DIR, id, path, sizeof path);
+    current_ckpt_path(path, sizeof path);
     cr_assert_eq(io_sim_corrupt(sim, path, 4096 + 3, 0x80), 0);
     cr_assert_eq(open_sim(&s), IDEM_ECORRUPT);
     cr_assert(strstr(idem_last_error(), "checkpoint"), "message: %s", idem_last_error());
+}
+
+/* A checkpoint of more than one chunk (a chunk holds what one 1 MiB write-out buffered):
+ * committed keys, unfinished ones and repeat counters, each chunk checked before it loads. */
+#define CHUNKS_KEYS 70000
+
+static void fill_for_chunks(idem_store **s, int64_t *last_seen)
+{
+    cr_assert_eq(open_sim_seg(s, 4u << 20), IDEM_OK);
+    fill(*s, 0, CHUNKS_KEYS);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(*s, 4, &q), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
+    idem_completion c;
+    for (int i = 0; i < 50; i++) { /* in flight: keys past the committed ones */
+        char key[32];
+        key_of(CHUNKS_KEYS + i, key);
+        cr_assert_eq(idem_claim(q, key, strlen(key), &a, &c), IDEM_OK);
+        cr_assert_eq(c.outcome, IDEM_NEW);
+    }
+    idem_clock_advance(*s, 7);
+    for (int i = 0; i < CHUNKS_KEYS; i += 97) { /* repeats: counters, no log write */
+        char key[32];
+        key_of(i, key);
+        cr_assert_eq(idem_claim(q, key, strlen(key), &a, &c), IDEM_OK);
+        cr_assert_eq(c.outcome, IDEM_DONE);
+    }
+    *last_seen = idem_clock_now(*s);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(*s), IDEM_OK);
+}
+
+Test(recovery, a_checkpoint_of_several_chunks_loads_every_record)
+{
+    idem_store *s;
+    int64_t last_seen;
+    fill_for_chunks(&s, &last_seen);
+    cr_assert_eq(open_sim_seg(&s, 4u << 20), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(s->st.frames_replayed, 0);
+    expect_committed(s, 0, CHUNKS_KEYS);
+    uint64_t entries = 0;
+    cr_assert_eq(store_check_index(s, &entries), IDEM_OK, "index inconsistent");
+    cr_assert_eq(entries, CHUNKS_KEYS + 50);
+    idem_stats st;
+    idem_get_stats(s, &st);
+    cr_assert_eq(st.keys, CHUNKS_KEYS + 50);
+    cr_assert_eq(st.keys_in_flight, 50);
+    cr_assert_gt(st.oldest_in_flight_ms, 0);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_completion c;
+    for (int i = 0; i < CHUNKS_KEYS; i += 97) {
+        char key[32];
+        key_of(i, key);
+        cr_assert_eq(idem_get(q, key, strlen(key), &c), IDEM_OK);
+        cr_assert_eq(c.record.seen_count, 2, "%s: seen_count %llu", key,
+                     (unsigned long long)c.record.seen_count);
+        cr_assert_eq(c.record.last_seen_ms, last_seen);
+    }
+    for (int i = 0; i < 50; i++) {
+        char key[32];
+        key_of(CHUNKS_KEYS + i, key);
+        idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
+        cr_assert_eq(idem_claim(q, key, strlen(key), &a, &c), IDEM_OK);
+        cr_assert_eq(c.outcome, IDEM_BUSY, "%s: outcome %d", key, c.outcome);
+    }
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+/* A chunk's checksum, the trailer's, and bytes after the trailer: each fails the open by name,
+ * also after the first chunk's entries were loaded. */
+Test(recovery, a_damaged_chunk_or_trailer_fails_the_open)
+{
+    idem_store *s;
+    int64_t last_seen;
+    fill_for_chunks(&s, &last_seen);
+    char path[256];
+    current_ckpt_path(path, sizeof path);
+    static uint8_t file[4u << 20];
+    int64_t size = io_sim_read_file(sim, path, file, sizeof file);
+    cr_assert_gt(size, 4096 + (1 << 20), "one chunk only: %lld bytes", (long long)size);
+    int64_t end = size - 32;
+    while (memcmp(file + end, "IDEMCEND", 8))
+        end -= 16;
+    struct {
+        int64_t off;
+        const char *says;
+    } cases[] = {
+        {4096 + (1 << 20) + 4096, "chunk 1 fails its checksum"},
+        {4096 + 40, "chunk 0 fails its checksum"},
+        {end + 8, "the trailer fails its checksum"},
+        {end + 40, "bytes after the trailer are not zero"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        cr_assert_lt(cases[i].off, size);
+        cr_assert_eq(io_sim_corrupt(sim, path, (uint64_t)cases[i].off, 0x10), 0);
+        cr_assert_eq(open_sim_seg(&s, 4u << 20), IDEM_ECORRUPT, "case %zu opened", i);
+        cr_assert(strstr(idem_last_error(), cases[i].says), "case %zu: %s", i, idem_last_error());
+        cr_assert_eq(io_sim_corrupt(sim, path, (uint64_t)cases[i].off, 0x10), 0); /* undo */
+    }
+    cr_assert_eq(open_sim_seg(&s, 4u << 20), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, CHUNKS_KEYS);
+    cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
 Test(recovery, a_clean_restart_replays_nothing_and_keeps_repeat_counters)
@@ -466,9 +616,12 @@ Test(recovery, read_only_open_writes_nothing)
 
 /* ---- The golden store ---- */
 
-/* tests/fixtures/golden-v1 was written by format 1 (IDEM_WRITE_GOLDEN=1 rewrites it) and left
- * as a crash leaves a store: a checkpoint, then acknowledged changes only in the log. */
-static void golden_contents(idem_queue *q, int write)
+/* tests/fixtures/golden-v1 was written by the first format (checkpoint format 1, superblock
+ * without features); golden-v2 by checkpoint format 2 (IDEM_WRITE_GOLDEN=2 rewrites it with the
+ * build under test). Each is left as a crash leaves a store: a checkpoint, then acknowledged
+ * changes only in the log. golden-v2 also holds repeat counters (a checkpoint entry of 32
+ * bytes among 16-byte ones). */
+static void golden_contents(idem_queue *q, int write, int version)
 {
     idem_claim_args a = {.ttl_ms = 9ull * 365 * 24 * 3600 * 1000, .lease_ms = 1000};
     idem_completion c;
@@ -481,7 +634,15 @@ static void golden_contents(idem_queue *q, int write)
         cr_assert_eq(idem_commit(q, "golden-lz4", 10, c.token, big, sizeof big), IDEM_OK);
         cr_assert_eq(idem_claim(q, "golden-review", 13, &a, &c), IDEM_OK);
         cr_assert_eq(idem_hold(q, "golden-review", 13, c.token, "target timed out", 16), IDEM_OK);
+        if (version >= 2) {
+            cr_assert_eq(idem_claim(q, "golden-committed", 16, &a, &c), IDEM_OK);
+            cr_assert_eq(c.outcome, IDEM_DONE);
+        }
         return;
+    }
+    if (version >= 2) {
+        cr_assert_eq(idem_get(q, "golden-committed", 16, &c), IDEM_OK);
+        cr_assert_eq(c.record.seen_count, 2);
     }
     cr_assert_eq(idem_get(q, "golden-committed", 16, &c), IDEM_OK);
     cr_assert(c.found);
@@ -498,50 +659,71 @@ static void golden_contents(idem_queue *q, int write)
     cr_assert_eq(c.record.state, IDEM_STATE_IN_FLIGHT);
 }
 
-static char *golden_dir(void)
+static char *golden_dir(int version)
 {
     const char *src = getenv("IDEM_SOURCE_DIR");
     cr_assert(src, "IDEM_SOURCE_DIR is set by ctest");
     char *p = malloc(4096);
-    snprintf(p, 4096, "%s/tests/fixtures/golden-v1", src);
+    snprintf(p, 4096, "%s/tests/fixtures/golden-v%d", src, version);
     return p;
 }
 
-Test(golden, format_1_store_opens_and_answers)
+static void golden_write(const char *golden, int version)
 {
-    char *golden = golden_dir();
-    if (getenv("IDEM_WRITE_GOLDEN")) {
-        idem_options o;
-        idem_options_init(&o);
-        o.segment_bytes = 64 * 1024;
-        o.result_bytes_max = 4096;
-        mkdir(golden, 0700);
-        idem_store *s;
-        cr_assert_eq(idem_open(golden, &o, &s), IDEM_OK, "%s", idem_last_error());
-        idem_queue *q;
-        cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
-        golden_contents(q, 1);
-        cr_assert_eq(idem_checkpoint(s), IDEM_OK);
-        idem_claim_args a = {.ttl_ms = 9ull * 365 * 24 * 3600 * 1000, .lease_ms = 1000};
-        idem_completion c;
-        cr_assert_eq(idem_claim(q, "golden-in-flight", 16, &a, &c), IDEM_OK);
-        idem_queue_close(q);
-        store_abandon(s);
-    }
-    /* Open a copy: opening writes (recovery, tokens), the fixture must stay as committed. */
+    idem_options o;
+    idem_options_init(&o);
+    o.segment_bytes = 64 * 1024;
+    o.result_bytes_max = 4096;
+    mkdir(golden, 0700);
+    idem_store *s;
+    cr_assert_eq(idem_open(golden, &o, &s), IDEM_OK, "%s", idem_last_error());
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    golden_contents(q, 1, version);
+    cr_assert_eq(idem_checkpoint(s), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 9ull * 365 * 24 * 3600 * 1000, .lease_ms = 1000};
+    idem_completion c;
+    cr_assert_eq(idem_claim(q, "golden-in-flight", 16, &a, &c), IDEM_OK);
+    idem_queue_close(q);
+    store_abandon(s);
+}
+
+/* Opens a copy (opening writes: recovery, tokens; the fixture must stay as committed), checks
+ * the contents, closes (a checkpoint in this build's format), and checks them again. */
+static void golden_check(int version)
+{
+    char *golden = golden_dir(version);
+    const char *w = getenv("IDEM_WRITE_GOLDEN");
+    if (w && atoi(w) == version) golden_write(golden, version);
     char *dir = tu_mkdtemp("golden");
     char cmd[8192];
     snprintf(cmd, sizeof cmd, "cp -a '%s/.' '%s/' && rm -f '%s/LOCK'", golden, dir, dir);
     cr_assert_eq(system(cmd), 0);
-    idem_store *s;
-    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
-    idem_queue *q;
-    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
-    golden_contents(q, 0);
-    idem_queue_close(q);
-    cr_assert_eq(idem_close(s), IDEM_OK);
+    for (int pass = 0; pass < 2; pass++) {
+        idem_store *s;
+        cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "pass %d: %s", pass, idem_last_error());
+        idem_queue *q;
+        cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+        golden_contents(q, 0, version);
+        idem_queue_close(q);
+        cr_assert_eq(idem_close(s), IDEM_OK);
+    }
+    idem_verify_report r;
+    cr_assert_eq(idem_verify(dir, &r, NULL, NULL), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(r.errors, 0, "%s", r.first_error);
+    cr_assert_gt(r.checkpoint_entries, 0);
     tu_rmtree(dir);
     free(golden);
+}
+
+Test(golden, format_1_store_opens_and_answers)
+{
+    golden_check(1);
+}
+
+Test(golden, checkpoint_format_2_store_opens_and_answers)
+{
+    golden_check(2);
 }
 
 static void durability_mode_sync_makes_durable(int mode)

@@ -2564,6 +2564,31 @@ Test(stats, last_minute_counts_claims_and_duplicates)
     cr_assert_eq(a.duplicates_last_minute - b.duplicates_last_minute, 3);
 }
 
+/* 40,000 claims committed after the oldest one push far more age entries than 2 x in_flight +
+ * 16384, so the heap is rebuilt from the index alone (index_holds on 40 hash bits): the two
+ * unfinished records must stay, and the oldest age must still be exact. */
+Test(stats, oldest_in_flight_survives_the_age_heap_rebuild)
+{
+    g_opts.durability = IDEM_DURABILITY_NONE;
+    reopen();
+    int64_t t_old = idem_clock_now(g_s);
+    int64_t old = claim_new("old");
+    at(1000);
+    char key[32];
+    for (int i = 0; i < 40000; i++) {
+        snprintf(key, sizeof key, "k%d", i);
+        commit_ok(key, claim_new(key), "r");
+    }
+    at(2000);
+    claim_new("young");
+    idem_stats a = stats();
+    cr_assert_eq(a.keys_in_flight, 2);
+    cr_assert_eq(a.oldest_in_flight_ms, t_old, "oldest_in_flight_ms %" PRId64 ", expected %" PRId64,
+                 a.oldest_in_flight_ms, t_old);
+    commit_ok("old", old, "r");
+    cr_assert_eq(stats().oldest_in_flight_ms, t0 + 2000);
+}
+
 Test(stats, empty_store_has_no_oldest_records)
 {
     idem_stats a = stats();

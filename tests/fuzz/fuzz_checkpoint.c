@@ -1,9 +1,10 @@
 /*
  * fuzz_checkpoint.c: libFuzzer target for checkpoint loading (src/super.c ckpt_load, src/store.c
  * ckpt_entry_load, the index inserts it makes). A store image (fuzz_store.h) gets fuzz bytes
- * over part of its index-*.ckpt file; with the fix-up bit the header checksum and the trailer's
- * entry count and checksum are recomputed, so entries (addresses, hash bits, flags, repeat
- * counters) are fuzzed behind valid checksums. Then the store is opened: it opens and works,
+ * over part of its index-*.ckpt file; with the fix-up bit the header checksum, every chunk's
+ * entry count and checksum, and the trailer's counts and checksum are recomputed (fix_ckpt), so
+ * entries (addresses, hash bits, flags, repeat counters) and the chunk structure are fuzzed
+ * behind valid checksums. Then the store is opened: it opens and works,
  * or fails with IDEM_ECORRUPT/IDEM_EVERSION and a message. Images without a checkpoint (the
  * no-checkpoint one) fall back to the clean image.
  */

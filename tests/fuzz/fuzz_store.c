@@ -261,22 +261,61 @@ static void put_u64(uint8_t *p, uint64_t v)
         p[i] = (uint8_t)(v >> (8 * i));
 }
 
+static void put_u32(uint8_t *p, uint32_t v)
+{
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
 static void fix_block(uint8_t *p, size_t len, size_t at)
 {
     if (at + FZ_BLOCK <= len) put_u64(p + at + 4088, XXH3_64bits(p + at, 4088));
 }
 
+/* Re-checksums a checkpoint after the fuzz bytes (formats in src/super.c): the header; in
+ * format 2 every chunk that still has its magic and a length that fits (its entry count made
+ * that of its entries when they fill it exactly), and the trailer, with counts of what the chunk
+ * walk found when it ends at the trailer; in format 1 the trailer's count and checksum. */
 static void fix_ckpt(uint8_t *p, size_t len)
 {
     fix_block(p, len, 0);
     if (len < FZ_BLOCK + 32) return;
-    uint64_t n = (len - FZ_BLOCK) / 32;
-    while (n > 0 && memcmp(p + FZ_BLOCK + (n - 1) * 32, "IDEMCEND", 8))
-        n--;
-    if (n == 0) return;
-    uint8_t *t = p + FZ_BLOCK + (n - 1) * 32;
-    put_u64(t + 8, n - 1);
-    put_u64(t + 16, XXH3_64bits(p + FZ_BLOCK, (n - 1) * 32));
+    if (get_u32(p + 8) == 1) {
+        uint64_t n = (len - FZ_BLOCK) / 32;
+        while (n > 0 && memcmp(p + FZ_BLOCK + (n - 1) * 32, "IDEMCEND", 8))
+            n--;
+        if (n == 0) return;
+        uint8_t *t = p + FZ_BLOCK + (n - 1) * 32;
+        put_u64(t + 8, n - 1);
+        put_u64(t + 16, XXH3_64bits(p + FZ_BLOCK, (n - 1) * 32));
+        return;
+    }
+    size_t pos = FZ_BLOCK;
+    uint64_t k = 0, entries = 0;
+    while (pos + 32 <= len && !memcmp(p + pos, "IDEMCCHK", 8)) {
+        uint32_t blen = get_u32(p + pos + 12);
+        if (blen > len - pos - 32) break;
+        uint8_t *body = p + pos + 32;
+        uint32_t n = 0, off = 0;
+        while (off + 16 <= blen) {
+            off += (get_u32(body + off + 12) & 1) ? 32 : 16;
+            n++;
+        }
+        if (off == blen) put_u32(p + pos + 8, n);
+        put_u64(p + pos + 16, XXH3_64bits_withSeed(body, blen, k));
+        entries += get_u32(p + pos + 8);
+        k++;
+        pos += 32 + blen;
+    }
+    size_t t = len - 32;
+    while (t >= FZ_BLOCK && memcmp(p + t, "IDEMCEND", 8))
+        t -= 16;
+    if (t < FZ_BLOCK) return;
+    if (t == pos) {
+        put_u64(p + t + 8, entries);
+        put_u64(p + t + 16, k);
+    }
+    put_u64(p + t + 24, XXH3_64bits_withSeed(p + t, 24, get_u64(p + 16)));
 }
 
 /* Walks a segment as the recovery scan does (a bad length skips to the next block). With
