@@ -10,7 +10,8 @@
  * cache is dropped (sync, then 3 > /proc/sys/vm/drop_caches: root only; the run stops if that
  * fails) before each timed open, so the open reads everything from the disk; without it the
  * cache is warm. One line per figure:
- *   bench restart-clean keys=N cache=warm|cold open_ms=.. read_MB=.. attention_ms=.. listed=..
+ *   bench restart-clean keys=N cache=warm|cold close_ms=.. open_ms=.. read_MB=.. attention_ms=..
+ *                       listed=..   (close_ms: the close before, which writes the checkpoint)
  *   bench restart-crash keys=N cache=warm|cold open_ms=.. read_MB=.. frames_replayed=..
  * (read_MB: what the open made the disk read, from /proc/self/io)
  * Usage: idem-bench-restart [--keys N] [--dir DIR] [--cold]
@@ -149,7 +150,9 @@ int main(int argc, char **argv)
     }
     idem_queue_close(q);
     usleep(5000);
+    double tc = now_ms();
     if ((rc = idem_close(s))) die("close", rc);
+    double close_ms = now_ms() - tc; /* a checkpoint of every key, with changes held */
 
     if (cold) drop_caches();
     unsigned long long rb = disk_read_bytes();
@@ -165,9 +168,9 @@ int main(int argc, char **argv)
     if ((rc = idem_attention(q, &a, &recs, &n))) die("attention", rc);
     double t3 = now_ms();
     const char *cache = cold ? "cold" : "warm";
-    printf("bench restart-clean keys=%llu cache=%s open_ms=%.1f read_MB=%.1f attention_ms=%.2f "
-           "listed=%zu\n",
-           (unsigned long long)keys, cache, t1 - t0, rb / 1e6, t3 - t2, n);
+    printf("bench restart-clean keys=%llu cache=%s close_ms=%.1f open_ms=%.1f read_MB=%.1f "
+           "attention_ms=%.2f listed=%zu\n",
+           (unsigned long long)keys, cache, close_ms, t1 - t0, rb / 1e6, t3 - t2, n);
     idem_queue_close(q);
 
     /* A crash: a child writes 1 % more keys and is killed without closing. */
