@@ -283,16 +283,17 @@ static struct index_seg *seg_make_room(struct index *ix, uint32_t top24)
     return NULL;
 }
 
-/* Presizing: the fewest segments (2^depth) whose expected share, plus 5 standard deviations
- * (binomial, ~sqrt(share)) for the luckiest of them, stays under the load limit of one ladder
- * step; then the smallest such step. Inserting expected_keys uniform hashes then rebuilds
- * nothing, at some memory cost (up to ~28 B/key at expected_keys). False if even 2^24 full
- * segments could not hold expected_keys. */
-static bool presize(uint64_t expected_keys, uint32_t *depth, uint32_t *cap)
+/* Presizing: the fewest segments (2^depth) whose expected share, plus `sigmas` standard
+ * deviations (binomial, ~sqrt(share)) for the luckiest of them, stays under the load limit of
+ * one ladder step; then the smallest such step. With 5, inserting expected_keys uniform hashes
+ * rebuilds nothing, at some memory cost (up to ~28 B/key at expected_keys); with 3, about one
+ * segment in 1000 grows once, and the index takes about what growth would have made. False if
+ * even 2^24 full segments could not hold expected_keys. */
+static bool presize(uint64_t expected_keys, uint32_t sigmas, uint32_t *depth, uint32_t *cap)
 {
     for (uint32_t d = 0; d <= INDEX_DEPTH_MAX; d++) {
         uint64_t share = (expected_keys >> d) + 1;
-        uint64_t need = share + 5 * (uint64_t)sqrt((double)share) + 1;
+        uint64_t need = share + sigmas * (uint64_t)sqrt((double)share) + 1;
         if (need > seg_limit(SEG_CAP_MAX)) continue;
         *depth = d;
         *cap = SEG_CAP_MAX;
@@ -305,11 +306,11 @@ static bool presize(uint64_t expected_keys, uint32_t *depth, uint32_t *cap)
     return false;
 }
 
-int index_create(uint64_t expected_keys, struct index **out)
+static int create_sized(uint64_t expected_keys, uint32_t sigmas, struct index **out)
 {
     *out = NULL;
     uint32_t depth, cap;
-    if (!presize(expected_keys, &depth, &cap)) return -ENOMEM;
+    if (!presize(expected_keys, sigmas, &depth, &cap)) return -ENOMEM;
     struct index *ix = calloc(1, sizeof(*ix));
     if (!ix) return -ENOMEM;
     size_t n = (size_t)1 << depth;
@@ -331,6 +332,16 @@ out_free_segs:
 out_free_ix:
     free(ix);
     return -ENOMEM;
+}
+
+int index_create(uint64_t expected_keys, struct index **out)
+{
+    return create_sized(expected_keys, 5, out);
+}
+
+int index_create_snug(uint64_t expected_keys, struct index **out)
+{
+    return create_sized(expected_keys, 3, out);
 }
 
 void index_destroy(struct index *ix)

@@ -31,8 +31,12 @@ struct index_slot {
 
 struct index;
 
-/* Creates an index sized for about expected_keys (0: small). Returns 0 or -ENOMEM. */
+/* Creates an index sized for about expected_keys (0: small) that inserting that many keys
+ * grows no further. Returns 0 or -ENOMEM. */
 int index_create(uint64_t expected_keys, struct index **out);
+/* The same at about the size growth would have reached: inserting expected_keys grows about one
+ * segment in 1000 once (a checkpoint's load: 21 instead of 27 bytes per key at 10 M keys). */
+int index_create_snug(uint64_t expected_keys, struct index **out);
 void index_destroy(struct index *ix);
 
 /* Returns the slot with hash h for which eq(ctx, addr) returns nonzero, or NULL. eq is called

@@ -518,14 +518,15 @@ static int store_init_new(idem_store *s)
     return super_store(s->io, s->dir, sb);
 }
 
-/* The index is made for the checkpoint's entries at once (their count is checked by then), so
- * it does not grow while they load. Without memory for that, the index grows as usual. */
+/* The index is made for the checkpoint's entries at once (their count is checked by then), at
+ * about the size growth would have reached, so it hardly grows while they load. Without memory
+ * for that, the index grows as usual. */
 static void ckpt_sized(void *ctx, uint64_t count)
 {
     idem_store *s = ctx;
     struct index *ix;
     if (count > s->opt.max_keys && count < (UINT64_C(1) << 34) && /* a made-up file: grow */
-        index_create(count + count / 8, &ix) == 0) {
+        index_create_snug(count, &ix) == 0) {
         index_destroy(s->ix);
         s->ix = ix;
     }
