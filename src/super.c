@@ -44,8 +44,8 @@
 #define CKPT_CHUNK  "IDEMCCHK"
 #define CKPT_ENTRY                                                                                 \
     32u /* format 1's entries, the trailer, format 2's chunk header, its largest entry */
-#define CKPT_SLOT   16u /* format 2's entry without repeat counters */
-#define CKPT_BUF    (1u << 20)
+#define CKPT_SLOT   16u        /* format 2's entry without repeat counters */
+#define CKPT_BUF    (1u << 20) /* the write-out buffer: a chunk holds at most what it did */
 #define CKPT_FORMAT 2u
 
 static void super_encode(const struct super *sb, uint8_t *p)
@@ -320,7 +320,12 @@ int ckpt_begin(struct io *io, const char *dir, uint64_t id, struct ckpt_writer *
         free(cw);
         return rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
     }
-    io_truncate(io, cw->f, 0);
+    if (io_truncate(io, cw->f, 0) < 0) { /* bytes of an older file would follow the trailer */
+        io_close(io, cw->f);
+        free(cw->buf);
+        free(cw);
+        return IDEM_EIO;
+    }
     memset(cw->buf, 0, 4096);
     memcpy(cw->buf, CKPT_MAGIC, 8);
     util_put_u32(cw->buf + 8, CKPT_FORMAT);
@@ -336,7 +341,9 @@ int ckpt_begin(struct io *io, const char *dir, uint64_t id, struct ckpt_writer *
 
 int ckpt_add(struct ckpt_writer *cw, const struct ckpt_entry *e)
 {
-    if (cw->used + CKPT_ADD_MAX > CKPT_BUF && ckpt_drain(cw) < 0) return cw->err;
+    uint32_t need = (e->has_seen & CKPT_SEEN ? 2 * CKPT_SLOT : CKPT_SLOT) +
+                    (cw->chunk_at == CKPT_NO_CHUNK ? CKPT_ENTRY : 0);
+    if (cw->used + need > CKPT_BUF && ckpt_drain(cw) < 0) return cw->err;
     if (cw->chunk_at == CKPT_NO_CHUNK) {
         cw->chunk_at = cw->used;
         cw->used += CKPT_ENTRY;
@@ -358,7 +365,7 @@ int ckpt_add(struct ckpt_writer *cw, const struct ckpt_entry *e)
 
 uint32_t ckpt_room(const struct ckpt_writer *cw)
 {
-    uint32_t free_bytes = CKPT_BUF - cw->used;
+    uint32_t free_bytes = CKPT_BUF - cw->used; /* a chunk header, then entries at their largest */
     return free_bytes < CKPT_ADD_MAX ? 0 : (free_bytes - CKPT_ENTRY) / (2 * CKPT_SLOT);
 }
 

@@ -417,6 +417,33 @@ Test(recovery, a_damaged_chunk_or_trailer_fails_the_open)
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
+/* ckpt_room: the checkpoint in steps adds that many entries with the store's lock held and
+ * writes out only after it lets go, so they must fit without a write, at their largest. */
+Test(recovery, entries_ckpt_room_promises_fit_without_a_write)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    struct io *io = io_sim_io(sim);
+    for (uint32_t seen = 0; seen <= CKPT_SEEN; seen += CKPT_SEEN) {
+        struct ckpt_writer *cw;
+        cr_assert_eq(ckpt_begin(io, SIM_DIR, 77 + seen, &cw), 0);
+        struct ckpt_entry e = {.addr_tag = 4096, .hash_lo = 1, .has_seen = seen};
+        struct io_sim_counts a, b;
+        io_sim_counts(sim, &a);
+        for (int round = 0; round < 2; round++) { /* no chunk open, then one open */
+            uint32_t room = ckpt_room(cw);
+            cr_assert(round > 0 || room > 1000, "room %u", room);
+            for (uint32_t i = 0; i < room; i++)
+                cr_assert_eq(ckpt_add(cw, &e), 0);
+        }
+        io_sim_counts(sim, &b);
+        cr_assert_eq(b.writes, a.writes, "entries within ckpt_room wrote (seen %u)", seen);
+        cr_assert_eq(ckpt_end(cw), 0);
+    }
+    io_destroy(io);
+}
+
 Test(recovery, a_clean_restart_replays_nothing_and_keeps_repeat_counters)
 {
     idem_store *s;
