@@ -315,16 +315,14 @@ int ckpt_begin(struct io *io, const char *dir, uint64_t id, struct ckpt_writer *
     char path[4096];
     ckpt_path(dir, id, path, sizeof path);
     int rc = io_open(io, path, IO_O_CREATE, &cw->f);
+    if (rc >= 0 && io_truncate(io, cw->f, 0) < 0) { /* an older file's bytes would follow */
+        io_close(io, cw->f);
+        rc = -EIO;
+    }
     if (rc < 0) {
         free(cw->buf);
         free(cw);
         return rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
-    }
-    if (io_truncate(io, cw->f, 0) < 0) { /* bytes of an older file would follow the trailer */
-        io_close(io, cw->f);
-        free(cw->buf);
-        free(cw);
-        return IDEM_EIO;
     }
     memset(cw->buf, 0, 4096);
     memcpy(cw->buf, CKPT_MAGIC, 8);
@@ -532,12 +530,8 @@ static int chunk_apply(const struct ckpt_file *cf, const struct ckpt_chunk *ch,
 {
     const uint8_t *p = ch->body, *a = ch->body, *end = ch->body + ch->len;
     struct ckpt_entry e;
-    for (int i = 0; ahead && i < CKPT_AHEAD && a < end; i++) {
-        a += ckpt_decode(cf, a, &e);
-        ahead(ctx, &e);
-    }
-    while (p < end) {
-        if (ahead && a < end) {
+    for (int lead = 0; p < end; lead--) {
+        for (; ahead && a < end && lead <= CKPT_AHEAD; lead++) {
             a += ckpt_decode(cf, a, &e);
             ahead(ctx, &e);
         }

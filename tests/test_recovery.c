@@ -90,6 +90,16 @@ static void expect_committed(idem_store *s, int from, int to)
     idem_queue_close(q);
 }
 
+/* Reads both superblock copies into sb (8 KiB); returns the newest copy (sb + 0 or + 4096). */
+static const uint8_t *newest_super(uint8_t *sb)
+{
+    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/super", sb, 8192), 8192);
+    uint64_t g0, g1;
+    memcpy(&g0, sb + 16, 8);
+    memcpy(&g1, sb + 4096 + 16, 8);
+    return sb + (g0 > g1 ? 0 : 4096);
+}
+
 TestSuite(recovery, .init = sim_setup, .fini = sim_teardown);
 
 Test(recovery, replays_the_log_after_a_crash_without_checkpoint)
@@ -179,15 +189,13 @@ Test(recovery, corruption_in_the_middle_of_the_log_is_reported)
     store_abandon(s); /* no clean checkpoint: the log since the last one is replayed */
     /* Corrupt the first frame of the newest segment that replay reads from its start. */
     uint8_t sb[8192];
-    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/super", sb, sizeof sb), 8192);
-    uint64_t g0, g1, seq;
-    memcpy(&g0, sb + 16, 8);
-    memcpy(&g1, sb + 4096 + 16, 8);
-    memcpy(&seq, sb + (g0 > g1 ? 0 : 4096) + 72, 8); /* the checkpoint's replay segment */
+    const uint8_t *cur = newest_super(sb);
+    uint64_t seq;
+    memcpy(&seq, cur + 72, 8); /* the checkpoint's replay segment */
     char path[256];
     snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)seq);
     uint32_t off;
-    memcpy(&off, sb + (g0 > g1 ? 0 : 4096) + 80, 4);
+    memcpy(&off, cur + 80, 4);
     cr_assert_eq(io_sim_corrupt(sim, path, off + 64, 0x10), 0);
     int rc = open_sim_seg(&s, 1 << 20);
     cr_assert_eq(rc, IDEM_ECORRUPT, "got %s", idem_strerror(rc));
@@ -203,11 +211,8 @@ Test(recovery, one_bad_superblock_copy_falls_back_to_the_other)
     /* The newest copy is bad: the older one (an earlier checkpoint or the creation) is used,
      * and the log replays from there. */
     uint8_t sb[8192];
-    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/super", sb, sizeof sb), 8192);
-    uint64_t g0 = 0, g1 = 0;
-    memcpy(&g0, sb + 16, 8);
-    memcpy(&g1, sb + 4096 + 16, 8);
-    cr_assert_eq(io_sim_corrupt(sim, SIM_DIR "/super", (g0 > g1 ? 0 : 4096) + 100, 0x01), 0);
+    uint64_t cur = (uint64_t)(newest_super(sb) - sb);
+    cr_assert_eq(io_sim_corrupt(sim, SIM_DIR "/super", cur + 100, 0x01), 0);
     cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
     expect_committed(s, 0, 10);
     cr_assert_eq(idem_close(s), IDEM_OK);
@@ -228,11 +233,8 @@ Test(recovery, both_superblock_copies_bad_is_corruption)
 static void current_ckpt_path(char *path, size_t cap)
 {
     uint8_t sb[8192];
-    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/super", sb, sizeof sb), 8192);
-    uint64_t g0, g1, id;
-    memcpy(&g0, sb + 16, 8);
-    memcpy(&g1, sb + 4096 + 16, 8);
-    memcpy(&id, sb + (g0 > g1 ? 0 : 4096) + 64, 8);
+    uint64_t id;
+    memcpy(&id, newest_super(sb) + 64, 8);
     ckpt_path(SIM_DIR, id, path, cap);
 }
 
@@ -275,8 +277,7 @@ Test(recovery, unknown_feature_bit_is_refused_by_name)
     cr_assert_eq(open_sim(&s), IDEM_OK);
     cr_assert_eq(idem_close(s), IDEM_OK);
     uint8_t sb[8192];
-    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/super", sb, sizeof sb), 8192);
-    cr_assert_eq(sb[12], SUPER_FEAT_CKPT_CHUNKS);
+    cr_assert_eq(newest_super(sb)[12], SUPER_FEAT_CKPT_CHUNKS);
     super_set_byte(12, SUPER_FEAT_CKPT_CHUNKS | 0x4);
     cr_assert_eq(open_sim(&s), IDEM_EVERSION);
     cr_assert(strstr(idem_last_error(), "features 0x5"), "message: %s", idem_last_error());
