@@ -6,7 +6,7 @@
  * global_depth bits of the 64-bit hash (global_depth <= INDEX_DEPTH_MAX = 24, the hash bits kept in
  * addr_tag). A segment of local depth ld covers the 2^(global_depth - ld) consecutive directory
  * entries that share its top-ld-bit prefix; every one points to it.
- *   - Segment: one malloc'd block, a 16-byte header then cap slots (struct index_slot). Linear
+ *   - Segment: one block (index_mem.c), a 16-byte header then cap slots (struct index_slot). Linear
  *     probing, wrapping at cap. A slot is empty iff addr_tag == 0 (addresses are never 0).
  *     An entry's home position is fastrange(hash_lo, cap) = hash_lo * cap >> 32, so the home
  *     comes from bits stored in the slot (backward-shift deletion and rebuilds need no key) and
@@ -38,6 +38,7 @@
 #include <stdbool.h>
 #include <stdlib.h>
 
+#include "index_mem.h"
 #include "util.h"
 
 #define INDEX_DEPTH_MAX 24
@@ -49,6 +50,7 @@
 #define LOAD_AFTER_PCT  68 /* a rebuild picks the smallest ladder step at or below this load */
 #define HARD_LIMIT(cap) ((cap) - (cap) / 16)
 #define TAG_MASK        (~INDEX_ADDR_MASK)
+#define PEEK_PROBES     8 /* index_peek looks no further: two cache lines of slots */
 
 _Static_assert(sizeof(struct index_slot) == 16, "index_slot is 16 bytes");
 _Static_assert((SEG_CAP_MAX & (SEG_CAP_MAX - 1)) == 0, "SEG_CAP_MAX is a power of two");
@@ -72,12 +74,20 @@ struct index_dirent {
 };
 
 struct index {
-    struct index_dirent *dir; /* 2^global_depth entries */
+    struct index_dirent *dir; /* 2^global_depth entries (malloc) */
     uint32_t global_depth;
     uint64_t count;
     uint64_t seg_count;
-    size_t mem_bytes; /* segments + directory, as requested from malloc */
     uint64_t max_split_us, max_split_cpu_us;
+    struct index_mem mem; /* the segments */
+    /* Where the last lookup that found nothing stopped: the empty slot an insert of that hash
+     * takes, while nothing has changed since (gen counts inserts, removals and rebuilds). A
+     * claim of a new key looks up and then inserts the same hash: the insert probes no more. */
+    uint64_t gen;
+    struct {
+        uint64_t h, gen;
+        struct index_slot *slot;
+    } miss;
 };
 
 static inline uint32_t seg_home(uint32_t hash_lo, uint32_t cap)
@@ -129,21 +139,18 @@ static uint32_t seg_cap_for(uint64_t n)
 static struct index_seg *seg_new(struct index *ix, uint32_t cap, uint32_t local_depth)
 {
     IDEM_ASSERT(cap >= SEG_CAP_MIN / 2 && cap <= SEG_CAP_MAX);
-    struct index_seg *seg = calloc(1, seg_bytes(cap));
+    struct index_seg *seg = imem_alloc(&ix->mem, seg_bytes(cap));
     if (!seg) return NULL;
     seg->cap = cap;
     seg->local_depth = local_depth;
-    ix->mem_bytes += seg_bytes(cap);
     ix->seg_count++;
     return seg;
 }
 
 static void seg_free(struct index *ix, struct index_seg *seg)
 {
-    IDEM_ASSERT(ix->mem_bytes >= seg_bytes(seg->cap));
-    ix->mem_bytes -= seg_bytes(seg->cap);
     ix->seg_count--;
-    free(seg);
+    imem_free(&ix->mem, seg, seg_bytes(seg->cap));
 }
 
 /* Places a slot's contents at the first empty position from its home; returns that slot. */
@@ -164,7 +171,6 @@ static struct index_slot *seg_place(struct index_seg *seg, const struct index_sl
     return NULL;
 }
 
-#ifndef NDEBUG
 /* O(cap): count matches, prefixes match, no empty slot between an entry's home and its slot. */
 static bool seg_check(const struct index_seg *seg, uint32_t prefix)
 {
@@ -180,9 +186,8 @@ static bool seg_check(const struct index_seg *seg, uint32_t prefix)
             if (seg->slots[j].addr_tag == 0) return false;
         }
     }
-    return used == seg->count;
+    return used == seg->count && used < seg->cap;
 }
-#endif
 
 /* Doubles the directory (pointers only). Returns 0 or -ENOMEM (nothing changed). */
 static int dir_double(struct index *ix)
@@ -196,7 +201,6 @@ static int dir_double(struct index *ix)
     free(ix->dir);
     ix->dir = dir;
     ix->global_depth++;
-    ix->mem_bytes += old_n * sizeof(*dir);
     return 0;
 }
 
@@ -272,6 +276,7 @@ static struct index_seg *seg_make_room(struct index *ix, uint32_t top24)
         if (seg->cap == SEG_CAP_MAX && seg->local_depth == INDEX_DEPTH_MAX)
             return seg->count + 1 <= HARD_LIMIT(seg->cap) ? seg : NULL;
         int64_t t0_us = util_monotonic_us(), c0_us = util_thread_cpu_us();
+        ix->gen++; /* slots move */
         int rc = seg->cap < SEG_CAP_MAX ? seg_grow(ix, seg, top24) : seg_split(ix, seg, top24);
         uint64_t pause_us = (uint64_t)(util_monotonic_us() - t0_us);
         uint64_t cpu_us = (uint64_t)(util_thread_cpu_us() - c0_us);
@@ -317,7 +322,6 @@ static int create_sized(uint64_t expected_keys, uint32_t sigmas, struct index **
     ix->dir = calloc(n, sizeof(*ix->dir));
     if (!ix->dir) goto out_free_ix;
     ix->global_depth = depth;
-    ix->mem_bytes = n * sizeof(*ix->dir);
     for (size_t i = 0; i < n; i++) {
         ix->dir[i] = (struct index_dirent){.seg = seg_new(ix, cap, depth), .cap = cap};
         if (!ix->dir[i].seg) goto out_free_segs;
@@ -327,7 +331,8 @@ static int create_sized(uint64_t expected_keys, uint32_t sigmas, struct index **
 
 out_free_segs:
     for (size_t i = 0; i < n && ix->dir[i].seg; i++)
-        free(ix->dir[i].seg);
+        imem_discard(&ix->mem, ix->dir[i].seg, seg_bytes(ix->dir[i].cap));
+    imem_destroy(&ix->mem);
     free(ix->dir);
 out_free_ix:
     free(ix);
@@ -352,8 +357,9 @@ void index_destroy(struct index *ix)
     for (size_t i = 0; i < n;) {
         struct index_seg *seg = ix->dir[i].seg;
         i += (size_t)1 << (ix->global_depth - seg->local_depth);
-        free(seg);
+        imem_discard(&ix->mem, seg, seg_bytes(seg->cap));
     }
+    imem_destroy(&ix->mem);
     free(ix->dir);
     free(ix);
 }
@@ -369,7 +375,12 @@ struct index_slot *index_find(struct index *ix, uint64_t h, int (*eq)(void *ctx,
     uint32_t i = seg_home(lo, cap);
     for (uint32_t n = 0; n < cap; n++) {
         struct index_slot *s = &slots[i];
-        if (s->addr_tag == 0) return NULL;
+        if (s->addr_tag == 0) {
+            ix->miss.h = h;
+            ix->miss.gen = ix->gen;
+            ix->miss.slot = s;
+            return NULL;
+        }
         if (s->hash_lo == lo && (s->addr_tag & TAG_MASK) == tag &&
             eq(ctx, s->addr_tag & INDEX_ADDR_MASK))
             return s;
@@ -384,7 +395,22 @@ void index_prefetch(const struct index *ix, uint64_t h)
     __builtin_prefetch(&de->seg->slots[seg_home((uint32_t)h, (uint32_t)de->cap)]);
 }
 
-uint64_t index_peek(const struct index *ix, uint64_t h)
+const struct index_slot *index_peek(const struct index *ix, uint64_t h)
+{
+    const struct index_dirent *de = &ix->dir[dir_pos(ix, hash_top24(h))];
+    const struct index_slot *slots = de->seg->slots;
+    uint32_t cap = (uint32_t)de->cap;
+    uint32_t i = seg_home((uint32_t)h, cap);
+    for (uint32_t n = 0; n < cap && n < PEEK_PROBES; n++) {
+        const struct index_slot *s = &slots[i];
+        if (s->addr_tag == 0) return NULL;
+        if (s->hash_lo == (uint32_t)h && (s->addr_tag & TAG_MASK) == (h & TAG_MASK)) return s;
+        if (++i == cap) i = 0;
+    }
+    return NULL;
+}
+
+bool index_has_hash(const struct index *ix, uint64_t h)
 {
     const struct index_dirent *de = &ix->dir[dir_pos(ix, hash_top24(h))];
     const struct index_slot *slots = de->seg->slots;
@@ -392,12 +418,11 @@ uint64_t index_peek(const struct index *ix, uint64_t h)
     uint32_t i = seg_home((uint32_t)h, cap);
     for (uint32_t n = 0; n < cap; n++) {
         const struct index_slot *s = &slots[i];
-        if (s->addr_tag == 0) return 0;
-        if (s->hash_lo == (uint32_t)h && (s->addr_tag & TAG_MASK) == (h & TAG_MASK))
-            return s->addr_tag & INDEX_ADDR_MASK;
+        if (s->addr_tag == 0) return false;
+        if (s->hash_lo == (uint32_t)h && (s->addr_tag & TAG_MASK) == (h & TAG_MASK)) return true;
         if (++i == cap) i = 0;
     }
-    return 0;
+    return false;
 }
 
 struct index_slot *index_find_addr(struct index *ix, uint64_t h, uint64_t addr)
@@ -443,7 +468,18 @@ struct index_slot *index_insert(struct index *ix, uint64_t h, uint64_t addr, uin
     struct index_seg *seg = seg_make_room(ix, hash_top24(h));
     if (!seg) return NULL;
     struct index_slot s = {.addr_tag = (h & TAG_MASK) | addr, .hash_lo = (uint32_t)h, .aux = aux};
-    struct index_slot *slot = seg_place(seg, &s);
+    struct index_slot *slot;
+    if (ix->miss.slot && ix->miss.h == h && ix->miss.gen == ix->gen) {
+        /* seg_make_room rebuilt nothing (gen): the slot is still the first empty one. */
+        IDEM_ASSERT(ix->miss.slot->addr_tag == 0);
+        slot = ix->miss.slot;
+        *slot = s;
+        seg->count++;
+    } else {
+        slot = seg_place(seg, &s);
+    }
+    ix->miss.slot = NULL;
+    ix->gen++;
     ix->count++;
     return slot;
 }
@@ -471,9 +507,24 @@ void index_remove(struct index *ix, struct index_slot *slot)
         }
     }
     seg->slots[hole] = (struct index_slot){0};
+    ix->gen++;
     IDEM_ASSERT(seg->count > 0 && ix->count > 0);
     seg->count--;
     ix->count--;
+}
+
+bool index_check(const struct index *ix)
+{
+    size_t n = (size_t)1 << ix->global_depth;
+    uint64_t count = 0;
+    for (size_t i = 0; i < n;) {
+        const struct index_seg *seg = ix->dir[i].seg;
+        uint32_t shift = ix->global_depth - seg->local_depth;
+        if (ix->dir[i].cap != seg->cap || !seg_check(seg, (uint32_t)(i >> shift))) return false;
+        count += seg->count;
+        i += (size_t)1 << shift;
+    }
+    return count == ix->count;
 }
 
 uint64_t index_count(const struct index *ix)
@@ -481,9 +532,24 @@ uint64_t index_count(const struct index *ix)
     return ix->count;
 }
 
+uint64_t index_segments(const struct index *ix)
+{
+    return ix->seg_count;
+}
+
 size_t index_memory_bytes(const struct index *ix)
 {
-    return ix->mem_bytes + sizeof(*ix);
+    return imem_bytes(&ix->mem) + ((size_t)sizeof(*ix->dir) << ix->global_depth) + sizeof(*ix);
+}
+
+bool index_fill_plan(const struct index *ix, struct imem_fill *f)
+{
+    return imem_fill_plan(&ix->mem, f);
+}
+
+void index_fill_install(struct index *ix, struct imem_fill *f)
+{
+    imem_fill_install(&ix->mem, f);
 }
 
 uint64_t index_max_split_us(const struct index *ix)

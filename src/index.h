@@ -15,8 +15,11 @@
 #ifndef IDEM_INDEX_H
 #define IDEM_INDEX_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+
+#include "index_mem.h"
 
 #define INDEX_ADDR_BITS 40
 #define INDEX_ADDR_MASK ((UINT64_C(1) << INDEX_ADDR_BITS) - 1)
@@ -45,11 +48,14 @@ struct index_slot *index_find(struct index *ix, uint64_t h, int (*eq)(void *ctx,
                               void *ctx);
 
 /* Hints for a lookup of h a few operations ahead, so batches overlap their cache misses:
- * index_prefetch starts loading h's home slot; index_peek returns the log address of the first
- * slot from the home on whose stored hash bits equal h's (0: none), comparing no key. Both only
- * read; an answer made stale by later inserts costs one wasted prefetch. */
+ * index_prefetch starts loading h's home slot; index_peek returns the first slot among the
+ * home and the 7 after it whose stored hash bits equal h's (NULL: none, or further on),
+ * comparing no key. Both only read; an answer made stale by later inserts costs one wasted
+ * prefetch. */
 void index_prefetch(const struct index *ix, uint64_t h);
-uint64_t index_peek(const struct index *ix, uint64_t h);
+const struct index_slot *index_peek(const struct index *ix, uint64_t h);
+/* Whether any slot holds h's stored hash bits (comparing no key). */
+bool index_has_hash(const struct index *ix, uint64_t h);
 
 /* The slot with h's stored hash bits that holds addr, or NULL (no key compared: an address
  * names one version of one key). */
@@ -80,7 +86,15 @@ static inline uint64_t index_slot_hash_bits(const struct index_slot *s)
     return (s->addr_tag & ~INDEX_ADDR_MASK) | s->hash_lo;
 }
 
+/* O(entries): every segment's count, prefix and probe runs, and the total. For tests. */
+bool index_check(const struct index *ix);
 uint64_t index_count(const struct index *ix);
+/* Memory ahead of growth (index_mem.h): whether some is wanted, and what a fill did. The caller
+ * holds the owner's lock for both and runs imem_fill_work between them without it. */
+bool index_fill_plan(const struct index *ix, struct imem_fill *f);
+void index_fill_install(struct index *ix, struct imem_fill *f);
+/* Segments (each split adds one). */
+uint64_t index_segments(const struct index *ix);
 /* Anonymous memory held (segments + directory), in bytes. */
 size_t index_memory_bytes(const struct index *ix);
 /* The longest growth pause so far (segment grow, split or directory doubling), in

@@ -98,6 +98,12 @@ static struct seen_info *seen_of(idem_store *s, const struct index_slot *slot)
     return slot && (slot->aux & SLOT_AUX_SEEN) ? &s->seen[(slot->aux & SLOT_AUX_SEEN) - 1] : NULL;
 }
 
+void ops_prefetch_record(const idem_store *s, const struct index_slot *slot)
+{
+    wal_prefetch(s->wal, slot->addr_tag & INDEX_ADDR_MASK);
+    if (slot->aux & SLOT_AUX_SEEN) __builtin_prefetch(&s->seen[(slot->aux & SLOT_AUX_SEEN) - 1]);
+}
+
 void ops_seen_release(idem_store *s, struct index_slot *slot)
 {
     if (!(slot->aux & SLOT_AUX_SEEN)) return;

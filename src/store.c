@@ -385,6 +385,19 @@ static int flusher_compact(idem_store *s)
     return rc || ckpt_busy;
 }
 
+/* Makes memory for the index's next growth steps without the lock (index_mem.h), so a step
+ * under the lock finds it resident. Returns whether there was any to make. */
+static int flusher_fill_index(idem_store *s)
+{
+    struct imem_fill f;
+    if (!index_fill_plan(s->ix, &f)) return 0;
+    pthread_mutex_unlock(&s->mu);
+    imem_fill_work(&f);
+    pthread_mutex_lock(&s->mu);
+    index_fill_install(s->ix, &f);
+    return 1;
+}
+
 static void *flusher_main(void *arg)
 {
     idem_store *s = arg;
@@ -408,7 +421,7 @@ static void *flusher_main(void *arg)
         }
         /* After it let go of mu, callers may have appended (and their kick found nobody
          * waiting): look at everything again before sleeping. */
-        int maintained = flusher_maintain(s);
+        int maintained = flusher_maintain(s) | flusher_fill_index(s);
         int stepped = 0;
         while (steps-- > 0 && !s->abandoned && flusher_compact(s)) {
             /* Between steps of a checkpoint or a compaction, let callers at the lock: the
@@ -555,7 +568,7 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
     uint64_t addr = e->addr_tag & INDEX_ADDR_MASK;
     /* A checkpoint taken in steps may list a key twice (moved by a split during its scan):
      * keep the first entry. Only equal hash bits call for a look at the keys. */
-    if (s->sb.ckpt_counts_lsn > s->sb.ckpt_lsn && index_peek(s->ix, h)) {
+    if (s->sb.ckpt_counts_lsn > s->sb.ckpt_lsn && index_has_hash(s->ix, h)) {
         if (index_holds(s->ix, h, addr)) return 0;
         uint32_t len;
         uint64_t lsn;
@@ -1051,7 +1064,9 @@ static void release_returned(idem_queue *q)
     q->nreturned = 0;
 }
 
-#define SUBMIT_AHEAD 8 /* operations between a prefetch and its use */
+#ifndef SUBMIT_GROUP
+#define SUBMIT_GROUP 8 /* operations whose cache misses start together */
+#endif
 
 int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
 {
@@ -1064,26 +1079,32 @@ int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
     store_now(s);
     s->mono_batch_ms = mono_now(s);
     s->clk_frozen = 1;
-    /* Operations overlap their cache misses: 2 x SUBMIT_AHEAD ahead the key is hashed and its
-     * index slot fetched, SUBMIT_AHEAD ahead the record that slot names. */
-    uint64_t hv[2 * SUBMIT_AHEAD];
-    int hok[2 * SUBMIT_AHEAD];
-    size_t pre = 0;
+    /* Operations overlap their cache and TLB misses in groups: at the start of each group the
+     * keys of the group after next are hashed and their index slots fetched, and the records
+     * the next group's slots name are fetched. The loads of a group are issued back to back,
+     * so they wait together rather than one after another (on this kind of virtual machine a
+     * random access is mostly a page walk, and an operation's own work is longer than the
+     * processor's reorder window). */
+    uint64_t hv[2 * SUBMIT_GROUP];
+    int hok[2 * SUBMIT_GROUP];
+    size_t pre = 0, peeked = 0;
     for (; done < n; done++) {
-        for (; pre < n && pre < done + 2 * SUBMIT_AHEAD; pre++) {
-            size_t k = pre % (2 * SUBMIT_AHEAD);
-            hok[k] = ops_hint_hash(s, &ops[pre], &hv[k]);
-            if (hok[k]) index_prefetch(s->ix, hv[k]);
-        }
-        size_t a = done + SUBMIT_AHEAD, ka = a % (2 * SUBMIT_AHEAD);
-        if (a < pre && hok[ka]) {
-            uint64_t addr = index_peek(s->ix, hv[ka]);
-            if (addr) wal_prefetch(s->wal, addr);
+        if (done == peeked) {
+            for (; pre < n && pre < done + 2 * SUBMIT_GROUP; pre++) {
+                size_t k = pre % (2 * SUBMIT_GROUP);
+                hok[k] = ops_hint_hash(s, &ops[pre], &hv[k]);
+                if (hok[k]) index_prefetch(s->ix, hv[k]);
+            }
+            for (; peeked < pre && peeked < done + SUBMIT_GROUP; peeked++) {
+                size_t k = peeked % (2 * SUBMIT_GROUP);
+                const struct index_slot *hit = hok[k] ? index_peek(s->ix, hv[k]) : NULL;
+                if (hit) ops_prefetch_record(s, hit);
+            }
         }
         struct qslot *sl = slot_take(q);
         if (!sl) break;
         sl->c.user_data = ops[done].user_data;
-        size_t kd = done % (2 * SUBMIT_AHEAD);
+        size_t kd = done % (2 * SUBMIT_GROUP);
         ops_apply(s, sl, &ops[done], hok[kd] ? &hv[kd] : NULL);
         any_ready |= slot_ready(s, sl);
     }

@@ -276,6 +276,9 @@ void queue_signal(struct idem_queue *q);
 void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_t *hash);
 /* The hash op's key will be looked up with (0: the key is not valid; no hint). */
 int ops_hint_hash(const idem_store *s, const idem_op *op, uint64_t *h);
+/* Starts loading what a lookup that finds slot reads: the record's frame and its repeat counters.
+ */
+void ops_prefetch_record(const idem_store *s, const struct index_slot *slot);
 /* Re-runs the parked claims of key (all keys when key == NULL): those that no longer get busy,
  * or whose deadline passed, complete. */
 void ops_wake(idem_store *s, const void *key, uint32_t key_len);

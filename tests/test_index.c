@@ -8,6 +8,7 @@
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "index.h"
 #include "testutil.h"
@@ -56,6 +57,7 @@ struct model_key {
 static void model_check_all(struct index *ix, const struct model_key *keys, uint64_t n,
                             uint64_t present, uint64_t seed)
 {
+    cr_assert(index_check(ix), "index invariants (seed %llu)", (unsigned long long)seed);
     cr_assert_eq(index_count(ix), present, "count %llu != model %llu (seed %llu)",
                  (unsigned long long)index_count(ix), (unsigned long long)present,
                  (unsigned long long)seed);
@@ -147,6 +149,7 @@ Test(index, growth_to_1m_keeps_every_entry)
     for (uint64_t i = 0; i < n; i++)
         cr_assert_not_null(index_insert(ix, mix(seed + i), i + 1, (uint32_t)(i * 7)));
     cr_assert_eq(index_count(ix), n);
+    cr_assert(index_check(ix));
     for (uint64_t i = 0; i < n; i++) {
         struct index_slot *s = find_addr(ix, mix(seed + i), i + 1);
         cr_assert_not_null(s, "entry %llu lost (seed %llu)", (unsigned long long)i,
@@ -174,7 +177,9 @@ Test(index, removing_everything_leaves_count_zero_and_memory_bounded)
         cr_assert_not_null(s);
         index_remove(ix, s);
         cr_assert_null(find_addr(ix, mix(seed + i), i + 1));
+        if (i == n / 2) cr_assert(index_check(ix));
     }
+    cr_assert(index_check(ix));
     cr_assert_eq(index_count(ix), 0);
     cr_assert_leq(index_memory_bytes(ix), peak);
     /* The same population fits again without growing. */
@@ -370,5 +375,73 @@ Test(index, same_top24_bits_fill_to_hard_limit_then_null)
     for (uint64_t j = 0; j < i; j++)
         cr_assert_not_null(
             find_addr(ix, (UINT64_C(0xa5a5a5) << 40) | (mix(seed + j) >> 24), j + 1));
+    index_destroy(ix);
+}
+
+Test(index, ready_blocks_come_back_zeroed_and_are_counted)
+{
+    struct index_mem m = {0};
+    const size_t b = 10336;
+    uint8_t *p = imem_alloc(&m, b);
+    cr_assert_not_null(p);
+    memset(p, 0xab, b);
+    imem_free(&m, p, b); /* kept ready: its size was asked for */
+    uint8_t *q = imem_alloc(&m, b);
+    cr_assert_eq(q, p, "a freed block is the next one of its size");
+    for (size_t i = 0; i < b; i++)
+        cr_assert_eq(q[i], 0, "byte %zu of a reused block is not zero", i);
+    cr_assert_eq(imem_bytes(&m), b);
+
+    struct imem_fill f;
+    cr_assert(imem_fill_plan(&m, &f), "an empty list of a wanted size asks for a fill");
+    cr_assert_eq(f.bytes, b);
+    cr_assert_eq(f.n, IMEM_READY);
+    imem_fill_work(&f);
+    imem_fill_install(&m, &f);
+    cr_assert_eq(imem_bytes(&m), b + IMEM_READY * b);
+    cr_assert_not(imem_fill_plan(&m, &f), "a full list asks for nothing");
+
+    uint8_t *held[IMEM_READY];
+    for (int i = 0; i < IMEM_READY / 2 + 1; i++) {
+        held[i] = imem_alloc(&m, b);
+        for (size_t k = 0; k < b; k += 512)
+            cr_assert_eq(held[i][k], 0);
+    }
+    cr_assert(imem_fill_plan(&m, &f), "a list at half asks for a refill");
+    cr_assert_eq(f.n, IMEM_READY / 2 + 1);
+    imem_fill_work(&f);
+    imem_fill_install(&m, &f);
+    cr_assert_eq(imem_bytes(&m), (IMEM_READY + IMEM_READY / 2 + 2) * b);
+    for (int i = 0; i < IMEM_READY / 2 + 1; i++)
+        imem_free(&m, held[i], b); /* the list is full: back to malloc */
+    imem_discard(&m, q, b);
+    cr_assert_eq(imem_bytes(&m), IMEM_READY * b);
+    imem_destroy(&m);
+    cr_assert_eq(imem_bytes(&m), 0);
+}
+
+Test(index, growth_with_fills_between_inserts_keeps_every_entry)
+{
+    uint64_t n = 300000;
+    uint64_t seed = tu_seed("index.growth_with_fills_between_inserts_keeps_every_entry");
+    struct index *ix;
+    cr_assert_eq(index_create(0, &ix), 0);
+    uint64_t fills = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        cr_assert_not_null(index_insert(ix, mix(seed + i), i + 1, 0));
+        struct imem_fill f;
+        if (i % 97 == 0 && index_fill_plan(ix, &f)) {
+            imem_fill_work(&f);
+            index_fill_install(ix, &f);
+            fills++;
+        }
+    }
+    cr_assert_gt(fills, 10, "only %llu fills", (unsigned long long)fills);
+    cr_assert(index_check(ix));
+    for (uint64_t i = 0; i < n; i++)
+        cr_assert_not_null(find_addr(ix, mix(seed + i), i + 1), "entry %llu lost (seed %llu)",
+                           (unsigned long long)i, (unsigned long long)seed);
+    double bytes_per_key = (double)index_memory_bytes(ix) / (double)n;
+    cr_expect_leq(bytes_per_key, 27.0, "%.2f B/key with ready blocks", bytes_per_key);
     index_destroy(ix);
 }
