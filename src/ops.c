@@ -244,7 +244,9 @@ static int write_version(idem_store *s, struct index_slot *slot, int old_state, 
     rec_encode_fixed(r, fixed);
     const void *parts[5] = {fixed, key, owner, note, stored};
     uint32_t lens[5] = {REC_FIXED_BYTES, r->key_len, r->owner_len, r->note_len, r->result_len};
-    uint64_t h = ops_hash(s, key, r->key_len);
+    /* The index keeps 56 of the hash's bits, all that inserts and the age heaps use: a key
+     * already in the index is not hashed again (the key bytes may be the record's own). */
+    uint64_t h = slot ? index_slot_hash_bits(slot) : ops_hash(s, key, r->key_len);
     if (!slot) {
         /* Insert first, so a failed insert leaves nothing in the log. */
         slot = index_insert(s->ix, h, 1, 0);
@@ -832,6 +834,7 @@ int ops_hint_hash(const idem_store *s, const idem_op *op, uint64_t *h)
 void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_t *hash)
 {
     s->hash_key = NULL; /* a new operation: its key bytes may sit where the last one's did */
+    wal_forget_checked(s->wal); /* each operation checks the frames it reads */
     if (!op_valid(s, op)) {
         sl->c.err = IDEM_EINVAL;
         return;

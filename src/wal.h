@@ -141,12 +141,15 @@ uint64_t wal_spare_begin(struct wal *w, int *rc);
 int wal_spare_make(struct wal *w, uint64_t seq, struct wal_segment **out);
 int wal_spare_end(struct wal *w, struct wal_segment *made, int rc);
 
-/* Pointer to the frame payload at addr (valid until the next append or flush end); NULL if the
- * address names no readable frame. *payload_len and *lsn are set. */
 /* Starts loading the first bytes of the frame at addr from the segment map (any address is
  * safe: one that names no mapped frame is ignored). */
 void wal_prefetch(const struct wal *w, uint64_t addr);
+/* Pointer to the frame payload at addr (valid until the next append or flush end); NULL if the
+ * address names no readable frame. *payload_len and *lsn are set. */
 const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, uint64_t *lsn);
+/* Makes the next wal_payload of every frame check its checksum again (a frame read twice in a
+ * row is checked once: the start of each operation calls this, so each checks its own). */
+void wal_forget_checked(struct wal *w);
 
 /* Group commit, in three steps. begin (under the store lock): closes the batch with an END frame
  * carrying clock_ms and moves pending chunks in flight; returns the number of chunks (0: nothing

@@ -202,6 +202,39 @@ Test(recovery, corruption_in_the_middle_of_the_log_is_reported)
     cr_assert(strstr(idem_last_error(), "corrupt"), "message: %s", idem_last_error());
 }
 
+/* A live store checks a frame's checksum each time an operation reads it from the log's map:
+ * damage after the frame was last read is reported by the next operation, never served (the
+ * log keeps one frame as checked only within an operation). */
+Test(recovery, a_frame_damaged_after_a_read_is_reported_at_the_next_read)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, 5);
+    expect_committed(s, 3, 4);
+    expect_committed(s, 3, 4); /* read twice in a row */
+    /* The commit frame of key 3 is the only frame holding its result. */
+    static uint8_t seg[64 * 1024];
+    char path[256];
+    int64_t at = -1;
+    for (int seq = 1; seq < 8 && at < 0; seq++) {
+        snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)seq);
+        int64_t n = io_sim_read_file(sim, path, seg, sizeof seg);
+        for (int64_t i = 0; n > 8 && i + 8 <= n && at < 0; i++) {
+            if (memcmp(seg + i, "result-3", 8) == 0) at = i;
+        }
+    }
+    cr_assert_geq(at, 0, "the result is in no segment");
+    cr_assert_eq(io_sim_corrupt(sim, path, (uint64_t)at + 7, 0x04), 0);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_completion c;
+    int rc = idem_get(q, "payment-0003", 12, &c);
+    cr_assert_eq(rc, IDEM_ECORRUPT, "a damaged frame was served: %s", idem_strerror(rc));
+    expect_committed(s, 4, 5); /* the other keys still answer */
+    idem_queue_close(q);
+    store_abandon(s);
+}
+
 Test(recovery, one_bad_superblock_copy_falls_back_to_the_other)
 {
     idem_store *s;
