@@ -963,6 +963,7 @@ int idem_cancel_wait(idem_queue *q, uint64_t user_data)
 
 void ops_wake(idem_store *s, const void *key, uint32_t key_len)
 {
+    if (!s->waiters) return; /* nothing parked: nothing to re-run or append */
     int64_t mono = s->clock.monotonic_ms(s->clock.ctx);
     struct qslot **pp = &s->waiters, *prev = NULL;
     while (*pp) {
