@@ -122,7 +122,7 @@ typedef struct idem_options {
     int read_only;             /* nonzero: no recovery writes, no changes (for inspection) */
     int test_clock;            /* nonzero: the store clock stands still; see idem_clock_set */
     uint64_t max_keys;         /* 0: no limit beyond memory */
-    uint64_t max_memory_bytes; /* 0: no limit; anonymous memory of the index and buffers */
+    uint64_t max_memory_bytes; /* 0: no limit; the index's memory (segments and directory) */
     uint64_t max_disk_bytes;   /* 0: no limit; bytes of all files in the directory */
     uint32_t result_bytes_max; /* 0: IDEM_RESULT_BYTES_DEFAULT; at most IDEM_RESULT_BYTES_LIMIT */
     uint32_t segment_bytes;    /* 0: 64 MiB; WAL segment size, a multiple of 4096, >= 1 MiB */

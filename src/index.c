@@ -542,6 +542,11 @@ size_t index_memory_bytes(const struct index *ix)
     return imem_bytes(&ix->mem) + ((size_t)sizeof(*ix->dir) << ix->global_depth) + sizeof(*ix);
 }
 
+size_t index_ready_bytes(const struct index *ix)
+{
+    return ix->mem.ready_bytes;
+}
+
 bool index_fill_plan(const struct index *ix, struct imem_fill *f)
 {
     return imem_fill_plan(&ix->mem, f);

@@ -95,8 +95,10 @@ bool index_fill_plan(const struct index *ix, struct imem_fill *f);
 void index_fill_install(struct index *ix, struct imem_fill *f);
 /* Segments (each split adds one). */
 uint64_t index_segments(const struct index *ix);
-/* Anonymous memory held (segments + directory), in bytes. */
+/* Anonymous memory held (segments, directory, blocks ready for growth), in bytes. */
 size_t index_memory_bytes(const struct index *ix);
+/* Of which blocks kept ready for growth (index_mem.h). */
+size_t index_ready_bytes(const struct index *ix);
 /* The longest growth pause so far (segment grow, split or directory doubling), in
  * microseconds (for the growth benchmark): wall time, and the CPU time of the thread (the
  * step's own cost, without the time the thread was preempted). */

@@ -408,7 +408,11 @@ static int owner_same(const struct rec *r, const idem_op *op)
 static int capacity_full(idem_store *s)
 {
     if (s->opt.max_keys && index_count(s->ix) >= s->opt.max_keys) return 1;
-    if (s->opt.max_memory_bytes && index_memory_bytes(s->ix) >= s->opt.max_memory_bytes) return 1;
+    /* The index's own memory: not the blocks kept ready for growth, which come and go as the
+     * flusher makes them (at most about 1.2 MiB), so the answer does not depend on its timing. */
+    if (s->opt.max_memory_bytes &&
+        index_memory_bytes(s->ix) - index_ready_bytes(s->ix) >= s->opt.max_memory_bytes)
+        return 1;
     if (s->opt.max_disk_bytes && wal_bytes(s->wal) >= s->opt.max_disk_bytes) return 1;
     return 0;
 }
@@ -834,7 +838,6 @@ int ops_hint_hash(const idem_store *s, const idem_op *op, uint64_t *h)
 void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_t *hash)
 {
     s->hash_key = NULL; /* a new operation: its key bytes may sit where the last one's did */
-    wal_forget_checked(s->wal); /* each operation checks the frames it reads */
     if (!op_valid(s, op)) {
         sl->c.err = IDEM_EINVAL;
         return;
@@ -862,6 +865,7 @@ void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_
         }
     }
     s->hash_cache_on = 1; /* no wait below: key bytes stay put for the operation */
+    wal_check_scope(s->wal, 1);
     if (hash) {
         /* Hashed ahead by idem_submit; set only now, after the waits above released mu (another
          * caller's operation may have used the cache meanwhile). */
@@ -907,6 +911,7 @@ void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_
     }
     s->hash_cache_on = 0;
     s->hash_key = NULL;
+    wal_check_scope(s->wal, 0);
     if (s->fatal && sl->need_lsn > s->durable_lsn) {
         sl->c.err = IDEM_EFATAL;
         sl->c.outcome = 0;

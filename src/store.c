@@ -390,7 +390,7 @@ static int flusher_compact(idem_store *s)
 static int flusher_fill_index(idem_store *s)
 {
     struct imem_fill f;
-    if (!index_fill_plan(s->ix, &f)) return 0;
+    if (s->closing || s->fatal || !index_fill_plan(s->ix, &f)) return 0;
     pthread_mutex_unlock(&s->mu);
     imem_fill_work(&f);
     pthread_mutex_lock(&s->mu);

@@ -70,10 +70,10 @@ struct wal {
     int ninfl;
     int free_list[WAL_CHUNKS_MAX];
     int nfree;
-    /* The last frame read from a map whose checksum was checked: an update reads the version it
-     * replaces twice (lookup, then the bytes it frees), and frames never change once written.
-     * Forgotten at the start of each operation (wal_forget_checked) and when recovery cuts
-     * the log's end. */
+    /* Within one operation (wal_check_scope), the last frame read from a map whose checksum
+     * was checked: an update reads the version it replaces twice (lookup, then the bytes it
+     * frees), and frames never change once written. Nothing outside an operation uses it. */
+    int check_scope;
     uint64_t checked_seq;
     uint32_t checked_off;
     char err[256];
@@ -440,7 +440,7 @@ const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, 
     map:
         /* Durable frames were read from disk at some point: their checksum is checked on
          * every read, so damage after recovery is reported, never served. */
-        if (s->seq != w->checked_seq || off != w->checked_off) {
+        if (!w->check_scope || s->seq != w->checked_seq || off != w->checked_off) {
             if (off < WAL_BLOCK || off + WAL_FRAME_HDR > w->seg_bytes || !frame_valid(w, s, off))
                 return NULL;
             w->checked_seq = s->seq;
@@ -455,8 +455,9 @@ const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, 
     return f + WAL_FRAME_HDR;
 }
 
-void wal_forget_checked(struct wal *w)
+void wal_check_scope(struct wal *w, int on)
 {
+    w->check_scope = on;
     w->checked_seq = 0;
 }
 
@@ -890,7 +891,6 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
     w->batch = (max_batch > last_batch + 1 ? max_batch : last_batch + 1) + 1;
     w->cur_seq = batch_start.seq;
     w->cur_off = batch_start.off;
-    w->checked_seq = 0; /* frames past the end will be written over */
     /* Segments past the end are stale; they are re-created (new salt) when the log gets there. */
     for (uint64_t q = w->cur_seq + 1; seg_of(w, q); q++)
         seg_close(w, seg_of(w, q));

@@ -147,9 +147,10 @@ void wal_prefetch(const struct wal *w, uint64_t addr);
 /* Pointer to the frame payload at addr (valid until the next append or flush end); NULL if the
  * address names no readable frame. *payload_len and *lsn are set. */
 const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, uint64_t *lsn);
-/* Makes the next wal_payload of every frame check its checksum again (a frame read twice in a
- * row is checked once: the start of each operation calls this, so each checks its own). */
-void wal_forget_checked(struct wal *w);
+/* Opens (on) or closes the scope of one operation, run under the store's lock without letting
+ * go of it: within it, a frame read twice in a row is checked once. Outside, wal_payload checks
+ * every durable frame it reads. */
+void wal_check_scope(struct wal *w, int on);
 
 /* Group commit, in three steps. begin (under the store lock): closes the batch with an END frame
  * carrying clock_ms and moves pending chunks in flight; returns the number of chunks (0: nothing

@@ -202,35 +202,106 @@ Test(recovery, corruption_in_the_middle_of_the_log_is_reported)
     cr_assert(strstr(idem_last_error(), "corrupt"), "message: %s", idem_last_error());
 }
 
-/* A live store checks a frame's checksum each time an operation reads it from the log's map:
- * damage after the frame was last read is reported by the next operation, never served (the
- * log keeps one frame as checked only within an operation). */
+/* Damages one byte of the last occurrence of `text` in the log's segments (1..7). */
+static void damage_in_log(const char *text)
+{
+    static uint8_t seg[1 << 20];
+    size_t len = strlen(text);
+    for (int seq = 7; seq >= 1; seq--) {
+        char path[256];
+        snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)seq);
+        int64_t n = io_sim_read_file(sim, path, seg, sizeof seg);
+        for (int64_t i = n - (int64_t)len; i >= 0; i--) {
+            if (memcmp(seg + i, text, len) == 0) {
+                cr_assert_eq(io_sim_corrupt(sim, path, (uint64_t)i + len / 2, 0x04), 0);
+                return;
+            }
+        }
+    }
+    cr_assert_fail("%s is in no segment", text);
+}
+
+/* A live store checks a frame's checksum each time an operation reads it from the log's map
+ * (an operation that reads one twice checks it once): damage after the frame was last read is
+ * reported by the next reader, never served. Segments of 1 MiB: no compaction reads between. */
 Test(recovery, a_frame_damaged_after_a_read_is_reported_at_the_next_read)
 {
     idem_store *s;
-    cr_assert_eq(open_sim(&s), IDEM_OK);
+    cr_assert_eq(open_sim_seg(&s, 1u << 20), IDEM_OK);
     fill(s, 0, 5);
     expect_committed(s, 3, 4);
     expect_committed(s, 3, 4); /* read twice in a row */
-    /* The commit frame of key 3 is the only frame holding its result. */
-    static uint8_t seg[64 * 1024];
-    char path[256];
-    int64_t at = -1;
-    for (int seq = 1; seq < 8 && at < 0; seq++) {
-        snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)seq);
-        int64_t n = io_sim_read_file(sim, path, seg, sizeof seg);
-        for (int64_t i = 0; n > 8 && i + 8 <= n && at < 0; i++) {
-            if (memcmp(seg + i, "result-3", 8) == 0) at = i;
-        }
-    }
-    cr_assert_geq(at, 0, "the result is in no segment");
-    cr_assert_eq(io_sim_corrupt(sim, path, (uint64_t)at + 7, 0x04), 0);
+    damage_in_log("result-3"); /* only key 3's commit frame holds it */
     idem_queue *q;
     cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
     idem_completion c;
     int rc = idem_get(q, "payment-0003", 12, &c);
     cr_assert_eq(rc, IDEM_ECORRUPT, "a damaged frame was served: %s", idem_strerror(rc));
     expect_committed(s, 4, 5); /* the other keys still answer */
+    idem_queue_close(q);
+    store_abandon(s);
+}
+
+/* The same for readers outside an operation: the attention list, read right after an operation
+ * checked the frame, refuses the damaged record. */
+Test(recovery, a_frame_damaged_after_a_read_is_not_served_by_the_attention_list)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim_seg(&s, 1u << 20), IDEM_OK);
+    fill(s, 0, 5);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
+    idem_completion c;
+    cr_assert_eq(idem_claim(q, "held-key", 8, &a, &c), IDEM_OK);
+    cr_assert_eq(idem_hold(q, "held-key", 8, c.token, "NOTEABCDEFGH", 12), IDEM_OK);
+    fill(s, 5, 8);
+    cr_assert_eq(idem_get(q, "held-key", 8, &c), IDEM_OK); /* checks the hold's frame */
+    cr_assert(c.found);
+    damage_in_log("NOTEABCDEFGH");
+    idem_attention_args aa = {0};
+    const idem_record *recs;
+    size_t n = 0;
+    int rc = idem_attention(q, &aa, &recs, &n);
+    for (size_t i = 0; rc == IDEM_OK && i < n; i++) {
+        cr_assert(recs[i].note_len != 12 || memcmp(recs[i].note, "NOTEABCDEFGH", 12) == 0,
+                  "the attention list served a damaged note");
+    }
+    cr_assert_eq(idem_get(q, "held-key", 8, &c), IDEM_ECORRUPT);
+    idem_queue_close(q);
+    store_abandon(s);
+}
+
+/* A parked WAIT claim re-run by a wake (outside any operation) after the frame it checked when it
+ * parked was damaged: never a second `new` for a key whose owner still holds it. */
+Test(recovery, a_parked_claim_woken_after_damage_is_not_granted_twice)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim_seg(&s, 1u << 20), IDEM_OK);
+    fill(s, 0, 5);
+    idem_queue *q, *q2;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    cr_assert_eq(idem_queue_open(s, 4, &q2), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000, .owner = "ownerA", .owner_len = 6};
+    idem_completion c;
+    cr_assert_eq(idem_claim(q, "ZZKEYQQQ", 8, &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    fill(s, 5, 8);
+    idem_op op = {.kind = IDEM_OP_CLAIM,
+                  .key = "ZZKEYQQQ",
+                  .key_len = 8,
+                  .ttl_ms = 3600000,
+                  .lease_ms = 60000,
+                  .wait_ms = 30000,
+                  .owner = "ownerB",
+                  .owner_len = 6};
+    cr_assert_eq(idem_submit(q2, &op, 1), 1);
+    cr_assert_eq(idem_poll(q2, &c, 1, 50), 0, "the second claim should be parked");
+    damage_in_log("ZZKEYQQQ");
+    cr_assert_eq(idem_clock_advance(s, 1), IDEM_OK); /* re-runs the parked claim */
+    int got = idem_poll(q2, &c, 1, 1000);
+    cr_assert(!(got == 1 && c.err == IDEM_OK && c.outcome == IDEM_NEW), "granted twice");
+    idem_queue_close(q2);
     idem_queue_close(q);
     store_abandon(s);
 }

@@ -2609,3 +2609,77 @@ Test(stats, release_and_del_lower_the_key_counts)
     cr_assert_eq(a.keys_in_flight, 0);
     cr_assert_eq(a.keys_committed, 0);
 }
+
+/* ---- Capacity limits: FULL for new claims, nothing evicted ---- */
+
+static void setup_capacity(void)
+{
+    g_dir = tu_mkdtemp("rules");
+    cr_assert_not_null(g_dir);
+    idem_options_init(&g_opts);
+    g_opts.test_clock = 1;
+    g_opts.max_keys = 100;
+    store_open();
+}
+
+TestSuite(capacity, .init = setup_capacity, .fini = teardown);
+
+Test(capacity, past_max_keys_a_new_claim_is_full_and_every_key_stays)
+{
+    char key[32];
+    int64_t tok[100];
+    for (int i = 0; i < 100; i++) {
+        snprintf(key, sizeof key, "cap-%03d", i);
+        idem_completion c = claim(key);
+        expect_outcome(c, IDEM_NEW);
+        tok[i] = c.token;
+    }
+    idem_completion c;
+    cr_assert_eq(claim_rc("cap-new", 7, TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
+    cr_assert_eq(claim_rc("cap-new", 7, TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
+    /* Repeats and owner calls go on; nothing was evicted. */
+    for (int i = 0; i < 100; i++) {
+        snprintf(key, sizeof key, "cap-%03d", i);
+        expect_outcome(claim(key), IDEM_BUSY);
+    }
+    snprintf(key, sizeof key, "cap-%03d", 7);
+    commit_ok(key, tok[7], "r7");
+    expect_outcome(claim(key), IDEM_DONE);
+    /* A release frees a place: the next new key fits, and only one. */
+    snprintf(key, sizeof key, "cap-%03d", 8);
+    expect_rc(idem_release(g_q, key, strlen(key), tok[8]), IDEM_OK);
+    expect_outcome(claim("cap-new"), IDEM_NEW);
+    cr_assert_eq(claim_rc("cap-other", 9, TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
+    reopen(); /* the limit is an option, the records are the store's */
+    cr_assert_eq(claim_rc("cap-other", 9, TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
+    expect_outcome(claim("cap-new"), IDEM_BUSY);
+}
+
+Test(capacity, past_max_memory_a_new_claim_is_full_whatever_the_flusher_did_meanwhile)
+{
+    store_close();
+    g_opts.max_keys = 0;
+    g_opts.max_memory_bytes = 256 * 1024;
+    store_open();
+    char key[32];
+    int n = 0;
+    idem_completion c;
+    for (;; n++) {
+        cr_assert_lt(n, 1000000, "no FULL from a memory limit of 256 KiB");
+        snprintf(key, sizeof key, "mem-%07d", n);
+        int rc = claim_rc(key, strlen(key), TTL, LEASE, NULL, NULL, &c);
+        if (rc == IDEM_EFULL) break;
+        cr_assert_eq(rc, IDEM_OK, "%s", idem_strerror(rc));
+        expect_outcome(c, IDEM_NEW);
+    }
+    cr_assert_gt(n, 1000, "only %d keys in 256 KiB of index", n);
+    /* The flusher may make blocks ready for growth at any time: the answer stays FULL. */
+    for (int round = 0; round < 20; round++) {
+        expect_rc(idem_sync(g_s), IDEM_OK);
+        cr_assert_eq(claim_rc("mem-new", 7, TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
+    }
+    for (int i = 0; i < n; i += 97) {
+        snprintf(key, sizeof key, "mem-%07d", i);
+        expect_outcome(claim(key), IDEM_BUSY);
+    }
+}
