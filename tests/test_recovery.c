@@ -242,15 +242,23 @@ Test(recovery, a_frame_damaged_after_a_read_is_reported_at_the_next_read)
     store_abandon(s);
 }
 
-/* The same for readers outside an operation: the attention list, read right after an operation
- * checked the frame, refuses the damaged record. */
-Test(recovery, a_frame_damaged_after_a_read_is_not_served_by_the_attention_list)
+/* A store of 1 MiB segments (no compaction reads between the test's reads) with 5 committed
+ * keys, and a queue on it. */
+static idem_store *open_filled(idem_queue **q)
 {
     idem_store *s;
     cr_assert_eq(open_sim_seg(&s, 1u << 20), IDEM_OK);
     fill(s, 0, 5);
+    cr_assert_eq(idem_queue_open(s, 4, q), IDEM_OK);
+    return s;
+}
+
+/* The same for readers outside an operation: the attention list, read right after an operation
+ * checked the frame, refuses the damaged record. */
+Test(recovery, a_frame_damaged_after_a_read_is_not_served_by_the_attention_list)
+{
     idem_queue *q;
-    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_store *s = open_filled(&q);
     idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
     idem_completion c;
     cr_assert_eq(idem_claim(q, "held-key", 8, &a, &c), IDEM_OK);
@@ -276,11 +284,8 @@ Test(recovery, a_frame_damaged_after_a_read_is_not_served_by_the_attention_list)
  * parked was damaged: never a second `new` for a key whose owner still holds it. */
 Test(recovery, a_parked_claim_woken_after_damage_is_not_granted_twice)
 {
-    idem_store *s;
-    cr_assert_eq(open_sim_seg(&s, 1u << 20), IDEM_OK);
-    fill(s, 0, 5);
     idem_queue *q, *q2;
-    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_store *s = open_filled(&q);
     cr_assert_eq(idem_queue_open(s, 4, &q2), IDEM_OK);
     idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000, .owner = "ownerA", .owner_len = 6};
     idem_completion c;
