@@ -395,13 +395,14 @@ void index_prefetch(const struct index *ix, uint64_t h)
     __builtin_prefetch(&de->seg->slots[seg_home((uint32_t)h, (uint32_t)de->cap)]);
 }
 
-const struct index_slot *index_peek(const struct index *ix, uint64_t h)
+/* The first slot from h's home, within `probes` positions, whose stored hash bits equal h's. */
+static const struct index_slot *first_with_hash(const struct index *ix, uint64_t h, uint32_t probes)
 {
     const struct index_dirent *de = &ix->dir[dir_pos(ix, hash_top24(h))];
     const struct index_slot *slots = de->seg->slots;
     uint32_t cap = (uint32_t)de->cap;
     uint32_t i = seg_home((uint32_t)h, cap);
-    for (uint32_t n = 0; n < cap && n < PEEK_PROBES; n++) {
+    for (uint32_t n = 0; n < cap && n < probes; n++) {
         const struct index_slot *s = &slots[i];
         if (s->addr_tag == 0) return NULL;
         if (s->hash_lo == (uint32_t)h && (s->addr_tag & TAG_MASK) == (h & TAG_MASK)) return s;
@@ -410,19 +411,14 @@ const struct index_slot *index_peek(const struct index *ix, uint64_t h)
     return NULL;
 }
 
+const struct index_slot *index_peek(const struct index *ix, uint64_t h)
+{
+    return first_with_hash(ix, h, PEEK_PROBES);
+}
+
 bool index_has_hash(const struct index *ix, uint64_t h)
 {
-    const struct index_dirent *de = &ix->dir[dir_pos(ix, hash_top24(h))];
-    const struct index_slot *slots = de->seg->slots;
-    uint32_t cap = (uint32_t)de->cap;
-    uint32_t i = seg_home((uint32_t)h, cap);
-    for (uint32_t n = 0; n < cap; n++) {
-        const struct index_slot *s = &slots[i];
-        if (s->addr_tag == 0) return false;
-        if (s->hash_lo == (uint32_t)h && (s->addr_tag & TAG_MASK) == (h & TAG_MASK)) return true;
-        if (++i == cap) i = 0;
-    }
-    return false;
+    return first_with_hash(ix, h, UINT32_MAX) != NULL;
 }
 
 struct index_slot *index_find_addr(struct index *ix, uint64_t h, uint64_t addr)
@@ -478,8 +474,7 @@ struct index_slot *index_insert(struct index *ix, uint64_t h, uint64_t addr, uin
     } else {
         slot = seg_place(seg, &s);
     }
-    ix->miss.slot = NULL;
-    ix->gen++;
+    ix->gen++; /* the remembered slot, if any, is taken or stale */
     ix->count++;
     return slot;
 }

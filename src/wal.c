@@ -439,7 +439,8 @@ const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, 
     if (!f) {
     map:
         /* Durable frames were read from disk at some point: their checksum is checked on
-         * every read, so damage after recovery is reported, never served. */
+         * every read (within one operation, once per frame), so damage after recovery is
+         * reported, never served. */
         if (!w->check_scope || s->seq != w->checked_seq || off != w->checked_off) {
             if (off < WAL_BLOCK || off + WAL_FRAME_HDR > w->seg_bytes || !frame_valid(w, s, off))
                 return NULL;
