@@ -29,6 +29,7 @@
  *     there inserts go on up to the hard limit (15/16 of cap), after which index_insert returns
  *     NULL. With a per-store secret hash seed, ~960 keys sharing 24 top hash bits do not occur.
  *   - Linear probing without tombstones: between an entry's home and its slot no slot is empty.
+ *   - A segment's run (index_insert_ordered), when set, names positions that are all in use.
  *   - Segments never shrink or merge: memory stays at the high-water mark after removals.
  */
 #include "index.h"
@@ -55,15 +56,23 @@
 _Static_assert(sizeof(struct index_slot) == 16, "index_slot is 16 bytes");
 _Static_assert((SEG_CAP_MAX & (SEG_CAP_MAX - 1)) == 0, "SEG_CAP_MAX is a power of two");
 _Static_assert(SEG_CAP_MAX <= 65536, "index_holds finds a home from 16 of hash_lo's bits");
+_Static_assert(2 * SEG_CAP_MAX <= 65536, "a run's end (< 2 cap) fits in 16 bits");
 _Static_assert(64 - INDEX_ADDR_BITS == INDEX_DEPTH_MAX, "tag bits are the directory bits");
 
 struct index_seg {
     uint32_t cap;   /* slots */
     uint32_t count; /* used slots */
     uint32_t local_depth;
-    uint32_t pad;
+    /* 0, or RUN(home, end): every position from home to end (counted on past cap, not wrapped)
+     * is in use, so index_insert_ordered of an entry whose home lies in it probes from end + 1.
+     * Inserts keep that true; index_remove clears it. */
+    uint32_t run;
     struct index_slot slots[];
 };
+#define RUN(home, end) ((uint32_t)(end) << 16 | ((home) + 1))
+#define RUN_HOME(run)  (((run)&0xffffu) - 1)
+#define RUN_END(run)   ((run) >> 16)
+#define RUN_BEHIND     64 /* an ordered insert this far behind the run starts a new one */
 _Static_assert(sizeof(struct index_seg) == 16, "segment header keeps slots 16-aligned");
 
 /* A directory entry carries the segment's capacity so a lookup's first miss is the slot itself,
@@ -143,6 +152,7 @@ static struct index_seg *seg_new(struct index *ix, uint32_t cap, uint32_t local_
     if (!seg) return NULL;
     seg->cap = cap;
     seg->local_depth = local_depth;
+    seg->run = 0;
     ix->seg_count++;
     return seg;
 }
@@ -153,22 +163,29 @@ static void seg_free(struct index *ix, struct index_seg *seg)
     imem_free(&ix->mem, seg, seg_bytes(seg->cap));
 }
 
-/* Places a slot's contents at the first empty position from its home; returns that slot. */
-static struct index_slot *seg_place(struct index_seg *seg, const struct index_slot *src)
+/* Places a slot's contents at the first empty position from `from` (its home, or a position
+ * with every slot from the home up to it in use); returns that position. */
+static inline uint32_t seg_place_at(struct index_seg *seg, const struct index_slot *src,
+                                    uint32_t from)
 {
-    IDEM_ASSERT(seg->count + 1 < seg->cap);
-    uint32_t i = seg_home(src->hash_lo, seg->cap);
+    IDEM_ASSERT(seg->count + 1 < seg->cap && from < seg->cap);
+    uint32_t i = from;
     for (uint32_t n = 0; n < seg->cap; n++) {
-        struct index_slot *s = &seg->slots[i];
-        if (s->addr_tag == 0) {
-            *s = *src;
+        if (seg->slots[i].addr_tag == 0) {
+            seg->slots[i] = *src;
             seg->count++;
-            return s;
+            return i;
         }
         if (++i == seg->cap) i = 0;
     }
     IDEM_ASSERT(!"segment full");
-    return NULL;
+    return 0;
+}
+
+/* Places a slot's contents at the first empty position from its home; returns that slot. */
+static struct index_slot *seg_place(struct index_seg *seg, const struct index_slot *src)
+{
+    return &seg->slots[seg_place_at(seg, src, seg_home(src->hash_lo, seg->cap))];
 }
 
 /* O(cap): count matches, prefixes match, no empty slot between an entry's home and its slot. */
@@ -185,6 +202,12 @@ static bool seg_check(const struct index_seg *seg, uint32_t prefix)
         for (uint32_t j = seg_home(s->hash_lo, seg->cap); j != i; j = (j + 1) % seg->cap) {
             if (seg->slots[j].addr_tag == 0) return false;
         }
+    }
+    if (seg->run) { /* a run lies inside one lap, every position of it in use */
+        uint32_t home = RUN_HOME(seg->run), end = RUN_END(seg->run);
+        if (home >= seg->cap || end < home || end - home >= seg->cap) return false;
+        for (uint32_t j = home; j <= end; j++)
+            if (seg->slots[j % seg->cap].addr_tag == 0) return false;
     }
     return used == seg->count && used < seg->cap;
 }
@@ -268,7 +291,7 @@ static int seg_split(struct index *ix, struct index_seg *seg, uint32_t top24)
 /* Makes room for one more entry in the segment of top24: grows or splits (bounded: each split
  * deepens by one, at most 24 splits plus grows). Returns the segment, or NULL if full or out of
  * memory. */
-static struct index_seg *seg_make_room(struct index *ix, uint32_t top24)
+static struct index_seg *seg_make_room_slow(struct index *ix, uint32_t top24)
 {
     for (uint32_t round = 0; round < 2 * INDEX_DEPTH_MAX + 64; round++) {
         struct index_seg *seg = ix->dir[dir_pos(ix, top24)].seg;
@@ -286,6 +309,14 @@ static struct index_seg *seg_make_room(struct index *ix, uint32_t top24)
     }
     IDEM_ASSERT(!"seg_make_room did not converge");
     return NULL;
+}
+
+/* The segment for top24 with room for one more entry (growing or splitting it if need be), or
+ * NULL (see index_insert). */
+static inline struct index_seg *seg_make_room(struct index *ix, uint32_t top24)
+{
+    struct index_seg *seg = ix->dir[dir_pos(ix, top24)].seg;
+    return seg->count + 1 <= seg_limit(seg->cap) ? seg : seg_make_room_slow(ix, top24);
 }
 
 /* Presizing: the fewest segments (2^depth) whose expected share, plus `sigmas` standard
@@ -479,6 +510,39 @@ struct index_slot *index_insert(struct index *ix, uint64_t h, uint64_t addr, uin
     return slot;
 }
 
+struct index_slot *index_insert_ordered(struct index *ix, uint64_t h, uint64_t addr)
+{
+    IDEM_ASSERT(addr != 0 && addr <= INDEX_ADDR_MASK);
+    struct index_seg *seg = seg_make_room(ix, hash_top24(h));
+    if (!seg) return NULL;
+    struct index_slot s = {.addr_tag = (h & TAG_MASK) | addr, .hash_lo = (uint32_t)h};
+    uint32_t cap = seg->cap, home = seg_home(s.hash_lo, cap);
+    /* Positions are counted from the run's first home without wrapping (its end may pass cap). */
+    uint32_t run_home = RUN_HOME(seg->run), run_end = RUN_END(seg->run);
+    uint32_t from = home;
+    bool joins = false;
+    if (seg->run && home + RUN_BEHIND >= run_home && home <= run_end + 1) {
+        /* [run_home, run_end] is in use: an entry a little behind the run (homes come a little
+         * out of order) takes an empty slot before it, else the first one after it. */
+        while (from < run_home && seg->slots[from].addr_tag != 0)
+            from++;
+        joins = from >= run_home;
+        if (joins) from = run_end + 1;
+    }
+    uint32_t start = from >= cap ? from - cap : from;
+    uint32_t at = seg_place_at(seg, &s, start);
+    /* Where it went, unwrapped: at or after `from`, before from + cap. */
+    uint32_t end = from + (at >= start ? at - start : at + cap - start);
+    if (joins) {
+        seg->run = RUN(home < run_home ? home : run_home, end); /* [home, run_home) was in use */
+    } else if (!seg->run || home > run_end + 1 || home + RUN_BEHIND < run_home) {
+        seg->run = RUN(home, end); /* the first run, or the next sweep over the segment */
+    }
+    ix->gen++; /* the remembered slot of index_find, if any, is taken or stale */
+    ix->count++;
+    return &seg->slots[at];
+}
+
 void index_remove(struct index *ix, struct index_slot *slot)
 {
     IDEM_ASSERT(slot->addr_tag != 0);
@@ -502,6 +566,7 @@ void index_remove(struct index *ix, struct index_slot *slot)
         }
     }
     seg->slots[hole] = (struct index_slot){0};
+    seg->run = 0;
     ix->gen++;
     IDEM_ASSERT(seg->count > 0 && ix->count > 0);
     seg->count--;

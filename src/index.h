@@ -68,6 +68,11 @@ int index_holds(const struct index *ix, uint64_t h, uint64_t addr);
  * the slot, or NULL when memory for a split cannot be had or a segment at the deepest local
  * depth (24) is full (nothing changed then). */
 struct index_slot *index_insert(struct index *ix, uint64_t h, uint64_t addr, uint32_t aux);
+/* index_insert (aux 0) for entries that arrive in ascending order of position within their
+ * segment, as a checkpoint lists them: each insert starts probing where the run of slots it
+ * joins ends, instead of at its home (sorted inserts into linear probing otherwise walk the
+ * whole run each time: ~8 probes at 75% load). Correct in any order; faster in that one. */
+struct index_slot *index_insert_ordered(struct index *ix, uint64_t h, uint64_t addr);
 
 /* Removes the entry in slot (from find or insert, still valid). */
 void index_remove(struct index *ix, struct index_slot *slot);

@@ -52,6 +52,11 @@ struct io_ops {
     int (*truncate)(struct io *io, struct io_file *f, uint64_t len);
     /* Synchronous read; returns bytes read (short at end of file) or -errno. */
     int64_t (*read)(struct io *io, struct io_file *f, uint64_t off, void *buf, size_t len);
+    /* The first stretch at or after off that may hold data: [*data, *hole). Holes and space
+     * allocated but never written read as zeros and are skipped; *data is UINT64_MAX when
+     * nothing but those follows. A backend that cannot tell reports [off, UINT64_MAX). */
+    int (*data_after)(struct io *io, struct io_file *f, uint64_t off, uint64_t *data,
+                      uint64_t *hole);
     /* Maps [0, len) of the file read-only; *out stays valid until unmap. */
     int (*map)(struct io *io, struct io_file *f, size_t len, const void **out);
     void (*unmap)(struct io *io, struct io_file *f, const void *p, size_t len);
@@ -103,6 +108,11 @@ static inline int io_truncate(struct io *io, struct io_file *f, uint64_t len)
 static inline int64_t io_read(struct io *io, struct io_file *f, uint64_t off, void *buf, size_t len)
 {
     return io->ops->read(io, f, off, buf, len);
+}
+static inline int io_data_after(struct io *io, struct io_file *f, uint64_t off, uint64_t *data,
+                                uint64_t *hole)
+{
+    return io->ops->data_after(io, f, off, data, hole);
 }
 static inline int io_map(struct io *io, struct io_file *f, size_t len, const void **out)
 {

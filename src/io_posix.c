@@ -115,6 +115,26 @@ int64_t io_posix_read(struct io *io, struct io_file *f, uint64_t off, void *buf,
     return (int64_t)done;
 }
 
+int io_posix_data_after(struct io *io, struct io_file *f, uint64_t off, uint64_t *data,
+                        uint64_t *hole)
+{
+    (void)io;
+    *data = off;
+    *hole = UINT64_MAX;
+    if (off > INT64_MAX) return -EINVAL;
+    off_t d = lseek(f->fd, (off_t)off, SEEK_DATA);
+    if (d < 0) {
+        /* ENXIO: nothing but holes from off on. Anything else (a file system without
+         * SEEK_DATA): every byte may hold data. */
+        if (errno == ENXIO) *data = UINT64_MAX;
+        return 0;
+    }
+    off_t h = lseek(f->fd, d, SEEK_HOLE);
+    *data = (uint64_t)d;
+    if (h > d) *hole = (uint64_t)h;
+    return 0;
+}
+
 int io_posix_map(struct io *io, struct io_file *f, size_t len, const void **out)
 {
     (void)io;

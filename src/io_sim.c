@@ -764,6 +764,17 @@ static int64_t sim_read(struct io *io, struct io_file *f, uint64_t off, void *bu
     return res;
 }
 
+/* The simulated disk keeps no holes apart: every byte may hold data. */
+static int sim_data_after(struct io *io, struct io_file *f, uint64_t off, uint64_t *data,
+                          uint64_t *hole)
+{
+    (void)io;
+    (void)f;
+    *data = off;
+    *hole = UINT64_MAX;
+    return 0;
+}
+
 static int sim_map(struct io *io, struct io_file *f, size_t len, const void **out)
 {
     struct sim_io *h = sim_io_of(io);
@@ -976,6 +987,7 @@ static const struct io_ops sim_ops = {
     .allocate = sim_allocate,
     .truncate = sim_truncate,
     .read = sim_read,
+    .data_after = sim_data_after,
     .map = sim_map,
     .unmap = sim_unmap,
     .unlink = sim_unlink,

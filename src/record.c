@@ -32,8 +32,12 @@ int rec_decode(const uint8_t *p, uint32_t len, struct rec *r)
     memcpy(r->last_mismatch_fp, p + 120, 16);
     uint64_t need =
         (uint64_t)REC_FIXED_BYTES + r->key_len + r->owner_len + r->note_len + r->result_len;
+    /* A compressed result is inflated into memory of its declared length: no store holds one
+     * longer than IDEM_RESULT_BYTES_LIMIT (fuzz_wal_replay: a frame whose checksum held once
+     * asked for 2 GiB). */
     if (need > len || r->key_len == 0 || r->state < IDEM_STATE_IN_FLIGHT ||
-        r->state > IDEM_STATE_REVIEW)
+        r->state > IDEM_STATE_REVIEW ||
+        ((r->flags & REC_F_LZ4) && r->result_raw_len > IDEM_RESULT_BYTES_LIMIT))
         return IDEM_ECORRUPT;
     r->key = p + REC_FIXED_BYTES;
     r->owner = r->key + r->key_len;

@@ -17,6 +17,7 @@
 #include "idem.h"
 #include "index.h"
 #include "io_sim.h"
+#include "record.h"
 #include "store.h"
 #include "testutil.h"
 
@@ -347,6 +348,16 @@ static void current_ckpt_path(char *path, size_t cap)
     ckpt_path(SIM_DIR, id, path, cap);
 }
 
+/* A store of keys 0..keys-1 closed cleanly; path: its checkpoint file. */
+static void closed_store_ckpt(int keys, char *path, size_t cap)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, keys);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    current_ckpt_path(path, cap);
+}
+
 /* Sets the byte at offset at of the 4 KiB block at off in path to v, and the block's checksum
  * (XXH3-64 of its first 4088 bytes, at 4088) to match: superblock copies, checkpoint headers. */
 static void block_set_byte(const char *path, uint64_t off, int at, uint8_t v)
@@ -396,11 +407,8 @@ Test(recovery, unknown_feature_bit_is_refused_by_name)
 Test(recovery, unknown_checkpoint_format_is_refused_by_name)
 {
     idem_store *s;
-    cr_assert_eq(open_sim(&s), IDEM_OK);
-    fill(s, 0, 10);
-    cr_assert_eq(idem_close(s), IDEM_OK);
     char path[256];
-    current_ckpt_path(path, sizeof path);
+    closed_store_ckpt(10, path, sizeof path);
     uint8_t h[4096];
     cr_assert_eq(io_sim_read_file(sim, path, h, sizeof h), 4096);
     cr_assert_eq(h[8], 2);
@@ -413,11 +421,8 @@ Test(recovery, unknown_checkpoint_format_is_refused_by_name)
 Test(recovery, corrupt_checkpoint_is_reported)
 {
     idem_store *s;
-    cr_assert_eq(open_sim(&s), IDEM_OK);
-    fill(s, 0, 10);
-    cr_assert_eq(idem_close(s), IDEM_OK);
     char path[256];
-    current_ckpt_path(path, sizeof path);
+    closed_store_ckpt(10, path, sizeof path);
     cr_assert_eq(io_sim_corrupt(sim, path, 4096 + 3, 0x80), 0);
     cr_assert_eq(open_sim(&s), IDEM_ECORRUPT);
     cr_assert(strstr(idem_last_error(), "checkpoint"), "message: %s", idem_last_error());
@@ -524,6 +529,62 @@ Test(recovery, a_damaged_chunk_or_trailer_fails_the_open)
     }
     cr_assert_eq(open_sim_seg(&s, 4u << 20), IDEM_OK, "%s", idem_last_error());
     expect_committed(s, 0, CHUNKS_KEYS);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+/* A record frame (checksum intact) whose compressed result declares a length no store can hold
+ * is corrupt: it would be inflated into memory of that length (fuzz_wal_replay: 2 GiB). */
+Test(recovery, a_record_declaring_a_result_longer_than_any_store_holds_is_corrupt)
+{
+    uint8_t p[REC_FIXED_BYTES + 8];
+    struct rec r = {
+        .state = IDEM_STATE_COMMITTED, .flags = REC_F_LZ4, .key_len = 1, .result_len = 7};
+    struct rec out;
+    for (int over = 0; over < 2; over++) {
+        r.result_raw_len = IDEM_RESULT_BYTES_LIMIT + (uint32_t)over;
+        rec_encode_fixed(&r, p);
+        memcpy(p + REC_FIXED_BYTES, "kresult", 8);
+        cr_assert_eq(rec_decode(p, sizeof p, &out), over ? IDEM_ECORRUPT : 0, "raw length %u",
+                     r.result_raw_len);
+    }
+    r.flags = 0; /* stored as is: its length is bounded by the frame's */
+    rec_encode_fixed(&r, p);
+    cr_assert_eq(rec_decode(p, sizeof p, &out), 0);
+}
+
+/* An entry with a flag this build does not know fails the open, wherever it sits among the
+ * plain entries the loader checks four at a time (the chunk's checksum made to match). */
+Test(recovery, a_checkpoint_entry_with_an_unknown_flag_fails_the_open)
+{
+    idem_store *s;
+    char path[256];
+    closed_store_ckpt(40, path, sizeof path);
+    static uint8_t file[1 << 20];
+    cr_assert_gt(io_sim_read_file(sim, path, file, sizeof file), 4096 + 32 + 16 * 12);
+    uint32_t n, len;
+    memcpy(&n, file + 4096 + 8, 4);
+    memcpy(&len, file + 4096 + 12, 4);
+    cr_assert_eq(len, n * 16, "every entry plain: %u entries, %u bytes", n, len);
+    const int places[] = {0, 2, 3, 5, 9};
+    for (size_t i = 0; i < sizeof places / sizeof places[0]; i++) {
+        uint64_t flags_at = 4096 + 32 + 16 * (uint64_t)places[i] + 12;
+        for (int pass = 0; pass < 2; pass++) { /* set, then undo */
+            file[flags_at] ^= 0x04;
+            cr_assert_eq(io_sim_corrupt(sim, path, flags_at, 0x04), 0);
+            uint64_t old, sum = XXH3_64bits_withSeed(file + 4096 + 32, len, 0);
+            memcpy(&old, file + 4096 + 16, 8);
+            for (int b = 0; b < 8; b++)
+                io_sim_corrupt(sim, path, 4096 + 16 + (uint64_t)b,
+                               (uint8_t)((old ^ sum) >> (8 * b)));
+            memcpy(file + 4096 + 16, &sum, 8);
+            if (pass == 1) break;
+            cr_assert_eq(open_sim(&s), IDEM_ECORRUPT, "entry %d: opened", places[i]);
+            cr_assert(strstr(idem_last_error(), "do not fill"), "entry %d: %s", places[i],
+                      idem_last_error());
+        }
+    }
+    cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, 40);
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
@@ -1087,4 +1148,65 @@ Test(recovery, a_checkpoint_in_steps_across_index_splits_recovers_every_key, .ti
     free(m.state);
     free(m.token);
     free(m.touched);
+}
+
+/* On a real file system: recovery skips the log space that was allocated but never written
+ * (io_data_after, SEEK_DATA) instead of reading it, yet a frame written there, past that space,
+ * is still found. A frame of a later batch beyond the end of the log after a clean shutdown
+ * is corruption: in the last block of the current segment, or in the middle of the spare. */
+static void file_rw(const char *path, uint64_t off, void *buf, size_t len, int write)
+{
+    FILE *f = fopen(path, "r+b");
+    cr_assert_not_null(f, "%s", path);
+    cr_assert_eq(fseek(f, (long)off, SEEK_SET), 0);
+    if (write)
+        cr_assert_eq(fwrite(buf, 1, len, f), len);
+    else
+        cr_assert_eq(fread(buf, 1, len, f), len);
+    cr_assert_eq(fclose(f), 0);
+}
+
+Test(recovery_disk, a_later_frame_past_unwritten_log_space_is_corruption)
+{
+    for (int where = 0; where < 2; where++) {
+        char *dir = tu_mkdtemp("beyond");
+        idem_options o;
+        idem_options_init(&o);
+        o.segment_bytes = 1u << 20;
+        idem_store *s;
+        cr_assert_eq(idem_open(dir, &o, &s), IDEM_OK, "%s", idem_last_error());
+        fill(s, 0, 50);
+        cr_assert_eq(idem_close(s), IDEM_OK);
+        char path[4096];
+        uint8_t sb[8192];
+        snprintf(path, sizeof path, "%s/super", dir);
+        file_rw(path, 0, sb, sizeof sb, 0);
+        uint64_t g0, g1, seq;
+        memcpy(&g0, sb + 16, 8);
+        memcpy(&g1, sb + 4096 + 16, 8);
+        memcpy(&seq, sb + (g0 > g1 ? 0 : 4096) + 72, 8); /* the replay segment: the log's end */
+        /* A frame of the log, made a frame of a much later batch with its checksum. */
+        uint8_t frame[4096], hdr[4096];
+        snprintf(path, sizeof path, "%s/wal-%016llx.log", dir, (unsigned long long)seq);
+        file_rw(path, 4096, frame, sizeof frame, 0);
+        uint32_t len;
+        memcpy(&len, frame + 24, 4);
+        cr_assert(len >= 32 && len <= sizeof frame);
+        uint64_t big = UINT64_C(1) << 40;
+        memcpy(frame + 8, &big, 8);                  /* LSN */
+        memcpy(frame + 16, &big, 8);                 /* batch */
+        uint64_t target_seq = seq + (uint64_t)where; /* the current segment, or the spare */
+        snprintf(path, sizeof path, "%s/wal-%016llx.log", dir, (unsigned long long)target_seq);
+        file_rw(path, 0, hdr, sizeof hdr, 0);
+        uint64_t salt, sum;
+        memcpy(&salt, hdr + 24, 8);
+        sum = XXH3_64bits_withSeed(frame + 8, len - 8, salt);
+        memcpy(frame, &sum, 8);
+        uint64_t off = where == 0 ? (1u << 20) - 4096 : (1u << 19);
+        file_rw(path, off, frame, len, 1);
+        cr_assert_eq(idem_open(dir, &o, &s), IDEM_ECORRUPT, "case %d opened", where);
+        cr_assert(strstr(idem_last_error(), "after the log stops"), "case %d: %s", where,
+                  idem_last_error());
+        tu_rmtree(dir);
+    }
 }

@@ -193,6 +193,13 @@ static int64_t trace_read(struct io *io, struct io_file *f, uint64_t off, void *
     return h->inner->ops->read(h->inner, f->inner, off, buf, len);
 }
 
+static int trace_data_after(struct io *io, struct io_file *f, uint64_t off, uint64_t *data,
+                            uint64_t *hole)
+{
+    struct trace_io *h = trace_io_of(io);
+    return h->inner->ops->data_after(h->inner, f->inner, off, data, hole);
+}
+
 static int trace_map(struct io *io, struct io_file *f, size_t len, const void **out)
 {
     struct trace_io *h = trace_io_of(io);
@@ -358,6 +365,7 @@ static const struct io_ops trace_ops = {
     .allocate = trace_allocate,
     .truncate = trace_truncate,
     .read = trace_read,
+    .data_after = trace_data_after,
     .map = trace_map,
     .unmap = trace_unmap,
     .unlink = trace_unlink,
