@@ -10,8 +10,10 @@
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 /* Largest single read: pread returns at most about 2 GiB anyway. */
@@ -115,6 +117,26 @@ int64_t io_posix_read(struct io *io, struct io_file *f, uint64_t off, void *buf,
     return (int64_t)done;
 }
 
+/* File systems whose SEEK_DATA is known to count what is still only in the page cache (written,
+ * not yet flushed) as data: ext4, XFS, btrfs, tmpfs, and overlayfs (which asks the file below).
+ * Elsewhere every byte is taken as data: a FUSE file system, for one, is asked without its
+ * dirty pages written back first, and OpenZFS 2.2.0-2.2.1 reported holes wrongly. */
+static int fs_reports_holes(int fd)
+{
+    struct statfs sf;
+    if (fstatfs(fd, &sf) != 0) return 0;
+    switch ((unsigned long)sf.f_type) {
+    case EXT4_SUPER_MAGIC:
+    case XFS_SUPER_MAGIC:
+    case BTRFS_SUPER_MAGIC:
+    case TMPFS_MAGIC:
+    case OVERLAYFS_SUPER_MAGIC:
+        return 1;
+    default:
+        return 0;
+    }
+}
+
 int io_posix_data_after(struct io *io, struct io_file *f, uint64_t off, uint64_t *data,
                         uint64_t *hole)
 {
@@ -122,6 +144,7 @@ int io_posix_data_after(struct io *io, struct io_file *f, uint64_t off, uint64_t
     *data = off;
     *hole = UINT64_MAX;
     if (off > INT64_MAX) return -EINVAL;
+    if (!fs_reports_holes(f->fd)) return 0;
     off_t d = lseek(f->fd, (off_t)off, SEEK_DATA);
     if (d < 0) {
         /* ENXIO: nothing but holes from off on. Anything else (a file system without

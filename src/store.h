@@ -132,6 +132,8 @@ struct idem_store {
     struct index *ix;
     uint64_t durable_lsn;
     int fatal;
+    uint32_t notifying; /* flush_once is waking queues without mu: none may close meanwhile */
+    uint32_t test_wake_delay_us; /* store_test_wake_delay */
     int closing;
     int abandoned;    /* store_abandon: the flusher stops at once, nothing more is written */
     int no_wait;      /* idem_cancel_waits: claims answer busy at once */
@@ -233,6 +235,10 @@ void store_abandon(idem_store *s);
  * step installed the checkpoint, 1 while the run goes on (or has not started yet), or a negative
  * idem_err. */
 int store_ckpt_step(idem_store *s);
+
+/* Tests: the end of each flush waits `us` microseconds after letting go of the lock and before
+ * it wakes the waiting threads (notify_ready_unlocked), so a test can act in between. */
+void store_test_wake_delay(idem_store *s, uint32_t us);
 
 /* Tests: walks the whole index; every entry must name a decodable record whose key leads back
  * to it, and the per-state counts must match. IDEM_ECORRUPT on any fault. */

@@ -15,6 +15,7 @@
 #include <errno.h>
 #include <stdio.h>
 #include <sys/mman.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 #include <xxhash.h>
@@ -802,10 +803,13 @@ static void read_ahead(struct wal *w, struct read_ahead *ra, struct scan_pos p)
     if (p.seq == ra->seq && (uint64_t)p.off + RECOVER_READ_STEP / 2 <= ra->until) return;
     struct wal_segment *s = seg_of(w, p.seq);
     if (!s) return;
-    uint64_t data, hole, page = WAL_BLOCK;
-    uint64_t from = p.off - p.off % page, to = from + RECOVER_READ_STEP;
-    if (io_data_after(w->io, s->f, from, &data, &hole) == 0 && data > from)
-        from = data - data % page;
+    uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE); /* madvise wants page-aligned addresses */
+    uint64_t from = p.off - p.off % page, to = from + RECOVER_READ_STEP, data, hole;
+    if (io_data_after(w->io, s->f, from, &data, &hole) < 0) {
+        data = from;
+        hole = UINT64_MAX;
+    }
+    if (data > from) from = data - data % page;
     if (hole < to) to = hole;
     if (to > w->seg_bytes) to = w->seg_bytes;
     if (from < to) posix_madvise((void *)(s->map + from), to - from, POSIX_MADV_WILLNEED);

@@ -27,6 +27,7 @@
 #include <unistd.h>
 
 #include "idem.h"
+#include "store.h"
 #include "testutil.h"
 
 #define TTL   600000u
@@ -560,6 +561,92 @@ Test(race, nothing_is_pending_after_blocking_calls_and_polled_completions)
     cr_assert_eq(idem_queue_pending(q), 0, "%u pending after polling every completion",
                  idem_queue_pending(q));
     idem_queue_close(q);
+}
+
+/* The end of a flush wakes the threads waiting in idem_poll after it lets go of the store's
+ * lock; a queue must not be closed (its condition destroyed) while that is under way. Threads
+ * here open a queue, claim one key, poll with short timeouts (so some leave idem_poll on their
+ * own, not woken), close the queue, and again. */
+#define CHURN_THREADS 16
+#define CHURN_ROUNDS  150
+
+static void *queue_churner(void *arg)
+{
+    worker *w = arg;
+    idem_claim_args a = claim_args(TTL, LEASE, 0);
+    for (int r = 0; r < CHURN_ROUNDS && !w->err[0]; r++) {
+        idem_queue *q;
+        if (idem_queue_open(g_s, 2, &q) != IDEM_OK) {
+            WFAIL(w, "round %d: idem_queue_open failed", r);
+            break;
+        }
+        char key[48];
+        snprintf(key, sizeof key, "churn-%d-%d", w->idx, r);
+        idem_op op = {.kind = IDEM_OP_CLAIM,
+                      .key = key,
+                      .key_len = (uint32_t)strlen(key),
+                      .ttl_ms = a.ttl_ms,
+                      .lease_ms = a.lease_ms};
+        idem_completion c;
+        int n = idem_submit(q, &op, 1) == 1 ? 0 : -1;
+        while (n == 0)
+            n = idem_poll(q, &c, 1, r % 3); /* 0, 1 or 2 ms */
+        if (n != 1 || c.err != IDEM_OK || c.outcome != IDEM_NEW)
+            WFAIL(w, "round %d: %s: poll %d, err %d, outcome %d", r, key, n, n == 1 ? c.err : 0,
+                  n == 1 ? c.outcome : 0);
+        idem_queue_close(q);
+    }
+    return NULL;
+}
+
+Test(race, queues_closed_while_flushes_wake_their_threads)
+{
+    worker ws[CHURN_THREADS];
+    memset(ws, 0, sizeof ws);
+    for (size_t i = 0; i < CHURN_THREADS; i++) {
+        ws[i].idx = (int)i;
+        cr_assert_eq(pthread_create(&ws[i].th, NULL, queue_churner, &ws[i]), 0);
+    }
+    join_all(ws, CHURN_THREADS);
+}
+
+/* The same race made certain: each wake waits 100 ms after the lock is let go; the thread,
+ * polling with a 20 ms timeout, collects its completion meanwhile and closes its queue. The close
+ * must wait until the wake is over (the condition it would destroy is about to be signalled). */
+static int64_t mono_us(void);
+
+Test(race, a_queue_closes_only_after_the_wake_under_way)
+{
+    store_test_wake_delay(g_s, 100000);
+    int waited = 0;
+    for (int r = 0; r < 4; r++) {
+        idem_queue *q;
+        expect_rc(idem_queue_open(g_s, 2, &q), IDEM_OK);
+        char key[32];
+        snprintf(key, sizeof key, "wake-%d", r);
+        idem_op op = {.kind = IDEM_OP_CLAIM,
+                      .key = key,
+                      .key_len = (uint32_t)strlen(key),
+                      .ttl_ms = TTL,
+                      .lease_ms = LEASE};
+        cr_assert_eq(idem_submit(q, &op, 1), 1);
+        idem_completion c;
+        int n;
+        while ((n = idem_poll(q, &c, 1, 20)) == 0)
+            ;
+        cr_assert_eq(n, 1);
+        cr_assert_eq(c.err, IDEM_OK, "%s", idem_strerror(c.err));
+        cr_assert_eq(c.outcome, IDEM_NEW);
+        int64_t t0 = mono_us();
+        idem_queue_close(q);
+        waited += mono_us() - t0 > 30000;
+        pthread_mutex_lock(&g_s->mu);
+        uint32_t notifying = g_s->notifying;
+        pthread_mutex_unlock(&g_s->mu);
+        cr_assert_eq(notifying, 0, "round %d: the queue closed while a wake was under way", r);
+    }
+    store_test_wake_delay(g_s, 0);
+    cr_assert_gt(waited, 0, "no close met a wake under way: the test proves nothing");
 }
 
 /* ------------------------------------------------------------------------------------------ */
