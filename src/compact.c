@@ -33,25 +33,44 @@
 #define STORE_CKPT_RETIRE_BATCH   4    /* walked segments one checkpoint retires under load */
 #define STORE_CKPT_QUIET_MS       5000 /* else the walk has stopped this long */
 
-/* The largest expires_at_ms of the records in a segment whose horizon is not known (segments
- * written before the last open): one read-only pass over its frames, no copy. */
-static int64_t segment_horizon(idem_store *s, uint64_t seq)
+/* The largest expires_at_ms of the records of a sealed segment: one read-only pass over its
+ * frames, no copy. A broken chain gives SEG_EXP_EMPTY: the walk meets it and reports it. */
+static int64_t view_horizon(const struct wal_seg_view *v)
 {
-    int64_t *m = &s->seg_max_exp[seq % WAL_SEG_SLOTS];
-    if (*m != SEG_EXP_UNKNOWN) return *m;
     int64_t max = SEG_EXP_EMPTY;
     uint32_t off = WAL_BLOCK;
     struct wal_frame f;
     int more;
-    while ((more = wal_seg_next(s->wal, seq, &off, &f)) == 1) {
+    while ((more = wal_view_next(v, &off, &f)) == 1) {
         if (f.type == WAL_T_RECORD && f.payload_len >= REC_FIXED_BYTES) {
             int64_t exp = (int64_t)util_get_u64(f.payload + 24);
             if (exp > max) max = exp;
         }
     }
-    /* A broken chain: let the compaction walk meet it and report it. */
-    *m = more < 0 ? SEG_EXP_EMPTY : max;
-    return *m;
+    return more < 0 ? SEG_EXP_EMPTY : max;
+}
+
+/* The segment the walk takes next. */
+static uint64_t walk_next(idem_store *s)
+{
+    return s->cmp_walked ? s->cmp_walked + 1 : wal_first_seq(s->wal);
+}
+
+int compact_learn_horizon(idem_store *s)
+{
+    if (s->fatal || s->closing || s->opt.read_only || s->cmp_disabled || s->cmp_seq) return 0;
+    uint64_t seq = walk_next(s);
+    int64_t *m = &s->seg_max_exp[seq % WAL_SEG_SLOTS];
+    if (*m != SEG_EXP_UNKNOWN || seq - wal_first_seq(s->wal) >= STORE_CMP_AHEAD ||
+        !wal_seg_durable(s->wal, seq, s->durable_lsn))
+        return 0;
+    struct wal_seg_view v;
+    wal_seg_view(s->wal, seq, &v);
+    pthread_mutex_unlock(&s->mu);
+    int64_t horizon = view_horizon(&v);
+    pthread_mutex_lock(&s->mu);
+    *m = horizon; /* the segment is still there: only the flusher retires segments */
+    return 1;
 }
 
 /* Whether segment seq, the next after those walked already, should be walked now. */
@@ -65,7 +84,9 @@ static int walk_wanted(idem_store *s, uint64_t seq)
     /* Walked segments hold nothing live any more: they only wait to be retired. */
     uint64_t seg = s->opt.segment_bytes, walked = (seq - first) * seg;
     if (wal_bytes(s->wal) - walked > 2 * s->live_bytes + STORE_CMP_SLACK_SEGS * seg) return 1;
-    return segment_horizon(s, seq) <= store_now(s);
+    /* Not measured yet (written before this open): compact_learn_horizon does, first. */
+    int64_t horizon = s->seg_max_exp[seq % WAL_SEG_SLOTS];
+    return horizon != SEG_EXP_UNKNOWN && horizon <= store_now(s);
 }
 
 static uint64_t walk_end_lsn(const idem_store *s, uint64_t seq)
@@ -146,7 +167,7 @@ int compact_step(idem_store *s)
     int rc = retire(s); /* segments walked before a corrupt frame stopped compaction, too */
     if (rc != 0 || s->cmp_disabled) return rc;
     if (!s->cmp_seq) {
-        uint64_t next = s->cmp_walked ? s->cmp_walked + 1 : wal_first_seq(s->wal);
+        uint64_t next = walk_next(s);
         if (!walk_wanted(s, next)) return 0;
         s->cmp_seq = next;
         s->cmp_off = WAL_BLOCK;

@@ -470,7 +470,7 @@ static void *flusher_main(void *arg)
         }
         /* After it let go of mu, callers may have appended (and their kick found nobody
          * waiting): look at everything again before sleeping. */
-        int maintained = flusher_maintain(s) | flusher_fill_index(s);
+        int maintained = flusher_maintain(s) | flusher_fill_index(s) | compact_learn_horizon(s);
         int stepped = 0;
         while (steps-- > 0 && !s->abandoned && flusher_compact(s)) {
             /* Between steps of a checkpoint or a compaction, let callers at the lock: the

@@ -318,6 +318,10 @@ int ops_compact_frame(idem_store *s, const struct cmp_frame *cf, int64_t now);
 /* One bounded step of space reclamation; returns 1 when it did work, 0 when there was none,
  * or a negative idem_err when a write failed (fatal). */
 int compact_step(idem_store *s);
+/* Measures the expiry horizon of the segment the walk takes next, when it was written before this
+ * open and is not known yet (one pass over its frames, up to a segment's worth of reads), with
+ * mu let go meanwhile. Returns 1 when it did. */
+int compact_learn_horizon(idem_store *s);
 /* Whether the flusher should write a checkpoint now (log length since the last one, or walked
  * segments waiting to be retired: see the function). */
 int compact_wants_checkpoint(idem_store *s);

@@ -82,6 +82,7 @@ struct wal {
 };
 
 static uint32_t frame_valid(const struct wal *w, const struct wal_segment *s, uint32_t off);
+static uint32_t frame_valid_in(const uint8_t *map, uint64_t salt, uint32_t seg_bytes, uint32_t off);
 
 static struct wal_segment *seg_of(struct wal *w, uint64_t seq)
 {
@@ -588,25 +589,38 @@ uint64_t wal_addr_seq(const struct wal *w, uint64_t addr)
     return w->segs[(addr >> WAL_OFF_BITS) % WAL_SEG_SLOTS].seq;
 }
 
-int wal_seg_next(struct wal *w, uint64_t seq, uint32_t *off, struct wal_frame *f)
+void wal_seg_view(struct wal *w, uint64_t seq, struct wal_seg_view *v)
 {
     struct wal_segment *s = seg_of(w, seq);
     IDEM_ASSERT(s && seq < w->cur_seq);
-    while (*off + WAL_FRAME_HDR <= w->seg_bytes) {
+    *v = (struct wal_seg_view){
+        .map = s->map, .seq = seq, .salt = s->salt, .seg_bytes = w->seg_bytes};
+}
+
+int wal_seg_next(struct wal *w, uint64_t seq, uint32_t *off, struct wal_frame *f)
+{
+    struct wal_seg_view v;
+    wal_seg_view(w, seq, &v);
+    return wal_view_next(&v, off, f);
+}
+
+int wal_view_next(const struct wal_seg_view *v, uint32_t *off, struct wal_frame *f)
+{
+    while (*off + WAL_FRAME_HDR <= v->seg_bytes) {
         uint32_t o = *off;
         if (o % WAL_BLOCK && WAL_BLOCK - o % WAL_BLOCK < WAL_FRAME_HDR) {
             *off = (uint32_t)IDEM_ALIGN_UP(o, WAL_BLOCK);
             continue;
         }
-        uint32_t len = frame_valid(w, s, o);
+        uint32_t len = frame_valid_in(v->map, v->salt, v->seg_bytes, o);
         if (!len) return -1; /* a sealed segment's frames run unbroken to its SEGEND */
-        const uint8_t *p = s->map + o;
+        const uint8_t *p = v->map + o;
         uint32_t type = util_get_u16(p + 28);
         if (type == WAL_T_SEGEND) return 0;
         *off = o + len;
         if (type == WAL_T_END) *off = (uint32_t)IDEM_ALIGN_UP(*off, WAL_BLOCK);
         if (type == WAL_T_RECORD || type == WAL_T_DELETE) {
-            f->addr = addr_make(seq, o);
+            f->addr = addr_make(v->seq, o);
             f->lsn = util_get_u64(p + 8);
             f->type = type;
             f->payload = p + WAL_FRAME_HDR;
@@ -722,14 +736,20 @@ static int seg_open(struct wal *w, uint64_t seq, int read_only)
 }
 
 /* A valid frame at (s, off): checksum, bounds. Returns its length or 0. */
+/* The length of the valid frame at off of a segment's map, or 0. */
+static uint32_t frame_valid_in(const uint8_t *map, uint64_t salt, uint32_t seg_bytes, uint32_t off)
+{
+    if (off + WAL_FRAME_HDR > seg_bytes) return 0;
+    const uint8_t *f = map + off;
+    uint32_t len = util_get_u32(f + 24);
+    if (len < WAL_FRAME_HDR || len % 8 || len > seg_bytes - off) return 0;
+    if (util_get_u64(f) != frame_checksum(salt, f, len)) return 0;
+    return len;
+}
+
 static uint32_t frame_valid(const struct wal *w, const struct wal_segment *s, uint32_t off)
 {
-    if (off + WAL_FRAME_HDR > w->seg_bytes) return 0;
-    const uint8_t *f = s->map + off;
-    uint32_t len = util_get_u32(f + 24);
-    if (len < WAL_FRAME_HDR || len % 8 || len > w->seg_bytes - off) return 0;
-    if (util_get_u64(f) != frame_checksum(s->salt, f, len)) return 0;
-    return len;
+    return frame_valid_in(s->map, s->salt, w->seg_bytes, off);
 }
 
 struct scan_pos {

@@ -183,6 +183,17 @@ uint64_t wal_segments(const struct wal *w);
  * RECORD or DELETE frame and advances *off; returns 1 with a frame, 0 at its SEGEND, -1 when a
  * frame before the SEGEND fails its checksum (corruption: the walk must stop). */
 int wal_seg_next(struct wal *w, uint64_t seq, uint32_t *off, struct wal_frame *f);
+/* A sealed segment to walk without the store's lock: its bytes never change, and it stays mapped
+ * until it is retired, which only the flusher does. */
+struct wal_seg_view {
+    const uint8_t *map;
+    uint64_t seq, salt;
+    uint32_t seg_bytes;
+};
+/* The view of sealed segment seq (the lock held). */
+void wal_seg_view(struct wal *w, uint64_t seq, struct wal_seg_view *v);
+/* wal_seg_next over a view: reads the segment's bytes and nothing else of the log. */
+int wal_view_next(const struct wal_seg_view *v, uint32_t *off, struct wal_frame *f);
 /* Whether segment seq is sealed (SEGEND written) and every frame of it is durable. */
 int wal_seg_durable(const struct wal *w, uint64_t seq, uint64_t durable_lsn);
 /* The LSN that recovery ended at: the last frame of the last complete batch. */
