@@ -33,21 +33,23 @@
 #define STORE_CKPT_RETIRE_BATCH   4    /* walked segments one checkpoint retires under load */
 #define STORE_CKPT_QUIET_MS       5000 /* else the walk has stopped this long */
 
-/* The largest expires_at_ms of the records of a sealed segment: one read-only pass over its
- * frames, no copy. A broken chain gives SEG_EXP_EMPTY: the walk meets it and reports it. */
-static int64_t view_horizon(const struct wal_seg_view *v)
+#define HORIZON_STEPS 16 /* compact_learn_horizon reads a segment in this many calls */
+
+/* The largest expires_at_ms of the records of a sealed segment, one read-only pass over its
+ * frames, no copy, from *off until *off passes `until`: 1 at the segment's end, 0 to go on,
+ * -1 at a broken chain (the walk meets it and reports it). */
+static int view_horizon(const struct wal_seg_view *v, uint32_t *off, uint64_t until, int64_t *max)
 {
-    int64_t max = SEG_EXP_EMPTY;
-    uint32_t off = WAL_BLOCK;
     struct wal_frame f;
-    int more;
-    while ((more = wal_view_next(v, &off, &f)) == 1) {
-        if (f.type == WAL_T_RECORD && f.payload_len >= REC_FIXED_BYTES) {
+    int more = 1;
+    while (more == 1 && *off < until) {
+        more = wal_view_next(v, off, &f);
+        if (more == 1 && f.type == WAL_T_RECORD && f.payload_len >= REC_FIXED_BYTES) {
             int64_t exp = (int64_t)util_get_u64(f.payload + 24);
-            if (exp > max) max = exp;
+            if (exp > *max) *max = exp;
         }
     }
-    return more < 0 ? SEG_EXP_EMPTY : max;
+    return more == 1 ? 0 : more < 0 ? -1 : 1;
 }
 
 /* The segment the walk takes next. */
@@ -64,12 +66,25 @@ int compact_learn_horizon(idem_store *s)
     if (*m != SEG_EXP_UNKNOWN || seq - wal_first_seq(s->wal) >= STORE_CMP_AHEAD ||
         !wal_seg_durable(s->wal, seq, s->durable_lsn))
         return 0;
+    if (s->hz_seq != seq) {
+        s->hz_seq = seq;
+        s->hz_off = WAL_BLOCK;
+        s->hz_max = SEG_EXP_EMPTY;
+    }
     struct wal_seg_view v;
     wal_seg_view(s->wal, seq, &v);
+    uint32_t off = s->hz_off;
+    int64_t max = s->hz_max;
+    /* Only the flusher (this thread) retires segments: the segment stays mapped meanwhile. */
     pthread_mutex_unlock(&s->mu);
-    int64_t horizon = view_horizon(&v);
+    int done = view_horizon(&v, &off, (uint64_t)off + v.seg_bytes / HORIZON_STEPS, &max);
     pthread_mutex_lock(&s->mu);
-    *m = horizon; /* the segment is still there: only the flusher retires segments */
+    s->hz_off = off;
+    s->hz_max = max;
+    if (done != 0) {
+        *m = done < 0 ? SEG_EXP_EMPTY : max;
+        s->hz_seq = 0;
+    }
     return 1;
 }
 

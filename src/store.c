@@ -178,9 +178,6 @@ static int slot_ready(const idem_store *s, const struct qslot *sl)
            sl->c.err == IDEM_EFATAL;
 }
 
-/* Wakes whoever waits for the queue's completions: a thread in idem_poll (its condition), and
- * the eventfd if the owner asked for it (idem_queue_fd; blocking callers are spared a write per
- * completion). mu held. */
 static void efd_signal(int efd)
 {
     uint64_t one = 1;
@@ -189,6 +186,9 @@ static void efd_signal(int efd)
     }
 }
 
+/* Wakes whoever waits for the queue's completions: a thread in idem_poll (its condition), and
+ * the eventfd if the owner asked for it (idem_queue_fd; blocking callers are spared a write per
+ * completion). mu held. */
 void queue_signal(struct idem_queue *q)
 {
     if (q->polling) pthread_cond_signal(&q->cond);
@@ -219,7 +219,7 @@ static void notify_ready(idem_store *s)
 /* notify_ready for the end of a flush (mu held; let go of and taken again): the queues' owners
  * (a thread in idem_poll, or an event loop on the queue's eventfd) are woken after mu is
  * released. Woken with mu held, each woke only to block on mu, which the flusher still held:
- * two context switches per blocking call instead of one (blocking-64: 70-95 k/s before, 114-140
+ * two context switches per blocking call instead of one (blocking-64: 86-112 k/s before, 122-152
  * k/s after, docs/benchmarks.md). Their queues stay open meanwhile: idem_queue_close waits
  * while `notifying`. What to wake is decided under mu, as queue_signal does. */
 static void notify_ready_unlocked(idem_store *s)

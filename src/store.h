@@ -214,6 +214,10 @@ struct idem_store {
     int64_t cmp_walked_ms;                    /* store clock when the last walk ended */
     int cmp_turn;                             /* compaction's turn beside a checkpoint run */
     uint64_t cmp_force_until;                 /* idem_compact: walk every segment below this one */
+    /* compact_learn_horizon's pass over segment hz_seq (0: none): up to hz_off, max hz_max. */
+    uint64_t hz_seq;
+    uint32_t hz_off;
+    int64_t hz_max;
     /* Records that need attention, by kind (ages.c). */
     struct age_heap ages[3];
     int ages_rebuilding;
@@ -319,8 +323,8 @@ int ops_compact_frame(idem_store *s, const struct cmp_frame *cf, int64_t now);
  * or a negative idem_err when a write failed (fatal). */
 int compact_step(idem_store *s);
 /* Measures the expiry horizon of the segment the walk takes next, when it was written before this
- * open and is not known yet (one pass over its frames, up to a segment's worth of reads), with
- * mu let go meanwhile. Returns 1 when it did. */
+ * open and is not known yet: one pass over its frames, a sixteenth of the segment per call with mu
+ * let go meanwhile, so flushes go on between calls. Returns 1 when it read some. */
 int compact_learn_horizon(idem_store *s);
 /* Whether the flusher should write a checkpoint now (log length since the last one, or walked
  * segments waiting to be retired: see the function). */

@@ -14,10 +14,10 @@
 
 #include <errno.h>
 #include <stdio.h>
-#include <sys/mman.h>
-#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <xxhash.h>
 
 #include "idem.h"
@@ -735,8 +735,7 @@ static int seg_open(struct wal *w, uint64_t seq, int read_only)
     return 0;
 }
 
-/* A valid frame at (s, off): checksum, bounds. Returns its length or 0. */
-/* The length of the valid frame at off of a segment's map, or 0. */
+/* A valid frame at off of a segment's map: checksum, bounds. Returns its length or 0. */
 static uint32_t frame_valid_in(const uint8_t *map, uint64_t salt, uint32_t seg_bytes, uint32_t off)
 {
     if (off + WAL_FRAME_HDR > seg_bytes) return 0;
@@ -810,6 +809,17 @@ struct read_ahead {
     uint32_t until; /* ... up to here */
 };
 
+/* Where the file of segment s may hold data from off on (io_data_after); a backend that fails
+ * to tell: everything. */
+static void seg_data_after(struct wal *w, const struct wal_segment *s, uint64_t off, uint64_t *data,
+                           uint64_t *hole)
+{
+    if (io_data_after(w->io, s->f, off, data, hole) < 0) {
+        *data = off;
+        *hole = UINT64_MAX;
+    }
+}
+
 static void segs_advise(struct wal *w, uint64_t seq, int advice)
 {
     for (struct wal_segment *s; (s = seg_of(w, seq)); seq++)
@@ -825,10 +835,7 @@ static void read_ahead(struct wal *w, struct read_ahead *ra, struct scan_pos p)
     if (!s) return;
     uint64_t page = (uint64_t)sysconf(_SC_PAGESIZE); /* madvise wants page-aligned addresses */
     uint64_t from = p.off - p.off % page, to = from + RECOVER_READ_STEP, data, hole;
-    if (io_data_after(w->io, s->f, from, &data, &hole) < 0) {
-        data = from;
-        hole = UINT64_MAX;
-    }
+    seg_data_after(w, s, from, &data, &hole);
     if (data > from) from = data - data % page;
     if (hole < to) to = hole;
     if (to > w->seg_bytes) to = w->seg_bytes;
@@ -853,10 +860,7 @@ static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch,
             if (off >= hole) {
                 /* Skips the preallocated space never written (a zero block holds no frame)
                  * instead of reading it: up to two segments' worth at every open. */
-                if (io_data_after(w->io, s->f, off, &data, &hole) < 0) {
-                    data = off;
-                    hole = UINT64_MAX;
-                }
+                seg_data_after(w, s, off, &data, &hole);
                 if (data >= w->seg_bytes) break;
                 if (data > off) off = (uint32_t)(data - data % WAL_BLOCK);
             }
