@@ -144,12 +144,24 @@ static int retire(idem_store *s)
         upto = seq;
     }
     if (!upto) return 0;
+    if (upto - first >= WAL_RETIRE_MAX) upto = first + WAL_RETIRE_MAX - 1;
+    /* The superblock write and the unmaps run with the lock let go, and the deletes on the
+     * remover's thread (remover.h): under the lock they held every caller 16-84 ms a
+     * retirement (docs/benchmarks.md). Callers cannot reach the segments meanwhile: nothing in
+     * the index or the age heaps points into them, and a backup waits for the flusher before it
+     * takes its copy of the superblock. */
     struct super sb = s->sb;
     sb.wal_first_seq = upto + 1;
+    store_flusher_unlock(s);
     int rc = super_store(s->io, s->dir, &sb);
+    store_flusher_relock(s);
     if (rc < 0) return rc;
     s->sb = sb;
-    rc = wal_retire(s->wal, upto);
+    rc = wal_retire_detach(s->wal, upto);
+    if (rc < 0) return rc;
+    store_flusher_unlock(s);
+    rc = wal_retire_remove(s->wal, s->remover);
+    store_flusher_relock(s);
     if (rc < 0) return rc;
     for (uint64_t seq = first; seq <= upto; seq++)
         s->seg_max_exp[seq % WAL_SEG_SLOTS] = SEG_EXP_UNKNOWN;

@@ -17,7 +17,7 @@
  *   - Create, rename and unlink are durable only after io_sync_dir() of the directory.
  *   - Reads and maps see every write whose completion was reaped (the page cache view).
  *   - One thread at a time submits and reaps (the store's flusher); open, read, map, close,
- *     unlink and rename may be called from any thread.
+ *     unlink, rename and sync_dir may be called from any thread.
  */
 #ifndef IDEM_IO_H
 #define IDEM_IO_H

@@ -110,6 +110,7 @@ struct io_sim {
     pthread_mutex_t mu;
     pthread_cond_t held_cond; /* io_sim_hold: completions wait while held */
     int held;
+    int unlinks_held; /* io_sim_hold_unlinks: unlinks wait while held (on held_cond) */
     uint64_t rng;
     uint64_t epoch;
     uint64_t seq;
@@ -824,6 +825,8 @@ static int sim_unlink(struct io *io, const char *path)
     struct sim_io *h = sim_io_of(io);
     struct io_sim *sim = h->sim;
     sim_lock(sim);
+    while (sim->unlinks_held)
+        pthread_cond_wait(&sim->held_cond, &sim->mu);
     struct sim_entry *e = sim_ns_find(&sim->cur_ns, path);
     int rc = sim_stale(h, NULL) ? -EIO : !e ? -ENOENT : 0;
     if (rc == 0) rc = sim_dir_op_add(sim, SIM_DIR_UNLINK, path, NULL, e->node);
@@ -1049,6 +1052,14 @@ void io_sim_hold(struct io_sim *sim, int hold)
 {
     sim_lock(sim);
     sim->held = hold;
+    if (!hold) pthread_cond_broadcast(&sim->held_cond);
+    sim_unlock(sim);
+}
+
+void io_sim_hold_unlinks(struct io_sim *sim, int hold)
+{
+    sim_lock(sim);
+    sim->unlinks_held = hold;
     if (!hold) pthread_cond_broadcast(&sim->held_cond);
     sim_unlock(sim);
 }

@@ -68,5 +68,8 @@ int64_t io_sim_read_file(struct io_sim *sim, const char *path, void *buf, size_t
 /* While hold is nonzero, completions are not delivered (waits block): a flush that has been
  * submitted but has not finished, for tests of what may be answered meanwhile. */
 void io_sim_hold(struct io_sim *sim, int hold);
+/* While hold is nonzero, unlinks block: a delete the kernel takes long over, for tests of who
+ * waits for it. */
+void io_sim_hold_unlinks(struct io_sim *sim, int hold);
 
 #endif /* IDEM_IO_SIM_H */

@@ -126,6 +126,7 @@ struct idem_store {
     idem_options opt;
     idem_clock_source clock;
     struct io *io;
+    struct remover *remover; /* deletes retired files (NULL when read-only) */
     int lock_fd;
     struct super sb;
     struct wal *wal;
@@ -260,6 +261,12 @@ int store_room_ok(idem_store *s);
 /* Marks the store failed (a write or flush failed, err a negative errno): nothing more is
  * acknowledged; completions not yet durable answer IDEM_EFATAL. */
 void store_fail(idem_store *s, int err);
+/* The flusher (mu held, nothing in flight) lets go of mu for file I/O of its own: flushing
+ * stays set meanwhile, so the ring stays the flusher's (callers that use it wait, see
+ * store_quiesce) and no superblock is written by anyone else (checkpoint_locked waits for it
+ * too); callers go on applying operations. store_flusher_relock takes mu back. */
+void store_flusher_unlock(idem_store *s);
+void store_flusher_relock(idem_store *s);
 void store_quiesce(idem_store *s);
 void store_kick(idem_store *s);
 /* Room for len more bytes at the end of the slot's buffer (not yet counted as used); earlier

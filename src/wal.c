@@ -21,6 +21,7 @@
 #include <xxhash.h>
 
 #include "idem.h"
+#include "remover.h"
 #include "util.h"
 
 #define WAL_MAGIC         "IDEMWAL1"
@@ -51,6 +52,9 @@ struct wal {
     char *dir;
     uint32_t seg_bytes;
     struct wal_segment *segs; /* WAL_SEG_SLOTS, by seq % WAL_SEG_SLOTS */
+    /* Segments taken out of the log and not yet deleted (wal_retire_detach, _remove). */
+    struct wal_segment retired[WAL_RETIRE_MAX];
+    uint32_t nretired;
     uint64_t first_seq;
     uint64_t cur_seq;
     uint32_t cur_off;
@@ -90,9 +94,9 @@ static struct wal_segment *seg_of(struct wal *w, uint64_t seq)
     return seq != 0 && s->seq == seq ? s : NULL;
 }
 
-static void seg_path(const struct wal *w, uint64_t seq, char *buf, size_t cap)
+void wal_seg_path(const char *dir, uint64_t seq, char *buf, size_t cap)
 {
-    snprintf(buf, cap, "%s/wal-%016llx.log", w->dir, (unsigned long long)seq);
+    snprintf(buf, cap, "%s/wal-%016llx.log", dir, (unsigned long long)seq);
 }
 
 static uint64_t addr_make(uint64_t seq, uint32_t off)
@@ -134,6 +138,8 @@ void wal_destroy(struct wal *w)
     if (!w) return;
     for (uint32_t i = 0; i < WAL_SEG_SLOTS; i++)
         if (w->segs[i].seq) seg_close(w, &w->segs[i]);
+    for (uint32_t i = 0; i < w->nretired; i++)
+        seg_close(w, &w->retired[i]);
     for (uint32_t i = 0; i < WAL_CHUNKS_MAX; i++)
         free(w->chunks[i].buf);
     free(w->segs);
@@ -152,7 +158,7 @@ static uint64_t frame_checksum(uint64_t salt, const uint8_t *frame, uint32_t len
 static int seg_make(struct wal *w, uint64_t seq, struct wal_segment *out)
 {
     char path[4096];
-    seg_path(w, seq, path, sizeof path);
+    wal_seg_path(w->dir, seq, path, sizeof path);
     struct wal_segment s = {.seq = seq};
     int rc = io_open(w->io, path, IO_O_CREATE, &s.f);
     if (rc < 0) return rc == -ENOSPC || rc == -EDQUOT ? IDEM_EFULL : IDEM_EIO;
@@ -651,20 +657,36 @@ int wal_copy(struct wal *w, const struct wal_frame *f, uint64_t *addr, uint64_t 
     return rc;
 }
 
-int wal_retire(struct wal *w, uint64_t upto)
+int wal_retire_detach(struct wal *w, uint64_t upto)
 {
-    if (upto < w->first_seq || upto >= w->cur_seq) return IDEM_EINVAL;
-    int rc = 0;
-    while (w->first_seq <= upto && rc == 0) {
+    if (upto < w->first_seq || upto >= w->cur_seq || w->nretired ||
+        upto - w->first_seq >= WAL_RETIRE_MAX)
+        return IDEM_EINVAL;
+    while (w->first_seq <= upto) {
         struct wal_segment *s = seg_of(w, w->first_seq);
         if (!s) return IDEM_EINVAL;
-        seg_close(w, s);
-        char path[4096];
-        seg_path(w, w->first_seq, path, sizeof path);
+        w->retired[w->nretired++] = *s;
+        memset(s, 0, sizeof *s);
         w->first_seq++;
-        rc = io_unlink(w->io, path);
     }
-    if (rc == 0) rc = io_sync_dir(w->io, w->dir);
+    return 0;
+}
+
+int wal_retire_remove(struct wal *w, struct remover *rm)
+{
+    int rc = 0;
+    for (uint32_t i = 0; i < w->nretired; i++) {
+        struct wal_segment *s = &w->retired[i];
+        char path[4096];
+        wal_seg_path(w->dir, s->seq, path, sizeof path);
+        seg_close(w, s);
+        if (rm)
+            remover_add(rm, path);
+        else if (rc == 0)
+            rc = io_unlink(w->io, path);
+    }
+    w->nretired = 0;
+    if (!rm && rc == 0) rc = io_sync_dir(w->io, w->dir);
     return rc < 0 ? IDEM_EIO : 0;
 }
 void wal_position(const struct wal *w, uint64_t *seq, uint32_t *off)
@@ -696,7 +718,7 @@ const char *wal_error(const struct wal *w)
 static int seg_open(struct wal *w, uint64_t seq, int read_only)
 {
     char path[4096];
-    seg_path(w, seq, path, sizeof path);
+    wal_seg_path(w->dir, seq, path, sizeof path);
     struct wal_segment s = {.seq = seq};
     int rc = io_open(w->io, path, read_only ? IO_O_RDONLY : 0, &s.f);
     if (rc == -ENOENT) return IDEM_ENOTFOUND;

@@ -137,6 +137,7 @@ int wal_spare_create(struct wal *w);
  * allocates, writes the header, syncs the directory and maps it, touching no state of w;
  * wal_spare_end (lock held) installs what was made, or records rc, and returns rc. */
 struct wal_segment;
+struct remover;
 uint64_t wal_spare_begin(struct wal *w, int *rc);
 int wal_spare_make(struct wal *w, uint64_t seq, struct wal_segment **out);
 int wal_spare_end(struct wal *w, struct wal_segment *made, int rc);
@@ -200,10 +201,18 @@ int wal_seg_durable(const struct wal *w, uint64_t seq, uint64_t durable_lsn);
 uint64_t wal_recovered_lsn(const struct wal *w);
 /* Appends a copy of a frame's payload (compaction). */
 int wal_copy(struct wal *w, const struct wal_frame *f, uint64_t *addr, uint64_t *lsn);
-/* Unmaps, closes and deletes the segments from the first through upto (sealed), then syncs the
- * directory once; the caller has already made a superblock durable that starts the log after
- * upto. */
-int wal_retire(struct wal *w, uint64_t upto);
+/* Retirement of the segments from the first through upto (sealed, at most WAL_RETIRE_MAX), once
+ * the caller has made a superblock durable that starts the log after upto. In two parts, so
+ * that the file work runs without the store's lock: wal_retire_detach (lock held) takes them
+ * out of the log, so that no address in them is served from then on; wal_retire_remove (lock
+ * let go, by the one thread that retires) unmaps, closes and deletes them, then syncs the
+ * directory once. It touches only what detach set aside and the ring. */
+#define WAL_RETIRE_MAX 64
+int wal_retire_detach(struct wal *w, uint64_t upto);
+/* rm: the files go to it (remover.h); NULL: deleted here, then the directory synced. */
+int wal_retire_remove(struct wal *w, struct remover *rm);
+/* The path of segment seq's file in dir. */
+void wal_seg_path(const char *dir, uint64_t seq, char *buf, size_t cap);
 /* The segment holding addr (by slot); 0 if none. */
 uint64_t wal_addr_seq(const struct wal *w, uint64_t addr);
 uint64_t wal_cur_seq(const struct wal *w);

@@ -11,6 +11,7 @@
 
 #include "idem.h"
 #include "io_sim.h"
+#include "remover.h"
 #include "store.h"
 #include "testutil.h"
 
@@ -583,6 +584,27 @@ static void set_keys(idem_queue *q, const char *prefix, int n, uint64_t ttl_ms)
     }
 }
 
+/* Every 7th of the keys prefix-0 .. prefix-(n-1) is still there. */
+static void check_keys(idem_queue *q, const char *prefix, int n)
+{
+    for (int i = 0; i < n; i += 7) {
+        char key[32];
+        snprintf(key, sizeof key, "%s-%d", prefix, i);
+        idem_completion c;
+        cr_assert_eq(idem_get(q, key, strlen(key), &c), IDEM_OK);
+        cr_assert(c.found, "%s lost", key);
+    }
+}
+
+/* A store on sim whose log spans several segments of hour-long keys hour-0 .. hour-2399. */
+static idem_store *open_with_segments(struct io_sim *sim, idem_queue **q)
+{
+    idem_store *s = open_sim(sim);
+    cr_assert_eq(idem_queue_open(s, 64, q), IDEM_OK);
+    set_keys(*q, "hour", 2400, 3600000);
+    return s;
+}
+
 Test(compact, a_segment_from_before_the_open_is_walked_once_its_records_expire, .timeout = 60)
 {
     struct io_sim *sim;
@@ -611,13 +633,110 @@ Test(compact, a_segment_from_before_the_open_is_walked_once_its_records_expire, 
     cr_assert_gt(st.expired_total, 0);
     cr_assert_lt(st.wal_bytes, before);
     cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
-    for (int i = 0; i < 1600; i += 7) {
-        char key[32];
-        snprintf(key, sizeof key, "hour-%d", i);
-        idem_completion c;
-        cr_assert_eq(idem_get(q, key, strlen(key), &c), IDEM_OK);
-        cr_assert(c.found, "%s lost", key);
+    check_keys(q, "hour", 1600);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    io_sim_destroy(sim);
+}
+
+static int sim_has(struct io_sim *sim, const char *path)
+{
+    char b;
+    return io_sim_read_file(sim, path, &b, 0) >= 0;
+}
+
+/* Puts a file of 4 KiB at path on the simulated disk, durably, as a crash would leave one. */
+static void sim_put(struct io_sim *sim, const char *path)
+{
+    struct io *io = io_sim_io(sim);
+    struct io_file *f;
+    static uint8_t junk[4096];
+    cr_assert_eq(io_open(io, path, IO_O_CREATE, &f), 0);
+    cr_assert_eq(io_write_sync(io, f, 0, junk, sizeof junk, 1), 0);
+    io_close(io, f);
+    cr_assert_eq(io_sync_dir(io, SIM_DIR), 0);
+    io_destroy(io);
+}
+
+Test(compact, files_a_crash_left_behind_are_removed_at_the_next_open, .timeout = 60)
+{
+    struct io_sim *sim;
+    cr_assert_eq(io_sim_create(31, &sim), 0);
+    idem_queue *q;
+    idem_store *s = open_with_segments(sim, &q);
+    cr_assert_eq(idem_compact(s, 20000), IDEM_OK); /* copies them forward, retires them */
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    struct io *io = io_sim_io(sim);
+    struct super sb;
+    char err[256];
+    cr_assert_eq(super_load(io, SIM_DIR, &sb, err, sizeof err), 0, "%s", err);
+    io_destroy(io);
+    cr_assert_gt(sb.wal_first_seq, 3, "too few segments retired to leave two behind");
+    cr_assert_gt(sb.ckpt_id, 3);
+    /* A retirement and a checkpoint install cut short by a crash, and a checkpoint never
+     * installed, as they would leave the directory. */
+    char first[256], seg[2][256], ck_old[2][256], ck_prev[256], ck_cur[256], ck_next[256];
+    snprintf(first, sizeof first, SIM_DIR "/wal-%016llx.log", (unsigned long long)sb.wal_first_seq);
+    for (int i = 0; i < 2; i++) {
+        snprintf(seg[i], sizeof seg[i], SIM_DIR "/wal-%016llx.log",
+                 (unsigned long long)(sb.wal_first_seq - 1 - i));
+        ckpt_path(SIM_DIR, sb.ckpt_id - 2 - i, ck_old[i], sizeof ck_old[i]);
+        sim_put(sim, seg[i]);
+        sim_put(sim, ck_old[i]);
     }
+    ckpt_path(SIM_DIR, sb.ckpt_id - 1, ck_prev, sizeof ck_prev);
+    ckpt_path(SIM_DIR, sb.ckpt_id, ck_cur, sizeof ck_cur);
+    ckpt_path(SIM_DIR, sb.ckpt_id + 1, ck_next, sizeof ck_next);
+    sim_put(sim, ck_next);
+    int had_prev = sim_has(sim, ck_prev);
+    s = open_sim(sim);
+    for (int i = 0; i < 2; i++) {
+        cr_assert(!sim_has(sim, seg[i]), "%s left behind", seg[i]);
+        cr_assert(!sim_has(sim, ck_old[i]), "%s left behind", ck_old[i]);
+    }
+    cr_assert(!sim_has(sim, ck_next), "%s left behind", ck_next);
+    /* What either superblock copy may name stays. */
+    cr_assert(sim_has(sim, first));
+    cr_assert(sim_has(sim, ck_cur));
+    cr_assert_eq(sim_has(sim, ck_prev), had_prev);
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    check_keys(q, "hour", 2400);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    s = open_sim(sim); /* and the store opens again as it was */
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    io_sim_destroy(sim);
+}
+
+Test(compact, a_delete_that_hangs_holds_up_no_acknowledgement, .timeout = 60)
+{
+    struct io_sim *sim;
+    cr_assert_eq(io_sim_create(37, &sim), 0);
+    idem_queue *q;
+    idem_store *s = open_with_segments(sim, &q);
+    pthread_mutex_lock(&s->mu);
+    uint64_t first = s->sb.wal_first_seq;
+    pthread_mutex_unlock(&s->mu);
+    char seg[256];
+    snprintf(seg, sizeof seg, SIM_DIR "/wal-%016llx.log", (unsigned long long)first);
+    /* Deleting a segment's file can take the kernel many milliseconds; here it takes until the
+     * test lets it go. The retirement and every acknowledgement after it must not wait. */
+    io_sim_hold_unlinks(sim, 1);
+    cr_assert_eq(idem_compact(s, 20000), IDEM_OK);
+    for (int i = 0; i < 20; i++) {
+        char key[32];
+        int64_t token;
+        snprintf(key, sizeof key, "after-%d", i);
+        claim_commit(q, key, 3600000, &token);
+    }
+    pthread_mutex_lock(&s->mu);
+    cr_assert_gt(s->sb.wal_first_seq, first, "nothing retired");
+    pthread_mutex_unlock(&s->mu);
+    cr_assert(sim_has(sim, seg), "the delete did not wait: the test proves nothing");
+    io_sim_hold_unlinks(sim, 0);
+    remover_drain(s->remover);
+    cr_assert(!sim_has(sim, seg), "%s not deleted", seg);
     idem_queue_close(q);
     cr_assert_eq(idem_close(s), IDEM_OK);
     io_sim_destroy(sim);

@@ -1,0 +1,146 @@
+/*
+ * remover.c: the file deleting thread of remover.h.
+ *
+ * Invariants (under mu)
+ *   - queue holds the paths not yet taken by the thread, oldest first; busy is set while the
+ *     thread deletes one or syncs the directory with mu released.
+ *   - dirty: a file was deleted since the last directory sync.
+ *   - drained (queue empty, not busy, not dirty) is broadcast on cond.
+ */
+#include "remover.h"
+
+#include <errno.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "idem.h"
+#include "io.h"
+
+struct rm_item {
+    struct rm_item *next;
+    char path[];
+};
+
+struct remover {
+    struct io *io;
+    char *dir;
+    pthread_mutex_t mu;
+    pthread_cond_t cond;
+    pthread_t thread;
+    int started, stop, busy, dirty;
+    struct rm_item *head, *tail;
+};
+
+int remover_create(struct io *io, const char *dir, struct remover **out)
+{
+    struct remover *r = calloc(1, sizeof *r);
+    if (!r || !(r->dir = strdup(dir))) {
+        free(r);
+        return IDEM_ENOMEM;
+    }
+    r->io = io;
+    pthread_mutex_init(&r->mu, NULL);
+    pthread_cond_init(&r->cond, NULL);
+    *out = r;
+    return 0;
+}
+
+/* Deletes path with mu let go (held on entry and on return). */
+static void delete_one(struct remover *r, const char *path)
+{
+    pthread_mutex_unlock(&r->mu);
+    int rc = io_unlink(r->io, path);
+    if (rc < 0 && rc != -ENOENT)
+        fprintf(stderr, "idem: event=delete_failed dir=%s file=%s error=\"%s\"\n", r->dir, path,
+                strerror(-rc));
+    pthread_mutex_lock(&r->mu);
+    if (rc == 0) r->dirty = 1;
+}
+
+static void sync_dir(struct remover *r)
+{
+    r->dirty = 0;
+    pthread_mutex_unlock(&r->mu);
+    int rc = io_sync_dir(r->io, r->dir);
+    if (rc < 0)
+        fprintf(stderr, "idem: event=delete_failed dir=%s error=\"directory sync: %s\"\n", r->dir,
+                strerror(-rc));
+    pthread_mutex_lock(&r->mu);
+}
+
+static void *remover_main(void *arg)
+{
+    struct remover *r = arg;
+    pthread_mutex_lock(&r->mu);
+    for (;;) {
+        struct rm_item *it = r->head;
+        if (it) {
+            r->head = it->next;
+            if (!r->head) r->tail = NULL;
+            r->busy = 1;
+            delete_one(r, it->path);
+            free(it);
+        } else if (r->dirty) {
+            r->busy = 1;
+            sync_dir(r);
+        } else {
+            r->busy = 0;
+            pthread_cond_broadcast(&r->cond); /* drained */
+            if (r->stop) break;
+            pthread_cond_wait(&r->cond, &r->mu);
+        }
+    }
+    pthread_mutex_unlock(&r->mu);
+    return NULL;
+}
+
+void remover_add(struct remover *r, const char *path)
+{
+    size_t len = strlen(path) + 1;
+    struct rm_item *it = malloc(sizeof *it + len);
+    pthread_mutex_lock(&r->mu);
+    if (it && !r->started && !r->stop) {
+        r->started = pthread_create(&r->thread, NULL, remover_main, r) == 0;
+    }
+    if (!it || !r->started) { /* no memory or no thread: here, at once */
+        free(it);
+        delete_one(r, path);
+        if (r->dirty) sync_dir(r);
+        pthread_mutex_unlock(&r->mu);
+        return;
+    }
+    memcpy(it->path, path, len);
+    it->next = NULL;
+    if (r->tail)
+        r->tail->next = it;
+    else
+        r->head = it;
+    r->tail = it;
+    pthread_cond_broadcast(&r->cond);
+    pthread_mutex_unlock(&r->mu);
+}
+
+void remover_drain(struct remover *r)
+{
+    pthread_mutex_lock(&r->mu);
+    while (r->started && (r->head || r->busy || r->dirty))
+        pthread_cond_wait(&r->cond, &r->mu);
+    pthread_mutex_unlock(&r->mu);
+}
+
+void remover_destroy(struct remover *r)
+{
+    if (!r) return;
+    pthread_mutex_lock(&r->mu);
+    r->stop = 1;
+    pthread_cond_broadcast(&r->cond);
+    int started = r->started;
+    pthread_mutex_unlock(&r->mu);
+    if (started) pthread_join(r->thread, NULL);
+    pthread_mutex_destroy(&r->mu);
+    pthread_cond_destroy(&r->cond);
+    free(r->dir);
+    free(r);
+}
