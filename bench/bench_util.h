@@ -61,27 +61,13 @@ static inline uint64_t bench_rng(uint64_t *state)
     return x * 0x2545f4914f6cdd1dull;
 }
 
-/* Writes key i (BENCH_KEY_BYTES bytes, not NUL-terminated) to out. The digits are made eight at
- * a time in a 64-bit word (one nibble per byte, then '0'-'9' or 'a'-'f'): a loop of sixteen
- * table lookups cost the harness ~170 instructions per operation, a tenth of a duplicate claim. */
-static inline uint64_t bench_hex8(uint32_t v)
-{
-    uint64_t x = v;
-    x = (x | x << 16) & 0x0000ffff0000ffffull;
-    x = (x | x << 8) & 0x00ff00ff00ff00ffull;
-    x = (x | x << 4) & 0x0f0f0f0f0f0f0f0full; /* nibble k (from the low end) in byte k */
-    uint64_t letters = ((x + 0x0606060606060606ull) >> 4) & 0x0101010101010101ull;
-    x += 0x3030303030303030ull + letters * ('a' - '0' - 10);
-    return __builtin_bswap64(x); /* the most significant digit first in memory */
-}
-
+/* Writes key i (BENCH_KEY_BYTES bytes, not NUL-terminated) to out. */
 static inline void bench_key(uint64_t i, uint8_t out[BENCH_KEY_BYTES])
 {
-    _Static_assert(BENCH_KEY_BYTES == 16, "two words of eight digits");
+    static const char hex[] = "0123456789abcdef";
     uint64_t h = bench_splitmix64(i ^ BENCH_SEED);
-    uint64_t hi = bench_hex8((uint32_t)(h >> 32)), lo = bench_hex8((uint32_t)h);
-    memcpy(out, &hi, 8);
-    memcpy(out + 8, &lo, 8);
+    for (unsigned d = 0; d < BENCH_KEY_BYTES; d++)
+        out[d] = (uint8_t)hex[(h >> (60 - 4 * d)) & 0xf];
 }
 
 static inline uint32_t bench_hist_index(uint64_t v)
