@@ -4,17 +4,23 @@
  *
  * Builds a store of N committed keys (default 10 M) plus 100 in_flight records whose lease ran
  * out and 10 review records, through the batch form; closes it (clean: a checkpoint); reopens
- * and times the open and idem_attention. Then the same after a crash: the store is reopened,
- * 1 % more keys are written, and the process abandons it without closing (a child killed with
- * SIGKILL), so the next open replays the log since the last checkpoint. With --cold, the page
+ * it in a new process, as a restart does, and times the open and idem_attention. Then the same
+ * after a crash: the store is reopened, 1 % more keys are written, and the process abandons it
+ * without closing (a child killed with SIGKILL), so the next open replays the log since the
+ * last checkpoint. With --cold, the page
  * cache is dropped (sync, then 3 > /proc/sys/vm/drop_caches: root only; the run stops if that
  * fails) before each timed open, so the open reads everything from the disk; without it the
- * cache is warm. One line per figure:
- *   bench restart-clean keys=N cache=warm|cold close_ms=.. open_ms=.. read_MB=.. attention_ms=..
+ * cache is warm. With --pause S, each timed open waits S seconds first: on a VM that hands
+ * freed memory back to its host (free page reporting, after about 2 s), the new process's
+ * memory then costs more to fault in, as after a restart that did not follow at once (at 10 M
+ * keys 700-780 ms against 220-350 without the pause, before the checkpoint was read on a second
+ * thread). One line per figure:
+ *   bench restart-clean keys=K cache=warm|cold close_ms=.. open_ms=.. read_MB=.. attention_ms=..
  *                       listed=..   (close_ms: the close before, which writes the checkpoint)
- *   bench restart-crash keys=N cache=warm|cold open_ms=.. read_MB=.. frames_replayed=..
+ *   bench restart-crash keys=K cache=warm|cold open_ms=.. read_MB=.. frames_replayed=..
+ * (keys: what the opened store holds)
  * (read_MB: what the open made the disk read, from /proc/self/io)
- * Usage: idem-bench-restart [--keys N] [--dir DIR] [--cold]
+ * Usage: idem-bench-restart [--keys N] [--dir DIR] [--cold] [--pause S]
  */
 #include <signal.h>
 #include <stdio.h>
@@ -106,10 +112,81 @@ static void drop_caches(void)
     }
 }
 
+/* Opens dir, times the open and, after a clean shutdown, the attention view; prints the line.
+ * Runs in a process of its own (timed_open). */
+static int open_child(const char *dir, const char *what, int cold, const char *close_ms)
+{
+    idem_options o;
+    idem_options_init(&o);
+    idem_store *s;
+    unsigned long long rb = disk_read_bytes();
+    double t0 = now_ms();
+    int rc = idem_open(dir, &o, &s);
+    if (rc) die("reopen", rc);
+    double t1 = now_ms();
+    rb = disk_read_bytes() - rb;
+    idem_stats st;
+    idem_get_stats(s, &st);
+    const char *cache = cold ? "cold" : "warm";
+    if (!strcmp(what, "clean")) {
+        idem_queue *q;
+        if ((rc = idem_queue_open(s, 4, &q))) die("queue", rc);
+        idem_attention_args a = {.max = 100000};
+        const idem_record *recs;
+        size_t n;
+        double t2 = now_ms();
+        if ((rc = idem_attention(q, &a, &recs, &n))) die("attention", rc);
+        double t3 = now_ms();
+        printf("bench restart-clean keys=%llu cache=%s close_ms=%s open_ms=%.1f read_MB=%.1f "
+               "attention_ms=%.2f listed=%zu\n",
+               (unsigned long long)st.keys, cache, close_ms, t1 - t0, rb / 1e6, t3 - t2, n);
+        idem_queue_close(q);
+    } else {
+        printf("bench restart-crash keys=%llu cache=%s open_ms=%.1f read_MB=%.1f "
+               "frames_replayed=%llu\n",
+               (unsigned long long)st.keys, cache, t1 - t0, rb / 1e6,
+               (unsigned long long)st.frames_replayed);
+    }
+    fflush(stdout);
+    return idem_close(s) ? 1 : 0;
+}
+
+/* The timed open runs in a new process, as a restart does: its heap is memory the kernel (and,
+ * on a VM, the host) must hand over and zero, not the pages the closed store has just freed.
+ * Opening in the process that closed the store measured 210-240 ms at 10 M keys where a new
+ * process took 510-900 ms (docs/benchmarks.md, tenth session). */
+static void timed_open(const char *dir, const char *what, int cold, double close_ms, int pause_s)
+{
+    char self[4096], ms[32];
+    ssize_t len = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (len <= 0) {
+        perror("bench_restart: /proc/self/exe");
+        exit(1);
+    }
+    self[len] = 0;
+    snprintf(ms, sizeof ms, "%.1f", close_ms);
+    if (cold) drop_caches();
+    if (pause_s > 0) sleep((unsigned)pause_s);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid == 0) {
+        execl(self, self, "--open", dir, what, ms, cold ? "--cold" : NULL, (char *)NULL);
+        _exit(127);
+    }
+    int status;
+    if (pid < 0 || waitpid(pid, &status, 0) != pid || !WIFEXITED(status) ||
+        WEXITSTATUS(status) != 0) {
+        fprintf(stderr, "bench_restart: the timed open (%s) failed\n", what);
+        exit(1);
+    }
+}
+
 int main(int argc, char **argv)
 {
     huge_pages_reexec(argv); /* as idemd does: the index it loads on huge pages */
-    int cold = 0;
+    if (argc >= 5 && !strcmp(argv[1], "--open"))
+        return open_child(argv[2], argv[3], argc > 5 && !strcmp(argv[5], "--cold"), argv[4]);
+    int cold = 0, pause_s = 0;
     uint64_t keys = 10000000;
     char dir[4096] = "";
     for (int i = 1; i < argc; i++) {
@@ -119,8 +196,11 @@ int main(int argc, char **argv)
             snprintf(dir, sizeof dir, "%s", argv[++i]);
         else if (!strcmp(argv[i], "--cold"))
             cold = 1;
+        else if (!strcmp(argv[i], "--pause") && i + 1 < argc)
+            pause_s = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: idem-bench-restart [--keys N] [--dir DIR] [--cold]\n");
+            fprintf(stderr,
+                    "usage: idem-bench-restart [--keys N] [--dir DIR] [--cold] [--pause S]\n");
             return 2;
         }
     }
@@ -154,27 +234,9 @@ int main(int argc, char **argv)
     if ((rc = idem_close(s))) die("close", rc);
     double close_ms = now_ms() - tc; /* a checkpoint of every key, with changes held */
 
-    if (cold) drop_caches();
-    unsigned long long rb = disk_read_bytes();
-    double t0 = now_ms();
-    if ((rc = idem_open(dir, &o, &s))) die("reopen", rc);
-    double t1 = now_ms();
-    rb = disk_read_bytes() - rb;
-    if ((rc = idem_queue_open(s, 4, &q))) die("queue", rc);
-    idem_attention_args a = {.max = 100000};
-    const idem_record *recs;
-    size_t n;
-    double t2 = now_ms();
-    if ((rc = idem_attention(q, &a, &recs, &n))) die("attention", rc);
-    double t3 = now_ms();
-    const char *cache = cold ? "cold" : "warm";
-    printf("bench restart-clean keys=%llu cache=%s close_ms=%.1f open_ms=%.1f read_MB=%.1f "
-           "attention_ms=%.2f listed=%zu\n",
-           (unsigned long long)keys, cache, close_ms, t1 - t0, rb / 1e6, t3 - t2, n);
-    idem_queue_close(q);
+    timed_open(dir, "clean", cold, close_ms, pause_s);
 
     /* A crash: a child writes 1 % more keys and is killed without closing. */
-    if ((rc = idem_close(s))) die("close", rc);
     fflush(stdout);
     pid_t pid = fork();
     if (pid == 0) {
@@ -185,19 +247,7 @@ int main(int argc, char **argv)
         kill(getpid(), SIGKILL);
     }
     waitpid(pid, NULL, 0);
-    if (cold) drop_caches();
-    rb = disk_read_bytes();
-    t0 = now_ms();
-    if ((rc = idem_open(dir, &o, &s))) die("reopen after crash", rc);
-    t1 = now_ms();
-    rb = disk_read_bytes() - rb;
-    idem_stats st;
-    idem_get_stats(s, &st);
-    printf(
-        "bench restart-crash keys=%llu cache=%s open_ms=%.1f read_MB=%.1f frames_replayed=%llu\n",
-        (unsigned long long)st.keys, cache, t1 - t0, rb / 1e6,
-        (unsigned long long)st.frames_replayed);
-    idem_close(s);
+    timed_open(dir, "crash", cold, 0, pause_s);
     if (own_dir) {
         char cmd[4200];
         snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);

@@ -145,7 +145,7 @@ static int retire(idem_store *s)
     }
     if (!upto) return 0;
     if (upto - first >= WAL_RETIRE_MAX) upto = first + WAL_RETIRE_MAX - 1;
-    /* The superblock write and the unmaps run with the lock let go, and the deletes on the
+    /* The superblock write runs with the lock let go, and the unmaps and deletes on the
      * remover's thread (remover.h): under the lock they held every caller 16-84 ms a
      * retirement (docs/benchmarks.md). Callers cannot reach the segments meanwhile: nothing in
      * the index or the age heaps points into them, and a backup waits for the flusher before it
@@ -158,10 +158,7 @@ static int retire(idem_store *s)
     if (rc < 0) return rc;
     s->sb = sb;
     rc = wal_retire_detach(s->wal, upto);
-    if (rc < 0) return rc;
-    store_flusher_unlock(s);
-    rc = wal_retire_remove(s->wal, s->remover);
-    store_flusher_relock(s);
+    if (rc == 0) rc = wal_retire_remove(s->wal, s->remover);
     if (rc < 0) return rc;
     for (uint64_t seq = first; seq <= upto; seq++)
         s->seg_max_exp[seq % WAL_SEG_SLOTS] = SEG_EXP_UNKNOWN;

@@ -20,6 +20,9 @@
 
 struct rm_item {
     struct rm_item *next;
+    struct io_file *f; /* NULL: the file is not open */
+    const void *map;
+    size_t map_len;
     char path[];
 };
 
@@ -47,10 +50,14 @@ int remover_create(struct io *io, const char *dir, struct remover **out)
     return 0;
 }
 
-/* Deletes path with mu let go (held on entry and on return). */
-static void delete_one(struct remover *r, const char *path)
+/* Unmaps and closes the file if it is open, then deletes it, with mu let go (held on entry and
+ * on return). */
+static void delete_one(struct remover *r, const char *path, struct io_file *f, const void *map,
+                       size_t map_len)
 {
     pthread_mutex_unlock(&r->mu);
+    if (f && map) io_unmap(r->io, f, map, map_len);
+    if (f) io_close(r->io, f);
     int rc = io_unlink(r->io, path);
     if (rc < 0 && rc != -ENOENT)
         fprintf(stderr, "idem: event=delete_failed dir=%s file=%s error=\"%s\"\n", r->dir, path,
@@ -80,7 +87,7 @@ static void *remover_main(void *arg)
             r->head = it->next;
             if (!r->head) r->tail = NULL;
             r->busy = 1;
-            delete_one(r, it->path);
+            delete_one(r, it->path, it->f, it->map, it->map_len);
             free(it);
         } else if (r->dirty) {
             r->busy = 1;
@@ -96,23 +103,23 @@ static void *remover_main(void *arg)
     return NULL;
 }
 
-void remover_add(struct remover *r, const char *path)
+void remover_add_open(struct remover *r, const char *path, struct io_file *f, const void *map,
+                      size_t map_len)
 {
     size_t len = strlen(path) + 1;
     struct rm_item *it = malloc(sizeof *it + len);
     pthread_mutex_lock(&r->mu);
-    if (it && !r->started && !r->stop) {
+    if (it && !r->started && !r->stop)
         r->started = pthread_create(&r->thread, NULL, remover_main, r) == 0;
-    }
     if (!it || !r->started) { /* no memory or no thread: here, at once */
         free(it);
-        delete_one(r, path);
+        delete_one(r, path, f, map, map_len);
         if (r->dirty) sync_dir(r);
         pthread_mutex_unlock(&r->mu);
         return;
     }
+    *it = (struct rm_item){.f = f, .map = map, .map_len = map_len};
     memcpy(it->path, path, len);
-    it->next = NULL;
     if (r->tail)
         r->tail->next = it;
     else
@@ -120,6 +127,11 @@ void remover_add(struct remover *r, const char *path)
     r->tail = it;
     pthread_cond_broadcast(&r->cond);
     pthread_mutex_unlock(&r->mu);
+}
+
+void remover_add(struct remover *r, const char *path)
+{
+    remover_add_open(r, path, NULL, NULL, 0);
 }
 
 void remover_drain(struct remover *r)

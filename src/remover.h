@@ -12,7 +12,10 @@
 #ifndef IDEM_REMOVER_H
 #define IDEM_REMOVER_H
 
+#include <stddef.h>
+
 struct io;
+struct io_file;
 struct remover;
 
 /* A remover for files of dir, deleted through io (which must be safe to call from another
@@ -21,6 +24,10 @@ struct remover;
 int remover_create(struct io *io, const char *dir, struct remover **out);
 /* Queues path for deletion; deletes it on the calling thread if it cannot be queued. */
 void remover_add(struct remover *r, const char *path);
+/* The same for a file still open, and perhaps mapped (map NULL: not): the map is unmapped and
+ * the file closed first (0.6-1 ms for a 64 MiB segment), on the remover's thread too. */
+void remover_add_open(struct remover *r, const char *path, struct io_file *f, const void *map,
+                      size_t map_len);
 /* Waits until every file queued so far is deleted and the directory synced. */
 void remover_drain(struct remover *r);
 /* Drains, stops the thread and frees r (NULL: nothing). */

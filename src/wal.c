@@ -679,11 +679,13 @@ int wal_retire_remove(struct wal *w, struct remover *rm)
         struct wal_segment *s = &w->retired[i];
         char path[4096];
         wal_seg_path(w->dir, s->seq, path, sizeof path);
+        if (rm) {
+            remover_add_open(rm, path, s->f, s->map, w->seg_bytes);
+            memset(s, 0, sizeof *s);
+            continue;
+        }
         seg_close(w, s);
-        if (rm)
-            remover_add(rm, path);
-        else if (rc == 0)
-            rc = io_unlink(w->io, path);
+        if (rc == 0) rc = io_unlink(w->io, path);
     }
     w->nretired = 0;
     if (!rm && rc == 0) rc = io_sync_dir(w->io, w->dir);

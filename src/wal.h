@@ -209,7 +209,8 @@ int wal_copy(struct wal *w, const struct wal_frame *f, uint64_t *addr, uint64_t 
  * directory once. It touches only what detach set aside and the ring. */
 #define WAL_RETIRE_MAX 64
 int wal_retire_detach(struct wal *w, uint64_t upto);
-/* rm: the files go to it (remover.h); NULL: deleted here, then the directory synced. */
+/* rm: the segments go to it (remover.h) to be unmapped, closed and deleted; NULL: all of that
+ * here, then the directory synced. */
 int wal_retire_remove(struct wal *w, struct remover *rm);
 /* The path of segment seq's file in dir. */
 void wal_seg_path(const char *dir, uint64_t seq, char *buf, size_t cap);

@@ -21,6 +21,7 @@
 #include <unistd.h>
 
 #include "idem.h"
+#include "store.h"
 #include "testutil.h"
 
 #define TTL   60000u /* default ttl of the tests, ms */
@@ -2587,6 +2588,37 @@ Test(stats, oldest_in_flight_survives_the_age_heap_rebuild)
                  a.oldest_in_flight_ms, t_old);
     commit_ok("old", old, "r");
     cr_assert_eq(stats().oldest_in_flight_ms, t0 + 2000);
+}
+
+/* A burst of 40,000 claims pushes its age entries while they are all in flight (no rebuild);
+ * once all but one are committed, the first stats call filters the heap at once: the one left
+ * is the oldest, and the heap keeps no stale entry behind it (popping from the top alone would
+ * stop at it and keep the ~20,000 stale entries of its time). */
+Test(stats, the_first_stats_after_a_committed_burst_keeps_only_what_is_in_flight)
+{
+    g_opts.durability = IDEM_DURABILITY_NONE;
+    reopen();
+    static int64_t tokens[40000];
+    char key[32];
+    for (int i = 0; i < 40000; i++) {
+        if (i == 20000) at(1000);
+        snprintf(key, sizeof key, "k%d", i);
+        tokens[i] = claim_new(key);
+    }
+    for (int i = 0; i < 40000; i++) {
+        snprintf(key, sizeof key, "k%d", i);
+        if (i != 30000) commit_ok(key, tokens[i], "r");
+    }
+    idem_stats a = stats();
+    cr_assert_eq(a.keys_in_flight, 1);
+    cr_assert_eq(a.oldest_in_flight_ms, t0 + 1000, "oldest_in_flight_ms %" PRId64,
+                 a.oldest_in_flight_ms);
+    pthread_mutex_lock(&g_s->mu);
+    size_t left = g_s->ages[AGE_IN_FLIGHT].n;
+    pthread_mutex_unlock(&g_s->mu);
+    cr_assert_lt(left, 100, "%zu age entries kept for 1 record in flight", left);
+    commit_ok("k30000", tokens[30000], "r");
+    cr_assert_eq(stats().oldest_in_flight_ms, 0);
 }
 
 Test(stats, empty_store_has_no_oldest_records)
