@@ -13,8 +13,8 @@
  * cache is warm. With --pause S, each timed open waits S seconds first: on a VM that hands
  * freed memory back to its host (free page reporting, after about 2 s), the new process's
  * memory then costs more to fault in, as after a restart that did not follow at once (at 10 M
- * keys 700-780 ms against 220-350 without the pause, before the checkpoint was read on a second
- * thread). One line per figure:
+ * keys, after a crash, 600-930 ms against 260-265 without the pause, before the checkpoint was
+ * read on a second thread: docs/benchmarks.md, tenth session). One line per figure:
  *   bench restart-clean keys=K cache=warm|cold close_ms=.. open_ms=.. read_MB=.. attention_ms=..
  *                       listed=..   (close_ms: the close before, which writes the checkpoint)
  *   bench restart-crash keys=K cache=warm|cold open_ms=.. read_MB=.. frames_replayed=..
@@ -153,8 +153,9 @@ static int open_child(const char *dir, const char *what, int cold, const char *c
 
 /* The timed open runs in a new process, as a restart does: its heap is memory the kernel (and,
  * on a VM, the host) must hand over and zero, not the pages the closed store has just freed.
- * Opening in the process that closed the store measured 210-240 ms at 10 M keys where a new
- * process took 510-900 ms (docs/benchmarks.md, tenth session). */
+ * At 10 M keys a read-only open by a new process, 3 s after the caches were dropped, took
+ * 700-780 ms, where opening in the closing process had measured 210-240 ms (docs/benchmarks.md,
+ * tenth session). */
 static void timed_open(const char *dir, const char *what, int cold, double close_ms, int pause_s)
 {
     char self[4096], ms[32];

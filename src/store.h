@@ -126,7 +126,7 @@ struct idem_store {
     idem_options opt;
     idem_clock_source clock;
     struct io *io;
-    struct remover *remover;        /* deletes retired files (NULL when read-only) */
+    struct remover *remover; /* deletes retired files (NULL when read-only) */
     int lock_fd;
     struct super sb;
     struct wal *wal;
