@@ -17,7 +17,8 @@
  *   - Create, rename and unlink are durable only after io_sync_dir() of the directory.
  *   - Reads and maps see every write whose completion was reaped (the page cache view).
  *   - One thread at a time submits and reaps (the store's flusher); open, read, map, close,
- *     unlink, rename and sync_dir may be called from any thread.
+ *     unlink, rename and sync_dir may be called from any thread, and so may write_now (each
+ *     handle used by one thread at a time).
  */
 #ifndef IDEM_IO_H
 #define IDEM_IO_H
@@ -29,10 +30,11 @@ struct io;
 struct io_file;
 
 /* io_open flags */
-#define IO_O_CREATE 0x1u /* create if absent */
-#define IO_O_EXCL   0x2u /* with CREATE: fail with -EEXIST if present */
-#define IO_O_RDONLY 0x4u /* open for reading only */
-#define IO_O_DIRECT 0x8u /* try O_DIRECT for writes (4 KiB aligned buffers, offsets, lengths) */
+#define IO_O_CREATE 0x1u  /* create if absent */
+#define IO_O_EXCL   0x2u  /* with CREATE: fail with -EEXIST if present */
+#define IO_O_RDONLY 0x4u  /* open for reading only */
+#define IO_O_DIRECT 0x8u  /* try O_DIRECT for writes (4 KiB aligned buffers, offsets, lengths) */
+#define IO_O_DSYNC  0x10u /* every write_now through this handle is durable when it returns */
 
 /* io_submit_write flags */
 #define IO_W_FLUSH 0x1u /* follow the write by a flush of the file; one completion for both */
@@ -65,6 +67,11 @@ struct io_ops {
     int (*sync_dir)(struct io *io, const char *dir);
     /* Creates a directory (mode 0700); -EEXIST if present. */
     int (*mkdir)(struct io *io, const char *path);
+    /* Writes buf[0, len) at off at once, outside the ring; returns the bytes written (maybe
+     * short) or -errno. Through a handle opened with IO_O_DSYNC that write is durable on return
+     * (O_DSYNC: its own data, not the file's other unsynced writes). */
+    int64_t (*write_now)(struct io *io, struct io_file *f, uint64_t off, const void *buf,
+                         size_t len);
     /* Queues a write of buf[0, len) at off (buf must stay valid until its completion). */
     int (*submit_write)(struct io *io, struct io_file *f, uint64_t off, const void *buf, size_t len,
                         unsigned flags, uint64_t user_data);
@@ -137,6 +144,11 @@ static inline int io_sync_dir(struct io *io, const char *dir)
 static inline int io_mkdir(struct io *io, const char *path)
 {
     return io->ops->mkdir(io, path);
+}
+static inline int64_t io_write_now(struct io *io, struct io_file *f, uint64_t off, const void *buf,
+                                   size_t len)
+{
+    return io->ops->write_now(io, f, off, buf, len);
 }
 static inline int io_submit_write(struct io *io, struct io_file *f, uint64_t off, const void *buf,
                                   size_t len, unsigned flags, uint64_t user_data)

@@ -25,13 +25,15 @@ static int io_posix_open_flags(unsigned flags)
     oflags |= (flags & IO_O_RDONLY) ? O_RDONLY : O_RDWR;
     if (flags & IO_O_CREATE) oflags |= O_CREAT;
     if ((flags & IO_O_CREATE) && (flags & IO_O_EXCL)) oflags |= O_EXCL;
+    if (flags & IO_O_DSYNC) oflags |= O_DSYNC;
     return oflags;
 }
 
 int io_posix_open(struct io *io, const char *path, unsigned flags, struct io_file **out)
 {
     (void)io;
-    if (!path || !out || (flags & ~(IO_O_CREATE | IO_O_EXCL | IO_O_RDONLY | IO_O_DIRECT)))
+    if (!path || !out ||
+        (flags & ~(IO_O_CREATE | IO_O_EXCL | IO_O_RDONLY | IO_O_DIRECT | IO_O_DSYNC)))
         return -EINVAL;
     struct io_file *f = malloc(sizeof *f);
     if (!f) return -ENOMEM;
@@ -115,6 +117,18 @@ int64_t io_posix_read(struct io *io, struct io_file *f, uint64_t off, void *buf,
         done += (size_t)n;
     }
     return (int64_t)done;
+}
+
+int64_t io_posix_write_now(struct io *io, struct io_file *f, uint64_t off, const void *buf,
+                           size_t len)
+{
+    (void)io;
+    if (off > INT64_MAX) return -EINVAL;
+    ssize_t n;
+    do {
+        n = pwrite(f->fd, buf, len, (off_t)off);
+    } while (n < 0 && errno == EINTR);
+    return n < 0 ? -errno : (int64_t)n;
 }
 
 /* File systems whose SEEK_DATA is known to count what is still only in the page cache (written,

@@ -1,10 +1,10 @@
 /*
  * io_posix.h: the file-system half of the real I/O backends (io_uring.c, io_thread.c): open,
- * close, size, allocate, truncate, read, data_after (SEEK_DATA), map, unmap, unlink, rename,
- * sync_dir and mkdir over POSIX calls, with the io_ops signatures so both vtables point at them
- * directly. Invariants: a struct io_file of a real backend is always one of these (fd >= 0 while
- * open); every failure is returned as -errno at the call that failed, errno is never left for the
- * caller.
+ * close, size, allocate, truncate, read, write_now, data_after (SEEK_DATA), map, unmap, unlink,
+ * rename, sync_dir and mkdir over POSIX calls, with the io_ops signatures so both vtables point at
+ * them directly. Invariants: a struct io_file of a real backend is always one of these (fd >= 0
+ * while open); every failure is returned as -errno at the call that failed, errno is never left for
+ * the caller.
  */
 #ifndef IDEM_IO_POSIX_H
 #define IDEM_IO_POSIX_H
@@ -22,6 +22,8 @@ int io_posix_size(struct io *io, struct io_file *f, uint64_t *out);
 int io_posix_allocate(struct io *io, struct io_file *f, uint64_t off, uint64_t len);
 int io_posix_truncate(struct io *io, struct io_file *f, uint64_t len);
 int64_t io_posix_read(struct io *io, struct io_file *f, uint64_t off, void *buf, size_t len);
+int64_t io_posix_write_now(struct io *io, struct io_file *f, uint64_t off, const void *buf,
+                           size_t len);
 int io_posix_data_after(struct io *io, struct io_file *f, uint64_t off, uint64_t *data,
                         uint64_t *hole);
 int io_posix_map(struct io *io, struct io_file *f, size_t len, const void **out);

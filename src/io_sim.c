@@ -110,7 +110,9 @@ struct io_sim {
     pthread_mutex_t mu;
     pthread_cond_t held_cond; /* io_sim_hold: completions wait while held */
     int held;
-    int unlinks_held; /* io_sim_hold_unlinks: unlinks wait while held (on held_cond) */
+    int unlinks_held;    /* io_sim_hold_unlinks: unlinks wait while held (on held_cond) */
+    int writes_now_held; /* io_sim_hold_writes_now: writes_now wait while held (held_cond) */
+    int writes_now_err;  /* io_sim_fail_writes_now: every write_now fails with it (0: none) */
     uint64_t rng;
     uint64_t epoch;
     uint64_t seq;
@@ -650,7 +652,7 @@ static int sim_open(struct io *io, const char *path, unsigned flags, struct io_f
     struct sim_io *h = sim_io_of(io);
     struct io_sim *sim = h->sim;
     if (!path || !*path || strlen(path) >= SIM_PATH_MAX || !out ||
-        (flags & ~(IO_O_CREATE | IO_O_EXCL | IO_O_RDONLY | IO_O_DIRECT)))
+        (flags & ~(IO_O_CREATE | IO_O_EXCL | IO_O_RDONLY | IO_O_DIRECT | IO_O_DSYNC)))
         return -EINVAL;
     struct io_file *f = calloc(1, sizeof *f);
     if (!f) return -ENOMEM;
@@ -765,14 +767,59 @@ static int64_t sim_read(struct io *io, struct io_file *f, uint64_t off, void *bu
     return res;
 }
 
-/* The simulated disk keeps no holes apart: every byte may hold data. */
+/* Not counted among the ring's writes (io_sim_fail_write numbers those). With IO_O_DSYNC the
+ * write is made durable at once, with the older changes it overlaps (sim_flush_node). */
+static int64_t sim_write_now(struct io *io, struct io_file *f, uint64_t off, const void *buf,
+                             size_t len)
+{
+    struct sim_io *h = sim_io_of(io);
+    struct io_sim *sim = h->sim;
+    if (off > INT64_MAX || len > INT64_MAX - off) return -EINVAL;
+    sim_lock(sim);
+    sim->counts.writes_now_waiting++;
+    while (sim->writes_now_held)
+        pthread_cond_wait(&sim->held_cond, &sim->mu);
+    sim->counts.writes_now_waiting--;
+    int64_t res = sim_stale(h, f) ? -EIO : (f->flags & IO_O_RDONLY) ? -EBADF : sim->writes_now_err;
+    uint64_t seq = 0;
+    if (res == 0 && len) res = sim_write_apply(sim, f->node, off, buf, len, &seq);
+    if (res > 0 && (f->flags & IO_O_DSYNC)) {
+        int rc = sim_flush_node(f->node, 0, seq);
+        if (rc < 0) res = rc;
+    }
+    if (res >= 0) sim->counts.writes_now++;
+    sim_unlock(sim);
+    return res;
+}
+
+static int sim_block_zero(const struct sim_buf *b, uint64_t off)
+{
+    static const uint8_t zeros[SIM_DIRECT_ALIGN];
+    uint64_t n = b->len - off < SIM_DIRECT_ALIGN ? b->len - off : SIM_DIRECT_ALIGN;
+    return memcmp(b->p + off, zeros, (size_t)n) == 0;
+}
+
+/* The simulated disk keeps no allocation apart from writes: it reports its 4 KiB blocks of zeros
+ * as holes. They read the same either way, and callers only need to know where data may be. */
 static int sim_data_after(struct io *io, struct io_file *f, uint64_t off, uint64_t *data,
                           uint64_t *hole)
 {
-    (void)io;
-    (void)f;
-    *data = off;
-    *hole = UINT64_MAX;
+    struct sim_io *h = sim_io_of(io);
+    sim_lock(h->sim);
+    if (sim_stale(h, f)) {
+        sim_unlock(h->sim);
+        return -EIO;
+    }
+    const struct sim_buf *b = &f->node->cur;
+    uint64_t d = off - off % SIM_DIRECT_ALIGN;
+    while (d < b->len && sim_block_zero(b, d))
+        d += SIM_DIRECT_ALIGN;
+    uint64_t e = d;
+    while (e < b->len && !sim_block_zero(b, e))
+        e += SIM_DIRECT_ALIGN;
+    *data = d >= b->len ? UINT64_MAX : d > off ? d : off;
+    *hole = e < b->len ? e : b->len;
+    sim_unlock(h->sim);
     return 0;
 }
 
@@ -990,6 +1037,7 @@ static const struct io_ops sim_ops = {
     .allocate = sim_allocate,
     .truncate = sim_truncate,
     .read = sim_read,
+    .write_now = sim_write_now,
     .data_after = sim_data_after,
     .map = sim_map,
     .unmap = sim_unmap,
@@ -1061,6 +1109,21 @@ void io_sim_hold_unlinks(struct io_sim *sim, int hold)
     sim_lock(sim);
     sim->unlinks_held = hold;
     if (!hold) pthread_cond_broadcast(&sim->held_cond);
+    sim_unlock(sim);
+}
+
+void io_sim_hold_writes_now(struct io_sim *sim, int hold)
+{
+    sim_lock(sim);
+    sim->writes_now_held = hold;
+    if (!hold) pthread_cond_broadcast(&sim->held_cond);
+    sim_unlock(sim);
+}
+
+void io_sim_fail_writes_now(struct io_sim *sim, int err)
+{
+    sim_lock(sim);
+    sim->writes_now_err = err;
     sim_unlock(sim);
 }
 

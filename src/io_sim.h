@@ -57,6 +57,8 @@ void io_sim_fail_create(struct io_sim *sim, const char *suffix, int err);
 void io_sim_set_capacity(struct io_sim *sim, uint64_t bytes);
 struct io_sim_counts {
     uint64_t writes, flushes, bytes_written, dir_syncs;
+    uint64_t writes_now;         /* write_now calls done (not in writes) */
+    uint64_t writes_now_waiting; /* write_now calls blocked by io_sim_hold_writes_now */
 };
 void io_sim_counts(const struct io_sim *sim, struct io_sim_counts *out);
 /* Flips bits (xor_mask) of the byte at off of the file's content (durable and current); for
@@ -71,5 +73,10 @@ void io_sim_hold(struct io_sim *sim, int hold);
 /* While hold is nonzero, unlinks block: a delete the kernel takes long over, for tests of who
  * waits for it. */
 void io_sim_hold_unlinks(struct io_sim *sim, int hold);
+/* While hold is nonzero, write_now calls block before they write: a slow write outside the
+ * ring, for tests of who waits for it and what it may overwrite. */
+void io_sim_hold_writes_now(struct io_sim *sim, int hold);
+/* While err is nonzero (a negative errno), every write_now fails with it. */
+void io_sim_fail_writes_now(struct io_sim *sim, int err);
 
 #endif /* IDEM_IO_SIM_H */

@@ -244,6 +244,7 @@ static const struct io_ops iou_ops = {
     .allocate = io_posix_allocate,
     .truncate = io_posix_truncate,
     .read = io_posix_read,
+    .write_now = io_posix_write_now,
     .data_after = io_posix_data_after,
     .map = io_posix_map,
     .unmap = io_posix_unmap,

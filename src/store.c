@@ -23,6 +23,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "filler.h"
 #include "remover.h"
 #include "util.h"
 
@@ -389,6 +390,11 @@ static int flusher_maintain(idem_store *s)
         }
         pthread_cond_broadcast(&s->cond_ready);
     }
+    int fill_err = filler_error(s->filler);
+    if (fill_err) {
+        store_fail(s, fill_err);
+        return 0;
+    }
     if (token_headroom_low(s)) {
         released = 1;
         if (reserve_tokens(s) < 0) {
@@ -693,7 +699,8 @@ static int store_recover(idem_store *s)
     s->replay_counts_lsn = s->sb.ckpt_counts_lsn;
     struct wal_resume resume = {.first_batch = s->sb.resume_batch,
                                 .sync = s->sb.open_durability == 0 ||
-                                        s->sb.open_durability == IDEM_DURABILITY_SYNC + 1};
+                                        s->sb.open_durability == IDEM_DURABILITY_SYNC + 1,
+                                .clean_lsn = s->sb.clean_lsn};
     rc = wal_recover(s->wal, s->sb.ckpt_seq, s->sb.ckpt_off, s->sb.ckpt_lsn, s->sb.ckpt_batch,
                      &resume, ops_replay, s, s->opt.read_only);
     if (rc < 0) {
@@ -727,6 +734,7 @@ static int store_validate_options(idem_options *o)
 
 static void store_free(idem_store *s)
 {
+    filler_destroy(s->filler);            /* before the segments it writes are closed */
     remover_destroy(s->remover);          /* the deletes queued: finished */
     if (s->ckr.cw) ckpt_abort(s->ckr.cw); /* a checkpoint in steps, cut short */
     if (s->wal) wal_destroy(s->wal);
@@ -808,6 +816,7 @@ static int store_start(idem_store *s)
     /* Recorded before any batch of this open is written: recovery reads them (wal_resume). */
     s->sb.resume_batch = wal_batch(s->wal);
     s->sb.open_durability = (uint32_t)s->opt.durability + 1;
+    s->sb.clean_lsn = 0;        /* this open writes past the end the mark names */
     pthread_mutex_lock(&s->mu); /* reserve_tokens lets go of it for its write */
     rc = reserve_tokens(s);
     pthread_mutex_unlock(&s->mu);
@@ -816,6 +825,8 @@ static int store_start(idem_store *s)
     if (rc < 0) return rc;
     remove_leftovers(s);
     if (remover_create(s->io, s->dir, &s->remover) < 0) return IDEM_ENOMEM;
+    if (filler_create(s->io, &s->filler) < 0) return IDEM_ENOMEM;
+    wal_set_filler(s->wal, s->filler);
     if (pthread_create(&s->flusher, NULL, flusher_main, s) != 0) return IDEM_ENOMEM;
     s->flusher_started = 1;
     return 0;
@@ -1624,6 +1635,9 @@ static int checkpoint_locked(idem_store *s)
     sb.ckpt_keys_by_state[0] = s->st.keys_in_flight;
     sb.ckpt_keys_by_state[1] = s->st.keys_committed;
     sb.ckpt_keys_by_state[2] = s->st.keys_review;
+    /* At close nothing is appended after this checkpoint: the next open need not look past the
+     * end of the log (wal_resume). */
+    sb.clean_lsn = s->closing ? sb.ckpt_lsn : 0;
     return ckpt_install(s, &sb, 0);
 }
 

@@ -127,6 +127,7 @@ struct idem_store {
     idem_clock_source clock;
     struct io *io;
     struct remover *remover; /* deletes retired files (NULL when read-only) */
+    struct filler *filler;   /* zero-fills log space ahead of the log (NULL when read-only) */
     int lock_fd;
     struct super sb;
     struct wal *wal;

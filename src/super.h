@@ -20,6 +20,9 @@
  *  176 u64 counts lsn: live bytes and key counts above are those after every frame up to this
  *      LSN (0 or the checkpoint lsn: a checkpoint taken with changes held; above it: one taken
  *      while changes went on, whose image mixes versions up to this LSN, see store.c)
+ *  184 u64 clean lsn: the log's last LSN when the open that wrote this copy closed cleanly
+ *      (0: it had not; every open that may write clears it in its first copy). Older builds
+ *      leave it 0, and zero it when they write.
  * 4088 u64 XXH3-64 of bytes [0, 4088)
  *
  * DIR/index-<id:016x>.ckpt is an image of the index at a batch boundary (formats in super.c).
@@ -63,6 +66,7 @@ struct super {
     uint64_t resume_batch;
     uint32_t open_durability; /* enum idem_durability + 1; 0: not recorded */
     uint64_t ckpt_counts_lsn;
+    uint64_t clean_lsn; /* 0: not closed cleanly since the last open that could write */
 };
 
 /* Decodes one 4 KiB copy: 1 when valid (sb filled), 0 when it fails its checksum or magic,

@@ -20,6 +20,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "filler.h"
 #include "idem.h"
 #include "remover.h"
 #include "util.h"
@@ -49,6 +50,7 @@ struct wal_chunk {
 
 struct wal {
     struct io *io;
+    struct filler *filler; /* NULL: no zero-filling ahead of the log (read-only, or not yet) */
     char *dir;
     uint32_t seg_bytes;
     struct wal_segment *segs; /* WAL_SEG_SLOTS, by seq % WAL_SEG_SLOTS */
@@ -59,6 +61,8 @@ struct wal {
     uint64_t cur_seq;
     uint32_t cur_off;
     int spare_ready;          /* segment cur_seq + 1 is created and waits */
+    uint64_t cur_since_us;    /* when the log rolled into cur_seq (0: it was current at open) */
+    int fill_spare;           /* the log's last segment went slowly enough to zero-fill a spare */
     uint64_t frames_pending;  /* RECORD and DELETE frames in pending chunks */
     uint64_t frames_inflight; /* ... in the batch in flight */
     int spare_err;            /* the last attempt to create it failed with this (IDEM_EFULL, ...) */
@@ -320,6 +324,13 @@ static int seg_roll(struct wal *w, int reserve)
     w->spare_ready = 0;
     w->cur_seq++;
     w->cur_off = WAL_BLOCK;
+    /* Zero-filling pays where flushes are small and latency counts. A log that fills segments
+     * faster than FILLER_RATE_MAX writes large batches, whose flushes gain little from it,
+     * and whose throughput the second write of every byte would cut. */
+    uint64_t now = (uint64_t)util_monotonic_us();
+    w->fill_spare =
+        !w->cur_since_us || (now - w->cur_since_us) * (FILLER_RATE_MAX / 1000000u) >= w->seg_bytes;
+    w->cur_since_us = now;
     return 0;
 }
 
@@ -352,6 +363,24 @@ int wal_room(const struct wal *w, uint32_t frame_bytes)
         w->spare_ready)
         return 0;
     return w->spare_err ? w->spare_err : IDEM_EBUSY;
+}
+
+/* Queues zero-filling of segment seq from `from` on (a full queue only costs speed). */
+static void fill_segment(struct wal *w, uint64_t seq, uint64_t from)
+{
+    if (!w->filler || from >= w->seg_bytes) return;
+    char path[4096];
+    wal_seg_path(w->dir, seq, path, sizeof path);
+    (void)filler_add(w->filler, seq, path, from, w->seg_bytes);
+}
+
+void wal_set_filler(struct wal *w, struct filler *fl)
+{
+    w->filler = fl;
+    /* The current segment from FILLER_PIECE past the next piece boundary: the log reaches the
+     * first bytes before the filler would, and a fence would cancel the job there. */
+    fill_segment(w, w->cur_seq, IDEM_ALIGN_UP((uint64_t)w->cur_off, FILLER_PIECE) + FILLER_PIECE);
+    if (w->spare_ready) fill_segment(w, w->cur_seq + 1, WAL_BLOCK);
 }
 
 int wal_spare_needed(const struct wal *w)
@@ -391,6 +420,7 @@ int wal_spare_end(struct wal *w, struct wal_segment *made, int rc)
         w->segs[made->seq % WAL_SEG_SLOTS] = *made;
         w->spare_ready = 1;
         free(made);
+        if (w->fill_spare) fill_segment(w, w->cur_seq + 1, WAL_BLOCK);
     }
     if (rc == 0 && !w->spare_ready) return 0; /* nothing was needed */
     w->spare_err = rc == IDEM_EFULL ? rc : 0;
@@ -500,6 +530,7 @@ int wal_flush_io(struct wal *w, int durable)
         struct wal_chunk *c = &w->chunks[w->infl[i]];
         struct wal_segment *s = seg_of(w, c->seq);
         IDEM_ASSERT(s && c->len % WAL_BLOCK == 0);
+        if (w->filler) filler_fence(w->filler, c->seq, (uint64_t)c->off + c->len);
         /* Without durability (mode none) a segment is still flushed once it is sealed. */
         unsigned flags = durable || c->seq < w->cur_seq ? IO_W_FLUSH : 0;
         int rc = io_submit_write(w->io, s->f, c->off, c->buf, c->len, flags, (uint64_t)i);
@@ -992,7 +1023,8 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
     }
     /* The log ends at the end of the last complete batch. */
     uint64_t max_lsn = last_lsn, max_batch = last_batch;
-    int rc = scan_beyond(w, batch_start, last_batch, resume, &ra, &max_lsn, &max_batch);
+    int clean = resume->clean_lsn && last_lsn == resume->clean_lsn && cur_lsn == last_lsn;
+    int rc = clean ? 0 : scan_beyond(w, batch_start, last_batch, resume, &ra, &max_lsn, &max_batch);
     segs_advise(w, start_seq, POSIX_MADV_NORMAL); /* the open store's reads: the default */
     if (rc < 0) return rc;
     if (cur_lsn > max_lsn) max_lsn = cur_lsn;

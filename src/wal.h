@@ -85,10 +85,14 @@ int wal_addr_valid(const struct wal *w, uint64_t addr);
 
 /* What recovery knows about the open that wrote the log's last batches (from the superblock
  * it wrote before writing any): the number of its first batch (0: not recorded) and whether it
- * flushed every batch before writing the next (sync mode, or not recorded). */
+ * flushed every batch before writing the next (sync mode, or not recorded); and clean_lsn, the
+ * log's last LSN when that open closed cleanly (0: it did not, or the copy predates the mark).
+ * When the replay ends exactly there, nothing past the end was ever written by that open, and
+ * the scan past the end (which reads zero-filled space in full) is skipped. */
 struct wal_resume {
     uint64_t first_batch;
     int sync;
+    uint64_t clean_lsn;
 };
 
 /* Whether a valid frame of batch b past the end of the log (last complete batch last) is
@@ -141,6 +145,12 @@ struct remover;
 uint64_t wal_spare_begin(struct wal *w, int *rc);
 int wal_spare_make(struct wal *w, uint64_t seq, struct wal_segment **out);
 int wal_spare_end(struct wal *w, struct wal_segment *made, int rc);
+
+/* Zero-fills space ahead of the log from now on (filler.h): the rest of the current segment
+ * from the next piece boundary but one, each spare as it is installed; every write of a batch
+ * passes filler_fence first. Lock held; call once, after recovery and the first spare. */
+struct filler;
+void wal_set_filler(struct wal *w, struct filler *fl);
 
 /* Starts loading the first bytes of the frame at addr from the segment map (any address is
  * safe: one that names no mapped frame is ignored). */
