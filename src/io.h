@@ -1,8 +1,9 @@
 /*
  * io.h: the one I/O interface of the store, at the ring level (submit writes and flushes, reap
  * completions), plus the few file-system calls the store needs. Three backends implement it:
- *   io_uring.c  io_uring; a write submitted with IO_W_FLUSH is linked (IOSQE_IO_LINK) to an
- *               fdatasync of the same file, so the completion reports both.
+ *   io_uring.c  writes through io_uring; the flushes they ask for (IO_W_FLUSH) are one
+ *               fdatasync per file, called in io_wait() once those writes completed, and the
+ *               completion reports both.
  *   io_thread.c pwrite + fdatasync, performed in io_wait() on the caller's (flusher) thread.
  *   io_sim.c    a simulated disk for tests: files in memory, unsynced writes pending until a
  *               flush, crashes that keep a random subset of them (torn, bit-flipped), and

@@ -131,6 +131,12 @@ int64_t io_posix_write_now(struct io *io, struct io_file *f, uint64_t off, const
     return n < 0 ? -errno : (int64_t)n;
 }
 
+void io_posix_start_writeback(int fd, uint64_t off, uint64_t len)
+{
+    if (len > 0 && off <= INT64_MAX)
+        (void)sync_file_range(fd, (off64_t)off, (off64_t)len, SYNC_FILE_RANGE_WRITE);
+}
+
 /* File systems whose SEEK_DATA is known to count what is still only in the page cache (written,
  * not yet flushed) as data: ext4, XFS, btrfs, tmpfs, and overlayfs (which asks the file below).
  * Elsewhere every byte is taken as data: a FUSE file system, for one, is asked without its

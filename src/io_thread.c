@@ -1,11 +1,13 @@
 /*
  * io_thread.c: the fallback backend where io_uring is refused. submit_write and submit_flush
  * only queue requests; io_wait() performs them in submission order on the calling (flusher)
- * thread: one pwrite (a short count is reported as is, the caller continues), then fdatasync
- * when IO_W_FLUSH; fdatasync for a flush. File-system calls are io_posix.c.
+ * thread: each write with one pwrite (a short count is reported as is, the caller continues),
+ * then one fdatasync per file for every write with IO_W_FLUSH and every flush of the round
+ * (performed after all of the round's writes: a later fdatasync covers more). File-system calls
+ * are io_posix.c.
  * Invariants: the queue is a ring of IO_THREAD_QUEUE_MAX requests allocated at create
- * (submit beyond it: -EAGAIN); head <= tail, tail - head <= IO_THREAD_QUEUE_MAX; requests
- * complete in submission order, so a flush covers every write submitted before it.
+ * (submit beyond it: -EAGAIN); head <= tail, tail - head <= IO_THREAD_QUEUE_MAX; a round takes
+ * requests in submission order, so a flush covers every write submitted before it.
  */
 #include "io_posix.h"
 #include "util.h"
@@ -82,19 +84,18 @@ static int64_t io_thread_datasync(int fd)
     return rc == 0 ? 0 : -errno;
 }
 
-static int64_t io_thread_perform(const struct io_thread_req *req)
+static int64_t io_thread_write(const struct io_thread_req *req)
 {
-    if (req->kind == IO_THREAD_FLUSH) return io_thread_datasync(req->fd);
     ssize_t n;
     do {
         n = pwrite(req->fd, req->buf, req->len, (off_t)req->off);
     } while (n < 0 && errno == EINTR);
-    if (n < 0) return -errno;
-    if (req->flags & IO_W_FLUSH) {
-        int64_t rc = io_thread_datasync(req->fd);
-        if (rc < 0) return rc;
-    }
-    return n;
+    return n < 0 ? -errno : n;
+}
+
+static int io_thread_wants_flush(const struct io_thread_req *req)
+{
+    return req->kind == IO_THREAD_FLUSH || (req->flags & IO_W_FLUSH);
 }
 
 static int io_thread_wait(struct io *io, struct io_completion *out, int max, int min)
@@ -104,14 +105,35 @@ static int io_thread_wait(struct io *io, struct io_completion *out, int max, int
     if (max < 0 || min < 0 || min > max || (uint64_t)min > queued || (max > 0 && !out))
         return -EINVAL;
     int n = 0;
-    /* Bounded by max and by the queue length. */
-    while (n < max && t->head != t->tail) {
-        const struct io_thread_req *req = &t->queue[t->head % IO_THREAD_QUEUE_MAX];
+    /* The round: up to max requests, bounded by the queue length. Writes first. */
+    while (n < max && t->head + (uint64_t)n != t->tail) {
+        const struct io_thread_req *req = &t->queue[(t->head + (uint64_t)n) % IO_THREAD_QUEUE_MAX];
         out[n].user_data = req->user_data;
-        out[n].res = io_thread_perform(req);
-        t->head++;
+        out[n].res = req->kind == IO_THREAD_WRITE ? io_thread_write(req) : 0;
+        if ((req->flags & IO_W_FLUSH) && out[n].res > 0 && n + 1 < max &&
+            t->head + (uint64_t)n + 1 != t->tail) /* more of the round to come */
+            io_posix_start_writeback(req->fd, req->off, (uint64_t)out[n].res);
         n++;
     }
+    /* Then one fdatasync per file that a request of the round wants flushed. */
+    for (int i = 0; i < n; i++) {
+        const struct io_thread_req *req = &t->queue[(t->head + (uint64_t)i) % IO_THREAD_QUEUE_MAX];
+        if (!io_thread_wants_flush(req)) continue;
+        int done = 0;
+        for (int j = 0; j < i && !done; j++) {
+            const struct io_thread_req *o =
+                &t->queue[(t->head + (uint64_t)j) % IO_THREAD_QUEUE_MAX];
+            done = io_thread_wants_flush(o) && o->fd == req->fd;
+        }
+        if (done) continue;
+        int64_t rc = io_thread_datasync(req->fd);
+        for (int j = i; j < n && rc < 0; j++) {
+            const struct io_thread_req *o =
+                &t->queue[(t->head + (uint64_t)j) % IO_THREAD_QUEUE_MAX];
+            if (io_thread_wants_flush(o) && o->fd == req->fd && out[j].res >= 0) out[j].res = rc;
+        }
+    }
+    t->head += (uint64_t)n;
     IDEM_ASSERT(n >= min);
     return n;
 }

@@ -1,14 +1,17 @@
 /*
- * io_uring.c: the io_uring backend. Writes and flushes are queued as SQEs and submitted lazily:
- * by io_wait(), or by a submit that finds the SQ full. A write with IO_W_FLUSH is a write SQE
- * linked (IOSQE_IO_LINK) to an IORING_FSYNC_DATASYNC fsync of the same file; both CQEs land in
- * one request slot and the caller sees one completion: the write's count if the fsync succeeded,
- * else the first error. A short write breaks the link (the fsync is cancelled): the fsync is then
- * submitted again on its own, and the short count is reported once it succeeds, so -ECANCELED
- * is never taken for a flush. File-system calls are io_posix.c.
- * Invariants: CQE user_data = slot index << 1 | (1 for the fsync half of a pair); a slot is
- * busy from submit until its completion is handed out; busy slots <= sq entries, each at most
- * two CQEs, so the CQ (2 x sq entries) never overflows.
+ * io_uring.c: the io_uring backend. Writes are queued as SQEs and submitted lazily: by io_wait(),
+ * or by a submit that finds the SQ full. Flushes are not ring requests: an fsync SQE always runs
+ * on an io-wq worker, and the hop there and back cost 80-90 us per flush on this machine (a
+ * durable 4 KiB append: 235-274 us at the median against 150 us for pwrite + fdatasync on one
+ * thread; docs/benchmarks.md, eleventh session). So io_wait() performs them itself, with
+ * fdatasync, once every write in flight that asked for one (IO_W_FLUSH) has completed: one
+ * fdatasync per file covers all of them, and each such write is reported with its count (short
+ * or not) only if that fdatasync succeeded, else with its error. A flush request (submit_flush)
+ * joins the next round of fdatasyncs. File-system calls are io_posix.c.
+ * Invariants: CQE user_data = slot index; a slot is busy from submit until its completion is
+ * handed out; busy slots <= sq entries, each at most one CQE, so the CQ (2 x sq entries) never
+ * overflows. A busy slot is in exactly one of: in flight (cqes_pending), due (awaiting the next
+ * fdatasync round: due[0, ndue)), ready (res set: ready[0, nready)).
  */
 #include "io_posix.h"
 #include "util.h"
@@ -16,20 +19,18 @@
 #include <errno.h>
 #include <liburing.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 /* Largest single write; a longer one completes short and the caller continues. */
 #define IOU_WRITE_MAX ((size_t)1 << 30)
 
-enum iou_kind { IOU_WRITE, IOU_FLUSH, IOU_LINKED };
-
 struct iou_slot {
     uint64_t user_data;
-    int64_t write_res;
-    int64_t flush_res;
+    int64_t res;
+    uint64_t off, len; /* the write's range */
     int fd;
-    uint8_t kind;
-    uint8_t cqes_pending; /* CQEs still to come for this slot */
-    uint8_t flush_retried;
+    uint8_t flush; /* a flush follows: the write's (IO_W_FLUSH), or the request itself */
+    uint8_t cqes_pending;
 };
 
 struct iou {
@@ -39,6 +40,9 @@ struct iou {
     uint32_t free_count; /* free_list[0, free_count) are free slot indexes */
     uint32_t *free_list;
     struct iou_slot *slots;
+    uint32_t *due, *ready; /* slot indexes, slots_count each */
+    uint32_t ndue, nready;
+    uint32_t flush_writes_inflight; /* IO_W_FLUSH writes whose CQE has not come */
 };
 
 static struct iou *iou_of(struct io *io)
@@ -51,52 +55,26 @@ static uint32_t iou_busy(const struct iou *u)
     return u->slots_count - u->free_count;
 }
 
-/* Returns n free SQEs' worth of room, submitting what is queued if the SQ is full. */
-static int iou_sq_reserve(struct iou *u, unsigned n)
+/* Returns with room for one SQE, submitting what is queued if the SQ is full. */
+static int iou_sq_reserve(struct iou *u)
 {
-    if (io_uring_sq_space_left(&u->ring) >= n) return 0;
+    if (io_uring_sq_space_left(&u->ring) >= 1) return 0;
     int rc;
     do {
         rc = io_uring_submit(&u->ring);
     } while (rc == -EINTR);
     if (rc < 0) return rc;
-    return io_uring_sq_space_left(&u->ring) >= n ? 0 : -EAGAIN;
+    return io_uring_sq_space_left(&u->ring) >= 1 ? 0 : -EAGAIN;
 }
 
-static struct io_uring_sqe *iou_sqe_take(struct iou *u)
-{
-    struct io_uring_sqe *sqe = io_uring_get_sqe(&u->ring);
-    IDEM_ASSERT(sqe != NULL); /* iou_sq_reserve made room */
-    return sqe;
-}
-
-static uint32_t iou_slot_take(struct iou *u, uint8_t kind, int fd, uint64_t user_data)
+static uint32_t iou_slot_take(struct iou *u, int fd, int flush, uint64_t user_data)
 {
     IDEM_ASSERT(u->free_count > 0);
     uint32_t idx = u->free_list[--u->free_count];
     struct iou_slot *s = &u->slots[idx];
     IDEM_ASSERT(s->cqes_pending == 0);
-    s->user_data = user_data;
-    s->write_res = 0;
-    s->flush_res = 0;
-    s->fd = fd;
-    s->kind = kind;
-    s->cqes_pending = kind == IOU_LINKED ? 2 : 1;
-    s->flush_retried = 0;
+    *s = (struct iou_slot){.user_data = user_data, .fd = fd, .flush = (uint8_t)flush};
     return idx;
-}
-
-static void iou_slot_put(struct iou *u, uint32_t idx)
-{
-    IDEM_ASSERT(u->free_count < u->slots_count);
-    IDEM_ASSERT(u->slots[idx].cqes_pending == 0);
-    u->free_list[u->free_count++] = idx;
-}
-
-static void iou_prep_flush(struct io_uring_sqe *sqe, int fd, uint32_t idx)
-{
-    io_uring_prep_fsync(sqe, fd, IORING_FSYNC_DATASYNC);
-    io_uring_sqe_set_data64(sqe, ((uint64_t)idx << 1) | 1u);
 }
 
 static int iou_submit_write(struct io *io, struct io_file *f, uint64_t off, const void *buf,
@@ -105,18 +83,19 @@ static int iou_submit_write(struct io *io, struct io_file *f, uint64_t off, cons
     struct iou *u = iou_of(io);
     if ((flags & ~IO_W_FLUSH) || off > INT64_MAX || (!buf && len > 0)) return -EINVAL;
     if (u->free_count == 0) return -EAGAIN;
-    const int linked = (flags & IO_W_FLUSH) != 0;
-    int rc = iou_sq_reserve(u, linked ? 2 : 1);
+    int rc = iou_sq_reserve(u);
     if (rc < 0) return rc;
     if (len > IOU_WRITE_MAX) len = IOU_WRITE_MAX;
-    uint32_t idx = iou_slot_take(u, linked ? IOU_LINKED : IOU_WRITE, f->fd, user_data);
-    struct io_uring_sqe *sqe = iou_sqe_take(u);
+    const int flush = (flags & IO_W_FLUSH) != 0;
+    uint32_t idx = iou_slot_take(u, f->fd, flush, user_data);
+    u->slots[idx].cqes_pending = 1;
+    u->slots[idx].off = off;
+    u->slots[idx].len = len;
+    u->flush_writes_inflight += (uint32_t)flush;
+    struct io_uring_sqe *sqe = io_uring_get_sqe(&u->ring);
+    IDEM_ASSERT(sqe != NULL); /* iou_sq_reserve made room */
     io_uring_prep_write(sqe, f->fd, buf, (unsigned)len, off);
-    io_uring_sqe_set_data64(sqe, (uint64_t)idx << 1);
-    if (linked) {
-        sqe->flags |= IOSQE_IO_LINK;
-        iou_prep_flush(iou_sqe_take(u), f->fd, idx);
-    }
+    io_uring_sqe_set_data64(sqe, idx);
     return 0;
 }
 
@@ -124,63 +103,52 @@ static int iou_submit_flush(struct io *io, struct io_file *f, uint64_t user_data
 {
     struct iou *u = iou_of(io);
     if (u->free_count == 0) return -EAGAIN;
-    int rc = iou_sq_reserve(u, 1);
-    if (rc < 0) return rc;
-    uint32_t idx = iou_slot_take(u, IOU_FLUSH, f->fd, user_data);
-    iou_prep_flush(iou_sqe_take(u), f->fd, idx);
+    u->due[u->ndue++] = iou_slot_take(u, f->fd, 1, user_data);
     return 0;
 }
 
-/*
- * Settles a slot whose CQEs have all arrived. Returns 1 and *res when the caller's completion
- * is ready, 0 when a cancelled fsync was submitted again (the slot stays busy).
- */
-static int iou_slot_settle(struct iou *u, uint32_t idx, int64_t *res)
+/* Accounts one CQE: the write's result, then ready, or due when a flush must follow. */
+static void iou_reap_one(struct iou *u, const struct io_uring_cqe *cqe)
 {
-    struct iou_slot *s = &u->slots[idx];
-    if (s->kind == IOU_WRITE) {
-        *res = s->write_res;
-    } else if (s->kind == IOU_FLUSH) {
-        *res = s->flush_res;
-    } else if (s->write_res < 0) {
-        *res = s->write_res;
-    } else if (s->flush_res == 0) {
-        *res = s->write_res;
-    } else if (s->flush_res == -ECANCELED && !s->flush_retried) {
-        /* A short write broke the link: the data written still needs its fsync. */
-        int rc = iou_sq_reserve(u, 1);
-        if (rc == 0) {
-            s->flush_retried = 1;
-            s->cqes_pending = 1;
-            iou_prep_flush(iou_sqe_take(u), s->fd, idx);
-            return 0;
-        }
-        *res = rc;
-    } else {
-        *res = s->flush_res;
-    }
-    return 1;
-}
-
-/* Accounts one CQE; returns 1 with *c filled when it completes a caller's request. */
-static int iou_reap_one(struct iou *u, const struct io_uring_cqe *cqe, struct io_completion *c)
-{
-    uint64_t tag = io_uring_cqe_get_data64(cqe);
-    uint32_t idx = (uint32_t)(tag >> 1);
+    uint32_t idx = (uint32_t)io_uring_cqe_get_data64(cqe);
     IDEM_ASSERT(idx < u->slots_count);
     struct iou_slot *s = &u->slots[idx];
-    IDEM_ASSERT(s->cqes_pending > 0);
-    if ((tag & 1u) || s->kind == IOU_FLUSH)
-        s->flush_res = cqe->res;
-    else
-        s->write_res = cqe->res;
-    if (--s->cqes_pending > 0) return 0;
-    int64_t res;
-    if (!iou_slot_settle(u, idx, &res)) return 0;
-    c->user_data = s->user_data;
-    c->res = res;
-    iou_slot_put(u, idx);
-    return 1;
+    IDEM_ASSERT(s->cqes_pending == 1);
+    s->cqes_pending = 0;
+    s->res = cqe->res;
+    if (s->flush) u->flush_writes_inflight--;
+    if (s->flush && s->res >= 0) {
+        if (u->flush_writes_inflight > 0) /* more of the batch to come */
+            io_posix_start_writeback(s->fd, s->off, (uint64_t)s->res);
+        u->due[u->ndue++] = idx;
+    } else {
+        u->ready[u->nready++] = idx;
+    }
+}
+
+/* One fdatasync per file among the due slots; each becomes ready with its write's count (or 0
+ * for a flush request) if its file's fdatasync succeeded, else with that error. */
+static void iou_flush_due(struct iou *u)
+{
+    for (uint32_t i = 0; i < u->ndue; i++) {
+        struct iou_slot *s = &u->slots[u->due[i]];
+        int done = 0;
+        for (uint32_t j = 0; j < i && !done; j++)
+            done = u->slots[u->due[j]].fd == s->fd;
+        if (done) continue;
+        int rc;
+        do {
+            rc = fdatasync(s->fd);
+        } while (rc != 0 && errno == EINTR);
+        int64_t err = rc == 0 ? 0 : -errno;
+        for (uint32_t j = i; j < u->ndue; j++) {
+            struct iou_slot *t = &u->slots[u->due[j]];
+            if (t->fd == s->fd && err < 0) t->res = err;
+        }
+    }
+    for (uint32_t i = 0; i < u->ndue; i++)
+        u->ready[u->nready++] = u->due[i];
+    u->ndue = 0;
 }
 
 static int iou_submit_queued(struct iou *u)
@@ -201,24 +169,35 @@ static int iou_wait(struct io *io, struct io_completion *out, int max, int min)
     int rc = iou_submit_queued(u);
     if (rc < 0) return rc;
     int n = 0;
-    /* Bounded: every round reaps a CQE or blocks for one; busy slots bound the CQEs. */
-    while (n < max) {
+    /* Bounded: every round hands out, reaps, flushes, or blocks for a CQE; busy slots bound
+     * the CQEs and the flushes. */
+    for (;;) {
+        while (n < max && u->nready > 0) {
+            uint32_t idx = u->ready[--u->nready];
+            out[n].user_data = u->slots[idx].user_data;
+            out[n].res = u->slots[idx].res;
+            u->free_list[u->free_count++] = idx;
+            n++;
+        }
+        if (n >= max) break;
         struct io_uring_cqe *cqe;
-        rc = io_uring_peek_cqe(&u->ring, &cqe);
-        if (rc == -EAGAIN) {
-            if (n >= min) break;
-            rc = io_uring_submit_and_wait(&u->ring, 1);
-            if (rc == -EINTR) continue;
-            if (rc < 0) return n > 0 ? n : rc;
+        int reaped = 0;
+        while (io_uring_peek_cqe(&u->ring, &cqe) == 0) {
+            iou_reap_one(u, cqe);
+            io_uring_cqe_seen(&u->ring, cqe);
+            reaped = 1;
+        }
+        /* The writes that asked for a flush complete first, so one fdatasync covers them. */
+        if (u->ndue > 0 && u->flush_writes_inflight == 0) {
+            iou_flush_due(u);
             continue;
         }
+        if (reaped || u->nready > 0) continue;
+        if (n >= min) break;
+        rc = io_uring_submit_and_wait(&u->ring, 1);
+        if (rc == -EINTR) continue;
         if (rc < 0) return n > 0 ? n : rc;
-        n += iou_reap_one(u, cqe, &out[n]);
-        io_uring_cqe_seen(&u->ring, cqe);
     }
-    /* A retried fsync queued while reaping must not wait for the next call. */
-    rc = iou_submit_queued(u);
-    if (rc < 0 && n == 0) return rc;
     return n;
 }
 
@@ -233,6 +212,8 @@ static void iou_destroy(struct io *io)
     io_uring_queue_exit(&u->ring);
     free(u->free_list);
     free(u->slots);
+    free(u->due);
+    free(u->ready);
     free(u);
 }
 
@@ -268,7 +249,9 @@ int io_uring_create(unsigned entries, struct io **out)
     u->slots_count = u->ring.sq.ring_entries;
     u->slots = calloc(u->slots_count, sizeof *u->slots);
     u->free_list = calloc(u->slots_count, sizeof *u->free_list);
-    if (!u->slots || !u->free_list) {
+    u->due = calloc(u->slots_count, sizeof *u->due);
+    u->ready = calloc(u->slots_count, sizeof *u->ready);
+    if (!u->slots || !u->free_list || !u->due || !u->ready) {
         rc = -ENOMEM;
         goto out_exit;
     }
@@ -283,6 +266,8 @@ int io_uring_create(unsigned entries, struct io **out)
 out_exit:
     free(u->free_list);
     free(u->slots);
+    free(u->due);
+    free(u->ready);
     io_uring_queue_exit(&u->ring);
 out_free:
     free(u);
