@@ -51,9 +51,9 @@ static void job_drop(struct filler *fl, int i)
 
 /* Moves jobs[0]'s position past space that may hold data already (written before: a segment
  * filled in an earlier run, the end of one written past by a crashed run; or a file system that
- * cannot tell) and returns 0, or sets *hole_end to the end of the unwritten stretch at its
- * position and returns 1. mu held on entry and on return. */
-static int find_hole(struct filler *fl, struct io_file *f, struct fill_job *j, uint64_t *hole_end)
+ * cannot tell), or sets *hole_end to the end of the unwritten stretch at its position. mu held
+ * on entry and on return, let go in between. */
+static void find_hole(struct filler *fl, struct io_file *f, struct fill_job *j, uint64_t *hole_end)
 {
     uint64_t off = j->pos, data, hole;
     pthread_mutex_unlock(&fl->mu);
@@ -64,15 +64,13 @@ static int find_hole(struct filler *fl, struct io_file *f, struct fill_job *j, u
          * holds for the space passed over). */
         uint64_t next = rc < 0 || hole >= j->to ? j->to : IDEM_ALIGN_UP(hole, FILL_ALIGN);
         j->pos = next > off ? next : j->to;
-        return 0;
+        return;
     }
     uint64_t end = data >= j->to ? j->to : data - data % FILL_ALIGN;
-    if (end <= off) {
+    if (end <= off)
         j->pos = j->to; /* cannot happen with aligned holes: give up on the job */
-        return 0;
-    }
-    *hole_end = end;
-    return 1;
+    else
+        *hole_end = end;
 }
 
 /* Fills jobs[0] (mu held on entry and on return; let go during each write). */
@@ -89,7 +87,11 @@ static void job_run(struct filler *fl)
     uint64_t hole_end = 0;     /* [pos, hole_end): never written, to be filled */
     while (f && rc == 0 && !j->cancelled && !fl->stop && j->pos < j->to) {
         uint64_t off = j->pos;
-        if (off >= hole_end && !find_hole(fl, f, j, &hole_end)) continue;
+        if (off >= hole_end) {
+            /* mu was let go: the job may be cancelled by now, so the loop looks again. */
+            find_hole(fl, f, j, &hole_end);
+            continue;
+        }
         uint64_t left = hole_end - off;
         size_t len = left < FILLER_PIECE ? (size_t)left : FILLER_PIECE;
         fl->in_piece = 1;

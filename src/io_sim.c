@@ -113,6 +113,7 @@ struct io_sim {
     int unlinks_held;    /* io_sim_hold_unlinks: unlinks wait while held (on held_cond) */
     int writes_now_held; /* io_sim_hold_writes_now: writes_now wait while held (held_cond) */
     int writes_now_err;  /* io_sim_fail_writes_now: every write_now fails with it (0: none) */
+    int data_after_held; /* io_sim_hold_data_after: answers wait while held (held_cond) */
     uint64_t rng;
     uint64_t epoch;
     uint64_t seq;
@@ -819,6 +820,10 @@ static int sim_data_after(struct io *io, struct io_file *f, uint64_t off, uint64
         e += SIM_DIRECT_ALIGN;
     *data = d >= b->len ? UINT64_MAX : d > off ? d : off;
     *hole = e < b->len ? e : b->len;
+    h->sim->counts.data_after_waiting++;
+    while (h->sim->data_after_held)
+        pthread_cond_wait(&h->sim->held_cond, &h->sim->mu);
+    h->sim->counts.data_after_waiting--;
     sim_unlock(h->sim);
     return 0;
 }
@@ -1116,6 +1121,14 @@ void io_sim_hold_writes_now(struct io_sim *sim, int hold)
 {
     sim_lock(sim);
     sim->writes_now_held = hold;
+    if (!hold) pthread_cond_broadcast(&sim->held_cond);
+    sim_unlock(sim);
+}
+
+void io_sim_hold_data_after(struct io_sim *sim, int hold)
+{
+    sim_lock(sim);
+    sim->data_after_held = hold;
     if (!hold) pthread_cond_broadcast(&sim->held_cond);
     sim_unlock(sim);
 }

@@ -59,6 +59,7 @@ struct io_sim_counts {
     uint64_t writes, flushes, bytes_written, dir_syncs;
     uint64_t writes_now;         /* write_now calls done (not in writes) */
     uint64_t writes_now_waiting; /* write_now calls blocked by io_sim_hold_writes_now */
+    uint64_t data_after_waiting; /* data_after answers held by io_sim_hold_data_after */
 };
 void io_sim_counts(const struct io_sim *sim, struct io_sim_counts *out);
 /* Flips bits (xor_mask) of the byte at off of the file's content (durable and current); for
@@ -76,6 +77,9 @@ void io_sim_hold_unlinks(struct io_sim *sim, int hold);
 /* While hold is nonzero, write_now calls block before they write: a slow write outside the
  * ring, for tests of who waits for it and what it may overwrite. */
 void io_sim_hold_writes_now(struct io_sim *sim, int hold);
+/* While hold is nonzero, data_after calls wait after they have looked, before they answer: an
+ * answer that is stale by the time it is used. */
+void io_sim_hold_data_after(struct io_sim *sim, int hold);
 /* While err is nonzero (a negative errno), every write_now fails with it. */
 void io_sim_fail_writes_now(struct io_sim *sim, int err);
 

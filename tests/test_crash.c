@@ -38,6 +38,9 @@ struct model_key {
     char result[48];
 };
 
+/* The seed of the run under way, named by every assertion about an answer. */
+static uint64_t run_seed;
+
 struct model {
     struct model_key k[KEYS_MAX];
     int nkeys;
@@ -128,8 +131,13 @@ static int run_round(idem_store *s, idem_queue *q, struct model *m, uint64_t *rn
                 alive = 0;
                 continue;
             }
+            cr_assert_eq(c[j].err, IDEM_OK, "seed %llu: %s of key %d: %s",
+                         (unsigned long long)run_seed,
+                         ops[t].kind == IDEM_OP_CLAIM    ? "claim"
+                         : ops[t].kind == IDEM_OP_COMMIT ? "commit"
+                                                         : "release",
+                         idx[t], idem_strerror(c[j].err));
             if (ops[t].kind == IDEM_OP_CLAIM) {
-                cr_assert_eq(c[j].err, IDEM_OK);
                 cr_assert_eq(c[j].outcome, IDEM_NEW, "fresh key %d got %s", idx[t],
                              idem_outcome_name(c[j].outcome));
                 cr_assert_gt(c[j].token, m->max_token, "token %lld repeats (max %lld)",
@@ -138,10 +146,8 @@ static int run_round(idem_store *s, idem_queue *q, struct model *m, uint64_t *rn
                 mk->token = c[j].token;
                 mk->acked = M_NEW;
             } else if (ops[t].kind == IDEM_OP_COMMIT) {
-                cr_assert_eq(c[j].err, IDEM_OK);
                 mk->acked = M_COMMITTED;
             } else {
-                cr_assert_eq(c[j].err, IDEM_OK);
                 mk->acked = M_RELEASED;
             }
         }
@@ -218,6 +224,7 @@ static void check_model(idem_store *s, struct model *m, uint64_t seed)
 
 static void power_loss_once(uint64_t seed)
 {
+    run_seed = seed;
     uint64_t rng = seed;
     struct io_sim *sim;
     cr_assert_eq(io_sim_create(seed, &sim), 0);
