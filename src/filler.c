@@ -83,8 +83,14 @@ static void job_run(struct filler *fl)
     struct io_file *f = NULL;
     int rc = io_open(fl->io, path, IO_O_DSYNC, &f);
     pthread_mutex_lock(&fl->mu);
-    if (rc == -ENOENT) rc = 0; /* the segment is gone already: nothing to fill */
-    uint64_t hole_end = 0;     /* [pos, hole_end): never written, to be filled */
+    if (rc < 0) {
+        /* Not the disk failing (gone already, out of descriptors or memory): only speed is
+         * lost, so the job is skipped. */
+        if (rc != -ENOENT)
+            fprintf(stderr, "idem: event=fill_skipped file=%s error=\"%s\"\n", path, strerror(-rc));
+        rc = 0;
+    }
+    uint64_t hole_end = 0; /* [pos, hole_end): never written, to be filled */
     while (f && rc == 0 && !j->cancelled && !fl->stop && j->pos < j->to) {
         uint64_t off = j->pos;
         if (off >= hole_end) {
@@ -212,9 +218,11 @@ void filler_fence(struct filler *fl, uint64_t seq, uint64_t end)
             job_drop(fl, i--);
             continue;
         }
-        if (fl->in_piece) fl->fence_waits++;
+        if (!fl->in_piece) continue;
+        fl->fence_waits++;
         while (fl->in_piece)
             pthread_cond_wait(&fl->cond, &fl->mu);
+        i = -1; /* the thread may have dropped the job meanwhile: the list moved */
     }
     pthread_mutex_unlock(&fl->mu);
 }

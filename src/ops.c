@@ -1143,7 +1143,10 @@ int idem_import_record(idem_queue *q, const idem_record *in)
         memcpy(r.last_mismatch_fp, in->last_mismatch_fp, 16);
     }
     pthread_mutex_lock(&s->mu);
-    int rc = s->opt.read_only ? IDEM_EREADONLY : s->fatal ? IDEM_EFATAL : store_room(s);
+    int rc = s->opt.read_only ? IDEM_EREADONLY
+             : s->closing     ? IDEM_ECLOSED
+             : s->fatal       ? IDEM_EFATAL
+                              : store_room(s);
     uint64_t lsn = 0;
     if (rc == 0) {
         struct rec cur;

@@ -143,6 +143,9 @@ int super_load(struct io *io, const char *dir, struct super *sb, char *err, size
         return IDEM_ECORRUPT;
     }
     *sb = (va && (!vb || a.generation > b.generation)) ? a : b;
+    /* A copy that fails its checksum may be a later one that cleared the clean mark (the open
+     * after the clean close writes it first): the mark is trusted only when neither failed. */
+    if (!va || !vb) sb->clean_lsn = 0;
     /* Fields that address the log are checked before anything trusts them. */
     if (sb->seg_bytes % 4096 || sb->seg_bytes < 64 * 1024 || sb->seg_bytes > 512u * 1024 * 1024 ||
         sb->ckpt_off % 4096 || sb->ckpt_off < 4096 || sb->ckpt_off >= sb->seg_bytes ||

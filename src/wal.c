@@ -124,6 +124,7 @@ int wal_create(struct io *io, const char *dir, uint32_t seg_bytes, struct wal **
     }
     w->io = io;
     w->seg_bytes = seg_bytes;
+    w->fill_spare = 1; /* until a segment was timed (seg_roll) */
     for (int i = (int)WAL_CHUNKS_MAX - 1; i >= 0; i--)
         w->free_list[w->nfree++] = i;
     *out = w;
@@ -537,24 +538,34 @@ int wal_flush_io(struct wal *w, int durable)
         if (rc < 0) return rc;
     }
     int left = w->ninfl;
-    int rc = 0;
+    int rc = 0, nshort = 0;
+    struct {
+        int chunk;
+        uint32_t done;
+    } shorts[WAL_CHUNKS_MAX];
     while (left > 0) {
         struct io_completion cqe[WAL_CHUNKS_MAX];
         int n = io_wait(w->io, cqe, WAL_CHUNKS_MAX, 1);
         if (n < 0) return n;
         for (int k = 0; k < n; k++) {
             left--;
-            struct wal_chunk *c = &w->chunks[w->infl[cqe[k].user_data]];
-            if (cqe[k].res < 0) {
+            int i = (int)cqe[k].user_data;
+            struct wal_chunk *c = &w->chunks[w->infl[i]];
+            if (cqe[k].res < 0)
                 rc = rc ? rc : (int)cqe[k].res;
-            } else if ((uint64_t)cqe[k].res < c->len) {
-                /* A short write: write the rest, linked to a flush again. */
-                uint32_t done = (uint32_t)cqe[k].res & ~(WAL_BLOCK - 1);
-                int r = io_write_sync(w->io, seg_of(w, c->seq)->f, c->off + done, c->buf + done,
-                                      c->len - done, durable || c->seq < w->cur_seq);
-                if (r < 0) rc = rc ? rc : r;
+            else if ((uint64_t)cqe[k].res < c->len) {
+                shorts[nshort].chunk = i;
+                shorts[nshort++].done = (uint32_t)cqe[k].res;
             }
         }
+    }
+    /* A short write: the rest is written (and flushed again) once nothing else is in flight,
+     * since io_write_sync reaps the one completion it waits for. */
+    for (int k = 0; k < nshort && rc == 0; k++) {
+        struct wal_chunk *c = &w->chunks[w->infl[shorts[k].chunk]];
+        uint32_t done = shorts[k].done & ~(WAL_BLOCK - 1);
+        rc = io_write_sync(w->io, seg_of(w, c->seq)->f, c->off + done, c->buf + done, c->len - done,
+                           durable || c->seq < w->cur_seq);
     }
     return rc;
 }

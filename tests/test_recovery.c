@@ -209,7 +209,10 @@ Test(recovery, corruption_in_the_middle_of_the_log_is_reported)
 /* A clean close marks where the log ends, so the next open need not look past it; that open
  * clears the mark before it writes. Were the mark left, a crash that damaged its first batch
  * would end the replay exactly at the mark, and the batches after it would be dropped unseen. */
-Test(recovery, the_mark_of_a_clean_close_does_not_outlive_the_next_open)
+/* damage_super: the copy the reopen wrote is damaged too, so the open falls back to the copy
+ * that holds the mark; a copy that fails its checksum may be the one that cleared it, so the
+ * mark is not trusted then either. */
+static void clean_mark_then_damage(int damage_super)
 {
     idem_store *s;
     cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK);
@@ -230,15 +233,32 @@ Test(recovery, the_mark_of_a_clean_close_does_not_outlive_the_next_open)
     cur = newest_super(sb);
     memcpy(&clean, cur + 184, 8);
     cr_assert_eq(clean, 0, "the open kept the mark");
+    uint64_t reopen_copy = (uint64_t)(cur - sb);
     fill(s, 30, 60);
     store_abandon(s);
     io_sim_crash(sim, 0);
+    if (damage_super) {
+        cr_assert_eq(io_sim_corrupt(sim, SIM_DIR "/super", reopen_copy + 100, 0x01), 0);
+        (void)newest_super(sb);
+        memcpy(&clean, sb + (reopen_copy ? 0 : 4096) + 184, 8);
+        cr_assert_neq(clean, 0, "the copy left is not the closed one");
+    }
     char path[256];
     snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)seq);
     cr_assert_eq(io_sim_corrupt(sim, path, off + 64, 0x10), 0); /* the new open's first frame */
     int rc = open_sim_seg(&s, 1 << 20);
     cr_assert_eq(rc, IDEM_ECORRUPT, "got %s", idem_strerror(rc));
     cr_assert(strstr(idem_last_error(), "after the log stops"), "message: %s", idem_last_error());
+}
+
+Test(recovery, the_mark_of_a_clean_close_does_not_outlive_the_next_open)
+{
+    clean_mark_then_damage(0);
+}
+
+Test(recovery, the_mark_of_a_clean_close_is_not_trusted_beside_a_damaged_copy)
+{
+    clean_mark_then_damage(1);
 }
 
 /* The filler writes zeros ahead of the log (filler.h). Its first piece in the current segment
