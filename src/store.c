@@ -390,7 +390,7 @@ static int flusher_maintain(idem_store *s)
         }
         pthread_cond_broadcast(&s->cond_ready);
     }
-    int fill_err = filler_error(s->filler);
+    int fill_err = s->filler ? filler_error(s->filler) : 0;
     if (fill_err) {
         store_fail(s, fill_err);
         return 0;
@@ -825,8 +825,12 @@ static int store_start(idem_store *s)
     if (rc < 0) return rc;
     remove_leftovers(s);
     if (remover_create(s->io, s->dir, &s->remover) < 0) return IDEM_ENOMEM;
-    if (filler_create(s->io, &s->filler) < 0) return IDEM_ENOMEM;
-    wal_set_filler(s->wal, s->filler);
+    /* Zeros ahead of the log shorten flushes that callers wait for: in sync mode only (batch and
+     * none answer before the flush, and the zeros would cost them CPU and disk). */
+    if (s->opt.durability == IDEM_DURABILITY_SYNC) {
+        if (filler_create(s->io, &s->filler) < 0) return IDEM_ENOMEM;
+        wal_set_filler(s->wal, s->filler);
+    }
     if (pthread_create(&s->flusher, NULL, flusher_main, s) != 0) return IDEM_ENOMEM;
     s->flusher_started = 1;
     return 0;

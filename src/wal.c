@@ -61,7 +61,7 @@ struct wal {
     uint64_t cur_seq;
     uint32_t cur_off;
     int spare_ready;          /* segment cur_seq + 1 is created and waits */
-    uint64_t cur_since_us;    /* when the log rolled into cur_seq (0: it was current at open) */
+    uint64_t cur_since_us;    /* when the log rolled into cur_seq, or the filler began (0: none) */
     int fill_spare;           /* the log's last segment went slowly enough to zero-fill a spare */
     uint64_t frames_pending;  /* RECORD and DELETE frames in pending chunks */
     uint64_t frames_inflight; /* ... in the batch in flight */
@@ -378,6 +378,9 @@ static void fill_segment(struct wal *w, uint64_t seq, uint64_t from)
 void wal_set_filler(struct wal *w, struct filler *fl)
 {
     w->filler = fl;
+    /* The segment current at open is timed from now: it started before, so it looks faster
+     * than it is, and a fast log is not filled for one more segment. */
+    w->cur_since_us = (uint64_t)util_monotonic_us();
     /* The current segment from FILLER_PIECE past the next piece boundary: the log reaches the
      * first bytes before the filler would, and a fence would cancel the job there. */
     fill_segment(w, w->cur_seq, IDEM_ALIGN_UP((uint64_t)w->cur_off, FILLER_PIECE) + FILLER_PIECE);
