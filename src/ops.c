@@ -782,13 +782,15 @@ static void op_resolve(idem_store *s, struct qslot *sl, const idem_op *op)
     }
     int before = r.state;
     uint64_t version = r.version;
-    int64_t token;
-    int rc = store_next_token(s, &token); /* every resolve bumps the token */
-    if (rc == 0 && op->action == IDEM_RESOLVE_RELEASE) {
+    int rc;
+    if (op->action == IDEM_RESOLVE_RELEASE) {
         rc = write_delete(s, slot, r.state, op->key, op->key_len, &sl->need_lsn);
-    } else if (rc == 0) {
+    } else {
         r.state = IDEM_STATE_COMMITTED;
-        r.token = token;
+        /* An operator's decision leaves no owner: no token is current (0 is never handed
+         * out), so every owner call after it is stale. A fresh token here was held by no one,
+         * yet one guessed right was taken for the owner's. */
+        r.token = 0;
         r.owner_len = 0;
         r.lease_until_ms = 0;
         r.note_len = (uint16_t)op->data_len;

@@ -1418,6 +1418,18 @@ Test(resolve, running_lease_needs_force)
     cr_assert_eq(get("k").state, IDEM_STATE_COMMITTED);
 }
 
+/* A resolve leaves no owner. The token after the claim's (what the next grant would take) is
+ * stale as much as the claim's own: with a fresh token kept in the record, that guess was taken
+ * for the owner's, and a commit with another result answered CONFLICT (and was counted). */
+Test(resolve, leaves_no_token_current)
+{
+    int64_t tok = claim_new("k");
+    expect_rc(resolve("k", IDEM_RESOLVE_COMMIT, "x", IDEM_F_FORCE), IDEM_OK);
+    for (int64_t t = tok; t <= tok + 2; t++)
+        expect_rc(commit("k", t, "other"), IDEM_ESTALE);
+    cr_assert_eq(stats().conflicting_commits, 0);
+}
+
 Test(resolve, expired_lease_needs_no_force)
 {
     claim_new("k");

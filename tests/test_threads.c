@@ -1498,7 +1498,7 @@ static void mop_resolve(int k)
         return;
     }
     MCHECK(rc == IDEM_OK, "resolve %u of key %d (state %d): %s", action, k, eff, idem_strerror(rc));
-    m->finisher = 0; /* every resolve bumps the token */
+    m->finisher = 0; /* a resolve leaves no owner: every token is stale */
     if (action == IDEM_RESOLVE_RELEASE) {
         m->state = M_ABSENT;
         return;
