@@ -38,7 +38,7 @@ struct filler {
     int started, stop, running, in_piece, err;
     struct fill_job jobs[FILLER_JOBS];
     int njobs;
-    uint64_t fence_waits, bytes;
+    uint64_t fence_waits;
     const uint8_t *zeros;
 };
 
@@ -111,7 +111,6 @@ static void job_run(struct filler *fl)
             /* A short write leaves a partial piece: the next one starts where it stopped. */
             uint64_t whole = (uint64_t)n & ~(uint64_t)(FILL_ALIGN - 1);
             j->pos = off + whole;
-            fl->bytes += (uint64_t)n;
             if (whole == 0) rc = -EIO; /* no progress: the disk refuses */
         }
         pthread_cond_broadcast(&fl->cond);
@@ -239,14 +238,6 @@ uint64_t filler_fence_waits(struct filler *fl)
 {
     pthread_mutex_lock(&fl->mu);
     uint64_t n = fl->fence_waits;
-    pthread_mutex_unlock(&fl->mu);
-    return n;
-}
-
-uint64_t filler_bytes(struct filler *fl)
-{
-    pthread_mutex_lock(&fl->mu);
-    uint64_t n = fl->bytes;
     pthread_mutex_unlock(&fl->mu);
     return n;
 }

@@ -45,7 +45,5 @@ void filler_fence(struct filler *fl, uint64_t seq, uint64_t end);
 int filler_error(struct filler *fl);
 /* Fences that waited for a piece in progress (for tests). */
 uint64_t filler_fence_waits(struct filler *fl);
-/* Bytes of zeros written. */
-uint64_t filler_bytes(struct filler *fl);
 
 #endif /* IDEM_FILLER_H */

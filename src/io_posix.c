@@ -119,16 +119,30 @@ int64_t io_posix_read(struct io *io, struct io_file *f, uint64_t off, void *buf,
     return (int64_t)done;
 }
 
+int64_t io_posix_pwrite(int fd, uint64_t off, const void *buf, size_t len)
+{
+    if (off > INT64_MAX) return -EINVAL;
+    ssize_t n;
+    do {
+        n = pwrite(fd, buf, len, (off_t)off);
+    } while (n < 0 && errno == EINTR);
+    return n < 0 ? -errno : (int64_t)n;
+}
+
 int64_t io_posix_write_now(struct io *io, struct io_file *f, uint64_t off, const void *buf,
                            size_t len)
 {
     (void)io;
-    if (off > INT64_MAX) return -EINVAL;
-    ssize_t n;
+    return io_posix_pwrite(f->fd, off, buf, len);
+}
+
+int64_t io_posix_datasync(int fd)
+{
+    int rc;
     do {
-        n = pwrite(f->fd, buf, len, (off_t)off);
-    } while (n < 0 && errno == EINTR);
-    return n < 0 ? -errno : (int64_t)n;
+        rc = fdatasync(fd);
+    } while (rc != 0 && errno == EINTR);
+    return rc == 0 ? 0 : -errno;
 }
 
 void io_posix_start_writeback(int fd, uint64_t off, uint64_t len)

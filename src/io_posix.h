@@ -24,6 +24,9 @@ int io_posix_truncate(struct io *io, struct io_file *f, uint64_t len);
 int64_t io_posix_read(struct io *io, struct io_file *f, uint64_t off, void *buf, size_t len);
 int64_t io_posix_write_now(struct io *io, struct io_file *f, uint64_t off, const void *buf,
                            size_t len);
+/* pwrite and fdatasync, retried on EINTR: bytes written (maybe short) or 0, else -errno. */
+int64_t io_posix_pwrite(int fd, uint64_t off, const void *buf, size_t len);
+int64_t io_posix_datasync(int fd);
 /* Starts write-back of [off, off + len) without waiting (sync_file_range): a batch of several
  * writes flushed together gets its first writes going to the disk while the rest are copied
  * (a batch of 40 MiB lost a quarter of its rate without). Errors are left to the fdatasync. */

@@ -14,7 +14,6 @@
 
 #include <errno.h>
 #include <stdlib.h>
-#include <unistd.h>
 
 #define IO_THREAD_QUEUE_MAX 1024u
 
@@ -75,24 +74,6 @@ static int io_thread_submit_flush(struct io *io, struct io_file *f, uint64_t use
     return io_thread_push(io_thread_of(io), &req);
 }
 
-static int64_t io_thread_datasync(int fd)
-{
-    int rc;
-    do {
-        rc = fdatasync(fd);
-    } while (rc != 0 && errno == EINTR);
-    return rc == 0 ? 0 : -errno;
-}
-
-static int64_t io_thread_write(const struct io_thread_req *req)
-{
-    ssize_t n;
-    do {
-        n = pwrite(req->fd, req->buf, req->len, (off_t)req->off);
-    } while (n < 0 && errno == EINTR);
-    return n < 0 ? -errno : n;
-}
-
 static int io_thread_wants_flush(const struct io_thread_req *req)
 {
     return req->kind == IO_THREAD_FLUSH || (req->flags & IO_W_FLUSH);
@@ -109,7 +90,9 @@ static int io_thread_wait(struct io *io, struct io_completion *out, int max, int
     while (n < max && t->head + (uint64_t)n != t->tail) {
         const struct io_thread_req *req = &t->queue[(t->head + (uint64_t)n) % IO_THREAD_QUEUE_MAX];
         out[n].user_data = req->user_data;
-        out[n].res = req->kind == IO_THREAD_WRITE ? io_thread_write(req) : 0;
+        out[n].res = req->kind == IO_THREAD_WRITE
+                         ? io_posix_pwrite(req->fd, req->off, req->buf, req->len)
+                         : 0;
         if ((req->flags & IO_W_FLUSH) && out[n].res > 0 && n + 1 < max &&
             t->head + (uint64_t)n + 1 != t->tail) /* more of the round to come */
             io_posix_start_writeback(req->fd, req->off, (uint64_t)out[n].res);
@@ -126,7 +109,7 @@ static int io_thread_wait(struct io *io, struct io_completion *out, int max, int
             done = io_thread_wants_flush(o) && o->fd == req->fd;
         }
         if (done) continue;
-        int64_t rc = io_thread_datasync(req->fd);
+        int64_t rc = io_posix_datasync(req->fd);
         for (int j = i; j < n && rc < 0; j++) {
             const struct io_thread_req *o =
                 &t->queue[(t->head + (uint64_t)j) % IO_THREAD_QUEUE_MAX];

@@ -19,7 +19,6 @@
 #include <errno.h>
 #include <liburing.h>
 #include <stdlib.h>
-#include <unistd.h>
 
 /* Largest single write; a longer one completes short and the caller continues. */
 #define IOU_WRITE_MAX ((size_t)1 << 30)
@@ -27,7 +26,7 @@
 struct iou_slot {
     uint64_t user_data;
     int64_t res;
-    uint64_t off, len; /* the write's range */
+    uint64_t off; /* the write's offset (its length is res) */
     int fd;
     uint8_t flush; /* a flush follows: the write's (IO_W_FLUSH), or the request itself */
     uint8_t cqes_pending;
@@ -90,7 +89,6 @@ static int iou_submit_write(struct io *io, struct io_file *f, uint64_t off, cons
     uint32_t idx = iou_slot_take(u, f->fd, flush, user_data);
     u->slots[idx].cqes_pending = 1;
     u->slots[idx].off = off;
-    u->slots[idx].len = len;
     u->flush_writes_inflight += (uint32_t)flush;
     struct io_uring_sqe *sqe = io_uring_get_sqe(&u->ring);
     IDEM_ASSERT(sqe != NULL); /* iou_sq_reserve made room */
@@ -136,11 +134,7 @@ static void iou_flush_due(struct iou *u)
         for (uint32_t j = 0; j < i && !done; j++)
             done = u->slots[u->due[j]].fd == s->fd;
         if (done) continue;
-        int rc;
-        do {
-            rc = fdatasync(s->fd);
-        } while (rc != 0 && errno == EINTR);
-        int64_t err = rc == 0 ? 0 : -errno;
+        int64_t err = io_posix_datasync(s->fd);
         for (uint32_t j = i; j < u->ndue; j++) {
             struct iou_slot *t = &u->slots[u->due[j]];
             if (t->fd == s->fd && err < 0) t->res = err;
