@@ -61,7 +61,7 @@ struct wal {
     uint64_t cur_seq;
     uint32_t cur_off;
     int spare_ready;          /* segment cur_seq + 1 is created and waits */
-    uint64_t cur_since_us;    /* when the log rolled into cur_seq, or the filler began (0: none) */
+    uint64_t cur_since_us;    /* when the log rolled into cur_seq, or the filler began */
     int fill_spare;           /* the log's last segment went slowly enough to zero-fill a spare */
     uint64_t frames_pending;  /* RECORD and DELETE frames in pending chunks */
     uint64_t frames_inflight; /* ... in the batch in flight */
@@ -329,8 +329,7 @@ static int seg_roll(struct wal *w, int reserve)
      * faster than FILLER_RATE_MAX writes large batches, whose flushes gain little from it,
      * and whose throughput the second write of every byte would cut. */
     uint64_t now = (uint64_t)util_monotonic_us();
-    w->fill_spare =
-        !w->cur_since_us || (now - w->cur_since_us) * (FILLER_RATE_MAX / 1000000u) >= w->seg_bytes;
+    w->fill_spare = (now - w->cur_since_us) * (FILLER_RATE_MAX / 1000000u) >= w->seg_bytes;
     w->cur_since_us = now;
     return 0;
 }
