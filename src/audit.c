@@ -1,16 +1,32 @@
 /*
  * audit.c: the operator trail (contract rule 9): who, when, which action, why, the state and
- * version before and after. Kept in DIR/audit.log, one entry per 4 KiB block (operator actions
- * are rare; no block holding an acknowledged entry is rewritten), flushed before the change it
- * describes is acknowledged. Entries are also kept in memory for idem_audit.
+ * version before and after. Kept in DIR/audit.log and in memory (for idem_audit).
  *
- * Entry block (little-endian): 0 u64 XXH3-64 of [8, 8 + len), 8 u32 len, 12 u32 0, 16 u64 seq,
- * 24 i64 at_ms, 32 u64 lsn of the change, 40 u8 state before, 41 u8 state after,
- * 42 u16 key_len, 44 u16 actor_len, 46 u16 reason_len, 48 u64 version before,
- * 56 u64 version after, 64 u8 action_len, then action, actor, key, reason.
- * An entry whose change (lsn) did not reach the recovered log is dropped at open.
+ * Entries are written in groups, by the flusher: an operator call appends its change to the log
+ * and its entry to the pending groups (audit_append, after audit_reserve made room, so that it
+ * cannot fail once the change is made). When the flusher closes a batch of the log it takes the
+ * pending groups under the same hold of the lock (audit_take): they hold the entries of exactly
+ * the changes in that batch. It writes and flushes them (audit_write_taken), and only then the
+ * batch, so an entry is durable before its change can be, and callers never wait for the ring
+ * (a DEL of many keys, or many DELs in one submission, share one write and one flush).
+ *
+ * File: a sequence of units, each starting on a 4 KiB block, written once and never rewritten
+ * (no block holding an acknowledged entry is written again). Little-endian.
+ *   Entry (the unit of earlier versions, one per block, zero-padded; inside a group, padded
+ *   to 8 bytes): 0 u64 XXH3-64 of [8, 8 + len), 8 u32 len, 12 u32 0, 16 u64 seq,
+ *   24 i64 at_ms, 32 u64 lsn of the change, 40 u8 state before, 41 u8 state after,
+ *   42 u16 key_len, 44 u16 actor_len, 46 u16 reason_len, 48 u64 version before,
+ *   56 u64 version after, 64 u8 action_len, then action, actor, key, reason.
+ *   Group (SUPER_FEAT_AUDIT_GROUPS): 0 u64 XXH3-64 of [8, group_len), 8 u32 group_len,
+ *   12 u32 AUDIT_GROUP_MAGIC, 16 u32 count, 20 u32 0, then `count` entries from offset 24;
+ *   group_len ends with the last entry's padding; zeros fill the last block.
+ * A unit that fails its checksum, or holds an entry whose change (lsn) did not reach the
+ * recovered log, ends the trail at open: it and what follows are cut off. A group is kept or
+ * dropped whole; its changes are all in one batch of the log, which recovery also keeps or drops
+ * whole.
  */
 #include <errno.h>
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -19,14 +35,89 @@
 #include "store.h"
 #include "util.h"
 
-#define AUDIT_BLOCK 4096u
-#define AUDIT_HDR   65u
+#define AUDIT_BLOCK       4096u
+#define AUDIT_HDR         65u
+#define AUDIT_GROUP_HDR   24u
+#define AUDIT_GROUP_MAGIC 0x47445541u /* "AUDG" */
+/* A group holds entries up to this many bytes (one entry more if the first is larger); a group
+ * read back may be at most AUDIT_GROUP_MAX. */
+#define AUDIT_GROUP_BYTES (256u * 1024)
+/* The largest entry: header, action, actor, key and reason at their limits. */
+#define AUDIT_ENTRY_MAX                                                                            \
+    (AUDIT_HDR + 255 + IDEM_ACTOR_BYTES_MAX + IDEM_KEY_BYTES_MAX + IDEM_NOTE_BYTES_MAX + 8)
+#define AUDIT_GROUP_MAX (AUDIT_GROUP_BYTES + AUDIT_ENTRY_MAX + AUDIT_BLOCK)
 
+/* The entry's whole length (8 + len) if its lengths agree and it fits in avail bytes; else 0. */
+uint32_t audit_entry_bytes(const uint8_t *p, size_t avail)
+{
+    if (avail < AUDIT_HDR) return 0;
+    uint32_t len = util_get_u32(p + 8);
+    uint32_t klen = util_get_u16(p + 42), alen = util_get_u16(p + 44), rlen = util_get_u16(p + 46),
+             aclen = p[64];
+    if (len + 8 > avail || util_get_u32(p + 12) != 0 ||
+        AUDIT_HDR - 8 + klen + alen + rlen + aclen != len)
+        return 0;
+    return len + 8;
+}
+
+uint32_t audit_unit_bytes(const uint8_t *blk)
+{
+    if (util_get_u32(blk + 12) != AUDIT_GROUP_MAGIC) return AUDIT_BLOCK;
+    uint32_t glen = util_get_u32(blk + 8);
+    if (glen < AUDIT_GROUP_HDR + AUDIT_HDR || glen > AUDIT_GROUP_MAX) return 0;
+    return (uint32_t)IDEM_ALIGN_UP(glen, AUDIT_BLOCK);
+}
+
+/* Whether the checksum at p is that of the len bytes from p + 8. */
+static bool sum_ok(const uint8_t *p, uint32_t len)
+{
+    return util_get_u64(p) == XXH3_64bits(p + 8, len);
+}
+
+int audit_unit_next(const uint8_t *u, uint32_t bytes, uint32_t *pos, const uint8_t **entry)
+{
+    if (util_get_u32(u + 12) != AUDIT_GROUP_MAGIC) { /* one entry per block */
+        if (*pos) return 0;
+        uint32_t len = util_get_u32(u + 8);
+        if (len > bytes - 8 || !sum_ok(u, len)) return AUDIT_TORN;
+        if (!audit_entry_bytes(u, bytes)) return AUDIT_BAD;
+        *entry = u;
+        *pos = bytes;
+        return 1;
+    }
+    uint32_t glen = util_get_u32(u + 8);
+    if (*pos == 0) {
+        if (glen > bytes || !sum_ok(u, glen - 8)) return AUDIT_TORN;
+        if (util_get_u32(u + 16) == 0 || util_get_u32(u + 20) != 0) return AUDIT_BAD;
+        *pos = AUDIT_GROUP_HDR;
+    }
+    if (*pos >= glen) return 0;
+    uint32_t n = audit_entry_bytes(u + *pos, glen - *pos);
+    if (!n || !sum_ok(u + *pos, n - 8)) return AUDIT_BAD; /* the group's checksum holds */
+    *entry = u + *pos;
+    *pos += (uint32_t)IDEM_ALIGN_UP(n, 8);
+    return 1;
+}
+
+int audit_unit_valid(const uint8_t *u, uint32_t bytes)
+{
+    uint32_t pos = 0;
+    const uint8_t *e;
+    int n = 0, rc;
+    while ((rc = audit_unit_next(u, bytes, &pos, &e)) == 1)
+        n++;
+    if (rc < 0) return rc;
+    if (util_get_u32(u + 12) == AUDIT_GROUP_MAGIC &&
+        ((uint32_t)n != util_get_u32(u + 16) || pos != util_get_u32(u + 8)))
+        return AUDIT_BAD;
+    return n;
+}
+
+/* Adds a checked entry (audit_entry_bytes) to the trail in memory. */
 static int audit_keep(idem_store *s, const uint8_t *p)
 {
     uint32_t klen = util_get_u16(p + 42), alen = util_get_u16(p + 44), rlen = util_get_u16(p + 46),
              aclen = p[64];
-    if (AUDIT_HDR - 8 + klen + alen + rlen + aclen != util_get_u32(p + 8)) return IDEM_ECORRUPT;
     if (s->naudit == s->audit_cap) {
         size_t cap = s->audit_cap ? s->audit_cap * 2 : 64;
         struct audit_rec *n = realloc(s->audit, cap * sizeof *n);
@@ -88,25 +179,42 @@ int audit_open(idem_store *s)
         store_set_error("cannot open %s: %s", path, strerror(-rc));
         return IDEM_EIO;
     }
-    uint8_t *blk = malloc(AUDIT_BLOCK);
-    if (!blk) return IDEM_ENOMEM;
+    uint8_t *u = malloc(AUDIT_GROUP_MAX);
+    if (!u) return IDEM_ENOMEM;
     uint64_t last = wal_recovered_lsn(s->wal);
-    for (uint64_t off = 0;; off += AUDIT_BLOCK) {
-        int64_t n = io_read(s->io, s->audit_f, off, blk, AUDIT_BLOCK);
-        uint32_t len = n == AUDIT_BLOCK ? util_get_u32(blk + 8) : 0;
-        int valid = len >= AUDIT_HDR - 8 && len <= AUDIT_BLOCK - 8 &&
-                    util_get_u64(blk) == XXH3_64bits(blk + 8, len);
-        if (valid && util_get_u64(blk + 32) <= last) {
-            rc = audit_keep(s, blk);
+    for (uint64_t off = 0;;) {
+        int64_t n = io_read(s->io, s->audit_f, off, u, AUDIT_BLOCK);
+        uint32_t bytes = n == AUDIT_BLOCK ? audit_unit_bytes(u) : 0;
+        if (bytes > AUDIT_BLOCK && io_read(s->io, s->audit_f, off + AUDIT_BLOCK, u + AUDIT_BLOCK,
+                                           bytes - AUDIT_BLOCK) != (int64_t)(bytes - AUDIT_BLOCK))
+            bytes = 0;
+        int n_entries = bytes ? audit_unit_valid(u, bytes) : AUDIT_TORN;
+        if (n_entries == AUDIT_BAD) {
+            /* Its checksum holds, so no torn write made it: never trusted, never cut off. */
+            store_set_error("%s: entry at offset %llu: %s", path, (unsigned long long)off,
+                            idem_strerror(IDEM_ECORRUPT));
+            rc = IDEM_ECORRUPT;
+            break;
+        }
+        int valid = n_entries > 0;
+        uint32_t pos = 0;
+        const uint8_t *e;
+        while (valid && audit_unit_next(u, bytes, &pos, &e) == 1)
+            valid = util_get_u64(e + 32) <= last;
+        if (valid) {
+            pos = 0;
+            while (rc == 0 && audit_unit_next(u, bytes, &pos, &e) == 1)
+                rc = audit_keep(s, e);
             if (rc < 0) {
-                store_set_error("%s: entry at offset %llu: %s", path, (unsigned long long)off,
-                                idem_strerror(rc));
+                store_set_error("%s: entry at offset %llu: %s", path,
+                                (unsigned long long)(off + (uint64_t)(e - u)), idem_strerror(rc));
                 break;
             }
-            s->audit_off = off + AUDIT_BLOCK;
+            off += bytes;
+            s->audit_off = off;
             continue;
         }
-        /* A torn tail, or an entry whose change never reached the log (written just before a
+        /* A torn tail, or entries whose changes never reached the log (written just before a
          * crash): the trail ends here, and what follows is cut off so it cannot come back once
          * the log's LSNs grow past it. */
         s->audit_off = off;
@@ -116,7 +224,7 @@ int audit_open(idem_store *s)
             rc = IDEM_EIO;
         break;
     }
-    free(blk);
+    free(u);
     return rc < 0 ? rc : 0;
 }
 
@@ -127,61 +235,142 @@ void audit_close(idem_store *s)
     free(s->audit);
     s->audit = NULL;
     s->naudit = 0;
+    for (int i = 0; i < 2; i++) {
+        struct audit_buf *b = i ? &s->audit_out : &s->audit_pend;
+        free(b->p);
+        memset(b, 0, sizeof *b);
+    }
     if (s->audit_f) io_close(s->io, s->audit_f);
     s->audit_f = NULL;
 }
 
-static int audit_write(idem_store *s, const char *actor, const char *action, const void *key,
-                       uint32_t key_len, const void *reason, uint32_t reason_len, int state_before,
-                       int state_after, uint64_t version_before, uint64_t version_after,
-                       uint64_t lsn, uint64_t seq, int64_t at_ms)
+/* The sequence number of the next entry: one above the last kept or pending. */
+static uint64_t audit_next_seq(const idem_store *s)
 {
+    if (s->audit_pend.n) return s->audit_pend_seq + 1;
+    if (s->audit_out.n) return s->audit_out_seq + 1;
+    return s->naudit ? s->audit[s->naudit - 1].e.seq + 1 : 1;
+}
+
+int audit_reserve(idem_store *s)
+{
+    struct audit_buf *b = &s->audit_pend;
+    /* An entry, the padding that closes the group before it, and a new group's header. */
+    size_t need = b->len + AUDIT_ENTRY_MAX + AUDIT_BLOCK + AUDIT_GROUP_HDR;
+    if (need <= b->cap) return 0;
+    size_t cap = IDEM_ALIGN_UP(need > 2 * b->cap ? need : 2 * b->cap, AUDIT_BLOCK);
+    uint8_t *p = aligned_alloc(AUDIT_BLOCK, cap);
+    if (!p) return IDEM_ENOMEM;
+    if (b->len) memcpy(p, b->p, b->len);
+    free(b->p);
+    b->p = p;
+    b->cap = cap;
+    return 0;
+}
+
+/* Ends the open group of b: its header, and zeros to the next block. */
+static void group_close(struct audit_buf *b)
+{
+    if (!b->grp_n) return;
+    uint8_t *g = b->p + b->grp;
+    uint32_t glen = (uint32_t)(b->len - b->grp);
+    size_t end = IDEM_ALIGN_UP(b->len, AUDIT_BLOCK);
+    memset(b->p + b->len, 0, end - b->len);
+    util_put_u32(g + 8, glen);
+    util_put_u32(g + 12, AUDIT_GROUP_MAGIC);
+    util_put_u32(g + 16, b->grp_n);
+    util_put_u32(g + 20, 0);
+    util_put_u64(g, XXH3_64bits(g + 8, glen - 8));
+    b->len = end;
+    b->grp_n = 0;
+}
+
+/* Adds one entry to the pending groups, after audit_reserve. */
+static void audit_put(idem_store *s, const char *actor, const char *action, const void *key,
+                      uint32_t key_len, const void *reason, uint32_t reason_len, int state_before,
+                      int state_after, uint64_t version_before, uint64_t version_after,
+                      uint64_t lsn, uint64_t seq, int64_t at_ms)
+{
+    struct audit_buf *b = &s->audit_pend;
     uint32_t alen = (uint32_t)strlen(actor), aclen = (uint32_t)strlen(action);
     uint32_t len = AUDIT_HDR - 8 + aclen + alen + key_len + reason_len;
-    if (len + 8 > AUDIT_BLOCK) return IDEM_EINVAL;
-    uint8_t *blk = aligned_alloc(AUDIT_BLOCK, AUDIT_BLOCK);
-    if (!blk) return IDEM_ENOMEM;
-    /* The ring must be idle for a synchronous write. Operator calls quiesced before their change
-     * already (ops.c op_del), so this does not release the lock between change and entry. */
-    store_quiesce(s);
-    memset(blk, 0, AUDIT_BLOCK);
-    util_put_u32(blk + 8, len);
-    util_put_u64(blk + 16, seq);
-    util_put_u64(blk + 24, (uint64_t)at_ms);
-    util_put_u64(blk + 32, lsn);
-    blk[40] = (uint8_t)state_before;
-    blk[41] = (uint8_t)state_after;
-    util_put_u16(blk + 42, (uint16_t)key_len);
-    util_put_u16(blk + 44, (uint16_t)alen);
-    util_put_u16(blk + 46, (uint16_t)reason_len);
-    util_put_u64(blk + 48, version_before);
-    util_put_u64(blk + 56, version_after);
-    blk[64] = (uint8_t)aclen;
-    uint8_t *v = blk + AUDIT_HDR;
+    uint32_t padded = (uint32_t)IDEM_ALIGN_UP(len + 8, 8);
+    IDEM_ASSERT(len + 8 <= AUDIT_ENTRY_MAX);
+    if (b->grp_n && b->len - b->grp + padded > AUDIT_GROUP_BYTES) group_close(b);
+    if (!b->grp_n) {
+        b->grp = b->len;
+        b->len += AUDIT_GROUP_HDR;
+    }
+    IDEM_ASSERT(b->len + padded <= b->cap);
+    uint8_t *p = b->p + b->len;
+    memset(p, 0, padded);
+    util_put_u32(p + 8, len);
+    util_put_u64(p + 16, seq);
+    util_put_u64(p + 24, (uint64_t)at_ms);
+    util_put_u64(p + 32, lsn);
+    p[40] = (uint8_t)state_before;
+    p[41] = (uint8_t)state_after;
+    util_put_u16(p + 42, (uint16_t)key_len);
+    util_put_u16(p + 44, (uint16_t)alen);
+    util_put_u16(p + 46, (uint16_t)reason_len);
+    util_put_u64(p + 48, version_before);
+    util_put_u64(p + 56, version_after);
+    p[64] = (uint8_t)aclen;
+    uint8_t *v = p + AUDIT_HDR;
     memcpy(v, action, aclen);
     memcpy(v + aclen, actor, alen);
     memcpy(v + aclen + alen, key, key_len);
     if (reason_len) memcpy(v + aclen + alen + key_len, reason, reason_len);
-    util_put_u64(blk, XXH3_64bits(blk + 8, len));
-    int rc = io_write_sync(s->io, s->audit_f, s->audit_off, blk, AUDIT_BLOCK, 1);
-    if (rc < 0) {
-        free(blk);
-        store_fail(s, rc);
-        return IDEM_EFATAL;
-    }
-    s->audit_off += AUDIT_BLOCK;
-    rc = audit_keep(s, blk);
-    free(blk);
-    return rc;
+    util_put_u64(p, XXH3_64bits(p + 8, len));
+    b->len += padded;
+    b->grp_n++;
+    b->n++;
+    s->audit_pend_seq = seq;
 }
 
-int audit_append(idem_store *s, const char *actor, const char *action, const void *key,
-                 uint32_t key_len, const void *reason, uint32_t reason_len, int state_before,
-                 int state_after, uint64_t version_before, uint64_t version_after, uint64_t lsn)
+void audit_append(idem_store *s, const char *actor, const char *action, const void *key,
+                  uint32_t key_len, const void *reason, uint32_t reason_len, int state_before,
+                  int state_after, uint64_t version_before, uint64_t version_after, uint64_t lsn)
 {
-    uint64_t seq = s->naudit ? s->audit[s->naudit - 1].e.seq + 1 : 1;
-    return audit_write(s, actor, action, key, key_len, reason, reason_len, state_before,
-                       state_after, version_before, version_after, lsn, seq, store_now(s));
+    audit_put(s, actor, action, key, key_len, reason, reason_len, state_before, state_after,
+              version_before, version_after, lsn, audit_next_seq(s), store_now(s));
+}
+
+size_t audit_take(idem_store *s)
+{
+    IDEM_ASSERT(s->audit_out.len == 0);
+    group_close(&s->audit_pend);
+    struct audit_buf t = s->audit_out;
+    s->audit_out = s->audit_pend;
+    s->audit_out_seq = s->audit_pend_seq;
+    s->audit_pend = t;
+    return s->audit_out.len;
+}
+
+int audit_write_taken(idem_store *s)
+{
+    if (!s->audit_out.len) return 0;
+    return io_write_sync(s->io, s->audit_f, s->audit_off, s->audit_out.p, s->audit_out.len, 1);
+}
+
+void audit_taken_done(idem_store *s, int rc)
+{
+    struct audit_buf *b = &s->audit_out;
+    for (size_t off = 0; rc == 0 && off < b->len;) {
+        uint8_t *u = b->p + off;
+        uint32_t bytes = audit_unit_bytes(u), pos = 0;
+        const uint8_t *e;
+        int krc = 0;
+        while (krc == 0 && audit_unit_next(u, bytes, &pos, &e) == 1)
+            krc = audit_keep(s, e);
+        if (krc < 0) /* durable, and read back at the next open; idem_audit misses it until then */
+            fprintf(stderr, "idem: event=audit_not_kept dir=%s error=\"%s\"\n", s->dir,
+                    idem_strerror(krc));
+        off += bytes;
+    }
+    if (rc == 0) s->audit_off += b->len;
+    b->len = 0;
+    b->n = 0;
 }
 
 int idem_import_audit(idem_queue *q, const idem_audit_entry *e)
@@ -192,13 +381,18 @@ int idem_import_audit(idem_queue *q, const idem_audit_entry *e)
         return IDEM_EINVAL;
     idem_store *s = q->s;
     pthread_mutex_lock(&s->mu);
-    int rc = s->opt.read_only ? IDEM_EREADONLY : s->fatal ? IDEM_EFATAL : 0;
+    int rc = s->opt.read_only ? IDEM_EREADONLY : s->fatal ? IDEM_EFATAL : audit_reserve(s);
     if (rc == 0) {
-        uint64_t last = s->naudit ? s->audit[s->naudit - 1].e.seq : 0;
-        rc = audit_write(s, e->actor, e->action, e->key, e->key_len, e->reason,
-                         e->reason ? (uint32_t)strlen(e->reason) : 0, e->state_before,
-                         e->state_after, e->version_before, e->version_after,
-                         wal_durable_lsn(s->wal), e->seq > last ? e->seq : last + 1, e->at_ms);
+        uint64_t next = audit_next_seq(s), seq = e->seq >= next ? e->seq : next;
+        audit_put(s, e->actor, e->action, e->key, e->key_len, e->reason,
+                  e->reason ? (uint32_t)strlen(e->reason) : 0, e->state_before, e->state_after,
+                  e->version_before, e->version_after, wal_durable_lsn(s->wal), seq, e->at_ms);
+        /* The flusher writes it (flush_due): wait until it is kept. */
+        while (!s->fatal && (s->naudit == 0 || s->audit[s->naudit - 1].e.seq < seq)) {
+            pthread_cond_signal(&s->cond_flush);
+            pthread_cond_wait(&s->cond_ready, &s->mu);
+        }
+        rc = s->fatal ? IDEM_EFATAL : 0;
     }
     pthread_mutex_unlock(&s->mu);
     return rc;
@@ -222,6 +416,10 @@ int idem_audit_page(idem_queue *q, const void *key, size_t key_len, uint64_t bef
     q->audit = out;
     size_t k = 0;
     pthread_mutex_lock(&s->mu);
+    /* Entries of changes not yet written (durability batch or none) are shown once they are:
+     * the caller sees the entries of every operator call it made. (A failed store writes
+     * nothing more: what it kept is shown.) */
+    if (s->audit_pend.n || s->audit_out.n) (void)store_wait_durable(s);
     for (size_t i = s->naudit; i > 0 && k < count; i--) {
         const idem_audit_entry *e = &s->audit[i - 1].e;
         if (before_seq && e->seq >= before_seq) continue;

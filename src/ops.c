@@ -740,10 +740,9 @@ static const char *actor_of(const idem_op *op)
     return op->actor && *op->actor ? op->actor : "unknown";
 }
 
-/* Operator calls (del, resolve) write an audit entry after their change: the change must not
- * become durable before its entry. ops_apply waits for the batch in flight before they look
- * anything up (store_quiesce), and the lock held from then on keeps the flusher from starting a
- * batch with the change until the entry is flushed. */
+/* Operator calls (del, resolve) add an audit entry after their change, in the same hold of the
+ * lock (ops_apply made room for it): the flusher writes it before the batch that carries the
+ * change (audit.c), so the change is never durable without its entry. */
 static void op_del(idem_store *s, struct qslot *sl, const idem_op *op)
 {
     int64_t now = store_now(s);
@@ -757,8 +756,8 @@ static void op_del(idem_store *s, struct qslot *sl, const idem_op *op)
     uint64_t version = r.version;
     sl->c.err = write_delete(s, slot, r.state, op->key, op->key_len, &sl->need_lsn);
     if (sl->c.err == 0)
-        sl->c.err = audit_append(s, actor_of(op), "del", op->key, op->key_len, NULL, 0,
-                                 IDEM_STATE_COMMITTED, 0, version, 0, sl->need_lsn);
+        audit_append(s, actor_of(op), "del", op->key, op->key_len, NULL, 0, IDEM_STATE_COMMITTED, 0,
+                     version, 0, sl->need_lsn);
 }
 
 static void op_resolve(idem_store *s, struct qslot *sl, const idem_op *op)
@@ -801,10 +800,10 @@ static void op_resolve(idem_store *s, struct qslot *sl, const idem_op *op)
                            &sl->need_lsn);
     }
     if (rc == 0)
-        rc = audit_append(s, actor_of(op), names[op->action], op->key, op->key_len, op->data,
-                          op->data_len, before,
-                          op->action == IDEM_RESOLVE_RELEASE ? 0 : IDEM_STATE_COMMITTED, version,
-                          op->action == IDEM_RESOLVE_RELEASE ? 0 : r.version, sl->need_lsn);
+        audit_append(s, actor_of(op), names[op->action], op->key, op->key_len, op->data,
+                     op->data_len, before,
+                     op->action == IDEM_RESOLVE_RELEASE ? 0 : IDEM_STATE_COMMITTED, version,
+                     op->action == IDEM_RESOLVE_RELEASE ? 0 : r.version, sl->need_lsn);
     sl->c.err = rc;
     if (rc == 0) ops_wake(s, op->key, op->key_len);
 }
@@ -854,13 +853,9 @@ void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_
             return;
         }
         int rc = store_room(s);
-        /* Operator calls also need no batch in flight (see op_del); both waits release the
-         * lock, so they are repeated until both hold at once. */
-        while (rc == 0 && (op->kind == IDEM_OP_DEL || op->kind == IDEM_OP_RESOLVE) &&
-               (s->flushing || store_room_ok(s) == IDEM_EBUSY)) {
-            store_quiesce(s);
-            rc = store_room(s);
-        }
+        /* Operator calls: room for the audit entry before the change (op_del). */
+        if (rc == 0 && (op->kind == IDEM_OP_DEL || op->kind == IDEM_OP_RESOLVE))
+            rc = audit_reserve(s);
         if (rc < 0) {
             sl->c.err = rc;
             return;

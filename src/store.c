@@ -150,7 +150,7 @@ void store_flusher_relock(idem_store *s)
 {
     pthread_mutex_lock(&s->mu);
     s->flushing = 0;
-    pthread_cond_broadcast(&s->cond_ready); /* wait_durable and store_quiesce wait on flushing */
+    pthread_cond_broadcast(&s->cond_ready); /* store_wait_durable waits on flushing */
 }
 
 /* Flusher (mu held, no batch in flight): moves the token reservation ahead. Until the new
@@ -285,12 +285,14 @@ static void flush_once(idem_store *s)
         store_fail(s, -EIO);
         return;
     }
-    if (n == 0) return;
+    /* The audit entries of the changes this batch carries (audit.c), written first. */
+    size_t audit_bytes = audit_take(s);
+    if (n == 0 && audit_bytes == 0) return;
     /* The batch just closed, so the next one starts here: a batch boundary, where a checkpoint
      * in steps may begin. Under steady load something is pending whenever the flusher looks
      * between flushes, so a run that waited for an idle moment might never begin. */
     int begin_rc = 0;
-    if (s->ckr.state == CKPT_RUN_IDLE && !s->ckr.by_test && !s->closing &&
+    if (n > 0 && s->ckr.state == CKPT_RUN_IDLE && !s->ckr.by_test && !s->closing &&
         ckpt_run_wanted(s, s->ckr.want_run > s->ckr.installed_run))
         begin_rc = ckpt_run_begin(s); /* a failure is handled once the batch is written */
     s->flushing = 1;
@@ -298,13 +300,19 @@ static void flush_once(idem_store *s)
     int durable = s->opt.durability != IDEM_DURABILITY_NONE || s->sync_waiters || s->closing;
     pthread_mutex_unlock(&s->mu);
     int64_t t0 = util_monotonic_us();
-    int rc = wal_flush_io(s->wal, durable);
+    int audit_rc = audit_write_taken(s);
+    int rc = audit_rc < 0 ? audit_rc : n > 0 ? wal_flush_io(s->wal, durable) : 0;
     int64_t us = util_monotonic_us() - t0;
     pthread_mutex_lock(&s->mu);
     s->flushing = 0;
+    audit_taken_done(s, audit_rc);
     if (begin_rc < 0) ckpt_run_failed(s, begin_rc);
     if (rc < 0) {
         store_fail(s, rc);
+        return;
+    }
+    if (n == 0) {
+        notify_ready_unlocked(s); /* an imported entry is kept */
         return;
     }
     s->durable_lsn = wal_flush_end(s->wal, durable);
@@ -322,6 +330,7 @@ static void flush_once(idem_store *s)
 static int flush_due(idem_store *s)
 {
     if (s->fatal) return 0;
+    if (s->audit_pend.n && !wal_pending(s->wal)) return 1; /* an imported entry */
     if (!wal_pending(s->wal)) {
         /* Durability none: a caller waits for what was written without a flush. */
         if (s->sync_waiters && s->durable_lsn < wal_written_lsn(s->wal)) {
@@ -530,16 +539,8 @@ int store_room(idem_store *s)
     return s->fatal ? IDEM_EFATAL : 0;
 }
 
-/* Waits (mu held) until no batch is in flight, for the rare synchronous writes of the callers'
- * paths (the audit trail): the ring is then idle. Record pointers do not survive the wait. */
-void store_quiesce(idem_store *s)
-{
-    while (s->flushing)
-        pthread_cond_wait(&s->cond_ready, &s->mu);
-}
-
 /* Waits (mu held) until everything appended so far is durable. */
-static int wait_durable(idem_store *s)
+int store_wait_durable(idem_store *s)
 {
     uint64_t target = wal_last_lsn(s->wal);
     s->sync_waiters++;
@@ -1405,7 +1406,7 @@ int idem_sync(idem_store *s)
 {
     if (!s) return IDEM_EINVAL;
     pthread_mutex_lock(&s->mu);
-    int rc = s->opt.read_only ? 0 : wait_durable(s);
+    int rc = s->opt.read_only ? 0 : store_wait_durable(s);
     pthread_mutex_unlock(&s->mu);
     return rc;
 }
@@ -1564,7 +1565,7 @@ static int quiesce_durable(idem_store *s)
     s->ckpt_quiesce++;
     int rc = 0;
     while (rc == 0 && (wal_pending(s->wal) || s->flushing || s->durable_lsn < wal_last_lsn(s->wal)))
-        rc = wait_durable(s);
+        rc = store_wait_durable(s);
     /* Appends held back by ckpt_quiesce wait on cond_ready (store_room): let them go on. */
     if (--s->ckpt_quiesce == 0) pthread_cond_broadcast(&s->cond_ready);
     return rc;

@@ -110,6 +110,14 @@ struct age_heap {
 
 enum age_kind { AGE_IN_FLIGHT = 0, AGE_REVIEW = 1, AGE_MISMATCH = 2, AGE_KINDS = 3 };
 
+/* Audit entries as groups ready to write (audit.c): len bytes at p (block-aligned), the last
+ * group open from grp with grp_n entries until closed; n entries in all. */
+struct audit_buf {
+    uint8_t *p;
+    size_t cap, len, grp;
+    uint32_t grp_n, n;
+};
+
 struct audit_rec {
     idem_audit_entry e;
     uint64_t lsn;
@@ -193,6 +201,10 @@ struct idem_store {
     uint64_t audit_off;
     struct audit_rec *audit;
     size_t naudit, audit_cap;
+    /* Entries of changes not yet in a batch (audit.c), the last numbered audit_pend_seq; and
+     * those the flusher took with the batch it writes (audit_out_seq the last). */
+    struct audit_buf audit_pend, audit_out;
+    uint64_t audit_pend_seq, audit_out_seq;
     /* Scratch for encoding (compressed results). */
     uint8_t *scratch;
     size_t scratch_cap;
@@ -263,13 +275,15 @@ int store_room_ok(idem_store *s);
  * acknowledged; completions not yet durable answer IDEM_EFATAL. */
 void store_fail(idem_store *s, int err);
 /* The flusher (mu held, nothing in flight) lets go of mu for file I/O of its own: flushing
- * stays set meanwhile, so the ring stays the flusher's (callers that use it wait, see
- * store_quiesce) and no superblock is written by anyone else (checkpoint_locked waits for it
- * too); callers go on applying operations. store_flusher_relock takes mu back. */
+ * stays set meanwhile, so the ring stays the flusher's and no superblock is written by anyone
+ * else (checkpoint_locked waits for it); callers go on applying operations.
+ * store_flusher_relock takes mu back. */
 void store_flusher_unlock(idem_store *s);
 void store_flusher_relock(idem_store *s);
-void store_quiesce(idem_store *s);
 void store_kick(idem_store *s);
+/* Waits (mu held, letting it go) until everything appended so far is durable, and with it the
+ * audit entries of those changes written. Returns 0 or IDEM_EFATAL. */
+int store_wait_durable(idem_store *s);
 /* Room for len more bytes at the end of the slot's buffer (not yet counted as used); earlier
  * copies are re-based if the buffer moves. NULL on ENOMEM. */
 void *qslot_reserve(struct qslot *sl, size_t len);
@@ -351,9 +365,31 @@ void ages_free(idem_store *s);
 /* ---- audit.c ---- */
 int audit_open(idem_store *s);
 void audit_close(idem_store *s);
-/* Appends and flushes one entry (rare: operator actions). */
-int audit_append(idem_store *s, const char *actor, const char *action, const void *key,
-                 uint32_t key_len, const void *reason, uint32_t reason_len, int state_before,
-                 int state_after, uint64_t version_before, uint64_t version_after, uint64_t lsn);
+/* Makes room for one entry (an operator call, before its change: audit_append cannot fail
+ * after it). Returns 0 or IDEM_ENOMEM. */
+int audit_reserve(idem_store *s);
+/* Adds the entry of a change just appended to the log, to be written before the batch that
+ * carries the change. */
+void audit_append(idem_store *s, const char *actor, const char *action, const void *key,
+                  uint32_t key_len, const void *reason, uint32_t reason_len, int state_before,
+                  int state_after, uint64_t version_before, uint64_t version_after, uint64_t lsn);
+/* The flusher, as it closes a batch (mu held): takes the pending entries; returns their bytes. */
+size_t audit_take(idem_store *s);
+/* Writes and flushes what audit_take took (mu not held; only the flusher calls it). */
+int audit_write_taken(idem_store *s);
+/* mu held again: rc 0 keeps the written entries in memory; either way the taken ones are done. */
+void audit_taken_done(idem_store *s, int rc);
+/* The file's units (shared with verify.c). The bytes of the unit whose first block is blk (0:
+ * not a unit); the number of entries of a unit of `bytes` bytes; the next entry of a unit from
+ * *pos (0 at the start): 1 with *entry set, 0 at the end. Both answer AUDIT_TORN when a
+ * checksum fails (a torn or damaged write) and AUDIT_BAD when lengths disagree under a
+ * checksum that holds (never torn: corruption). */
+#define AUDIT_TORN (-1)
+#define AUDIT_BAD  (-2)
+uint32_t audit_unit_bytes(const uint8_t *blk);
+int audit_unit_valid(const uint8_t *u, uint32_t bytes);
+int audit_unit_next(const uint8_t *u, uint32_t bytes, uint32_t *pos, const uint8_t **entry);
+/* The length (8 + len) of the entry at p if its lengths agree and it fits in avail, else 0. */
+uint32_t audit_entry_bytes(const uint8_t *p, size_t avail);
 
 #endif

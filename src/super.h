@@ -41,7 +41,10 @@
  * SUPER_FEAT_CKPT_CHUNKS: checkpoints may be in format 2 (chunks, each with its checksum); every
  * copy written since that format exists sets it. */
 #define SUPER_FEAT_CKPT_CHUNKS 0x1u
-#define SUPER_FEATURES_KNOWN   SUPER_FEAT_CKPT_CHUNKS
+/* SUPER_FEAT_AUDIT_GROUPS: audit.log may hold groups of entries (audit.c), which a build that
+ * reads one entry per block would take for damage. */
+#define SUPER_FEAT_AUDIT_GROUPS 0x2u
+#define SUPER_FEATURES_KNOWN    (SUPER_FEAT_CKPT_CHUNKS | SUPER_FEAT_AUDIT_GROUPS)
 /* The log never holds more segments than this (wal.h WAL_SEG_SLOTS). */
 #define SUPER_SEGMENTS_MAX 16384u
 

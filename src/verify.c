@@ -15,7 +15,8 @@
  *               judges it);
  *   index-*.ckpt the current checkpoint: header, entries and trailer checksums, zero padding,
  *               and every entry naming a durable RECORD frame of a key with its hash;
- *   audit.log   every 4 KiB entry block: checksum, lengths, zero padding, sequence;
+ *   audit.log   every unit (an entry block, or a group of entries): checksums, lengths, zero
+ *               padding, sequence;
  *   the index   rebuilt from the checkpoint and the frames after its position, as recovery does:
  *               each entry names a decodable record of its key, no key twice, and the
  *               superblock's key counts match the checkpoint.
@@ -48,7 +49,6 @@
 #define V_WAL_OFF_BITS   26u
 #define V_CKPT_ENTRY_MIN 16u /* a checkpoint entry at its smallest (format 2) */
 #define V_AUDIT_BLOCK    4096u
-#define V_AUDIT_HDR      65u
 #define V_PROGRESS_STEP  (4u << 20)
 
 struct vfile {
@@ -861,22 +861,18 @@ static void verify_index(struct vctx *v)
 
 /* ---- Audit trail ---- */
 
-static void audit_block_check(struct vctx *v, const uint8_t *b, uint64_t off, uint64_t *prev_seq)
+/* One entry (checked by audit_unit_next: checksum, lengths) at offset off: key, states and
+ * sequence. */
+static void audit_entry_check(struct vctx *v, const uint8_t *e, uint64_t off, uint64_t *prev_seq)
 {
-    uint32_t len = util_get_u32(b + 8);
-    uint32_t klen = util_get_u16(b + 42), alen = util_get_u16(b + 44);
-    uint32_t rlen = util_get_u16(b + 46), aclen = b[64];
-    if (V_AUDIT_HDR - 8 + klen + alen + rlen + aclen != len || util_get_u32(b + 12) != 0 ||
-        klen == 0 || klen > IDEM_KEY_BYTES_MAX || b[40] > IDEM_STATE_REVIEW ||
-        b[41] > IDEM_STATE_REVIEW) {
-        fault(v, "audit.log offset %llu: entry lengths or states are not valid",
+    uint32_t klen = util_get_u16(e + 42);
+    if (klen == 0 || klen > IDEM_KEY_BYTES_MAX || e[40] > IDEM_STATE_REVIEW ||
+        e[41] > IDEM_STATE_REVIEW) {
+        fault(v, "audit.log offset %llu: entry key length or states are not valid",
               (unsigned long long)off);
         return;
     }
-    if (!all_zero(b + 8 + len, V_AUDIT_BLOCK - 8 - len))
-        fault(v, "audit.log offset %llu: nonzero bytes after the entry",
-              (unsigned long long)(off + 8 + len));
-    uint64_t seq = util_get_u64(b + 16);
+    uint64_t seq = util_get_u64(e + 16);
     if (seq <= *prev_seq)
         fault(v, "audit.log offset %llu: sequence %llu does not follow %llu",
               (unsigned long long)off, (unsigned long long)seq, (unsigned long long)*prev_seq);
@@ -884,6 +880,8 @@ static void audit_block_check(struct vctx *v, const uint8_t *b, uint64_t off, ui
     v->r->audit_entries++;
 }
 
+/* Every unit of audit.log (audit.c): a block of one entry, or a group of entries over whole
+ * blocks, zeros after the last entry. */
 static int verify_audit(struct vctx *v)
 {
     char path[4096];
@@ -899,24 +897,35 @@ static int verify_audit(struct vctx *v)
         fault(v, "audit.log: %llu bytes is not a whole number of entry blocks",
               (unsigned long long)f.size);
     uint64_t prev_seq = 0, empty_at = UINT64_MAX;
-    for (uint64_t off = 0; off + V_AUDIT_BLOCK <= f.size; off += V_AUDIT_BLOCK) {
-        const uint8_t *b = f.map + off;
-        uint32_t len = util_get_u32(b + 8);
-        int valid = len >= V_AUDIT_HDR - 8 && len <= V_AUDIT_BLOCK - 8 &&
-                    util_get_u64(b) == XXH3_64bits(b + 8, len);
-        if (!valid && all_zero(b, V_AUDIT_BLOCK)) {
+    for (uint64_t off = 0; off + V_AUDIT_BLOCK <= f.size;) {
+        const uint8_t *u = f.map + off;
+        uint32_t bytes = audit_unit_bytes(u);
+        if (bytes == 0 || bytes > f.size - off) bytes = V_AUDIT_BLOCK;
+        if (all_zero(u, V_AUDIT_BLOCK)) {
             empty_at = empty_at == UINT64_MAX ? off : empty_at;
+            off += V_AUDIT_BLOCK;
             continue;
         }
-        if (!valid) {
-            fault(v, "audit.log offset %llu: entry fails its checksum", (unsigned long long)off);
+        if (audit_unit_valid(u, bytes) <= 0) {
+            fault(v, "audit.log offset %llu: entry fails its checksum or lengths",
+                  (unsigned long long)off);
+            off += V_AUDIT_BLOCK;
             continue;
         }
         if (empty_at != UINT64_MAX)
             fault(v, "audit.log offset %llu: an empty block before the entry at %llu",
                   (unsigned long long)empty_at, (unsigned long long)off);
         empty_at = UINT64_MAX;
-        audit_block_check(v, b, off, &prev_seq);
+        uint32_t pos = 0, end = 0;
+        const uint8_t *e;
+        while (audit_unit_next(u, bytes, &pos, &e) == 1) {
+            audit_entry_check(v, e, off + (uint64_t)(e - u), &prev_seq);
+            end = (uint32_t)(e - u) + audit_entry_bytes(e, bytes - (uint32_t)(e - u));
+        }
+        if (!all_zero(u + end, bytes - end))
+            fault(v, "audit.log offset %llu: nonzero bytes after the entry",
+                  (unsigned long long)(off + end));
+        off += bytes;
     }
     advance(v, f.size);
     vfile_close(&f);

@@ -76,6 +76,20 @@ static void fill(idem_store *s, int from, int to)
     idem_queue_close(q);
 }
 
+/* Submits n (<= 8) operations at once and expects each to complete with err. */
+static void submit_expect(idem_queue *q, const idem_op *ops, int n, int err)
+{
+    cr_assert_eq(idem_submit(q, ops, (size_t)n), n);
+    idem_completion c[8];
+    for (int done = 0; done < n;) {
+        int got = idem_poll(q, c, 8, 5000);
+        cr_assert_gt(got, 0);
+        for (int i = 0; i < got; i++)
+            cr_assert_eq(c[i].err, err, "%s", idem_strerror(c[i].err));
+        done += got;
+    }
+}
+
 static void expect_committed(idem_store *s, int from, int to)
 {
     idem_queue *q;
@@ -163,6 +177,43 @@ Test(recovery, a_failed_write_is_fatal_and_nothing_is_acknowledged)
     io_sim_crash(sim, IO_SIM_CRASH_LOSE_ALL);
     cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
     expect_committed(s, 0, 5);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+/* The audit entries of a submission are written before any of its changes can be: when that
+ * write fails, the store fails, none of the deletes is acknowledged, and after a crash every
+ * key is still there and the trail is empty. */
+Test(recovery, a_failed_write_of_audit_entries_is_fatal_before_their_changes)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, 5);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
+    char keys[3][32];
+    idem_op ops[3];
+    memset(ops, 0, sizeof ops);
+    for (int i = 0; i < 3; i++) {
+        key_of(i, keys[i]);
+        ops[i] = (idem_op){.kind = IDEM_OP_DEL,
+                           .key = keys[i],
+                           .key_len = (uint32_t)strlen(keys[i]),
+                           .actor = "alice"};
+    }
+    io_sim_fail_write(sim, 1, -EIO); /* the next write: the group of three entries */
+    submit_expect(q, ops, 3, IDEM_EFATAL);
+    cr_assert(idem_is_fatal(s));
+    idem_queue_close(q);
+    store_abandon(s);
+    io_sim_crash(sim, IO_SIM_CRASH_TEAR);
+    cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, 5);
+    cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
+    const idem_audit_entry *e;
+    size_t n = 1;
+    cr_assert_eq(idem_audit(q, NULL, 0, 10, &e, &n), IDEM_OK);
+    cr_assert_eq(n, 0);
+    idem_queue_close(q);
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
@@ -564,7 +615,7 @@ Test(recovery, unknown_format_version_is_refused_by_name)
     cr_assert(strstr(idem_last_error(), "format version 99"), "message: %s", idem_last_error());
 }
 
-/* A build that knows checkpoint format 2 sets SUPER_FEAT_CKPT_CHUNKS in every copy; a feature
+/* Every copy sets the features this build knows (checkpoint format 2, audit groups); a feature
  * bit it does not know refuses the store (an older build refuses this build's stores so). */
 Test(recovery, unknown_feature_bit_is_refused_by_name)
 {
@@ -572,10 +623,10 @@ Test(recovery, unknown_feature_bit_is_refused_by_name)
     cr_assert_eq(open_sim(&s), IDEM_OK);
     cr_assert_eq(idem_close(s), IDEM_OK);
     uint8_t sb[8192];
-    cr_assert_eq(newest_super(sb)[12], SUPER_FEAT_CKPT_CHUNKS);
-    super_set_byte(12, SUPER_FEAT_CKPT_CHUNKS | 0x4);
+    cr_assert_eq(newest_super(sb)[12], SUPER_FEAT_CKPT_CHUNKS | SUPER_FEAT_AUDIT_GROUPS);
+    super_set_byte(12, SUPER_FEAT_CKPT_CHUNKS | SUPER_FEAT_AUDIT_GROUPS | 0x4);
     cr_assert_eq(open_sim(&s), IDEM_EVERSION);
-    cr_assert(strstr(idem_last_error(), "features 0x5"), "message: %s", idem_last_error());
+    cr_assert(strstr(idem_last_error(), "features 0x7"), "message: %s", idem_last_error());
 }
 
 /* A checkpoint whose header names a format this build does not know is refused by name. */
@@ -993,7 +1044,8 @@ Test(recovery, read_only_open_writes_nothing)
  * without features); golden-v2 by checkpoint format 2 (IDEM_WRITE_GOLDEN=2 rewrites it with the
  * build under test). Each is left as a crash leaves a store: a checkpoint, then acknowledged
  * changes only in the log. golden-v2 also holds repeat counters (a checkpoint entry of 32
- * bytes among 16-byte ones). */
+ * bytes among 16-byte ones); golden-v3 (audit groups) a delete and a resolve of one submission,
+ * after the checkpoint: one group of two audit entries. */
 static void golden_contents(idem_queue *q, int write, int version)
 {
     idem_claim_args a = {.ttl_ms = 9ull * 365 * 24 * 3600 * 1000, .lease_ms = 1000};
@@ -1011,7 +1063,31 @@ static void golden_contents(idem_queue *q, int write, int version)
             cr_assert_eq(idem_claim(q, "golden-committed", 16, &a, &c), IDEM_OK);
             cr_assert_eq(c.outcome, IDEM_DONE);
         }
+        if (version >= 3) {
+            cr_assert_eq(idem_claim(q, "golden-deleted", 14, &a, &c), IDEM_OK);
+            cr_assert_eq(idem_commit(q, "golden-deleted", 14, c.token, "gone", 4), IDEM_OK);
+            cr_assert_eq(idem_claim(q, "golden-resolved", 15, &a, &c), IDEM_OK);
+            cr_assert_eq(idem_hold(q, "golden-resolved", 15, c.token, "unsure", 6), IDEM_OK);
+        }
         return;
+    }
+    if (version >= 3) {
+        cr_assert_eq(idem_get(q, "golden-deleted", 14, &c), IDEM_OK);
+        cr_assert(!c.found);
+        cr_assert_eq(idem_get(q, "golden-resolved", 15, &c), IDEM_OK);
+        cr_assert_eq(c.record.state, IDEM_STATE_COMMITTED);
+        const idem_audit_entry *e;
+        size_t n = 0;
+        cr_assert_eq(idem_audit(q, NULL, 0, 10, &e, &n), IDEM_OK);
+        cr_assert_eq(n, 2, "%zu audit entries", n);
+        cr_assert_str_eq(e[0].action, "resolve-commit");
+        cr_assert_str_eq(e[0].reason, "checked by ops");
+        cr_assert_eq(e[0].state_before, IDEM_STATE_REVIEW);
+        cr_assert_str_eq(e[1].action, "del");
+        cr_assert_eq(e[1].key_len, 14);
+        cr_assert(!memcmp(e[1].key, "golden-deleted", 14));
+        cr_assert_str_eq(e[1].actor, "ops");
+        cr_assert_eq(e[1].seq + 1, e[0].seq);
     }
     if (version >= 2) {
         cr_assert_eq(idem_get(q, "golden-committed", 16, &c), IDEM_OK);
@@ -1057,6 +1133,18 @@ static void golden_write(const char *golden, int version)
     idem_claim_args a = {.ttl_ms = 9ull * 365 * 24 * 3600 * 1000, .lease_ms = 1000};
     idem_completion c;
     cr_assert_eq(idem_claim(q, "golden-in-flight", 16, &a, &c), IDEM_OK);
+    if (version >= 3) { /* two operator calls in one submission: one audit group, in the log only */
+        idem_op ops[2] = {
+            {.kind = IDEM_OP_DEL, .key = "golden-deleted", .key_len = 14, .actor = "ops"},
+            {.kind = IDEM_OP_RESOLVE,
+             .key = "golden-resolved",
+             .key_len = 15,
+             .action = IDEM_RESOLVE_COMMIT,
+             .data = "checked by ops",
+             .data_len = 14,
+             .actor = "ops"}};
+        submit_expect(q, ops, 2, IDEM_OK);
+    }
     idem_queue_close(q);
     store_abandon(s);
 }
@@ -1097,6 +1185,11 @@ Test(golden, format_1_store_opens_and_answers)
 Test(golden, checkpoint_format_2_store_opens_and_answers)
 {
     golden_check(2);
+}
+
+Test(golden, audit_groups_store_opens_and_answers)
+{
+    golden_check(3);
 }
 
 static void durability_mode_sync_makes_durable(int mode)

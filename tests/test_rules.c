@@ -16,9 +16,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include "idem.h"
 #include "store.h"
@@ -1335,6 +1337,30 @@ static int64_t make_review(const char *key, const char *note)
     return tok;
 }
 
+/* An entry longer than a 4 KiB block (the longest key, actor and reason) is written and kept;
+ * earlier versions refused it only after the change was made, leaving it unaudited. */
+Test(resolve, a_decision_with_the_longest_key_actor_and_reason_is_audited)
+{
+    static char key[IDEM_KEY_BYTES_MAX + 1], reason[IDEM_NOTE_BYTES_MAX + 1],
+        actor[IDEM_ACTOR_BYTES_MAX + 1];
+    memset(key, 'k', IDEM_KEY_BYTES_MAX);
+    memset(reason, 'r', IDEM_NOTE_BYTES_MAX);
+    memset(actor, 'a', IDEM_ACTOR_BYTES_MAX);
+    make_review(key, "unsure");
+    expect_rc(resolve_full(key, IDEM_RESOLVE_COMMIT, reason, "done", 0, 0, actor), IDEM_OK);
+    cr_assert_eq(get(key).state, IDEM_STATE_COMMITTED);
+    for (int round = 0; round < 2; round++) {
+        const idem_audit_entry *e;
+        size_t n = 0;
+        expect_rc(idem_audit(g_q, key, IDEM_KEY_BYTES_MAX, 10, &e, &n), IDEM_OK);
+        cr_assert_eq(n, 1, "round %d: %zu entries", round, n);
+        cr_assert_str_eq(e[0].reason, reason);
+        cr_assert_str_eq(e[0].actor, actor);
+        cr_assert_str_eq(e[0].action, "resolve-commit");
+        reopen();
+    }
+}
+
 Test(resolve, commit_on_review_commits_with_the_given_result)
 {
     make_review("k", "unsure");
@@ -1659,6 +1685,120 @@ Test(del, operator_calls_between_changes_without_durability)
 Test(del, absent_key_is_notfound)
 {
     expect_rc(idem_del(g_q, "nope", 4, "alice"), IDEM_ENOTFOUND);
+}
+
+static uint64_t audit_file_bytes(void)
+{
+    char path[4096];
+    struct stat st;
+    snprintf(path, sizeof path, "%s/audit.log", g_dir);
+    cr_assert_eq(stat(path, &st), 0, "%s", path);
+    return (uint64_t)st.st_size;
+}
+
+/* The trail, newest first: n entries of action "del" by "alice" of keys k-(n-1) .. k-0. */
+static void expect_del_trail(int n)
+{
+    const idem_audit_entry *e;
+    size_t got = 0;
+    expect_rc(idem_audit(g_q, NULL, 0, 1000, &e, &got), IDEM_OK);
+    cr_assert_eq(got, (size_t)n, "%zu audit entries, expected %d", got, n);
+    for (int i = 0; i < n; i++) {
+        char key[32];
+        int len = snprintf(key, sizeof key, "k-%d", n - 1 - i);
+        cr_assert_eq(e[i].key_len, (uint32_t)len);
+        cr_assert(!memcmp(e[i].key, key, (size_t)len), "entry %d names the wrong key", i);
+        cr_assert_str_eq(e[i].action, "del");
+        cr_assert_str_eq(e[i].actor, "alice");
+        if (i) cr_assert_eq(e[i].seq + 1, e[i - 1].seq);
+    }
+}
+
+/* The entries of the deletes of one submission (a DEL of several keys) are written together:
+ * one write of one 4 KiB block for 50 of them, not 50 blocks and 50 flushes. */
+Test(del, deletes_of_one_submission_share_one_audit_write)
+{
+    enum { N = 50 };
+    char keys[N][32];
+    idem_op ops[N];
+    memset(ops, 0, sizeof ops);
+    for (int i = 0; i < N; i++) {
+        snprintf(keys[i], sizeof keys[i], "k-%d", i);
+        make_committed(keys[i], NULL, "r");
+        ops[i] = (idem_op){.kind = IDEM_OP_DEL,
+                           .user_data = (uint64_t)i,
+                           .key = keys[i],
+                           .key_len = (uint32_t)strlen(keys[i]),
+                           .actor = "alice"};
+    }
+    cr_assert_eq(idem_submit(g_q, ops, N), N);
+    idem_completion c[N];
+    for (int done = 0; done < N;) {
+        int n = idem_poll(g_q, c, N, 5000);
+        cr_assert_gt(n, 0, "idem_poll: %d", n);
+        for (int i = 0; i < n; i++)
+            cr_assert_eq(c[i].err, IDEM_OK, "delete %llu: %s", (unsigned long long)c[i].user_data,
+                         idem_strerror(c[i].err));
+        done += n;
+    }
+    for (int i = 0; i < N; i++)
+        cr_assert_not(found(keys[i]));
+    cr_assert_eq(audit_file_bytes(), 4096);
+    expect_del_trail(N);
+    reopen();
+    expect_del_trail(N);
+}
+
+/* Earlier versions wrote one entry per 4 KiB block; such a trail is read, and new entries
+ * follow it. */
+static void put_le(uint8_t *p, uint64_t v, int bytes)
+{
+    for (int i = 0; i < bytes; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static void legacy_block(uint8_t b[4096], uint64_t seq, const char *key, uint64_t lsn)
+{
+    const char *action = "del", *actor = "alice";
+    uint32_t klen = (uint32_t)strlen(key), alen = 5, aclen = 3;
+    uint32_t len = 65 - 8 + aclen + alen + klen;
+    memset(b, 0, 4096);
+    put_le(b + 8, len, 4);
+    put_le(b + 16, seq, 8);
+    put_le(b + 24, (uint64_t)t0, 8);
+    put_le(b + 32, lsn, 8);
+    b[40] = IDEM_STATE_COMMITTED;
+    put_le(b + 42, klen, 2);
+    put_le(b + 44, alen, 2);
+    put_le(b + 48, 1, 8);
+    b[64] = (uint8_t)aclen;
+    memcpy(b + 65, action, aclen);
+    memcpy(b + 65 + aclen, actor, alen);
+    memcpy(b + 65 + aclen + alen, key, klen);
+    put_le(b, XXH3_64bits(b + 8, len), 8);
+}
+
+Test(reopen, a_trail_of_one_entry_per_block_from_earlier_versions_is_read)
+{
+    make_committed("k-2", NULL, "r"); /* the log holds LSN 1 and more */
+    store_close();
+    char path[4096];
+    snprintf(path, sizeof path, "%s/audit.log", g_dir);
+    FILE *f = fopen(path, "wb");
+    cr_assert_not_null(f);
+    uint8_t b[4096];
+    legacy_block(b, 1, "k-0", 1);
+    cr_assert_eq(fwrite(b, 1, sizeof b, f), sizeof b);
+    legacy_block(b, 2, "k-1", 1);
+    cr_assert_eq(fwrite(b, 1, sizeof b, f), sizeof b);
+    cr_assert_eq(fclose(f), 0);
+    store_open();
+    expect_del_trail(2);
+    expect_rc(idem_del(g_q, "k-2", 3, "alice"), IDEM_OK);
+    expect_del_trail(3);
+    cr_assert_eq(audit_file_bytes(), 3 * 4096);
+    reopen();
+    expect_del_trail(3);
 }
 
 /* ------------------------------------------------------------------------------------------ */

@@ -699,8 +699,39 @@ Test(server, del_refuses_unfinished_and_deletes_none, .init = start)
     cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM open1 10000 1000"), &tok), "new");
     expect_error(cmd(c, "DEL done1 open1"), "ERR DEL refused");
     expect_bulk(cmd(c, "GET done1"), "v");
+    expect_error(cmd(c, "DEL open1"), "ERR DEL refused"); /* one key: the engine refuses it */
+    redisReply *r = cmd(c, "IDEM.GET open1");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY, "the in_flight record is still there");
+    freeReplyObject(r);
     expect_int(cmd(c, "DEL done1"), 1);
     expect_nil(cmd(c, "GET done1"));
+    redisFree(c);
+}
+
+/* DEL of several keys answers how many it deleted; the engine writes their audit entries as one
+ * group (one 4 KiB block here), and a key that is absent counts for nothing. */
+Test(server, del_of_many_keys_counts_them_and_audits_each_once, .init = start)
+{
+    redisContext *c = connect_unix();
+    char line[4096];
+    int n = snprintf(line, sizeof line, "DEL");
+    for (int i = 0; i < 20; i++) {
+        if (i < 18) expect_status(cmd(c, "SET many-%d v NX PX 100000", i), "OK");
+        n += snprintf(line + n, sizeof line - (size_t)n, " many-%d", i);
+    }
+    expect_int(cmd(c, line), 18);
+    for (int i = 0; i < 20; i++)
+        expect_nil(cmd(c, "GET many-%d", i));
+    redisReply *r = cmd(c, "IDEM.AUDIT COUNT 100");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
+    cr_assert_eq(r->elements, 18);
+    freeReplyObject(r);
+    char path[600];
+    snprintf(path, sizeof path, "%s/audit.log", srv.dir);
+    struct stat st;
+    cr_assert(stat(path, &st) == 0);
+    cr_assert_eq(st.st_size, 4096);
+    expect_int(cmd(c, line), 0);
     redisFree(c);
 }
 

@@ -275,15 +275,30 @@ Test(verify, flipped_bit_in_the_checkpoint_is_found, .init = setup, .fini = tear
 Test(verify, flipped_bit_in_the_audit_trail_is_found, .init = setup, .fini = teardown)
 {
     write_store();
-    expect_found("audit.log", 0, 0);           /* checksum */
-    expect_found("audit.log", 30, 2);          /* at_ms */
-    expect_found("audit.log", 4096 + 70, 5);   /* second entry's text */
-    expect_found("audit.log", 4096 + 4000, 1); /* padding of the second entry */
+    expect_found("audit.log", 0, 0);              /* the group's checksum */
+    expect_found("audit.log", 16, 1);             /* its entry count */
+    expect_found("audit.log", 24 + 24, 2);        /* the entry's at_ms */
+    expect_found("audit.log", 4096 + 24 + 70, 5); /* second group: its entry's text */
+    expect_found("audit.log", 4096 + 4000, 1);    /* its padding */
     cr_assert_eq(verify_ok().errors, 0);
 }
 
-/* Rewrites the first audit entry with its key length one longer and a checksum that matches:
- * the lengths no longer add up to the entry's length, which no checksum can catch. */
+static uint32_t get_u32le(const uint8_t *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+/* Sets the checksum at p, that of the len bytes from p + 8. */
+static void reseal(uint8_t *p, uint32_t len)
+{
+    uint64_t sum = XXH3_64bits(p + 8, len);
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(sum >> (8 * i));
+}
+
+/* Rewrites the first audit entry (at offset 24 of the first group) with its key length one
+ * longer, and the entry's and the group's checksums to match: the lengths no longer add up to
+ * the entry's length, which no checksum can catch. */
 static void audit_entry_with_inconsistent_lengths(void)
 {
     char path[4096];
@@ -292,12 +307,10 @@ static void audit_entry_with_inconsistent_lengths(void)
     cr_assert_not_null(f, "%s", path);
     uint8_t b[4096];
     cr_assert_eq(fread(b, 1, sizeof b, f), sizeof b);
-    uint32_t len =
-        (uint32_t)b[8] | (uint32_t)b[9] << 8 | (uint32_t)b[10] << 16 | (uint32_t)b[11] << 24;
-    b[42]++; /* key_len, u16 little-endian */
-    uint64_t sum = XXH3_64bits(b + 8, len);
-    for (int i = 0; i < 8; i++)
-        b[i] = (uint8_t)(sum >> (8 * i));
+    cr_assert_eq(get_u32le(b + 12), 0x47445541u, "the first unit is a group");
+    b[24 + 42]++;                          /* key_len, u16 little-endian */
+    reseal(b + 24, get_u32le(b + 24 + 8)); /* an entry's length leaves out its checksum */
+    reseal(b, get_u32le(b + 8) - 8);       /* a group's includes it */
     fseek(f, 0, SEEK_SET);
     cr_assert_eq(fwrite(b, 1, sizeof b, f), sizeof b);
     fclose(f);

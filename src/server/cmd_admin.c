@@ -2,11 +2,12 @@
  * cmd_admin.c: operator and introspection commands: IDEM.SCAN, IDEM.STATS, IDEM.AUDIT, DEL,
  * DBSIZE, INFO, CONFIG GET, COMMAND, DEBUG CLOCK.
  *
- * Scans, the audit trail and DEL use blocking calls on the server's second queue (q_sync), after
- * submitting the pending batch so that they see every earlier request. They answer at once (the
- * reply still waits its turn in the connection's FIFO). DEL of several keys checks them all
- * first and deletes none if any is unfinished; the loop thread owns the store's only writer
- * queue, so nothing can change between the check and the deletes.
+ * Scans, the audit trail and DEL's check use blocking calls on the server's second queue
+ * (q_sync), after submitting the pending batch so that they see every earlier request; scans
+ * and the audit trail answer at once (the reply still waits its turn in the connection's FIFO).
+ * DEL of several keys checks them all first and deletes none if any is unfinished; the loop
+ * thread owns the store's only writer queue, so nothing can change between the check and the
+ * deletes, which it then queues like any write.
  */
 #include "cmd.h"
 
@@ -275,8 +276,10 @@ void cmd_del(cmd_req *r)
 {
     for (uint32_t i = 1; i < r->argc; i++)
         if (cmd_key_ok(r, i) < 0) return;
-    srv_flush_ops(r->s);
-    for (uint32_t i = 1; i < r->argc; i++) {
+    /* One key: the engine refuses an unfinished record itself (RK_DEL), so nothing is looked
+     * up here and a pipeline of deletes goes to the engine in one batch. */
+    if (r->argc > 2) srv_flush_ops(r->s);
+    for (uint32_t i = 1; i < r->argc && r->argc > 2; i++) {
         idem_completion cp;
         int err = idem_get(r->s->q_sync, r->argv[i], r->argl[i], &cp);
         if (err != IDEM_OK) {
@@ -289,17 +292,16 @@ void cmd_del(cmd_req *r)
                             "decides with IDEM.RESOLVE)",
                             i, idem_state_name(cp.record.state));
     }
-    int64_t deleted = 0;
+    /* The deletes go into the batch just begun, ahead of anything parsed after this request:
+     * nothing changes the keys between the check and them. The engine writes their audit
+     * entries together, and the reply waits for the flush that makes them durable. */
     for (uint32_t i = 1; i < r->argc; i++) {
-        int err = idem_del(r->s->q_sync, r->argv[i], r->argl[i], cmd_actor(r->c));
-        if (err == IDEM_OK)
-            deleted++;
-        else if (err != IDEM_ENOTFOUND) {
-            cmd_reply_err(cmd_out(r), err);
-            return cmd_done(r);
-        }
+        idem_op op = {.kind = IDEM_OP_DEL,
+                      .key = r->argv[i],
+                      .key_len = r->argl[i],
+                      .actor = cmd_actor(r->c)};
+        srv_submit_op(r->s, r->c, r->seq, RK_DEL, &op);
     }
-    cmd_int(r, deleted);
 }
 
 /* ---- INFO ---- */

@@ -429,6 +429,19 @@ int cmd_complete(srv *s, srv_conn *c, srv_slot *sl, resp_buf *b, const idem_comp
         resp_integer(b, sl->acc);
         return 1;
     }
+    if (sl->kind == RK_DEL) {
+        sl->acc += cp->err == IDEM_OK;
+        if (cp->err != IDEM_OK && cp->err != IDEM_ENOTFOUND && !sl->err) sl->err = cp->err;
+        if (sl->remaining > 0) return 0;
+        if (sl->err == IDEM_ESTATE) /* one key (cmd_del): it was in_flight or review */
+            resp_error(b, "ERR DEL refused: key 1 is unfinished (in_flight or review); nothing "
+                          "was deleted (an admin decides with IDEM.RESOLVE)");
+        else if (sl->err)
+            cmd_reply_err(b, sl->err);
+        else
+            resp_integer(b, sl->acc);
+        return 1;
+    }
     if (cp->err != IDEM_OK) {
         cmd_reply_err(b, cp->err);
         return 1;

@@ -84,14 +84,16 @@ enum reply_kind {
     RK_TTL,
     RK_SET,     /* SET NX */
     RK_SET_GET, /* SET NX GET */
+    RK_DEL,     /* DEL (several keys add up; the first error wins) */
 };
 
 typedef struct srv_slot {
     uint8_t state;
     uint8_t kind;
     uint8_t is_wait;
-    uint32_t remaining; /* engine completions still due (EXISTS with several keys) */
-    int64_t acc;        /* EXISTS: keys found so far */
+    uint32_t remaining; /* engine completions still due (EXISTS, DEL with several keys) */
+    int64_t acc;        /* EXISTS: keys found so far; DEL: keys deleted so far */
+    int err;            /* DEL: the first error other than not found */
     uint32_t owed;      /* reply bytes reserved for it against the budget until it is made */
     uint8_t timed;      /* a claim whose latency is measured (not one that waits) */
     int64_t parsed_us;  /* timed: the loop's clock when it was parsed */
