@@ -45,7 +45,8 @@
 /* The largest entry: header, action, actor, key and reason at their limits. */
 #define AUDIT_ENTRY_MAX                                                                            \
     (AUDIT_HDR + 255 + IDEM_ACTOR_BYTES_MAX + IDEM_KEY_BYTES_MAX + IDEM_NOTE_BYTES_MAX + 8)
-#define AUDIT_GROUP_MAX (AUDIT_GROUP_BYTES + AUDIT_ENTRY_MAX + AUDIT_BLOCK)
+#define AUDIT_GROUP_MAX                                                                            \
+    IDEM_ALIGN_UP(AUDIT_GROUP_BYTES + AUDIT_ENTRY_MAX + AUDIT_BLOCK, AUDIT_BLOCK)
 
 /* The entry's whole length (8 + len) if its lengths agree and it fits in avail bytes; else 0. */
 uint32_t audit_entry_bytes(const uint8_t *p, size_t avail)
@@ -87,7 +88,8 @@ int audit_unit_next(const uint8_t *u, uint32_t bytes, uint32_t *pos, const uint8
     }
     uint32_t glen = util_get_u32(u + 8);
     if (*pos == 0) {
-        if (glen > bytes || !sum_ok(u, glen - 8)) return AUDIT_TORN;
+        if (glen < AUDIT_GROUP_HDR + AUDIT_HDR || glen > bytes || !sum_ok(u, glen - 8))
+            return AUDIT_TORN;
         if (util_get_u32(u + 16) == 0 || util_get_u32(u + 20) != 0) return AUDIT_BAD;
         *pos = AUDIT_GROUP_HDR;
     }
@@ -160,6 +162,35 @@ static int audit_keep(idem_store *s, const uint8_t *p)
     return 0;
 }
 
+/* Reads the unit at off into u (AUDIT_GROUP_MAX bytes): its entry count (> 0) with its bytes and
+ * the smallest and largest LSN its entries name; 0 at the end of the file; AUDIT_TORN,
+ * AUDIT_BAD (audit_unit_next); IDEM_EIO if the read fails. */
+static int read_unit(idem_store *s, uint64_t off, uint8_t *u, uint32_t *bytes, uint64_t *lsn_min,
+                     uint64_t *lsn_max)
+{
+    int64_t n = io_read(s->io, s->audit_f, off, u, AUDIT_BLOCK);
+    if (n < 0) return IDEM_EIO;
+    if (n == 0) return 0;
+    if (n < AUDIT_BLOCK || !(*bytes = audit_unit_bytes(u))) return AUDIT_TORN;
+    if (*bytes > AUDIT_BLOCK) {
+        n = io_read(s->io, s->audit_f, off + AUDIT_BLOCK, u + AUDIT_BLOCK, *bytes - AUDIT_BLOCK);
+        if (n < 0) return IDEM_EIO;
+        if (n != (int64_t)(*bytes - AUDIT_BLOCK)) return AUDIT_TORN;
+    }
+    int k = audit_unit_valid(u, *bytes);
+    if (k <= 0) return k < 0 ? k : AUDIT_TORN;
+    *lsn_min = UINT64_MAX;
+    *lsn_max = 0;
+    uint32_t pos = 0;
+    const uint8_t *e;
+    while (audit_unit_next(u, *bytes, &pos, &e) == 1) {
+        uint64_t lsn = util_get_u64(e + 32);
+        *lsn_min = lsn < *lsn_min ? lsn : *lsn_min;
+        *lsn_max = lsn > *lsn_max ? lsn : *lsn_max;
+    }
+    return k;
+}
+
 int audit_open(idem_store *s)
 {
     char path[4096];
@@ -181,28 +212,26 @@ int audit_open(idem_store *s)
     }
     uint8_t *u = malloc(AUDIT_GROUP_MAX);
     if (!u) return IDEM_ENOMEM;
-    uint64_t last = wal_recovered_lsn(s->wal);
-    for (uint64_t off = 0;;) {
-        int64_t n = io_read(s->io, s->audit_f, off, u, AUDIT_BLOCK);
-        uint32_t bytes = n == AUDIT_BLOCK ? audit_unit_bytes(u) : 0;
-        if (bytes > AUDIT_BLOCK && io_read(s->io, s->audit_f, off + AUDIT_BLOCK, u + AUDIT_BLOCK,
-                                           bytes - AUDIT_BLOCK) != (int64_t)(bytes - AUDIT_BLOCK))
-            bytes = 0;
-        int n_entries = bytes ? audit_unit_valid(u, bytes) : AUDIT_TORN;
-        if (n_entries == AUDIT_BAD) {
+    uint64_t last = wal_recovered_lsn(s->wal), lsn_min, lsn_max, size = 0;
+    uint32_t bytes;
+    uint64_t off = 0;
+    for (;;) {
+        int n = read_unit(s, off, u, &bytes, &lsn_min, &lsn_max);
+        if (n == AUDIT_BAD) {
             /* Its checksum holds, so no torn write made it: never trusted, never cut off. */
             store_set_error("%s: entry at offset %llu: %s", path, (unsigned long long)off,
                             idem_strerror(IDEM_ECORRUPT));
             rc = IDEM_ECORRUPT;
             break;
         }
-        int valid = n_entries > 0;
-        uint32_t pos = 0;
-        const uint8_t *e;
-        while (valid && audit_unit_next(u, bytes, &pos, &e) == 1)
-            valid = util_get_u64(e + 32) <= last;
-        if (valid) {
-            pos = 0;
+        if (n == IDEM_EIO) {
+            store_set_error("%s: cannot read at offset %llu", path, (unsigned long long)off);
+            rc = IDEM_EIO;
+            break;
+        }
+        if (n > 0 && lsn_max <= last) {
+            uint32_t pos = 0;
+            const uint8_t *e = u;
             while (rc == 0 && audit_unit_next(u, bytes, &pos, &e) == 1)
                 rc = audit_keep(s, e);
             if (rc < 0) {
@@ -214,17 +243,35 @@ int audit_open(idem_store *s)
             s->audit_off = off;
             continue;
         }
+        if (n == 0) break; /* the end */
         /* A torn tail, or entries whose changes never reached the log (written just before a
          * crash): the trail ends here, and what follows is cut off so it cannot come back once
-         * the log's LSNs grow past it. */
+         * the log's LSNs grow past it. Units are written in order, each flushed before the
+         * next batch: nothing after such a unit names a change in the recovered log, so one
+         * that does means this unit was damaged later (corruption, never cut off). */
         s->audit_off = off;
-        uint64_t size = 0;
-        if (!s->opt.read_only && io_size(s->io, s->audit_f, &size) == 0 && size > off &&
+        if (io_size(s->io, s->audit_f, &size) < 0) {
+            rc = IDEM_EIO;
+            break;
+        }
+        for (uint64_t o = off + AUDIT_BLOCK; rc == 0 && o < size; o += AUDIT_BLOCK) {
+            int k = read_unit(s, o, u, &bytes, &lsn_min, &lsn_max);
+            if (k == IDEM_EIO) rc = IDEM_EIO;
+            if (k > 0 && lsn_min <= last) {
+                store_set_error("%s: the entries at offset %llu are damaged, and the entries at "
+                                "offset %llu after them name changes in the log: %s",
+                                path, (unsigned long long)off, (unsigned long long)o,
+                                idem_strerror(IDEM_ECORRUPT));
+                rc = IDEM_ECORRUPT;
+            }
+        }
+        if (rc == 0 && !s->opt.read_only && size > off &&
             (io_truncate(s->io, s->audit_f, off) < 0 || io_flush_sync(s->io, s->audit_f) < 0))
             rc = IDEM_EIO;
         break;
     }
     free(u);
+    if (rc == 0) s->audit_seq = s->naudit ? s->audit[s->naudit - 1].e.seq : 0;
     return rc < 0 ? rc : 0;
 }
 
@@ -244,12 +291,12 @@ void audit_close(idem_store *s)
     s->audit_f = NULL;
 }
 
-/* The sequence number of the next entry: one above the last kept or pending. */
+/* The sequence number of the next entry: one above the last pending or written. */
 static uint64_t audit_next_seq(const idem_store *s)
 {
     if (s->audit_pend.n) return s->audit_pend_seq + 1;
     if (s->audit_out.n) return s->audit_out_seq + 1;
-    return s->naudit ? s->audit[s->naudit - 1].e.seq + 1 : 1;
+    return s->audit_seq + 1;
 }
 
 int audit_reserve(idem_store *s)
@@ -368,7 +415,10 @@ void audit_taken_done(idem_store *s, int rc)
                     idem_strerror(krc));
         off += bytes;
     }
-    if (rc == 0) s->audit_off += b->len;
+    if (rc == 0 && b->len) {
+        s->audit_off += b->len;
+        s->audit_seq = s->audit_out_seq;
+    }
     b->len = 0;
     b->n = 0;
 }
@@ -381,14 +431,20 @@ int idem_import_audit(idem_queue *q, const idem_audit_entry *e)
         return IDEM_EINVAL;
     idem_store *s = q->s;
     pthread_mutex_lock(&s->mu);
-    int rc = s->opt.read_only ? IDEM_EREADONLY : s->fatal ? IDEM_EFATAL : audit_reserve(s);
+    int rc = s->opt.read_only ? IDEM_EREADONLY : s->fatal ? IDEM_EFATAL : 0;
+    /* The entry names no change in a batch to come: it goes in a group of its own, after every
+     * pending group is written (a group dropped at open cuts off what follows it). */
+    while (rc == 0 && (s->audit_pend.n || s->audit_out.n))
+        rc = store_wait_durable(s);
+    if (rc == 0) rc = audit_reserve(s);
     if (rc == 0) {
         uint64_t next = audit_next_seq(s), seq = e->seq >= next ? e->seq : next;
         audit_put(s, e->actor, e->action, e->key, e->key_len, e->reason,
                   e->reason ? (uint32_t)strlen(e->reason) : 0, e->state_before, e->state_after,
                   e->version_before, e->version_after, wal_durable_lsn(s->wal), seq, e->at_ms);
-        /* The flusher writes it (flush_due): wait until it is kept. */
-        while (!s->fatal && (s->naudit == 0 || s->audit[s->naudit - 1].e.seq < seq)) {
+        group_close(&s->audit_pend);
+        /* The flusher writes it (flush_due): wait until it is. */
+        while (!s->fatal && s->audit_seq < seq) {
             pthread_cond_signal(&s->cond_flush);
             pthread_cond_wait(&s->cond_ready, &s->mu);
         }

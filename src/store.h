@@ -205,6 +205,7 @@ struct idem_store {
      * those the flusher took with the batch it writes (audit_out_seq the last). */
     struct audit_buf audit_pend, audit_out;
     uint64_t audit_pend_seq, audit_out_seq;
+    uint64_t audit_seq; /* the last entry written (kept in memory unless that ran out) */
     /* Scratch for encoding (compressed results). */
     uint8_t *scratch;
     size_t scratch_cap;

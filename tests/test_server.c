@@ -626,8 +626,8 @@ Test(server, connection_commands, .init = start)
 static void start_users(void)
 {
     static const char *const extra[] = {
-        "--user", "w:worker:pw-w",       "--user", "r:reader:pw-r", "--user", "boss:admin:pw-a",
-        "--user", "default:worker:pw-d", NULL};
+        "--user", "w:worker:pw-w",       "--user", "r:reader:pw-r",    "--user", "boss:admin:pw-a",
+        "--user", "default:worker:pw-d", "--user", "boss2:admin:pw-b", NULL};
     ready_auth = "AUTH boss pw-a";
     start_with(extra);
 }
@@ -673,6 +673,37 @@ Test(server, roles_and_auth, .init = start_users)
     r = cmd(c, "IDEM.AUDIT COUNT 5");
     cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
     cr_assert_eq(r->elements, 1);
+    freeReplyObject(r);
+    redisFree(c);
+}
+
+/* An op queued for the engine names its connection's user as the actor: an AUTH pipelined
+ * after it, as another user, must not rename it. */
+Test(server, audit_names_the_user_who_deleted_despite_a_later_auth, .init = start_users)
+{
+    redisContext *c = connect_unix();
+    expect_status(cmd(c, "AUTH boss pw-a"), "OK");
+    expect_status(cmd(c, "SET k1 v NX PX 100000"), "OK");
+    expect_status(cmd(c, "SET k2 v NX PX 100000"), "OK");
+    redisAppendCommand(c, "DEL k1");
+    redisAppendCommand(c, "AUTH boss2 pw-b");
+    redisAppendCommand(c, "DEL k2");
+    redisReply *r;
+    cr_assert_eq(redisGetReply(c, (void **)&r), REDIS_OK);
+    expect_int(r, 1);
+    cr_assert_eq(redisGetReply(c, (void **)&r), REDIS_OK);
+    expect_status(r, "OK");
+    cr_assert_eq(redisGetReply(c, (void **)&r), REDIS_OK);
+    expect_int(r, 1);
+    r = cmd(c, "IDEM.AUDIT KEY k1");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
+    cr_assert_eq(r->elements, 1);
+    const redisReply *e = r->element[0];
+    const char *actor = NULL;
+    for (size_t i = 0; i + 1 < e->elements; i += 2)
+        if (!strcmp(e->element[i]->str, "actor")) actor = e->element[i + 1]->str;
+    cr_assert_not_null(actor);
+    cr_assert_str_eq(actor, "boss@unix");
     freeReplyObject(r);
     redisFree(c);
 }

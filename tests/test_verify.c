@@ -332,6 +332,87 @@ Test(verify, audit_entry_whose_lengths_disagree_is_corruption, .init = setup, .f
     cr_assert_not_null(strstr(r.first_error, "audit.log offset 0"), "%s", r.first_error);
 }
 
+/* Rewrites the u32 at off of audit.log. */
+static void audit_put_u32(uint64_t off, uint32_t v)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/audit.log", dir);
+    FILE *f = fopen(path, "r+b");
+    cr_assert_not_null(f, "%s", path);
+    uint8_t b[4] = {(uint8_t)v, (uint8_t)(v >> 8), (uint8_t)(v >> 16), (uint8_t)(v >> 24)};
+    fseek(f, (long)off, SEEK_SET);
+    cr_assert_eq(fwrite(b, 1, 4, f), 4);
+    fclose(f);
+}
+
+/* The first of the two groups (the resolve's) is damaged and the second (the delete's) is
+ * sound: the damage is corruption, not a torn tail. The open fails naming it, the trail is
+ * left as it was, and verify reports it. A group length no write produces (too short, far
+ * beyond a group, just under the largest) is such damage too, and reading it overruns
+ * nothing (the Asan build checks). */
+Test(verify, a_damaged_audit_group_before_a_sound_one_is_corruption, .init = setup,
+     .fini = teardown)
+{
+    write_store();
+    char path[4096];
+    snprintf(path, sizeof path, "%s/audit.log", dir);
+    struct stat st;
+    cr_assert_eq(stat(path, &st), 0);
+    cr_assert_eq(st.st_size, 2 * 4096, "two groups: the resolve's, then the delete's");
+    const uint32_t glens[] = {0, 7, 88, 274000, 274432 - 1, 0xffffffffu};
+    for (size_t i = 0; i <= sizeof glens / sizeof glens[0]; i++) {
+        uint8_t keep[4];
+        FILE *f = fopen(path, "rb");
+        cr_assert_eq(fseek(f, 8, SEEK_SET), 0);
+        cr_assert_eq(fread(keep, 1, 4, f), 4);
+        fclose(f);
+        if (i < sizeof glens / sizeof glens[0])
+            audit_put_u32(8, glens[i]);
+        else
+            flip_bit("audit.log", 24 + 70, 3); /* the entry's text */
+        idem_store *s;
+        cr_assert_eq(idem_open(dir, NULL, &s), IDEM_ECORRUPT, "case %zu", i);
+        cr_assert_not_null(strstr(idem_last_error(), "audit.log"), "%s", idem_last_error());
+        cr_assert_not_null(strstr(idem_last_error(), "damaged"), "%s", idem_last_error());
+        cr_assert_eq(stat(path, &st), 0);
+        cr_assert_eq(st.st_size, 2 * 4096, "case %zu: the trail was cut", i);
+        idem_verify_report r = verify_ok();
+        cr_assert_gt(r.errors, 0, "case %zu", i);
+        cr_assert_not_null(strstr(r.first_error, "audit.log offset 0"), "%s", r.first_error);
+        if (i < sizeof glens / sizeof glens[0])
+            audit_put_u32(8, (uint32_t)keep[0] | (uint32_t)keep[1] << 8 | (uint32_t)keep[2] << 16 |
+                                 (uint32_t)keep[3] << 24);
+        else
+            flip_bit("audit.log", 24 + 70, 3);
+    }
+    cr_assert_eq(verify_ok().errors, 0);
+}
+
+/* Damage to the last group alone looks like a torn write of it: the open cuts it off and keeps
+ * the group before it. */
+Test(verify, a_damaged_last_audit_group_is_cut_off_as_a_torn_tail, .init = setup, .fini = teardown)
+{
+    write_store();
+    flip_bit("audit.log", 4096 + 24 + 70, 3);
+    idem_store *s;
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    const idem_audit_entry *e;
+    size_t n = 0;
+    cr_assert_eq(idem_audit(q, NULL, 0, 10, &e, &n), IDEM_OK);
+    cr_assert_eq(n, 1);
+    cr_assert_str_eq(e[0].action, "resolve-commit");
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    char path[4096];
+    snprintf(path, sizeof path, "%s/audit.log", dir);
+    struct stat st;
+    cr_assert_eq(stat(path, &st), 0);
+    cr_assert_eq(st.st_size, 4096);
+    cr_assert_eq(verify_ok().errors, 0);
+}
+
 Test(verify, store_in_use_is_refused, .init = setup, .fini = teardown)
 {
     write_store();

@@ -145,6 +145,9 @@ static int authenticate(cmd_req *r, const uint8_t *user, uint32_t user_len, cons
         cmd_fail(r, "WRONGPASS invalid username-password pair or user is disabled.");
         return -1;
     }
+    /* Ops queued for this connection name it as their actor (cmd_actor's buffer): they go to
+     * the engine before the name changes. */
+    srv_flush_ops(r->s);
     r->c->role = role;
     memcpy(r->c->user, name, user_len + 1);
     srv_log("info", "auth", "id=%llu user=%s role=%s", (unsigned long long)r->c->id, name,
