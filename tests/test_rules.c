@@ -1799,6 +1799,11 @@ Test(reopen, a_trail_of_one_entry_per_block_from_earlier_versions_is_read)
     cr_assert_eq(audit_file_bytes(), 3 * 4096);
     reopen();
     expect_del_trail(3);
+    store_close();
+    idem_verify_report r;
+    expect_rc(idem_verify(g_dir, &r, NULL, NULL), IDEM_OK);
+    cr_assert_eq(r.errors, 0, "%s", r.first_error);
+    cr_assert_eq(r.audit_entries, 3);
 }
 
 /* ------------------------------------------------------------------------------------------ */

@@ -763,6 +763,16 @@ Test(server, del_of_many_keys_counts_them_and_audits_each_once, .init = start)
     cr_assert(stat(path, &st) == 0);
     cr_assert_eq(st.st_size, 4096);
     expect_int(cmd(c, line), 0);
+    /* Pipelined after a DEL, IDEM.AUDIT sees its entry (it waits for the entries pending). */
+    expect_status(cmd(c, "SET piped v NX PX 100000"), "OK");
+    redisAppendCommand(c, "DEL piped");
+    redisAppendCommand(c, "IDEM.AUDIT KEY piped");
+    cr_assert_eq(redisGetReply(c, (void **)&r), REDIS_OK);
+    expect_int(r, 1);
+    cr_assert_eq(redisGetReply(c, (void **)&r), REDIS_OK);
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
+    cr_assert_eq(r->elements, 1);
+    freeReplyObject(r);
     redisFree(c);
 }
 
