@@ -174,9 +174,9 @@ def cmd_report(outdir):
             fnum(a["max"], 1), runs, fnum(a["n"]), fl, fnum(a["rec_per_flush"], 1), ck,
             fnum(a["load"], 1)))
     w("")
-    w("checkpoints: store checkpoints taken during the runs. A checkpoint pauses the store "
-      "while it writes the whole index (seconds at millions of keys), so a run that contains "
-      "one is slower and its max latency shows the pause; compare such runs with care.")
+    w("checkpoints: store checkpoints taken during the runs. A checkpoint runs in steps on the "
+      "store's flusher between batches (design.md section 8), so a run that contains one does "
+      "more disk work and its batches wait for the steps; compare such runs with care.")
     w("")
     w("Figures with several runs are medians of the runs (p99 too). ops/s counts statements: a "
       "pgbench pipeline of 32 inserts counts 32. Latency is per request for redis-benchmark "

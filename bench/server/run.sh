@@ -13,7 +13,7 @@
 #     per row at the end.
 #   - idemd flush latency, and its own claim latency (IDEM.CLAIM, parsed to reply), from its
 #     Prometheus histograms scraped before and after each run, and the store checkpoints taken
-#     during each run (a checkpoint pauses the store: see the report's note).
+#     during each run (a checkpoint adds disk work to the run: see the report's note).
 # Prints ops/s, p50, p99 per system and mode, ratios at equal durability, memory per key and the
 # targets; raw outputs are kept in the results directory.
 #
