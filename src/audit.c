@@ -21,9 +21,11 @@
  *   12 u32 AUDIT_GROUP_MAGIC, 16 u32 count, 20 u32 0, then `count` entries from offset 24;
  *   group_len ends with the last entry's padding; zeros fill the last block.
  * A unit that fails its checksum, or holds an entry whose change (lsn) did not reach the
- * recovered log, ends the trail at open: it and what follows are cut off. A group is kept or
- * dropped whole; its changes are all in one batch of the log, which recovery also keeps or drops
- * whole.
+ * recovered log, ends the trail at open: it and what follows are cut off, unless a later unit
+ * names changes in the recovered log (then the first was damaged after it was written: the open
+ * reports corruption). A group is kept or dropped whole; its changes are all in one batch of the
+ * log, which recovery also keeps or drops whole. An imported entry names no change to come: it
+ * gets a group of its own, written after every pending one.
  */
 #include <errno.h>
 #include <stdbool.h>
