@@ -433,7 +433,10 @@ int idem_import_audit(idem_queue *q, const idem_audit_entry *e)
         return IDEM_EINVAL;
     idem_store *s = q->s;
     pthread_mutex_lock(&s->mu);
-    int rc = s->opt.read_only ? IDEM_EREADONLY : s->fatal ? IDEM_EFATAL : 0;
+    int rc = s->opt.read_only ? IDEM_EREADONLY
+             : s->closing     ? IDEM_ECLOSED
+             : s->fatal       ? IDEM_EFATAL
+                              : 0;
     /* The entry names no change in a batch to come: it goes in a group of its own, after every
      * pending group is written (a group dropped at open cuts off what follows it). */
     while (rc == 0 && (s->audit_pend.n || s->audit_out.n))

@@ -305,7 +305,7 @@ static void flush_once(idem_store *s)
     int64_t us = util_monotonic_us() - t0;
     pthread_mutex_lock(&s->mu);
     s->flushing = 0;
-    audit_taken_done(s, audit_rc);
+    audit_taken_done(s, rc); /* entries of a batch that failed are not shown */
     if (begin_rc < 0) ckpt_run_failed(s, begin_rc);
     if (rc < 0) {
         store_fail(s, rc);

@@ -378,7 +378,8 @@ void audit_append(idem_store *s, const char *actor, const char *action, const vo
 size_t audit_take(idem_store *s);
 /* Writes and flushes what audit_take took (mu not held; only the flusher calls it). */
 int audit_write_taken(idem_store *s);
-/* mu held again: rc 0 keeps the written entries in memory; either way the taken ones are done. */
+/* mu held again: rc 0 (the entries and their batch written) keeps the entries in memory;
+ * either way the taken ones are done. */
 void audit_taken_done(idem_store *s, int rc);
 /* The file's units (shared with verify.c). The bytes of the unit whose first block is blk (0:
  * not a unit); the number of entries of a unit of `bytes` bytes; the next entry of a unit from

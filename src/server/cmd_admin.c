@@ -272,26 +272,37 @@ void cmd_backup(cmd_req *r)
 }
 
 /* DEL key [key ...]: none is deleted if any is in_flight or review. */
-void cmd_del(cmd_req *r)
+/* DEL of several keys deletes none if any is unfinished: every key is read first, after the
+ * pending batch is submitted. Returns 0, or -1 having answered. */
+static int del_check(cmd_req *r)
 {
-    for (uint32_t i = 1; i < r->argc; i++)
-        if (cmd_key_ok(r, i) < 0) return;
-    /* One key: the engine refuses an unfinished record itself (RK_DEL), so nothing is looked
-     * up here and a pipeline of deletes goes to the engine in one batch. */
-    if (r->argc > 2) srv_flush_ops(r->s);
-    for (uint32_t i = 1; i < r->argc && r->argc > 2; i++) {
+    srv_flush_ops(r->s);
+    for (uint32_t i = 1; i < r->argc; i++) {
         idem_completion cp;
         int err = idem_get(r->s->q_sync, r->argv[i], r->argl[i], &cp);
         if (err != IDEM_OK) {
             cmd_reply_err(cmd_out(r), err);
-            return cmd_done(r);
+            cmd_done(r);
+            return -1;
         }
-        if (cp.found && cp.record.state != IDEM_STATE_COMMITTED)
-            return cmd_fail(r,
-                            "ERR DEL refused: key %u is %s; nothing was deleted (an admin "
-                            "decides with IDEM.RESOLVE)",
-                            i, idem_state_name(cp.record.state));
+        if (cp.found && cp.record.state != IDEM_STATE_COMMITTED) {
+            cmd_fail(r,
+                     "ERR DEL refused: key %u is %s; nothing was deleted (an admin decides with "
+                     "IDEM.RESOLVE)",
+                     i, idem_state_name(cp.record.state));
+            return -1;
+        }
     }
+    return 0;
+}
+
+void cmd_del(cmd_req *r)
+{
+    for (uint32_t i = 1; i < r->argc; i++)
+        if (cmd_key_ok(r, i) < 0) return;
+    /* One key needs no check: the engine refuses an unfinished record itself (RK_DEL), so a
+     * pipeline of deletes goes to the engine in one batch. */
+    if (r->argc > 2 && del_check(r) < 0) return;
     /* The deletes go into the batch just begun, ahead of anything parsed after this request:
      * nothing changes the keys between the check and them. The engine writes their audit
      * entries together, and the reply waits for the flush that makes them durable. */
