@@ -44,10 +44,10 @@ static int view_horizon(const struct wal_seg_view *v, uint32_t *off, uint64_t un
     int more = 1;
     while (more == 1 && *off < until) {
         more = wal_view_next(v, off, &f);
-        if (more == 1 && f.type == WAL_T_RECORD && f.payload_len >= REC_FIXED_BYTES) {
-            int64_t exp = (int64_t)util_get_u64(f.payload + 24);
-            if (exp > *max) *max = exp;
-        }
+        if (more != 1 || f.type != WAL_T_RECORD) continue;
+        struct rec r; /* one that does not decode counts as never expiring: kept, not judged */
+        int64_t exp = rec_decode(f.payload, f.payload_len, &r) == 0 ? r.expires_at_ms : INT64_MAX;
+        if (exp > *max) *max = exp;
     }
     return more == 1 ? 0 : more < 0 ? -1 : 1;
 }

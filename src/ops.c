@@ -57,17 +57,15 @@ static int key_eq(void *ctx, uint64_t addr)
     uint32_t len;
     uint64_t lsn;
     const uint8_t *p = wal_payload(k->s->wal, addr, &len, &lsn);
-    if (!p || len < REC_FIXED_BYTES) {
-        /* 56 hash bits match and the frame fails its checksum: it is almost surely this key.
-         * Answering "absent" could grant it twice: stop and report instead. */
+    uint32_t klen;
+    const uint8_t *key = p ? rec_key(p, len, &klen) : NULL;
+    if (!key) {
+        /* 56 hash bits match and the frame fails its checksum (or cannot hold a key): it is
+         * almost surely this key. Answering "absent" could grant it twice: stop and report. */
         k->corrupt = 1;
         return 1;
     }
-    /* RECORD payloads start with the fixed part; key_len at offset 2, key at 136. */
-    uint32_t klen = util_get_u16(p + 2);
-    if (klen != k->key_len || REC_FIXED_BYTES + klen > len ||
-        memcmp(p + REC_FIXED_BYTES, k->key, klen) != 0)
-        return 0;
+    if (klen != k->key_len || memcmp(key, k->key, klen) != 0) return 0;
     k->payload = p;
     k->payload_len = len;
     k->lsn = lsn;
@@ -167,10 +165,7 @@ static struct old_facts old_facts(idem_store *s, uint64_t addr)
     const uint8_t *p = addr ? wal_payload(s->wal, addr, &len, &lsn) : NULL;
     if (p) {
         o.bytes = (uint64_t)len + WAL_FRAME_HDR;
-        if (len >= REC_FIXED_BYTES) {
-            o.mismatch_count = util_get_u64(p + 80);
-            o.version = util_get_u64(p + 96);
-        }
+        if (rec_facts(p, len, &o.version, &o.mismatch_count) < 0) o.version = o.mismatch_count = 0;
     }
     return o;
 }
@@ -240,10 +235,10 @@ static int write_version(idem_store *s, struct index_slot *slot, int old_state, 
     uint64_t v = wal_last_lsn(s->wal) + 1;
     if (old.version >= v) v = old.version + 1;
     if (r->version < v) r->version = v;
-    uint8_t fixed[REC_FIXED_BYTES];
-    rec_encode_fixed(r, fixed);
-    const void *parts[5] = {fixed, key, owner, note, stored};
-    uint32_t lens[5] = {REC_FIXED_BYTES, r->key_len, r->owner_len, r->note_len, r->result_len};
+    uint8_t head[REC_HEAD_MAX];
+    uint32_t head_len = rec_encode(r, head);
+    const void *parts[5] = {head, key, owner, note, stored};
+    uint32_t lens[5] = {head_len, r->key_len, r->owner_len, r->note_len, r->result_len};
     /* The index keeps 56 of the hash's bits, all that inserts and the age heaps use: a key
      * already in the index is not hashed again (the key bytes may be the record's own). */
     uint64_t h = slot ? index_slot_hash_bits(slot) : ops_hash(s, key, r->key_len);

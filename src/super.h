@@ -44,7 +44,11 @@
 /* SUPER_FEAT_AUDIT_GROUPS: audit.log may hold groups of entries (audit.c), which a build that
  * reads one entry per block would take for damage. */
 #define SUPER_FEAT_AUDIT_GROUPS 0x2u
-#define SUPER_FEATURES_KNOWN    (SUPER_FEAT_CKPT_CHUNKS | SUPER_FEAT_AUDIT_GROUPS)
+/* SUPER_FEAT_COMPACT_RECORDS: the log may hold records in the compact form (record.h), which a
+ * build that knows only the fixed form would take for damage. */
+#define SUPER_FEAT_COMPACT_RECORDS 0x4u
+#define SUPER_FEATURES_KNOWN                                                                       \
+    (SUPER_FEAT_CKPT_CHUNKS | SUPER_FEAT_AUDIT_GROUPS | SUPER_FEAT_COMPACT_RECORDS)
 /* The log never holds more segments than this (wal.h WAL_SEG_SLOTS). */
 #define SUPER_SEGMENTS_MAX 16384u
 

@@ -652,10 +652,8 @@ static const uint8_t *key_at(struct vctx *v, uint64_t addr, uint32_t *klen)
 {
     uint32_t len;
     const uint8_t *f = frame_at(v, addr, &len);
-    if (!f || len < WAL_FRAME_HDR + REC_FIXED_BYTES) return NULL;
-    *klen = util_get_u16(f + WAL_FRAME_HDR + 2);
-    if (WAL_FRAME_HDR + REC_FIXED_BYTES + *klen > len) return NULL;
-    return f + WAL_FRAME_HDR + REC_FIXED_BYTES;
+    if (!f || len < WAL_FRAME_HDR) return NULL;
+    return rec_key(f + WAL_FRAME_HDR, len - WAL_FRAME_HDR, klen);
 }
 
 static struct ventry *ix_find(struct vctx *v, uint64_t h, const uint8_t *key, uint32_t klen,

@@ -327,6 +327,13 @@ Test(compact, one_checkpoint_retires_every_segment_walked_before_it, .timeout = 
 }
 
 /* Submits keys [first, first + n) as SET NX with a 1 s ttl (key names in names[]). */
+/* The value the tests below store: a record of about 180 bytes, against about 56 for the DELETE
+ * frame that expiry writes for it, so walking expired segments fills a fraction of one. */
+#define PACE_VALUE                                                                                 \
+    "pace-value-0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef"  \
+    "0123456789abcdef01"
+#define PACE_VALUE_LEN ((uint32_t)sizeof PACE_VALUE - 1)
+
 static void submit_window(idem_queue *q, char (*names)[24], idem_op *ops, int first, int n)
 {
     for (int i = 0; i < n; i++) {
@@ -335,8 +342,8 @@ static void submit_window(idem_queue *q, char (*names)[24], idem_op *ops, int fi
                            .key = names[i],
                            .key_len = (uint32_t)strlen(names[i]),
                            .ttl_ms = 1000,
-                           .data = "v",
-                           .data_len = 1};
+                           .data = PACE_VALUE,
+                           .data_len = PACE_VALUE_LEN};
     }
     cr_assert_eq(idem_submit(q, ops, (size_t)n), n);
 }
@@ -569,8 +576,8 @@ static void set_keys(idem_queue *q, const char *prefix, int n, uint64_t ttl_ms)
             ops[j] = (idem_op){.kind = IDEM_OP_SET_IF_ABSENT,
                                .key = keys[j],
                                .key_len = (uint32_t)strlen(keys[j]),
-                               .data = "v",
-                               .data_len = 1,
+                               .data = PACE_VALUE,
+                               .data_len = PACE_VALUE_LEN,
                                .ttl_ms = ttl_ms};
         }
         cr_assert_eq(idem_submit(q, ops, (size_t)k), k);

@@ -630,18 +630,20 @@ Test(recovery, unknown_format_version_is_refused_by_name)
     cr_assert(strstr(idem_last_error(), "format version 99"), "message: %s", idem_last_error());
 }
 
-/* Every copy sets the features this build knows (checkpoint format 2, audit groups); a feature
- * bit it does not know refuses the store (an older build refuses this build's stores so). */
+/* Every copy sets the features this build knows (checkpoint format 2, audit groups, compact
+ * records); a feature bit it does not know refuses the store (an older build refuses this
+ * build's stores so). */
 Test(recovery, unknown_feature_bit_is_refused_by_name)
 {
     idem_store *s;
     cr_assert_eq(open_sim(&s), IDEM_OK);
     cr_assert_eq(idem_close(s), IDEM_OK);
     uint8_t sb[8192];
-    cr_assert_eq(newest_super(sb)[12], SUPER_FEAT_CKPT_CHUNKS | SUPER_FEAT_AUDIT_GROUPS);
-    super_set_byte(12, SUPER_FEAT_CKPT_CHUNKS | SUPER_FEAT_AUDIT_GROUPS | 0x4);
+    cr_assert_eq(newest_super(sb)[12],
+                 SUPER_FEAT_CKPT_CHUNKS | SUPER_FEAT_AUDIT_GROUPS | SUPER_FEAT_COMPACT_RECORDS);
+    super_set_byte(12, SUPER_FEATURES_KNOWN | 0x8);
     cr_assert_eq(open_sim(&s), IDEM_EVERSION);
-    cr_assert(strstr(idem_last_error(), "features 0x7"), "message: %s", idem_last_error());
+    cr_assert(strstr(idem_last_error(), "features 0xf"), "message: %s", idem_last_error());
 }
 
 /* A checkpoint whose header names a format this build does not know is refused by name. */
@@ -791,6 +793,170 @@ Test(recovery, a_record_declaring_a_result_longer_than_any_store_holds_is_corrup
     r.flags = 0; /* stored as is: its length is bounded by the frame's */
     rec_encode_fixed(&r, p);
     cr_assert_eq(rec_decode(p, sizeof p, &out), 0);
+}
+
+/* ---- Record forms ---- */
+
+static uint64_t rec_rng(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* A value for a field of `bits` bits: 0, 1, the extremes, small, or anything. */
+static uint64_t rec_pick(uint64_t *x, int bits)
+{
+    uint64_t mask = bits == 64 ? UINT64_MAX : (UINT64_C(1) << bits) - 1;
+    static const uint64_t edges[] = {0, 1, 0x7f, 0x80, INT64_MAX, (uint64_t)INT64_MIN, UINT64_MAX};
+    uint64_t r = rec_rng(x);
+    switch (r % 4) {
+    case 0:
+        return edges[(r >> 8) % (sizeof edges / sizeof edges[0])] & mask;
+    case 1:
+        return (r >> 8) % 1000 & mask;
+    case 2:
+        return (UINT64_C(1700000000000) + (r >> 40)) & mask; /* a time of today */
+    default:
+        return rec_rng(x) & mask;
+    }
+}
+
+static void rec_expect_same(const struct rec *a, const struct rec *b, uint64_t seed, int i)
+{
+    cr_assert(a->state == b->state && a->flags == b->flags && a->key_len == b->key_len &&
+                  a->owner_len == b->owner_len && a->note_len == b->note_len &&
+                  a->result_len == b->result_len && a->result_raw_len == b->result_raw_len,
+              "seed %llu record %d: a length, state or flag differs", (unsigned long long)seed, i);
+    cr_assert(a->first_seen_ms == b->first_seen_ms && a->expires_at_ms == b->expires_at_ms &&
+                  a->last_seen_ms == b->last_seen_ms && a->lease_until_ms == b->lease_until_ms &&
+                  a->last_grant_ms == b->last_grant_ms &&
+                  a->last_mismatch_ms == b->last_mismatch_ms,
+              "seed %llu record %d: a time differs", (unsigned long long)seed, i);
+    cr_assert(a->seen_count == b->seen_count && a->token == b->token &&
+                  a->attempts == b->attempts && a->mismatch_count == b->mismatch_count &&
+                  a->version == b->version,
+              "seed %llu record %d: a counter differs", (unsigned long long)seed, i);
+    cr_assert(!memcmp(a->fp, b->fp, 16) && !memcmp(a->last_mismatch_fp, b->last_mismatch_fp, 16),
+              "seed %llu record %d: a fingerprint differs", (unsigned long long)seed, i);
+}
+
+/* Every field comes back from rec_decode(rec_encode()) whatever its value, and rec_facts reads
+ * the same version and mismatch count: extremes fall back to the fixed form, which is never
+ * longer than the compact one is allowed to be. */
+Test(record, every_field_comes_back_whatever_its_value)
+{
+    uint64_t seed = tu_seed("record::every_field"), x = seed;
+    uint8_t p[REC_HEAD_MAX + 64];
+    int forms[2] = {0, 0};
+    for (int i = 0; i < 20000; i++) {
+        struct rec r = {0}, out;
+        r.state = (uint8_t)(IDEM_STATE_IN_FLIGHT + rec_rng(&x) % 3);
+        r.flags = (uint8_t)(rec_rng(&x) & REC_F_KNOWN);
+        r.key_len = (uint16_t)(1 + rec_rng(&x) % 16);
+        r.owner_len = (uint16_t)(rec_rng(&x) % 4);
+        r.note_len = (uint16_t)(rec_rng(&x) % 4);
+        r.result_len = (uint32_t)(rec_rng(&x) % 8);
+        r.result_raw_len = (uint32_t)rec_pick(&x, 24) % (IDEM_RESULT_BYTES_LIMIT + 1);
+        r.first_seen_ms = (int64_t)rec_pick(&x, 64);
+        r.expires_at_ms = (int64_t)rec_pick(&x, 64);
+        r.last_seen_ms = (int64_t)rec_pick(&x, 64);
+        r.seen_count = rec_pick(&x, 64);
+        r.lease_until_ms = (int64_t)rec_pick(&x, 64);
+        r.token = (int64_t)rec_pick(&x, 63);
+        r.last_grant_ms = (int64_t)rec_pick(&x, 64);
+        r.attempts = (uint32_t)rec_pick(&x, 32);
+        r.mismatch_count = rec_pick(&x, 64);
+        r.last_mismatch_ms = (int64_t)rec_pick(&x, 64);
+        r.version = rec_pick(&x, 64);
+        for (int b = 0; b < 16; b++) {
+            r.fp[b] = (r.flags & REC_F_FP) ? (uint8_t)rec_rng(&x) : 0;
+            r.last_mismatch_fp[b] = (r.flags & REC_F_MFP) ? (uint8_t)rec_rng(&x) : 0;
+        }
+        uint32_t n = rec_encode(&r, p);
+        cr_assert_leq(n, REC_HEAD_MAX);
+        uint32_t tail = r.key_len + r.owner_len + r.note_len + r.result_len;
+        memset(p + n, 'k', tail);
+        forms[!(p[0] & REC_COMPACT)]++;
+        cr_assert_eq(rec_decode(p, n + tail, &out), 0, "seed %llu record %d",
+                     (unsigned long long)seed, i);
+        rec_expect_same(&r, &out, seed, i);
+        uint64_t version, mismatches;
+        cr_assert_eq(rec_facts(p, n + tail, &version, &mismatches), 0);
+        cr_assert(version == r.version && mismatches == r.mismatch_count, "seed %llu record %d",
+                  (unsigned long long)seed, i);
+        cr_assert_eq(out.key, p + n);
+        cr_assert_eq(out.result + out.result_len, p + n + tail);
+        uint32_t klen;
+        cr_assert_eq(rec_key(p, n + tail, &klen), p + n);
+        cr_assert_eq(klen, r.key_len);
+        cr_assert_eq(rec_decode(p, n + tail - 1, &out), IDEM_ECORRUPT, "one byte short decoded");
+    }
+    cr_assert_gt(forms[0], 1000, "compact form: %d", forms[0]);
+    cr_assert_gt(forms[1], 10, "fixed form: %d", forms[1]);
+}
+
+/* What a claim writes, with a token and a version of 2^40: 40 bytes or less before the key
+ * (against 136 in the fixed form). */
+Test(record, a_claim_takes_at_most_40_bytes_before_its_key)
+{
+    int64_t now = INT64_C(1795000000000); /* 2026 */
+    struct rec r = {.state = IDEM_STATE_IN_FLIGHT,
+                    .key_len = 16,
+                    .first_seen_ms = now,
+                    .last_seen_ms = now,
+                    .last_grant_ms = now,
+                    .expires_at_ms = now + 7LL * 24 * 3600 * 1000,
+                    .lease_until_ms = now + 30000,
+                    .seen_count = 1,
+                    .attempts = 1,
+                    .token = INT64_C(1) << 40,
+                    .version = INT64_C(1) << 40};
+    uint8_t p[REC_HEAD_MAX];
+    uint32_t n = rec_encode(&r, p);
+    cr_assert(p[0] & REC_COMPACT);
+    cr_assert_leq(n, 40, "%u bytes", n);
+}
+
+/* Damage behind a valid frame checksum: every single-bit change of a compact record's head and
+ * fields either decodes to a record that lies within the payload or is refused, never read past
+ * its end (Asan checks the reads). */
+Test(record, a_damaged_compact_record_is_refused_or_stays_in_bounds)
+{
+    struct rec r = {.state = IDEM_STATE_COMMITTED,
+                    .flags = REC_F_FP | REC_F_LZ4,
+                    .key_len = 5,
+                    .note_len = 2,
+                    .result_len = 3,
+                    .result_raw_len = 40,
+                    .first_seen_ms = 1795000000000,
+                    .expires_at_ms = 1795000900000,
+                    .token = 77,
+                    .version = 123456};
+    memset(r.fp, 0xab, 16);
+    uint8_t good[REC_HEAD_MAX + 16];
+    uint32_t n = rec_encode(&r, good);
+    memcpy(good + n, "keyABnot", 8);
+    uint32_t len = n + 10;
+    int refused = 0;
+    for (uint32_t bit = 0; bit < 8 * n; bit++) {
+        uint8_t *p = malloc(len); /* exact size: Asan sees any read past the end */
+        memcpy(p, good, len);
+        p[bit / 8] ^= (uint8_t)(1u << (bit % 8));
+        struct rec out;
+        if (rec_decode(p, len, &out) < 0) {
+            refused++;
+        } else {
+            cr_assert(out.key >= p && out.result + out.result_len <= p + len, "bit %u", bit);
+            cr_assert(out.state >= IDEM_STATE_IN_FLIGHT && out.state <= IDEM_STATE_REVIEW);
+        }
+        uint32_t klen;
+        const uint8_t *k = rec_key(p, len, &klen);
+        cr_assert(!k || (k >= p && k + klen <= p + len), "bit %u: key out of bounds", bit);
+        free(p);
+    }
+    cr_assert_gt(refused, (int)n, "%d of %u bit flips refused", refused, 8 * n);
 }
 
 /* An entry with a flag this build does not know fails the open, wherever it sits among the
@@ -1060,7 +1226,8 @@ Test(recovery, read_only_open_writes_nothing)
  * build under test). Each is left as a crash leaves a store: a checkpoint, then acknowledged
  * changes only in the log. golden-v2 also holds repeat counters (a checkpoint entry of 32
  * bytes among 16-byte ones); golden-v3 (audit groups) a delete and a resolve of one submission,
- * after the checkpoint: one group of two audit entries. */
+ * after the checkpoint: one group of two audit entries. golden-v4 holds the same in compact
+ * records (record.h), fixed-form records in the log of v1-v3. */
 static void golden_contents(idem_queue *q, int write, int version)
 {
     idem_claim_args a = {.ttl_ms = 9ull * 365 * 24 * 3600 * 1000, .lease_ms = 1000};
@@ -1205,6 +1372,11 @@ Test(golden, checkpoint_format_2_store_opens_and_answers)
 Test(golden, audit_groups_store_opens_and_answers)
 {
     golden_check(3);
+}
+
+Test(golden, compact_records_store_opens_and_answers)
+{
+    golden_check(4);
 }
 
 static void durability_mode_sync_makes_durable(int mode)
