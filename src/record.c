@@ -30,13 +30,30 @@ struct rec_writer {
     uint64_t base; /* first_seen_ms: times are written as differences from it */
 };
 
+/* Values below 2^56 are spread into 7-bit groups in three steps and stored as 8 bytes at once,
+ * of which the varint's own are kept (the buffer has room for the excess). */
 static inline void put_varint(struct rec_writer *w, uint64_t v)
 {
-    while (v >= 0x80) {
-        *w->p++ = (uint8_t)(v | 0x80);
-        v >>= 7;
+    if (v < 0x80) {
+        *w->p++ = (uint8_t)v;
+        return;
     }
-    *w->p++ = (uint8_t)v;
+    if (v >> 56) {
+        while (v >= 0x80) {
+            *w->p++ = (uint8_t)(v | 0x80);
+            v >>= 7;
+        }
+        *w->p++ = (uint8_t)v;
+        return;
+    }
+    uint32_t bytes = (uint32_t)(64 - __builtin_clzll(v) + 6) / 7; /* 2..8 */
+    uint64_t x = v;
+    x = (x & UINT64_C(0x000000000fffffff)) | ((x & UINT64_C(0x00fffffff0000000)) << 4);
+    x = (x & UINT64_C(0x00003fff00003fff)) | ((x & UINT64_C(0x0fffc0000fffc000)) << 2);
+    x = (x & UINT64_C(0x007f007f007f007f)) | ((x & UINT64_C(0x3f803f803f803f80)) << 1);
+    x |= UINT64_C(0x8080808080808080) & ((UINT64_C(1) << (8 * (bytes - 1))) - 1);
+    util_put_u64(w->p, x);
+    w->p += bytes;
 }
 
 static inline void put_value(struct rec_writer *w, uint32_t bit, uint64_t v)
@@ -236,11 +253,9 @@ int rec_decode(const uint8_t *p, uint32_t len, struct rec *r)
 
 /* ---- Encoding ---- */
 
-uint32_t rec_encode(const struct rec *r, uint8_t out[REC_HEAD_MAX])
+uint32_t rec_encode(const struct rec *r, uint8_t out[REC_ENCODE_ROOM])
 {
-    /* The longest compact form: the head, 15 varints of up to 10 bytes, two fingerprints. */
-    uint8_t buf[REC_C_HEAD + 15 * 10 + 32];
-    struct rec_writer w = {buf + REC_C_HEAD, 0, (uint64_t)r->first_seen_ms};
+    struct rec_writer w = {out + REC_C_HEAD, 0, (uint64_t)r->first_seen_ms};
     put_varint(&w, zigzag(w.base));
     put_value(&w, REC_P_VERSION, r->version);
     put_value(&w, REC_P_MISMATCHES, r->mismatch_count);
@@ -264,17 +279,16 @@ uint32_t rec_encode(const struct rec *r, uint8_t out[REC_HEAD_MAX])
         memcpy(w.p, r->last_mismatch_fp, 16);
         w.p += 16;
     }
-    uint32_t n = (uint32_t)(w.p - buf);
+    uint32_t n = (uint32_t)(w.p - out);
     if (n > REC_HEAD_MAX) {
         rec_encode_fixed(r, out);
         return REC_FIXED_BYTES;
     }
-    buf[0] = (uint8_t)(REC_COMPACT | r->state);
-    buf[1] = r->flags;
-    util_put_u16(buf + 2, r->key_len);
-    util_put_u16(buf + 4, (uint16_t)w.present);
-    util_put_u16(buf + 6, (uint16_t)(n - REC_C_HEAD));
-    memcpy(out, buf, n);
+    out[0] = (uint8_t)(REC_COMPACT | r->state);
+    out[1] = r->flags;
+    util_put_u16(out + 2, r->key_len);
+    util_put_u16(out + 4, (uint16_t)w.present);
+    util_put_u16(out + 6, (uint16_t)(n - REC_C_HEAD));
     return n;
 }
 

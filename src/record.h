@@ -44,6 +44,9 @@
 #define REC_HEAD_MAX    REC_FIXED_BYTES /* rec_encode never writes more before the key */
 #define REC_C_HEAD      8u              /* the compact form's head, before its fields */
 #define REC_COMPACT     0x80u
+/* The room rec_encode may use while it writes: the head, 15 varints of up to 10 bytes, two
+ * fingerprints, and 8 bytes for its stores of 8 bytes at once. */
+#define REC_ENCODE_ROOM (REC_C_HEAD + 15u * 10u + 32u + 8u)
 
 #define REC_F_FP    0x1u /* fp holds the content fingerprint */
 #define REC_F_MFP   0x2u /* last_mismatch_fp is set */
@@ -89,9 +92,10 @@ struct rec {
 /* Decodes payload[0, len), either form. Returns 0 or IDEM_ECORRUPT if it does not decode. */
 int rec_decode(const uint8_t *payload, uint32_t len, struct rec *r);
 /* Writes the part of r that comes before its key into out (compact form, or fixed where that is
- * shorter) and returns its length (<= REC_HEAD_MAX). The variable parts follow it in the frame in
- * the order key, owner, note, result (the caller passes them as frame parts). */
-uint32_t rec_encode(const struct rec *r, uint8_t out[REC_HEAD_MAX]);
+ * shorter) and returns its length (<= REC_HEAD_MAX; out[] past it may be overwritten). The variable
+ * parts follow it in the frame in the order key, owner, note, result (the caller passes them as
+ * frame parts). */
+uint32_t rec_encode(const struct rec *r, uint8_t out[REC_ENCODE_ROOM]);
 /* Writes the fixed form's part before the key (tests, and rec_encode's fallback). */
 void rec_encode_fixed(const struct rec *r, uint8_t out[REC_FIXED_BYTES]);
 

@@ -848,7 +848,7 @@ static void rec_expect_same(const struct rec *a, const struct rec *b, uint64_t s
 Test(record, every_field_comes_back_whatever_its_value)
 {
     uint64_t seed = tu_seed("record::every_field"), x = seed;
-    uint8_t p[REC_HEAD_MAX + 64];
+    uint8_t p[REC_ENCODE_ROOM + 64];
     int forms[2] = {0, 0};
     for (int i = 0; i < 20000; i++) {
         struct rec r = {0}, out;
@@ -913,7 +913,7 @@ Test(record, a_claim_takes_at_most_40_bytes_before_its_key)
                     .attempts = 1,
                     .token = INT64_C(1) << 40,
                     .version = INT64_C(1) << 40};
-    uint8_t p[REC_HEAD_MAX];
+    uint8_t p[REC_ENCODE_ROOM];
     uint32_t n = rec_encode(&r, p);
     cr_assert(p[0] & REC_COMPACT);
     cr_assert_leq(n, 40, "%u bytes", n);
@@ -935,7 +935,7 @@ Test(record, a_damaged_compact_record_is_refused_or_stays_in_bounds)
                     .token = 77,
                     .version = 123456};
     memset(r.fp, 0xab, 16);
-    uint8_t good[REC_HEAD_MAX + 16];
+    uint8_t good[REC_ENCODE_ROOM + 16];
     uint32_t n = rec_encode(&r, good);
     memcpy(good + n, "keyABnot", 8);
     uint32_t len = n + 10;
