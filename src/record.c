@@ -173,13 +173,13 @@ static int decode_fixed(const uint8_t *p, uint32_t len, struct rec *r)
 static int compact_head(const uint8_t *p, uint32_t len, struct rec_reader *d)
 {
     if (len < REC_C_HEAD) return 0;
-    uint32_t fields_len = util_get_u16(p + 6);
+    uint32_t fields_len = util_get_u16(p + 6), present = util_get_u16(p + 4);
+    if ((present & ~REC_P_KNOWN) || (p[1] & ~REC_F_KNOWN) || REC_C_HEAD + fields_len > len)
+        return 0;
     *d = (struct rec_reader){.p = p + REC_C_HEAD,
                              .end = p + REC_C_HEAD + fields_len,
                              .limit = p + len,
-                             .present = util_get_u16(p + 4)};
-    if ((d->present & ~REC_P_KNOWN) || (p[1] & ~REC_F_KNOWN) || REC_C_HEAD + fields_len > len)
-        return 0;
+                             .present = present};
     d->base = unzigzag(get_varint(d));
     return 1;
 }
@@ -285,7 +285,9 @@ uint32_t rec_encode(const struct rec *r, uint8_t out[REC_ENCODE_ROOM])
         return REC_FIXED_BYTES;
     }
     out[0] = (uint8_t)(REC_COMPACT | r->state);
-    out[1] = r->flags;
+    /* A flag no build defines (damage a fixed-form record carried, which its form did not
+     * check) is not written on: the compact form refuses it. */
+    out[1] = r->flags & REC_F_KNOWN;
     util_put_u16(out + 2, r->key_len);
     util_put_u16(out + 4, (uint16_t)w.present);
     util_put_u16(out + 6, (uint16_t)(n - REC_C_HEAD));
