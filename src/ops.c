@@ -79,12 +79,6 @@ struct index_slot *ops_find(idem_store *s, const void *key, uint32_t key_len, st
     struct index_slot *slot = index_find(s->ix, ops_hash(s, key, key_len), key_eq, &k);
     s->find_corrupt = k.corrupt || (slot && rec_decode(k.payload, k.payload_len, r) < 0);
     if (!slot || s->find_corrupt) return NULL;
-    if (s->hash_cache_on) {
-        s->found_addr = index_slot_addr(slot);
-        s->found_bytes = (uint64_t)k.payload_len + WAL_FRAME_HDR;
-        s->found_version = r->version;
-        s->found_mismatches = r->mismatch_count;
-    }
     /* An LSN can never be ahead of the log (guards a wait on a damaged frame). */
     *lsn = k.lsn <= wal_last_lsn(s->wal) ? k.lsn : wal_last_lsn(s->wal);
     return slot;
@@ -166,8 +160,6 @@ struct old_facts {
 static struct old_facts old_facts(idem_store *s, uint64_t addr)
 {
     struct old_facts o = {0, 0, 0};
-    if (addr && s->hash_cache_on && addr == s->found_addr)
-        return (struct old_facts){s->found_bytes, s->found_mismatches, s->found_version};
     uint32_t len;
     uint64_t lsn;
     const uint8_t *p = addr ? wal_payload(s->wal, addr, &len, &lsn) : NULL;
@@ -842,7 +834,6 @@ int ops_hint_hash(const idem_store *s, const idem_op *op, uint64_t *h)
 void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_t *hash)
 {
     s->hash_key = NULL; /* a new operation: its key bytes may sit where the last one's did */
-    s->found_addr = 0;
     if (!op_valid(s, op)) {
         sl->c.err = IDEM_EINVAL;
         return;
@@ -912,7 +903,6 @@ void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_
     }
     s->hash_cache_on = 0;
     s->hash_key = NULL;
-    s->found_addr = 0;
     wal_check_scope(s->wal, 0);
     if (s->fatal && sl->need_lsn > s->durable_lsn) {
         sl->c.err = IDEM_EFATAL;

@@ -221,9 +221,10 @@ int rec_facts(const uint8_t *p, uint32_t len, uint64_t *version, uint64_t *misma
         *mismatch_count = get_value(&d, REC_P_MISMATCHES, UINT64_MAX);
         return d.bad ? IDEM_ECORRUPT : 0;
     }
-    if (len < REC_FIXED_BYTES) return IDEM_ECORRUPT;
-    *version = util_get_u64(p + 96);
-    *mismatch_count = util_get_u64(p + 80);
+    struct rec r;
+    if (decode_fixed(p, len, &r) < 0) return IDEM_ECORRUPT;
+    *version = r.version;
+    *mismatch_count = r.mismatch_count;
     return 0;
 }
 

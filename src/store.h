@@ -193,9 +193,6 @@ struct idem_store {
     const void *hash_key;
     uint32_t hash_key_len;
     uint64_t hash_value;
-    /* What the last ops_find of this operation read of the version it found (old_facts takes
-     * them from here when that version is replaced; only inside ops_apply, 0: none). */
-    uint64_t found_addr, found_bytes, found_version, found_mismatches;
     /* Parked WAIT claims, oldest first. */
     struct qslot *waiters, *waiters_tail;
     struct idem_queue *queues;
