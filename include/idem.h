@@ -255,8 +255,10 @@ int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
 void idem_queue_close(idem_queue *q);
 
 /* A file descriptor that is readable while completions are ready to poll (an eventfd), for
- * event loops. Reading it is idem_poll's job. Until the first call the queue keeps no eventfd
- * signalled, so blocking callers pay no system call for it. */
+ * event loops. Reading it is idem_poll's job, and one wake-up may stand for many completions:
+ * after one, poll until idem_poll returns fewer than it was asked for. Until the first call the
+ * queue keeps no eventfd signalled, so blocking callers pay no system call for it; the first
+ * call signals it only if completions are ready already. */
 int idem_queue_fd(idem_queue *q);
 
 /*

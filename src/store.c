@@ -1111,7 +1111,9 @@ int idem_queue_fd(idem_queue *q)
     pthread_mutex_lock(&q->s->mu);
     if (!q->fd_used) {
         q->fd_used = 1;
-        queue_signal(q); /* completions may be ready already: one poll finds out */
+        /* Completions may be ready already. Only then: a readable fd with nothing to poll
+         * would wake its owner's event loop over and over. */
+        if (queue_ready(q->s, q)) queue_signal(q);
     }
     pthread_mutex_unlock(&q->s->mu);
     return q->efd;

@@ -16,7 +16,9 @@
  */
 #include <criterion/criterion.h>
 
+#include <errno.h>
 #include <inttypes.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -560,6 +562,57 @@ Test(race, nothing_is_pending_after_blocking_calls_and_polled_completions)
     }
     cr_assert_eq(idem_queue_pending(q), 0, "%u pending after polling every completion",
                  idem_queue_pending(q));
+    idem_queue_close(q);
+}
+
+/* Whether fd is readable now (poll, no wait). */
+static int fd_readable(int fd)
+{
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    int n = poll(&p, 1, 0);
+    cr_assert_geq(n, 0, "poll: %s", strerror(errno));
+    return n == 1 && (p.revents & POLLIN);
+}
+
+/* An event loop waits on the queue's fd: readable exactly while there is something to poll.
+ * Readable with nothing to poll, the loop would wake at once, every time (idemd spun a core
+ * from its start until its first engine operation). */
+Test(race, queue_fd_is_readable_only_while_completions_wait)
+{
+    idem_queue *q;
+    expect_rc(idem_queue_open(g_s, 8, &q), IDEM_OK);
+    int fd = idem_queue_fd(q);
+    cr_assert_geq(fd, 0);
+    cr_assert_not(fd_readable(fd), "an idle queue's fd is readable");
+    idem_op op = {
+        .kind = IDEM_OP_CLAIM, .key = "fd-k", .key_len = 4, .ttl_ms = TTL, .lease_ms = LEASE};
+    cr_assert_eq(idem_submit(q, &op, 1), 1);
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    cr_assert_eq(poll(&p, 1, 10000), 1, "no wake-up for a completed claim");
+    idem_completion c;
+    cr_assert_eq(idem_poll(q, &c, 1, 0), 1);
+    cr_assert_eq(c.outcome, IDEM_NEW, "%s", idem_outcome_name(c.outcome));
+    cr_assert_not(fd_readable(fd), "the fd stays readable after its completion was polled");
+    idem_queue_close(q);
+
+    /* Asked for after the completion is ready: readable at once. */
+    expect_rc(idem_queue_open(g_s, 8, &q), IDEM_OK);
+    op.kind = IDEM_OP_GET;
+    cr_assert_eq(idem_submit(q, &op, 1), 1);
+    idem_op sync = {.kind = IDEM_OP_SYNC};
+    cr_assert_eq(idem_submit(q, &sync, 1), 1);
+    expect_rc(idem_sync(g_s), IDEM_OK);
+    fd = idem_queue_fd(q);
+    cr_assert(fd_readable(fd), "completions were ready before the fd was asked for");
+    idem_completion two[2];
+    int got = 0;
+    while (got < 2) {
+        int n = idem_poll(q, two + got, (size_t)(2 - got), 10000);
+        cr_assert_gt(n, 0);
+        got += n;
+    }
+    cr_assert_eq(two[0].found, 1);
+    cr_assert_not(fd_readable(fd));
     idem_queue_close(q);
 }
 

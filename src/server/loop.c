@@ -689,9 +689,15 @@ static void complete_one(srv *s, const idem_completion *cp)
     if (done) srv_reply_done(s, c, seq);
 }
 
+/* Delivers what the engine completed. A readable queue eventfd is drained by idem_poll even
+ * when nothing is owed (the queue signals it once when the fd is first asked for): left
+ * readable, it would wake every epoll_wait at once and spin the loop. */
 static void poll_completions(srv *s)
 {
-    for (int rounds = 0; rounds < 64 && s->q && s->engine_due > 0; rounds++) {
+    int drain = s->queue_signalled;
+    s->queue_signalled = 0;
+    for (int rounds = 0; rounds < 64 && s->q && (s->engine_due > 0 || drain); rounds++) {
+        drain = 0;
         int n = idem_poll(s->q, s->comps, COMPLETIONS_MAX, 0);
         if (n < 0 && n != IDEM_EBUSY) {
             srv_log("error", "poll_failed", "err=\"%s\"", idem_strerror(n));
@@ -1064,6 +1070,8 @@ static int on_event(srv *s, struct epoll_event *e)
         if (load_finish(s) < 0) return -1;
     } else if (tag == TAG_BACKUP) {
         srv_backup_done(s);
+    } else if (tag == TAG_QUEUE) {
+        s->queue_signalled = 1;
     }
     return 0;
 }

@@ -153,6 +153,7 @@ typedef struct srv {
     uint64_t io_used;
     uint64_t owed_total; /* reply bytes reserved for requests not yet answered, all clients */
     uint32_t engine_due; /* all connections */
+    int queue_signalled; /* the engine queue's eventfd was readable this turn: poll drains it */
     uint32_t wait_due;   /* of which claims parked with WAIT */
     idem_op *ops;        /* this turn's batch */
     uint64_t *op_slots;  /* user_data of each op, to fail them if not accepted */

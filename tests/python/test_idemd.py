@@ -683,6 +683,33 @@ class Shutdown(Base):
         self.assertGreater(res["r"][1], 0, "lease_left_ms of a lease with ~100 s left")
 
 
+class Idle(Base):
+    """A fresh idemd that has served no engine operation, then one that has: idle, it sleeps in
+    epoll_wait. (Its loop once spun a whole core from its start until the first operation.)"""
+
+    WINDOW = 1.0
+
+    def cpu_seconds(self):
+        with open("/proc/%d/stat" % self.srv.proc.pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def idle_cpu(self):
+        before = self.cpu_seconds()
+        time.sleep(self.WINDOW)
+        return self.cpu_seconds() - before
+
+    def test_idle_server_uses_no_cpu_before_and_after_its_first_claim(self):
+        self.assertTrue(self.w.ping())
+        used = self.idle_cpu()
+        self.assertLess(used, 0.2 * self.WINDOW, "idle before any claim: %.2f s of CPU in %.1f s"
+                        % (used, self.WINDOW))
+        self.new_token(self.key())
+        used = self.idle_cpu()
+        self.assertLess(used, 0.2 * self.WINDOW, "idle after a claim: %.2f s of CPU in %.1f s"
+                        % (used, self.WINDOW))
+
+
 class Loading(Base):
     flags = ("--durability", "batch")
     KEYS = 100000
