@@ -1,6 +1,8 @@
 /*
  * audit.c: the operator trail (contract rule 9): who, when, which action, why, the state and
- * version before and after. Kept in DIR/audit.log and in memory (for idem_audit).
+ * version before and after. Kept in DIR/audit.log only: memory holds a map of the file (a mark,
+ * 16 bytes, per AUDIT_STRETCH of it), and idem_audit reads the stretches it needs, newest first,
+ * checking every unit again as it reads.
  *
  * Entries are written in groups, by the flusher: an operator call appends its change to the log
  * and its entry to the pending groups (audit_append, after audit_reserve made room, so that it
@@ -49,6 +51,10 @@
     (AUDIT_HDR + 255 + IDEM_ACTOR_BYTES_MAX + IDEM_KEY_BYTES_MAX + IDEM_NOTE_BYTES_MAX + 8)
 #define AUDIT_GROUP_MAX                                                                            \
     IDEM_ALIGN_UP(AUDIT_GROUP_BYTES + AUDIT_ENTRY_MAX + AUDIT_BLOCK, AUDIT_BLOCK)
+/* A mark is kept for the first unit at or past this many bytes after the last mark: a query
+ * reads at least this much of the file (unless the trail is shorter), and the map takes 16
+ * bytes per this much. */
+#define AUDIT_STRETCH (1024u * 1024)
 
 /* The entry's whole length (8 + len) if its lengths agree and it fits in avail bytes; else 0. */
 uint32_t audit_entry_bytes(const uint8_t *p, size_t avail)
@@ -103,6 +109,14 @@ int audit_unit_next(const uint8_t *u, uint32_t bytes, uint32_t *pos, const uint8
     return 1;
 }
 
+/* Whether a unit walked to its end (audit_unit_next returned 0 after n entries, at pos) holds
+ * what its header says. */
+static bool unit_end_ok(const uint8_t *u, uint32_t pos, int n)
+{
+    return util_get_u32(u + 12) != AUDIT_GROUP_MAGIC ||
+           ((uint32_t)n == util_get_u32(u + 16) && pos == util_get_u32(u + 8));
+}
+
 int audit_unit_valid(const uint8_t *u, uint32_t bytes)
 {
     uint32_t pos = 0;
@@ -111,57 +125,36 @@ int audit_unit_valid(const uint8_t *u, uint32_t bytes)
     while ((rc = audit_unit_next(u, bytes, &pos, &e)) == 1)
         n++;
     if (rc < 0) return rc;
-    if (util_get_u32(u + 12) == AUDIT_GROUP_MAGIC &&
-        ((uint32_t)n != util_get_u32(u + 16) || pos != util_get_u32(u + 8)))
-        return AUDIT_BAD;
-    return n;
+    return unit_end_ok(u, pos, n) ? n : AUDIT_BAD;
 }
 
-/* Adds a checked entry (audit_entry_bytes) to the trail in memory. */
-static int audit_keep(idem_store *s, const uint8_t *p)
+/* Notes the unit at off (its first entry numbered seq) in the map, if it starts a stretch.
+ * Units are noted in file order. Without memory for the mark the stretch before it goes on:
+ * a query reads more, and misses nothing. */
+static void audit_mark(idem_store *s, uint64_t off, uint64_t seq)
 {
-    uint32_t klen = util_get_u16(p + 42), alen = util_get_u16(p + 44), rlen = util_get_u16(p + 46),
-             aclen = p[64];
-    if (s->naudit == s->audit_cap) {
-        size_t cap = s->audit_cap ? s->audit_cap * 2 : 64;
-        struct audit_rec *n = realloc(s->audit, cap * sizeof *n);
-        if (!n) return IDEM_ENOMEM;
-        s->audit = n;
-        s->audit_cap = cap;
+    size_t n = s->naudit_marks;
+    if (n && off < s->audit_marks[n - 1].off + AUDIT_STRETCH) return;
+    if (n == s->audit_marks_cap) {
+        size_t cap = n ? 2 * n : 16;
+        struct audit_mark *m = realloc(s->audit_marks, cap * sizeof *m);
+        if (!m) return;
+        s->audit_marks = m;
+        s->audit_marks_cap = cap;
     }
-    struct audit_rec *a = &s->audit[s->naudit];
-    memset(a, 0, sizeof *a);
-    a->mem = malloc(aclen + 1 + alen + 1 + klen + rlen + 1);
-    if (!a->mem) return IDEM_ENOMEM;
-    const uint8_t *v = p + AUDIT_HDR;
-    char *m = a->mem;
-    memcpy(m, v, aclen);
-    m[aclen] = 0;
-    a->e.action = m;
-    m += aclen + 1;
-    v += aclen;
-    memcpy(m, v, alen);
-    m[alen] = 0;
-    a->e.actor = m;
-    m += alen + 1;
-    v += alen;
-    memcpy(m, v, klen);
-    a->e.key = m;
-    a->e.key_len = klen;
-    m += klen;
-    v += klen;
-    memcpy(m, v, rlen);
-    m[rlen] = 0;
-    a->e.reason = m;
-    a->e.seq = util_get_u64(p + 16);
-    a->e.at_ms = (int64_t)util_get_u64(p + 24);
-    a->lsn = util_get_u64(p + 32);
-    a->e.state_before = p[40];
-    a->e.state_after = p[41];
-    a->e.version_before = util_get_u64(p + 48);
-    a->e.version_after = util_get_u64(p + 56);
-    s->naudit++;
-    return 0;
+    s->audit_marks[s->naudit_marks++] = (struct audit_mark){.off = off, .seq = seq};
+}
+
+/* The seq of a unit's first and last entries (a unit audit_unit_valid accepted). */
+static void unit_seqs(const uint8_t *u, uint32_t bytes, uint64_t *first, uint64_t *last)
+{
+    uint32_t pos = 0;
+    const uint8_t *e;
+    int k = 0;
+    while (audit_unit_next(u, bytes, &pos, &e) == 1) {
+        if (k++ == 0) *first = util_get_u64(e + 16);
+        *last = util_get_u64(e + 16);
+    }
 }
 
 /* Reads the unit at off into u (AUDIT_GROUP_MAX bytes): its entry count (> 0) with its bytes and
@@ -232,15 +225,9 @@ int audit_open(idem_store *s)
             break;
         }
         if (n > 0 && lsn_max <= last) {
-            uint32_t pos = 0;
-            const uint8_t *e = u;
-            while (rc == 0 && audit_unit_next(u, bytes, &pos, &e) == 1)
-                rc = audit_keep(s, e);
-            if (rc < 0) {
-                store_set_error("%s: entry at offset %llu: %s", path,
-                                (unsigned long long)(off + (uint64_t)(e - u)), idem_strerror(rc));
-                break;
-            }
+            uint64_t first_seq = 0;
+            unit_seqs(u, bytes, &first_seq, &s->audit_seq);
+            audit_mark(s, off, first_seq);
             off += bytes;
             s->audit_off = off;
             continue;
@@ -273,17 +260,14 @@ int audit_open(idem_store *s)
         break;
     }
     free(u);
-    if (rc == 0) s->audit_seq = s->naudit ? s->audit[s->naudit - 1].e.seq : 0;
     return rc < 0 ? rc : 0;
 }
 
 void audit_close(idem_store *s)
 {
-    for (size_t i = 0; i < s->naudit; i++)
-        free(s->audit[i].mem);
-    free(s->audit);
-    s->audit = NULL;
-    s->naudit = 0;
+    free(s->audit_marks);
+    s->audit_marks = NULL;
+    s->naudit_marks = s->audit_marks_cap = 0;
     for (int i = 0; i < 2; i++) {
         struct audit_buf *b = i ? &s->audit_out : &s->audit_pend;
         free(b->p);
@@ -407,14 +391,10 @@ void audit_taken_done(idem_store *s, int rc)
     struct audit_buf *b = &s->audit_out;
     for (size_t off = 0; rc == 0 && off < b->len;) {
         uint8_t *u = b->p + off;
-        uint32_t bytes = audit_unit_bytes(u), pos = 0;
-        const uint8_t *e;
-        int krc = 0;
-        while (krc == 0 && audit_unit_next(u, bytes, &pos, &e) == 1)
-            krc = audit_keep(s, e);
-        if (krc < 0) /* durable, and read back at the next open; idem_audit misses it until then */
-            fprintf(stderr, "idem: event=audit_not_kept dir=%s error=\"%s\"\n", s->dir,
-                    idem_strerror(krc));
+        uint32_t bytes = audit_unit_bytes(u);
+        uint64_t first = 0, last = 0;
+        unit_seqs(u, bytes, &first, &last);
+        audit_mark(s, s->audit_off + off, first);
         off += bytes;
     }
     if (rc == 0 && b->len) {
@@ -465,6 +445,94 @@ int idem_audit(idem_queue *q, const void *key, size_t key_len, uint32_t count,
     return idem_audit_page(q, key, key_len, 0, count, entries, n);
 }
 
+/* Copies entry p into q's results as out[k]: its strings go to q->audit_mem at *used, and
+ * where is kept in q->audit_soff[k] (the pointers are set once every entry is in, as
+ * audit_mem may move). */
+static int copy_entry(idem_queue *q, const uint8_t *p, size_t k, size_t *used)
+{
+    uint32_t klen = util_get_u16(p + 42), alen = util_get_u16(p + 44), rlen = util_get_u16(p + 46),
+             aclen = p[64];
+    size_t need = (size_t)aclen + 1 + alen + 1 + klen + rlen + 1;
+    if (*used + need > q->audit_mem_cap) {
+        size_t cap = q->audit_mem_cap ? 2 * q->audit_mem_cap : 4096;
+        while (cap < *used + need)
+            cap *= 2;
+        char *m = realloc(q->audit_mem, cap);
+        if (!m) return IDEM_ENOMEM;
+        q->audit_mem = m;
+        q->audit_mem_cap = cap;
+    }
+    char *m = q->audit_mem + *used;
+    const uint8_t *v = p + AUDIT_HDR;
+    memcpy(m, v, aclen);
+    m[aclen] = 0;
+    memcpy(m + aclen + 1, v + aclen, alen);
+    m[aclen + 1 + alen] = 0;
+    memcpy(m + aclen + alen + 2, v + aclen + alen, klen);
+    memcpy(m + aclen + alen + 2 + klen, v + aclen + alen + klen, rlen);
+    m[need - 1] = 0;
+    q->audit_soff[k] = *used;
+    q->audit[k] = (idem_audit_entry){.seq = util_get_u64(p + 16),
+                                     .at_ms = (int64_t)util_get_u64(p + 24),
+                                     .key_len = klen,
+                                     .state_before = p[40],
+                                     .state_after = p[41],
+                                     .version_before = util_get_u64(p + 48),
+                                     .version_after = util_get_u64(p + 56)};
+    *used += need;
+    return 0;
+}
+
+/* Reads [from, to) of audit.log (whole units) and appends to q's results, newest first, its
+ * entries older than before_seq (0: all) and of key (NULL: all), until there are count.
+ * Returns 0, IDEM_EIO, IDEM_ENOMEM, or IDEM_ECORRUPT (a unit that no longer checks out). */
+static int read_stretch(idem_queue *q, uint64_t from, uint64_t to, const void *key, size_t key_len,
+                        uint64_t before_seq, uint32_t count, size_t *k, size_t *used)
+{
+    idem_store *s = q->s;
+    size_t len = (size_t)(to - from);
+    if (len > q->audit_read_cap) { /* kept for the queue's next reads: no fresh pages each time */
+        free(q->audit_read);
+        free(q->audit_hits);
+        q->audit_read = malloc(len);
+        q->audit_hits = malloc((len / AUDIT_HDR + 1) * sizeof *q->audit_hits);
+        q->audit_read_cap = q->audit_read && q->audit_hits ? len : 0;
+        if (!q->audit_read_cap) return IDEM_ENOMEM;
+    }
+    uint8_t *buf = q->audit_read;
+    const uint8_t **hit = q->audit_hits;
+    int rc = 0;
+    if (io_read(s->io, s->audit_f, from, buf, len) != (int64_t)len) rc = IDEM_EIO;
+    size_t nhit = 0;
+    for (size_t off = 0; rc == 0 && off < len;) {
+        uint32_t bytes = audit_unit_bytes(buf + off), pos = 0;
+        const uint8_t *e;
+        int next = 0, entries = 0;
+        if (bytes != 0 && bytes <= len - off) {
+            while ((next = audit_unit_next(buf + off, bytes, &pos, &e)) == 1) {
+                entries++;
+                if (before_seq && util_get_u64(e + 16) >= before_seq) continue;
+                if (key && (util_get_u16(e + 42) != key_len ||
+                            memcmp(e + AUDIT_HDR + e[64] + util_get_u16(e + 44), key, key_len)))
+                    continue;
+                hit[nhit++] = e;
+            }
+        }
+        if (bytes == 0 || bytes > len - off || next < 0 || entries == 0 ||
+            !unit_end_ok(buf + off, pos, entries)) {
+            store_set_error("%s/audit.log: the unit at offset %llu no longer checks out: %s",
+                            s->dir, (unsigned long long)(from + off), idem_strerror(IDEM_ECORRUPT));
+            rc = IDEM_ECORRUPT;
+        }
+        off += bytes;
+    }
+    for (size_t i = nhit; rc == 0 && i > 0 && *k < count; i--) {
+        rc = copy_entry(q, hit[i - 1], *k, used);
+        *k += rc == 0;
+    }
+    return rc;
+}
+
 int idem_audit_page(idem_queue *q, const void *key, size_t key_len, uint64_t before_seq,
                     uint32_t count, const idem_audit_entry **entries, size_t *n)
 {
@@ -473,21 +541,41 @@ int idem_audit_page(idem_queue *q, const void *key, size_t key_len, uint64_t bef
     idem_store *s = q->s;
     if (count == 0 || count > 10000) count = count ? 10000 : 100;
     idem_audit_entry *out = realloc(q->audit, count * sizeof *out);
-    if (!out) return IDEM_ENOMEM;
-    q->audit = out;
-    size_t k = 0;
+    if (out) q->audit = out;
+    size_t *soff = out ? realloc(q->audit_soff, count * sizeof *soff) : NULL;
+    if (!soff) return IDEM_ENOMEM;
+    q->audit_soff = soff;
+    size_t k = 0, used = 0;
+    int rc = 0;
     pthread_mutex_lock(&s->mu);
     /* Entries of changes not yet written (durability batch or none) are shown once they are:
      * the caller sees the entries of every operator call it made. (A failed store writes
      * nothing more: what it kept is shown.) */
     if (s->audit_pend.n || s->audit_out.n) (void)store_wait_durable(s);
-    for (size_t i = s->naudit; i > 0 && k < count; i--) {
-        const idem_audit_entry *e = &s->audit[i - 1].e;
-        if (before_seq && e->seq >= before_seq) continue;
-        if (key && (e->key_len != key_len || memcmp(e->key, key, key_len))) continue;
-        out[k++] = *e; /* strings live as long as the store */
-    }
+    uint64_t end = s->audit_off;
+    size_t nmarks = s->naudit_marks;
     pthread_mutex_unlock(&s->mu);
+    /* Stretches newest first. What is below `end` is written and never rewritten, so it is read
+     * without the lock; the map only grows, so its first nmarks marks stay as they are (read
+     * under the lock: the array may move). */
+    for (size_t i = nmarks; rc == 0 && i > 0 && k < count; i--) {
+        pthread_mutex_lock(&s->mu);
+        struct audit_mark m = s->audit_marks[i - 1];
+        uint64_t to = i < nmarks ? s->audit_marks[i].off : end;
+        pthread_mutex_unlock(&s->mu);
+        if (before_seq && m.seq >= before_seq) continue; /* seqs grow along the file */
+        rc = read_stretch(q, m.off, to, key, key_len, before_seq, count, &k, &used);
+    }
+    if (rc < 0) return rc;
+    for (size_t i = 0; i < k; i++) {
+        char *m = q->audit_mem + soff[i];
+        out[i].action = m;
+        m += strlen(m) + 1;
+        out[i].actor = m;
+        m += strlen(m) + 1;
+        out[i].key = m;
+        out[i].reason = m + out[i].key_len;
+    }
     *entries = out;
     *n = k;
     return 0;

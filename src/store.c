@@ -1099,6 +1099,10 @@ void idem_queue_close(idem_queue *q)
     free(q->scan_lens);
     free(q->scan_buf);
     free(q->audit);
+    free(q->audit_mem);
+    free(q->audit_soff);
+    free(q->audit_read);
+    free(q->audit_hits);
     free(q->att_recs);
     free(q->att_buf);
     close(q->efd);

@@ -75,6 +75,12 @@ struct idem_queue {
     uint8_t *scan_buf;
     size_t scan_cap, scan_used, scan_n, scan_max;
     idem_audit_entry *audit;
+    char *audit_mem;    /* their strings */
+    size_t *audit_soff; /* where each entry's strings start in audit_mem */
+    size_t audit_mem_cap;
+    uint8_t *audit_read; /* a stretch of audit.log, and its matching entries */
+    const uint8_t **audit_hits;
+    size_t audit_read_cap;
     /* Attention view results. */
     idem_record *att_recs;
     uint8_t *att_buf;
@@ -118,10 +124,10 @@ struct audit_buf {
     uint32_t grp_n, n;
 };
 
-struct audit_rec {
-    idem_audit_entry e;
-    uint64_t lsn;
-    char *mem;
+/* A place in audit.log (audit.c): the unit that starts at off, its first entry numbered seq. */
+struct audit_mark {
+    uint64_t off;
+    uint64_t seq;
 };
 
 struct idem_store {
@@ -199,8 +205,9 @@ struct idem_store {
     /* Audit trail. */
     struct io_file *audit_f;
     uint64_t audit_off;
-    struct audit_rec *audit;
-    size_t naudit, audit_cap;
+    /* The trail's map (audit.c): the first unit of each stretch of the file, in file order. */
+    struct audit_mark *audit_marks;
+    size_t naudit_marks, audit_marks_cap;
     /* Entries of changes not yet in a batch (audit.c), the last numbered audit_pend_seq; and
      * those the flusher took with the batch it writes (audit_out_seq the last). */
     struct audit_buf audit_pend, audit_out;

@@ -1807,6 +1807,130 @@ Test(reopen, a_trail_of_one_entry_per_block_from_earlier_versions_is_read)
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* The trail is read from audit.log: memory holds one mark per stretch (1 MiB) of the file. */
+
+#define LONG_TRAIL 1200
+
+static size_t trail_reason_len(int i)
+{
+    return 2000 + (size_t)(i * 37) % 2000;
+}
+
+/* LONG_TRAIL settled claims t-0 .. t-1199, each with a reason of 2,000-3,999 bytes that starts
+ * "why-<i>:": several MiB of trail. Durability none: the flusher writes the groups as it goes,
+ * many entries each. */
+static void long_trail_make(void)
+{
+    store_close();
+    g_opts.durability = IDEM_DURABILITY_NONE;
+    store_open();
+    static char reason[4096];
+    for (int i = 0; i < LONG_TRAIL; i++) {
+        char key[32];
+        snprintf(key, sizeof key, "t-%d", i);
+        size_t len = trail_reason_len(i);
+        memset(reason, 'a' + i % 26, len);
+        reason[len] = 0;
+        int head = snprintf(reason, len, "why-%d:", i);
+        reason[head] = ':';
+        claim_new(key);
+        expect_rc(resolve(key, IDEM_RESOLVE_SETTLE, reason, IDEM_F_FORCE), IDEM_OK);
+    }
+}
+
+/* Entry e is the resolve of t-<i>, whole. */
+static void expect_trail_entry(const idem_audit_entry *e, int i)
+{
+    char key[32], head[32];
+    int len = snprintf(key, sizeof key, "t-%d", i);
+    snprintf(head, sizeof head, "why-%d:", i);
+    cr_assert_eq(e->key_len, (uint32_t)len, "entry of t-%d: key length %u", i, e->key_len);
+    cr_assert(!memcmp(e->key, key, (size_t)len), "entry of t-%d names another key", i);
+    cr_assert(!strncmp(e->reason, head, strlen(head)), "entry of t-%d: reason %.12s", i, e->reason);
+    cr_assert_eq(strlen(e->reason), trail_reason_len(i), "entry of t-%d: reason of %zu bytes", i,
+                 strlen(e->reason));
+    cr_assert_eq(e->reason[trail_reason_len(i) - 1], 'a' + i % 26);
+    cr_assert_str_eq(e->action, "resolve-settle");
+    cr_assert_str_eq(e->actor, "alice");
+    cr_assert_eq(e->state_before, IDEM_STATE_IN_FLIGHT);
+    cr_assert_eq(e->state_after, IDEM_STATE_COMMITTED);
+}
+
+static void long_trail_check(void)
+{
+    const idem_audit_entry *e;
+    size_t n = 0;
+    expect_rc(idem_audit(g_q, NULL, 0, 10000, &e, &n), IDEM_OK);
+    cr_assert_eq(n, LONG_TRAIL, "%zu entries, expected %d", n, LONG_TRAIL);
+    for (size_t i = 0; i < n; i++) {
+        expect_trail_entry(&e[i], LONG_TRAIL - 1 - (int)i);
+        if (i)
+            cr_assert_eq(e[i].seq + 1, e[i - 1].seq, "seq %" PRIu64 " after %" PRIu64, e[i].seq,
+                         e[i - 1].seq);
+    }
+    /* By pages of 97, across the stretches' boundaries. */
+    uint64_t before = 0;
+    size_t total = 0;
+    for (;;) {
+        expect_rc(idem_audit_page(g_q, NULL, 0, before, 97, &e, &n), IDEM_OK);
+        if (n == 0) break;
+        for (size_t i = 0; i < n; i++)
+            expect_trail_entry(&e[i], LONG_TRAIL - 1 - (int)(total + i));
+        total += n;
+        before = e[n - 1].seq;
+        cr_assert_leq(total, LONG_TRAIL);
+    }
+    cr_assert_eq(total, LONG_TRAIL, "the pages held %zu entries", total);
+    /* By key: one in the oldest stretch, one in the newest. */
+    expect_rc(idem_audit(g_q, "t-3", 3, 10, &e, &n), IDEM_OK);
+    cr_assert_eq(n, 1);
+    expect_trail_entry(&e[0], 3);
+    expect_rc(idem_audit(g_q, "t-1198", 6, 10, &e, &n), IDEM_OK);
+    cr_assert_eq(n, 1);
+    expect_trail_entry(&e[0], 1198);
+    /* What memory holds: a mark per MiB of the file. */
+    uint64_t size = audit_file_bytes();
+    cr_assert_geq(size, UINT64_C(3) << 20, "a trail of %" PRIu64 " bytes", size);
+    cr_assert(g_s->naudit_marks >= 3 && g_s->naudit_marks <= size / (1u << 20) + 1,
+              "%zu marks for %" PRIu64 " bytes", g_s->naudit_marks, size);
+}
+
+TestSuite(audit, .init = setup, .fini = teardown);
+
+Test(audit, a_trail_of_several_megabytes_comes_back_whole_newest_first_by_pages_and_by_key)
+{
+    long_trail_make();
+    long_trail_check();
+    reopen();
+    long_trail_check();
+}
+
+/* A unit damaged after the open is reported when a query reaches it, never served; a query
+ * that stops in a newer stretch does not read it. */
+Test(audit, a_unit_damaged_after_the_open_is_reported_when_a_query_reaches_it)
+{
+    long_trail_make();
+    reopen();
+    char path[4096];
+    snprintf(path, sizeof path, "%s/audit.log", g_dir);
+    FILE *f = fopen(path, "r+b");
+    cr_assert_not_null(f);
+    cr_assert_eq(fseek(f, 100, SEEK_SET), 0);
+    int c = fgetc(f);
+    cr_assert_eq(fseek(f, 100, SEEK_SET), 0);
+    fputc(c ^ 0x20, f);
+    cr_assert_eq(fclose(f), 0);
+    const idem_audit_entry *e;
+    size_t n = 0;
+    expect_rc(idem_audit(g_q, NULL, 0, 10, &e, &n), IDEM_OK);
+    cr_assert_eq(n, 10);
+    expect_trail_entry(&e[0], LONG_TRAIL - 1);
+    expect_rc(idem_audit(g_q, NULL, 0, 10000, &e, &n), IDEM_ECORRUPT);
+    cr_assert(strstr(idem_last_error(), "no longer checks out"), "%s", idem_last_error());
+    expect_rc(idem_audit(g_q, "t-0", 3, 10, &e, &n), IDEM_ECORRUPT);
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* SET NX: committed records whose result is the value, in the claims' keyspace. */
 
 TestSuite(set_if_absent, .init = setup, .fini = teardown);
