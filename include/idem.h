@@ -439,7 +439,9 @@ int idem_verify(const char *dir, idem_verify_report *r,
  * IDEM_OK, IDEM_EINVAL (a field out of range), or a store error.
  */
 int idem_import_record(idem_queue *q, const idem_record *r);
-/* Appends an audit entry as given (seq and times kept). */
+/* Appends an audit entry as given (seq and times kept; a seq at or below the trail's last one
+ * becomes the next one). IDEM_EINVAL for a seq above INT64_MAX: later entries must have room to
+ * number on from it. */
 int idem_import_audit(idem_queue *q, const idem_audit_entry *e);
 /* Makes dest_dir (absent) a copy of the backup in backup_dir, under a new store generation:
  * the restored store hands out tokens above every token the backup's store could have handed

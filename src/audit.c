@@ -128,13 +128,16 @@ int audit_unit_valid(const uint8_t *u, uint32_t bytes)
     return unit_end_ok(u, pos, n) ? n : AUDIT_BAD;
 }
 
-/* Notes the unit at off (its first entry numbered seq) in the map, if it starts a stretch.
- * Units are noted in file order. Without memory for the mark the stretch before it goes on:
- * a query reads more, and misses nothing. */
-static void audit_mark(idem_store *s, uint64_t off, uint64_t seq)
+/* Notes unit u, at off in the file, in the map if it starts a stretch. Units are noted in file
+ * order, the first (at offset 0) always, in the room audit_open made. Without memory for a
+ * later mark the stretch before it goes on: a query reads more, and misses nothing. */
+static void audit_mark(idem_store *s, uint64_t off, const uint8_t *u)
 {
     size_t n = s->naudit_marks;
     if (n && off < s->audit_marks[n - 1].off + AUDIT_STRETCH) return;
+    /* The unit's first entry: after the group header, or the unit itself (one entry). */
+    const uint8_t *e = util_get_u32(u + 12) == AUDIT_GROUP_MAGIC ? u + AUDIT_GROUP_HDR : u;
+    uint64_t seq = util_get_u64(e + 16);
     if (n == s->audit_marks_cap) {
         size_t cap = n ? 2 * n : 16;
         struct audit_mark *m = realloc(s->audit_marks, cap * sizeof *m);
@@ -145,16 +148,14 @@ static void audit_mark(idem_store *s, uint64_t off, uint64_t seq)
     s->audit_marks[s->naudit_marks++] = (struct audit_mark){.off = off, .seq = seq};
 }
 
-/* The seq of a unit's first and last entries (a unit audit_unit_valid accepted). */
-static void unit_seqs(const uint8_t *u, uint32_t bytes, uint64_t *first, uint64_t *last)
+/* The seq of the last entry of a unit audit_unit_valid accepted. */
+static uint64_t unit_last_seq(const uint8_t *u, uint32_t bytes)
 {
     uint32_t pos = 0;
-    const uint8_t *e;
-    int k = 0;
-    while (audit_unit_next(u, bytes, &pos, &e) == 1) {
-        if (k++ == 0) *first = util_get_u64(e + 16);
-        *last = util_get_u64(e + 16);
-    }
+    const uint8_t *e, *last = u;
+    while (audit_unit_next(u, bytes, &pos, &e) == 1)
+        last = e;
+    return util_get_u64(last + 16);
 }
 
 /* Reads the unit at off into u (AUDIT_GROUP_MAX bytes): its entry count (> 0) with its bytes and
@@ -205,8 +206,14 @@ int audit_open(idem_store *s)
         store_set_error("cannot open %s: %s", path, strerror(-rc));
         return IDEM_EIO;
     }
+    /* Room for the first mark: the map always starts at the trail's first unit. */
+    s->audit_marks = malloc(16 * sizeof *s->audit_marks);
     uint8_t *u = malloc(AUDIT_GROUP_MAX);
-    if (!u) return IDEM_ENOMEM;
+    if (!u || !s->audit_marks) {
+        free(u);
+        return IDEM_ENOMEM;
+    }
+    s->audit_marks_cap = 16;
     uint64_t last = wal_recovered_lsn(s->wal), lsn_min, lsn_max, size = 0;
     uint32_t bytes;
     uint64_t off = 0;
@@ -225,9 +232,8 @@ int audit_open(idem_store *s)
             break;
         }
         if (n > 0 && lsn_max <= last) {
-            uint64_t first_seq = 0;
-            unit_seqs(u, bytes, &first_seq, &s->audit_seq);
-            audit_mark(s, off, first_seq);
+            s->audit_seq = unit_last_seq(u, bytes);
+            audit_mark(s, off, u);
             off += bytes;
             s->audit_off = off;
             continue;
@@ -329,6 +335,8 @@ static void audit_put(idem_store *s, const char *actor, const char *action, cons
     uint32_t len = AUDIT_HDR - 8 + aclen + alen + key_len + reason_len;
     uint32_t padded = (uint32_t)IDEM_ALIGN_UP(len + 8, 8);
     IDEM_ASSERT(len + 8 <= AUDIT_ENTRY_MAX);
+    IDEM_ASSERT(seq >=
+                audit_next_seq(s)); /* seqs grow along the file: idem_audit_page skips by them */
     if (b->grp_n && b->len - b->grp + padded > AUDIT_GROUP_BYTES) group_close(b);
     if (!b->grp_n) {
         b->grp = b->len;
@@ -391,11 +399,8 @@ void audit_taken_done(idem_store *s, int rc)
     struct audit_buf *b = &s->audit_out;
     for (size_t off = 0; rc == 0 && off < b->len;) {
         uint8_t *u = b->p + off;
-        uint32_t bytes = audit_unit_bytes(u);
-        uint64_t first = 0, last = 0;
-        unit_seqs(u, bytes, &first, &last);
-        audit_mark(s, s->audit_off + off, first);
-        off += bytes;
+        audit_mark(s, s->audit_off + off, u);
+        off += audit_unit_bytes(u);
     }
     if (rc == 0 && b->len) {
         s->audit_off += b->len;
@@ -409,7 +414,8 @@ int idem_import_audit(idem_queue *q, const idem_audit_entry *e)
 {
     if (!q || !e || !e->actor || !e->action || !e->key || e->key_len == 0 ||
         e->key_len > IDEM_KEY_BYTES_MAX || strlen(e->actor) > IDEM_ACTOR_BYTES_MAX ||
-        strlen(e->action) > 255 || (e->reason && strlen(e->reason) > IDEM_NOTE_BYTES_MAX))
+        strlen(e->action) > 255 || (e->reason && strlen(e->reason) > IDEM_NOTE_BYTES_MAX) ||
+        e->seq > (uint64_t)INT64_MAX) /* room for every later entry's seq to grow */
         return IDEM_EINVAL;
     idem_store *s = q->s;
     pthread_mutex_lock(&s->mu);
@@ -446,7 +452,7 @@ int idem_audit(idem_queue *q, const void *key, size_t key_len, uint32_t count,
 }
 
 /* Copies entry p into q's results as out[k]: its strings go to q->audit_mem at *used, and
- * where is kept in q->audit_soff[k] (the pointers are set once every entry is in, as
+ * where is kept in q->audit_place[k] (the pointers are set once every entry is in, as
  * audit_mem may move). */
 static int copy_entry(idem_queue *q, const uint8_t *p, size_t k, size_t *used)
 {
@@ -471,7 +477,7 @@ static int copy_entry(idem_queue *q, const uint8_t *p, size_t k, size_t *used)
     memcpy(m + aclen + alen + 2, v + aclen + alen, klen);
     memcpy(m + aclen + alen + 2 + klen, v + aclen + alen + klen, rlen);
     m[need - 1] = 0;
-    q->audit_soff[k] = *used;
+    q->audit_place[k] = (struct audit_place){.off = *used, .action_len = aclen, .actor_len = alen};
     q->audit[k] = (idem_audit_entry){.seq = util_get_u64(p + 16),
                                      .at_ms = (int64_t)util_get_u64(p + 24),
                                      .key_len = klen,
@@ -502,7 +508,16 @@ static int read_stretch(idem_queue *q, uint64_t from, uint64_t to, const void *k
     uint8_t *buf = q->audit_read;
     const uint8_t **hit = q->audit_hits;
     int rc = 0;
-    if (io_read(s->io, s->audit_f, from, buf, len) != (int64_t)len) rc = IDEM_EIO;
+    int64_t got = io_read(s->io, s->audit_f, from, buf, len);
+    if (got != (int64_t)len) {
+        /* Everything below the written length was written: a short read means the file
+         * shrank under the store. */
+        rc = got < 0 ? IDEM_EIO : IDEM_ECORRUPT;
+        store_set_error("%s/audit.log: cannot read %zu bytes at offset %llu (%s): %s", s->dir, len,
+                        (unsigned long long)from,
+                        got < 0 ? strerror((int)-got) : "the file is shorter than its entries",
+                        idem_strerror(rc));
+    }
     size_t nhit = 0;
     for (size_t off = 0; rc == 0 && off < len;) {
         uint32_t bytes = audit_unit_bytes(buf + off), pos = 0;
@@ -542,9 +557,9 @@ int idem_audit_page(idem_queue *q, const void *key, size_t key_len, uint64_t bef
     if (count == 0 || count > 10000) count = count ? 10000 : 100;
     idem_audit_entry *out = realloc(q->audit, count * sizeof *out);
     if (out) q->audit = out;
-    size_t *soff = out ? realloc(q->audit_soff, count * sizeof *soff) : NULL;
-    if (!soff) return IDEM_ENOMEM;
-    q->audit_soff = soff;
+    struct audit_place *place = out ? realloc(q->audit_place, count * sizeof *place) : NULL;
+    if (!place) return IDEM_ENOMEM;
+    q->audit_place = place;
     size_t k = 0, used = 0;
     int rc = 0;
     pthread_mutex_lock(&s->mu);
@@ -566,15 +581,20 @@ int idem_audit_page(idem_queue *q, const void *key, size_t key_len, uint64_t bef
         if (before_seq && m.seq >= before_seq) continue; /* seqs grow along the file */
         rc = read_stretch(q, m.off, to, key, key_len, before_seq, count, &k, &used);
     }
+    if (q->audit_read_cap > 2 * AUDIT_STRETCH + AUDIT_GROUP_MAX) { /* a stretch without marks */
+        free(q->audit_read);
+        free(q->audit_hits);
+        q->audit_read = NULL;
+        q->audit_hits = NULL;
+        q->audit_read_cap = 0;
+    }
     if (rc < 0) return rc;
     for (size_t i = 0; i < k; i++) {
-        char *m = q->audit_mem + soff[i];
+        char *m = q->audit_mem + place[i].off;
         out[i].action = m;
-        m += strlen(m) + 1;
-        out[i].actor = m;
-        m += strlen(m) + 1;
-        out[i].key = m;
-        out[i].reason = m + out[i].key_len;
+        out[i].actor = m + place[i].action_len + 1;
+        out[i].key = m + place[i].action_len + place[i].actor_len + 2;
+        out[i].reason = (const char *)out[i].key + out[i].key_len;
     }
     *entries = out;
     *n = k;

@@ -1100,7 +1100,7 @@ void idem_queue_close(idem_queue *q)
     free(q->scan_buf);
     free(q->audit);
     free(q->audit_mem);
-    free(q->audit_soff);
+    free(q->audit_place);
     free(q->audit_read);
     free(q->audit_hits);
     free(q->att_recs);

@@ -75,8 +75,8 @@ struct idem_queue {
     uint8_t *scan_buf;
     size_t scan_cap, scan_used, scan_n, scan_max;
     idem_audit_entry *audit;
-    char *audit_mem;    /* their strings */
-    size_t *audit_soff; /* where each entry's strings start in audit_mem */
+    char *audit_mem;                 /* their strings */
+    struct audit_place *audit_place; /* where each entry's strings lie in audit_mem */
     size_t audit_mem_cap;
     uint8_t *audit_read; /* a stretch of audit.log, and its matching entries */
     const uint8_t **audit_hits;
@@ -122,6 +122,13 @@ struct audit_buf {
     uint8_t *p;
     size_t cap, len, grp;
     uint32_t grp_n, n;
+};
+
+/* Where an audit entry's strings lie in a queue's results (audit.c): action, actor, key and
+ * reason one after the other from off. */
+struct audit_place {
+    size_t off;
+    uint32_t action_len, actor_len;
 };
 
 /* A place in audit.log (audit.c): the unit that starts at off, its first entry numbered seq. */

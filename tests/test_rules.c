@@ -1930,6 +1930,72 @@ Test(audit, a_unit_damaged_after_the_open_is_reported_when_a_query_reaches_it)
     expect_rc(idem_audit(g_q, "t-0", 3, 10, &e, &n), IDEM_ECORRUPT);
 }
 
+/* Imported entries keep their seq, and later entries follow it; a seq with no room left to
+ * grow is refused (the pages of the trail rely on seqs growing along the file). */
+Test(audit, imported_seqs_are_kept_and_later_entries_follow_them)
+{
+    idem_audit_entry in = {.seq = 1000,
+                           .at_ms = 5,
+                           .actor = "import",
+                           .action = "del",
+                           .key = "imp",
+                           .key_len = 3,
+                           .reason = "carried over"};
+    expect_rc(idem_import_audit(g_q, &in), IDEM_OK);
+    claim_new("r1");
+    expect_rc(resolve("r1", IDEM_RESOLVE_SETTLE, "one", IDEM_F_FORCE), IDEM_OK);
+    in.seq = UINT64_MAX;
+    expect_rc(idem_import_audit(g_q, &in), IDEM_EINVAL);
+    in.seq = (uint64_t)INT64_MAX;
+    expect_rc(idem_import_audit(g_q, &in), IDEM_OK);
+    claim_new("r2");
+    expect_rc(resolve("r2", IDEM_RESOLVE_SETTLE, "two", IDEM_F_FORCE), IDEM_OK);
+    const uint64_t want[4] = {(uint64_t)INT64_MAX + 1, (uint64_t)INT64_MAX, 1001, 1000};
+    for (int pass = 0; pass < 2; pass++) {
+        const idem_audit_entry *e;
+        size_t n = 0;
+        expect_rc(idem_audit(g_q, NULL, 0, 10, &e, &n), IDEM_OK);
+        cr_assert_eq(n, 4);
+        for (int i = 0; i < 4; i++)
+            cr_assert_eq(e[i].seq, want[i], "entry %d: seq %" PRIu64, i, e[i].seq);
+        cr_assert_str_eq(e[1].reason, "carried over");
+        expect_rc(idem_audit_page(g_q, NULL, 0, want[0], 10, &e, &n), IDEM_OK);
+        cr_assert_eq(n, 3);
+        cr_assert_eq(e[0].seq, want[1]);
+        expect_rc(idem_audit_page(g_q, "imp", 3, 0, 10, &e, &n), IDEM_OK);
+        cr_assert_eq(n, 2);
+        cr_assert_eq(e[0].seq, want[1]);
+        cr_assert_eq(e[1].seq, want[3]);
+        expect_rc(idem_audit_page(g_q, "imp", 3, want[1], 10, &e, &n), IDEM_OK);
+        cr_assert_eq(n, 1, "key and before_seq together");
+        cr_assert_eq(e[0].seq, 1000);
+        expect_rc(idem_audit_page(g_q, "imp", 3, 1000, 10, &e, &n), IDEM_OK);
+        cr_assert_eq(n, 0);
+        reopen();
+    }
+}
+
+/* A trail that shrank under the open store (its entries written, then cut off by someone
+ * else) answers corruption, named, never a shorter trail. */
+Test(audit, a_trail_cut_short_under_the_store_is_reported)
+{
+    for (int i = 0; i < 3; i++) {
+        char key[16];
+        snprintf(key, sizeof key, "cut-%d", i);
+        claim_new(key);
+        expect_rc(resolve(key, IDEM_RESOLVE_SETTLE, "r", IDEM_F_FORCE), IDEM_OK);
+    }
+    uint64_t size = audit_file_bytes();
+    cr_assert_geq(size, 3 * 4096, "each operator call in its own 4 KiB group");
+    char path[4096];
+    snprintf(path, sizeof path, "%s/audit.log", g_dir);
+    cr_assert_eq(truncate(path, 4096), 0);
+    const idem_audit_entry *e;
+    size_t n = 0;
+    expect_rc(idem_audit(g_q, NULL, 0, 10, &e, &n), IDEM_ECORRUPT);
+    cr_assert(strstr(idem_last_error(), "shorter"), "%s", idem_last_error());
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* SET NX: committed records whose result is the value, in the claims' keyspace. */
 

@@ -565,6 +565,86 @@ Test(race, nothing_is_pending_after_blocking_calls_and_polled_completions)
     idem_queue_close(q);
 }
 
+/* The audit trail is read without the store's lock while the flusher appends to it: a reader
+ * sees a whole prefix of the trail each time, newest first, never a damaged or partial entry,
+ * and never fewer entries than it saw before. */
+#define TRAIL_CALLS 400
+
+static atomic_int trail_done;
+
+static void *trail_reader(void *arg)
+{
+    worker *w = arg;
+    idem_queue *q;
+    if (idem_queue_open(g_s, 4, &q) != IDEM_OK) {
+        WFAIL(w, "idem_queue_open failed");
+        return NULL;
+    }
+    size_t seen = 0;
+    int rounds = 0;
+    while (!w->err[0]) {
+        int last = atomic_load(&trail_done);
+        const idem_audit_entry *e;
+        size_t n = 0;
+        int rc = rounds % 3 == 2
+                     ? idem_audit_page(q, NULL, 0, 1 + (uint64_t)(rounds % 50), 10000, &e, &n)
+                     : idem_audit(q, NULL, 0, 10000, &e, &n);
+        if (rc != IDEM_OK) {
+            WFAIL(w, "round %d: idem_audit: %s (%s)", rounds, idem_strerror(rc), idem_last_error());
+            break;
+        }
+        for (size_t i = 0; i < n && !w->err[0]; i++) {
+            char key[32];
+            int len = snprintf(key, sizeof key, "trail-%" PRIu64, e[i].seq - 1);
+            if (e[i].key_len != (uint32_t)len || memcmp(e[i].key, key, (size_t)len) ||
+                strcmp(e[i].actor, "ops") || strcmp(e[i].reason, key + 6))
+                WFAIL(w, "round %d: entry %zu (seq %" PRIu64 ") is not trail-%" PRIu64 "'s", rounds,
+                      i, e[i].seq, e[i].seq - 1);
+            if (i && e[i].seq + 1 != e[i - 1].seq)
+                WFAIL(w, "round %d: seq %" PRIu64 " after %" PRIu64, rounds, e[i].seq,
+                      e[i - 1].seq);
+        }
+        if (rounds % 3 != 2) {
+            if (n < seen) WFAIL(w, "round %d: %zu entries after %zu", rounds, n, seen);
+            seen = n;
+        }
+        rounds++;
+        if (last) break;
+    }
+    if (!w->err[0] && seen != TRAIL_CALLS)
+        WFAIL(w, "the last full read saw %zu entries of %d", seen, TRAIL_CALLS);
+    idem_queue_close(q);
+    return NULL;
+}
+
+Test(race, audit_trail_read_while_operator_calls_append_to_it)
+{
+    worker r = {.idx = 0};
+    atomic_store(&trail_done, 0);
+    cr_assert_eq(pthread_create(&r.th, NULL, trail_reader, &r), 0);
+    idem_claim_args a = claim_args(TTL, LEASE, 0);
+    for (int i = 0; i < TRAIL_CALLS; i++) {
+        char key[32];
+        snprintf(key, sizeof key, "trail-%d", i);
+        idem_completion c;
+        expect_rc(idem_claim(g_q, key, strlen(key), &a, &c), IDEM_OK);
+        cr_assert_eq(c.outcome, IDEM_NEW);
+        idem_op op = {.kind = IDEM_OP_RESOLVE,
+                      .key = key,
+                      .key_len = (uint32_t)strlen(key),
+                      .data = key + 6,
+                      .data_len = (uint32_t)strlen(key + 6),
+                      .action = IDEM_RESOLVE_SETTLE,
+                      .flags = IDEM_F_FORCE,
+                      .actor = "ops"};
+        expect_rc(idem_exec(g_q, &op, &c), IDEM_OK);
+        cr_assert_eq(c.err, IDEM_OK, "resolve of %s: %s", key, idem_strerror(c.err));
+    }
+    atomic_store(&trail_done, 1);
+    pthread_join(r.th, NULL);
+    cr_assert_eq(r.err[0], 0, "%s", r.err);
+}
+
 /* Whether fd is readable now (poll, no wait). */
 static int fd_readable(int fd)
 {
