@@ -209,6 +209,16 @@ enum idem_resolve_action {
 #define IDEM_F_FORCE   0x1u /* resolve: act on an in_flight record whose lease runs */
 #define IDEM_F_EXPECT  0x2u /* resolve: refuse with IDEM_ECHANGED unless version matches */
 #define IDEM_F_GET_OLD 0x4u /* set_if_absent: on an existing committed key, return its value */
+/* del: this delete and the next operation, a delete too, are one group: a run of deletes with
+ * the flag, ended by one without it, in one idem_submit. Either every record of the group that
+ * exists is deleted, or, if any of them is in_flight or review, none is: then every operation
+ * of the group completes with IDEM_ESTATE, and those whose record is unfinished also with
+ * found = 1 and record.state (the rest of record is zero). idem_submit accepts a group whole
+ * or not at all. The check and the deletes happen under one hold of the store's lock, unless
+ * the log must first make room (then another thread's changes may come between them; an
+ * event loop that alone writes to the store, as idemd's does, is unaffected). A chain that no
+ * delete without the flag ends completes with IDEM_EINVAL. */
+#define IDEM_F_WITH_NEXT 0x8u
 
 typedef struct idem_op {
     uint32_t kind;      /* enum idem_op_kind */
@@ -262,10 +272,12 @@ void idem_queue_close(idem_queue *q);
 int idem_queue_fd(idem_queue *q);
 
 /*
- * Applies `n` operations in order (atomically each; the batch is not a transaction) and queues
- * their completions. Returns the number accepted (fewer than n when the queue is full), or a
- * negative idem_err (IDEM_EINVAL for n > IDEM_BATCH_MAX). Invalid operations are accepted and
- * complete with err set. Never blocks on I/O.
+ * Applies `n` operations in order (atomically each; the batch is not a transaction, except for
+ * a group of deletes, IDEM_F_WITH_NEXT) and queues their completions. Returns the number
+ * accepted (fewer than n when the queue is full, or before a group that does not fit), or a
+ * negative idem_err (IDEM_EINVAL for n > IDEM_BATCH_MAX, or a first group of more operations
+ * than the queue's depth). Invalid operations are accepted and complete with err set. Never
+ * blocks on I/O.
  */
 int idem_submit(idem_queue *q, const idem_op *ops, size_t n) __attribute__((warn_unused_result));
 

@@ -22,7 +22,7 @@
 #include "store.h"
 #include "util.h"
 
-#define OPS_KNOWN_FLAGS (IDEM_F_FORCE | IDEM_F_EXPECT | IDEM_F_GET_OLD)
+#define OPS_KNOWN_FLAGS (IDEM_F_FORCE | IDEM_F_EXPECT | IDEM_F_GET_OLD | IDEM_F_WITH_NEXT)
 #define OPS_LZ4_MIN     128u
 
 static uint64_t key_hash(const idem_store *s, const void *key, uint32_t key_len)
@@ -351,6 +351,7 @@ void ops_fill_record(struct qslot *sl, const struct rec *r, struct index_slot *s
 static int op_valid(const idem_store *s, const idem_op *op)
 {
     if (op->flags & ~OPS_KNOWN_FLAGS) return 0;
+    if ((op->flags & IDEM_F_WITH_NEXT) && op->kind != IDEM_OP_DEL) return 0;
     if (op->kind != IDEM_OP_SYNC &&
         (!op->key || op->key_len == 0 || op->key_len > IDEM_KEY_BYTES_MAX))
         return 0;
@@ -753,6 +754,36 @@ static void op_del(idem_store *s, struct qslot *sl, const idem_op *op)
     if (sl->c.err == 0)
         audit_append(s, actor_of(op), "del", op->key, op->key_len, NULL, 0, IDEM_STATE_COMMITTED, 0,
                      version, 0, sl->need_lsn);
+}
+
+/* The state of op's record if a delete group must not go ahead for it, else 0. */
+static int del_blocker(idem_store *s, const idem_op *op)
+{
+    if (!op->key || op->key_len == 0 || op->key_len > IDEM_KEY_BYTES_MAX) return 0;
+    struct rec r;
+    uint64_t lsn;
+    if (!ops_find(s, op->key, op->key_len, &r, &lsn)) return 0;
+    return r.state == IDEM_STATE_IN_FLIGHT || r.state == IDEM_STATE_REVIEW ? r.state : 0;
+}
+
+int ops_del_group_blocked(idem_store *s, const idem_op *ops, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (del_blocker(s, &ops[i])) return 1;
+    return 0;
+}
+
+void ops_del_group_refuse(idem_store *s, struct qslot *sl, const idem_op *op)
+{
+    int state = del_blocker(s, op);
+    sl->c.err = IDEM_ESTATE;
+    sl->c.found = state != 0;
+    if (state) {
+        memset(&sl->c.record, 0, sizeof sl->c.record);
+        sl->c.record.state = state;
+    }
+    /* The refusal reports a state that may not be durable yet: answered once all is. */
+    sl->need_lsn = wal_last_lsn(s->wal);
 }
 
 static void op_resolve(idem_store *s, struct qslot *sl, const idem_op *op)

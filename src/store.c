@@ -1214,7 +1214,29 @@ int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
     uint64_t hv[2 * SUBMIT_AHEAD];
     int hok[2 * SUBMIT_AHEAD];
     size_t pre = 0;
+    /* A group of deletes under way (IDEM_F_WITH_NEXT): operations left in it, and its fate. */
+    size_t group_left = 0;
+    enum { GROUP_APPLY, GROUP_REFUSE, GROUP_INVALID } group = GROUP_APPLY;
+    int too_big = 0;
     for (; done < n; done++) {
+        if (group_left == 0 && ops[done].kind == IDEM_OP_DEL &&
+            (ops[done].flags & IDEM_F_WITH_NEXT)) {
+            size_t end = done;
+            while (end < n && ops[end].kind == IDEM_OP_DEL && (ops[end].flags & IDEM_F_WITH_NEXT))
+                end++;
+            if (end < n && ops[end].kind == IDEM_OP_DEL) {
+                group_left = end - done + 1;
+                too_big = group_left > q->depth;  /* could never be accepted whole */
+                if (q->nfree < group_left) break; /* whole or not at all */
+                /* Room first: what the check sees stays true while the deletes are made. */
+                int room = store_room(s);
+                group = room == 0 && ops_del_group_blocked(s, &ops[done], group_left) ? GROUP_REFUSE
+                                                                                      : GROUP_APPLY;
+            } else {
+                group_left = end - done; /* the chain without its end */
+                group = GROUP_INVALID;
+            }
+        }
         for (; pre < n && pre < done + 2 * SUBMIT_AHEAD; pre++) {
             size_t k = pre % (2 * SUBMIT_AHEAD);
             hok[k] = ops_hint_hash(s, &ops[pre], &hv[k]);
@@ -1229,14 +1251,20 @@ int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
         if (!sl) break;
         sl->c.user_data = ops[done].user_data;
         size_t kd = done % (2 * SUBMIT_AHEAD);
-        ops_apply(s, sl, &ops[done], hok[kd] ? &hv[kd] : NULL);
+        if (group_left && group == GROUP_REFUSE)
+            ops_del_group_refuse(s, sl, &ops[done]);
+        else if (group_left && group == GROUP_INVALID)
+            sl->c.err = IDEM_EINVAL;
+        else
+            ops_apply(s, sl, &ops[done], hok[kd] ? &hv[kd] : NULL);
+        group_left -= group_left > 0;
         any_ready |= slot_ready(s, sl);
     }
     s->clk_frozen = 0;
     if (wal_pending(s->wal)) store_kick(s);
     if (any_ready) queue_signal(q);
     pthread_mutex_unlock(&s->mu);
-    return (int)done;
+    return too_big && done == 0 ? IDEM_EINVAL : (int)done;
 }
 
 /* Delivers ready completions in submission order. The walk skips parked claims and stops at the

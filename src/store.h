@@ -321,6 +321,10 @@ void ops_slot_mark(struct index_slot *slot, const struct rec *r);
 void queue_signal(struct idem_queue *q);
 /* Applies op; hash, when given, is its key's hash from ops_hint_hash. */
 void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_t *hash);
+/* A group of deletes (IDEM_F_WITH_NEXT): whether any of the n records is in_flight or review;
+ * and the completion of one of them when the group is refused. mu held. */
+int ops_del_group_blocked(idem_store *s, const idem_op *ops, size_t n);
+void ops_del_group_refuse(idem_store *s, struct qslot *sl, const idem_op *op);
 /* The hash op's key will be looked up with (0: the key is not valid; no hint). */
 int ops_hint_hash(const idem_store *s, const idem_op *op, uint64_t *h);
 /* Starts loading what a lookup that finds slot reads: the record's frame and its repeat counters.

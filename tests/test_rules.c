@@ -1687,6 +1687,143 @@ Test(del, absent_key_is_notfound)
     expect_rc(idem_del(g_q, "nope", 4, "alice"), IDEM_ENOTFOUND);
 }
 
+/* Deletes of keys[0..n) as one group (IDEM_F_WITH_NEXT on all but the last, or on all when
+ * unterminated), submitted at once; their completions in out[], in order. */
+static void del_group(const char *const *keys, int n, int unterminated, idem_completion *out)
+{
+    idem_op ops[8];
+    cr_assert_leq(n, 8);
+    for (int i = 0; i < n; i++)
+        ops[i] = (idem_op){.kind = IDEM_OP_DEL,
+                           .flags = i < n - 1 || unterminated ? IDEM_F_WITH_NEXT : 0,
+                           .user_data = (uint64_t)i,
+                           .key = keys[i],
+                           .key_len = (uint32_t)strlen(keys[i]),
+                           .actor = "alice"};
+    cr_assert_eq(idem_submit(g_q, ops, (size_t)n), n);
+    for (int got = 0; got < n;) {
+        int k = idem_poll(g_q, out + got, (size_t)(n - got), 10000);
+        cr_assert_gt(k, 0, "idem_poll: %d", k);
+        got += k;
+    }
+    for (int i = 0; i < n; i++)
+        cr_assert_eq(out[i].user_data, (uint64_t)i);
+}
+
+static size_t audit_count(void)
+{
+    const idem_audit_entry *e;
+    size_t n = 0;
+    expect_rc(idem_audit(g_q, NULL, 0, 1000, &e, &n), IDEM_OK);
+    return n;
+}
+
+/* DEL k1 k2 k3 as idemd sends it: none is deleted if any is unfinished, and the completions say
+ * which (in_flight, then review). */
+Test(del, a_group_with_an_unfinished_record_deletes_none_and_names_it)
+{
+    make_committed("a", NULL, "r");
+    claim_new("b");
+    make_committed("c", NULL, "r");
+    const char *keys[3] = {"a", "b", "c"};
+    idem_completion c[3];
+    for (int round = 0; round < 2; round++) {
+        del_group(keys, 3, 0, c);
+        for (int i = 0; i < 3; i++)
+            cr_assert_eq(c[i].err, IDEM_ESTATE, "round %d, key %s: %s", round, keys[i],
+                         idem_strerror(c[i].err));
+        cr_assert_eq(c[0].found, 0);
+        cr_assert_eq(c[2].found, 0);
+        cr_assert_eq(c[1].found, 1);
+        cr_assert_eq(c[1].record.state, round == 0 ? IDEM_STATE_IN_FLIGHT : IDEM_STATE_REVIEW);
+        cr_assert(found("a") && found("b") && found("c"), "a refused group deleted something");
+        cr_assert_eq(audit_count(), 0);
+        if (round == 0) expect_rc(hold("b", get("b").token, "look"), IDEM_OK);
+    }
+}
+
+Test(del, a_group_of_finished_records_deletes_them_all)
+{
+    make_committed("a", NULL, "r");
+    make_committed("c", NULL, "r");
+    const char *keys[3] = {"a", "absent", "c"};
+    idem_completion c[3];
+    del_group(keys, 3, 0, c);
+    cr_assert_eq(c[0].err, IDEM_OK, "%s", idem_strerror(c[0].err));
+    cr_assert_eq(c[1].err, IDEM_ENOTFOUND);
+    cr_assert_eq(c[2].err, IDEM_OK);
+    cr_assert(!found("a") && !found("c"));
+    cr_assert_eq(audit_count(), 2);
+}
+
+/* A chain of IDEM_F_WITH_NEXT that no delete without the flag ends is refused whole; so is one
+ * ended by another kind of operation, which itself runs as usual. */
+Test(del, a_group_without_its_last_delete_is_invalid)
+{
+    make_committed("a", NULL, "r");
+    make_committed("b", NULL, "r");
+    const char *keys[2] = {"a", "b"};
+    idem_completion c[2];
+    del_group(keys, 2, 1, c);
+    cr_assert_eq(c[0].err, IDEM_EINVAL);
+    cr_assert_eq(c[1].err, IDEM_EINVAL);
+    idem_op ops[2] = {{.kind = IDEM_OP_DEL, .flags = IDEM_F_WITH_NEXT, .key = "a", .key_len = 1},
+                      {.kind = IDEM_OP_GET, .key = "b", .key_len = 1, .user_data = 1}};
+    cr_assert_eq(idem_submit(g_q, ops, 2), 2);
+    for (int got = 0; got < 2;) {
+        int k = idem_poll(g_q, c + got, (size_t)(2 - got), 10000);
+        cr_assert_gt(k, 0);
+        got += k;
+    }
+    cr_assert_eq(c[0].err, IDEM_EINVAL);
+    cr_assert_eq(c[1].err, IDEM_OK);
+    cr_assert_eq(c[1].found, 1);
+    cr_assert(found("a") && found("b"));
+}
+
+/* A group goes into the queue whole: not while the queue lacks room for all of it, never if
+ * it is larger than the queue. */
+Test(del, a_group_is_accepted_whole_or_not_at_all)
+{
+    idem_queue *q;
+    expect_rc(idem_queue_open(g_s, 4, &q), IDEM_OK);
+    make_committed("a", NULL, "r");
+    make_committed("b", NULL, "r");
+    make_committed("c", NULL, "r");
+    idem_op sync[2] = {{.kind = IDEM_OP_SYNC, .user_data = 10},
+                       {.kind = IDEM_OP_SYNC, .user_data = 11}};
+    idem_op grp[3];
+    const char *keys[3] = {"a", "b", "c"};
+    for (int i = 0; i < 3; i++)
+        grp[i] = (idem_op){.kind = IDEM_OP_DEL,
+                           .flags = i < 2 ? IDEM_F_WITH_NEXT : 0,
+                           .key = keys[i],
+                           .key_len = 1,
+                           .user_data = (uint64_t)i};
+    cr_assert_eq(idem_submit(q, sync, 2), 2);
+    cr_assert_eq(idem_submit(q, grp, 3), 0, "a group of 3 in a queue with room for 2");
+    idem_completion c[4];
+    for (int got = 0; got < 2;) {
+        int k = idem_poll(q, c + got, (size_t)(2 - got), 10000);
+        cr_assert_gt(k, 0);
+        got += k;
+    }
+    cr_assert_eq(idem_submit(q, grp, 3), 3);
+    for (int got = 0; got < 3;) {
+        int k = idem_poll(q, c + got, (size_t)(3 - got), 10000);
+        cr_assert_gt(k, 0);
+        got += k;
+    }
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(c[i].err, IDEM_OK);
+    idem_op big[5];
+    for (int i = 0; i < 5; i++)
+        big[i] = (idem_op){
+            .kind = IDEM_OP_DEL, .flags = i < 4 ? IDEM_F_WITH_NEXT : 0, .key = "zz", .key_len = 2};
+    cr_assert_eq(idem_submit(q, big, 5), IDEM_EINVAL, "a group of 5 in a queue of 4");
+    idem_queue_close(q);
+}
+
 static uint64_t audit_file_bytes(void)
 {
     char path[4096];

@@ -728,7 +728,7 @@ Test(server, del_refuses_unfinished_and_deletes_none, .init = start)
     long long tok;
     expect_status(cmd(c, "SET done1 v NX PX 10000"), "OK");
     cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM open1 10000 1000"), &tok), "new");
-    expect_error(cmd(c, "DEL done1 open1"), "ERR DEL refused");
+    expect_error(cmd(c, "DEL done1 open1"), "ERR DEL refused: key 2 is in_flight; nothing");
     expect_bulk(cmd(c, "GET done1"), "v");
     expect_error(cmd(c, "DEL open1"), "ERR DEL refused"); /* one key: the engine refuses it */
     redisReply *r = cmd(c, "IDEM.GET open1");
@@ -736,6 +736,60 @@ Test(server, del_refuses_unfinished_and_deletes_none, .init = start)
     freeReplyObject(r);
     expect_int(cmd(c, "DEL done1"), 1);
     expect_nil(cmd(c, "GET done1"));
+    redisFree(c);
+}
+
+/* Pipelined DELs of many keys each, one of them naming an unfinished record: that one deletes
+ * none of its keys, every other deletes all of its own, across the loop's batches (120 x 60
+ * deletes go to the engine in several submissions, never splitting one DEL). */
+Test(server, pipelined_dels_are_each_all_or_none, .init = start)
+{
+    redisContext *c = connect_unix();
+    enum { DELS = 120, PER = 60, BAD = 77 };
+    for (int d = 0; d < DELS; d++)
+        for (int k = 0; k < PER; k++)
+            if (d != BAD || k != PER / 2) redisAppendCommand(c, "SET p%d:%d v NX PX 600000", d, k);
+    for (int i = 0; i < DELS * PER - 1; i++) {
+        redisReply *r;
+        cr_assert_eq(redisGetReply(c, (void **)&r), REDIS_OK);
+        cr_assert_eq(r->type, REDIS_REPLY_STATUS, "SET NX %d: type %d", i, r->type);
+        freeReplyObject(r);
+    }
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM p%d:%d 600000 60000", BAD, PER / 2), &tok), "new",
+                     "p%d:%d", BAD, PER / 2);
+    static char line[DELS][PER * 16 + 8];
+    for (int d = 0; d < DELS; d++) {
+        const char *argv[PER + 1];
+        size_t lens[PER + 1];
+        char *p = line[d];
+        argv[0] = "DEL";
+        lens[0] = 3;
+        for (int k = 0; k < PER; k++) {
+            int n = sprintf(p, "p%d:%d", d, k);
+            argv[k + 1] = p;
+            lens[k + 1] = (size_t)n;
+            p += n + 1;
+        }
+        cr_assert_eq(redisAppendCommandArgv(c, PER + 1, argv, lens), REDIS_OK);
+    }
+    for (int d = 0; d < DELS; d++) {
+        redisReply *r;
+        cr_assert_eq(redisGetReply(c, (void **)&r), REDIS_OK);
+        if (d == BAD) {
+            cr_assert_eq(r->type, REDIS_REPLY_ERROR, "DEL %d: type %d", d, r->type);
+            char want[64];
+            snprintf(want, sizeof want, "ERR DEL refused: key %d is in_flight", PER / 2 + 1);
+            cr_assert(!strncmp(r->str, want, strlen(want)), "DEL %d: %s", d, r->str);
+        } else {
+            cr_assert_eq(r->type, REDIS_REPLY_INTEGER, "DEL %d: type %d (%s)", d, r->type,
+                         r->type == REDIS_REPLY_ERROR ? r->str : "");
+            cr_assert_eq(r->integer, PER, "DEL %d deleted %lld", d, r->integer);
+        }
+        freeReplyObject(r);
+    }
+    expect_int(cmd(c, "DBSIZE"), PER);
+    expect_bulk(cmd(c, "GET p%d:0", BAD), "v");
     redisFree(c);
 }
 

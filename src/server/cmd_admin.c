@@ -2,12 +2,10 @@
  * cmd_admin.c: operator and introspection commands: IDEM.SCAN, IDEM.STATS, IDEM.AUDIT, DEL,
  * DBSIZE, INFO, CONFIG GET, COMMAND, DEBUG CLOCK.
  *
- * Scans, the audit trail and DEL's check use blocking calls on the server's second queue
- * (q_sync), after submitting the pending batch so that they see every earlier request; scans
- * and the audit trail answer at once (the reply still waits its turn in the connection's FIFO).
- * DEL of several keys checks them all first and deletes none if any is unfinished; the loop
- * thread owns the store's only writer queue, so nothing can change between the check and the
- * deletes, which it then queues like any write.
+ * Scans and the audit trail use blocking calls on the server's second queue (q_sync), after
+ * submitting the pending batch so that they see every earlier request; they answer at once (the
+ * reply still waits its turn in the connection's FIFO). DEL of several keys goes to the engine
+ * as one group of deletes, which deletes none if any is unfinished.
  */
 #include "cmd.h"
 
@@ -271,43 +269,20 @@ void cmd_backup(cmd_req *r)
         return cmd_fail(r, "%s", err);
 }
 
-/* DEL key [key ...]: none is deleted if any is in_flight or review. */
-/* DEL of several keys deletes none if any is unfinished: every key is read first, after the
- * pending batch is submitted. Returns 0, or -1 having answered. */
-static int del_check(cmd_req *r)
-{
-    srv_flush_ops(r->s);
-    for (uint32_t i = 1; i < r->argc; i++) {
-        idem_completion cp;
-        int err = idem_get(r->s->q_sync, r->argv[i], r->argl[i], &cp);
-        if (err != IDEM_OK) {
-            cmd_reply_err(cmd_out(r), err);
-            cmd_done(r);
-            return -1;
-        }
-        if (cp.found && cp.record.state != IDEM_STATE_COMMITTED) {
-            cmd_fail(r,
-                     "ERR DEL refused: key %u is %s; nothing was deleted (an admin decides with "
-                     "IDEM.RESOLVE)",
-                     i, idem_state_name(cp.record.state));
-            return -1;
-        }
-    }
-    return 0;
-}
-
+/* DEL key [key ...]: none is deleted if any is in_flight or review. The engine decides that
+ * with the deletes, as one group (IDEM_F_WITH_NEXT) that goes into a single idem_submit whole:
+ * the loop never waits for a lookup. One key needs no group: the engine refuses an unfinished
+ * record itself. The engine writes the deletes' audit entries together, and the reply waits
+ * for the flush that makes them durable. */
 void cmd_del(cmd_req *r)
 {
     for (uint32_t i = 1; i < r->argc; i++)
         if (cmd_key_ok(r, i) < 0) return;
-    /* One key needs no check: the engine refuses an unfinished record itself (RK_DEL), so a
-     * pipeline of deletes goes to the engine in one batch. */
-    if (r->argc > 2 && del_check(r) < 0) return;
-    /* The deletes go into the batch just begun, ahead of anything parsed after this request:
-     * nothing changes the keys between the check and them. The engine writes their audit
-     * entries together, and the reply waits for the flush that makes them durable. */
+    uint32_t nkeys = r->argc - 1;
+    if (r->s->nops + nkeys > IDEM_BATCH_MAX) srv_flush_ops(r->s); /* one batch holds the group */
     for (uint32_t i = 1; i < r->argc; i++) {
         idem_op op = {.kind = IDEM_OP_DEL,
+                      .flags = i < r->argc - 1 ? IDEM_F_WITH_NEXT : 0,
                       .key = r->argv[i],
                       .key_len = r->argl[i],
                       .actor = cmd_actor(r->c)};
