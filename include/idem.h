@@ -43,6 +43,7 @@ extern "C" {
 #define IDEM_WAIT_MS_MAX          60000u
 #define IDEM_FP_BYTES             16u   /* XXH3-128 digest of the content passed */
 #define IDEM_BATCH_MAX            4096u /* operations accepted by one idem_submit */
+#define IDEM_DEL_GROUP_MAX        64u   /* deletes in one group (IDEM_F_WITH_NEXT) */
 #define IDEM_TOKEN_MAX            ((int64_t)1 << 62)
 
 typedef struct idem_store idem_store;
@@ -210,14 +211,17 @@ enum idem_resolve_action {
 #define IDEM_F_EXPECT  0x2u /* resolve: refuse with IDEM_ECHANGED unless version matches */
 #define IDEM_F_GET_OLD 0x4u /* set_if_absent: on an existing committed key, return its value */
 /* del: this delete and the next operation, a delete too, are one group: a run of deletes with
- * the flag, ended by one without it, in one idem_submit. Either every record of the group that
- * exists is deleted, or, if any of them is in_flight or review, none is: then every operation
- * of the group completes with IDEM_ESTATE, and those whose record is unfinished also with
- * found = 1 and record.state (the rest of record is zero). idem_submit accepts a group whole
- * or not at all. The check and the deletes happen under one hold of the store's lock, unless
- * the log must first make room (then another thread's changes may come between them; an
- * event loop that alone writes to the store, as idemd's does, is unaffected). A chain that no
- * delete without the flag ends completes with IDEM_EINVAL. */
+ * the flag, ended by one without it, in one idem_submit, at most IDEM_DEL_GROUP_MAX. Either
+ * every record of the group that exists is deleted, or, if any of them is in_flight or review,
+ * none is: then every operation of the group completes with IDEM_ESTATE, and those whose
+ * record is unfinished also with found = 1 and record.state (the rest of record is zero).
+ * Room in the log and the audit trail for the whole group is made first: if the disk is full
+ * every operation completes with IDEM_EFULL, and nothing is deleted. idem_submit accepts a
+ * group whole or not at all. The check and the deletes happen under one hold of the store's
+ * lock, unless a delete must wait for the flusher to free a buffer of the log (then another
+ * thread's changes may come between them; an event loop that alone writes to the store, as
+ * idemd's does, is unaffected). A chain that no delete without the flag ends, a group larger
+ * than IDEM_DEL_GROUP_MAX, or one with an invalid delete completes with IDEM_EINVAL. */
 #define IDEM_F_WITH_NEXT 0x8u
 
 typedef struct idem_op {

@@ -293,9 +293,14 @@ static uint64_t audit_next_seq(const idem_store *s)
 
 int audit_reserve(idem_store *s)
 {
+    return audit_reserve_n(s, 1);
+}
+
+int audit_reserve_n(idem_store *s, uint32_t n)
+{
     struct audit_buf *b = &s->audit_pend;
-    /* An entry, the padding that closes the group before it, and a new group's header. */
-    size_t need = b->len + AUDIT_ENTRY_MAX + AUDIT_BLOCK + AUDIT_GROUP_HDR;
+    /* Each entry, the padding that closes the group before it, and a new group's header. */
+    size_t need = b->len + (size_t)n * (AUDIT_ENTRY_MAX + AUDIT_BLOCK + AUDIT_GROUP_HDR);
     if (need <= b->cap) return 0;
     size_t cap = IDEM_ALIGN_UP(need > 2 * b->cap ? need : 2 * b->cap, AUDIT_BLOCK);
     uint8_t *p = aligned_alloc(AUDIT_BLOCK, cap);

@@ -759,17 +759,18 @@ static void op_del(idem_store *s, struct qslot *sl, const idem_op *op)
 /* The state of op's record if a delete group must not go ahead for it, else 0. */
 static int del_blocker(idem_store *s, const idem_op *op)
 {
-    if (!op->key || op->key_len == 0 || op->key_len > IDEM_KEY_BYTES_MAX) return 0;
     struct rec r;
     uint64_t lsn;
     if (!ops_find(s, op->key, op->key_len, &r, &lsn)) return 0;
     return r.state == IDEM_STATE_IN_FLIGHT || r.state == IDEM_STATE_REVIEW ? r.state : 0;
 }
 
-int ops_del_group_blocked(idem_store *s, const idem_op *ops, size_t n)
+int ops_del_group_check(idem_store *s, const idem_op *ops, size_t n)
 {
     for (size_t i = 0; i < n; i++)
-        if (del_blocker(s, &ops[i])) return 1;
+        if (!op_valid(s, &ops[i])) return IDEM_EINVAL;
+    for (size_t i = 0; i < n; i++)
+        if (del_blocker(s, &ops[i])) return IDEM_ESTATE;
     return 0;
 }
 

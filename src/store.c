@@ -518,25 +518,35 @@ void store_kick(idem_store *s)
     pthread_cond_signal(&s->cond_flush);
 }
 
-/* Whether a change can be appended now without waiting: 0, IDEM_EBUSY (wait for the flusher),
- * IDEM_EFULL (no space for the next segment: the append itself will answer FULL). */
-int store_room_ok(idem_store *s)
+/* Whether `bytes` of frames can be appended now without waiting: 0, IDEM_EBUSY (wait for the
+ * flusher), IDEM_EFULL (no space for the next segment: an append past this one answers FULL). */
+static int room_ok_for(idem_store *s, uint32_t bytes)
 {
     if (s->ckpt_quiesce) return IDEM_EBUSY; /* a checkpoint is being taken at this log position */
     if (token_headroom(s) < 64) return IDEM_EBUSY;
-    return wal_room(s->wal, s->frame_max);
+    return wal_room(s->wal, bytes);
 }
 
-int store_room(idem_store *s)
+int store_room_ok(idem_store *s)
 {
-    int rc;
-    while (!s->fatal && (rc = store_room_ok(s)) == IDEM_EBUSY) {
+    return room_ok_for(s, s->frame_max);
+}
+
+int store_room_for(idem_store *s, uint32_t bytes)
+{
+    int rc = 0;
+    while (!s->fatal && (rc = room_ok_for(s, bytes)) == IDEM_EBUSY) {
         s->sync_waiters++;
         pthread_cond_signal(&s->cond_flush);
         pthread_cond_wait(&s->cond_ready, &s->mu);
         s->sync_waiters--;
     }
-    return s->fatal ? IDEM_EFATAL : 0;
+    return s->fatal ? IDEM_EFATAL : rc;
+}
+
+int store_room(idem_store *s)
+{
+    return store_room_for(s, s->frame_max) == IDEM_EFATAL ? IDEM_EFATAL : 0;
 }
 
 /* Waits (mu held) until everything appended so far is durable. */
@@ -1195,6 +1205,47 @@ static void release_returned(idem_queue *q)
     q->nreturned = 0;
 }
 
+/* A group of deletes (IDEM_F_WITH_NEXT) being taken by idem_submit. */
+struct del_group {
+    size_t left; /* its operations not yet taken */
+    int err;     /* 0: each delete runs; IDEM_ESTATE: refused (ops_del_group_refuse); any other:
+                  * every operation completes with it, and nothing is written */
+};
+
+/* Begins the group at ops[at] (mu held): its length and fate in *g. Returns 1, taking nothing,
+ * when the queue lacks room for all of it. Room in the log and the audit trail for every delete
+ * is made before the lookups (waiting for the flusher if need be), so that no delete of a group
+ * that goes ahead fails for want of it. */
+static int del_group_begin(idem_store *s, const idem_queue *q, const idem_op *ops, size_t n,
+                           size_t at, struct del_group *g)
+{
+    size_t end = at;
+    uint32_t bytes = 0;
+    while (end < n && ops[end].kind == IDEM_OP_DEL && (ops[end].flags & IDEM_F_WITH_NEXT))
+        end++;
+    if (end == n || ops[end].kind != IDEM_OP_DEL) { /* a chain without its last delete */
+        g->left = end - at;
+        g->err = IDEM_EINVAL;
+        return 0;
+    }
+    g->left = end - at + 1;
+    if (q->nfree < g->left) return 1;
+    if (g->left > IDEM_DEL_GROUP_MAX) {
+        g->err = IDEM_EINVAL;
+        return 0;
+    }
+    for (size_t i = at; i <= end; i++) { /* each one's DELETE frame */
+        uint32_t k = ops[i].key_len < IDEM_KEY_BYTES_MAX ? ops[i].key_len : IDEM_KEY_BYTES_MAX;
+        bytes += (uint32_t)IDEM_ALIGN_UP(WAL_FRAME_HDR + 8 + k, 8);
+    }
+    int rc = s->closing ? IDEM_ECLOSED : s->opt.read_only ? IDEM_EREADONLY : 0;
+    if (rc == 0) rc = store_room_for(s, bytes);
+    if (rc == 0) rc = audit_reserve_n(s, (uint32_t)g->left);
+    if (rc == 0) rc = ops_del_group_check(s, &ops[at], g->left);
+    g->err = rc;
+    return 0;
+}
+
 #define SUBMIT_AHEAD 8 /* operations between a prefetch and its use */
 
 int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
@@ -1214,28 +1265,14 @@ int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
     uint64_t hv[2 * SUBMIT_AHEAD];
     int hok[2 * SUBMIT_AHEAD];
     size_t pre = 0;
-    /* A group of deletes under way (IDEM_F_WITH_NEXT): operations left in it, and its fate. */
-    size_t group_left = 0;
-    enum { GROUP_APPLY, GROUP_REFUSE, GROUP_INVALID } group = GROUP_APPLY;
+    struct del_group grp = {0, 0}; /* a group of deletes under way (IDEM_F_WITH_NEXT) */
     int too_big = 0;
     for (; done < n; done++) {
-        if (group_left == 0 && ops[done].kind == IDEM_OP_DEL &&
-            (ops[done].flags & IDEM_F_WITH_NEXT)) {
-            size_t end = done;
-            while (end < n && ops[end].kind == IDEM_OP_DEL && (ops[end].flags & IDEM_F_WITH_NEXT))
-                end++;
-            if (end < n && ops[end].kind == IDEM_OP_DEL) {
-                group_left = end - done + 1;
-                too_big = group_left > q->depth;  /* could never be accepted whole */
-                if (q->nfree < group_left) break; /* whole or not at all */
-                /* Room first: what the check sees stays true while the deletes are made. */
-                int room = store_room(s);
-                group = room == 0 && ops_del_group_blocked(s, &ops[done], group_left) ? GROUP_REFUSE
-                                                                                      : GROUP_APPLY;
-            } else {
-                group_left = end - done; /* the chain without its end */
-                group = GROUP_INVALID;
-            }
+        if (grp.left == 0 && ops[done].kind == IDEM_OP_DEL &&
+            (ops[done].flags & IDEM_F_WITH_NEXT) && del_group_begin(s, q, ops, n, done, &grp)) {
+            too_big = grp.left > q->depth; /* could never be accepted whole */
+            grp.left = 0;
+            break;
         }
         for (; pre < n && pre < done + 2 * SUBMIT_AHEAD; pre++) {
             size_t k = pre % (2 * SUBMIT_AHEAD);
@@ -1251,13 +1288,13 @@ int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
         if (!sl) break;
         sl->c.user_data = ops[done].user_data;
         size_t kd = done % (2 * SUBMIT_AHEAD);
-        if (group_left && group == GROUP_REFUSE)
+        if (grp.left && grp.err == IDEM_ESTATE)
             ops_del_group_refuse(s, sl, &ops[done]);
-        else if (group_left && group == GROUP_INVALID)
-            sl->c.err = IDEM_EINVAL;
+        else if (grp.left && grp.err)
+            sl->c.err = grp.err;
         else
             ops_apply(s, sl, &ops[done], hok[kd] ? &hv[kd] : NULL);
-        group_left -= group_left > 0;
+        grp.left -= grp.left > 0;
         any_ready |= slot_ready(s, sl);
     }
     s->clk_frozen = 0;

@@ -286,6 +286,9 @@ void store_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)))
  * returns 0 and the append answers IDEM_EFULL, so reads and repeats go on. */
 int store_room(idem_store *s);
 int store_room_ok(idem_store *s);
+/* Waits (mu held, let go of meanwhile) until `bytes` of frames can be appended: 0, IDEM_EFULL
+ * or the next segment's error (then the log cannot take them all), or IDEM_EFATAL. */
+int store_room_for(idem_store *s, uint32_t bytes);
 /* Marks the store failed (a write or flush failed, err a negative errno): nothing more is
  * acknowledged; completions not yet durable answer IDEM_EFATAL. */
 void store_fail(idem_store *s, int err);
@@ -321,9 +324,10 @@ void ops_slot_mark(struct index_slot *slot, const struct rec *r);
 void queue_signal(struct idem_queue *q);
 /* Applies op; hash, when given, is its key's hash from ops_hint_hash. */
 void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_t *hash);
-/* A group of deletes (IDEM_F_WITH_NEXT): whether any of the n records is in_flight or review;
- * and the completion of one of them when the group is refused. mu held. */
-int ops_del_group_blocked(idem_store *s, const idem_op *ops, size_t n);
+/* A group of deletes (IDEM_F_WITH_NEXT): 0 to go ahead, IDEM_EINVAL if one of the n deletes is
+ * invalid, IDEM_ESTATE if one of their records is in_flight or review; and the completion of
+ * one of them when the group is refused. mu held. */
+int ops_del_group_check(idem_store *s, const idem_op *ops, size_t n);
 void ops_del_group_refuse(idem_store *s, struct qslot *sl, const idem_op *op);
 /* The hash op's key will be looked up with (0: the key is not valid; no hint). */
 int ops_hint_hash(const idem_store *s, const idem_op *op, uint64_t *h);
@@ -387,6 +391,8 @@ void audit_close(idem_store *s);
 /* Makes room for one entry (an operator call, before its change: audit_append cannot fail
  * after it). Returns 0 or IDEM_ENOMEM. */
 int audit_reserve(idem_store *s);
+/* The same for n entries (a group of deletes, made before any of them). */
+int audit_reserve_n(idem_store *s, uint32_t n);
 /* Adds the entry of a change just appended to the log, to be written before the batch that
  * carries the change. */
 void audit_append(idem_store *s, const char *actor, const char *action, const void *key,

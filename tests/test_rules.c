@@ -1781,6 +1781,41 @@ Test(del, a_group_without_its_last_delete_is_invalid)
     cr_assert(found("a") && found("b"));
 }
 
+/* A group with an invalid delete in it, or of more than IDEM_DEL_GROUP_MAX deletes, deletes
+ * nothing. */
+Test(del, a_group_with_an_invalid_delete_or_too_many_deletes_nothing)
+{
+    make_committed("a", NULL, "r");
+    make_committed("b", NULL, "r");
+    static char long_key[IDEM_KEY_BYTES_MAX + 2];
+    memset(long_key, 'k', IDEM_KEY_BYTES_MAX + 1); /* one byte too long */
+    const char *keys[3] = {"a", long_key, "b"};
+    idem_completion c[3];
+    del_group(keys, 3, 0, c);
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(c[i].err, IDEM_EINVAL, "delete %d: %s", i, idem_strerror(c[i].err));
+    cr_assert(found("a") && found("b"));
+    static idem_op ops[IDEM_DEL_GROUP_MAX + 1];
+    for (uint32_t i = 0; i <= IDEM_DEL_GROUP_MAX; i++)
+        ops[i] = (idem_op){.kind = IDEM_OP_DEL,
+                           .flags = i < IDEM_DEL_GROUP_MAX ? IDEM_F_WITH_NEXT : 0,
+                           .key = i % 2 ? "a" : "b",
+                           .key_len = 1};
+    idem_queue *q;
+    expect_rc(idem_queue_open(g_s, 2 * IDEM_DEL_GROUP_MAX, &q), IDEM_OK);
+    cr_assert_eq(idem_submit(q, ops, IDEM_DEL_GROUP_MAX + 1), IDEM_DEL_GROUP_MAX + 1);
+    static idem_completion out[IDEM_DEL_GROUP_MAX + 1];
+    for (int got = 0; got < (int)IDEM_DEL_GROUP_MAX + 1;) {
+        int k = idem_poll(q, out + got, IDEM_DEL_GROUP_MAX + 1 - (size_t)got, 10000);
+        cr_assert_gt(k, 0);
+        got += k;
+    }
+    idem_queue_close(q);
+    for (uint32_t i = 0; i <= IDEM_DEL_GROUP_MAX; i++)
+        cr_assert_eq(out[i].err, IDEM_EINVAL, "delete %u: %s", i, idem_strerror(out[i].err));
+    cr_assert(found("a") && found("b"));
+}
+
 /* A group goes into the queue whole: not while the queue lacks room for all of it, never if
  * it is larger than the queue. */
 Test(del, a_group_is_accepted_whole_or_not_at_all)
@@ -2780,6 +2815,11 @@ Test(open, read_only_refuses_every_change_with_ereadonly)
     expect_rc(extend("inflight", tok, 1000), IDEM_EREADONLY);
     expect_rc(idem_set_if_absent(g_q, "new", 3, "v", 1, TTL, 0, &c), IDEM_EREADONLY);
     expect_rc(idem_del(g_q, "done", 4, "alice"), IDEM_EREADONLY);
+    const char *keys[2] = {"done", "inflight"};
+    idem_completion g[2];
+    del_group(keys, 2, 0, g); /* answered at once, not left waiting for room in the log */
+    cr_assert_eq(g[0].err, IDEM_EREADONLY, "%s", idem_strerror(g[0].err));
+    cr_assert_eq(g[1].err, IDEM_EREADONLY, "%s", idem_strerror(g[1].err));
     expect_rc(resolve("inflight", IDEM_RESOLVE_RELEASE, "x", IDEM_F_FORCE), IDEM_EREADONLY);
     /* Reads work. */
     idem_record r = get("done");

@@ -432,22 +432,26 @@ int cmd_complete(srv *s, srv_conn *c, srv_slot *sl, resp_buf *b, const idem_comp
     if (sl->kind == RK_DEL) {
         sl->keys_done++;
         sl->acc += cp->err == IDEM_OK;
-        if (cp->err == IDEM_ESTATE && cp->found && !sl->refused) {
-            sl->refused = sl->keys_done; /* a group of several keys (cmd_del) */
-            sl->refused_state = cp->record.state;
+        if (cp->err == IDEM_ESTATE) {
+            /* A refused group names its unfinished records (found, with their state): the
+             * first of them; a single key refused by the engine comes without its state. */
+            if (!sl->refused) sl->refused = sl->keys_done;
+            if (cp->found && !sl->refused_state) {
+                sl->refused = sl->keys_done;
+                sl->refused_state = cp->record.state;
+            }
         }
         if (cp->err != IDEM_OK && cp->err != IDEM_ENOTFOUND && !sl->err) sl->err = cp->err;
         if (sl->remaining > 0) return 0;
-        if (sl->err == IDEM_ESTATE && sl->refused) {
+        if (sl->err == IDEM_ESTATE) {
             char line[160];
             snprintf(line, sizeof line,
                      "ERR DEL refused: key %u is %s; nothing was deleted (an admin decides with "
                      "IDEM.RESOLVE)",
-                     sl->refused, idem_state_name(sl->refused_state));
+                     sl->refused,
+                     sl->refused_state ? idem_state_name(sl->refused_state)
+                                       : "unfinished (in_flight or review)");
             resp_error(b, line);
-        } else if (sl->err == IDEM_ESTATE) { /* one key: it was in_flight or review */
-            resp_error(b, "ERR DEL refused: key 1 is unfinished (in_flight or review); nothing "
-                          "was deleted (an admin decides with IDEM.RESOLVE)");
         } else if (sl->err)
             cmd_reply_err(b, sl->err);
         else

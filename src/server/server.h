@@ -95,8 +95,8 @@ typedef struct srv_slot {
     int64_t acc;        /* EXISTS: keys found so far; DEL: keys deleted so far */
     int err;            /* DEL: the first error other than not found */
     uint32_t keys_done; /* DEL: completions so far (they come in the keys' order) */
-    uint32_t refused;   /* DEL: the first key (from 1) whose record stopped the group, 0: none */
-    int refused_state;  /* its state */
+    uint32_t refused;   /* DEL: the key (from 1) named in a refusal, 0: none yet */
+    int refused_state;  /* its state, when the engine said (0: not known) */
     uint32_t owed;      /* reply bytes reserved for it against the budget until it is made */
     uint8_t timed;      /* a claim whose latency is measured (not one that waits) */
     int64_t parsed_us;  /* timed: the loop's clock when it was parsed */
