@@ -1198,6 +1198,7 @@ void io_sim_counts(const struct io_sim *sim, struct io_sim_counts *out)
 {
     sim_lock(sim);
     *out = sim->counts;
+    out->used = sim->used;
     sim_unlock(sim);
 }
 

@@ -60,6 +60,7 @@ struct io_sim_counts {
     uint64_t writes_now;         /* write_now calls done (not in writes) */
     uint64_t writes_now_waiting; /* write_now calls blocked by io_sim_hold_writes_now */
     uint64_t data_after_waiting; /* data_after answers held by io_sim_hold_data_after */
+    uint64_t used;               /* bytes the files hold now (what the capacity bounds) */
 };
 void io_sim_counts(const struct io_sim *sim, struct io_sim_counts *out);
 /* Flips bits (xor_mask) of the byte at off of the file's content (durable and current); for

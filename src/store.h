@@ -131,10 +131,12 @@ struct audit_place {
     uint32_t action_len, actor_len;
 };
 
-/* A place in audit.log (audit.c): the unit that starts at off, its first entry numbered seq. */
+/* A place in audit.log (audit.c): the unit that starts at off, its first entry numbered seq,
+ * and a filter of the keys of the stretch from there to the next mark (NULL: none made). */
 struct audit_mark {
     uint64_t off;
     uint64_t seq;
+    uint64_t *filter;
 };
 
 struct idem_store {

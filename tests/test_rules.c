@@ -2100,6 +2100,13 @@ Test(audit, a_unit_damaged_after_the_open_is_reported_when_a_query_reaches_it)
     expect_rc(idem_audit(g_q, NULL, 0, 10000, &e, &n), IDEM_ECORRUPT);
     cr_assert(strstr(idem_last_error(), "no longer checks out"), "%s", idem_last_error());
     expect_rc(idem_audit(g_q, "t-0", 3, 10, &e, &n), IDEM_ECORRUPT);
+    /* A query by key reads only the stretches whose key filter may hold the key: this one's
+     * only entry is in the newest stretch, and the damaged one is not read. */
+    expect_rc(idem_audit(g_q, "t-1199", 6, 10, &e, &n), IDEM_OK);
+    cr_assert_eq(n, 1);
+    expect_trail_entry(&e[0], 1199);
+    expect_rc(idem_audit(g_q, "never-resolved", 14, 10, &e, &n), IDEM_OK);
+    cr_assert_eq(n, 0);
 }
 
 /* Imported entries keep their seq, and later entries follow it; a seq with no room left to
