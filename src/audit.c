@@ -53,12 +53,12 @@
 #define AUDIT_GROUP_MAX                                                                            \
     IDEM_ALIGN_UP(AUDIT_GROUP_BYTES + AUDIT_ENTRY_MAX + AUDIT_BLOCK, AUDIT_BLOCK)
 /* A mark is kept for the first unit at or past this many bytes after the last mark: a query
- * reads at least this much of the file (unless the trail is shorter), and the map takes 16
- * bytes per this much. */
+ * that reads a stretch reads about this much of the file, and the map takes a mark (24 bytes)
+ * and a filter (AUDIT_FILTER_BITS / 8 bytes) per this much. */
 #define AUDIT_STRETCH (1024u * 1024)
 /* Bits of a stretch's key filter (8 KiB), AUDIT_FILTER_K of them set per key: with the 256
  * entries of a stretch of one-entry groups, about one stretch in 600,000 is read for nothing;
- * with about 10,000 entries of 100 bytes, one in 30. */
+ * with about 10,000 entries of 100 bytes, one in 20. */
 #define AUDIT_FILTER_BITS (64u * 1024)
 #define AUDIT_FILTER_K    3
 
