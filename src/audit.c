@@ -192,21 +192,11 @@ static void audit_filter_add(idem_store *s, const uint8_t *u, uint32_t bytes)
     }
 }
 
-/* The seq of the last entry of a unit audit_unit_valid accepted. */
-static uint64_t unit_last_seq(const uint8_t *u, uint32_t bytes)
-{
-    uint32_t pos = 0;
-    const uint8_t *e, *last = u;
-    while (audit_unit_next(u, bytes, &pos, &e) == 1)
-        last = e;
-    return util_get_u64(last + 16);
-}
-
-/* Reads the unit at off into u (AUDIT_GROUP_MAX bytes): its entry count (> 0) with its bytes and
- * the smallest and largest LSN its entries name; 0 at the end of the file; AUDIT_TORN,
- * AUDIT_BAD (audit_unit_next); IDEM_EIO if the read fails. */
+/* Reads the unit at off into u (AUDIT_GROUP_MAX bytes): its entry count (> 0) with its bytes,
+ * the smallest and largest LSN its entries name and its last entry's seq; 0 at the end of the
+ * file; AUDIT_TORN, AUDIT_BAD (audit_unit_next); IDEM_EIO if the read fails. */
 static int read_unit(idem_store *s, uint64_t off, uint8_t *u, uint32_t *bytes, uint64_t *lsn_min,
-                     uint64_t *lsn_max)
+                     uint64_t *lsn_max, uint64_t *seq_last)
 {
     int64_t n = io_read(s->io, s->audit_f, off, u, AUDIT_BLOCK);
     if (n < 0) return IDEM_EIO;
@@ -227,6 +217,7 @@ static int read_unit(idem_store *s, uint64_t off, uint8_t *u, uint32_t *bytes, u
         uint64_t lsn = util_get_u64(e + 32);
         *lsn_min = lsn < *lsn_min ? lsn : *lsn_min;
         *lsn_max = lsn > *lsn_max ? lsn : *lsn_max;
+        *seq_last = util_get_u64(e + 16);
     }
     return k;
 }
@@ -258,11 +249,11 @@ int audit_open(idem_store *s)
         return IDEM_ENOMEM;
     }
     s->audit_marks_cap = 16;
-    uint64_t last = wal_recovered_lsn(s->wal), lsn_min, lsn_max, size = 0;
+    uint64_t last = wal_recovered_lsn(s->wal), lsn_min, lsn_max, seq_last = 0, size = 0;
     uint32_t bytes;
     uint64_t off = 0;
     for (;;) {
-        int n = read_unit(s, off, u, &bytes, &lsn_min, &lsn_max);
+        int n = read_unit(s, off, u, &bytes, &lsn_min, &lsn_max, &seq_last);
         if (n == AUDIT_BAD) {
             /* Its checksum holds, so no torn write made it: never trusted, never cut off. */
             store_set_error("%s: entry at offset %llu: %s", path, (unsigned long long)off,
@@ -276,7 +267,7 @@ int audit_open(idem_store *s)
             break;
         }
         if (n > 0 && lsn_max <= last) {
-            s->audit_seq = unit_last_seq(u, bytes);
+            s->audit_seq = seq_last;
             audit_mark(s, off, u);
             audit_filter_add(s, u, bytes);
             off += bytes;
@@ -295,7 +286,7 @@ int audit_open(idem_store *s)
             break;
         }
         for (uint64_t o = off + AUDIT_BLOCK; rc == 0 && o < size; o += AUDIT_BLOCK) {
-            int k = read_unit(s, o, u, &bytes, &lsn_min, &lsn_max);
+            int k = read_unit(s, o, u, &bytes, &lsn_min, &lsn_max, &seq_last);
             if (k == IDEM_EIO) rc = IDEM_EIO;
             if (k > 0 && lsn_min <= last) {
                 store_set_error("%s: the entries at offset %llu are damaged, and the entries at "

@@ -270,16 +270,15 @@ void cmd_backup(cmd_req *r)
 }
 
 /* DEL key [key ...]: none is deleted if any is in_flight or review. The engine decides that
- * with the deletes, as one group (IDEM_F_WITH_NEXT) that goes into a single idem_submit whole:
- * the loop never waits for a lookup. One key needs no group: the engine refuses an unfinished
- * record itself. The engine writes the deletes' audit entries together, and the reply waits
- * for the flush that makes them durable. */
+ * with the deletes, as one group (IDEM_F_WITH_NEXT) that goes into a single idem_submit whole
+ * (the parse loop submits the batch before a request whose arguments might not fit in it, and
+ * keeps engine room for them): the loop never waits for a lookup. One key needs no group: the
+ * engine refuses an unfinished record itself. The engine writes the deletes' audit entries
+ * together, and the reply waits for the flush that makes them durable. */
 void cmd_del(cmd_req *r)
 {
     for (uint32_t i = 1; i < r->argc; i++)
         if (cmd_key_ok(r, i) < 0) return;
-    uint32_t nkeys = r->argc - 1;
-    if (r->s->nops + nkeys > IDEM_BATCH_MAX) srv_flush_ops(r->s); /* one batch holds the group */
     for (uint32_t i = 1; i < r->argc; i++) {
         idem_op op = {.kind = IDEM_OP_DEL,
                       .flags = i < r->argc - 1 ? IDEM_F_WITH_NEXT : 0,
