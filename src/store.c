@@ -212,44 +212,113 @@ static void notify_ready(idem_store *s)
     pthread_cond_broadcast(&s->cond_ready);
 }
 
-#define WAKE_MAX 64 /* queues the end of a flush wakes after letting go of mu; others before */
+#define WAKE_MAX    64 /* eventfds signalled after mu is let go of; any more, before */
+#define WAKE_FANOUT 2  /* polling queues each waker signals: the flusher, then each woken thread */
 
-/* notify_ready for the end of a flush (mu held; let go of and taken again): the queues' owners
- * (a thread in idem_poll, or an event loop on the queue's eventfd) are woken after mu is
- * released. Woken with mu held, each woke only to block on mu, which the flusher still held:
- * two context switches per blocking call instead of one (blocking-64: 86-112 k/s before, 122-152
- * k/s after, docs/benchmarks.md). Their queues stay open meanwhile: idem_queue_close waits
- * while `notifying`. What to wake is decided under mu, as queue_signal does. */
+/* Pins q: its condition may be signalled without mu until wake_unpin (mu held). */
+static void wake_pin(idem_store *s, struct idem_queue *q)
+{
+    __atomic_add_fetch(&q->pins, 1, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&s->notifying, 1, __ATOMIC_RELAXED);
+}
+
+static void wake_unpin(idem_store *s, struct idem_queue *q)
+{
+    __atomic_sub_fetch(&s->notifying, 1, __ATOMIC_RELEASE);
+    __atomic_sub_fetch(&q->pins, 1, __ATOMIC_RELEASE); /* last: q may be freed right after */
+}
+
+static void wake_list_add(idem_store *s, struct idem_queue *q)
+{
+    if (q->wake_listed) return;
+    q->wake_listed = 1;
+    q->wake_next = NULL;
+    if (s->wake_tail)
+        s->wake_tail->wake_next = q;
+    else
+        s->wake_head = q;
+    s->wake_tail = q;
+}
+
+static void wake_list_remove(idem_store *s, struct idem_queue *q)
+{
+    if (!q->wake_listed) return;
+    struct idem_queue **pp = &s->wake_head, *prev = NULL;
+    while (*pp != q) {
+        prev = *pp;
+        pp = &(*pp)->wake_next;
+    }
+    *pp = q->wake_next;
+    if (s->wake_tail == q) s->wake_tail = prev;
+    q->wake_listed = 0;
+}
+
+/* Takes up to WAKE_FANOUT listed queues whose thread still waits in idem_poll, pinned (mu held);
+ * the others found on the way leave the list (their thread collects without a signal), and so
+ * does self, the caller's own queue (its thread is awake). */
+static int wake_take(idem_store *s, const struct idem_queue *self, struct idem_queue **out)
+{
+    int n = 0;
+    while (n < WAKE_FANOUT && s->wake_head) {
+        struct idem_queue *q = s->wake_head;
+        s->wake_head = q->wake_next;
+        if (!s->wake_head) s->wake_tail = NULL;
+        q->wake_listed = 0;
+        if (!q->polling || q == self) continue;
+        wake_pin(s, q);
+        out[n++] = q;
+    }
+    return n;
+}
+
+/* Signals what wake_take took, without mu, and unpins it. */
+static void wake_signal(idem_store *s, struct idem_queue **qs, int n)
+{
+    for (int i = 0; i < n; i++) {
+        pthread_cond_signal(&qs[i]->cond);
+        wake_unpin(s, qs[i]);
+    }
+}
+
+/* notify_ready for the end of a flush (mu held; let go of and taken again).
+ *   - Woken with mu held, each thread woke only to block on mu, which the flusher still held:
+ *     two context switches per blocking call instead of one (blocking-64: 86-112 k/s before,
+ *     122-152 k/s after, docs/benchmarks.md). So signals go out after mu is released.
+ *   - Signalled one by one by the flusher, 40-50 threads blocked in idem_poll cost it about
+ *     230 us per flush, as long as the flush itself, and the next flush waited for them. So the
+ *     wake is a cascade: polling queues with a ready completion join a list; the flusher signals
+ *     WAKE_FANOUT of them, and every thread that leaves idem_poll signals WAKE_FANOUT more
+ *     (wake_take skips queues whose thread no longer waits: each signalled thread wakes for
+ *     certain and passes the cascade on, so the list always drains).
+ *   - Queues read through an eventfd (an event loop) are signalled by the flusher itself.
+ * A pinned queue stays open: idem_queue_close waits for its pins. */
 static void notify_ready_unlocked(idem_store *s)
 {
-    struct {
-        struct idem_queue *q;
-        int cond, efd;
-    } wake[WAKE_MAX];
-    int n = 0;
+    struct idem_queue *efd_q[WAKE_MAX], *pass[WAKE_FANOUT];
+    int nefd = 0;
     for (struct idem_queue *q = s->queues; q; q = q->next) {
         if (!queue_ready(s, q)) continue;
-        if (n == WAKE_MAX) {
-            queue_signal(q);
+        if (q->polling) wake_list_add(s, q);
+        if (!q->fd_used) continue;
+        if (nefd == WAKE_MAX) {
+            efd_signal(q->efd);
             continue;
         }
-        wake[n].q = q;
-        wake[n].cond = q->polling;
-        wake[n].efd = q->fd_used ? q->efd : -1;
-        n++;
+        wake_pin(s, q);
+        efd_q[nefd++] = q;
     }
     pthread_cond_broadcast(&s->cond_ready);
-    if (n == 0) return;
-    s->notifying++;
+    int npass = wake_take(s, NULL, pass);
+    if (nefd == 0 && npass == 0) return;
     uint32_t delay_us = s->test_wake_delay_us;
     pthread_mutex_unlock(&s->mu);
     if (delay_us) usleep(delay_us);
-    for (int i = 0; i < n; i++) {
-        if (wake[i].cond) pthread_cond_signal(&wake[i].q->cond);
-        if (wake[i].efd >= 0) efd_signal(wake[i].efd);
+    for (int i = 0; i < nefd; i++) {
+        efd_signal(efd_q[i]->efd);
+        wake_unpin(s, efd_q[i]);
     }
+    wake_signal(s, pass, npass);
     pthread_mutex_lock(&s->mu);
-    if (--s->notifying == 0) pthread_cond_broadcast(&s->cond_ready);
 }
 
 /* The store failed: nothing more is durable; pending completions answer EFATAL. */
@@ -1081,8 +1150,12 @@ void idem_queue_close(idem_queue *q)
     if (!q) return;
     idem_store *s = q->s;
     pthread_mutex_lock(&s->mu);
-    while (s->notifying) /* the end of a flush may be about to signal this queue's condition */
-        pthread_cond_wait(&s->cond_ready, &s->mu);
+    wake_list_remove(s, q);
+    while (__atomic_load_n(&q->pins, __ATOMIC_ACQUIRE)) { /* a waker is about to signal q */
+        pthread_mutex_unlock(&s->mu);
+        sched_yield();
+        pthread_mutex_lock(&s->mu);
+    }
     /* Drop parked claims of this queue. */
     struct qslot **pp = &s->waiters;
     s->waiters_tail = NULL;
@@ -1248,12 +1321,10 @@ static int del_group_begin(idem_store *s, const idem_queue *q, const idem_op *op
 
 #define SUBMIT_AHEAD 8 /* operations between a prefetch and its use */
 
-int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
+/* idem_submit with mu held. */
+static int submit_locked(idem_queue *q, const idem_op *ops, size_t n)
 {
-    if (!q || (!ops && n) || n > IDEM_BATCH_MAX) return IDEM_EINVAL;
     idem_store *s = q->s;
-    release_returned(q);
-    pthread_mutex_lock(&s->mu);
     size_t done = 0;
     int any_ready = 0;
     store_now(s);
@@ -1300,8 +1371,17 @@ int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
     s->clk_frozen = 0;
     if (wal_pending(s->wal)) store_kick(s);
     if (any_ready) queue_signal(q);
-    pthread_mutex_unlock(&s->mu);
     return too_big && done == 0 ? IDEM_EINVAL : (int)done;
+}
+
+int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
+{
+    if (!q || (!ops && n) || n > IDEM_BATCH_MAX) return IDEM_EINVAL;
+    release_returned(q);
+    pthread_mutex_lock(&q->s->mu);
+    int rc = submit_locked(q, ops, n);
+    pthread_mutex_unlock(&q->s->mu);
+    return rc;
 }
 
 /* Delivers ready completions in submission order. The walk skips parked claims and stops at the
@@ -1339,16 +1419,12 @@ static size_t collect_ready(idem_queue *q, idem_completion *out, size_t max)
     return n;
 }
 
-int idem_poll(idem_queue *q, idem_completion *out, size_t max, int timeout_ms)
+/* idem_poll with mu held; returns with mu held, and the queues to pass the wake cascade on to
+ * (notify_ready_unlocked) in pass[0..*npass), to be signalled once mu is let go of. */
+static size_t poll_locked(idem_queue *q, idem_completion *out, size_t max, int timeout_ms,
+                          struct idem_queue **pass, int *npass)
 {
-    if (!q || (!out && max)) return IDEM_EINVAL;
     idem_store *s = q->s;
-    release_returned(q);
-    uint64_t drain;
-    if (q->fd_used && read(q->efd, &drain, sizeof drain) < 0) {
-        /* nothing signalled */
-    }
-    pthread_mutex_lock(&s->mu);
     size_t n = collect_ready(q, out, max);
     if (n == 0 && timeout_ms != 0 && q->active > 0) {
         struct timespec ts;
@@ -1368,10 +1444,33 @@ int idem_poll(idem_queue *q, idem_completion *out, size_t max, int timeout_ms)
                                     : pthread_cond_wait(&q->cond, &s->mu);
             n = collect_ready(q, out, max);
             if (rc == ETIMEDOUT) break;
+            if (n == 0) { /* woken for nothing (rare): the cascade goes on all the same */
+                struct idem_queue *more[WAKE_FANOUT];
+                int nmore = wake_take(s, q, more);
+                wake_signal(s, more, nmore);
+            }
         }
         q->polling--;
     }
+    *npass = s->wake_head ? wake_take(s, q, pass) : 0;
+    return n;
+}
+
+int idem_poll(idem_queue *q, idem_completion *out, size_t max, int timeout_ms)
+{
+    if (!q || (!out && max)) return IDEM_EINVAL;
+    idem_store *s = q->s;
+    release_returned(q);
+    uint64_t drain;
+    if (q->fd_used && read(q->efd, &drain, sizeof drain) < 0) {
+        /* nothing signalled */
+    }
+    struct idem_queue *pass[WAKE_FANOUT];
+    int npass;
+    pthread_mutex_lock(&s->mu);
+    size_t n = poll_locked(q, out, max, timeout_ms, pass, &npass);
     pthread_mutex_unlock(&s->mu);
+    wake_signal(s, pass, npass);
     return (int)n;
 }
 
@@ -1379,16 +1478,27 @@ int idem_exec(idem_queue *q, const idem_op *op, idem_completion *c)
 {
     if (!q || !op) return IDEM_EINVAL;
     if (q->active > 0) return IDEM_EBUSY;
-    int rc = idem_submit(q, op, 1);
-    if (rc < 0) return rc;
-    if (rc == 0) return IDEM_EBUSY;
+    idem_store *s = q->s;
     idem_completion tmp;
     idem_completion *dst = c ? c : &tmp;
-    for (;;) {
-        int n = idem_poll(q, dst, 1, -1);
-        if (n < 0) return n;
-        if (n == 1) return dst->err;
+    struct idem_queue *pass[WAKE_FANOUT];
+    int npass = 0;
+    release_returned(q);
+    /* Submit and wait in one hold of mu: 64 threads making blocking calls contend for it. */
+    pthread_mutex_lock(&s->mu);
+    int rc = submit_locked(q, op, 1);
+    size_t n = rc == 1 ? poll_locked(q, dst, 1, -1, pass, &npass) : 0;
+    while (rc == 1 && n == 0) { /* a wait ends only with the completion; defensive */
+        pthread_mutex_unlock(&s->mu);
+        wake_signal(s, pass, npass);
+        pthread_mutex_lock(&s->mu);
+        n = poll_locked(q, dst, 1, -1, pass, &npass);
     }
+    pthread_mutex_unlock(&s->mu);
+    wake_signal(s, pass, npass);
+    if (rc < 0) return rc;
+    if (rc == 0) return IDEM_EBUSY;
+    return dst->err;
 }
 
 int idem_claim(idem_queue *q, const void *key, size_t key_len, const idem_claim_args *a,

@@ -65,6 +65,12 @@ struct idem_queue {
      * flush wakes only the queues it has completions for, not every blocked caller. */
     pthread_cond_t cond;
     int polling;
+    /* The wake cascade (store.c, notify_ready_unlocked): listed while a flush's end has a
+     * completion for this polling queue that nobody has signalled yet; pins count the threads
+     * about to signal cond without mu (atomic: let go of without mu), which close waits out. */
+    struct idem_queue *wake_next;
+    int wake_listed;
+    uint32_t pins;
     struct idem_queue *next, *prev;
     /* Poll results kept valid until the next call. */
     struct qslot **returned;
@@ -157,7 +163,9 @@ struct idem_store {
     struct index *ix;
     uint64_t durable_lsn;
     int fatal;
-    uint32_t notifying; /* flush_once is waking queues without mu: none may close meanwhile */
+    /* Polling queues with a ready completion, waiting for their signal (the wake cascade). */
+    struct idem_queue *wake_head, *wake_tail;
+    uint32_t notifying;          /* pins held on all queues (atomic; for tests) */
     uint32_t test_wake_delay_us; /* store_test_wake_delay */
     int closing;
     int abandoned;    /* store_abandon: the flusher stops at once, nothing more is written */

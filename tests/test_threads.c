@@ -110,6 +110,16 @@ typedef struct worker {
         if (!(w)->err[0]) snprintf((w)->err, sizeof(w)->err, __VA_ARGS__);                         \
     } while (0)
 
+/* Starts n threads running fn, thread i on ws[i] (cleared, idx i). */
+static void start_all(worker *ws, size_t n, void *(*fn)(void *))
+{
+    memset(ws, 0, n * sizeof *ws);
+    for (size_t i = 0; i < n; i++) {
+        ws[i].idx = (int)i;
+        cr_assert_eq(pthread_create(&ws[i].th, NULL, fn, &ws[i]), 0);
+    }
+}
+
 static void join_all(worker *ws, size_t n)
 {
     for (size_t i = 0; i < n; i++)
@@ -198,13 +208,9 @@ static void *hot_worker(void *arg)
 static void hot_key_race(size_t nthreads)
 {
     worker ws[HOT_THREADS_MAX];
-    memset(ws, 0, sizeof ws);
     g_hot_rounds = tu_count(10, HOT_ROUNDS_MAX);
     cr_assert_eq(pthread_barrier_init(&g_bar, NULL, (unsigned)nthreads), 0);
-    for (size_t i = 0; i < nthreads; i++) {
-        ws[i].idx = (int)i;
-        cr_assert_eq(pthread_create(&ws[i].th, NULL, hot_worker, &ws[i]), 0);
-    }
+    start_all(ws, nthreads, hot_worker);
     join_all(ws, nthreads);
     pthread_barrier_destroy(&g_bar);
     int64_t last = 0;
@@ -284,12 +290,8 @@ static void *spread_worker(void *arg)
 Test(race, many_threads_claiming_distinct_keys_all_present_after_reopen)
 {
     worker ws[SPREAD_THREADS];
-    memset(ws, 0, sizeof ws);
     g_spread_keys = tu_count(100, 2000);
-    for (int i = 0; i < SPREAD_THREADS; i++) {
-        ws[i].idx = i;
-        cr_assert_eq(pthread_create(&ws[i].th, NULL, spread_worker, &ws[i]), 0);
-    }
+    start_all(ws, SPREAD_THREADS, spread_worker);
     join_all(ws, SPREAD_THREADS);
     store_close();
     store_open();
@@ -493,12 +495,8 @@ static void *mix_worker(void *arg)
 Test(race, blocking_and_async_calls_mixed_across_threads)
 {
     worker ws[MIX_THREADS];
-    memset(ws, 0, sizeof ws);
     cr_assert_eq(pthread_barrier_init(&g_bar, NULL, MIX_THREADS), 0);
-    for (int i = 0; i < MIX_THREADS; i++) {
-        ws[i].idx = i;
-        cr_assert_eq(pthread_create(&ws[i].th, NULL, mix_worker, &ws[i]), 0);
-    }
+    start_all(ws, MIX_THREADS, mix_worker);
     join_all(ws, MIX_THREADS);
     pthread_barrier_destroy(&g_bar);
     for (int i = 0; i < MIX_SHARED; i++) {
@@ -735,11 +733,7 @@ static void *queue_churner(void *arg)
 Test(race, queues_closed_while_flushes_wake_their_threads)
 {
     worker ws[CHURN_THREADS];
-    memset(ws, 0, sizeof ws);
-    for (size_t i = 0; i < CHURN_THREADS; i++) {
-        ws[i].idx = (int)i;
-        cr_assert_eq(pthread_create(&ws[i].th, NULL, queue_churner, &ws[i]), 0);
-    }
+    start_all(ws, CHURN_THREADS, queue_churner);
     join_all(ws, CHURN_THREADS);
 }
 
@@ -773,13 +767,88 @@ Test(race, a_queue_closes_only_after_the_wake_under_way)
         int64_t t0 = mono_us();
         idem_queue_close(q);
         waited += mono_us() - t0 > 30000;
-        pthread_mutex_lock(&g_s->mu);
-        uint32_t notifying = g_s->notifying;
-        pthread_mutex_unlock(&g_s->mu);
+        uint32_t notifying = __atomic_load_n(&g_s->notifying, __ATOMIC_ACQUIRE);
         cr_assert_eq(notifying, 0, "round %d: the queue closed while a wake was under way", r);
     }
     store_test_wake_delay(g_s, 0);
     cr_assert_gt(waited, 0, "no close met a wake under way: the test proves nothing");
+}
+
+/* The end of a flush wakes its blocked callers in a cascade (store.c, notify_ready_unlocked):
+ * the flusher signals two, and each thread leaving idem_poll signals two more. A thread the
+ * cascade skipped would sleep forever with its completion ready. 64 threads make every kind of
+ * wait at once: blocking calls, idem_poll without a timeout, idem_poll with timeouts of 0-2 ms
+ * (a wait that ends by itself must pass the cascade on too), and queues closed and opened again
+ * between calls (a close while a waker holds the queue). Each call must come back (a stalled
+ * cascade ends in the suite's timeout) with its own key's outcome, and every key is there
+ * afterwards. */
+#define CASCADE_THREADS 64
+
+static size_t g_cascade_calls;
+
+static void *cascade_worker(void *arg)
+{
+    worker *w = arg;
+    idem_queue *q = NULL;
+    int kind = w->idx % 4; /* 0, 1: idem_claim; 2: poll without timeout; 3: poll 0-2 ms */
+    for (size_t i = 0; i < g_cascade_calls && !w->err[0]; i++) {
+        if (!q && idem_queue_open(g_s, 4, &q) != IDEM_OK) {
+            WFAIL(w, "idem_queue_open failed");
+            break;
+        }
+        char key[48];
+        snprintf(key, sizeof key, "cascade-%d-%zu", w->idx, i);
+        idem_completion c;
+        memset(&c, 0, sizeof c);
+        int rc, n = 1;
+        if (kind < 2) {
+            idem_claim_args a = claim_args(TTL, LEASE, 0);
+            rc = idem_claim(q, key, strlen(key), &a, &c);
+        } else {
+            idem_op op = {.kind = IDEM_OP_CLAIM,
+                          .key = key,
+                          .key_len = (uint32_t)strlen(key),
+                          .ttl_ms = TTL,
+                          .lease_ms = LEASE};
+            rc = idem_submit(q, &op, 1) == 1 ? IDEM_OK : IDEM_EINVAL;
+            n = 0;
+            for (int tries = 0; rc == IDEM_OK && n == 0; tries++)
+                n = idem_poll(q, &c, 1, kind == 2 ? -1 : tries % 3);
+            rc = n == 1 ? c.err : rc;
+        }
+        if (rc != IDEM_OK || c.outcome != IDEM_NEW)
+            WFAIL(w, "%s: rc %s, outcome %s", key, idem_strerror(rc), idem_outcome_name(c.outcome));
+        if (i % 16 == (size_t)w->idx % 16) { /* close and open again, now and then */
+            idem_queue_close(q);
+            q = NULL;
+        }
+    }
+    if (q) idem_queue_close(q);
+    return NULL;
+}
+
+Test(race, sixty_four_threads_waiting_on_flushes_are_all_woken_in_the_cascade)
+{
+    worker ws[CASCADE_THREADS];
+    g_cascade_calls = tu_count(40, 400);
+    start_all(ws, CASCADE_THREADS, cascade_worker);
+    join_all(ws, CASCADE_THREADS);
+    pthread_mutex_lock(&g_s->mu);
+    int listed = g_s->wake_head != NULL;
+    uint32_t pins = __atomic_load_n(&g_s->notifying, __ATOMIC_ACQUIRE);
+    pthread_mutex_unlock(&g_s->mu);
+    cr_assert_not(listed, "a closed queue is still on the wake list");
+    cr_assert_eq(pins, 0, "%u pins held after every queue closed", pins);
+    idem_stats st;
+    idem_get_stats(g_s, &st);
+    cr_assert_eq(st.claims_new, CASCADE_THREADS * g_cascade_calls);
+    for (int t = 0; t < CASCADE_THREADS; t += 7) {
+        char key[48];
+        snprintf(key, sizeof key, "cascade-%d-%zu", t, g_cascade_calls - 1);
+        idem_completion c;
+        expect_rc(idem_get(g_q, key, strlen(key), &c), IDEM_OK);
+        cr_assert(c.found && c.record.state == IDEM_STATE_IN_FLIGHT, "%s", key);
+    }
 }
 
 /* ------------------------------------------------------------------------------------------ */
