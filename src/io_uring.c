@@ -7,7 +7,9 @@
  * fdatasync, once every write in flight that asked for one (IO_W_FLUSH) has completed: one
  * fdatasync per file covers all of them, and each such write is reported with its count (short
  * or not) only if that fdatasync succeeded, else with its error. A flush request (submit_flush)
- * joins the next round of fdatasyncs. File-system calls are io_posix.c.
+ * joins the next round of fdatasyncs. Writes of up to IOU_INLINE_MAX are not ring requests
+ * either: the submitting thread makes them with pwrite, and they complete like a reaped CQE.
+ * File-system calls are io_posix.c.
  * Invariants: CQE user_data = slot index; a slot is busy from submit until its completion is
  * handed out; busy slots <= sq entries, each at most one CQE, so the CQ (2 x sq entries) never
  * overflows. A busy slot is in exactly one of: in flight (cqes_pending), due (awaiting the next
@@ -22,6 +24,10 @@
 
 /* Largest single write; a longer one completes short and the caller continues. */
 #define IOU_WRITE_MAX ((size_t)1 << 30)
+/* Writes up to this size are made with pwrite by the submitting thread, not queued: a buffered
+ * write to ext4 is always handed to an io-wq worker, and for the few KiB of a small batch the
+ * hop there and back (a wake, two context switches) costs more than the copy itself. */
+#define IOU_INLINE_MAX ((size_t)64 << 10)
 
 struct iou_slot {
     uint64_t user_data;
@@ -76,16 +82,24 @@ static uint32_t iou_slot_take(struct iou *u, int fd, int flush, uint64_t user_da
     return idx;
 }
 
+static void iou_account(struct iou *u, uint32_t idx, int64_t res);
+
 static int iou_submit_write(struct io *io, struct io_file *f, uint64_t off, const void *buf,
                             size_t len, unsigned flags, uint64_t user_data)
 {
     struct iou *u = iou_of(io);
     if ((flags & ~IO_W_FLUSH) || off > INT64_MAX || (!buf && len > 0)) return -EINVAL;
     if (u->free_count == 0) return -EAGAIN;
+    const int flush = (flags & IO_W_FLUSH) != 0;
+    if (len <= IOU_INLINE_MAX) {
+        uint32_t idx = iou_slot_take(u, f->fd, flush, user_data);
+        u->slots[idx].off = off;
+        iou_account(u, idx, io_posix_pwrite(f->fd, off, buf, len));
+        return 0;
+    }
     int rc = iou_sq_reserve(u);
     if (rc < 0) return rc;
     if (len > IOU_WRITE_MAX) len = IOU_WRITE_MAX;
-    const int flush = (flags & IO_W_FLUSH) != 0;
     uint32_t idx = iou_slot_take(u, f->fd, flush, user_data);
     u->slots[idx].cqes_pending = 1;
     u->slots[idx].off = off;
@@ -105,16 +119,11 @@ static int iou_submit_flush(struct io *io, struct io_file *f, uint64_t user_data
     return 0;
 }
 
-/* Accounts one CQE: the write's result, then ready, or due when a flush must follow. */
-static void iou_reap_one(struct iou *u, const struct io_uring_cqe *cqe)
+/* A write's result: ready, or due when a flush must follow. */
+static void iou_account(struct iou *u, uint32_t idx, int64_t res)
 {
-    uint32_t idx = (uint32_t)io_uring_cqe_get_data64(cqe);
-    IDEM_ASSERT(idx < u->slots_count);
     struct iou_slot *s = &u->slots[idx];
-    IDEM_ASSERT(s->cqes_pending == 1);
-    s->cqes_pending = 0;
-    s->res = cqe->res;
-    if (s->flush) u->flush_writes_inflight--;
+    s->res = res;
     if (s->flush && s->res >= 0) {
         if (u->flush_writes_inflight > 0) /* more of the batch to come */
             io_posix_start_writeback(s->fd, s->off, (uint64_t)s->res);
@@ -122,6 +131,18 @@ static void iou_reap_one(struct iou *u, const struct io_uring_cqe *cqe)
     } else {
         u->ready[u->nready++] = idx;
     }
+}
+
+/* Accounts one CQE. */
+static void iou_reap_one(struct iou *u, const struct io_uring_cqe *cqe)
+{
+    uint32_t idx = (uint32_t)io_uring_cqe_get_data64(cqe);
+    IDEM_ASSERT(idx < u->slots_count);
+    struct iou_slot *s = &u->slots[idx];
+    IDEM_ASSERT(s->cqes_pending == 1);
+    s->cqes_pending = 0;
+    if (s->flush) u->flush_writes_inflight--;
+    iou_account(u, idx, cqe->res);
 }
 
 /* One fdatasync per file among the due slots; each becomes ready with its write's count (or 0

@@ -193,6 +193,45 @@ IO_TEST(linked_write_flush_yields_one_completion_each)
     io_close(fx.io, f);
 }
 
+/* io_uring makes writes of up to 64 KiB with pwrite at submit and queues longer ones on the
+ * ring: small and large writes of one round, with a flush request among them, each complete
+ * once with their whole count, and read back. */
+IO_TEST(small_and_large_writes_of_one_round_complete_and_read_back)
+{
+    static const size_t lens[4] = {BLOCK, 64 * BLOCK, 2 * BLOCK, 17 * BLOCK};
+    static uint8_t data[84 * BLOCK], back[84 * BLOCK];
+    struct io_completion c[5];
+    fill(data, sizeof data, 9);
+    struct io_file *f = open_new("a");
+    uint64_t off = 0;
+    for (int i = 0; i < 4; i++) {
+        cr_assert_eq(
+            io_submit_write(fx.io, f, off, data + off, lens[i], IO_W_FLUSH, 200 + (uint64_t)i), 0);
+        off += lens[i];
+        if (i == 1) cr_assert_eq(io_submit_flush(fx.io, f, 9), 0);
+    }
+    reap(c, 5);
+    int seen[5] = {0};
+    for (int i = 0; i < 5; i++) {
+        if (c[i].user_data == 9) {
+            cr_assert_eq(c[i].res, 0);
+            seen[4]++;
+            continue;
+        }
+        uint64_t k = c[i].user_data - 200;
+        cr_assert(k < 4, "user_data %llu", (unsigned long long)c[i].user_data);
+        cr_assert_eq(c[i].res, (int64_t)lens[k], "write %llu: %lld", (unsigned long long)k,
+                     (long long)c[i].res);
+        seen[k]++;
+    }
+    for (int i = 0; i < 5; i++)
+        cr_assert_eq(seen[i], 1, "request %d completed %d times", i, seen[i]);
+    cr_assert_eq(io_wait(fx.io, c, 5, 0), 0, "no further completions");
+    cr_assert_eq(io_read(fx.io, f, 0, back, off), (int64_t)off);
+    cr_assert_arr_eq(back, data, off);
+    io_close(fx.io, f);
+}
+
 IO_TEST(wait_for_more_than_in_flight_is_einval)
 {
     struct io_completion c[2];
@@ -223,21 +262,36 @@ static void undo_short_write(void)
     cr_assert_eq(setrlimit(RLIMIT_FSIZE, &rl), 0);
 }
 
-IO_TEST(short_write_reported_then_continued)
+/* A write of len bytes after one block, cut short halfway, then continued. */
+static void check_short_write(size_t len)
 {
-    static uint8_t data[2 * BLOCK], back[2 * BLOCK];
+    static uint8_t data[BLOCK + 32 * BLOCK], back[BLOCK + 32 * BLOCK];
+    cr_assert_leq(BLOCK + len, sizeof data);
     fill(data, sizeof data, 3);
     struct io_file *f = open_new("a");
     cr_assert_eq(io_write_sync(fx.io, f, 0, data, BLOCK, 1), 0);
-    arrange_short_write(BLOCK + BLOCK / 2);
-    int64_t res = write_one(f, BLOCK, data + BLOCK, BLOCK, IO_W_FLUSH);
+    arrange_short_write(BLOCK + len / 2);
+    int64_t res = write_one(f, BLOCK, data + BLOCK, len, IO_W_FLUSH);
     undo_short_write();
-    cr_assert_eq(res, BLOCK / 2, "short linked write reports its count: %lld", (long long)res);
-    res = write_one(f, BLOCK + BLOCK / 2, data + BLOCK + BLOCK / 2, BLOCK / 2, IO_W_FLUSH);
-    cr_assert_eq(res, BLOCK / 2);
-    cr_assert_eq(io_read(fx.io, f, 0, back, sizeof back), (int64_t)sizeof back);
-    cr_assert_arr_eq(back, data, sizeof data);
+    cr_assert_eq(res, (int64_t)len / 2, "short linked write reports its count: %lld",
+                 (long long)res);
+    uint64_t done = BLOCK + (uint64_t)res;
+    res = write_one(f, done, data + done, BLOCK + len - done, IO_W_FLUSH);
+    cr_assert_eq(res, (int64_t)(BLOCK + len - done));
+    cr_assert_eq(io_read(fx.io, f, 0, back, BLOCK + len), (int64_t)(BLOCK + len));
+    cr_assert_arr_eq(back, data, BLOCK + len);
     io_close(fx.io, f);
+}
+
+IO_TEST(short_write_reported_then_continued)
+{
+    check_short_write(BLOCK);
+}
+
+/* The same for a write longer than io_uring makes at submit (a ring request). */
+IO_TEST(short_long_write_reported_then_continued)
+{
+    check_short_write(32 * BLOCK);
 }
 
 IO_TEST(map_sees_later_writes_and_growth)
