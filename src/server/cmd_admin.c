@@ -2,10 +2,11 @@
  * cmd_admin.c: operator and introspection commands: IDEM.SCAN, IDEM.STATS, IDEM.AUDIT, DEL,
  * DBSIZE, INFO, CONFIG GET, COMMAND, DEBUG CLOCK.
  *
- * Scans and the audit trail use blocking calls on the server's second queue (q_sync), after
- * submitting the pending batch so that they see every earlier request; they answer at once (the
- * reply still waits its turn in the connection's FIFO). DEL of several keys goes to the engine
- * as one group of deletes, which deletes none if any is unfinished.
+ * Scans, the attention list and the audit trail are reads made by the reads thread (reads.c),
+ * after the pending batch is submitted so that they see every earlier request; srv_read_run
+ * makes one and writes its reply (also on the loop, with q_sync, when that thread has too many).
+ * DEL of several keys goes to the engine as one group of deletes, which deletes none if any is
+ * unfinished.
  */
 #include "cmd.h"
 
@@ -121,45 +122,55 @@ static int state_parse(cmd_req *r, uint32_t i)
     return 0;
 }
 
+/* Makes the read on the reads thread (reads.c), or here when it has too many out. The batch
+ * goes first, so that the read sees every earlier request. */
+static void read_request(cmd_req *r, const srv_read_args *a)
+{
+    srv_flush_ops(r->s);
+    if (srv_reads_submit(r->s, r->c, r->seq, a) == 0) return;
+    srv_read_run(r->s->q_sync, a, cmd_out(r));
+    cmd_done(r);
+}
+
 /* IDEM.SCAN cursor [STATE s] [OLDER ms] [COUNT n] */
 void cmd_scan(cmd_req *r)
 {
-    idem_scan_args a = {0};
+    srv_read_args a = {.kind = READ_SCAN};
     uint64_t v;
-    if (cmd_u64(r->argv[1], r->argl[1], &a.cursor) < 0) return cmd_fail(r, "ERR invalid cursor");
+    if (cmd_u64(r->argv[1], r->argl[1], &a.scan.cursor) < 0)
+        return cmd_fail(r, "ERR invalid cursor");
     for (uint32_t i = 2; i < r->argc; i += 2) {
         if (i + 1 >= r->argc) return cmd_fail(r, "ERR syntax error: option without a value");
-        if (cmd_is(r, i, "STATE") && (a.state = state_parse(r, i + 1)) != 0) continue;
+        if (cmd_is(r, i, "STATE") && (a.scan.state = state_parse(r, i + 1)) != 0) continue;
         if (cmd_is(r, i, "OLDER") && cmd_u64(r->argv[i + 1], r->argl[i + 1], &v) == 0 &&
             v <= INT64_MAX) {
-            a.older_ms = (int64_t)v;
+            a.scan.older_ms = (int64_t)v;
             continue;
         }
         if (cmd_is(r, i, "COUNT") && cmd_u64(r->argv[i + 1], r->argl[i + 1], &v) == 0 && v > 0 &&
             v <= 100000) {
-            a.count = (uint32_t)v;
+            a.scan.count = (uint32_t)v;
             continue;
         }
         return cmd_fail(r, "ERR syntax error (STATE in_flight|committed|review, OLDER ms, "
                            "COUNT 1..100000)");
     }
-    srv_flush_ops(r->s);
+    read_request(r, &a);
+}
+
+static void scan_reply(idem_queue *q, const idem_scan_args *a, resp_buf *b)
+{
     uint64_t next = 0;
     const void **keys = NULL;
     const uint32_t *lens = NULL;
     size_t n = 0;
-    int err = idem_scan(r->s->q_sync, &a, &next, &keys, &lens, &n);
-    resp_buf *b = cmd_out(r);
-    if (err != IDEM_OK) {
-        cmd_reply_err(b, err);
-        return cmd_done(r);
-    }
+    int err = idem_scan(q, a, &next, &keys, &lens, &n);
+    if (err != IDEM_OK) return cmd_reply_err(b, err);
     resp_array(b, 2);
     resp_bulk_u64(b, next);
     resp_array(b, (int64_t)n);
     for (size_t i = 0; i < n; i++)
         resp_bulk(b, keys[i], lens[i]);
-    cmd_done(r);
 }
 
 static void audit_entry(resp_buf *b, const idem_audit_entry *e)
@@ -190,34 +201,33 @@ static void audit_entry(resp_buf *b, const idem_audit_entry *e)
 /* IDEM.AUDIT [KEY key] [COUNT n] */
 void cmd_audit(cmd_req *r)
 {
-    const void *key = NULL;
-    size_t key_len = 0;
+    srv_read_args a = {.kind = READ_AUDIT, .count = 10};
     uint64_t count = 10;
     for (uint32_t i = 1; i < r->argc; i += 2) {
         if (i + 1 < r->argc && cmd_is(r, i, "KEY")) {
             if (cmd_key_ok(r, i + 1) < 0) return;
-            key = r->argv[i + 1];
-            key_len = r->argl[i + 1];
+            memcpy(a.key, r->argv[i + 1], r->argl[i + 1]);
+            a.key_len = r->argl[i + 1];
         } else if (i + 1 < r->argc && cmd_is(r, i, "COUNT") &&
                    cmd_u64(r->argv[i + 1], r->argl[i + 1], &count) == 0 && count > 0 &&
                    count <= 10000) {
+            a.count = (uint32_t)count;
         } else {
             return cmd_fail(r, "ERR syntax error (KEY key, COUNT 1..10000)");
         }
     }
-    srv_flush_ops(r->s);
+    read_request(r, &a);
+}
+
+static void audit_reply(idem_queue *q, const srv_read_args *a, resp_buf *b)
+{
     const idem_audit_entry *e = NULL;
     size_t n = 0;
-    int err = idem_audit(r->s->q_sync, key, key_len, (uint32_t)count, &e, &n);
-    resp_buf *b = cmd_out(r);
-    if (err != IDEM_OK) {
-        cmd_reply_err(b, err);
-        return cmd_done(r);
-    }
+    int err = idem_audit(q, a->key_len ? a->key : NULL, a->key_len, a->count, &e, &n);
+    if (err != IDEM_OK) return cmd_reply_err(b, err);
     resp_array(b, (int64_t)n);
     for (size_t i = 0; i < n; i++)
         audit_entry(b, &e[i]);
-    cmd_done(r);
 }
 
 /* IDEM.ATTENTION [OLDER ms] [COUNT n]: the records that need a person or a reconciler (review,
@@ -236,20 +246,32 @@ void cmd_attention(cmd_req *r)
             return cmd_fail(r, "ERR syntax error (OLDER ms, COUNT 1..100000)");
         }
     }
-    srv_flush_ops(r->s);
-    idem_attention_args a = {.older_ms = (int64_t)older, .max = (uint32_t)count};
+    srv_read_args a = {.kind = READ_ATTENTION,
+                       .att = {.older_ms = (int64_t)older, .max = (uint32_t)count}};
+    read_request(r, &a);
+}
+
+static void attention_reply(idem_queue *q, const idem_attention_args *a, resp_buf *b)
+{
     const idem_record *recs = NULL;
     size_t n = 0;
-    int err = idem_attention(r->s->q_sync, &a, &recs, &n);
-    resp_buf *b = cmd_out(r);
-    if (err != IDEM_OK) {
-        cmd_reply_err(b, err);
-        return cmd_done(r);
-    }
+    int err = idem_attention(q, a, &recs, &n);
+    if (err != IDEM_OK) return cmd_reply_err(b, err);
     resp_array(b, (int64_t)n);
     for (size_t i = 0; i < n; i++)
         cmd_reply_record(b, &recs[i]);
-    cmd_done(r);
+}
+
+void srv_read_run(idem_queue *q, const srv_read_args *a, resp_buf *b)
+{
+    switch (a->kind) {
+    case READ_SCAN:
+        return scan_reply(q, &a->scan, b);
+    case READ_AUDIT:
+        return audit_reply(q, a, b);
+    default:
+        return attention_reply(q, &a->att, b);
+    }
 }
 
 /* IDEM.BACKUP dest: a consistent point-in-time copy of the live store into the new directory

@@ -53,6 +53,7 @@
 #define TAG_LOAD    5u
 #define TAG_METRICS 6u
 #define TAG_BACKUP  7u
+#define TAG_READS   8u
 #define TAG_CONN    16u /* and above: connection index + TAG_CONN */
 
 #define EVENTS_MAX      256
@@ -522,6 +523,7 @@ static void conn_shed_input(srv *s, srv_conn *c)
 static int conn_may_parse(srv *s, srv_conn *c)
 {
     if (c->tail_seq - c->head_seq >= s->cfg.pipeline_max) return 0;
+    if (c->read_due) return 0; /* its read sees nothing after it (reads.c) */
     /* As Redis, a client may pipeline far ahead of reading its replies: they collect in its
      * output, up to --client-output-max (replies still owed count at the largest reply it has
      * had). Past half the global budget the allowance shrinks to SRV_OWED_TIGHT, and past the
@@ -939,6 +941,8 @@ static int load_finish(srv *s)
         return -1;
     }
     ep_add(s, idem_queue_fd(s->q), TAG_QUEUE, EPOLLIN);
+    if (srv_reads_start(s) < 0) /* reads are then made on the loop */
+        srv_log("warn", "reads_thread_failed", "msg=\"scans and audit queries run on the loop\"");
     s->loading = 0;
     srv_log("info", "ready", "dir=%s backend=%s", s->cfg.dir, idem_io_backend_name(s->store));
     return 0;
@@ -1070,6 +1074,8 @@ static int on_event(srv *s, struct epoll_event *e)
         if (load_finish(s) < 0) return -1;
     } else if (tag == TAG_BACKUP) {
         srv_backup_done(s);
+    } else if (tag == TAG_READS) {
+        srv_reads_done(s);
     } else if (tag == TAG_QUEUE) {
         s->queue_signalled = 1;
     }
@@ -1116,10 +1122,13 @@ static int setup_fds(srv *s)
     s->sig_fd = signalfd(-1, &set, SFD_NONBLOCK | SFD_CLOEXEC);
     s->load_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     s->backup_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    if (s->epfd < 0 || s->sig_fd < 0 || s->load_fd < 0 || s->backup_fd < 0) return -1;
+    s->reads_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (s->epfd < 0 || s->sig_fd < 0 || s->load_fd < 0 || s->backup_fd < 0 || s->reads_fd < 0)
+        return -1;
     ep_add(s, s->sig_fd, TAG_SIG, EPOLLIN);
     ep_add(s, s->load_fd, TAG_LOAD, EPOLLIN);
     ep_add(s, s->backup_fd, TAG_BACKUP, EPOLLIN);
+    ep_add(s, s->reads_fd, TAG_READS, EPOLLIN);
     s->conns_cap = s->cfg.max_clients + s->cfg.max_clients / 4 + 16;
     s->conns = calloc(s->conns_cap, sizeof *s->conns);
     s->dirty = calloc(s->conns_cap, sizeof *s->dirty);
@@ -1135,6 +1144,7 @@ static int finish(srv *s, int rc)
     stop_listening(s);
     for (uint32_t i = 0; s->conns && i < s->conns_cap; i++)
         if (s->conns[i] && s->conns[i]->fd >= 0) conn_close(s, s->conns[i], "shutdown");
+    srv_reads_stop(s); /* before the store closes: it reads the store */
     if (s->q) idem_queue_close(s->q);
     if (s->q_sync) idem_queue_close(s->q_sync);
     if (s->load_started) pthread_join(s->load_thread, NULL);
@@ -1148,7 +1158,7 @@ static int finish(srv *s, int rc)
     free(s->ops);
     free(s->comps);
     s->conns = NULL;
-    int fds[] = {s->epfd, s->sig_fd, s->load_fd, s->backup_fd};
+    int fds[] = {s->epfd, s->sig_fd, s->load_fd, s->backup_fd, s->reads_fd};
     for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
         if (fds[i] >= 0) close(fds[i]);
     if (s->store) {
@@ -1165,7 +1175,7 @@ static int finish(srv *s, int rc)
 int srv_run(srv *s)
 {
     s->unix_fd = s->tcp_fd = s->metrics_fd = -1;
-    s->epfd = s->sig_fd = s->load_fd = s->backup_fd = -1;
+    s->epfd = s->sig_fd = s->load_fd = s->backup_fd = s->reads_fd = -1;
     s->started_ms = srv_now_ms();
     clock_tick(s);
     if (setup_fds(s) < 0 || listen_all(s) < 0) return finish(s, 1);

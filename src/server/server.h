@@ -3,9 +3,10 @@
  * loop thread, and connections with their FIFO of outstanding replies.
  *
  * Ownership: one thread (the event loop, loop.c) owns everything here. The engine is used only
- * through `q` (the asynchronous form: idem_submit / idem_poll) and `q_sync` (blocking calls that
- * complete at once: scans, audit, DEL's checks), so nothing is shared with other threads except
- * the store handle, which is thread-safe.
+ * through `q` (the asynchronous form: idem_submit / idem_poll) and `q_sync` (blocking reads made
+ * on the loop when the reads thread is busy), so nothing is shared with other threads except the
+ * store handle, which is thread-safe, and what the backup and reads threads are handed (backup.c,
+ * reads.c: each names what it shares and how).
  *
  * Reply order: every request takes the next sequence number of its connection and a slot in the
  * connection's ring. Replies leave in sequence order: a reply for the head slot is written to
@@ -131,6 +132,8 @@ typedef struct srv_conn {
     int deferred;                /* unparsed input waits for pipeline room */
     int in_held;                 /* on srv.held */
     int in_work, in_dirty;       /* on this turn's lists */
+    int read_due;                /* a read is under way on the reads thread (reads.c): nothing
+                                    after it is parsed until it is answered */
     uint64_t io_bytes;           /* accounted against the global budget */
     int64_t out_progress_ms;     /* last write progress, or when the backlog began; 0: none */
     int64_t outq_ms;             /* when outq_bytes was looked at (conn_stalled) */
@@ -140,6 +143,28 @@ typedef struct srv_conn {
     int64_t last_active_ms;
     uint32_t epoll_events;
 } srv_conn;
+
+/* What IDEM.SCAN, IDEM.AUDIT and IDEM.ATTENTION read (cmd_admin.c parses it, srv_read_run
+ * makes the read). */
+enum srv_read_kind { READ_SCAN = 1, READ_AUDIT = 2, READ_ATTENTION = 3 };
+typedef struct srv_read_args {
+    int kind;
+    idem_scan_args scan;     /* READ_SCAN */
+    idem_attention_args att; /* READ_ATTENTION */
+    uint8_t key[IDEM_KEY_BYTES_MAX];
+    uint32_t key_len; /* READ_AUDIT: 0, every key */
+    uint32_t count;   /* READ_AUDIT */
+} srv_read_args;
+
+/* A read handed to the reads thread (reads.c). */
+typedef struct srv_read {
+    struct srv_read *next;
+    uint32_t conn, seq; /* the request: connection index and sequence */
+    srv_read_args a;
+    resp_buf reply; /* made by the thread */
+} srv_read;
+
+#define SRV_READS_MAX 64 /* reads handed to the thread at once; more are made on the loop */
 
 typedef struct srv {
     srv_config cfg;
@@ -190,6 +215,20 @@ typedef struct srv {
     int backup_err;
     char backup_dest[4096];
     char backup_msg[512];
+    /* Reads (IDEM.SCAN, IDEM.AUDIT, IDEM.ATTENTION) are made on a thread of their own (reads.c)
+     * with q_reads, in arrival order; reads_fd (an eventfd in the loop's epoll set) says some
+     * are done. Their requests are held open like engine completions (engine_due). */
+    idem_queue *q_reads;
+    int reads_fd;
+    int reads_started;
+    pthread_t reads_thread;
+    pthread_mutex_t reads_mu;
+    pthread_cond_t reads_cond;
+    srv_read *reads_todo, *reads_todo_tail, *reads_done; /* reads_mu */
+    int reads_stop;                                      /* reads_mu */
+    srv_read *reads_free;                                /* the loop's */
+    uint32_t reads_out;                                  /* handed to the thread, not back */
+    uint32_t reads_delay_ms; /* tests (--test-clock): the thread waits this long first */
 } srv;
 
 /* ---- loop.c ---- */
@@ -217,6 +256,17 @@ int srv_backup_start(srv *s, srv_conn *c, uint32_t seq, const char *dest, char *
 /* The loop saw backup_fd readable: joins the thread and answers the request. */
 void srv_backup_done(srv *s);
 
+/* ---- reads.c ---- */
+/* Starts the reads thread with its own queue (after the store is open). Returns 0 or -1. */
+int srv_reads_start(srv *s);
+/* Hands the read of request `seq` of c to the thread, or returns -1 when SRV_READS_MAX are out
+ * (the caller makes it on the loop). */
+int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a);
+/* The loop saw reads_fd readable: answers the reads that are done. */
+void srv_reads_done(srv *s);
+/* Stops the thread (reads not made are dropped: their connections are closed) and frees all. */
+void srv_reads_stop(srv *s);
+
 /* ---- commands.c ---- */
 /* Runs one parsed request. The reply is written now (srv_reply_buf + srv_reply_done) or later,
  * when the engine completes the ops it queued. */
@@ -229,6 +279,9 @@ int cmd_complete(srv *s, srv_conn *c, srv_slot *sl, resp_buf *b, const idem_comp
 uint32_t cmd_arg_max(void *ctx, const uint8_t *const *argv, const uint32_t *argl, uint32_t index);
 /* Writes the reply of an error code (-STALE, -NOTFOUND, ...). */
 void cmd_reply_err(resp_buf *b, int err);
+/* Makes a read with the blocking calls of q (one thread at a time per queue) and writes its
+ * reply into b (cmd_admin.c). */
+void srv_read_run(idem_queue *q, const srv_read_args *a, resp_buf *b);
 
 /* ---- auth.c ---- */
 int auth_role_parse(const char *s);

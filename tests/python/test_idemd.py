@@ -1,7 +1,8 @@
 """test_idemd.py: the idem contract over the wire with redis-py (python3-redis): claim
 outcomes with FP and OWNER, mismatch records, recover (attempts, last_grant_ms), hold -> review,
 IDEM.RESOLVE with EXPECT/FORCE and -CHANGED, the audit trail, IDEM.ATTENTION, IDEM.SCAN by
-state, IDEM.STATS counters, WAIT woken by commit / release (one waiter gets new) / hold / lease
+state, IDEM.STATS counters, reads off the event loop (a slow audit query holds up no other client;
+requests pipelined after a read are applied after it), WAIT woken by commit / release (one waiter gets new) / hold / lease
 expiry (DEBUG CLOCK ADVANCE), pipelining (replies in order), 64 threads racing one key, and bad
 input that keeps the connection usable. Starts its own idemd (--test-clock) on a temp dir.
 
@@ -708,6 +709,65 @@ class Idle(Base):
         used = self.idle_cpu()
         self.assertLess(used, 0.2 * self.WINDOW, "idle after a claim: %.2f s of CPU in %.1f s"
                         % (used, self.WINDOW))
+
+
+class Reads(Base):
+    """IDEM.SCAN, IDEM.ATTENTION and IDEM.AUDIT are made by a thread of their own: a slow one
+    holds up its own connection only (under --test-clock, IDEM_TEST_READS_DELAY_MS makes each
+    wait that long first), and requests pipelined after it are applied after it."""
+
+    DELAY = 1.5
+
+    @classmethod
+    def setUpClass(cls):
+        os.environ["IDEM_TEST_READS_DELAY_MS"] = str(int(cls.DELAY * 1000))
+        try:
+            super().setUpClass()
+        finally:
+            del os.environ["IDEM_TEST_READS_DELAY_MS"]
+
+    def test_a_slow_audit_query_holds_up_no_other_client(self):
+        k = self.key()
+        self.new_token(k)
+        self.cmd("IDEM.RESOLVE", k, "release", "slow read", "FORCE", client=self.a)
+        got = {}
+
+        def query():
+            c = self.srv.admin()
+            t0 = time.monotonic()
+            got["entries"] = c.execute_command("IDEM.AUDIT", "KEY", k)
+            got["secs"] = time.monotonic() - t0
+            c.close()
+
+        th = threading.Thread(target=query)
+        th.start()
+        time.sleep(0.2)  # the query is with the reads thread now
+        t0 = time.monotonic()
+        self.assertTrue(self.w.ping())
+        self.new_token(self.key("other"))
+        self.assertEqual(self.cmd("DBSIZE", client=self.a), self.cmd("DBSIZE", client=self.a))
+        others = time.monotonic() - t0
+        th.join()
+        self.assertLess(others, self.DELAY / 2, "other clients waited %.2f s for a read" % others)
+        self.assertGreater(got["secs"], self.DELAY * 0.9, "the query did not go to the thread")
+        entries = [record(e) for e in got["entries"]]
+        self.assertEqual([e["reason"] for e in entries], [b"slow read"], entries)
+
+    def test_requests_pipelined_after_a_read_are_applied_after_it(self):
+        k = self.key()
+        self.new_token(k)
+        p = self.a.pipeline(transaction=False)
+        p.execute_command("IDEM.AUDIT", "KEY", k)
+        p.execute_command("IDEM.SCAN", 0, "STATE", "in_flight", "COUNT", 100000)
+        p.execute_command("IDEM.RESOLVE", k, "release", "after the reads", "FORCE")
+        p.execute_command("IDEM.AUDIT", "KEY", k)
+        p.execute_command("IDEM.ATTENTION", "OLDER", 0)
+        before, scan, resolved, after, attention = p.execute()
+        self.assertEqual(before, [], "the first query saw the resolve pipelined after it")
+        self.assertIn(k.encode(), scan[1], "the scan missed the in_flight key")
+        self.assertEqual(resolved, b"OK")
+        self.assertEqual([record(e)["reason"] for e in after], [b"after the reads"])
+        self.assertNotIn(k.encode(), [record(r)["key"] for r in attention])
 
 
 class Loading(Base):

@@ -1,0 +1,168 @@
+/*
+ * reads.c: IDEM.SCAN, IDEM.AUDIT and IDEM.ATTENTION off the event loop. Each is a blocking read
+ * of the store (a query of the audit trail reads stretches of audit.log, a scan or the attention
+ * list up to 100,000 records); made on the loop, it left every other client unanswered meanwhile.
+ * A thread of its own makes them, one at a time in arrival order, with a queue of its own
+ * (q_reads), each reply into its read's buffer; the loop, told through reads_fd, copies the reply
+ * into the request's place.
+ *
+ * Invariants:
+ *   - A connection has at most one read out (read_due): nothing after it is parsed until it is
+ *     answered, so the read sees exactly the requests before it, as if made on the loop (the
+ *     batch was submitted before it was handed over, srv_flush_ops).
+ *   - While a read is out its connection is held open like one the engine owes a completion
+ *     (engine_due): its struct lives until the read comes back, even if its socket is closed.
+ *   - The thread touches only the reads on reads_todo and reads_done (under reads_mu), the read
+ *     it is making, q_reads and the store; everything else is the loop's.
+ *   - At most SRV_READS_MAX reads are out (reads_out); past that a read is made on the loop with
+ *     q_sync, as before. Memory: one reply at a time is being made.
+ * Tests only: with --test-clock, IDEM_TEST_READS_DELAY_MS makes the thread wait that long before
+ * each read, so that a test can show the loop answering others meanwhile.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "server.h"
+
+static void *reads_main(void *arg)
+{
+    srv *s = arg;
+    pthread_mutex_lock(&s->reads_mu);
+    for (;;) {
+        while (!s->reads_todo && !s->reads_stop)
+            pthread_cond_wait(&s->reads_cond, &s->reads_mu);
+        if (s->reads_stop) break;
+        srv_read *r = s->reads_todo;
+        s->reads_todo = r->next;
+        if (!s->reads_todo) s->reads_todo_tail = NULL;
+        pthread_mutex_unlock(&s->reads_mu);
+        if (s->reads_delay_ms) {
+            struct timespec ts = {s->reads_delay_ms / 1000,
+                                  (long)(s->reads_delay_ms % 1000) * 1000000};
+            nanosleep(&ts, NULL);
+        }
+        srv_read_run(s->q_reads, &r->a, &r->reply);
+        pthread_mutex_lock(&s->reads_mu);
+        r->next = s->reads_done;
+        s->reads_done = r;
+        uint64_t one = 1;
+        ssize_t w = write(s->reads_fd, &one, sizeof one);
+        (void)w;
+    }
+    pthread_mutex_unlock(&s->reads_mu);
+    return NULL;
+}
+
+int srv_reads_start(srv *s)
+{
+    if (idem_queue_open(s->store, 16, &s->q_reads) != IDEM_OK) return -1;
+    const char *delay = getenv("IDEM_TEST_READS_DELAY_MS");
+    if (s->cfg.test_clock && delay) s->reads_delay_ms = (uint32_t)strtoul(delay, NULL, 10);
+    if (pthread_mutex_init(&s->reads_mu, NULL) != 0) return -1;
+    if (pthread_cond_init(&s->reads_cond, NULL) != 0) {
+        pthread_mutex_destroy(&s->reads_mu);
+        return -1;
+    }
+    if (pthread_create(&s->reads_thread, NULL, reads_main, s) != 0) {
+        pthread_cond_destroy(&s->reads_cond);
+        pthread_mutex_destroy(&s->reads_mu);
+        return -1;
+    }
+    s->reads_started = 1;
+    return 0;
+}
+
+int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a)
+{
+    if (!s->reads_started || s->reads_out >= SRV_READS_MAX) return -1;
+    srv_read *r = s->reads_free;
+    if (r) {
+        s->reads_free = r->next;
+    } else {
+        r = calloc(1, sizeof *r);
+        if (!r) return -1;
+    }
+    r->reply.limit = s->cfg.client_output_max; /* empty: new, or emptied when it came back */
+    r->conn = c->index;
+    r->seq = seq;
+    r->a = *a;
+    r->next = NULL;
+    s->reads_out++;
+    c->read_due = 1;
+    c->engine_due++;
+    s->engine_due++;
+    pthread_mutex_lock(&s->reads_mu);
+    if (s->reads_todo_tail)
+        s->reads_todo_tail->next = r;
+    else
+        s->reads_todo = r;
+    s->reads_todo_tail = r;
+    pthread_cond_signal(&s->reads_cond);
+    pthread_mutex_unlock(&s->reads_mu);
+    return 0;
+}
+
+void srv_reads_done(srv *s)
+{
+    uint64_t v;
+    ssize_t n = read(s->reads_fd, &v, sizeof v);
+    (void)n;
+    pthread_mutex_lock(&s->reads_mu);
+    srv_read *done = s->reads_done;
+    s->reads_done = NULL;
+    pthread_mutex_unlock(&s->reads_mu);
+    while (done) {
+        srv_read *r = done;
+        done = r->next;
+        srv_conn *c = s->conns[r->conn];
+        c->read_due = 0;
+        c->engine_due--;
+        s->engine_due--;
+        s->reads_out--;
+        if (!c->dead && srv_reply_pending(c, r->seq)) {
+            if (r->reply.overflow ||
+                resp_buf_append(srv_reply_buf(c, r->seq), r->reply.data, r->reply.len) < 0)
+                c->out.overflow = 1; /* closed as too slow a reader, as on the loop */
+            srv_reply_done(s, c, r->seq);
+        }
+        if (r->reply.cap > 65536) resp_buf_free(&r->reply);
+        r->reply.len = 0;
+        r->reply.overflow = 0;
+        r->next = s->reads_free;
+        s->reads_free = r;
+    }
+}
+
+static void reads_free_list(srv_read *r)
+{
+    while (r) {
+        srv_read *next = r->next;
+        resp_buf_free(&r->reply);
+        free(r);
+        r = next;
+    }
+}
+
+void srv_reads_stop(srv *s)
+{
+    if (s->reads_started) {
+        pthread_mutex_lock(&s->reads_mu);
+        s->reads_stop = 1;
+        pthread_cond_signal(&s->reads_cond);
+        pthread_mutex_unlock(&s->reads_mu);
+        pthread_join(s->reads_thread, NULL);
+        s->reads_started = 0;
+        reads_free_list(s->reads_todo);
+        reads_free_list(s->reads_done);
+        s->reads_todo = s->reads_todo_tail = s->reads_done = NULL;
+        pthread_cond_destroy(&s->reads_cond);
+        pthread_mutex_destroy(&s->reads_mu);
+    }
+    reads_free_list(s->reads_free);
+    s->reads_free = NULL;
+    if (s->q_reads) idem_queue_close(s->q_reads);
+    s->q_reads = NULL;
+}
