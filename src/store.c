@@ -1153,7 +1153,8 @@ void idem_queue_close(idem_queue *q)
     wake_list_remove(s, q);
     while (__atomic_load_n(&q->pins, __ATOMIC_ACQUIRE)) { /* a waker is about to signal q */
         pthread_mutex_unlock(&s->mu);
-        sched_yield();
+        struct timespec pause = {0, 50000}; /* a pin lasts microseconds; sleep, not spin */
+        nanosleep(&pause, NULL);
         pthread_mutex_lock(&s->mu);
     }
     /* Drop parked claims of this queue. */
@@ -1488,14 +1489,13 @@ int idem_exec(idem_queue *q, const idem_op *op, idem_completion *c)
     pthread_mutex_lock(&s->mu);
     int rc = submit_locked(q, op, 1);
     size_t n = rc == 1 ? poll_locked(q, dst, 1, -1, pass, &npass) : 0;
-    while (rc == 1 && n == 0) { /* a wait ends only with the completion; defensive */
-        pthread_mutex_unlock(&s->mu);
-        wake_signal(s, pass, npass);
-        pthread_mutex_lock(&s->mu);
-        n = poll_locked(q, dst, 1, -1, pass, &npass);
-    }
+    IDEM_ASSERT(rc != 1 || n == 1); /* without a timeout, a wait ends with the completion */
     pthread_mutex_unlock(&s->mu);
     wake_signal(s, pass, npass);
+    uint64_t drain; /* nothing is left to poll: the eventfd says so too, as after idem_poll */
+    if (q->fd_used && read(q->efd, &drain, sizeof drain) < 0) {
+        /* nothing signalled */
+    }
     if (rc < 0) return rc;
     if (rc == 0) return IDEM_EBUSY;
     return dst->err;

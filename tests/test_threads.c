@@ -691,6 +691,12 @@ Test(race, queue_fd_is_readable_only_while_completions_wait)
     }
     cr_assert_eq(two[0].found, 1);
     cr_assert_not(fd_readable(fd));
+    /* A blocking call leaves nothing to poll, and the fd says so: its completion, ready at
+     * submit (the record is durable), signalled the fd. */
+    idem_completion g;
+    expect_rc(idem_get(q, "fd-k", 4, &g), IDEM_OK);
+    cr_assert_eq(g.found, 1);
+    cr_assert_not(fd_readable(fd), "a blocking call left the fd readable with nothing to poll");
     idem_queue_close(q);
 }
 
