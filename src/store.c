@@ -1420,6 +1420,16 @@ static size_t collect_ready(idem_queue *q, idem_completion *out, size_t max)
     return n;
 }
 
+/* Empties the queue's eventfd (if its owner asked for one): what it signalled is about to be
+ * collected. */
+static void queue_drain_fd(idem_queue *q)
+{
+    uint64_t drain;
+    if (q->fd_used && read(q->efd, &drain, sizeof drain) < 0) {
+        /* nothing signalled */
+    }
+}
+
 /* idem_poll with mu held; returns with mu held, and the queues to pass the wake cascade on to
  * (notify_ready_unlocked) in pass[0..*npass), to be signalled once mu is let go of. */
 static size_t poll_locked(idem_queue *q, idem_completion *out, size_t max, int timeout_ms,
@@ -1445,7 +1455,8 @@ static size_t poll_locked(idem_queue *q, idem_completion *out, size_t max, int t
                                     : pthread_cond_wait(&q->cond, &s->mu);
             n = collect_ready(q, out, max);
             if (rc == ETIMEDOUT) break;
-            if (n == 0) { /* woken for nothing (rare): the cascade goes on all the same */
+            if (n == 0) { /* woken for nothing: the cascade goes on all the same (mu held:
+                           * rare for blocking calls, common for parked WAIT claims) */
                 struct idem_queue *more[WAKE_FANOUT];
                 int nmore = wake_take(s, q, more);
                 wake_signal(s, more, nmore);
@@ -1462,10 +1473,7 @@ int idem_poll(idem_queue *q, idem_completion *out, size_t max, int timeout_ms)
     if (!q || (!out && max)) return IDEM_EINVAL;
     idem_store *s = q->s;
     release_returned(q);
-    uint64_t drain;
-    if (q->fd_used && read(q->efd, &drain, sizeof drain) < 0) {
-        /* nothing signalled */
-    }
+    queue_drain_fd(q);
     struct idem_queue *pass[WAKE_FANOUT];
     int npass;
     pthread_mutex_lock(&s->mu);
@@ -1492,10 +1500,7 @@ int idem_exec(idem_queue *q, const idem_op *op, idem_completion *c)
     IDEM_ASSERT(rc != 1 || n == 1); /* without a timeout, a wait ends with the completion */
     pthread_mutex_unlock(&s->mu);
     wake_signal(s, pass, npass);
-    uint64_t drain; /* nothing is left to poll: the eventfd says so too, as after idem_poll */
-    if (q->fd_used && read(q->efd, &drain, sizeof drain) < 0) {
-        /* nothing signalled */
-    }
+    queue_drain_fd(q); /* nothing is left to poll: the eventfd says so too */
     if (rc < 0) return rc;
     if (rc == 0) return IDEM_EBUSY;
     return dst->err;

@@ -201,7 +201,7 @@ static void audit_entry(resp_buf *b, const idem_audit_entry *e)
 /* IDEM.AUDIT [KEY key] [COUNT n] */
 void cmd_audit(cmd_req *r)
 {
-    srv_read_args a = {.kind = READ_AUDIT, .count = 10};
+    srv_read_args a = {.kind = READ_AUDIT};
     uint64_t count = 10;
     for (uint32_t i = 1; i < r->argc; i += 2) {
         if (i + 1 < r->argc && cmd_is(r, i, "KEY")) {
@@ -211,11 +211,11 @@ void cmd_audit(cmd_req *r)
         } else if (i + 1 < r->argc && cmd_is(r, i, "COUNT") &&
                    cmd_u64(r->argv[i + 1], r->argl[i + 1], &count) == 0 && count > 0 &&
                    count <= 10000) {
-            a.count = (uint32_t)count;
         } else {
             return cmd_fail(r, "ERR syntax error (KEY key, COUNT 1..10000)");
         }
     }
+    a.count = (uint32_t)count;
     read_request(r, &a);
 }
 

@@ -60,7 +60,10 @@ int srv_reads_start(srv *s)
 {
     if (idem_queue_open(s->store, 16, &s->q_reads) != IDEM_OK) return -1;
     const char *delay = getenv("IDEM_TEST_READS_DELAY_MS");
-    if (s->cfg.test_clock && delay) s->reads_delay_ms = (uint32_t)strtoul(delay, NULL, 10);
+    if (s->cfg.test_clock && delay) {
+        unsigned long ms = strtoul(delay, NULL, 10);
+        s->reads_delay_ms = ms < 60000 ? (uint32_t)ms : 60000;
+    }
     if (pthread_mutex_init(&s->reads_mu, NULL) != 0) return -1;
     if (pthread_cond_init(&s->reads_cond, NULL) != 0) {
         pthread_mutex_destroy(&s->reads_mu);
