@@ -10,8 +10,10 @@
  * stderr), and for the growth case `mem_B/key=<n>` (idem_stats.memory_bytes / keys: the index and
  * every buffer of the store), `index_step_max_us=<n>` (the longest single growth step of the
  * index: a segment rebuilt or split, or the directory doubled; max_us is the longest claim,
- * whatever held it up) and `index_step_max_cpu_us=<n>` (the same step's CPU time: without the
- * time the thread was preempted, which a shared 2-core machine adds to the wall time). Lines
+ * whatever held it up), `index_step_max_cpu_us=<n>` (the longest step's CPU time: without the
+ * time the thread was preempted, which a shared 2-core machine adds to the wall time) and
+ * `index_step_unready=<n>` (blocks that steps took fresh from malloc, page faults and all,
+ * because none was ready: src/index_mem.c). Lines
  * starting with '#' are context. A last line prints the ratios idem/peer of durable new-key claims.
  * Exit 0 when every case ran without errors, 1 otherwise, 2 on a usage error.
  *
@@ -133,6 +135,7 @@ struct result {
     int capped;
     double mem_bytes_per_key;                         /* < 0: not printed */
     int64_t index_step_max_us, index_step_max_cpu_us; /* < 0: not printed */
+    uint64_t index_step_unready;
 };
 
 /* One queue driven in batches: each slot is a batch going through the steps of its case. */
@@ -182,8 +185,9 @@ static void print_result(struct run *r, const struct result *res)
     }
     if (res->mem_bytes_per_key >= 0) printf(" mem_B/key=%.1f", res->mem_bytes_per_key);
     if (res->index_step_max_us >= 0)
-        printf(" index_step_max_us=%" PRId64 " index_step_max_cpu_us=%" PRId64,
-               res->index_step_max_us, res->index_step_max_cpu_us);
+        printf(" index_step_max_us=%" PRId64 " index_step_max_cpu_us=%" PRId64
+               " index_step_unready=%" PRIu64,
+               res->index_step_max_us, res->index_step_max_cpu_us, res->index_step_unready);
     printf("\n");
     fflush(stdout);
 }
@@ -671,6 +675,7 @@ static void case_blocking(struct run *r, const char *name, uint32_t threads, int
         res->mem_bytes_per_key = (double)after.memory_bytes / (double)after.keys;
         res->index_step_max_us = (int64_t)index_max_split_us(s->ix);
         res->index_step_max_cpu_us = (int64_t)index_max_split_cpu_us(s->ix);
+        res->index_step_unready = index_ready_misses(s->ix);
     }
     if (rc != 0)
         print_case_error(r, name, "engine");

@@ -349,9 +349,10 @@ static int create_sized(uint64_t expected_keys, uint32_t sigmas, struct index **
     if (!presize(expected_keys, sigmas, &depth, &cap)) return -ENOMEM;
     struct index *ix = calloc(1, sizeof(*ix));
     if (!ix) return -ENOMEM;
+    imem_init(&ix->mem);
     size_t n = (size_t)1 << depth;
     ix->dir = calloc(n, sizeof(*ix->dir));
-    if (!ix->dir) goto out_free_ix;
+    if (!ix->dir) goto out_free_segs;
     ix->global_depth = depth;
     for (size_t i = 0; i < n; i++) {
         ix->dir[i] = (struct index_dirent){.seg = seg_new(ix, cap, depth), .cap = cap};
@@ -361,11 +362,10 @@ static int create_sized(uint64_t expected_keys, uint32_t sigmas, struct index **
     return 0;
 
 out_free_segs:
-    for (size_t i = 0; i < n && ix->dir[i].seg; i++)
+    for (size_t i = 0; ix->dir && i < n && ix->dir[i].seg; i++)
         imem_discard(&ix->mem, ix->dir[i].seg, seg_bytes(ix->dir[i].cap));
     imem_destroy(&ix->mem);
     free(ix->dir);
-out_free_ix:
     free(ix);
     return -ENOMEM;
 }
@@ -597,17 +597,22 @@ uint64_t index_segments(const struct index *ix)
     return ix->seg_count;
 }
 
-size_t index_memory_bytes(const struct index *ix)
+size_t index_memory_bytes(struct index *ix)
 {
     return imem_bytes(&ix->mem) + ((size_t)sizeof(*ix->dir) << ix->global_depth) + sizeof(*ix);
 }
 
-size_t index_ready_bytes(const struct index *ix)
+size_t index_live_bytes(const struct index *ix)
 {
-    return ix->mem.ready_bytes;
+    return ix->mem.live_bytes + ((size_t)sizeof(*ix->dir) << ix->global_depth) + sizeof(*ix);
 }
 
-bool index_fill_plan(const struct index *ix, struct imem_fill *f)
+int index_start_filling(struct index *ix)
+{
+    return imem_start(&ix->mem);
+}
+
+bool index_fill_plan(struct index *ix, struct imem_fill *f)
 {
     return imem_fill_plan(&ix->mem, f);
 }
@@ -625,6 +630,11 @@ uint64_t index_max_split_us(const struct index *ix)
 uint64_t index_max_split_cpu_us(const struct index *ix)
 {
     return ix->max_split_cpu_us;
+}
+
+uint64_t index_ready_misses(struct index *ix)
+{
+    return imem_misses(&ix->mem);
 }
 
 /* Visits the entries of seg whose hash_lo lies in [lo_begin, lo_end): their homes lie in

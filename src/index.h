@@ -94,21 +94,26 @@ static inline uint64_t index_slot_hash_bits(const struct index_slot *s)
 /* O(entries): every segment's count, prefix and probe runs, and the total. For tests. */
 bool index_check(const struct index *ix);
 uint64_t index_count(const struct index *ix);
-/* Memory ahead of growth (index_mem.h): whether some is wanted, and what a fill did. The caller
- * holds the owner's lock for both and runs imem_fill_work between them without it. */
-bool index_fill_plan(const struct index *ix, struct imem_fill *f);
+/* Memory ahead of growth (index_mem.h): index_start_filling starts the thread that makes it
+ * (0 or -errno; without it growth allocates in place). Tests make it by hand instead: whether
+ * some is wanted (then imem_fill_work, with no lock), and putting what was made in place. */
+int index_start_filling(struct index *ix);
+bool index_fill_plan(struct index *ix, struct imem_fill *f);
 void index_fill_install(struct index *ix, struct imem_fill *f);
 /* Segments (each split adds one). */
 uint64_t index_segments(const struct index *ix);
 /* Anonymous memory held (segments, directory, blocks ready for growth), in bytes. */
-size_t index_memory_bytes(const struct index *ix);
-/* Of which blocks kept ready for growth (index_mem.h). */
-size_t index_ready_bytes(const struct index *ix);
+size_t index_memory_bytes(struct index *ix);
+/* The same without the blocks ready for growth (index_mem.h), which come and go. */
+size_t index_live_bytes(const struct index *ix);
 /* The longest growth pause so far (segment grow, split or directory doubling), in
  * microseconds (for the growth benchmark): wall time, and the CPU time of the thread (the
  * step's own cost, without the time the thread was preempted). */
 uint64_t index_max_split_us(const struct index *ix);
 uint64_t index_max_split_cpu_us(const struct index *ix);
+/* Growth steps that found no block ready of a size asked for before (index_mem.h): those took
+ * fresh memory, and its page faults, under the lock. */
+uint64_t index_ready_misses(struct index *ix);
 
 /*
  * Cursor iteration, Redis SCAN style: visits the slots of about max_slots positions starting at

@@ -404,11 +404,9 @@ static int owner_same(const struct rec *r, const idem_op *op)
 static int capacity_full(idem_store *s)
 {
     if (s->opt.max_keys && index_count(s->ix) >= s->opt.max_keys) return 1;
-    /* The index's own memory: not the blocks kept ready for growth, which come and go as the
-     * flusher makes them (at most about 1.2 MiB), so the answer does not depend on its timing. */
-    if (s->opt.max_memory_bytes &&
-        index_memory_bytes(s->ix) - index_ready_bytes(s->ix) >= s->opt.max_memory_bytes)
-        return 1;
+    /* The index's own memory: not the blocks kept ready for growth, which come and go as its
+     * filling thread makes them, so the answer does not depend on that thread's timing. */
+    if (s->opt.max_memory_bytes && index_live_bytes(s->ix) >= s->opt.max_memory_bytes) return 1;
     if (s->opt.max_disk_bytes && wal_bytes(s->wal) >= s->opt.max_disk_bytes) return 1;
     return 0;
 }

@@ -396,6 +396,15 @@ static void flush_once(idem_store *s)
     notify_ready_unlocked(s);
 }
 
+/* Whether frames pending now should be flushed at once (else at the batch interval). */
+static int flush_wanted(idem_store *s)
+{
+    if (s->opt.durability == IDEM_DURABILITY_SYNC || s->sync_waiters || s->closing ||
+        wal_chunks_free(s->wal) < 4)
+        return 1;
+    return mono_now(s) - s->last_flush_mono_ms >= STORE_BATCH_FLUSH_MS;
+}
+
 static int flush_due(idem_store *s)
 {
     if (s->fatal) return 0;
@@ -411,10 +420,7 @@ static int flush_due(idem_store *s)
         }
         return 0;
     }
-    if (s->opt.durability == IDEM_DURABILITY_SYNC || s->sync_waiters || s->closing ||
-        wal_chunks_free(s->wal) < 4)
-        return 1;
-    return mono_now(s) - s->last_flush_mono_ms >= STORE_BATCH_FLUSH_MS;
+    return flush_wanted(s);
 }
 
 /* How long the flusher may sleep: until a batch flush, a WAIT deadline, or a lease end. */
@@ -515,19 +521,6 @@ static int flusher_compact(idem_store *s)
     return rc || ckpt_busy;
 }
 
-/* Makes memory for the index's next growth steps without the lock (index_mem.h), so a step
- * under the lock finds it resident. Returns whether there was any to make. */
-static int flusher_fill_index(idem_store *s)
-{
-    struct imem_fill f;
-    if (s->closing || s->fatal || !index_fill_plan(s->ix, &f)) return 0;
-    pthread_mutex_unlock(&s->mu);
-    imem_fill_work(&f);
-    pthread_mutex_lock(&s->mu);
-    index_fill_install(s->ix, &f);
-    return 1;
-}
-
 static void *flusher_main(void *arg)
 {
     idem_store *s = arg;
@@ -551,7 +544,7 @@ static void *flusher_main(void *arg)
         }
         /* After it let go of mu, callers may have appended (and their kick found nobody
          * waiting): look at everything again before sleeping. */
-        int maintained = flusher_maintain(s) | flusher_fill_index(s) | compact_learn_horizon(s);
+        int maintained = flusher_maintain(s) | compact_learn_horizon(s);
         int stepped = 0;
         while (steps-- > 0 && !s->abandoned && flusher_compact(s)) {
             /* Between steps of a checkpoint or a compaction, let callers at the lock: the
@@ -911,6 +904,7 @@ static int store_start(idem_store *s)
         if (filler_create(s->io, &s->filler) < 0) return IDEM_ENOMEM;
         wal_set_filler(s->wal, s->filler);
     }
+    if (index_start_filling(s->ix) < 0) return IDEM_ENOMEM;
     if (pthread_create(&s->flusher, NULL, flusher_main, s) != 0) return IDEM_ENOMEM;
     s->flusher_started = 1;
     return 0;
@@ -1327,7 +1321,7 @@ static int submit_locked(idem_queue *q, const idem_op *ops, size_t n)
 {
     idem_store *s = q->s;
     size_t done = 0;
-    int any_ready = 0;
+    int any_ready = 0, was_pending = wal_pending(s->wal);
     store_now(s);
     s->mono_batch_ms = mono_now(s);
     s->clk_frozen = 1;
@@ -1370,7 +1364,10 @@ static int submit_locked(idem_queue *q, const idem_op *ops, size_t n)
         any_ready |= slot_ready(s, sl);
     }
     s->clk_frozen = 0;
-    if (wal_pending(s->wal)) store_kick(s);
+    /* In batch and none modes the flusher sleeps until the batch interval once frames are
+     * pending: it is woken for the first of them and when a flush is wanted at once, not for
+     * every call (it would only contend for mu). */
+    if (wal_pending(s->wal) && (!was_pending || flush_wanted(s))) store_kick(s);
     if (any_ready) queue_signal(q);
     return too_big && done == 0 ? IDEM_EINVAL : (int)done;
 }

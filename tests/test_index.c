@@ -9,9 +9,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "index.h"
 #include "testutil.h"
+#include "util.h"
 
 /* eq context: the address the caller's key lives at (addresses identify keys in these tests). */
 static int eq_addr(void *ctx, uint64_t addr)
@@ -380,7 +382,8 @@ Test(index, same_top24_bits_fill_to_hard_limit_then_null)
 
 Test(index, ready_blocks_come_back_zeroed_and_are_counted)
 {
-    struct index_mem m = {0};
+    struct index_mem m;
+    imem_init(&m);
     const size_t b = 10336;
     uint8_t *p = imem_alloc(&m, b);
     cr_assert_not_null(p);
@@ -418,6 +421,117 @@ Test(index, ready_blocks_come_back_zeroed_and_are_counted)
     cr_assert_eq(imem_bytes(&m), IMEM_READY * b);
     imem_destroy(&m);
     cr_assert_eq(imem_bytes(&m), 0);
+}
+
+/* A wave of growth steps asks for one size faster than a list of IMEM_READY lasts: a list that
+ * runs dry keeps twice as many (once per fill, within an eighth of the blocks handed out), and
+ * goes back to IMEM_READY, its extra blocks freed, once a trim finds it was not asked for. */
+Test(index, a_list_that_runs_dry_keeps_more_ready_until_it_idles)
+{
+    struct index_mem m;
+    imem_init(&m);
+    const size_t b = 4096, other = 64;
+    enum { LIVE = 8 * IMEM_READY_MAX }; /* enough blocks handed out for the deepest list */
+    static void *live[LIVE], *held[4 * IMEM_READY_MAX];
+    for (int i = 0; i < LIVE; i++)
+        cr_assert_not_null(live[i] = imem_alloc(&m, other));
+    static struct imem_fill f;
+    while (imem_fill_plan(&m, &f)) { /* the other size's list, asked for LIVE times */
+        imem_fill_work(&f);
+        imem_fill_install(&m, &f);
+    }
+    while (imem_fill_trim(&m, &f) || imem_fill_trim(&m, &f)) /* and settled back */
+        imem_fill_work(&f);
+    size_t base = imem_bytes(&m);
+    uint64_t misses0 = imem_misses(&m);
+    int nheld = 0;
+    held[nheld++] = imem_alloc(&m, b); /* first asked for: not a miss */
+    cr_assert_eq(imem_misses(&m), misses0);
+    uint32_t depth = IMEM_READY;
+    for (int round = 0; round < 4; round++) {
+        cr_assert(imem_fill_plan(&m, &f), "round %d: an empty wanted list asks for a fill", round);
+        cr_assert_eq(f.bytes, b);
+        cr_assert_eq(f.n, depth, "round %d: fill of %u, depth %u", round, f.n, depth);
+        imem_fill_work(&f);
+        imem_fill_install(&m, &f);
+        cr_assert_not(imem_fill_plan(&m, &f), "round %d: a full list asks for nothing", round);
+        for (uint32_t k = 0; k < depth; k++) /* the wave takes them all */
+            held[nheld++] = imem_alloc(&m, b);
+        uint64_t misses = imem_misses(&m);
+        held[nheld++] = imem_alloc(&m, b); /* and two more than were ready */
+        held[nheld++] = imem_alloc(&m, b);
+        cr_assert_eq(imem_misses(&m), misses + 2);
+        depth = depth * 2 > IMEM_READY_MAX ? IMEM_READY_MAX : depth * 2; /* once per fill */
+    }
+    cr_assert(imem_fill_plan(&m, &f));
+    cr_assert_eq(f.n, IMEM_READY_MAX);
+    imem_fill_work(&f);
+    imem_fill_install(&m, &f);
+    size_t held_bytes = (size_t)nheld * b;
+    cr_assert_eq(imem_bytes(&m), base + held_bytes + IMEM_READY_MAX * b);
+
+    cr_assert_not(imem_fill_trim(&m, &f), "asked for since the last look: kept");
+    cr_assert(imem_fill_trim(&m, &f), "not asked for since: trimmed");
+    cr_assert_eq(f.ntrim, IMEM_READY_MAX - IMEM_READY);
+    imem_fill_work(&f);
+    cr_assert_eq(imem_bytes(&m), base + held_bytes + IMEM_READY * b);
+    for (int i = 0; i < nheld; i++) /* back to its list up to IMEM_READY, then to malloc */
+        imem_free(&m, held[i], b);
+    cr_assert_eq(imem_bytes(&m), base + IMEM_READY * b);
+    for (int i = 0; i < LIVE; i++)
+        imem_discard(&m, live[i], other);
+    imem_destroy(&m);
+}
+
+/* Without an eighth of the handed-out blocks to back it, a list stays at IMEM_READY however
+ * often it runs dry: a small index keeps little memory idle. */
+Test(index, a_small_index_keeps_only_the_minimum_ready)
+{
+    struct index_mem m;
+    imem_init(&m);
+    const size_t b = 4096;
+    static void *held[8 * IMEM_READY];
+    static struct imem_fill f;
+    int nheld = 0;
+    held[nheld++] = imem_alloc(&m, b);
+    for (int round = 0; round < 3; round++) {
+        cr_assert(imem_fill_plan(&m, &f));
+        cr_assert_eq(f.n, IMEM_READY, "round %d: a fill of %u", round, f.n);
+        imem_fill_work(&f);
+        imem_fill_install(&m, &f);
+        for (int k = 0; k < IMEM_READY + 1; k++)
+            held[nheld++] = imem_alloc(&m, b);
+    }
+    for (int i = 0; i < nheld; i++)
+        imem_free(&m, held[i], b);
+    imem_destroy(&m);
+}
+
+/* The filling thread makes a list ready without anyone planning it, and stops at destroy. */
+Test(index, the_filling_thread_makes_blocks_ready_by_itself, .timeout = 30)
+{
+    struct index_mem m;
+    imem_init(&m);
+    cr_assert_eq(imem_start(&m), 0);
+    const size_t b = 8192;
+    void *first = imem_alloc(&m, b);
+    cr_assert_not_null(first);
+    int64_t start = util_monotonic_us();
+    while (imem_bytes(&m) < (1 + IMEM_READY) * b) {
+        cr_assert_lt(util_monotonic_us() - start, 10000000, "no blocks made ready in 10 s");
+        usleep(1000);
+    }
+    void *taken[IMEM_READY];
+    for (int k = 0; k < IMEM_READY; k++) {
+        taken[k] = imem_alloc(&m, b);
+        for (size_t i = 0; i < b; i += 512)
+            cr_assert_eq(((uint8_t *)taken[k])[i], 0, "a ready block is zeroed");
+    }
+    cr_assert_eq(imem_misses(&m), 0, "every block taken was ready");
+    for (int k = 0; k < IMEM_READY; k++)
+        imem_free(&m, taken[k], b);
+    imem_free(&m, first, b);
+    imem_destroy(&m); /* joins the thread */
 }
 
 Test(index, growth_with_fills_between_inserts_keeps_every_entry)

@@ -3043,6 +3043,46 @@ Test(scan, expired_and_released_keys_are_not_returned)
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* Durability modes: when the flusher writes. */
+
+TestSuite(durability, .init = setup, .fini = teardown, .timeout = 30);
+
+/* Milliseconds until the store's flush count passes `before` (fails after 5 s). */
+static int64_t ms_until_flush_after(uint64_t before)
+{
+    int64_t start = util_monotonic_us();
+    while (stats().flushes <= before) {
+        cr_assert_lt(util_monotonic_us() - start, 5000000, "no flush in 5 s");
+        usleep(500);
+    }
+    return (util_monotonic_us() - start) / 1000;
+}
+
+/* In batch mode a caller does not wake the flusher for every change, only for the first one
+ * pending or once the interval has passed. A change made just after a flush is the first
+ * pending while the interval has not passed, and the flusher, finding nothing pending after
+ * its flush, sleeps up to a second: it must be woken, or the change waits that second. */
+Test(durability, batch_mode_flushes_a_change_made_just_after_a_flush_within_the_interval)
+{
+    store_close();
+    g_opts.durability = IDEM_DURABILITY_BATCH;
+    store_open();
+    uint64_t f0 = stats().flushes;
+    claim_new("first");
+    ms_until_flush_after(f0);
+    for (int round = 0; round < 5; round++) {
+        char key[32];
+        snprintf(key, sizeof key, "just-after-%d", round);
+        f0 = stats().flushes;
+        claim_new(key);
+        int64_t ms = ms_until_flush_after(f0);
+        cr_assert_lt(ms, 500,
+                     "round %d: the change waited %" PRId64 " ms for its flush (interval %d ms)",
+                     round, ms, STORE_BATCH_FLUSH_MS);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* Stats. */
 
 TestSuite(stats, .init = setup, .fini = teardown);
@@ -3218,7 +3258,7 @@ Test(capacity, past_max_keys_a_new_claim_is_full_and_every_key_stays)
     expect_outcome(claim("cap-new"), IDEM_BUSY);
 }
 
-Test(capacity, past_max_memory_a_new_claim_is_full_whatever_the_flusher_did_meanwhile)
+Test(capacity, past_max_memory_a_new_claim_is_full_whatever_the_index_made_ready_meanwhile)
 {
     store_close();
     g_opts.max_keys = 0;
@@ -3236,9 +3276,11 @@ Test(capacity, past_max_memory_a_new_claim_is_full_whatever_the_flusher_did_mean
         expect_outcome(c, IDEM_NEW);
     }
     cr_assert_gt(n, 1000, "only %d keys in 256 KiB of index", n);
-    /* The flusher may make blocks ready for growth at any time: the answer stays FULL. */
+    /* The index's filling thread may make blocks ready for growth at any time: the answer
+     * stays FULL. */
     for (int round = 0; round < 20; round++) {
         expect_rc(idem_sync(g_s), IDEM_OK);
+        usleep(1000);
         cr_assert_eq(claim_rc("mem-new", 7, TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
     }
     for (int i = 0; i < n; i += 97) {
