@@ -245,8 +245,18 @@ void imem_fill_install(struct index_mem *m, struct imem_fill *f)
     pthread_mutex_unlock(&m->lock);
 }
 
-/* The filling thread: fills lists that run short as soon as it is told, trims idle deep ones
- * once per IMEM_TRIM_US. */
+/* Whether some list holds or may hold more than IMEM_READY blocks (m->lock held). */
+static bool any_deep_locked(const struct index_mem *m)
+{
+    for (size_t i = 0; i < IMEM_SIZES; i++) {
+        if (m->ready[i].depth > IMEM_READY || m->ready[i].n > IMEM_READY) return true;
+    }
+    return false;
+}
+
+/* The filling thread: fills lists that run short as soon as it is told, and while some list is
+ * deep, trims idle ones once per IMEM_TRIM_US. Otherwise it sleeps until told (an idle store
+ * wakes nobody). */
 static void *fill_main(void *arg)
 {
     struct index_mem *m = arg;
@@ -266,9 +276,18 @@ static void *fill_main(void *arg)
             install_locked(m, &f);
             continue;
         }
+        if (!any_deep_locked(m)) {
+            pthread_cond_wait(&m->cond, &m->lock);
+            next_trim = util_monotonic_us() + IMEM_TRIM_US;
+            continue;
+        }
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
-        ts.tv_sec += IMEM_TRIM_US / 1000000;
+        int64_t ns = ts.tv_nsec + (next_trim - util_monotonic_us()) * 1000;
+        if (ns > 0) {
+            ts.tv_sec += ns / 1000000000;
+            ts.tv_nsec = ns % 1000000000;
+        }
         pthread_cond_timedwait(&m->cond, &m->lock, &ts);
     }
     pthread_mutex_unlock(&m->lock);

@@ -507,30 +507,65 @@ Test(index, a_small_index_keeps_only_the_minimum_ready)
     imem_destroy(&m);
 }
 
-/* The filling thread makes a list ready without anyone planning it, and stops at destroy. */
-Test(index, the_filling_thread_makes_blocks_ready_by_itself, .timeout = 30)
+/* The filling thread makes a list ready without anyone planning it, deepens it after it ran
+ * dry, trims it back once it idles, and stops at destroy. */
+Test(index, the_filling_thread_fills_deepens_and_trims_by_itself, .timeout = 60)
 {
     struct index_mem m;
     imem_init(&m);
+    enum { LIVE = 8 * 2 * IMEM_READY }; /* enough for a list of twice IMEM_READY */
+    static void *live[LIVE], *taken[4 * IMEM_READY];
+    for (int i = 0; i < LIVE; i++)
+        cr_assert_not_null(live[i] = imem_alloc(&m, 64));
     cr_assert_eq(imem_start(&m), 0);
     const size_t b = 8192;
-    void *first = imem_alloc(&m, b);
-    cr_assert_not_null(first);
+    size_t base = imem_bytes(&m);
+    taken[0] = imem_alloc(&m, b);
+    cr_assert_not_null(taken[0]);
+    size_t ready = IMEM_READY * b;
+    /* The 64-byte list ran dry while LIVE blocks were taken: it is filled too. */
     int64_t start = util_monotonic_us();
-    while (imem_bytes(&m) < (1 + IMEM_READY) * b) {
+    while (imem_bytes(&m) < base + b + ready) {
         cr_assert_lt(util_monotonic_us() - start, 10000000, "no blocks made ready in 10 s");
         usleep(1000);
     }
-    void *taken[IMEM_READY];
-    for (int k = 0; k < IMEM_READY; k++) {
-        taken[k] = imem_alloc(&m, b);
+    uint64_t misses = imem_misses(&m);
+    int n = 1;
+    for (; n < 1 + IMEM_READY; n++) {
+        taken[n] = imem_alloc(&m, b);
         for (size_t i = 0; i < b; i += 512)
-            cr_assert_eq(((uint8_t *)taken[k])[i], 0, "a ready block is zeroed");
+            cr_assert_eq(((uint8_t *)taken[n])[i], 0, "a ready block is zeroed");
     }
-    cr_assert_eq(imem_misses(&m), 0, "every block taken was ready");
-    for (int k = 0; k < IMEM_READY; k++)
+    cr_assert_eq(imem_misses(&m), misses, "every block taken was ready");
+    while (imem_misses(&m) == misses) /* take faster than it fills, until one is not ready */
+        taken[n++] = imem_alloc(&m, b);
+    cr_assert_leq(n, 4 * IMEM_READY);
+    start = util_monotonic_us();
+    size_t deep_bytes = 0;
+    while (deep_bytes < 2 * IMEM_READY * b) { /* deepened to twice IMEM_READY */
+        cr_assert_lt(util_monotonic_us() - start, 10000000, "the list was not deepened");
+        usleep(1000);
+        pthread_mutex_lock(&m.lock);
+        deep_bytes = 0;
+        for (size_t i = 0; i < IMEM_SIZES; i++)
+            if (m.ready[i].bytes == b) deep_bytes = m.ready[i].n * b;
+        pthread_mutex_unlock(&m.lock);
+    }
+    start = util_monotonic_us();
+    for (;;) { /* idle: trimmed back within a couple of seconds */
+        pthread_mutex_lock(&m.lock);
+        uint32_t ready_n = 0;
+        for (size_t i = 0; i < IMEM_SIZES; i++)
+            if (m.ready[i].bytes == b) ready_n = m.ready[i].n;
+        pthread_mutex_unlock(&m.lock);
+        if (ready_n == IMEM_READY) break;
+        cr_assert_lt(util_monotonic_us() - start, 10000000, "%u ready after 10 s idle", ready_n);
+        usleep(10000);
+    }
+    for (int k = 0; k < n; k++)
         imem_free(&m, taken[k], b);
-    imem_free(&m, first, b);
+    for (int i = 0; i < LIVE; i++)
+        imem_free(&m, live[i], 64);
     imem_destroy(&m); /* joins the thread */
 }
 
