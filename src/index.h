@@ -95,8 +95,9 @@ static inline uint64_t index_slot_hash_bits(const struct index_slot *s)
 bool index_check(const struct index *ix);
 uint64_t index_count(const struct index *ix);
 /* Memory ahead of growth (index_mem.h): index_start_filling starts the thread that makes it
- * (0 or -errno; without it growth allocates in place). Tests make it by hand instead: whether
- * some is wanted (then imem_fill_work, with no lock), and putting what was made in place. */
+ * (0 or -errno; an index whose thread never started allocates in place, and the store does not
+ * open then). Tests make it by hand instead: whether some is wanted (then imem_fill_work, with
+ * no lock), and putting what was made in place. */
 int index_start_filling(struct index *ix);
 bool index_fill_plan(struct index *ix, struct imem_fill *f);
 void index_fill_install(struct index *ix, struct imem_fill *f);

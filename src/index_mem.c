@@ -84,11 +84,13 @@ void *imem_alloc(struct index_mem *m, size_t bytes)
             if (!r->dry && r->depth < IMEM_READY_MAX) r->depth *= 2;
             r->dry = true;
         }
+    }
+    m->live_blocks++;
+    if (r) {
         r->wanted = true;
         r->takes++;
         if (m->started && r->n <= fill_depth(m, r) / 2) pthread_cond_signal(&m->cond);
     }
-    m->live_blocks++;
     pthread_mutex_unlock(&m->lock);
     if (!p) {
         p = calloc(1, bytes);

@@ -568,7 +568,9 @@ static void *flusher_main(void *arg)
                 ts.tv_sec++;
                 ts.tv_nsec -= 1000000000;
             }
+            s->flusher_idle = !wal_pending(s->wal);
             pthread_cond_timedwait(&s->cond_flush, &s->mu, &ts);
+            s->flusher_idle = 0;
         }
     }
     pthread_mutex_unlock(&s->mu);
@@ -578,6 +580,18 @@ static void *flusher_main(void *arg)
 void store_kick(idem_store *s)
 {
     pthread_cond_signal(&s->cond_flush);
+}
+
+/* In batch and none modes the flusher, once frames are pending, sleeps until the batch
+ * interval: it is woken when it sleeps with nothing pending (the first frames since) and when
+ * a flush is wanted at once, not for every call (it would only contend for mu). A call cannot
+ * tell from what was pending when it began: it may have waited for room meanwhile, while the
+ * flusher flushed everything and went to its idle sleep. */
+void store_appended(idem_store *s)
+{
+    if (!wal_pending(s->wal) || !(s->flusher_idle || flush_wanted(s))) return;
+    s->flusher_idle = 0;
+    store_kick(s);
 }
 
 /* Whether `bytes` of frames can be appended now without waiting: 0, IDEM_EBUSY (wait for the
@@ -1321,7 +1335,7 @@ static int submit_locked(idem_queue *q, const idem_op *ops, size_t n)
 {
     idem_store *s = q->s;
     size_t done = 0;
-    int any_ready = 0, was_pending = wal_pending(s->wal);
+    int any_ready = 0;
     store_now(s);
     s->mono_batch_ms = mono_now(s);
     s->clk_frozen = 1;
@@ -1364,10 +1378,7 @@ static int submit_locked(idem_queue *q, const idem_op *ops, size_t n)
         any_ready |= slot_ready(s, sl);
     }
     s->clk_frozen = 0;
-    /* In batch and none modes the flusher sleeps until the batch interval once frames are
-     * pending: it is woken for the first of them and when a flush is wanted at once, not for
-     * every call (it would only contend for mu). */
-    if (wal_pending(s->wal) && (!was_pending || flush_wanted(s))) store_kick(s);
+    store_appended(s);
     if (any_ready) queue_signal(q);
     return too_big && done == 0 ? IDEM_EINVAL : (int)done;
 }

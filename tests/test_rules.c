@@ -3082,6 +3082,55 @@ Test(durability, batch_mode_flushes_a_change_made_just_after_a_flush_within_the_
     }
 }
 
+/* A call that runs out of chunk buffers waits for room, the flusher flushes everything and,
+ * finding nothing pending, goes to its idle sleep; what the call appends after its wait is then
+ * the first pending frames, though frames were pending when it began. They must not wait for
+ * that sleep (a second) either. */
+Test(durability, batch_mode_flushes_what_a_call_appended_after_it_waited_for_room, .timeout = 60)
+{
+    store_close();
+    g_opts.durability = IDEM_DURABILITY_BATCH;
+    g_opts.result_bytes_max = IDEM_RESULT_BYTES_LIMIT;
+    store_open();
+    static char val[IDEM_RESULT_BYTES_LIMIT];
+    uint64_t rng = 7;
+    for (size_t i = 0; i < sizeof val; i++)
+        val[i] = (char)tu_rand(&rng); /* incompressible: about 1 MiB per frame */
+    enum { BIG = 62 };                /* more than the 64 MiB of chunk buffers hold, less 3 */
+    static idem_op ops[BIG + 1];
+    static char keys[BIG + 1][32];
+    for (int i = 0; i <= BIG; i++) {
+        snprintf(keys[i], sizeof keys[i], "big-%d", i);
+        ops[i] = (idem_op){.kind = IDEM_OP_SET_IF_ABSENT,
+                           .user_data = (uint64_t)i,
+                           .key = keys[i],
+                           .key_len = (uint32_t)strlen(keys[i]),
+                           .ttl_ms = TTL,
+                           .data = val,
+                           .data_len = i < BIG ? (uint32_t)sizeof val : 1}; /* the last is small */
+    }
+    uint64_t f0 = stats().flushes;
+    claim_new("first");
+    ms_until_flush_after(f0);
+    claim_new("pending-when-the-call-begins");
+    uint64_t f1 = stats().flushes;
+    cr_assert_eq(idem_submit(g_q, ops, BIG + 1), BIG + 1);
+    uint64_t f2 = stats().flushes;
+    cr_assert_gt(f2, f1, "the call did not wait for room: nothing was flushed meanwhile");
+    static idem_completion out[BIG + 1];
+    for (int got = 0; got < BIG + 1;) {
+        int n = idem_poll(g_q, out, BIG + 1, 30000);
+        cr_assert_gt(n, 0, "no completion within 30 s");
+        for (int i = 0; i < n; i++)
+            cr_assert_eq(out[i].err, IDEM_OK, "%s: %s", keys[out[i].user_data],
+                         idem_strerror(out[i].err));
+        got += n;
+    }
+    int64_t ms = ms_until_flush_after(f2);
+    cr_assert_lt(ms, 500, "what the call appended after its wait waited %" PRId64 " ms for a flush",
+                 ms);
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* Stats. */
 
