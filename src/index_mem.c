@@ -75,6 +75,7 @@ void *imem_alloc(struct index_mem *m, size_t bytes)
     void *p = NULL;
     pthread_mutex_lock(&m->lock);
     struct imem_ready *r = ready_list(m, bytes, true);
+    m->live_blocks++;
     if (r) {
         if (r->n > 0) {
             p = r->blocks[--r->n];
@@ -84,9 +85,6 @@ void *imem_alloc(struct index_mem *m, size_t bytes)
             if (!r->dry && r->depth < IMEM_READY_MAX) r->depth *= 2;
             r->dry = true;
         }
-    }
-    m->live_blocks++;
-    if (r) {
         r->wanted = true;
         r->takes++;
         if (m->started && r->n <= fill_depth(m, r) / 2) pthread_cond_signal(&m->cond);
