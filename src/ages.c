@@ -159,7 +159,7 @@ static void heap_push(idem_store *s, int kind, int64_t t, uint64_t hash, uint64_
     }
     if (h->n == h->cap) {
         size_t cap = h->cap ? h->cap + h->cap / 2 : 256; /* 1.5x: at most a third unused */
-        struct age_entry *v = realloc(h->v, cap * sizeof *v);
+        struct age_entry *v = util_map_grow(h->v, h->cap * sizeof *v, cap * sizeof *v);
         if (!v) return; /* the age reads high until the next rebuild; nothing else depends on it */
         h->v = v;
         h->cap = cap;
@@ -204,7 +204,7 @@ size_t ages_list(idem_store *s, int kind, uint64_t *addrs, size_t max)
 void ages_free(idem_store *s)
 {
     for (int k = 0; k < AGE_KINDS; k++) {
-        free(s->ages[k].v);
+        util_map_free(s->ages[k].v, s->ages[k].cap * sizeof *s->ages[k].v);
         memset(&s->ages[k], 0, sizeof s->ages[k]);
     }
 }

@@ -78,4 +78,14 @@ int64_t util_monotonic_us(void);
 /* CPU time the calling thread has used, in us (a pause without the time it was preempted). */
 int64_t util_thread_cpu_us(void);
 
+/* An array that grows under a lock, in a mapping of its own on 4 KiB pages. With malloc's heap
+ * on transparent huge pages (huge_pages.c) the first write past each 2 MiB of a growing array
+ * faults in a whole huge page, zeroed there and then: 4.7 ms on the machine measured, under the
+ * store's lock, against about 2 us for each of the 512 small pages that take its place. For
+ * arrays written at their end (the age heaps). util_map_grow makes (p NULL, old_bytes 0) or
+ * grows the array to new_bytes, keeping its contents; it returns the new address, or NULL with
+ * p unchanged. */
+void *util_map_grow(void *p, size_t old_bytes, size_t new_bytes);
+void util_map_free(void *p, size_t bytes);
+
 #endif /* IDEM_UTIL_H */
