@@ -586,8 +586,8 @@ void store_kick(idem_store *s)
  * interval: it is woken when it sleeps with nothing pending (the first frames since) and when
  * a flush is wanted at once, not for every call (it would only contend for mu). A call cannot
  * tell from what was pending when it began: it may have waited for room meanwhile, while the
- * flusher flushed everything and went to its idle sleep. */
-void store_appended(idem_store *s)
+ * flusher flushed everything and went to its idle sleep. After frames were appended, mu held. */
+static void store_appended(idem_store *s)
 {
     if (!wal_pending(s->wal) || !(s->flusher_idle || flush_wanted(s))) return;
     s->flusher_idle = 0;

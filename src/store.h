@@ -199,7 +199,7 @@ struct idem_store {
     int64_t spare_failed_mono_ms; /* last failed attempt at the spare segment (disk full) */
     int sync_waiters;
     /* The flusher sleeps with nothing pending (up to a second): in batch and none modes the next
-     * frame appended must wake it (store_appended). */
+     * frame appended must wake it (store_appended in store.c). */
     int flusher_idle;
     int64_t last_flush_mono_ms;
     int64_t token_next;
@@ -312,8 +312,6 @@ void store_fail(idem_store *s, int err);
 void store_flusher_unlock(idem_store *s);
 void store_flusher_relock(idem_store *s);
 void store_kick(idem_store *s);
-/* After frames were appended (mu held): wakes the flusher if they need it now. */
-void store_appended(idem_store *s);
 /* Waits (mu held, letting it go) until everything appended so far is durable, and with it the
  * audit entries of those changes written. Returns 0 or IDEM_EFATAL. */
 int store_wait_durable(idem_store *s);

@@ -206,10 +206,13 @@ Test(compact, compact_on_request_retires_every_sealed_segment, .timeout = 60)
     idem_store *s = open_sim(sim);
     idem_queue *q;
     cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
-    struct kept kept[200];
-    make_kept(q, kept, 200, "k");
+    /* Counted from the open: the flusher may walk and retire some segments by itself meanwhile
+     * (it does once the log holds more than twice the live bytes), and sometimes all of them
+     * before the request; the request's promise is that none sealed at the call is left. */
     idem_stats before, after;
     idem_get_stats(s, &before);
+    struct kept kept[200];
+    make_kept(q, kept, 200, "k");
     cr_assert_eq(idem_compact(s, 20000), IDEM_OK);
     idem_get_stats(s, &after);
     /* What is left: the segment the copies went to (perhaps its successor) and the spare. */
