@@ -612,16 +612,6 @@ int index_start_filling(struct index *ix)
     return imem_start(&ix->mem);
 }
 
-bool index_fill_plan(struct index *ix, struct imem_fill *f)
-{
-    return imem_fill_plan(&ix->mem, f);
-}
-
-void index_fill_install(struct index *ix, struct imem_fill *f)
-{
-    imem_fill_install(&ix->mem, f);
-}
-
 uint64_t index_max_split_us(const struct index *ix)
 {
     return ix->max_split_us;

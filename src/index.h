@@ -94,13 +94,9 @@ static inline uint64_t index_slot_hash_bits(const struct index_slot *s)
 /* O(entries): every segment's count, prefix and probe runs, and the total. For tests. */
 bool index_check(const struct index *ix);
 uint64_t index_count(const struct index *ix);
-/* Memory ahead of growth (index_mem.h): index_start_filling starts the thread that makes it
- * (0 or -errno; an index whose thread never started allocates in place, and the store does not
- * open then). Tests make it by hand instead: whether some is wanted (then imem_fill_work, with
- * no lock), and putting what was made in place. */
+/* Starts the thread that keeps memory ready for growth (index_mem.h); 0 or -errno. An index
+ * whose thread never started allocates in place (the store does not open then). */
 int index_start_filling(struct index *ix);
-bool index_fill_plan(struct index *ix, struct imem_fill *f);
-void index_fill_install(struct index *ix, struct imem_fill *f);
 /* Segments (each split adds one). */
 uint64_t index_segments(const struct index *ix);
 /* Anonymous memory held (segments, directory, blocks ready for growth), in bytes. */
