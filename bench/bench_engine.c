@@ -8,12 +8,14 @@
  * followed by `capped=1` when the time cap ended the case before its key count, `errors=<n>` when
  * an operation answered something other than what the case expects (the first is printed to
  * stderr), and for the growth case `mem_B/key=<n>` (idem_stats.memory_bytes / keys: the index and
- * every buffer of the store), `index_step_max_us=<n>` (the longest single growth step of the
- * index: a segment rebuilt or split, or the directory doubled; max_us is the longest claim,
- * whatever held it up), `index_step_max_cpu_us=<n>` (the longest step's CPU time: without the
- * time the thread was preempted, which a shared 2-core machine adds to the wall time) and
- * `index_step_unready=<n>` (blocks that steps took fresh from malloc, page faults and all,
- * because none was ready: src/index_mem.c). Lines
+ * every buffer of the store), `anon_B/key=<n>` (the process's resident anonymous memory, RssAnon,
+ * after the case less before the store opened, / keys: what the store holds by the kernel's
+ * count, the allocator's overheads included), `index_step_max_us=<n>` (the longest single growth
+ * step of the index: a segment rebuilt or split, or the directory doubled; max_us is the longest
+ * claim, whatever held it up), `index_step_max_cpu_us=<n>` (the longest step's CPU time: without
+ * the time the thread was preempted, which a shared 2-core machine adds to the wall time) and
+ * `index_step_unready=<n>` (blocks carved from memory the index's thread had not faulted in
+ * ahead, which the step then faulted in itself: src/index_mem.c). Lines
  * starting with '#' are context. A last line prints the ratios idem/peer of durable new-key claims.
  * Exit 0 when every case ran without errors, 1 otherwise, 2 on a usage error.
  *
@@ -134,6 +136,7 @@ struct result {
     uint64_t errors;
     int capped;
     double mem_bytes_per_key;                         /* < 0: not printed */
+    double anon_bytes_per_key;                        /* < 0: not printed */
     int64_t index_step_max_us, index_step_max_cpu_us; /* < 0: not printed */
     uint64_t index_step_unready;
 };
@@ -184,6 +187,7 @@ static void print_result(struct run *r, const struct result *res)
         r->failures++;
     }
     if (res->mem_bytes_per_key >= 0) printf(" mem_B/key=%.1f", res->mem_bytes_per_key);
+    if (res->anon_bytes_per_key > 0) printf(" anon_B/key=%.1f", res->anon_bytes_per_key);
     if (res->index_step_max_us >= 0)
         printf(" index_step_max_us=%" PRId64 " index_step_max_cpu_us=%" PRId64
                " index_step_unready=%" PRIu64,
@@ -648,6 +652,19 @@ static int blk_run(struct blk_shared *sh, struct blk_thread *t, uint32_t n, doub
     return failed ? -1 : 0;
 }
 
+/* The process's resident anonymous memory (RssAnon), in bytes; 0 when unknown. */
+static uint64_t rss_anon_bytes(void)
+{
+    FILE *f = fopen("/proc/self/status", "r");
+    if (!f) return 0;
+    char line[256];
+    unsigned long long kb = 0;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "RssAnon: %llu kB", &kb) == 1) break;
+    fclose(f);
+    return (uint64_t)kb * 1024;
+}
+
 /* blocking-1, blocking-64 and growth: new keys through idem_claim from `threads` threads. */
 static void case_blocking(struct run *r, const char *name, uint32_t threads, int durability,
                           double seconds)
@@ -657,6 +674,7 @@ static void case_blocking(struct run *r, const char *name, uint32_t threads, int
     struct blk_shared sh = {.name = name, .limit = r->keys};
     struct blk_thread *t = calloc(threads, sizeof(*t));
     struct result *res = calloc(1, sizeof(*res));
+    uint64_t anon0 = rss_anon_bytes();
     if (!t || !res || store_open(r, name, durability, &s) != 0) {
         print_case_error(r, name, "open");
         goto out_free;
@@ -665,6 +683,7 @@ static void case_blocking(struct run *r, const char *name, uint32_t threads, int
     atomic_init(&sh.next, 0);
     res->name = name;
     res->mem_bytes_per_key = -1;
+    res->anon_bytes_per_key = -1;
     res->index_step_max_us = -1;
     idem_get_stats(s, &before);
     int rc = blk_run(&sh, t, threads, seconds, res);
@@ -673,9 +692,12 @@ static void case_blocking(struct run *r, const char *name, uint32_t threads, int
     res->flush_records = after.flush_records - before.flush_records;
     if (durability == IDEM_DURABILITY_NONE && after.keys > 0) {
         res->mem_bytes_per_key = (double)after.memory_bytes / (double)after.keys;
+        uint64_t anon = rss_anon_bytes();
+        if (anon0 && anon > anon0)
+            res->anon_bytes_per_key = (double)(anon - anon0) / (double)after.keys;
         res->index_step_max_us = (int64_t)index_max_split_us(s->ix);
         res->index_step_max_cpu_us = (int64_t)index_max_split_cpu_us(s->ix);
-        res->index_step_unready = index_ready_misses(s->ix);
+        res->index_step_unready = index_cold_blocks(s->ix);
     }
     if (rc != 0)
         print_case_error(r, name, "engine");

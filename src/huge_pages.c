@@ -12,14 +12,16 @@
 #include <sys/auxv.h>
 #include <unistd.h>
 
-/* The index is hundreds of megabytes of small blocks read at random: on 4 KiB pages nearly every
- * lookup misses the TLB as well as the cache. glibc (2.35 and later) backs malloc's heap with
+/* Tables read at random (the repeat counters, the index's directory) miss the TLB as well as
+ * the cache on 4 KiB pages; the index's segments have an arena of their own on huge pages
+ * (index_arena.c), whatever this does. glibc (2.35 and later) backs malloc's heap with
  * transparent huge pages when its tunable glibc.malloc.hugetlb=1 is set, and reads tunables only
  * when a program starts: so the program adds it to GLIBC_TUNABLES and executes itself again, once
  * (IDEM_MALLOC_HUGE=exec marks the second start). Other C libraries and older glibc ignore it.
  * Skipped for a set-user-ID or capability-raised start (glibc drops tunables there) and for a
  * start through the dynamic loader (its program is not this file). IDEM_MALLOC_HUGE=0 leaves
- * the heap alone. Measured with bench/soak.sh (docs/benchmarks.md): 88 k -> 100 k claims/s. */
+ * the heap alone. Measured with bench/soak.sh (docs/benchmarks.md), when the segments still
+ * lived in malloc's heap: 88 k -> 100 k claims/s. */
 void huge_pages_reexec(char **argv)
 {
     const char *opt = getenv("IDEM_MALLOC_HUGE");

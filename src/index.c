@@ -362,9 +362,7 @@ static int create_sized(uint64_t expected_keys, uint32_t sigmas, struct index **
     return 0;
 
 out_free_segs:
-    for (size_t i = 0; ix->dir && i < n && ix->dir[i].seg; i++)
-        imem_discard(&ix->mem, ix->dir[i].seg, seg_bytes(ix->dir[i].cap));
-    imem_destroy(&ix->mem);
+    imem_destroy(&ix->mem); /* and every segment with it */
     free(ix->dir);
     free(ix);
     return -ENOMEM;
@@ -383,14 +381,7 @@ int index_create_snug(uint64_t expected_keys, struct index **out)
 void index_destroy(struct index *ix)
 {
     if (!ix) return;
-    size_t n = (size_t)1 << ix->global_depth;
-    /* A segment of local depth ld owns the run of 2^(gd - ld) entries starting at i. */
-    for (size_t i = 0; i < n;) {
-        struct index_seg *seg = ix->dir[i].seg;
-        i += (size_t)1 << (ix->global_depth - seg->local_depth);
-        imem_discard(&ix->mem, seg, seg_bytes(seg->cap));
-    }
-    imem_destroy(&ix->mem);
+    imem_destroy(&ix->mem); /* and every segment with it */
     free(ix->dir);
     free(ix);
 }
@@ -607,7 +598,7 @@ size_t index_live_bytes(const struct index *ix)
     return ix->mem.live_bytes + ((size_t)sizeof(*ix->dir) << ix->global_depth) + sizeof(*ix);
 }
 
-int index_start_filling(struct index *ix)
+int index_start_ahead(struct index *ix)
 {
     return imem_start(&ix->mem);
 }
@@ -622,7 +613,7 @@ uint64_t index_max_split_cpu_us(const struct index *ix)
     return ix->max_split_cpu_us;
 }
 
-uint64_t index_ready_misses(struct index *ix)
+uint64_t index_cold_blocks(struct index *ix)
 {
     return imem_misses(&ix->mem);
 }

@@ -94,23 +94,25 @@ static inline uint64_t index_slot_hash_bits(const struct index_slot *s)
 /* O(entries): every segment's count, prefix and probe runs, and the total. For tests. */
 bool index_check(const struct index *ix);
 uint64_t index_count(const struct index *ix);
-/* Starts the thread that keeps memory ready for growth (index_mem.h); 0 or -errno. An index
- * whose thread never started allocates in place (the store does not open then). */
-int index_start_filling(struct index *ix);
+/* Starts the thread that faults memory in ahead of growth (index_mem.h); 0 or -errno. An index
+ * whose thread never started faults its own memory in (the store does not open then). */
+int index_start_ahead(struct index *ix);
 /* Segments (each split adds one). */
 uint64_t index_segments(const struct index *ix);
-/* Anonymous memory held (segments, directory, blocks ready for growth), in bytes. */
+/* Anonymous memory held (segments, the free space between them, memory faulted in ahead of
+ * growth, directory), in bytes. */
 size_t index_memory_bytes(struct index *ix);
-/* The same without the blocks ready for growth (index_mem.h), which come and go. */
+/* The blocks handed out and the directory: without the free space and the memory faulted in
+ * ahead (index_mem.h), which come and go. */
 size_t index_live_bytes(const struct index *ix);
 /* The longest growth pause so far (segment grow, split or directory doubling), in
  * microseconds (for the growth benchmark): wall time, and the CPU time of the thread (the
  * step's own cost, without the time the thread was preempted). */
 uint64_t index_max_split_us(const struct index *ix);
 uint64_t index_max_split_cpu_us(const struct index *ix);
-/* Growth steps that found no block ready of a size asked for before (index_mem.h): those took
- * fresh memory, and its page faults, under the lock. */
-uint64_t index_ready_misses(struct index *ix);
+/* Blocks carved past the memory faulted in ahead (index_mem.h): their page faults were taken
+ * under the owner's lock. */
+uint64_t index_cold_blocks(struct index *ix);
 
 /*
  * Cursor iteration, Redis SCAN style: visits the slots of about max_slots positions starting at

@@ -404,8 +404,8 @@ static int owner_same(const struct rec *r, const idem_op *op)
 static int capacity_full(idem_store *s)
 {
     if (s->opt.max_keys && index_count(s->ix) >= s->opt.max_keys) return 1;
-    /* The index's own memory: not the blocks kept ready for growth, which come and go as its
-     * filling thread makes them, so the answer does not depend on that thread's timing. */
+    /* The index's blocks: not the memory its thread faults in ahead of growth, which comes as
+     * that thread runs, so the answer does not depend on the thread's timing. */
     if (s->opt.max_memory_bytes && index_live_bytes(s->ix) >= s->opt.max_memory_bytes) return 1;
     if (s->opt.max_disk_bytes && wal_bytes(s->wal) >= s->opt.max_disk_bytes) return 1;
     return 0;

@@ -918,7 +918,7 @@ static int store_start(idem_store *s)
         if (filler_create(s->io, &s->filler) < 0) return IDEM_ENOMEM;
         wal_set_filler(s->wal, s->filler);
     }
-    if (index_start_filling(s->ix) < 0) return IDEM_ENOMEM;
+    if (index_start_ahead(s->ix) < 0) return IDEM_ENOMEM;
     if (pthread_create(&s->flusher, NULL, flusher_main, s) != 0) return IDEM_ENOMEM;
     s->flusher_started = 1;
     return 0;

@@ -3307,7 +3307,7 @@ Test(capacity, past_max_keys_a_new_claim_is_full_and_every_key_stays)
     expect_outcome(claim("cap-new"), IDEM_BUSY);
 }
 
-Test(capacity, past_max_memory_a_new_claim_is_full_whatever_the_index_made_ready_meanwhile)
+Test(capacity, past_max_memory_a_new_claim_is_full_whatever_the_index_faulted_in_ahead)
 {
     store_close();
     g_opts.max_keys = 0;
@@ -3325,8 +3325,8 @@ Test(capacity, past_max_memory_a_new_claim_is_full_whatever_the_index_made_ready
         expect_outcome(c, IDEM_NEW);
     }
     cr_assert_gt(n, 1000, "only %d keys in 256 KiB of index", n);
-    /* The index's filling thread may make blocks ready for growth at any time: the answer
-     * stays FULL. */
+    /* The index's thread may fault memory in ahead of growth at any time: the answer stays
+     * FULL. */
     for (int round = 0; round < 20; round++) {
         expect_rc(idem_sync(g_s), IDEM_OK);
         usleep(1000);
