@@ -56,7 +56,7 @@ static size_t some_size(uint64_t *rs)
     return 16 + 16 * (size_t)caps[(r >> 8) % IDEM_ARRAY_LEN(caps)];
 }
 
-Test(index_arena, random_allocs_and_frees_keep_contents_and_invariants, .timeout = 120)
+Test(index_arena, random_allocs_and_frees_keep_contents_and_invariants, .timeout = 600)
 {
     uint64_t seed = tu_seed("index_arena.random_allocs_and_frees_keep_contents_and_invariants");
     uint64_t rs = seed;

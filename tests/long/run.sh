@@ -17,6 +17,8 @@
 #               50,000 steps; hot-key races 200 rounds; 2,000 keys per thread)           1 h
 #   index       test_index with IDEM_LONG=1 (5 M random operations, 10 M keys, the
 #               2^24-entry directory)                                                    1 h
+#   arena       test_index_arena with IDEM_LONG=1 (5 M random allocations and frees,
+#               invariants checked every 997)                                            1 h
 #   abuse       test_abuse with IDEM_LONG=1, when tests/test_abuse.c exists               2 h
 #   kill9_idemd tests/scripts/test_kill9.sh with KILL_CYCLES=10000, when it exists       4 h
 #   fuzz        tests/fuzz/run.sh, one hour per target, when it exists      targets h + 30 min
@@ -281,6 +283,9 @@ run_binary threads test_threads 3600 \
 run_binary index test_index 3600 \
   "IDEM_LONG=1: 5 M random ops, 10 M keys, 2^24 directory" \
   "CI counts: 200,000 random ops, 1 M keys"
+run_binary arena test_index_arena 3600 \
+  "IDEM_LONG=1: 5 M random allocs and frees" \
+  "CI counts: 200,000 random allocs and frees"
 run_binary abuse test_abuse 7200 "IDEM_LONG=1" "CI counts"
 run_kill9_idemd
 run_fuzz
