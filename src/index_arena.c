@@ -217,7 +217,9 @@ static struct tag *carve(struct iarena *a, uint32_t g)
 {
     size_t bytes = (size_t)g * IARENA_GRAN;
     struct iarena_region *r = a->regions;
-    if (!r || r->reserved - r->top < bytes) r = region_new(a, bytes);
+    while (r && r->reserved - r->top < bytes) /* an older region's top may have room again */
+        r = r->next;
+    if (!r) r = region_new(a, bytes);
     if (!r || !commit(a, r, r->top + bytes)) return NULL;
     struct tag *t = tag_at(r, r->top);
     if (r->top + bytes > r->populated) a->cold_carves++;
@@ -356,12 +358,12 @@ void iarena_populate_plan(struct iarena *a, size_t ahead, void **p, size_t *n)
     *n = to - from;
 }
 
-void iarena_populate(void *p, size_t n)
+size_t iarena_populate(void *p, size_t n)
 {
     /* Faults the pages in, writable, leaving their contents alone: the owner may be writing
      * blocks carved from this range meanwhile. An older kernel refuses (EINVAL): the pages are
      * then faulted in by their first use. */
-    if (n == 0) return;
+    if (n == 0) return 0;
     uintptr_t from = (uintptr_t)p & ~(uintptr_t)4095, to = IDEM_ALIGN_UP((uintptr_t)p + n, 4096);
     /* One huge page per call: the process's memory map stays locked for one fault at a time.
      * Only memory faulted in here is advised onto huge pages: a huge page may need the kernel to
@@ -372,9 +374,15 @@ void iarena_populate(void *p, size_t n)
         uintptr_t end = IDEM_ALIGN_UP(from + 1, HUGE_BYTES);
         if (end > to) end = to;
         (void)madvise((void *)from, end - from, MADV_HUGEPAGE);
-        if (madvise((void *)from, end - from, MADV_POPULATE_WRITE) != 0) return;
+        if (madvise((void *)from, end - from, MADV_POPULATE_WRITE) != 0) {
+            /* Refused (a kernel before 5.14) or out of memory: take the advice back, so that the
+             * owner faults this piece in 4 KiB at a time, and report only what was done. */
+            (void)madvise((void *)from, end - from, MADV_NOHUGEPAGE);
+            return from > (uintptr_t)p ? (size_t)(from - (uintptr_t)p) : 0;
+        }
         from = end;
     }
+    return n;
 }
 
 void iarena_populate_done(struct iarena *a, void *p, size_t n)

@@ -64,7 +64,7 @@ void iarena_destroy(struct iarena *a);
  * populated (n 0: nothing to do); iarena_populate (any thread, any time) faults it in without
  * changing its contents; iarena_populate_done (serialised) records that it is resident. */
 void iarena_populate_plan(struct iarena *a, size_t ahead, void **p, size_t *n);
-void iarena_populate(void *p, size_t n);
+size_t iarena_populate(void *p, size_t n);
 void iarena_populate_done(struct iarena *a, void *p, size_t n);
 /* Whether fewer than `ahead` bytes beyond the newest region's top are known resident. */
 bool iarena_short(const struct iarena *a, size_t ahead);

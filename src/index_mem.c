@@ -89,9 +89,10 @@ static void *ahead_main(void *arg)
             continue;
         }
         pthread_mutex_unlock(&m->lock);
-        iarena_populate(p, n);
+        size_t done = iarena_populate(p, n);
         pthread_mutex_lock(&m->lock);
-        iarena_populate_done(&m->arena, p, n);
+        iarena_populate_done(&m->arena, p, done);
+        if (done < n) break; /* refused: the owner faults its own memory in from here on */
     }
     pthread_mutex_unlock(&m->lock);
     return NULL;
