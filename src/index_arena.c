@@ -176,7 +176,6 @@ static bool commit(struct iarena *a, struct iarena_region *r, size_t upto)
     if (mprotect(p, n, PROT_READ | PROT_WRITE) != 0) return false;
     if (a->huge_on_commit) (void)madvise(p, n, MADV_HUGEPAGE);
     POISON(p, n);
-    a->committed_bytes += n;
     r->committed = to;
     return true;
 }

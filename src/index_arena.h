@@ -43,7 +43,6 @@ struct iarena {
     size_t free_bytes;    /* in free blocks, tags included */
     size_t used_bytes;    /* in blocks handed out, tags included */
     size_t carved_bytes;  /* the regions' tops, summed: used + free */
-    size_t committed_bytes;
     uint64_t cold_carves; /* blocks carved past the memory iarena_populate made resident */
     /* Advise memory onto huge pages as it is made writable: while nothing runs ahead (an index
      * being loaded at open, where a huge page fault holds up no caller). */

@@ -159,6 +159,39 @@ Test(index_arena, a_block_freed_at_the_top_goes_back_to_the_region)
     iarena_destroy(&a);
 }
 
+/* With regions of 2 MiB, a second region opens when the first is full; space the first gets
+ * back at its top is carved again before any third region opens. */
+Test(index_arena, space_an_older_region_gets_back_at_its_top_is_carved_again)
+{
+    struct iarena a;
+    iarena_init(&a);
+    a.reserve_bytes = (size_t)2 << 20;
+    enum { N = 200 }; /* 200 x 16 KiB: about 1.6 regions */
+    uint8_t *b[N];
+    for (int i = 0; i < N; i++)
+        cr_assert_not_null(b[i] = iarena_alloc(&a, 16384));
+    int first_of_second = 0;
+    while (first_of_second < N && b[first_of_second] == b[0] + (size_t)first_of_second * 16400)
+        first_of_second++;
+    cr_assert(first_of_second > 0 && first_of_second < N, "blocks did not span two regions");
+    for (int i = first_of_second - 10; i < first_of_second; i++) /* the first region's last ten */
+        iarena_free(&a, b[i]);
+    cr_assert(iarena_check(&a));
+    /* The second region fills; then the first one's top serves, before any third region. */
+    uint8_t *second = b[first_of_second] - 16, *first_end = b[first_of_second - 1] + 16384;
+    bool reused = false;
+    for (int k = 0; k < 200 && !reused; k++) {
+        uint8_t *p = iarena_alloc(&a, 16384);
+        cr_assert_not_null(p);
+        reused = p >= b[0] && p < first_end;
+        cr_assert(reused || (p >= second && p < second + ((size_t)2 << 20)),
+                  "allocation %d came from a third region", k);
+    }
+    cr_assert(reused, "the first region's top was never carved again");
+    cr_assert(iarena_check(&a));
+    iarena_destroy(&a);
+}
+
 /* The VmFlags of the mapping that holds p ("" when not found). */
 static void vm_flags(const void *p, char *out, size_t cap)
 {
