@@ -6,6 +6,13 @@
  * global_depth bits of the 64-bit hash (global_depth <= INDEX_DEPTH_MAX = 24, the hash bits kept in
  * addr_tag). A segment of local depth ld covers the 2^(global_depth - ld) consecutive directory
  * entries that share its top-ld-bit prefix; every one points to it.
+ *   - Doubling in steps: copying the whole directory at once took 175-250 us at 6 M keys (16 Ki
+ *     entries, most of it faulting in the new array), and twice that per further doubling. So a
+ *     doubling only allocates the new array and keeps the old one (old_dir): old entry i stands
+ *     for new entries 2i and 2i+1 until it is moved, which copies it into both and clears its
+ *     seg. Every growth step moves the next dir_move_step old entries, and a step that rewrites
+ *     directory entries first moves the old ones it covers. Entries below dir_ready are all moved;
+ *     at or above it, a lookup reads the old entry unless that one was moved (dir_at).
  *   - Segment: one block (index_mem.c), a 16-byte header then cap slots (struct index_slot). Linear
  *     probing, wrapping at cap. A slot is empty iff addr_tag == 0 (addresses are never 0).
  *     An entry's home position is fastrange(hash_lo, cap) = hash_lo * cap >> 32, so the home
@@ -51,7 +58,8 @@
 #define LOAD_AFTER_PCT  68 /* a rebuild picks the smallest ladder step at or below this load */
 #define HARD_LIMIT(cap) ((cap) - (cap) / 16)
 #define TAG_MASK        (~INDEX_ADDR_MASK)
-#define PEEK_PROBES     8 /* index_peek looks no further: two cache lines of slots */
+#define PEEK_PROBES     8    /* index_peek looks no further: two cache lines of slots */
+#define DIR_MOVE_STEP   2048 /* old directory entries moved per growth step: 64 KiB of new */
 
 _Static_assert(sizeof(struct index_slot) == 16, "index_slot is 16 bytes");
 _Static_assert((SEG_CAP_MAX & (SEG_CAP_MAX - 1)) == 0, "SEG_CAP_MAX is a power of two");
@@ -83,8 +91,14 @@ struct index_dirent {
 };
 
 struct index {
-    struct index_dirent *dir; /* 2^global_depth entries (malloc) */
+    struct index_dirent *dir; /* 2^global_depth entries (malloc); see dir_at */
     uint32_t global_depth;
+    /* While the directory doubles: the previous one (2^(global_depth - 1) entries, NULL
+     * otherwise), and the prefix of dir in use: dir[0, dir_ready) is valid; above it, old entry
+     * pos / 2 is, unless it was moved (its seg is NULL). dir_ready = 2^global_depth otherwise. */
+    struct index_dirent *old_dir;
+    size_t dir_ready;
+    size_t dir_move_step;
     uint64_t count;
     uint64_t seg_count;
     uint64_t max_split_us, max_split_cpu_us;
@@ -123,6 +137,19 @@ static inline uint32_t hash_top24(uint64_t h)
 static inline size_t dir_pos(const struct index *ix, uint32_t top24)
 {
     return (size_t)(top24 >> (INDEX_DEPTH_MAX - ix->global_depth));
+}
+
+/* The directory entry at pos (of 2^global_depth), wherever a doubling in steps keeps it. */
+static inline const struct index_dirent *dir_at(const struct index *ix, size_t pos)
+{
+    if (__builtin_expect(pos < ix->dir_ready, 1)) return &ix->dir[pos];
+    const struct index_dirent *o = &ix->old_dir[pos >> 1];
+    return o->seg ? o : &ix->dir[pos];
+}
+
+static inline const struct index_dirent *dir_of(const struct index *ix, uint32_t top24)
+{
+    return dir_at(ix, dir_pos(ix, top24));
 }
 
 /* Ladder step k (0 = SEG_CAP_MAX): SEG_CAP_MAX * 2^(-k/3), rounded. */
@@ -212,17 +239,55 @@ static bool seg_check(const struct index_seg *seg, uint32_t prefix)
     return used == seg->count && used < seg->cap;
 }
 
-/* Doubles the directory (pointers only). Returns 0 or -ENOMEM (nothing changed). */
+/* Moves old directory entry i into the two new entries it stands for, unless it was moved. */
+static void dir_move(struct index *ix, size_t i)
+{
+    struct index_dirent *o = &ix->old_dir[i];
+    if (!o->seg) return;
+    ix->dir[2 * i] = ix->dir[2 * i + 1] = *o;
+    o->seg = NULL;
+}
+
+/* Moves the next `step` old entries of a doubling under way; frees the old directory when none
+ * is left. */
+static void dir_move_some(struct index *ix, size_t step)
+{
+    size_t old_n = (size_t)1 << (ix->global_depth - 1);
+    size_t i = ix->dir_ready / 2;
+    size_t end = old_n - i > step ? i + step : old_n;
+    for (; i < end; i++)
+        dir_move(ix, i);
+    ix->dir_ready = 2 * end;
+    if (end == old_n) {
+        free(ix->old_dir);
+        ix->old_dir = NULL;
+    }
+}
+
+/* Points dir[first, first + n) at seg, moving the old entries the range covers first. */
+static void dir_set(struct index *ix, size_t first, size_t n, struct index_seg *seg)
+{
+    if (ix->old_dir && first + n > ix->dir_ready) {
+        for (size_t i = first / 2; i <= (first + n - 1) / 2; i++)
+            if (2 * i >= ix->dir_ready) dir_move(ix, i);
+    }
+    for (size_t i = 0; i < n; i++)
+        ix->dir[first + i] = (struct index_dirent){.seg = seg, .cap = seg->cap};
+}
+
+/* Starts doubling the directory (a doubling still under way is finished first: it had fewer
+ * growth steps than it has steps of entries to move, which uniform hashes make rare). The new
+ * array is filled as entries move (dir_at). Returns 0 or -ENOMEM (nothing changed). */
 static int dir_double(struct index *ix)
 {
     IDEM_ASSERT(ix->global_depth < INDEX_DEPTH_MAX);
     size_t old_n = (size_t)1 << ix->global_depth;
     struct index_dirent *dir = malloc(2 * old_n * sizeof(*dir));
     if (!dir) return -ENOMEM;
-    for (size_t i = 0; i < 2 * old_n; i++)
-        dir[i] = ix->dir[i >> 1];
-    free(ix->dir);
+    if (ix->old_dir) dir_move_some(ix, SIZE_MAX);
+    ix->old_dir = ix->dir;
     ix->dir = dir;
+    ix->dir_ready = 0;
     ix->global_depth++;
     return 0;
 }
@@ -240,10 +305,8 @@ static int seg_grow(struct index *ix, struct index_seg *seg, uint32_t top24)
     IDEM_ASSERT(nseg->count == seg->count);
     uint32_t shift = ix->global_depth - seg->local_depth;
     size_t first = (dir_pos(ix, top24) >> shift) << shift;
-    for (size_t i = 0; i < ((size_t)1 << shift); i++) {
-        IDEM_ASSERT(ix->dir[first + i].seg == seg);
-        ix->dir[first + i] = (struct index_dirent){.seg = nseg, .cap = nseg->cap};
-    }
+    IDEM_DEBUG_ASSERT(dir_at(ix, first)->seg == seg);
+    dir_set(ix, first, (size_t)1 << shift, nseg);
     seg_free(ix, seg);
     IDEM_DEBUG_ASSERT(seg_check(nseg, (uint32_t)((uint64_t)top24 >> (24 - nseg->local_depth))));
     return 0;
@@ -277,11 +340,9 @@ static int seg_split(struct index *ix, struct index_seg *seg, uint32_t top24)
     uint32_t shift = ix->global_depth - seg->local_depth;
     size_t first = (dir_pos(ix, top24) >> shift) << shift;
     size_t n = (size_t)1 << shift;
-    for (size_t i = 0; i < n; i++) {
-        struct index_seg *h = half[i >= n / 2];
-        IDEM_ASSERT(ix->dir[first + i].seg == seg);
-        ix->dir[first + i] = (struct index_dirent){.seg = h, .cap = h->cap};
-    }
+    IDEM_DEBUG_ASSERT(dir_at(ix, first)->seg == seg && dir_at(ix, first + n - 1)->seg == seg);
+    dir_set(ix, first, n / 2, half[0]);
+    dir_set(ix, first + n / 2, n / 2, half[1]);
     seg_free(ix, seg);
     IDEM_DEBUG_ASSERT(seg_check(half[0], (top24 >> bit_shift) & ~UINT32_C(1)));
     IDEM_DEBUG_ASSERT(seg_check(half[1], (top24 >> bit_shift) | 1));
@@ -294,12 +355,13 @@ static int seg_split(struct index *ix, struct index_seg *seg, uint32_t top24)
 static struct index_seg *seg_make_room_slow(struct index *ix, uint32_t top24)
 {
     for (uint32_t round = 0; round < 2 * INDEX_DEPTH_MAX + 64; round++) {
-        struct index_seg *seg = ix->dir[dir_pos(ix, top24)].seg;
+        struct index_seg *seg = dir_of(ix, top24)->seg;
         if (seg->count + 1 <= seg_limit(seg->cap)) return seg;
         if (seg->cap == SEG_CAP_MAX && seg->local_depth == INDEX_DEPTH_MAX)
             return seg->count + 1 <= HARD_LIMIT(seg->cap) ? seg : NULL;
         int64_t t0_us = util_monotonic_us(), c0_us = util_thread_cpu_us();
         ix->gen++; /* slots move */
+        if (ix->old_dir) dir_move_some(ix, ix->dir_move_step);
         int rc = seg->cap < SEG_CAP_MAX ? seg_grow(ix, seg, top24) : seg_split(ix, seg, top24);
         uint64_t pause_us = (uint64_t)(util_monotonic_us() - t0_us);
         uint64_t cpu_us = (uint64_t)(util_thread_cpu_us() - c0_us);
@@ -315,7 +377,7 @@ static struct index_seg *seg_make_room_slow(struct index *ix, uint32_t top24)
  * NULL (see index_insert). */
 static inline struct index_seg *seg_make_room(struct index *ix, uint32_t top24)
 {
-    struct index_seg *seg = ix->dir[dir_pos(ix, top24)].seg;
+    struct index_seg *seg = dir_of(ix, top24)->seg;
     return seg->count + 1 <= seg_limit(seg->cap) ? seg : seg_make_room_slow(ix, top24);
 }
 
@@ -354,6 +416,8 @@ static int create_sized(uint64_t expected_keys, uint32_t sigmas, struct index **
     ix->dir = calloc(n, sizeof(*ix->dir));
     if (!ix->dir) goto out_free_segs;
     ix->global_depth = depth;
+    ix->dir_ready = n;
+    ix->dir_move_step = DIR_MOVE_STEP;
     for (size_t i = 0; i < n; i++) {
         ix->dir[i] = (struct index_dirent){.seg = seg_new(ix, cap, depth), .cap = cap};
         if (!ix->dir[i].seg) goto out_free_segs;
@@ -383,13 +447,14 @@ void index_destroy(struct index *ix)
     if (!ix) return;
     imem_destroy(&ix->mem); /* and every segment with it */
     free(ix->dir);
+    free(ix->old_dir);
     free(ix);
 }
 
 struct index_slot *index_find(struct index *ix, uint64_t h, int (*eq)(void *ctx, uint64_t addr),
                               void *ctx)
 {
-    const struct index_dirent *de = &ix->dir[dir_pos(ix, hash_top24(h))];
+    const struct index_dirent *de = dir_of(ix, hash_top24(h));
     struct index_slot *slots = de->seg->slots;
     uint32_t cap = (uint32_t)de->cap;
     uint64_t tag = h & TAG_MASK;
@@ -413,14 +478,14 @@ struct index_slot *index_find(struct index *ix, uint64_t h, int (*eq)(void *ctx,
 
 void index_prefetch(const struct index *ix, uint64_t h)
 {
-    const struct index_dirent *de = &ix->dir[dir_pos(ix, hash_top24(h))];
+    const struct index_dirent *de = dir_of(ix, hash_top24(h));
     __builtin_prefetch(&de->seg->slots[seg_home((uint32_t)h, (uint32_t)de->cap)]);
 }
 
 /* The first slot from h's home, within `probes` positions, whose stored hash bits equal h's. */
 static const struct index_slot *first_with_hash(const struct index *ix, uint64_t h, uint32_t probes)
 {
-    const struct index_dirent *de = &ix->dir[dir_pos(ix, hash_top24(h))];
+    const struct index_dirent *de = dir_of(ix, hash_top24(h));
     const struct index_slot *slots = de->seg->slots;
     uint32_t cap = (uint32_t)de->cap;
     uint32_t i = seg_home((uint32_t)h, cap);
@@ -445,7 +510,7 @@ bool index_has_hash(const struct index *ix, uint64_t h)
 
 struct index_slot *index_find_addr(struct index *ix, uint64_t h, uint64_t addr)
 {
-    const struct index_dirent *de = &ix->dir[dir_pos(ix, hash_top24(h))];
+    const struct index_dirent *de = dir_of(ix, hash_top24(h));
     struct index_slot *slots = de->seg->slots;
     uint32_t cap = (uint32_t)de->cap;
     uint64_t want = (h & TAG_MASK) | addr;
@@ -464,7 +529,7 @@ struct index_slot *index_find_addr(struct index *ix, uint64_t h, uint64_t addr)
  * when that slot is empty, at the next. */
 int index_holds(const struct index *ix, uint64_t h, uint64_t addr)
 {
-    const struct index_dirent *de = &ix->dir[dir_pos(ix, hash_top24(h))];
+    const struct index_dirent *de = dir_of(ix, hash_top24(h));
     const struct index_slot *slots = de->seg->slots;
     uint32_t cap = (uint32_t)de->cap;
     uint64_t want = (h & TAG_MASK) | addr;
@@ -537,7 +602,7 @@ struct index_slot *index_insert_ordered(struct index *ix, uint64_t h, uint64_t a
 void index_remove(struct index *ix, struct index_slot *slot)
 {
     IDEM_ASSERT(slot->addr_tag != 0);
-    struct index_seg *seg = ix->dir[dir_pos(ix, hash_top24(slot->addr_tag))].seg;
+    struct index_seg *seg = dir_of(ix, hash_top24(slot->addr_tag))->seg;
     IDEM_ASSERT(slot >= seg->slots && slot < seg->slots + seg->cap);
     uint32_t cap = seg->cap;
     uint32_t hole = (uint32_t)(slot - seg->slots);
@@ -568,10 +633,15 @@ bool index_check(const struct index *ix)
 {
     size_t n = (size_t)1 << ix->global_depth;
     uint64_t count = 0;
+    if (ix->old_dir ? ix->dir_ready >= n || ix->dir_ready % 2 : ix->dir_ready != n) return false;
+    for (size_t i = 0; ix->old_dir && i < ix->dir_ready / 2; i++)
+        if (ix->old_dir[i].seg) return false; /* below dir_ready every old entry was moved */
     for (size_t i = 0; i < n;) {
-        const struct index_seg *seg = ix->dir[i].seg;
+        const struct index_seg *seg = dir_at(ix, i)->seg;
         uint32_t shift = ix->global_depth - seg->local_depth;
-        if (ix->dir[i].cap != seg->cap || !seg_check(seg, (uint32_t)(i >> shift))) return false;
+        for (size_t j = i; j < i + ((size_t)1 << shift); j++)
+            if (dir_at(ix, j)->seg != seg || dir_at(ix, j)->cap != seg->cap) return false;
+        if (!seg_check(seg, (uint32_t)(i >> shift))) return false;
         count += seg->count;
         i += (size_t)1 << shift;
     }
@@ -588,14 +658,31 @@ uint64_t index_segments(const struct index *ix)
     return ix->seg_count;
 }
 
+/* The directory's bytes, with the old one while a doubling is under way. */
+static size_t dir_bytes(const struct index *ix)
+{
+    size_t n = (size_t)1 << ix->global_depth;
+    return (n + (ix->old_dir ? n / 2 : 0)) * sizeof(*ix->dir);
+}
+
 size_t index_memory_bytes(struct index *ix)
 {
-    return imem_bytes(&ix->mem) + ((size_t)sizeof(*ix->dir) << ix->global_depth) + sizeof(*ix);
+    return imem_bytes(&ix->mem) + dir_bytes(ix) + sizeof(*ix);
 }
 
 size_t index_live_bytes(const struct index *ix)
 {
-    return ix->mem.live_bytes + ((size_t)sizeof(*ix->dir) << ix->global_depth) + sizeof(*ix);
+    return ix->mem.live_bytes + dir_bytes(ix) + sizeof(*ix);
+}
+
+void index_set_dir_move_step(struct index *ix, size_t entries)
+{
+    ix->dir_move_step = entries > 0 ? entries : 1;
+}
+
+size_t index_dir_unmoved(const struct index *ix)
+{
+    return ix->old_dir ? ((size_t)1 << (ix->global_depth - 1)) - ix->dir_ready / 2 : 0;
 }
 
 int index_start_ahead(struct index *ix)
@@ -661,7 +748,7 @@ uint64_t index_scan(struct index *ix, uint64_t cursor, uint32_t max_slots,
     if (prefix >= (UINT64_C(1) << INDEX_DEPTH_MAX))
         return 0; /* not a cursor this function returned */
     while (budget > 0) {
-        struct index_seg *seg = ix->dir[dir_pos(ix, (uint32_t)prefix)].seg;
+        struct index_seg *seg = dir_of(ix, (uint32_t)prefix)->seg;
         uint32_t block = UINT32_C(1) << (INDEX_DEPTH_MAX - seg->local_depth);
         if ((prefix & (block - 1)) != 0) {
             /* Only a cursor not from this function: restart its block (revisits, misses none). */

@@ -113,6 +113,11 @@ uint64_t index_max_split_cpu_us(const struct index *ix);
 /* Blocks carved past the memory faulted in ahead (index_mem.h): their page faults were taken
  * under the owner's lock. */
 uint64_t index_cold_blocks(struct index *ix);
+/* Old directory entries a growth step moves while the directory doubles (default 2048); for
+ * tests, which make doublings span many steps with a small one. */
+void index_set_dir_move_step(struct index *ix, size_t entries);
+/* Old directory entries a doubling under way has yet to move past (0: none under way). */
+size_t index_dir_unmoved(const struct index *ix);
 
 /*
  * Cursor iteration, Redis SCAN style: visits the slots of about max_slots positions starting at

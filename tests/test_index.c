@@ -87,9 +87,12 @@ static void model_check_all(struct index *ix, const struct model_key *keys, uint
     }
 }
 
-Test(index, random_ops_match_model)
+/* Random inserts, finds, aux updates and removals against the model; move_step 0 keeps the
+ * index's own step for moving directory entries while it doubles. Returns the operations after
+ * which a doubling was under way. */
+static uint64_t random_ops(const char *name, size_t move_step)
 {
-    uint64_t seed = tu_seed("index.random_ops_match_model");
+    uint64_t seed = tu_seed(name);
     uint64_t rng = seed;
     uint64_t n = 20000;
     uint64_t ops = tu_count(200000, 5000000);
@@ -99,8 +102,10 @@ Test(index, random_ops_match_model)
         keys[k].h = model_hash(seed, k);
     struct index *ix;
     cr_assert_eq(index_create(0, &ix), 0);
-    uint64_t present = 0;
+    if (move_step) index_set_dir_move_step(ix, move_step);
+    uint64_t present = 0, doubling = 0;
     for (uint64_t op = 0; op < ops; op++) {
+        doubling += index_dir_unmoved(ix) > 0;
         uint64_t k = tu_rand(&rng) % n;
         struct model_key *m = &keys[k];
         struct index_slot *s = find_addr(ix, m->h, k + 1);
@@ -134,11 +139,28 @@ Test(index, random_ops_match_model)
                 present--;
             }
         }
-        if (op % 50000 == 0) model_check_all(ix, keys, n, present, seed);
+        if (op % 50000 == 0 || (move_step && index_dir_unmoved(ix) && op % 997 == 0))
+            model_check_all(ix, keys, n, present, seed);
     }
     model_check_all(ix, keys, n, present, seed);
     index_destroy(ix);
     free(keys);
+    return doubling;
+}
+
+Test(index, random_ops_match_model)
+{
+    random_ops("index.random_ops_match_model", 0);
+}
+
+/* Doublings that take many growth steps: lookups, inserts, removals, grows and splits (and a
+ * next doubling, which finishes the one under way) meet old entries not moved yet. */
+Test(index, random_ops_match_model_while_the_directory_doubles_in_steps)
+{
+    uint64_t one = random_ops("index.random_ops_doubling_in_steps_of_1", 1);
+    uint64_t three = random_ops("index.random_ops_doubling_in_steps_of_3", 3);
+    cr_assert_gt(one, 1000, "doublings spanned %llu operations", (unsigned long long)one);
+    cr_assert_gt(three, 100, "doublings spanned %llu operations", (unsigned long long)three);
 }
 
 Test(index, growth_to_1m_keeps_every_entry)
@@ -148,10 +170,15 @@ Test(index, growth_to_1m_keeps_every_entry)
     struct index *ix;
     cr_assert_eq(index_create(0, &ix), 0);
     /* splitmix64 is a bijection: distinct inputs give distinct hashes. */
-    for (uint64_t i = 0; i < n; i++)
+    uint64_t doubling = 0;
+    for (uint64_t i = 0; i < n; i++) {
         cr_assert_not_null(index_insert(ix, mix(seed + i), i + 1, (uint32_t)(i * 7)));
+        doubling += index_dir_unmoved(ix) > 0;
+    }
     cr_assert_eq(index_count(ix), n);
     cr_assert(index_check(ix));
+    /* The last doublings (4 Ki entries and more) took more than one step of 2048. */
+    cr_assert_gt(doubling, 0);
     for (uint64_t i = 0; i < n; i++) {
         struct index_slot *s = find_addr(ix, mix(seed + i), i + 1);
         cr_assert_not_null(s, "entry %llu lost (seed %llu)", (unsigned long long)i,
@@ -216,6 +243,7 @@ Test(index, scan_visits_every_entry_across_splits)
     uint64_t initial = 50000, extra = 150000;
     struct index *ix;
     cr_assert_eq(index_create(0, &ix), 0);
+    index_set_dir_move_step(ix, 2); /* scans meet doublings under way */
     for (uint64_t i = 0; i < initial; i++)
         cr_assert_not_null(index_insert(ix, model_hash(seed, i), i + 1, 0));
     struct scan_state st = {.seen = calloc(initial + extra, 1), .n_addr = initial + extra};
