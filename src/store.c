@@ -1700,7 +1700,7 @@ void idem_get_stats(idem_store *s, idem_stats *out)
     out->clock_skew_ms = out->store_clock_ms - s->clock.wall_ms(s->clock.ctx);
     out->wal_bytes = wal_bytes(s->wal);
     out->memory_bytes = index_memory_bytes(s->ix) + (uint64_t)s->seen_cap * sizeof *s->seen +
-                        (uint64_t)(WAL_CHUNKS_MAX - wal_chunks_free(s->wal)) * WAL_CHUNK_BYTES;
+                        wal_buffer_bytes(s->wal);
     for (int k = 0; k < AGE_KINDS; k++)
         out->memory_bytes += (uint64_t)s->ages[k].cap * sizeof *s->ages[k].v;
     out->max_keys = s->opt.max_keys;

@@ -80,6 +80,7 @@ struct wal {
     int ninfl;
     int free_list[WAL_CHUNKS_MAX];
     int nfree;
+    int nbufs; /* chunk buffers allocated (lazily, kept until wal_close) */
     /* Within one operation (wal_check_scope), the last frame read from a map whose checksum
      * was checked: an update reads the version it replaces twice (lookup, then the bytes it
      * frees), and frames never change once written. Nothing outside an operation uses it. */
@@ -233,6 +234,7 @@ static struct wal_chunk *chunk_new(struct wal *w)
     if (!c->buf) {
         c->buf = aligned_alloc(WAL_BLOCK, WAL_CHUNK_BYTES);
         if (!c->buf) return NULL;
+        w->nbufs++;
     }
     w->nfree--;
     IDEM_ASSERT(w->cur_off % WAL_BLOCK == 0);
@@ -618,6 +620,10 @@ int wal_pending(const struct wal *w)
 int wal_chunks_free(const struct wal *w)
 {
     return w->nfree;
+}
+uint64_t wal_buffer_bytes(const struct wal *w)
+{
+    return (uint64_t)w->nbufs * WAL_CHUNK_BYTES;
 }
 uint64_t wal_bytes(const struct wal *w)
 {

@@ -181,6 +181,7 @@ uint64_t wal_durable_lsn(const struct wal *w);  /* last LSN on stable storage */
 int wal_pending(const struct wal *w);           /* nonzero: frames wait for a flush */
 uint64_t wal_flush_frames(const struct wal *w); /* RECORD/DELETE frames in the batch in flight */
 int wal_chunks_free(const struct wal *w);       /* chunk buffers not pending or in flight */
+uint64_t wal_buffer_bytes(const struct wal *w); /* chunk buffers allocated, in use or kept */
 uint64_t wal_bytes(const struct wal *w);        /* bytes of all segments */
 /* Where the next batch starts: a checkpoint taken now replays from here. */
 void wal_position(const struct wal *w, uint64_t *seq, uint32_t *off);

@@ -3241,6 +3241,19 @@ Test(stats, the_first_stats_after_a_committed_burst_keeps_only_what_is_in_flight
     cr_assert_eq(stats().oldest_in_flight_ms, 0);
 }
 
+/* The log's chunk buffers are allocated as a burst needs them and kept until close: between
+ * flushes, with none pending, they are still the process's memory and count in memory_bytes. */
+Test(stats, memory_counts_the_log_buffers_kept_between_flushes)
+{
+    claim_new("a"); /* sync: its chunk is flushed and released before the claim returns */
+    idem_stats a = stats();
+    pthread_mutex_lock(&g_s->mu);
+    uint64_t index_bytes = index_memory_bytes(g_s->ix);
+    pthread_mutex_unlock(&g_s->mu);
+    cr_assert_geq(a.memory_bytes, index_bytes + WAL_CHUNK_BYTES,
+                  "memory_bytes %" PRIu64 ", index %" PRIu64, a.memory_bytes, index_bytes);
+}
+
 Test(stats, empty_store_has_no_oldest_records)
 {
     idem_stats a = stats();
