@@ -6,13 +6,15 @@
  * global_depth bits of the 64-bit hash (global_depth <= INDEX_DEPTH_MAX = 24, the hash bits kept in
  * addr_tag). A segment of local depth ld covers the 2^(global_depth - ld) consecutive directory
  * entries that share its top-ld-bit prefix; every one points to it.
- *   - Doubling in steps: copying the whole directory at once took 175-250 us at 6 M keys (16 Ki
+ *   - Doubling in steps: copying the whole directory at once took 175-250 us at 10 Mi keys (16 Ki
  *     entries, most of it faulting in the new array), and twice that per further doubling. So a
  *     doubling only allocates the new array and keeps the old one (old_dir): old entry i stands
  *     for new entries 2i and 2i+1 until it is moved, which copies it into both and clears its
  *     seg. Every growth step moves the next dir_move_step old entries, and a step that rewrites
  *     directory entries first moves the old ones it covers. Entries below dir_ready are all moved;
- *     at or above it, a lookup reads the old entry unless that one was moved (dir_at).
+ *     at or above it, a lookup reads the old entry unless that one was moved (dir_at). Only
+ *     growth moves entries: an index that stops growing keeps the old array (half the
+ *     directory's size) until it grows again.
  *   - Segment: one block (index_mem.c), a 16-byte header then cap slots (struct index_slot). Linear
  *     probing, wrapping at cap. A slot is empty iff addr_tag == 0 (addresses are never 0).
  *     An entry's home position is fastrange(hash_lo, cap) = hash_lo * cap >> 32, so the home
@@ -305,7 +307,8 @@ static int seg_grow(struct index *ix, struct index_seg *seg, uint32_t top24)
     IDEM_ASSERT(nseg->count == seg->count);
     uint32_t shift = ix->global_depth - seg->local_depth;
     size_t first = (dir_pos(ix, top24) >> shift) << shift;
-    IDEM_DEBUG_ASSERT(dir_at(ix, first)->seg == seg);
+    IDEM_ASSERT(dir_at(ix, first)->seg == seg &&
+                dir_at(ix, first + ((size_t)1 << shift) - 1)->seg == seg);
     dir_set(ix, first, (size_t)1 << shift, nseg);
     seg_free(ix, seg);
     IDEM_DEBUG_ASSERT(seg_check(nseg, (uint32_t)((uint64_t)top24 >> (24 - nseg->local_depth))));
@@ -340,7 +343,7 @@ static int seg_split(struct index *ix, struct index_seg *seg, uint32_t top24)
     uint32_t shift = ix->global_depth - seg->local_depth;
     size_t first = (dir_pos(ix, top24) >> shift) << shift;
     size_t n = (size_t)1 << shift;
-    IDEM_DEBUG_ASSERT(dir_at(ix, first)->seg == seg && dir_at(ix, first + n - 1)->seg == seg);
+    IDEM_ASSERT(dir_at(ix, first)->seg == seg && dir_at(ix, first + n - 1)->seg == seg);
     dir_set(ix, first, n / 2, half[0]);
     dir_set(ix, first + n / 2, n / 2, half[1]);
     seg_free(ix, seg);

@@ -87,10 +87,31 @@ static void model_check_all(struct index *ix, const struct model_key *keys, uint
     }
 }
 
-/* Random inserts, finds, aux updates and removals against the model; move_step 0 keeps the
- * index's own step for moving directory entries while it doubles. Returns the operations after
- * which a doubling was under way. */
-static uint64_t random_ops(const char *name, size_t move_step)
+/* What a doubling of the directory in steps went through, watched after every operation:
+ * operations while one was under way, growth steps that moved entries and left some, doublings
+ * that growth steps finished (a next doubling finishing one does not count). */
+struct dir_watch {
+    uint64_t doubling, progress, finished;
+    size_t last;
+};
+
+static void dir_watch(struct dir_watch *w, const struct index *ix)
+{
+    size_t unmoved = index_dir_unmoved(ix);
+    w->doubling += unmoved > 0;
+    if (unmoved < w->last) {
+        if (unmoved > 0)
+            w->progress++;
+        else
+            w->finished++;
+    }
+    w->last = unmoved;
+}
+
+/* Random inserts, finds, aux updates and removals against the model, on model_hash's clustered
+ * hashes or on uniform ones; move_step 0 keeps the index's own step for moving directory
+ * entries while it doubles. */
+static struct dir_watch random_ops(const char *name, size_t move_step, bool uniform)
 {
     uint64_t seed = tu_seed(name);
     uint64_t rng = seed;
@@ -99,13 +120,14 @@ static uint64_t random_ops(const char *name, size_t move_step)
     struct model_key *keys = calloc(n, sizeof(*keys));
     cr_assert_not_null(keys);
     for (uint64_t k = 0; k < n; k++)
-        keys[k].h = model_hash(seed, k);
+        keys[k].h = uniform ? mix(seed ^ (k * 0x9e3779b97f4a7c15ull)) : model_hash(seed, k);
     struct index *ix;
     cr_assert_eq(index_create(0, &ix), 0);
     if (move_step) index_set_dir_move_step(ix, move_step);
-    uint64_t present = 0, doubling = 0;
+    uint64_t present = 0;
+    struct dir_watch w = {0};
     for (uint64_t op = 0; op < ops; op++) {
-        doubling += index_dir_unmoved(ix) > 0;
+        dir_watch(&w, ix);
         uint64_t k = tu_rand(&rng) % n;
         struct model_key *m = &keys[k];
         struct index_slot *s = find_addr(ix, m->h, k + 1);
@@ -145,22 +167,40 @@ static uint64_t random_ops(const char *name, size_t move_step)
     model_check_all(ix, keys, n, present, seed);
     index_destroy(ix);
     free(keys);
-    return doubling;
+    return w;
 }
 
 Test(index, random_ops_match_model)
 {
-    random_ops("index.random_ops_match_model", 0);
+    random_ops("index.random_ops_match_model", 0, false);
+}
+
+static void expect_steps(struct dir_watch w, const char *what, bool finished_by_steps)
+{
+    fprintf(stderr,
+            "index: %s: %llu ops while doubling, %llu steps moved entries, %llu doublings "
+            "finished by steps\n",
+            what, (unsigned long long)w.doubling, (unsigned long long)w.progress,
+            (unsigned long long)w.finished);
+    cr_assert_gt(w.doubling, 100, "%s: doublings spanned %llu operations", what,
+                 (unsigned long long)w.doubling);
+    cr_assert_gt(w.progress, 10, "%s: growth steps moved directory entries %llu times", what,
+                 (unsigned long long)w.progress);
+    if (finished_by_steps) cr_assert_gt(w.finished, 0, "%s: no doubling finished by steps", what);
 }
 
 /* Doublings that take many growth steps: lookups, inserts, removals, grows and splits (and a
- * next doubling, which finishes the one under way) meet old entries not moved yet. */
+ * next doubling, which finishes the one under way) meet old entries not moved yet. The clustered
+ * hashes reach depth 21, where the next doubling mostly comes before growth steps finish one;
+ * on uniform hashes growth steps finish them. */
 Test(index, random_ops_match_model_while_the_directory_doubles_in_steps)
 {
-    uint64_t one = random_ops("index.random_ops_doubling_in_steps_of_1", 1);
-    uint64_t three = random_ops("index.random_ops_doubling_in_steps_of_3", 3);
-    cr_assert_gt(one, 1000, "doublings spanned %llu operations", (unsigned long long)one);
-    cr_assert_gt(three, 100, "doublings spanned %llu operations", (unsigned long long)three);
+    expect_steps(random_ops("index.random_ops_doubling_in_steps_of_1", 1, false),
+                 "clustered, step 1", false);
+    expect_steps(random_ops("index.random_ops_doubling_in_steps_of_3", 3, false),
+                 "clustered, step 3", false);
+    expect_steps(random_ops("index.random_ops_doubling_uniform_step_1", 1, true), "uniform, step 1",
+                 true);
 }
 
 Test(index, growth_to_1m_keeps_every_entry)
@@ -169,16 +209,16 @@ Test(index, growth_to_1m_keeps_every_entry)
     uint64_t seed = tu_seed("index.growth_to_1m_keeps_every_entry");
     struct index *ix;
     cr_assert_eq(index_create(0, &ix), 0);
+    index_set_dir_move_step(ix, 16); /* doublings from 32 entries on span growth steps */
     /* splitmix64 is a bijection: distinct inputs give distinct hashes. */
-    uint64_t doubling = 0;
+    struct dir_watch w = {0};
     for (uint64_t i = 0; i < n; i++) {
         cr_assert_not_null(index_insert(ix, mix(seed + i), i + 1, (uint32_t)(i * 7)));
-        doubling += index_dir_unmoved(ix) > 0;
+        dir_watch(&w, ix);
     }
     cr_assert_eq(index_count(ix), n);
     cr_assert(index_check(ix));
-    /* The last doublings (4 Ki entries and more) took more than one step of 2048. */
-    cr_assert_gt(doubling, 0);
+    expect_steps(w, "growth", true);
     for (uint64_t i = 0; i < n; i++) {
         struct index_slot *s = find_addr(ix, mix(seed + i), i + 1);
         cr_assert_not_null(s, "entry %llu lost (seed %llu)", (unsigned long long)i,
