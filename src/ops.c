@@ -1195,7 +1195,24 @@ struct check_ctx {
     idem_store *s;
     uint64_t entries, faults;
     uint64_t by_state[4];
+    uint64_t *ages[AGE_KINDS]; /* the heaps' addresses, sorted */
+    size_t ages_n[AGE_KINDS];
 };
+
+/* Whether the heap of kind holds an entry for the version at addr. */
+static bool check_aged(const struct check_ctx *cc, int kind, uint64_t addr)
+{
+    const uint64_t *v = cc->ages[kind];
+    size_t lo = 0, hi = cc->ages_n[kind];
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (v[mid] < addr)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo < cc->ages_n[kind] && v[lo] == addr;
+}
 
 static void check_one(void *ctx, struct index_slot *slot)
 {
@@ -1215,12 +1232,21 @@ static void check_one(void *ctx, struct index_slot *slot)
     if (!(slot->aux & SLOT_AUX_APART) != !apart) cc->faults++;
     /* The key must lead back to this very slot: no duplicate, no stray entry. */
     if (ops_find(cc->s, r.key, r.key_len, &again, &lsn) != slot) cc->faults++;
+    /* Its kinds' heaps hold the version: filtering never dropped a current entry. */
+    uint64_t addr = index_slot_addr(slot);
+    if ((r.state == IDEM_STATE_IN_FLIGHT && !check_aged(cc, AGE_IN_FLIGHT, addr)) ||
+        (r.state == IDEM_STATE_REVIEW && !check_aged(cc, AGE_REVIEW, addr)) ||
+        (r.mismatch_count > 0 && !check_aged(cc, AGE_MISMATCH, addr)))
+        cc->faults++;
 }
 
 int store_check_index(idem_store *s, uint64_t *entries)
 {
     struct check_ctx cc = {.s = s};
     pthread_mutex_lock(&s->mu);
+    for (int k = 0; k < AGE_KINDS; k++)
+        cc.ages[k] = ages_sorted_addrs(s, k, &cc.ages_n[k]);
+    if (!ages_ordered(s)) cc.faults++;
     uint64_t cursor = 0;
     do {
         cursor = index_scan(s->ix, cursor, 65536, check_one, &cc);
@@ -1231,6 +1257,8 @@ int store_check_index(idem_store *s, uint64_t *entries)
         cc.by_state[IDEM_STATE_REVIEW] != s->st.keys_review)
         cc.faults++;
     pthread_mutex_unlock(&s->mu);
+    for (int k = 0; k < AGE_KINDS; k++)
+        free(cc.ages[k]);
     if (entries) *entries = cc.entries;
     return cc.faults ? IDEM_ECORRUPT : 0;
 }

@@ -115,9 +115,17 @@ struct age_entry {
 };
 #define AGE_TIME_BIAS (INT64_C(1) << 47)
 
+/* Entries beyond twice the records of a kind before its heap is filtered: about 1.2 index
+ * checks per push. */
+#define AGES_SLACK 16384u
+/* Entries a push checks while a filtering pass is under way: about 5 us. */
+#define AGES_FILTER_STEP 64u
+
 struct age_heap {
     struct age_entry *v;
     size_t n, cap;
+    size_t filter_left; /* a filtering pass under way (ages.c) has v[0, filter_left) to check */
+    int filtering;
 };
 
 enum age_kind { AGE_IN_FLIGHT = 0, AGE_REVIEW = 1, AGE_MISMATCH = 2, AGE_KINDS = 3 };
@@ -287,7 +295,8 @@ int store_ckpt_step(idem_store *s);
 void store_test_wake_delay(idem_store *s, uint32_t us);
 
 /* Tests: walks the whole index; every entry must name a decodable record whose key leads back
- * to it, and the per-state counts must match. IDEM_ECORRUPT on any fault. */
+ * to it and that its kinds' age heaps hold, the per-state counts must match and the age heaps
+ * be in heap order. IDEM_ECORRUPT on any fault. */
 int store_check_index(idem_store *s, uint64_t *entries);
 
 /* ---- store.c, for ops.c ---- */
@@ -396,6 +405,10 @@ void ages_note(idem_store *s, const struct rec *r, uint64_t h, uint64_t addr);
 int64_t ages_oldest(idem_store *s, int kind);
 /* Addresses of every record of kind (at most max), in no particular order. */
 size_t ages_list(idem_store *s, int kind, uint64_t *addrs, size_t max);
+/* For the consistency check, under mu: whether every heap is in heap order, and the log
+ * addresses a heap holds, sorted (malloc'd, NULL when out of memory or empty). */
+bool ages_ordered(const idem_store *s);
+uint64_t *ages_sorted_addrs(const idem_store *s, int kind, size_t *n);
 void ages_free(idem_store *s);
 
 /* ---- audit.c ---- */

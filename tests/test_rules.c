@@ -3185,29 +3185,49 @@ Test(stats, last_minute_counts_claims_and_duplicates)
     cr_assert_eq(a.duplicates_last_minute - b.duplicates_last_minute, 3);
 }
 
-/* 40,000 claims committed after the oldest one push far more age entries than 2 x in_flight +
- * 16384, so the heap is rebuilt from the index alone (index_holds on 40 hash bits): the two
- * unfinished records must stay, and the oldest age must still be exact. */
-Test(stats, oldest_in_flight_survives_the_age_heap_rebuild)
+/* With records left in flight, claims committed one by one leave stale age entries behind: the
+ * heap is filtered in steps of AGES_FILTER_STEP entries per push (a whole heap at once was about
+ * 1 ms under the lock), it stays within its bound plus one pass's pushes, the passes remove what
+ * is stale and keep every record still in flight (store_check_index). */
+Test(stats, the_age_heap_is_filtered_a_step_at_a_time)
 {
     g_opts.durability = IDEM_DURABILITY_NONE;
     reopen();
     int64_t t_old = idem_clock_now(g_s);
     int64_t old = claim_new("old");
     at(1000);
+    size_t in_flight = 1, prev = 0, low_after_peak = SIZE_MAX, peak = 0, peak_bound = 0;
     char key[32];
-    for (int i = 0; i < 40000; i++) {
+    for (int i = 0; i < 3 * (int)AGES_SLACK; i++) {
         snprintf(key, sizeof key, "k%d", i);
-        commit_ok(key, claim_new(key), "r");
+        int64_t tok = claim_new(key);
+        if (i % 1000 == 7)
+            in_flight++; /* stays in flight */
+        else
+            commit_ok(key, tok, "r");
+        size_t bound = 2 * in_flight + AGES_SLACK, pass = bound / AGES_FILTER_STEP + 2;
+        pthread_mutex_lock(&g_s->mu);
+        size_t n = g_s->ages[AGE_IN_FLIGHT].n;
+        pthread_mutex_unlock(&g_s->mu);
+        cr_assert_leq(prev, n + AGES_FILTER_STEP, "claim %d: %zu age entries, then %zu", i, prev,
+                      n);
+        cr_assert_leq(n, bound + pass, "claim %d: %zu age entries", i, n);
+        if (n > peak) {
+            peak = n;
+            peak_bound = bound;
+        }
+        if (peak > peak_bound && n < low_after_peak) low_after_peak = n;
+        prev = n;
+        if (i % 4099 == 0) cr_assert_eq(store_check_index(g_s, NULL), IDEM_OK, "claim %d", i);
     }
-    at(2000);
-    claim_new("young");
+    cr_assert_eq(store_check_index(g_s, NULL), IDEM_OK);
+    cr_assert_gt(peak, peak_bound, "no pass began (peak %zu)", peak);
+    cr_assert_lt(low_after_peak, 1000, "a pass left %zu entries", low_after_peak);
     idem_stats a = stats();
-    cr_assert_eq(a.keys_in_flight, 2);
-    cr_assert_eq(a.oldest_in_flight_ms, t_old, "oldest_in_flight_ms %" PRId64 ", expected %" PRId64,
-                 a.oldest_in_flight_ms, t_old);
+    cr_assert_eq(a.keys_in_flight, in_flight);
+    cr_assert_eq(a.oldest_in_flight_ms, t_old);
     commit_ok("old", old, "r");
-    cr_assert_eq(stats().oldest_in_flight_ms, t0 + 2000);
+    cr_assert_eq(stats().oldest_in_flight_ms, t0 + 1000);
 }
 
 /* A burst of 40,000 claims pushes its age entries while they are all in flight (no rebuild);
