@@ -16,8 +16,10 @@
  * removes any element (the last one moved into the hole and sifted), so the heap stays a heap
  * between steps and no push pays for the whole heap (a rebuild at once took about 1 ms every
  * 18,000 claims with 1,000 in flight). The pass walks from the end, where removals are cheap.
- * Before the oldest entry is looked for in a heap mostly stale, and for the attention list, the
- * heap is rebuilt at once. Both check only the index: an entry stays while a slot with its hash
+ * Commits push nothing, so the flusher also takes steps between its rounds (ages_tidy): a burst
+ * of claims committed since is filtered before a stats call finds it. Before the oldest entry is
+ * looked for in a heap still mostly stale, and for the attention list, the heap is rebuilt at
+ * once. Both check only the index: an entry stays while a slot with its hash
  * bits holds its address (a record never changes at its address, so it still has its kind and
  * time). That reads no log. The top of a heap and the attention list are checked in full, record
  * and key, before anything is reported: a log address reused by a later segment for another
@@ -190,18 +192,35 @@ static void filter_step(idem_store *s, struct age_heap *h, int kind, size_t budg
     if (left == 0) h->filtering = 0;
 }
 
-static void heap_push(idem_store *s, int kind, int64_t t, uint64_t hash, uint64_t addr)
+/* One step of filtering, starting a pass if the heap is past its bound. Returns whether it
+ * did work. */
+static int filter_if_due(idem_store *s, int kind, size_t budget)
 {
     struct age_heap *h = &s->ages[kind];
     if (!h->filtering && h->n > 2 * kind_count(s, kind) + AGES_SLACK) {
         h->filtering = 1;
         h->filter_left = h->n;
     }
-    if (h->filtering && !s->ages_rebuilding) {
-        s->ages_rebuilding = 1;
-        filter_step(s, h, kind, AGES_FILTER_STEP);
-        s->ages_rebuilding = 0;
-    }
+    if (!h->filtering || s->ages_rebuilding) return 0;
+    s->ages_rebuilding = 1;
+    filter_step(s, h, kind, budget);
+    s->ages_rebuilding = 0;
+    return 1;
+}
+
+int ages_tidy(idem_store *s)
+{
+    if (s->test_no_tidy) return 0;
+    int worked = 0;
+    for (int k = 0; k < AGE_KINDS; k++)
+        worked |= filter_if_due(s, k, AGES_TIDY_STEP);
+    return worked;
+}
+
+static void heap_push(idem_store *s, int kind, int64_t t, uint64_t hash, uint64_t addr)
+{
+    struct age_heap *h = &s->ages[kind];
+    filter_if_due(s, kind, AGES_FILTER_STEP);
     if (h->n == h->cap) {
         size_t cap = h->cap ? h->cap + h->cap / 2 : 256; /* 1.5x: at most a third unused */
         struct age_entry *v = util_map_grow(h->v, h->cap * sizeof *v, cap * sizeof *v);

@@ -554,7 +554,14 @@ static void *flusher_main(void *arg)
             pthread_mutex_lock(&s->mu);
             stepped = 1;
         }
-        if (maintained || stepped || flushed) continue;
+        /* A step of the age heaps' filtering (ages.c), then callers get the lock again. */
+        int tidied = !s->abandoned && !s->fatal && ages_tidy(s);
+        if (tidied) {
+            pthread_mutex_unlock(&s->mu);
+            sched_yield();
+            pthread_mutex_lock(&s->mu);
+        }
+        if (maintained || stepped || flushed || tidied) continue;
         if (s->waiters) ops_wake(s, NULL, 0);
         /* After a fatal error nothing pending will ever be flushed. */
         if (s->closing && (s->fatal || !wal_pending(s->wal))) break;
@@ -1970,6 +1977,13 @@ void store_test_wake_delay(idem_store *s, uint32_t us)
 {
     pthread_mutex_lock(&s->mu);
     s->test_wake_delay_us = us;
+    pthread_mutex_unlock(&s->mu);
+}
+
+void store_test_ages_tidy(idem_store *s, int on)
+{
+    pthread_mutex_lock(&s->mu);
+    s->test_no_tidy = !on;
     pthread_mutex_unlock(&s->mu);
 }
 

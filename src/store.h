@@ -120,6 +120,8 @@ struct age_entry {
 #define AGES_SLACK 16384u
 /* Entries a push checks while a filtering pass is under way: about 5 us. */
 #define AGES_FILTER_STEP 64u
+/* Entries the flusher checks per round (ages_tidy): about 20 us. */
+#define AGES_TIDY_STEP 256u
 
 struct age_heap {
     struct age_entry *v;
@@ -175,6 +177,7 @@ struct idem_store {
     struct idem_queue *wake_head, *wake_tail;
     uint32_t notifying;          /* pins held on all queues (atomic; for tests) */
     uint32_t test_wake_delay_us; /* store_test_wake_delay */
+    int test_no_tidy;            /* store_test_ages_tidy */
     int closing;
     int abandoned;    /* store_abandon: the flusher stops at once, nothing more is written */
     int no_wait;      /* idem_cancel_waits: claims answer busy at once */
@@ -293,6 +296,9 @@ int store_ckpt_step(idem_store *s);
 /* Tests: the end of each flush waits `us` microseconds after letting go of the lock and before
  * it wakes the waiting threads (notify_ready_unlocked), so a test can act in between. */
 void store_test_wake_delay(idem_store *s, uint32_t us);
+/* Tests: whether the flusher takes steps of the age heaps' filtering (ages_tidy; default on), so
+ * that a test can watch what pushes alone do. */
+void store_test_ages_tidy(idem_store *s, int on);
 
 /* Tests: walks the whole index; every entry must name a decodable record whose key leads back
  * to it and that its kinds' age heaps hold, the per-state counts must match and the age heaps
@@ -403,6 +409,9 @@ int compact_wants_checkpoint(idem_store *s);
 void ages_note(idem_store *s, const struct rec *r, uint64_t h, uint64_t addr);
 /* The time (first_seen, or last_mismatch for AGE_MISMATCH) of the oldest of kind, 0 if none. */
 int64_t ages_oldest(idem_store *s, int kind);
+/* On the flusher, under mu: one step of filtering each heap past its bound (a burst of claims
+ * committed since pushes nothing to carry a pass). Returns whether it did work. */
+int ages_tidy(idem_store *s);
 /* Addresses of every record of kind (at most max), in no particular order. */
 size_t ages_list(idem_store *s, int kind, uint64_t *addrs, size_t max);
 /* For the consistency check, under mu: whether every heap is in heap order, and the log

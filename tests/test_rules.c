@@ -3193,6 +3193,7 @@ Test(stats, the_age_heap_is_filtered_a_step_at_a_time)
 {
     g_opts.durability = IDEM_DURABILITY_NONE;
     reopen();
+    store_test_ages_tidy(g_s, 0); /* pushes alone */
     int64_t t_old = idem_clock_now(g_s);
     int64_t old = claim_new("old");
     at(1000);
@@ -3230,6 +3231,38 @@ Test(stats, the_age_heap_is_filtered_a_step_at_a_time)
     cr_assert_eq(stats().oldest_in_flight_ms, t0 + 1000);
 }
 
+/* Commits push no age entries: after a burst of claims committed but one, the flusher filters
+ * the heap in steps between its rounds, with no stats call and no further claim, until it is
+ * within its bound (entries committed after the pass went by stay until the next pass), so the
+ * stats call has no heap to filter at once. */
+Test(stats, the_flusher_filters_the_age_heap_after_a_committed_burst)
+{
+    g_opts.durability = IDEM_DURABILITY_NONE;
+    reopen();
+    static int64_t tokens[40000];
+    char key[32];
+    int64_t t_claims = idem_clock_now(g_s);
+    for (int i = 0; i < 40000; i++) {
+        snprintf(key, sizeof key, "k%d", i);
+        tokens[i] = claim_new(key);
+    }
+    for (int i = 0; i < 40000; i++) {
+        snprintf(key, sizeof key, "k%d", i);
+        if (i != 777) commit_ok(key, tokens[i], "r");
+    }
+    const size_t bound = 2 * 1 + AGES_SLACK;
+    size_t left = SIZE_MAX;
+    for (int ms = 0; ms < 20000 && left > bound; ms++) {
+        pthread_mutex_lock(&g_s->mu);
+        left = g_s->ages[AGE_IN_FLIGHT].n;
+        pthread_mutex_unlock(&g_s->mu);
+        if (left > bound) usleep(1000);
+    }
+    cr_assert_leq(left, bound, "%zu age entries kept for 1 record in flight", left);
+    cr_assert_eq(store_check_index(g_s, NULL), IDEM_OK);
+    cr_assert_eq(stats().oldest_in_flight_ms, t_claims);
+}
+
 /* A burst of 40,000 claims pushes its age entries while they are all in flight (no rebuild);
  * once all but one are committed, the first stats call filters the heap at once: the one left
  * is the oldest, and the heap keeps no stale entry behind it (popping from the top alone would
@@ -3238,6 +3271,7 @@ Test(stats, the_first_stats_after_a_committed_burst_keeps_only_what_is_in_flight
 {
     g_opts.durability = IDEM_DURABILITY_NONE;
     reopen();
+    store_test_ages_tidy(g_s, 0); /* the stats call filters, not the flusher */
     static int64_t tokens[40000];
     char key[32];
     for (int i = 0; i < 40000; i++) {
