@@ -172,7 +172,8 @@ static void rebuild(idem_store *s, struct age_heap *h, int kind,
 /* Carries a filtering pass `budget` entries further (entry_indexed). The pass walks from the
  * end down: half of a heap's entries are leaves, where the last entry moved into a hole sifts
  * nowhere (it is the newest, as a rule), and a hole higher up sifts down a short way. Entries
- * above filter_left were checked, or were moved there since from above it (checked later). */
+ * above filter_left were checked, except one that a push or a pop sifted up past the pass
+ * since (at most one each): it waits for the next pass. No valid entry is removed. */
 static void filter_step(idem_store *s, struct age_heap *h, int kind, size_t budget)
 {
     if (kind != AGE_MISMATCH && kind_count(s, kind) == 0) {
@@ -201,10 +202,8 @@ static int filter_if_due(idem_store *s, int kind, size_t budget)
         h->filtering = 1;
         h->filter_left = h->n;
     }
-    if (!h->filtering || s->ages_rebuilding) return 0;
-    s->ages_rebuilding = 1;
+    if (!h->filtering || s->ages_hold) return 0;
     filter_step(s, h, kind, budget);
-    s->ages_rebuilding = 0;
     return 1;
 }
 

@@ -555,16 +555,17 @@ static void *flusher_main(void *arg)
             stepped = 1;
         }
         /* A step of the age heaps' filtering (ages.c), then callers get the lock again. */
-        int tidied = !s->abandoned && !s->fatal && ages_tidy(s);
+        int tidied = !s->abandoned && !s->fatal && !s->closing && ages_tidy(s);
         if (tidied) {
             pthread_mutex_unlock(&s->mu);
             sched_yield();
             pthread_mutex_lock(&s->mu);
         }
-        if (maintained || stepped || flushed || tidied) continue;
+        if (maintained || stepped || flushed) continue;
         if (s->waiters) ops_wake(s, NULL, 0);
         /* After a fatal error nothing pending will ever be flushed. */
         if (s->closing && (s->fatal || !wal_pending(s->wal))) break;
+        if (tidied) continue; /* the pass goes on: no sleep */
         int64_t ms = flusher_sleep_ms(s);
         if (ms > 0) {
             struct timespec ts;
@@ -1021,7 +1022,11 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     rc = wal_create(io, dir, s->opt.segment_bytes, &s->wal);
     if (rc == 0) rc = index_create(s->opt.max_keys, &s->ix) < 0 ? IDEM_ENOMEM : 0;
     if (rc < 0) goto fail;
+    /* Counts are not exact while frames replay (ops_replay): the age heaps filter nothing till
+     * the open is done. */
+    s->ages_hold = 1;
     rc = fresh ? store_init_new(s) : store_recover(s);
+    s->ages_hold = 0;
     if (rc < 0) {
         if (!*last_error)
             store_set_error("cannot %s store %s: %s", fresh ? "create" : "recover", dir,

@@ -273,8 +273,8 @@ struct idem_store {
     int64_t hz_max;
     /* Records that need attention, by kind (ages.c). */
     struct age_heap ages[3];
-    int ages_rebuilding;
-    int test_sim; /* the simulated disk: no lock file */
+    int ages_hold; /* at open: the counts are not exact, the age heaps filter nothing */
+    int test_sim;  /* the simulated disk: no lock file */
 };
 
 /* Opens a store over the given I/O backend (tests pass the simulated disk; the store takes
