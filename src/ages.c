@@ -19,9 +19,9 @@
  * Commits push nothing, so the flusher also takes steps between its rounds (ages_tidy): a burst
  * of claims committed since is filtered before a stats call finds it. Before the oldest entry is
  * looked for in a heap still mostly stale, and for the attention list, the heap is rebuilt at
- * once. Both check only the index: an entry stays while a slot with its hash
- * bits holds its address (a record never changes at its address, so it still has its kind and
- * time). That reads no log. The top of a heap and the attention list are checked in full, record
+ * once. Both check only the index: an entry stays while a slot with its hash bits holds its
+ * address (a record never changes at its address, so it still has its kind and time). That
+ * reads no log. The top of a heap and the attention list are checked in full, record
  * and key, before anything is reported: a log address reused by a later segment for another
  * record is never reported for the old one.
  */
@@ -198,11 +198,12 @@ static void filter_step(idem_store *s, struct age_heap *h, int kind, size_t budg
 static int filter_if_due(idem_store *s, int kind, size_t budget)
 {
     struct age_heap *h = &s->ages[kind];
+    if (s->ages_hold) return 0;
     if (!h->filtering && h->n > 2 * kind_count(s, kind) + AGES_SLACK) {
         h->filtering = 1;
         h->filter_left = h->n;
     }
-    if (!h->filtering || s->ages_hold) return 0;
+    if (!h->filtering) return 0;
     filter_step(s, h, kind, budget);
     return 1;
 }

@@ -1021,10 +1021,13 @@ int ops_replay(void *ctx, const struct wal_frame *f)
     if (f->type == WAL_T_END) return 0;
     if (f->lsn > s->replay_counts_lsn) return replay_frame(s, f);
     /* The checkpoint's counts already include this frame (a checkpoint taken in steps, see
-     * store.c): the index follows it, the live bytes and keys by state do not. */
+     * store.c): the index follows it, the live bytes and keys by state do not. The counts are
+     * then not the index's, so the age heaps, which trust them, filter nothing meanwhile. */
     uint64_t live = s->live_bytes,
              k[3] = {s->st.keys_in_flight, s->st.keys_committed, s->st.keys_review};
+    s->ages_hold = 1;
     int rc = replay_frame(s, f);
+    s->ages_hold = 0;
     s->live_bytes = live;
     s->st.keys_in_flight = k[0];
     s->st.keys_committed = k[1];

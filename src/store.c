@@ -1022,11 +1022,7 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     rc = wal_create(io, dir, s->opt.segment_bytes, &s->wal);
     if (rc == 0) rc = index_create(s->opt.max_keys, &s->ix) < 0 ? IDEM_ENOMEM : 0;
     if (rc < 0) goto fail;
-    /* Counts are not exact while frames replay (ops_replay): the age heaps filter nothing till
-     * the open is done. */
-    s->ages_hold = 1;
     rc = fresh ? store_init_new(s) : store_recover(s);
-    s->ages_hold = 0;
     if (rc < 0) {
         if (!*last_error)
             store_set_error("cannot %s store %s: %s", fresh ? "create" : "recover", dir,

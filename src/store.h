@@ -273,7 +273,7 @@ struct idem_store {
     int64_t hz_max;
     /* Records that need attention, by kind (ages.c). */
     struct age_heap ages[3];
-    int ages_hold; /* at open: the counts are not exact, the age heaps filter nothing */
+    int ages_hold; /* replay with the counts left alone (ops_replay): no filtering */
     int test_sim;  /* the simulated disk: no lock file */
 };
 

@@ -1732,6 +1732,44 @@ Test(recovery, replay_of_a_larger_burst_inside_a_checkpoints_counts_keeps_the_ag
     replay_keeps_the_age_of_a_record_in_flight((int)AGES_SLACK + 100);
 }
 
+/* Past a checkpoint's count window the counts are exact, and replay filters the age heaps as
+ * pushes do: a log of many claims committed since, with one left in flight, opens with a heap
+ * that never held much more than its bound, not one entry per claim replayed. (The heap's
+ * capacity tells: it never shrinks. No checkpoint may be taken meanwhile: each acknowledged
+ * claim or commit fills a block of its own, so segments of 64 MiB, and compaction kept from
+ * walking them, whose retirement would ask for one.) */
+Test(recovery, replay_of_a_long_log_keeps_the_age_heap_within_its_bound, .timeout = 120)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim_seg(&s, 64 << 20), IDEM_OK);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    int64_t first_seen = idem_clock_now(s);
+    claim_in_flight(q, "a");
+    idem_queue_close(q);
+    pthread_mutex_lock(&s->mu);
+    uint64_t lsn_before = wal_last_lsn(s->wal);
+    s->cmp_disabled = 1; /* no walk, so no checkpoint to retire walked segments */
+    pthread_mutex_unlock(&s->mu);
+    fill(s, 0, (int)AGES_SLACK + 20000);
+    store_abandon(s);
+    cr_assert_eq(open_sim_seg(&s, 64 << 20), IDEM_OK, "%s", idem_last_error());
+    pthread_mutex_lock(&s->mu);
+    size_t cap = s->ages[AGE_IN_FLIGHT].cap;
+    uint64_t ckpt_lsn =
+        s->sb.ckpt_counts_lsn > s->sb.ckpt_lsn ? s->sb.ckpt_counts_lsn : s->sb.ckpt_lsn;
+    pthread_mutex_unlock(&s->mu);
+    cr_assert_leq(ckpt_lsn, lsn_before, "a checkpoint was taken: nothing long to replay");
+    size_t bound = 2 + AGES_SLACK + AGES_SLACK / AGES_FILTER_STEP + 2;
+    cr_assert_lt(cap, 2 * bound, "room for %zu age entries (bound %zu)", cap, bound);
+    idem_stats st;
+    idem_get_stats(s, &st);
+    cr_assert_eq(st.keys_in_flight, 1);
+    cr_assert_eq(st.oldest_in_flight_ms, first_seen);
+    cr_assert_eq(store_check_index(s, NULL), IDEM_OK);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
 /* The flusher's checkpoint in steps, driven one step at a time: between steps fresh keys make
  * the index segments grow and split, behind the scan and ahead of it, while other keys are
  * committed, released, held and deleted. The image may then list a key twice or at an older
