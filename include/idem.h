@@ -121,7 +121,8 @@ typedef struct idem_options {
     int io_backend;            /* enum idem_io_backend; with IDEM_IO_AUTO the environment
                                   variable IDEM_IO_BACKEND=thread|io_uring decides */
     int read_only;             /* nonzero: no recovery writes, no changes (for inspection) */
-    int test_clock;            /* nonzero: the store clock stands still; see idem_clock_set */
+    int test_clock;            /* nonzero: the store clock stands still, also across a reopen
+                                  (only a new store starts at the wall clock); idem_clock_set */
     uint64_t max_keys;         /* 0: no limit beyond memory */
     uint64_t max_memory_bytes; /* 0: no limit; the index's memory (segments and directory) */
     uint64_t max_disk_bytes;   /* 0: no limit; bytes of all files in the directory */

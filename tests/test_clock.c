@@ -334,3 +334,30 @@ Test(clock, reopen_after_elapsed_time_resumes_from_it)
     atomic_fetch_add(&g_wall, 1500);
     cr_assert_eq(idem_clock_now(g_s), W0 + HOUR + 1500);
 }
+
+/* The test clock stands still across a reopen: a store reopened after its wall clock moved on
+ * starts where it stood, so a lease runs out only when the test moves the clock. Only a new
+ * store reads the wall clock. */
+Test(clock, the_test_clock_stands_still_across_a_reopen)
+{
+    store_close();
+    tu_rmtree(g_dir);
+    g_dir = tu_mkdtemp("clock");
+    cr_assert_not_null(g_dir);
+    g_opts.test_clock = 1;
+    store_open();
+    cr_assert_eq(idem_clock_now(g_s), W0);
+    expect_rc(idem_clock_advance(g_s, 5000), IDEM_OK);
+    idem_completion f = claim("flight", HOUR, 30000);
+    expect_outcome(f, IDEM_NEW);
+    store_close();
+    atomic_store(&g_wall, W0 + 2 * HOUR);
+    atomic_store(&g_mono, M0 + 2 * HOUR);
+    store_open();
+    cr_assert_eq(idem_clock_now(g_s), W0 + 5000);
+    expect_outcome(claim("flight", HOUR, 30000), IDEM_BUSY);
+    expect_rc(idem_clock_advance(g_s, 30000), IDEM_OK);
+    idem_completion r = claim("flight", HOUR, 30000);
+    expect_outcome(r, IDEM_RECOVER);
+    cr_assert_gt(r.token, f.token);
+}
