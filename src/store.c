@@ -521,6 +521,23 @@ static int flusher_compact(idem_store *s)
     return rc || ckpt_busy;
 }
 
+/* A log idle for STORE_BUFFERS_IDLE_MS gives back the chunk buffers a burst allocated beyond
+ * STORE_BUFFERS_KEPT (up to 64 MiB would otherwise stay until close). Under load no flush is
+ * that far apart, so buffers are not unmapped and faulted in again and again. Returns 1 when
+ * mu was released meanwhile. */
+static int flusher_trim_buffers(idem_store *s)
+{
+    if (wal_pending(s->wal) || wal_buffer_bytes(s->wal) <= STORE_BUFFERS_KEPT * WAL_CHUNK_BYTES ||
+        mono_now(s) - s->last_flush_mono_ms < STORE_BUFFERS_IDLE_MS)
+        return 0;
+    void *bufs[WAL_CHUNKS_MAX];
+    int n = wal_buffers_take(s->wal, STORE_BUFFERS_KEPT, bufs);
+    pthread_mutex_unlock(&s->mu);
+    wal_buffers_free(bufs, n);
+    pthread_mutex_lock(&s->mu);
+    return 1;
+}
+
 static void *flusher_main(void *arg)
 {
     idem_store *s = arg;
@@ -566,6 +583,7 @@ static void *flusher_main(void *arg)
         /* After a fatal error nothing pending will ever be flushed. */
         if (s->closing && (s->fatal || !wal_pending(s->wal))) break;
         if (tidied) continue; /* the pass goes on: no sleep */
+        if (!s->closing && flusher_trim_buffers(s)) continue;
         int64_t ms = flusher_sleep_ms(s);
         if (ms > 0) {
             struct timespec ts;

@@ -23,6 +23,8 @@
 #define STORE_TOKEN_BLOCK     (1u << 20) /* tokens reserved per superblock write */
 #define STORE_BATCH_FLUSH_MS  10         /* batch mode: flush at least this often */
 #define STORE_FRAMES_PER_STEP 128        /* frames flushed that earn compaction one more step */
+#define STORE_BUFFERS_IDLE_MS 1000       /* no flush for this long: log buffers are trimmed */
+#define STORE_BUFFERS_KEPT    2          /* log chunk buffers kept through an idle log */
 #define STORE_STEPS_PER_FLUSH 8          /* at most this many more after one flush */
 #define STORE_SLEW_PER_S_MS   100        /* the store clock follows the wall clock by <= 10% */
 #define STORE_CMP_AHEAD       64         /* walked segments awaiting retirement, at most */

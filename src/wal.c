@@ -80,7 +80,7 @@ struct wal {
     int ninfl;
     int free_list[WAL_CHUNKS_MAX];
     int nfree;
-    int nbufs; /* chunk buffers allocated (lazily, kept until wal_close) */
+    int nbufs; /* chunk buffers allocated (lazily; kept until idle, wal_buffers_take) */
     /* Within one operation (wal_check_scope), the last frame read from a map whose checksum
      * was checked: an update reads the version it replaces twice (lookup, then the bytes it
      * frees), and frames never change once written. Nothing outside an operation uses it. */
@@ -147,7 +147,7 @@ void wal_destroy(struct wal *w)
     for (uint32_t i = 0; i < w->nretired; i++)
         seg_close(w, &w->retired[i]);
     for (uint32_t i = 0; i < WAL_CHUNKS_MAX; i++)
-        free(w->chunks[i].buf);
+        util_map_free(w->chunks[i].buf, WAL_CHUNK_BYTES);
     free(w->segs);
     free(w->dir);
     free(w);
@@ -231,8 +231,8 @@ static struct wal_chunk *chunk_new(struct wal *w)
     if (w->nfree == 0) return NULL;
     int i = w->free_list[w->nfree - 1];
     struct wal_chunk *c = &w->chunks[i];
-    if (!c->buf) {
-        c->buf = aligned_alloc(WAL_BLOCK, WAL_CHUNK_BYTES);
+    if (!c->buf) { /* a mapping of its own: small pages, and unmapped when trimmed */
+        c->buf = util_map_grow(NULL, 0, WAL_CHUNK_BYTES);
         if (!c->buf) return NULL;
         w->nbufs++;
     }
@@ -620,6 +620,23 @@ int wal_pending(const struct wal *w)
 int wal_chunks_free(const struct wal *w)
 {
     return w->nfree;
+}
+int wal_buffers_take(struct wal *w, int keep, void **out)
+{
+    int n = 0;
+    for (int i = 0; i < w->nfree && w->nbufs > keep; i++) { /* the bottom: least recently used */
+        struct wal_chunk *c = &w->chunks[w->free_list[i]];
+        if (!c->buf) continue;
+        out[n++] = c->buf;
+        c->buf = NULL;
+        w->nbufs--;
+    }
+    return n;
+}
+void wal_buffers_free(void **bufs, int n)
+{
+    for (int i = 0; i < n; i++)
+        util_map_free(bufs[i], WAL_CHUNK_BYTES);
 }
 uint64_t wal_buffer_bytes(const struct wal *w)
 {

@@ -182,7 +182,12 @@ int wal_pending(const struct wal *w);           /* nonzero: frames wait for a fl
 uint64_t wal_flush_frames(const struct wal *w); /* RECORD/DELETE frames in the batch in flight */
 int wal_chunks_free(const struct wal *w);       /* chunk buffers not pending or in flight */
 uint64_t wal_buffer_bytes(const struct wal *w); /* chunk buffers allocated, in use or kept */
-uint64_t wal_bytes(const struct wal *w);        /* bytes of all segments */
+/* Detaches the chunk buffers on the free list beyond `keep` allocated, the least recently used
+ * first, into out[] (room for WAL_CHUNKS_MAX); returns how many. The caller unmaps them with
+ * wal_buffers_free, without the store's lock; a later chunk allocates its buffer again. */
+int wal_buffers_take(struct wal *w, int keep, void **out);
+void wal_buffers_free(void **bufs, int n);
+uint64_t wal_bytes(const struct wal *w); /* bytes of all segments */
 /* Where the next batch starts: a checkpoint taken now replays from here. */
 void wal_position(const struct wal *w, uint64_t *seq, uint32_t *off);
 uint64_t wal_first_seq(const struct wal *w);
