@@ -93,19 +93,23 @@ int ops_rec_expired(const struct rec *r, int64_t now)
 
 static struct seen_info *seen_of(idem_store *s, const struct index_slot *slot)
 {
-    return slot && (slot->aux & SLOT_AUX_SEEN) ? &s->seen[(slot->aux & SLOT_AUX_SEEN) - 1] : NULL;
+    return slot && (slot->aux & SLOT_AUX_SEEN) ? store_seen_at(s, (slot->aux & SLOT_AUX_SEEN) - 1)
+                                               : NULL;
 }
 
 void ops_prefetch_record(const idem_store *s, const struct index_slot *slot)
 {
     wal_prefetch(s->wal, slot->addr_tag & INDEX_ADDR_MASK);
-    if (slot->aux & SLOT_AUX_SEEN) __builtin_prefetch(&s->seen[(slot->aux & SLOT_AUX_SEEN) - 1]);
+    if (slot->aux & SLOT_AUX_SEEN)
+        __builtin_prefetch(store_seen_at(s, (slot->aux & SLOT_AUX_SEEN) - 1));
 }
 
 void ops_seen_release(idem_store *s, struct index_slot *slot)
 {
     if (!(slot->aux & SLOT_AUX_SEEN)) return;
-    s->seen_free[s->seen_nfree++] = (slot->aux & SLOT_AUX_SEEN) - 1;
+    uint32_t i = (slot->aux & SLOT_AUX_SEEN) - 1;
+    store_seen_at(s, i)->seen_count = s->seen_free;
+    s->seen_free = i + 1;
     slot->aux &= SLOT_AUX_APART;
 }
 
@@ -120,23 +124,22 @@ int ops_seen_set(idem_store *s, struct index_slot *slot, uint64_t seen_count, in
     struct seen_info *si = seen_of(s, slot);
     if (!si) {
         uint32_t i;
-        if (s->seen_nfree) {
-            i = s->seen_free[--s->seen_nfree];
+        if (s->seen_free) {
+            i = s->seen_free - 1;
+            s->seen_free = (uint32_t)store_seen_at(s, i)->seen_count;
         } else {
-            if (s->seen_used == s->seen_cap) {
-                uint32_t cap = s->seen_cap ? s->seen_cap * 2 : 1024;
-                struct seen_info *n = realloc(s->seen, cap * sizeof *n);
-                if (!n) return IDEM_ENOMEM;
-                s->seen = n;
-                uint32_t *f = realloc(s->seen_free, cap * sizeof *f);
-                if (!f) return IDEM_ENOMEM;
-                s->seen_free = f;
-                s->seen_cap = cap;
+            if (s->seen_used == s->seen_chunks * SEEN_CHUNK) {
+                /* Read at random: on a huge page where malloc's heap is (huge_pages.c), which
+                 * the first entry taken faults in under mu (design.md, known gaps). */
+                if (s->seen_chunks == SEEN_CHUNKS_MAX) return IDEM_ENOMEM;
+                struct seen_info *c = aligned_alloc(SEEN_CHUNK * sizeof *c, SEEN_CHUNK * sizeof *c);
+                if (!c) return IDEM_ENOMEM;
+                s->seen_chunk[s->seen_chunks++] = c;
             }
             i = s->seen_used++;
         }
         slot->aux = (slot->aux & SLOT_AUX_APART) | (i + 1);
-        si = &s->seen[i];
+        si = store_seen_at(s, i);
     }
     si->seen_count = seen_count;
     si->last_seen_ms = last_ms;

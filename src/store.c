@@ -858,8 +858,8 @@ static void store_free(idem_store *s)
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cond_ready);
     pthread_cond_destroy(&s->cond_flush);
-    free(s->seen);
-    free(s->seen_free);
+    for (uint32_t i = 0; i < s->seen_chunks; i++)
+        free(s->seen_chunk[i]);
     free(s->scratch);
     free(s->seg_max_exp);
     ages_free(s);
@@ -1727,7 +1727,8 @@ void idem_get_stats(idem_store *s, idem_stats *out)
     out->store_clock_ms = store_now(s);
     out->clock_skew_ms = out->store_clock_ms - s->clock.wall_ms(s->clock.ctx);
     out->wal_bytes = wal_bytes(s->wal);
-    out->memory_bytes = index_memory_bytes(s->ix) + (uint64_t)s->seen_cap * sizeof *s->seen +
+    out->memory_bytes = index_memory_bytes(s->ix) +
+                        (uint64_t)s->seen_chunks * SEEN_CHUNK * sizeof(struct seen_info) +
                         wal_buffer_bytes(s->wal);
     for (int k = 0; k < AGE_KINDS; k++)
         out->memory_bytes += (uint64_t)s->ages[k].cap * sizeof *s->ages[k].v;
@@ -1769,7 +1770,7 @@ static void ckpt_one(void *ctx, struct index_slot *slot)
     struct ckpt_entry e = {.addr_tag = slot->addr_tag, .hash_lo = slot->hash_lo};
     if (slot->aux & SLOT_AUX_APART) e.has_seen |= CKPT_UNFINISHED;
     if (slot->aux & SLOT_AUX_SEEN) {
-        struct seen_info *si = &cc->s->seen[(slot->aux & SLOT_AUX_SEEN) - 1];
+        struct seen_info *si = store_seen_at(cc->s, (slot->aux & SLOT_AUX_SEEN) - 1);
         e.has_seen |= CKPT_SEEN;
         e.seen_count = si->seen_count;
         e.last_seen_ms = si->last_seen_ms;
