@@ -527,11 +527,13 @@ static int flusher_compact(idem_store *s)
  * mu was released meanwhile. */
 static int flusher_trim_buffers(idem_store *s)
 {
-    if (wal_pending(s->wal) || wal_buffer_bytes(s->wal) <= STORE_BUFFERS_KEPT * WAL_CHUNK_BYTES ||
+    if (s->fatal || wal_pending(s->wal) ||
+        wal_buffer_bytes(s->wal) <= STORE_BUFFERS_KEPT * WAL_CHUNK_BYTES ||
         mono_now(s) - s->last_flush_mono_ms < STORE_BUFFERS_IDLE_MS)
         return 0;
     void *bufs[WAL_CHUNKS_MAX];
     int n = wal_buffers_take(s->wal, STORE_BUFFERS_KEPT, bufs);
+    if (n == 0) return 0; /* the rest hold a batch that failed: the flusher would spin */
     pthread_mutex_unlock(&s->mu);
     wal_buffers_free(bufs, n);
     pthread_mutex_lock(&s->mu);

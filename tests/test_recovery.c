@@ -6,12 +6,15 @@
  * completed, read-only opens that write nothing, and the golden store of format 1.
  */
 #include <criterion/criterion.h>
+
 #include <errno.h>
+#include <inttypes.h>
 #include <pthread.h>
 #include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -156,6 +159,65 @@ Test(recovery, torn_tail_of_an_unacknowledged_batch_is_dropped)
     cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
     expect_committed(s, 0, 20);
     cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+static double cpu_seconds(void)
+{
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    return (double)(ru.ru_utime.tv_sec + ru.ru_stime.tv_sec) +
+           (double)(ru.ru_utime.tv_usec + ru.ru_stime.tv_usec) / 1e6;
+}
+
+/* A batch of several chunk buffers whose flush fails keeps them (the store is failed, they are
+ * never released): a second later the flusher, which gives back the buffers of an idle log,
+ * must find nothing to give back and sleep, not take the lock again and again (it spun a core
+ * until close). */
+Test(recovery, a_failed_store_holding_its_log_buffers_does_not_spin, .timeout = 60)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim_seg(&s, 16u << 20), IDEM_OK);
+    enum { N = 2048, LEN = 4000 };
+    static char keys[N][32];
+    static idem_op ops[N];
+    uint8_t *vals = tu_random_bytes((size_t)N * LEN, 7); /* nothing for lz4 to save */
+    for (int i = 0; i < N; i++) {
+        snprintf(keys[i], sizeof keys[i], "big-%d", i);
+        ops[i] = (idem_op){.kind = IDEM_OP_SET_IF_ABSENT,
+                           .key = keys[i],
+                           .key_len = (uint32_t)strlen(keys[i]),
+                           .ttl_ms = 3600000,
+                           .data = vals + (size_t)i * LEN,
+                           .data_len = LEN};
+    }
+    io_sim_fail_flush(sim, 1, -EIO);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, N, &q), IDEM_OK);
+    cr_assert_eq(idem_submit(q, ops, N), N);
+    idem_completion *out = malloc(N * sizeof *out);
+    cr_assert_not_null(out);
+    for (int got = 0; got < N;) {
+        int k = idem_poll(q, out, N, 30000);
+        cr_assert_gt(k, 0);
+        for (int i = 0; i < k; i++)
+            cr_assert_eq(out[i].err, IDEM_EFATAL, "%s", idem_strerror(out[i].err));
+        got += k;
+    }
+    cr_assert(idem_is_fatal(s));
+    pthread_mutex_lock(&s->mu);
+    uint64_t held = wal_buffer_bytes(s->wal);
+    pthread_mutex_unlock(&s->mu);
+    cr_assert_gt(held, STORE_BUFFERS_KEPT * WAL_CHUNK_BYTES, "the batch took %" PRIu64 " bytes",
+                 held);
+    usleep((STORE_BUFFERS_IDLE_MS + 200) * 1000); /* past the idle second (the real clock) */
+    double cpu0 = cpu_seconds();
+    usleep(1000 * 1000);
+    double cpu = cpu_seconds() - cpu0;
+    cr_assert_lt(cpu, 0.3, "the process used %.2f s of CPU in 1 s, idle", cpu);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_EFATAL);
+    free(out);
+    free(vals);
 }
 
 Test(recovery, a_failed_write_is_fatal_and_nothing_is_acknowledged)

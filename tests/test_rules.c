@@ -3365,13 +3365,7 @@ Test(stats, an_idle_log_gives_back_the_buffers_of_a_burst, .timeout = 60)
     g_opts.clock = &g_mono_clock;
     store_open();
     enum { N = 2048, LEN = 4000 };
-    uint8_t *vals = malloc((size_t)N * LEN);
-    cr_assert_not_null(vals);
-    uint64_t x = 88172645463325252ull;
-    for (size_t i = 0; i < (size_t)N * LEN; i++) { /* xorshift: lz4 finds nothing to save */
-        x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-        vals[i] = (uint8_t)x;
-    }
+    uint8_t *vals = tu_random_bytes((size_t)N * LEN, 7); /* nothing for lz4 to save */
     idem_queue *q;
     cr_assert_eq(idem_queue_open(g_s, IDEM_BATCH_MAX, &q), IDEM_OK);
     set_burst(q, "burst", N, LEN, vals);

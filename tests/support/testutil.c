@@ -63,6 +63,17 @@ uint64_t tu_rand(uint64_t *state)
     return z ^ (z >> 31);
 }
 
+uint8_t *tu_random_bytes(size_t n, uint64_t seed)
+{
+    uint8_t *p = malloc(n ? n : 1);
+    if (!p) abort();
+    for (size_t i = 0; i < n; i += 8) {
+        uint64_t r = tu_rand(&seed);
+        memcpy(p + i, &r, n - i < 8 ? n - i : 8);
+    }
+    return p;
+}
+
 void *tu_grow(void *v, size_t *cap, size_t need, size_t elem)
 {
     if (need <= *cap) return v;

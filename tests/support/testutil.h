@@ -19,6 +19,8 @@ uint64_t tu_seed(const char *test_name);
 uint64_t tu_rand(uint64_t *state);
 /* Reduced counts for the CI tier; $IDEM_LONG=1 selects the long-tier count. */
 uint64_t tu_count(uint64_t ci_count, uint64_t long_count);
+/* n bytes from tu_rand seeded with seed (nothing for lz4 to save), malloc'd; aborts on ENOMEM. */
+uint8_t *tu_random_bytes(size_t n, uint64_t seed);
 /* Grows the array v of *cap elements of elem bytes to hold at least need (doubling); returns it.
  * Aborts on ENOMEM (a test cannot go on without its record). */
 void *tu_grow(void *v, size_t *cap, size_t need, size_t elem);
