@@ -16,15 +16,18 @@
  * removes any element (the last one moved into the hole and sifted), so the heap stays a heap
  * between steps and no push pays for the whole heap (a rebuild at once took about 1 ms every
  * 18,000 claims with 1,000 in flight). The pass walks from the end, where removals are cheap.
- * Commits push nothing, so the flusher also takes steps between its rounds (ages_tidy): a burst
- * of claims committed since is filtered before a stats call finds it. Before the oldest entry is
- * looked for in a heap still mostly stale, and for the attention list, the heap is rebuilt at
- * once. Both check only the index: an entry stays while a slot with its hash bits holds its
- * address (a record never changes at its address, so it still has its kind and time). That
- * reads no log. The top of a heap and the attention list are checked in full, record
- * and key, before anything is reported: a log address reused by a later segment for another
- * record is never reported for the old one.
+ * Commits push nothing, so the flusher also takes steps between its rounds (ages_tidy): a burst of
+ * claims committed since is filtered before a stats call finds it. A stats call that finds a heap
+ * past its bound all the same carries the pass itself, AGES_VIEW_STEP entries per hold of the lock
+ * (ages_oldest). Filtering checks only the index: an entry stays while a slot with its hash bits
+ * holds its address (a record never changes at its address, so it still has its kind and time).
+ * That reads no log. The top of a heap and the entries of the attention list (a sorted copy of the
+ * heaps, checked in steps by attention.c) are checked in full, record and key, before anything is
+ * reported: a log address reused by a later segment for another record is never reported for the
+ * old one.
  */
+#include <pthread.h>
+#include <sched.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
@@ -244,9 +247,18 @@ void ages_note(idem_store *s, const struct rec *r, uint64_t h, uint64_t addr)
 int64_t ages_oldest(idem_store *s, int kind)
 {
     struct age_heap *h = &s->ages[kind];
-    /* A heap of mostly stale entries (a burst of claims, all committed since) is filtered at
-     * once rather than popped entry by entry, each pop a walk down the heap: after 262,144
-     * claims and their commits the first stats call took 145 ms, now 16 (docs/benchmarks.md). */
+    /* A heap of mostly stale entries (a burst of claims, all committed since) is filtered rather
+     * than popped entry by entry, each pop a walk down the heap: after 262,144 claims and their
+     * commits the first stats call took 145 ms that way (docs/benchmarks.md). The pass goes in
+     * steps, letting others have the lock between them; the rounds are bounded (pushes racing
+     * the pass) and whatever is left past the bound then is filtered at once. */
+    size_t rounds = h->n / AGES_VIEW_STEP + 2;
+    while (rounds-- > 0 && filter_if_due(s, kind, AGES_VIEW_STEP) && h->filtering) {
+        s->ages_yields++;
+        pthread_mutex_unlock(&s->mu);
+        sched_yield();
+        pthread_mutex_lock(&s->mu);
+    }
     if (h->n > 2 * kind_count(s, kind) + AGES_SLACK) rebuild(s, h, kind, entry_indexed);
     while (h->n > 0 && !entry_current(s, kind, &h->v[0])) {
         h->v[0] = h->v[--h->n];
@@ -255,14 +267,44 @@ int64_t ages_oldest(idem_store *s, int kind)
     return h->n ? entry_time(&h->v[0]) : 0;
 }
 
-size_t ages_list(idem_store *s, int kind, uint64_t *addrs, size_t max)
+int ages_copy(const idem_store *s, int kind, struct age_entry **v, size_t *n)
 {
-    struct age_heap *h = &s->ages[kind];
-    rebuild(s, h, kind, entry_current);
-    size_t n = 0;
-    for (size_t i = 0; i < h->n && n < max; i++)
-        addrs[n++] = entry_addr(&h->v[i]);
-    return n;
+    const struct age_heap *h = &s->ages[kind];
+    *v = NULL;
+    *n = 0;
+    if (h->n == 0) return 0;
+    *v = malloc(h->n * sizeof **v);
+    if (!*v) return IDEM_ENOMEM;
+    memcpy(*v, h->v, h->n * sizeof **v);
+    *n = h->n;
+    return 0;
+}
+
+static int entry_cmp(const void *a, const void *b)
+{
+    const struct age_entry *x = a, *y = b;
+    if (x->time_hi != y->time_hi) return x->time_hi < y->time_hi ? -1 : 1;
+    return x->addr_tag < y->addr_tag ? -1 : x->addr_tag > y->addr_tag;
+}
+
+void ages_order(struct age_entry *v, size_t *n)
+{
+    if (*n < 2) return;
+    qsort(v, *n, sizeof *v, entry_cmp);
+    size_t k = 1;
+    for (size_t i = 1; i < *n; i++)
+        if (entry_cmp(&v[i], &v[k - 1]) != 0) v[k++] = v[i];
+    *n = k;
+}
+
+int ages_current(idem_store *s, int kind, const struct age_entry *e)
+{
+    return entry_current(s, kind, e);
+}
+
+uint64_t ages_entry_addr(const struct age_entry *e)
+{
+    return entry_addr(e);
 }
 
 bool ages_ordered(const idem_store *s)

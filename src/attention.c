@@ -1,8 +1,11 @@
 /*
  * attention.c: idem_attention, the operator's recovery view: review records, in_flight records
  * whose lease ran out (or older than a threshold), and records with recorded mismatches, taken
- * from the attention heaps (ages.c) without a scan of all keys. The records are copied into the
- * queue's buffers and stay valid until the next call on the queue.
+ * from the attention heaps (ages.c) without a scan of all keys. The heaps are copied under the
+ * lock, sorted by time without it, and checked oldest first in steps (the lock let go between
+ * them) until max records qualify; compaction takes no step meanwhile (s->views), so no record
+ * moves out from under its copied entry. The records are copied into the queue's buffers and
+ * stay valid until the next call on the queue.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -90,6 +93,28 @@ static int cmp_first_seen(const void *a, const void *b)
     return (x->first_seen_ms > y->first_seen_ms) - (x->first_seen_ms < y->first_seen_ms);
 }
 
+/* Lists the records of kind that belong in the view, oldest first (by the heap's time), until
+ * max; entries are checked in steps of AGES_VIEW_STEP, with mu let go between steps. */
+static int att_kind(idem_store *s, int kind, struct age_entry *v, size_t nv, int64_t now,
+                    int64_t older_ms, struct qslot *tmp, struct att_buf *ab, idem_record *out,
+                    size_t *k, size_t max)
+{
+    int rc = 0;
+    for (size_t i = 0; i < nv && *k < max && rc == 0;) {
+        pthread_mutex_lock(&s->mu);
+        for (size_t end = i + AGES_VIEW_STEP; i < nv && i < end && *k < max && rc == 0; i++) {
+            if (!ages_current(s, kind, &v[i]) ||
+                !att_take(s, tmp, ages_entry_addr(&v[i]), kind, now, older_ms))
+                continue;
+            out[*k] = tmp->c.record;
+            rc = att_keep(ab, &out[*k]);
+            (*k)++;
+        }
+        pthread_mutex_unlock(&s->mu);
+    }
+    return rc;
+}
+
 int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_record **records,
                    size_t *n)
 {
@@ -97,34 +122,39 @@ int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_recor
     idem_store *s = q->s;
     size_t max = a->max ? a->max : ATTENTION_MAX_DEFAULT;
     idem_record *out = realloc(q->att_recs, max * sizeof *out);
-    uint64_t *addrs = malloc(max * sizeof *addrs);
-    if (!out || !addrs) {
-        if (out) q->att_recs = out;
-        free(addrs);
-        return IDEM_ENOMEM;
-    }
+    if (!out) return IDEM_ENOMEM;
     q->att_recs = out;
+    static const int order[] = {AGE_REVIEW, AGE_IN_FLIGHT, AGE_MISMATCH};
+    struct age_entry *v[IDEM_ARRAY_LEN(order)] = {NULL};
+    size_t nv[IDEM_ARRAY_LEN(order)] = {0};
+    int rc = 0;
+    /* The heaps are copied at once (16 bytes an entry), then checked in steps: a record that
+     * needs attention all along has an entry in the copy, and compaction, which would move it
+     * to another address meanwhile, waits for the view (s->views). */
+    pthread_mutex_lock(&s->mu);
+    int64_t now = store_now(s);
+    for (size_t o = 0; o < IDEM_ARRAY_LEN(order) && rc == 0; o++)
+        rc = ages_copy(s, order[o], &v[o], &nv[o]);
+    int viewing = rc == 0;
+    s->views += viewing;
+    pthread_mutex_unlock(&s->mu);
     struct att_buf ab = {q->att_buf, 0, q->att_cap};
     struct qslot tmp = {0};
     size_t k = 0;
-    int rc = 0;
-    pthread_mutex_lock(&s->mu);
-    int64_t now = store_now(s);
-    static const int order[] = {AGE_REVIEW, AGE_IN_FLIGHT, AGE_MISMATCH};
     for (size_t o = 0; o < IDEM_ARRAY_LEN(order) && k < max && rc == 0; o++) {
         size_t start = k;
-        size_t m = ages_list(s, order[o], addrs, max - k);
-        for (size_t i = 0; i < m && k < max && rc == 0; i++) {
-            if (!att_take(s, &tmp, addrs[i], order[o], now, a->older_ms)) continue;
-            out[k] = tmp.c.record;
-            rc = att_keep(&ab, &out[k]);
-            k++;
-        }
+        ages_order(v[o], &nv[o]);
+        rc = att_kind(s, order[o], v[o], nv[o], now, a->older_ms, &tmp, &ab, out, &k, max);
         qsort(out + start, k - start, sizeof *out, cmp_first_seen);
     }
-    pthread_mutex_unlock(&s->mu);
+    if (viewing) {
+        pthread_mutex_lock(&s->mu);
+        s->views--;
+        pthread_mutex_unlock(&s->mu);
+    }
+    for (size_t o = 0; o < IDEM_ARRAY_LEN(order); o++)
+        free(v[o]);
     free(tmp.buf);
-    free(addrs);
     q->att_buf = ab.b;
     q->att_cap = ab.cap;
     if (rc < 0) return rc;

@@ -129,8 +129,8 @@ struct io_sim {
     struct sim_map *maps;
     size_t maps_count, maps_cap;
     struct io_sim_counts counts;
-    uint64_t fail_write_at, fail_flush_at, short_write_at; /* 0: none */
-    int fail_write_err, fail_flush_err;
+    uint64_t fail_write_at, fail_flush_at, short_write_at, fail_submit_at; /* 0: none */
+    int fail_write_err, fail_flush_err, fail_submit_err;
     char fail_create_suffix[64]; /* "": none */
     int fail_create_err;
 };
@@ -962,6 +962,10 @@ static int sim_submit(struct sim_io *h, struct sim_req *req)
     int rc = sim_stale(h, req->f) ? -EIO : 0;
     IDEM_ASSERT(h->tail - h->head <= SIM_QUEUE_MAX);
     if (rc == 0 && h->tail - h->head == SIM_QUEUE_MAX) rc = -EAGAIN;
+    if (rc == 0 && req->kind == SIM_REQ_WRITE && ++sim->counts.submits == sim->fail_submit_at) {
+        sim->fail_submit_at = 0;
+        rc = sim->fail_submit_err;
+    }
     if (rc == 0) {
         req->covers_seq = sim->seq;
         h->queue[h->tail++ % SIM_QUEUE_MAX] = *req;
@@ -1023,6 +1027,9 @@ static void sim_io_destroy(struct io *io)
     struct sim_io *h = sim_io_of(io);
     struct io_sim *sim = h->sim;
     sim_lock(sim);
+    if (!sim_stale(h, NULL))
+        for (uint64_t i = h->head; i != h->tail; i++)
+            sim->counts.abandoned += h->queue[i % SIM_QUEUE_MAX].kind == SIM_REQ_WRITE;
     for (uint64_t i = h->head; i != h->tail; i++)
         h->queue[i % SIM_QUEUE_MAX].f->inflight--;
     if (h->prev)
@@ -1160,6 +1167,14 @@ void io_sim_fail_write(struct io_sim *sim, uint64_t nth, int err)
     sim_lock(sim);
     sim->fail_write_at = nth ? sim->counts.writes + nth : 0;
     sim->fail_write_err = err;
+    sim_unlock(sim);
+}
+
+void io_sim_fail_submit(struct io_sim *sim, uint64_t nth, int err)
+{
+    sim_lock(sim);
+    sim->fail_submit_at = nth ? sim->counts.submits + nth : 0;
+    sim->fail_submit_err = err;
     sim_unlock(sim);
 }
 

@@ -49,6 +49,9 @@ void io_sim_crash(struct io_sim *sim, unsigned flags);
 void io_sim_fail_write(struct io_sim *sim, uint64_t nth, int err);
 void io_sim_fail_flush(struct io_sim *sim, uint64_t nth, int err);
 void io_sim_short_write(struct io_sim *sim, uint64_t nth);
+/* The nth (1-based) later write submitted is refused by the submit itself with err (a negative
+ * errno), as when the kernel's queue is full: nothing is queued. */
+void io_sim_fail_submit(struct io_sim *sim, uint64_t nth, int err);
 /* The next open that creates a file whose path ends with suffix fails with err (a negative
  * errno) and creates nothing; NULL disarms it. */
 void io_sim_fail_create(struct io_sim *sim, const char *suffix, int err);
@@ -61,6 +64,9 @@ struct io_sim_counts {
     uint64_t writes_now_waiting; /* write_now calls blocked by io_sim_hold_writes_now */
     uint64_t data_after_waiting; /* data_after answers held by io_sim_hold_data_after */
     uint64_t used;               /* bytes the files hold now (what the capacity bounds) */
+    uint64_t submits;            /* writes submitted (queued or refused) */
+    uint64_t abandoned;          /* writes still queued when a live handle was destroyed: their
+                                  * buffers could have been freed while the kernel read them */
 };
 void io_sim_counts(const struct io_sim *sim, struct io_sim_counts *out);
 /* Flips bits (xor_mask) of the byte at off of the file's content (durable and current); for

@@ -119,6 +119,28 @@ void ops_slot_mark(struct index_slot *slot, const struct rec *r)
     slot->aux = (slot->aux & SLOT_AUX_SEEN) | (apart ? SLOT_AUX_APART : 0);
 }
 
+/* Allocates the next tier or chunk of the repeat counters (store.h). Returns 0, or -1. */
+static int seen_grow(idem_store *s)
+{
+    uint32_t cap = s->seen_cap;
+    if (cap < SEEN_CHUNK) {
+        uint32_t n = cap ? cap : 1u << SEEN_TIER0_BITS; /* as many as all tiers before */
+        struct seen_info *t = malloc(n * sizeof *t);
+        if (!t) return -1;
+        s->seen_tier[store_seen_tier(cap)] = t;
+        s->seen_cap = cap + n;
+        return 0;
+    }
+    if ((cap >> SEEN_CHUNK_BITS) == SEEN_CHUNKS_MAX) return -1;
+    /* Read at random: on a huge page where malloc's heap is (huge_pages.c), which the first
+     * entry taken faults in under mu (design.md, known gaps). */
+    struct seen_info *c = aligned_alloc(SEEN_CHUNK * sizeof *c, SEEN_CHUNK * sizeof *c);
+    if (!c) return -1;
+    s->seen_chunk[cap >> SEEN_CHUNK_BITS] = c;
+    s->seen_cap = cap + SEEN_CHUNK;
+    return 0;
+}
+
 int ops_seen_set(idem_store *s, struct index_slot *slot, uint64_t seen_count, int64_t last_ms)
 {
     struct seen_info *si = seen_of(s, slot);
@@ -128,14 +150,7 @@ int ops_seen_set(idem_store *s, struct index_slot *slot, uint64_t seen_count, in
             i = s->seen_free - 1;
             s->seen_free = (uint32_t)store_seen_at(s, i)->seen_count;
         } else {
-            if (s->seen_used == s->seen_chunks * SEEN_CHUNK) {
-                /* Read at random: on a huge page where malloc's heap is (huge_pages.c), which
-                 * the first entry taken faults in under mu (design.md, known gaps). */
-                if (s->seen_chunks == SEEN_CHUNKS_MAX) return IDEM_ENOMEM;
-                struct seen_info *c = aligned_alloc(SEEN_CHUNK * sizeof *c, SEEN_CHUNK * sizeof *c);
-                if (!c) return IDEM_ENOMEM;
-                s->seen_chunk[s->seen_chunks++] = c;
-            }
+            if (s->seen_used == s->seen_cap && seen_grow(s) != 0) return IDEM_ENOMEM;
             i = s->seen_used++;
         }
         slot->aux = (slot->aux & SLOT_AUX_APART) | (i + 1);

@@ -513,6 +513,7 @@ static int flusher_compact(idem_store *s)
      * takes every other round, so expiry keeps pace with the log. */
     int ckpt_busy = rc > 0;
     if (ckpt_busy && (s->cmp_turn = !s->cmp_turn) == 0) return 1;
+    if (s->views > 0) return ckpt_busy; /* an attention list is under way (attention.c) */
     rc = compact_step(s);
     if (rc < 0) {
         store_fail(s, -EIO);
@@ -576,14 +577,18 @@ static void *flusher_main(void *arg)
         /* A step of the age heaps' filtering (ages.c), then callers get the lock again. */
         int tidied = !s->abandoned && !s->fatal && !s->closing && ages_tidy(s);
         if (tidied) {
+            void (*hook)(idem_store *) = s->test_after_tidy;
             pthread_mutex_unlock(&s->mu);
             sched_yield();
+            if (hook) hook(s);
             pthread_mutex_lock(&s->mu);
         }
         if (maintained || stepped || flushed) continue;
         if (s->waiters) ops_wake(s, NULL, 0);
-        /* After a fatal error nothing pending will ever be flushed. */
-        if (s->closing && (s->fatal || !wal_pending(s->wal))) break;
+        /* Done once nothing is pending and nobody waits for what was written to be flushed
+         * (durability none: the close itself waits so, and may have come in while mu was let
+         * go above). After a fatal error nothing will ever be flushed. */
+        if (s->closing && (s->fatal || (!wal_pending(s->wal) && !s->sync_waiters))) break;
         if (tidied) continue; /* the pass goes on: no sleep */
         if (!s->closing && flusher_trim_buffers(s)) continue;
         int64_t ms = flusher_sleep_ms(s);
@@ -860,7 +865,9 @@ static void store_free(idem_store *s)
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cond_ready);
     pthread_cond_destroy(&s->cond_flush);
-    for (uint32_t i = 0; i < s->seen_chunks; i++)
+    for (uint32_t i = 0; i < SEEN_TIERS; i++)
+        free(s->seen_tier[i]);
+    for (uint32_t i = 1; i < SEEN_CHUNKS_MAX && s->seen_chunk[i]; i++) /* taken in order */
         free(s->seen_chunk[i]);
     free(s->scratch);
     free(s->seg_max_exp);
@@ -1724,14 +1731,16 @@ void store_count_claim(idem_store *s, int outcome)
 void idem_get_stats(idem_store *s, idem_stats *out)
 {
     pthread_mutex_lock(&s->mu);
+    /* First: either may let the lock go between steps of filtering its heap. */
+    int64_t oldest_in_flight = ages_oldest(s, AGE_IN_FLIGHT);
+    int64_t oldest_review = ages_oldest(s, AGE_REVIEW);
     *out = s->st;
     out->keys = index_count(s->ix);
     out->store_clock_ms = store_now(s);
     out->clock_skew_ms = out->store_clock_ms - s->clock.wall_ms(s->clock.ctx);
     out->wal_bytes = wal_bytes(s->wal);
     out->memory_bytes = index_memory_bytes(s->ix) +
-                        (uint64_t)s->seen_chunks * SEEN_CHUNK * sizeof(struct seen_info) +
-                        wal_buffer_bytes(s->wal);
+                        (uint64_t)s->seen_cap * sizeof(struct seen_info) + wal_buffer_bytes(s->wal);
     for (int k = 0; k < AGE_KINDS; k++)
         out->memory_bytes += (uint64_t)s->ages[k].cap * sizeof *s->ages[k].v;
     out->max_keys = s->opt.max_keys;
@@ -1745,8 +1754,8 @@ void idem_get_stats(idem_store *s, idem_stats *out)
             out->duplicates_last_minute += s->minute[i].duplicates;
         }
     }
-    out->oldest_in_flight_ms = ages_oldest(s, AGE_IN_FLIGHT);
-    out->oldest_review_ms = ages_oldest(s, AGE_REVIEW);
+    out->oldest_in_flight_ms = oldest_in_flight;
+    out->oldest_review_ms = oldest_review;
     out->store_generation = s->sb.store_generation;
     pthread_mutex_unlock(&s->mu);
     struct statvfs vfs;

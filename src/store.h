@@ -107,10 +107,14 @@ struct seen_info {
 
 /* The repeat counters live in chunks of SEEN_CHUNK entries (2 MiB, aligned to it: one huge
  * page where malloc's heap is on them) that never move: the table grows by one chunk, not by
- * copying (a doubling by realloc copied 16 MiB under mu in 21 ms). */
+ * copying (a doubling by realloc copied 16 MiB under mu in 21 ms). The first chunk's entries
+ * come in SEEN_TIERS tiers instead, so that a store with few repeated keys does not take 2 MiB:
+ * entries [0, 1 Ki), then [2^k, 2^(k+1)) for k = 10..16, each tier as large as all before it. */
 #define SEEN_CHUNK_BITS 17u
 #define SEEN_CHUNK      (1u << SEEN_CHUNK_BITS)
 #define SEEN_CHUNKS_MAX (0x7fffffffu >> SEEN_CHUNK_BITS) /* index + 1 <= SLOT_AUX_SEEN */
+#define SEEN_TIER0_BITS 10u
+#define SEEN_TIERS      (SEEN_CHUNK_BITS - SEEN_TIER0_BITS + 1)
 
 /* A version of a key at a log address, with enough of the key's hash bits to find its slot in
  * the index, so that whether the index still points at it is answered without reading the log.
@@ -131,6 +135,8 @@ struct age_entry {
 #define AGES_FILTER_STEP 64u
 /* Entries the flusher checks per round (ages_tidy): about 20 us. */
 #define AGES_TIDY_STEP 256u
+/* Entries a view (stats, the attention list) checks per hold of mu: about 0.3 ms. */
+#define AGES_VIEW_STEP 4096u
 
 struct age_heap {
     struct age_entry *v;
@@ -187,6 +193,8 @@ struct idem_store {
     uint32_t notifying;          /* pins held on all queues (atomic; for tests) */
     uint32_t test_wake_delay_us; /* store_test_wake_delay */
     int test_no_tidy;            /* store_test_ages_tidy */
+    /* Tests: called by the flusher after a step of filtering, with mu let go (ages_tidy). */
+    void (*test_after_tidy)(idem_store *s);
     int closing;
     int abandoned;    /* store_abandon: the flusher stops at once, nothing more is written */
     int no_wait;      /* idem_cancel_waits: claims answer busy at once */
@@ -225,8 +233,9 @@ struct idem_store {
     int64_t token_next;
     int64_t max_token_seen; /* the largest token in a record replayed at open */
     /* Repeat counters of keys claimed again since their last logged version (slot aux). */
-    struct seen_info *seen_chunk[SEEN_CHUNKS_MAX];
-    uint32_t seen_chunks, seen_used;
+    struct seen_info *seen_tier[SEEN_TIERS];       /* entries below SEEN_CHUNK */
+    struct seen_info *seen_chunk[SEEN_CHUNKS_MAX]; /* from 1: entries from SEEN_CHUNK on */
+    uint32_t seen_cap, seen_used;                  /* entries allocated, entries ever taken */
     uint32_t seen_free; /* first free entry's index + 1; the list runs through the entries */
     /* Store clock. */
     int64_t clk_store_ms, clk_mono_ms, clk_last_ms;
@@ -281,8 +290,10 @@ struct idem_store {
     int64_t hz_max;
     /* Records that need attention, by kind (ages.c). */
     struct age_heap ages[3];
-    int ages_hold; /* replay with the counts left alone (ops_replay): no filtering */
-    int test_sim;  /* the simulated disk: no lock file */
+    int ages_hold;        /* replay with the counts left alone (ops_replay): no filtering */
+    int views;            /* attention lists under way: compaction moves no record meanwhile */
+    uint64_t ages_yields; /* times a stats call let mu go between steps of filtering (tests) */
+    int test_sim;         /* the simulated disk: no lock file */
 };
 
 /* Opens a store over the given I/O backend (tests pass the simulated disk; the store takes
@@ -384,9 +395,20 @@ uint64_t ops_hash(idem_store *s, const void *key, uint32_t key_len);
 void ops_fill_record(struct qslot *sl, const struct rec *r, struct index_slot *slot, idem_store *s);
 int ops_rec_expired(const struct rec *r, int64_t now);
 void ops_seen_release(idem_store *s, struct index_slot *slot);
+/* The tier of repeat counter i < SEEN_CHUNK, and where that tier begins. */
+static inline uint32_t store_seen_tier(uint32_t i)
+{
+    return i >> SEEN_TIER0_BITS ? 32u - (uint32_t)__builtin_clz(i) - SEEN_TIER0_BITS : 0;
+}
+static inline uint32_t store_seen_tier_base(uint32_t t)
+{
+    return t ? 1u << (t + SEEN_TIER0_BITS - 1) : 0;
+}
 static inline struct seen_info *store_seen_at(const idem_store *s, uint32_t i)
 {
-    return &s->seen_chunk[i >> SEEN_CHUNK_BITS][i & (SEEN_CHUNK - 1)];
+    if (i >= SEEN_CHUNK) return &s->seen_chunk[i >> SEEN_CHUNK_BITS][i & (SEEN_CHUNK - 1)];
+    uint32_t t = store_seen_tier(i);
+    return &s->seen_tier[t][i - store_seen_tier_base(t)];
 }
 /* Sets the repeat counters of the key in slot (allocating its seen entry). */
 int ops_seen_set(idem_store *s, struct index_slot *slot, uint64_t seen_count, int64_t last_ms);
@@ -420,13 +442,22 @@ int compact_wants_checkpoint(idem_store *s);
 /* Version r of a key (hash h) was written (or found, at load) at addr: remember it if it
  * belongs to a kind (unfinished, or with mismatches). */
 void ages_note(idem_store *s, const struct rec *r, uint64_t h, uint64_t addr);
-/* The time (first_seen, or last_mismatch for AGE_MISMATCH) of the oldest of kind, 0 if none. */
+/* The time (first_seen, or last_mismatch for AGE_MISMATCH) of the oldest of kind, 0 if none.
+ * A heap past its bound is filtered first, in steps of AGES_VIEW_STEP with mu let go between
+ * them (mu is held on entry and on return, and may be released meanwhile). */
 int64_t ages_oldest(idem_store *s, int kind);
 /* On the flusher, under mu: one step of filtering each heap past its bound (a burst of claims
  * committed since pushes nothing to carry a pass). Returns whether it did work. */
 int ages_tidy(idem_store *s);
-/* Addresses of every record of kind (at most max), in no particular order. */
-size_t ages_list(idem_store *s, int kind, uint64_t *addrs, size_t max);
+/* For a view that checks entries in steps, with mu let go between them (idem_attention):
+ * ages_copy (mu held) copies kind's entries into *v (malloc'd, NULL when empty); returns 0 or
+ * IDEM_ENOMEM. ages_order (no lock needed) sorts a copy by time and drops repeated entries.
+ * ages_current (mu held) tells whether an entry still names a record of the kind with its time,
+ * and ages_entry_addr gives its log address. */
+int ages_copy(const idem_store *s, int kind, struct age_entry **v, size_t *n);
+void ages_order(struct age_entry *v, size_t *n);
+int ages_current(idem_store *s, int kind, const struct age_entry *e);
+uint64_t ages_entry_addr(const struct age_entry *e);
 /* For the consistency check, under mu: whether every heap is in heap order, and the log
  * addresses a heap holds, sorted (malloc'd, NULL when out of memory or empty). */
 bool ages_ordered(const idem_store *s);

@@ -78,6 +78,7 @@ struct wal {
     int npend;
     int infl[WAL_CHUNKS_MAX]; /* chunk indexes of the batch in flight */
     int ninfl;
+    int io_lost; /* the ring failed with writes of the batch in flight: their buffers are kept */
     int free_list[WAL_CHUNKS_MAX];
     int nfree;
     int nbufs; /* chunk buffers allocated (lazily; kept until idle, wal_buffers_take) */
@@ -146,8 +147,12 @@ void wal_destroy(struct wal *w)
         if (w->segs[i].seq) seg_close(w, &w->segs[i]);
     for (uint32_t i = 0; i < w->nretired; i++)
         seg_close(w, &w->retired[i]);
-    for (uint32_t i = 0; i < WAL_CHUNKS_MAX; i++)
-        util_map_free(w->chunks[i].buf, WAL_CHUNK_BYTES);
+    for (uint32_t i = 0; i < WAL_CHUNKS_MAX; i++) {
+        int in_flight = 0;
+        for (int k = 0; k < w->ninfl && w->io_lost; k++)
+            in_flight |= w->infl[k] == (int)i;
+        if (!in_flight) util_map_free(w->chunks[i].buf, WAL_CHUNK_BYTES); /* else left mapped */
+    }
     free(w->segs);
     free(w->dir);
     free(w);
@@ -531,18 +536,21 @@ int wal_flush_begin(struct wal *w, int64_t clock_ms)
 
 int wal_flush_io(struct wal *w, int durable)
 {
-    for (int i = 0; i < w->ninfl; i++) {
-        struct wal_chunk *c = &w->chunks[w->infl[i]];
+    int submitted = 0, rc = 0;
+    for (; submitted < w->ninfl; submitted++) {
+        struct wal_chunk *c = &w->chunks[w->infl[submitted]];
         struct wal_segment *s = seg_of(w, c->seq);
         IDEM_ASSERT(s && c->len % WAL_BLOCK == 0);
         if (w->filler) filler_fence(w->filler, c->seq, (uint64_t)c->off + c->len);
         /* Without durability (mode none) a segment is still flushed once it is sealed. */
         unsigned flags = durable || c->seq < w->cur_seq ? IO_W_FLUSH : 0;
-        int rc = io_submit_write(w->io, s->f, c->off, c->buf, c->len, flags, (uint64_t)i);
-        if (rc < 0) return rc;
+        rc = io_submit_write(w->io, s->f, c->off, c->buf, c->len, flags, (uint64_t)submitted);
+        if (rc < 0) break;
     }
-    int left = w->ninfl;
-    int rc = 0, nshort = 0;
+    /* Every write submitted is reaped, even after a refused submit: the kernel reads its buffer
+     * until it completes, and a failed store frees the buffers at close. */
+    int left = submitted;
+    int nshort = 0;
     struct {
         int chunk;
         uint32_t done;
@@ -550,7 +558,10 @@ int wal_flush_io(struct wal *w, int durable)
     while (left > 0) {
         struct io_completion cqe[WAL_CHUNKS_MAX];
         int n = io_wait(w->io, cqe, WAL_CHUNKS_MAX, 1);
-        if (n < 0) return n;
+        if (n < 0) {
+            w->io_lost = 1; /* what is still in flight is unknown: wal_destroy keeps its buffers */
+            return n;
+        }
         for (int k = 0; k < n; k++) {
             left--;
             int i = (int)cqe[k].user_data;

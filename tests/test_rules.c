@@ -3264,8 +3264,70 @@ Test(stats, the_flusher_filters_the_age_heap_after_a_committed_burst)
     cr_assert_eq(stats().oldest_in_flight_ms, t_claims);
 }
 
+/* Closing while the flusher filters an age heap, in durability none: the flusher lets the lock
+ * go after each step of filtering, and a close that came in then (and waits for the written
+ * batches to be flushed) made it leave at once, with nothing flushed: the close waited forever.
+ * The hook holds the flusher in that gap until the close waits. */
+static atomic_int g_flusher_held, g_tidy_steps;
+
+static void hold_flusher_until_the_close_waits(idem_store *s)
+{
+    /* The third step: a round that flushed nothing (the first may have flushed, and a round
+     * that flushed goes round again at once). */
+    if (atomic_fetch_add(&g_tidy_steps, 1) < 2) return;
+    s->test_after_tidy = NULL; /* read by the flusher with mu held: it runs once */
+    atomic_store(&g_flusher_held, 1);
+    for (int i = 0; i < 20000; i++) {
+        pthread_mutex_lock(&s->mu);
+        int waiting = s->closing && s->sync_waiters > 0;
+        pthread_mutex_unlock(&s->mu);
+        if (waiting) return;
+        usleep(500);
+    }
+}
+
+Test(stats, a_close_while_the_flusher_filters_finds_it_there, .timeout = 60)
+{
+    g_opts.durability = IDEM_DURABILITY_NONE;
+    reopen();
+    static int64_t tokens[24000];
+    char key[32];
+    for (int i = 0; i < 24000; i++) {
+        snprintf(key, sizeof key, "k%d", i);
+        tokens[i] = claim_new(key);
+    }
+    store_test_ages_tidy(g_s, 0);
+    for (int i = 1; i < 24000; i++) { /* the heap is past its bound */
+        snprintf(key, sizeof key, "k%d", i);
+        commit_ok(key, tokens[i], "r");
+    }
+    int pending = 1; /* until the flusher has written every batch (not flushed: none) */
+    for (int ms = 0; ms < 10000 && pending; ms++) {
+        pthread_mutex_lock(&g_s->mu);
+        pending = wal_pending(g_s->wal);
+        pthread_mutex_unlock(&g_s->mu);
+        if (pending) usleep(1000);
+    }
+    cr_assert(!pending);
+    pthread_mutex_lock(&g_s->mu);
+    g_s->test_after_tidy = hold_flusher_until_the_close_waits;
+    g_s->test_no_tidy = 0; /* the flusher filters, at the latest when its idle second ends */
+    pthread_mutex_unlock(&g_s->mu);
+    for (int ms = 0; ms < 10000 && !atomic_load(&g_flusher_held); ms++)
+        usleep(1000);
+    cr_assert(atomic_load(&g_flusher_held), "the flusher took no step of filtering");
+    idem_queue_close(g_q);
+    g_q = NULL;
+    cr_assert_eq(idem_close(g_s), IDEM_OK);
+    g_s = NULL;
+    store_open();
+    cr_assert_eq(get("k0").state, IDEM_STATE_IN_FLIGHT);
+    cr_assert_eq(get("k23999").state, IDEM_STATE_COMMITTED);
+}
+
 /* A burst of 40,000 claims pushes its age entries while they are all in flight (no rebuild);
- * once all but one are committed, the first stats call filters the heap at once: the one left
+ * once all but one are committed, the first stats call filters the heap (in steps, letting the
+ * lock go between them), before it looks for the oldest: the one left
  * is the oldest, and the heap keeps no stale entry behind it (popping from the top alone would
  * stop at it and keep the ~20,000 stale entries of its time). */
 Test(stats, the_first_stats_after_a_committed_burst_keeps_only_what_is_in_flight)
@@ -3284,10 +3346,19 @@ Test(stats, the_first_stats_after_a_committed_burst_keeps_only_what_is_in_flight
         snprintf(key, sizeof key, "k%d", i);
         if (i != 30000) commit_ok(key, tokens[i], "r");
     }
+    pthread_mutex_lock(&g_s->mu);
+    uint64_t yields = g_s->ages_yields;
+    pthread_mutex_unlock(&g_s->mu);
     idem_stats a = stats();
     cr_assert_eq(a.keys_in_flight, 1);
     cr_assert_eq(a.oldest_in_flight_ms, t0 + 1000, "oldest_in_flight_ms %" PRId64,
                  a.oldest_in_flight_ms);
+    pthread_mutex_lock(&g_s->mu);
+    yields = g_s->ages_yields - yields;
+    pthread_mutex_unlock(&g_s->mu);
+    /* 40,000 entries in steps of 4,096: the lock was let go between them. */
+    cr_assert_geq(yields, 40000 / AGES_VIEW_STEP - 1, "the lock was let go %" PRIu64 " times",
+                  yields);
     pthread_mutex_lock(&g_s->mu);
     size_t left = g_s->ages[AGE_IN_FLIGHT].n;
     pthread_mutex_unlock(&g_s->mu);
@@ -3298,6 +3369,33 @@ Test(stats, the_first_stats_after_a_committed_burst_keeps_only_what_is_in_flight
 
 /* The log's chunk buffers are allocated as a burst needs them and kept until close: between
  * flushes, with none pending, they are still the process's memory and count in memory_bytes. */
+/* The first repeated key takes a table of 1,024 repeat counters (16 KiB), not a chunk of 2 MiB:
+ * a small store keeps a small table, and the table grows as keys are repeated. */
+Test(stats, a_few_repeated_keys_take_a_small_table_of_counters)
+{
+    g_opts.durability = IDEM_DURABILITY_NONE;
+    reopen();
+    make_committed("a", NULL, "r");
+    uint64_t before = stats().memory_bytes;
+    expect_outcome(claim("a"), IDEM_DONE);
+    uint64_t after = stats().memory_bytes;
+    cr_assert_eq(after - before, 1024 * sizeof(struct seen_info), "%" PRIu64 " bytes more",
+                 after - before);
+    char key[32];
+    for (int i = 0; i < 1500; i++) {
+        snprintf(key, sizeof key, "k%d", i);
+        make_committed(key, NULL, "r");
+        expect_outcome(claim(key), IDEM_DONE);
+    }
+    pthread_mutex_lock(&g_s->mu);
+    uint32_t cap = g_s->seen_cap;
+    pthread_mutex_unlock(&g_s->mu);
+    cr_assert_eq(cap, 2048, "room for %u repeat counters", cap);
+    expect_outcome(claim("a"), IDEM_DONE);
+    cr_assert_eq(get("a").seen_count, 3);
+    cr_assert_eq(get("k1499").seen_count, 2);
+}
+
 Test(stats, memory_counts_the_log_buffers_kept_between_flushes)
 {
     claim_new("a"); /* sync: its chunk is flushed and released before the claim returns */
@@ -3392,6 +3490,61 @@ Test(stats, an_idle_log_gives_back_the_buffers_of_a_burst, .timeout = 60)
     cr_assert_geq(log_buffer_bytes(), kept + WAL_CHUNK_BYTES);
     idem_queue_close(q);
     free(vals);
+}
+
+/* Whether key is among the records of an attention list. */
+static int attention_has(const idem_record *recs, size_t n, const char *key)
+{
+    for (size_t i = 0; i < n; i++)
+        if (recs[i].key_len == strlen(key) && memcmp(recs[i].key, key, recs[i].key_len) == 0)
+            return 1;
+    return 0;
+}
+
+/* An in_flight record whose lease ran out is listed however many in_flight records with
+ * running leases come before it in the attention heap: the list is not cut to its first
+ * entries before they are checked (the newest claim sits at the heap's end). */
+Test(stats, attention_finds_a_lapsed_lease_behind_many_running_ones)
+{
+    char key[32];
+    for (int i = 0; i < 3000; i++) {
+        snprintf(key, sizeof key, "k%d", i);
+        expect_outcome(claim_full(key, TTL, 3600000, NULL, NULL), IDEM_NEW);
+    }
+    at(10);
+    expect_outcome(claim_full("short", TTL, 1000, NULL, NULL), IDEM_NEW);
+    at(2000);
+    idem_attention_args aa = {.max = 10};
+    const idem_record *recs;
+    size_t n = 0;
+    expect_rc(idem_attention(g_q, &aa, &recs, &n), IDEM_OK);
+    cr_assert_eq(n, 1, "%zu records listed", n);
+    cr_assert(attention_has(recs, n, "short"));
+    cr_assert_eq(recs[0].first_seen_ms, t0 + 10);
+}
+
+/* With more records needing attention than max, the list holds the oldest of them, in order:
+ * every other record's lease ran out, and the first 100 of those are listed. */
+Test(stats, attention_cut_to_max_keeps_the_oldest)
+{
+    char key[32];
+    for (int i = 0; i < 3000; i++) {
+        at(i);
+        snprintf(key, sizeof key, "k%d", i);
+        expect_outcome(claim_full(key, TTL, i % 2 ? 3600000 : 1000, NULL, NULL), IDEM_NEW);
+    }
+    at(3000 + 1000);
+    idem_attention_args aa = {.max = 100};
+    const idem_record *recs;
+    size_t n = 0;
+    expect_rc(idem_attention(g_q, &aa, &recs, &n), IDEM_OK);
+    cr_assert_eq(n, 100, "%zu records listed", n);
+    for (size_t i = 0; i < n; i++) {
+        snprintf(key, sizeof key, "k%zu", 2 * i);
+        cr_assert_eq(recs[i].first_seen_ms, t0 + 2 * (int64_t)i, "record %zu", i);
+        cr_assert(recs[i].key_len == strlen(key) && memcmp(recs[i].key, key, strlen(key)) == 0,
+                  "record %zu is not %s", i, key);
+    }
 }
 
 Test(stats, empty_store_has_no_oldest_records)
