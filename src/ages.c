@@ -26,8 +26,6 @@
  * reported: a log address reused by a later segment for another record is never reported for the
  * old one.
  */
-#include <pthread.h>
-#include <sched.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <string.h>
@@ -255,9 +253,7 @@ int64_t ages_oldest(idem_store *s, int kind)
     size_t rounds = h->n / AGES_VIEW_STEP + 2;
     while (rounds-- > 0 && filter_if_due(s, kind, AGES_VIEW_STEP) && h->filtering) {
         s->ages_yields++;
-        pthread_mutex_unlock(&s->mu);
-        sched_yield();
-        pthread_mutex_lock(&s->mu);
+        store_let_others_in(s);
     }
     if (h->n > 2 * kind_count(s, kind) + AGES_SLACK) rebuild(s, h, kind, entry_indexed);
     while (h->n > 0 && !entry_current(s, kind, &h->v[0])) {
@@ -267,17 +263,16 @@ int64_t ages_oldest(idem_store *s, int kind)
     return h->n ? entry_time(&h->v[0]) : 0;
 }
 
-int ages_copy(const idem_store *s, int kind, struct age_entry **v, size_t *n)
+size_t ages_size(const idem_store *s, int kind)
+{
+    return s->ages[kind].n;
+}
+
+size_t ages_copy(const idem_store *s, int kind, struct age_entry *v)
 {
     const struct age_heap *h = &s->ages[kind];
-    *v = NULL;
-    *n = 0;
-    if (h->n == 0) return 0;
-    *v = malloc(h->n * sizeof **v);
-    if (!*v) return IDEM_ENOMEM;
-    memcpy(*v, h->v, h->n * sizeof **v);
-    *n = h->n;
-    return 0;
+    if (h->n) memcpy(v, h->v, h->n * sizeof *v);
+    return h->n;
 }
 
 static int entry_cmp(const void *a, const void *b)

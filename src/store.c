@@ -140,6 +140,16 @@ static int token_headroom_low(const idem_store *s)
     return token_headroom(s) < STORE_TOKEN_BLOCK / 2;
 }
 
+void store_let_others_in(idem_store *s)
+{
+    pthread_mutex_unlock(&s->mu);
+    /* A waiter woken by the unlock needs tens of microseconds to run (more on a VM); a sleep of
+     * 1 ns lasts the timer slack, 50 us by default. */
+    struct timespec ts = {0, 1};
+    nanosleep(&ts, NULL);
+    pthread_mutex_lock(&s->mu);
+}
+
 void store_flusher_unlock(idem_store *s)
 {
     s->flushing = 1;

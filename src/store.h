@@ -315,6 +315,10 @@ int store_ckpt_step(idem_store *s);
 /* Tests: the end of each flush waits `us` microseconds after letting go of the lock and before
  * it wakes the waiting threads (notify_ready_unlocked), so a test can act in between. */
 void store_test_wake_delay(idem_store *s, uint32_t us);
+/* Lets mu go (held on entry and on return) long enough for a thread blocked on it to take it:
+ * the mutex is not fair, and a thread that unlocks and locks again at once takes it back before
+ * a woken waiter runs. */
+void store_let_others_in(idem_store *s);
 /* Tests: whether the flusher takes steps of the age heaps' filtering (ages_tidy; default on), so
  * that a test can watch what pushes alone do. */
 void store_test_ages_tidy(idem_store *s, int on);
@@ -450,11 +454,12 @@ int64_t ages_oldest(idem_store *s, int kind);
  * committed since pushes nothing to carry a pass). Returns whether it did work. */
 int ages_tidy(idem_store *s);
 /* For a view that checks entries in steps, with mu let go between them (idem_attention):
- * ages_copy (mu held) copies kind's entries into *v (malloc'd, NULL when empty); returns 0 or
- * IDEM_ENOMEM. ages_order (no lock needed) sorts a copy by time and drops repeated entries.
+ * ages_copy (mu held) copies kind's entries into v (room for ages_size of them) and returns
+ * how many. ages_order (no lock needed) sorts a copy by time and drops repeated entries.
  * ages_current (mu held) tells whether an entry still names a record of the kind with its time,
  * and ages_entry_addr gives its log address. */
-int ages_copy(const idem_store *s, int kind, struct age_entry **v, size_t *n);
+size_t ages_size(const idem_store *s, int kind);
+size_t ages_copy(const idem_store *s, int kind, struct age_entry *v);
 void ages_order(struct age_entry *v, size_t *n);
 int ages_current(idem_store *s, int kind, const struct age_entry *e);
 uint64_t ages_entry_addr(const struct age_entry *e);
