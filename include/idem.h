@@ -426,7 +426,9 @@ typedef struct idem_attention_args {
  * whose lease ran out (or older than a->older_ms), and every record with a recorded mismatch.
  * Costs no scan of all keys (the store keeps the unfinished and the mismatched records apart).
  * records[i] for i < n stay valid until the next call on q; order: review first, then in_flight
- * by first_seen, then mismatches.
+ * by first_seen, then mismatches. Cut to max, the list keeps the first groups and, within a
+ * group, the oldest records (by first_seen; mismatches by their last mismatch). The store's
+ * lock is taken in steps meanwhile, so other callers are not held up for the whole list.
  */
 int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_record **records,
                    size_t *n);

@@ -19,7 +19,7 @@
  * Commits push nothing, so the flusher also takes steps between its rounds (ages_tidy): a burst of
  * claims committed since is filtered before a stats call finds it. A stats call that finds a heap
  * past its bound all the same carries the pass itself, AGES_VIEW_STEP entries per hold of the lock
- * (ages_oldest). Filtering checks only the index: an entry stays while a slot with its hash bits
+ * (ages_settle). Filtering checks only the index: an entry stays while a slot with its hash bits
  * holds its address (a record never changes at its address, so it still has its kind and time).
  * That reads no log. The top of a heap and the entries of the attention list (a sorted copy of the
  * heaps, checked in steps by attention.c) are checked in full, record and key, before anything is
@@ -77,6 +77,11 @@ static uint64_t entry_addr(const struct age_entry *e)
     return e->addr_tag & INDEX_ADDR_MASK;
 }
 
+int ages_fits(int kind, const struct rec *r, const struct age_entry *e)
+{
+    return kind_has(r, kind) && time_key(kind_time(r, kind), 0) == (e->time_hi & ~UINT64_C(0xffff));
+}
+
 /* The full check: the record at the address has the kind and time, and its key leads there. */
 static int entry_valid(idem_store *s, int kind, const struct age_entry *e)
 {
@@ -85,9 +90,7 @@ static int entry_valid(idem_store *s, int kind, const struct age_entry *e)
     uint64_t lsn;
     const uint8_t *p = wal_payload(s->wal, entry_addr(e), &len, &lsn);
     struct rec r, cur;
-    if (!p || rec_decode(p, len, &r) < 0 || !kind_has(&r, kind) ||
-        time_key(kind_time(&r, kind), 0) != (e->time_hi & ~UINT64_C(0xffff)))
-        return 0;
+    if (!p || rec_decode(p, len, &r) < 0 || !ages_fits(kind, &r, e)) return 0;
     struct index_slot *slot = ops_find(s, r.key, r.key_len, &cur, &lsn);
     return slot && index_slot_addr(slot) == entry_addr(e);
 }
@@ -242,19 +245,24 @@ void ages_note(idem_store *s, const struct rec *r, uint64_t h, uint64_t addr)
     if (r->mismatch_count > 0) heap_push(s, AGE_MISMATCH, r->last_mismatch_ms, h, addr);
 }
 
-int64_t ages_oldest(idem_store *s, int kind)
+void ages_settle(idem_store *s, int kind)
 {
     struct age_heap *h = &s->ages[kind];
     /* A heap of mostly stale entries (a burst of claims, all committed since) is filtered rather
      * than popped entry by entry, each pop a walk down the heap: after 262,144 claims and their
      * commits the first stats call took 145 ms that way (docs/benchmarks.md). The pass goes in
      * steps, letting others have the lock between them; the rounds are bounded (pushes racing
-     * the pass) and whatever is left past the bound then is filtered at once. */
+     * the pass), and ages_oldest filters what is left past the bound then at once. */
     size_t rounds = h->n / AGES_VIEW_STEP + 2;
     while (rounds-- > 0 && filter_if_due(s, kind, AGES_VIEW_STEP) && h->filtering) {
         s->ages_yields++;
         store_let_others_in(s);
     }
+}
+
+int64_t ages_oldest(idem_store *s, int kind)
+{
+    struct age_heap *h = &s->ages[kind];
     if (h->n > 2 * kind_count(s, kind) + AGES_SLACK) rebuild(s, h, kind, entry_indexed);
     while (h->n > 0 && !entry_current(s, kind, &h->v[0])) {
         h->v[0] = h->v[--h->n];
@@ -292,14 +300,14 @@ void ages_order(struct age_entry *v, size_t *n)
     *n = k;
 }
 
-int ages_current(idem_store *s, int kind, const struct age_entry *e)
-{
-    return entry_current(s, kind, e);
-}
-
 uint64_t ages_entry_addr(const struct age_entry *e)
 {
     return entry_addr(e);
+}
+
+uint64_t ages_entry_hash(const struct age_entry *e)
+{
+    return entry_hash(e);
 }
 
 bool ages_ordered(const idem_store *s)

@@ -3,8 +3,11 @@
  * whose lease ran out (or older than a threshold), and records with recorded mismatches, taken
  * from the attention heaps (ages.c) without a scan of all keys. The heaps are copied under the
  * lock, sorted by time without it, and checked oldest first in steps (the lock let go between
- * them) until max records qualify; compaction takes no step meanwhile (s->views), so no record
- * moves out from under its copied entry. The records are copied into the queue's buffers and
+ * them) until max records qualify. An entry names the key's version at one log address; a key
+ * rewritten meanwhile (an extend, a hold, a mismatch recorded again, a compaction copy) is found
+ * again by the entry's hash bits in the index, at its current address, so a record that needs
+ * attention throughout the call is listed whatever was written to it; a set of the addresses
+ * listed keeps it from being listed twice. The records are copied into the queue's buffers and
  * stay valid until the next call on the queue.
  */
 #include <stdlib.h>
@@ -65,9 +68,10 @@ static void att_rebase(struct att_buf *ab, idem_record *recs, size_t n)
     }
 }
 
-/* Whether the record at addr belongs in the view; fills the slot's record. */
-static int att_take(idem_store *s, struct qslot *tmp, uint64_t addr, int kind, int64_t now,
-                    int64_t older_ms)
+/* Whether the key's current version, at addr, belongs in the view as kind for entry e (its
+ * time too, but for mismatches, whose time moves with each one recorded); fills tmp's record. */
+static int att_take(idem_store *s, struct qslot *tmp, uint64_t addr, int kind,
+                    const struct age_entry *e, int64_t now, int64_t older_ms)
 {
     uint32_t len;
     uint64_t lsn;
@@ -75,7 +79,8 @@ static int att_take(idem_store *s, struct qslot *tmp, uint64_t addr, int kind, i
     struct rec r, cur;
     if (!p || rec_decode(p, len, &r) < 0) return 0;
     struct index_slot *slot = ops_find(s, r.key, r.key_len, &cur, &lsn);
-    if (!slot || index_slot_addr(slot) != addr) return 0;
+    if (!slot || index_slot_addr(slot) != addr) return 0; /* another key with those hash bits */
+    if (kind == AGE_MISMATCH ? r.mismatch_count == 0 : !ages_fits(kind, &r, e)) return 0;
     int stuck = r.state == IDEM_STATE_IN_FLIGHT &&
                 (now >= r.lease_until_ms || (older_ms > 0 && now - r.first_seen_ms >= older_ms));
     if (kind == AGE_IN_FLIGHT && !stuck) return 0;
@@ -85,6 +90,22 @@ static int att_take(idem_store *s, struct qslot *tmp, uint64_t addr, int kind, i
     memset(&tmp->c, 0, sizeof tmp->c);
     ops_fill_record(tmp, &r, slot, s);
     return tmp->c.err == 0;
+}
+
+/* The log addresses listed so far: an open-addressing set (0 marks a free place). */
+struct att_set {
+    uint64_t *v;
+    size_t mask;
+};
+
+/* Adds addr; returns 0 when it was there already. */
+static int att_set_add(struct att_set *set, uint64_t addr)
+{
+    size_t i = (size_t)(addr * UINT64_C(0x9e3779b97f4a7c15) >> 20) & set->mask;
+    for (; set->v[i]; i = (i + 1) & set->mask)
+        if (set->v[i] == addr) return 0;
+    set->v[i] = addr;
+    return 1;
 }
 
 static int cmp_first_seen(const void *a, const void *b)
@@ -101,23 +122,34 @@ static void touch_pages(void *p, size_t bytes)
         ((volatile uint8_t *)p)[b] = 0;
 }
 
+/* How many slots with an entry's hash bits are looked at: one, as a rule. */
+#define ATT_LIKE_MAX 4
+
 /* Lists the records of kind that belong in the view, oldest first (by the heap's time), until
- * max; entries are checked in steps of AGES_VIEW_STEP, with mu let go between steps. */
+ * max; entries are checked in steps of AGES_VIEW_STEP, with mu let go between steps. An entry
+ * whose address the index no longer holds leads to the key's slot by its hash bits: a version
+ * written since, at another address, is looked at if its slot marks it kept apart. */
 static int att_kind(idem_store *s, int kind, struct age_entry *v, size_t nv, int64_t now,
-                    int64_t older_ms, struct qslot *tmp, struct att_buf *ab, idem_record *out,
-                    size_t *k, size_t max)
+                    int64_t older_ms, struct qslot *tmp, struct att_buf *ab, struct att_set *set,
+                    idem_record *out, size_t *k, size_t max)
 {
     int rc = 0;
     pthread_mutex_lock(&s->mu);
     for (size_t i = 0; i < nv && *k < max && rc == 0;) {
         if (i > 0) store_let_others_in(s);
         for (size_t end = i + AGES_VIEW_STEP; i < nv && i < end && *k < max && rc == 0; i++) {
-            if (!ages_current(s, kind, &v[i]) ||
-                !att_take(s, tmp, ages_entry_addr(&v[i]), kind, now, older_ms))
-                continue;
-            out[*k] = tmp->c.record;
-            rc = att_keep(ab, &out[*k]);
-            (*k)++;
+            const struct index_slot *like[ATT_LIKE_MAX];
+            size_t nl = index_slots_like(s->ix, ages_entry_hash(&v[i]), like, ATT_LIKE_MAX);
+            for (size_t j = 0; j < nl && *k < max && rc == 0; j++) {
+                uint64_t addr = index_slot_addr(like[j]);
+                if ((addr != ages_entry_addr(&v[i]) && !(like[j]->aux & SLOT_AUX_APART)) ||
+                    !att_take(s, tmp, addr, kind, &v[i], now, older_ms))
+                    continue;
+                if (!att_set_add(set, addr)) continue; /* listed already */
+                out[*k] = tmp->c.record;
+                rc = att_keep(ab, &out[*k]);
+                (*k)++;
+            }
         }
     }
     pthread_mutex_unlock(&s->mu);
@@ -136,13 +168,11 @@ int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_recor
     static const int order[] = {AGE_REVIEW, AGE_IN_FLIGHT, AGE_MISMATCH};
     struct age_entry *v[IDEM_ARRAY_LEN(order)] = {NULL};
     size_t nv[IDEM_ARRAY_LEN(order)] = {0}, cap[IDEM_ARRAY_LEN(order)] = {0};
-    int rc = 0, viewing = 0;
+    int rc = 0;
     int64_t now = 0;
-    /* The heaps are copied at once (16 bytes an entry), then checked in steps: a record that
-     * needs attention all along has an entry in the copy, and compaction, which would move it
-     * to another address meanwhile, waits for the view (s->views). The copies' memory is taken
-     * and touched without the lock: first touches fault pages in, about 30 us each on this VM
-     * (31 ms under the lock for a heap of 262,144 entries). */
+    /* The heaps are copied at once (16 bytes an entry), then checked in steps. The copies'
+     * memory is taken and touched without the lock: first touches fault pages in, about 30 us
+     * each on this VM (31 ms under the lock for a heap of 262,144 entries). */
     pthread_mutex_lock(&s->mu);
     while (rc == 0) {
         int fits = 1;
@@ -172,24 +202,25 @@ int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_recor
         now = store_now(s);
         for (size_t o = 0; o < IDEM_ARRAY_LEN(order); o++)
             nv[o] = ages_copy(s, order[o], v[o]);
-        viewing = 1;
-        s->views++;
     }
     pthread_mutex_unlock(&s->mu);
+    /* Room for twice what can be listed: at most max, and ATT_LIKE_MAX per entry copied. */
+    size_t set_cap = 2, most = ATT_LIKE_MAX * (nv[0] + nv[1] + nv[2]);
+    if (most > max) most = max;
+    while (set_cap < 2 * most)
+        set_cap *= 2;
+    struct att_set set = {rc == 0 ? calloc(set_cap, sizeof *set.v) : NULL, set_cap - 1};
+    if (rc == 0 && !set.v) rc = IDEM_ENOMEM;
     struct att_buf ab = {q->att_buf, 0, q->att_cap};
     struct qslot tmp = {0};
     size_t k = 0;
     for (size_t o = 0; o < IDEM_ARRAY_LEN(order) && k < max && rc == 0; o++) {
         size_t start = k;
         ages_order(v[o], &nv[o]);
-        rc = att_kind(s, order[o], v[o], nv[o], now, a->older_ms, &tmp, &ab, out, &k, max);
+        rc = att_kind(s, order[o], v[o], nv[o], now, a->older_ms, &tmp, &ab, &set, out, &k, max);
         qsort(out + start, k - start, sizeof *out, cmp_first_seen);
     }
-    if (viewing) {
-        pthread_mutex_lock(&s->mu);
-        s->views--;
-        pthread_mutex_unlock(&s->mu);
-    }
+    free(set.v);
     for (size_t o = 0; o < IDEM_ARRAY_LEN(order); o++)
         free(v[o]);
     free(tmp.buf);

@@ -548,6 +548,25 @@ int index_holds(const struct index *ix, uint64_t h, uint64_t addr)
     return 0;
 }
 
+size_t index_slots_like(const struct index *ix, uint64_t h, const struct index_slot **out,
+                        size_t max)
+{
+    const struct index_dirent *de = dir_of(ix, hash_top24(h));
+    const struct index_slot *slots = de->seg->slots;
+    uint32_t cap = (uint32_t)de->cap;
+    uint32_t lo_top = (uint32_t)h >> 16;
+    uint32_t i = seg_home(lo_top << 16, cap); /* the home, or the slot before it (index_holds) */
+    size_t n = 0;
+    if (slots[i].addr_tag == 0 && ++i == cap) return 0;
+    for (uint32_t k = 0; k < cap && n < max; k++) {
+        const struct index_slot *s = &slots[i];
+        if (s->addr_tag == 0) break;
+        if ((s->addr_tag & TAG_MASK) == (h & TAG_MASK) && s->hash_lo >> 16 == lo_top) out[n++] = s;
+        if (++i == cap) i = 0;
+    }
+    return n;
+}
+
 struct index_slot *index_insert(struct index *ix, uint64_t h, uint64_t addr, uint32_t aux)
 {
     IDEM_ASSERT(addr != 0 && addr <= INDEX_ADDR_MASK);

@@ -63,6 +63,10 @@ struct index_slot *index_find_addr(struct index *ix, uint64_t h, uint64_t addr);
 /* Whether a slot holds addr under h's stored hash bits, h's low 16 bits not compared (the age
  * heaps keep 40 of the 56 bits). */
 int index_holds(const struct index *ix, uint64_t h, uint64_t addr);
+/* The slots (at most max, into out) whose stored hash bits match h's top 24 and the top 16 of
+ * its low 32 (as index_holds): a key's slot among them, if the key is there. Returns how many. */
+size_t index_slots_like(const struct index *ix, uint64_t h, const struct index_slot **out,
+                        size_t max);
 
 /* Adds an entry; the caller has checked the key is absent. addr: 1..INDEX_ADDR_MASK. Returns
  * the slot, or NULL when memory for a split cannot be had or a segment at the deepest local

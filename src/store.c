@@ -142,11 +142,13 @@ static int token_headroom_low(const idem_store *s)
 
 void store_let_others_in(idem_store *s)
 {
+    void (*hook)(idem_store *) = s->test_let_go;
     pthread_mutex_unlock(&s->mu);
     /* A waiter woken by the unlock needs tens of microseconds to run (more on a VM); a sleep of
      * 1 ns lasts the timer slack, 50 us by default. */
     struct timespec ts = {0, 1};
     nanosleep(&ts, NULL);
+    if (hook) hook(s);
     pthread_mutex_lock(&s->mu);
 }
 
@@ -523,7 +525,6 @@ static int flusher_compact(idem_store *s)
      * takes every other round, so expiry keeps pace with the log. */
     int ckpt_busy = rc > 0;
     if (ckpt_busy && (s->cmp_turn = !s->cmp_turn) == 0) return 1;
-    if (s->views > 0) return ckpt_busy; /* an attention list is under way (attention.c) */
     rc = compact_step(s);
     if (rc < 0) {
         store_fail(s, -EIO);
@@ -1741,9 +1742,10 @@ void store_count_claim(idem_store *s, int outcome)
 void idem_get_stats(idem_store *s, idem_stats *out)
 {
     pthread_mutex_lock(&s->mu);
-    /* First: either may let the lock go between steps of filtering its heap. */
-    int64_t oldest_in_flight = ages_oldest(s, AGE_IN_FLIGHT);
-    int64_t oldest_review = ages_oldest(s, AGE_REVIEW);
+    /* First, as either may let the lock go between steps of filtering its heap; the figures
+     * are then all taken in one hold of it. */
+    ages_settle(s, AGE_IN_FLIGHT);
+    ages_settle(s, AGE_REVIEW);
     *out = s->st;
     out->keys = index_count(s->ix);
     out->store_clock_ms = store_now(s);
@@ -1764,8 +1766,8 @@ void idem_get_stats(idem_store *s, idem_stats *out)
             out->duplicates_last_minute += s->minute[i].duplicates;
         }
     }
-    out->oldest_in_flight_ms = oldest_in_flight;
-    out->oldest_review_ms = oldest_review;
+    out->oldest_in_flight_ms = ages_oldest(s, AGE_IN_FLIGHT);
+    out->oldest_review_ms = ages_oldest(s, AGE_REVIEW);
     out->store_generation = s->sb.store_generation;
     pthread_mutex_unlock(&s->mu);
     struct statvfs vfs;

@@ -193,8 +193,10 @@ struct idem_store {
     uint32_t notifying;          /* pins held on all queues (atomic; for tests) */
     uint32_t test_wake_delay_us; /* store_test_wake_delay */
     int test_no_tidy;            /* store_test_ages_tidy */
-    /* Tests: called by the flusher after a step of filtering, with mu let go (ages_tidy). */
+    /* Tests: called by the flusher after a step of filtering, with mu let go (ages_tidy), and
+     * by store_let_others_in while it has let mu go. */
     void (*test_after_tidy)(idem_store *s);
+    void (*test_let_go)(idem_store *s);
     int closing;
     int abandoned;    /* store_abandon: the flusher stops at once, nothing more is written */
     int no_wait;      /* idem_cancel_waits: claims answer busy at once */
@@ -291,7 +293,6 @@ struct idem_store {
     /* Records that need attention, by kind (ages.c). */
     struct age_heap ages[3];
     int ages_hold;        /* replay with the counts left alone (ops_replay): no filtering */
-    int views;            /* attention lists under way: compaction moves no record meanwhile */
     uint64_t ages_yields; /* times a stats call let mu go between steps of filtering (tests) */
     int test_sim;         /* the simulated disk: no lock file */
 };
@@ -446,9 +447,11 @@ int compact_wants_checkpoint(idem_store *s);
 /* Version r of a key (hash h) was written (or found, at load) at addr: remember it if it
  * belongs to a kind (unfinished, or with mismatches). */
 void ages_note(idem_store *s, const struct rec *r, uint64_t h, uint64_t addr);
-/* The time (first_seen, or last_mismatch for AGE_MISMATCH) of the oldest of kind, 0 if none.
- * A heap past its bound is filtered first, in steps of AGES_VIEW_STEP with mu let go between
- * them (mu is held on entry and on return, and may be released meanwhile). */
+/* Filters kind's heap if it is past its bound, in steps of AGES_VIEW_STEP with mu let go
+ * between them (held on entry and on return, released meanwhile): before ages_oldest. */
+void ages_settle(idem_store *s, int kind);
+/* The time (first_seen, or last_mismatch for AGE_MISMATCH) of the oldest of kind, 0 if none;
+ * mu held throughout (a heap still past its bound is filtered at once). */
 int64_t ages_oldest(idem_store *s, int kind);
 /* On the flusher, under mu: one step of filtering each heap past its bound (a burst of claims
  * committed since pushes nothing to carry a pass). Returns whether it did work. */
@@ -456,13 +459,15 @@ int ages_tidy(idem_store *s);
 /* For a view that checks entries in steps, with mu let go between them (idem_attention):
  * ages_copy (mu held) copies kind's entries into v (room for ages_size of them) and returns
  * how many. ages_order (no lock needed) sorts a copy by time and drops repeated entries.
- * ages_current (mu held) tells whether an entry still names a record of the kind with its time,
- * and ages_entry_addr gives its log address. */
+ * ages_entry_addr and ages_entry_hash give an entry's log address and its 40 hash bits
+ * (index_slots_like finds the key's slot by them); ages_fits tells whether version r has the
+ * kind and the entry's time. */
 size_t ages_size(const idem_store *s, int kind);
 size_t ages_copy(const idem_store *s, int kind, struct age_entry *v);
 void ages_order(struct age_entry *v, size_t *n);
-int ages_current(idem_store *s, int kind, const struct age_entry *e);
 uint64_t ages_entry_addr(const struct age_entry *e);
+uint64_t ages_entry_hash(const struct age_entry *e);
+int ages_fits(int kind, const struct rec *r, const struct age_entry *e);
 /* For the consistency check, under mu: whether every heap is in heap order, and the log
  * addresses a heap holds, sorted (malloc'd, NULL when out of memory or empty). */
 bool ages_ordered(const idem_store *s);
