@@ -428,7 +428,9 @@ typedef struct idem_attention_args {
  * records[i] for i < n stay valid until the next call on q; order: review first, then in_flight
  * by first_seen, then mismatches. Cut to max, the list keeps the first groups and, within a
  * group, the oldest records (by first_seen; mismatches by their last mismatch). The store's
- * lock is taken in steps meanwhile, so other callers are not held up for the whole list.
+ * lock is taken in steps meanwhile, so other callers are not held up for the whole list; a
+ * record whose state changes during the call is listed once, possibly in the group being read
+ * when it changed.
  */
 int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_record **records,
                    size_t *n);

@@ -82,6 +82,17 @@ int ages_fits(int kind, const struct rec *r, const struct age_entry *e)
     return kind_has(r, kind) && time_key(kind_time(r, kind), 0) == (e->time_hi & ~UINT64_C(0xffff));
 }
 
+int ages_same_record(int kind, const struct rec *r, const struct age_entry *e)
+{
+    return kind == AGE_MISMATCH ||
+           time_key(r->first_seen_ms, 0) == (e->time_hi & ~UINT64_C(0xffff));
+}
+
+struct age_entry ages_entry_of(int kind, const struct rec *r, uint64_t h, uint64_t addr)
+{
+    return (struct age_entry){time_key(kind_time(r, kind), h), (h & ~INDEX_ADDR_MASK) | addr};
+}
+
 /* The full check: the record at the address has the kind and time, and its key leads there. */
 static int entry_valid(idem_store *s, int kind, const struct age_entry *e)
 {
@@ -283,7 +294,7 @@ size_t ages_copy(const idem_store *s, int kind, struct age_entry *v)
     return h->n;
 }
 
-static int entry_cmp(const void *a, const void *b)
+int ages_entry_cmp(const void *a, const void *b)
 {
     const struct age_entry *x = a, *y = b;
     if (x->time_hi != y->time_hi) return x->time_hi < y->time_hi ? -1 : 1;
@@ -293,10 +304,10 @@ static int entry_cmp(const void *a, const void *b)
 void ages_order(struct age_entry *v, size_t *n)
 {
     if (*n < 2) return;
-    qsort(v, *n, sizeof *v, entry_cmp);
+    qsort(v, *n, sizeof *v, ages_entry_cmp);
     size_t k = 1;
     for (size_t i = 1; i < *n; i++)
-        if (entry_cmp(&v[i], &v[k - 1]) != 0) v[k++] = v[i];
+        if (ages_entry_cmp(&v[i], &v[k - 1]) != 0) v[k++] = v[i];
     *n = k;
 }
 

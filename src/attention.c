@@ -4,10 +4,10 @@
  * from the attention heaps (ages.c) without a scan of all keys. The heaps are copied under the
  * lock, sorted by time without it, and checked oldest first in steps (the lock let go between
  * them) until max records qualify. An entry names the key's version at one log address; a key
- * rewritten meanwhile (an extend, a hold, a mismatch recorded again, a compaction copy) is found
- * again by the entry's hash bits in the index, at its current address, so a record that needs
- * attention throughout the call is listed whatever was written to it; a set of the addresses
- * listed keeps it from being listed twice. The records are copied into the queue's buffers and
+ * written again meanwhile (an extend, a hold, a mismatch recorded again, a compaction copy) is
+ * found again by the entry's hash bits in the index, at its current address, and listed in the
+ * group being read unless a later group's copy holds its own entry; a set of the keys listed
+ * keeps a record from being listed twice. The records are copied into the queue's buffers and
  * stay valid until the next call on the queue.
  */
 #include <stdlib.h>
@@ -68,10 +68,35 @@ static void att_rebase(struct att_buf *ab, idem_record *recs, size_t n)
     }
 }
 
-/* Whether the key's current version, at addr, belongs in the view as kind for entry e (its
- * time too, but for mismatches, whose time moves with each one recorded); fills tmp's record. */
-static int att_take(idem_store *s, struct qslot *tmp, uint64_t addr, int kind,
-                    const struct age_entry *e, int64_t now, int64_t older_ms)
+/* The view's groups, in the list's order. */
+static const int att_order[] = {AGE_REVIEW, AGE_IN_FLIGHT, AGE_MISMATCH};
+#define ATT_GROUPS IDEM_ARRAY_LEN(att_order)
+
+/* Where version r belongs in the view: the index in att_order of its group, or -1. */
+static int att_group(const struct rec *r, int64_t now, int64_t older_ms)
+{
+    if (r->state == IDEM_STATE_REVIEW) return 0;
+    if (r->state == IDEM_STATE_IN_FLIGHT &&
+        (now >= r->lease_until_ms || (older_ms > 0 && now - r->first_seen_ms >= older_ms)))
+        return 1;
+    return r->mismatch_count > 0 ? 2 : -1;
+}
+
+/* The copies of the heaps, sorted (ages_order), one per group, and what a call asked for. */
+struct att_view {
+    struct age_entry *v[ATT_GROUPS];
+    size_t n[ATT_GROUPS];
+    int64_t now, older_ms;
+};
+
+/* Whether the key's current version, at addr, is listed in group g for entry e of that group's
+ * heap; fills tmp's record and *h (the key's hash). At the entry's own address the version is
+ * the one the entry was pushed for: it is listed if it belongs in g (else its own group lists
+ * it). A version written since at another address (moved) is listed here if it is of the same
+ * record and belongs in this group or an earlier one, or in a later one whose copy lacks its
+ * entry (written while the list runs): it would be missed otherwise. */
+static int att_take(idem_store *s, const struct att_view *av, struct qslot *tmp, uint64_t addr,
+                    int g, const struct age_entry *e, uint64_t *h)
 {
     uint32_t len;
     uint64_t lsn;
@@ -80,32 +105,48 @@ static int att_take(idem_store *s, struct qslot *tmp, uint64_t addr, int kind,
     if (!p || rec_decode(p, len, &r) < 0) return 0;
     struct index_slot *slot = ops_find(s, r.key, r.key_len, &cur, &lsn);
     if (!slot || index_slot_addr(slot) != addr) return 0; /* another key with those hash bits */
-    if (kind == AGE_MISMATCH ? r.mismatch_count == 0 : !ages_fits(kind, &r, e)) return 0;
-    int stuck = r.state == IDEM_STATE_IN_FLIGHT &&
-                (now >= r.lease_until_ms || (older_ms > 0 && now - r.first_seen_ms >= older_ms));
-    if (kind == AGE_IN_FLIGHT && !stuck) return 0;
-    if (kind == AGE_MISMATCH && (r.state == IDEM_STATE_REVIEW || stuck))
-        return 0; /* listed under its state already */
+    int kind = att_order[g], rg = att_group(&r, av->now, av->older_ms);
+    if (rg < 0) return 0;
+    *h = ops_hash(s, r.key, r.key_len);
+    if (addr == ages_entry_addr(e)) {
+        if (rg != g || !ages_fits(kind, &r, e)) return 0;
+    } else {
+        if (!ages_same_record(kind, &r, e)) return 0;
+        if (rg > g) {
+            struct age_entry own = ages_entry_of(att_order[rg], &r, *h, addr);
+            if (bsearch(&own, av->v[rg], av->n[rg], sizeof own, ages_entry_cmp)) return 0;
+        }
+    }
     tmp->buf_used = 0;
     memset(&tmp->c, 0, sizeof tmp->c);
     ops_fill_record(tmp, &r, slot, s);
     return tmp->c.err == 0;
 }
 
-/* The log addresses listed so far: an open-addressing set (0 marks a free place). */
+/* The keys listed so far, by hash (open addressing; k 0 marks a free place): a record is listed
+ * once, whatever versions of it the heaps name. */
 struct att_set {
-    uint64_t *v;
+    struct att_seen {
+        uint64_t h;
+        size_t k; /* 1 + its index in the list */
+    } * v;
     size_t mask;
 };
 
-/* Adds addr; returns 0 when it was there already. */
-static int att_set_add(struct att_set *set, uint64_t addr)
+/* The free place for a key (hash h) not listed yet, or NULL when it is listed already (the
+ * listed records' key bytes are in ab, at the offsets their key fields hold). */
+static struct att_seen *att_set_place(const struct att_set *set, const struct att_buf *ab,
+                                      const idem_record *out, uint64_t h, const void *key,
+                                      uint32_t key_len)
 {
-    size_t i = (size_t)(addr * UINT64_C(0x9e3779b97f4a7c15) >> 20) & set->mask;
-    for (; set->v[i]; i = (i + 1) & set->mask)
-        if (set->v[i] == addr) return 0;
-    set->v[i] = addr;
-    return 1;
+    size_t i = (size_t)(h >> 20) & set->mask;
+    for (; set->v[i].k; i = (i + 1) & set->mask) {
+        const idem_record *o = &out[set->v[i].k - 1];
+        if (set->v[i].h == h && o->key_len == key_len &&
+            memcmp(ab->b + (uintptr_t)o->key, key, key_len) == 0)
+            return NULL;
+    }
+    return &set->v[i];
 }
 
 static int cmp_first_seen(const void *a, const void *b)
@@ -125,30 +166,34 @@ static void touch_pages(void *p, size_t bytes)
 /* How many slots with an entry's hash bits are looked at: one, as a rule. */
 #define ATT_LIKE_MAX 4
 
-/* Lists the records of kind that belong in the view, oldest first (by the heap's time), until
- * max; entries are checked in steps of AGES_VIEW_STEP, with mu let go between steps. An entry
- * whose address the index no longer holds leads to the key's slot by its hash bits: a version
- * written since, at another address, is looked at if its slot marks it kept apart. */
-static int att_kind(idem_store *s, int kind, struct age_entry *v, size_t nv, int64_t now,
-                    int64_t older_ms, struct qslot *tmp, struct att_buf *ab, struct att_set *set,
-                    idem_record *out, size_t *k, size_t max)
+/* Lists the records of group g, oldest first (by the heap's time), until max; entries are
+ * checked in steps of AGES_VIEW_STEP, with mu let go between steps. Each entry leads to the
+ * slots holding its hash bits: the one still at its address, or one at another address that
+ * marks its version kept apart (written since: att_take). */
+static int att_group_list(idem_store *s, const struct att_view *av, int g, struct qslot *tmp,
+                          struct att_buf *ab, struct att_set *set, idem_record *out, size_t *k,
+                          size_t max)
 {
     int rc = 0;
+    const struct age_entry *v = av->v[g];
     pthread_mutex_lock(&s->mu);
-    for (size_t i = 0; i < nv && *k < max && rc == 0;) {
+    for (size_t i = 0; i < av->n[g] && *k < max && rc == 0;) {
         if (i > 0) store_let_others_in(s);
-        for (size_t end = i + AGES_VIEW_STEP; i < nv && i < end && *k < max && rc == 0; i++) {
+        for (size_t end = i + AGES_VIEW_STEP; i < av->n[g] && i < end && *k < max && rc == 0; i++) {
             const struct index_slot *like[ATT_LIKE_MAX];
             size_t nl = index_slots_like(s->ix, ages_entry_hash(&v[i]), like, ATT_LIKE_MAX);
             for (size_t j = 0; j < nl && *k < max && rc == 0; j++) {
-                uint64_t addr = index_slot_addr(like[j]);
+                uint64_t addr = index_slot_addr(like[j]), h;
                 if ((addr != ages_entry_addr(&v[i]) && !(like[j]->aux & SLOT_AUX_APART)) ||
-                    !att_take(s, tmp, addr, kind, &v[i], now, older_ms))
+                    !att_take(s, av, tmp, addr, g, &v[i], &h))
                     continue;
-                if (!att_set_add(set, addr)) continue; /* listed already */
+                struct att_seen *place =
+                    att_set_place(set, ab, out, h, tmp->c.record.key, tmp->c.record.key_len);
+                if (!place) continue; /* listed already */
                 out[*k] = tmp->c.record;
                 rc = att_keep(ab, &out[*k]);
-                (*k)++;
+                if (rc < 0) break;
+                *place = (struct att_seen){h, ++*k};
             }
         }
     }
@@ -165,47 +210,47 @@ int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_recor
     idem_record *out = realloc(q->att_recs, max * sizeof *out);
     if (!out) return IDEM_ENOMEM;
     q->att_recs = out;
-    static const int order[] = {AGE_REVIEW, AGE_IN_FLIGHT, AGE_MISMATCH};
-    struct age_entry *v[IDEM_ARRAY_LEN(order)] = {NULL};
-    size_t nv[IDEM_ARRAY_LEN(order)] = {0}, cap[IDEM_ARRAY_LEN(order)] = {0};
+    struct att_view av = {.older_ms = a->older_ms};
+    size_t cap[ATT_GROUPS] = {0};
     int rc = 0;
-    int64_t now = 0;
     /* The heaps are copied at once (16 bytes an entry), then checked in steps. The copies'
      * memory is taken and touched without the lock: first touches fault pages in, about 30 us
      * each on this VM (31 ms under the lock for a heap of 262,144 entries). */
     pthread_mutex_lock(&s->mu);
     while (rc == 0) {
         int fits = 1;
-        for (size_t o = 0; o < IDEM_ARRAY_LEN(order); o++)
-            fits &= ages_size(s, order[o]) <= cap[o];
+        for (size_t g = 0; g < ATT_GROUPS; g++)
+            fits &= ages_size(s, att_order[g]) <= cap[g];
         if (fits) break;
-        size_t need[IDEM_ARRAY_LEN(order)];
-        for (size_t o = 0; o < IDEM_ARRAY_LEN(order); o++)
-            need[o] = ages_size(s, order[o]);
+        size_t need[ATT_GROUPS];
+        for (size_t g = 0; g < ATT_GROUPS; g++)
+            need[g] = ages_size(s, att_order[g]);
         pthread_mutex_unlock(&s->mu);
-        for (size_t o = 0; o < IDEM_ARRAY_LEN(order) && rc == 0; o++) {
-            if (need[o] <= cap[o]) continue;
-            size_t c = need[o] + need[o] / 8 + 256; /* room for what is pushed meanwhile */
-            free(v[o]);
-            v[o] = malloc(c * sizeof *v[o]);
-            if (!v[o]) {
-                cap[o] = 0;
+        for (size_t g = 0; g < ATT_GROUPS && rc == 0; g++) {
+            if (need[g] <= cap[g]) continue;
+            size_t c = need[g] + need[g] / 8 + 256; /* room for what is pushed meanwhile */
+            free(av.v[g]);
+            av.v[g] = malloc(c * sizeof *av.v[g]);
+            if (!av.v[g]) {
+                cap[g] = 0;
                 rc = IDEM_ENOMEM;
                 break;
             }
-            touch_pages(v[o], c * sizeof *v[o]);
-            cap[o] = c;
+            touch_pages(av.v[g], c * sizeof *av.v[g]);
+            cap[g] = c;
         }
         pthread_mutex_lock(&s->mu);
     }
     if (rc == 0) {
-        now = store_now(s);
-        for (size_t o = 0; o < IDEM_ARRAY_LEN(order); o++)
-            nv[o] = ages_copy(s, order[o], v[o]);
+        av.now = store_now(s);
+        for (size_t g = 0; g < ATT_GROUPS; g++)
+            av.n[g] = ages_copy(s, att_order[g], av.v[g]);
     }
     pthread_mutex_unlock(&s->mu);
+    for (size_t g = 0; g < ATT_GROUPS; g++)
+        ages_order(av.v[g], &av.n[g]);
     /* Room for twice what can be listed: at most max, and ATT_LIKE_MAX per entry copied. */
-    size_t set_cap = 2, most = ATT_LIKE_MAX * (nv[0] + nv[1] + nv[2]);
+    size_t set_cap = 2, most = ATT_LIKE_MAX * (av.n[0] + av.n[1] + av.n[2]);
     if (most > max) most = max;
     while (set_cap < 2 * most)
         set_cap *= 2;
@@ -214,15 +259,14 @@ int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_recor
     struct att_buf ab = {q->att_buf, 0, q->att_cap};
     struct qslot tmp = {0};
     size_t k = 0;
-    for (size_t o = 0; o < IDEM_ARRAY_LEN(order) && k < max && rc == 0; o++) {
+    for (int g = 0; g < (int)ATT_GROUPS && k < max && rc == 0; g++) {
         size_t start = k;
-        ages_order(v[o], &nv[o]);
-        rc = att_kind(s, order[o], v[o], nv[o], now, a->older_ms, &tmp, &ab, &set, out, &k, max);
+        rc = att_group_list(s, &av, g, &tmp, &ab, &set, out, &k, max);
         qsort(out + start, k - start, sizeof *out, cmp_first_seen);
     }
     free(set.v);
-    for (size_t o = 0; o < IDEM_ARRAY_LEN(order); o++)
-        free(v[o]);
+    for (size_t g = 0; g < ATT_GROUPS; g++)
+        free(av.v[g]);
     free(tmp.buf);
     q->att_buf = ab.b;
     q->att_cap = ab.cap;

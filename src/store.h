@@ -468,6 +468,13 @@ void ages_order(struct age_entry *v, size_t *n);
 uint64_t ages_entry_addr(const struct age_entry *e);
 uint64_t ages_entry_hash(const struct age_entry *e);
 int ages_fits(int kind, const struct rec *r, const struct age_entry *e);
+/* Whether version r may be of the same record as entry e of kind (the same first_seen; any
+ * version for AGE_MISMATCH, whose time moves with each mismatch recorded). */
+int ages_same_record(int kind, const struct rec *r, const struct age_entry *e);
+/* The entry a version r of kind at addr (key hash h) was pushed as, and the order of a sorted
+ * copy (ages_order), for a search in it. */
+struct age_entry ages_entry_of(int kind, const struct rec *r, uint64_t h, uint64_t addr);
+int ages_entry_cmp(const void *a, const void *b);
 /* For the consistency check, under mu: whether every heap is in heap order, and the log
  * addresses a heap holds, sorted (malloc'd, NULL when out of memory or empty). */
 bool ages_ordered(const idem_store *s);

@@ -3549,7 +3549,7 @@ Test(stats, attention_cut_to_max_keeps_the_oldest)
 
 /* What the hook below writes while an attention list has let the lock go between steps. */
 static idem_queue *g_q2;
-static int64_t g_ext_token;
+static int64_t g_ext_token, g_held_token;
 
 static void rewrite_two_records(idem_store *s)
 {
@@ -3557,6 +3557,7 @@ static void rewrite_two_records(idem_store *s)
     s->test_let_go = NULL; /* once */
     pthread_mutex_unlock(&s->mu);
     expect_rc(idem_extend(g_q2, "ext", 3, g_ext_token, 60000), IDEM_OK);
+    expect_rc(idem_hold(g_q2, "held", 4, g_held_token, "why", 3), IDEM_OK); /* to review */
     idem_claim_args a = {.ttl_ms = TTL, .lease_ms = LEASE, .fp = "fp3", .fp_len = 3};
     idem_completion c;
     expect_rc(idem_claim(g_q2, "mm", 2, &a, &c), IDEM_OK);
@@ -3566,8 +3567,9 @@ static void rewrite_two_records(idem_store *s)
 /* A record that needs attention throughout an attention list is listed even when it is written
  * again while the list lets the lock go between its steps: its version moves to another log
  * address, away from the entry the list copied (an extend of a record in flight past the age
- * asked for, a mismatch recorded again). Both would go unlisted. Each record is listed once,
- * also one whose older version's entry leads to it as well. */
+ * asked for, a mismatch recorded again), or to another group than its entry's (a hold moves a
+ * record in flight to review, whose group was listed already). Each would go unlisted. Each
+ * record is listed once, also one whose older version's entry leads to it as well. */
 Test(stats, attention_lists_records_rewritten_while_it_runs)
 {
     make_committed("mm", "fp1", "r");
@@ -3579,6 +3581,7 @@ Test(stats, attention_lists_records_rewritten_while_it_runs)
     }
     at(10);
     g_ext_token = claim_new("ext"); /* the newest: checked after the first step */
+    g_held_token = claim_new("held");
     /* Extended before the list: its heap holds the entries of both versions, one stale. */
     expect_rc(extend("twice", claim_new("twice"), 60000), IDEM_OK);
     at(2000);
@@ -3592,8 +3595,9 @@ Test(stats, attention_lists_records_rewritten_while_it_runs)
     expect_rc(idem_attention(g_q, &aa, &recs, &n), IDEM_OK);
     idem_queue_close(g_q2);
     cr_assert_null(g_s->test_let_go, "the list never let the lock go");
-    cr_assert_eq(n, AGES_VIEW_STEP + 1000 + 3, "%zu records listed", n);
+    cr_assert_eq(n, AGES_VIEW_STEP + 1000 + 4, "%zu records listed", n);
     cr_assert(attention_has(recs, n, "ext"), "the extended record is missing");
+    cr_assert(attention_has(recs, n, "held"), "the record held (now in review) is missing");
     cr_assert(attention_has(recs, n, "mm"), "the record mismatched again is missing");
     for (size_t i = 0; i < n; i++)
         if (recs[i].key_len == 2 && memcmp(recs[i].key, "mm", 2) == 0)
