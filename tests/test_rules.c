@@ -3367,35 +3367,40 @@ Test(stats, the_first_stats_after_a_committed_burst_keeps_only_what_is_in_flight
     cr_assert_eq(stats().oldest_in_flight_ms, 0);
 }
 
-/* The log's chunk buffers are allocated as a burst needs them and kept until close: between
- * flushes, with none pending, they are still the process's memory and count in memory_bytes. */
+/* Room for repeat counters (entries allocated). */
+static uint32_t seen_room(void)
+{
+    pthread_mutex_lock(&g_s->mu);
+    uint32_t cap = g_s->seen_cap;
+    pthread_mutex_unlock(&g_s->mu);
+    return cap;
+}
+
 /* The first repeated key takes a table of 1,024 repeat counters (16 KiB), not a chunk of 2 MiB:
- * a small store keeps a small table, and the table grows as keys are repeated. */
+ * a small store keeps a small table, and the table grows as keys are repeated. (Counted in
+ * memory_bytes too, but that also moves with the log's buffers, taken as batches need them.) */
 Test(stats, a_few_repeated_keys_take_a_small_table_of_counters)
 {
     g_opts.durability = IDEM_DURABILITY_NONE;
     reopen();
     make_committed("a", NULL, "r");
-    uint64_t before = stats().memory_bytes;
+    cr_assert_eq(seen_room(), 0);
     expect_outcome(claim("a"), IDEM_DONE);
-    uint64_t after = stats().memory_bytes;
-    cr_assert_eq(after - before, 1024 * sizeof(struct seen_info), "%" PRIu64 " bytes more",
-                 after - before);
+    cr_assert_eq(seen_room(), 1024, "room for %u repeat counters", seen_room());
     char key[32];
     for (int i = 0; i < 1500; i++) {
         snprintf(key, sizeof key, "k%d", i);
         make_committed(key, NULL, "r");
         expect_outcome(claim(key), IDEM_DONE);
     }
-    pthread_mutex_lock(&g_s->mu);
-    uint32_t cap = g_s->seen_cap;
-    pthread_mutex_unlock(&g_s->mu);
-    cr_assert_eq(cap, 2048, "room for %u repeat counters", cap);
+    cr_assert_eq(seen_room(), 2048, "room for %u repeat counters", seen_room());
     expect_outcome(claim("a"), IDEM_DONE);
     cr_assert_eq(get("a").seen_count, 3);
     cr_assert_eq(get("k1499").seen_count, 2);
 }
 
+/* The log's chunk buffers are allocated as a burst needs them and kept until close: between
+ * flushes, with none pending, they are still the process's memory and count in memory_bytes. */
 Test(stats, memory_counts_the_log_buffers_kept_between_flushes)
 {
     claim_new("a"); /* sync: its chunk is flushed and released before the claim returns */
