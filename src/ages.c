@@ -77,15 +77,20 @@ static uint64_t entry_addr(const struct age_entry *e)
     return e->addr_tag & INDEX_ADDR_MASK;
 }
 
+/* Whether e was made for time t (its hash bits aside). */
+static int entry_at(const struct age_entry *e, int64_t t)
+{
+    return time_key(t, 0) == (e->time_hi & ~UINT64_C(0xffff));
+}
+
 int ages_fits(int kind, const struct rec *r, const struct age_entry *e)
 {
-    return kind_has(r, kind) && time_key(kind_time(r, kind), 0) == (e->time_hi & ~UINT64_C(0xffff));
+    return kind_has(r, kind) && entry_at(e, kind_time(r, kind));
 }
 
 int ages_same_record(int kind, const struct rec *r, const struct age_entry *e)
 {
-    return kind == AGE_MISMATCH ||
-           time_key(r->first_seen_ms, 0) == (e->time_hi & ~UINT64_C(0xffff));
+    return kind == AGE_MISMATCH || entry_at(e, r->first_seen_ms);
 }
 
 struct age_entry ages_entry_of(int kind, const struct rec *r, uint64_t h, uint64_t addr)

@@ -527,43 +527,58 @@ struct index_slot *index_find_addr(struct index *ix, uint64_t h, uint64_t addr)
     return NULL;
 }
 
-/* Without h's low 16 bits the home is known to within one: lo * cap >> 32 moves by less than one
- * when lo's low 16 bits change, as cap <= 2^16. The entry's run starts at the lower candidate or,
- * when that slot is empty, at the next. */
-int index_holds(const struct index *ix, uint64_t h, uint64_t addr)
+/* The slots whose stored hash bits match h's top 24 and the top 16 of its low 32 (h's low 16
+ * bits unknown, as in an age-heap entry). Without them the home is known to within one:
+ * lo * cap >> 32 moves by less than one when lo's low 16 bits change, as cap <= 2^16. The run
+ * starts at the lower candidate or, when that slot is empty, at the next. */
+struct like_walk {
+    const struct index_slot *slots;
+    uint64_t tag;
+    uint32_t cap, i, left, lo_top;
+};
+
+static void like_begin(const struct index *ix, uint64_t h, struct like_walk *w)
 {
     const struct index_dirent *de = dir_of(ix, hash_top24(h));
-    const struct index_slot *slots = de->seg->slots;
-    uint32_t cap = (uint32_t)de->cap;
-    uint64_t want = (h & TAG_MASK) | addr;
-    uint32_t lo_top = (uint32_t)h >> 16;
-    uint32_t i = seg_home(lo_top << 16, cap);
-    if (slots[i].addr_tag == 0 && ++i == cap) return 0;
-    for (uint32_t n = 0; n < cap; n++) {
-        const struct index_slot *s = &slots[i];
-        if (s->addr_tag == 0) return 0;
-        if (s->addr_tag == want && s->hash_lo >> 16 == lo_top) return 1;
-        if (++i == cap) i = 0;
+    w->slots = de->seg->slots;
+    w->tag = h & TAG_MASK;
+    w->cap = (uint32_t)de->cap;
+    w->lo_top = (uint32_t)h >> 16;
+    w->i = seg_home(w->lo_top << 16, w->cap);
+    w->left = w->cap;
+    if (w->slots[w->i].addr_tag == 0 && ++w->i == w->cap) w->left = 0;
+}
+
+static const struct index_slot *like_next(struct like_walk *w)
+{
+    while (w->left) {
+        const struct index_slot *s = &w->slots[w->i];
+        if (s->addr_tag == 0) break;
+        w->left--;
+        if (++w->i == w->cap) w->i = 0;
+        if ((s->addr_tag & TAG_MASK) == w->tag && s->hash_lo >> 16 == w->lo_top) return s;
     }
+    w->left = 0;
+    return NULL;
+}
+
+int index_holds(const struct index *ix, uint64_t h, uint64_t addr)
+{
+    struct like_walk w;
+    like_begin(ix, h, &w);
+    for (const struct index_slot *s; (s = like_next(&w));)
+        if ((s->addr_tag & INDEX_ADDR_MASK) == addr) return 1;
     return 0;
 }
 
 size_t index_slots_like(const struct index *ix, uint64_t h, const struct index_slot **out,
                         size_t max)
 {
-    const struct index_dirent *de = dir_of(ix, hash_top24(h));
-    const struct index_slot *slots = de->seg->slots;
-    uint32_t cap = (uint32_t)de->cap;
-    uint32_t lo_top = (uint32_t)h >> 16;
-    uint32_t i = seg_home(lo_top << 16, cap); /* the home, or the slot before it (index_holds) */
+    struct like_walk w;
+    like_begin(ix, h, &w);
     size_t n = 0;
-    if (slots[i].addr_tag == 0 && ++i == cap) return 0;
-    for (uint32_t k = 0; k < cap && n < max; k++) {
-        const struct index_slot *s = &slots[i];
-        if (s->addr_tag == 0) break;
-        if ((s->addr_tag & TAG_MASK) == (h & TAG_MASK) && s->hash_lo >> 16 == lo_top) out[n++] = s;
-        if (++i == cap) i = 0;
-    }
+    for (const struct index_slot *s; n < max && (s = like_next(&w));)
+        out[n++] = s;
     return n;
 }
 
