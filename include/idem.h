@@ -153,6 +153,9 @@ const char *idem_last_error(void);
 
 /* Nonzero when a failed write or flush has stopped the store. Thread-safe. */
 int idem_is_fatal(const idem_store *s);
+/* Why it stopped: what the store was doing, the call that failed and its error, e.g.
+ * "creating log segment 7: fallocate: No space left on device"; "" while it runs. Thread-safe. */
+const char *idem_fatal_reason(const idem_store *s);
 
 /* Name of the I/O backend in use ("io_uring" or "thread"). */
 const char *idem_io_backend_name(const idem_store *s);

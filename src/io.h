@@ -24,6 +24,7 @@
 #ifndef IDEM_IO_H
 #define IDEM_IO_H
 
+#include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -88,6 +89,30 @@ struct io {
     const struct io_ops *ops;
 };
 
+/* The last failure on this thread of a call that changes files (which call, -errno; open only
+ * when creating or for another reason than a missing file, unlink and mkdir not for a missing or
+ * present one), kept so that a failure reported upward only as an I/O error can be named. */
+struct io_fault {
+    const char *call;
+    int err;
+};
+extern __thread struct io_fault io_fault_last;
+
+static inline void io_fault_clear(void)
+{
+    io_fault_last.call = NULL;
+    io_fault_last.err = 0;
+}
+
+static inline int64_t io_noted(const char *call, int64_t rc)
+{
+    if (rc < 0) {
+        io_fault_last.call = call;
+        io_fault_last.err = (int)rc;
+    }
+    return rc;
+}
+
 /* Backends. Each returns 0 and *out, or -errno (io_uring: -ENOSYS/-EPERM where refused). */
 int io_uring_create(unsigned entries, struct io **out);
 int io_thread_create(struct io **out);
@@ -95,7 +120,8 @@ int io_thread_create(struct io **out);
 /* Convenience wrappers over the vtable. */
 static inline int io_open(struct io *io, const char *path, unsigned flags, struct io_file **out)
 {
-    return io->ops->open(io, path, flags, out);
+    int rc = io->ops->open(io, path, flags, out);
+    return (flags & IO_O_CREATE) || rc != -ENOENT ? (int)io_noted("open", rc) : rc;
 }
 static inline void io_close(struct io *io, struct io_file *f)
 {
@@ -107,11 +133,11 @@ static inline int io_size(struct io *io, struct io_file *f, uint64_t *out)
 }
 static inline int io_allocate(struct io *io, struct io_file *f, uint64_t off, uint64_t len)
 {
-    return io->ops->allocate(io, f, off, len);
+    return (int)io_noted("fallocate", io->ops->allocate(io, f, off, len));
 }
 static inline int io_truncate(struct io *io, struct io_file *f, uint64_t len)
 {
-    return io->ops->truncate(io, f, len);
+    return (int)io_noted("ftruncate", io->ops->truncate(io, f, len));
 }
 static inline int64_t io_read(struct io *io, struct io_file *f, uint64_t off, void *buf, size_t len)
 {
@@ -124,7 +150,7 @@ static inline int io_data_after(struct io *io, struct io_file *f, uint64_t off, 
 }
 static inline int io_map(struct io *io, struct io_file *f, size_t len, const void **out)
 {
-    return io->ops->map(io, f, len, out);
+    return (int)io_noted("mmap", io->ops->map(io, f, len, out));
 }
 static inline void io_unmap(struct io *io, struct io_file *f, const void *p, size_t len)
 {
@@ -132,37 +158,39 @@ static inline void io_unmap(struct io *io, struct io_file *f, const void *p, siz
 }
 static inline int io_unlink(struct io *io, const char *path)
 {
-    return io->ops->unlink(io, path);
+    int rc = io->ops->unlink(io, path);
+    return rc != -ENOENT ? (int)io_noted("unlink", rc) : rc;
 }
 static inline int io_rename(struct io *io, const char *from, const char *to)
 {
-    return io->ops->rename(io, from, to);
+    return (int)io_noted("rename", io->ops->rename(io, from, to));
 }
 static inline int io_sync_dir(struct io *io, const char *dir)
 {
-    return io->ops->sync_dir(io, dir);
+    return (int)io_noted("fsync of the directory", io->ops->sync_dir(io, dir));
 }
 static inline int io_mkdir(struct io *io, const char *path)
 {
-    return io->ops->mkdir(io, path);
+    int rc = io->ops->mkdir(io, path);
+    return rc != -EEXIST ? (int)io_noted("mkdir", rc) : rc;
 }
 static inline int64_t io_write_now(struct io *io, struct io_file *f, uint64_t off, const void *buf,
                                    size_t len)
 {
-    return io->ops->write_now(io, f, off, buf, len);
+    return io_noted("write", io->ops->write_now(io, f, off, buf, len));
 }
 static inline int io_submit_write(struct io *io, struct io_file *f, uint64_t off, const void *buf,
                                   size_t len, unsigned flags, uint64_t user_data)
 {
-    return io->ops->submit_write(io, f, off, buf, len, flags, user_data);
+    return (int)io_noted("write", io->ops->submit_write(io, f, off, buf, len, flags, user_data));
 }
 static inline int io_submit_flush(struct io *io, struct io_file *f, uint64_t user_data)
 {
-    return io->ops->submit_flush(io, f, user_data);
+    return (int)io_noted("fdatasync", io->ops->submit_flush(io, f, user_data));
 }
 static inline int io_wait(struct io *io, struct io_completion *out, int max, int min)
 {
-    return io->ops->wait(io, out, max, min);
+    return (int)io_noted("waiting for the ring", io->ops->wait(io, out, max, min));
 }
 static inline void io_destroy(struct io *io)
 {

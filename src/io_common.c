@@ -9,6 +9,8 @@
 
 #include <errno.h>
 
+__thread struct io_fault io_fault_last;
+
 /* user_data of the synchronous helpers' requests. */
 #define IO_SYNC_TAG UINT64_C(0x10c0ffee5c)
 
@@ -34,8 +36,8 @@ int io_write_sync(struct io *io, struct io_file *f, uint64_t off, const void *bu
                                  IO_SYNC_TAG);
         if (rc < 0) return rc;
         int64_t res = io_sync_complete(io);
-        if (res < 0) return (int)res;
-        if (res == 0) return -EIO;
+        if (res < 0) return (int)io_noted(flush ? "write or its fdatasync" : "write", res);
+        if (res == 0) return (int)io_noted("write (no progress)", -EIO);
         IDEM_ASSERT((uint64_t)res <= len - done);
         done += (size_t)res;
     }
@@ -47,5 +49,5 @@ int io_flush_sync(struct io *io, struct io_file *f)
     int rc = io_submit_flush(io, f, IO_SYNC_TAG);
     if (rc < 0) return rc;
     int64_t res = io_sync_complete(io);
-    return res < 0 ? (int)res : 0;
+    return res < 0 ? (int)io_noted("fdatasync", res) : 0;
 }

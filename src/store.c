@@ -333,12 +333,25 @@ static void notify_ready_unlocked(idem_store *s)
     pthread_mutex_lock(&s->mu);
 }
 
-/* The store failed: nothing more is durable; pending completions answer EFATAL. */
-void store_fail(idem_store *s, int err)
+/* The store failed: nothing more is durable; pending completions answer EFATAL. err is the
+ * failure's -errno, or 0 or -EIO when the layer reporting it knew no more: then the call this
+ * thread saw fail last (io_fault_last) names it. */
+void store_fail(idem_store *s, int err, const char *during)
 {
-    if (!s->fatal)
-        fprintf(stderr, "idem: event=fatal_io_error dir=%s error=\"%s\"\n", s->dir, strerror(-err));
-    s->fatal = 1;
+    if (!s->fatal) {
+        const char *call = NULL;
+        if ((err == 0 || err == -EIO) && io_fault_last.err) {
+            err = io_fault_last.err;
+            call = io_fault_last.call;
+        }
+        if (err == 0) err = -EIO;
+        snprintf(s->fatal_why, sizeof s->fatal_why, "%s%s%s: %s", during, call ? ": " : "",
+                 call ? call : "", strerror(-err));
+        fprintf(stderr, "idem: event=fatal_io_error dir=%s during=\"%s\"%s%s%s error=\"%s\"\n",
+                s->dir, during, call ? " call=\"" : "", call ? call : "", call ? "\"" : "",
+                strerror(-err));
+    }
+    __atomic_store_n(&s->fatal, 1, __ATOMIC_RELEASE); /* after fatal_why (idem_fatal_reason) */
     s->st.fatal = 1;
     for (struct idem_queue *q = s->queues; q; q = q->next) {
         for (uint32_t i = 0; i < q->depth; i++) {
@@ -363,7 +376,7 @@ static void flush_once(idem_store *s)
     int64_t now = store_now(s);
     int n = wal_flush_begin(s->wal, now);
     if (n < 0) {
-        store_fail(s, -EIO);
+        store_fail(s, 0, "closing a batch of the log");
         return;
     }
     /* The audit entries of the changes this batch carries (audit.c), written first. */
@@ -389,7 +402,7 @@ static void flush_once(idem_store *s)
     audit_taken_done(s, rc); /* entries of a batch that failed are not shown */
     if (begin_rc < 0) ckpt_run_failed(s, begin_rc);
     if (rc < 0) {
-        store_fail(s, rc);
+        store_fail(s, rc, audit_rc < 0 ? "writing the audit trail" : "writing the log");
         return;
     }
     if (n == 0) {
@@ -424,8 +437,9 @@ static int flush_due(idem_store *s)
     if (!wal_pending(s->wal)) {
         /* Durability none: a caller waits for what was written without a flush. */
         if (s->sync_waiters && s->durable_lsn < wal_written_lsn(s->wal)) {
-            if (wal_sync(s->wal) < 0)
-                store_fail(s, -EIO);
+            int rc = wal_sync(s->wal);
+            if (rc < 0)
+                store_fail(s, rc, "flushing the log");
             else
                 s->durable_lsn = wal_durable_lsn(s->wal);
             notify_ready(s);
@@ -479,7 +493,9 @@ static int flusher_maintain(idem_store *s)
                         s->dir);
             s->spare_failed_mono_ms = mono;
         } else if (rc < 0) {
-            store_fail(s, -EIO);
+            char what[64];
+            snprintf(what, sizeof what, "creating log segment %llu", (unsigned long long)seq);
+            store_fail(s, 0, what);
             return 1;
         } else {
             s->spare_failed_mono_ms = 0;
@@ -488,13 +504,13 @@ static int flusher_maintain(idem_store *s)
     }
     int fill_err = s->filler ? filler_error(s->filler) : 0;
     if (fill_err) {
-        store_fail(s, fill_err);
+        store_fail(s, fill_err, "zero-filling the log ahead");
         return 0;
     }
     if (token_headroom_low(s)) {
         released = 1;
         if (reserve_tokens(s) < 0) {
-            store_fail(s, -EIO);
+            store_fail(s, 0, "reserving tokens in the superblock");
             return 1;
         }
         pthread_cond_broadcast(&s->cond_ready);
@@ -527,7 +543,7 @@ static int flusher_compact(idem_store *s)
     if (ckpt_busy && (s->cmp_turn = !s->cmp_turn) == 0) return 1;
     rc = compact_step(s);
     if (rc < 0) {
-        store_fail(s, -EIO);
+        store_fail(s, 0, "compacting the log");
         return 0;
     }
     return rc || ckpt_busy;
@@ -558,6 +574,7 @@ static void *flusher_main(void *arg)
     pthread_mutex_lock(&s->mu);
     for (;;) {
         if (s->abandoned) break;
+        io_fault_clear(); /* a failure below is named by the calls of this round (store_fail) */
         /* Under steady load a flush is always due, so checkpoints and compaction take their
          * steps after each flush, one more per STORE_FRAMES_PER_STEP frames flushed: they keep
          * pace with the log, or expired keys would pile up faster than they are swept. Capped
@@ -1158,6 +1175,11 @@ void idem_cancel_waits(idem_store *s)
 int idem_is_fatal(const idem_store *s)
 {
     return __atomic_load_n(&s->fatal, __ATOMIC_RELAXED);
+}
+
+const char *idem_fatal_reason(const idem_store *s)
+{
+    return __atomic_load_n(&s->fatal, __ATOMIC_ACQUIRE) ? s->fatal_why : "";
 }
 
 const char *idem_io_backend_name(const idem_store *s)
@@ -1823,6 +1845,7 @@ static int quiesce_durable(idem_store *s)
  * (remover.h): deleting a checkpoint of 10 M keys frees 160 MB of cached pages. */
 static int ckpt_install(idem_store *s, struct super *sb, int off_lock)
 {
+    io_fault_clear();
     char old_path[4096] = "";
     if (s->sb.ckpt_id > 1) ckpt_path(s->dir, s->sb.ckpt_id - 1, old_path, sizeof old_path);
     sb->store_clock_ms = store_now(s);
@@ -1831,7 +1854,7 @@ static int ckpt_install(idem_store *s, struct super *sb, int off_lock)
     if (rc == 0 && *old_path) remover_add(s->remover, old_path); /* no copy names it any more */
     if (off_lock) store_flusher_relock(s);
     if (rc < 0) {
-        if (rc == IDEM_EFATAL) store_fail(s, -EIO);
+        if (rc == IDEM_EFATAL) store_fail(s, 0, "writing the superblock of a checkpoint");
         return rc;
     }
     s->sb = *sb;
@@ -1946,7 +1969,7 @@ static int ckpt_run_begin(idem_store *s)
 static void ckpt_run_failed(idem_store *s, int rc)
 {
     if (rc == IDEM_EFATAL || rc == IDEM_EIO) {
-        store_fail(s, -EIO);
+        store_fail(s, 0, "writing a checkpoint");
         return;
     }
     s->ckr.failures++;

@@ -188,6 +188,7 @@ struct idem_store {
     struct index *ix;
     uint64_t durable_lsn;
     int fatal;
+    char fatal_why[256]; /* what failed, once fatal is set (store_fail) */
     /* Polling queues with a ready completion, waiting for their signal (the wake cascade). */
     struct idem_queue *wake_head, *wake_tail;
     uint32_t notifying;          /* pins held on all queues (atomic; for tests) */
@@ -343,7 +344,7 @@ int store_room_ok(idem_store *s);
 int store_room_for(idem_store *s, uint32_t bytes);
 /* Marks the store failed (a write or flush failed, err a negative errno): nothing more is
  * acknowledged; completions not yet durable answer IDEM_EFATAL. */
-void store_fail(idem_store *s, int err);
+void store_fail(idem_store *s, int err, const char *during);
 /* The flusher (mu held, nothing in flight) lets go of mu for file I/O of its own: flushing
  * stays set meanwhile, so the ring stays the flusher's and no superblock is written by anyone
  * else (checkpoint_locked waits for it); callers go on applying operations.

@@ -256,11 +256,56 @@ Test(recovery, a_failed_write_is_fatal_and_nothing_is_acknowledged)
     idem_stats st;
     idem_get_stats(s, &st);
     cr_assert(st.fatal);
+    cr_assert_str_eq(idem_fatal_reason(s), "writing the log: Input/output error");
     idem_queue_close(q);
     store_abandon(s);
     io_sim_crash(sim, IO_SIM_CRASH_LOSE_ALL);
     cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
     expect_committed(s, 0, 5);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+/* A log segment the store cannot create for another reason than a full disk (here the file
+ * system went read-only) stops the store, which says what it was doing, the call that failed and
+ * its error. Nothing acknowledged is lost. */
+Test(recovery, a_segment_that_cannot_be_created_is_fatal_and_named, .timeout = 60)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    cr_assert_str_empty(idem_fatal_reason(s));
+    io_sim_fail_create(sim, ".log", -EROFS);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
+    int acked = 0, rc = IDEM_OK;
+    while (acked < 1000) { /* 64 KiB segments: a few dozen batches reach the spare */
+        char key[32];
+        key_of(acked, key);
+        idem_completion c;
+        rc = idem_claim(q, key, strlen(key), &a, &c);
+        if (rc != IDEM_OK) break;
+        cr_assert_eq(c.outcome, IDEM_NEW);
+        acked++;
+    }
+    cr_assert_eq(rc, IDEM_EFATAL, "%s after %d claims", idem_strerror(rc), acked);
+    cr_assert(idem_is_fatal(s));
+    const char *why = idem_fatal_reason(s);
+    cr_assert(strncmp(why, "creating log segment ", 21) == 0 &&
+                  strstr(why, ": open: Read-only file system") != NULL,
+              "reason: \"%s\"", why);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_EFATAL);
+    io_sim_crash(sim, IO_SIM_CRASH_LOSE_ALL);
+    cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    for (int i = 0; i < acked; i++) {
+        char key[32];
+        key_of(i, key);
+        idem_completion g;
+        cr_assert_eq(idem_get(q, key, strlen(key), &g), IDEM_OK);
+        cr_assert(g.found, "acknowledged claim %d lost", i);
+    }
+    idem_queue_close(q);
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 

@@ -994,7 +994,8 @@ static void flush_all(srv *s, int ms)
 
 static int shutdown_fatal(srv *s)
 {
-    srv_log("error", "fatal", "msg=\"the store failed a write or flush; exiting\"");
+    srv_log("error", "fatal", "msg=\"the store failed a write or flush; exiting\" reason=\"%s\"",
+            s->store ? idem_fatal_reason(s->store) : "");
     answer_pending(s, 0,
                    "ERR fatal store error: the outcome of this request is unknown, "
                    "check it after a restart");
