@@ -69,6 +69,11 @@ struct io_ops {
     int (*sync_dir)(struct io *io, const char *dir);
     /* Creates a directory (mode 0700); -EEXIST if present. */
     int (*mkdir)(struct io *io, const char *path);
+    /* Makes later reads and maps of f see what the disk holds wherever the cache is clean: drops
+     * f's cached pages that are not dirty (POSIX_FADV_DONTNEED; pages this process has read
+     * through a map may stay). After a failed writeback Linux keeps the failed pages cached and
+     * marked clean, so a read would show data no disk holds: flush, then drop. */
+    int (*drop_cache)(struct io *io, struct io_file *f);
     /* Writes buf[0, len) at off at once, outside the ring; returns the bytes written (maybe
      * short) or -errno. Through a handle opened with IO_O_DSYNC that write is durable on return
      * (O_DSYNC: its own data, not the file's other unsynced writes). */
@@ -173,6 +178,10 @@ static inline int io_mkdir(struct io *io, const char *path)
 {
     int rc = io->ops->mkdir(io, path);
     return rc != -EEXIST ? (int)io_noted("mkdir", rc) : rc;
+}
+static inline int io_drop_cache(struct io *io, struct io_file *f)
+{
+    return (int)io_noted("posix_fadvise", io->ops->drop_cache(io, f));
 }
 static inline int64_t io_write_now(struct io *io, struct io_file *f, uint64_t off, const void *buf,
                                    size_t len)

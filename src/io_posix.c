@@ -234,6 +234,12 @@ int io_posix_sync_dir(struct io *io, const char *dir)
     return rc;
 }
 
+int io_posix_drop_cache(struct io *io, struct io_file *f)
+{
+    (void)io;
+    return -posix_fadvise(f->fd, 0, 0, POSIX_FADV_DONTNEED); /* it returns the error number */
+}
+
 int io_posix_mkdir(struct io *io, const char *path)
 {
     (void)io;

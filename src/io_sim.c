@@ -5,7 +5,11 @@
  * tagged with a disk-wide sequence number. Two namespaces map paths to nodes: cur_ns (what
  * open/rename/unlink see) and dur_ns (what survives); dir_ops lists, in order, the creates,
  * renames and unlinks not yet covered by a sync_dir of their directory.
- * Invariants: dur + every change applied in order == cur (until a crash rebuilds both);
+ * A failed flush loses the changes it covered, as Linux after a failed writeback keeps the pages
+ * cached, marked clean, and never writes them: they stay in cur until a crash or a drop_cache
+ * rebuilds cur from dur and the changes still pending.
+ * Invariants: dur + every change applied in order == cur, but for what failed flushes lost
+ * (until a crash or drop_cache rebuilds cur);
  * a node's refs count its cur_ns and dur_ns entries, dir ops, open files and maps, and it is
  * freed at 0; used == the sum of cur.len over live nodes; a handle or file whose epoch is
  * older than the disk's is stale (every call -EIO, close and unmap still free); queued requests
@@ -409,8 +413,9 @@ static int sim_changes_overlap(const struct sim_change *a, const struct sim_chan
 }
 
 /* Makes durable n's changes with seq <= covers_seq or == linked_seq, and the older changes
- * overlapping those; the others stay pending, in order. */
-static int sim_flush_node(struct sim_node *n, uint64_t covers_seq, uint64_t linked_seq)
+ * overlapping those (lose: drops them instead, never to be durable); the others stay pending,
+ * in order. */
+static int sim_flush_node(struct sim_node *n, uint64_t covers_seq, uint64_t linked_seq, int lose)
 {
     size_t count = n->changes_count;
     if (count == 0) return 0;
@@ -429,7 +434,7 @@ static int sim_flush_node(struct sim_node *n, uint64_t covers_seq, uint64_t link
     size_t kept = 0;
     for (size_t i = 0; i < count; i++) {
         struct sim_change *c = &n->changes[i];
-        if (covered[i] && rc == 0) rc = sim_change_apply(&n->dur, c, c->len);
+        if (covered[i] && rc == 0 && !lose) rc = sim_change_apply(&n->dur, c, c->len);
         if (covered[i] && rc == 0) {
             free(c->data);
             continue;
@@ -500,9 +505,10 @@ static int64_t sim_perform_flush(struct io_sim *sim, struct io_file *f, uint64_t
     uint64_t nth = ++sim->counts.flushes;
     if (nth == sim->fail_flush_at) {
         sim->fail_flush_at = 0;
-        return sim->fail_flush_err;
+        int rc = sim_flush_node(f->node, covers_seq, linked_seq, 1);
+        return rc < 0 ? rc : sim->fail_flush_err;
     }
-    return sim_flush_node(f->node, covers_seq, linked_seq);
+    return sim_flush_node(f->node, covers_seq, linked_seq, 0);
 }
 
 static int64_t sim_perform(struct io_sim *sim, const struct sim_req *r)
@@ -785,7 +791,7 @@ static int64_t sim_write_now(struct io *io, struct io_file *f, uint64_t off, con
     uint64_t seq = 0;
     if (res == 0 && len) res = sim_write_apply(sim, f->node, off, buf, len, &seq);
     if (res > 0 && (f->flags & IO_O_DSYNC)) {
-        int rc = sim_flush_node(f->node, 0, seq);
+        int rc = sim_flush_node(f->node, 0, seq, 0);
         if (rc < 0) res = rc;
     }
     if (res >= 0) sim->counts.writes_now++;
@@ -933,6 +939,32 @@ static int sim_sync_dir(struct io *io, const char *dir)
     return rc;
 }
 
+/* Rebuilds cur from dur and the changes still pending (the dirty pages stay): what failed
+ * flushes lost disappears from reads and maps. */
+static int sim_drop_cache(struct io *io, struct io_file *f)
+{
+    struct sim_io *h = sim_io_of(io);
+    struct io_sim *sim = h->sim;
+    sim_lock(sim);
+    int rc = sim_stale(h, f) ? -EIO : 0;
+    struct sim_buf b = {0};
+    if (rc == 0) rc = sim_buf_write(&b, 0, f->node->dur.p, f->node->dur.len);
+    for (size_t i = 0; rc == 0 && i < f->node->changes_count; i++)
+        rc = sim_change_apply(&b, &f->node->changes[i], f->node->changes[i].len);
+    if (rc == 0) {
+        struct sim_node *n = f->node;
+        sim->used = sim->used - n->cur.len + b.len;
+        uint64_t old_len = n->cur.len;
+        free(n->cur.p);
+        n->cur = b;
+        sim_maps_refresh(sim, n, 0, old_len > b.len ? old_len : b.len);
+    } else {
+        free(b.p);
+    }
+    sim_unlock(sim);
+    return rc;
+}
+
 static int sim_mkdir(struct io *io, const char *path)
 {
     struct sim_io *h = sim_io_of(io);
@@ -1057,6 +1089,7 @@ static const struct io_ops sim_ops = {
     .rename = sim_rename,
     .sync_dir = sim_sync_dir,
     .mkdir = sim_mkdir,
+    .drop_cache = sim_drop_cache,
     .submit_write = sim_submit_write,
     .submit_flush = sim_submit_flush,
     .wait = sim_wait,

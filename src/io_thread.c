@@ -141,6 +141,7 @@ static const struct io_ops io_thread_ops = {
     .unlink = io_posix_unlink,
     .rename = io_posix_rename,
     .sync_dir = io_posix_sync_dir,
+    .drop_cache = io_posix_drop_cache,
     .mkdir = io_posix_mkdir,
     .submit_write = io_thread_submit_write,
     .submit_flush = io_thread_submit_flush,

@@ -828,6 +828,10 @@ static int store_recover(idem_store *s)
     s->st.keys_committed = s->sb.ckpt_keys_by_state[1];
     s->st.keys_review = s->sb.ckpt_keys_by_state[2];
     int rc = wal_open_segments(s->wal, s->sb.wal_first_seq, s->sb.ckpt_seq, s->opt.read_only);
+    /* After a crash or a failed store, what the last run wrote may be only in the page cache:
+     * recovery reads the log from disk (design.md section 7). */
+    s->settle_files = !s->opt.read_only && !s->sb.clean_lsn;
+    if (rc == 0 && s->settle_files) rc = wal_settle(s->wal, s->sb.ckpt_seq) < 0 ? IDEM_EIO : 0;
     if (rc < 0) {
         store_set_error("%s", wal_error(s->wal));
         return rc;
@@ -1056,7 +1060,7 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
         }
     }
     char err[512] = "";
-    rc = super_load(io, dir, &s->sb, err, sizeof err);
+    rc = super_load(io, dir, &s->sb, !s->opt.read_only, err, sizeof err);
     int fresh = rc == IDEM_ENOTFOUND;
     if (rc < 0 && !fresh) {
         store_set_error("%s", err);
@@ -2272,7 +2276,7 @@ int idem_restore(const char *backup_dir, const char *dest_dir)
     if (io_thread_create(&io) < 0) return IDEM_ENOMEM;
     struct super sb;
     char err[512] = "";
-    int rc = super_load(io, backup_dir, &sb, err, sizeof err);
+    int rc = super_load(io, backup_dir, &sb, 0, err, sizeof err);
     if (rc < 0) {
         store_set_error("%s", rc == IDEM_ENOTFOUND ? "the backup holds no store" : err);
         goto out;

@@ -189,6 +189,9 @@ struct idem_store {
     uint64_t durable_lsn;
     int fatal;
     char fatal_why[256]; /* what failed, once fatal is set (store_fail) */
+    /* This open follows no clean close: the log and audit.log are flushed and their cached
+     * pages dropped before they are read (wal_settle, audit_open). */
+    int settle_files;
     /* Polling queues with a ready completion, waiting for their signal (the wake cascade). */
     struct idem_queue *wake_head, *wake_tail;
     uint32_t notifying;          /* pins held on all queues (atomic; for tests) */

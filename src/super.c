@@ -110,7 +110,8 @@ int super_decode(const uint8_t *p, struct super *sb)
     return 1;
 }
 
-int super_load(struct io *io, const char *dir, struct super *sb, char *err, size_t errcap)
+int super_load(struct io *io, const char *dir, struct super *sb, int settle, char *err,
+               size_t errcap)
 {
     char path[4096];
     snprintf(path, sizeof path, "%s/super", dir);
@@ -120,6 +121,15 @@ int super_load(struct io *io, const char *dir, struct super *sb, char *err, size
     if (rc < 0) {
         snprintf(err, errcap, "cannot open %s: %s", path, strerror(-rc));
         return IDEM_EIO;
+    }
+    if (settle) {
+        rc = io_flush_sync(io, f);
+        if (rc == 0) rc = io_drop_cache(io, f);
+        if (rc < 0) {
+            io_close(io, f);
+            snprintf(err, errcap, "cannot flush %s at open: %s", path, strerror(-rc));
+            return IDEM_EIO;
+        }
     }
     uint8_t buf[2 * SUPER_BLOCK];
     memset(buf, 0, sizeof buf);

@@ -81,8 +81,11 @@ struct super {
 int super_decode(const uint8_t *p, struct super *sb);
 /* Loads the newest valid copy. IDEM_ENOTFOUND: no superblock file (a new store);
  * IDEM_ECORRUPT: neither copy valid; IDEM_EVERSION: unknown format or features. err gets a
- * sentence on failure. */
-int super_load(struct io *io, const char *dir, struct super *sb, char *err, size_t errcap);
+ * sentence on failure. settle: first flush the file and drop its cached pages, so that a copy
+ * whose write failed in an earlier run (cached, on no disk) is not read (io.h, drop_cache);
+ * IDEM_EIO if that fails. */
+int super_load(struct io *io, const char *dir, struct super *sb, int settle, char *err,
+               size_t errcap);
 /* Writes sb with generation+1 into the other copy and flushes it. A new file is written as
  * super.tmp, flushed, renamed to super and the directory synced, so super never exists without
  * a valid copy (a power loss keeping its name but not its data would leave a store that never

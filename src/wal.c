@@ -1020,6 +1020,22 @@ int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int
     return 0;
 }
 
+int wal_settle(struct wal *w, uint64_t start_seq)
+{
+    for (uint64_t q = start_seq; seg_of(w, q); q++) {
+        struct wal_segment *s = seg_of(w, q);
+        int rc = io_flush_sync(w->io, s->f);
+        if (rc == 0) rc = io_drop_cache(w->io, s->f);
+        if (rc < 0) {
+            snprintf(w->err, sizeof w->err,
+                     "log segment %llu: flushing what the last run wrote: %s",
+                     (unsigned long long)q, strerror(-rc));
+            return rc;
+        }
+    }
+    return 0;
+}
+
 int wal_addr_valid(const struct wal *w, uint64_t addr)
 {
     uint32_t slot = (uint32_t)(addr >> WAL_OFF_BITS);

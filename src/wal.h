@@ -117,6 +117,12 @@ static inline int wal_beyond_is_corrupt(uint64_t b, uint64_t last, const struct 
 int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t prev_lsn,
                 uint64_t prev_batch, const struct wal_resume *resume,
                 int (*fn)(void *ctx, const struct wal_frame *f), void *ctx, int read_only);
+/* Before wal_recover, after an open that followed no clean close: flushes every open segment
+ * from start_seq on and drops its clean cached pages, so that recovery reads what the disk
+ * holds. What the last run wrote but did not flush (a kill during a flush, durability none)
+ * becomes durable before anything is answered from it; what a failed flush lost (cached, marked
+ * clean, on no disk) is read as the disk has it. Returns 0 or -errno (wal_error says which). */
+int wal_settle(struct wal *w, uint64_t start_seq);
 /* Valid frames recovery found past the end of the log and dropped (unacknowledged writes). */
 uint64_t wal_frames_beyond(const struct wal *w);
 

@@ -680,7 +680,7 @@ Test(compact, files_a_crash_left_behind_are_removed_at_the_next_open, .timeout =
     struct io *io = io_sim_io(sim);
     struct super sb;
     char err[256];
-    cr_assert_eq(super_load(io, SIM_DIR, &sb, err, sizeof err), 0, "%s", err);
+    cr_assert_eq(super_load(io, SIM_DIR, &sb, 0, err, sizeof err), 0, "%s", err);
     io_destroy(io);
     cr_assert_gt(sb.wal_first_seq, 3, "too few segments retired to leave two behind");
     cr_assert_gt(sb.ckpt_id, 3);

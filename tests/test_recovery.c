@@ -242,6 +242,136 @@ Test(recovery, a_refused_submit_reaps_the_writes_already_submitted, .timeout = 6
     cr_assert_eq(c.abandoned, 0, "%" PRIu64 " writes were left in flight at close", c.abandoned);
 }
 
+/* ---- What the last run wrote is read from disk after a crash or a failed store ---- */
+
+static void claim_expect(idem_queue *q, const char *key, int rc, int outcome)
+{
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
+    idem_completion c;
+    int got = idem_claim(q, key, strlen(key), &a, &c);
+    cr_assert_eq(got, rc, "claim %s: %s", key, idem_strerror(got));
+    if (rc == IDEM_OK)
+        cr_assert_eq(c.outcome, outcome, "claim %s: %s", key, idem_outcome_name(c.outcome));
+}
+
+static int key_found(idem_queue *q, const char *key)
+{
+    idem_completion g;
+    cr_assert_eq(idem_get(q, key, strlen(key), &g), IDEM_OK);
+    return g.found;
+}
+
+/* A failed flush leaves its batch in the page cache (Linux keeps the pages, marked clean) and on
+ * no disk. The store is reopened without a power loss, as a supervisor restarts idemd: the
+ * claim whose flush failed is not served from the cache (another worker's claim would have
+ * answered busy from a record that the next power loss removes). */
+Test(recovery, a_restart_after_a_failed_flush_reads_the_log_from_disk, .timeout = 60)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, 3);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    io_sim_fail_flush(sim, 1, -EIO);
+    claim_expect(q, "never-durable", IDEM_EFATAL, 0);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_EFATAL);
+
+    cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    cr_assert(!key_found(q, "never-durable"), "served a claim that no disk holds");
+    claim_expect(q, "never-durable", IDEM_OK, IDEM_NEW);
+    idem_queue_close(q);
+    store_abandon(s);
+    io_sim_crash(sim, IO_SIM_CRASH_LOSE_ALL);
+    cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, 3);
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    cr_assert(key_found(q, "never-durable"), "the acknowledged claim after the restart was lost");
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+/* Whether the next small batch rolls into the next segment (64 KiB segments, open_sim). */
+static int next_batch_rolls(idem_store *s)
+{
+    uint64_t seq;
+    uint32_t off;
+    pthread_mutex_lock(&s->mu);
+    wal_position(s->wal, &seq, &off);
+    pthread_mutex_unlock(&s->mu);
+    return off + 512 + 2 * 4096 > 64 * 1024;
+}
+
+/* The same when the failed batch spans two segments (the SEGEND of one, the claim in the next):
+ * had the restart replayed it from the cache, the earlier segment's tail would never be flushed,
+ * and batches acknowledged after the restart would be lost at the next power loss, or make the
+ * log read as corrupt. */
+Test(recovery, acknowledged_batches_after_a_restart_survive_a_power_loss, .timeout = 60)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    int n = 0;
+    while (n < 200 && !next_batch_rolls(s)) {
+        fill(s, n, n + 1);
+        n++;
+    }
+    cr_assert(next_batch_rolls(s), "the log never came near the end of a segment");
+    usleep(200 * 1000); /* the flusher's work after the last batch is over */
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    uint64_t seq_before = wal_cur_seq(s->wal);
+    io_sim_fail_flush(sim, 1, -EIO);
+    claim_expect(q, "across-segments", IDEM_EFATAL, 0);
+    cr_assert_eq(wal_cur_seq(s->wal), seq_before + 1, "the failed batch did not roll");
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_EFATAL);
+
+    cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+    fill(s, 1000, 1004); /* acknowledged after the restart */
+    store_abandon(s);
+    io_sim_crash(sim, IO_SIM_CRASH_LOSE_ALL);
+    cr_assert_eq(open_sim(&s), IDEM_OK, "after the power loss: %s", idem_last_error());
+    expect_committed(s, 0, n);
+    expect_committed(s, 1000, 1004);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+/* A run in durability none writes batches without flushing them; killed, its store is opened
+ * in sync mode. What the next claim answers depends on the last run's record: the open makes that
+ * record durable before anything is answered from it, so a power loss keeps it. */
+Test(recovery, a_sync_open_after_a_kill_makes_what_it_answers_from_durable, .timeout = 60)
+{
+    idem_options o;
+    idem_options_init(&o);
+    o.test_clock = 1;
+    o.segment_bytes = 64 * 1024;
+    o.result_bytes_max = 4096;
+    o.durability = IDEM_DURABILITY_NONE;
+    idem_store *s;
+    cr_assert_eq(store_open_io(SIM_DIR, &o, io_sim_io(sim), 1, &s), IDEM_OK);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    claim_expect(q, "written-not-flushed", IDEM_OK, IDEM_NEW);
+    for (int i = 0; i < 200 && wal_written_lsn(s->wal) < wal_last_lsn(s->wal); i++)
+        usleep(5 * 1000); /* the flusher writes the batch, without a flush */
+    idem_queue_close(q);
+    store_abandon(s); /* kill -9 */
+
+    cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    claim_expect(q, "written-not-flushed", IDEM_OK, IDEM_BUSY);
+    idem_queue_close(q);
+    store_abandon(s);
+    io_sim_crash(sim, IO_SIM_CRASH_LOSE_ALL);
+    cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    cr_assert(key_found(q, "written-not-flushed"),
+              "answered busy from a record the power loss then removed");
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
 Test(recovery, a_failed_write_is_fatal_and_nothing_is_acknowledged)
 {
     idem_store *s;

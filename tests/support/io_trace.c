@@ -210,6 +210,13 @@ static int trace_data_after(struct io *io, struct io_file *f, uint64_t off, uint
     return h->inner->ops->data_after(h->inner, f->inner, off, data, hole);
 }
 
+/* Not recorded: it changes what reads see, never what a crash leaves. */
+static int trace_drop_cache(struct io *io, struct io_file *f)
+{
+    struct trace_io *h = trace_io_of(io);
+    return h->inner->ops->drop_cache(h->inner, f->inner);
+}
+
 static int trace_map(struct io *io, struct io_file *f, size_t len, const void **out)
 {
     struct trace_io *h = trace_io_of(io);
@@ -383,6 +390,7 @@ static const struct io_ops trace_ops = {
     .rename = trace_rename,
     .sync_dir = trace_sync_dir,
     .mkdir = trace_mkdir,
+    .drop_cache = trace_drop_cache,
     .submit_write = trace_submit_write,
     .submit_flush = trace_submit_flush,
     .wait = trace_wait,
