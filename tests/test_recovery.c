@@ -41,14 +41,20 @@ static void sim_teardown(void)
     io_sim_destroy(sim);
 }
 
-static int open_sim_seg(idem_store **s, uint32_t segment_bytes)
+static int open_sim_with(idem_store **s, uint32_t segment_bytes, int durability)
 {
     idem_options o;
     idem_options_init(&o);
     o.test_clock = 1;
     o.segment_bytes = segment_bytes;
     o.result_bytes_max = 4096;
+    o.durability = durability;
     return store_open_io(SIM_DIR, &o, io_sim_io(sim), 1, s);
+}
+
+static int open_sim_seg(idem_store **s, uint32_t segment_bytes)
+{
+    return open_sim_with(s, segment_bytes, IDEM_DURABILITY_SYNC);
 }
 
 static int open_sim(idem_store **s)
@@ -342,14 +348,8 @@ Test(recovery, acknowledged_batches_after_a_restart_survive_a_power_loss, .timeo
  * record durable before anything is answered from it, so a power loss keeps it. */
 Test(recovery, a_sync_open_after_a_kill_makes_what_it_answers_from_durable, .timeout = 60)
 {
-    idem_options o;
-    idem_options_init(&o);
-    o.test_clock = 1;
-    o.segment_bytes = 64 * 1024;
-    o.result_bytes_max = 4096;
-    o.durability = IDEM_DURABILITY_NONE;
     idem_store *s;
-    cr_assert_eq(store_open_io(SIM_DIR, &o, io_sim_io(sim), 1, &s), IDEM_OK);
+    cr_assert_eq(open_sim_with(&s, 64 * 1024, IDEM_DURABILITY_NONE), IDEM_OK);
     idem_queue *q;
     cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
     claim_expect(q, "written-not-flushed", IDEM_OK, IDEM_NEW);
@@ -1839,14 +1839,8 @@ Test(golden, compact_records_store_opens_and_answers)
 
 static void durability_mode_sync_makes_durable(int mode)
 {
-    idem_options o;
-    idem_options_init(&o);
-    o.test_clock = 1;
-    o.segment_bytes = 64 * 1024;
-    o.result_bytes_max = 4096;
-    o.durability = mode;
     idem_store *s;
-    cr_assert_eq(store_open_io(SIM_DIR, &o, io_sim_io(sim), 1, &s), IDEM_OK);
+    cr_assert_eq(open_sim_with(&s, 64 * 1024, mode), IDEM_OK);
     fill(s, 0, 200); /* acknowledged at once, several segments sealed on the way */
     cr_assert_eq(idem_sync(s), IDEM_OK);
     idem_stats st;
@@ -1854,8 +1848,7 @@ static void durability_mode_sync_makes_durable(int mode)
     cr_assert_gt(st.flushes, 0);
     store_abandon(s);
     io_sim_crash(sim, IO_SIM_CRASH_LOSE_ALL);
-    cr_assert_eq(store_open_io(SIM_DIR, &o, io_sim_io(sim), 1, &s), IDEM_OK, "%s",
-                 idem_last_error());
+    cr_assert_eq(open_sim_with(&s, 64 * 1024, mode), IDEM_OK, "%s", idem_last_error());
     expect_committed(s, 0, 200);
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
