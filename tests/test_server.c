@@ -1027,6 +1027,40 @@ Test(server, wait_times_out_as_busy, .init = start)
     redisFree(c);
 }
 
+/* A client that parks a WAIT claim and then stops being read (QUIT, or a malformed frame that
+ * closes it after its replies) and hangs up must be noticed: its claim leaves the engine, so it
+ * is never granted the key after the owner releases it. */
+static void waiter_gone_after(const char *tail)
+{
+    redisContext *a = connect_tcp();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(a, "IDEM.CLAIM gone 100000 60000"), &tok), "new");
+    int fd = raw_connect();
+    char req[256];
+    snprintf(req, sizeof req, "IDEM.CLAIM gone 100000 60000 WAIT 30000\r\n%s", tail);
+    raw_send(fd, req, strlen(req));
+    usleep(100000);
+    close(fd);
+    usleep(300000); /* the server sees the hangup */
+    expect_status(cmd(a, "IDEM.RELEASE gone %lld", tok), "OK");
+    usleep(100000);
+    redisContext *third = connect_tcp();
+    cr_assert_str_eq(outcome(cmd(third, "IDEM.CLAIM gone 100000 60000"), NULL), "new",
+                     "the vanished waiter holds the key");
+    redisFree(third);
+    redisFree(a);
+}
+
+Test(server, waiter_gone_after_quit_is_never_granted, .init = start)
+{
+    waiter_gone_after("QUIT\r\n");
+}
+
+Test(server, waiter_gone_after_malformed_frame_is_never_granted, .init = start)
+{
+    waiter_gone_after("*1\r\n$x\r\n");
+}
+
 /* ---- limits ---- */
 
 static void start_limited(void)

@@ -85,6 +85,11 @@ static void ep_add(srv *s, int fd, uint64_t tag, uint32_t events)
 
 /* ---- connections ---- */
 
+static srv_slot *slot_of(srv_conn *c, uint32_t seq)
+{
+    return &c->slots[seq & (c->slot_cap - 1)];
+}
+
 static void conn_account(srv *s, srv_conn *c)
 {
     uint64_t now = c->in_cap + c->out.cap;
@@ -95,7 +100,9 @@ static void conn_account(srv *s, srv_conn *c)
 static void conn_update_events(srv *s, srv_conn *c)
 {
     if (c->fd < 0) return;
-    uint32_t ev = 0;
+    /* EPOLLRDHUP always: a client that hangs up while it is not read (QUIT, paused, held back)
+     * is noticed all the same, so that its claims parked by WAIT are cancelled at once. */
+    uint32_t ev = EPOLLRDHUP;
     /* A connection whose parsing is held back (pipeline full, engine queue full, over the budget)
      * is read on only until SRV_IN_HELD_MAX bytes wait unparsed: then its bytes stay in the
      * socket until it may go on, so no input buffer grows without bound. */
@@ -123,9 +130,31 @@ static void conn_free(srv *s, srv_conn *c)
     free(c);
 }
 
+static void submit_batch(srv *s);
+
+/* Claims of c parked by WAIT in the engine complete now (busy), for a client that is gone. Ops
+ * of this turn not yet handed to the engine are submitted first, so that none of them parks
+ * after the cancel and is granted the key later. */
+static void cancel_waits(srv *s, srv_conn *c)
+{
+    int any = 0;
+    for (uint32_t q = c->head_seq; q != c->tail_seq; q++)
+        any |= slot_of(c, q)->state == SLOT_PENDING && slot_of(c, q)->is_wait;
+    if (!any || !s->q) return;
+    submit_batch(s);
+    for (uint32_t q = c->head_seq; q != c->tail_seq; q++) {
+        srv_slot *sl = slot_of(c, q);
+        if (sl->state == SLOT_PENDING && sl->is_wait)
+            idem_cancel_wait(s->q, ((uint64_t)c->index << 32) | q);
+    }
+}
+
+/* Closes c's socket, whatever the reason: its claims parked by WAIT are cancelled (they answer
+ * nobody, and must not be granted the key for a client that is gone). */
 static void conn_close(srv *s, srv_conn *c, const char *why)
 {
     if (c->fd < 0) return;
+    cancel_waits(s, c);
     if (c->big_admitted) s->big_admitted--;
     if (c->paused == PAUSE_INPUT) s->big_waiting--;
     c->big_admitted = 0;
@@ -192,8 +221,8 @@ static void conn_new(srv *s, int fd, int is_unix, const char *peer)
     s->nconns++;
     s->nlive++;
     s->total_connections++;
-    c->epoll_events = EPOLLIN;
-    ep_add(s, fd, TAG_CONN + (uint64_t)idx, EPOLLIN);
+    c->epoll_events = EPOLLIN | EPOLLRDHUP;
+    ep_add(s, fd, TAG_CONN + (uint64_t)idx, EPOLLIN | EPOLLRDHUP);
     srv_log("info", "connect", "id=%llu peer=%s role=%s", (unsigned long long)c->id, peer,
             auth_role_name(c->role));
 }
@@ -219,11 +248,6 @@ static void accept_all(srv *s, int lfd, int is_unix)
 }
 
 /* ---- the reply FIFO ---- */
-
-static srv_slot *slot_of(srv_conn *c, uint32_t seq)
-{
-    return &c->slots[seq & (c->slot_cap - 1)];
-}
 
 /* Takes the next slot for a request. Returns -1 without memory. */
 static int slot_alloc(srv_conn *c, uint32_t *seq)
@@ -354,16 +378,6 @@ void srv_flush_ops(srv *s)
     submit_batch(s);
 }
 
-/* Claims of c parked by WAIT in the engine complete now (busy), for a client that is gone. */
-static void cancel_waits(srv *s, srv_conn *c)
-{
-    for (uint32_t q = c->head_seq; q != c->tail_seq; q++) {
-        srv_slot *sl = slot_of(c, q);
-        if (sl->state == SLOT_PENDING && sl->is_wait && s->q)
-            idem_cancel_wait(s->q, ((uint64_t)c->index << 32) | q);
-    }
-}
-
 /* ---- reading and parsing ---- */
 
 static int conn_grow_in(srv_conn *c)
@@ -399,9 +413,8 @@ static int conn_read(srv *s, srv_conn *c)
     }
     ssize_t n = read(c->fd, c->in + c->in_len, c->in_cap - c->in_len);
     if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
-        /* The peer is gone (as Redis does, a half-close is taken for a close): its claims
-         * parked by WAIT are answered now so nothing waits for it. */
-        cancel_waits(s, c);
+        /* The peer is gone (as Redis does, a half-close is taken for a close): conn_close
+         * cancels its claims parked by WAIT so nothing waits for it. */
         conn_close(s, c, n == 0 ? "eof" : "read_error");
         return -1;
     }
@@ -1049,7 +1062,8 @@ static void on_conn_event(srv *s, uint32_t idx, uint32_t events)
             conn_parse(s, c);
             big_release(s, c);
         }
-    } else if (events & (EPOLLHUP | EPOLLERR)) {
+    } else if (events & (EPOLLHUP | EPOLLERR | EPOLLRDHUP)) {
+        /* Not read now (QUIT, paused, held back): a hangup is a disconnect all the same. */
         conn_close(s, c, "hangup");
         return;
     }
