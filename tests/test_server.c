@@ -1061,6 +1061,38 @@ Test(server, waiter_gone_after_malformed_frame_is_never_granted, .init = start)
     waiter_gone_after("*1\r\n$x\r\n");
 }
 
+static void start_queue_256(void)
+{
+    static const char *const extra[] = {"--queue-depth", "256", NULL};
+    start_with(extra);
+}
+
+/* Claims parked by WAIT of clients that went away must give their share of the queue back:
+ * after 180 of them (more than half of a queue of 256) WAIT still waits. */
+Test(server, abandoned_waiters_do_not_use_up_wait, .init = start_queue_256)
+{
+    redisContext *a = connect_tcp();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(a, "IDEM.CLAIM ab 1000000 600000"), &tok), "new");
+    static char req[60 * 48];
+    size_t len = 0;
+    for (int i = 0; i < 60; i++)
+        len += (size_t)snprintf(req + len, sizeof req - len,
+                                "IDEM.CLAIM ab 1000000 600000 WAIT 60000\r\n");
+    for (int round = 0; round < 3; round++) {
+        int fd = raw_connect();
+        raw_send(fd, req, len);
+        usleep(200000);
+        close(fd);
+        usleep(200000);
+    }
+    int64_t t0 = now_ms();
+    cr_assert_str_eq(outcome(cmd(a, "IDEM.CLAIM ab 1000000 600000 WAIT 1500"), NULL), "busy");
+    cr_assert(now_ms() - t0 >= 1200, "WAIT answered after %lld ms: it no longer waits",
+              (long long)(now_ms() - t0));
+    redisFree(a);
+}
+
 /* ---- limits ---- */
 
 static void start_limited(void)

@@ -686,13 +686,15 @@ static void complete_one(srv *s, const idem_completion *cp)
     c->engine_due--;
     s->engine_due--;
     if (cp->err == IDEM_EFATAL) s->fatal = 1;
-    if (c->dead) return;
     srv_slot *sl = slot_of(c, seq);
-    if (sl->state != SLOT_PENDING) return; /* answered already (drain) */
+    /* A parked claim gives its share of WAIT back whoever it answers: a closed connection, or
+     * a request answered already (drain) count too, or WAIT would stop working for good. */
     if (sl->is_wait) {
         sl->is_wait = 0;
         s->wait_due--;
     }
+    if (c->dead) return;
+    if (sl->state != SLOT_PENDING) return; /* answered already (drain) */
     sl->remaining--;
     resp_buf *rb = srv_reply_buf(c, seq);
     size_t before = rb->len;
