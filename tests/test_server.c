@@ -1093,6 +1093,47 @@ Test(server, abandoned_waiters_do_not_use_up_wait, .init = start_queue_256)
     redisFree(a);
 }
 
+static void start_output_64k(void)
+{
+    static const char *const extra[] = {"--client-output-max", "64k", NULL};
+    start_with(extra);
+}
+
+/* A reply too large for --client-output-max that waits in its slot behind a WAIT claim must not
+ * be sent cut short with later replies after it: the connection is closed (output_limit), as
+ * when such a reply goes out at once. */
+Test(server, oversized_reply_held_in_a_slot_is_never_sent_truncated, .init = start_output_64k)
+{
+    redisContext *a = connect_tcp();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(a, "IDEM.CLAIM big 100000 60000"), &tok), "new");
+    int fd = raw_connect();
+    for (int i = 0; i < 200; i++)
+        raw_send(fd, "GET nokey\r\n", 11);
+    const char *claim = "IDEM.CLAIM big 100000 60000 WAIT 1000\r\n";
+    raw_send(fd, claim, strlen(claim));
+    const char *echo = "*2\r\n$4\r\nECHO\r\n$65536\r\n";
+    raw_send(fd, echo, strlen(echo));
+    char *body = malloc(65536);
+    memset(body, 'e', 65536);
+    raw_send(fd, body, 65536);
+    free(body);
+    const char *tail = "\r\nPING\r\nECHO hello\r\n";
+    raw_send(fd, tail, strlen(tail));
+    static char buf[1 << 18];
+    size_t got = 0;
+    int closed = 0;
+    for (int i = 0; i < 4 && !closed && got + 1 < sizeof buf; i++)
+        got += raw_read(fd, buf + got, sizeof buf - 1 - got, sizeof buf, &closed);
+    buf[got] = '\0';
+    close(fd);
+    cr_assert(!strstr(buf, "+PONG"), "a reply after a truncated one: %zu bytes, ends %.60s", got,
+              got > 60 ? buf + got - 60 : buf);
+    cr_assert(closed, "the connection stays open after its reply was cut");
+    expect_status(cmd(a, "PING"), "PONG");
+    redisFree(a);
+}
+
 /* ---- limits ---- */
 
 static void start_limited(void)

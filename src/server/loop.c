@@ -297,7 +297,10 @@ void srv_reply_done(srv *s, srv_conn *c, uint32_t seq)
     sl->owed = 0;
     while (c->head_seq != c->tail_seq && slot_of(c, c->head_seq)->state == SLOT_READY) {
         srv_slot *h = slot_of(c, c->head_seq);
-        if (h->buf.len && resp_buf_append(&c->out, h->buf.data, h->buf.len) < 0)
+        /* A reply that did not fit its slot is not sent cut short: the connection is closed
+         * (conn_write: output_limit), as when the reply goes to `out` at once. */
+        if (h->buf.overflow ||
+            (h->buf.len && resp_buf_append(&c->out, h->buf.data, h->buf.len) < 0))
             c->out.overflow = 1;
         if (h->buf.cap > 65536) resp_buf_free(&h->buf);
         h->buf.len = 0;
