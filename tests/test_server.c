@@ -925,6 +925,35 @@ Test(server, oversized_key_streams_and_is_refused, .init = start)
     close(fd);
 }
 
+/* A request whose arguments are each within their limits but together pass what one request
+ * may hold (three 4 MiB FPs) is discarded as it streams in and refused by name; the connection
+ * goes on. */
+Test(server, request_over_the_input_cap_is_refused_and_the_connection_goes_on, .init = start)
+{
+    enum { FP_LEN = 4 << 20 };
+    int fd = raw_connect();
+    const char *head = "*10\r\n$10\r\nIDEM.CLAIM\r\n$2\r\nfp\r\n$5\r\n60000\r\n$5\r\n10000\r\n";
+    raw_send(fd, head, strlen(head));
+    char *fp = malloc(FP_LEN);
+    memset(fp, 'f', FP_LEN);
+    for (int i = 0; i < 3; i++) {
+        char hdr[32];
+        int n = snprintf(hdr, sizeof hdr, "$2\r\nFP\r\n$%d\r\n", FP_LEN);
+        raw_send(fd, hdr, (size_t)n);
+        raw_send(fd, fp, FP_LEN);
+        raw_send(fd, "\r\n", 2);
+    }
+    free(fp);
+    raw_send(fd, "PING\r\n", 6);
+    char buf[512];
+    int closed;
+    raw_read(fd, buf, sizeof buf - 1, 200, &closed);
+    cr_assert(strncmp(buf, "-ERR", 4) == 0 && strstr(buf, "too large"), "got %s", buf);
+    cr_assert(strstr(buf, "+PONG\r\n"), "got %s", buf);
+    cr_assert(!closed);
+    close(fd);
+}
+
 /* ---- pipelining ---- */
 
 Test(server, pipelined_replies_come_in_order, .init = start)

@@ -212,6 +212,9 @@ static void conn_new(srv *s, int fd, int is_unix, const char *peer)
     snprintf(c->user, sizeof c->user, "%s", s->cfg.nusers ? "" : is_unix ? "unix" : "tcp");
     snprintf(c->peer, sizeof c->peer, "%s", peer);
     resp_parser_init(&c->parser, RESP_ARGV_MAX, cmd_arg_max, s);
+    /* A whole request must fit the input buffer with a read's room to spare (conn_grow_in):
+     * one that would not (several 4 MiB FPs) is refused as it streams in, not a closed socket. */
+    c->parser.req_max = SRV_REQ_MAX;
     resp_buf_init(&c->out, s->cfg.client_output_max);
     /* Until its replies show their size, a client is owed the largest a reply can be. */
     c->reply_est =

@@ -27,6 +27,7 @@
 #define SRV_PASSWORD_MAX 256
 #define SRV_IN_BUF_MAX   (2u * RESP_BULK_PROTO_MAX + 65536u) /* a whole request must fit */
 #define SRV_READ_CHUNK   65536u
+#define SRV_REQ_MAX      (SRV_IN_BUF_MAX - SRV_READ_CHUNK / 4) /* larger requests are refused */
 #define SRV_STALL_MS     2000          /* over the io budget, a reader this slow is closed */
 #define SRV_HEAVY_BYTES  (256u * 1024) /* over the budget, clients above this are held back */
 #define SRV_IN_HELD_MAX  (256u * 1024) /* unparsed input kept for a held-back client */
