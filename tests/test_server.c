@@ -1163,6 +1163,119 @@ Test(server, oversized_reply_held_in_a_slot_is_never_sent_truncated, .init = sta
     redisFree(a);
 }
 
+/* idemd's resident memory, in KiB (-1 if unknown). */
+static long rss_kib(pid_t pid)
+{
+    char path[64], line[256];
+    snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+    FILE *f = fopen(path, "r");
+    long kib = -1;
+    if (!f) return -1;
+    while (fgets(line, sizeof line, f))
+        if (strncmp(line, "VmRSS:", 6) == 0) kib = strtol(line + 6, NULL, 10);
+    fclose(f);
+    return kib;
+}
+
+static void start_budget_8m(void)
+{
+    static const char *const extra[] = {"--io-budget", "8m", NULL};
+    start_with(extra);
+}
+
+enum { HELD_CONNS = 4, HELD_ECHOS = 400, HELD_ECHO_LEN = 60000 };
+
+struct held_conn {
+    int fd;
+    char *req;
+    size_t req_len, sent, got, want;
+};
+
+/* Sends and reads what the sockets take without blocking; returns whether anything moved. */
+static int held_pump(struct held_conn *h, int n, int reading)
+{
+    static char sink[1 << 16];
+    int moved = 0;
+    for (int i = 0; i < n; i++) {
+        if (h[i].sent < h[i].req_len) {
+            ssize_t k = send(h[i].fd, h[i].req + h[i].sent, h[i].req_len - h[i].sent,
+                             MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (k > 0) h[i].sent += (size_t)k, moved = 1;
+        }
+        if (reading) {
+            ssize_t k = recv(h[i].fd, sink, sizeof sink, MSG_DONTWAIT);
+            if (k > 0) h[i].got += (size_t)k, moved = 1;
+        }
+    }
+    return moved;
+}
+
+/* Replies that wait in their slots behind a WAIT claim are held against the io budget, so the
+ * budget's back-pressure stops a client pipelining large replies behind it; once they are read,
+ * their buffers are let go of. */
+Test(server, replies_held_behind_a_wait_stay_within_the_budget, .init = start_budget_8m,
+     .timeout = 120)
+{
+    redisContext *a = connect_unix();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(a, "IDEM.CLAIM held 100000 60000"), &tok), "new");
+    long base = rss_kib(srv.pid);
+    static struct held_conn h[HELD_CONNS];
+    const char *claim = "IDEM.CLAIM held 100000 60000 WAIT 30000\r\n";
+    char hdr[64];
+    int hl = snprintf(hdr, sizeof hdr, "*2\r\n$4\r\nECHO\r\n$%d\r\n", HELD_ECHO_LEN);
+    size_t one = (size_t)hl + HELD_ECHO_LEN + 2;
+    for (int i = 0; i < HELD_CONNS; i++) {
+        h[i].fd = raw_connect();
+        h[i].req_len = strlen(claim) + HELD_ECHOS * one;
+        h[i].req = malloc(h[i].req_len);
+        cr_assert(h[i].req);
+        memcpy(h[i].req, claim, strlen(claim));
+        for (int k = 0; k < HELD_ECHOS; k++) {
+            char *p = h[i].req + strlen(claim) + (size_t)k * one;
+            memcpy(p, hdr, (size_t)hl);
+            memset(p + hl, 'a' + k % 26, HELD_ECHO_LEN);
+            memcpy(p + hl + HELD_ECHO_LEN, "\r\n", 2);
+        }
+        /* the claim's reply (done + the result "r"), then every ECHO's */
+        h[i].want = strlen("*2\r\n$4\r\ndone\r\n$1\r\nr\r\n") + HELD_ECHOS * (one - (size_t)hl + 8);
+    }
+    long peak = base;
+    for (int64_t last = now_ms(), end = now_ms() + 5000;
+         now_ms() < end && now_ms() - last < 1000;) {
+        if (held_pump(h, HELD_CONNS, 0)) last = now_ms();
+        long r = rss_kib(srv.pid);
+        if (r > peak) peak = r;
+        usleep(2000);
+    }
+    usleep(300000);
+    long r = rss_kib(srv.pid);
+    if (r > peak) peak = r;
+    fprintf(stderr, "held replies: RSS %ld KiB before, peak %ld KiB\n", base, peak);
+    cr_expect_lt(peak - base, 40 * 1024, "RSS grew by %ld KiB with an io budget of 8 MiB",
+                 peak - base);
+    expect_status(cmd(a, "IDEM.COMMIT held %lld r", tok), "OK");
+    int done = 0;
+    for (int64_t end = now_ms() + 60000; !done && now_ms() < end;) {
+        if (!held_pump(h, HELD_CONNS, 1)) usleep(1000);
+        done = 1;
+        for (int i = 0; i < HELD_CONNS; i++)
+            done &= h[i].got >= h[i].want;
+    }
+    for (int i = 0; i < HELD_CONNS; i++)
+        cr_assert_eq(h[i].got, h[i].want, "connection %d: %zu of %zu reply bytes", i, h[i].got,
+                     h[i].want);
+    usleep(300000);
+    long long io = stat_value(a, "io_buffer_bytes");
+    fprintf(stderr, "held replies: io_buffer_bytes %lld once read\n", io);
+    cr_assert_lt(io, 512 * 1024, "%lld bytes of buffers stay held by idle connections", io);
+    for (int i = 0; i < HELD_CONNS; i++) {
+        close(h[i].fd);
+        free(h[i].req);
+    }
+    redisFree(a);
+}
+
 /* ---- limits ---- */
 
 static void start_limited(void)

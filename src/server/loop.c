@@ -92,7 +92,7 @@ static srv_slot *slot_of(srv_conn *c, uint32_t seq)
 
 static void conn_account(srv *s, srv_conn *c)
 {
-    uint64_t now = c->in_cap + c->out.cap;
+    uint64_t now = c->in_cap + c->out.cap + c->slot_bytes;
     s->io_used = s->io_used - c->io_bytes + now;
     c->io_bytes = now;
 }
@@ -124,6 +124,7 @@ static void conn_free(srv *s, srv_conn *c)
     free(c->in);
     resp_buf_free(&c->out);
     c->in_cap = 0;
+    c->slot_bytes = 0;
     conn_account(s, c);
     s->conns[c->index] = NULL;
     s->nconns--;
@@ -263,7 +264,10 @@ static int slot_alloc(srv_conn *c, uint32_t *seq)
             ns[q & (cap - 1)] = *slot_of(c, q);
         for (uint32_t i = 0; i < c->slot_cap; i++) { /* free buffers of unused entries */
             uint32_t q = c->head_seq + i;
-            if (q - c->head_seq >= c->tail_seq - c->head_seq) resp_buf_free(&c->slots[i].buf);
+            if (q - c->head_seq >= c->tail_seq - c->head_seq) {
+                c->slot_bytes -= c->slots[i].buf_counted;
+                resp_buf_free(&c->slots[i].buf);
+            }
         }
         free(c->slots);
         c->slots = ns;
@@ -272,8 +276,10 @@ static int slot_alloc(srv_conn *c, uint32_t *seq)
     *seq = c->tail_seq++;
     srv_slot *sl = slot_of(c, *seq);
     resp_buf keep = sl->buf;
+    size_t counted = sl->buf_counted;
     memset(sl, 0, sizeof *sl);
     sl->buf = keep;
+    sl->buf_counted = counted;
     sl->buf.len = 0;
     sl->buf.overflow = 0;
     sl->buf.limit = c->out.limit;
@@ -291,21 +297,36 @@ resp_buf *srv_reply_buf(srv_conn *c, uint32_t seq)
     return seq == c->head_seq ? &c->out : &slot_of(c, seq)->buf;
 }
 
+/* The slot's buffer capacity as the budget counts it (c->slot_bytes), after it changed. */
+static void slot_recount(srv_conn *c, srv_slot *sl)
+{
+    c->slot_bytes = c->slot_bytes - sl->buf_counted + sl->buf.cap;
+    sl->buf_counted = sl->buf.cap;
+}
+
 void srv_reply_done(srv *s, srv_conn *c, uint32_t seq)
 {
     srv_slot *sl = slot_of(c, seq);
     sl->state = SLOT_READY;
-    c->owed -= sl->owed; /* the reply exists now: io_used counts it instead */
+    c->owed -= sl->owed; /* the reply exists now: io_used and the client's output count it */
     s->owed_total -= sl->owed;
     sl->owed = 0;
+    slot_recount(c, sl);
+    c->slot_ready += sl->buf.len; /* 0 for the head: its reply went to `out` */
+    /* Replies waiting in slots are the client's output as much as `out` is: past
+     * --client-output-max the connection is closed (conn_write: output_limit). */
+    if (c->out.limit && c->out.len - c->out_off + c->slot_ready > c->out.limit) c->out.overflow = 1;
     while (c->head_seq != c->tail_seq && slot_of(c, c->head_seq)->state == SLOT_READY) {
         srv_slot *h = slot_of(c, c->head_seq);
+        c->slot_ready -= h->buf.len;
         /* A reply that did not fit its slot is not sent cut short: the connection is closed
          * (conn_write: output_limit), as when the reply goes to `out` at once. */
         if (h->buf.overflow ||
             (h->buf.len && resp_buf_append(&c->out, h->buf.data, h->buf.len) < 0))
             c->out.overflow = 1;
-        if (h->buf.cap > 65536) resp_buf_free(&h->buf);
+        /* Only small buffers are kept, SRV_SLOT_KEEP bytes of them at most. */
+        if (h->buf.cap > SRV_SLOT_KEEP / 4 || c->slot_bytes > SRV_SLOT_KEEP) resp_buf_free(&h->buf);
+        slot_recount(c, h);
         h->buf.len = 0;
         h->state = SLOT_FREE;
         c->head_seq++;
@@ -445,10 +466,11 @@ static int over_budget(const srv *s)
     return s->cfg.io_budget_bytes && budget_pressure(s) > s->cfg.io_budget_bytes;
 }
 
-/* The replies c has not read yet and those its outstanding requests will add. */
+/* The replies c has not read yet (in `out` and waiting in slots) and those its outstanding
+ * requests will add. */
 static uint64_t conn_out_weight(const srv_conn *c)
 {
-    return c->out.len - c->out_off + c->owed;
+    return c->out.len - c->out_off + c->slot_ready + c->owed;
 }
 
 /* Input not parsed yet: past SRV_HEAVY_BYTES, a large request on its way in (a client whose

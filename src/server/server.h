@@ -10,7 +10,10 @@
  *
  * Reply order: every request takes the next sequence number of its connection and a slot in the
  * connection's ring. Replies leave in sequence order: a reply for the head slot is written to
- * `out` at once, any other waits in its slot's buffer until the slots before it are done.
+ * `out` at once, any other waits in its slot's buffer until the slots before it are done. Slot
+ * buffers count against the io budget (slot_bytes) and their replies against the client's output
+ * (slot_ready) like `out`; once their replies have moved to `out`, a connection keeps at most
+ * SRV_SLOT_KEEP bytes of them.
  */
 #ifndef IDEM_SERVER_SERVER_H
 #define IDEM_SERVER_SERVER_H
@@ -33,6 +36,7 @@
 #define SRV_IN_HELD_MAX  (256u * 1024) /* unparsed input kept for a held-back client */
 #define SRV_OWED_TIGHT   (1u << 20)    /* replies a client may be owed under memory pressure */
 #define SRV_STALL_BYTES  65536u        /* unread replies that make a stalled client a slow reader */
+#define SRV_SLOT_KEEP    16384u        /* slot buffers a connection keeps once their replies left */
 #define SRV_LAT_BUCKETS  16 /* latency histograms: bucket i < 2^(i+4) us, the last the rest */
 
 /* Why a connection is not read (srv_conn.paused). */
@@ -103,6 +107,7 @@ typedef struct srv_slot {
     uint8_t timed;      /* a claim whose latency is measured (not one that waits) */
     int64_t parsed_us;  /* timed: the loop's clock when it was parsed */
     resp_buf buf;       /* the reply, when it cannot go to `out` yet */
+    size_t buf_counted; /* buf.cap as counted in the connection's slot_bytes */
 } srv_slot;
 
 typedef struct srv_conn {
@@ -141,6 +146,8 @@ typedef struct srv_conn {
     int outq_bytes;              /* the kernel's unacknowledged bytes then; -1: unknown */
     size_t reply_est;            /* the size of its large recent replies (decays slowly) */
     uint64_t owed;               /* reply bytes reserved for its requests not yet answered */
+    uint64_t slot_bytes;         /* capacity of its slot buffers (in io_bytes) */
+    uint64_t slot_ready;         /* bytes of replies made that wait in slots for those before */
     int64_t last_active_ms;
     uint32_t epoll_events;
 } srv_conn;
