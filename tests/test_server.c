@@ -450,6 +450,35 @@ Test(server, prometheus_endpoint_counts_outcomes_and_flushes, .init = start_metr
     redisFree(c);
 }
 
+/* A metrics connection that sends nothing must not hold the event loop: RESP clients are
+ * answered at once meanwhile, and a scrape still works. */
+Test(server, silent_metrics_connection_does_not_stall_the_loop, .init = start_metrics)
+{
+    redisContext *c = connect_tcp();
+    expect_status(cmd(c, "PING"), "PONG");
+    int64_t worst = 0;
+    int silent[5];
+    for (int i = 0; i < 5; i++) {
+        silent[i] = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a = {.sin_family = AF_INET,
+                                .sin_port = htons((uint16_t)metrics_port),
+                                .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        cr_assert_eq(connect(silent[i], (struct sockaddr *)&a, sizeof a), 0);
+        usleep(30000); /* accepted by now */
+        int64_t t0 = now_ms();
+        expect_status(cmd(c, "PING"), "PONG");
+        if (now_ms() - t0 > worst) worst = now_ms() - t0;
+    }
+    cr_assert_lt(worst, 100, "a PING waited %lld ms behind a silent metrics connection",
+                 (long long)worst);
+    static char body[1 << 16];
+    scrape(body, sizeof body);
+    cr_assert(strstr(body, "200 OK"), "%.200s", body);
+    for (int i = 0; i < 5; i++)
+        close(silent[i]);
+    redisFree(c);
+}
+
 /* An IDEM.STATS value by name; -1 if absent. */
 static long long stat_value(redisContext *c, const char *name)
 {

@@ -819,6 +819,7 @@ static srv_conn *housekeeping_sweep(srv *s, int64_t now)
 
 static void housekeeping(srv *s, int64_t now)
 {
+    metrics_tick(s, now);
     srv_conn *first = housekeeping_sweep(s, now);
     int unpause_all = budget_pressure(s) <= s->cfg.io_budget_bytes / 4 * 3;
     for (uint32_t i = 0; i < s->conns_cap; i++) {
@@ -1103,13 +1104,14 @@ static void on_conn_event(srv *s, uint32_t idx, uint32_t events)
 static int on_event(srv *s, struct epoll_event *e)
 {
     uint64_t tag = e->data.u64;
-    if (tag >= TAG_CONN) {
+    if (tag >= SRV_TAG_METRICS_CONN) {
+        metrics_event(s, (uint32_t)(tag - SRV_TAG_METRICS_CONN), e->events);
+    } else if (tag >= TAG_CONN) {
         on_conn_event(s, (uint32_t)(tag - TAG_CONN), e->events);
     } else if (tag == TAG_UNIX || tag == TAG_TCP) {
         if (!s->draining) accept_all(s, tag == TAG_UNIX ? s->unix_fd : s->tcp_fd, tag == TAG_UNIX);
     } else if (tag == TAG_METRICS) {
-        int fd = accept4(s->metrics_fd, NULL, NULL, SOCK_CLOEXEC);
-        if (fd >= 0) metrics_serve(s, fd);
+        if (s->metrics_fd >= 0) metrics_accept(s);
     } else if (tag == TAG_SIG) {
         on_signal(s);
     } else if (tag == TAG_LOAD) {
@@ -1187,6 +1189,7 @@ static int setup_fds(srv *s)
 static int finish(srv *s, int rc)
 {
     stop_listening(s);
+    metrics_close_all(s);
     for (uint32_t i = 0; s->conns && i < s->conns_cap; i++)
         if (s->conns[i] && s->conns[i]->fd >= 0) conn_close(s, s->conns[i], "shutdown");
     srv_reads_stop(s); /* before the store closes: it reads the store */
@@ -1220,6 +1223,8 @@ static int finish(srv *s, int rc)
 int srv_run(srv *s)
 {
     s->unix_fd = s->tcp_fd = s->metrics_fd = -1;
+    for (uint32_t i = 0; i < SRV_METRICS_CONNS; i++)
+        s->mconns[i].fd = -1;
     s->epfd = s->sig_fd = s->load_fd = s->backup_fd = s->reads_fd = -1;
     s->started_ms = srv_now_ms();
     clock_tick(s);

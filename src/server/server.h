@@ -39,6 +39,20 @@
 #define SRV_SLOT_KEEP    16384u        /* slot buffers a connection keeps once their replies left */
 #define SRV_LAT_BUCKETS  16 /* latency histograms: bucket i < 2^(i+4) us, the last the rest */
 
+#define SRV_METRICS_CONNS    16           /* scrape connections served at once */
+#define SRV_METRICS_WAIT_MS  200          /* a scrape without a request is answered after this */
+#define SRV_METRICS_MAX_MS   2000         /* a scrape connection open this long is closed */
+#define SRV_TAG_METRICS_CONN (1ull << 40) /* epoll tag of scrape connection i: this + i */
+
+/* A connection to the metrics endpoint (metrics.c). */
+typedef struct srv_metrics_conn {
+    int fd;           /* -1: free */
+    int answering;    /* the reply is made: it is being written */
+    int64_t since_ms; /* accepted then (srv_now_ms) */
+    size_t off;       /* bytes of out written */
+    resp_buf out;
+} srv_metrics_conn;
+
 /* Why a connection is not read (srv_conn.paused). */
 enum srv_pause {
     PAUSE_NONE = 0,
@@ -179,6 +193,7 @@ typedef struct srv {
     idem_store *store;
     idem_queue *q, *q_sync;
     int epfd, unix_fd, tcp_fd, metrics_fd, sig_fd, load_fd;
+    srv_metrics_conn mconns[SRV_METRICS_CONNS];
     int loading;
     int draining;
     int fatal;
@@ -310,7 +325,13 @@ void srv_log(const char *level, const char *event, const char *fmt, ...)
 /* ---- metrics.c ---- */
 /* Writes the Prometheus text exposition of the store's stats into b. */
 void metrics_render(srv *s, resp_buf *b);
-/* Serves one HTTP scrape on an accepted fd (blocking briefly), then closes it. */
-void metrics_serve(srv *s, int fd);
+/* The metrics listener is readable: accepts scrape connections into the epoll set. */
+void metrics_accept(srv *s);
+/* Events of scrape connection `index` (tag SRV_TAG_METRICS_CONN + index). */
+void metrics_event(srv *s, uint32_t index, uint32_t events);
+/* Answers scrapes that sent no request in time, closes those open too long. */
+void metrics_tick(srv *s, int64_t now_ms);
+/* Closes every scrape connection (shutdown). */
+void metrics_close_all(srv *s);
 
 #endif /* IDEM_SERVER_SERVER_H */
