@@ -376,6 +376,27 @@ static const char *field_of(const redisReply *rec, const char *name)
     return NULL;
 }
 
+/* The test clock refuses a move that would let now + the largest ttl overflow (the store's
+ * times are signed 64-bit ms), and the server goes on. */
+Test(server, debug_clock_refuses_moves_that_would_overflow, .init = start)
+{
+    redisContext *c = connect_unix();
+    expect_error(cmd(c, "DEBUG CLOCK ADVANCE 9223372036854775807"), "ERR");
+    expect_error(cmd(c, "DEBUG CLOCK SET 9223372036854775000"), "ERR");
+    redisReply *r = cmd(c, "DEBUG CLOCK GET");
+    cr_assert_eq(r->type, REDIS_REPLY_INTEGER);
+    long long now = r->integer;
+    freeReplyObject(r);
+    cr_assert_gt(now, 0);
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM ovf 315360000000 1000"), NULL), "new");
+    r = cmd(c, "IDEM.GET ovf");
+    const char *exp = field_of(r, "expires_at_ms");
+    cr_assert(exp && strtoll(exp, NULL, 10) > now, "expires_at_ms %s", exp ? exp : "(none)");
+    freeReplyObject(r);
+    expect_status(cmd(c, "PING"), "PONG");
+    redisFree(c);
+}
+
 Test(server, attention_lists_what_needs_a_person, .init = start)
 {
     redisContext *c = connect_tcp(), *admin = connect_unix();
