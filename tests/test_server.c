@@ -376,6 +376,27 @@ static const char *field_of(const redisReply *rec, const char *name)
     return NULL;
 }
 
+/* The test clock refuses a move that would let now + the largest ttl overflow (the store's
+ * times are signed 64-bit ms), and the server goes on. */
+Test(server, debug_clock_refuses_moves_that_would_overflow, .init = start)
+{
+    redisContext *c = connect_unix();
+    expect_error(cmd(c, "DEBUG CLOCK ADVANCE 9223372036854775807"), "ERR");
+    expect_error(cmd(c, "DEBUG CLOCK SET 9223372036854775000"), "ERR");
+    redisReply *r = cmd(c, "DEBUG CLOCK GET");
+    cr_assert_eq(r->type, REDIS_REPLY_INTEGER);
+    long long now = r->integer;
+    freeReplyObject(r);
+    cr_assert_gt(now, 0);
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM ovf 315360000000 1000"), NULL), "new");
+    r = cmd(c, "IDEM.GET ovf");
+    const char *exp = field_of(r, "expires_at_ms");
+    cr_assert(exp && strtoll(exp, NULL, 10) > now, "expires_at_ms %s", exp ? exp : "(none)");
+    freeReplyObject(r);
+    expect_status(cmd(c, "PING"), "PONG");
+    redisFree(c);
+}
+
 Test(server, attention_lists_what_needs_a_person, .init = start)
 {
     redisContext *c = connect_tcp(), *admin = connect_unix();
@@ -447,6 +468,35 @@ Test(server, prometheus_endpoint_counts_outcomes_and_flushes, .init = start_metr
     cr_assert(strstr(body, "# TYPE idem_flush_latency_us histogram"), "%s", body);
     cr_assert(strstr(body, "idem_flush_latency_us_bucket{le=\"+Inf\"}"), "%s", body);
     cr_assert(strstr(body, "\nidem_keys_in_flight 1\n"), "%s", body);
+    redisFree(c);
+}
+
+/* A metrics connection that sends nothing must not hold the event loop: RESP clients are
+ * answered at once meanwhile, and a scrape still works. */
+Test(server, silent_metrics_connection_does_not_stall_the_loop, .init = start_metrics)
+{
+    redisContext *c = connect_tcp();
+    expect_status(cmd(c, "PING"), "PONG");
+    int64_t worst = 0;
+    int silent[5];
+    for (int i = 0; i < 5; i++) {
+        silent[i] = socket(AF_INET, SOCK_STREAM, 0);
+        struct sockaddr_in a = {.sin_family = AF_INET,
+                                .sin_port = htons((uint16_t)metrics_port),
+                                .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
+        cr_assert_eq(connect(silent[i], (struct sockaddr *)&a, sizeof a), 0);
+        usleep(30000); /* accepted by now */
+        int64_t t0 = now_ms();
+        expect_status(cmd(c, "PING"), "PONG");
+        if (now_ms() - t0 > worst) worst = now_ms() - t0;
+    }
+    cr_assert_lt(worst, 100, "a PING waited %lld ms behind a silent metrics connection",
+                 (long long)worst);
+    static char body[1 << 16];
+    scrape(body, sizeof body);
+    cr_assert(strstr(body, "200 OK"), "%.200s", body);
+    for (int i = 0; i < 5; i++)
+        close(silent[i]);
     redisFree(c);
 }
 
@@ -925,6 +975,35 @@ Test(server, oversized_key_streams_and_is_refused, .init = start)
     close(fd);
 }
 
+/* A request whose arguments are each within their limits but together pass what one request
+ * may hold (three 4 MiB FPs) is discarded as it streams in and refused by name; the connection
+ * goes on. */
+Test(server, request_over_the_input_cap_is_refused_and_the_connection_goes_on, .init = start)
+{
+    enum { FP_LEN = 4 << 20 };
+    int fd = raw_connect();
+    const char *head = "*10\r\n$10\r\nIDEM.CLAIM\r\n$2\r\nfp\r\n$5\r\n60000\r\n$5\r\n10000\r\n";
+    raw_send(fd, head, strlen(head));
+    char *fp = malloc(FP_LEN);
+    memset(fp, 'f', FP_LEN);
+    for (int i = 0; i < 3; i++) {
+        char hdr[32];
+        int n = snprintf(hdr, sizeof hdr, "$2\r\nFP\r\n$%d\r\n", FP_LEN);
+        raw_send(fd, hdr, (size_t)n);
+        raw_send(fd, fp, FP_LEN);
+        raw_send(fd, "\r\n", 2);
+    }
+    free(fp);
+    raw_send(fd, "PING\r\n", 6);
+    char buf[512];
+    int closed;
+    raw_read(fd, buf, sizeof buf - 1, 200, &closed);
+    cr_assert(strncmp(buf, "-ERR", 4) == 0 && strstr(buf, "too large"), "got %s", buf);
+    cr_assert(strstr(buf, "+PONG\r\n"), "got %s", buf);
+    cr_assert(!closed);
+    close(fd);
+}
+
 /* ---- pipelining ---- */
 
 Test(server, pipelined_replies_come_in_order, .init = start)
@@ -1025,6 +1104,226 @@ Test(server, wait_times_out_as_busy, .init = start)
     cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM wt 60000 30000 WAIT 200"), &left), "busy");
     cr_assert(now_ms() - t0 >= 150, "waited");
     redisFree(c);
+}
+
+/* A client that parks a WAIT claim and then stops being read (QUIT, or a malformed frame that
+ * closes it after its replies) and hangs up must be noticed: its claim leaves the engine, so it
+ * is never granted the key after the owner releases it. */
+static void waiter_gone_after(const char *tail)
+{
+    redisContext *a = connect_tcp();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(a, "IDEM.CLAIM gone 100000 60000"), &tok), "new");
+    int fd = raw_connect();
+    char req[256];
+    snprintf(req, sizeof req, "IDEM.CLAIM gone 100000 60000 WAIT 30000\r\n%s", tail);
+    raw_send(fd, req, strlen(req));
+    usleep(100000);
+    close(fd);
+    usleep(300000); /* the server sees the hangup */
+    expect_status(cmd(a, "IDEM.RELEASE gone %lld", tok), "OK");
+    usleep(100000);
+    redisContext *third = connect_tcp();
+    cr_assert_str_eq(outcome(cmd(third, "IDEM.CLAIM gone 100000 60000"), NULL), "new",
+                     "the vanished waiter holds the key");
+    redisFree(third);
+    redisFree(a);
+}
+
+Test(server, waiter_gone_after_quit_is_never_granted, .init = start)
+{
+    waiter_gone_after("QUIT\r\n");
+}
+
+Test(server, waiter_gone_after_malformed_frame_is_never_granted, .init = start)
+{
+    waiter_gone_after("*1\r\n$x\r\n");
+}
+
+static void start_queue_256(void)
+{
+    static const char *const extra[] = {"--queue-depth", "256", NULL};
+    start_with(extra);
+}
+
+/* Claims parked by WAIT of clients that went away must give their share of the queue back:
+ * after 180 of them (more than half of a queue of 256) WAIT still waits. */
+Test(server, abandoned_waiters_do_not_use_up_wait, .init = start_queue_256)
+{
+    redisContext *a = connect_tcp();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(a, "IDEM.CLAIM ab 1000000 600000"), &tok), "new");
+    static char req[60 * 48];
+    size_t len = 0;
+    for (int i = 0; i < 60; i++)
+        len += (size_t)snprintf(req + len, sizeof req - len,
+                                "IDEM.CLAIM ab 1000000 600000 WAIT 60000\r\n");
+    for (int round = 0; round < 3; round++) {
+        int fd = raw_connect();
+        raw_send(fd, req, len);
+        usleep(200000);
+        close(fd);
+        usleep(200000);
+    }
+    int64_t t0 = now_ms();
+    cr_assert_str_eq(outcome(cmd(a, "IDEM.CLAIM ab 1000000 600000 WAIT 1500"), NULL), "busy");
+    cr_assert(now_ms() - t0 >= 1200, "WAIT answered after %lld ms: it no longer waits",
+              (long long)(now_ms() - t0));
+    redisFree(a);
+}
+
+static void start_output_64k(void)
+{
+    static const char *const extra[] = {"--client-output-max", "64k", NULL};
+    start_with(extra);
+}
+
+/* A reply too large for --client-output-max that waits in its slot behind a WAIT claim must not
+ * be sent cut short with later replies after it: the connection is closed (output_limit), as
+ * when such a reply goes out at once. */
+Test(server, oversized_reply_held_in_a_slot_is_never_sent_truncated, .init = start_output_64k)
+{
+    redisContext *a = connect_tcp();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(a, "IDEM.CLAIM big 100000 60000"), &tok), "new");
+    int fd = raw_connect();
+    for (int i = 0; i < 200; i++)
+        raw_send(fd, "GET nokey\r\n", 11);
+    const char *claim = "IDEM.CLAIM big 100000 60000 WAIT 1000\r\n";
+    raw_send(fd, claim, strlen(claim));
+    const char *echo = "*2\r\n$4\r\nECHO\r\n$65536\r\n";
+    raw_send(fd, echo, strlen(echo));
+    char *body = malloc(65536);
+    memset(body, 'e', 65536);
+    raw_send(fd, body, 65536);
+    free(body);
+    const char *tail = "\r\nPING\r\nECHO hello\r\n";
+    raw_send(fd, tail, strlen(tail));
+    static char buf[1 << 18];
+    size_t got = 0;
+    int closed = 0;
+    for (int i = 0; i < 4 && !closed && got + 1 < sizeof buf; i++)
+        got += raw_read(fd, buf + got, sizeof buf - 1 - got, sizeof buf, &closed);
+    buf[got] = '\0';
+    close(fd);
+    cr_assert(!strstr(buf, "+PONG"), "a reply after a truncated one: %zu bytes, ends %.60s", got,
+              got > 60 ? buf + got - 60 : buf);
+    cr_assert(closed, "the connection stays open after its reply was cut");
+    expect_status(cmd(a, "PING"), "PONG");
+    redisFree(a);
+}
+
+/* idemd's resident memory, in KiB (-1 if unknown). */
+static long rss_kib(pid_t pid)
+{
+    char path[64], line[256];
+    snprintf(path, sizeof path, "/proc/%d/status", (int)pid);
+    FILE *f = fopen(path, "r");
+    long kib = -1;
+    if (!f) return -1;
+    while (fgets(line, sizeof line, f))
+        if (strncmp(line, "VmRSS:", 6) == 0) kib = strtol(line + 6, NULL, 10);
+    fclose(f);
+    return kib;
+}
+
+static void start_budget_8m(void)
+{
+    static const char *const extra[] = {"--io-budget", "8m", NULL};
+    start_with(extra);
+}
+
+enum { HELD_CONNS = 4, HELD_ECHOS = 400, HELD_ECHO_LEN = 60000 };
+
+struct held_conn {
+    int fd;
+    char *req;
+    size_t req_len, sent, got, want;
+};
+
+/* Sends and reads what the sockets take without blocking; returns whether anything moved. */
+static int held_pump(struct held_conn *h, int n, int reading)
+{
+    static char sink[1 << 16];
+    int moved = 0;
+    for (int i = 0; i < n; i++) {
+        if (h[i].sent < h[i].req_len) {
+            ssize_t k = send(h[i].fd, h[i].req + h[i].sent, h[i].req_len - h[i].sent,
+                             MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (k > 0) h[i].sent += (size_t)k, moved = 1;
+        }
+        if (reading) {
+            ssize_t k = recv(h[i].fd, sink, sizeof sink, MSG_DONTWAIT);
+            if (k > 0) h[i].got += (size_t)k, moved = 1;
+        }
+    }
+    return moved;
+}
+
+/* Replies that wait in their slots behind a WAIT claim are held against the io budget, so the
+ * budget's back-pressure stops a client pipelining large replies behind it; once they are read,
+ * their buffers are let go of. */
+Test(server, replies_held_behind_a_wait_stay_within_the_budget, .init = start_budget_8m,
+     .timeout = 120)
+{
+    redisContext *a = connect_unix();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(a, "IDEM.CLAIM held 100000 60000"), &tok), "new");
+    long base = rss_kib(srv.pid);
+    static struct held_conn h[HELD_CONNS];
+    const char *claim = "IDEM.CLAIM held 100000 60000 WAIT 30000\r\n";
+    char hdr[64];
+    int hl = snprintf(hdr, sizeof hdr, "*2\r\n$4\r\nECHO\r\n$%d\r\n", HELD_ECHO_LEN);
+    size_t one = (size_t)hl + HELD_ECHO_LEN + 2;
+    for (int i = 0; i < HELD_CONNS; i++) {
+        h[i].fd = raw_connect();
+        h[i].req_len = strlen(claim) + HELD_ECHOS * one;
+        h[i].req = malloc(h[i].req_len);
+        cr_assert(h[i].req);
+        memcpy(h[i].req, claim, strlen(claim));
+        for (int k = 0; k < HELD_ECHOS; k++) {
+            char *p = h[i].req + strlen(claim) + (size_t)k * one;
+            memcpy(p, hdr, (size_t)hl);
+            memset(p + hl, 'a' + k % 26, HELD_ECHO_LEN);
+            memcpy(p + hl + HELD_ECHO_LEN, "\r\n", 2);
+        }
+        /* the claim's reply (done + the result "r"), then every ECHO's */
+        h[i].want = strlen("*2\r\n$4\r\ndone\r\n$1\r\nr\r\n") + HELD_ECHOS * (one - (size_t)hl + 8);
+    }
+    long peak = base;
+    for (int64_t last = now_ms(), end = now_ms() + 5000;
+         now_ms() < end && now_ms() - last < 1000;) {
+        if (held_pump(h, HELD_CONNS, 0)) last = now_ms();
+        long r = rss_kib(srv.pid);
+        if (r > peak) peak = r;
+        usleep(2000);
+    }
+    usleep(300000);
+    long r = rss_kib(srv.pid);
+    if (r > peak) peak = r;
+    fprintf(stderr, "held replies: RSS %ld KiB before, peak %ld KiB\n", base, peak);
+    cr_expect_lt(peak - base, 40 * 1024, "RSS grew by %ld KiB with an io budget of 8 MiB",
+                 peak - base);
+    expect_status(cmd(a, "IDEM.COMMIT held %lld r", tok), "OK");
+    int done = 0;
+    for (int64_t end = now_ms() + 60000; !done && now_ms() < end;) {
+        if (!held_pump(h, HELD_CONNS, 1)) usleep(1000);
+        done = 1;
+        for (int i = 0; i < HELD_CONNS; i++)
+            done &= h[i].got >= h[i].want;
+    }
+    for (int i = 0; i < HELD_CONNS; i++)
+        cr_assert_eq(h[i].got, h[i].want, "connection %d: %zu of %zu reply bytes", i, h[i].got,
+                     h[i].want);
+    usleep(300000);
+    long long io = stat_value(a, "io_buffer_bytes");
+    fprintf(stderr, "held replies: io_buffer_bytes %lld once read\n", io);
+    cr_assert_lt(io, 512 * 1024, "%lld bytes of buffers stay held by idle connections", io);
+    for (int i = 0; i < HELD_CONNS; i++) {
+        close(h[i].fd);
+        free(h[i].req);
+    }
+    redisFree(a);
 }
 
 /* ---- limits ---- */

@@ -465,6 +465,10 @@ void cmd_command(cmd_req *r)
 
 /* ---- DEBUG CLOCK GET | SET ms | ADVANCE ms ---- */
 
+_Static_assert(SRV_TEST_CLOCK_MS_MAX <=
+                   INT64_MAX - 2 * (int64_t)IDEM_TTL_MS_MAX - 2 * (int64_t)IDEM_LEASE_MS_MAX,
+               "a clock at the bound plus ttls and leases must not overflow");
+
 void cmd_debug(cmd_req *r)
 {
     srv *s = r->s;
@@ -478,12 +482,20 @@ void cmd_debug(cmd_req *r)
     if (r->argc != 4 || cmd_i64(r->argv[3], r->argl[3], &v) < 0)
         return cmd_fail(r, "ERR DEBUG CLOCK SET|ADVANCE takes an integer of ms");
     int err;
-    if (cmd_is(r, 2, "SET"))
-        err = idem_clock_set(s->store, v);
-    else if (cmd_is(r, 2, "ADVANCE"))
-        err = v < 0 ? IDEM_EINVAL : idem_clock_advance(s->store, v);
-    else
+    int64_t now = idem_clock_now(s->store);
+    int set = cmd_is(r, 2, "SET");
+    if (!set && !cmd_is(r, 2, "ADVANCE"))
         return cmd_fail(r, "ERR DEBUG CLOCK GET|SET ms|ADVANCE ms");
+    /* The store's times are signed 64-bit ms: past the bound, now + a ttl could overflow. */
+    if ((set && v > SRV_TEST_CLOCK_MS_MAX) || (!set && v > SRV_TEST_CLOCK_MS_MAX - now))
+        return cmd_fail(r,
+                        "ERR DEBUG CLOCK: the test clock may not pass %lld ms (so that the "
+                        "clock plus the largest ttl and lease cannot overflow)",
+                        (long long)SRV_TEST_CLOCK_MS_MAX);
+    if (set)
+        err = idem_clock_set(s->store, v);
+    else
+        err = v < 0 ? IDEM_EINVAL : idem_clock_advance(s->store, v);
     if (err == IDEM_EINVAL) return cmd_fail(r, "ERR the test clock only moves forward");
     if (err != IDEM_OK) {
         cmd_reply_err(cmd_out(r), err);

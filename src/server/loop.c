@@ -85,9 +85,14 @@ static void ep_add(srv *s, int fd, uint64_t tag, uint32_t events)
 
 /* ---- connections ---- */
 
+static srv_slot *slot_of(srv_conn *c, uint32_t seq)
+{
+    return &c->slots[seq & (c->slot_cap - 1)];
+}
+
 static void conn_account(srv *s, srv_conn *c)
 {
-    uint64_t now = c->in_cap + c->out.cap;
+    uint64_t now = c->in_cap + c->out.cap + c->slot_bytes;
     s->io_used = s->io_used - c->io_bytes + now;
     c->io_bytes = now;
 }
@@ -95,7 +100,9 @@ static void conn_account(srv *s, srv_conn *c)
 static void conn_update_events(srv *s, srv_conn *c)
 {
     if (c->fd < 0) return;
-    uint32_t ev = 0;
+    /* EPOLLRDHUP always: a client that hangs up while it is not read (QUIT, paused, held back)
+     * is noticed all the same, so that its claims parked by WAIT are cancelled at once. */
+    uint32_t ev = EPOLLRDHUP;
     /* A connection whose parsing is held back (pipeline full, engine queue full, over the budget)
      * is read on only until SRV_IN_HELD_MAX bytes wait unparsed: then its bytes stay in the
      * socket until it may go on, so no input buffer grows without bound. */
@@ -117,15 +124,38 @@ static void conn_free(srv *s, srv_conn *c)
     free(c->in);
     resp_buf_free(&c->out);
     c->in_cap = 0;
+    c->slot_bytes = 0;
     conn_account(s, c);
     s->conns[c->index] = NULL;
     s->nconns--;
     free(c);
 }
 
+static void submit_batch(srv *s);
+
+/* Claims of c parked by WAIT in the engine complete now (busy), for a client that is gone. Ops
+ * of this turn not yet handed to the engine are submitted first, so that none of them parks
+ * after the cancel and is granted the key later. */
+static void cancel_waits(srv *s, srv_conn *c)
+{
+    int any = 0;
+    for (uint32_t q = c->head_seq; q != c->tail_seq; q++)
+        any |= slot_of(c, q)->state == SLOT_PENDING && slot_of(c, q)->is_wait;
+    if (!any || !s->q) return;
+    submit_batch(s);
+    for (uint32_t q = c->head_seq; q != c->tail_seq; q++) {
+        srv_slot *sl = slot_of(c, q);
+        if (sl->state == SLOT_PENDING && sl->is_wait)
+            idem_cancel_wait(s->q, ((uint64_t)c->index << 32) | q);
+    }
+}
+
+/* Closes c's socket, whatever the reason: its claims parked by WAIT are cancelled (they answer
+ * nobody, and must not be granted the key for a client that is gone). */
 static void conn_close(srv *s, srv_conn *c, const char *why)
 {
     if (c->fd < 0) return;
+    cancel_waits(s, c);
     if (c->big_admitted) s->big_admitted--;
     if (c->paused == PAUSE_INPUT) s->big_waiting--;
     c->big_admitted = 0;
@@ -183,6 +213,9 @@ static void conn_new(srv *s, int fd, int is_unix, const char *peer)
     snprintf(c->user, sizeof c->user, "%s", s->cfg.nusers ? "" : is_unix ? "unix" : "tcp");
     snprintf(c->peer, sizeof c->peer, "%s", peer);
     resp_parser_init(&c->parser, RESP_ARGV_MAX, cmd_arg_max, s);
+    /* A whole request must fit the input buffer with a read's room to spare (conn_grow_in):
+     * one that would not (several 4 MiB FPs) is refused as it streams in, not a closed socket. */
+    c->parser.req_max = SRV_REQ_MAX;
     resp_buf_init(&c->out, s->cfg.client_output_max);
     /* Until its replies show their size, a client is owed the largest a reply can be. */
     c->reply_est =
@@ -192,8 +225,8 @@ static void conn_new(srv *s, int fd, int is_unix, const char *peer)
     s->nconns++;
     s->nlive++;
     s->total_connections++;
-    c->epoll_events = EPOLLIN;
-    ep_add(s, fd, TAG_CONN + (uint64_t)idx, EPOLLIN);
+    c->epoll_events = EPOLLIN | EPOLLRDHUP;
+    ep_add(s, fd, TAG_CONN + (uint64_t)idx, EPOLLIN | EPOLLRDHUP);
     srv_log("info", "connect", "id=%llu peer=%s role=%s", (unsigned long long)c->id, peer,
             auth_role_name(c->role));
 }
@@ -220,11 +253,6 @@ static void accept_all(srv *s, int lfd, int is_unix)
 
 /* ---- the reply FIFO ---- */
 
-static srv_slot *slot_of(srv_conn *c, uint32_t seq)
-{
-    return &c->slots[seq & (c->slot_cap - 1)];
-}
-
 /* Takes the next slot for a request. Returns -1 without memory. */
 static int slot_alloc(srv_conn *c, uint32_t *seq)
 {
@@ -236,7 +264,10 @@ static int slot_alloc(srv_conn *c, uint32_t *seq)
             ns[q & (cap - 1)] = *slot_of(c, q);
         for (uint32_t i = 0; i < c->slot_cap; i++) { /* free buffers of unused entries */
             uint32_t q = c->head_seq + i;
-            if (q - c->head_seq >= c->tail_seq - c->head_seq) resp_buf_free(&c->slots[i].buf);
+            if (q - c->head_seq >= c->tail_seq - c->head_seq) {
+                c->slot_bytes -= c->slots[i].buf_counted;
+                resp_buf_free(&c->slots[i].buf);
+            }
         }
         free(c->slots);
         c->slots = ns;
@@ -245,8 +276,10 @@ static int slot_alloc(srv_conn *c, uint32_t *seq)
     *seq = c->tail_seq++;
     srv_slot *sl = slot_of(c, *seq);
     resp_buf keep = sl->buf;
+    size_t counted = sl->buf_counted;
     memset(sl, 0, sizeof *sl);
     sl->buf = keep;
+    sl->buf_counted = counted;
     sl->buf.len = 0;
     sl->buf.overflow = 0;
     sl->buf.limit = c->out.limit;
@@ -264,18 +297,36 @@ resp_buf *srv_reply_buf(srv_conn *c, uint32_t seq)
     return seq == c->head_seq ? &c->out : &slot_of(c, seq)->buf;
 }
 
+/* The slot's buffer capacity as the budget counts it (c->slot_bytes), after it changed. */
+static void slot_recount(srv_conn *c, srv_slot *sl)
+{
+    c->slot_bytes = c->slot_bytes - sl->buf_counted + sl->buf.cap;
+    sl->buf_counted = sl->buf.cap;
+}
+
 void srv_reply_done(srv *s, srv_conn *c, uint32_t seq)
 {
     srv_slot *sl = slot_of(c, seq);
     sl->state = SLOT_READY;
-    c->owed -= sl->owed; /* the reply exists now: io_used counts it instead */
+    c->owed -= sl->owed; /* the reply exists now: io_used and the client's output count it */
     s->owed_total -= sl->owed;
     sl->owed = 0;
+    slot_recount(c, sl);
+    c->slot_ready += sl->buf.len; /* 0 for the head: its reply went to `out` */
+    /* Replies waiting in slots are the client's output as much as `out` is: past
+     * --client-output-max the connection is closed (conn_write: output_limit). */
+    if (c->out.limit && c->out.len - c->out_off + c->slot_ready > c->out.limit) c->out.overflow = 1;
     while (c->head_seq != c->tail_seq && slot_of(c, c->head_seq)->state == SLOT_READY) {
         srv_slot *h = slot_of(c, c->head_seq);
-        if (h->buf.len && resp_buf_append(&c->out, h->buf.data, h->buf.len) < 0)
+        c->slot_ready -= h->buf.len;
+        /* A reply that did not fit its slot is not sent cut short: the connection is closed
+         * (conn_write: output_limit), as when the reply goes to `out` at once. */
+        if (h->buf.overflow ||
+            (h->buf.len && resp_buf_append(&c->out, h->buf.data, h->buf.len) < 0))
             c->out.overflow = 1;
-        if (h->buf.cap > 65536) resp_buf_free(&h->buf);
+        /* Only small buffers are kept, SRV_SLOT_KEEP bytes of them at most. */
+        if (h->buf.cap > SRV_SLOT_KEEP / 4 || c->slot_bytes > SRV_SLOT_KEEP) resp_buf_free(&h->buf);
+        slot_recount(c, h);
         h->buf.len = 0;
         h->state = SLOT_FREE;
         c->head_seq++;
@@ -354,16 +405,6 @@ void srv_flush_ops(srv *s)
     submit_batch(s);
 }
 
-/* Claims of c parked by WAIT in the engine complete now (busy), for a client that is gone. */
-static void cancel_waits(srv *s, srv_conn *c)
-{
-    for (uint32_t q = c->head_seq; q != c->tail_seq; q++) {
-        srv_slot *sl = slot_of(c, q);
-        if (sl->state == SLOT_PENDING && sl->is_wait && s->q)
-            idem_cancel_wait(s->q, ((uint64_t)c->index << 32) | q);
-    }
-}
-
 /* ---- reading and parsing ---- */
 
 static int conn_grow_in(srv_conn *c)
@@ -399,9 +440,8 @@ static int conn_read(srv *s, srv_conn *c)
     }
     ssize_t n = read(c->fd, c->in + c->in_len, c->in_cap - c->in_len);
     if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
-        /* The peer is gone (as Redis does, a half-close is taken for a close): its claims
-         * parked by WAIT are answered now so nothing waits for it. */
-        cancel_waits(s, c);
+        /* The peer is gone (as Redis does, a half-close is taken for a close): conn_close
+         * cancels its claims parked by WAIT so nothing waits for it. */
         conn_close(s, c, n == 0 ? "eof" : "read_error");
         return -1;
     }
@@ -426,10 +466,11 @@ static int over_budget(const srv *s)
     return s->cfg.io_budget_bytes && budget_pressure(s) > s->cfg.io_budget_bytes;
 }
 
-/* The replies c has not read yet and those its outstanding requests will add. */
+/* The replies c has not read yet (in `out` and waiting in slots) and those its outstanding
+ * requests will add. */
 static uint64_t conn_out_weight(const srv_conn *c)
 {
-    return c->out.len - c->out_off + c->owed;
+    return c->out.len - c->out_off + c->slot_ready + c->owed;
 }
 
 /* Input not parsed yet: past SRV_HEAVY_BYTES, a large request on its way in (a client whose
@@ -673,13 +714,15 @@ static void complete_one(srv *s, const idem_completion *cp)
     c->engine_due--;
     s->engine_due--;
     if (cp->err == IDEM_EFATAL) s->fatal = 1;
-    if (c->dead) return;
     srv_slot *sl = slot_of(c, seq);
-    if (sl->state != SLOT_PENDING) return; /* answered already (drain) */
+    /* A parked claim gives its share of WAIT back whoever it answers: a closed connection, or
+     * a request answered already (drain) count too, or WAIT would stop working for good. */
     if (sl->is_wait) {
         sl->is_wait = 0;
         s->wait_due--;
     }
+    if (c->dead) return;
+    if (sl->state != SLOT_PENDING) return; /* answered already (drain) */
     sl->remaining--;
     resp_buf *rb = srv_reply_buf(c, seq);
     size_t before = rb->len;
@@ -776,6 +819,7 @@ static srv_conn *housekeeping_sweep(srv *s, int64_t now)
 
 static void housekeeping(srv *s, int64_t now)
 {
+    metrics_tick(s, now);
     srv_conn *first = housekeeping_sweep(s, now);
     int unpause_all = budget_pressure(s) <= s->cfg.io_budget_bytes / 4 * 3;
     for (uint32_t i = 0; i < s->conns_cap; i++) {
@@ -1049,7 +1093,8 @@ static void on_conn_event(srv *s, uint32_t idx, uint32_t events)
             conn_parse(s, c);
             big_release(s, c);
         }
-    } else if (events & (EPOLLHUP | EPOLLERR)) {
+    } else if (events & (EPOLLHUP | EPOLLERR | EPOLLRDHUP)) {
+        /* Not read now (QUIT, paused, held back): a hangup is a disconnect all the same. */
         conn_close(s, c, "hangup");
         return;
     }
@@ -1059,13 +1104,14 @@ static void on_conn_event(srv *s, uint32_t idx, uint32_t events)
 static int on_event(srv *s, struct epoll_event *e)
 {
     uint64_t tag = e->data.u64;
-    if (tag >= TAG_CONN) {
+    if (tag >= SRV_TAG_METRICS_CONN) {
+        metrics_event(s, (uint32_t)(tag - SRV_TAG_METRICS_CONN), e->events);
+    } else if (tag >= TAG_CONN) {
         on_conn_event(s, (uint32_t)(tag - TAG_CONN), e->events);
     } else if (tag == TAG_UNIX || tag == TAG_TCP) {
         if (!s->draining) accept_all(s, tag == TAG_UNIX ? s->unix_fd : s->tcp_fd, tag == TAG_UNIX);
     } else if (tag == TAG_METRICS) {
-        int fd = accept4(s->metrics_fd, NULL, NULL, SOCK_CLOEXEC);
-        if (fd >= 0) metrics_serve(s, fd);
+        if (s->metrics_fd >= 0) metrics_accept(s);
     } else if (tag == TAG_SIG) {
         on_signal(s);
     } else if (tag == TAG_LOAD) {
@@ -1143,6 +1189,7 @@ static int setup_fds(srv *s)
 static int finish(srv *s, int rc)
 {
     stop_listening(s);
+    metrics_close_all(s);
     for (uint32_t i = 0; s->conns && i < s->conns_cap; i++)
         if (s->conns[i] && s->conns[i]->fd >= 0) conn_close(s, s->conns[i], "shutdown");
     srv_reads_stop(s); /* before the store closes: it reads the store */
@@ -1176,6 +1223,8 @@ static int finish(srv *s, int rc)
 int srv_run(srv *s)
 {
     s->unix_fd = s->tcp_fd = s->metrics_fd = -1;
+    for (uint32_t i = 0; i < SRV_METRICS_CONNS; i++)
+        s->mconns[i].fd = -1;
     s->epfd = s->sig_fd = s->load_fd = s->backup_fd = s->reads_fd = -1;
     s->started_ms = srv_now_ms();
     clock_tick(s);

@@ -1,16 +1,20 @@
 /*
- * metrics.c: the Prometheus text endpoint (--metrics-listen ADDR:PORT). Each scrape is served on
- * the loop thread: the request is read with a 200 ms timeout and ignored (any path answers), the
- * exposition written, the connection closed. Counters end in _total; the flush latency (the
+ * metrics.c: the Prometheus text endpoint (--metrics-listen ADDR:PORT). Scrapes are served on
+ * the loop thread without blocking it: each connection (SRV_METRICS_CONNS at once, more are
+ * closed at accept) sits in the loop's epoll set; its request is read (up to 2 KiB) and ignored
+ * (any path answers), or answered anyway once SRV_METRICS_WAIT_MS pass without one; the
+ * exposition is written as the socket takes it and the connection closed. One that is still
+ * open after SRV_METRICS_MAX_MS is closed. Counters end in _total; the flush latency (the
  * engine's) and the claim latency (the server's) are histograms over the same power-of-two
  * buckets. Nothing here scans keys.
  */
 #include "cmd.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/epoll.h>
 #include <sys/socket.h>
-#include <sys/time.h>
 #include <unistd.h>
 
 static int is_counter(const char *name)
@@ -87,32 +91,110 @@ void metrics_render(srv *s, resp_buf *b)
     render_histograms(s, b);
 }
 
-void metrics_serve(srv *s, int fd)
+/* ---- scrape connections: non-blocking, in the loop's epoll set ---- */
+
+static void mconn_close(srv *s, srv_metrics_conn *m)
 {
-    struct timeval tv = {0, 200000};
-    char req[2048];
-    resp_buf body, head;
-    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-    setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-    ssize_t got = recv(fd, req, sizeof req, 0);
-    (void)got;
+    epoll_ctl(s->epfd, EPOLL_CTL_DEL, m->fd, NULL);
+    close(m->fd);
+    m->fd = -1;
+    resp_buf_free(&m->out);
+}
+
+/* Writes what the socket takes; closes m once the whole reply is out (or on an error). */
+static void mconn_write(srv *s, srv_metrics_conn *m)
+{
+    while (m->off < m->out.len) {
+        ssize_t w =
+            send(m->fd, m->out.data + m->off, m->out.len - m->off, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (w > 0) {
+            m->off += (size_t)w;
+        } else if (w < 0 && (errno == EAGAIN || errno == EINTR)) {
+            return; /* EPOLLOUT brings the rest */
+        } else {
+            break;
+        }
+    }
+    mconn_close(s, m);
+}
+
+/* Makes the reply (the request is not looked at: any path answers) and starts writing it. */
+static void mconn_answer(srv *s, srv_metrics_conn *m, uint32_t index)
+{
+    resp_buf body;
     resp_buf_init(&body, 1 << 20);
     metrics_render(s, &body);
-    resp_buf_init(&head, body.len + 4096); /* the headers, then the body */
+    resp_buf_init(&m->out, body.len + 4096); /* the headers, then the body */
     char h[200];
     int k = snprintf(h, sizeof h,
                      "HTTP/1.0 200 OK\r\nContent-Type: text/plain; version=0.0.4\r\n"
                      "Content-Length: %zu\r\nConnection: close\r\n\r\n",
                      body.len);
-    resp_buf_append(&head, h, (size_t)k);
-    resp_buf_append(&head, body.data, body.len);
-    size_t off = 0;
-    while (off < head.len) {
-        ssize_t w = send(fd, head.data + off, head.len - off, MSG_NOSIGNAL);
-        if (w <= 0) break;
-        off += (size_t)w;
-    }
+    resp_buf_append(&m->out, h, (size_t)k);
+    resp_buf_append(&m->out, body.data, body.len);
     resp_buf_free(&body);
-    resp_buf_free(&head);
-    close(fd);
+    m->answering = 1;
+    m->off = 0;
+    struct epoll_event e = {.events = EPOLLOUT, .data.u64 = SRV_TAG_METRICS_CONN + index};
+    epoll_ctl(s->epfd, EPOLL_CTL_MOD, m->fd, &e);
+    mconn_write(s, m);
+}
+
+void metrics_accept(srv *s)
+{
+    for (int n = 0; n < SRV_METRICS_CONNS; n++) {
+        int fd = accept4(s->metrics_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd < 0) return;
+        uint32_t i = 0;
+        while (i < SRV_METRICS_CONNS && s->mconns[i].fd >= 0)
+            i++;
+        if (i == SRV_METRICS_CONNS) { /* as many scrapes as are served at once: refused */
+            close(fd);
+            continue;
+        }
+        srv_metrics_conn *m = &s->mconns[i];
+        memset(m, 0, sizeof *m);
+        m->fd = fd;
+        m->since_ms = srv_now_ms();
+        struct epoll_event e = {.events = EPOLLIN | EPOLLRDHUP,
+                                .data.u64 = SRV_TAG_METRICS_CONN + i};
+        if (epoll_ctl(s->epfd, EPOLL_CTL_ADD, fd, &e) != 0) {
+            close(fd);
+            m->fd = -1;
+        }
+    }
+}
+
+void metrics_event(srv *s, uint32_t index, uint32_t events)
+{
+    if (index >= SRV_METRICS_CONNS || s->mconns[index].fd < 0) return;
+    srv_metrics_conn *m = &s->mconns[index];
+    if (m->answering) {
+        if (events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) mconn_write(s, m);
+        return;
+    }
+    char req[2048]; /* the request is read (a bounded part of it) and ignored */
+    ssize_t got = recv(m->fd, req, sizeof req, MSG_DONTWAIT);
+    if (got > 0)
+        mconn_answer(s, m, index);
+    else if (got == 0 || (errno != EAGAIN && errno != EINTR))
+        mconn_close(s, m); /* gone without asking */
+}
+
+void metrics_tick(srv *s, int64_t now_ms)
+{
+    for (uint32_t i = 0; i < SRV_METRICS_CONNS; i++) {
+        srv_metrics_conn *m = &s->mconns[i];
+        if (m->fd < 0) continue;
+        if (now_ms - m->since_ms >= SRV_METRICS_MAX_MS)
+            mconn_close(s, m); /* a reader too slow for its reply */
+        else if (!m->answering && now_ms - m->since_ms >= SRV_METRICS_WAIT_MS)
+            mconn_answer(s, m, i); /* as a blocking server with a read timeout would */
+    }
+}
+
+void metrics_close_all(srv *s)
+{
+    for (uint32_t i = 0; i < SRV_METRICS_CONNS; i++)
+        if (s->mconns[i].fd >= 0) mconn_close(s, &s->mconns[i]);
 }

@@ -92,14 +92,21 @@ static void fill_argv(resp_parser *p, const uint8_t *buf, uint32_t n)
     }
 }
 
-/* The bulk header of argument argi was read: check it against its field's limit. */
-static int check_bulk(resp_parser *p, const uint8_t *buf, int64_t n)
+/* The bulk header of argument argi was read (the request's bytes up to its data: `upto`): check
+ * it against its field's limit and the whole request against req_max. */
+static int check_bulk(resp_parser *p, const uint8_t *buf, int64_t n, size_t upto)
 {
     char why[96];
     uint32_t max = RESP_BULK_PROTO_MAX;
     if (n < 0 || n > (int64_t)RESP_BULK_PROTO_MAX)
         return fail(p, RESP_CLOSE, "ERR Protocol error: invalid bulk length");
     if (p->discarding) return RESP_NEED_MORE;
+    if (p->req_max && upto + (size_t)n + 2 > p->req_max) {
+        snprintf(why, sizeof why, "request too large (its arguments pass %zu bytes in all)",
+                 p->req_max);
+        start_discard(p, buf, why);
+        return RESP_NEED_MORE;
+    }
     if (p->arg_max) {
         fill_argv(p, buf, p->argi);
         max = p->arg_max(p->arg_max_ctx, p->argv, p->argl, p->argi);
@@ -147,7 +154,7 @@ static int parse_array(resp_parser *p, uint8_t *buf, size_t len, size_t *consume
             if (r == LINE_NEED) goto need;
             if (r == LINE_BAD)
                 return fail(p, RESP_CLOSE, "ERR Protocol error: expected a bulk string");
-            if (check_bulk(p, buf, n) == RESP_CLOSE) return RESP_CLOSE;
+            if (check_bulk(p, buf, n, next) == RESP_CLOSE) return RESP_CLOSE;
             p->pos = next;
             p->bulk_left = n;
         }

@@ -14,6 +14,8 @@
  *   - a bulk longer than the field it fills may hold (asked of the arg_max callback, which sees
  *     the arguments before it) is discarded as it streams in, never buffered, and the request is
  *     then refused; a bulk length above RESP_BULK_PROTO_MAX closes the connection.
+ *   - an array request whose bytes in all would pass req_max (when set) is discarded as it
+ *     streams in, from the bulk that would pass it on, and refused (-ERR ... request too large).
  *   - an inline line longer than RESP_INLINE_MAX closes the connection.
  *   - the first line of a connection that looks like HTTP (`POST`, `GET /`, `Host:`) closes it.
  *
@@ -53,6 +55,7 @@ typedef uint32_t (*resp_arg_max_fn)(void *ctx, const uint8_t *const *argv, const
 struct resp_parser {
     /* configuration */
     uint32_t argc_max; /* <= RESP_ARGV_MAX */
+    size_t req_max;    /* bytes a whole array request may take (0: no limit); set after init */
     resp_arg_max_fn arg_max;
     void *arg_max_ctx;
     /* state of the request being parsed */

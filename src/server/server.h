@@ -10,7 +10,10 @@
  *
  * Reply order: every request takes the next sequence number of its connection and a slot in the
  * connection's ring. Replies leave in sequence order: a reply for the head slot is written to
- * `out` at once, any other waits in its slot's buffer until the slots before it are done.
+ * `out` at once, any other waits in its slot's buffer until the slots before it are done. Slot
+ * buffers count against the io budget (slot_bytes) and their replies against the client's output
+ * (slot_ready) like `out`; once their replies have moved to `out`, a connection keeps at most
+ * SRV_SLOT_KEEP bytes of them.
  */
 #ifndef IDEM_SERVER_SERVER_H
 #define IDEM_SERVER_SERVER_H
@@ -27,12 +30,30 @@
 #define SRV_PASSWORD_MAX 256
 #define SRV_IN_BUF_MAX   (2u * RESP_BULK_PROTO_MAX + 65536u) /* a whole request must fit */
 #define SRV_READ_CHUNK   65536u
+#define SRV_REQ_MAX      (SRV_IN_BUF_MAX - SRV_READ_CHUNK / 4) /* larger requests are refused */
 #define SRV_STALL_MS     2000          /* over the io budget, a reader this slow is closed */
 #define SRV_HEAVY_BYTES  (256u * 1024) /* over the budget, clients above this are held back */
 #define SRV_IN_HELD_MAX  (256u * 1024) /* unparsed input kept for a held-back client */
 #define SRV_OWED_TIGHT   (1u << 20)    /* replies a client may be owed under memory pressure */
 #define SRV_STALL_BYTES  65536u        /* unread replies that make a stalled client a slow reader */
-#define SRV_LAT_BUCKETS  16 /* latency histograms: bucket i < 2^(i+4) us, the last the rest */
+#define SRV_SLOT_KEEP    16384u        /* slot buffers a connection keeps once their replies left */
+#define SRV_TEST_CLOCK_MS_MAX                                                                      \
+    (INT64_C(1) << 62)     /* DEBUG CLOCK: far below INT64_MAX - ttl - lease */
+#define SRV_LAT_BUCKETS 16 /* latency histograms: bucket i < 2^(i+4) us, the last the rest */
+
+#define SRV_METRICS_CONNS    16           /* scrape connections served at once */
+#define SRV_METRICS_WAIT_MS  200          /* a scrape without a request is answered after this */
+#define SRV_METRICS_MAX_MS   2000         /* a scrape connection open this long is closed */
+#define SRV_TAG_METRICS_CONN (1ull << 40) /* epoll tag of scrape connection i: this + i */
+
+/* A connection to the metrics endpoint (metrics.c). */
+typedef struct srv_metrics_conn {
+    int fd;           /* -1: free */
+    int answering;    /* the reply is made: it is being written */
+    int64_t since_ms; /* accepted then (srv_now_ms) */
+    size_t off;       /* bytes of out written */
+    resp_buf out;
+} srv_metrics_conn;
 
 /* Why a connection is not read (srv_conn.paused). */
 enum srv_pause {
@@ -102,6 +123,7 @@ typedef struct srv_slot {
     uint8_t timed;      /* a claim whose latency is measured (not one that waits) */
     int64_t parsed_us;  /* timed: the loop's clock when it was parsed */
     resp_buf buf;       /* the reply, when it cannot go to `out` yet */
+    size_t buf_counted; /* buf.cap as counted in the connection's slot_bytes */
 } srv_slot;
 
 typedef struct srv_conn {
@@ -140,6 +162,8 @@ typedef struct srv_conn {
     int outq_bytes;              /* the kernel's unacknowledged bytes then; -1: unknown */
     size_t reply_est;            /* the size of its large recent replies (decays slowly) */
     uint64_t owed;               /* reply bytes reserved for its requests not yet answered */
+    uint64_t slot_bytes;         /* capacity of its slot buffers (in io_bytes) */
+    uint64_t slot_ready;         /* bytes of replies made that wait in slots for those before */
     int64_t last_active_ms;
     uint32_t epoll_events;
 } srv_conn;
@@ -171,6 +195,7 @@ typedef struct srv {
     idem_store *store;
     idem_queue *q, *q_sync;
     int epfd, unix_fd, tcp_fd, metrics_fd, sig_fd, load_fd;
+    srv_metrics_conn mconns[SRV_METRICS_CONNS];
     int loading;
     int draining;
     int fatal;
@@ -302,7 +327,13 @@ void srv_log(const char *level, const char *event, const char *fmt, ...)
 /* ---- metrics.c ---- */
 /* Writes the Prometheus text exposition of the store's stats into b. */
 void metrics_render(srv *s, resp_buf *b);
-/* Serves one HTTP scrape on an accepted fd (blocking briefly), then closes it. */
-void metrics_serve(srv *s, int fd);
+/* The metrics listener is readable: accepts scrape connections into the epoll set. */
+void metrics_accept(srv *s);
+/* Events of scrape connection `index` (tag SRV_TAG_METRICS_CONN + index). */
+void metrics_event(srv *s, uint32_t index, uint32_t events);
+/* Answers scrapes that sent no request in time, closes those open too long. */
+void metrics_tick(srv *s, int64_t now_ms);
+/* Closes every scrape connection (shutdown). */
+void metrics_close_all(srv *s);
 
 #endif /* IDEM_SERVER_SERVER_H */
