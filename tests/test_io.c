@@ -464,6 +464,43 @@ Test(sim, lose_all_drops_every_unsynced_write)
     sim_run_free(&r);
 }
 
+/* As Linux after a failed writeback: the pages stay cached (reads see them), but the disk never
+ * gets them and no later flush writes them; drop_cache makes reads show the disk again, while
+ * writes no flush covered yet stay (dirty pages are not dropped). */
+Test(sim, a_failed_flush_loses_what_it_covered_and_drop_cache_shows_the_disk)
+{
+    static uint8_t x[BLOCK], y[BLOCK], z[BLOCK], back[3 * BLOCK];
+    memset(x, 'x', sizeof x);
+    memset(y, 'y', sizeof y);
+    memset(z, 'z', sizeof z);
+    struct sim_run r = sim_run_new(3);
+    struct io_file *f = sim_durable(&r, SIM_A, x, sizeof x);
+    sim_write_unsynced(&r, f, BLOCK, y, BLOCK);
+    io_sim_fail_flush(r.sim, 1, -EIO);
+    cr_assert_eq(io_flush_sync(r.io, f), -EIO);
+    cr_assert_eq(io_flush_sync(r.io, f), 0, "a second flush succeeds, and writes nothing");
+    sim_write_unsynced(&r, f, 2 * BLOCK, z, BLOCK);
+    cr_assert_eq(io_read(r.io, f, 0, back, sizeof back), (int64_t)sizeof back);
+    cr_assert_arr_eq(back + BLOCK, y, BLOCK, "the cache shows the lost write until dropped");
+    cr_assert_eq(io_drop_cache(r.io, f), 0);
+    cr_assert_eq(io_read(r.io, f, 0, back, sizeof back), (int64_t)sizeof back);
+    cr_assert_arr_eq(back, x, BLOCK);
+    for (size_t i = BLOCK; i < 2 * BLOCK; i++)
+        cr_assert_eq(back[i], 0, "byte %zu: the lost write is still read", i);
+    cr_assert_arr_eq(back + 2 * BLOCK, z, BLOCK, "a write no flush covered yet was dropped");
+    cr_assert_eq(io_flush_sync(r.io, f), 0);
+    io_close(r.io, f);
+    sim_run_crash(&r, IO_SIM_CRASH_LOSE_ALL);
+    cr_assert_eq(io_open(r.io, SIM_A, 0, &f), 0);
+    cr_assert_eq(io_read(r.io, f, 0, back, sizeof back), (int64_t)sizeof back);
+    cr_assert_arr_eq(back, x, BLOCK);
+    for (size_t i = BLOCK; i < 2 * BLOCK; i++)
+        cr_assert_eq(back[i], 0, "byte %zu: the lost write survived the crash", i);
+    cr_assert_arr_eq(back + 2 * BLOCK, z, BLOCK);
+    io_close(r.io, f);
+    sim_run_free(&r);
+}
+
 Test(sim, flush_covers_only_writes_reaped_before_it)
 {
     static uint8_t x[BLOCK], y[BLOCK], back[BLOCK];

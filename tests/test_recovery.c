@@ -395,6 +395,48 @@ Test(recovery, a_failed_write_is_fatal_and_nothing_is_acknowledged)
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
+/* An append that wal_room allowed goes through: here the next frame rolls to the next segment,
+ * every pending chunk has gone in flight and three chunk buffers are free. The SEGEND takes one
+ * for itself, and the frame found the two kept for a flush's END and SEGEND, and was refused
+ * with IDEM_EBUSY (which the store handed to its caller as the operation's answer). */
+Test(recovery, an_append_that_wal_room_allowed_goes_through_after_a_roll, .timeout = 60)
+{
+    struct io *io = io_sim_io(sim);
+    const uint32_t seg = 64 * 1024;
+    struct wal *w;
+    cr_assert_eq(wal_create(io, SIM_DIR, seg, &w), 0);
+    cr_assert_eq(wal_init_new(w), 0);
+    static uint8_t payload[8000];
+    const void *parts[1] = {payload};
+    uint32_t lens[1] = {sizeof payload};
+    const uint32_t flen = (uint32_t)IDEM_ALIGN_UP(32 + sizeof payload, 8);
+    uint64_t addr, lsn;
+    int ready = 0;
+    for (int i = 0; i < 10000 && !ready; i++) {
+        if (wal_spare_needed(w)) cr_assert_eq(wal_spare_create(w), 0);
+        uint64_t sq;
+        uint32_t off;
+        wal_position(w, &sq, &off);
+        if (IDEM_ALIGN_UP(off, 4096) + flen + 2 * 4096 > seg && wal_chunks_free(w) == 3) {
+            ready = 1;
+            break;
+        }
+        cr_assert_eq(wal_room(w, flen), 0, "room at step %d (free %d)", i, wal_chunks_free(w));
+        cr_assert_eq(wal_append(w, WAL_T_RECORD, parts, lens, 1, &addr, &lsn), 0, "step %d", i);
+    }
+    cr_assert(ready, "never three free chunks before a roll");
+    cr_assert_gt(wal_flush_begin(w, 1), 0); /* every pending chunk goes in flight */
+    cr_assert_eq(wal_chunks_free(w), 3);
+    int room = wal_room(w, flen);
+    int rc = room == 0 ? wal_append(w, WAL_T_RECORD, parts, lens, 1, &addr, &lsn) : 0;
+    cr_assert_eq(wal_flush_io(w, 1), 0);
+    wal_flush_end(w, 1);
+    wal_destroy(w);
+    io_destroy(io);
+    cr_assert(room == 0 || room == IDEM_EBUSY, "wal_room: %s", idem_strerror(room));
+    cr_assert_eq(rc, 0, "an append wal_room allowed answered %s", idem_strerror(rc));
+}
+
 /* A log segment the store cannot create for another reason than a full disk (here the file
  * system went read-only) stops the store, which says what it was doing, the call that failed and
  * its error. Nothing acknowledged is lost. */
