@@ -52,6 +52,9 @@
     (AUDIT_HDR + 255 + IDEM_ACTOR_BYTES_MAX + IDEM_KEY_BYTES_MAX + IDEM_NOTE_BYTES_MAX + 8)
 #define AUDIT_GROUP_MAX                                                                            \
     IDEM_ALIGN_UP(AUDIT_GROUP_BYTES + AUDIT_ENTRY_MAX + AUDIT_BLOCK, AUDIT_BLOCK)
+/* Disk space for audit.log is reserved ahead of its groups in steps of this many bytes
+ * (audit_reserve_n), the file's size left alone. */
+#define AUDIT_ROOM_STEP (1024u * 1024)
 /* A mark is kept for the first unit at or past this many bytes after the last mark: a query
  * that reads a stretch reads about this much of the file, and the map takes a mark (24 bytes)
  * and a filter (AUDIT_FILTER_BITS / 8 bytes) per this much. */
@@ -306,6 +309,7 @@ int audit_open(idem_store *s)
         break;
     }
     free(u);
+    s->audit_alloc = s->audit_off; /* reserved space is not known: reserved again as needed */
     return rc < 0 ? rc : 0;
 }
 
@@ -343,6 +347,19 @@ int audit_reserve_n(idem_store *s, uint32_t n)
     struct audit_buf *b = &s->audit_pend;
     /* Each entry, the padding that closes the group before it, and a new group's header. */
     size_t need = b->len + (size_t)n * (AUDIT_ENTRY_MAX + AUDIT_BLOCK + AUDIT_GROUP_HDR);
+    /* Disk space first: the flusher writes the groups into space allocated here, so that a
+     * full disk answers this call FULL, before any change, instead of failing the store when
+     * the group is written. Rare (once per AUDIT_ROOM_STEP of trail), and cheap: an fallocate
+     * under mu, on an operator's call. */
+    uint64_t end = s->audit_off + s->audit_out.len + need;
+    if (end > s->audit_alloc) {
+        uint64_t to = IDEM_ALIGN_UP(end + AUDIT_ROOM_STEP, AUDIT_ROOM_STEP);
+        int rc = io_reserve(s->io, s->audit_f, s->audit_alloc, to - s->audit_alloc);
+        if (rc == -ENOSPC || rc == -EDQUOT) return IDEM_EFULL;
+        if (rc < 0 && rc != -EOPNOTSUPP) return IDEM_EIO;
+        /* A file system that cannot reserve: the trail grows as it is written, as it did. */
+        s->audit_alloc = rc == 0 ? to : UINT64_MAX;
+    }
     if (need <= b->cap) return 0;
     size_t cap = IDEM_ALIGN_UP(need > 2 * b->cap ? need : 2 * b->cap, AUDIT_BLOCK);
     uint8_t *p = aligned_alloc(AUDIT_BLOCK, cap);

@@ -18,8 +18,8 @@
  *   - Create, rename and unlink are durable only after io_sync_dir() of the directory.
  *   - Reads and maps see every write whose completion was reaped (the page cache view).
  *   - One thread at a time submits and reaps (the store's flusher); open, read, map, close,
- *     unlink, rename and sync_dir may be called from any thread, and so may write_now (each
- *     handle used by one thread at a time).
+ *     unlink, rename, sync_dir, allocate and reserve may be called from any thread, and so may
+ *     write_now (each handle used by one thread at a time).
  */
 #ifndef IDEM_IO_H
 #define IDEM_IO_H
@@ -54,6 +54,10 @@ struct io_ops {
     /* Reserves [off, off+len) on disk (fallocate): -ENOSPC when the disk is full. */
     int (*allocate)(struct io *io, struct io_file *f, uint64_t off, uint64_t len);
     int (*truncate)(struct io *io, struct io_file *f, uint64_t len);
+    /* Reserves disk space for [off, off+len) and leaves the file's size alone (fallocate with
+     * FALLOC_FL_KEEP_SIZE): writes there later cannot fail for space. -ENOSPC when the disk is
+     * full, -EOPNOTSUPP where the file system cannot. */
+    int (*reserve)(struct io *io, struct io_file *f, uint64_t off, uint64_t len);
     /* Synchronous read; returns bytes read (short at end of file) or -errno. */
     int64_t (*read)(struct io *io, struct io_file *f, uint64_t off, void *buf, size_t len);
     /* The first stretch at or after off that may hold data: [*data, *hole). Holes and space
@@ -139,6 +143,10 @@ static inline int io_size(struct io *io, struct io_file *f, uint64_t *out)
 static inline int io_allocate(struct io *io, struct io_file *f, uint64_t off, uint64_t len)
 {
     return (int)io_noted("fallocate", io->ops->allocate(io, f, off, len));
+}
+static inline int io_reserve(struct io *io, struct io_file *f, uint64_t off, uint64_t len)
+{
+    return (int)io_noted("fallocate", io->ops->reserve(io, f, off, len));
 }
 static inline int io_truncate(struct io *io, struct io_file *f, uint64_t len)
 {

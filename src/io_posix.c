@@ -234,6 +234,17 @@ int io_posix_sync_dir(struct io *io, const char *dir)
     return rc;
 }
 
+int io_posix_reserve(struct io *io, struct io_file *f, uint64_t off, uint64_t len)
+{
+    (void)io;
+    if (off > INT64_MAX || len == 0 || len > INT64_MAX - off) return -EINVAL;
+    int rc;
+    do {
+        rc = fallocate(f->fd, FALLOC_FL_KEEP_SIZE, (off_t)off, (off_t)len);
+    } while (rc != 0 && errno == EINTR);
+    return rc == 0 ? 0 : -errno;
+}
+
 int io_posix_drop_cache(struct io *io, struct io_file *f)
 {
     (void)io;

@@ -57,6 +57,7 @@ struct sim_node {
     struct sim_buf dur;
     struct sim_change *changes;
     size_t changes_count, changes_cap;
+    uint64_t kept; /* space reserved up to here (io reserve): growth below it needs no room */
 };
 
 struct sim_entry {
@@ -276,8 +277,8 @@ static void sim_maps_refresh(struct io_sim *sim, struct sim_node *n, uint64_t of
 /* Sets n's current length (capacity checked when growing); the change is logged by callers. */
 static int sim_cur_resize(struct io_sim *sim, struct sim_node *n, uint64_t len)
 {
-    uint64_t old = n->cur.len;
-    if (len > old && sim->capacity && sim->used + (len - old) > sim->capacity) return -ENOSPC;
+    uint64_t old = n->cur.len, from = old > n->kept ? old : n->kept;
+    if (len > from && sim->capacity && sim->used + (len - from) > sim->capacity) return -ENOSPC;
     int rc = sim_buf_resize(&n->cur, len);
     if (rc < 0) return rc;
     sim->used = sim->used - old + len;
@@ -746,6 +747,25 @@ static int sim_allocate(struct io *io, struct io_file *f, uint64_t off, uint64_t
     return rc;
 }
 
+/* A reservation is checked against the capacity when it is made, and the file may then grow
+ * into it whatever the capacity says (the space it holds is not counted in `used`). */
+static int sim_reserve_space(struct io *io, struct io_file *f, uint64_t off, uint64_t len)
+{
+    struct sim_io *h = sim_io_of(io);
+    struct io_sim *sim = h->sim;
+    if (off > INT64_MAX || len == 0 || len > INT64_MAX - off) return -EINVAL;
+    sim_lock(sim);
+    struct sim_node *n = f->node;
+    int rc = sim_stale(h, f) ? -EIO : (f->flags & IO_O_RDONLY) ? -EBADF : 0;
+    uint64_t from = n->cur.len > n->kept ? n->cur.len : n->kept;
+    if (rc == 0 && off + len > from && sim->capacity &&
+        sim->used + (off + len - from) > sim->capacity)
+        rc = -ENOSPC;
+    if (rc == 0 && off + len > n->kept) n->kept = off + len;
+    sim_unlock(sim);
+    return rc;
+}
+
 static int sim_truncate(struct io *io, struct io_file *f, uint64_t len)
 {
     struct sim_io *h = sim_io_of(io);
@@ -1079,6 +1099,7 @@ static const struct io_ops sim_ops = {
     .close = sim_close,
     .size = sim_size,
     .allocate = sim_allocate,
+    .reserve = sim_reserve_space,
     .truncate = sim_truncate,
     .read = sim_read,
     .write_now = sim_write_now,

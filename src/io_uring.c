@@ -238,6 +238,7 @@ static const struct io_ops iou_ops = {
     .close = io_posix_close,
     .size = io_posix_size,
     .allocate = io_posix_allocate,
+    .reserve = io_posix_reserve,
     .truncate = io_posix_truncate,
     .read = io_posix_read,
     .write_now = io_posix_write_now,

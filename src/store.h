@@ -259,6 +259,7 @@ struct idem_store {
     /* Audit trail. */
     struct io_file *audit_f;
     uint64_t audit_off;
+    uint64_t audit_alloc; /* audit.log has disk space reserved up to here (audit_reserve_n) */
     /* The trail's map (audit.c): the first unit of each stretch of the file, in file order. */
     struct audit_mark *audit_marks;
     size_t naudit_marks, audit_marks_cap;

@@ -355,6 +355,26 @@ IO_TEST(allocate_extends_with_zeros)
     io_close(fx.io, f);
 }
 
+/* Reserved space leaves the size alone, and after a flush and a dropped cache the file reads as
+ * written. */
+IO_TEST(reserve_keeps_the_size_and_drop_cache_keeps_what_was_flushed)
+{
+    static uint8_t data[2 * BLOCK], back[2 * BLOCK];
+    memset(data, 'r', sizeof data);
+    struct io_file *f = open_new("r");
+    cr_assert_eq(io_reserve(fx.io, f, 0, 64 * BLOCK), 0);
+    uint64_t size = 1;
+    cr_assert_eq(io_size(fx.io, f, &size), 0);
+    cr_assert_eq(size, 0, "a reservation changed the size");
+    cr_assert_eq(io_write_sync(fx.io, f, 0, data, sizeof data, 1), 0);
+    cr_assert_eq(io_drop_cache(fx.io, f), 0);
+    cr_assert_eq(io_size(fx.io, f, &size), 0);
+    cr_assert_eq(size, sizeof data);
+    cr_assert_eq(io_read(fx.io, f, 0, back, sizeof back), (int64_t)sizeof back);
+    cr_assert_arr_eq(back, data, sizeof data);
+    io_close(fx.io, f);
+}
+
 IO_TEST(direct_open_writes_aligned_blocks)
 {
     char p[512];

@@ -1539,6 +1539,33 @@ static void del_group_answers(idem_queue *q, int *ok, int *full, int *other)
     }
 }
 
+/* An operator call on a full disk: its audit entry needs room in audit.log, which grows with
+ * the trail. The call answers FULL before it changes anything; the store goes on (repeats are
+ * answered), and once space returns the call goes through. Before, the change was made, the
+ * flusher's write of its audit group failed with ENOSPC, and the whole store failed. */
+Test(recovery, an_operator_delete_on_a_full_disk_answers_full_and_the_store_goes_on, .timeout = 60)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, 5);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    char key[32];
+    key_of(3, key);
+    io_sim_set_capacity(sim, 1); /* nothing may grow: the segment and its spare are allocated */
+    cr_assert_eq(idem_del(q, key, strlen(key), "ops"), IDEM_EFULL);
+    cr_assert(!idem_is_fatal(s), "a full disk failed the store: %s", idem_fatal_reason(s));
+    cr_assert(key_found(q, key), "the delete answered FULL and deleted the key");
+    key_of(1, key);
+    claim_expect(q, key, IDEM_OK, IDEM_DONE);
+    io_sim_set_capacity(sim, 0);
+    key_of(3, key);
+    cr_assert_eq(idem_del(q, key, strlen(key), "ops"), IDEM_OK);
+    cr_assert(!key_found(q, key));
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
 /* A group of deletes on a full disk deletes none of its keys, then all of them once space
  * returns. The disk is filled until the spare segment cannot be made while the current one
  * still has room for 4 KiB of frames but not 12 KiB: some of the group's 40 DELETE frames of

@@ -210,6 +210,13 @@ static int trace_data_after(struct io *io, struct io_file *f, uint64_t off, uint
     return h->inner->ops->data_after(h->inner, f->inner, off, data, hole);
 }
 
+/* Not recorded: the file's size and content stay as they are. */
+static int trace_reserve(struct io *io, struct io_file *f, uint64_t off, uint64_t len)
+{
+    struct trace_io *h = trace_io_of(io);
+    return h->inner->ops->reserve(h->inner, f->inner, off, len);
+}
+
 /* Not recorded: it changes what reads see, never what a crash leaves. */
 static int trace_drop_cache(struct io *io, struct io_file *f)
 {
@@ -380,6 +387,7 @@ static const struct io_ops trace_ops = {
     .close = trace_close,
     .size = trace_size,
     .allocate = trace_allocate,
+    .reserve = trace_reserve,
     .truncate = trace_truncate,
     .read = trace_read,
     .write_now = trace_write_now,
