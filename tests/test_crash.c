@@ -424,3 +424,49 @@ Test(crash, answers_wait_for_the_flush_they_depend_on, .timeout = 60)
     cr_assert_eq(idem_close(s), IDEM_OK);
     io_sim_destroy(sim);
 }
+
+/* An answer about an absent key (NOTFOUND, a GET that finds nothing) waits for the
+ * DELETE that made it absent to be durable. */
+Test(crash, answers_about_an_absent_key_wait_for_the_delete_they_report, .timeout = 60)
+{
+    struct io_sim *sim;
+    cr_assert_eq(io_sim_create(7, &sim), 0);
+    idem_store *s = open_sim(sim, 1);
+    idem_queue *q1, *q2, *q3;
+    cr_assert_eq(idem_queue_open(s, 8, &q1), IDEM_OK);
+    cr_assert_eq(idem_queue_open(s, 8, &q2), IDEM_OK);
+    cr_assert_eq(idem_queue_open(s, 8, &q3), IDEM_OK);
+    idem_claim_args ca = {.ttl_ms = 60000, .lease_ms = 60000};
+    idem_completion c[4];
+    cr_assert_eq(idem_claim(q1, "k", 1, &ca, &c[0]), IDEM_OK);
+    cr_assert_eq(c[0].outcome, IDEM_NEW);
+    int64_t tok = c[0].token;
+    io_sim_hold(sim, 1);
+    idem_op rel = {.kind = IDEM_OP_RELEASE, .key = "k", .key_len = 1, .token = tok, .user_data = 1};
+    cr_assert_eq(idem_submit(q1, &rel, 1), 1);
+    cr_assert_eq(idem_poll(q1, c, 4, 100), 0, "the release was answered before its flush");
+    idem_op retry = rel;
+    retry.user_data = 2;
+    idem_op get = {.kind = IDEM_OP_GET, .key = "k", .key_len = 1, .user_data = 3};
+    cr_assert_eq(idem_submit(q2, &retry, 1), 1);
+    cr_assert_eq(idem_submit(q3, &get, 1), 1);
+    cr_assert_eq(idem_poll(q2, c, 4, 100), 0,
+                 "a NOTFOUND was answered before the DELETE was durable");
+    cr_assert_eq(idem_poll(q3, c, 4, 100), 0, "a read found nothing before the DELETE was durable");
+    idem_queue_close(q1);
+    idem_queue_close(q2);
+    idem_queue_close(q3);
+    io_sim_fail_flush(sim, 1, -EIO);
+    io_sim_hold(sim, 0);
+    store_abandon(s);
+    io_sim_crash(sim, IO_SIM_CRASH_LOSE_ALL);
+    s = open_sim(sim, 1);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    cr_assert_eq(idem_get(q, "k", 1, c), IDEM_OK);
+    cr_assert(c[0].found && c[0].record.state == IDEM_STATE_IN_FLIGHT && c[0].record.token == tok,
+              "the unacknowledged release survived, or the claim was lost");
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    io_sim_destroy(sim);
+}

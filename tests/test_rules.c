@@ -3705,3 +3705,112 @@ Test(capacity, past_max_memory_a_new_claim_is_full_whatever_the_index_faulted_in
         expect_outcome(claim(key), IDEM_BUSY);
     }
 }
+
+/* ---- Behaviour a mutation of the code showed untested (twenty-first session) ---- */
+
+Test(repeat, a_repeat_on_a_review_record_counts_and_changes_nothing_else)
+{
+    make_review("k", "look");
+    uint64_t v = get("k").version;
+    at(100);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_REVIEW);
+    idem_record r = get("k");
+    cr_assert_eq(r.seen_count, 2);
+    cr_assert_eq(r.last_seen_ms, t0 + 100);
+    cr_assert_eq(r.version, v);
+}
+
+Test(set_if_absent, a_repeat_counts_as_seen_and_keeps_the_first_value)
+{
+    expect_outcome(setnx("k", "v1", TTL, 0, IDEM_OK), IDEM_NEW);
+    at(50);
+    idem_completion c = setnx("k", "v2", TTL, 0, IDEM_OK);
+    expect_outcome(c, IDEM_DONE);
+    idem_record r = get("k");
+    cr_assert_eq(r.seen_count, 2);
+    cr_assert_eq(r.last_seen_ms, t0 + 50);
+    expect_result(r, "v1");
+}
+
+Test(lease, the_claim_that_recovers_counts_as_seen)
+{
+    claim_new("k");
+    at(LEASE);
+    expect_outcome(claim("k"), IDEM_RECOVER);
+    idem_record r = get("k");
+    cr_assert_eq(r.seen_count, 2);
+    cr_assert_eq(r.last_seen_ms, t0 + LEASE);
+}
+
+Test(review_policy, the_claim_that_finds_the_lease_expired_counts_as_seen)
+{
+    claim_new("k");
+    at(LEASE);
+    expect_outcome(claim("k"), IDEM_REVIEW);
+    idem_record r = get("k");
+    cr_assert_eq(r.seen_count, 2);
+    cr_assert_eq(r.last_seen_ms, t0 + LEASE);
+}
+
+Test(mismatch, different_fp_on_a_review_record_answers_review_and_records_nothing)
+{
+    idem_completion a = claim_fp("k", "body-A");
+    expect_rc(hold("k", a.token, "unsure"), IDEM_OK);
+    uint64_t v = get("k").version;
+    at(10);
+    idem_completion c = claim_fp("k", "body-B");
+    expect_outcome(c, IDEM_REVIEW);
+    expect_data(c, "unsure");
+    idem_record r = get("k");
+    cr_assert_eq(r.mismatch_count, 0);
+    cr_assert_eq(r.version, v);
+}
+
+Test(expiry, a_resolve_exactly_at_expires_at_keeps_the_outcome_one_more_ttl)
+{
+    make_review("k", "look");
+    at(TTL);
+    expect_rc(resolve_full("k", IDEM_RESOLVE_COMMIT, "checked", "inv-1", 0, 0, "alice"), IDEM_OK);
+    cr_assert_eq(get("k").expires_at_ms, t0 + 2 * (int64_t)TTL);
+    at(2 * (int64_t)TTL - 1);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_DONE);
+    expect_data(c, "inv-1");
+    at(2 * (int64_t)TTL);
+    expect_outcome(claim("k"), IDEM_NEW);
+}
+
+Test(expiry, a_new_lifetime_after_expiry_starts_its_own_repeat_counters)
+{
+    make_committed("k", NULL, "r");
+    at(10);
+    expect_outcome(claim("k"), IDEM_DONE);
+    at(TTL);
+    expect_outcome(claim("k"), IDEM_NEW);
+    idem_record r = get("k");
+    cr_assert_eq(r.seen_count, 1);
+    cr_assert_eq(r.last_seen_ms, t0 + TTL);
+}
+
+Test(version, an_import_moves_tokens_above_the_imported_ones)
+{
+    idem_record in;
+    memset(&in, 0, sizeof in);
+    in.key = "imp";
+    in.key_len = 3;
+    in.state = IDEM_STATE_IN_FLIGHT;
+    in.first_seen_ms = in.last_seen_ms = in.last_grant_ms = t0;
+    in.expires_at_ms = t0 + TTL;
+    in.lease_until_ms = t0 + 1;
+    in.seen_count = 1;
+    in.attempts = 1;
+    in.token = 1000;
+    expect_rc(idem_import_record(g_q, &in), IDEM_OK);
+    cr_assert_gt(claim_new("other"), 1000);
+    at(1);
+    idem_completion c = claim("imp");
+    expect_outcome(c, IDEM_RECOVER);
+    cr_assert_gt(c.token, 1000);
+    expect_rc(commit("imp", 1000, "x"), IDEM_ESTALE);
+}
