@@ -239,10 +239,7 @@ int audit_open(idem_store *s)
             rc = io_sync_dir(s->io, s->dir); /* a new file: its name must survive power loss */
         else if (rc == -EEXIST)
             rc = io_open(s->io, path, 0, &s->audit_f);
-        if (rc == 0 && s->settle_files) { /* read what the disk holds (store.h) */
-            rc = io_flush_sync(s->io, s->audit_f);
-            if (rc == 0) rc = io_drop_cache(s->io, s->audit_f);
-        }
+        if (rc == 0 && s->settle_files) rc = io_settle(s->io, s->audit_f); /* store.h */
     }
     if (rc < 0) {
         store_set_error("cannot open %s: %s", path, strerror(-rc));

@@ -219,5 +219,8 @@ static inline void io_destroy(struct io *io)
 int io_write_sync(struct io *io, struct io_file *f, uint64_t off, const void *buf, size_t len,
                   int flush);
 int io_flush_sync(struct io *io, struct io_file *f);
+/* Flushes f, then drops its clean cached pages: later reads see what the disk holds (an open
+ * after a run that did not end cleanly, store.h settle_files). */
+int io_settle(struct io *io, struct io_file *f);
 
 #endif /* IDEM_IO_H */

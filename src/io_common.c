@@ -51,3 +51,9 @@ int io_flush_sync(struct io *io, struct io_file *f)
     int64_t res = io_sync_complete(io);
     return res < 0 ? (int)io_noted("fdatasync", res) : 0;
 }
+
+int io_settle(struct io *io, struct io_file *f)
+{
+    int rc = io_flush_sync(io, f);
+    return rc < 0 ? rc : io_drop_cache(io, f);
+}

@@ -123,8 +123,7 @@ int super_load(struct io *io, const char *dir, struct super *sb, int settle, cha
         return IDEM_EIO;
     }
     if (settle) {
-        rc = io_flush_sync(io, f);
-        if (rc == 0) rc = io_drop_cache(io, f);
+        rc = io_settle(io, f);
         if (rc < 0) {
             io_close(io, f);
             snprintf(err, errcap, "cannot flush %s at open: %s", path, strerror(-rc));

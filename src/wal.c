@@ -1026,8 +1026,7 @@ int wal_settle(struct wal *w, uint64_t start_seq)
 {
     for (uint64_t q = start_seq; seg_of(w, q); q++) {
         struct wal_segment *s = seg_of(w, q);
-        int rc = io_flush_sync(w->io, s->f);
-        if (rc == 0) rc = io_drop_cache(w->io, s->f);
+        int rc = io_settle(w->io, s->f);
         if (rc < 0) {
             snprintf(w->err, sizeof w->err,
                      "log segment %llu: flushing what the last run wrote: %s",
