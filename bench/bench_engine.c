@@ -37,7 +37,10 @@
  *   claim-commit-4k       the same with 4 KiB results, at most 256 Ki pairs (1 GiB of results).
  *   dup-uniform           claims of existing committed keys (preloaded with SET_IF_ABSENT and
  *                         synced, not timed), keys uniform over all of them; expects `done`.
- *   dup-recent            the same over the 128 Ki most recently loaded keys.
+ *   dup-recent            the same over the 128 Ki most recently loaded keys. Both run from
+ *                         --dup-threads threads at once (default: the CPUs online, at most 8),
+ *                         each with its own queue, its own draw of keys and keys/threads claims:
+ *                         such claims are answered without the store's lock, on every core.
  *   growth                one thread, blocking idem_claim of new keys into an empty store with
  *                         IDEM_DURABILITY_NONE, so that max_us is the longest pause of the index
  *                         and buffers, not the disk.
@@ -122,6 +125,7 @@ struct run {
     double case_s, peer_s, blocking1_s;
     uint32_t batch, slots; /* batch form: operations per submit, batches in flight */
     uint32_t peer_batch;   /* inserts per peer transaction */
+    uint32_t dup_threads;  /* threads submitting in the dup cases */
     uint8_t result_src[RESULT_SRC_BYTES];
     double new_sync_ops, lmdb_ops, sqlite_ops; /* ops/s, 0 when not run */
     int failures;
@@ -528,41 +532,102 @@ static int dup_preload(struct run *r, idem_store *s, struct pipe *p, uint64_t *l
     return rc;
 }
 
-/* dup-uniform and dup-recent on one preloaded store. */
+struct pipe_thread {
+    pthread_t tid;
+    struct pipe *p;
+    double seconds;
+    uint64_t elapsed_ns;
+    int rc;
+};
+
+static void *pipe_thread_main(void *arg)
+{
+    struct pipe_thread *t = arg;
+    t->rc = pipe_run(t->p, t->seconds, &t->elapsed_ns);
+    return NULL;
+}
+
+/* pipe_case over n pipes, each driven by a thread of its own, at once: ops summed, the time the
+ * slowest took, latencies merged. */
+static int pipes_case(idem_store *s, struct pipe *ps, uint32_t n, double seconds,
+                      struct result *res)
+{
+    struct pipe_thread th[THREADS_MAX];
+    idem_stats before, after;
+    int rc = 0;
+    uint32_t started = 0;
+    idem_get_stats(s, &before);
+    for (; started < n; started++) {
+        th[started] = (struct pipe_thread){.p = &ps[started], .seconds = seconds};
+        if (pthread_create(&th[started].tid, NULL, pipe_thread_main, &th[started]) != 0) {
+            rc = -1;
+            break;
+        }
+    }
+    memset(res, 0, sizeof(*res));
+    res->name = ps[0].name;
+    uint64_t elapsed = 0;
+    for (uint32_t i = 0; i < started; i++) {
+        pthread_join(th[i].tid, NULL);
+        if (th[i].rc != 0) rc = -1;
+        if (th[i].elapsed_ns > elapsed) elapsed = th[i].elapsed_ns;
+        res->ops += ps[i].ops_done;
+        res->errors += ps[i].errors;
+        res->capped |= ps[i].cursor < ps[i].limit;
+        bench_hist_merge(&res->h, &ps[i].h);
+    }
+    idem_get_stats(s, &after);
+    res->seconds = (double)elapsed / 1e9;
+    res->flushes = after.flushes - before.flushes;
+    res->flush_records = after.flush_records - before.flush_records;
+    res->mem_bytes_per_key = -1;
+    res->index_step_max_us = -1;
+    return rc;
+}
+
+/* dup-uniform and dup-recent on one preloaded store, from --dup-threads threads at once, each
+ * with its own queue and its own draw of keys. */
 static void case_dup(struct run *r)
 {
     static const char *const names[2] = {"dup-uniform", "dup-recent"};
     idem_store *s;
     uint64_t loaded = 0;
-    struct pipe *p = malloc(sizeof(*p));
+    uint32_t n = r->dup_threads;
+    struct pipe *ps = calloc(n, sizeof(*ps));
     struct result *res = malloc(sizeof(*res));
-    if (!p || !res || store_open(r, "dup", IDEM_DURABILITY_SYNC, &s) != 0) {
+    if (!ps || !res || store_open(r, "dup", IDEM_DURABILITY_SYNC, &s) != 0) {
         print_case_error(r, "dup-uniform", "open");
         goto out_free;
     }
-    if (dup_preload(r, s, p, &loaded) != 0 || loaded == 0) {
+    if (dup_preload(r, s, &ps[0], &loaded) != 0 || loaded == 0) {
         print_case_error(r, "dup-uniform", "preload");
         goto out_close;
     }
+    printf("# dup: %u threads submitting\n", n);
     for (int recent = 0; recent < 2; recent++) {
         if (!case_selected(r, names[recent])) continue;
-        if (pipe_open(p, r, s, names[recent], K_DUP) != 0) {
-            print_case_error(r, names[recent], "queue");
-            continue;
+        uint32_t opened = 0;
+        for (; opened < n; opened++) {
+            struct pipe *p = &ps[opened];
+            if (pipe_open(p, r, s, names[recent], K_DUP) != 0) break;
+            p->limit = (r->keys + n - 1) / n;
+            p->loaded = loaded;
+            p->recent = recent;
+            p->rng = BENCH_SEED + opened; /* each thread its own draw */
         }
-        p->limit = r->keys;
-        p->loaded = loaded;
-        p->recent = recent;
-        if (pipe_case(r, s, p, r->case_s, res) != 0)
+        if (opened < n)
+            print_case_error(r, names[recent], "queue");
+        else if (pipes_case(s, ps, n, r->case_s, res) != 0)
             print_case_error(r, names[recent], "engine");
         else
             print_result(r, res);
-        pipe_close(p);
+        for (uint32_t i = 0; i < opened; i++)
+            pipe_close(&ps[i]);
     }
 out_close:
     store_close(r, "dup", s);
 out_free:
-    free(p);
+    free(ps);
     free(res);
 }
 
@@ -968,6 +1033,7 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: idem-bench-engine [--quick] [--keys N] [--dir DIR] [--case NAME]\n"
                "                         [--batch N] [--slots N] [--peer-batch N]\n"
+               "                         [--dup-threads N]\n"
                "cases:");
     for (size_t i = 0; i < sizeof(case_names) / sizeof(case_names[0]); i++)
         fprintf(f, " %s", case_names[i]);
@@ -1003,10 +1069,13 @@ static int parse_args(struct run *r, int argc, char **argv)
         {"batch", required_argument, NULL, 'B'},
         {"slots", required_argument, NULL, 'S'},
         {"peer-batch", required_argument, NULL, 'P'},
+        {"dup-threads", required_argument, NULL, 'T'},
         {"help", no_argument, NULL, 'h'},
         {NULL, 0, NULL, 0},
     };
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     uint64_t keys = 0, batch = BATCH_OPS, slots = BATCH_SLOTS, peer_batch = 0;
+    uint64_t dup_threads = cpus < 1 ? 1 : cpus > 8 ? 8 : (uint64_t)cpus;
     int opt, bad = 0;
     while (!bad && (opt = getopt_long(argc, argv, "", longopts, NULL)) != -1) {
         if (opt == 'q')
@@ -1019,6 +1088,8 @@ static int parse_args(struct run *r, int argc, char **argv)
             bad = parse_u64(optarg, 1, BATCH_SLOTS, &slots);
         else if (opt == 'P')
             bad = parse_u64(optarg, 1, 1u << 20, &peer_batch);
+        else if (opt == 'T')
+            bad = parse_u64(optarg, 1, 8, &dup_threads);
         else if (opt == 'd')
             bad = snprintf(r->dir, sizeof(r->dir), "%s", optarg) >= (int)sizeof(r->dir);
         else if (opt == 'c' && known_case(optarg))
@@ -1033,6 +1104,7 @@ static int parse_args(struct run *r, int argc, char **argv)
     r->batch = (uint32_t)batch;
     r->slots = (uint32_t)slots;
     r->peer_batch = peer_batch ? (uint32_t)peer_batch : r->batch * r->slots;
+    r->dup_threads = (uint32_t)dup_threads;
     r->case_s = r->quick ? 2.5 : 60.0;
     r->blocking1_s = r->quick ? 2.0 : 10.0;
     r->peer_s = r->quick ? 10.0 : 120.0;

@@ -176,7 +176,7 @@ static int att_group_list(idem_store *s, const struct att_view *av, int g, struc
 {
     int rc = 0;
     const struct age_entry *v = av->v[g];
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     for (size_t i = 0; i < av->n[g] && *k < max && rc == 0;) {
         if (i > 0) store_let_others_in(s);
         for (size_t end = i + AGES_VIEW_STEP; i < av->n[g] && i < end && *k < max && rc == 0; i++) {
@@ -197,7 +197,7 @@ static int att_group_list(idem_store *s, const struct att_view *av, int g, struc
             }
         }
     }
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     return rc;
 }
 
@@ -216,7 +216,7 @@ int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_recor
     /* The heaps are copied at once (16 bytes an entry), then checked in steps. The copies'
      * memory is taken and touched without the lock: first touches fault pages in, about 30 us
      * each on this VM (31 ms under the lock for a heap of 262,144 entries). */
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     while (rc == 0) {
         int fits = 1;
         for (size_t g = 0; g < ATT_GROUPS; g++)
@@ -225,7 +225,7 @@ int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_recor
         size_t need[ATT_GROUPS];
         for (size_t g = 0; g < ATT_GROUPS; g++)
             need[g] = ages_size(s, att_order[g]);
-        pthread_mutex_unlock(&s->mu);
+        store_unlock(s);
         for (size_t g = 0; g < ATT_GROUPS && rc == 0; g++) {
             if (need[g] <= cap[g]) continue;
             size_t c = need[g] + need[g] / 8 + 256; /* room for what is pushed meanwhile */
@@ -239,14 +239,14 @@ int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_recor
             touch_pages(av.v[g], c * sizeof *av.v[g]);
             cap[g] = c;
         }
-        pthread_mutex_lock(&s->mu);
+        store_lock(s);
     }
     if (rc == 0) {
         av.now = store_now(s);
         for (size_t g = 0; g < ATT_GROUPS; g++)
             av.n[g] = ages_copy(s, att_order[g], av.v[g]);
     }
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     for (size_t g = 0; g < ATT_GROUPS; g++)
         ages_order(av.v[g], &av.n[g]);
     /* Room for twice what can be listed: at most max, and ATT_LIKE_MAX per entry copied. */

@@ -481,7 +481,7 @@ int idem_import_audit(idem_queue *q, const idem_audit_entry *e)
         e->seq > (uint64_t)INT64_MAX) /* room for every later entry's seq to grow */
         return IDEM_EINVAL;
     idem_store *s = q->s;
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     int rc = s->opt.read_only ? IDEM_EREADONLY
              : s->closing     ? IDEM_ECLOSED
              : s->fatal       ? IDEM_EFATAL
@@ -500,11 +500,11 @@ int idem_import_audit(idem_queue *q, const idem_audit_entry *e)
         /* The flusher writes it (flush_due): wait until it is. */
         while (!s->fatal && s->audit_seq < seq) {
             pthread_cond_signal(&s->cond_flush);
-            pthread_cond_wait(&s->cond_ready, &s->mu);
+            store_wait(s, &s->cond_ready);
         }
         rc = s->fatal ? IDEM_EFATAL : 0;
     }
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     return rc;
 }
 
@@ -625,25 +625,25 @@ int idem_audit_page(idem_queue *q, const void *key, size_t key_len, uint64_t bef
     q->audit_place = place;
     size_t k = 0, used = 0;
     int rc = 0;
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     /* Entries of changes not yet written (durability batch or none) are shown once they are:
      * the caller sees the entries of every operator call it made. (A failed store writes
      * nothing more: what it kept is shown.) */
     if (s->audit_pend.n || s->audit_out.n) (void)store_wait_durable(s);
     uint64_t end = s->audit_off;
     size_t nmarks = s->naudit_marks;
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     /* Stretches newest first. What is below `end` is written and never rewritten, so it is read
      * without the lock; the map only grows, so its first nmarks marks stay as they are (read
      * under the lock: the array may move). */
     uint32_t bit[AUDIT_FILTER_K];
     if (key) filter_bits(key, (uint32_t)key_len, bit);
     for (size_t i = nmarks; rc == 0 && i > 0 && k < count; i--) {
-        pthread_mutex_lock(&s->mu);
+        store_lock(s);
         struct audit_mark m = s->audit_marks[i - 1];
         uint64_t to = i < nmarks ? s->audit_marks[i].off : end;
         bool may = !key || filter_may(m.filter, bit); /* its bits are set under the lock */
-        pthread_mutex_unlock(&s->mu);
+        store_unlock(s);
         if (!may) continue;
         if (before_seq && m.seq >= before_seq) continue; /* seqs grow along the file */
         rc = read_stretch(q, m.off, to, key, key_len, before_seq, count, &k, &used);

@@ -76,9 +76,9 @@ int compact_learn_horizon(idem_store *s)
     uint32_t off = s->hz_off;
     int64_t max = s->hz_max;
     /* Only the flusher (this thread) retires segments: the segment stays mapped meanwhile. */
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     int done = view_horizon(&v, &off, (uint64_t)off + v.seg_bytes / HORIZON_STEPS, &max);
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     s->hz_off = off;
     s->hz_max = max;
     if (done != 0) {

@@ -454,8 +454,11 @@ void index_destroy(struct index *ix)
     free(ix);
 }
 
-struct index_slot *index_find(struct index *ix, uint64_t h, int (*eq)(void *ctx, uint64_t addr),
-                              void *ctx)
+/* The slot of h's key (eq says which candidate it is), or NULL; *empty is the empty slot that
+ * ended the walk (NULL when none did). */
+static struct index_slot *walk_find(const struct index *ix, uint64_t h,
+                                    int (*eq)(void *ctx, uint64_t addr), void *ctx,
+                                    struct index_slot **empty)
 {
     const struct index_dirent *de = dir_of(ix, hash_top24(h));
     struct index_slot *slots = de->seg->slots;
@@ -463,12 +466,11 @@ struct index_slot *index_find(struct index *ix, uint64_t h, int (*eq)(void *ctx,
     uint64_t tag = h & TAG_MASK;
     uint32_t lo = (uint32_t)h;
     uint32_t i = seg_home(lo, cap);
+    *empty = NULL;
     for (uint32_t n = 0; n < cap; n++) {
         struct index_slot *s = &slots[i];
         if (s->addr_tag == 0) {
-            ix->miss.h = h;
-            ix->miss.gen = ix->gen;
-            ix->miss.slot = s;
+            *empty = s;
             return NULL;
         }
         if (s->hash_lo == lo && (s->addr_tag & TAG_MASK) == tag &&
@@ -477,6 +479,26 @@ struct index_slot *index_find(struct index *ix, uint64_t h, int (*eq)(void *ctx,
         if (++i == cap) i = 0;
     }
     return NULL;
+}
+
+struct index_slot *index_find(struct index *ix, uint64_t h, int (*eq)(void *ctx, uint64_t addr),
+                              void *ctx)
+{
+    struct index_slot *empty;
+    struct index_slot *s = walk_find(ix, h, eq, ctx, &empty);
+    if (empty) {
+        ix->miss.h = h;
+        ix->miss.gen = ix->gen;
+        ix->miss.slot = empty;
+    }
+    return s;
+}
+
+struct index_slot *index_lookup(const struct index *ix, uint64_t h,
+                                int (*eq)(void *ctx, uint64_t addr), void *ctx)
+{
+    struct index_slot *empty;
+    return walk_find(ix, h, eq, ctx, &empty);
 }
 
 void index_prefetch(const struct index *ix, uint64_t h)

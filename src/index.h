@@ -46,6 +46,10 @@ void index_destroy(struct index *ix);
  * only for slots whose stored hash bits equal h's. */
 struct index_slot *index_find(struct index *ix, uint64_t h, int (*eq)(void *ctx, uint64_t addr),
                               void *ctx);
+/* The same without remembering where a missing key would go (index_find does, for the insert
+ * that follows): it writes nothing, so readers may call it at once (store.h, rw). */
+struct index_slot *index_lookup(const struct index *ix, uint64_t h,
+                                int (*eq)(void *ctx, uint64_t addr), void *ctx);
 
 /* Hints for a lookup of h a few operations ahead, so batches overlap their cache misses:
  * index_prefetch starts loading h's home slot; index_peek returns the first slot among the

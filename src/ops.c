@@ -6,7 +6,8 @@
  * Every change writes a whole new version of the record to the log (record.h) and points the
  * index at it; a release, a resolve-release or a del writes a DELETE frame. Plain repeats are
  * not logged: their counters live in the seen table (slot aux) until the next version folds
- * them in, and in checkpoints. All functions run with the store's mutex held.
+ * them in, and in checkpoints. All functions run with the store's lock held (store_lock), but
+ * the ops_read_* ones, which hold rw's read side alone (store.h).
  *
  * Durability of answers: each completion carries need_lsn, the newest log position its answer
  * depends on (the version it read or wrote; for answers about an absent key, everything
@@ -49,6 +50,7 @@ struct key_ref {
     uint32_t payload_len;
     uint64_t lsn;
     int corrupt; /* a candidate with the key's hash bits could not be read */
+    int shared;  /* under rw's read side: wal_payload_shared */
 };
 
 static int key_eq(void *ctx, uint64_t addr)
@@ -56,7 +58,8 @@ static int key_eq(void *ctx, uint64_t addr)
     struct key_ref *k = ctx;
     uint32_t len;
     uint64_t lsn;
-    const uint8_t *p = wal_payload(k->s->wal, addr, &len, &lsn);
+    const uint8_t *p = k->shared ? wal_payload_shared(k->s->wal, addr, &len, &lsn)
+                                 : wal_payload(k->s->wal, addr, &len, &lsn);
     uint32_t klen;
     const uint8_t *key = p ? rec_key(p, len, &klen) : NULL;
     if (!key) {
@@ -75,7 +78,7 @@ static int key_eq(void *ctx, uint64_t addr)
 struct index_slot *ops_find(idem_store *s, const void *key, uint32_t key_len, struct rec *r,
                             uint64_t *lsn)
 {
-    struct key_ref k = {s, key, key_len, NULL, 0, 0, 0};
+    struct key_ref k = {s, key, key_len, NULL, 0, 0, 0, 0};
     struct index_slot *slot = index_find(s->ix, ops_hash(s, key, key_len), key_eq, &k);
     s->find_corrupt = k.corrupt || (slot && rec_decode(k.payload, k.payload_len, r) < 0);
     if (!slot || s->find_corrupt) return NULL;
@@ -141,18 +144,25 @@ static int seen_grow(idem_store *s)
     return 0;
 }
 
+/* A free entry of the repeat counters, its index in *i. Returns 0 or IDEM_ENOMEM. */
+static int seen_take(idem_store *s, uint32_t *i)
+{
+    if (s->seen_free) {
+        *i = s->seen_free - 1;
+        s->seen_free = (uint32_t)store_seen_at(s, *i)->seen_count;
+        return 0;
+    }
+    if (s->seen_used == s->seen_cap && seen_grow(s) != 0) return IDEM_ENOMEM;
+    *i = s->seen_used++;
+    return 0;
+}
+
 int ops_seen_set(idem_store *s, struct index_slot *slot, uint64_t seen_count, int64_t last_ms)
 {
     struct seen_info *si = seen_of(s, slot);
     if (!si) {
         uint32_t i;
-        if (s->seen_free) {
-            i = s->seen_free - 1;
-            s->seen_free = (uint32_t)store_seen_at(s, i)->seen_count;
-        } else {
-            if (s->seen_used == s->seen_cap && seen_grow(s) != 0) return IDEM_ENOMEM;
-            i = s->seen_used++;
-        }
+        if (seen_take(s, &i) != 0) return IDEM_ENOMEM;
         slot->aux = (slot->aux & SLOT_AUX_APART) | (i + 1);
         si = store_seen_at(s, i);
     }
@@ -586,6 +596,101 @@ static int op_claim(idem_store *s, struct qslot *sl, const idem_op *op, int waki
     return 0;
 }
 
+/* ---- Claims of committed keys under rw's read side ---- */
+
+/* A claim that finds its key committed and unexpired, with no other fingerprint, only counts a
+ * repeat and copies the result: many threads answer such claims at once, holding rw's read side
+ * (store.h). Nothing is written but the key's repeat counters (atomics; a new entry under
+ * seen_mu), the store clock's last reading and the claim tallies (atomics, at the run's end).
+ * Anything else goes to the locked path, which sees the same store: rw keeps every writer out. */
+
+int ops_read_begin(idem_store *s, struct read_run *run)
+{
+    run->done = run->counted = 0;
+    if (s->fatal || s->closing || s->opt.read_only) return 0;
+    int64_t mono = s->clock.monotonic_ms(s->clock.ctx);
+    int64_t now = __atomic_load_n(&s->clk_last_ms, __ATOMIC_RELAXED);
+    if (!s->opt.test_clock) {
+        /* store_now without its step towards the wall clock, which writes: that is left to
+         * the locked path, once a second. */
+        if (mono - s->clk_mono_ms >= 1000) return 0;
+        int64_t est = s->clk_store_ms + (mono - s->clk_mono_ms);
+        if (est > now) now = est;
+        util_atomic_max_i64(&s->clk_last_ms, now); /* the clock never goes back */
+    }
+    int64_t sec = mono / 1000;
+    run->minute = (int)(sec % 60);
+    if (s->minute[run->minute].second != sec) return 0; /* a new second: store_count_claim */
+    run->now = now;
+    return 1;
+}
+
+int ops_read_find(const idem_store *s, const idem_op *op, const uint64_t *hash,
+                  const struct read_run *run, struct read_hit *hit)
+{
+    if (op->kind != IDEM_OP_CLAIM || !op_valid(s, op)) return 0;
+    struct key_ref k = {(idem_store *)s, op->key, op->key_len, NULL, 0, 0, 0, 1};
+    uint64_t h = hash ? *hash : key_hash(s, op->key, op->key_len);
+    hit->slot = index_lookup(s->ix, h, key_eq, &k);
+    if (!hit->slot || k.corrupt || rec_decode(k.payload, k.payload_len, &hit->r) < 0) return 0;
+    if (hit->r.state != IDEM_STATE_COMMITTED || ops_rec_expired(&hit->r, run->now)) return 0;
+    uint8_t fp[16] = {0};
+    if (op->fp) idem_fingerprint(op->fp, op->fp_len, fp);
+    if (fp_differs(&hit->r, op, fp)) return 0;
+    uint64_t last = wal_last_lsn(s->wal);
+    hit->lsn = k.lsn <= last ? k.lsn : last;
+    return 1;
+}
+
+/* seen_bump for a reader. */
+static void read_seen_bump(idem_store *s, struct index_slot *slot, const struct rec *r, int64_t now)
+{
+    uint32_t aux = __atomic_load_n(&slot->aux, __ATOMIC_ACQUIRE);
+    if (!(aux & SLOT_AUX_SEEN)) {
+        pthread_mutex_lock(&s->seen_mu);
+        aux = __atomic_load_n(&slot->aux, __ATOMIC_ACQUIRE);
+        uint32_t i;
+        if (!(aux & SLOT_AUX_SEEN) && seen_take(s, &i) == 0) {
+            struct seen_info *si = store_seen_at(s, i);
+            si->seen_count = r->seen_count + 1;
+            si->last_seen_ms = now;
+            /* Published filled in: another reader may follow aux at once. */
+            __atomic_store_n(&slot->aux, (aux & SLOT_AUX_APART) | (i + 1), __ATOMIC_RELEASE);
+            pthread_mutex_unlock(&s->seen_mu);
+            return;
+        }
+        pthread_mutex_unlock(&s->seen_mu);
+        if (!(aux & SLOT_AUX_SEEN)) return; /* out of memory: the count is lost (seen_bump) */
+    }
+    struct seen_info *si = store_seen_at(s, (aux & SLOT_AUX_SEEN) - 1);
+    __atomic_fetch_add(&si->seen_count, 1, __ATOMIC_RELAXED);
+    util_atomic_max_i64(&si->last_seen_ms, now);
+}
+
+void ops_read_answer(idem_store *s, struct qslot *sl, const struct read_hit *hit,
+                     struct read_run *run)
+{
+    read_seen_bump(s, hit->slot, &hit->r, run->now);
+    sl->need_lsn = hit->lsn;
+    run->done++;
+    int rc = copy_result(sl, &hit->r, &sl->c.data, &sl->c.data_len);
+    if (rc < 0) {
+        sl->c.err = rc;
+        return;
+    }
+    sl->c.outcome = IDEM_DONE;
+    run->counted++;
+}
+
+void ops_read_end(idem_store *s, const struct read_run *run)
+{
+    if (run->done == 0) return;
+    __atomic_fetch_add(&s->st.claims_done, run->done, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&s->minute[run->minute].claims, run->counted, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&s->minute[run->minute].duplicates, run->counted, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&s->reads_answered, run->done, __ATOMIC_RELAXED);
+}
+
 /* ---- Owner calls ---- */
 
 /* Looks up the key for an owner call; fills the completion for absent/stale and returns NULL
@@ -992,7 +1097,7 @@ int idem_cancel_wait(idem_queue *q, uint64_t user_data)
 {
     if (!q) return IDEM_EINVAL;
     idem_store *s = q->s;
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     int rc = IDEM_ENOTFOUND;
     for (struct qslot *w = s->waiters; w; w = w->wnext) {
         if (w->q == q && w->c.user_data == user_data) {
@@ -1002,7 +1107,7 @@ int idem_cancel_wait(idem_queue *q, uint64_t user_data)
         }
     }
     if (rc == IDEM_OK) ops_wake(s, NULL, 0);
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     return rc;
 }
 
@@ -1185,7 +1290,7 @@ int idem_import_record(idem_queue *q, const idem_record *in)
         r.flags |= REC_F_MFP;
         memcpy(r.last_mismatch_fp, in->last_mismatch_fp, 16);
     }
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     int rc = s->opt.read_only ? IDEM_EREADONLY
              : s->closing     ? IDEM_ECLOSED
              : s->fatal       ? IDEM_EFATAL
@@ -1206,7 +1311,7 @@ int idem_import_record(idem_queue *q, const idem_record *in)
     /* Tokens handed out from now on are above every imported one. */
     if (rc == 0 && in->token >= s->token_next) s->token_next = in->token + 1;
     if (rc == 0) store_kick(s);
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     return rc == 0 ? idem_sync(s) : rc;
 }
 
@@ -1264,7 +1369,7 @@ static void check_one(void *ctx, struct index_slot *slot)
 int store_check_index(idem_store *s, uint64_t *entries)
 {
     struct check_ctx cc = {.s = s};
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     for (int k = 0; k < AGE_KINDS; k++)
         cc.ages[k] = ages_sorted_addrs(s, k, &cc.ages_n[k]);
     if (!ages_ordered(s)) cc.faults++;
@@ -1277,7 +1382,7 @@ int store_check_index(idem_store *s, uint64_t *entries)
         cc.by_state[IDEM_STATE_COMMITTED] != s->st.keys_committed ||
         cc.by_state[IDEM_STATE_REVIEW] != s->st.keys_review)
         cc.faults++;
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     for (int k = 0; k < AGE_KINDS; k++)
         free(cc.ages[k]);
     if (entries) *entries = cc.entries;

@@ -5,7 +5,8 @@
  *
  * Invariants: every completion a queue delivers in sync mode depends only on LSNs <=
  * durable_lsn; at most one batch is in flight (flushing); after fatal is set no change is
- * applied and no not-yet-durable completion reports success.
+ * applied and no not-yet-durable completion reports success; whoever holds mu holds rw's write
+ * side too (store_lock), so repeats answered under its read side (submit_reads) see nothing move.
  */
 #include "store.h"
 
@@ -87,16 +88,16 @@ int64_t store_now(idem_store *s)
 
 int64_t idem_clock_now(idem_store *s)
 {
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     int64_t now = store_now(s);
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     return now;
 }
 
 int idem_clock_set(idem_store *s, int64_t ms)
 {
     if (!s->opt.test_clock) return IDEM_ENOTSUP;
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     int rc = 0;
     if (ms < s->clk_last_ms) {
         rc = IDEM_EINVAL;
@@ -105,7 +106,7 @@ int idem_clock_set(idem_store *s, int64_t ms)
         ops_wake(s, NULL, 0);
         pthread_cond_broadcast(&s->cond_ready);
     }
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     return rc;
 }
 
@@ -143,24 +144,24 @@ static int token_headroom_low(const idem_store *s)
 void store_let_others_in(idem_store *s)
 {
     void (*hook)(idem_store *) = s->test_let_go;
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     /* A waiter woken by the unlock needs tens of microseconds to run (more on a VM); a sleep of
      * 1 ns lasts the timer slack, 50 us by default. */
     struct timespec ts = {0, 1};
     nanosleep(&ts, NULL);
     if (hook) hook(s);
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
 }
 
 void store_flusher_unlock(idem_store *s)
 {
     s->flushing = 1;
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
 }
 
 void store_flusher_relock(idem_store *s)
 {
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     s->flushing = 0;
     pthread_cond_broadcast(&s->cond_ready); /* store_wait_durable waits on flushing */
 }
@@ -323,14 +324,14 @@ static void notify_ready_unlocked(idem_store *s)
     int npass = wake_take(s, NULL, pass);
     if (nefd == 0 && npass == 0) return;
     uint32_t delay_us = s->test_wake_delay_us;
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     if (delay_us) usleep(delay_us);
     for (int i = 0; i < nefd; i++) {
         efd_signal(efd_q[i]->efd);
         wake_unpin(s, efd_q[i]);
     }
     wake_signal(s, pass, npass);
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
 }
 
 /* The store failed: nothing more is durable; pending completions answer EFATAL. err is the
@@ -392,12 +393,12 @@ static void flush_once(idem_store *s)
     s->flushing = 1;
     uint64_t records = wal_flush_frames(s->wal);
     int durable = s->opt.durability != IDEM_DURABILITY_NONE || s->sync_waiters || s->closing;
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     int64_t t0 = util_monotonic_us();
     int audit_rc = audit_write_taken(s);
     int rc = audit_rc < 0 ? audit_rc : n > 0 ? wal_flush_io(s->wal, durable) : 0;
     int64_t us = util_monotonic_us() - t0;
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     s->flushing = 0;
     audit_taken_done(s, rc); /* entries of a batch that failed are not shown */
     if (begin_rc < 0) ckpt_run_failed(s, begin_rc);
@@ -562,16 +563,16 @@ static int flusher_trim_buffers(idem_store *s)
     void *bufs[WAL_CHUNKS_MAX];
     int n = wal_buffers_take(s->wal, STORE_BUFFERS_KEPT, bufs);
     if (n == 0) return 0; /* the rest hold a batch that failed: the flusher would spin */
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     wal_buffers_free(bufs, n);
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     return 1;
 }
 
 static void *flusher_main(void *arg)
 {
     idem_store *s = arg;
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     for (;;) {
         if (s->abandoned) break;
         io_fault_clear(); /* a failure below is named by the calls of this round (store_fail) */
@@ -597,19 +598,19 @@ static void *flusher_main(void *arg)
         while (steps-- > 0 && !s->abandoned && flusher_compact(s)) {
             /* Between steps of a checkpoint or a compaction, let callers at the lock: the
              * mutex is not fair, and the next step would take it straight back. */
-            pthread_mutex_unlock(&s->mu);
+            store_unlock(s);
             sched_yield();
-            pthread_mutex_lock(&s->mu);
+            store_lock(s);
             stepped = 1;
         }
         /* A step of the age heaps' filtering (ages.c), then callers get the lock again. */
         int tidied = !s->abandoned && !s->fatal && !s->closing && ages_tidy(s);
         if (tidied) {
             void (*hook)(idem_store *) = s->test_after_tidy;
-            pthread_mutex_unlock(&s->mu);
+            store_unlock(s);
             sched_yield();
             if (hook) hook(s);
-            pthread_mutex_lock(&s->mu);
+            store_lock(s);
         }
         if (maintained || stepped || flushed) continue;
         if (s->waiters) ops_wake(s, NULL, 0);
@@ -630,11 +631,11 @@ static void *flusher_main(void *arg)
                 ts.tv_nsec -= 1000000000;
             }
             s->flusher_idle = !wal_pending(s->wal);
-            pthread_cond_timedwait(&s->cond_flush, &s->mu, &ts);
+            store_timedwait(s, &s->cond_flush, &ts);
             s->flusher_idle = 0;
         }
     }
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     return NULL;
 }
 
@@ -675,7 +676,7 @@ int store_room_for(idem_store *s, uint32_t bytes)
     while (!s->fatal && (rc = room_ok_for(s, bytes)) == IDEM_EBUSY) {
         s->sync_waiters++;
         pthread_cond_signal(&s->cond_flush);
-        pthread_cond_wait(&s->cond_ready, &s->mu);
+        store_wait(s, &s->cond_ready);
         s->sync_waiters--;
     }
     return s->fatal ? IDEM_EFATAL : rc;
@@ -693,7 +694,7 @@ int store_wait_durable(idem_store *s)
     s->sync_waiters++;
     while (!s->fatal && (s->durable_lsn < target || s->flushing)) {
         pthread_cond_signal(&s->cond_flush);
-        pthread_cond_wait(&s->cond_ready, &s->mu);
+        store_wait(s, &s->cond_ready);
     }
     s->sync_waiters--;
     return s->fatal ? IDEM_EFATAL : 0;
@@ -895,6 +896,8 @@ static void store_free(idem_store *s)
     if (s->io) io_destroy(s->io);
     lock_release(s->lock_fd);
     pthread_mutex_destroy(&s->mu);
+    pthread_rwlock_destroy(&s->rw);
+    pthread_mutex_destroy(&s->seen_mu);
     pthread_cond_destroy(&s->cond_ready);
     pthread_cond_destroy(&s->cond_flush);
     for (uint32_t i = 0; i < SEEN_TIERS; i++)
@@ -972,10 +975,10 @@ static int store_start(idem_store *s)
     /* Recorded before any batch of this open is written: recovery reads them (wal_resume). */
     s->sb.resume_batch = wal_batch(s->wal);
     s->sb.open_durability = (uint32_t)s->opt.durability + 1;
-    s->sb.clean_lsn = 0;        /* this open writes past the end the mark names */
-    pthread_mutex_lock(&s->mu); /* reserve_tokens lets go of it for its write */
+    s->sb.clean_lsn = 0; /* this open writes past the end the mark names */
+    store_lock(s);       /* reserve_tokens lets go of it for its write */
     rc = reserve_tokens(s);
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     if (rc == 0 && wal_spare_create(s->wal) == IDEM_EFATAL) rc = IDEM_EFATAL;
     if (rc == 0) s->seg_max_exp[(wal_cur_seq(s->wal) + 1) % WAL_SEG_SLOTS] = SEG_EXP_EMPTY;
     if (rc < 0) return rc;
@@ -1022,6 +1025,18 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
         return IDEM_ENOMEM;
     }
     pthread_mutex_init(&s->mu, NULL);
+    /* Writers first: a steady stream of readers must not keep the flusher out. */
+    pthread_rwlockattr_t ra;
+    pthread_rwlockattr_init(&ra);
+    pthread_rwlockattr_setkind_np(&ra, PTHREAD_RWLOCK_PREFER_WRITER_NONRECURSIVE_NP);
+    pthread_rwlock_init(&s->rw, &ra);
+    pthread_rwlockattr_destroy(&ra);
+    /* Held for a few stores (a counter entry taken): spin a little before sleeping. */
+    pthread_mutexattr_t ma;
+    pthread_mutexattr_init(&ma);
+    pthread_mutexattr_settype(&ma, PTHREAD_MUTEX_ADAPTIVE_NP);
+    pthread_mutex_init(&s->seen_mu, &ma);
+    pthread_mutexattr_destroy(&ma);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
@@ -1137,17 +1152,17 @@ int idem_open(const char *dir, const idem_options *o, idem_store **out)
 int idem_close(idem_store *s)
 {
     if (!s) return IDEM_EINVAL;
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     /* A backup still copying reads through s->io and needs the flusher to make its start
      * durable: it ends first (no new one starts once closing is set). */
     while (s->backups)
-        pthread_cond_wait(&s->cond_ready, &s->mu);
+        store_wait(s, &s->cond_ready);
     s->closing = 1;
     ops_wake(s, NULL, 0); /* parked claims answer busy */
     int rc = 0;
     if (!s->opt.read_only && !s->fatal) rc = checkpoint_locked(s);
     pthread_cond_signal(&s->cond_flush);
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     if (s->flusher_started) pthread_join(s->flusher, NULL);
     while (s->queues)
         idem_queue_close(s->queues);
@@ -1158,10 +1173,10 @@ int idem_close(idem_store *s)
 
 void store_abandon(idem_store *s)
 {
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     s->abandoned = 1;
     pthread_cond_signal(&s->cond_flush);
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     if (s->flusher_started) pthread_join(s->flusher, NULL);
     while (s->queues)
         idem_queue_close(s->queues);
@@ -1170,10 +1185,10 @@ void store_abandon(idem_store *s)
 
 void idem_cancel_waits(idem_store *s)
 {
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     s->no_wait = 1;
     ops_wake(s, NULL, 0);
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
 }
 
 int idem_is_fatal(const idem_store *s)
@@ -1218,11 +1233,11 @@ int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
         q->slots[i].q = q;
         q->free_stack[q->nfree++] = depth - 1 - i;
     }
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     q->next = s->queues;
     if (s->queues) s->queues->prev = q;
     s->queues = q;
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     *out = q;
     return 0;
 }
@@ -1231,13 +1246,13 @@ void idem_queue_close(idem_queue *q)
 {
     if (!q) return;
     idem_store *s = q->s;
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     wake_list_remove(s, q);
     while (__atomic_load_n(&q->pins, __ATOMIC_ACQUIRE)) { /* a waker is about to signal q */
-        pthread_mutex_unlock(&s->mu);
+        store_unlock(s);
         struct timespec pause = {0, 50000}; /* a pin lasts microseconds; sleep, not spin */
         nanosleep(&pause, NULL);
-        pthread_mutex_lock(&s->mu);
+        store_lock(s);
     }
     /* Drop parked claims of this queue. */
     struct qslot **pp = &s->waiters;
@@ -1255,7 +1270,7 @@ void idem_queue_close(idem_queue *q)
     else
         s->queues = q->next;
     if (q->next) q->next->prev = q->prev;
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     for (uint32_t i = 0; i < q->depth; i++)
         free(q->slots[i].buf);
     free(q->slots);
@@ -1278,14 +1293,14 @@ void idem_queue_close(idem_queue *q)
 
 int idem_queue_fd(idem_queue *q)
 {
-    pthread_mutex_lock(&q->s->mu);
+    store_lock(q->s);
     if (!q->fd_used) {
         q->fd_used = 1;
         /* Completions may be ready already. Only then: a readable fd with nothing to poll
          * would wake its owner's event loop over and over. */
         if (queue_ready(q->s, q)) queue_signal(q);
     }
-    pthread_mutex_unlock(&q->s->mu);
+    store_unlock(q->s);
     return q->efd;
 }
 
@@ -1402,7 +1417,37 @@ static int del_group_begin(idem_store *s, const idem_queue *q, const idem_op *op
     return 0;
 }
 
-#define SUBMIT_AHEAD 8 /* operations between a prefetch and its use */
+#define SUBMIT_AHEAD 8   /* operations between a prefetch and its use */
+#define READ_RUN_OPS 128 /* claims answered per hold of rw's read side (about 40 us) */
+
+/* Operations overlap their cache misses: 2 x SUBMIT_AHEAD ahead the key is hashed and its index
+ * slot fetched, SUBMIT_AHEAD ahead the record and the repeat counters that slot names. (Issuing
+ * the loads of 8 operations back to back instead was measured slower.) With rw held either way
+ * (the slot peeked at is read). */
+struct ahead {
+    uint64_t hv[2 * SUBMIT_AHEAD];
+    int hok[2 * SUBMIT_AHEAD];
+    size_t pre; /* operations hashed */
+};
+
+/* Prefetches for ops[done]'s successors; returns ops[done]'s hash (NULL: none, see
+ * ops_hint_hash). */
+static const uint64_t *ahead_step(const idem_store *s, struct ahead *ah, const idem_op *ops,
+                                  size_t n, size_t done)
+{
+    for (; ah->pre < n && ah->pre < done + 2 * SUBMIT_AHEAD; ah->pre++) {
+        size_t k = ah->pre % (2 * SUBMIT_AHEAD);
+        ah->hok[k] = ops_hint_hash(s, &ops[ah->pre], &ah->hv[k]);
+        if (ah->hok[k]) index_prefetch(s->ix, ah->hv[k]);
+    }
+    size_t a = done + SUBMIT_AHEAD, ka = a % (2 * SUBMIT_AHEAD);
+    if (a < ah->pre && ah->hok[ka]) {
+        const struct index_slot *hit = index_peek(s->ix, ah->hv[ka]);
+        if (hit) ops_prefetch_record(s, hit);
+    }
+    size_t kd = done % (2 * SUBMIT_AHEAD);
+    return ah->hok[kd] ? &ah->hv[kd] : NULL;
+}
 
 /* idem_submit with mu held. */
 static int submit_locked(idem_queue *q, const idem_op *ops, size_t n)
@@ -1413,12 +1458,7 @@ static int submit_locked(idem_queue *q, const idem_op *ops, size_t n)
     store_now(s);
     s->mono_batch_ms = mono_now(s);
     s->clk_frozen = 1;
-    /* Operations overlap their cache misses: 2 x SUBMIT_AHEAD ahead the key is hashed and its
-     * index slot fetched, SUBMIT_AHEAD ahead the record and the repeat counters that slot names.
-     * (Issuing the loads of 8 operations back to back instead was measured slower.) */
-    uint64_t hv[2 * SUBMIT_AHEAD];
-    int hok[2 * SUBMIT_AHEAD];
-    size_t pre = 0;
+    struct ahead ah = {.pre = 0};
     struct del_group grp = {0, 0}; /* a group of deletes under way (IDEM_F_WITH_NEXT) */
     int too_big = 0;
     for (; done < n; done++) {
@@ -1428,26 +1468,16 @@ static int submit_locked(idem_queue *q, const idem_op *ops, size_t n)
             grp.left = 0;
             break;
         }
-        for (; pre < n && pre < done + 2 * SUBMIT_AHEAD; pre++) {
-            size_t k = pre % (2 * SUBMIT_AHEAD);
-            hok[k] = ops_hint_hash(s, &ops[pre], &hv[k]);
-            if (hok[k]) index_prefetch(s->ix, hv[k]);
-        }
-        size_t a = done + SUBMIT_AHEAD, ka = a % (2 * SUBMIT_AHEAD);
-        if (a < pre && hok[ka]) {
-            const struct index_slot *hit = index_peek(s->ix, hv[ka]);
-            if (hit) ops_prefetch_record(s, hit);
-        }
+        const uint64_t *hash = ahead_step(s, &ah, ops, n, done);
         struct qslot *sl = slot_take(q);
         if (!sl) break;
         sl->c.user_data = ops[done].user_data;
-        size_t kd = done % (2 * SUBMIT_AHEAD);
         if (grp.left && grp.err == IDEM_ESTATE)
             ops_del_group_refuse(s, sl, &ops[done]);
         else if (grp.left && grp.err)
             sl->c.err = grp.err;
         else
-            ops_apply(s, sl, &ops[done], hok[kd] ? &hv[kd] : NULL);
+            ops_apply(s, sl, &ops[done], hash);
         grp.left -= grp.left > 0;
         any_ready |= slot_ready(s, sl);
     }
@@ -1457,14 +1487,55 @@ static int submit_locked(idem_queue *q, const idem_op *ops, size_t n)
     return too_big && done == 0 ? IDEM_EINVAL : (int)done;
 }
 
+/* The leading claims of ops that find their key committed, answered under rw's read side (ops.c)
+ * in runs of READ_RUN_OPS, so that threads submitting duplicates use every core; stops at the
+ * first operation that needs the locked path, or a full queue. Returns how many it took. With
+ * only_free, nothing is tried while a writer holds or waits for the lock: a blocking call then
+ * waits once, for mu, instead of twice (blocking-64 lost about a fifth without this). */
+static size_t submit_reads(idem_queue *q, const idem_op *ops, size_t n, int only_free)
+{
+    idem_store *s = q->s;
+    size_t done = 0;
+    int any_ready = 0, more = n > 0 && ops[0].kind == IDEM_OP_CLAIM;
+    struct ahead ah = {.pre = 0};
+    for (int first = 1; more; first = 0) {
+        struct read_run run;
+        if (!first || !only_free)
+            pthread_rwlock_rdlock(&s->rw);
+        else if (pthread_rwlock_tryrdlock(&s->rw) != 0)
+            break;
+        more = ops_read_begin(s, &run);
+        for (size_t end = done + READ_RUN_OPS; more && done < n && done < end; done++) {
+            struct read_hit hit;
+            const uint64_t *hash = ahead_step(s, &ah, ops, n, done);
+            struct qslot *sl = ops_read_find(s, &ops[done], hash, &run, &hit) ? slot_take(q) : NULL;
+            if (!sl) {
+                more = 0;
+                break;
+            }
+            sl->c.user_data = ops[done].user_data;
+            ops_read_answer(s, sl, &hit, &run);
+            any_ready |= slot_ready(s, sl);
+        }
+        ops_read_end(s, &run);
+        pthread_rwlock_unlock(&s->rw);
+        more &= done < n;
+    }
+    if (any_ready) queue_signal(q);
+    return done;
+}
+
 int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
 {
     if (!q || (!ops && n) || n > IDEM_BATCH_MAX) return IDEM_EINVAL;
     release_returned(q);
-    pthread_mutex_lock(&q->s->mu);
-    int rc = submit_locked(q, ops, n);
-    pthread_mutex_unlock(&q->s->mu);
-    return rc;
+    size_t done = submit_reads(q, ops, n, 0);
+    if (done == n) return (int)done;
+    store_lock(q->s);
+    int rc = submit_locked(q, ops + done, n - done);
+    store_unlock(q->s);
+    if (rc < 0) return done ? (int)done : rc;
+    return (int)done + rc;
 }
 
 /* Delivers ready completions in submission order. The walk skips parked claims and stops at the
@@ -1533,8 +1604,11 @@ static size_t poll_locked(idem_queue *q, idem_completion *out, size_t max, int t
         q->polling++;
         pthread_cond_signal(&s->cond_flush);
         while (n == 0) {
-            int rc = timeout_ms > 0 ? pthread_cond_timedwait(&q->cond, &s->mu, &ts)
-                                    : pthread_cond_wait(&q->cond, &s->mu);
+            int rc = 0;
+            if (timeout_ms > 0)
+                rc = store_timedwait(s, &q->cond, &ts);
+            else
+                store_wait(s, &q->cond);
             n = collect_ready(q, out, max);
             if (rc == ETIMEDOUT) break;
             if (n == 0) { /* woken for nothing: the cascade goes on all the same (mu held:
@@ -1556,11 +1630,18 @@ int idem_poll(idem_queue *q, idem_completion *out, size_t max, int timeout_ms)
     idem_store *s = q->s;
     release_returned(q);
     queue_drain_fd(q);
+    /* What is ready now is collected under rw's read side: threads answering claims without the
+     * store's lock (submit_reads) do not stop one another to collect (collect_ready reads the
+     * queue and the durable LSN; parked claims are changed with the store's lock). */
+    pthread_rwlock_rdlock(&s->rw);
+    size_t n = collect_ready(q, out, max);
+    pthread_rwlock_unlock(&s->rw);
+    if (n > 0) return (int)n;
     struct idem_queue *pass[WAKE_FANOUT];
     int npass;
-    pthread_mutex_lock(&s->mu);
-    size_t n = poll_locked(q, out, max, timeout_ms, pass, &npass);
-    pthread_mutex_unlock(&s->mu);
+    store_lock(s);
+    n = poll_locked(q, out, max, timeout_ms, pass, &npass);
+    store_unlock(s);
     wake_signal(s, pass, npass);
     return (int)n;
 }
@@ -1575,12 +1656,29 @@ int idem_exec(idem_queue *q, const idem_op *op, idem_completion *c)
     struct idem_queue *pass[WAKE_FANOUT];
     int npass = 0;
     release_returned(q);
+    if (submit_reads(q, op, 1, 1) == 1) {
+        /* Answered without the store's lock: collected at once when what it reports is
+         * durable (read under rw: the flusher moves the durable LSN with mu). */
+        pthread_rwlock_rdlock(&s->rw);
+        size_t got = collect_ready(q, dst, 1);
+        pthread_rwlock_unlock(&s->rw);
+        if (got == 1) {
+            queue_drain_fd(q);
+            return dst->err;
+        }
+        store_lock(s);
+        poll_locked(q, dst, 1, -1, pass, &npass);
+        store_unlock(s);
+        wake_signal(s, pass, npass);
+        queue_drain_fd(q);
+        return dst->err;
+    }
     /* Submit and wait in one hold of mu: 64 threads making blocking calls contend for it. */
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     int rc = submit_locked(q, op, 1);
     size_t n = rc == 1 ? poll_locked(q, dst, 1, -1, pass, &npass) : 0;
     IDEM_ASSERT(rc != 1 || n == 1); /* without a timeout, a wait ends with the completion */
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     wake_signal(s, pass, npass);
     queue_drain_fd(q); /* nothing is left to poll: the eventfd says so too */
     if (rc < 0) return rc;
@@ -1673,9 +1771,9 @@ int idem_del(idem_queue *q, const void *key, size_t key_len, const char *actor)
 int idem_sync(idem_store *s)
 {
     if (!s) return IDEM_EINVAL;
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     int rc = s->opt.read_only ? 0 : store_wait_durable(s);
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     return rc;
 }
 
@@ -1738,10 +1836,10 @@ int idem_scan(idem_queue *q, const idem_scan_args *a, uint64_t *next_cursor, con
         return IDEM_EINVAL;
     idem_store *s = q->s;
     q->scan_n = q->scan_used = 0;
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     struct scan_ctx sc = {.s = s, .q = q, .a = a, .now = store_now(s)};
     *next_cursor = index_scan(s->ix, a->cursor, a->count ? a->count : 100, scan_one, &sc);
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     if (sc.err) return sc.err;
     for (size_t i = 0; i < q->scan_n; i++)
         q->scan_keys[i] = q->scan_buf + (uintptr_t)q->scan_keys[i];
@@ -1767,7 +1865,7 @@ void store_count_claim(idem_store *s, int outcome)
 
 void idem_get_stats(idem_store *s, idem_stats *out)
 {
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     /* First, as either may let the lock go between steps of filtering its heap; the figures
      * are then all taken in one hold of it. */
     ages_settle(s, AGE_IN_FLIGHT);
@@ -1795,7 +1893,7 @@ void idem_get_stats(idem_store *s, idem_stats *out)
     out->oldest_in_flight_ms = ages_oldest(s, AGE_IN_FLIGHT);
     out->oldest_review_ms = ages_oldest(s, AGE_REVIEW);
     out->store_generation = s->sb.store_generation;
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     struct statvfs vfs;
     if (!s->test_sim && statvfs(s->dir, &vfs) == 0)
         out->disk_free_bytes = (uint64_t)vfs.f_bavail * vfs.f_frsize;
@@ -1884,7 +1982,7 @@ static int checkpoint_locked(idem_store *s)
     int rc;
     do {
         while (s->backups)
-            pthread_cond_wait(&s->cond_ready, &s->mu);
+            store_wait(s, &s->cond_ready);
         rc = quiesce_durable(s);
         if (rc < 0) return rc;
     } while (s->backups);
@@ -2047,33 +2145,38 @@ static int ckpt_run_step(idem_store *s, int now)
 
 void store_test_wake_delay(idem_store *s, uint32_t us)
 {
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     s->test_wake_delay_us = us;
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
+}
+
+uint64_t store_test_reads(idem_store *s)
+{
+    return __atomic_load_n(&s->reads_answered, __ATOMIC_RELAXED);
 }
 
 void store_test_ages_tidy(idem_store *s, int on)
 {
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     s->test_no_tidy = !on;
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
 }
 
 int store_ckpt_step(idem_store *s)
 {
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     s->ckr.by_test = 1;
     s->ckr.test_step = 1;
     s->ckr.test_rc = 0;
     s->ckr.test_installed = 0;
     pthread_cond_signal(&s->cond_flush);
     while (s->ckr.test_step && !s->fatal && !s->closing && !s->abandoned)
-        pthread_cond_wait(&s->cond_ready, &s->mu);
+        store_wait(s, &s->cond_ready);
     int rc = s->fatal                ? IDEM_EFATAL
              : s->ckr.test_rc < 0    ? s->ckr.test_rc
              : s->ckr.test_installed ? 0
                                      : 1;
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     return rc;
 }
 
@@ -2085,19 +2188,19 @@ int idem_checkpoint(idem_store *s)
 {
     if (!s) return IDEM_EINVAL;
     if (s->opt.read_only) return IDEM_EREADONLY;
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     uint64_t want = s->ckr.runs_started + 1, failures = s->ckr.failures;
     if (want > s->ckr.want_run) s->ckr.want_run = want;
     s->sync_waiters++;
     pthread_cond_signal(&s->cond_flush);
     while (!s->fatal && !s->closing && s->ckr.installed_run < want && s->ckr.failures == failures)
-        pthread_cond_wait(&s->cond_ready, &s->mu);
+        store_wait(s, &s->cond_ready);
     s->sync_waiters--;
     int rc = s->fatal                       ? IDEM_EFATAL
              : s->ckr.installed_run >= want ? IDEM_OK
              : s->ckr.failures != failures  ? s->ckr.last_err
                                             : IDEM_EINVAL; /* the store is being closed */
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     return rc;
 }
 
@@ -2107,7 +2210,7 @@ int idem_compact(idem_store *s, int timeout_ms)
 {
     if (!s) return IDEM_EINVAL;
     if (s->opt.read_only) return IDEM_EREADONLY;
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     /* Every segment sealed now is walked; the flusher does the work between batches. */
     s->cmp_force_until = wal_cur_seq(s->wal);
     int64_t deadline = mono_now(s) + timeout_ms;
@@ -2126,14 +2229,14 @@ int idem_compact(idem_store *s, int timeout_ms)
             ts.tv_sec++;
             ts.tv_nsec -= 1000000000L;
         }
-        pthread_cond_timedwait(&s->cond_ready, &s->mu, &ts);
+        store_timedwait(s, &s->cond_ready, &ts);
         s->sync_waiters--;
     }
     if (s->fatal)
         rc = IDEM_EFATAL;
     else if (s->cmp_disabled)
         rc = IDEM_ECORRUPT;
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     return rc;
 }
 
@@ -2245,7 +2348,7 @@ int idem_backup(idem_store *s, const char *dest_dir)
     if (!s || !dest_dir || !*dest_dir) return IDEM_EINVAL;
     struct io *wr; /* the store's ring is the flusher's: the copy writes through its own */
     if (io_thread_create(&wr) < 0) return IDEM_ENOMEM;
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     int rc = s->fatal           ? IDEM_EFATAL
              : s->closing       ? IDEM_EINVAL /* a call on a store being closed */
              : s->opt.read_only ? 0
@@ -2256,14 +2359,14 @@ int idem_backup(idem_store *s, const char *dest_dir)
     wal_position(s->wal, &end_seq, &end_off);
     uint64_t audit_len = s->audit_off;
     if (rc == 0) s->backups++;
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     if (rc == 0) {
         rc = make_copy_dir(wr, dest_dir);
         if (rc == 0) rc = copy_store(s->io, s->dir, wr, dest_dir, &sb, end_seq, end_off, audit_len);
-        pthread_mutex_lock(&s->mu);
+        store_lock(s);
         s->backups--;
         pthread_cond_broadcast(&s->cond_ready);
-        pthread_mutex_unlock(&s->mu);
+        store_unlock(s);
     }
     io_destroy(wr);
     return rc;

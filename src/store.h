@@ -3,9 +3,13 @@
  * claim rules over one key) and audit.c (the operator trail). Not part of the public API.
  *
  * Locking: one mutex (mu) guards everything below it; the flusher thread drops it only around
- * the I/O of a batch. Completions become ready when the LSN they depend on (need_lsn) is
- * durable (sync mode) or at once (batch, none); a failed flush makes every not-yet-durable
- * completion answer IDEM_EFATAL and the store refuses all later changes.
+ * the I/O of a batch. Whoever holds mu also holds the write side of rw (store_lock), so that
+ * claims of committed keys can be answered under rw's read side alone, by many threads at once
+ * (ops_read_*): they change nothing but counters, with atomics (the repeat counters, the
+ * claim tallies, the clock's last reading), and take new repeat counters under seen_mu. Completions
+ * become ready when the LSN they depend on (need_lsn) is durable (sync mode) or at once (batch,
+ * none); a failed flush makes every not-yet-durable completion answer IDEM_EFATAL and the store
+ * refuses all later changes.
  */
 #ifndef IDEM_STORE_H
 #define IDEM_STORE_H
@@ -172,6 +176,8 @@ struct audit_mark {
 
 struct idem_store {
     pthread_mutex_t mu;
+    pthread_rwlock_t rw;       /* write side with mu (store_lock); read side: ops_read_* */
+    pthread_mutex_t seen_mu;   /* readers taking a repeat counter entry (ops_read_answer) */
     pthread_cond_t cond_ready; /* durable LSN moved, or a parked claim completed */
     pthread_cond_t cond_flush; /* work for the flusher */
     pthread_t flusher;
@@ -244,10 +250,11 @@ struct idem_store {
     uint32_t seen_cap, seen_used;                  /* entries allocated, entries ever taken */
     uint32_t seen_free; /* first free entry's index + 1; the list runs through the entries */
     /* Store clock. */
-    int64_t clk_store_ms, clk_mono_ms, clk_last_ms;
-    int clk_frozen;        /* inside idem_submit: the clock read at its start serves every op */
-    int64_t mono_batch_ms; /* the monotonic clock read at the start of that idem_submit */
-    int find_corrupt;      /* the last ops_find met a damaged record with the key's hash bits */
+    int64_t clk_store_ms, clk_mono_ms, clk_last_ms; /* clk_last_ms: atomic under rw's read side */
+    uint64_t reads_answered; /* claims answered under rw's read side (atomic; store_test_reads) */
+    int clk_frozen;          /* inside idem_submit: the clock read at its start serves every op */
+    int64_t mono_batch_ms;   /* the monotonic clock read at the start of that idem_submit */
+    int find_corrupt;        /* the last ops_find met a damaged record with the key's hash bits */
     /* The last key hashed in this operation (ops_hash; only inside ops_apply). */
     int hash_cache_on;
     const void *hash_key;
@@ -321,6 +328,8 @@ int store_ckpt_step(idem_store *s);
 /* Tests: the end of each flush waits `us` microseconds after letting go of the lock and before
  * it wakes the waiting threads (notify_ready_unlocked), so a test can act in between. */
 void store_test_wake_delay(idem_store *s, uint32_t us);
+/* Claims answered so far under rw's read side, without the store's lock. */
+uint64_t store_test_reads(idem_store *s);
 /* Lets mu go (held on entry and on return) long enough for a thread blocked on it to take it:
  * the mutex is not fair, and a thread that unlocks and locks again at once takes it back before
  * a woken waiter runs. */
@@ -382,6 +391,31 @@ void ops_slot_mark(struct index_slot *slot, const struct rec *r);
 void queue_signal(struct idem_queue *q);
 /* Applies op; hash, when given, is its key's hash from ops_hint_hash. */
 void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_t *hash);
+
+/* One hold of rw's read side (ops.c, "Claims of committed keys under rw's read side"): the
+ * store clock's reading its claims share, its place in the claims of the last minute, and its
+ * tallies, added to the store's counters at its end. */
+struct read_run {
+    int64_t now;
+    int minute;
+    uint64_t done, counted; /* claims answered; those without an error */
+};
+/* A claim ops_read_find can answer: its key's slot, the version found (pointing into the log:
+ * valid while rw is held) and its LSN. */
+struct read_hit {
+    struct index_slot *slot;
+    struct rec r;
+    uint64_t lsn;
+};
+/* With rw's read side held: whether claims can be answered now (0: leave them to the locked
+ * path), then whether op is such a claim (filling hit; hash as for ops_apply), its answer, and
+ * the run's tallies. */
+int ops_read_begin(idem_store *s, struct read_run *run);
+int ops_read_find(const idem_store *s, const idem_op *op, const uint64_t *hash,
+                  const struct read_run *run, struct read_hit *hit);
+void ops_read_answer(idem_store *s, struct qslot *sl, const struct read_hit *hit,
+                     struct read_run *run);
+void ops_read_end(idem_store *s, const struct read_run *run);
 /* A group of deletes (IDEM_F_WITH_NEXT): 0 to go ahead, IDEM_EINVAL if one of the n deletes is
  * invalid, IDEM_ESTATE if one of their records is in_flight or review; and the completion of
  * one of them when the group is refused. mu held. */
@@ -518,5 +552,35 @@ int audit_unit_valid(const uint8_t *u, uint32_t bytes);
 int audit_unit_next(const uint8_t *u, uint32_t bytes, uint32_t *pos, const uint8_t **entry);
 /* The length (8 + len) of the entry at p if its lengths agree and it fits in avail, else 0. */
 uint32_t audit_entry_bytes(const uint8_t *p, size_t avail);
+
+/* ---- The store's lock (see the top of this file) ---- */
+
+static inline void store_lock(idem_store *s)
+{
+    pthread_mutex_lock(&s->mu);
+    pthread_rwlock_wrlock(&s->rw);
+}
+
+static inline void store_unlock(idem_store *s)
+{
+    pthread_rwlock_unlock(&s->rw);
+    pthread_mutex_unlock(&s->mu);
+}
+
+/* pthread_cond_wait on c with the store's lock: readers may come in while it waits. */
+static inline void store_wait(idem_store *s, pthread_cond_t *c)
+{
+    pthread_rwlock_unlock(&s->rw);
+    pthread_cond_wait(c, &s->mu);
+    pthread_rwlock_wrlock(&s->rw);
+}
+
+static inline int store_timedwait(idem_store *s, pthread_cond_t *c, const struct timespec *ts)
+{
+    pthread_rwlock_unlock(&s->rw);
+    int rc = pthread_cond_timedwait(c, &s->mu, ts);
+    pthread_rwlock_wrlock(&s->rw);
+    return rc;
+}
 
 #endif

@@ -71,6 +71,15 @@ static inline uint64_t util_get_u64(const uint8_t *p)
     return UTIL_LE64(v);
 }
 
+/* *p = max(*p, v), atomically (relaxed: a counter, not a guard for other memory). */
+static inline void util_atomic_max_i64(int64_t *p, int64_t v)
+{
+    int64_t cur = __atomic_load_n(p, __ATOMIC_RELAXED);
+    while (cur < v &&
+           !__atomic_compare_exchange_n(p, &cur, v, 1, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+    }
+}
+
 /* Monotonic (CLOCK_BOOTTIME) and wall (CLOCK_REALTIME) time of the system, in ms and us. */
 int64_t util_boottime_ms(void);
 int64_t util_realtime_ms(void);

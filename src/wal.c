@@ -469,12 +469,15 @@ void wal_prefetch(const struct wal *w, uint64_t addr)
         __builtin_prefetch(f + i);
 }
 
-const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, uint64_t *lsn)
+/* wal_payload; scope, when not NULL, is w with its check scope on (frames checked there are
+ * remembered in it). */
+static const uint8_t *payload_at(const struct wal *w, uint64_t addr, uint32_t *payload_len,
+                                 uint64_t *lsn, struct wal *scope)
 {
     uint32_t slot = (uint32_t)(addr >> WAL_OFF_BITS);
     uint32_t off = (uint32_t)(addr & ((1u << WAL_OFF_BITS) - 1)) << 3;
     if (slot >= WAL_SEG_SLOTS || w->segs[slot].seq == 0) return NULL;
-    struct wal_segment *s = &w->segs[slot];
+    const struct wal_segment *s = &w->segs[slot];
     const uint8_t *f = NULL;
     /* Chunks hold the newest frames, in log order: anything before the oldest one is read
      * from the segment's map without looking at them. */
@@ -484,7 +487,7 @@ const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, 
     if (!oldest || s->seq < oldest->seq || (s->seq == oldest->seq && off < oldest->off)) goto map;
     for (int i = 0; i < w->npend + w->ninfl && !f; i++) {
         int ci = i < w->npend ? w->pend[i] : w->infl[i - w->npend];
-        struct wal_chunk *c = &w->chunks[ci];
+        const struct wal_chunk *c = &w->chunks[ci];
         if (c->seq == s->seq && off >= c->off && off < c->off + c->len) f = c->buf + (off - c->off);
     }
     if (!f) {
@@ -492,11 +495,13 @@ const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, 
         /* Durable frames were read from disk at some point: their checksum is checked on
          * every read (within one operation, once per frame), so damage after recovery is
          * reported, never served. */
-        if (!w->check_scope || s->seq != w->checked_seq || off != w->checked_off) {
+        if (!scope || s->seq != scope->checked_seq || off != scope->checked_off) {
             if (off < WAL_BLOCK || off + WAL_FRAME_HDR > w->seg_bytes || !frame_valid(w, s, off))
                 return NULL;
-            w->checked_seq = s->seq;
-            w->checked_off = off;
+            if (scope) {
+                scope->checked_seq = s->seq;
+                scope->checked_off = off;
+            }
         }
         f = s->map + off;
     }
@@ -505,6 +510,17 @@ const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, 
     *payload_len = len - WAL_FRAME_HDR;
     *lsn = util_get_u64(f + 8);
     return f + WAL_FRAME_HDR;
+}
+
+const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, uint64_t *lsn)
+{
+    return payload_at(w, addr, payload_len, lsn, w->check_scope ? w : NULL);
+}
+
+const uint8_t *wal_payload_shared(const struct wal *w, uint64_t addr, uint32_t *payload_len,
+                                  uint64_t *lsn)
+{
+    return payload_at(w, addr, payload_len, lsn, NULL);
 }
 
 void wal_check_scope(struct wal *w, int on)

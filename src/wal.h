@@ -164,6 +164,10 @@ void wal_prefetch(const struct wal *w, uint64_t addr);
 /* Pointer to the frame payload at addr (valid until the next append or flush end); NULL if the
  * address names no readable frame. *payload_len and *lsn are set. */
 const uint8_t *wal_payload(struct wal *w, uint64_t addr, uint32_t *payload_len, uint64_t *lsn);
+/* The same, checking every frame whatever the scope: it writes nothing, so readers may call it
+ * at once (store.h, rw). */
+const uint8_t *wal_payload_shared(const struct wal *w, uint64_t addr, uint32_t *payload_len,
+                                  uint64_t *lsn);
 /* Opens (on) or closes the scope of one operation, run under the store's lock without letting
  * go of it: within it, a frame read twice in a row is checked once. Outside, wal_payload checks
  * every durable frame it reads. */

@@ -233,9 +233,9 @@ Test(compact, compact_on_request_retires_every_sealed_segment, .timeout = 60)
 /* Segments walked (compact.c) and waiting for a checkpoint to be retired. */
 static uint64_t walked_waiting(idem_store *s)
 {
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     uint64_t n = s->cmp_walked ? s->cmp_walked - wal_first_seq(s->wal) + 1 : 0;
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     return n;
 }
 
@@ -255,9 +255,9 @@ static void quiesce_compaction(idem_store *s)
         run_checkpoint_to_the_end(s);
         cr_assert_eq(idem_sync(s), IDEM_OK);
         usleep(2000);
-        pthread_mutex_lock(&s->mu);
+        store_lock(s);
         int idle = !s->cmp_seq && !s->cmp_walked;
-        pthread_mutex_unlock(&s->mu);
+        store_unlock(s);
         if (idle) return;
     }
     cr_assert_fail("compaction never came to rest");
@@ -282,9 +282,9 @@ Test(compact, one_checkpoint_retires_every_segment_walked_before_it, .timeout = 
     uint64_t retired = st.compactions;
     /* Begin a run and scan: its replay position and entries predate everything below. */
     cr_assert_eq(store_ckpt_step(s), 1, "a run in one step: the test needs it unfinished");
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     int began = s->ckr.state != CKPT_RUN_IDLE;
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     cr_assert(began, "no run began");
     short_lived_rounds(s, q, 30);
     uint64_t walked = 0;
@@ -407,9 +407,9 @@ Test(compact, expiry_keeps_pace_with_a_log_that_never_idles, .timeout = 120)
 
 static uint64_t cur_seq(idem_store *s)
 {
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     uint64_t seq = wal_cur_seq(s->wal);
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     return seq;
 }
 
@@ -440,10 +440,10 @@ static void until_walk_stops(idem_store *s, uint64_t retired_before, uint64_t n)
         usleep(2000);
         idem_stats st;
         idem_get_stats(s, &st);
-        pthread_mutex_lock(&s->mu);
+        store_lock(s);
         uint64_t walked = s->cmp_walked ? s->cmp_walked - wal_first_seq(s->wal) + 1 : 0;
         int walking = s->cmp_seq != 0;
-        pthread_mutex_unlock(&s->mu);
+        store_unlock(s);
         uint64_t done = st.compactions - retired_before + walked;
         still = !walking && done >= n && done == last ? still + 1 : 0;
         last = done;
@@ -518,9 +518,9 @@ Test(compact, walked_segments_wait_for_a_batch_or_a_quiet_log, .timeout = 60)
 
 static int compaction_stopped(idem_store *s)
 {
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     int stopped = s->cmp_disabled;
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     return stopped;
 }
 
@@ -725,9 +725,9 @@ Test(compact, a_delete_that_hangs_holds_up_no_acknowledgement, .timeout = 60)
     cr_assert_eq(io_sim_create(37, &sim), 0);
     idem_queue *q;
     idem_store *s = open_with_segments(sim, &q);
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     uint64_t first = s->sb.wal_first_seq;
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     char seg[256];
     snprintf(seg, sizeof seg, SIM_DIR "/wal-%016llx.log", (unsigned long long)first);
     /* Deleting a segment's file can take the kernel many milliseconds; here it takes until the
@@ -740,9 +740,9 @@ Test(compact, a_delete_that_hangs_holds_up_no_acknowledgement, .timeout = 60)
         snprintf(key, sizeof key, "after-%d", i);
         claim_commit(q, key, 3600000, &token);
     }
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     cr_assert_gt(s->sb.wal_first_seq, first, "nothing retired");
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     cr_assert(sim_has(sim, seg), "the delete did not wait: the test proves nothing");
     io_sim_hold_unlinks(sim, 0);
     remover_drain(s->remover);

@@ -12,6 +12,7 @@
  */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -425,48 +426,114 @@ Test(crash, answers_wait_for_the_flush_they_depend_on, .timeout = 60)
     io_sim_destroy(sim);
 }
 
+/* Key "k" claimed (new), then the disk's flushes held: what a test submits next waits. */
+struct held {
+    struct io_sim *sim;
+    idem_store *s;
+    idem_queue *q[3];
+    int64_t tok;
+};
+
+static void held_begin(struct held *h, uint64_t seed)
+{
+    cr_assert_eq(io_sim_create(seed, &h->sim), 0);
+    h->s = open_sim(h->sim, 1);
+    for (int i = 0; i < 3; i++)
+        cr_assert_eq(idem_queue_open(h->s, 8, &h->q[i]), IDEM_OK);
+    idem_claim_args ca = {.ttl_ms = 60000, .lease_ms = 60000};
+    idem_completion c;
+    cr_assert_eq(idem_claim(h->q[0], "k", 1, &ca, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    h->tok = c.token;
+    io_sim_hold(h->sim, 1);
+}
+
+/* The held flush fails (unless the test failed it already) and the disk loses everything
+ * unflushed: "k" is in flight again after the reopen, with its token. */
+static void held_end(struct held *h, int failed)
+{
+    for (int i = 0; i < 3; i++)
+        idem_queue_close(h->q[i]);
+    if (!failed) io_sim_fail_flush(h->sim, 1, -EIO);
+    io_sim_hold(h->sim, 0);
+    store_abandon(h->s);
+    io_sim_crash(h->sim, IO_SIM_CRASH_LOSE_ALL);
+    idem_store *s = open_sim(h->sim, 1);
+    idem_queue *q;
+    idem_completion c;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    cr_assert_eq(idem_get(q, "k", 1, &c), IDEM_OK);
+    cr_assert(c.found && c.record.state == IDEM_STATE_IN_FLIGHT && c.record.token == h->tok,
+              "an unacknowledged change survived, or the claim was lost");
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    io_sim_destroy(h->sim);
+}
+
+/* A repeat of a committed key is answered without the store's lock (store.h, rw), but only once
+ * the commit it reports is durable, blocking or not; a flush that fails turns it into EFATAL. */
+static void *blocking_repeat(void *arg)
+{
+    idem_queue *q = arg;
+    idem_claim_args ca = {.ttl_ms = 60000, .lease_ms = 60000};
+    static idem_completion c;
+    int rc = idem_claim(q, "k", 1, &ca, &c);
+    return rc == IDEM_EFATAL ? (void *)&c : NULL;
+}
+
+Test(crash, a_repeat_answered_without_the_lock_waits_for_the_commit_it_reports, .timeout = 60)
+{
+    struct held h;
+    held_begin(&h, 8);
+    idem_completion c[4];
+    idem_op commit = {.kind = IDEM_OP_COMMIT,
+                      .key = "k",
+                      .key_len = 1,
+                      .token = h.tok,
+                      .data = "r",
+                      .data_len = 1,
+                      .user_data = 1};
+    cr_assert_eq(idem_submit(h.q[0], &commit, 1), 1);
+    uint64_t reads = store_test_reads(h.s);
+    idem_op repeat = {
+        .kind = IDEM_OP_CLAIM, .key = "k", .key_len = 1, .ttl_ms = 60000, .lease_ms = 60000};
+    cr_assert_eq(idem_submit(h.q[1], &repeat, 1), 1);
+    cr_assert_eq(store_test_reads(h.s), reads + 1, "the repeat was not answered by a reader");
+    cr_assert_eq(idem_poll(h.q[1], c, 4, 100), 0,
+                 "a done was delivered before its commit was durable");
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, blocking_repeat, h.q[2]), 0);
+    usleep(100000);
+    cr_assert_eq(store_test_reads(h.s), reads + 2);
+    io_sim_fail_flush(h.sim, 1, -EIO);
+    io_sim_hold(h.sim, 0);
+    void *blocked;
+    pthread_join(th, &blocked);
+    cr_assert_not_null(blocked, "the blocking repeat did not end in EFATAL");
+    cr_assert_eq(idem_poll(h.q[1], c, 4, 5000), 1);
+    cr_assert_eq(c[0].err, IDEM_EFATAL, "a done of a commit never made durable was delivered");
+    held_end(&h, 1);
+}
+
 /* An answer about an absent key (NOTFOUND, a GET that finds nothing) waits for the
  * DELETE that made it absent to be durable. */
 Test(crash, answers_about_an_absent_key_wait_for_the_delete_they_report, .timeout = 60)
 {
-    struct io_sim *sim;
-    cr_assert_eq(io_sim_create(7, &sim), 0);
-    idem_store *s = open_sim(sim, 1);
-    idem_queue *q1, *q2, *q3;
-    cr_assert_eq(idem_queue_open(s, 8, &q1), IDEM_OK);
-    cr_assert_eq(idem_queue_open(s, 8, &q2), IDEM_OK);
-    cr_assert_eq(idem_queue_open(s, 8, &q3), IDEM_OK);
-    idem_claim_args ca = {.ttl_ms = 60000, .lease_ms = 60000};
+    struct held h;
+    held_begin(&h, 7);
     idem_completion c[4];
-    cr_assert_eq(idem_claim(q1, "k", 1, &ca, &c[0]), IDEM_OK);
-    cr_assert_eq(c[0].outcome, IDEM_NEW);
-    int64_t tok = c[0].token;
-    io_sim_hold(sim, 1);
-    idem_op rel = {.kind = IDEM_OP_RELEASE, .key = "k", .key_len = 1, .token = tok, .user_data = 1};
-    cr_assert_eq(idem_submit(q1, &rel, 1), 1);
-    cr_assert_eq(idem_poll(q1, c, 4, 100), 0, "the release was answered before its flush");
+    idem_op rel = {
+        .kind = IDEM_OP_RELEASE, .key = "k", .key_len = 1, .token = h.tok, .user_data = 1};
+    cr_assert_eq(idem_submit(h.q[0], &rel, 1), 1);
+    cr_assert_eq(idem_poll(h.q[0], c, 4, 100), 0, "the release was answered before its flush");
     idem_op retry = rel;
     retry.user_data = 2;
     idem_op get = {.kind = IDEM_OP_GET, .key = "k", .key_len = 1, .user_data = 3};
-    cr_assert_eq(idem_submit(q2, &retry, 1), 1);
-    cr_assert_eq(idem_submit(q3, &get, 1), 1);
-    cr_assert_eq(idem_poll(q2, c, 4, 100), 0,
+    cr_assert_eq(idem_submit(h.q[1], &retry, 1), 1);
+    cr_assert_eq(idem_submit(h.q[2], &get, 1), 1);
+    cr_assert_eq(idem_poll(h.q[1], c, 4, 100), 0,
                  "a NOTFOUND was answered before the DELETE was durable");
-    cr_assert_eq(idem_poll(q3, c, 4, 100), 0, "a read found nothing before the DELETE was durable");
-    idem_queue_close(q1);
-    idem_queue_close(q2);
-    idem_queue_close(q3);
-    io_sim_fail_flush(sim, 1, -EIO);
-    io_sim_hold(sim, 0);
-    store_abandon(s);
-    io_sim_crash(sim, IO_SIM_CRASH_LOSE_ALL);
-    s = open_sim(sim, 1);
-    idem_queue *q;
-    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
-    cr_assert_eq(idem_get(q, "k", 1, c), IDEM_OK);
-    cr_assert(c[0].found && c[0].record.state == IDEM_STATE_IN_FLIGHT && c[0].record.token == tok,
-              "the unacknowledged release survived, or the claim was lost");
-    idem_queue_close(q);
-    cr_assert_eq(idem_close(s), IDEM_OK);
-    io_sim_destroy(sim);
+    cr_assert_eq(idem_poll(h.q[2], c, 4, 100), 0,
+                 "a read found nothing before the DELETE was durable");
+    held_end(&h, 0);
 }

@@ -220,9 +220,9 @@ Test(recovery, a_failed_store_holding_its_log_buffers_does_not_spin, .timeout = 
     cr_assert_eq(open_sim_seg(&s, 16u << 20), IDEM_OK);
     io_sim_fail_flush(sim, 1, -EIO);
     big_batch_fails(s, 7);
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     uint64_t held = wal_buffer_bytes(s->wal);
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     cr_assert_gt(held, STORE_BUFFERS_KEPT * WAL_CHUNK_BYTES, "the batch took %" PRIu64 " bytes",
                  held);
     usleep((STORE_BUFFERS_IDLE_MS + 200) * 1000); /* past the idle second (the real clock) */
@@ -303,9 +303,9 @@ static int next_batch_rolls(idem_store *s)
 {
     uint64_t seq;
     uint32_t off;
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     wal_position(s->wal, &seq, &off);
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     return off + 512 + 2 * 4096 > 64 * 1024;
 }
 
@@ -1591,10 +1591,10 @@ Test(recovery, a_group_of_deletes_on_a_full_disk_deletes_none)
         key_of(i, key);
         int rc = idem_set_if_absent(q, key, strlen(key), "v", 1, 3600000, 0, &c);
         cr_assert(rc == IDEM_OK || rc == IDEM_EFULL, "fill %d: %s", i, idem_strerror(rc));
-        pthread_mutex_lock(&s->mu);
+        store_lock(s);
         ready = s->spare_failed_mono_ms && wal_spare_needed(s->wal) &&
                 wal_room(s->wal, 4096) == 0 && wal_room(s->wal, 12 * 1024) != 0;
-        pthread_mutex_unlock(&s->mu);
+        store_unlock(s);
     }
     cr_assert(ready, "the disk never filled with room for 4 KiB left in the segment");
     int ok, nfull, other;
@@ -1634,9 +1634,9 @@ static void *checkpoint_thread(void *arg)
 static void until_locked(idem_store *s, int (*pred)(idem_store *s), const char *what)
 {
     for (int i = 0; i < 5000; i++) {
-        pthread_mutex_lock(&s->mu);
+        store_lock(s);
         int ok = pred(s);
-        pthread_mutex_unlock(&s->mu);
+        store_unlock(s);
         if (ok) return;
         usleep(1000);
     }
@@ -2096,9 +2096,9 @@ static void replay_keeps_the_age_of_a_record_in_flight(int burst)
     for (int steps = 0; !scanning; steps++) {
         cr_assert_lt(steps, 100, "the checkpoint never scans");
         rc = store_ckpt_step(s);
-        pthread_mutex_lock(&s->mu);
+        store_lock(s);
         scanning = s->ckr.state == CKPT_RUN_SCANNING;
-        pthread_mutex_unlock(&s->mu);
+        store_unlock(s);
         cr_assert(scanning || rc == 1, "checkpoint step: %d", rc);
     }
     idem_clock_advance(s, 1000);
@@ -2151,18 +2151,18 @@ Test(recovery, replay_of_a_long_log_keeps_the_age_heap_within_its_bound, .timeou
     int64_t first_seen = idem_clock_now(s);
     claim_in_flight(q, "a");
     idem_queue_close(q);
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     uint64_t lsn_before = wal_last_lsn(s->wal);
     s->cmp_disabled = 1; /* no walk, so no checkpoint to retire walked segments */
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     fill(s, 0, (int)AGES_SLACK + 20000);
     store_abandon(s);
     cr_assert_eq(open_sim_seg(&s, 64 << 20), IDEM_OK, "%s", idem_last_error());
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     size_t cap = s->ages[AGE_IN_FLIGHT].cap;
     uint64_t ckpt_lsn =
         s->sb.ckpt_counts_lsn > s->sb.ckpt_lsn ? s->sb.ckpt_counts_lsn : s->sb.ckpt_lsn;
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     cr_assert_leq(ckpt_lsn, lsn_before, "a checkpoint was taken: nothing long to replay");
     size_t bound = 2 + AGES_SLACK + AGES_SLACK / AGES_FILTER_STEP + 2;
     cr_assert_lt(cap, 2 * bound, "room for %zu age entries (bound %zu)", cap, bound);

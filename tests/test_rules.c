@@ -620,6 +620,24 @@ Test(expiry, committed_key_at_expires_at_is_new_with_fresh_first_seen)
     cr_assert_eq(r.result_len, 0);
 }
 
+/* Claims of committed keys are answered under the read side of the store's lock (store.h, rw),
+ * with a clock reading of their own: the boundary is the same there. */
+Test(expiry, the_boundary_holds_for_claims_answered_without_the_lock)
+{
+    make_committed("k", NULL, "r");
+    uint64_t reads = store_test_reads(g_s);
+    at(TTL - 1);
+    idem_completion c = claim("k");
+    expect_outcome(c, IDEM_DONE);
+    expect_data(c, "r");
+    cr_assert_eq(store_test_reads(g_s), reads + 1, "the repeat was not answered by a reader");
+    at(TTL);
+    c = claim("k");
+    expect_outcome(c, IDEM_NEW);
+    cr_assert_eq(store_test_reads(g_s), reads + 1, "a reader answered a claim of an expired key");
+    cr_assert_eq(get("k").first_seen_ms, t0 + TTL);
+}
+
 Test(expiry, committed_key_at_expires_at_is_absent_to_get)
 {
     make_committed("k", NULL, "r");
@@ -3208,9 +3226,9 @@ Test(stats, the_age_heap_is_filtered_a_step_at_a_time)
         else
             commit_ok(key, tok, "r");
         size_t bound = 2 * in_flight + AGES_SLACK, pass = bound / AGES_FILTER_STEP + 2;
-        pthread_mutex_lock(&g_s->mu);
+        store_lock(g_s);
         size_t n = g_s->ages[AGE_IN_FLIGHT].n;
-        pthread_mutex_unlock(&g_s->mu);
+        store_unlock(g_s);
         cr_assert_leq(prev, n + AGES_FILTER_STEP, "claim %d: %zu age entries, then %zu", i, prev,
                       n);
         cr_assert_leq(n, bound + pass, "claim %d: %zu age entries", i, n);
@@ -3254,9 +3272,9 @@ Test(stats, the_flusher_filters_the_age_heap_after_a_committed_burst)
     const size_t bound = 2 * 1 + AGES_SLACK;
     size_t left = SIZE_MAX;
     for (int ms = 0; ms < 20000 && left > bound; ms++) {
-        pthread_mutex_lock(&g_s->mu);
+        store_lock(g_s);
         left = g_s->ages[AGE_IN_FLIGHT].n;
-        pthread_mutex_unlock(&g_s->mu);
+        store_unlock(g_s);
         if (left > bound) usleep(1000);
     }
     cr_assert_leq(left, bound, "%zu age entries kept for 1 record in flight", left);
@@ -3278,9 +3296,9 @@ static void hold_flusher_until_the_close_waits(idem_store *s)
     s->test_after_tidy = NULL; /* read by the flusher with mu held: it runs once */
     atomic_store(&g_flusher_held, 1);
     for (int i = 0; i < 20000; i++) {
-        pthread_mutex_lock(&s->mu);
+        store_lock(s);
         int waiting = s->closing && s->sync_waiters > 0;
-        pthread_mutex_unlock(&s->mu);
+        store_unlock(s);
         if (waiting) return;
         usleep(500);
     }
@@ -3303,16 +3321,16 @@ Test(stats, a_close_while_the_flusher_filters_finds_it_there, .timeout = 60)
     }
     int pending = 1; /* until the flusher has written every batch (not flushed: none) */
     for (int ms = 0; ms < 10000 && pending; ms++) {
-        pthread_mutex_lock(&g_s->mu);
+        store_lock(g_s);
         pending = wal_pending(g_s->wal);
-        pthread_mutex_unlock(&g_s->mu);
+        store_unlock(g_s);
         if (pending) usleep(1000);
     }
     cr_assert(!pending);
-    pthread_mutex_lock(&g_s->mu);
+    store_lock(g_s);
     g_s->test_after_tidy = hold_flusher_until_the_close_waits;
     g_s->test_no_tidy = 0; /* the flusher filters, at the latest when its idle second ends */
-    pthread_mutex_unlock(&g_s->mu);
+    store_unlock(g_s);
     for (int ms = 0; ms < 10000 && !atomic_load(&g_flusher_held); ms++)
         usleep(1000);
     cr_assert(atomic_load(&g_flusher_held), "the flusher took no step of filtering");
@@ -3346,22 +3364,22 @@ Test(stats, the_first_stats_after_a_committed_burst_keeps_only_what_is_in_flight
         snprintf(key, sizeof key, "k%d", i);
         if (i != 30000) commit_ok(key, tokens[i], "r");
     }
-    pthread_mutex_lock(&g_s->mu);
+    store_lock(g_s);
     uint64_t yields = g_s->ages_yields;
-    pthread_mutex_unlock(&g_s->mu);
+    store_unlock(g_s);
     idem_stats a = stats();
     cr_assert_eq(a.keys_in_flight, 1);
     cr_assert_eq(a.oldest_in_flight_ms, t0 + 1000, "oldest_in_flight_ms %" PRId64,
                  a.oldest_in_flight_ms);
-    pthread_mutex_lock(&g_s->mu);
+    store_lock(g_s);
     yields = g_s->ages_yields - yields;
-    pthread_mutex_unlock(&g_s->mu);
+    store_unlock(g_s);
     /* 40,000 entries in steps of 4,096: the lock was let go between them. */
     cr_assert_geq(yields, 40000 / AGES_VIEW_STEP - 1, "the lock was let go %" PRIu64 " times",
                   yields);
-    pthread_mutex_lock(&g_s->mu);
+    store_lock(g_s);
     size_t left = g_s->ages[AGE_IN_FLIGHT].n;
-    pthread_mutex_unlock(&g_s->mu);
+    store_unlock(g_s);
     cr_assert_lt(left, 100, "%zu age entries kept for 1 record in flight", left);
     commit_ok("k30000", tokens[30000], "r");
     cr_assert_eq(stats().oldest_in_flight_ms, 0);
@@ -3370,9 +3388,9 @@ Test(stats, the_first_stats_after_a_committed_burst_keeps_only_what_is_in_flight
 /* Room for repeat counters (entries allocated). */
 static uint32_t seen_room(void)
 {
-    pthread_mutex_lock(&g_s->mu);
+    store_lock(g_s);
     uint32_t cap = g_s->seen_cap;
-    pthread_mutex_unlock(&g_s->mu);
+    store_unlock(g_s);
     return cap;
 }
 
@@ -3405,9 +3423,9 @@ Test(stats, memory_counts_the_log_buffers_kept_between_flushes)
 {
     claim_new("a"); /* sync: its chunk is flushed and released before the claim returns */
     idem_stats a = stats();
-    pthread_mutex_lock(&g_s->mu);
+    store_lock(g_s);
     uint64_t index_bytes = index_memory_bytes(g_s->ix);
-    pthread_mutex_unlock(&g_s->mu);
+    store_unlock(g_s);
     cr_assert_geq(a.memory_bytes, index_bytes + WAL_CHUNK_BYTES,
                   "memory_bytes %" PRIu64 ", index %" PRIu64, a.memory_bytes, index_bytes);
 }
@@ -3424,9 +3442,9 @@ static const idem_clock_source g_mono_clock = {.monotonic_ms = test_mono_ms};
 
 static uint64_t log_buffer_bytes(void)
 {
-    pthread_mutex_lock(&g_s->mu);
+    store_lock(g_s);
     uint64_t b = wal_buffer_bytes(g_s->wal);
-    pthread_mutex_unlock(&g_s->mu);
+    store_unlock(g_s);
     return b;
 }
 
@@ -3558,9 +3576,9 @@ static int64_t g_ext_token, g_held_token;
 
 static void rewrite_two_records(idem_store *s)
 {
-    pthread_mutex_lock(&s->mu);
+    store_lock(s);
     s->test_let_go = NULL; /* once */
-    pthread_mutex_unlock(&s->mu);
+    store_unlock(s);
     expect_rc(idem_extend(g_q2, "ext", 3, g_ext_token, 60000), IDEM_OK);
     expect_rc(idem_hold(g_q2, "held", 4, g_held_token, "why", 3), IDEM_OK); /* to review */
     idem_claim_args a = {.ttl_ms = TTL, .lease_ms = LEASE, .fp = "fp3", .fp_len = 3};
@@ -3591,9 +3609,9 @@ Test(stats, attention_lists_records_rewritten_while_it_runs)
     expect_rc(extend("twice", claim_new("twice"), 60000), IDEM_OK);
     at(2000);
     expect_rc(idem_queue_open(g_s, 4, &g_q2), IDEM_OK);
-    pthread_mutex_lock(&g_s->mu);
+    store_lock(g_s);
     g_s->test_let_go = rewrite_two_records;
-    pthread_mutex_unlock(&g_s->mu);
+    store_unlock(g_s);
     idem_attention_args aa = {.older_ms = 1000, .max = 100000};
     const idem_record *recs;
     size_t n = 0;

@@ -254,15 +254,21 @@ Test(race, sixty_four_threads_claiming_one_key_get_exactly_one_new)
 
 static size_t g_spread_keys;
 
+/* A queue of the given depth for worker w, or NULL (the failure recorded in w). */
+static idem_queue *worker_queue(worker *w, uint32_t depth)
+{
+    idem_queue *q = NULL;
+    int rc = idem_queue_open(g_s, depth, &q);
+    if (rc != IDEM_OK) WFAIL(w, "idem_queue_open: %s", idem_strerror(rc));
+    return rc == IDEM_OK ? q : NULL;
+}
+
 static void *spread_worker(void *arg)
 {
     worker *w = arg;
-    idem_queue *q = NULL;
-    int rc = idem_queue_open(g_s, 8, &q);
-    if (rc != IDEM_OK) {
-        WFAIL(w, "idem_queue_open: %s", idem_strerror(rc));
-        return NULL;
-    }
+    idem_queue *q = worker_queue(w, 8);
+    if (!q) return NULL;
+    int rc;
     for (size_t i = 0; i < g_spread_keys; i++) {
         char key[48], res[48];
         snprintf(key, sizeof key, "t%d-key-%zu", w->idx, i);
@@ -320,6 +326,150 @@ Test(race, many_threads_claiming_distinct_keys_all_present_after_reopen)
     cr_assert_eq(st.keys_in_flight, inflight, "keys_in_flight %llu after reopen, expected %llu",
                  (unsigned long long)st.keys_in_flight, (unsigned long long)inflight);
     cr_assert_eq(st.keys_committed, total - inflight);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Claims of committed keys answered without the store's lock (store.h, rw): many threads at
+ * once, each repeat counted once, while another thread writes, moves the clock and deletes. */
+
+#define DUP_KEYS    4096
+#define DUP_READERS 4
+#define DUP_BATCH   64
+
+static atomic_uint_fast64_t g_dup_claims[DUP_KEYS];
+static atomic_int g_dup_stop;
+static size_t g_dup_rounds;
+
+static void dup_key(char *key, size_t n, int k)
+{
+    snprintf(key, n, "dup-%d", k);
+}
+
+/* Every reader claims the same keys in the same order, each round starting together: the
+ * first repeat of a key (which takes its counter entry) races between readers, as do the
+ * counts after it. */
+static void *dup_reader(void *arg)
+{
+    worker *w = arg;
+    idem_queue *q = worker_queue(w, DUP_BATCH);
+    static __thread char keys[DUP_BATCH][16];
+    idem_op ops[DUP_BATCH];
+    idem_completion out[DUP_BATCH];
+    int which[DUP_BATCH];
+    for (size_t r = 0; r < g_dup_rounds; r++) {
+        uint64_t rng = 0x9e3779b97f4a7c15ull * (r + 1);
+        for (int i = 0; i < DUP_BATCH; i++) {
+            rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+            which[i] = (int)((rng >> 33) % DUP_KEYS);
+            dup_key(keys[i], sizeof keys[i], which[i]);
+            ops[i] = (idem_op){.kind = IDEM_OP_CLAIM,
+                               .key = keys[i],
+                               .key_len = (uint32_t)strlen(keys[i]),
+                               .ttl_ms = TTL,
+                               .lease_ms = LEASE};
+        }
+        pthread_barrier_wait(&g_bar); /* no break before it: the others would wait forever */
+        const char *why = q ? run_async(q, ops, DUP_BATCH, out) : "no queue";
+        if (why) {
+            WFAIL(w, "round %zu: %s", r, why);
+            continue;
+        }
+        for (int i = 0; i < DUP_BATCH; i++) {
+            char want[16];
+            snprintf(want, sizeof want, "res-%d", which[i]);
+            if (out[i].err != IDEM_OK || out[i].outcome != IDEM_DONE ||
+                out[i].data_len != strlen(want) || memcmp(out[i].data, want, strlen(want)) != 0)
+                WFAIL(w, "round %zu: dup-%d: err %s outcome %s", r, which[i],
+                      idem_strerror(out[i].err), idem_outcome_name(out[i].outcome));
+            else
+                atomic_fetch_add(&g_dup_claims[which[i]], 1);
+        }
+    }
+    if (q) idem_queue_close(q);
+    return NULL;
+}
+
+static void *dup_writer(void *arg)
+{
+    worker *w = arg;
+    idem_queue *q = worker_queue(w, 8);
+    if (!q) return NULL;
+    int rc;
+    idem_claim_args a = claim_args(TTL, LEASE, 0);
+    for (int i = 0; !atomic_load(&g_dup_stop) && !w->err[0]; i++) {
+        char key[32];
+        idem_completion c;
+        snprintf(key, sizeof key, "w-%d", i);
+        rc = idem_claim(q, key, strlen(key), &a, &c);
+        if (rc == IDEM_OK && c.outcome == IDEM_NEW)
+            rc = idem_commit(q, key, strlen(key), c.token, "v", 1);
+        else if (rc == IDEM_OK)
+            WFAIL(w, "%s: outcome %s", key, idem_outcome_name(c.outcome));
+        if (rc == IDEM_OK && i % 3 == 0) rc = idem_del(q, key, strlen(key), "test");
+        if (rc == IDEM_OK && i % 16 == 0) rc = idem_clock_advance(g_s, 1);
+        if (rc != IDEM_OK) WFAIL(w, "%s: %s", key, idem_strerror(rc));
+    }
+    idem_queue_close(q);
+    return NULL;
+}
+
+Test(race, repeats_answered_by_many_threads_at_once_are_each_counted)
+{
+    static char keys[DUP_KEYS][16], res[DUP_KEYS][16];
+    static idem_op ops[DUP_KEYS];
+    static idem_completion out[DUP_KEYS];
+    static uint64_t seen0[DUP_KEYS];
+    for (int k = 0; k < DUP_KEYS; k++) {
+        dup_key(keys[k], sizeof keys[k], k);
+        snprintf(res[k], sizeof res[k], "res-%d", k);
+        ops[k] = (idem_op){.kind = IDEM_OP_SET_IF_ABSENT,
+                           .key = keys[k],
+                           .key_len = (uint32_t)strlen(keys[k]),
+                           .ttl_ms = TTL,
+                           .data = res[k],
+                           .data_len = (uint32_t)strlen(res[k])};
+    }
+    const char *why = run_async(g_q, ops, DUP_KEYS, out);
+    cr_assert_null(why, "preload: %s", why);
+    for (int k = 0; k < DUP_KEYS; k++) {
+        cr_assert(out[k].err == IDEM_OK && out[k].outcome == IDEM_NEW, "preload of %s", keys[k]);
+        idem_completion c;
+        expect_rc(idem_get(g_q, keys[k], strlen(keys[k]), &c), IDEM_OK);
+        seen0[k] = c.record.seen_count;
+        atomic_store(&g_dup_claims[k], 0);
+    }
+    g_dup_rounds = tu_count(60, 600);
+    uint64_t reads0 = store_test_reads(g_s);
+    atomic_store(&g_dup_stop, 0);
+    cr_assert_eq(pthread_barrier_init(&g_bar, NULL, DUP_READERS), 0);
+    worker writer[1], readers[DUP_READERS];
+    start_all(writer, 1, dup_writer);
+    start_all(readers, DUP_READERS, dup_reader);
+    for (size_t i = 0; i < DUP_READERS; i++)
+        pthread_join(readers[i].th, NULL);
+    atomic_store(&g_dup_stop, 1);
+    join_all(writer, 1);
+    pthread_barrier_destroy(&g_bar);
+    for (size_t i = 0; i < DUP_READERS; i++)
+        cr_assert_eq(readers[i].err[0], 0, "reader %zu: %s", i, readers[i].err);
+    uint64_t claims = (uint64_t)DUP_READERS * g_dup_rounds * DUP_BATCH;
+    uint64_t reads = store_test_reads(g_s) - reads0;
+    /* Nearly all: a run of reads is left to the locked path when a second turns. */
+    cr_assert_gt(reads, claims / 2, "%llu of %llu repeats answered by readers",
+                 (unsigned long long)reads, (unsigned long long)claims);
+    for (int pass = 0; pass < 2; pass++) {
+        for (int k = 0; k < DUP_KEYS; k++) {
+            idem_completion c;
+            expect_rc(idem_get(g_q, keys[k], strlen(keys[k]), &c), IDEM_OK);
+            uint64_t want = seen0[k] + atomic_load(&g_dup_claims[k]);
+            cr_assert_eq(c.record.seen_count, want, "%s: seen_count %llu, %llu expected (%s)",
+                         keys[k], (unsigned long long)c.record.seen_count, (unsigned long long)want,
+                         pass ? "after a reopen" : "before a reopen");
+        }
+        store_close();
+        store_open();
+    }
+    cr_assert_eq(store_check_index(g_s, NULL), IDEM_OK);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -839,10 +989,10 @@ Test(race, sixty_four_threads_waiting_on_flushes_are_all_woken_in_the_cascade)
     g_cascade_calls = tu_count(40, 400);
     start_all(ws, CASCADE_THREADS, cascade_worker);
     join_all(ws, CASCADE_THREADS);
-    pthread_mutex_lock(&g_s->mu);
+    store_lock(g_s);
     int listed = g_s->wake_head != NULL;
     uint32_t pins = __atomic_load_n(&g_s->notifying, __ATOMIC_ACQUIRE);
-    pthread_mutex_unlock(&g_s->mu);
+    store_unlock(g_s);
     cr_assert_not(listed, "a closed queue is still on the wake list");
     cr_assert_eq(pins, 0, "%u pins held after every queue closed", pins);
     idem_stats st;
