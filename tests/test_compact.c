@@ -230,6 +230,50 @@ Test(compact, compact_on_request_retires_every_sealed_segment, .timeout = 60)
     io_sim_destroy(sim);
 }
 
+/* Rule 5: unfinished records never expire, so compaction copies them forward however long ago
+ * their ttl ran out: an in_flight and a review record, their segments compacted away. */
+static void check_unfinished(idem_queue *q, int64_t fly_token, const char *when)
+{
+    idem_completion c;
+    cr_assert_eq(idem_get(q, "fly", 3, &c), IDEM_OK);
+    cr_assert(c.found && c.record.state == IDEM_STATE_IN_FLIGHT && c.record.token == fly_token,
+              "the in_flight record past its ttl was lost %s", when);
+    cr_assert_eq(idem_get(q, "rev", 3, &c), IDEM_OK);
+    cr_assert(c.found && c.record.state == IDEM_STATE_REVIEW,
+              "the review record past its ttl was lost %s", when);
+}
+
+Test(compact, unfinished_records_past_their_ttl_survive_compaction, .timeout = 60)
+{
+    struct io_sim *sim;
+    cr_assert_eq(io_sim_create(12, &sim), 0);
+    idem_store *s = open_sim(sim);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 1000, .lease_ms = 3600000};
+    idem_completion c;
+    cr_assert_eq(idem_claim(q, "fly", 3, &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    int64_t fly = c.token;
+    cr_assert_eq(idem_claim(q, "rev", 3, &a, &c), IDEM_OK);
+    cr_assert_eq(idem_hold(q, "rev", 3, c.token, "check", 5), IDEM_OK);
+    idem_stats before, after;
+    idem_get_stats(s, &before);
+    short_lived_rounds(s, q, 20); /* 40 s on: both ttls long past, their segment sealed */
+    cr_assert_eq(idem_compact(s, 20000), IDEM_OK);
+    idem_get_stats(s, &after);
+    cr_assert_gt(after.compactions, before.compactions);
+    check_unfinished(q, fly, "by compaction");
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    s = open_sim(sim);
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    check_unfinished(q, fly, "after a reopen");
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    io_sim_destroy(sim);
+}
+
 /* Segments walked (compact.c) and waiting for a checkpoint to be retired. */
 static uint64_t walked_waiting(idem_store *s)
 {
