@@ -233,6 +233,32 @@ Test(recovery, a_failed_store_holding_its_log_buffers_does_not_spin, .timeout = 
     cr_assert_eq(idem_close(s), IDEM_EFATAL);
 }
 
+/* A batch whose first chunk reached the file and whose second write failed is dropped whole at
+ * the next open, though the first chunk's frames are in the file and checksum well: the log
+ * ends at the last complete batch. No power loss here: the open settles the file, the part of
+ * the batch with it. */
+Test(recovery, a_batch_written_in_part_is_dropped_whole, .timeout = 60)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim_seg(&s, 16u << 20), IDEM_OK);
+    fill(s, 0, 20);
+    io_sim_fail_write(sim, 2, -EIO);
+    big_batch_fails(s, 13);
+    cr_assert_eq(idem_close(s), IDEM_EFATAL);
+    cr_assert_eq(open_sim_seg(&s, 16u << 20), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, 20);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_completion c;
+    cr_assert_eq(idem_get(q, "big-0", 5, &c), IDEM_OK);
+    cr_assert(!c.found, "the first record of a batch written in part was replayed");
+    idem_stats st;
+    idem_get_stats(s, &st);
+    cr_assert_eq(st.keys, 20, "%llu keys", (unsigned long long)st.keys);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
 /* A refused submit in the middle of a batch (the kernel's queue full) is fatal, and the writes
  * submitted before it are still reaped: the kernel reads their buffers until they complete, and
  * a failed store frees the buffers at close. */
