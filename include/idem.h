@@ -108,7 +108,8 @@ enum idem_io_backend {
     IDEM_IO_THREAD = 2, /* pwrite + fdatasync on the store's flusher thread */
 };
 
-/* Optional clock sources. Tests inject them; NULL members mean the system's clocks. */
+/* Optional clock sources. Tests inject them; NULL members mean the system's clocks. They are
+ * called from the store's threads and the callers', several at once: they must be thread-safe. */
 typedef struct idem_clock_source {
     int64_t (*wall_ms)(void *ctx);      /* CLOCK_REALTIME in ms since the epoch */
     int64_t (*monotonic_ms)(void *ctx); /* CLOCK_BOOTTIME in ms: elapsed time, never steps */

@@ -131,7 +131,7 @@ static int seen_grow(idem_store *s)
         struct seen_info *t = malloc(n * sizeof *t);
         if (!t) return -1;
         s->seen_tier[store_seen_tier(cap)] = t;
-        s->seen_cap = cap + n;
+        __atomic_store_n(&s->seen_cap, cap + n, __ATOMIC_RELEASE); /* after t (read_seen_take) */
         return 0;
     }
     if ((cap >> SEEN_CHUNK_BITS) == SEEN_CHUNKS_MAX) return -1;
@@ -140,7 +140,7 @@ static int seen_grow(idem_store *s)
     struct seen_info *c = aligned_alloc(SEEN_CHUNK * sizeof *c, SEEN_CHUNK * sizeof *c);
     if (!c) return -1;
     s->seen_chunk[cap >> SEEN_CHUNK_BITS] = c;
-    s->seen_cap = cap + SEEN_CHUNK;
+    __atomic_store_n(&s->seen_cap, cap + SEEN_CHUNK, __ATOMIC_RELEASE);
     return 0;
 }
 
@@ -642,25 +642,62 @@ int ops_read_find(const idem_store *s, const idem_op *op, const uint64_t *hash,
     return 1;
 }
 
+/* seen_take for a reader: off the end of the table by an atomic bump while it has room and no
+ * freed entry waits; the free list and growth under seen_mu. Returns 0 or IDEM_ENOMEM. */
+static int read_seen_take(idem_store *s, uint32_t *i)
+{
+    uint32_t used = __atomic_load_n(&s->seen_used, __ATOMIC_RELAXED);
+    while (__atomic_load_n(&s->seen_free, __ATOMIC_RELAXED) == 0 &&
+           used < __atomic_load_n(&s->seen_cap, __ATOMIC_ACQUIRE)) {
+        if (__atomic_compare_exchange_n(&s->seen_used, &used, used + 1, 1, __ATOMIC_RELAXED,
+                                        __ATOMIC_RELAXED)) {
+            *i = used;
+            return 0;
+        }
+    }
+    int rc = 0;
+    pthread_mutex_lock(&s->seen_mu);
+    if (s->seen_free) {
+        *i = s->seen_free - 1;
+        __atomic_store_n(&s->seen_free, (uint32_t)store_seen_at(s, *i)->seen_count,
+                         __ATOMIC_RELAXED);
+    } else {
+        for (used = __atomic_load_n(&s->seen_used, __ATOMIC_RELAXED);;) {
+            if (used >= s->seen_cap && seen_grow(s) != 0) {
+                rc = IDEM_ENOMEM;
+                break;
+            }
+            if (__atomic_compare_exchange_n(&s->seen_used, &used, used + 1, 1, __ATOMIC_RELAXED,
+                                            __ATOMIC_RELAXED)) {
+                *i = used;
+                break;
+            }
+        }
+    }
+    pthread_mutex_unlock(&s->seen_mu);
+    return rc;
+}
+
 /* seen_bump for a reader. */
 static void read_seen_bump(idem_store *s, struct index_slot *slot, const struct rec *r, int64_t now)
 {
     uint32_t aux = __atomic_load_n(&slot->aux, __ATOMIC_ACQUIRE);
     if (!(aux & SLOT_AUX_SEEN)) {
-        pthread_mutex_lock(&s->seen_mu);
-        aux = __atomic_load_n(&slot->aux, __ATOMIC_ACQUIRE);
         uint32_t i;
-        if (!(aux & SLOT_AUX_SEEN) && seen_take(s, &i) == 0) {
-            struct seen_info *si = store_seen_at(s, i);
-            si->seen_count = r->seen_count + 1;
-            si->last_seen_ms = now;
-            /* Published filled in: another reader may follow aux at once. */
-            __atomic_store_n(&slot->aux, (aux & SLOT_AUX_APART) | (i + 1), __ATOMIC_RELEASE);
-            pthread_mutex_unlock(&s->seen_mu);
+        if (read_seen_take(s, &i) != 0) return; /* out of memory: the count is lost (seen_bump) */
+        struct seen_info *si = store_seen_at(s, i);
+        si->seen_count = r->seen_count + 1;
+        si->last_seen_ms = now;
+        /* Published filled in (another reader may follow aux at once), unless another reader
+         * published an entry for this key first: then that one counts this repeat, and i goes
+         * back to the free list. */
+        if (__atomic_compare_exchange_n(&slot->aux, &aux, (aux & SLOT_AUX_APART) | (i + 1), 0,
+                                        __ATOMIC_RELEASE, __ATOMIC_ACQUIRE))
             return;
-        }
+        pthread_mutex_lock(&s->seen_mu);
+        si->seen_count = s->seen_free;
+        __atomic_store_n(&s->seen_free, i + 1, __ATOMIC_RELAXED);
         pthread_mutex_unlock(&s->seen_mu);
-        if (!(aux & SLOT_AUX_SEEN)) return; /* out of memory: the count is lost (seen_bump) */
     }
     struct seen_info *si = store_seen_at(s, (aux & SLOT_AUX_SEEN) - 1);
     __atomic_fetch_add(&si->seen_count, 1, __ATOMIC_RELAXED);
