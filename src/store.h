@@ -5,11 +5,11 @@
  * Locking: one mutex (mu) guards everything below it; the flusher thread drops it only around
  * the I/O of a batch. Whoever holds mu also holds the write side of rw (store_lock), so that
  * claims of committed keys can be answered under rw's read side alone, by many threads at once
- * (ops_read_*): they change nothing but counters, with atomics (the repeat counters, the
- * claim tallies, the clock's last reading), and take new repeat counters under seen_mu. Completions
- * become ready when the LSN they depend on (need_lsn) is durable (sync mode) or at once (batch,
- * none); a failed flush makes every not-yet-durable completion answer IDEM_EFATAL and the store
- * refuses all later changes.
+ * (ops_read_*): they change nothing but counters, with atomics (the repeat counters and their
+ * table's end, the claim tallies, the clock's last reading), and take freed counter entries or
+ * grow the table under seen_mu. Completions become ready when the LSN they depend on
+ * (need_lsn) is durable (sync mode) or at once (batch, none); a failed flush makes every
+ * not-yet-durable completion answer IDEM_EFATAL and the store refuses all later changes.
  */
 #ifndef IDEM_STORE_H
 #define IDEM_STORE_H
@@ -177,7 +177,7 @@ struct audit_mark {
 struct idem_store {
     pthread_mutex_t mu;
     pthread_rwlock_t rw;       /* write side with mu (store_lock); read side: ops_read_* */
-    pthread_mutex_t seen_mu;   /* readers taking a repeat counter entry (ops_read_answer) */
+    pthread_mutex_t seen_mu;   /* readers taking a freed counter entry or growing the table */
     pthread_cond_t cond_ready; /* durable LSN moved, or a parked claim completed */
     pthread_cond_t cond_flush; /* work for the flusher */
     pthread_t flusher;
@@ -247,8 +247,10 @@ struct idem_store {
     /* Repeat counters of keys claimed again since their last logged version (slot aux). */
     struct seen_info *seen_tier[SEEN_TIERS];       /* entries below SEEN_CHUNK */
     struct seen_info *seen_chunk[SEEN_CHUNKS_MAX]; /* from 1: entries from SEEN_CHUNK on */
-    uint32_t seen_cap, seen_used;                  /* entries allocated, entries ever taken */
-    uint32_t seen_free; /* first free entry's index + 1; the list runs through the entries */
+    /* Entries allocated, entries ever taken, the first free entry's index + 1 (the list runs
+     * through the entries); readers under rw's read side use atomics (read_seen_take). */
+    uint32_t seen_cap, seen_used;
+    uint32_t seen_free;
     /* Store clock. */
     int64_t clk_store_ms, clk_mono_ms, clk_last_ms; /* clk_last_ms: atomic under rw's read side */
     uint64_t reads_answered; /* claims answered under rw's read side (atomic; store_test_reads) */
