@@ -144,25 +144,18 @@ static int seen_grow(idem_store *s)
     return 0;
 }
 
-/* A free entry of the repeat counters, its index in *i. Returns 0 or IDEM_ENOMEM. */
-static int seen_take(idem_store *s, uint32_t *i)
-{
-    if (s->seen_free) {
-        *i = s->seen_free - 1;
-        s->seen_free = (uint32_t)store_seen_at(s, *i)->seen_count;
-        return 0;
-    }
-    if (s->seen_used == s->seen_cap && seen_grow(s) != 0) return IDEM_ENOMEM;
-    *i = s->seen_used++;
-    return 0;
-}
-
 int ops_seen_set(idem_store *s, struct index_slot *slot, uint64_t seen_count, int64_t last_ms)
 {
     struct seen_info *si = seen_of(s, slot);
-    if (!si) {
+    if (!si) { /* a free entry: a freed one first, else off the table's end */
         uint32_t i;
-        if (seen_take(s, &i) != 0) return IDEM_ENOMEM;
+        if (s->seen_free) {
+            i = s->seen_free - 1;
+            s->seen_free = (uint32_t)store_seen_at(s, i)->seen_count;
+        } else {
+            if (s->seen_used == s->seen_cap && seen_grow(s) != 0) return IDEM_ENOMEM;
+            i = s->seen_used++;
+        }
         slot->aux = (slot->aux & SLOT_AUX_APART) | (i + 1);
         si = store_seen_at(s, i);
     }
@@ -600,8 +593,9 @@ static int op_claim(idem_store *s, struct qslot *sl, const idem_op *op, int waki
 
 /* A claim that finds its key committed and unexpired, with no other fingerprint, only counts a
  * repeat and copies the result: many threads answer such claims at once, holding rw's read side
- * (store.h). Nothing is written but the key's repeat counters (atomics; a new entry under
- * seen_mu), the store clock's last reading and the claim tallies (atomics, at the run's end).
+ * (store.h). Nothing is written but the key's repeat counters (atomics; a new entry by an
+ * atomic bump of the table's end, or under seen_mu from the free list or a grown table), the
+ * store clock's last reading and the claim tallies (atomics, at the run's end).
  * Anything else goes to the locked path, which sees the same store: rw keeps every writer out. */
 
 int ops_read_begin(idem_store *s, struct read_run *run)
@@ -642,8 +636,9 @@ int ops_read_find(const idem_store *s, const idem_op *op, const uint64_t *hash,
     return 1;
 }
 
-/* seen_take for a reader: off the end of the table by an atomic bump while it has room and no
- * freed entry waits; the free list and growth under seen_mu. Returns 0 or IDEM_ENOMEM. */
+/* A free entry of the repeat counters for a reader: off the end of the table by an atomic bump
+ * while it has room and no freed entry waits; the free list and growth under seen_mu. Returns 0 or
+ * IDEM_ENOMEM. */
 static int read_seen_take(idem_store *s, uint32_t *i)
 {
     uint32_t used = __atomic_load_n(&s->seen_used, __ATOMIC_RELAXED);

@@ -35,6 +35,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -67,6 +68,7 @@ static struct {
     char sock[512];
     int port;
     pid_t pid;
+    rlim_t nofile; /* when not 0, idemd's open-files limit, soft and hard */
 } srv;
 
 static atomic_int stop_flag;
@@ -136,6 +138,9 @@ static void start_idemd_with(uint32_t max_clients, uint32_t io_budget)
     cr_assert(srv.pid >= 0);
     if (srv.pid == 0) {
         if (!freopen(log, "w", stderr)) _exit(126);
+        struct rlimit rl = {srv.nofile, srv.nofile};
+        if (srv.nofile && setrlimit(RLIMIT_NOFILE, &rl) != 0) _exit(125);
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* not left behind by a test that failed an assert */
         execv(exe, (char *const *)argv);
         _exit(127);
     }
@@ -1379,6 +1384,214 @@ Test(abuse, every_stalled_reader_over_the_budget_is_closed, .timeout = 60)
     cr_expect_eq(eofs, N, "%d of %d stalled readers were closed", eofs, N);
     cr_expect(!trickle.eof, "a client that reads slowly was closed");
     cr_expect_leq(worst_ping, LATENCY_MAX_MS);
+}
+
+/* ---- out of file descriptors ---- */
+
+/* idemd's CPU time (user + system) in ms. */
+static long cpu_ms(pid_t pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return -1;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *p = strrchr(buf, ')'); /* the name may hold spaces */
+    unsigned long ut = 0, st = 0;
+    if (!p || sscanf(p + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %lu %lu", &ut, &st) != 2)
+        return -1;
+    return (long)((ut + st) * 1000 / (unsigned long)sysconf(_SC_CLK_TCK));
+}
+
+/* Open descriptors of pid. */
+static int fd_count(pid_t pid)
+{
+    char cmd[64];
+    snprintf(cmd, sizeof cmd, "ls /proc/%d/fd | wc -l", (int)pid);
+    FILE *p = popen(cmd, "r");
+    int n = -1;
+    if (p && fscanf(p, "%d", &n) != 1) n = -1;
+    if (p) pclose(p);
+    return n;
+}
+
+/* Whether idemd's log holds a line containing what. */
+static int log_has(const char *what)
+{
+    char path[600], line[2048];
+    snprintf(path, sizeof path, "%s/idemd.log", srv.dir);
+    FILE *f = fopen(path, "r");
+    int found = 0;
+    while (f && !found && fgets(line, sizeof line, f))
+        found = strstr(line, what) != NULL;
+    if (f) fclose(f);
+    return found;
+}
+
+/* Sends PING on fd and reads the reply line into buf. */
+static int ping_on(int fd, char *buf, size_t cap)
+{
+    int eof = 0;
+    if (send_all(fd, "PING\r\n", 6) != 0) return -1;
+    read_some(fd, buf, cap, 0, 2000, &eof);
+    return eof ? -1 : 0;
+}
+
+#define FD_ROOM 6 /* descriptors idemd may open past those it holds, in the next test */
+
+/* The open-files limit reached under idemd (lowered while it runs, as by an operator's prlimit):
+ * a connection it cannot take is told so and closed, and the loop does not spin on the
+ * listener that stays readable (it did: accept4 failed with EMFILE on every wake). */
+Test(abuse, out_of_file_descriptors_refuses_without_spinning, .timeout = 60)
+{
+    start_idemd(1000);
+    int held = fd_count(srv.pid);
+    cr_assert_gt(held, 0);
+    struct rlimit rl = {(rlim_t)(held + FD_ROOM), (rlim_t)(held + FD_ROOM)};
+    cr_assert_eq(prlimit(srv.pid, RLIMIT_NOFILE, &rl, NULL), 0, "prlimit: %s", strerror(errno));
+
+    enum { N = 24 };
+    int fds[N], took = 0, refused = 0;
+    char buf[256];
+    for (int i = 0; i < N; i++)
+        fds[i] = -1;
+    for (int i = 0; i < N; i++) {
+        fds[i] = raw_connect(0, 5000);
+        cr_assert_geq(fds[i], 0);
+        if (ping_on(fds[i], buf, sizeof buf) == 0 && strcmp(buf, "+PONG\r\n") == 0) {
+            took++;
+            continue;
+        }
+        cr_expect(strstr(buf, "max number of clients reached") != NULL, "connection %d got '%s'", i,
+                  buf);
+        refused++;
+        close(fds[i]);
+        fds[i] = -1;
+        if (!buf[0]) break; /* no answer in 2 s: the next ones would wait as long */
+    }
+    cr_expect_gt(took, 0);
+    cr_expect_leq(took, FD_ROOM);
+    cr_expect_geq(refused, N - FD_ROOM);
+
+    /* Connections queued in the backlog while idemd has no descriptor left: it must take each
+     * (to refuse it), not wake again and again for them. */
+    int extra[8];
+    for (int i = 0; i < 8; i++)
+        extra[i] = raw_connect(0, 5000);
+    sleep_ms(200);
+    long cpu0 = cpu_ms(srv.pid);
+    sleep_ms(1000);
+    long spent = cpu_ms(srv.pid) - cpu0;
+    cr_expect_lt(spent, 300, "idemd spent %ld ms of CPU in 1 s while out of descriptors", spent);
+    for (int i = 0; i < 8; i++) {
+        int eof = 0;
+        if (extra[i] < 0) continue;
+        read_some(extra[i], buf, sizeof buf, 0, 2000, &eof);
+        cr_expect(strstr(buf, "max number of clients reached") != NULL, "a queued one got '%s'",
+                  buf);
+        close(extra[i]);
+    }
+    cr_expect(log_has("event=accept_failed"), "no accept_failed line in the log");
+
+    /* The ones it took still work; once they go, new ones are taken again. */
+    for (int i = 0; i < N; i++) {
+        if (fds[i] < 0) continue;
+        cr_expect_eq(ping_on(fds[i], buf, sizeof buf), 0);
+        cr_expect_str_eq(buf, "+PONG\r\n");
+        close(fds[i]);
+    }
+    int ok = 0;
+    for (int64_t end = now_ms() + 5000; !ok && now_ms() < end; sleep_ms(50)) {
+        int fd = raw_connect(0, 5000);
+        ok = fd >= 0 && ping_on(fd, buf, sizeof buf) == 0 && strcmp(buf, "+PONG\r\n") == 0;
+        if (fd >= 0) close(fd);
+    }
+    cr_expect(ok, "no connection taken after the others closed");
+    cr_expect(alive());
+    stop_idemd();
+}
+
+/* A hard open-files limit below max-clients + 64: max-clients is lowered to fit, said in the
+ * log and by CONFIG GET, and the client past it gets the usual refusal. */
+Test(abuse, max_clients_lowered_to_fit_the_open_files_limit, .timeout = 60)
+{
+    srv.nofile = 200;
+    start_idemd(1000);
+    srv.nofile = 0;
+    cr_expect(log_has("event=nofile_limit limit=200 max_clients=1000 lowered_to=136"));
+    redisContext *c = connect_unix(); /* CONFIG needs the admin role of the unix socket */
+    cr_assert(c);
+    redisReply *r = redisCommand(c, "CONFIG GET maxclients");
+    cr_assert(r && r->type == REDIS_REPLY_ARRAY && r->elements == 2);
+    cr_expect_str_eq(r->element[1]->str, "136");
+    freeReplyObject(r);
+    enum { N = 140 };
+    int fds[N], took = 1, refused = 0; /* c is one */
+    char buf[256];
+    for (int i = 0; i < N; i++) {
+        fds[i] = raw_connect(0, 5000);
+        cr_assert_geq(fds[i], 0);
+        if (ping_on(fds[i], buf, sizeof buf) == 0 && strcmp(buf, "+PONG\r\n") == 0)
+            took++;
+        else if (strcmp(buf, "-ERR max number of clients reached\r\n") == 0)
+            refused++;
+    }
+    cr_expect_eq(took, 136);
+    cr_expect_eq(refused, N + 1 - 136);
+    for (int i = 0; i < N; i++)
+        close(fds[i]);
+    redisFree(c);
+    cr_expect(alive());
+    stop_idemd();
+}
+
+/* Sends bytes that are a protocol error on a new connection and waits for idemd to close it. */
+static void protocol_error_once(void)
+{
+    char buf[256];
+    int eof = 0, fd = raw_connect(0, 5000);
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(send_all(fd, "*1\r\n$x\r\n", 9), 0);
+    for (int64_t end = now_ms() + 5000; !eof && now_ms() < end;)
+        read_some(fd, buf, sizeof buf, sizeof buf, 1000, &eof);
+    cr_expect(eof, "idemd did not close a connection after a protocol error");
+    close(fd);
+}
+
+/* A flood of bad clients cannot fill the disk with the log: at most 10 protocol_error lines a
+ * second, and every error left out is counted on the next line let through. */
+Test(abuse, protocol_errors_are_logged_at_most_ten_a_second, .timeout = 60)
+{
+    start_idemd(1000);
+    enum { N = 60 };
+    int64_t t0 = now_ms();
+    for (int i = 0; i < N; i++)
+        protocol_error_once();
+    int64_t spent = now_ms() - t0;
+    sleep_ms(1100);
+    protocol_error_once(); /* a new second: let through, with the count of those left out */
+
+    char path[600], line[2048];
+    snprintf(path, sizeof path, "%s/idemd.log", srv.dir);
+    FILE *f = fopen(path, "r");
+    cr_assert(f);
+    long lines = 0, left_out = 0;
+    while (fgets(line, sizeof line, f)) {
+        if (!strstr(line, "event=protocol_error")) continue;
+        lines++;
+        const char *p = strstr(line, "suppressed=");
+        left_out += p ? strtol(p + 11, NULL, 10) : 0;
+    }
+    fclose(f);
+    cr_expect_eq(lines + left_out, N + 1, "%ld lines and %ld left out for %d errors", lines,
+                 left_out, N + 1);
+    cr_expect_leq(lines, 10 * (spent / 1000 + 2) + 1, "%ld lines in %lld ms", lines,
+                  (long long)spent);
+    cr_expect_gt(left_out, 0, "no line counts the lines left out");
+    cr_expect(alive());
+    stop_idemd();
 }
 
 #else

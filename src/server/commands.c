@@ -141,7 +141,8 @@ static int authenticate(cmd_req *r, const uint8_t *user, uint32_t user_len, cons
         role = auth_check(&r->s->cfg, name, pw, pw_len);
     }
     if (role == ROLE_NONE) {
-        srv_log("warn", "auth_failed", "id=%llu peer=%s", (unsigned long long)r->c->id, r->c->peer);
+        srv_log_gated(&r->s->log_auth, "warn", "auth_failed", "id=%llu peer=%s",
+                      (unsigned long long)r->c->id, r->c->peer);
         cmd_fail(r, "WRONGPASS invalid username-password pair or user is disabled.");
         return -1;
     }

@@ -57,6 +57,7 @@
 #define TAG_CONN    16u /* and above: connection index + TAG_CONN */
 
 #define EVENTS_MAX      256
+#define ACCEPT_PAUSE_MS 100 /* listeners unwatched after an accept error (srv_accept) */
 #define COMPLETIONS_MAX 256
 #define DRAIN_WRITE_MS  2000
 
@@ -231,12 +232,73 @@ static void conn_new(srv *s, int fd, int is_unix, const char *peer)
             auth_role_name(c->role));
 }
 
+static void listeners_watch(srv *s, int op)
+{
+    struct epoll_event e = {.events = EPOLLIN};
+    int fds[3] = {s->unix_fd, s->tcp_fd, s->metrics_fd};
+    uint64_t tags[3] = {TAG_UNIX, TAG_TCP, TAG_METRICS};
+    for (int i = 0; i < 3; i++) {
+        e.data.u64 = tags[i];
+        if (fds[i] >= 0) epoll_ctl(s->epfd, op, fds[i], &e);
+    }
+}
+
+/* The listeners, unwatched after an accept error, are watched again once the pause is over. */
+static void listeners_resume(srv *s, int64_t now)
+{
+    if (s->accept_paused_until_ms && now >= s->accept_paused_until_ms) {
+        s->accept_paused_until_ms = 0;
+        listeners_watch(s, EPOLL_CTL_ADD);
+    }
+}
+
+/*
+ * accept4 on listener lfd. Returns the new connection, or -1 when there is none to take now.
+ * A listener is level-triggered: a connection left in its backlog wakes the loop at once, again
+ * and again. So out of file descriptors (EMFILE, ENFILE) the spare descriptor is given up to
+ * take the connection, which is told that the server is full and closed; after any other error
+ * (ENOMEM, ENOBUFS, ...) the listeners are not watched for ACCEPT_PAUSE_MS.
+ */
+int srv_accept(srv *s, int lfd, struct sockaddr *sa, socklen_t *sl)
+{
+    for (int tries = 0; tries < 8; tries++) {
+        int fd = accept4(lfd, sa, sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        if (fd >= 0) return fd;
+        int e = errno;
+        if (e == EAGAIN || e == EWOULDBLOCK) return -1;
+        if (e == EINTR || e == ECONNABORTED || e == EPROTO) continue; /* that one is gone */
+        if ((e == EMFILE || e == ENFILE) && s->spare_fd >= 0) {
+            close(s->spare_fd);
+            fd = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+            if (fd >= 0) {
+                static const char msg[] = "-ERR max number of clients reached (the server is out "
+                                          "of file descriptors)\r\n";
+                ssize_t w = write(fd, msg, sizeof msg - 1);
+                (void)w;
+                close(fd);
+                s->rejected_connections++;
+            }
+            s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
+            srv_log_gated(&s->log_accept, "warn", "accept_failed",
+                          "error=\"%s\" msg=\"connection refused: out of file descriptors\"",
+                          strerror(e));
+            if (s->spare_fd >= 0) return -1; /* the next one on the next wake */
+        }
+        srv_log_gated(&s->log_accept, "warn", "accept_failed",
+                      "error=\"%s\" msg=\"not accepting for %d ms\"", strerror(e), ACCEPT_PAUSE_MS);
+        if (!s->accept_paused_until_ms) listeners_watch(s, EPOLL_CTL_DEL);
+        s->accept_paused_until_ms = srv_now_ms() + ACCEPT_PAUSE_MS;
+        return -1;
+    }
+    return -1;
+}
+
 static void accept_all(srv *s, int lfd, int is_unix)
 {
     for (int i = 0; i < 64; i++) {
         struct sockaddr_storage ss;
         socklen_t sl = sizeof ss;
-        int fd = accept4(lfd, (struct sockaddr *)&ss, &sl, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        int fd = srv_accept(s, lfd, (struct sockaddr *)&ss, &sl);
         if (fd < 0) return;
         char peer[64] = "unix";
         if (!is_unix && ss.ss_family == AF_INET) {
@@ -614,8 +676,8 @@ static void conn_parse(srv *s, srv_conn *c)
         if (r == RESP_REFUSED) {
             conn_refuse(s, c, c->parser.err);
         } else if (r == RESP_CLOSE) {
-            srv_log("warn", "protocol_error", "id=%llu peer=%s msg=\"%s\"",
-                    (unsigned long long)c->id, c->peer, c->parser.err);
+            srv_log_gated(&s->log_protocol, "warn", "protocol_error", "id=%llu peer=%s msg=\"%s\"",
+                          (unsigned long long)c->id, c->peer, c->parser.err);
             if (c->parser.err[0]) conn_refuse(s, c, c->parser.err);
             c->close_after_write = 1;
             conn_update_events(s, c);
@@ -820,6 +882,7 @@ static srv_conn *housekeeping_sweep(srv *s, int64_t now)
 static void housekeeping(srv *s, int64_t now)
 {
     metrics_tick(s, now);
+    listeners_resume(s, now);
     srv_conn *first = housekeeping_sweep(s, now);
     int unpause_all = budget_pressure(s) <= s->cfg.io_budget_bytes / 4 * 3;
     for (uint32_t i = 0; i < s->conns_cap; i++) {
@@ -1170,6 +1233,7 @@ static int setup_fds(srv *s)
     s->load_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     s->backup_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     s->reads_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (s->epfd < 0 || s->sig_fd < 0 || s->load_fd < 0 || s->backup_fd < 0 || s->reads_fd < 0)
         return -1;
     ep_add(s, s->sig_fd, TAG_SIG, EPOLLIN);
@@ -1206,7 +1270,7 @@ static int finish(srv *s, int rc)
     free(s->ops);
     free(s->comps);
     s->conns = NULL;
-    int fds[] = {s->epfd, s->sig_fd, s->load_fd, s->backup_fd, s->reads_fd};
+    int fds[] = {s->epfd, s->sig_fd, s->load_fd, s->backup_fd, s->reads_fd, s->spare_fd};
     for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)
         if (fds[i] >= 0) close(fds[i]);
     if (s->store) {
@@ -1225,7 +1289,7 @@ int srv_run(srv *s)
     s->unix_fd = s->tcp_fd = s->metrics_fd = -1;
     for (uint32_t i = 0; i < SRV_METRICS_CONNS; i++)
         s->mconns[i].fd = -1;
-    s->epfd = s->sig_fd = s->load_fd = s->backup_fd = s->reads_fd = -1;
+    s->epfd = s->sig_fd = s->load_fd = s->backup_fd = s->reads_fd = s->spare_fd = -1;
     s->started_ms = srv_now_ms();
     clock_tick(s);
     if (setup_fds(s) < 0 || listen_all(s) < 0) return finish(s, 1);

@@ -255,20 +255,30 @@ static int parse_args(srv_config *cfg, int argc, char **argv)
     return 0;
 }
 
-/* Raises the soft open-files limit to the hard one, so max-clients can be reached. */
-static void raise_nofile(const srv_config *cfg)
+/* Raises the soft open-files limit to max-clients + NOFILE_SPARE where the hard limit allows;
+ * where it does not, max-clients is lowered to fit (as Redis does), so that a client past it is
+ * told so instead of the server running out of descriptors (srv_accept copes with that too). */
+#define NOFILE_SPARE 64 /* descriptors kept for the store's files, listeners and the loop */
+static void raise_nofile(srv_config *cfg)
 {
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
-    rlim_t want = (rlim_t)cfg->max_clients + 64;
+    rlim_t want = (rlim_t)cfg->max_clients + NOFILE_SPARE;
     if (rl.rlim_cur < want) {
         rl.rlim_cur = rl.rlim_max == RLIM_INFINITY || rl.rlim_max > want ? want : rl.rlim_max;
         setrlimit(RLIMIT_NOFILE, &rl);
         getrlimit(RLIMIT_NOFILE, &rl);
     }
-    if (rl.rlim_cur < want)
-        srv_log("warn", "nofile_limit", "limit=%llu max_clients=%u",
-                (unsigned long long)rl.rlim_cur, cfg->max_clients);
+    if (rl.rlim_cur < want) {
+        uint32_t fit = rl.rlim_cur > 2 * NOFILE_SPARE ? (uint32_t)(rl.rlim_cur - NOFILE_SPARE)
+                                                      : (uint32_t)(rl.rlim_cur / 2);
+        if (fit == 0) fit = 1;
+        srv_log("warn", "nofile_limit",
+                "limit=%llu max_clients=%u lowered_to=%u msg=\"the open-files limit is too low for "
+                "max-clients; raise the hard limit (ulimit -Hn) to keep it\"",
+                (unsigned long long)rl.rlim_cur, cfg->max_clients, fit);
+        cfg->max_clients = fit;
+    }
 }
 
 int main(int argc, char **argv)

@@ -143,7 +143,7 @@ static void mconn_answer(srv *s, srv_metrics_conn *m, uint32_t index)
 void metrics_accept(srv *s)
 {
     for (int n = 0; n < SRV_METRICS_CONNS; n++) {
-        int fd = accept4(s->metrics_fd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC);
+        int fd = srv_accept(s, s->metrics_fd, NULL, NULL);
         if (fd < 0) return;
         uint32_t i = 0;
         while (i < SRV_METRICS_CONNS && s->mconns[i].fd >= 0)

@@ -19,6 +19,7 @@
 #define IDEM_SERVER_SERVER_H
 
 #include <stdint.h>
+#include <sys/socket.h>
 #include <pthread.h>
 #include <sys/types.h>
 
@@ -190,6 +191,13 @@ typedef struct srv_read {
 
 #define SRV_READS_MAX 64 /* reads handed to the thread at once; more are made on the loop */
 
+#define SRV_LOG_BURST 10 /* lines a second through one log gate */
+typedef struct srv_log_gate {
+    int64_t second; /* monotonic */
+    uint32_t lines; /* let through in that second */
+    uint64_t suppressed;
+} srv_log_gate;
+
 typedef struct srv {
     srv_config cfg;
     idem_store *store;
@@ -225,6 +233,12 @@ typedef struct srv {
     uint64_t claim_latency_us_buckets[SRV_LAT_BUCKETS];
     uint64_t claim_latency_us_sum, claim_latencies;
     uint64_t total_connections, total_commands, rejected_connections;
+    /* Out of file descriptors, a connection is taken on this one (/dev/null until then), answered
+     * and closed, so that the listener does not stay readable (accept_one). Listeners stop
+     * being watched until accept_paused_until_ms after any other accept error. */
+    int spare_fd;
+    int64_t accept_paused_until_ms;
+    srv_log_gate log_accept, log_protocol, log_auth;
     pthread_t load_thread;
     int load_started;
     int load_err;
@@ -259,6 +273,9 @@ typedef struct srv {
 /* ---- loop.c ---- */
 int srv_run(srv *s);
 int64_t srv_now_ms(void); /* monotonic, for timers */
+/* accept4 on a listener that does not spin the loop when it fails (loop.c): the new fd, or -1
+ * when there is none to take now. */
+int srv_accept(srv *s, int lfd, struct sockaddr *sa, socklen_t *sl);
 /* The buffer the reply of request `seq` goes to (out when it is the head, else its slot). */
 resp_buf *srv_reply_buf(srv_conn *c, uint32_t seq);
 /* The request `seq` is answered (its reply is complete): release its slot in order. */
@@ -323,6 +340,10 @@ int auth_initial_role(const srv_config *cfg, int is_unix);
 /* ---- log.c ---- */
 void srv_log(const char *level, const char *event, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
+/* srv_log for events a client can cause at will: at most SRV_LOG_BURST lines a second through
+ * one gate; the next line let through after some were left out carries suppressed=N. */
+void srv_log_gated(srv_log_gate *g, const char *level, const char *event, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
 
 /* ---- metrics.c ---- */
 /* Writes the Prometheus text exposition of the store's stats into b. */
