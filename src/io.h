@@ -125,6 +125,9 @@ static inline int64_t io_noted(const char *call, int64_t rc)
 /* Backends. Each returns 0 and *out, or -errno (io_uring: -ENOSYS/-EPERM where refused). */
 int io_uring_create(unsigned entries, struct io **out);
 int io_thread_create(struct io **out);
+/* Tests: the next count submits of an io_uring backend fail with err (-EAGAIN, -EBUSY, ...)
+ * without entering the kernel, as the kernel refuses a submit when short of memory. */
+void io_uring_test_refuse(struct io *io, int err, uint32_t count);
 
 /* Convenience wrappers over the vtable. */
 static inline int io_open(struct io *io, const char *path, unsigned flags, struct io_file **out)

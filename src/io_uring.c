@@ -9,7 +9,8 @@
  * or not) only if that fdatasync succeeded, else with its error. A flush request (submit_flush)
  * joins the next round of fdatasyncs. Writes of up to IOU_INLINE_MAX are not ring requests
  * either: the submitting thread makes them with pwrite, and they complete like a reaped CQE.
- * File-system calls are io_posix.c.
+ * File-system calls are io_posix.c. A submit the kernel refuses for a moment (EAGAIN, EBUSY)
+ * is tried again for up to 2 s (iou_enter): it consumed no SQE, so nothing is written twice.
  * Invariants: CQE user_data = slot index; a slot is busy from submit until its completion is
  * handed out; busy slots <= sq entries, each at most one CQE, so the CQ (2 x sq entries) never
  * overflows. A busy slot is in exactly one of: in flight (cqes_pending), due (awaiting the next
@@ -21,6 +22,7 @@
 #include <errno.h>
 #include <liburing.h>
 #include <stdlib.h>
+#include <time.h>
 
 /* Largest single write; a longer one completes short and the caller continues. */
 #define IOU_WRITE_MAX ((size_t)1 << 30)
@@ -48,6 +50,8 @@ struct iou {
     uint32_t *due, *ready; /* slot indexes, slots_count each */
     uint32_t ndue, nready;
     uint32_t flush_writes_inflight; /* IO_W_FLUSH writes whose CQE has not come */
+    int refuse_err;                 /* tests: the next refuse_count submits fail with this, */
+    uint32_t refuse_count;          /* the kernel not entered (io_uring_test_refuse) */
 };
 
 static struct iou *iou_of(struct io *io)
@@ -60,14 +64,53 @@ static uint32_t iou_busy(const struct iou *u)
     return u->slots_count - u->free_count;
 }
 
+static void iou_reap_one(struct iou *u, const struct io_uring_cqe *cqe);
+
+/* Accounts every CQE there is; returns how many. */
+static int iou_reap_all(struct iou *u)
+{
+    struct io_uring_cqe *cqe;
+    int n = 0;
+    for (; io_uring_peek_cqe(&u->ring, &cqe) == 0; n++) {
+        iou_reap_one(u, cqe);
+        io_uring_cqe_seen(&u->ring, cqe);
+    }
+    return n;
+}
+
+/*
+ * io_uring_submit, or io_uring_submit_and_wait for wait_nr CQEs, through the kernel's transient
+ * refusals: EINTR at once; EAGAIN (no memory for a request just now) and EBUSY (completions to
+ * reap first) after reaping and a pause, for about IOU_REFUSED_MS in all. A refused submit
+ * consumed no SQE, so trying again writes nothing twice: it is not the retry of a failed write,
+ * which stays fatal (the WAL rule). Returns what the submit returned, or the refusal that lasted.
+ */
+#define IOU_REFUSED_MS 2000
+static int iou_enter(struct iou *u, unsigned wait_nr)
+{
+    for (int64_t waited_us = 0, pause_us = 50;;) {
+        int rc;
+        if (u->refuse_count > 0) {
+            u->refuse_count--;
+            rc = u->refuse_err;
+        } else {
+            rc = wait_nr ? io_uring_submit_and_wait(&u->ring, wait_nr) : io_uring_submit(&u->ring);
+        }
+        if (rc == -EINTR) continue;
+        if ((rc != -EAGAIN && rc != -EBUSY) || waited_us >= IOU_REFUSED_MS * 1000) return rc;
+        if (iou_reap_all(u) > 0 && wait_nr) return 0; /* what the wait was for came */
+        struct timespec ts = {0, (long)pause_us * 1000};
+        nanosleep(&ts, NULL);
+        waited_us += pause_us;
+        if (pause_us < 10000) pause_us *= 2;
+    }
+}
+
 /* Returns with room for one SQE, submitting what is queued if the SQ is full. */
 static int iou_sq_reserve(struct iou *u)
 {
     if (io_uring_sq_space_left(&u->ring) >= 1) return 0;
-    int rc;
-    do {
-        rc = io_uring_submit(&u->ring);
-    } while (rc == -EINTR);
+    int rc = iou_enter(u, 0);
     if (rc < 0) return rc;
     return io_uring_sq_space_left(&u->ring) >= 1 ? 0 : -EAGAIN;
 }
@@ -168,11 +211,8 @@ static void iou_flush_due(struct iou *u)
 
 static int iou_submit_queued(struct iou *u)
 {
-    int rc = 0;
     if (io_uring_sq_ready(&u->ring) == 0) return 0;
-    do {
-        rc = io_uring_submit(&u->ring);
-    } while (rc == -EINTR);
+    int rc = iou_enter(u, 0);
     return rc < 0 ? rc : 0;
 }
 
@@ -195,13 +235,7 @@ static int iou_wait(struct io *io, struct io_completion *out, int max, int min)
             n++;
         }
         if (n >= max) break;
-        struct io_uring_cqe *cqe;
-        int reaped = 0;
-        while (io_uring_peek_cqe(&u->ring, &cqe) == 0) {
-            iou_reap_one(u, cqe);
-            io_uring_cqe_seen(&u->ring, cqe);
-            reaped = 1;
-        }
+        int reaped = iou_reap_all(u) > 0;
         /* The writes that asked for a flush complete first, so one fdatasync covers them. */
         if (u->ndue > 0 && u->flush_writes_inflight == 0) {
             iou_flush_due(u);
@@ -209,8 +243,7 @@ static int iou_wait(struct io *io, struct io_completion *out, int max, int min)
         }
         if (reaped || u->nready > 0) continue;
         if (n >= min) break;
-        rc = io_uring_submit_and_wait(&u->ring, 1);
-        if (rc == -EINTR) continue;
+        rc = iou_enter(u, 1);
         if (rc < 0) return n > 0 ? n : rc;
     }
     return n;
@@ -289,4 +322,11 @@ out_exit:
 out_free:
     free(u);
     return rc;
+}
+
+void io_uring_test_refuse(struct io *io, int err, uint32_t count)
+{
+    struct iou *u = iou_of(io);
+    u->refuse_err = err;
+    u->refuse_count = count;
 }

@@ -15,6 +15,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <sys/resource.h>
 
 #define BLOCK 4096u
@@ -390,6 +391,62 @@ IO_TEST(direct_open_writes_aligned_blocks)
     io_close(fx.io, f);
     free(data);
     free(back);
+}
+
+/* ---- io_uring: submits the kernel refuses for a moment ---- */
+
+#define BIG_WRITE (256u << 10) /* past IOU_INLINE_MAX: a ring request, not a pwrite */
+
+static int64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* EAGAIN (no memory for a request) and EBUSY (completions to reap first) consumed no SQE: the
+ * submit is made again after a pause, and the write completes whole. */
+Test(uring, a_submit_refused_for_a_moment_is_made_again, .init = setup_uring, .fini = teardown)
+{
+    need_uring();
+    struct io_file *f = open_new("refused");
+    uint8_t *buf = malloc(BIG_WRITE), *back = malloc(BIG_WRITE);
+    cr_assert(buf && back);
+    int errs[2] = {-EAGAIN, -EBUSY};
+    for (int k = 0; k < 2; k++) {
+        fill(buf, BIG_WRITE, (uint8_t)(k + 1));
+        io_uring_test_refuse(fx.io, errs[k], 6);
+        cr_assert_eq(write_one(f, 0, buf, BIG_WRITE, IO_W_FLUSH), (int64_t)BIG_WRITE, "%s",
+                     strerror(-errs[k]));
+        cr_assert_eq(io_read(fx.io, f, 0, back, BIG_WRITE), (int64_t)BIG_WRITE);
+        cr_assert_eq(memcmp(buf, back, BIG_WRITE), 0);
+    }
+    io_close(fx.io, f);
+    free(buf);
+    free(back);
+}
+
+/* A refusal that lasts is an error after about 2 s, not a loop without end. */
+Test(uring, a_submit_refused_for_good_fails_after_a_bound, .init = setup_uring, .fini = teardown,
+     .timeout = 30)
+{
+    need_uring();
+    struct io_file *f = open_new("refused");
+    uint8_t *buf = calloc(1, BIG_WRITE);
+    cr_assert(buf);
+    io_uring_test_refuse(fx.io, -EAGAIN, UINT32_MAX);
+    cr_assert_eq(io_submit_write(fx.io, f, 0, buf, BIG_WRITE, IO_W_FLUSH, 1), 0);
+    struct io_completion c;
+    int64_t t0 = mono_ms();
+    cr_expect_eq(io_wait(fx.io, &c, 1, 1), -EAGAIN);
+    int64_t took = mono_ms() - t0;
+    cr_expect_geq(took, 1900);
+    cr_expect_leq(took, 10000);
+    io_uring_test_refuse(fx.io, 0, 0); /* the write goes in now, and teardown reaps it */
+    cr_expect_eq(io_wait(fx.io, &c, 1, 1), 1);
+    cr_expect_eq(c.res, (int64_t)BIG_WRITE);
+    io_close(fx.io, f);
+    free(buf);
 }
 
 /* ---- the simulated disk ---- */

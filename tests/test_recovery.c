@@ -259,9 +259,9 @@ Test(recovery, a_batch_written_in_part_is_dropped_whole, .timeout = 60)
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
-/* A refused submit in the middle of a batch (the kernel's queue full) is fatal, and the writes
- * submitted before it are still reaped: the kernel reads their buffers until they complete, and
- * a failed store frees the buffers at close. */
+/* A submit refused for good in the middle of a batch (io_uring.c gives up after 2 s of the
+ * kernel's refusals) is fatal, and the writes submitted before it are still reaped: the kernel
+ * reads their buffers until they complete, and a failed store frees the buffers at close. */
 Test(recovery, a_refused_submit_reaps_the_writes_already_submitted, .timeout = 60)
 {
     idem_store *s;
