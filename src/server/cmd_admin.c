@@ -122,12 +122,13 @@ static int state_parse(cmd_req *r, uint32_t i)
     return 0;
 }
 
-/* Makes the read on the reads thread (reads.c), or here when it has too many out. The batch
- * goes first, so that the read sees every earlier request. */
+/* Makes the read on the reads thread (reads.c), or here when there is none. The batch goes
+ * first, so that the read sees every earlier request. */
 static void read_request(cmd_req *r, const srv_read_args *a)
 {
     srv_flush_ops(r->s);
     if (srv_reads_submit(r->s, r->c, r->seq, a) == 0) return;
+    srv_reads_test_delay(r->s);
     srv_read_run(r->s->q_sync, a, cmd_out(r));
     cmd_done(r);
 }

@@ -14,10 +14,14 @@
  *     (engine_due): its struct lives until the read comes back, even if its socket is closed.
  *   - The thread touches only the reads on reads_todo and reads_done (under reads_mu), the read
  *     it is making, q_reads and the store; everything else is the loop's.
- *   - At most SRV_READS_MAX reads are out (reads_out); past that a read is made on the loop with
- *     q_sync, as before. Memory: one reply at a time is being made.
- * Tests only: with --test-clock, IDEM_TEST_READS_DELAY_MS makes the thread wait that long before
- * each read, so that a test can show the loop answering others meanwhile.
+ *   - Every read goes to the thread, however many are out: one a connection at most, so they
+ *     are bounded by max-clients, and a waiting read holds only its arguments (its reply
+ *     buffer is made when its turn comes). Made on the loop past 64 out, as they were, 65
+ *     connections with a slow query each stalled everyone. Memory: one reply at a time is being
+ *     made; at most SRV_READS_KEEP reads that came back are kept for reuse (reads_free).
+ *   - Reads are made on the loop (q_sync) only when the thread could not be started.
+ * Tests only: with --test-clock, IDEM_TEST_READS_DELAY_MS makes every read wait that long first,
+ * on the thread or on the loop (srv_reads_test_delay), so that a test can show which one.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,6 +30,14 @@
 #include <unistd.h>
 
 #include "server.h"
+
+void srv_reads_test_delay(const srv *s)
+{
+    if (s->reads_delay_ms) {
+        struct timespec ts = {s->reads_delay_ms / 1000, (long)(s->reads_delay_ms % 1000) * 1000000};
+        nanosleep(&ts, NULL);
+    }
+}
 
 static void *reads_main(void *arg)
 {
@@ -39,11 +51,7 @@ static void *reads_main(void *arg)
         s->reads_todo = r->next;
         if (!s->reads_todo) s->reads_todo_tail = NULL;
         pthread_mutex_unlock(&s->reads_mu);
-        if (s->reads_delay_ms) {
-            struct timespec ts = {s->reads_delay_ms / 1000,
-                                  (long)(s->reads_delay_ms % 1000) * 1000000};
-            nanosleep(&ts, NULL);
-        }
+        srv_reads_test_delay(s);
         srv_read_run(s->q_reads, &r->a, &r->reply);
         pthread_mutex_lock(&s->reads_mu);
         r->next = s->reads_done;
@@ -80,10 +88,11 @@ int srv_reads_start(srv *s)
 
 int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a)
 {
-    if (!s->reads_started || s->reads_out >= SRV_READS_MAX) return -1;
+    if (!s->reads_started) return -1;
     srv_read *r = s->reads_free;
     if (r) {
         s->reads_free = r->next;
+        s->reads_kept--;
     } else {
         r = calloc(1, sizeof *r);
         if (!r) return -1;
@@ -131,11 +140,17 @@ void srv_reads_done(srv *s)
                 c->out.overflow = 1; /* closed as too slow a reader, as on the loop */
             srv_reply_done(s, c, r->seq);
         }
+        if (s->reads_kept >= SRV_READS_KEEP) {
+            resp_buf_free(&r->reply);
+            free(r);
+            continue;
+        }
         if (r->reply.cap > 65536) resp_buf_free(&r->reply);
         r->reply.len = 0;
         r->reply.overflow = 0;
         r->next = s->reads_free;
         s->reads_free = r;
+        s->reads_kept++;
     }
 }
 
@@ -166,6 +181,7 @@ void srv_reads_stop(srv *s)
     }
     reads_free_list(s->reads_free);
     s->reads_free = NULL;
+    s->reads_kept = 0;
     if (s->q_reads) idem_queue_close(s->q_reads);
     s->q_reads = NULL;
 }

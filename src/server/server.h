@@ -189,7 +189,7 @@ typedef struct srv_read {
     resp_buf reply; /* made by the thread */
 } srv_read;
 
-#define SRV_READS_MAX 64 /* reads handed to the thread at once; more are made on the loop */
+#define SRV_READS_KEEP 64 /* reads that came back kept for reuse (reads.c) */
 
 #define SRV_LOG_BURST 10 /* lines a second through one log gate */
 typedef struct srv_log_gate {
@@ -266,8 +266,9 @@ typedef struct srv {
     srv_read *reads_todo, *reads_todo_tail, *reads_done; /* reads_mu */
     int reads_stop;                                      /* reads_mu */
     srv_read *reads_free;                                /* the loop's */
+    uint32_t reads_kept;                                 /* on reads_free */
     uint32_t reads_out;                                  /* handed to the thread, not back */
-    uint32_t reads_delay_ms; /* tests (--test-clock): the thread waits this long first */
+    uint32_t reads_delay_ms; /* tests (--test-clock): each read waits this long first */
 } srv;
 
 /* ---- loop.c ---- */
@@ -301,9 +302,11 @@ void srv_backup_done(srv *s);
 /* ---- reads.c ---- */
 /* Starts the reads thread with its own queue (after the store is open). Returns 0 or -1. */
 int srv_reads_start(srv *s);
-/* Hands the read of request `seq` of c to the thread, or returns -1 when SRV_READS_MAX are out
- * (the caller makes it on the loop). */
+/* Hands the read of request `seq` of c to the thread, or returns -1 when there is no thread or
+ * no memory (the caller makes it on the loop). */
 int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a);
+/* Tests (IDEM_TEST_READS_DELAY_MS under --test-clock): waits that long before a read. */
+void srv_reads_test_delay(const srv *s);
 /* The loop saw reads_fd readable: answers the reads that are done. */
 void srv_reads_done(srv *s);
 /* Stops the thread (reads not made are dropped: their connections are closed) and frees all. */

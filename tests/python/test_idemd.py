@@ -1,8 +1,8 @@
 """test_idemd.py: the idem contract over the wire with redis-py (python3-redis): claim
 outcomes with FP and OWNER, mismatch records, recover (attempts, last_grant_ms), hold -> review,
 IDEM.RESOLVE with EXPECT/FORCE and -CHANGED, the audit trail, IDEM.ATTENTION, IDEM.SCAN by
-state, IDEM.STATS counters, reads off the event loop (a slow audit query holds up no other client;
-requests pipelined after a read are applied after it), WAIT woken by commit / release (one waiter gets new) / hold / lease
+state, IDEM.STATS counters, reads off the event loop (a slow audit query holds up no other client,
+nor do seventy slow scans at once; requests pipelined after a read are applied after it), WAIT woken by commit / release (one waiter gets new) / hold / lease
 expiry (DEBUG CLOCK ADVANCE), pipelining (replies in order), 64 threads racing one key, and bad
 input that keeps the connection usable. Starts its own idemd (--test-clock) on a temp dir.
 
@@ -711,10 +711,9 @@ class Idle(Base):
                         % (used, self.WINDOW))
 
 
-class Reads(Base):
-    """IDEM.SCAN, IDEM.ATTENTION and IDEM.AUDIT are made by a thread of their own: a slow one
-    holds up its own connection only (under --test-clock, IDEM_TEST_READS_DELAY_MS makes each
-    wait that long first), and requests pipelined after it are applied after it."""
+class SlowReads(Base):
+    """A server whose reads each wait DELAY first (under --test-clock,
+    IDEM_TEST_READS_DELAY_MS), wherever they are made."""
 
     DELAY = 1.5
 
@@ -725,6 +724,11 @@ class Reads(Base):
             super().setUpClass()
         finally:
             del os.environ["IDEM_TEST_READS_DELAY_MS"]
+
+
+class Reads(SlowReads):
+    """IDEM.SCAN, IDEM.ATTENTION and IDEM.AUDIT are made by a thread of their own: a slow one
+    holds up its own connection only, and requests pipelined after it are applied after it."""
 
     def test_a_slow_audit_query_holds_up_no_other_client(self):
         k = self.key()
@@ -768,6 +772,40 @@ class Reads(Base):
         self.assertEqual(resolved, b"OK")
         self.assertEqual([record(e)["reason"] for e in after], [b"after the reads"])
         self.assertNotIn(k.encode(), [record(r)["key"] for r in attention])
+
+
+class ManyReads(SlowReads):
+    """Reads past 64 at once go to the reads thread like the others: made on the loop, as they
+    were, each stalled every client."""
+
+    DELAY = 0.2
+    READS = 70
+
+    def test_seventy_slow_reads_at_once_hold_up_no_other_client(self):
+        k = self.key()
+        self.new_token(k)
+        conns = []
+        for _ in range(self.READS):
+            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            c.connect(self.srv.sock)
+            c.sendall(b"IDEM.SCAN 0 STATE in_flight\r\n")
+            conns.append(c)
+        time.sleep(0.3)  # every scan is parsed and handed over by now
+        t0 = time.monotonic()
+        self.assertTrue(self.w.ping())
+        self.new_token(self.key("other"))
+        others = time.monotonic() - t0
+        self.assertLess(others, self.DELAY / 2, "other clients waited %.2f s for reads" % others)
+        # Every scan is answered, each with the in_flight key (the thread takes DELAY a read).
+        for c in conns:
+            c.settimeout(self.READS * self.DELAY * 3 + 10)
+            got = b""
+            while k.encode() not in got:
+                chunk = c.recv(65536)
+                self.assertTrue(chunk, "closed before the scan's reply: %r" % got)
+                got += chunk
+            self.assertTrue(got.startswith(b"*2\r\n"), got)
+            c.close()
 
 
 class Loading(Base):
