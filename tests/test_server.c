@@ -301,6 +301,62 @@ Test(server, claim_outcomes_and_owner_calls, .init = start)
     redisFree(c);
 }
 
+/* Each command's arguments have the limits of the fields they fill (docs/protocol.md): one byte
+ * past a limit is refused by name, number and limit, and the connection goes on. */
+Test(server, each_argument_past_its_field_limit_is_refused_by_number, .init = start)
+{
+    redisContext *c = connect_unix(); /* admin: IDEM.RESOLVE and DEL too */
+    enum { BIG = 70000 };
+    char *big = malloc(BIG);
+    cr_assert(big);
+    memset(big, 'x', BIG);
+    static const struct {
+        const char *fmt; /* %b: the long argument */
+        size_t len;
+        unsigned argno, max;
+    } cases[] = {
+        {"IDEM.CLAIM %b 60000 5000", 513, 2, 512},
+        {"IDEM.CLAIM k 60000 5000 OWNER %b", 257, 6, 256},
+        {"IDEM.CLAIM k 60000 5000 %b 1", 17, 5, 16},
+        {"IDEM.CLAIM k %b 5000", 33, 3, 32},
+        {"IDEM.COMMIT k 1 %b", 65537, 4, 65536},
+        {"IDEM.COMMIT %b 1 r", 513, 2, 512},
+        {"IDEM.RELEASE %b 1", 513, 2, 512},
+        {"IDEM.HOLD k 1 %b", 4097, 4, 4096},
+        {"IDEM.EXTEND %b 1 1000", 513, 2, 512},
+        {"IDEM.GET %b", 513, 2, 512},
+        {"IDEM.RESOLVE k commit why RESULT %b", 65537, 6, 65536},
+        {"IDEM.RESOLVE k release %b", 4097, 4, 4096},
+        {"SET k %b NX", 65537, 3, 65536},
+        {"SET %b v NX", 513, 2, 512},
+        {"GET %b", 513, 2, 512},
+        {"PTTL %b", 513, 2, 512},
+        {"TTL %b", 513, 2, 512},
+        {"EXISTS a %b", 513, 3, 512},
+        {"DEL a %b", 513, 3, 512},
+        {"ECHO %b", 65537, 2, 65536},
+        {"IDEM.SCAN 0 COUNT %b", 4097, 4, 4096},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        redisReply *r = redisCommand(c, cases[i].fmt, big, cases[i].len);
+        cr_assert(r && r->type == REDIS_REPLY_ERROR, "%s: no error", cases[i].fmt);
+        char want[128];
+        snprintf(want, sizeof want, "argument %u is too long (%zu bytes, at most %u)",
+                 cases[i].argno, cases[i].len, cases[i].max);
+        cr_expect(strstr(r->str, want) != NULL, "%s: '%s', want '%s'", cases[i].fmt, r->str, want);
+        freeReplyObject(r);
+        /* one byte less passes the parser's limit (the command may still refuse it) */
+        r = redisCommand(c, cases[i].fmt, big, cases[i].len - 1);
+        cr_assert(r);
+        cr_expect(r->type != REDIS_REPLY_ERROR || !strstr(r->str, "is too long"), "%s at %zu: %s",
+                  cases[i].fmt, cases[i].len - 1, r->str);
+        freeReplyObject(r);
+    }
+    expect_status(cmd(c, "PING"), "PONG");
+    free(big);
+    redisFree(c);
+}
+
 Test(server, idem_get_shows_the_record, .init = start)
 {
     redisContext *c = connect_tcp();

@@ -27,14 +27,22 @@ typedef struct cmd_req {
 } cmd_req;
 
 typedef void (*cmd_fn)(cmd_req *r);
+/* The longest argument `index` (1..) of a request may be, given the arguments before it: the
+ * parser discards a longer one as it streams in (resp_arg_max_fn). */
+typedef uint32_t (*cmd_arg_fn)(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
+                               uint32_t index);
 
 typedef struct cmd_def {
     const char *name;
+    uint32_t name_len;
     int arity; /* > 0: exactly; < 0: at least -arity (the name included) */
     int roles;
     int flags;
     cmd_fn fn;
+    cmd_arg_fn arg_max; /* NULL: CMD_ARG_MAX_DEFAULT for every argument */
 } cmd_def;
+
+#define CMD_ARG_MAX_DEFAULT 4096 /* reasons, notes and option words, unless a command says */
 
 /* The reply buffer of r, and marking it answered. */
 resp_buf *cmd_out(cmd_req *r);

@@ -245,37 +245,113 @@ static void cmd_client(cmd_req *r)
 
 /* ---- the table ---- */
 
+/* ---- each command's argument limits (cmd_def.arg_max) ---- */
+
+static int name_is(const uint8_t *p, uint32_t n, const char *word)
+{
+    return strlen(word) == n && strncasecmp((const char *)p, word, n) == 0;
+}
+
+/* A key first (IDEM.RELEASE, IDEM.GET, GET, ...). */
+static uint32_t key_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
+                         uint32_t index)
+{
+    (void)s, (void)argv, (void)argl;
+    return index == 1 ? IDEM_KEY_BYTES_MAX : CMD_ARG_MAX_DEFAULT;
+}
+
+/* Keys only (EXISTS, DEL). */
+static uint32_t keys_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
+                          uint32_t index)
+{
+    (void)s, (void)argv, (void)argl, (void)index;
+    return IDEM_KEY_BYTES_MAX;
+}
+
+/* PING, ECHO: a message as long as a result. */
+static uint32_t result_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
+                            uint32_t index)
+{
+    (void)argv, (void)argl, (void)index;
+    return cmd_result_max(s);
+}
+
+/* IDEM.CLAIM key ttl lease [FP content] [OWNER id] [WAIT ms] */
+static uint32_t claim_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
+                           uint32_t index)
+{
+    (void)s;
+    if (index <= 3) return index == 1 ? IDEM_KEY_BYTES_MAX : 32;
+    if ((index - 4) % 2 == 0) return 16; /* an option name */
+    if (name_is(argv[index - 1], argl[index - 1], "FP")) return RESP_BULK_PROTO_MAX;
+    if (name_is(argv[index - 1], argl[index - 1], "OWNER")) return IDEM_OWNER_BYTES_MAX;
+    return 32;
+}
+
+/* IDEM.COMMIT key token result */
+static uint32_t commit_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
+                            uint32_t index)
+{
+    return index == 3 ? cmd_result_max(s) : key_args(s, argv, argl, index);
+}
+
+/* SET key value [NX] [PX ms | EX s] [GET] */
+static uint32_t set_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
+                         uint32_t index)
+{
+    return index == 2 ? cmd_result_max(s) : key_args(s, argv, argl, index);
+}
+
+/* IDEM.HOLD key token reason */
+static uint32_t hold_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
+                          uint32_t index)
+{
+    return index == 3 ? IDEM_NOTE_BYTES_MAX : key_args(s, argv, argl, index);
+}
+
+/* IDEM.RESOLVE key action reason [RESULT r] [EXPECT v] [FORCE] */
+static uint32_t resolve_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
+                             uint32_t index)
+{
+    if (index > 3 && name_is(argv[index - 1], argl[index - 1], "RESULT")) return cmd_result_max(s);
+    return hold_args(s, argv, argl, index);
+}
+
+/* A table entry; the name's length is taken from the literal. */
+/* clang-format off */
+#define CMD(nm, ar, ro, fl, fn, am) {nm, sizeof nm - 1, ar, ro, fl, fn, am}
+/* clang-format on */
 const cmd_def cmd_table[] = {
-    {"IDEM.CLAIM", -4, ROLES_WORK, CMD_F_WRITE, cmd_claim},
-    {"IDEM.COMMIT", 4, ROLES_WORK, CMD_F_WRITE, cmd_commit},
-    {"IDEM.RELEASE", 3, ROLES_WORK, CMD_F_WRITE, cmd_release},
-    {"IDEM.HOLD", 4, ROLES_WORK, CMD_F_WRITE, cmd_hold},
-    {"IDEM.EXTEND", 4, ROLES_WORK, CMD_F_WRITE, cmd_extend},
-    {"IDEM.GET", 2, ROLES_ALL, 0, cmd_idem_get},
-    {"IDEM.SCAN", -2, ROLES_READ, 0, cmd_scan},
-    {"IDEM.STATS", 1, ROLES_READ, 0, cmd_stats},
-    {"IDEM.RESOLVE", -4, ROLE_ADMIN, CMD_F_WRITE, cmd_resolve},
-    {"IDEM.AUDIT", -1, ROLES_READ, 0, cmd_audit},
-    {"IDEM.ATTENTION", -1, ROLES_READ, 0, cmd_attention},
-    {"IDEM.BACKUP", 2, ROLE_ADMIN, 0, cmd_backup},
-    {"SET", -3, ROLES_WORK, CMD_F_WRITE, cmd_set},
-    {"GET", 2, ROLES_ALL, 0, cmd_get},
-    {"EXISTS", -2, ROLES_ALL, 0, cmd_exists},
-    {"PTTL", 2, ROLES_ALL, 0, cmd_pttl},
-    {"TTL", 2, ROLES_ALL, 0, cmd_ttl},
-    {"DEL", -2, ROLE_ADMIN, CMD_F_WRITE, cmd_del},
-    {"DBSIZE", 1, ROLES_READ, 0, cmd_dbsize},
-    {"PING", -1, ROLES_ALL, CMD_F_LOADING, cmd_ping},
-    {"ECHO", 2, ROLES_ALL, CMD_F_LOADING, cmd_echo},
-    {"INFO", -1, ROLES_ALL, CMD_F_LOADING, cmd_info},
-    {"AUTH", -2, ROLES_ALL, CMD_F_NOAUTH | CMD_F_LOADING, cmd_auth},
-    {"HELLO", -1, ROLES_ALL, CMD_F_NOAUTH | CMD_F_LOADING, cmd_hello},
-    {"CLIENT", -2, ROLES_ALL, CMD_F_LOADING, cmd_client},
-    {"SELECT", 2, ROLES_ALL, CMD_F_LOADING, cmd_select},
-    {"COMMAND", -1, ROLES_ALL, CMD_F_LOADING, cmd_command},
-    {"CONFIG", -2, ROLES_READ, CMD_F_LOADING, cmd_config},
-    {"QUIT", -1, ROLES_ALL, CMD_F_NOAUTH | CMD_F_LOADING, cmd_quit},
-    {"DEBUG", -2, ROLE_ADMIN, 0, cmd_debug},
+    CMD("IDEM.CLAIM", -4, ROLES_WORK, CMD_F_WRITE, cmd_claim, claim_args),
+    CMD("IDEM.COMMIT", 4, ROLES_WORK, CMD_F_WRITE, cmd_commit, commit_args),
+    CMD("IDEM.RELEASE", 3, ROLES_WORK, CMD_F_WRITE, cmd_release, key_args),
+    CMD("IDEM.HOLD", 4, ROLES_WORK, CMD_F_WRITE, cmd_hold, hold_args),
+    CMD("IDEM.EXTEND", 4, ROLES_WORK, CMD_F_WRITE, cmd_extend, key_args),
+    CMD("IDEM.GET", 2, ROLES_ALL, 0, cmd_idem_get, key_args),
+    CMD("IDEM.SCAN", -2, ROLES_READ, 0, cmd_scan, NULL),
+    CMD("IDEM.STATS", 1, ROLES_READ, 0, cmd_stats, NULL),
+    CMD("IDEM.RESOLVE", -4, ROLE_ADMIN, CMD_F_WRITE, cmd_resolve, resolve_args),
+    CMD("IDEM.AUDIT", -1, ROLES_READ, 0, cmd_audit, NULL),
+    CMD("IDEM.ATTENTION", -1, ROLES_READ, 0, cmd_attention, NULL),
+    CMD("IDEM.BACKUP", 2, ROLE_ADMIN, 0, cmd_backup, NULL),
+    CMD("SET", -3, ROLES_WORK, CMD_F_WRITE, cmd_set, set_args),
+    CMD("GET", 2, ROLES_ALL, 0, cmd_get, key_args),
+    CMD("EXISTS", -2, ROLES_ALL, 0, cmd_exists, keys_args),
+    CMD("PTTL", 2, ROLES_ALL, 0, cmd_pttl, key_args),
+    CMD("TTL", 2, ROLES_ALL, 0, cmd_ttl, key_args),
+    CMD("DEL", -2, ROLE_ADMIN, CMD_F_WRITE, cmd_del, keys_args),
+    CMD("DBSIZE", 1, ROLES_READ, 0, cmd_dbsize, NULL),
+    CMD("PING", -1, ROLES_ALL, CMD_F_LOADING, cmd_ping, result_args),
+    CMD("ECHO", 2, ROLES_ALL, CMD_F_LOADING, cmd_echo, result_args),
+    CMD("INFO", -1, ROLES_ALL, CMD_F_LOADING, cmd_info, NULL),
+    CMD("AUTH", -2, ROLES_ALL, CMD_F_NOAUTH | CMD_F_LOADING, cmd_auth, NULL),
+    CMD("HELLO", -1, ROLES_ALL, CMD_F_NOAUTH | CMD_F_LOADING, cmd_hello, NULL),
+    CMD("CLIENT", -2, ROLES_ALL, CMD_F_LOADING, cmd_client, NULL),
+    CMD("SELECT", 2, ROLES_ALL, CMD_F_LOADING, cmd_select, NULL),
+    CMD("COMMAND", -1, ROLES_ALL, CMD_F_LOADING, cmd_command, NULL),
+    CMD("CONFIG", -2, ROLES_READ, CMD_F_LOADING, cmd_config, NULL),
+    CMD("QUIT", -1, ROLES_ALL, CMD_F_NOAUTH | CMD_F_LOADING, cmd_quit, NULL),
+    CMD("DEBUG", -2, ROLE_ADMIN, 0, cmd_debug, NULL),
 };
 const size_t cmd_table_len = sizeof cmd_table / sizeof cmd_table[0];
 
@@ -301,7 +377,7 @@ static const struct {
 static const cmd_def *cmd_lookup(const uint8_t *name, uint32_t n)
 {
     for (size_t i = 0; i < cmd_table_len; i++)
-        if (strlen(cmd_table[i].name) == n &&
+        if (cmd_table[i].name_len == n &&
             strncasecmp(cmd_table[i].name, (const char *)name, n) == 0)
             return &cmd_table[i];
     return NULL;
@@ -357,40 +433,9 @@ void cmd_dispatch(srv *s, srv_conn *c, uint32_t seq, uint32_t argc, const uint8_
 
 /* ---- the parser's field limits ---- */
 
-static int name_is(const uint8_t *p, uint32_t n, const char *word)
-{
-    return strlen(word) == n && strncasecmp((const char *)p, word, n) == 0;
-}
-
-static uint32_t claim_arg_max(const uint8_t *const *argv, const uint32_t *argl, uint32_t index)
-{
-    if (index <= 3) return index == 1 ? IDEM_KEY_BYTES_MAX : 32;
-    if ((index - 4) % 2 == 0) return 16; /* an option name */
-    if (name_is(argv[index - 1], argl[index - 1], "FP")) return RESP_BULK_PROTO_MAX;
-    if (name_is(argv[index - 1], argl[index - 1], "OWNER")) return IDEM_OWNER_BYTES_MAX;
-    return 32;
-}
-
 uint32_t cmd_arg_max(void *ctx, const uint8_t *const *argv, const uint32_t *argl, uint32_t index)
 {
-    const srv *s = ctx;
-    const uint8_t *n = argv[0];
-    uint32_t l = argl[0];
     if (index == 0) return 64;
-    if (name_is(n, l, "IDEM.CLAIM")) return claim_arg_max(argv, argl, index);
-    if (name_is(n, l, "EXISTS") || name_is(n, l, "DEL")) return IDEM_KEY_BYTES_MAX;
-    if (name_is(n, l, "IDEM.COMMIT") && index == 3) return cmd_result_max(s);
-    if (name_is(n, l, "SET") && index == 2) return cmd_result_max(s);
-    if ((name_is(n, l, "IDEM.HOLD") || name_is(n, l, "IDEM.RESOLVE")) && index == 3)
-        return IDEM_NOTE_BYTES_MAX;
-    if (name_is(n, l, "IDEM.RESOLVE") && index > 3 &&
-        name_is(argv[index - 1], argl[index - 1], "RESULT"))
-        return cmd_result_max(s);
-    if (name_is(n, l, "ECHO") || name_is(n, l, "PING")) return cmd_result_max(s);
-    static const char *const key_first[] = {
-        "IDEM.COMMIT",  "IDEM.RELEASE", "IDEM.HOLD", "IDEM.EXTEND", "IDEM.GET",
-        "IDEM.RESOLVE", "SET",          "GET",       "PTTL",        "TTL"};
-    for (size_t i = 0; index == 1 && i < sizeof key_first / sizeof key_first[0]; i++)
-        if (name_is(n, l, key_first[i])) return IDEM_KEY_BYTES_MAX;
-    return 4096;
+    const cmd_def *d = cmd_lookup(argv[0], argl[0]);
+    return d && d->arg_max ? d->arg_max(ctx, argv, argl, index) : CMD_ARG_MAX_DEFAULT;
 }
