@@ -1530,6 +1530,74 @@ static void start_line(char *line, size_t cap)
     snprintf(line, cap, "%.*s", (int)n, p);
 }
 
+/* The log line holding every one of parts (NULL-ended), copied into line; 0 if none. */
+static int log_line_with(const char *const *parts, char *line, size_t cap)
+{
+    char path[600], all[65536];
+    snprintf(path, sizeof path, "%s/idemd.log", srv.dir);
+    read_text(path, all, sizeof all);
+    for (char *p = all; *p;) {
+        size_t n = strcspn(p, "\n");
+        char one[2048];
+        snprintf(one, sizeof one, "%.*s", (int)n, p);
+        int all_in = 1;
+        for (int i = 0; parts[i] && all_in; i++)
+            all_in = strstr(one, parts[i]) != NULL;
+        if (all_in) {
+            snprintf(line, cap, "%s", one);
+            return 1;
+        }
+        p += n + (p[n] == '\n');
+    }
+    return 0;
+}
+
+#define EXPECT_LOG(...)                                                                            \
+    do {                                                                                           \
+        const char *const parts_[] = {__VA_ARGS__, NULL};                                          \
+        char line_[2048];                                                                          \
+        cr_expect(log_line_with(parts_, line_, sizeof line_), "no log line with %s ...",           \
+                  parts_[0]);                                                                      \
+    } while (0)
+
+static void start_max_keys_3(void)
+{
+    static const char *const extra[] = {"--max-keys", "3", NULL};
+    start_with(extra);
+}
+
+/* The log says what an operator decided and how it came out, when a change was refused as FULL,
+ * and what the open found (issue: one line per event that matters). */
+Test(server, the_log_names_operator_decisions_full_and_what_the_open_found,
+     .init = start_max_keys_3)
+{
+    EXPECT_LOG("event=ready", "frames_replayed=0", "keys=0", "in_flight=0");
+    redisContext *c = connect_unix();
+    long long tok = 0;
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM k1 60000 5000"), &tok), "new");
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM k2 60000 5000"), &tok), "new");
+    expect_status(cmd(c, "SET k3 v NX PX 60000"), "OK");
+    expect_error(cmd(c, "IDEM.CLAIM k4 60000 5000"), "FULL");
+    EXPECT_LOG("level=warn event=full", "capacity limit or full disk");
+
+    expect_status(cmd(c, "IDEM.RESOLVE k1 release %s FORCE", "checked"), "OK");
+    EXPECT_LOG("event=operator ", "actor=", "cmd=IDEM.RESOLVE", "key=\"k1\"", "action=release",
+               "force=1", "reason=\"checked\"");
+    EXPECT_LOG("event=operator_result", "cmd=IDEM.RESOLVE", "err=\"\"");
+    redisReply *r = cmd(c, "IDEM.RESOLVE k2 commit later");
+    cr_assert(r && r->type == REDIS_REPLY_ERROR, "a running lease needs FORCE");
+    freeReplyObject(r);
+    EXPECT_LOG("event=operator ", "key=\"k2\"", "action=commit", "force=0");
+    EXPECT_LOG("event=operator_result", "cmd=IDEM.RESOLVE", "err=\"", "lease");
+
+    r = cmd(c, "DEL k3");
+    cr_assert(r && r->type == REDIS_REPLY_INTEGER && r->integer == 1);
+    freeReplyObject(r);
+    EXPECT_LOG("event=operator ", "cmd=DEL", "keys=1", "key=\"k3\"");
+    EXPECT_LOG("event=operator_result", "cmd=DEL", "deleted=1", "err=\"\"");
+    redisFree(c);
+}
+
 Test(server, malloc_heap_asks_for_huge_pages_after_one_reexecution, .init = start)
 {
     char line[1024], path[64], comm[64];

@@ -231,7 +231,17 @@ void cmd_resolve(cmd_req *r)
         }
     }
     op.actor = cmd_actor(r->c);
-    srv_submit_op(r->s, r->c, r->seq, RK_OWNER, &op);
+    static const char *const actions[] = {"?", "commit", "release", "settle"};
+    char key[80], reason[80];
+    cmd_printable(key, sizeof key, op.key, (uint32_t)op.key_len);
+    cmd_printable(reason, sizeof reason, op.data, op.data_len);
+    cmd_log_operator(r,
+                     "cmd=IDEM.RESOLVE key=\"%s\" key_len=%u action=%s force=%d expect=%llu "
+                     "result_len=%u reason=\"%s\"",
+                     key, op.key_len, actions[op.action & 3], (op.flags & IDEM_F_FORCE) != 0,
+                     (op.flags & IDEM_F_EXPECT) ? (unsigned long long)op.expect_version : 0ull,
+                     op.result ? op.result_len : 0, reason);
+    srv_submit_op(r->s, r->c, r->seq, RK_RESOLVE, &op);
 }
 
 /* Parses SET's options after key and value. Returns 0, or -1 having answered. */
@@ -443,6 +453,9 @@ int cmd_complete(srv *s, srv_conn *c, srv_slot *sl, resp_buf *b, const idem_comp
         }
         if (cp->err != IDEM_OK && cp->err != IDEM_ENOTFOUND && !sl->err) sl->err = cp->err;
         if (sl->remaining > 0) return 0;
+        srv_log("info", "operator_result", "id=%llu req=%u cmd=DEL deleted=%lld err=\"%s\"",
+                (unsigned long long)c->id, (uint32_t)cp->user_data, (long long)sl->acc,
+                sl->err ? idem_strerror(sl->err) : "");
         if (sl->err == IDEM_ESTATE) {
             char line[160];
             snprintf(line, sizeof line,
@@ -458,6 +471,10 @@ int cmd_complete(srv *s, srv_conn *c, srv_slot *sl, resp_buf *b, const idem_comp
             resp_integer(b, sl->acc);
         return 1;
     }
+    if (sl->kind == RK_RESOLVE)
+        srv_log("info", "operator_result", "id=%llu req=%u cmd=IDEM.RESOLVE err=\"%s\"",
+                (unsigned long long)c->id, (uint32_t)cp->user_data,
+                cp->err ? idem_strerror(cp->err) : "");
     if (cp->err != IDEM_OK) {
         cmd_reply_err(b, cp->err);
         return 1;
@@ -467,6 +484,7 @@ int cmd_complete(srv *s, srv_conn *c, srv_slot *sl, resp_buf *b, const idem_comp
         reply_claim(b, cp);
         break;
     case RK_OWNER:
+    case RK_RESOLVE:
         resp_simple(b, "OK");
         break;
     case RK_RECORD:

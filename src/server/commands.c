@@ -383,18 +383,31 @@ static const cmd_def *cmd_lookup(const uint8_t *name, uint32_t n)
     return NULL;
 }
 
-static void printable(char *dst, size_t cap, const uint8_t *p, uint32_t n)
+void cmd_printable(char *dst, size_t cap, const uint8_t *p, uint32_t n)
 {
     size_t k = 0;
     for (uint32_t i = 0; i < n && k + 1 < cap; i++)
-        dst[k++] = p[i] >= 0x20 && p[i] < 0x7f && p[i] != '\'' ? (char)p[i] : '?';
+        dst[k++] = p[i] >= 0x20 && p[i] < 0x7f && p[i] != '\'' && p[i] != '"' && p[i] != '\\'
+                       ? (char)p[i]
+                       : '?';
     dst[k] = '\0';
+}
+
+void cmd_log_operator(cmd_req *r, const char *fmt, ...)
+{
+    char what[768];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(what, sizeof what, fmt, ap);
+    va_end(ap);
+    srv_log("info", "operator", "id=%llu req=%u actor=%s %s", (unsigned long long)r->c->id, r->seq,
+            cmd_actor(r->c), what);
 }
 
 static void unknown_command(cmd_req *r)
 {
     char name[48];
-    printable(name, sizeof name, r->argv[0], r->argl[0]);
+    cmd_printable(name, sizeof name, r->argv[0], r->argl[0]);
     for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++)
         if (strcasecmp(refused[i].name, name) == 0)
             return cmd_fail(r, "ERR %s is refused: %s", refused[i].name, refused[i].why);

@@ -776,6 +776,10 @@ static void complete_one(srv *s, const idem_completion *cp)
     c->engine_due--;
     s->engine_due--;
     if (cp->err == IDEM_EFATAL) s->fatal = 1;
+    if (cp->err == IDEM_EFULL)
+        srv_log_gated(&s->log_full, "warn", "full", "id=%llu peer=%s msg=\"%s\"",
+                      (unsigned long long)c->id, c->peer,
+                      "a change refused: capacity limit or full disk (nothing was evicted)");
     srv_slot *sl = slot_of(c, seq);
     /* A parked claim gives its share of WAIT back whoever it answers: a closed connection, or
      * a request answered already (drain) count too, or WAIT would stop working for good. */
@@ -1051,7 +1055,15 @@ static int load_finish(srv *s)
     if (srv_reads_start(s) < 0) /* reads are then made on the loop */
         srv_log("warn", "reads_thread_failed", "msg=\"scans and audit queries run on the loop\"");
     s->loading = 0;
-    srv_log("info", "ready", "dir=%s backend=%s", s->cfg.dir, idem_io_backend_name(s->store));
+    idem_stats st;
+    idem_get_stats(s->store, &st);
+    srv_log("info", "ready",
+            "dir=%s backend=%s open_ms=%llu frames_replayed=%llu keys=%llu in_flight=%llu "
+            "review=%llu committed=%llu",
+            s->cfg.dir, idem_io_backend_name(s->store), (unsigned long long)st.open_ms,
+            (unsigned long long)st.frames_replayed, (unsigned long long)st.keys,
+            (unsigned long long)st.keys_in_flight, (unsigned long long)st.keys_review,
+            (unsigned long long)st.keys_committed);
     return 0;
 }
 

@@ -108,6 +108,7 @@ enum reply_kind {
     RK_SET,     /* SET NX */
     RK_SET_GET, /* SET NX GET */
     RK_DEL,     /* DEL (several keys add up; the first error wins) */
+    RK_RESOLVE, /* IDEM.RESOLVE: as RK_OWNER, and its outcome logged */
 };
 
 typedef struct srv_slot {
@@ -238,7 +239,7 @@ typedef struct srv {
      * being watched until accept_paused_until_ms after any other accept error. */
     int spare_fd;
     int64_t accept_paused_until_ms;
-    srv_log_gate log_accept, log_protocol, log_auth;
+    srv_log_gate log_accept, log_protocol, log_auth, log_full;
     pthread_t load_thread;
     int load_started;
     int load_err;
