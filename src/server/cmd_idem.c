@@ -471,10 +471,6 @@ int cmd_complete(srv *s, srv_conn *c, srv_slot *sl, resp_buf *b, const idem_comp
             resp_integer(b, sl->acc);
         return 1;
     }
-    if (sl->kind == RK_RESOLVE)
-        srv_log("info", "operator_result", "id=%llu req=%u cmd=IDEM.RESOLVE err=\"%s\"",
-                (unsigned long long)c->id, (uint32_t)cp->user_data,
-                cp->err ? idem_strerror(cp->err) : "");
     if (cp->err != IDEM_OK) {
         cmd_reply_err(b, cp->err);
         return 1;

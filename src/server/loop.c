@@ -243,9 +243,11 @@ static void listeners_watch(srv *s, int op)
     }
 }
 
-/* The listeners, unwatched after an accept error, are watched again once the pause is over. */
+/* The listeners, unwatched after an accept error, are watched again once the pause is over;
+ * a spare descriptor given up and not had back (another took its number) is taken again. */
 static void listeners_resume(srv *s, int64_t now)
 {
+    if (s->spare_fd < 0) s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (s->accept_paused_until_ms && now >= s->accept_paused_until_ms) {
         s->accept_paused_until_ms = 0;
         listeners_watch(s, EPOLL_CTL_ADD);
@@ -402,6 +404,13 @@ void srv_reply_done(srv *s, srv_conn *c, uint32_t seq)
 
 /* ---- engine batch ---- */
 
+/* The outcome line of an IDEM.RESOLVE (its request's line is cmd_log_operator's). */
+static void log_resolve_result(const srv_conn *c, uint32_t seq, int err)
+{
+    srv_log("info", "operator_result", "id=%llu req=%u cmd=IDEM.RESOLVE err=\"%s\"",
+            (unsigned long long)c->id, seq, err ? idem_strerror(err) : "");
+}
+
 static void submit_batch(srv *s)
 {
     if (s->nops == 0) return;
@@ -418,6 +427,7 @@ static void submit_batch(srv *s)
             slot_of(c, seq)->is_wait = 0;
             s->wait_due--;
         }
+        if (slot_of(c, seq)->kind == RK_RESOLVE) log_resolve_result(c, seq, IDEM_EBUSY);
         if (c->dead || slot_of(c, seq)->state != SLOT_PENDING) continue;
         resp_error(srv_reply_buf(c, seq), "ERR server busy: engine queue full, retry");
         srv_reply_done(s, c, seq);
@@ -605,7 +615,10 @@ static void budget_check(srv *s, srv_conn *c)
 
 static int engine_room(const srv *s)
 {
-    return s->engine_due + s->nops + RESP_ARGV_MAX < s->cfg.queue_depth;
+    /* engine_due also counts the reads out on the reads thread and a backup: neither holds a
+     * slot of q, and slow reads (as many as connections) must not hold claims back. */
+    uint32_t in_q = s->engine_due - s->reads_out - (s->backup_running ? 1u : 0u);
+    return in_q + s->nops + RESP_ARGV_MAX < s->cfg.queue_depth;
 }
 
 /* An idle connection keeps no input buffer: with ten thousand of them, 16 KiB each would hold
@@ -781,6 +794,8 @@ static void complete_one(srv *s, const idem_completion *cp)
                       (unsigned long long)c->id, c->peer,
                       "a change refused: capacity limit or full disk (nothing was evicted)");
     srv_slot *sl = slot_of(c, seq);
+    if (sl->kind == RK_RESOLVE) /* also when its client is gone: the decision took effect */
+        log_resolve_result(c, seq, cp->err);
     /* A parked claim gives its share of WAIT back whoever it answers: a closed connection, or
      * a request answered already (drain) count too, or WAIT would stop working for good. */
     if (sl->is_wait) {

@@ -12,6 +12,7 @@
  *     batch was submitted before it was handed over, srv_flush_ops).
  *   - While a read is out its connection is held open like one the engine owes a completion
  *     (engine_due): its struct lives until the read comes back, even if its socket is closed.
+ *     Reads hold no slot of the engine's queue q: engine_room leaves reads_out out.
  *   - The thread touches only the reads on reads_todo and reads_done (under reads_mu), the read
  *     it is making, q_reads and the store; everything else is the loop's.
  *   - Every read goes to the thread, however many are out: one a connection at most, so they
