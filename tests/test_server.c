@@ -16,6 +16,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -1595,6 +1596,79 @@ Test(server, the_log_names_operator_decisions_full_and_what_the_open_found,
     freeReplyObject(r);
     EXPECT_LOG("event=operator ", "cmd=DEL", "keys=1", "key=\"k3\"");
     EXPECT_LOG("event=operator_result", "cmd=DEL", "deleted=1", "err=\"\"");
+    redisFree(c);
+}
+
+/* " id=N " and " req=M " of an operator line, to find its outcome line by. */
+static void log_line_ids(const char *line, char id[48], char req[48])
+{
+    unsigned long long n = 0;
+    unsigned q = 0;
+    const char *p = strstr(line, " id=");
+    cr_assert(p && sscanf(p, " id=%llu req=%u", &n, &q) == 2, "%s", line);
+    snprintf(id, 48, " id=%llu ", n);
+    snprintf(req, 48, " req=%u ", q);
+}
+
+/* The log lines of an operator's decision are written when its client leaves before the
+ * answer: the decision takes effect all the same. Each client pipelines its requests and
+ * closes at once, so its connection is closed while the engine is still flushing. */
+Test(server, operator_results_are_logged_when_the_client_left_before_the_answer, .init = start)
+{
+    redisContext *c = connect_unix();
+    long long tok = 0;
+    enum { CLIENTS = 5 };
+    for (int i = 0; i < CLIENTS; i++) {
+        cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM gone-r%d 60000 5000", i), &tok), "new");
+        expect_status(cmd(c, "SET gone-d%d v NX PX 60000", i), "OK");
+    }
+    for (int i = 0; i < CLIENTS; i++) {
+        int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        struct sockaddr_un a = {.sun_family = AF_UNIX};
+        cr_assert(strlen(srv.sock) < sizeof a.sun_path);
+        memcpy(a.sun_path, srv.sock, strlen(srv.sock) + 1);
+        cr_assert(connect(fd, (struct sockaddr *)&a, sizeof a) == 0);
+        char req[200];
+        int n = snprintf(req, sizeof req,
+                         "DEL gone-d%d gone-none\r\nIDEM.RESOLVE gone-r%d release left FORCE\r\n",
+                         i, i);
+        raw_send(fd, req, (size_t)n);
+        close(fd);
+    }
+    /* Every decision took effect, and each has its outcome line. */
+    for (int i = 0; i < CLIENTS; i++) {
+        redisReply *r = cmd(c, "EXISTS gone-d%d", i);
+        for (int t = 0; t < 100 && r && r->integer != 0; t++) {
+            freeReplyObject(r);
+            usleep(20 * 1000);
+            r = cmd(c, "EXISTS gone-d%d", i);
+        }
+        cr_assert(r && r->type == REDIS_REPLY_INTEGER && r->integer == 0, "gone-d%d deleted", i);
+        freeReplyObject(r);
+        char key[32];
+        snprintf(key, sizeof key, "key=\"gone-r%d\"", i);
+        const char *const req[] = {"event=operator ", "cmd=IDEM.RESOLVE", key, "expect=none", NULL};
+        char line[2048], id[48] = "", want_req[48] = "";
+        cr_assert(log_line_with(req, line, sizeof line), "no operator line for %s", key);
+        log_line_ids(line, id, want_req);
+        const char *const res[] = {"event=operator_result", id,         want_req,
+                                   "cmd=IDEM.RESOLVE",      "err=\"\"", NULL};
+        int found = 0;
+        for (int t = 0; t < 100 && !(found = log_line_with(res, line, sizeof line)); t++)
+            usleep(20 * 1000);
+        cr_assert(found, "no outcome line for %s %s", id, want_req);
+        snprintf(key, sizeof key, "key=\"gone-d%d\"", i);
+        const char *const del[] = {"event=operator ", "cmd=DEL", "keys=2", key, NULL};
+        cr_assert(log_line_with(del, line, sizeof line), "no operator line for %s", key);
+        log_line_ids(line, id, want_req);
+        const char *const dres[] = {
+            "event=operator_result", id, want_req, "cmd=DEL", "deleted=1", "err=\"\"", NULL};
+        for (int t = 0; t < 100 && !(found = log_line_with(dres, line, sizeof line)); t++)
+            usleep(20 * 1000);
+        cr_assert(found, "no DEL outcome line for %s %s", id, want_req);
+    }
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM gone-r0 60000 5000"), &tok), "new",
+                     "released by the operator whose client left");
     redisFree(c);
 }
 

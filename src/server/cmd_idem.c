@@ -232,15 +232,16 @@ void cmd_resolve(cmd_req *r)
     }
     op.actor = cmd_actor(r->c);
     static const char *const actions[] = {"?", "commit", "release", "settle"};
-    char key[80], reason[80];
+    char key[80], reason[80], expect[24] = "none";
     cmd_printable(key, sizeof key, op.key, (uint32_t)op.key_len);
     cmd_printable(reason, sizeof reason, op.data, op.data_len);
+    if (op.flags & IDEM_F_EXPECT)
+        snprintf(expect, sizeof expect, "%llu", (unsigned long long)op.expect_version);
     cmd_log_operator(r,
-                     "cmd=IDEM.RESOLVE key=\"%s\" key_len=%u action=%s force=%d expect=%llu "
+                     "cmd=IDEM.RESOLVE key=\"%s\" key_len=%u action=%s force=%d expect=%s "
                      "result_len=%u reason=\"%s\"",
                      key, op.key_len, actions[op.action & 3], (op.flags & IDEM_F_FORCE) != 0,
-                     (op.flags & IDEM_F_EXPECT) ? (unsigned long long)op.expect_version : 0ull,
-                     op.result ? op.result_len : 0, reason);
+                     expect, op.result ? op.result_len : 0, reason);
     srv_submit_op(r->s, r->c, r->seq, RK_RESOLVE, &op);
 }
 
@@ -430,9 +431,30 @@ static void reply_set(resp_buf *b, const idem_completion *cp, int get)
     }
 }
 
-int cmd_complete(srv *s, srv_conn *c, srv_slot *sl, resp_buf *b, const idem_completion *cp)
+/* Counts one key's completion into its DEL; at the last, logs the outcome. Called also when the
+ * client has gone, or its request was answered already: the deletes took effect all the same. */
+void cmd_del_count(const srv_conn *c, srv_slot *sl, const idem_completion *cp)
 {
-    (void)c;
+    sl->keys_done++;
+    sl->acc += cp->err == IDEM_OK;
+    if (cp->err == IDEM_ESTATE) {
+        /* A refused group names its unfinished records (found, with their state): the
+         * first of them; a single key refused by the engine comes without its state. */
+        if (!sl->refused) sl->refused = sl->keys_done;
+        if (cp->found && !sl->refused_state) {
+            sl->refused = sl->keys_done;
+            sl->refused_state = cp->record.state;
+        }
+    }
+    if (cp->err != IDEM_OK && cp->err != IDEM_ENOTFOUND && !sl->err) sl->err = cp->err;
+    if (sl->remaining > 0) return;
+    srv_log("info", "operator_result", "id=%llu req=%u cmd=DEL deleted=%lld err=\"%s\"",
+            (unsigned long long)c->id, (uint32_t)cp->user_data, (long long)sl->acc,
+            sl->err ? idem_strerror(sl->err) : "");
+}
+
+int cmd_complete(srv *s, srv_slot *sl, resp_buf *b, const idem_completion *cp)
+{
     if (sl->kind == RK_EXISTS) {
         sl->acc += cp->err == IDEM_OK && cp->found;
         if (sl->remaining > 0) return 0;
@@ -440,22 +462,7 @@ int cmd_complete(srv *s, srv_conn *c, srv_slot *sl, resp_buf *b, const idem_comp
         return 1;
     }
     if (sl->kind == RK_DEL) {
-        sl->keys_done++;
-        sl->acc += cp->err == IDEM_OK;
-        if (cp->err == IDEM_ESTATE) {
-            /* A refused group names its unfinished records (found, with their state): the
-             * first of them; a single key refused by the engine comes without its state. */
-            if (!sl->refused) sl->refused = sl->keys_done;
-            if (cp->found && !sl->refused_state) {
-                sl->refused = sl->keys_done;
-                sl->refused_state = cp->record.state;
-            }
-        }
-        if (cp->err != IDEM_OK && cp->err != IDEM_ENOTFOUND && !sl->err) sl->err = cp->err;
         if (sl->remaining > 0) return 0;
-        srv_log("info", "operator_result", "id=%llu req=%u cmd=DEL deleted=%lld err=\"%s\"",
-                (unsigned long long)c->id, (uint32_t)cp->user_data, (long long)sl->acc,
-                sl->err ? idem_strerror(sl->err) : "");
         if (sl->err == IDEM_ESTATE) {
             char line[160];
             snprintf(line, sizeof line,

@@ -259,7 +259,9 @@ static void listeners_resume(srv *s, int64_t now)
  * A listener is level-triggered: a connection left in its backlog wakes the loop at once, again
  * and again. So out of file descriptors (EMFILE, ENFILE) the spare descriptor is given up to
  * take the connection, which is told that the server is full and closed; after any other error
- * (ENOMEM, ENOBUFS, ...) the listeners are not watched for ACCEPT_PAUSE_MS.
+ * (ENOMEM, ENOBUFS, ...), or when the spare cannot be had back, the listeners are not watched for
+ * ACCEPT_PAUSE_MS. All of them, the metrics listener's too: such errors are the system's, not one
+ * listener's.
  */
 int srv_accept(srv *s, int lfd, struct sockaddr *sa, socklen_t *sl)
 {
@@ -281,10 +283,12 @@ int srv_accept(srv *s, int lfd, struct sockaddr *sa, socklen_t *sl)
                 s->rejected_connections++;
             }
             s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-            srv_log_gated(&s->log_accept, "warn", "accept_failed",
-                          "error=\"%s\" msg=\"connection refused: out of file descriptors\"",
-                          strerror(e));
-            if (s->spare_fd >= 0) return -1; /* the next one on the next wake */
+            if (s->spare_fd >= 0) { /* the next one on the next wake */
+                srv_log_gated(&s->log_accept, "warn", "accept_failed",
+                              "error=\"%s\" msg=\"connection refused: out of file descriptors\"",
+                              strerror(e));
+                return -1;
+            }
         }
         srv_log_gated(&s->log_accept, "warn", "accept_failed",
                       "error=\"%s\" msg=\"not accepting for %d ms\"", strerror(e), ACCEPT_PAUSE_MS);
@@ -802,12 +806,13 @@ static void complete_one(srv *s, const idem_completion *cp)
         sl->is_wait = 0;
         s->wait_due--;
     }
-    if (c->dead) return;
     if (sl->state != SLOT_PENDING) return; /* answered already (drain) */
     sl->remaining--;
+    if (sl->kind == RK_DEL) cmd_del_count(c, sl, cp); /* its outcome line, client gone or not */
+    if (c->dead) return;
     resp_buf *rb = srv_reply_buf(c, seq);
     size_t before = rb->len;
-    int done = cmd_complete(s, c, sl, rb, cp);
+    int done = cmd_complete(s, sl, rb, cp);
     /* The estimate follows the largest recent reply: it rises at once and decays slowly. */
     size_t got = rb->len > before ? rb->len - before : 0;
     c->reply_est = got > c->reply_est - c->reply_est / 16 ? got : c->reply_est - c->reply_est / 16;

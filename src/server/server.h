@@ -320,7 +320,9 @@ void cmd_dispatch(srv *s, srv_conn *c, uint32_t seq, uint32_t argc, const uint8_
                   const uint32_t *argl);
 /* Formats the reply of one engine completion for request slot sl. Returns nonzero when the
  * request is answered. */
-int cmd_complete(srv *s, srv_conn *c, srv_slot *sl, resp_buf *b, const idem_completion *cp);
+int cmd_complete(srv *s, srv_slot *sl, resp_buf *b, const idem_completion *cp);
+/* Counts one key's completion into DEL's slot sl; logs the outcome at the last. */
+void cmd_del_count(const srv_conn *c, srv_slot *sl, const idem_completion *cp);
 /* The parser's field limits (resp_arg_max_fn); ctx is the srv. */
 uint32_t cmd_arg_max(void *ctx, const uint8_t *const *argv, const uint32_t *argl, uint32_t index);
 /* Writes the reply of an error code (-STALE, -NOTFOUND, ...). */
