@@ -121,7 +121,7 @@ typedef struct idem_options {
     int lease_policy;          /* enum idem_lease_policy */
     int io_backend;            /* enum idem_io_backend; with IDEM_IO_AUTO the environment
                                   variable IDEM_IO_BACKEND=thread|io_uring decides */
-    int read_only;             /* nonzero: no recovery writes, no changes (for inspection) */
+    int read_only;             /* nonzero: inspection: no recovery, no changes, no new file */
     int test_clock;            /* nonzero: the store clock stands still, also across a reopen
                                   (only a new store starts at the wall clock); idem_clock_set */
     uint64_t max_keys;         /* 0: no limit beyond memory */

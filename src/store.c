@@ -702,6 +702,23 @@ int store_wait_durable(idem_store *s)
 
 /* ---- Open and close ---- */
 
+/* A store's superblock is written before its first open ends, and audit.log right after it: a
+ * directory with audit.log and no superblock holds a store whose superblock was lost (or a
+ * copy cut short). A new store made there would write over its log: refused, named. */
+static int store_files_left(struct io *io, const char *dir)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/audit.log", dir);
+    struct io_file *f;
+    int rc = io_open(io, path, IO_O_RDONLY, &f);
+    if (rc == -ENOENT) return 0;
+    if (rc == 0) io_close(io, f);
+    store_set_error("%s holds a store's files (audit.log) but no superblock (super): not making a "
+                    "new store over them; restore a backup, or move the files away",
+                    dir);
+    return IDEM_ECORRUPT;
+}
+
 static int store_init_new(idem_store *s)
 {
     struct super *sb = &s->sb;
@@ -1058,7 +1075,9 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
         store_set_error("invalid options");
         goto fail;
     }
-    rc = io_mkdir(io, dir);
+    /* A read-only open makes nothing: not the directory (below, not the lock file either when
+     * it cannot be written) nor a store. */
+    rc = s->opt.read_only ? -EEXIST : io_mkdir(io, dir);
     if (rc == 0) rc = sync_parent(io, dir); /* the store's name must survive a power loss */
     if (rc < 0 && rc != -EEXIST) {
         store_set_error("cannot create %s: %s", dir, strerror(-rc));
@@ -1067,9 +1086,8 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     }
     if (!simulated) {
         char err[512];
-        s->lock_fd = lock_acquire(dir, err, sizeof err);
-        if (s->lock_fd < 0) {
-            rc = s->lock_fd;
+        rc = lock_acquire(dir, s->opt.read_only, &s->lock_fd, err, sizeof err);
+        if (rc < 0) {
             store_set_error("%s", err);
             goto fail;
         }
@@ -1086,6 +1104,7 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
         rc = IDEM_ENOTFOUND;
         goto fail;
     }
+    if (fresh && (rc = store_files_left(io, dir)) < 0) goto fail;
     if (!fresh) s->opt.segment_bytes = s->sb.seg_bytes;
     s->seg_max_exp = malloc(WAL_SEG_SLOTS * sizeof *s->seg_max_exp);
     if (!s->seg_max_exp) {

@@ -218,35 +218,50 @@ int super_store(struct io *io, const char *dir, struct super *sb)
     return 0;
 }
 
-int lock_acquire(const char *dir, char *err, size_t errcap)
+int lock_take(int fd, const char *dir, char *err, size_t errcap)
+{
+    if (flock(fd, LOCK_EX | LOCK_NB) == 0) return 0;
+    char owner[256] = "";
+    ssize_t n = pread(fd, owner, sizeof owner - 1, 0);
+    owner[n > 0 ? n : 0] = 0;
+    owner[strcspn(owner, "\n")] = 0;
+    snprintf(err, errcap, "store %s is in use by another process (%s)", dir,
+             *owner ? owner : "owner unknown");
+    close(fd);
+    return IDEM_ELOCKED;
+}
+
+int lock_acquire(const char *dir, int read_only, int *fd_out, char *err, size_t errcap)
 {
     char path[4096];
     snprintf(path, sizeof path, "%s/LOCK", dir);
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    *fd_out = -1;
+    /* Read-only, nothing is created: without a lock file no process has opened the store
+     * since it was made or copied (as for verify). Where the file cannot be written (a
+     * read-only mount) the lock is taken through a read-only descriptor: flock needs no more. */
+    int fd = open(path, O_RDWR | O_CLOEXEC | (read_only ? 0 : O_CREAT), 0600), writable = fd >= 0;
+    if (fd < 0 && read_only && (errno == EROFS || errno == EACCES || errno == EPERM))
+        fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0 && read_only && errno == ENOENT) return 0;
     if (fd < 0) {
         snprintf(err, errcap, "cannot open %s: %s", path, strerror(errno));
         return IDEM_EIO;
     }
-    if (flock(fd, LOCK_EX | LOCK_NB) < 0) {
-        char owner[256] = "";
-        ssize_t n = pread(fd, owner, sizeof owner - 1, 0);
-        owner[n > 0 ? n : 0] = 0;
-        owner[strcspn(owner, "\n")] = 0;
-        snprintf(err, errcap, "store %s is in use by another process (%s)", dir,
-                 *owner ? owner : "owner unknown");
-        close(fd);
-        return IDEM_ELOCKED;
+    int rc = lock_take(fd, dir, err, errcap);
+    if (rc < 0) return rc;
+    if (writable) {
+        char host[128] = "";
+        gethostname(host, sizeof host - 1);
+        char line[256];
+        int len = snprintf(line, sizeof line, "pid=%d host=%s\n", (int)getpid(), host);
+        if (ftruncate(fd, 0) < 0 || pwrite(fd, line, (size_t)len, 0) != len) {
+            snprintf(err, errcap, "cannot write %s: %s", path, strerror(errno));
+            close(fd);
+            return IDEM_EIO;
+        }
     }
-    char host[128] = "";
-    gethostname(host, sizeof host - 1);
-    char line[256];
-    int len = snprintf(line, sizeof line, "pid=%d host=%s\n", (int)getpid(), host);
-    if (ftruncate(fd, 0) < 0 || pwrite(fd, line, (size_t)len, 0) != len) {
-        snprintf(err, errcap, "cannot write %s: %s", path, strerror(errno));
-        close(fd);
-        return IDEM_EIO;
-    }
-    return fd;
+    *fd_out = fd;
+    return 0;
 }
 
 void lock_release(int fd)

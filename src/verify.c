@@ -171,15 +171,11 @@ static int verify_lock(const char *dir, int *fd_out)
     *fd_out = -1;
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return 0; /* no lock file: no process has owned the store since it was copied */
-    if (flock(fd, LOCK_EX | LOCK_NB) < 0) {
-        char owner[256] = "";
-        ssize_t n = pread(fd, owner, sizeof owner - 1, 0);
-        owner[n > 0 ? n : 0] = 0;
-        owner[strcspn(owner, "\n")] = 0;
-        store_set_error("store %s is in use by another process (%s)", dir,
-                        *owner ? owner : "owner unknown");
-        close(fd);
-        return IDEM_ELOCKED;
+    char err[512];
+    int rc = lock_take(fd, dir, err, sizeof err);
+    if (rc < 0) {
+        store_set_error("%s", err);
+        return rc;
     }
     *fd_out = fd;
     return 0;

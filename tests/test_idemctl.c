@@ -238,18 +238,24 @@ Test(idemctl, store_held_by_a_process_is_refused, .init = setup, .fini = teardow
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
-Test(idemctl, export_import_round_trip, .init = setup, .fini = teardown)
+/* idemctl export of the store into scratch/exp.jsonl (the export also stays in out). */
+static void export_to_file(void)
 {
-    write_store();
-    cr_assert_eq(ctl("resolve held-1 release --reason checked --dir %s", dir), 0, "%s", err);
     cr_assert_eq(ctl("export --dir %s", dir), 0, "%s", err);
-    cr_assert(strstr(out, "\"type\":\"record\"") && strstr(out, "\"type\":\"audit\""), "%s", out);
     char path[4200];
     snprintf(path, sizeof path, "%s/exp.jsonl", scratch);
     FILE *f = fopen(path, "w");
     cr_assert_not_null(f);
     fputs(out, f);
     fclose(f);
+}
+
+Test(idemctl, export_import_round_trip, .init = setup, .fini = teardown)
+{
+    write_store();
+    cr_assert_eq(ctl("resolve held-1 release --reason checked --dir %s", dir), 0, "%s", err);
+    export_to_file();
+    cr_assert(strstr(out, "\"type\":\"record\"") && strstr(out, "\"type\":\"audit\""), "%s", out);
     cr_assert_eq(ctl("import %s/exp.jsonl --dir %s/copy", scratch, scratch), 0, "%s", err);
     cr_assert(strstr(out, "imported 12 records and 1 audit entries"), "%s", out);
     cr_assert_eq(ctl("get order-1 --dir %s/copy --json", scratch), 0, "%s", err);
@@ -276,6 +282,157 @@ Test(idemctl, backup_restore_checkpoint_compact, .init = setup, .fini = teardown
     cr_assert_eq(ctl("verify %s", dir), 0, "%s", out);
 }
 
+/* A store left by a process that did not close it: write_store's records, one decision, and a
+ * last claim; then _exit without idem_close (no checkpoint, no clean mark). */
+static void write_crashed_store(void)
+{
+    write_store();
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        idem_store *s;
+        idem_queue *q;
+        idem_completion c;
+        if (idem_open(dir, NULL, &s) != IDEM_OK || idem_queue_open(s, 8, &q) != IDEM_OK) _exit(3);
+        idem_op op = {.kind = IDEM_OP_RESOLVE,
+                      .flags = IDEM_F_FORCE,
+                      .key = "live-1",
+                      .key_len = 6,
+                      .data = "checked",
+                      .data_len = 7,
+                      .action = IDEM_RESOLVE_RELEASE,
+                      .actor = "test"};
+        if (idem_exec(q, &op, &c) != IDEM_OK || c.err != IDEM_OK) _exit(4);
+        idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
+        if (idem_claim(q, "after-1", 7, &a, &c) != IDEM_OK || c.outcome != IDEM_NEW) _exit(5);
+        _exit(0);
+    }
+    int st = 0;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "the writer exited %d", WEXITSTATUS(st));
+}
+
+/* Every file of d but LOCK (its owner line is rewritten by each opener): name, size, mtime and
+ * a checksum of its bytes, one line each, into buf. */
+static void dir_fingerprint(const char *d, char *buf, size_t cap)
+{
+    char cmd[4400];
+    snprintf(cmd, sizeof cmd,
+             "cd %s && for f in $(ls | grep -v '^LOCK$' | sort); do "
+             "printf '%%s %%s ' $f \"$(stat -c '%%s %%Y.%%y' $f)\"; cksum < $f; done",
+             d);
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    size_t n = fread(buf, 1, cap - 1, p);
+    buf[n] = 0;
+    cr_assert_eq(pclose(p), 0);
+    cr_assert(n > 0, "no files in %s", d);
+}
+
+/* Inspections of a stopped store (status, get, scan, attention, audit, export, backup) open it
+ * read-only: after a crash they run no recovery, write no checkpoint and cut nothing off; the
+ * first writable open does that. A backup taken so still holds every acknowledged change. */
+Test(idemctl, inspections_leave_a_crashed_store_as_it_is, .init = setup, .fini = teardown)
+{
+    write_crashed_store();
+    static char before[8192], after[8192];
+    dir_fingerprint(dir, before, sizeof before);
+    cr_assert_eq(ctl("status --dir %s --json", dir), 0, "%s", err);
+    cr_assert_eq(ctl("get after-1 --dir %s --json", dir), 0, "%s", err);
+    cr_assert_eq(ctl("scan --dir %s", dir), 0, "%s", err);
+    cr_assert_eq(ctl("attention --dir %s", dir), 0, "%s", err);
+    cr_assert_eq(ctl("audit --dir %s --json", dir), 0, "%s", err);
+    cr_assert(strstr(out, "resolve-release") && strstr(out, "live-1"), "%s", out);
+    cr_assert_eq(ctl("export --dir %s", dir), 0, "%s", err);
+    cr_assert(strstr(out, "\"after-1\"") && strstr(out, "\"type\":\"audit\""), "%s", out);
+    cr_assert_eq(ctl("backup %s/b --dir %s", scratch, dir), 0, "%s", err);
+    dir_fingerprint(dir, after, sizeof after);
+    cr_assert_str_eq(after, before, "an inspection changed the store");
+
+    cr_assert_eq(ctl("restore %s/b %s/r", scratch, scratch), 0, "%s", err);
+    cr_assert_eq(ctl("get after-1 --dir %s/r --json", scratch), 0, "%s", err);
+    cr_assert(strstr(out, "\"state\":\"in_flight\""), "%s", out);
+    cr_assert_eq(ctl("get live-1 --dir %s/r", scratch), 1, "released before the crash");
+    cr_assert_eq(ctl("audit live-1 --dir %s/r --json", scratch), 0, "%s", err);
+    cr_assert(strstr(out, "resolve-release"), "%s", out);
+}
+
+/* Only import makes a store. Any other command given a directory without one (a mistyped
+ * --dir) says so and creates nothing there. */
+Test(idemctl, a_directory_without_a_store_is_refused_and_left_empty, .init = setup,
+     .fini = teardown)
+{
+    char empty[4200];
+    snprintf(empty, sizeof empty, "%s/empty", scratch);
+    cr_assert_eq(mkdir(empty, 0700), 0);
+    char backup[4200];
+    snprintf(backup, sizeof backup, "backup %s/b", scratch);
+    const char *const cmds[] = {
+        "status", "get k",   "scan",       "attention", "audit",
+        "export", "compact", "checkpoint", backup,      "resolve k release --reason checked"};
+    for (size_t i = 0; i < sizeof cmds / sizeof cmds[0]; i++) {
+        cr_assert_eq(ctl("%s --dir %s", cmds[i], empty), 1, "%s: %s", cmds[i], err);
+        cr_assert(strstr(err, "holds no store"), "%s: %s", cmds[i], err);
+    }
+    char cmd[4400], listing[256] = "";
+    snprintf(cmd, sizeof cmd, "ls -A %s", empty);
+    FILE *p = popen(cmd, "r");
+    size_t n = fread(listing, 1, sizeof listing - 1, p);
+    listing[n] = 0;
+    pclose(p);
+    cr_assert_str_eq(listing, "", "files made in a directory without a store: %s", listing);
+    snprintf(backup, sizeof backup, "%s/b", scratch);
+    struct stat st;
+    cr_assert(stat(backup, &st) < 0, "no backup of nothing");
+
+    cr_assert_eq(ctl("get k --dir /etc/passwd"), 1);
+    cr_assert(strstr(err, "Not a directory"), "%s", err);
+}
+
+/* import writes records over those of the same keys, without audit entries: a store that holds
+ * keys takes it only with --force. */
+Test(idemctl, import_into_a_store_that_holds_keys_needs_force, .init = setup, .fini = teardown)
+{
+    write_store();
+    export_to_file();
+    char path[4200];
+    snprintf(path, sizeof path, "%s/exp.jsonl", scratch);
+    /* The store moves on after the export: order-2 is deleted, then claimed anew. */
+    idem_store *s;
+    idem_queue *q;
+    idem_completion c;
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
+    cr_assert_eq(idem_del(q, "order-2", 7, "test"), IDEM_OK);
+    claim(q, "order-2", 60000, "again", &c);
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+
+    cr_assert_eq(ctl("import %s --dir %s", path, dir), 1);
+    cr_assert(strstr(err, "already holds 13 keys") && strstr(err, "--force"), "%s", err);
+    cr_assert_eq(ctl("get order-2 --dir %s --json", dir), 0, "%s", err);
+    cr_assert(strstr(out, "\"state\":\"in_flight\""), "the record is the live one: %s", out);
+    cr_assert_eq(ctl("import %s --dir %s --force", path, dir), 0, "%s", err);
+    cr_assert_eq(ctl("get order-2 --dir %s --json", dir), 0, "%s", err);
+    cr_assert(strstr(out, "\"result\":\"inv-2\""), "forced: the exported record: %s", out);
+}
+
+Test(idemctl, out_of_range_timeout_and_count_are_usage_errors, .init = setup, .fini = teardown)
+{
+    write_store();
+    cr_assert_eq(ctl("compact --dir %s --timeout 25h", dir), 2);
+    cr_assert(strstr(err, "--timeout 25h") && strstr(err, "24h"), "%s", err);
+    cr_assert_eq(ctl("status --dir %s --timeout 0ms", dir), 2);
+    cr_assert_eq(ctl("compact --dir %s --timeout 2h --json", dir), 0, "%s", err);
+    cr_assert(strstr(out, "\"settled\":true"), "%s", out);
+    cr_assert_eq(ctl("audit --dir %s --count 10001", dir), 2);
+    cr_assert(strstr(err, "at most 10000"), "%s", err);
+    cr_assert_eq(ctl("audit --dir %s --count 10000", dir), 0, "%s", err);
+    cr_assert_eq(ctl("attention --dir %s --count 100001", dir), 2);
+    cr_assert(strstr(err, "at most 100000"), "%s", err);
+}
+
 /* ---- Online, against build/idemd ---- */
 
 static pid_t idemd_pid;
@@ -298,7 +455,15 @@ static int sock_cmd(const char *line, char *reply, size_t cap)
     return 0;
 }
 
+static void start_idemd_with(const char *user);
+
 static void start_idemd(void)
+{
+    start_idemd_with(NULL);
+}
+
+/* With user (NAME:ROLE:PASSWORD), idemd has that one user and every connection must AUTH. */
+static void start_idemd_with(const char *user)
 {
     char bin[4200];
     snprintf(bin, sizeof bin, "%s/idemd", build_dir());
@@ -307,7 +472,11 @@ static void start_idemd(void)
     cr_assert_geq(idemd_pid, 0);
     if (idemd_pid == 0) {
         freopen("/dev/null", "w", stderr);
-        execl(bin, "idemd", "--dir", dir, "--test-clock", "--port", "0", (char *)NULL);
+        if (user)
+            execl(bin, "idemd", "--dir", dir, "--test-clock", "--port", "0", "--user", user,
+                  (char *)NULL);
+        else
+            execl(bin, "idemd", "--dir", dir, "--test-clock", "--port", "0", (char *)NULL);
         _exit(127);
     }
     char reply[256];
@@ -478,6 +647,30 @@ Test(idemctl_online, backup_does_not_stop_the_server, .init = setup, .fini = sto
     /* A second backup into the same place is refused by name, and idemd goes on. */
     cr_assert_eq(ctl("backup %s %s", backup, sock), 1);
     cr_assert(strstr(err, "backup into"), "%s", err);
+}
+
+/* IDEMCTL_PASSWORD alone authenticates as the user named default; against an idemd without
+ * users it is not needed and does no harm. */
+Test(idemctl_online, the_password_variable_alone_authenticates, .init = setup, .fini = stop_idemd)
+{
+    start_idemd_with("default:admin:sekrit");
+    char sock[4200];
+    snprintf(sock, sizeof sock, "--socket %s/idemd.sock", dir);
+    cr_assert_eq(ctl("get k %s", sock), 1);
+    cr_assert(strstr(err, "NOAUTH"), "%s", err);
+    cr_assert_eq(ctl("get k %s", sock), 1);
+    cr_assert_eq(ctl("status %s --json", sock), 1);
+    cr_assert_eq(setenv("IDEMCTL_PASSWORD", "sekrit", 1), 0);
+    cr_assert_eq(ctl("status %s --json", sock), 0, "%s", err);
+    cr_assert(strstr(out, "\"verdict\""), "%s", out);
+    cr_assert_eq(setenv("IDEMCTL_PASSWORD", "wrong", 1), 0);
+    cr_assert_eq(ctl("status %s", sock), 1);
+    cr_assert(strstr(err, "authentication failed"), "%s", err);
+    kill(idemd_pid, SIGTERM);
+    waitpid(idemd_pid, NULL, 0);
+    start_idemd();
+    cr_assert_eq(ctl("status %s --json", sock), 0, "no users: the variable is not needed: %s", err);
+    unsetenv("IDEMCTL_PASSWORD");
 }
 
 Test(idemctl_online, connection_failure_is_reported, .init = setup, .fini = teardown)

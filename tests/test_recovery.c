@@ -1772,6 +1772,95 @@ Test(recovery, read_only_open_writes_nothing)
     cr_assert_eq(a.dir_syncs, b.dir_syncs);
 }
 
+/* The first bytes of path (up to cap), for a before/after comparison; returns how many. */
+static size_t file_head(const char *path, uint8_t *buf, size_t cap)
+{
+    FILE *f = fopen(path, "rb");
+    cr_assert_not_null(f, "%s", path);
+    size_t n = fread(buf, 1, cap, f);
+    fclose(f);
+    return n;
+}
+
+/* A store whose superblock is lost (deleted, or a copy cut short) still has audit.log: it is
+ * refused by name, never made anew over its log, and opens again once the superblock is back. */
+Test(recovery, a_store_whose_superblock_is_lost_is_refused_not_made_anew)
+{
+    char *dir = tu_mkdtemp("nosuper");
+    idem_store *s;
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
+    idem_completion c;
+    cr_assert_eq(idem_claim(q, "kept", 4, &a, &c), IDEM_OK);
+    cr_assert_eq(idem_commit(q, "kept", 4, c.token, "r", 1), IDEM_OK);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+
+    char super[4200], saved[4200], seg[4200];
+    snprintf(super, sizeof super, "%s/super", dir);
+    snprintf(saved, sizeof saved, "%s/super.saved", dir);
+    snprintf(seg, sizeof seg, "%s/wal-%016llx.log", dir, 1ull);
+    static uint8_t before[1 << 16], after[1 << 16];
+    size_t nb = file_head(seg, before, sizeof before);
+    cr_assert_eq(rename(super, saved), 0);
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_ECORRUPT, "a new store was made");
+    cr_assert(strstr(idem_last_error(), "no superblock") && strstr(idem_last_error(), "audit.log"),
+              "%s", idem_last_error());
+    struct stat st;
+    cr_assert(stat(super, &st) < 0, "a superblock was written");
+    cr_assert_eq(file_head(seg, after, sizeof after), nb);
+    cr_assert(memcmp(before, after, nb) == 0, "the log was written over");
+
+    cr_assert_eq(rename(saved, super), 0);
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    cr_assert_eq(idem_claim(q, "kept", 4, &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_DONE);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    tu_rmtree(dir);
+}
+
+/* A read-only open creates nothing: not a missing directory, not a store in an empty one, not
+ * the lock file of a store copied without it. */
+Test(recovery, a_read_only_open_creates_nothing)
+{
+    char *dir = tu_mkdtemp("ro");
+    idem_options o;
+    idem_options_init(&o);
+    o.read_only = 1;
+    char absent[4200], lock[4200];
+    snprintf(absent, sizeof absent, "%s/absent", dir);
+    idem_store *s;
+    cr_assert_neq(idem_open(absent, &o, &s), IDEM_OK);
+    struct stat st;
+    cr_assert(stat(absent, &st) < 0 && errno == ENOENT, "the directory was made");
+    cr_assert_eq(idem_open(dir, &o, &s), IDEM_ENOTFOUND, "%s", idem_last_error());
+    snprintf(lock, sizeof lock, "%s/LOCK", dir);
+    cr_assert(stat(lock, &st) < 0 && errno == ENOENT, "a lock file was made");
+
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
+    idem_completion c;
+    cr_assert_eq(idem_claim(q, "k", 1, &a, &c), IDEM_OK);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    cr_assert_eq(unlink(lock), 0); /* as a copy of the files has it */
+    cr_assert_eq(idem_open(dir, &o, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_completion g;
+    cr_assert_eq(idem_get(q, "k", 1, &g), IDEM_OK);
+    cr_assert(g.found && g.record.state == IDEM_STATE_IN_FLIGHT);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    cr_assert(stat(lock, &st) < 0 && errno == ENOENT, "a lock file was made");
+    tu_rmtree(dir);
+}
+
 /* ---- The golden store ---- */
 
 /* tests/fixtures/golden-v1 was written by the first format (checkpoint format 1, superblock

@@ -1,7 +1,8 @@
 /*
- * cmd_maint.c: work on a stopped store directory through include/idem.h: verify (read-only,
- * with a progress bar on a terminal), backup, restore, export (JSON Lines), import,
- * checkpoint and compact. None of these reach idemd (online backup is not available yet).
+ * cmd_maint.c: maintenance: verify (read-only, with a progress bar on a terminal), backup
+ * (online through idemd's IDEM.BACKUP, or of a stopped store opened read-only), restore,
+ * export (JSON Lines, read-only), import (into a new or empty store), checkpoint and compact.
+ * All but backup work on a stopped store directory through include/idem.h.
  */
 #include <errno.h>
 #include <stdio.h>
@@ -110,10 +111,9 @@ int cmd_backup(const struct ctl_opts *o)
 {
     /* Online (--socket, --host): idemd copies its live store; offline: the stopped store. */
     struct ctl c;
-    int rc = ctl_connect(&c, o, CTL_WRITE);
+    int rc = ctl_connect(&c, o, CTL_READ); /* offline: the files as they are, nothing repaired */
     if (rc) return rc;
-    rc = ctl_backup(&c, o->pos[0]);
-    ctl_disconnect(&c);
+    rc = ctl_disconnect(&c, ctl_backup(&c, o->pos[0]));
     if (rc) return rc;
     if (o->json)
         printf("{\"backup\":\"ok\"}\n");
@@ -150,11 +150,8 @@ int cmd_checkpoint(const struct ctl_opts *o)
     rc = ctl_connect(&c, &oo, CTL_OFFLINE);
     if (rc) return rc;
     int err = idem_checkpoint(c.s);
-    ctl_disconnect(&c);
-    if (err != IDEM_OK) {
-        ctl_err("checkpoint of %s failed: %s", oo.dir, idem_strerror(err));
-        return CTL_FAIL;
-    }
+    if (err != IDEM_OK) ctl_err("checkpoint of %s failed: %s", oo.dir, idem_strerror(err));
+    if (ctl_disconnect(&c, err == IDEM_OK ? CTL_OK : CTL_FAIL)) return CTL_FAIL;
     printf(o->json ? "{\"checkpoint\":\"ok\"}\n" : "checkpoint written\n");
     return CTL_OK;
 }
@@ -173,17 +170,13 @@ int cmd_compact(const struct ctl_opts *o)
     int err = idem_compact(c.s, (int)o->timeout_ms);
     int quiet = err == IDEM_OK ? 5 : 0;
     if (err != IDEM_OK && err != IDEM_EBUSY) {
-        ctl_disconnect(&c);
         ctl_err("compaction failed: %s", idem_strerror(err));
-        return CTL_FAIL;
+        return ctl_disconnect(&c, CTL_FAIL);
     }
     err = idem_checkpoint(c.s);
     idem_get_stats(c.s, &cur);
-    ctl_disconnect(&c);
-    if (err != IDEM_OK) {
-        ctl_err("checkpoint after compaction failed: %s", idem_strerror(err));
-        return CTL_FAIL;
-    }
+    if (err != IDEM_OK) ctl_err("checkpoint after compaction failed: %s", idem_strerror(err));
+    if (ctl_disconnect(&c, err == IDEM_OK ? CTL_OK : CTL_FAIL)) return CTL_FAIL;
     char a[32], b[32];
     fmt_size(before.wal_bytes, a, sizeof a);
     fmt_size(cur.wal_bytes, b, sizeof b);
@@ -334,12 +327,9 @@ int cmd_export(const struct ctl_opts *o)
     int rc = offline_opts(o, &oo, "export");
     if (rc) return rc;
     struct ctl c;
-    /* Writable: the engine loads the audit trail only on a writable open. */
-    rc = ctl_connect(&c, &oo, CTL_OFFLINE);
+    rc = ctl_connect(&c, &oo, CTL_OFFLINE_READ);
     if (rc) return rc;
-    rc = export_run(&c);
-    ctl_disconnect(&c);
-    return rc;
+    return ctl_disconnect(&c, export_run(&c));
 }
 
 /* ---- import ---- */
@@ -481,6 +471,27 @@ static int import_line(struct ctl *c, const char *file, uint64_t no, const char 
     return rc == IDEM_OK ? 0 : CTL_FAIL;
 }
 
+/* Import writes records as they were, over any record of the same key, and no audit entry for
+ * that: into a store that holds keys or decisions it would roll them back unseen. Such a store
+ * takes an import only with --force. */
+static int import_target_empty(struct ctl *c, const char *dir)
+{
+    idem_stats st;
+    const idem_audit_entry *e = NULL;
+    size_t n = 0;
+    idem_get_stats(c->s, &st);
+    int rc = idem_audit(c->q, NULL, 0, 1, &e, &n);
+    if (rc != IDEM_OK) {
+        ctl_err("cannot read %s: %s", dir, idem_strerror(rc));
+        return CTL_FAIL;
+    }
+    if (st.keys == 0 && n == 0) return 0;
+    ctl_err("%s already holds %llu keys%s: import writes over records without an audit entry; "
+            "import into a new directory, or pass --force",
+            dir, (unsigned long long)st.keys, n ? " and operator decisions" : "");
+    return CTL_FAIL;
+}
+
 int cmd_import(const struct ctl_opts *o)
 {
     struct ctl_opts oo;
@@ -489,7 +500,7 @@ int cmd_import(const struct ctl_opts *o)
     const char *file = o->pos[0];
     FILE *in = strcmp(file, "-") == 0 ? stdin : fopen(file, "r");
     if (!in) {
-        ctl_err("cannot read %s", file);
+        ctl_err("cannot read %s: %s", file, strerror(errno));
         return CTL_FAIL;
     }
     struct stat st;
@@ -499,7 +510,8 @@ int cmd_import(const struct ctl_opts *o)
         return CTL_FAIL;
     }
     struct ctl c;
-    rc = ctl_connect(&c, &oo, CTL_OFFLINE);
+    rc = ctl_connect(&c, &oo, CTL_CREATE);
+    if (rc == 0 && !o->force) rc = import_target_empty(&c, oo.dir);
     char *text = NULL;
     size_t cap = 0;
     uint64_t no = 0, nrec = 0, naud = 0;
@@ -509,7 +521,7 @@ int cmd_import(const struct ctl_opts *o)
     }
     free(text);
     if (in != stdin) fclose(in);
-    if (c.s || c.online) ctl_disconnect(&c);
+    if (c.s || c.online) rc = ctl_disconnect(&c, rc);
     if (rc == 0)
         printf(o->json ? "{\"records\":%llu,\"audit_entries\":%llu}\n"
                        : "imported %llu records and %llu audit entries\n",

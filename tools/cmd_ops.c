@@ -11,7 +11,18 @@
 #include "ctl.h"
 
 #define ATTENTION_MAX_DEFAULT 1000u
+#define ATTENTION_MAX_LIMIT   100000u /* IDEM.ATTENTION's COUNT */
 #define AUDIT_COUNT_DEFAULT   100u
+#define AUDIT_COUNT_LIMIT     10000u /* IDEM.AUDIT's COUNT, and idem_audit's */
+
+/* --count past what the store answers: a usage error, not a quietly shorter list. */
+static int count_over(const struct ctl_opts *o, const char *cmd, uint64_t limit)
+{
+    if (!o->has_count || o->count <= limit) return 0;
+    ctl_err("--count %llu: %s lists at most %llu", (unsigned long long)o->count, cmd,
+            (unsigned long long)limit);
+    return 1;
+}
 
 enum why {
     WHY_REVIEW = 0,   /* held for a person */
@@ -139,6 +150,7 @@ static void attention_human(const struct item *it, size_t n, int64_t now, const 
 
 int cmd_attention(const struct ctl_opts *o)
 {
+    if (count_over(o, "attention", ATTENTION_MAX_LIMIT)) return CTL_USAGE;
     struct ctl c;
     int rc = ctl_connect(&c, o, CTL_READ);
     if (rc) return rc;
@@ -148,7 +160,7 @@ int cmd_attention(const struct ctl_opts *o)
     uint32_t max = o->has_count ? (uint32_t)o->count : ATTENTION_MAX_DEFAULT;
     rc = ctl_attention(&c, o->has_older ? o->older_ms : 0, max, &recs, &n);
     if (rc == 0) rc = ctl_now(&c, &now);
-    ctl_disconnect(&c);
+    rc = ctl_disconnect(&c, rc);
     struct item *it = rc == 0 ? calloc(n ? n : 1, sizeof *it) : NULL;
     if (rc == 0 && !it) rc = CTL_FAIL;
     if (it) {
@@ -323,9 +335,7 @@ int cmd_resolve(const struct ctl_opts *o)
     struct ctl c;
     int rc = ctl_connect(&c, o, CTL_WRITE);
     if (rc) return rc;
-    rc = resolve_run(&c, o, action);
-    ctl_disconnect(&c);
-    return rc;
+    return ctl_disconnect(&c, resolve_run(&c, o, action));
 }
 
 /* ---- audit ---- */
@@ -386,16 +396,16 @@ static void audit_human(const struct ctl_audit *a, size_t n, const struct ctl_op
 
 int cmd_audit(const struct ctl_opts *o)
 {
+    if (count_over(o, "audit", AUDIT_COUNT_LIMIT)) return CTL_USAGE;
     struct ctl c;
-    /* Offline the engine loads the audit trail only on a writable open. */
-    int rc = ctl_connect(&c, o, o->dir ? CTL_WRITE : CTL_READ);
+    int rc = ctl_connect(&c, o, CTL_READ);
     if (rc) return rc;
     struct ctl_audit *a = NULL;
     size_t n = 0;
     const char *key = o->npos ? o->pos[0] : NULL;
     rc = ctl_audit(&c, key, key ? strlen(key) : 0,
                    o->has_count ? (uint32_t)o->count : AUDIT_COUNT_DEFAULT, &a, &n);
-    ctl_disconnect(&c);
+    rc = ctl_disconnect(&c, rc);
     if (rc == 0) {
         if (o->json)
             audit_json(a, n);

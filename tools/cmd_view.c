@@ -297,7 +297,7 @@ int cmd_status(const struct ctl_opts *o)
         else
             status_human(&s, o);
     }
-    ctl_disconnect(&c);
+    rc = ctl_disconnect(&c, rc);
     return rc;
 }
 
@@ -374,7 +374,7 @@ int cmd_watch(const struct ctl_opts *o)
         prev = cur;
         t0 = t1;
     }
-    ctl_disconnect(&c);
+    rc = ctl_disconnect(&c, rc);
     return rc;
 }
 
@@ -453,7 +453,7 @@ int cmd_get(const struct ctl_opts *o)
     int64_t now = 0;
     rc = ctl_get(&c, o->pos[0], strlen(o->pos[0]), &r, &found);
     if (rc == 0) rc = ctl_now(&c, &now);
-    ctl_disconnect(&c);
+    rc = ctl_disconnect(&c, rc);
     if (rc) return rc;
     if (!found) {
         if (o->json) printf("null\n");
@@ -511,6 +511,6 @@ int cmd_scan(const struct ctl_opts *o)
         jw_arr_end(&s.j);
         fputc('\n', stdout);
     }
-    ctl_disconnect(&c);
+    rc = ctl_disconnect(&c, rc);
     return rc;
 }

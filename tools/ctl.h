@@ -28,6 +28,7 @@
 #define CTL_DEFAULT_SOCKET "./idem-data/idemd.sock"
 #define CTL_DEFAULT_DIR    "./idem-data"
 #define CTL_POS_MAX        8
+#define CTL_TIMEOUT_MAX_MS (24 * 3600 * 1000)
 
 struct ctl_opts {
     const char *socket, *host, *user, *password, *password_file, *dir;
@@ -49,9 +50,11 @@ struct ctl_opts {
 
 /* Where a command needs to reach the store. */
 enum ctl_access {
-    CTL_READ = 1,    /* online, or offline read-only */
-    CTL_WRITE = 2,   /* online, or offline read-write */
-    CTL_OFFLINE = 3, /* offline only, read-write */
+    CTL_READ = 1,         /* online, or offline read-only */
+    CTL_WRITE = 2,        /* online, or offline read-write */
+    CTL_OFFLINE = 3,      /* offline only, read-write */
+    CTL_OFFLINE_READ = 4, /* offline only, read-only */
+    CTL_CREATE = 5,       /* offline only, read-write; a directory without a store gets one */
 };
 
 struct ctl {
@@ -86,7 +89,9 @@ struct ctl_audit {
 /* ---- backend.c ---- */
 /* Reaches the store for a command. Prints the reason and returns CTL_FAIL on failure. */
 int ctl_connect(struct ctl *c, const struct ctl_opts *o, int access);
-void ctl_disconnect(struct ctl *c);
+/* Closes what ctl_connect opened. Returns rc, or CTL_FAIL when rc is CTL_OK and closing the
+ * store failed (a change not made durable: the command must not exit 0). */
+int ctl_disconnect(struct ctl *c, int rc);
 int ctl_get(struct ctl *c, const void *key, size_t klen, struct ctl_record *out, int *found);
 void ctl_record_free(struct ctl_record *r);
 int ctl_stats(struct ctl *c, struct ctl_stats *st);

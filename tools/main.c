@@ -39,7 +39,8 @@ static const struct subcmd cmds[] = {
      "Keys by state, duplicate ratio, oldest in_flight and review ages, mismatches, conflicting\n"
      "commits, capacity, flush latency and disk free, with a verdict: healthy, or attention and\n"
      "why. --older: in_flight age that needs attention (default 15m). --window: the duplicate\n"
-     "ratio is measured over this time (default 1s online; offline: since the store opened).\n"
+     "ratio is measured over this time, between two readings (default: the store's own count\n"
+     "of the last minute).\n"
      "--min-free: disk free below this needs attention (default 1GiB)."},
     {"get", cmd_get, 1, 1, 0, "get KEY",
      "The whole record of KEY, times as ISO 8601 and as age or time remaining."},
@@ -77,15 +78,16 @@ static const struct subcmd cmds[] = {
      "handed out later are above any the backed-up store could have handed out."},
     {"export", cmd_export, 0, 0, 0, "export --dir DIR",
      "JSON Lines on stdout: every field of every record, then the audit trail (oldest first)."},
-    {"import", cmd_import, 1, 1, 0, "import FILE --dir DIR",
-     "Reads an export (JSON Lines; - for stdin) into the stopped store DIR: records as they\n"
-     "were (state, times, counters, token, version), audit entries as they were. For a store\n"
-     "no worker uses yet."},
+    {"import", cmd_import, 1, 1, O_FORCE, "import FILE --dir DIR [--force]",
+     "Reads an export (JSON Lines; - for stdin) into the stopped store DIR, made if absent:\n"
+     "records as they were (state, times, counters, token, version), audit entries as they\n"
+     "were. For a store no worker uses yet: a store that holds keys or decisions is refused\n"
+     "unless --force (import writes over records of the same keys, without audit entries)."},
     {"checkpoint", cmd_checkpoint, 0, 0, 0, "checkpoint --dir DIR",
      "Writes a checkpoint of the stopped store's index, so the next open need not replay the log."},
     {"compact", cmd_compact, 0, 0, 0, "compact --dir DIR",
      "Opens the stopped store and lets it reclaim the space of dead and expired records (bounded\n"
-     "by --timeout, default 10s), then checkpoints; prints the disk use before and after."},
+     "by --timeout, default 10s), then checkpoints; prints the log's size before and after."},
 };
 
 static const char global_help[] =
@@ -93,12 +95,14 @@ static const char global_help[] =
     "  --socket PATH          idemd's unix socket\n"
     "  --host HOST --port N   idemd over TCP (default port 7379)\n"
     "  --user NAME            authenticate (with --password TEXT, --password-file FILE,\n"
-    "                         or the IDEMCTL_PASSWORD environment variable)\n"
+    "                         or the IDEMCTL_PASSWORD environment variable; that alone\n"
+    "                         authenticates as the user named default)\n"
     "  --dir DIR              a stopped store directory (refused while idemd holds it)\n"
     "Output:\n"
     "  --json                 JSON for scripts (watch and export: JSON Lines)\n"
     "  --color, --no-color    colour (default: on a terminal, unless NO_COLOR is set)\n"
-    "  --timeout DURATION     how long to wait for idemd (default 10s)\n"
+    "  --timeout DURATION     how long to wait for idemd, and compact's bound (default 10s,\n"
+    "                         at most 24h)\n"
     "Durations: 250ms, 90s, 15m, 72h, 4d, 1h30m. Sizes: 64KiB, 10MB, 1GiB.\n"
     "Exit codes: 0 ok, 1 failure (or faults found), 2 usage.\n";
 
@@ -230,9 +234,11 @@ static int set_option(struct ctl_opts *o, const char *name, const char *v, int *
     } else {
         if (parse_duration_ms(v, &ms) < 0)
             return bad_value(name, v, "not a duration (e.g. 90s, 15m, 72h, 4d)");
-        if (!strcmp(name, "timeout"))
-            o->timeout_ms = ms > 0 && ms < 3600000 ? (int)ms : 10000;
-        else if (!strcmp(name, "older")) {
+        if (!strcmp(name, "timeout")) {
+            if (ms <= 0 || ms > CTL_TIMEOUT_MAX_MS)
+                return bad_value(name, v, "not between 1ms and 24h");
+            o->timeout_ms = (int)ms;
+        } else if (!strcmp(name, "older")) {
             o->older_ms = ms;
             o->has_older = 1;
         } else if (!strcmp(name, "interval"))
