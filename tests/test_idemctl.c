@@ -433,6 +433,53 @@ Test(idemctl, out_of_range_timeout_and_count_are_usage_errors, .init = setup, .f
     cr_assert(strstr(err, "at most 100000"), "%s", err);
 }
 
+/* A key of any bytes is reached in the forms idemctl prints it: escaped (tables and scan) with
+ * --key-escaped, key_base64 (JSON) with --key-base64. JSON never passes such a key off as a
+ * string. */
+Test(idemctl, binary_keys_are_reached_in_the_forms_printed, .init = setup, .fini = teardown)
+{
+    static const char key[7] = {'b', 'i', 'n', 0, (char)0xe9, '\\', 'k'};
+    idem_store *s;
+    idem_queue *q;
+    idem_completion c;
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 1};
+    cr_assert_eq(idem_claim(q, key, sizeof key, &a, &c), IDEM_OK);
+    claim(q, "text-1", 60000, "t", &c);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    usleep(20000); /* the lease has run out: resolve needs no --force */
+
+    cr_assert_eq(ctl("scan --dir %s", dir), 0, "%s", err);
+    cr_assert(strstr(out, "bin\\x00\\xe9\\x5ck\n") && strstr(out, "text-1\n"), "%s", out);
+    cr_assert_eq(ctl("scan --dir %s --json", dir), 0, "%s", err);
+    cr_assert(strstr(out, "{\"key_base64\":\"YmluAOlcaw==\"}") && strstr(out, "\"text-1\""), "%s",
+              out);
+    cr_assert_eq(ctl("get 'bin\\x00\\xe9\\x5ck' --key-escaped --dir %s --json", dir), 0, "%s", err);
+    cr_assert(strstr(out, "\"key_base64\":\"YmluAOlcaw==\""), "%s", out);
+    cr_assert_eq(ctl("get YmluAOlcaw== --key-base64 --dir %s --json", dir), 0, "%s", err);
+    cr_assert(strstr(out, "\"state\":\"in_flight\""), "%s", out);
+    cr_assert_eq(ctl("get 'bin\\x00\\xe9\\x5ck' --dir %s", dir), 1, "typed as is: another key");
+    cr_assert_eq(ctl("resolve YmluAOlcaw== release --key-base64 --reason checked --dir %s", dir), 0,
+                 "%s", err);
+    cr_assert_eq(ctl("audit 'bin\\x00\\xe9\\x5ck' --key-escaped --dir %s --json", dir), 0, "%s",
+                 err);
+    cr_assert(strstr(out, "\"key_base64\":\"YmluAOlcaw==\"") && strstr(out, "resolve-release"),
+              "%s", out);
+    cr_assert_eq(ctl("get YmluAOlcaw== --key-base64 --dir %s", dir), 1, "released");
+
+    cr_assert_eq(ctl("get 'a\\q' --key-escaped --dir %s", dir), 2);
+    cr_assert(strstr(err, "xHH"), "%s", err);
+    cr_assert_eq(ctl("get 'a\\x4' --key-escaped --dir %s", dir), 2);
+    cr_assert_eq(ctl("get '***' --key-base64 --dir %s", dir), 2);
+    cr_assert(strstr(err, "not base64"), "%s", err);
+    cr_assert_eq(ctl("get k --key-escaped --key-base64 --dir %s", dir), 2);
+    cr_assert_eq(ctl("get '' --dir %s", dir), 2);
+    cr_assert(strstr(err, "1 to 512"), "%s", err);
+    cr_assert_eq(ctl("scan --key-escaped --dir %s", dir), 2, "scan takes no KEY");
+}
+
 /* ---- Online, against build/idemd ---- */
 
 static pid_t idemd_pid;
@@ -653,16 +700,20 @@ Test(idemctl_online, backup_does_not_stop_the_server, .init = setup, .fini = sto
  * users it is not needed and does no harm. */
 Test(idemctl_online, the_password_variable_alone_authenticates, .init = setup, .fini = stop_idemd)
 {
-    start_idemd_with("default:admin:sekrit");
+    start_idemd_with("default:admin:sekrit"); /* NOAUTH says nothing of LOADING: wait below */
     char sock[4200];
     snprintf(sock, sizeof sock, "--socket %s/idemd.sock", dir);
+    cr_assert_eq(setenv("IDEMCTL_PASSWORD", "sekrit", 1), 0);
+    int rc = 1;
+    for (int i = 0; i < 500 && (rc = ctl("status %s --json", sock)) != 0 && strstr(err, "LOADING");
+         i++)
+        usleep(20 * 1000);
+    cr_assert_eq(rc, 0, "%s", err);
+    cr_assert(strstr(out, "\"verdict\""), "%s", out);
+    unsetenv("IDEMCTL_PASSWORD");
     cr_assert_eq(ctl("get k %s", sock), 1);
     cr_assert(strstr(err, "NOAUTH"), "%s", err);
-    cr_assert_eq(ctl("get k %s", sock), 1);
     cr_assert_eq(ctl("status %s --json", sock), 1);
-    cr_assert_eq(setenv("IDEMCTL_PASSWORD", "sekrit", 1), 0);
-    cr_assert_eq(ctl("status %s --json", sock), 0, "%s", err);
-    cr_assert(strstr(out, "\"verdict\""), "%s", out);
     cr_assert_eq(setenv("IDEMCTL_PASSWORD", "wrong", 1), 0);
     cr_assert_eq(ctl("status %s", sock), 1);
     cr_assert(strstr(err, "authentication failed"), "%s", err);
@@ -677,4 +728,42 @@ Test(idemctl_online, connection_failure_is_reported, .init = setup, .fini = tear
 {
     cr_assert_eq(ctl("status --socket %s/none.sock", dir), 1);
     cr_assert(strstr(err, "cannot connect"), "%s", err);
+}
+
+/* A server that answers one byte of a never-ending bulk string every 100 ms, for 6 s. */
+static void *trickle_main(void *arg)
+{
+    int lfd = *(int *)arg;
+    int fd = accept(lfd, NULL, NULL);
+    if (fd < 0) return NULL;
+    char req[4096];
+    (void)!read(fd, req, sizeof req);
+    (void)!send(fd, "$1000000\r\n", 10, MSG_NOSIGNAL);
+    for (int i = 0; i < 60 && send(fd, "x", 1, MSG_NOSIGNAL) == 1; i++)
+        usleep(100 * 1000);
+    close(fd);
+    return NULL;
+}
+
+/* --timeout bounds a whole reply, not each wait for a byte. */
+Test(idemctl_online, a_reply_that_trickles_in_is_cut_off_at_the_timeout, .init = setup,
+     .fini = teardown)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/trickle.sock", scratch);
+    int lfd = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un a = {.sun_family = AF_UNIX};
+    cr_assert(strlen(path) < sizeof a.sun_path);
+    memcpy(a.sun_path, path, strlen(path) + 1);
+    cr_assert_eq(bind(lfd, (struct sockaddr *)&a, sizeof a), 0);
+    cr_assert_eq(listen(lfd, 4), 0);
+    pthread_t t;
+    cr_assert_eq(pthread_create(&t, NULL, trickle_main, &lfd), 0);
+    int64_t t0 = now_us();
+    cr_assert_eq(ctl("get k --socket %s --timeout 1s", path), 1);
+    int64_t took_ms = (now_us() - t0) / 1000;
+    cr_assert(strstr(err, "did not answer within 1000 ms"), "%s", err);
+    cr_assert_lt(took_ms, 4000, "idemctl waited %lld ms", (long long)took_ms);
+    pthread_join(t, NULL);
+    close(lfd);
 }

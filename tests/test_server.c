@@ -1433,25 +1433,112 @@ Test(server, second_server_on_the_same_socket_refuses_to_start, .init = start)
 
 /* ---- configuration ---- */
 
-/* Runs idemd with args to completion (it must exit by itself); returns its exit status. */
+/* A file's text, or "" (a NUL-terminated copy of at most cap - 1 bytes). */
+static void read_text(const char *path, char *buf, size_t cap)
+{
+    FILE *f = fopen(path, "r");
+    size_t n = f ? fread(buf, 1, cap - 1, f) : 0;
+    buf[n] = 0;
+    if (f) fclose(f);
+}
+
+/* Runs idemd with args to completion (it must exit by itself); returns its exit status. Its
+ * stderr goes to run_err. */
+static char run_err[4096];
 static int run_idemd(const char *const *args)
 {
     const char *build = getenv("IDEM_BUILD_DIR");
-    char exe[512];
+    char exe[512], errpath[64];
     const char *argv[16] = {exe};
     snprintf(exe, sizeof exe, "%s/idemd", build && *build ? build : "build");
+    snprintf(errpath, sizeof errpath, "/tmp/idem-run-err-%d", (int)getpid());
     for (int i = 0; args[i] && i < 14; i++)
         argv[i + 1] = args[i];
     pid_t pid = fork();
     if (pid == 0) {
-        freopen("/dev/null", "w", stderr);
+        freopen(errpath, "w", stderr);
         freopen("/dev/null", "w", stdout);
         execv(exe, (char *const *)argv);
         _exit(127);
     }
     int status;
     cr_assert_eq(waitpid(pid, &status, 0), pid);
+    read_text(errpath, run_err, sizeof run_err);
+    unlink(errpath);
     return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+/* Writes text into dir/name with the mode; returns the path (static, until the next call). */
+static const char *write_file(const char *dir, const char *name, const char *text, mode_t mode)
+{
+    static char path[600];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputs(text, f);
+    fclose(f);
+    chmod(path, mode);
+    return path;
+}
+
+/* Settings that would leave idemd open or wrong are refused at start (exit 2), each by name:
+ * users that do not come, passwords readable by others, a test clock by a typo, a timeout that
+ * overflows, listeners that would bind what was not asked. */
+Test(server, settings_that_would_weaken_the_server_are_refused_by_name)
+{
+    char *dir = tu_mkdtemp("settings");
+    char users_dir[640], long_line[600], long_dir[1100], long_opt[120];
+    const char *p = write_file(dir, "empty-users", "# nobody yet\n", 0600);
+    const char *const empty[] = {"--dir", dir, "--port", "0", "--users-file", p, NULL};
+    cr_assert_eq(run_idemd(empty), 2);
+    cr_assert(strstr(run_err, "names no user"), "%s", run_err);
+    snprintf(users_dir, sizeof users_dir, "%s/users.d", dir);
+    cr_assert_eq(mkdir(users_dir, 0700), 0);
+    const char *const isdir[] = {"--dir", dir, "--port", "0", "--users-file", users_dir, NULL};
+    cr_assert_eq(run_idemd(isdir), 2);
+    cr_assert(strstr(run_err, "cannot read users file"), "%s", run_err);
+    memset(long_line, 'x', 500);
+    memcpy(long_line + 500, ":admin:pw\n", 11);
+    p = write_file(dir, "long-users", long_line, 0600);
+    const char *const longl[] = {"--dir", dir, "--port", "0", "--users-file", p, NULL};
+    cr_assert_eq(run_idemd(longl), 2);
+    cr_assert(strstr(run_err, "line longer than"), "%s", run_err);
+
+    p = write_file(dir, "shared.conf", "port 0\nuser ops:admin:secret\n", 0644);
+    const char *const shared[] = {"--dir", dir, "--config", p, NULL};
+    cr_assert_eq(run_idemd(shared), 2);
+    cr_assert(strstr(run_err, "shared.conf:2") && strstr(run_err, "chmod 600"), "%s", run_err);
+    p = write_file(dir, "clock.conf", "test-clock of\n", 0644);
+    const char *const clock[] = {"--dir", dir, "--config", p, NULL};
+    cr_assert_eq(run_idemd(clock), 2);
+    cr_assert(strstr(run_err, "test-clock takes yes or no"), "%s", run_err);
+
+    const char *const idle[] = {"--dir", dir, "--idle-timeout-ms", "9223372036854775808", NULL};
+    cr_assert_eq(run_idemd(idle), 2);
+    cr_assert(strstr(run_err, "idle-timeout-ms"), "%s", run_err);
+    const char *const listens[] = {"127.0.0.1:", "127.0.0.1:abc", "127.0.0.1:70000",
+                                   "localhost:9100", "127.0.0.1:9k"};
+    for (size_t i = 0; i < sizeof listens / sizeof listens[0]; i++) {
+        const char *const m[] = {"--dir", dir, "--metrics-listen", listens[i], NULL};
+        cr_assert_eq(run_idemd(m), 2, "%s", listens[i]);
+        cr_assert(strstr(run_err, "metrics-listen"), "%s: %s", listens[i], run_err);
+    }
+    const char *const bind[] = {"--dir", dir, "--bind", "localhost", NULL};
+    cr_assert_eq(run_idemd(bind), 2);
+    cr_assert(strstr(run_err, "bind"), "%s", run_err);
+    memset(long_opt, 'o', sizeof long_opt - 1);
+    long_opt[0] = long_opt[1] = '-';
+    long_opt[sizeof long_opt - 1] = 0;
+    const char *const opt[] = {"--dir", dir, long_opt, "1", NULL};
+    cr_assert_eq(run_idemd(opt), 2);
+    cr_assert(strstr(run_err, "unknown option"), "%s", run_err);
+    snprintf(long_dir, sizeof long_dir, "%s/", dir);
+    memset(long_dir + strlen(long_dir), 'd', 1020 - strlen(long_dir));
+    long_dir[1020] = 0;
+    const char *const ldir[] = {"--dir", long_dir, NULL};
+    cr_assert_eq(run_idemd(ldir), 2);
+    cr_assert(strstr(run_err, "socket path"), "%s", run_err);
+    tu_rmtree(dir);
 }
 
 Test(server, users_file_readable_by_others_is_refused)
@@ -1507,16 +1594,100 @@ Test(server, config_file_settings_apply, .init = start_from_config)
     redisFree(admin);
 }
 
-/* ---- huge pages for the index (huge_pages.c) ---- */
-
-/* A file's text, or "" (a NUL-terminated copy of at most cap - 1 bytes). */
-static void read_text(const char *path, char *buf, size_t cap)
+/* Until it authenticates, a connection to an idemd with users cannot make it buffer large
+ * requests: arguments of at most 16 KiB, 16 of them; after AUTH the usual limits. */
+Test(server, requests_before_auth_are_held_to_small_arguments, .init = start_from_config)
 {
-    FILE *f = fopen(path, "r");
-    size_t n = f ? fread(buf, 1, cap - 1, f) : 0;
-    buf[n] = 0;
-    if (f) fclose(f);
+    int fd = raw_connect();
+    static char req[40000], got[4096];
+    const char head[] =
+        "*6\r\n$10\r\nIDEM.CLAIM\r\n$1\r\nk\r\n$5\r\n60000\r\n$4\r\n1000\r\n$2\r\nFP\r\n"
+        "$20000\r\n";
+    size_t n = sizeof head - 1;
+    memcpy(req, head, n);
+    memset(req + n, 'a', 20000);
+    n += 20000;
+    memcpy(req + n, "\r\n", 2);
+    n += 2;
+    raw_send(fd, req, n);
+    int closed = 0;
+    raw_read(fd, got, sizeof got - 1, 1, &closed);
+    cr_assert(strstr(got, "argument 6 is too long (20000 bytes, at most 16384)"), "%s", got);
+    const char auth[] = "*3\r\n$4\r\nAUTH\r\n$3\r\nops\r\n$6\r\npw-ops\r\n";
+    raw_send(fd, auth, sizeof auth - 1);
+    raw_read(fd, got, sizeof got - 1, 5, &closed);
+    cr_assert_str_eq(got, "+OK\r\n");
+    raw_send(fd, req, n);
+    raw_read(fd, got, sizeof got - 1, 12, &closed);
+    cr_assert(strstr(got, "new"), "after AUTH the usual limits: %s", got);
+    close(fd);
+
+    fd = raw_connect();
+    n = (size_t)snprintf(req, sizeof req, "*17\r\n$4\r\nECHO\r\n");
+    for (int i = 0; i < 16; i++)
+        n += (size_t)snprintf(req + n, sizeof req - n, "$1\r\nx\r\n");
+    raw_send(fd, req, n);
+    raw_read(fd, got, sizeof got - 1, 1, &closed);
+    cr_assert(strstr(got, "too many arguments (17, at most 16)"), "%s", got);
+    close(fd);
 }
+
+/* A scrape whose request is longer than what idemd reads of it still gets the whole reply:
+ * the rest is read before the close, which would otherwise reset the connection. */
+Test(server, a_scrape_with_a_long_request_gets_the_whole_reply, .init = start_metrics)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0), small = 4096;
+    /* A small window keeps most of the reply in idemd's socket when it would close: a reset
+     * then drops it. */
+    cr_assert_eq(setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &small, sizeof small), 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)metrics_port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    static char req[16384], body[1 << 16];
+    size_t n = (size_t)snprintf(req, sizeof req, "GET /metrics HTTP/1.1\r\nHost: localhost\r\n");
+    while (n + 100 < sizeof req)
+        n += (size_t)snprintf(req + n, sizeof req - n, "X-Padding: %080d\r\n", 0);
+    n += (size_t)snprintf(req + n, sizeof req - n, "\r\n");
+    cr_assert_eq(send(fd, req, n, MSG_NOSIGNAL), (ssize_t)n);
+    usleep(100 * 1000); /* answered by now; idemd read a part of the request */
+    size_t len = 0;
+    ssize_t k;
+    while (len + 1 < sizeof body && (k = read(fd, body + len, sizeof body - 1 - len)) > 0)
+        len += (size_t)k;
+    cr_assert_geq(k, 0, "read: %s", strerror(errno));
+    body[len] = 0;
+    close(fd);
+    const char *cl = strstr(body, "Content-Length: ");
+    const char *start = strstr(body, "\r\n\r\n");
+    cr_assert(cl && start, "%.300s", body);
+    cr_assert_eq(strtoull(cl + 16, NULL, 10), len - (size_t)(start + 4 - body), "a cut reply");
+    cr_assert(strstr(body, "idem_flush_latency_us_bucket"), "%.300s", body);
+}
+
+/* Connections that take every scrape slot and send nothing do not keep a scrape out: it takes
+ * the oldest silent one's slot and is answered at once. */
+Test(server, silent_connections_in_every_metrics_slot_do_not_keep_a_scrape_out,
+     .init = start_metrics)
+{
+    int silent[20];
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)metrics_port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    for (int i = 0; i < 20; i++) {
+        silent[i] = socket(AF_INET, SOCK_STREAM, 0);
+        cr_assert_eq(connect(silent[i], (struct sockaddr *)&a, sizeof a), 0);
+    }
+    usleep(20 * 1000); /* accepted by now, and far from the 200 ms answer of a silent one */
+    static char body[1 << 16];
+    int64_t t0 = now_ms();
+    scrape(body, sizeof body);
+    int64_t took = now_ms() - t0;
+    cr_assert(strstr(body, "200 OK"), "refused: %.200s", body);
+    cr_assert_lt(took, 150, "the scrape waited %lld ms", (long long)took);
+    for (int i = 0; i < 20; i++)
+        close(silent[i]);
+}
+
+/* ---- huge pages for the index (huge_pages.c) ---- */
 
 /* idemd's start line in its log (the first event=start), with the tunable's flag. */
 static void start_line(char *line, size_t cap)

@@ -281,14 +281,14 @@ static void resolve_report(const struct ctl_opts *o, const idem_record *before,
 
 static int resolve_run(struct ctl *c, const struct ctl_opts *o, int action)
 {
-    const char *key = o->pos[0];
-    size_t klen = strlen(key);
+    const uint8_t *key = o->key;
+    size_t klen = o->key_len;
     struct ctl_record seen, now_rec;
     int found = 0, changed = 0;
     int64_t now = 0;
     if (ctl_get(c, key, klen, &seen, &found) || ctl_now(c, &now)) return CTL_FAIL;
     if (!found) {
-        ctl_err("%s: no record (absent, or expired): nothing to resolve", key);
+        ctl_err("%s: no record (absent, or expired): nothing to resolve", o->pos[0]);
         return CTL_FAIL;
     }
     char msg[512] = "";
@@ -298,7 +298,7 @@ static int resolve_run(struct ctl *c, const struct ctl_opts *o, int action)
     if (rc && changed) {
         ctl_err("%s changed since it was read (version %llu): %s; nothing was done. What "
                 "changed:",
-                key, (unsigned long long)seen.r.version, msg);
+                o->pos[0], (unsigned long long)seen.r.version, msg);
         if (ctl_get(c, key, klen, &now_rec, &found) == 0) {
             print_changes(&seen.r, &now_rec.r, found);
             ctl_record_free(&now_rec);
@@ -358,7 +358,7 @@ static void audit_json(const struct ctl_audit *a, size_t n)
         jw_ktime(&j, "at_ms", e->at_ms);
         jw_kstr(&j, "actor", e->actor);
         jw_kstr(&j, "action", e->action);
-        jw_kbytes(&j, "key", e->key, e->key_len);
+        jw_kblob_pub(&j, "key", e->key, e->key_len);
         jw_kstr(&j, "reason", e->reason);
         jw_kstr(&j, "state_before", state_or_absent(e->state_before));
         jw_kstr(&j, "state_after", state_or_absent(e->state_after));
@@ -402,9 +402,8 @@ int cmd_audit(const struct ctl_opts *o)
     if (rc) return rc;
     struct ctl_audit *a = NULL;
     size_t n = 0;
-    const char *key = o->npos ? o->pos[0] : NULL;
-    rc = ctl_audit(&c, key, key ? strlen(key) : 0,
-                   o->has_count ? (uint32_t)o->count : AUDIT_COUNT_DEFAULT, &a, &n);
+    rc = ctl_audit(&c, o->key, o->key_len, o->has_count ? (uint32_t)o->count : AUDIT_COUNT_DEFAULT,
+                   &a, &n);
     rc = ctl_disconnect(&c, rc);
     if (rc == 0) {
         if (o->json)

@@ -451,7 +451,7 @@ int cmd_get(const struct ctl_opts *o)
     struct ctl_record r;
     int found = 0;
     int64_t now = 0;
-    rc = ctl_get(&c, o->pos[0], strlen(o->pos[0]), &r, &found);
+    rc = ctl_get(&c, o->key, o->key_len, &r, &found);
     if (rc == 0) rc = ctl_now(&c, &now);
     rc = ctl_disconnect(&c, rc);
     if (rc) return rc;
@@ -486,7 +486,14 @@ static void scan_key(void *ctx, const void *key, size_t klen)
     if (s->o->has_count && s->n >= s->o->count) return;
     s->n++;
     if (s->o->json) {
-        jw_bytes(&s->j, key, klen);
+        /* A key that is not text has no JSON string: {"key_base64": ...} in its place. */
+        if (bytes_are_text(key, klen)) {
+            jw_bytes(&s->j, key, klen);
+        } else {
+            jw_obj(&s->j);
+            jw_kblob_pub(&s->j, "key", key, klen);
+            jw_obj_end(&s->j);
+        }
         fputc('\n', stdout);
         return;
     }

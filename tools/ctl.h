@@ -46,7 +46,14 @@ struct ctl_opts {
     uint64_t min_free_bytes;
     const char *pos[CTL_POS_MAX];
     int npos;
+    /* get, resolve, audit: KEY as bytes (pos[0] as typed, or decoded by --key-escaped or
+     * --key-base64); NULL when no KEY was given. */
+    const uint8_t *key;
+    size_t key_len;
+    int key_form; /* 0: as typed; CTL_KEY_ESCAPED; CTL_KEY_BASE64 */
 };
+#define CTL_KEY_ESCAPED 1
+#define CTL_KEY_BASE64  2
 
 /* Where a command needs to reach the store. */
 enum ctl_access {

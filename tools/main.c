@@ -22,6 +22,7 @@ enum {
     O_INTERVAL = 1 << 6,
     O_WINDOW = 1 << 7,
     O_MINFREE = 1 << 8,
+    O_KEY = 1 << 9, /* takes KEY: --key-escaped, --key-base64 */
 };
 
 struct subcmd {
@@ -42,21 +43,21 @@ static const struct subcmd cmds[] = {
      "ratio is measured over this time, between two readings (default: the store's own count\n"
      "of the last minute).\n"
      "--min-free: disk free below this needs attention (default 1GiB)."},
-    {"get", cmd_get, 1, 1, 0, "get KEY",
+    {"get", cmd_get, 1, 1, O_KEY, "get KEY [--key-escaped | --key-base64]",
      "The whole record of KEY, times as ISO 8601 and as age or time remaining."},
     {"attention", cmd_attention, 0, 0, O_OLDER | O_COUNT,
      "attention [--older DURATION] [--count N]",
      "Every record that needs a person or a reconciler, most urgent first: review records,\n"
      "in_flight records whose lease ran out (or older than --older), keys with mismatches; each\n"
      "with the suggested next step. Never scans all keys (idemd: IDEM.ATTENTION)."},
-    {"resolve", cmd_resolve, 2, 2, O_REASON | O_RESULT | O_FORCE,
+    {"resolve", cmd_resolve, 2, 2, O_REASON | O_RESULT | O_FORCE | O_KEY,
      "resolve KEY commit|release|settle --reason TEXT [--result BYTES] [--force]",
      "An operator decision (admin role). commit: the target was checked and it happened\n"
      "(--result: the target's reference); release: it did not happen, re-offer the key; settle:\n"
      "close without new action. The record is read first and the decision passes the version\n"
      "shown (EXPECT), so a record that changed meanwhile is refused with what changed. --force is\n"
      "needed while a lease runs. Recorded in the audit trail."},
-    {"audit", cmd_audit, 0, 1, O_COUNT, "audit [KEY] [--count N]",
+    {"audit", cmd_audit, 0, 1, O_COUNT | O_KEY, "audit [KEY] [--count N]",
      "Operator decisions, newest first: who, when, action, reason, state before and after."},
     {"scan", cmd_scan, 0, 0, O_STATE | O_OLDER | O_COUNT,
      "scan [--state in_flight|committed|review] [--older DURATION] [--count N]",
@@ -101,6 +102,9 @@ static const char global_help[] =
     "Output:\n"
     "  --json                 JSON for scripts (watch and export: JSON Lines)\n"
     "  --color, --no-color    colour (default: on a terminal, unless NO_COLOR is set)\n"
+    "Keys (get, resolve, audit): as typed, or with --key-escaped as tables and scan print\n"
+    "them (\\xHH for a byte outside printable ASCII and for a backslash), or with\n"
+    "--key-base64 as JSON's key_base64 gives them; 1 to 512 bytes.\n"
     "  --timeout DURATION     how long to wait for idemd, and compact's bound (default 10s,\n"
     "                         at most 24h)\n"
     "Durations: 250ms, 90s, 15m, 72h, 4d, 1h30m. Sizes: 64KiB, 10MB, 1GiB.\n"
@@ -163,6 +167,8 @@ static const struct {
     {"interval", 1, O_INTERVAL},
     {"window", 1, O_WINDOW},
     {"min-free", 1, O_MINFREE},
+    {"key-escaped", 0, O_KEY},
+    {"key-base64", 0, O_KEY},
 };
 
 static int bad_value(const char *name, const char *v, const char *what)
@@ -228,7 +234,14 @@ static int set_option(struct ctl_opts *o, const char *name, const char *v, int *
         o->has_result = 1;
     } else if (!strcmp(name, "force"))
         o->force = 1;
-    else if (!strcmp(name, "min-free")) {
+    else if (!strcmp(name, "key-escaped") || !strcmp(name, "key-base64")) {
+        int form = name[4] == 'e' ? CTL_KEY_ESCAPED : CTL_KEY_BASE64;
+        if (o->key_form && o->key_form != form) {
+            ctl_err("give --key-escaped or --key-base64, not both");
+            return CTL_USAGE;
+        }
+        o->key_form = form;
+    } else if (!strcmp(name, "min-free")) {
         if (parse_size(v, &o->min_free_bytes) < 0)
             return bad_value(name, v, "not a size (e.g. 512MiB, 1GiB)");
     } else {
@@ -298,6 +311,51 @@ static int parse_args(struct ctl_opts *o, int argc, char **argv, const char **cm
     return 0;
 }
 
+static int hex_digit(char c)
+{
+    return c >= '0' && c <= '9'   ? c - '0'
+           : c >= 'a' && c <= 'f' ? c - 'a' + 10
+           : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                  : -1;
+}
+
+/* KEY (pos[0]) as bytes into o->key: as typed, or decoded from the escaped form (bytes_escape's:
+ * \xHH, anything else as itself) or from base64. Returns 0 or CTL_USAGE. */
+static int key_arg(struct ctl_opts *o)
+{
+    static uint8_t buf[IDEM_KEY_BYTES_MAX];
+    const char *s = o->pos[0];
+    size_t n = 0;
+    if (o->key_form == CTL_KEY_BASE64) {
+        uint8_t *d = NULL;
+        if (base64_decode(s, &d, &n) < 0) return bad_value("key-base64", s, "not base64");
+        if (n <= IDEM_KEY_BYTES_MAX) memcpy(buf, d, n);
+        free(d);
+    } else if (o->key_form == CTL_KEY_ESCAPED) {
+        for (size_t i = 0; s[i]; n++) {
+            uint8_t b = (uint8_t)s[i++];
+            if (b == '\\') {
+                int hi = s[i] == 'x' ? hex_digit(s[i + 1]) : -1;
+                int lo = hi >= 0 ? hex_digit(s[i + 2]) : -1;
+                if (lo < 0) return bad_value("key-escaped", s, "a backslash not followed by xHH");
+                b = (uint8_t)(hi << 4 | lo);
+                i += 3;
+            }
+            if (n < IDEM_KEY_BYTES_MAX) buf[n] = b;
+        }
+    } else {
+        n = strlen(s);
+        if (n <= IDEM_KEY_BYTES_MAX) memcpy(buf, s, n);
+    }
+    if (n == 0 || n > IDEM_KEY_BYTES_MAX) {
+        ctl_err("KEY %s: %zu bytes; a key has 1 to %d", s, n, IDEM_KEY_BYTES_MAX);
+        return CTL_USAGE;
+    }
+    o->key = buf;
+    o->key_len = n;
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     struct ctl_opts o;
@@ -331,6 +389,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "usage: idemctl %s\n", c->usage);
         return CTL_USAGE;
     }
+    if ((c->opts & O_KEY) && o.npos > 0 && (rc = key_arg(&o)) != 0) return rc;
     rc = c->fn(&o);
     fflush(stdout);
     return rc;

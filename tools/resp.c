@@ -12,7 +12,15 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
+
+static int64_t mono_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
 
 static void conn_init(resp_conn *c, int timeout_ms)
 {
@@ -77,13 +85,16 @@ void resp_close(resp_conn *c)
     c->len = c->cap = 0;
 }
 
+/* Waits for events on c within the current command's deadline: an idemd that answers a byte at a
+ * time cannot hold idemctl past --timeout. */
 static int wait_fd(resp_conn *c, short events)
 {
     struct pollfd p = {.fd = c->fd, .events = events};
     int n;
-    do
-        n = poll(&p, 1, c->timeout_ms);
-    while (n < 0 && errno == EINTR);
+    do {
+        int64_t left = c->deadline_ms - mono_ms();
+        n = left > 0 ? poll(&p, 1, (int)left) : 0;
+    } while (n < 0 && errno == EINTR);
     if (n == 0) {
         snprintf(c->err, sizeof c->err, "idemd did not answer within %d ms", c->timeout_ms);
         return -1;
@@ -360,6 +371,7 @@ int resp_command(resp_conn *c, int argc, const char *const *argv, const size_t *
         snprintf(c->err, sizeof c->err, "bad argument count %d", argc);
         return -1;
     }
+    c->deadline_ms = mono_ms() + c->timeout_ms;
     if (send_command(c, argc, argv, argl) < 0) return -1;
     return read_reply(c, out);
 }

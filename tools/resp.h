@@ -37,7 +37,8 @@ typedef struct resp_value {
 
 typedef struct resp_conn {
     int fd;
-    int timeout_ms;
+    int timeout_ms;      /* for each command, from its send to its whole reply */
+    int64_t deadline_ms; /* the current command's (monotonic clock) */
     char *buf;
     size_t len, cap;
     char err[256]; /* the last failure, as a sentence */

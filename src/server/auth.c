@@ -1,11 +1,14 @@
 /*
  * auth.c: users and roles. Users come from --user NAME:ROLE:PASSWORD flags and --users-file
  * (one such line each; the file must not be readable by group or others). With no users, a
- * connection's role follows its listener: unix socket admin, TCP worker. Passwords are compared
- * in constant time over the longer of the two lengths.
+ * connection's role follows its listener: unix socket admin, TCP worker. AUTH compares the
+ * password with every user's, each over SRV_PASSWORD_MAX bytes, so its time tells neither whether
+ * a name exists nor how long a password is. A users file that names no user is refused: it
+ * would leave every connection unauthenticated.
  */
 #include "server.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -43,10 +46,15 @@ int auth_user_add(srv_config *cfg, const char *spec, char *err, size_t err_len)
     }
     size_t name_len = (size_t)(c1 - spec), role_len = (size_t)(c2 - c1 - 1);
     size_t pw_len = strlen(c2 + 1);
-    if (cfg->nusers >= SRV_USERS_MAX || name_len >= SRV_NAME_MAX || role_len >= sizeof role ||
-        pw_len >= SRV_PASSWORD_MAX || pw_len == 0) {
-        snprintf(err, err_len, "user spec too long, empty password, or more than %d users",
-                 SRV_USERS_MAX);
+    const char *why = cfg->nusers >= SRV_USERS_MAX ? "more users than the limit"
+                      : name_len >= SRV_NAME_MAX   ? "user name too long"
+                      : role_len >= sizeof role    ? "role too long"
+                      : pw_len >= SRV_PASSWORD_MAX ? "password too long"
+                      : pw_len == 0                ? "empty password"
+                                                   : NULL;
+    if (why) {
+        snprintf(err, err_len, "%s (at most %d users, names of %d bytes, passwords of %d)", why,
+                 SRV_USERS_MAX, SRV_NAME_MAX - 1, SRV_PASSWORD_MAX - 1);
         return -1;
     }
     memcpy(role, c1 + 1, role_len);
@@ -87,9 +95,15 @@ int auth_users_file(srv_config *cfg, const char *path, char *err, size_t err_len
         fclose(f);
         return -1;
     }
-    int rc = 0, lineno = 0;
+    int rc = 0, lineno = 0, before = cfg->nusers;
     while (rc == 0 && fgets(line, sizeof line, f)) {
         lineno++;
+        if (!strchr(line, '\n') && !feof(f)) {
+            snprintf(err, err_len, "%s:%d: line longer than %zu bytes", path, lineno,
+                     sizeof line - 2);
+            rc = -1;
+            break;
+        }
         line[strcspn(line, "\r\n")] = '\0';
         if (line[0] == '\0' || line[0] == '#') continue;
         char why[128];
@@ -98,24 +112,34 @@ int auth_users_file(srv_config *cfg, const char *path, char *err, size_t err_len
             rc = -1;
         }
     }
+    if (rc == 0 && ferror(f)) {
+        snprintf(err, err_len, "cannot read users file %s: %s", path, strerror(errno));
+        rc = -1;
+    } else if (rc == 0 && cfg->nusers == before) {
+        snprintf(err, err_len,
+                 "users file %s names no user (without users every connection would be let in "
+                 "unauthenticated)",
+                 path);
+        rc = -1;
+    }
     fclose(f);
     return rc;
 }
 
 int auth_check(const srv_config *cfg, const char *user, const uint8_t *pw, uint32_t pw_len)
 {
+    int role = ROLE_NONE;
     for (int i = 0; i < cfg->nusers; i++) {
         const srv_user *u = &cfg->users[i];
-        if (strcmp(u->name, user) != 0) continue;
-        size_t ul = strlen(u->password), n = ul > pw_len ? ul : pw_len;
-        unsigned diff = (unsigned)(ul ^ pw_len);
-        for (size_t k = 0; k < n; k++) {
+        size_t ul = strlen(u->password);
+        unsigned diff = (unsigned)(ul != pw_len) | (unsigned)(strcmp(u->name, user) != 0);
+        for (size_t k = 0; k < SRV_PASSWORD_MAX; k++) {
             uint8_t a = k < ul ? (uint8_t)u->password[k] : 0, b = k < pw_len ? pw[k] : 0;
             diff |= (unsigned)(a ^ b);
         }
-        return diff == 0 ? u->role : ROLE_NONE;
+        if (diff == 0) role = u->role;
     }
-    return ROLE_NONE;
+    return role;
 }
 
 int auth_initial_role(const srv_config *cfg, int is_unix)

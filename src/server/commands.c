@@ -149,7 +149,12 @@ static int authenticate(cmd_req *r, const uint8_t *user, uint32_t user_len, cons
     /* Ops queued for this connection name it as their actor (cmd_actor's buffer): they go to
      * the engine before the name changes. */
     srv_flush_ops(r->s);
+    int was_none = r->c->role == ROLE_NONE;
     r->c->role = role;
+    if (was_none) { /* the full limits from the next request on (this one is parsed) */
+        r->c->parser.argc_max = RESP_ARGV_MAX;
+        r->c->parser.arg_max = cmd_arg_max;
+    }
     memcpy(r->c->user, name, user_len + 1);
     srv_log("info", "auth", "id=%llu user=%s role=%s", (unsigned long long)r->c->id, name,
             auth_role_name(role));
@@ -451,4 +456,18 @@ uint32_t cmd_arg_max(void *ctx, const uint8_t *const *argv, const uint32_t *argl
     if (index == 0) return 64;
     const cmd_def *d = cmd_lookup(argv[0], argl[0]);
     return d && d->arg_max ? d->arg_max(ctx, argv, argl, index) : CMD_ARG_MAX_DEFAULT;
+}
+
+uint32_t cmd_arg_max_unauth(void *ctx, const uint8_t *const *argv, const uint32_t *argl,
+                            uint32_t index)
+{
+    uint32_t max = cmd_arg_max(ctx, argv, argl, index);
+    return max < SRV_UNAUTH_ARG_MAX ? max : SRV_UNAUTH_ARG_MAX;
+}
+
+void cmd_parser_limits(srv *s, srv_conn *c)
+{
+    int unauth = c->role == ROLE_NONE;
+    resp_parser_init(&c->parser, unauth ? SRV_UNAUTH_ARGC_MAX : RESP_ARGV_MAX,
+                     unauth ? cmd_arg_max_unauth : cmd_arg_max, s);
 }

@@ -213,7 +213,7 @@ static void conn_new(srv *s, int fd, int is_unix, const char *peer)
     c->role = auth_initial_role(&s->cfg, is_unix);
     snprintf(c->user, sizeof c->user, "%s", s->cfg.nusers ? "" : is_unix ? "unix" : "tcp");
     snprintf(c->peer, sizeof c->peer, "%s", peer);
-    resp_parser_init(&c->parser, RESP_ARGV_MAX, cmd_arg_max, s);
+    cmd_parser_limits(s, c);
     /* A whole request must fit the input buffer with a read's room to spare (conn_grow_in):
      * one that would not (several 4 MiB FPs) is refused as it streams in, not a closed socket. */
     c->parser.req_max = SRV_REQ_MAX;
@@ -980,7 +980,9 @@ static int listen_tcp_on(const char *addr, int port)
     if (fd < 0) return -1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     if (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || listen(fd, 511) != 0) {
+        int e = errno; /* for the caller's log line */
         close(fd);
+        errno = e;
         return -1;
     }
     return fd;
@@ -992,24 +994,23 @@ static int listen_all(srv *s)
     if (s->cfg.port > 0) {
         s->tcp_fd = listen_tcp_on(s->cfg.bind_addr, s->cfg.port);
         if (s->tcp_fd < 0) {
-            srv_log("error", "listen_failed", "addr=%s:%d errno=%d", s->cfg.bind_addr, s->cfg.port,
-                    errno);
+            srv_log("error", "listen_failed", "addr=%s:%d error=\"%s\"", s->cfg.bind_addr,
+                    s->cfg.port, strerror(errno));
             return -1;
         }
         ep_add(s, s->tcp_fd, TAG_TCP, EPOLLIN);
         srv_log("info", "listening", "addr=%s:%d", s->cfg.bind_addr, s->cfg.port);
     }
     if (s->cfg.metrics_listen[0]) {
-        char host[64];
-        int port = 0;
+        char host[64]; /* ADDR:PORT, checked when the flag was parsed (main.c) */
         const char *colon = strrchr(s->cfg.metrics_listen, ':');
-        if (!colon || (size_t)(colon - s->cfg.metrics_listen) >= sizeof host) return -1;
-        memcpy(host, s->cfg.metrics_listen, (size_t)(colon - s->cfg.metrics_listen));
-        host[colon - s->cfg.metrics_listen] = '\0';
-        port = atoi(colon + 1);
-        s->metrics_fd = listen_tcp_on(host, port);
+        size_t hl = (size_t)(colon - s->cfg.metrics_listen);
+        memcpy(host, s->cfg.metrics_listen, hl);
+        host[hl] = '\0';
+        s->metrics_fd = listen_tcp_on(host, atoi(colon + 1));
         if (s->metrics_fd < 0) {
-            srv_log("error", "listen_failed", "metrics=%s", s->cfg.metrics_listen);
+            srv_log("error", "listen_failed", "metrics=%s error=\"%s\"", s->cfg.metrics_listen,
+                    strerror(errno));
             return -1;
         }
         ep_add(s, s->metrics_fd, TAG_METRICS, EPOLLIN);

@@ -11,7 +11,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 static const char usage_text[] =
@@ -94,6 +96,26 @@ static int parse_u32(const char *v, uint32_t min, uint32_t max, uint32_t *out)
     return 0;
 }
 
+/* An IPv4 address as listen_tcp_on takes it. */
+static int bad_ipv4(const char *v)
+{
+    struct in_addr a;
+    return inet_pton(AF_INET, v, &a) != 1;
+}
+
+/* ADDR:PORT of --metrics-listen: an IPv4 address and a port 1..65535. */
+static int bad_listen(const char *v)
+{
+    const char *colon = strrchr(v, ':');
+    char host[64];
+    uint32_t port;
+    if (!colon || (size_t)(colon - v) >= sizeof host) return 1;
+    memcpy(host, v, (size_t)(colon - v));
+    host[colon - v] = '\0';
+    return bad_ipv4(host) || parse_u32(colon + 1, 1, 65535, &port) != 0 ||
+           strpbrk(colon + 1, "kKmMgG");
+}
+
 static int config_file(srv_config *cfg, const char *path, char *err, size_t err_len);
 
 /* Applies one setting. Returns 0, or -1 with a message in err. */
@@ -111,7 +133,7 @@ static int apply(srv_config *cfg, const char *name, const char *v, char *err, si
         cfg->socket_mode = (unsigned)strtoul(v, &end, 8);
         bad = *v == '\0' || *end != '\0' || cfg->socket_mode > 0777;
     } else if (strcmp(name, "bind") == 0)
-        bad = set_string(cfg->bind_addr, sizeof cfg->bind_addr, v);
+        bad = set_string(cfg->bind_addr, sizeof cfg->bind_addr, v) || bad_ipv4(v);
     else if (strcmp(name, "port") == 0) {
         uint32_t p = 0;
         bad = parse_u32(v, 0, 65535, &p);
@@ -142,7 +164,7 @@ static int apply(srv_config *cfg, const char *name, const char *v, char *err, si
     else if (strcmp(name, "result-max") == 0)
         bad = parse_u32(v, 1, IDEM_RESULT_BYTES_LIMIT, &cfg->result_bytes_max);
     else if (strcmp(name, "metrics-listen") == 0)
-        bad = set_string(cfg->metrics_listen, sizeof cfg->metrics_listen, v) || !strchr(v, ':');
+        bad = set_string(cfg->metrics_listen, sizeof cfg->metrics_listen, v) || bad_listen(v);
     else if (strcmp(name, "max-clients") == 0)
         bad = parse_u32(v, 1, 1000000, &cfg->max_clients);
     else if (strcmp(name, "pipeline-max") == 0)
@@ -154,7 +176,7 @@ static int apply(srv_config *cfg, const char *name, const char *v, char *err, si
     else if (strcmp(name, "io-budget") == 0)
         bad = parse_size(v, &cfg->io_budget_bytes);
     else if (strcmp(name, "idle-timeout-ms") == 0)
-        bad = parse_size(v, &n), cfg->idle_timeout_ms = n;
+        bad = parse_size(v, &n) || n > SRV_IDLE_TIMEOUT_MS_MAX, cfg->idle_timeout_ms = n;
     else {
         snprintf(err, err_len, "unknown setting '%s' (see --help)", name);
         return -1;
@@ -163,17 +185,39 @@ static int apply(srv_config *cfg, const char *name, const char *v, char *err, si
     return bad ? -1 : 0;
 }
 
+/* The value of a yes/no setting (empty: yes, as the flag alone). Returns 0 or 1, or -1. */
+static int parse_yes_no(const char *v)
+{
+    static const char *const yes[] = {"", "yes", "on", "true", "1"};
+    static const char *const no[] = {"no", "off", "false", "0"};
+    for (size_t i = 0; i < sizeof yes / sizeof yes[0]; i++)
+        if (strcmp(v, yes[i]) == 0) return 1;
+    for (size_t i = 0; i < sizeof no / sizeof no[0]; i++)
+        if (strcmp(v, no[i]) == 0) return 0;
+    return -1;
+}
+
+/* A config file may hold users (passwords): then, as a users file, it must not be accessible by
+ * group or others. */
 static int config_file(srv_config *cfg, const char *path, char *err, size_t err_len)
 {
     char line[2048];
     FILE *f = fopen(path, "r");
     if (!f) {
-        snprintf(err, err_len, "cannot open config file %s", path);
+        snprintf(err, err_len, "cannot open config file %s: %s", path, strerror(errno));
         return -1;
     }
+    struct stat st;
+    int shared = fstat(fileno(f), &st) != 0 || (st.st_mode & (S_IRWXG | S_IRWXO));
     int lineno = 0, rc = 0;
     while (rc == 0 && fgets(line, sizeof line, f)) {
         lineno++;
+        if (!strchr(line, '\n') && !feof(f)) {
+            snprintf(err, err_len, "%s:%d: line longer than %zu bytes", path, lineno,
+                     sizeof line - 2);
+            rc = -1;
+            break;
+        }
         char *p = line + strspn(line, " \t");
         p[strcspn(p, "\r\n")] = '\0';
         if (*p == '\0' || *p == '#') continue;
@@ -182,7 +226,16 @@ static int config_file(srv_config *cfg, const char *path, char *err, size_t err_
         *sp = '\0';
         char why[256];
         if (strcmp(p, "test-clock") == 0) {
-            cfg->test_clock = strcmp(val, "no") != 0 && strcmp(val, "0") != 0;
+            cfg->test_clock = parse_yes_no(val);
+            if (cfg->test_clock < 0) {
+                snprintf(why, sizeof why, "test-clock takes yes or no, not '%s'", val);
+                rc = -1;
+            }
+        } else if (strcmp(p, "user") == 0 && shared) {
+            snprintf(why, sizeof why,
+                     "a user line (a password) in a file accessible by group or others: chmod "
+                     "600 the file, or move the users to a --users-file");
+            rc = -1;
         } else if (strcmp(p, "config") == 0) {
             snprintf(why, sizeof why, "config files do not nest");
             rc = -1;
@@ -190,6 +243,10 @@ static int config_file(srv_config *cfg, const char *path, char *err, size_t err_
             rc = -1;
         }
         if (rc < 0) snprintf(err, err_len, "%s:%d: %s", path, lineno, why);
+    }
+    if (rc == 0 && ferror(f)) {
+        snprintf(err, err_len, "cannot read config file %s: %s", path, strerror(errno));
+        rc = -1;
     }
     fclose(f);
     return rc;
@@ -236,7 +293,11 @@ static int parse_args(srv_config *cfg, int argc, char **argv)
         char name[64];
         const char *eq = strchr(a, '='), *val;
         size_t nl = eq ? (size_t)(eq - a - 2) : strlen(a + 2);
-        if (nl >= sizeof name || (!eq && i + 1 >= argc)) {
+        if (nl >= sizeof name) {
+            fprintf(stderr, "idemd: unknown option %.80s (see --help)\n", a);
+            return 2;
+        }
+        if (!eq && i + 1 >= argc) {
             fprintf(stderr, "idemd: %s needs a value (see --help)\n", a);
             return 2;
         }
@@ -250,8 +311,13 @@ static int parse_args(srv_config *cfg, int argc, char **argv)
     }
     if (!cfg->socket_path_set &&
         snprintf(cfg->socket_path, sizeof cfg->socket_path, "%s/idemd.sock", cfg->dir) >=
-            (int)sizeof cfg->socket_path)
+            (int)sizeof cfg->socket_path) {
+        fprintf(stderr,
+                "idemd: the socket path %s/idemd.sock is longer than %zu bytes: give a shorter "
+                "--socket PATH (or --socket '' for none)\n",
+                cfg->dir, sizeof cfg->socket_path - 1);
         return 2;
+    }
     return 0;
 }
 

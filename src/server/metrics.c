@@ -1,10 +1,13 @@
 /*
  * metrics.c: the Prometheus text endpoint (--metrics-listen ADDR:PORT). Scrapes are served on
- * the loop thread without blocking it: each connection (SRV_METRICS_CONNS at once, more are
- * closed at accept) sits in the loop's epoll set; its request is read (up to 2 KiB) and ignored
- * (any path answers), or answered anyway once SRV_METRICS_WAIT_MS pass without one; the
- * exposition is written as the socket takes it and the connection closed. One that is still
- * open after SRV_METRICS_MAX_MS is closed. Counters end in _total; the flush latency (the
+ * the loop thread without blocking it: each connection (SRV_METRICS_CONNS at once) sits in the
+ * loop's epoll set; its request is read and ignored (any path answers), or answered anyway once
+ * SRV_METRICS_WAIT_MS pass without one; the exposition is written as the socket takes it, then
+ * the write side is shut and what the peer still sends is read until it closes (a close with
+ * unread bytes would reset the connection and could drop the reply's end). One that is still
+ * open after SRV_METRICS_MAX_MS is closed. With every slot taken, a new connection takes the
+ * slot of the oldest one not writing a reply (silent, or done): connections that send nothing
+ * cannot keep scrapes out. Counters end in _total; the flush latency (the
  * engine's) and the claim latency (the server's) are histograms over the same power-of-two
  * buckets. Nothing here scans keys.
  */
@@ -101,8 +104,9 @@ static void mconn_close(srv *s, srv_metrics_conn *m)
     resp_buf_free(&m->out);
 }
 
-/* Writes what the socket takes; closes m once the whole reply is out (or on an error). */
-static void mconn_write(srv *s, srv_metrics_conn *m)
+/* Writes what the socket takes; once the whole reply is out, shuts the write side and waits
+ * for the peer's close (MCONN_DRAINING). Closes m on an error. */
+static void mconn_write(srv *s, srv_metrics_conn *m, uint32_t index)
 {
     while (m->off < m->out.len) {
         ssize_t w =
@@ -112,8 +116,29 @@ static void mconn_write(srv *s, srv_metrics_conn *m)
         } else if (w < 0 && (errno == EAGAIN || errno == EINTR)) {
             return; /* EPOLLOUT brings the rest */
         } else {
-            break;
+            mconn_close(s, m);
+            return;
         }
+    }
+    resp_buf_free(&m->out);
+    struct epoll_event e = {.events = EPOLLIN | EPOLLRDHUP,
+                            .data.u64 = SRV_TAG_METRICS_CONN + index};
+    if (shutdown(m->fd, SHUT_WR) != 0 || epoll_ctl(s->epfd, EPOLL_CTL_MOD, m->fd, &e) != 0) {
+        mconn_close(s, m);
+        return;
+    }
+    m->answering = MCONN_DRAINING;
+}
+
+/* Reads and drops what the peer sends; closes m at its close (or an error). */
+static void mconn_drain(srv *s, srv_metrics_conn *m)
+{
+    char buf[4096];
+    for (int i = 0; i < 16; i++) {
+        ssize_t got = recv(m->fd, buf, sizeof buf, MSG_DONTWAIT);
+        if (got > 0) continue;
+        if (got < 0 && (errno == EAGAIN || errno == EINTR)) return;
+        break;
     }
     mconn_close(s, m);
 }
@@ -133,11 +158,27 @@ static void mconn_answer(srv *s, srv_metrics_conn *m, uint32_t index)
     resp_buf_append(&m->out, h, (size_t)k);
     resp_buf_append(&m->out, body.data, body.len);
     resp_buf_free(&body);
-    m->answering = 1;
+    m->answering = MCONN_WRITING;
     m->off = 0;
     struct epoll_event e = {.events = EPOLLOUT, .data.u64 = SRV_TAG_METRICS_CONN + index};
     epoll_ctl(s->epfd, EPOLL_CTL_MOD, m->fd, &e);
-    mconn_write(s, m);
+    mconn_write(s, m, index);
+}
+
+/* A free slot for a new connection: a free one, else that of the oldest connection not writing a
+ * reply (which is closed). Returns SRV_METRICS_CONNS when every one is writing. */
+static uint32_t mconn_slot(srv *s)
+{
+    uint32_t oldest = SRV_METRICS_CONNS;
+    for (uint32_t i = 0; i < SRV_METRICS_CONNS; i++) {
+        const srv_metrics_conn *m = &s->mconns[i];
+        if (m->fd < 0) return i;
+        if (m->answering != MCONN_WRITING &&
+            (oldest == SRV_METRICS_CONNS || m->since_ms < s->mconns[oldest].since_ms))
+            oldest = i;
+    }
+    if (oldest < SRV_METRICS_CONNS) mconn_close(s, &s->mconns[oldest]);
+    return oldest;
 }
 
 void metrics_accept(srv *s)
@@ -145,10 +186,8 @@ void metrics_accept(srv *s)
     for (int n = 0; n < SRV_METRICS_CONNS; n++) {
         int fd = srv_accept(s, s->metrics_fd, NULL, NULL);
         if (fd < 0) return;
-        uint32_t i = 0;
-        while (i < SRV_METRICS_CONNS && s->mconns[i].fd >= 0)
-            i++;
-        if (i == SRV_METRICS_CONNS) { /* as many scrapes as are served at once: refused */
+        uint32_t i = mconn_slot(s);
+        if (i == SRV_METRICS_CONNS) { /* as many replies as are written at once: refused */
             close(fd);
             continue;
         }
@@ -169,11 +208,15 @@ void metrics_event(srv *s, uint32_t index, uint32_t events)
 {
     if (index >= SRV_METRICS_CONNS || s->mconns[index].fd < 0) return;
     srv_metrics_conn *m = &s->mconns[index];
-    if (m->answering) {
-        if (events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) mconn_write(s, m);
+    if (m->answering == MCONN_WRITING) {
+        if (events & (EPOLLOUT | EPOLLERR | EPOLLHUP)) mconn_write(s, m, index);
         return;
     }
-    char req[2048]; /* the request is read (a bounded part of it) and ignored */
+    if (m->answering == MCONN_DRAINING) {
+        mconn_drain(s, m);
+        return;
+    }
+    char req[2048]; /* the request is read (a bounded part of it; the rest when draining) */
     ssize_t got = recv(m->fd, req, sizeof req, MSG_DONTWAIT);
     if (got > 0)
         mconn_answer(s, m, index);

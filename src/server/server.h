@@ -26,18 +26,21 @@
 #include "idem.h"
 #include "resp.h"
 
-#define SRV_USERS_MAX    64
-#define SRV_NAME_MAX     64
-#define SRV_PASSWORD_MAX 256
-#define SRV_IN_BUF_MAX   (2u * RESP_BULK_PROTO_MAX + 65536u) /* a whole request must fit */
-#define SRV_READ_CHUNK   65536u
-#define SRV_REQ_MAX      (SRV_IN_BUF_MAX - SRV_READ_CHUNK / 4) /* larger requests are refused */
-#define SRV_STALL_MS     2000          /* over the io budget, a reader this slow is closed */
-#define SRV_HEAVY_BYTES  (256u * 1024) /* over the budget, clients above this are held back */
-#define SRV_IN_HELD_MAX  (256u * 1024) /* unparsed input kept for a held-back client */
-#define SRV_OWED_TIGHT   (1u << 20)    /* replies a client may be owed under memory pressure */
-#define SRV_STALL_BYTES  65536u        /* unread replies that make a stalled client a slow reader */
-#define SRV_SLOT_KEEP    16384u        /* slot buffers a connection keeps once their replies left */
+#define SRV_USERS_MAX           64
+#define SRV_NAME_MAX            64
+#define SRV_PASSWORD_MAX        256
+#define SRV_UNAUTH_ARG_MAX      16384u /* bytes of an argument before AUTH (when users are set) */
+#define SRV_UNAUTH_ARGC_MAX     16u    /* arguments of a request before AUTH */
+#define SRV_IDLE_TIMEOUT_MS_MAX (1ull << 53) /* far beyond any use, and no overflow in a sum */
+#define SRV_IN_BUF_MAX          (2u * RESP_BULK_PROTO_MAX + 65536u) /* a whole request must fit */
+#define SRV_READ_CHUNK          65536u
+#define SRV_REQ_MAX             (SRV_IN_BUF_MAX - SRV_READ_CHUNK / 4) /* larger requests are refused */
+#define SRV_STALL_MS            2000          /* over the io budget, a reader this slow is closed */
+#define SRV_HEAVY_BYTES         (256u * 1024) /* over the budget, clients above this are held back */
+#define SRV_IN_HELD_MAX         (256u * 1024) /* unparsed input kept for a held-back client */
+#define SRV_OWED_TIGHT          (1u << 20) /* replies a client may be owed under memory pressure */
+#define SRV_STALL_BYTES         65536u /* unread replies that make a stalled client a slow reader */
+#define SRV_SLOT_KEEP           16384u /* slot buffers a connection keeps once their replies left */
 #define SRV_TEST_CLOCK_MS_MAX                                                                      \
     (INT64_C(1) << 62)     /* DEBUG CLOCK: far below INT64_MAX - ttl - lease */
 #define SRV_LAT_BUCKETS 16 /* latency histograms: bucket i < 2^(i+4) us, the last the rest */
@@ -48,9 +51,12 @@
 #define SRV_TAG_METRICS_CONN (1ull << 40) /* epoll tag of scrape connection i: this + i */
 
 /* A connection to the metrics endpoint (metrics.c). */
+#define MCONN_WRITING  1 /* the reply is made: it is being written */
+#define MCONN_DRAINING 2 /* the reply is out and the write side shut: reading to the peer's close  \
+                          */
 typedef struct srv_metrics_conn {
     int fd;           /* -1: free */
-    int answering;    /* the reply is made: it is being written */
+    int answering;    /* 0: waiting for the request; MCONN_WRITING; MCONN_DRAINING */
     int64_t since_ms; /* accepted then (srv_now_ms) */
     size_t off;       /* bytes of out written */
     resp_buf out;
@@ -88,7 +94,7 @@ typedef struct srv_config {
     uint32_t pipeline_max;      /* outstanding requests per connection */
     uint64_t client_output_max; /* bytes of replies a client may leave unread */
     uint64_t io_budget_bytes;   /* input and output buffers of all connections together */
-    uint64_t idle_timeout_ms;   /* 0: never */
+    uint64_t idle_timeout_ms;   /* 0: never; at most SRV_IDLE_TIMEOUT_MS_MAX */
     uint32_t queue_depth;
     srv_user users[SRV_USERS_MAX];
     int nusers;
@@ -325,6 +331,12 @@ int cmd_complete(srv *s, srv_slot *sl, resp_buf *b, const idem_completion *cp);
 void cmd_del_count(const srv_conn *c, srv_slot *sl, const idem_completion *cp);
 /* The parser's field limits (resp_arg_max_fn); ctx is the srv. */
 uint32_t cmd_arg_max(void *ctx, const uint8_t *const *argv, const uint32_t *argl, uint32_t index);
+/* The same, capped at SRV_UNAUTH_ARG_MAX: a connection that must AUTH first cannot make idemd
+ * buffer large requests (as Redis caps unauthenticated bulks). */
+uint32_t cmd_arg_max_unauth(void *ctx, const uint8_t *const *argv, const uint32_t *argl,
+                            uint32_t index);
+/* Sets up c's parser with the limits of its role (before AUTH: SRV_UNAUTH_*). */
+void cmd_parser_limits(srv *s, srv_conn *c);
 /* Writes the reply of an error code (-STALE, -NOTFOUND, ...). */
 void cmd_reply_err(resp_buf *b, int err);
 /* Makes a read with the blocking calls of q (one thread at a time per queue) and writes its
