@@ -126,7 +126,7 @@ typedef struct idem_options {
                                   (only a new store starts at the wall clock); idem_clock_set */
     uint64_t max_keys;         /* 0: no limit beyond memory */
     uint64_t max_memory_bytes; /* 0: no limit; the index's memory (segments and directory) */
-    uint64_t max_disk_bytes;   /* 0: no limit; bytes of all files in the directory */
+    uint64_t max_disk_bytes;   /* 0: no limit; bytes of the log's segments (see stats) */
     uint32_t result_bytes_max; /* 0: IDEM_RESULT_BYTES_DEFAULT; at most IDEM_RESULT_BYTES_LIMIT */
     uint32_t segment_bytes;    /* 0: 64 MiB; WAL segment size, a multiple of 4096, >= 1 MiB */
     const idem_clock_source *clock; /* NULL: system clocks; copied at open */
@@ -145,8 +145,12 @@ void idem_options_init(idem_options *o);
 int idem_open(const char *dir, const idem_options *o, idem_store **out)
     __attribute__((warn_unused_result));
 
-/* Makes everything durable, writes a checkpoint (unless read-only or fatal), frees the store.
- * Waiting claims answer busy. Returns IDEM_OK, or IDEM_EFATAL if the store had failed. */
+/* Makes everything durable, writes a checkpoint (unless read-only or fatal), frees the store and
+ * every queue still open on it: no call may be in progress on the store or its queues, and none
+ * may use them afterwards (idem_queue_close included). To stop callers blocked in a WAIT,
+ * idem_cancel_waits answers them busy; close once they have returned. Returns IDEM_OK,
+ * IDEM_EFATAL if the store had failed, or the checkpoint's error (IDEM_EFULL, IDEM_EIO; what
+ * was acknowledged is in the log all the same). */
 int idem_close(idem_store *s);
 
 /* The last open or I/O failure of this thread, as a sentence. Never NULL. */
@@ -285,8 +289,9 @@ int idem_queue_fd(idem_queue *q);
  * a group of deletes, IDEM_F_WITH_NEXT) and queues their completions. Returns the number
  * accepted (fewer than n when the queue is full, or before a group that does not fit), or a
  * negative idem_err (IDEM_EINVAL for n > IDEM_BATCH_MAX, or a first group of more operations
- * than the queue's depth). Invalid operations are accepted and complete with err set. Never
- * blocks on I/O.
+ * than the queue's depth). Invalid operations are accepted and complete with err set. Makes no
+ * I/O of its own, but may wait for the flusher's: while the log's buffers are full, for token
+ * headroom, and while a backup or close makes the log durable.
  */
 int idem_submit(idem_queue *q, const idem_op *ops, size_t n) __attribute__((warn_unused_result));
 
@@ -392,7 +397,8 @@ typedef struct idem_stats {
     int64_t oldest_in_flight_ms; /* first_seen of the oldest in_flight record, 0 if none */
     int64_t oldest_review_ms;
     uint64_t wal_bytes;  /* bytes of live WAL segments */
-    uint64_t disk_bytes; /* all files of the store */
+    uint64_t disk_bytes; /* the log's segments, as max_disk_bytes counts (not the checkpoints,
+                            16-32 bytes a key, two kept, nor audit.log) */
     uint64_t disk_free_bytes;
     uint64_t memory_bytes; /* anonymous memory: index, repeat counters, age heaps, buffers */
     uint64_t max_keys, max_memory_bytes, max_disk_bytes;

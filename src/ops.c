@@ -995,7 +995,9 @@ static void park(idem_store *s, struct qslot *sl, const idem_op *op)
     sl->op = *op;
     sl->op.key = qslot_copy(sl, op->key, op->key_len);
     sl->op.owner = op->owner_len ? qslot_copy(sl, op->owner, op->owner_len) : NULL;
-    sl->op.fp = op->fp ? qslot_copy(sl, op->fp, op->fp_len ? op->fp_len : 1) : NULL;
+    /* An empty fingerprint stays non-NULL: one byte of its own, none read from op->fp. */
+    sl->op.fp =
+        op->fp ? qslot_copy(sl, op->fp_len ? op->fp : "", op->fp_len ? op->fp_len : 1) : NULL;
     if (!sl->op.key || (op->owner_len && !sl->op.owner) || (op->fp && !sl->op.fp))
         return; /* out of memory: answer busy now */
     sl->deadline_mono_ms = s->clock.monotonic_ms(s->clock.ctx) + op->wait_ms;
@@ -1084,6 +1086,12 @@ void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_
         break;
     case IDEM_OP_SYNC:
         sl->need_lsn = wal_last_lsn(s->wal);
+        /* Durable in every mode: batch and none flush for it (flush_asked). */
+        if (s->opt.durability != IDEM_DURABILITY_SYNC && sl->need_lsn > s->durable_lsn) {
+            sl->durable_wait = 1;
+            __atomic_add_fetch(&s->sync_ops, 1, __ATOMIC_RELAXED);
+            store_kick(s);
+        }
         break;
     }
     s->hash_cache_on = 0;
@@ -1143,16 +1151,18 @@ int idem_cancel_wait(idem_queue *q, uint64_t user_data)
     return rc;
 }
 
-void ops_wake(idem_store *s, const void *key, uint32_t key_len)
+/* Re-runs the parked claims of key (every one with all), and those whose deadline or awaited
+ * lease end has come. */
+static void wake_parked(idem_store *s, const void *key, uint32_t key_len, int all)
 {
     if (!s->waiters) return; /* nothing parked: nothing to re-run or append */
-    int64_t mono = s->clock.monotonic_ms(s->clock.ctx);
+    int64_t mono = s->clock.monotonic_ms(s->clock.ctx), now = store_now(s);
     struct qslot **pp = &s->waiters, *prev = NULL;
     while (*pp) {
         struct qslot *sl = *pp;
-        int match = !key || (sl->op.key_len == key_len && !memcmp(sl->op.key, key, key_len));
-        if ((match || mono >= sl->deadline_mono_ms || s->closing || s->no_wait) &&
-            wake_one(s, sl, mono)) {
+        int match = all || (key && sl->op.key_len == key_len && !memcmp(sl->op.key, key, key_len));
+        int due = mono >= sl->deadline_mono_ms || (!s->opt.test_clock && now >= sl->lease_end_ms);
+        if ((match || due || s->closing || s->no_wait) && wake_one(s, sl, mono)) {
             *pp = sl->wnext;
             if (s->waiters_tail == sl) s->waiters_tail = prev;
             sl->state = SLOT_DONE;
@@ -1164,6 +1174,19 @@ void ops_wake(idem_store *s, const void *key, uint32_t key_len)
         pp = &sl->wnext;
     }
     if (wal_pending(s->wal)) store_kick(s);
+}
+
+void ops_wake(idem_store *s, const void *key, uint32_t key_len)
+{
+    wake_parked(s, key, key_len, key == NULL);
+}
+
+void ops_wake_due(idem_store *s)
+{
+    int64_t mono = s->clock.monotonic_ms(s->clock.ctx);
+    if (!s->waiters || mono == s->wake_due_mono_ms) return;
+    s->wake_due_mono_ms = mono;
+    wake_parked(s, NULL, 0, 0);
 }
 
 /* ---- Recovery ---- */

@@ -94,18 +94,21 @@ int64_t idem_clock_now(idem_store *s)
     return now;
 }
 
+/* The test clock to ms (mu held): never back, never so far that a time plus a ttl overflows. */
+static int clock_set_locked(idem_store *s, int64_t ms)
+{
+    if (ms < s->clk_last_ms || ms > STORE_CLOCK_MS_MAX) return IDEM_EINVAL;
+    s->clk_last_ms = ms;
+    ops_wake(s, NULL, 0);
+    pthread_cond_broadcast(&s->cond_ready);
+    return 0;
+}
+
 int idem_clock_set(idem_store *s, int64_t ms)
 {
     if (!s->opt.test_clock) return IDEM_ENOTSUP;
     store_lock(s);
-    int rc = 0;
-    if (ms < s->clk_last_ms) {
-        rc = IDEM_EINVAL;
-    } else {
-        s->clk_last_ms = ms;
-        ops_wake(s, NULL, 0);
-        pthread_cond_broadcast(&s->cond_ready);
-    }
+    int rc = clock_set_locked(s, ms);
     store_unlock(s);
     return rc;
 }
@@ -113,8 +116,11 @@ int idem_clock_set(idem_store *s, int64_t ms)
 int idem_clock_advance(idem_store *s, int64_t delta_ms)
 {
     if (!s->opt.test_clock) return IDEM_ENOTSUP;
-    if (delta_ms < 0) return IDEM_EINVAL;
-    return idem_clock_set(s, s->clk_last_ms + delta_ms);
+    if (delta_ms < 0 || delta_ms > STORE_CLOCK_MS_MAX) return IDEM_EINVAL;
+    store_lock(s); /* the reading and the setting as one: two advances add up */
+    int rc = clock_set_locked(s, s->clk_last_ms + delta_ms);
+    store_unlock(s);
+    return rc;
 }
 
 /* ---- Tokens ---- */
@@ -185,8 +191,22 @@ static int reserve_tokens(idem_store *s)
 static int slot_ready(const idem_store *s, const struct qslot *sl)
 {
     if (sl->state != SLOT_DONE) return 0;
-    return s->opt.durability != IDEM_DURABILITY_SYNC || sl->need_lsn <= s->durable_lsn ||
-           sl->c.err == IDEM_EFATAL;
+    return (s->opt.durability != IDEM_DURABILITY_SYNC && !sl->durable_wait) ||
+           sl->need_lsn <= s->durable_lsn || sl->c.err == IDEM_EFATAL;
+}
+
+/* Someone waits for a flush that durability batch or none would not make now. */
+static int flush_asked(idem_store *s)
+{
+    return s->sync_waiters || __atomic_load_n(&s->sync_ops, __ATOMIC_RELAXED);
+}
+
+/* A durable_wait slot leaves the queue (delivered, or its queue closed). */
+static void slot_durable_done(idem_store *s, struct qslot *sl)
+{
+    if (!sl->durable_wait) return;
+    sl->durable_wait = 0;
+    __atomic_sub_fetch(&s->sync_ops, 1, __ATOMIC_RELAXED);
 }
 
 static void efd_signal(int efd)
@@ -392,7 +412,7 @@ static void flush_once(idem_store *s)
         begin_rc = ckpt_run_begin(s); /* a failure is handled once the batch is written */
     s->flushing = 1;
     uint64_t records = wal_flush_frames(s->wal);
-    int durable = s->opt.durability != IDEM_DURABILITY_NONE || s->sync_waiters || s->closing;
+    int durable = s->opt.durability != IDEM_DURABILITY_NONE || flush_asked(s) || s->closing;
     store_unlock(s);
     int64_t t0 = util_monotonic_us();
     int audit_rc = audit_write_taken(s);
@@ -425,7 +445,7 @@ static void flush_once(idem_store *s)
 /* Whether frames pending now should be flushed at once (else at the batch interval). */
 static int flush_wanted(idem_store *s)
 {
-    if (s->opt.durability == IDEM_DURABILITY_SYNC || s->sync_waiters || s->closing ||
+    if (s->opt.durability == IDEM_DURABILITY_SYNC || flush_asked(s) || s->closing ||
         wal_chunks_free(s->wal) < 4)
         return 1;
     return mono_now(s) - s->last_flush_mono_ms >= STORE_BATCH_FLUSH_MS;
@@ -437,7 +457,7 @@ static int flush_due(idem_store *s)
     if (s->audit_pend.n && !wal_pending(s->wal)) return 1; /* an imported entry */
     if (!wal_pending(s->wal)) {
         /* Durability none: a caller waits for what was written without a flush. */
-        if (s->sync_waiters && s->durable_lsn < wal_written_lsn(s->wal)) {
+        if (flush_asked(s) && s->durable_lsn < wal_written_lsn(s->wal)) {
             int rc = wal_sync(s->wal);
             if (rc < 0)
                 store_fail(s, rc, "flushing the log");
@@ -612,7 +632,10 @@ static void *flusher_main(void *arg)
             if (hook) hook(s);
             store_lock(s);
         }
-        if (maintained || stepped || flushed) continue;
+        if (maintained || stepped || flushed) {
+            ops_wake_due(s); /* WAIT deadlines and lease ends come under steady writes too */
+            continue;
+        }
         if (s->waiters) ops_wake(s, NULL, 0);
         /* Done once nothing is pending and nobody waits for what was written to be flushed
          * (durability none: the close itself waits so, and may have come in while mu was let
@@ -886,20 +909,34 @@ static int store_recover(idem_store *s)
     return 0;
 }
 
+/* Fills in defaults; returns 0, or IDEM_EINVAL with the option and its bounds named. */
 static int store_validate_options(idem_options *o)
 {
-    if (o->durability < 0 || o->durability > IDEM_DURABILITY_NONE || o->lease_policy < 0 ||
-        o->lease_policy > IDEM_LEASE_REVIEW || o->io_backend < 0 || o->io_backend > IDEM_IO_THREAD)
-        return IDEM_EINVAL;
+    char why[200] = "";
     if (o->result_bytes_max == 0) o->result_bytes_max = IDEM_RESULT_BYTES_DEFAULT;
-    if (o->result_bytes_max > IDEM_RESULT_BYTES_LIMIT) return IDEM_EINVAL;
     if (o->segment_bytes == 0) o->segment_bytes = 64u << 20;
     uint64_t rec_max = REC_FIXED_BYTES + IDEM_KEY_BYTES_MAX + IDEM_OWNER_BYTES_MAX +
                        IDEM_NOTE_BYTES_MAX + o->result_bytes_max + 2 * WAL_FRAME_HDR;
-    if (o->segment_bytes % WAL_BLOCK || o->segment_bytes > WAL_SEG_BYTES_MAX ||
-        o->segment_bytes < 4 * WAL_BLOCK + 2 * rec_max)
-        return IDEM_EINVAL;
-    return 0;
+    uint64_t seg_min = 4 * WAL_BLOCK + 2 * rec_max;
+    if (o->durability < 0 || o->durability > IDEM_DURABILITY_NONE)
+        snprintf(why, sizeof why, "durability %d is not sync, batch or none", o->durability);
+    else if (o->lease_policy < 0 || o->lease_policy > IDEM_LEASE_REVIEW)
+        snprintf(why, sizeof why, "lease_policy %d is not recover or review", o->lease_policy);
+    else if (o->io_backend < 0 || o->io_backend > IDEM_IO_THREAD)
+        snprintf(why, sizeof why, "io_backend %d is unknown", o->io_backend);
+    else if (o->result_bytes_max > IDEM_RESULT_BYTES_LIMIT)
+        snprintf(why, sizeof why, "result_bytes_max %u is above %u", o->result_bytes_max,
+                 (unsigned)IDEM_RESULT_BYTES_LIMIT);
+    else if (o->segment_bytes % WAL_BLOCK || o->segment_bytes > WAL_SEG_BYTES_MAX ||
+             o->segment_bytes < seg_min)
+        snprintf(why, sizeof why,
+                 "segment_bytes %u is not a multiple of %u from %llu to %llu (with "
+                 "result_bytes_max %u)",
+                 o->segment_bytes, (unsigned)WAL_BLOCK, (unsigned long long)seg_min,
+                 (unsigned long long)WAL_SEG_BYTES_MAX, o->result_bytes_max);
+    if (!*why) return 0;
+    store_set_error("invalid options: %s", why);
+    return IDEM_EINVAL;
 }
 
 static void store_free(idem_store *s)
@@ -1072,7 +1109,7 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     s->dir = strdup(dir);
     int rc = s->dir ? store_validate_options(&s->opt) : IDEM_ENOMEM;
     if (rc < 0) {
-        store_set_error("invalid options");
+        if (!s->dir) store_set_error("out of memory");
         goto fail;
     }
     /* A read-only open makes nothing: not the directory (below, not the lock file either when
@@ -1273,6 +1310,8 @@ void idem_queue_close(idem_queue *q)
         nanosleep(&pause, NULL);
         store_lock(s);
     }
+    for (struct qslot *sl = q->head; sl; sl = sl->lnext)
+        slot_durable_done(s, sl);
     /* Drop parked claims of this queue. */
     struct qslot **pp = &s->waiters;
     s->waiters_tail = NULL;
@@ -1370,6 +1409,7 @@ static struct qslot *slot_take(idem_queue *q)
     sl->state = SLOT_DONE;
     sl->seq = q->seq_next++;
     sl->need_lsn = 0;
+    sl->durable_wait = 0;
     sl->buf_used = 0;
     /* The record part is filled (whole) only when found is set: zero the rest. */
     memset(&sl->c, 0, offsetof(idem_completion, record));
@@ -1583,6 +1623,7 @@ static size_t collect_ready(idem_queue *q, idem_completion *out, size_t max)
                 sl->lnext->lprev = sl->lprev;
             else
                 q->tail = sl->lprev;
+            slot_durable_done(s, sl);
             sl->state = SLOT_RETURNED; /* freed at the next call */
             q->returned[q->nreturned++] = sl;
             q->active--;
@@ -1646,6 +1687,7 @@ static size_t poll_locked(idem_queue *q, idem_completion *out, size_t max, int t
 int idem_poll(idem_queue *q, idem_completion *out, size_t max, int timeout_ms)
 {
     if (!q || (!out && max)) return IDEM_EINVAL;
+    if (max == 0) return 0; /* room for nothing: nothing to wait for */
     idem_store *s = q->s;
     release_returned(q);
     queue_drain_fd(q);
@@ -1970,6 +2012,10 @@ static int ckpt_install(idem_store *s, struct super *sb, int off_lock)
     char old_path[4096] = "";
     if (s->sb.ckpt_id > 1) ckpt_path(s->dir, s->sb.ckpt_id - 1, old_path, sizeof old_path);
     sb->store_clock_ms = store_now(s);
+    /* The token reservation never goes back, and covers tokens an import set past it (no
+     * reserve_tokens may come between an import and the close that writes this). */
+    if (sb->token_reserved < s->sb.token_reserved) sb->token_reserved = s->sb.token_reserved;
+    if (sb->token_reserved < (uint64_t)s->token_next) sb->token_reserved = (uint64_t)s->token_next;
     if (off_lock) store_flusher_unlock(s);
     int rc = super_store(s->io, s->dir, sb);
     if (rc == 0 && *old_path) remover_add(s->remover, old_path); /* no copy names it any more */
@@ -2277,28 +2323,34 @@ static int copy_file(struct io *rd, struct io *wr, const char *from, const char 
     }
     rc = io_open(wr, to, IO_O_CREATE | IO_O_EXCL, &out);
     if (rc < 0) {
+        store_set_error("cannot create %s: %s", to, strerror(-rc));
         io_close(rd, in);
         return rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
     }
     uint8_t *buf = aligned_alloc(4096, 1 << 20);
     uint64_t off = 0;
     rc = buf ? 0 : IDEM_ENOMEM;
+    int err = 0; /* the failed call's errno */
+    const char *what = "copying";
     while (rc == 0 && off < len) {
         size_t want = len - off < (1 << 20) ? (size_t)(len - off) : (size_t)1 << 20;
         int64_t n = io_read(rd, in, off, buf, want);
-        if (n < 0) rc = IDEM_EIO;
+        if (n < 0) rc = IDEM_EIO, err = (int)-n, what = "reading";
         if (n <= 0) break;
         /* Flushed chunk by chunk: a copy's dirty pages, written back all at once, would hold up
          * the log's flushes on the same disk for as long. */
         int w = io_write_sync(wr, out, off, buf, (size_t)n, 1);
-        if (w < 0) rc = w == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
+        if (w < 0) rc = w == -ENOSPC ? IDEM_EFULL : IDEM_EIO, err = -w, what = "writing";
         off += (uint64_t)n;
     }
     if (rc == 0 && size > off) {
         int a = io_allocate(wr, out, off, size - off);
-        if (a < 0) rc = a == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
+        if (a < 0) rc = a == -ENOSPC ? IDEM_EFULL : IDEM_EIO, err = -a, what = "allocating";
     }
-    if (rc == 0 && io_flush_sync(wr, out) < 0) rc = IDEM_EIO;
+    int f = rc == 0 ? io_flush_sync(wr, out) : 0;
+    if (f < 0) rc = IDEM_EIO, err = -f, what = "flushing";
+    if (rc == IDEM_ENOMEM) store_set_error("out of memory copying %s", from);
+    if (rc < 0 && err) store_set_error("%s %s into %s failed: %s", what, from, to, strerror(err));
     free(buf);
     io_close(rd, in);
     io_close(wr, out);
@@ -2437,7 +2489,7 @@ const char *idem_strerror(int err)
     case IDEM_ELOCKED:
         return "store in use by another process";
     case IDEM_ENOTFOUND:
-        return "no such key";
+        return "not found (no such key; at open, no store in the directory)";
     case IDEM_ESTALE:
         return "stale token: not the current owner";
     case IDEM_ECONFLICT:
@@ -2453,7 +2505,7 @@ const char *idem_strerror(int err)
     case IDEM_ECLOSED:
         return "store closing";
     case IDEM_EBUSY:
-        return "queue busy";
+        return "busy: the queue is full or holds completions, or the call ran out of its time";
     case IDEM_ENOTSUP:
         return "not supported in this configuration";
     default:

@@ -29,10 +29,11 @@
 #define STORE_FRAMES_PER_STEP 128        /* frames flushed that earn compaction one more step */
 #define STORE_BUFFERS_IDLE_MS 1000       /* no flush for this long: log buffers are trimmed */
 #define STORE_BUFFERS_KEPT    2          /* log chunk buffers kept through an idle log */
-#define STORE_STEPS_PER_FLUSH 8          /* at most this many more after one flush */
-#define STORE_SLEW_PER_S_MS   100        /* the store clock follows the wall clock by <= 10% */
-#define STORE_CMP_AHEAD       64         /* walked segments awaiting retirement, at most */
-#define SEG_EXP_UNKNOWN       INT64_MIN  /* segment expiry horizon not known (compact.c) */
+#define STORE_CLOCK_MS_MAX    (INT64_MAX / 4) /* the test clock's bound: + a ttl never overflows */
+#define STORE_STEPS_PER_FLUSH 8               /* at most this many more after one flush */
+#define STORE_SLEW_PER_S_MS   100             /* the store clock follows the wall clock by <= 10% */
+#define STORE_CMP_AHEAD       64              /* walked segments awaiting retirement, at most */
+#define SEG_EXP_UNKNOWN       INT64_MIN       /* segment expiry horizon not known (compact.c) */
 #define SEG_EXP_EMPTY         (INT64_MIN + 1) /* known: no record written there yet */
 
 enum slot_state { SLOT_FREE = 0, SLOT_DONE = 1, SLOT_PARKED = 2, SLOT_RETURNED = 3 };
@@ -42,6 +43,8 @@ struct qslot {
     int state;
     uint64_t seq;      /* submission order */
     uint64_t need_lsn; /* ready once this LSN is durable */
+    int durable_wait;  /* IDEM_OP_SYNC without sync durability: counted in s->sync_ops until it
+                          is delivered or its queue closed; ready only once need_lsn is durable */
     idem_completion c;
     /* Copies owned by the slot (results, notes, keys of a parked claim). */
     uint8_t *buf;
@@ -264,6 +267,8 @@ struct idem_store {
     uint64_t hash_value;
     /* Parked WAIT claims, oldest first. */
     struct qslot *waiters, *waiters_tail;
+    int64_t wake_due_mono_ms; /* ops_wake_due's last look (monotonic ms) */
+    uint32_t sync_ops;        /* atomic: outstanding durable_wait slots (the flusher flushes) */
     struct idem_queue *queues;
     /* Audit trail. */
     struct io_file *audit_f;
@@ -428,9 +433,13 @@ int ops_hint_hash(const idem_store *s, const idem_op *op, uint64_t *h);
 /* Starts loading what a lookup that finds slot reads: the record's frame and its repeat counters.
  */
 void ops_prefetch_record(const idem_store *s, const struct index_slot *slot);
-/* Re-runs the parked claims of key (all keys when key == NULL): those that no longer get busy,
- * or whose deadline passed, complete. */
+/* Re-runs the parked claims of key (all keys when key == NULL), and those whose deadline or
+ * awaited lease end has come: those that no longer get busy, or whose deadline passed,
+ * complete. */
 void ops_wake(idem_store *s, const void *key, uint32_t key_len);
+/* Re-runs the parked claims whose WAIT deadline or awaited lease end has come (mu held), at most
+ * once per millisecond: for a flusher that is never idle under steady writes. */
+void ops_wake_due(idem_store *s);
 /* Replay of one log frame into the index (recovery). */
 int ops_replay(void *ctx, const struct wal_frame *f);
 /* Looks up key; returns the slot and fills *r and *lsn, or NULL: absent, or (find_corrupt set)

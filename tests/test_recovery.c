@@ -369,6 +369,40 @@ Test(recovery, acknowledged_batches_after_a_restart_survive_a_power_loss, .timeo
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
+/* IDEM_OP_SYNC completes once everything submitted before it is durable, in every durability
+ * mode: in batch and none it has the flusher flush, and a power loss right after keeps what it
+ * covered (it used to complete at once there). */
+Test(recovery, a_sync_op_makes_what_came_before_durable_in_every_mode, .timeout = 60)
+{
+    const int modes[] = {IDEM_DURABILITY_BATCH, IDEM_DURABILITY_NONE};
+    for (int m = 0; m < 2; m++) {
+        idem_store *s;
+        cr_assert_eq(open_sim_with(&s, 64 * 1024, modes[m]), IDEM_OK);
+        idem_queue *q;
+        cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+        char key[32];
+        snprintf(key, sizeof key, "synced-%d", m);
+        io_sim_hold(sim, 1); /* nothing reaches the disk until the sync is submitted */
+        claim_expect(q, key, IDEM_OK, IDEM_NEW);
+        idem_op op = {.kind = IDEM_OP_SYNC, .user_data = 9};
+        cr_assert_eq(idem_submit(q, &op, 1), 1);
+        idem_completion c;
+        cr_assert_eq(idem_poll(q, &c, 1, 50), 0, "mode %d: the sync completed before a flush", m);
+        io_sim_hold(sim, 0);
+        cr_assert_eq(idem_poll(q, &c, 1, 10000), 1, "mode %d: the sync never completed", m);
+        cr_assert_eq(c.user_data, 9);
+        cr_assert_eq(c.err, IDEM_OK, "%s", idem_strerror(c.err));
+        idem_queue_close(q);
+        store_abandon(s);
+        io_sim_crash(sim, IO_SIM_CRASH_LOSE_ALL);
+        cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+        cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+        cr_assert(key_found(q, key), "mode %d: the power loss took what the sync covered", m);
+        idem_queue_close(q);
+        cr_assert_eq(idem_close(s), IDEM_OK);
+    }
+}
+
 /* A run in durability none writes batches without flushing them; killed, its store is opened
  * in sync mode. What the next claim answers depends on the last run's record: the open makes that
  * record durable before anything is answered from it, so a power loss keeps it. */

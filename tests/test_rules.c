@@ -3832,3 +3832,24 @@ Test(version, an_import_moves_tokens_above_the_imported_ones)
     cr_assert_gt(c.token, 1000);
     expect_rc(commit("imp", 1000, "x"), IDEM_ESTALE);
 }
+
+/* A token imported far above the reservation, then a close at once (no flusher round between):
+ * the close's checkpoint records a reservation above it, so tokens after the reopen are too. */
+Test(version, an_imported_token_is_never_handed_out_again_after_a_close)
+{
+    idem_record in;
+    memset(&in, 0, sizeof in);
+    in.key = "imp";
+    in.key_len = 3;
+    in.state = IDEM_STATE_COMMITTED;
+    in.first_seen_ms = in.last_seen_ms = in.last_grant_ms = t0;
+    in.expires_at_ms = t0 + TTL;
+    in.seen_count = 1;
+    in.attempts = 1;
+    in.token = 1ll << 40;
+    expect_rc(idem_import_record(g_q, &in), IDEM_OK);
+    reopen();
+    int64_t tok = claim_new("after");
+    cr_assert_gt(tok, in.token, "token %lld handed out again after the import of %lld",
+                 (long long)tok, (long long)in.token);
+}

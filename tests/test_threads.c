@@ -1427,6 +1427,76 @@ Test(wait, waiting_claim_answers_busy_when_its_time_passes)
     cr_assert_eq(c.lease_left_ms, LEASE, "the test clock stood still");
 }
 
+/* Claims of new keys, always a batch in flight, until *stop: the flusher finds a batch to
+ * flush at every round. */
+static void *steady_writer(void *arg)
+{
+    atomic_int *stop = arg;
+    idem_queue *q;
+    if (idem_queue_open(g_s, 1024, &q) != IDEM_OK) return (void *)1;
+    char(*keys)[24] = calloc(1024, 24);
+    if (!keys) return (void *)1;
+    idem_op ops[256];
+    idem_completion c[256];
+    uint64_t n = 0;
+    long bad = 0;
+    while (!atomic_load(stop) && !bad) {
+        for (int i = 0; i < 256; i++, n++) {
+            snprintf(keys[n % 1024], sizeof keys[0], "steady-%p-%llu", (void *)keys,
+                     (unsigned long long)n);
+            memset(&ops[i], 0, sizeof ops[i]);
+            ops[i].kind = IDEM_OP_CLAIM;
+            ops[i].key = keys[n % 1024];
+            ops[i].key_len = (uint32_t)strlen(keys[n % 1024]);
+            ops[i].ttl_ms = TTL;
+            ops[i].lease_ms = LEASE;
+        }
+        int done = 0;
+        while (done < 256 && !bad) {
+            int k = idem_submit(q, ops + done, (size_t)(256 - done));
+            if (k > 0) done += k;
+            int got = idem_poll(q, c, 256, k > 0 ? 0 : 10);
+            bad = got < 0 || k < 0;
+        }
+    }
+    while (!bad && idem_poll(q, c, 256, 100) > 0) {
+    }
+    idem_queue_close(q);
+    free(keys);
+    return (void *)bad;
+}
+
+/* A WAIT deadline passes on time while other claims keep the flusher busy at every round (it
+ * used to look at deadlines only in a round with nothing to flush). */
+Test(wait, a_wait_deadline_passes_while_writes_keep_the_flusher_busy)
+{
+    open_waiters();
+    claim_new_on(g_q, "k");
+    atomic_int stop = 0;
+    pthread_t t[2];
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(pthread_create(&t[i], NULL, steady_writer, &stop), 0);
+    usleep(100 * 1000); /* the writers are under way */
+    struct timespec t0, t1;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    submit_wait_claim(g_wq[0], "k", 300, 5);
+    idem_completion c;
+    int n = idem_poll(g_wq[0], &c, 1, 3000);
+    clock_gettime(CLOCK_MONOTONIC, &t1);
+    atomic_store(&stop, 1);
+    for (int i = 0; i < 2; i++) {
+        void *bad;
+        pthread_join(t[i], &bad);
+        cr_assert_null(bad, "a writer failed");
+    }
+    fprintf(stderr, "wait: answered after %lld ms\n",
+            (long long)((t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000));
+    int64_t ms = (t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000;
+    cr_assert_eq(n, 1, "the waiting claim was not answered within 3 s of writes");
+    cr_assert_eq(c.outcome, IDEM_BUSY, "%s", idem_outcome_name(c.outcome));
+    cr_assert_lt(ms, 1500, "answered after %lld ms, its wait was 300 ms", (long long)ms);
+}
+
 static void *blocking_waiter(void *arg)
 {
     worker *w = arg;
