@@ -130,7 +130,8 @@ static void mconn_write(srv *s, srv_metrics_conn *m, uint32_t index)
     m->answering = MCONN_DRAINING;
 }
 
-/* Reads and drops what the peer sends; closes m at its close (or an error). */
+/* Reads and drops what the peer sends (64 KiB a wake-up; the rest at the next); closes m at its
+ * close or an error. */
 static void mconn_drain(srv *s, srv_metrics_conn *m)
 {
     char buf[4096];
@@ -138,9 +139,9 @@ static void mconn_drain(srv *s, srv_metrics_conn *m)
         ssize_t got = recv(m->fd, buf, sizeof buf, MSG_DONTWAIT);
         if (got > 0) continue;
         if (got < 0 && (errno == EAGAIN || errno == EINTR)) return;
-        break;
+        mconn_close(s, m);
+        return;
     }
-    mconn_close(s, m);
 }
 
 /* Makes the reply (the request is not looked at: any path answers) and starts writing it. */
