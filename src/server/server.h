@@ -52,8 +52,7 @@
 
 /* A connection to the metrics endpoint (metrics.c). */
 #define MCONN_WRITING  1 /* the reply is made: it is being written */
-#define MCONN_DRAINING 2 /* the reply is out and the write side shut: reading to the peer's close  \
-                          */
+#define MCONN_DRAINING 2 /* reply out, write side shut: reading until the peer closes */
 typedef struct srv_metrics_conn {
     int fd;           /* -1: free */
     int answering;    /* 0: waiting for the request; MCONN_WRITING; MCONN_DRAINING */
