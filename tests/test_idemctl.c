@@ -468,6 +468,12 @@ Test(idemctl, binary_keys_are_reached_in_the_forms_printed, .init = setup, .fini
     cr_assert(strstr(out, "\"key_base64\":\"YmluAOlcaw==\"") && strstr(out, "resolve-release"),
               "%s", out);
     cr_assert_eq(ctl("get YmluAOlcaw== --key-base64 --dir %s", dir), 1, "released");
+    /* Messages name a key in the escaped form, whatever form it was given in. */
+    cr_assert(strstr(err, "bin\\x00\\xe9\\x5ck: no record"), "%s", err);
+    cr_assert_eq(ctl("resolve YmluAOlcaw== commit --key-base64 --reason r --dir %s", dir), 1);
+    cr_assert(strstr(err, "bin\\x00\\xe9\\x5ck: no record"), "%s", err);
+    cr_assert_eq(ctl("get \"$(printf 'a\\033[2Jb')\" --dir %s", dir), 1);
+    cr_assert(strstr(err, "a\\x1b[2Jb: no record") && !strchr(err, 0x1b), "%s", err);
 
     cr_assert_eq(ctl("get 'a\\q' --key-escaped --dir %s", dir), 2);
     cr_assert(strstr(err, "xHH"), "%s", err);

@@ -1664,6 +1664,32 @@ Test(server, a_scrape_with_a_long_request_gets_the_whole_reply, .init = start_me
     cr_assert(strstr(body, "idem_flush_latency_us_bucket"), "%.300s", body);
 }
 
+/* A request that arrives in parts is answered after its blank line, not at its first bytes
+ * (a reply ahead of the request's end would answer a request not yet made). */
+Test(server, a_scrape_request_in_parts_is_answered_at_its_end, .init = start_metrics)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)metrics_port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    const char *part[] = {"GET /metrics HTTP/1.1\r\n", "Host: localhost\r", "\n\r\n"};
+    struct pollfd p = {.fd = fd, .events = POLLIN};
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(send(fd, part[i], strlen(part[i]), MSG_NOSIGNAL), (ssize_t)strlen(part[i]));
+        cr_assert_eq(poll(&p, 1, 40), 0, "answered after part %d of the request", i + 1);
+    }
+    cr_assert_eq(send(fd, part[2], strlen(part[2]), MSG_NOSIGNAL), (ssize_t)strlen(part[2]));
+    cr_assert_eq(poll(&p, 1, 5000), 1, "not answered at the request's end");
+    static char body[1 << 16];
+    size_t len = 0;
+    ssize_t k;
+    while (len + 1 < sizeof body && (k = read(fd, body + len, sizeof body - 1 - len)) > 0)
+        len += (size_t)k;
+    body[len] = 0;
+    close(fd);
+    cr_assert(strstr(body, "200 OK") && strstr(body, "idem_claims_new_total"), "%.300s", body);
+}
+
 /* Connections that take every scrape slot and send nothing do not keep a scrape out: it takes
  * the oldest silent one's slot and is answered at once. */
 Test(server, silent_connections_in_every_metrics_slot_do_not_keep_a_scrape_out,

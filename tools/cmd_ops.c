@@ -228,20 +228,21 @@ static void print_changes(const idem_record *a, const idem_record *b, int found)
 }
 
 /* Refusals decided from the record shown, before anything is sent. */
-static int resolve_precheck(const struct ctl_opts *o, const idem_record *r, int64_t now)
+static int resolve_precheck(const struct ctl_opts *o, const char *key, const idem_record *r,
+                            int64_t now)
 {
     char d[32];
     if (r->state == IDEM_STATE_COMMITTED) {
         ctl_err("%s is already committed (version %llu): resolve acts on in_flight and review "
                 "records",
-                o->pos[0], (unsigned long long)r->version);
+                key, (unsigned long long)r->version);
         return CTL_FAIL;
     }
     if (r->state == IDEM_STATE_IN_FLIGHT && r->lease_until_ms > now && !o->force) {
         fmt_duration(r->lease_until_ms - now, d, sizeof d);
         ctl_err("%s is in_flight and its lease runs %s more: a worker may still finish it; "
                 "pass --force once you have checked the target",
-                o->pos[0], d);
+                key, d);
         return CTL_FAIL;
     }
     return 0;
@@ -267,7 +268,7 @@ static void resolve_report(const struct ctl_opts *o, const idem_record *before,
         fputc('\n', stdout);
         return;
     }
-    char key[256];
+    char key[CTL_KEY_TEXT_CAP];
     bytes_escape(before->key, before->key_len, key, sizeof key);
     if (found)
         printf("%s: %s (version %llu) -> %s (version %llu) by %s; recorded in the audit trail\n",
@@ -283,22 +284,24 @@ static int resolve_run(struct ctl *c, const struct ctl_opts *o, int action)
 {
     const uint8_t *key = o->key;
     size_t klen = o->key_len;
+    char shown[CTL_KEY_TEXT_CAP];
+    bytes_escape(key, klen, shown, sizeof shown);
     struct ctl_record seen, now_rec;
     int found = 0, changed = 0;
     int64_t now = 0;
     if (ctl_get(c, key, klen, &seen, &found) || ctl_now(c, &now)) return CTL_FAIL;
     if (!found) {
-        ctl_err("%s: no record (absent, or expired): nothing to resolve", o->pos[0]);
+        ctl_err("%s: no record (absent, or expired): nothing to resolve", shown);
         return CTL_FAIL;
     }
     char msg[512] = "";
-    int rc = resolve_precheck(o, &seen.r, now);
+    int rc = resolve_precheck(o, shown, &seen.r, now);
     if (rc == 0)
         rc = ctl_resolve(c, key, klen, action, seen.r.version, o->force, msg, sizeof msg, &changed);
     if (rc && changed) {
         ctl_err("%s changed since it was read (version %llu): %s; nothing was done. What "
                 "changed:",
-                o->pos[0], (unsigned long long)seen.r.version, msg);
+                shown, (unsigned long long)seen.r.version, msg);
         if (ctl_get(c, key, klen, &now_rec, &found) == 0) {
             print_changes(&seen.r, &now_rec.r, found);
             ctl_record_free(&now_rec);
@@ -307,7 +310,7 @@ static int resolve_run(struct ctl *c, const struct ctl_opts *o, int action)
         if (strstr(msg, "NOPERM"))
             ctl_err("resolve needs the admin role: %s", msg);
         else
-            ctl_err("resolve %s %s refused: %s", key, o->pos[1], msg);
+            ctl_err("resolve %s %s refused: %s", shown, o->pos[1], msg);
     }
     if (rc == 0 && ctl_get(c, key, klen, &now_rec, &found) == 0) {
         resolve_report(o, &seen.r, &now_rec, found, now);

@@ -456,8 +456,10 @@ int cmd_get(const struct ctl_opts *o)
     rc = ctl_disconnect(&c, rc);
     if (rc) return rc;
     if (!found) {
+        char shown[CTL_KEY_TEXT_CAP];
+        bytes_escape(o->key, o->key_len, shown, sizeof shown);
         if (o->json) printf("null\n");
-        ctl_err("%s: no record (absent, or expired)", o->pos[0]);
+        ctl_err("%s: no record (absent, or expired)", shown);
         return CTL_FAIL;
     }
     if (o->json) {

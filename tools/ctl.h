@@ -174,6 +174,10 @@ void jw_ktime(struct jw *j, const char *k, int64_t ms); /* ms and ISO 8601 (null
 int bytes_are_text(const void *p, size_t n);
 /* Bytes for a terminal: printable kept, others as \xHH; truncated to max chars with "...". */
 void bytes_escape(const void *p, size_t n, char *out, size_t cap);
+/* Room for any key in the escaped form, whole: messages name a key this way, so a key
+ * of control bytes never reaches the terminal raw and the text can be given back with
+ * --key-escaped. */
+#define CTL_KEY_TEXT_CAP (4 * IDEM_KEY_BYTES_MAX + 16)
 /* ISO 8601 UTC with milliseconds ("-" for 0). */
 void fmt_iso(int64_t ms, char *out, size_t cap);
 /* 16 bytes as 32 hex digits. */

@@ -1,8 +1,9 @@
 /*
  * metrics.c: the Prometheus text endpoint (--metrics-listen ADDR:PORT). Scrapes are served on
  * the loop thread without blocking it: each connection (SRV_METRICS_CONNS at once) sits in the
- * loop's epoll set; its request is read and ignored (any path answers), or answered anyway once
- * SRV_METRICS_WAIT_MS pass without one; the exposition is written as the socket takes it, then
+ * loop's epoll set; its request head is read to its blank line and ignored (any path answers),
+ * or answered anyway once SRV_METRICS_WAIT_MS pass or SRV_METRICS_ASK_MAX bytes come without
+ * one; the exposition is written as the socket takes it, then
  * the write side is shut and what the peer still sends is read until it closes (a close with
  * unread bytes would reset the connection and could drop the reply's end). One that is still
  * open after SRV_METRICS_MAX_MS is closed. With every slot taken, a new connection takes the
@@ -205,6 +206,19 @@ void metrics_accept(srv *s)
     }
 }
 
+/* Whether the request head is complete after p: its blank line ("\r\n\r\n", or "\n\n" from a
+ * lax client) was seen, or SRV_METRICS_ASK_MAX bytes came without one. What follows the blank
+ * line (a body) is read and dropped while draining. */
+static int request_head_ended(srv_metrics_conn *m, const char *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        m->tail = m->tail << 8 | (uint8_t)p[i];
+        if (m->tail == 0x0d0a0d0a || (m->tail & 0xffff) == 0x0a0a) return 1;
+    }
+    m->asked += (uint32_t)(n < SRV_METRICS_ASK_MAX ? n : SRV_METRICS_ASK_MAX);
+    return m->asked >= SRV_METRICS_ASK_MAX;
+}
+
 void metrics_event(srv *s, uint32_t index, uint32_t events)
 {
     if (index >= SRV_METRICS_CONNS || s->mconns[index].fd < 0) return;
@@ -217,12 +231,13 @@ void metrics_event(srv *s, uint32_t index, uint32_t events)
         mconn_drain(s, m);
         return;
     }
-    char req[2048]; /* the request is read (a bounded part of it; the rest when draining) */
+    char req[2048]; /* a bounded part of the request a wake-up (the rest when draining) */
     ssize_t got = recv(m->fd, req, sizeof req, MSG_DONTWAIT);
-    if (got > 0)
-        mconn_answer(s, m, index);
-    else if (got == 0 || (errno != EAGAIN && errno != EINTR))
+    if (got > 0) {
+        if (request_head_ended(m, req, (size_t)got)) mconn_answer(s, m, index);
+    } else if (got == 0 || (errno != EAGAIN && errno != EINTR)) {
         mconn_close(s, m); /* gone without asking */
+    }
 }
 
 void metrics_tick(srv *s, int64_t now_ms)

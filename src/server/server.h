@@ -48,6 +48,7 @@
 #define SRV_METRICS_CONNS    16           /* scrape connections served at once */
 #define SRV_METRICS_WAIT_MS  200          /* a scrape without a request is answered after this */
 #define SRV_METRICS_MAX_MS   2000         /* a scrape connection open this long is closed */
+#define SRV_METRICS_ASK_MAX  8192         /* a request head past this is answered unfinished */
 #define SRV_TAG_METRICS_CONN (1ull << 40) /* epoll tag of scrape connection i: this + i */
 
 /* A connection to the metrics endpoint (metrics.c). */
@@ -58,6 +59,8 @@ typedef struct srv_metrics_conn {
     int answering;    /* 0: waiting for the request; MCONN_WRITING; MCONN_DRAINING */
     int64_t since_ms; /* accepted then (srv_now_ms) */
     size_t off;       /* bytes of out written */
+    uint32_t tail;    /* the request's last four bytes, to see its blank line */
+    uint32_t asked;   /* request bytes read so far (capped) */
     resp_buf out;
 } srv_metrics_conn;
 
