@@ -389,6 +389,8 @@ int idem_audit_page(idem_queue *q, const void *key, size_t key_len, uint64_t bef
 typedef struct idem_stats {
     uint64_t keys; /* records in the index, expired ones not yet swept included */
     uint64_t keys_in_flight, keys_committed, keys_review;
+    /* Claims by outcome. A claim that waits (WAIT) counts busy once, when it parks, and the
+     * outcome it is woken with; its re-runs while it waits are not counted. */
     uint64_t claims_new, claims_busy, claims_done, claims_mismatch, claims_recover, claims_review;
     uint64_t mismatches; /* mismatches recorded */
     uint64_t recoveries;

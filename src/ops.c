@@ -523,7 +523,7 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, c
         if (!waking) seen_bump(s, slot, r, now);
         sl->c.outcome = IDEM_BUSY;
         sl->c.lease_left_ms = r->lease_until_ms - now;
-        s->st.claims_busy++;
+        if (!waking) s->st.claims_busy++; /* a parked claim's re-runs are not claims */
         goto out;
     }
     /* Rule 6: the lease ran out; the transition is made and logged now. */
@@ -566,7 +566,10 @@ out:
 static int op_claim(idem_store *s, struct qslot *sl, const idem_op *op, int waking)
 {
     uint8_t fp[16] = {0};
-    if (op->fp) idem_fingerprint(op->fp, op->fp_len, fp);
+    if (op->fp && waking)
+        memcpy(fp, op->fp, 16); /* parked with its digest (park) */
+    else if (op->fp)
+        idem_fingerprint(op->fp, op->fp_len, fp);
     int64_t now = store_now(s);
     struct rec r;
     uint64_t lsn;
@@ -990,15 +993,20 @@ static void op_resolve(idem_store *s, struct qslot *sl, const idem_op *op)
 
 /* ---- Dispatch and WAIT ---- */
 
+/* Keeps a busy claim with WAIT on the waiter list: its key and owner are copied into the slot's
+ * buffer, its fingerprint as the 16-byte digest (the content it was made from may be megabytes,
+ * which thousands of waiters must not hold). */
 static void park(idem_store *s, struct qslot *sl, const idem_op *op)
 {
     sl->op = *op;
     sl->op.key = qslot_copy(sl, op->key, op->key_len);
     sl->op.owner = op->owner_len ? qslot_copy(sl, op->owner, op->owner_len) : NULL;
-    /* An empty fingerprint stays non-NULL: one byte of its own, none read from op->fp. */
-    sl->op.fp =
-        op->fp ? qslot_copy(sl, op->fp_len ? op->fp : "", op->fp_len ? op->fp_len : 1) : NULL;
-    if (!sl->op.key || (op->owner_len && !sl->op.owner) || (op->fp && !sl->op.fp))
+    if (op->fp) {
+        idem_fingerprint(op->fp, op->fp_len, sl->wait_fp);
+        sl->op.fp = sl->wait_fp;
+        sl->op.fp_len = sizeof sl->wait_fp;
+    }
+    if (!sl->op.key || (op->owner_len && !sl->op.owner))
         return; /* out of memory: answer busy now */
     sl->deadline_mono_ms = s->clock.monotonic_ms(s->clock.ctx) + op->wait_ms;
     sl->state = SLOT_PARKED;
@@ -1103,34 +1111,57 @@ void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_
     }
 }
 
-/* Re-runs one parked claim; returns 1 when it completed (and left the waiter list). */
+/* A parked claim answers busy without running again: the lease it waits on, as it stands. */
+static void answer_busy(idem_store *s, struct qslot *sl)
+{
+    struct rec r;
+    uint64_t lsn;
+    struct index_slot *slot = ops_find(s, sl->op.key, sl->op.key_len, &r, &lsn);
+    int64_t now = store_now(s);
+    sl->c.outcome = IDEM_BUSY;
+    sl->c.lease_left_ms = slot && r.lease_until_ms > now ? r.lease_until_ms - now : 0;
+    sl->need_lsn = slot ? lsn : wal_last_lsn(s->wal);
+}
+
+/* Re-runs one parked claim; returns 1 when it completed (and must leave the waiter list). A
+ * cancelled claim (deadline 0: its caller is gone) answers busy and is never granted. */
 static int wake_one(idem_store *s, struct qslot *sl, int64_t mono)
 {
     uint32_t keep = sl->buf_used;
     uint64_t ud = sl->c.user_data;
     memset(&sl->c, 0, sizeof sl->c);
     sl->c.user_data = ud;
-    if (s->closing || s->no_wait || s->fatal || store_room_ok(s) == IDEM_EBUSY) {
-        if (!s->closing && !s->no_wait && !s->fatal && mono < sl->deadline_mono_ms)
-            return 0; /* no buffer room now: try again at the next wake-up */
-        if (s->fatal) {
-            sl->c.err = IDEM_EFATAL;
+    sl->wake_again = 0;
+    if (s->fatal) {
+        sl->c.err = IDEM_EFATAL;
+        return 1;
+    }
+    if (sl->deadline_mono_ms == 0 || s->closing || s->no_wait) {
+        answer_busy(s, sl);
+        return 1;
+    }
+    if (store_room_ok(s) == IDEM_EBUSY) {
+        if (mono >= sl->deadline_mono_ms) {
+            answer_busy(s, sl);
             return 1;
         }
-        /* Closing: waiting claims answer busy at once. */
-        struct rec r;
-        uint64_t lsn;
-        struct index_slot *slot = ops_find(s, sl->op.key, sl->op.key_len, &r, &lsn);
-        sl->c.outcome = IDEM_BUSY;
-        sl->c.lease_left_ms =
-            slot && r.lease_until_ms > store_now(s) ? r.lease_until_ms - store_now(s) : 0;
-        sl->need_lsn = slot ? lsn : wal_last_lsn(s->wal);
-        return 1;
+        sl->wake_again = 1; /* no buffer room now: again at the next wake-up of any kind */
+        return 0;
     }
     sl->buf_used = keep;
     int park_again = op_claim(s, sl, &sl->op, 1);
     if (park_again && mono < sl->deadline_mono_ms) return 0;
     return 1;
+}
+
+/* Takes a completed claim off the waiter list (pp points at it, prev before it). */
+static void waiter_done(idem_store *s, struct qslot **pp, struct qslot *prev, struct qslot *sl)
+{
+    *pp = sl->wnext;
+    if (s->waiters_tail == sl) s->waiters_tail = prev;
+    sl->state = SLOT_DONE;
+    queue_signal(sl->q);
+    pthread_cond_broadcast(&s->cond_ready);
 }
 
 int idem_cancel_wait(idem_queue *q, uint64_t user_data)
@@ -1139,14 +1170,17 @@ int idem_cancel_wait(idem_queue *q, uint64_t user_data)
     idem_store *s = q->s;
     store_lock(s);
     int rc = IDEM_ENOTFOUND;
-    for (struct qslot *w = s->waiters; w; w = w->wnext) {
+    for (struct qslot **pp = &s->waiters, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->wnext) {
+        struct qslot *w = *pp;
         if (w->q == q && w->c.user_data == user_data) {
-            w->deadline_mono_ms = 0; /* due now: the next wake-up answers it busy */
+            /* Answered now, alone: the other waiters do not run again for it. */
+            w->deadline_mono_ms = 0;
+            wake_one(s, w, 0);
+            waiter_done(s, pp, prev, w);
             rc = IDEM_OK;
             break;
         }
     }
-    if (rc == IDEM_OK) ops_wake(s, NULL, 0);
     store_unlock(s);
     return rc;
 }
@@ -1161,13 +1195,10 @@ static void wake_parked(idem_store *s, const void *key, uint32_t key_len, int al
     while (*pp) {
         struct qslot *sl = *pp;
         int match = all || (key && sl->op.key_len == key_len && !memcmp(sl->op.key, key, key_len));
-        int due = mono >= sl->deadline_mono_ms || (!s->opt.test_clock && now >= sl->lease_end_ms);
+        int due = mono >= sl->deadline_mono_ms || (!s->opt.test_clock && now >= sl->lease_end_ms) ||
+                  sl->wake_again;
         if ((match || due || s->closing || s->no_wait) && wake_one(s, sl, mono)) {
-            *pp = sl->wnext;
-            if (s->waiters_tail == sl) s->waiters_tail = prev;
-            sl->state = SLOT_DONE;
-            queue_signal(sl->q);
-            pthread_cond_broadcast(&s->cond_ready);
+            waiter_done(s, pp, prev, sl);
             continue;
         }
         prev = sl;

@@ -636,7 +636,14 @@ static void *flusher_main(void *arg)
             ops_wake_due(s); /* WAIT deadlines and lease ends come under steady writes too */
             continue;
         }
-        if (s->waiters) ops_wake(s, NULL, 0);
+        /* Waiters whose deadline or awaited lease end has come (the others run again when
+         * their key changes). A recover or review this makes is flushed at once in sync mode,
+         * not after a batch interval. */
+        if (s->waiters) {
+            uint64_t last = wal_last_lsn(s->wal);
+            ops_wake_due(s);
+            if (wal_last_lsn(s->wal) != last && flush_wanted(s)) continue;
+        }
         /* Done once nothing is pending and nobody waits for what was written to be flushed
          * (durability none: the close itself waits so, and may have come in while mu was let
          * go above). After a fatal error nothing will ever be flushed. */
@@ -1425,10 +1432,19 @@ static struct qslot *slot_take(idem_queue *q)
     return sl;
 }
 
+/* A slot keeps a buffer up to this size for its next operation; a larger one (a large result
+ * copied out) is given back, so a queue's memory does not stay at its largest answers. */
+#define QSLOT_BUF_KEEP (128u << 10)
+
 static void release_returned(idem_queue *q)
 {
     for (uint32_t i = 0; i < q->nreturned; i++) {
         struct qslot *sl = q->returned[i];
+        if (sl->buf_cap > QSLOT_BUF_KEEP) {
+            free(sl->buf);
+            sl->buf = NULL;
+            sl->buf_cap = 0;
+        }
         sl->state = SLOT_FREE;
         q->free_stack[q->nfree++] = (uint32_t)(sl - q->slots);
     }
@@ -2213,6 +2229,14 @@ void store_test_wake_delay(idem_store *s, uint32_t us)
     store_lock(s);
     s->test_wake_delay_us = us;
     store_unlock(s);
+}
+
+uint64_t store_test_queue_buf_bytes(const idem_queue *q)
+{
+    uint64_t n = 0;
+    for (uint32_t i = 0; i < q->depth; i++)
+        n += q->slots[i].buf_cap;
+    return n;
 }
 
 uint64_t store_test_reads(idem_store *s)

@@ -54,6 +54,8 @@ struct qslot {
     idem_op op;
     int64_t deadline_mono_ms;
     int64_t lease_end_ms;        /* store clock: when the lease it waits on runs out */
+    uint8_t wait_fp[16];         /* its fingerprint's digest (op.fp points here) */
+    int wake_again;              /* a wake-up found no room: the next one of any kind re-runs it */
     struct qslot *wnext;         /* store's waiter list */
     struct qslot *lprev, *lnext; /* the queue's outstanding slots, in submission order */
     struct idem_queue *q;
@@ -335,6 +337,8 @@ int store_ckpt_step(idem_store *s);
 /* Tests: the end of each flush waits `us` microseconds after letting go of the lock and before
  * it wakes the waiting threads (notify_ready_unlocked), so a test can act in between. */
 void store_test_wake_delay(idem_store *s, uint32_t us);
+/* Tests: the bytes q's slots hold in their buffers (copies of keys, results, parked claims). */
+uint64_t store_test_queue_buf_bytes(const idem_queue *q);
 /* Claims answered so far under rw's read side, without the store's lock. */
 uint64_t store_test_reads(idem_store *s);
 /* Lets mu go (held on entry and on return) long enough for a thread blocked on it to take it:

@@ -1163,6 +1163,35 @@ Test(server, wait_times_out_as_busy, .init = start)
     redisFree(c);
 }
 
+/* A claim pipelined behind a claim with WAIT runs only once the WAIT is answered: run at once,
+ * it would be granted a lease that runs out while its reply waits, and another worker could
+ * recover the key while the first still has not heard it got it. */
+Test(server, a_claim_pipelined_behind_a_wait_runs_after_it, .init = start)
+{
+    redisContext *a = connect_tcp(), *b = connect_tcp(), *other = connect_tcp(),
+                 *admin = connect_unix();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(a, "IDEM.CLAIM hot 100000 60000"), &tok), "new");
+    redisAppendCommand(b, "IDEM.CLAIM hot 100000 60000 WAIT 1000");
+    redisAppendCommand(b, "IDEM.CLAIM behind 100000 500");
+    for (int done = 0; !done;)
+        cr_assert_eq(redisBufferWrite(b, &done), REDIS_OK);
+    usleep(200000);
+    freeReplyObject(cmd(admin, "DEBUG CLOCK ADVANCE 600")); /* past the lease it would hold */
+    cr_assert_str_eq(outcome(cmd(other, "IDEM.CLAIM behind 100000 500"), NULL), "new",
+                     "the claim behind the WAIT ran before it and its lease ran out unheard");
+    redisReply *r;
+    cr_assert_eq(redisGetReply(b, (void **)&r), REDIS_OK);
+    cr_assert_str_eq(outcome(r, NULL), "busy", "hot: still held by its owner");
+    cr_assert_eq(redisGetReply(b, (void **)&r), REDIS_OK);
+    cr_assert_str_eq(outcome(r, NULL), "busy", "behind: the other worker holds it");
+    expect_status(cmd(a, "PING"), "PONG");
+    redisFree(a);
+    redisFree(b);
+    redisFree(other);
+    redisFree(admin);
+}
+
 /* A client that parks a WAIT claim and then stops being read (QUIT, or a malformed frame that
  * closes it after its replies) and hangs up must be noticed: its claim leaves the engine, so it
  * is never granted the key after the owner releases it. */

@@ -1532,6 +1532,121 @@ Test(wait, blocking_waiters_in_other_threads_and_an_async_waiter_see_the_commit)
     cr_assert_eq(c.outcome, IDEM_DONE);
 }
 
+/* A cancelled waiter (its caller is gone) answers busy, alone: the other waiters do not run
+ * again for it, and their re-runs are not counted as claims. */
+Test(wait, a_cancel_answers_only_the_cancelled_waiter)
+{
+    open_waiters();
+    claim_new_on(g_q, "k");
+    for (int i = 0; i < WAITERS; i++)
+        submit_wait_claim(g_wq[i], "k", 20000, (uint64_t)i);
+    idem_stats before, after;
+    idem_get_stats(g_s, &before);
+    expect_rc(idem_cancel_wait(g_wq[0], 0), IDEM_OK);
+    expect_rc(idem_cancel_wait(g_wq[0], 0), IDEM_ENOTFOUND);
+    idem_completion c;
+    cr_assert_eq(idem_poll(g_wq[0], &c, 1, 5000), 1);
+    cr_assert_eq(c.outcome, IDEM_BUSY, "%s", idem_outcome_name(c.outcome));
+    cr_assert_eq(c.lease_left_ms, LEASE);
+    for (int i = 1; i < WAITERS; i++)
+        cr_assert_eq(poll_now(g_wq[i], &c), 0, "waiter %d answered %s", i,
+                     idem_outcome_name(c.outcome));
+    idem_get_stats(g_s, &after);
+    cr_assert_eq(after.claims_busy, before.claims_busy, "re-runs counted as claims");
+}
+
+static _Atomic int64_t g_wait_mono = 5000000;
+
+static int64_t wait_mono_ms(void *ctx)
+{
+    (void)ctx;
+    return atomic_load(&g_wait_mono);
+}
+
+/* A waiter cancelled after the lease it waits on has run out, before any wake-up ran it, is
+ * never granted the key: its caller is gone, and a recover for it would leave a token no one
+ * holds and the key blocked for a whole lease. (Elapsed time from a clock the test moves: the
+ * flusher, asleep until the lease end by the real clock, does not see the jump at once.) */
+Test(wait, a_cancelled_waiter_is_never_granted_the_key)
+{
+    static const idem_clock_source clock = {.monotonic_ms = wait_mono_ms};
+    teardown();
+    g_dir = tu_mkdtemp("threads");
+    idem_options_init(&g_opts);
+    g_opts.clock = &clock;
+    store_open();
+    open_waiters();
+    idem_claim_args a = claim_args(TTL, 30000, 0);
+    idem_completion c;
+    expect_rc(idem_claim(g_q, "k", 1, &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    submit_wait_claim(g_wq[0], "k", 20000, 9);
+    usleep(50000); /* the flusher has run its round for the park and sleeps */
+    atomic_fetch_add(&g_wait_mono, 40000);
+    int rc = idem_cancel_wait(g_wq[0], 9);
+    if (rc == IDEM_ENOTFOUND) cr_skip_test("the flusher woke the waiter before the cancel");
+    expect_rc(rc, IDEM_OK);
+    cr_assert_eq(idem_poll(g_wq[0], &c, 1, 5000), 1);
+    cr_assert_eq(c.outcome, IDEM_BUSY, "the gone waiter got %s", idem_outcome_name(c.outcome));
+    idem_claim_args b = claim_args(TTL, 30000, 0);
+    expect_rc(idem_claim(g_q, "k", 1, &b, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_RECOVER, "the next claimer: %s", idem_outcome_name(c.outcome));
+}
+
+/* Parked claims keep their fingerprint as its digest, not the content it was made from: a
+ * thousand waiters with megabyte fingerprints must not hold gigabytes. The digest still decides
+ * done against mismatch when they wake. */
+Test(wait, parked_claims_keep_the_digest_of_a_large_fingerprint)
+{
+    enum { N = 32, FP = 1 << 20 };
+    char *fp = malloc(FP), *other = malloc(FP);
+    cr_assert(fp && other);
+    memset(fp, 'f', FP);
+    memcpy(other, fp, FP);
+    other[FP - 1] = 'g';
+    idem_queue *q;
+    expect_rc(idem_queue_open(g_s, N + 1, &q), IDEM_OK);
+    idem_claim_args a = claim_args(TTL, LEASE, 0);
+    a.fp = fp;
+    a.fp_len = FP;
+    idem_completion c;
+    expect_rc(idem_claim(g_q, "k", 1, &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    int64_t tok = c.token;
+    idem_op ops[N];
+    for (int i = 0; i < N; i++)
+        ops[i] = (idem_op){.kind = IDEM_OP_CLAIM,
+                           .key = "k",
+                           .key_len = 1,
+                           .ttl_ms = TTL,
+                           .lease_ms = LEASE,
+                           .wait_ms = 20000,
+                           .fp = i ? fp : other,
+                           .fp_len = FP,
+                           .user_data = (uint64_t)i};
+    cr_assert_eq(idem_submit(q, ops, N), N);
+    idem_completion out[N];
+    int got = idem_poll(q, out, N, 100); /* the other content may be answered at once */
+    cr_assert_leq(got, 1);
+    uint64_t held = store_test_queue_buf_bytes(q);
+    cr_assert_lt(held, (uint64_t)N * 4096, "parked claims hold %llu bytes",
+                 (unsigned long long)held);
+    expect_rc(idem_commit(g_q, "k", 1, tok, "r", 1), IDEM_OK);
+    while (got < N) {
+        int n = idem_poll(q, out + got, (size_t)(N - got), 20000);
+        cr_assert_gt(n, 0, "waiters not woken by the commit");
+        got += n;
+    }
+    for (int i = 0; i < N; i++) {
+        int want = out[i].user_data == 0 ? IDEM_MISMATCH : IDEM_DONE;
+        cr_assert_eq(out[i].outcome, want, "waiter %llu: %s", (unsigned long long)out[i].user_data,
+                     idem_outcome_name(out[i].outcome));
+    }
+    idem_queue_close(q);
+    free(fp);
+    free(other);
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* Randomised model test. */
 

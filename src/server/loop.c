@@ -430,6 +430,7 @@ static void submit_batch(srv *s)
         if (slot_of(c, seq)->is_wait) {
             slot_of(c, seq)->is_wait = 0;
             s->wait_due--;
+            c->waits_due--;
         }
         if (slot_of(c, seq)->kind == RK_RESOLVE) log_resolve_result(c, seq, IDEM_EBUSY);
         if (c->dead || slot_of(c, seq)->state != SLOT_PENDING) continue;
@@ -457,6 +458,7 @@ void srv_submit_op(srv *s, srv_conn *c, uint32_t seq, int kind, idem_op *op)
         } else {
             slot_of(c, seq)->is_wait = 1;
             s->wait_due++;
+            c->waits_due++;
         }
     }
     /* Claim latency: from this turn's clock; a WAIT's time is mostly its wait, left out. */
@@ -644,6 +646,10 @@ static int conn_may_parse(srv *s, srv_conn *c)
 {
     if (c->tail_seq - c->head_seq >= s->cfg.pipeline_max) return 0;
     if (c->read_due) return 0; /* its read sees nothing after it (reads.c) */
+    /* As Redis blocks a client in BLPOP: what follows a claim with WAIT runs once it is
+     * answered. Run before, a claim pipelined behind it would get `new` and a lease that runs
+     * while its reply waits behind the WAIT, and another worker could recover the key. */
+    if (c->waits_due) return 0;
     /* As Redis, a client may pipeline far ahead of reading its replies: they collect in its
      * output, up to --client-output-max (replies still owed count at the largest reply it has
      * had). Past half the global budget the allowance shrinks to SRV_OWED_TIGHT, and past the
@@ -805,6 +811,7 @@ static void complete_one(srv *s, const idem_completion *cp)
     if (sl->is_wait) {
         sl->is_wait = 0;
         s->wait_due--;
+        c->waits_due--;
     }
     if (sl->state != SLOT_PENDING) return; /* answered already (drain) */
     sl->remaining--;
@@ -1146,14 +1153,12 @@ static int shutdown_fatal(srv *s)
 /* One drain step: returns nonzero when the server may exit. */
 static int drain_step(srv *s)
 {
+    /* Every operation the engine took is answered by it: claims that waited (cancelled at the
+     * drain's start) answer busy with the lease they waited on, and one granted just before
+     * keeps its grant (answered busy here, its grant would leave a lease no one holds). Only
+     * past 30 s are the claims still waiting answered here. */
     if (s->engine_due > 0) {
-        uint32_t waits = 0;
-        for (uint32_t i = 0; i < s->conns_cap; i++) {
-            srv_conn *c = s->conns[i];
-            for (uint32_t q = c ? c->head_seq : 0; c && q != c->tail_seq; q++)
-                waits += slot_of(c, q)->state == SLOT_PENDING && slot_of(c, q)->is_wait;
-        }
-        if (waits < s->engine_due && srv_now_ms() - s->drain_started_ms < 30000) return 0;
+        if (srv_now_ms() - s->drain_started_ms < 30000) return 0;
         answer_pending(s, 1, NULL);
     }
     flush_all(s, DRAIN_WRITE_MS);

@@ -166,6 +166,9 @@ typedef struct srv_conn {
     int in_work, in_dirty;       /* on this turn's lists */
     int read_due;                /* a read is under way on the reads thread (reads.c): nothing
                                     after it is parsed until it is answered */
+    uint32_t waits_due;          /* its claims with WAIT the engine has not answered: nothing
+                                    after one is parsed until it is (a claim behind it could
+                                    be granted a lease that runs out before its reply) */
     uint64_t io_bytes;           /* accounted against the global budget */
     int64_t out_progress_ms;     /* last write progress, or when the backlog began; 0: none */
     int64_t outq_ms;             /* when outq_bytes was looked at (conn_stalled) */
