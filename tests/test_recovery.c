@@ -413,8 +413,9 @@ Test(recovery, a_sync_open_after_a_kill_makes_what_it_answers_from_durable, .tim
     idem_queue *q;
     cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
     claim_expect(q, "written-not-flushed", IDEM_OK, IDEM_NEW);
-    for (int i = 0; i < 200 && wal_written_lsn(s->wal) < wal_last_lsn(s->wal); i++)
+    for (int i = 0; i < 2000 && wal_written_lsn(s->wal) < wal_last_lsn(s->wal); i++)
         usleep(5 * 1000); /* the flusher writes the batch, without a flush */
+    cr_assert_geq(wal_written_lsn(s->wal), wal_last_lsn(s->wal), "the batch was not written");
     idem_queue_close(q);
     store_abandon(s); /* kill -9 */
 

@@ -1020,6 +1020,7 @@ static int listen_all(srv *s)
                     strerror(errno));
             return -1;
         }
+        metrics_init(s);
         ep_add(s, s->metrics_fd, TAG_METRICS, EPOLLIN);
         srv_log("info", "listening", "metrics=%s", s->cfg.metrics_listen);
     }

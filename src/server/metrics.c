@@ -16,6 +16,7 @@
 
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
@@ -183,6 +184,18 @@ static uint32_t mconn_slot(srv *s)
     return oldest;
 }
 
+void metrics_init(srv *s)
+{
+    s->metrics_wait_ms = SRV_METRICS_WAIT_MS;
+    s->metrics_max_ms = SRV_METRICS_MAX_MS;
+    const char *wait = getenv("IDEM_TEST_METRICS_WAIT_MS");
+    if (s->cfg.test_clock && wait) {
+        unsigned long ms = strtoul(wait, NULL, 10);
+        s->metrics_wait_ms = ms < 60000 ? (int64_t)ms : 60000;
+        s->metrics_max_ms = s->metrics_wait_ms + SRV_METRICS_MAX_MS;
+    }
+}
+
 void metrics_accept(srv *s)
 {
     for (int n = 0; n < SRV_METRICS_CONNS; n++) {
@@ -245,9 +258,9 @@ void metrics_tick(srv *s, int64_t now_ms)
     for (uint32_t i = 0; i < SRV_METRICS_CONNS; i++) {
         srv_metrics_conn *m = &s->mconns[i];
         if (m->fd < 0) continue;
-        if (now_ms - m->since_ms >= SRV_METRICS_MAX_MS)
+        if (now_ms - m->since_ms >= s->metrics_max_ms)
             mconn_close(s, m); /* a reader too slow for its reply */
-        else if (!m->answering && now_ms - m->since_ms >= SRV_METRICS_WAIT_MS)
+        else if (!m->answering && now_ms - m->since_ms >= s->metrics_wait_ms)
             mconn_answer(s, m, i); /* as a blocking server with a read timeout would */
     }
 }

@@ -216,6 +216,7 @@ typedef struct srv {
     idem_queue *q, *q_sync;
     int epfd, unix_fd, tcp_fd, metrics_fd, sig_fd, load_fd;
     srv_metrics_conn mconns[SRV_METRICS_CONNS];
+    int64_t metrics_wait_ms, metrics_max_ms; /* SRV_METRICS_WAIT_MS and _MAX_MS (metrics_init) */
     int loading;
     int draining;
     int fatal;
@@ -371,6 +372,10 @@ void srv_log_gated(srv_log_gate *g, const char *level, const char *event, const 
 /* ---- metrics.c ---- */
 /* Writes the Prometheus text exposition of the store's stats into b. */
 void metrics_render(srv *s, resp_buf *b);
+/* The scrape timers: SRV_METRICS_WAIT_MS and SRV_METRICS_MAX_MS; tests only, with
+ * --test-clock, IDEM_TEST_METRICS_WAIT_MS sets the first (the second follows it), so that
+ * their bounds on how long a scrape or a PING may take need not sit close to 200 ms. */
+void metrics_init(srv *s);
 /* The metrics listener is readable: accepts scrape connections into the epoll set. */
 void metrics_accept(srv *s);
 /* Events of scrape connection `index` (tag SRV_TAG_METRICS_CONN + index). */
