@@ -478,7 +478,8 @@ int idem_import_record(idem_queue *q, const idem_record *r);
 int idem_import_audit(idem_queue *q, const idem_audit_entry *e);
 /* Makes dest_dir (absent) a copy of the backup in backup_dir, under a new store generation:
  * the restored store hands out tokens above every token the backup's store could have handed
- * out before the backup was taken, and reports the generation in its stats. */
+ * out before the backup was taken, and reports the generation in its stats. As idem_backup, it
+ * copies into "<dest_dir>.partial" and renames that to dest_dir once the copy is durable. */
 int idem_restore(const char *backup_dir, const char *dest_dir);
 
 /* ---- Maintenance ---- */
@@ -492,7 +493,10 @@ int idem_checkpoint(idem_store *s);
  * segments retired) and returns when that is done or timeout_ms passed (IDEM_EBUSY then; the
  * work goes on in the background). */
 int idem_compact(idem_store *s, int timeout_ms);
-/* Copies a consistent point-in-time image of the live store into the new directory dest. */
+/* Copies a consistent point-in-time image of the live store into the new directory dest. The
+ * copy is made in "<dest>.partial" (which must not exist either) and renamed to dest once it is
+ * whole and durable: dest never holds a copy cut short. A copy that fails removes its partial
+ * directory; one cut short by a crash leaves it, and a later copy to dest refuses, naming it. */
 int idem_backup(idem_store *s, const char *dest_dir);
 
 /* ---- The store clock ---- */

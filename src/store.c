@@ -10,7 +10,9 @@
  */
 #include "store.h"
 
+#include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <sched.h>
 #include <stddef.h>
 #include <stdarg.h>
@@ -2381,16 +2383,71 @@ static int copy_file(struct io *rd, struct io *wr, const char *from, const char 
     return rc;
 }
 
-/* Creates the directory of a copy (it must not exist) and makes its name durable. */
-static int make_copy_dir(struct io *io, const char *dest)
+/*
+ * A copy (backup, restore) is made in "<dest>.partial" and renamed to dest once whole and
+ * durable: a copy cut short by a crash or an error never sits under dest, where an open would
+ * take it for a store (or make a new one over its files). A failed copy removes its partial
+ * directory; one a crash left stays, and the next copy to dest names it and stops.
+ */
+struct copy_dir {
+    char dest[4096], partial[4096];
+};
+
+/* Creates dir.partial for a copy into dest (neither may exist). */
+static int copy_dir_begin(struct io *io, const char *dest, struct copy_dir *d)
 {
-    int rc = io_mkdir(io, dest);
-    if (rc == 0) rc = sync_parent(io, dest);
+    size_t n = strlen(dest);
+    while (n > 1 && dest[n - 1] == '/')
+        n--; /* "dir/" names dir: its partial copy is dir.partial */
+    if (n + sizeof ".partial" > sizeof d->partial) {
+        store_set_error("path too long: %s", dest);
+        return IDEM_EINVAL;
+    }
+    memcpy(d->dest, dest, n);
+    d->dest[n] = 0;
+    memcpy(d->partial, dest, n);
+    memcpy(d->partial + n, ".partial", sizeof ".partial");
+    if (access(dest, F_OK) == 0) {
+        store_set_error("cannot create %s: it exists", dest);
+        return IDEM_EINVAL;
+    }
+    int rc = io_mkdir(io, d->partial);
+    if (rc == -EEXIST) {
+        store_set_error("%s exists: a copy into %s was cut short there; remove it, then copy "
+                        "again",
+                        d->partial, dest);
+        return IDEM_EINVAL;
+    }
     if (rc < 0) {
-        store_set_error("cannot create %s: %s", dest, strerror(-rc));
-        return rc == -EEXIST ? IDEM_EINVAL : IDEM_EIO;
+        store_set_error("cannot create %s: %s", d->partial, strerror(-rc));
+        return IDEM_EIO;
     }
     return 0;
+}
+
+/* Ends a copy: on success renames the partial directory to dest (never over one that appeared
+ * meanwhile) and makes the name durable; on failure (rc < 0) removes the partial directory and
+ * what the copy wrote there (it made every file in it). */
+static int copy_dir_end(struct io *io, struct copy_dir *d, int rc)
+{
+    if (rc == 0) {
+        if (renameat2(AT_FDCWD, d->partial, AT_FDCWD, d->dest, RENAME_NOREPLACE) != 0) {
+            store_set_error("cannot rename %s to %s: %s", d->partial, d->dest, strerror(errno));
+            rc = errno == EEXIST ? IDEM_EINVAL : IDEM_EIO;
+        } else if (sync_parent(io, d->dest) < 0) {
+            store_set_error("cannot make the name %s durable", d->dest);
+            return IDEM_EIO;
+        } else {
+            return 0;
+        }
+    }
+    DIR *dir = opendir(d->partial);
+    struct dirent *e;
+    while (dir && (e = readdir(dir)) != NULL)
+        if (strcmp(e->d_name, ".") && strcmp(e->d_name, "..")) unlinkat(dirfd(dir), e->d_name, 0);
+    if (dir) closedir(dir);
+    rmdir(d->partial);
+    return rc;
 }
 
 /* Copies a store's files from src (read through rd) into dest (written through wr): the log from
@@ -2456,8 +2513,11 @@ int idem_backup(idem_store *s, const char *dest_dir)
     if (rc == 0) s->backups++;
     store_unlock(s);
     if (rc == 0) {
-        rc = make_copy_dir(wr, dest_dir);
-        if (rc == 0) rc = copy_store(s->io, s->dir, wr, dest_dir, &sb, end_seq, end_off, audit_len);
+        struct copy_dir d;
+        rc = copy_dir_begin(wr, dest_dir, &d);
+        if (rc == 0)
+            rc = copy_dir_end(
+                wr, &d, copy_store(s->io, s->dir, wr, d.partial, &sb, end_seq, end_off, audit_len));
         store_lock(s);
         s->backups--;
         pthread_cond_broadcast(&s->cond_ready);
@@ -2479,11 +2539,12 @@ int idem_restore(const char *backup_dir, const char *dest_dir)
         store_set_error("%s", rc == IDEM_ENOTFOUND ? "the backup holds no store" : err);
         goto out;
     }
-    rc = make_copy_dir(io, dest_dir);
+    struct copy_dir d;
+    rc = copy_dir_begin(io, dest_dir, &d);
     if (rc < 0) goto out;
     /* A new generation: the copy is another store from here on. */
     sb.store_generation++;
-    rc = copy_store(io, backup_dir, io, dest_dir, &sb, 0, 0, UINT64_MAX);
+    rc = copy_dir_end(io, &d, copy_store(io, backup_dir, io, d.partial, &sb, 0, 0, UINT64_MAX));
 out:
     io_destroy(io);
     return rc;

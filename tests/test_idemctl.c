@@ -282,6 +282,42 @@ Test(idemctl, backup_restore_checkpoint_compact, .init = setup, .fini = teardown
     cr_assert_eq(ctl("verify %s", dir), 0, "%s", out);
 }
 
+/* Whether scratch/rel exists. */
+static int in_scratch(const char *rel)
+{
+    char p[1024];
+    snprintf(p, sizeof p, "%s/%s", scratch, rel);
+    return access(p, F_OK) == 0;
+}
+
+/* A backup or restore is made in "<dest>.partial" and renamed to dest once whole: dest never
+ * holds a copy cut short, a failed copy leaves nothing, and one a crash left is named. */
+Test(idemctl, a_copy_is_made_aside_and_named_only_when_whole, .init = setup, .fini = teardown)
+{
+    write_store();
+    cr_assert_eq(ctl("backup %s/b/ --dir %s", scratch, dir), 0, "%s", err);
+    cr_assert(in_scratch("b/super"));
+    cr_assert(!in_scratch("b.partial"));
+    cr_assert_eq(ctl("backup %s/b --dir %s", scratch, dir), 1, "over an existing copy");
+    cr_assert(strstr(err, "exists"), "%s", err);
+
+    char p[1024];
+    snprintf(p, sizeof p, "%s/c.partial", scratch);
+    cr_assert_eq(mkdir(p, 0700), 0);
+    cr_assert_eq(ctl("backup %s/c --dir %s", scratch, dir), 1, "a crash's leftover");
+    cr_assert(strstr(err, "c.partial exists") && strstr(err, "cut short"), "%s", err);
+    cr_assert(!in_scratch("c"));
+
+    cr_assert_eq(ctl("restore %s/b %s/r", scratch, scratch), 0, "%s", err);
+    cr_assert(in_scratch("r/super") && !in_scratch("r.partial"));
+    /* A backup without its checkpoint cannot be restored: the copy fails and leaves nothing. */
+    snprintf(p, sizeof p, "rm %s/b/index-*.ckpt", scratch);
+    cr_assert_eq(system(p), 0);
+    cr_assert_eq(ctl("restore %s/b %s/r2", scratch, scratch), 1);
+    cr_assert(strstr(err, "index-"), "%s", err);
+    cr_assert(!in_scratch("r2") && !in_scratch("r2.partial"));
+}
+
 /* A store left by a process that did not close it: write_store's records, one decision, and a
  * last claim; then _exit without idem_close (no checkpoint, no clean mark). */
 static void write_crashed_store(void)
