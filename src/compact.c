@@ -17,11 +17,16 @@
  *
  * When: the next segment is walked if the log, less the walked segments, holds more than twice
  * the live bytes (plus slack of STORE_CMP_SLACK_SEGS segments), or every record written to it
- * has passed its expires_at (its records are all expired or unfinished). Disk use thus stays
+ * has passed its expires_at (its records are all expired or unfinished), or all but a sixteenth
+ * of its record bytes have (the tally of struct seg_exp: a few long-lived records in every
+ * segment, counted live with the expired ones, would otherwise keep every walk back for their
+ * whole life, and the expired keys in the index and the log with them). Disk use thus stays
  * within about 2x the live bytes, and expired keys leave memory as the log turns over.
  */
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "store.h"
 #include "util.h"
@@ -34,11 +39,67 @@
 #define STORE_CKPT_QUIET_MS       5000 /* else the walk has stopped this long */
 
 #define HORIZON_STEPS 16 /* compact_learn_horizon reads a segment in this many calls */
+#define MOSTLY_SHIFT  4  /* "mostly expired": all but 1 / 2^MOSTLY_SHIFT of the bytes */
+
+static void tally_add(struct seg_exp *e, int64_t exp, uint64_t bytes)
+{
+    int b;
+    if (exp <= e->t0)
+        b = 0;
+    else if (exp == INT64_MAX)
+        b = SEG_EXP_BUCKETS - 1;
+    else
+        b = 64 - __builtin_clzll((uint64_t)(exp - e->t0)); /* 1..63: under t0 + 2^b */
+    e->bytes[b < SEG_EXP_BUCKETS - 1 ? b : SEG_EXP_BUCKETS - 1] += bytes;
+}
+
+void compact_tally(idem_store *s, uint64_t seq, int64_t exp, uint64_t bytes)
+{
+    struct seg_exp **e = &s->seg_exp[seq % WAL_SEG_SLOTS];
+    if (!*e) {
+        *e = calloc(1, sizeof **e);
+        if (!*e) return; /* no tally: the other rules decide for this segment */
+        /* The clock now; while an open replays (the clock not started yet), the superblock's:
+         * any t0 at or before the frames' writing is right, a later one only less precise. */
+        int64_t now = __atomic_load_n(&s->clk_last_ms, __ATOMIC_RELAXED);
+        (*e)->t0 = now ? now : s->sb.store_clock_ms;
+    }
+    tally_add(*e, exp, bytes);
+}
+
+/* When all but a sixteenth of e's bytes have expired (INT64_MAX: not before the last bucket). */
+static int64_t mostly_expired_at(const struct seg_exp *e)
+{
+    uint64_t total = 0, sum = 0;
+    for (int b = 0; b < SEG_EXP_BUCKETS; b++)
+        total += e->bytes[b];
+    uint64_t need = total - (total >> MOSTLY_SHIFT);
+    for (int b = 0; b < SEG_EXP_BUCKETS - 1; b++) {
+        sum += e->bytes[b];
+        if (sum >= need) return b == 0 ? e->t0 : e->t0 + ((int64_t)1 << b);
+    }
+    return INT64_MAX;
+}
+
+static void tally_forget(idem_store *s, uint64_t seq)
+{
+    free(s->seg_exp[seq % WAL_SEG_SLOTS]);
+    s->seg_exp[seq % WAL_SEG_SLOTS] = NULL;
+}
+
+void compact_free(idem_store *s)
+{
+    for (uint32_t i = 0; s->seg_exp && i < WAL_SEG_SLOTS; i++)
+        free(s->seg_exp[i]);
+    free(s->seg_exp);
+    free(s->hz_tally);
+}
 
 /* The largest expires_at_ms of the records of a sealed segment, one read-only pass over its
  * frames, no copy, from *off until *off passes `until`: 1 at the segment's end, 0 to go on,
  * -1 at a broken chain (the walk meets it and reports it). */
-static int view_horizon(const struct wal_seg_view *v, uint32_t *off, uint64_t until, int64_t *max)
+static int view_horizon(const struct wal_seg_view *v, uint32_t *off, uint64_t until, int64_t *max,
+                        struct seg_exp *tally)
 {
     struct wal_frame f;
     int more = 1;
@@ -48,6 +109,7 @@ static int view_horizon(const struct wal_seg_view *v, uint32_t *off, uint64_t un
         struct rec r; /* one that does not decode counts as never expiring: kept, not judged */
         int64_t exp = rec_decode(f.payload, f.payload_len, &r) == 0 ? r.expires_at_ms : INT64_MAX;
         if (exp > *max) *max = exp;
+        if (tally) tally_add(tally, exp, (uint64_t)f.payload_len + WAL_FRAME_HDR);
     }
     return more == 1 ? 0 : more < 0 ? -1 : 1;
 }
@@ -70,20 +132,32 @@ int compact_learn_horizon(idem_store *s)
         s->hz_seq = seq;
         s->hz_off = WAL_BLOCK;
         s->hz_max = SEG_EXP_EMPTY;
+        if (!s->hz_tally) s->hz_tally = malloc(sizeof *s->hz_tally);
+        if (s->hz_tally) {
+            memset(s->hz_tally, 0, sizeof *s->hz_tally);
+            s->hz_tally->t0 = store_now(s);
+        }
     }
     struct wal_seg_view v;
     wal_seg_view(s->wal, seq, &v);
     uint32_t off = s->hz_off;
     int64_t max = s->hz_max;
-    /* Only the flusher (this thread) retires segments: the segment stays mapped meanwhile. */
+    /* Only the flusher (this thread) retires segments and runs this pass: the segment stays
+     * mapped meanwhile, and the pass's tally is this thread's alone. */
     store_unlock(s);
-    int done = view_horizon(&v, &off, (uint64_t)off + v.seg_bytes / HORIZON_STEPS, &max);
+    int done =
+        view_horizon(&v, &off, (uint64_t)off + v.seg_bytes / HORIZON_STEPS, &max, s->hz_tally);
     store_lock(s);
     s->hz_off = off;
     s->hz_max = max;
     if (done != 0) {
         *m = done < 0 ? SEG_EXP_EMPTY : max;
         s->hz_seq = 0;
+        struct seg_exp **e = &s->seg_exp[seq % WAL_SEG_SLOTS];
+        if (done > 0 && !*e) { /* the segment's tally is the pass's (none was written since) */
+            *e = s->hz_tally;
+            s->hz_tally = NULL;
+        }
     }
     return 1;
 }
@@ -101,7 +175,9 @@ static int walk_wanted(idem_store *s, uint64_t seq)
     if (wal_bytes(s->wal) - walked > 2 * s->live_bytes + STORE_CMP_SLACK_SEGS * seg) return 1;
     /* Not measured yet (written before this open): compact_learn_horizon does, first. */
     int64_t horizon = s->seg_max_exp[seq % WAL_SEG_SLOTS];
-    return horizon != SEG_EXP_UNKNOWN && horizon <= store_now(s);
+    if (horizon != SEG_EXP_UNKNOWN && horizon <= store_now(s)) return 1;
+    const struct seg_exp *e = s->seg_exp[seq % WAL_SEG_SLOTS];
+    return e && mostly_expired_at(e) <= store_now(s);
 }
 
 static uint64_t walk_end_lsn(const idem_store *s, uint64_t seq)
@@ -160,8 +236,10 @@ static int retire(idem_store *s)
     rc = wal_retire_detach(s->wal, upto);
     if (rc == 0) rc = wal_retire_remove(s->wal, s->remover);
     if (rc < 0) return rc;
-    for (uint64_t seq = first; seq <= upto; seq++)
+    for (uint64_t seq = first; seq <= upto; seq++) {
         s->seg_max_exp[seq % WAL_SEG_SLOTS] = SEG_EXP_UNKNOWN;
+        tally_forget(s, seq);
+    }
     if (upto == s->cmp_walked) s->cmp_walked = 0;
     s->st.compactions += upto - first + 1;
     pthread_cond_broadcast(&s->cond_ready); /* idem_compact may wait for this */

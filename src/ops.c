@@ -202,8 +202,10 @@ static void version_moved(idem_store *s, const struct old_facts *old, uint64_t n
     if (!r) return;
     s->live_bytes += new_bytes;
     s->st.keys_with_mismatch += r->mismatch_count > 0;
-    int64_t *m = &s->seg_max_exp[wal_addr_seq(s->wal, new_addr) % WAL_SEG_SLOTS];
+    uint64_t seq = wal_addr_seq(s->wal, new_addr);
+    int64_t *m = &s->seg_max_exp[seq % WAL_SEG_SLOTS];
     if (r->expires_at_ms > *m) *m = r->expires_at_ms;
+    compact_tally(s, seq, r->expires_at_ms, new_bytes);
     ages_note(s, r, h, new_addr);
 }
 
@@ -422,20 +424,24 @@ static int owner_same(const struct rec *r, const idem_op *op)
            memcmp(r->owner, op->owner, op->owner_len) == 0;
 }
 
-static int capacity_full(idem_store *s)
+/* Whether a new version is refused by a capacity limit. One that replaces an expired record
+ * (replaces: its slot) adds no key and no index memory: only the disk limit applies to it, so
+ * a store full of expired keys still takes their re-issue. */
+static int capacity_full(idem_store *s, const struct index_slot *replaces)
 {
+    if (s->opt.max_disk_bytes && wal_bytes(s->wal) >= s->opt.max_disk_bytes) return 1;
+    if (replaces) return 0;
     if (s->opt.max_keys && index_count(s->ix) >= s->opt.max_keys) return 1;
     /* The index's blocks: not the memory its thread faults in ahead of growth, which comes as
      * that thread runs, so the answer does not depend on the thread's timing. */
     if (s->opt.max_memory_bytes && index_live_bytes(s->ix) >= s->opt.max_memory_bytes) return 1;
-    if (s->opt.max_disk_bytes && wal_bytes(s->wal) >= s->opt.max_disk_bytes) return 1;
     return 0;
 }
 
 static void claim_new(idem_store *s, struct qslot *sl, const idem_op *op, const uint8_t fp[16],
                       struct index_slot *slot, int old_state, int64_t now)
 {
-    if (capacity_full(s)) {
+    if (capacity_full(s, slot)) {
         sl->c.err = IDEM_EFULL;
         return;
     }
@@ -867,7 +873,7 @@ static void op_set(idem_store *s, struct qslot *sl, const idem_op *op)
             sl->c.err = copy_result(sl, &r, &sl->c.data, &sl->c.data_len);
         return;
     }
-    if (capacity_full(s)) {
+    if (capacity_full(s, slot)) {
         sl->c.err = IDEM_EFULL;
         return;
     }

@@ -969,6 +969,7 @@ static void store_free(idem_store *s)
         free(s->seen_chunk[i]);
     free(s->scratch);
     free(s->seg_max_exp);
+    compact_free(s);
     ages_free(s);
     free(s->dir);
     free(s);
@@ -1153,7 +1154,8 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     if (fresh && (rc = store_files_left(io, dir)) < 0) goto fail;
     if (!fresh) s->opt.segment_bytes = s->sb.seg_bytes;
     s->seg_max_exp = malloc(WAL_SEG_SLOTS * sizeof *s->seg_max_exp);
-    if (!s->seg_max_exp) {
+    s->seg_exp = calloc(WAL_SEG_SLOTS, sizeof *s->seg_exp);
+    if (!s->seg_max_exp || !s->seg_exp) {
         rc = IDEM_ENOMEM;
         goto fail;
     }
@@ -1863,8 +1865,13 @@ struct scan_ctx {
     idem_queue *q;
     const idem_scan_args *a;
     int64_t now;
+    uint64_t max_lsn; /* the newest record listed */
     int err;
 };
+
+/* Index slots idem_scan visits per hold of mu: a scan of many slots (idemd allows 100000 a call)
+ * lets callers in between, as a series of calls with the cursor would. */
+#define SCAN_SLOTS_PER_HOLD 256u
 
 static void scan_one(void *ctx, struct index_slot *slot)
 {
@@ -1876,6 +1883,7 @@ static void scan_one(void *ctx, struct index_slot *slot)
     if (!p || rec_decode(p, len, &r) < 0 || ops_rec_expired(&r, sc->now)) return;
     if (sc->a->state && r.state != sc->a->state) return;
     if (sc->a->older_ms && sc->now - r.first_seen_ms < sc->a->older_ms) return;
+    if (lsn > sc->max_lsn) sc->max_lsn = lsn;
     idem_queue *q = sc->q;
     if (q->scan_n == q->scan_max) {
         size_t m = q->scan_max ? q->scan_max * 2 : 64;
@@ -1917,7 +1925,19 @@ int idem_scan(idem_queue *q, const idem_scan_args *a, uint64_t *next_cursor, con
     q->scan_n = q->scan_used = 0;
     store_lock(s);
     struct scan_ctx sc = {.s = s, .q = q, .a = a, .now = store_now(s)};
-    *next_cursor = index_scan(s->ix, a->cursor, a->count ? a->count : 100, scan_one, &sc);
+    uint64_t cursor = a->cursor;
+    for (uint32_t left = a->count ? a->count : 100; left > 0 && !sc.err;) {
+        uint32_t step = left < SCAN_SLOTS_PER_HOLD ? left : SCAN_SLOTS_PER_HOLD;
+        cursor = index_scan(s->ix, cursor, step, scan_one, &sc);
+        left -= step;
+        if (cursor == 0 || left == 0) break;
+        store_let_others_in(s);
+    }
+    *next_cursor = cursor;
+    /* In sync mode what a scan lists is durable (rule 8): a key claimed a moment ago waits for
+     * the flush that makes it so, shared with the claim's own. */
+    if (!sc.err && s->opt.durability == IDEM_DURABILITY_SYNC && sc.max_lsn > s->durable_lsn)
+        sc.err = store_wait_durable(s);
     store_unlock(s);
     if (sc.err) return sc.err;
     for (size_t i = 0; i < q->scan_n; i++)

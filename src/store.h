@@ -297,6 +297,8 @@ struct idem_store {
      * expires_at_ms of the frames written there (INT64_MAX: unknown). */
     uint64_t live_bytes;
     int64_t *seg_max_exp; /* SEG_EXP_UNKNOWN: written before this open, not measured yet */
+    /* Per segment slot, its record bytes by when they expire (compact.c; NULL: none tallied). */
+    struct seg_exp **seg_exp;
     /* Compaction from the oldest segment (compact.c). Segments wal_first_seq..cmp_walked
      * were walked and wait for a checkpoint to be retired; cmp_seq is being walked. */
     uint64_t cmp_seq;                         /* segment being walked, 0: none */
@@ -311,6 +313,7 @@ struct idem_store {
     uint64_t hz_seq;
     uint32_t hz_off;
     int64_t hz_max;
+    struct seg_exp *hz_tally; /* the pass's tally of hz_seq, kept if the segment has none */
     /* Records that need attention, by kind (ages.c). */
     struct age_heap ages[3];
     int ages_hold;        /* replay with the counts left alone (ops_replay): no filtering */
@@ -486,6 +489,18 @@ int ops_compact_prepare(idem_store *s, struct cmp_frame *cf);
 int ops_compact_frame(idem_store *s, const struct cmp_frame *cf, int64_t now);
 
 /* ---- compact.c (flusher thread, mu held, no batch in flight) ---- */
+/* Record bytes of a segment by when they expire: bucket 0 at or before t0, bucket b (1..30)
+ * before t0 + 2^b ms, the last later or never. A segment is walked once all but a sixteenth
+ * of them have expired (compact.c), whatever the few long-lived records among them. */
+#define SEG_EXP_BUCKETS 32
+struct seg_exp {
+    int64_t t0;
+    uint64_t bytes[SEG_EXP_BUCKETS];
+};
+/* Counts a frame of `bytes` expiring at exp, written to segment seq (mu held; any thread). */
+void compact_tally(idem_store *s, uint64_t seq, int64_t exp, uint64_t bytes);
+/* Frees the tallies (close). */
+void compact_free(idem_store *s);
 /* One bounded step of space reclamation; returns 1 when it did work, 0 when there was none,
  * or a negative idem_err when a write failed (fatal). */
 int compact_step(idem_store *s);

@@ -3713,6 +3713,29 @@ Test(capacity, past_max_keys_a_new_claim_is_full_and_every_key_stays)
     expect_outcome(claim("cap-new"), IDEM_BUSY);
 }
 
+/* A store at its key limit whose keys have expired takes their re-issue: the new version
+ * replaces the expired record (absent by rule 5) and adds no key. A key it does not hold is
+ * still FULL until the expired records leave the index. */
+Test(capacity, at_max_keys_an_expired_key_can_be_claimed_and_set_again)
+{
+    char key[32];
+    t0 = idem_clock_now(g_s);
+    for (int i = 0; i < 100; i++) {
+        snprintf(key, sizeof key, "cap-%03d", i);
+        make_committed(key, NULL, "r");
+    }
+    idem_completion c;
+    cr_assert_eq(claim_rc("cap-new", 7, TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
+    at(TTL);
+    expect_outcome(claim("cap-000"), IDEM_NEW);
+    expect_rc(idem_set_if_absent(g_q, "cap-001", 7, "v", 1, TTL, 0, &c), IDEM_OK);
+    expect_outcome(c, IDEM_NEW);
+    cr_assert_eq(claim_rc("cap-new", 7, TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
+    idem_stats st;
+    idem_get_stats(g_s, &st);
+    cr_assert_eq(st.keys, 100);
+}
+
 Test(capacity, past_max_memory_a_new_claim_is_full_whatever_the_index_faulted_in_ahead)
 {
     store_close();

@@ -783,7 +783,7 @@ static void write_dirty(srv *s)
         srv_conn *c = s->dirty[i];
         c->in_dirty = 0;
         if (c->fd >= 0) conn_write(s, c);
-        if (c->fd >= 0 && c->deferred) conn_parse(s, c);
+        if (c->fd >= 0 && c->deferred && !s->draining) conn_parse(s, c); /* draining: no more */
     }
     s->ndirty = 0;
     reap_dead(s);

@@ -309,6 +309,19 @@ static int parse_args(srv_config *cfg, int argc, char **argv)
             return 2;
         }
     }
+    /* The largest reply: an IDEM.GET of a record with the largest result, a 4 KiB note, a
+     * 512-byte key and owner, and the framing. A smaller output limit would close a client
+     * each time it reads such a record, and its worker would retry for ever. */
+    uint64_t reply_max =
+        (uint64_t)(cfg->result_bytes_max ? cfg->result_bytes_max : IDEM_RESULT_BYTES_DEFAULT) +
+        8192;
+    if (cfg->client_output_max < reply_max) {
+        fprintf(stderr,
+                "idemd: --client-output-max %llu is below the largest reply (%llu: --result-max "
+                "plus 8 KiB): a client reading a record with a large result would be closed\n",
+                (unsigned long long)cfg->client_output_max, (unsigned long long)reply_max);
+        return 2;
+    }
     if (!cfg->socket_path_set &&
         snprintf(cfg->socket_path, sizeof cfg->socket_path, "%s/idemd.sock", cfg->dir) >=
             (int)sizeof cfg->socket_path) {

@@ -136,8 +136,11 @@ void srv_reads_done(srv *s)
         s->engine_due--;
         s->reads_out--;
         if (!c->dead && srv_reply_pending(c, r->seq)) {
-            if (r->reply.overflow ||
-                resp_buf_append(srv_reply_buf(c, r->seq), r->reply.data, r->reply.len) < 0)
+            resp_buf *b = srv_reply_buf(c, r->seq);
+            if (r->reply.overflow) /* the request asked too much, whatever the client read */
+                resp_error(b, "ERR the reply would pass --client-output-max: ask for fewer "
+                              "(a lower COUNT)");
+            else if (resp_buf_append(b, r->reply.data, r->reply.len) < 0)
                 c->out.overflow = 1; /* closed as too slow a reader, as on the loop */
             srv_reply_done(s, c, r->seq);
         }
