@@ -503,8 +503,11 @@ int idem_backup(idem_store *s, const char *dest_dir);
 
 /* The store clock now (ms since the epoch). Thread-safe. */
 int64_t idem_clock_now(idem_store *s);
-/* Test clock only (IDEM_ENOTSUP otherwise): move the clock forward to ms (a step back answers
- * IDEM_EINVAL), or by delta_ms >= 0. Due lease wake-ups fire. */
+/* The store clock's bound (ms since the epoch, about the year 37600): the superblock and the
+ * log refuse a clock past it as corrupt, so the test clock is never moved past it. */
+#define IDEM_CLOCK_MS_MAX ((INT64_C(1) << 50) - 1)
+/* Test clock only (IDEM_ENOTSUP otherwise): move the clock forward to ms (a step back, or past
+ * IDEM_CLOCK_MS_MAX, answers IDEM_EINVAL), or by delta_ms >= 0. Due lease wake-ups fire. */
 int idem_clock_set(idem_store *s, int64_t ms);
 int idem_clock_advance(idem_store *s, int64_t delta_ms);
 

@@ -29,8 +29,8 @@
 #define STORE_FRAMES_PER_STEP 128        /* frames flushed that earn compaction one more step */
 #define STORE_BUFFERS_IDLE_MS 1000       /* no flush for this long: log buffers are trimmed */
 #define STORE_BUFFERS_KEPT    2          /* log chunk buffers kept through an idle log */
-#define STORE_CLOCK_MS_MAX    (INT64_MAX / 4) /* the test clock's bound: + a ttl never overflows */
-#define STORE_STEPS_PER_FLUSH 8               /* at most this many more after one flush */
+#define STORE_CLOCK_MS_MAX    IDEM_CLOCK_MS_MAX /* as the superblock and log allow */
+#define STORE_STEPS_PER_FLUSH 8                 /* at most this many more after one flush */
 #define STORE_SLEW_PER_S_MS   100             /* the store clock follows the wall clock by <= 10% */
 #define STORE_CMP_AHEAD       64              /* walked segments awaiting retirement, at most */
 #define SEG_EXP_UNKNOWN       INT64_MIN       /* segment expiry horizon not known (compact.c) */

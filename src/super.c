@@ -165,8 +165,8 @@ int super_load(struct io *io, const char *dir, struct super *sb, int settle, cha
         sb->resume_batch >= (UINT64_C(1) << 62) || sb->open_durability > 3 ||
         sb->ckpt_counts_lsn >= (UINT64_C(1) << 62) ||
         sb->token_reserved > (uint64_t)IDEM_TOKEN_MAX || sb->store_clock_ms < 0 ||
-        sb->store_clock_ms >= (INT64_C(1) << 50) || sb->created_ms < 0 ||
-        sb->created_ms >= (INT64_C(1) << 50)) {
+        sb->store_clock_ms > IDEM_CLOCK_MS_MAX || sb->created_ms < 0 ||
+        sb->created_ms > IDEM_CLOCK_MS_MAX) {
         snprintf(err, errcap,
                  "%s: superblock fields out of range (segment size %u, replay at %llu:%u, "
                  "lsn %llu, batch %llu, tokens %llu, clock %lld)",

@@ -1092,7 +1092,7 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
             last_lsn = lsn;
             last_batch = batch;
             int64_t clock = (int64_t)util_get_u64(f + WAL_FRAME_HDR);
-            if (clock > 0 && clock < (INT64_C(1) << 50)) w->last_clock_ms = clock;
+            if (clock > 0 && clock <= IDEM_CLOCK_MS_MAX) w->last_clock_ms = clock;
         }
         struct scan_pos prev = p;
         if (scan_step(w, &p, type, len) < 0) {

@@ -2607,6 +2607,25 @@ Test(args, test_clock_cannot_step_back)
 
 TestSuite(reopen, .init = setup, .fini = teardown);
 
+/* The test clock goes as far as the store's files take, and no further: a store whose clock
+ * was moved to the bound reopens with it (past 2^50 the superblock used to be refused as
+ * corrupt), and a step past the bound is refused. */
+Test(reopen, a_test_clock_at_its_bound_reopens)
+{
+    expect_rc(idem_clock_set(g_s, IDEM_CLOCK_MS_MAX + 1), IDEM_EINVAL);
+    expect_rc(idem_clock_set(g_s, IDEM_CLOCK_MS_MAX - 2 * (int64_t)TTL), IDEM_OK);
+    t0 = idem_clock_now(g_s);
+    make_committed("k", NULL, "r");
+    reopen();
+    cr_assert_eq(idem_clock_now(g_s), t0);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_COMMITTED);
+    expect_rc(idem_clock_set(g_s, IDEM_CLOCK_MS_MAX), IDEM_OK);
+    expect_rc(idem_clock_advance(g_s, 1), IDEM_EINVAL);
+    reopen();
+    cr_assert_eq(idem_clock_now(g_s), IDEM_CLOCK_MS_MAX);
+}
+
 Test(reopen, committed_record_keeps_every_field)
 {
     make_committed("k", "body", "inv-1");

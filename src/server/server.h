@@ -41,9 +41,8 @@
 #define SRV_OWED_TIGHT          (1u << 20) /* replies a client may be owed under memory pressure */
 #define SRV_STALL_BYTES         65536u /* unread replies that make a stalled client a slow reader */
 #define SRV_SLOT_KEEP           16384u /* slot buffers a connection keeps once their replies left */
-#define SRV_TEST_CLOCK_MS_MAX                                                                      \
-    (INT64_C(1) << 62)     /* DEBUG CLOCK: far below INT64_MAX - ttl - lease */
-#define SRV_LAT_BUCKETS 16 /* latency histograms: bucket i < 2^(i+4) us, the last the rest */
+#define SRV_TEST_CLOCK_MS_MAX   IDEM_CLOCK_MS_MAX /* DEBUG CLOCK: as far as the store may go */
+#define SRV_LAT_BUCKETS         16 /* latency histograms: bucket i < 2^(i+4) us, the last the rest */
 
 #define SRV_METRICS_CONNS    16           /* scrape connections served at once */
 #define SRV_METRICS_WAIT_MS  200          /* a scrape without a request is answered after this */
