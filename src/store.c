@@ -88,6 +88,14 @@ int64_t store_now(idem_store *s)
     return s->clk_last_ms;
 }
 
+void store_clock_refreeze(idem_store *s)
+{
+    s->clk_frozen = 0;
+    store_now(s);
+    s->mono_batch_ms = mono_now(s);
+    s->clk_frozen = 1;
+}
+
 int64_t idem_clock_now(idem_store *s)
 {
     store_lock(s);

@@ -597,12 +597,20 @@ static inline void store_unlock(idem_store *s)
     pthread_mutex_unlock(&s->mu);
 }
 
-/* pthread_cond_wait on c with the store's lock: readers may come in while it waits. */
+/* A submit that waited with the lock let go reads the clock again, and freezes it anew. */
+void store_clock_refreeze(idem_store *s);
+
+/* pthread_cond_wait on c with the store's lock: readers may come in while it waits. A clock
+ * frozen for a submitted batch (clk_frozen) thaws meanwhile: whoever takes the lock then reads
+ * it afresh (a reading as old as the wait would let a commit miss the expiry it crosses). */
 static inline void store_wait(idem_store *s, pthread_cond_t *c)
 {
+    int frozen = s->clk_frozen;
+    s->clk_frozen = 0;
     pthread_rwlock_unlock(&s->rw);
     pthread_cond_wait(c, &s->mu);
     pthread_rwlock_wrlock(&s->rw);
+    if (frozen) store_clock_refreeze(s);
 }
 
 static inline int store_timedwait(idem_store *s, pthread_cond_t *c, const struct timespec *ts)

@@ -157,6 +157,7 @@ static void conn_close(srv *s, srv_conn *c, const char *why)
 {
     if (c->fd < 0) return;
     cancel_waits(s, c);
+    srv_reads_cancel(s, c);
     if (c->big_admitted) s->big_admitted--;
     if (c->paused == PAUSE_INPUT) s->big_waiting--;
     c->big_admitted = 0;

@@ -12,6 +12,8 @@
  *     batch was submitted before it was handed over, srv_flush_ops).
  *   - While a read is out its connection is held open like one the engine owes a completion
  *     (engine_due): its struct lives until the read comes back, even if its socket is closed.
+ *     A connection that closes withdraws its read if the thread has not begun it
+ *     (srv_reads_cancel): reads of clients that are gone make no one else wait.
  *     Reads hold no slot of the engine's queue q: engine_room leaves reads_out out.
  *   - The thread touches only the reads on reads_todo and reads_done (under reads_mu), the read
  *     it is making, q_reads and the store; everything else is the loop's.
@@ -118,6 +120,22 @@ int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a)
     return 0;
 }
 
+/* A read that came back (or was withdrawn) is kept for reuse, SRV_READS_KEEP at most. */
+static void read_recycle(srv *s, srv_read *r)
+{
+    if (s->reads_kept >= SRV_READS_KEEP) {
+        resp_buf_free(&r->reply);
+        free(r);
+        return;
+    }
+    if (r->reply.cap > 65536) resp_buf_free(&r->reply);
+    r->reply.len = 0;
+    r->reply.overflow = 0;
+    r->next = s->reads_free;
+    s->reads_free = r;
+    s->reads_kept++;
+}
+
 void srv_reads_done(srv *s)
 {
     uint64_t v;
@@ -144,18 +162,30 @@ void srv_reads_done(srv *s)
                 c->out.overflow = 1; /* closed as too slow a reader, as on the loop */
             srv_reply_done(s, c, r->seq);
         }
-        if (s->reads_kept >= SRV_READS_KEEP) {
-            resp_buf_free(&r->reply);
-            free(r);
-            continue;
-        }
-        if (r->reply.cap > 65536) resp_buf_free(&r->reply);
-        r->reply.len = 0;
-        r->reply.overflow = 0;
-        r->next = s->reads_free;
-        s->reads_free = r;
-        s->reads_kept++;
+        read_recycle(s, r);
     }
+}
+
+void srv_reads_cancel(srv *s, srv_conn *c)
+{
+    if (!c->read_due || !s->reads_started) return;
+    srv_read *found = NULL;
+    pthread_mutex_lock(&s->reads_mu);
+    for (srv_read **pp = &s->reads_todo, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next) {
+        if ((*pp)->conn == c->index) {
+            found = *pp;
+            *pp = found->next;
+            if (s->reads_todo_tail == found) s->reads_todo_tail = prev;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&s->reads_mu);
+    if (!found) return; /* being made: it comes back, and its reply is dropped */
+    c->read_due = 0;
+    c->engine_due--;
+    s->engine_due--;
+    s->reads_out--;
+    read_recycle(s, found);
 }
 
 static void reads_free_list(srv_read *r)

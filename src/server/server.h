@@ -321,6 +321,8 @@ int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a);
 void srv_reads_test_delay(const srv *s);
 /* The loop saw reads_fd readable: answers the reads that are done. */
 void srv_reads_done(srv *s);
+/* c is closing: its read, if the thread has not begun it, is withdrawn (and counted done). */
+void srv_reads_cancel(srv *s, srv_conn *c);
 /* Stops the thread (reads not made are dropped: their connections are closed) and frees all. */
 void srv_reads_stop(srv *s);
 

@@ -774,6 +774,31 @@ class Reads(SlowReads):
         self.assertNotIn(k.encode(), [record(r)["key"] for r in attention])
 
 
+class GoneReaders(SlowReads):
+    """A client that sends a read and leaves withdraws it: the reads thread does not make it,
+    and those who stay do not wait behind it."""
+
+    DELAY = 1.0
+
+    def test_reads_of_clients_that_left_are_not_made(self):
+        import socket
+        for _ in range(5):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(self.srv.sock)
+            s.sendall(b"IDEM.SCAN 0\r\n")
+            time.sleep(0.05)  # read and handed to the thread
+            s.close()
+        time.sleep(0.2)  # the closes are seen
+        c = self.srv.admin(socket_timeout=30)
+        t0 = time.monotonic()
+        c.execute_command("IDEM.SCAN", 0)
+        took = time.monotonic() - t0
+        c.close()
+        # The first read may be under way when its client leaves; the other four are withdrawn.
+        self.assertLess(took, self.DELAY * 2.6, "a read waited %.2f s behind reads of clients "
+                        "that left" % took)
+
+
 class ManyReads(SlowReads):
     """Reads past 64 at once go to the reads thread like the others: made on the loop, as they
     were, each stalled every client. With a small engine queue, reads waiting for the thread
