@@ -748,7 +748,7 @@ static void conn_write(srv *s, srv_conn *c)
         }
     }
     if (c->out_off == c->out.len) {
-        c->out.len = 0;
+        c->out.len = c->out.sent = 0;
         c->out_off = 0;
         c->out_progress_ms = 0;
         if (c->out.cap > 65536) resp_buf_free(&c->out); /* keep idle connections light */
@@ -760,6 +760,7 @@ static void conn_write(srv *s, srv_conn *c)
         resp_buf_consume(&c->out, c->out_off);
         c->out_off = 0;
     }
+    c->out.sent = c->out_off; /* the limit counts what the client has not read */
     conn_account(s, c);
     if (c->paused == PAUSE_OUTPUT && conn_out_weight(c) < SRV_HEAVY_BYTES / 2)
         conn_unpause(s, c); /* it reads its replies: read it again */

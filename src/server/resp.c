@@ -375,11 +375,12 @@ void resp_buf_free(resp_buf *b)
 {
     free(b->data);
     b->data = NULL;
-    b->len = b->cap = 0;
+    b->len = b->cap = b->sent = 0;
 }
 
 void resp_buf_consume(resp_buf *b, size_t n)
 {
+    b->sent = n < b->sent ? b->sent - n : 0;
     if (n >= b->len) {
         b->len = 0;
         return;
@@ -390,7 +391,7 @@ void resp_buf_consume(resp_buf *b, size_t n)
 
 int resp_buf_append(resp_buf *b, const void *p, size_t n)
 {
-    if (b->overflow || n > b->limit || b->len > b->limit - n) {
+    if (b->overflow || n > b->limit || b->len - b->sent > b->limit - n) {
         b->overflow = 1;
         return -1;
     }

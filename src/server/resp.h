@@ -94,6 +94,7 @@ typedef struct resp_buf {
     size_t len;
     size_t cap;
     size_t limit; /* appends that would pass it fail and set overflow */
+    size_t sent;  /* leading bytes already written out: they do not count against limit */
     int overflow;
 } resp_buf;
 
