@@ -643,6 +643,22 @@ static void conn_shed_input(srv *s, srv_conn *c)
     conn_account(s, c);
 }
 
+/* A connection with nothing outstanding gives back a reply ring grown past SRV_SLOTS_KEEP
+ * entries by a burst of pipelined requests (96 bytes an entry, and their buffers). */
+#define SRV_SLOTS_KEEP 64
+static void conn_shed_slots(srv *s, srv_conn *c)
+{
+    if (c->head_seq != c->tail_seq || c->slot_cap <= SRV_SLOTS_KEEP) return;
+    for (uint32_t i = 0; i < c->slot_cap; i++) {
+        c->slot_bytes -= c->slots[i].buf_counted;
+        resp_buf_free(&c->slots[i].buf);
+    }
+    free(c->slots);
+    c->slots = NULL;
+    c->slot_cap = 0; /* slot_alloc makes a small one at the next request */
+    conn_account(s, c);
+}
+
 static int conn_may_parse(srv *s, srv_conn *c)
 {
     if (c->tail_seq - c->head_seq >= s->cfg.pipeline_max) return 0;
@@ -901,6 +917,7 @@ static srv_conn *housekeeping_sweep(srv *s, int64_t now)
             continue;
         }
         conn_shed_input(s, c);
+        conn_shed_slots(s, c);
         big_release(s, c);
         if (c->big_admitted && s->big_waiting && now - c->big_admitted_ms >= SRV_STALL_MS) {
             c->big_admitted = 0; /* a trickle must not keep the others waiting: back in line */
