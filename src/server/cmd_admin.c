@@ -199,7 +199,8 @@ static void audit_entry(resp_buf *b, const idem_audit_entry *e)
     resp_bulk_u64(b, e->version_after);
 }
 
-/* IDEM.AUDIT [KEY key] [COUNT n] */
+/* IDEM.AUDIT [KEY key] [COUNT n] [BEFORE seq]: BEFORE pages back through the whole trail (the
+ * last entry's seq of one page gives the next). */
 void cmd_audit(cmd_req *r)
 {
     srv_read_args a = {.kind = READ_AUDIT};
@@ -212,8 +213,11 @@ void cmd_audit(cmd_req *r)
         } else if (i + 1 < r->argc && cmd_is(r, i, "COUNT") &&
                    cmd_u64(r->argv[i + 1], r->argl[i + 1], &count) == 0 && count > 0 &&
                    count <= 10000) {
+        } else if (i + 1 < r->argc && cmd_is(r, i, "BEFORE") &&
+                   cmd_u64(r->argv[i + 1], r->argl[i + 1], &a.before_seq) == 0 &&
+                   a.before_seq > 0) {
         } else {
-            return cmd_fail(r, "ERR syntax error (KEY key, COUNT 1..10000)");
+            return cmd_fail(r, "ERR syntax error (KEY key, COUNT 1..10000, BEFORE seq)");
         }
     }
     a.count = (uint32_t)count;
@@ -224,7 +228,8 @@ static void audit_reply(idem_queue *q, const srv_read_args *a, resp_buf *b)
 {
     const idem_audit_entry *e = NULL;
     size_t n = 0;
-    int err = idem_audit(q, a->key_len ? a->key : NULL, a->key_len, a->count, &e, &n);
+    int err =
+        idem_audit_page(q, a->key_len ? a->key : NULL, a->key_len, a->before_seq, a->count, &e, &n);
     if (err != IDEM_OK) return cmd_reply_err(b, err);
     resp_array(b, (int64_t)n);
     for (size_t i = 0; i < n; i++)

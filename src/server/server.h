@@ -188,8 +188,9 @@ typedef struct srv_read_args {
     idem_scan_args scan;     /* READ_SCAN */
     idem_attention_args att; /* READ_ATTENTION */
     uint8_t key[IDEM_KEY_BYTES_MAX];
-    uint32_t key_len; /* READ_AUDIT: 0, every key */
-    uint32_t count;   /* READ_AUDIT */
+    uint32_t key_len;    /* READ_AUDIT: 0, every key */
+    uint32_t count;      /* READ_AUDIT */
+    uint64_t before_seq; /* READ_AUDIT: entries older than this seq (0: from the newest) */
 } srv_read_args;
 
 /* A read handed to the reads thread (reads.c). */

@@ -343,6 +343,18 @@ class Operators(Base):
         allseq = [int(record(e)["seq"]) for e in self.cmd("IDEM.AUDIT", "COUNT", 100, client=self.a)]
         self.assertEqual(allseq, sorted(allseq, reverse=True))
         self.assertIsNotNone(t)
+        # BEFORE pages back through the whole trail, two entries a page.
+        paged, before = [], None
+        while True:
+            args = ["IDEM.AUDIT", "COUNT", 2] + (["BEFORE", before] if before else [])
+            page = [int(record(e)["seq"]) for e in self.cmd(*args, client=self.a)]
+            if not page:
+                break
+            paged += page
+            before = page[-1]
+        self.assertEqual(paged[:len(allseq)], allseq)
+        self.assertEqual(paged, sorted(set(paged), reverse=True), "a page repeated or skipped")
+        self.assertTrue(self.error("IDEM.AUDIT", "BEFORE", 0, client=self.a).startswith("syntax"))
 
     def test_attention(self):
         review, expired, mism = self.key("review"), self.key("expired"), self.key("mismatch")
