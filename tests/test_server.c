@@ -1672,6 +1672,27 @@ Test(server, requests_before_auth_are_held_to_small_arguments, .init = start_fro
     raw_read(fd, got, sizeof got - 1, 1, &closed);
     cr_assert(strstr(got, "too many arguments (17, at most 16)"), "%s", got);
     close(fd);
+
+    /* A request begun before AUTH must end within 5 s: one left unfinished holds buffers, and
+     * many such connections would add up past the budget. One that completes stays open. */
+    fd = raw_connect();
+    int done_fd = raw_connect();
+    const char part[] = "*3\r\n$4\r\nAUTH\r\n$3\r\nops\r\n$6\r\npw";
+    raw_send(fd, part, sizeof part - 1);
+    raw_send(done_fd, "PING\r\n", 6);
+    raw_read(done_fd, got, sizeof got - 1, 1, &closed);
+    int64_t t0 = now_ms();
+    closed = 0;
+    while (!closed && now_ms() - t0 < 10000)
+        raw_read(fd, got, sizeof got - 1, sizeof got, &closed);
+    cr_assert(closed, "an unfinished request before AUTH held its connection 10 s");
+    cr_assert_geq(now_ms() - t0, 4000, "closed before its time");
+    raw_send(done_fd, "PING\r\n", 6);
+    closed = 0;
+    raw_read(done_fd, got, sizeof got - 1, 1, &closed);
+    cr_assert(!closed && strstr(got, "NOAUTH"), "a connection between requests: %s", got);
+    close(fd);
+    close(done_fd);
 }
 
 /* A scrape whose request is longer than what idemd reads of it still gets the whole reply:

@@ -712,7 +712,17 @@ static void conn_parse(srv *s, srv_conn *c)
         size_t used;
         int r = resp_parse(&c->parser, c->in + c->in_start, c->in_len - c->in_start, &used);
         c->in_start += used;
-        if (r == RESP_NEED_MORE) return;
+        if (r == RESP_NEED_MORE) {
+            /* Before AUTH a request begun must end within SRV_UNAUTH_REQUEST_MS (housekeeping):
+             * connections that each hold a partial one would add up past the budget. */
+            int partial = c->parser.in_array || c->parser.discarding || c->in_len > c->in_start;
+            if (!partial)
+                c->partial_since_ms = 0;
+            else if (!c->partial_since_ms)
+                c->partial_since_ms = srv_now_ms();
+            return;
+        }
+        c->partial_since_ms = 0;
         if (r == RESP_REFUSED) {
             conn_refuse(s, c, c->parser.err);
         } else if (r == RESP_CLOSE) {
@@ -942,6 +952,9 @@ static void housekeeping(srv *s, int64_t now)
         if (c->paused == PAUSE_OUTPUT && conn_out_weight(c) < SRV_HEAVY_BYTES / 2)
             conn_unpause(s, c);
         if (c->deferred && !s->draining) conn_parse(s, c);
+        if (c->fd >= 0 && c->role == ROLE_NONE && c->partial_since_ms &&
+            now - c->partial_since_ms >= SRV_UNAUTH_REQUEST_MS)
+            conn_close(s, c, "unfinished_request_before_auth");
         if (c->fd >= 0 && s->cfg.idle_timeout_ms && c->head_seq == c->tail_seq && c->out.len == 0 &&
             now - c->last_active_ms > (int64_t)s->cfg.idle_timeout_ms)
             conn_close(s, c, "idle_timeout");

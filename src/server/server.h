@@ -31,6 +31,7 @@
 #define SRV_PASSWORD_MAX        256
 #define SRV_UNAUTH_ARG_MAX      16384u /* bytes of an argument before AUTH (when users are set) */
 #define SRV_UNAUTH_ARGC_MAX     16u    /* arguments of a request before AUTH */
+#define SRV_UNAUTH_REQUEST_MS   5000   /* a request begun before AUTH must end within this */
 #define SRV_IDLE_TIMEOUT_MS_MAX (1ull << 53) /* far beyond any use, and no overflow in a sum */
 #define SRV_IN_BUF_MAX          (2u * RESP_BULK_PROTO_MAX + 65536u) /* a whole request must fit */
 #define SRV_READ_CHUNK          65536u
@@ -165,6 +166,7 @@ typedef struct srv_conn {
     int in_work, in_dirty;       /* on this turn's lists */
     int read_due;                /* a read is under way on the reads thread (reads.c): nothing
                                     after it is parsed until it is answered */
+    int64_t partial_since_ms;    /* a request is begun but not whole since then (0: none) */
     uint32_t waits_due;          /* its claims with WAIT the engine has not answered: nothing
                                     after one is parsed until it is (a claim behind it could
                                     be granted a lease that runs out before its reply) */
