@@ -2460,8 +2460,9 @@ static int copy_dir_end(struct io *io, struct copy_dir *d, int rc)
 {
     if (rc == 0) {
         if (renameat2(AT_FDCWD, d->partial, AT_FDCWD, d->dest, RENAME_NOREPLACE) != 0) {
-            store_set_error("cannot rename %s to %s: %s", d->partial, d->dest, strerror(errno));
-            rc = errno == EEXIST ? IDEM_EINVAL : IDEM_EIO;
+            int err = errno;
+            store_set_error("cannot rename %s to %s: %s", d->partial, d->dest, strerror(err));
+            rc = err == EEXIST ? IDEM_EINVAL : IDEM_EIO;
         } else if (sync_parent(io, d->dest) < 0) {
             store_set_error("cannot make the name %s durable", d->dest);
             return IDEM_EIO;

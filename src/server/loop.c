@@ -109,7 +109,7 @@ static void conn_update_events(srv *s, srv_conn *c)
      * socket until it may go on, so no input buffer grows without bound. */
     int held_full = c->deferred && c->in_len - c->in_start >= SRV_IN_HELD_MAX;
     if (!c->paused && !s->draining && !c->close_after_write && !held_full) ev |= EPOLLIN;
-    if (c->out_off < c->out.len) ev |= EPOLLOUT;
+    if (c->out.sent < c->out.len) ev |= EPOLLOUT;
     if (ev == c->epoll_events) return;
     struct epoll_event e = {.events = ev, .data.u64 = TAG_CONN + c->index};
     epoll_ctl(s->epfd, EPOLL_CTL_MOD, c->fd, &e);
@@ -384,7 +384,8 @@ void srv_reply_done(srv *s, srv_conn *c, uint32_t seq)
     c->slot_ready += sl->buf.len; /* 0 for the head: its reply went to `out` */
     /* Replies waiting in slots are the client's output as much as `out` is: past
      * --client-output-max the connection is closed (conn_write: output_limit). */
-    if (c->out.limit && c->out.len - c->out_off + c->slot_ready > c->out.limit) c->out.overflow = 1;
+    if (c->out.limit && c->out.len - c->out.sent + c->slot_ready > c->out.limit)
+        c->out.overflow = 1;
     while (c->head_seq != c->tail_seq && slot_of(c, c->head_seq)->state == SLOT_READY) {
         srv_slot *h = slot_of(c, c->head_seq);
         c->slot_ready -= h->buf.len;
@@ -549,7 +550,7 @@ static int over_budget(const srv *s)
  * requests will add. */
 static uint64_t conn_out_weight(const srv_conn *c)
 {
-    return c->out.len - c->out_off + c->slot_ready + c->owed;
+    return c->out.len - c->out.sent + c->slot_ready + c->owed;
 }
 
 /* Input not parsed yet: past SRV_HEAVY_BYTES, a large request on its way in (a client whose
@@ -759,12 +760,12 @@ static void conn_write(srv *s, srv_conn *c)
         conn_close(s, c, "output_limit");
         return;
     }
-    if (c->out_off < c->out.len && c->out_progress_ms == 0)
+    if (c->out.sent < c->out.len && c->out_progress_ms == 0)
         c->out_progress_ms = srv_now_ms(); /* a backlog begins: the stall clock starts */
-    while (c->out_off < c->out.len) {
-        ssize_t n = write(c->fd, c->out.data + c->out_off, c->out.len - c->out_off);
+    while (c->out.sent < c->out.len) {
+        ssize_t n = write(c->fd, c->out.data + c->out.sent, c->out.len - c->out.sent);
         if (n > 0) {
-            c->out_off += (size_t)n;
+            c->out.sent += (size_t)n;
             c->out_progress_ms = srv_now_ms();
         } else if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
             break;
@@ -773,20 +774,17 @@ static void conn_write(srv *s, srv_conn *c)
             return;
         }
     }
-    if (c->out_off == c->out.len) {
+    if (c->out.sent == c->out.len) {
         c->out.len = c->out.sent = 0;
-        c->out_off = 0;
         c->out_progress_ms = 0;
         if (c->out.cap > 65536) resp_buf_free(&c->out); /* keep idle connections light */
         if (c->close_after_write && c->head_seq == c->tail_seq) {
             conn_close(s, c, "closed");
             return;
         }
-    } else if (c->out_off > c->out.len / 2) {
-        resp_buf_consume(&c->out, c->out_off);
-        c->out_off = 0;
+    } else if (c->out.sent > c->out.len / 2) {
+        resp_buf_consume(&c->out, c->out.sent); /* sent is 0 after */
     }
-    c->out.sent = c->out_off; /* the limit counts what the client has not read */
     conn_account(s, c);
     if (c->paused == PAUSE_OUTPUT && conn_out_weight(c) < SRV_HEAVY_BYTES / 2)
         conn_unpause(s, c); /* it reads its replies: read it again */
@@ -895,7 +893,7 @@ static int conn_outq(const srv_conn *c)
  * later at the earliest. */
 static int conn_stalled(srv_conn *c, int64_t now)
 {
-    if (c->out.len - c->out_off < SRV_STALL_BYTES || c->out_progress_ms == 0) return 0;
+    if (c->out.len - c->out.sent < SRV_STALL_BYTES || c->out_progress_ms == 0) return 0;
     int64_t idle = now - c->out_progress_ms;
     if (idle < SRV_STALL_MS / 2) return 0;
     if (c->outq_ms <= c->out_progress_ms) { /* half-way: where the kernel's queue stands */
@@ -1161,9 +1159,9 @@ static void flush_all(srv *s, int ms)
         int left = 0;
         for (uint32_t i = 0; i < s->conns_cap; i++) {
             srv_conn *c = s->conns[i];
-            if (c && c->fd >= 0 && c->out_off < c->out.len) {
+            if (c && c->fd >= 0 && c->out.sent < c->out.len) {
                 conn_write(s, c);
-                left += c->fd >= 0 && c->out_off < c->out.len;
+                left += c->fd >= 0 && c->out.sent < c->out.len;
             }
         }
         if (!left || srv_now_ms() >= end) return;

@@ -94,7 +94,8 @@ typedef struct resp_buf {
     size_t len;
     size_t cap;
     size_t limit; /* appends that would pass it fail and set overflow */
-    size_t sent;  /* leading bytes already written out: they do not count against limit */
+    size_t sent;  /* leading bytes already written out (a connection's output): not counted
+                   * against limit, which bounds what the client has not read */
     int overflow;
 } resp_buf;
 

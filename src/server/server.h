@@ -150,7 +150,6 @@ typedef struct srv_conn {
     uint8_t *in;
     size_t in_len, in_start, in_cap;
     resp_buf out;
-    size_t out_off;  /* bytes of out already written */
     srv_slot *slots; /* ring, slot_cap entries (a power of two) */
     uint32_t slot_cap;
     uint32_t head_seq, tail_seq; /* outstanding requests: [head_seq, tail_seq) */
