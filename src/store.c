@@ -16,6 +16,7 @@
 #include <sched.h>
 #include <stddef.h>
 #include <stdarg.h>
+#include <limits.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -2421,8 +2422,17 @@ struct copy_dir {
     char dest[4096], partial[4096];
 };
 
-/* Creates dir.partial for a copy into dest (neither may exist). */
-static int copy_dir_begin(struct io *io, const char *dest, struct copy_dir *d)
+/* Is the directory `inner` (which exists) src itself or inside it? */
+static int dir_within(const char *inner, const char *src)
+{
+    char a[PATH_MAX], b[PATH_MAX];
+    if (!realpath(inner, a) || !realpath(src, b)) return 0;
+    size_t n = strlen(b);
+    return strncmp(a, b, n) == 0 && (a[n] == '\0' || a[n] == '/' || (n == 1 && b[0] == '/'));
+}
+
+/* Creates dir.partial for a copy of src into dest (neither may exist, nor lie within src). */
+static int copy_dir_begin(struct io *io, const char *src, const char *dest, struct copy_dir *d)
 {
     size_t n = strlen(dest);
     while (n > 1 && dest[n - 1] == '/')
@@ -2449,6 +2459,12 @@ static int copy_dir_begin(struct io *io, const char *dest, struct copy_dir *d)
     if (rc < 0) {
         store_set_error("cannot create %s: %s", d->partial, strerror(-rc));
         return IDEM_EIO;
+    }
+    if (dir_within(d->partial, src)) { /* a copy kept with what it copies is lost with it */
+        rmdir(d->partial);
+        store_set_error("cannot copy %s into %s: the copy would lie within the directory it copies",
+                        src, dest);
+        return IDEM_EINVAL;
     }
     return 0;
 }
@@ -2543,7 +2559,7 @@ int idem_backup(idem_store *s, const char *dest_dir)
     store_unlock(s);
     if (rc == 0) {
         struct copy_dir d;
-        rc = copy_dir_begin(wr, dest_dir, &d);
+        rc = copy_dir_begin(wr, s->dir, dest_dir, &d);
         if (rc == 0)
             rc = copy_dir_end(
                 wr, &d, copy_store(s->io, s->dir, wr, d.partial, &sb, end_seq, end_off, audit_len));
@@ -2569,7 +2585,7 @@ int idem_restore(const char *backup_dir, const char *dest_dir)
         goto out;
     }
     struct copy_dir d;
-    rc = copy_dir_begin(io, dest_dir, &d);
+    rc = copy_dir_begin(io, backup_dir, dest_dir, &d);
     if (rc < 0) goto out;
     /* A new generation: the copy is another store from here on. */
     sb.store_generation++;

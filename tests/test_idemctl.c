@@ -308,6 +308,15 @@ Test(idemctl, a_copy_is_made_aside_and_named_only_when_whole, .init = setup, .fi
     cr_assert(strstr(err, "c.partial exists") && strstr(err, "cut short"), "%s", err);
     cr_assert(!in_scratch("c"));
 
+    /* A copy inside what it copies would be lost with it: refused, and nothing is left there. */
+    cr_assert_eq(ctl("backup %s/inner --dir %s", dir, dir), 1, "into the store's own directory");
+    cr_assert(strstr(err, "within the directory it copies"), "%s", err);
+    snprintf(p, sizeof p, "%s/inner.partial", dir);
+    cr_assert(access(p, F_OK) != 0, "the refused copy left %s", p);
+    cr_assert_eq(ctl("restore %s/b %s/b/r", scratch, scratch), 1,
+                 "into the backup's own directory");
+    cr_assert(strstr(err, "within the directory it copies"), "%s", err);
+
     cr_assert_eq(ctl("restore %s/b %s/r", scratch, scratch), 0, "%s", err);
     cr_assert(in_scratch("r/super") && !in_scratch("r.partial"));
     /* A backup without its checkpoint cannot be restored: the copy fails and leaves nothing. */

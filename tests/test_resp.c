@@ -256,13 +256,15 @@ Test(resp, too_many_arguments_is_refused_and_the_next_request_parses)
     cr_assert_eq(k, 2);
     cr_assert_eq(st[0], RESP_REFUSED);
     cr_assert_eq(st[1], RESP_REQUEST);
+    cr_assert_str_eq(p.err, "ERR x: too many arguments (10, at most 8)",
+                     "the refusal names the command, even when it came a byte at a time");
 
     resp_parser q = parser();
     size_t c;
     const char *big = "*10\r\n$1\r\nx\r\n$1\r\nx\r\n$1\r\nx\r\n$1\r\nx\r\n$1\r\nx\r\n$1\r\nx\r\n"
                       "$1\r\nx\r\n$1\r\nx\r\n$1\r\nx\r\n$1\r\nx\r\n";
     cr_assert_eq(parse_once(&q, big, strlen(big), &c), RESP_REFUSED);
-    cr_assert(strstr(q.err, "too many arguments") != NULL, "%s", q.err);
+    cr_assert_str_eq(q.err, "ERR x: too many arguments (10, at most 8)");
     cr_assert_eq(c, strlen(big));
 }
 
@@ -302,7 +304,7 @@ Test(resp, oversized_inline_field_is_refused)
     size_t c;
     const char *s = "GET 0123456789abcdefXYZ\r\n";
     cr_assert_eq(parse_once(&p, s, strlen(s), &c), RESP_REFUSED);
-    cr_assert(strstr(p.err, "too long") != NULL);
+    cr_assert_str_eq(p.err, "ERR GET: argument 2 is too long (19 bytes, at most 16)");
     cr_assert_eq(c, strlen(s));
 }
 
@@ -325,7 +327,7 @@ Test(resp, inline_argument_count_is_limited)
     size_t c;
     const char *s = "a b c d e f g h i j\r\nPING\r\n";
     cr_assert_eq(parse_once(&p, s, strlen(s), &c), RESP_REFUSED);
-    cr_assert(strstr(p.err, "too many") != NULL);
+    cr_assert_str_eq(p.err, "ERR a: too many arguments (at most 8)");
 }
 
 Test(resp, empty_lines_are_skipped)

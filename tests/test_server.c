@@ -1068,6 +1068,44 @@ Test(server, request_over_the_input_cap_is_refused_and_the_connection_goes_on, .
     close(fd);
 }
 
+/* A request whose bytes reach exactly the most one request may hold, followed by the first
+ * byte of one more argument's length line: idemd must read that line to learn the request is too
+ * large, and refuse it by name. It used to find its input buffer full and close the connection
+ * without a word. */
+Test(server, a_request_of_exactly_the_input_cap_split_at_a_length_line_is_refused_by_name,
+     .init = start)
+{
+    enum { REQ_MAX = 8437760, FP_LEN = 4 << 20 };
+    const char *head = "*11\r\n$10\r\nIDEM.CLAIM\r\n$2\r\nfp\r\n$5\r\n60000\r\n$5\r\n10000\r\n";
+    char hdr[2][32];
+    int hn = snprintf(hdr[0], sizeof hdr[0], "$2\r\nFP\r\n$%d\r\n", FP_LEN);
+    /* The third FP takes what is left (its length line has two digits fewer). */
+    size_t fixed = strlen(head) + 3 * ((size_t)hn + 2) + 2u * FP_LEN;
+    size_t last = REQ_MAX - fixed + 2;
+    int hl = snprintf(hdr[1], sizeof hdr[1], "$2\r\nFP\r\n$%zu\r\n", last);
+    cr_assert_eq(fixed - (size_t)hn + (size_t)hl + last, (size_t)REQ_MAX);
+    int fd = raw_connect();
+    raw_send(fd, head, strlen(head));
+    char *fp = malloc(FP_LEN);
+    memset(fp, 'f', FP_LEN);
+    for (int i = 0; i < 3; i++) {
+        raw_send(fd, hdr[i == 2], (size_t)(i == 2 ? hl : hn));
+        raw_send(fd, fp, i == 2 ? last : FP_LEN);
+        raw_send(fd, "\r\n", 2);
+    }
+    free(fp);
+    raw_send(fd, "$", 1); /* the 11th argument's length line, cut short */
+    usleep(300 * 1000);
+    raw_send(fd, "1\r\nx\r\nPING\r\n", 13);
+    char buf[512];
+    int closed;
+    raw_read(fd, buf, sizeof buf - 1, 200, &closed);
+    cr_assert(strncmp(buf, "-ERR IDEM.CLAIM: request too large", 34) == 0, "got %s", buf);
+    cr_assert(strstr(buf, "+PONG\r\n"), "got %s", buf);
+    cr_assert(!closed);
+    close(fd);
+}
+
 /* ---- pipelining ---- */
 
 Test(server, pipelined_replies_come_in_order, .init = start)
@@ -1670,7 +1708,7 @@ Test(server, requests_before_auth_are_held_to_small_arguments, .init = start_fro
         n += (size_t)snprintf(req + n, sizeof req - n, "$1\r\nx\r\n");
     raw_send(fd, req, n);
     raw_read(fd, got, sizeof got - 1, 1, &closed);
-    cr_assert(strstr(got, "too many arguments (17, at most 16)"), "%s", got);
+    cr_assert(strstr(got, "-ERR ECHO: too many arguments (17, at most 16)"), "%s", got);
     close(fd);
 
     /* A request begun before AUTH must end within 5 s: one left unfinished holds buffers, and

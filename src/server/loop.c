@@ -500,8 +500,11 @@ static int conn_grow_in(srv_conn *c)
         c->in = NULL;
         c->in_cap = 0;
     }
-    if (c->in_cap - c->in_len >= SRV_READ_CHUNK / 4) return 0;
-    if (c->in_cap >= SRV_IN_BUF_MAX) return -1;
+    size_t room = c->in_cap - c->in_len;
+    if (room >= SRV_READ_CHUNK / 4) return 0;
+    /* A full-size buffer is read into while it has room: a request of SRV_REQ_MAX bytes leaves
+     * SRV_READ_CHUNK / 4 for the length line that tells the parser it is too large. */
+    if (c->in_cap >= SRV_IN_BUF_MAX) return room > 0 ? 0 : -1;
     size_t cap = c->in_cap ? c->in_cap * 2 : 16384;
     if (cap > SRV_IN_BUF_MAX) cap = SRV_IN_BUF_MAX;
     uint8_t *n = realloc(c->in, cap);

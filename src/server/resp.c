@@ -23,6 +23,7 @@ static void reset_request(resp_parser *p)
 {
     p->in_array = 0;
     p->discarding = 0;
+    p->too_many = 0;
     p->argc = 0;
     p->argi = 0;
     p->bulk_left = -1;
@@ -70,17 +71,23 @@ static int fail(resp_parser *p, int status, const char *msg)
     return status;
 }
 
-/* The request is refused: from now on its bytes are dropped as they are read. */
-static void start_discard(resp_parser *p, const uint8_t *buf, const char *why)
+/* p->err = "ERR <name>: why", with the command's name (when short) made printable. */
+static void refusal(resp_parser *p, const uint8_t *cmd, size_t cmd_len, const char *why)
 {
     char name[32] = "";
-    if (p->argi > 0 && p->arg_len[0] < sizeof name) {
-        memcpy(name, buf + p->arg_off[0], p->arg_len[0]);
-        name[p->arg_len[0]] = '\0';
+    if (cmd && cmd_len < sizeof name) {
+        memcpy(name, cmd, cmd_len);
+        name[cmd_len] = '\0';
         for (char *c = name; *c; c++)
             if (*c < 0x20 || *c > 0x7e) *c = '?';
     }
     snprintf(p->err, sizeof p->err, "ERR %s%s%s", name, name[0] ? ": " : "", why);
+}
+
+/* The request is refused: from now on its bytes are dropped as they are read. */
+static void start_discard(resp_parser *p, const uint8_t *buf, const char *why)
+{
+    refusal(p, p->argi > 0 ? buf + p->arg_off[0] : NULL, p->argi > 0 ? p->arg_len[0] : 0, why);
     p->discarding = 1;
 }
 
@@ -161,6 +168,11 @@ static int parse_array(resp_parser *p, uint8_t *buf, size_t len, size_t *consume
         int r = read_bulk(p, buf, len);
         if (r == RESP_CLOSE) return RESP_CLOSE;
         if (r == RESP_NEED_MORE) goto need;
+        if (p->too_many && !p->discarding) { /* the command's name is read: refuse by it */
+            char why[80];
+            snprintf(why, sizeof why, "too many arguments (%u, at most %u)", p->argc, p->argc_max);
+            start_discard(p, buf, why);
+        }
     }
     *consumed += p->pos;
     if (p->discarding) {
@@ -197,12 +209,7 @@ static int start_array(resp_parser *p, uint8_t *buf, size_t len, size_t *consume
     p->argi = 0;
     p->bulk_left = -1;
     p->pos = next;
-    if (n > (int64_t)p->argc_max) {
-        char why[80];
-        snprintf(why, sizeof why, "too many arguments (%lld, at most %u)", (long long)n,
-                 p->argc_max);
-        start_discard(p, buf, why);
-    }
+    p->too_many = n > (int64_t)p->argc_max; /* refused after its first argument, the name */
     return parse_array(p, buf, len, consumed);
 }
 
@@ -306,8 +313,10 @@ static int check_inline_limits(resp_parser *p, uint32_t argc)
     for (uint32_t i = 0; p->arg_max && i < argc; i++) {
         uint32_t max = p->arg_max(p->arg_max_ctx, p->argv, p->argl, i);
         if (p->argl[i] > max) {
-            snprintf(p->err, sizeof p->err, "ERR argument %u is too long (%u bytes, at most %u)",
-                     i + 1, p->argl[i], max);
+            char why[80];
+            snprintf(why, sizeof why, "argument %u is too long (%u bytes, at most %u)", i + 1,
+                     p->argl[i], max);
+            refusal(p, i > 0 ? p->argv[0] : NULL, i > 0 ? p->argl[0] : 0, why);
             return -1;
         }
     }
@@ -334,7 +343,9 @@ static int parse_inline(resp_parser *p, uint8_t *buf, size_t len, size_t *consum
     *consumed += line + 1;
     reset_request(p);
     if (argc == -2) {
-        snprintf(p->err, sizeof p->err, "ERR too many arguments (at most %u)", p->argc_max);
+        char why[64];
+        snprintf(why, sizeof why, "too many arguments (at most %u)", p->argc_max);
+        refusal(p, p->argv[0], p->argl[0], why);
         return RESP_REFUSED;
     }
     if (argc == 0) return PARSE_SKIP; /* an empty line: skipped */

@@ -62,6 +62,7 @@ struct resp_parser {
     int first_line_done; /* the HTTP check is over */
     int in_array;        /* inside a `*` request */
     int discarding;      /* the request is refused; its bytes are dropped as they come */
+    int too_many;        /* more arguments than argc_max: refused once the name is read */
     uint32_t argc;       /* announced by the array header */
     uint32_t argi;       /* arguments complete so far */
     int64_t bulk_left;   /* discard mode: bytes of the current bulk (with CRLF) still to drop */
