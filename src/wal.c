@@ -67,6 +67,9 @@ struct wal {
     uint64_t frames_inflight; /* ... in the batch in flight */
     int spare_err;            /* the last attempt to create it failed with this (IDEM_EFULL, ...) */
     uint64_t frames_beyond;   /* valid frames recovery dropped past the end of the log */
+    /* At open: the first segment past the replay segment whose header is damaged (0: none),
+     * and the last segment opened past it (wal_open_segments). Recovery only scans those. */
+    uint64_t damaged_seq, beyond_last_seq;
     uint64_t lsn_last;
     uint64_t lsn_written;   /* written, maybe not flushed (durability none) */
     uint64_t lsn_recovered; /* last LSN of the last complete batch at recovery */
@@ -970,8 +973,9 @@ static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch,
                        const struct wal_resume *resume, struct read_ahead *ra, uint64_t *max_lsn,
                        uint64_t *max_batch)
 {
-    for (uint64_t seq = p.seq; seg_of(w, seq); seq++) {
+    for (uint64_t seq = p.seq; seg_of(w, seq) || seq < w->beyond_last_seq; seq++) {
         struct wal_segment *s = seg_of(w, seq);
+        if (!s) continue; /* the damaged header; the segments after it are read all the same */
         /* The stop position is a block start (the end of a complete batch); it may itself
          * hold a valid frame of the batch that was in flight. */
         uint32_t off = seq == p.seq ? p.off : WAL_BLOCK;
@@ -989,11 +993,20 @@ static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch,
             uint64_t lsn = util_get_u64(s->map + off + 8);
             uint64_t batch = util_get_u64(s->map + off + 16);
             if (wal_beyond_is_corrupt(batch, last_batch, resume)) {
-                snprintf(w->err, sizeof w->err,
-                         "log corrupt: segment %llu offset %u: frame of batch %llu after the "
-                         "log stops at segment %llu offset %u (last complete batch %llu)",
-                         (unsigned long long)seq, off, (unsigned long long)batch,
-                         (unsigned long long)p.seq, p.off, (unsigned long long)last_batch);
+                if (w->damaged_seq && seq > w->damaged_seq)
+                    snprintf(w->err, sizeof w->err,
+                             "log corrupt: the header of segment %llu is damaged, and segment "
+                             "%llu after it holds a frame of batch %llu at offset %u (the log "
+                             "stops at segment %llu offset %u, last complete batch %llu)",
+                             (unsigned long long)w->damaged_seq, (unsigned long long)seq,
+                             (unsigned long long)batch, off, (unsigned long long)p.seq, p.off,
+                             (unsigned long long)last_batch);
+                else
+                    snprintf(w->err, sizeof w->err,
+                             "log corrupt: segment %llu offset %u: frame of batch %llu after the "
+                             "log stops at segment %llu offset %u (last complete batch %llu)",
+                             (unsigned long long)seq, off, (unsigned long long)batch,
+                             (unsigned long long)p.seq, p.off, (unsigned long long)last_batch);
                 return IDEM_ECORRUPT;
             }
             if (lsn > *max_lsn) *max_lsn = lsn;
@@ -1020,8 +1033,16 @@ int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int
             continue;
         }
         if (rc == IDEM_ENOTFOUND) break;
-        if (rc == IDEM_ECORRUPT && seq > start_seq)
-            break; /* a segment whose creation was cut short: the log cannot reach it */
+        if (rc == IDEM_ECORRUPT && seq > start_seq) {
+            /* A segment whose creation was cut short (the log cannot reach it), or one whose
+             * header rotted after it was written: then the segments after it hold batches
+             * acknowledged later. Those with whole headers are opened for the scan past the
+             * end of the log (scan_beyond), which tells the two apart by their batches. */
+            w->damaged_seq = seq;
+            while (seg_open(w, ++seq, read_only) == 0)
+                w->beyond_last_seq = seq;
+            break;
+        }
         if (rc < 0) {
             snprintf(w->err, sizeof w->err, "log segment %llu: %s", (unsigned long long)seq,
                      idem_strerror(rc));
@@ -1040,8 +1061,9 @@ int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int
 
 int wal_settle(struct wal *w, uint64_t start_seq)
 {
-    for (uint64_t q = start_seq; seg_of(w, q); q++) {
+    for (uint64_t q = start_seq; seg_of(w, q) || q < w->beyond_last_seq; q++) {
         struct wal_segment *s = seg_of(w, q);
+        if (!s) continue; /* a damaged header (wal_open_segments) */
         int rc = io_settle(w->io, s->f);
         if (rc < 0) {
             snprintf(w->err, sizeof w->err,
@@ -1057,7 +1079,9 @@ int wal_addr_valid(const struct wal *w, uint64_t addr)
 {
     uint32_t slot = (uint32_t)(addr >> WAL_OFF_BITS);
     uint32_t off = (uint32_t)(addr & ((1u << WAL_OFF_BITS) - 1)) << 3;
-    return slot < WAL_SEG_SLOTS && w->segs[slot].seq != 0 && off >= WAL_BLOCK &&
+    /* Segments past a damaged header are open only for recovery's scan past the end. */
+    return slot < WAL_SEG_SLOTS && w->segs[slot].seq != 0 &&
+           (!w->damaged_seq || w->segs[slot].seq < w->damaged_seq) && off >= WAL_BLOCK &&
            off + WAL_FRAME_HDR <= w->seg_bytes;
 }
 
@@ -1115,8 +1139,9 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
     w->cur_seq = batch_start.seq;
     w->cur_off = batch_start.off;
     /* Segments past the end are stale; they are re-created (new salt) when the log gets there. */
-    for (uint64_t q = w->cur_seq + 1; seg_of(w, q); q++)
-        seg_close(w, seg_of(w, q));
+    for (uint64_t q = w->cur_seq + 1; seg_of(w, q) || q < w->beyond_last_seq; q++)
+        if (seg_of(w, q)) seg_close(w, seg_of(w, q));
+    w->damaged_seq = w->beyond_last_seq = 0;
     (void)read_only;
     return 0;
 }

@@ -634,6 +634,62 @@ Test(recovery, corruption_in_the_middle_of_the_log_is_reported)
     cr_assert(strstr(idem_last_error(), "corrupt"), "message: %s", idem_last_error());
 }
 
+/* Segment seq's path, and whether it exists on the simulated disk. */
+static int sim_segment(uint64_t seq, char *path, size_t cap)
+{
+    uint8_t head[64];
+    snprintf(path, cap, SIM_DIR "/wal-%016llx.log", (unsigned long long)seq);
+    return io_sim_read_file(sim, path, head, sizeof head) == (int64_t)sizeof head;
+}
+
+/* A segment header that rots after it was written, on a segment the replay still reads, looks
+ * like a creation cut short by a crash: the log would end at the SEGEND before it. When later
+ * segments hold batches the log wrote after it, the header was whole when they were written:
+ * the open reports corruption instead of dropping them (and every key they hold) as a torn
+ * tail. A damaged header with nothing written after it is still what a crash leaves. */
+Test(recovery, a_rotted_segment_header_with_later_batches_after_it_is_corruption)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK);
+    /* Batches of one 4 KiB block each (about 250 a segment), until the log holds two segments
+     * of batches past the one after the replay segment (the store checkpoints on its own). */
+    uint8_t sb[8192];
+    uint64_t seq = 0, last = 0;
+    char path[256];
+    int keys = 0;
+    while (keys < 4000 && last < seq + 3) {
+        fill(s, keys, keys + 100);
+        keys += 100;
+        memcpy(&seq, newest_super(sb) + 72, 8); /* the replay segment */
+        for (uint64_t q = seq; sim_segment(q, path, sizeof path); q++)
+            last = q; /* the spare, created ahead */
+    }
+    cr_assert_geq(last, seq + 3, "segments %llu..%llu", (unsigned long long)seq,
+                  (unsigned long long)last);
+    store_abandon(s);
+    /* The header of a segment with two written after it. */
+    sim_segment(seq + 1, path, sizeof path);
+    cr_assert_eq(io_sim_corrupt(sim, path, 100, 0x01), 0);
+    int rc = open_sim_seg(&s, 1 << 20);
+    cr_assert_eq(rc, IDEM_ECORRUPT, "got %s", idem_strerror(rc));
+    cr_assert(strstr(idem_last_error(), "header of segment") &&
+                  strstr(idem_last_error(), "is damaged"),
+              "message: %s", idem_last_error());
+    /* Mended, the store opens whole (the refused open wrote nothing). */
+    cr_assert_eq(io_sim_corrupt(sim, path, 100, 0x01), 0);
+    cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, keys);
+    store_abandon(s);
+    /* The spare's header (created, nothing written in it): what a torn creation leaves. */
+    for (uint64_t q = seq; sim_segment(q, path, sizeof path); q++)
+        last = q;
+    sim_segment(last, path, sizeof path);
+    cr_assert_eq(io_sim_corrupt(sim, path, 100, 0x01), 0);
+    cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, keys);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
 /* A clean close marks where the log ends, so the next open need not look past it; that open
  * clears the mark before it writes. Were the mark left, a crash that damaged its first batch
  * would end the replay exactly at the mark, and the batches after it would be dropped unseen. */

@@ -62,6 +62,14 @@ static void store_close(void)
     }
 }
 
+/* Where a test's backup goes: beside the store (a copy within it is refused). */
+static const char *backup_dir_of(const char *dir)
+{
+    static char path[4200];
+    snprintf(path, sizeof path, "%s-backup", dir);
+    return path;
+}
+
 static void setup(void)
 {
     g_dir = tu_mkdtemp("threads");
@@ -77,6 +85,12 @@ static void teardown(void)
     g_q = NULL;
     if (g_s) (void)idem_close(g_s);
     g_s = NULL;
+    if (g_dir) {
+        char partial[4300];
+        snprintf(partial, sizeof partial, "%s.partial", backup_dir_of(g_dir));
+        tu_rmtree(strdup(partial));
+        tu_rmtree(strdup(backup_dir_of(g_dir)));
+    }
     tu_rmtree(g_dir);
     g_dir = NULL;
 }
@@ -1060,7 +1074,7 @@ Test(race, backup_goes_on_while_claims_are_acknowledged_and_holds_every_earlier_
     while (atomic_load(&g_live_count) < 100) /* the claimer is running */
         usleep(1000);
     char dest[4200];
-    snprintf(dest, sizeof dest, "%s/backup", g_dir);
+    snprintf(dest, sizeof dest, "%s", backup_dir_of(g_dir));
     int live_before = atomic_load(&g_live_count);
     int64_t t0 = mono_us();
     int rc = idem_backup(g_s, dest);
@@ -1128,10 +1142,11 @@ static void *backup_runner(void *arg)
     return NULL;
 }
 
-/* Starts idem_backup of g_s into g_dir/backup on a thread; returns once it is copying. */
+/* Starts idem_backup of g_s beside g_dir (backup_dir_of) on a thread; returns once it is copying.
+ */
 static pthread_t backup_start(void)
 {
-    snprintf(g_backup_dest, sizeof g_backup_dest, "%s/backup", g_dir);
+    snprintf(g_backup_dest, sizeof g_backup_dest, "%s", backup_dir_of(g_dir));
     atomic_store(&g_backup_rc, 1);
     pthread_t th;
     cr_assert_eq(pthread_create(&th, NULL, backup_runner, NULL), 0);
