@@ -266,6 +266,58 @@ Test(idemctl, export_import_round_trip, .init = setup, .fini = teardown)
     cr_assert_eq(ctl("import %s/nope.jsonl --dir %s/copy", scratch, scratch), 1);
 }
 
+/* JSON output is strict UTF-8: a key holding an encoded surrogate (not UTF-8, though it has
+ * its shape) goes as key_base64, not raw. A reason that is not text goes as reason_base64 and an
+ * import gives the same bytes back (it used to come back as the code points of its bytes). */
+Test(idemctl, json_is_strict_utf8_and_an_import_keeps_a_reasons_bytes, .init = setup,
+     .fini = teardown)
+{
+    static const char key[9] = {'s', 'u', 'r', (char)0xed, (char)0xa0, (char)0x80, 'k', 'e', 'y'};
+    idem_store *s;
+    idem_queue *q;
+    idem_completion c;
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 1};
+    cr_assert_eq(idem_claim(q, key, sizeof key, &a, &c), IDEM_OK);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    usleep(20000); /* the lease has run out: resolve needs no --force */
+    cr_assert_eq(ctl("scan --dir %s --json", dir), 0, "%s", err);
+    cr_assert(strstr(out, "{\"key_base64\":\"c3Vy7aCAa2V5\"}"), "%s", out);
+    cr_assert_eq(ctl("resolve c3Vy7aCAa2V5 release --key-base64 --reason \"$(printf 'r\\377')\" "
+                     "--dir %s",
+                     dir),
+                 0, "%s", err);
+    cr_assert_eq(ctl("audit --dir %s --json", dir), 0, "%s", err);
+    cr_assert(strstr(out, "\"reason\":\"r\\u00ff\""), "%s", out);
+    export_to_file();
+    cr_assert(strstr(out, "\"reason_base64\":\"cv8=\""), "%s", out);
+    cr_assert_eq(ctl("import %s/exp.jsonl --dir %s/copy", scratch, scratch), 0, "%s", err);
+    cr_assert_eq(ctl("export --dir %s/copy", scratch), 0, "%s", err);
+    cr_assert(strstr(out, "\"reason_base64\":\"cv8=\""), "the reason's bytes changed: %s", out);
+}
+
+/* An export that could not be written (a full disk) fails; options that would take the next
+ * option as their value, and a second --state, are usage errors. */
+Test(idemctl, output_lost_and_options_misread_are_errors, .init = setup, .fini = teardown)
+{
+    write_store();
+    char cmd[16384], e[4200];
+    snprintf(e, sizeof e, "%s/err", scratch);
+    snprintf(cmd, sizeof cmd, "timeout 60 %s/idemctl export --dir %s >/dev/full 2>%s", build_dir(),
+             dir, e);
+    int st = system(cmd);
+    slurp(e, err, sizeof err);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 1, "an export to a full disk: status %d", st);
+    cr_assert(strstr(err, "writing the output"), "%s", err);
+    cr_assert_eq(ctl("resolve held-1 release --reason --force --dir %s", dir), 2);
+    cr_assert(strstr(err, "--reason needs a value"), "%s", err);
+    cr_assert_eq(ctl("resolve held-1 release --reason=--force --dir %s", dir), 0, "%s", err);
+    cr_assert_eq(ctl("scan --state committed --state bogus --dir %s", dir), 2);
+    cr_assert(strstr(err, "given once"), "%s", err);
+}
+
 Test(idemctl, backup_restore_checkpoint_compact, .init = setup, .fini = teardown)
 {
     write_store();

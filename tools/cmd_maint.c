@@ -240,10 +240,12 @@ static void export_audit_line(struct jw *j, const idem_audit_entry *e)
     jw_kstr(j, "type", "audit");
     jw_kuint(j, "seq", e->seq);
     jw_ktime(j, "at_ms", e->at_ms);
-    jw_kstr(j, "actor", e->actor);
+    /* Names and reasons are bytes: those that are not text go as "actor_base64" and
+     * "reason_base64", so that an import gives the same bytes back. */
+    jw_kblob_pub(j, "actor", e->actor, strlen(e->actor));
     jw_kstr(j, "action", e->action);
     jw_kblob_pub(j, "key", e->key, e->key_len);
-    jw_kstr(j, "reason", e->reason);
+    jw_kblob_pub(j, "reason", e->reason, strlen(e->reason));
     jw_kint(j, "state_before", e->state_before);
     jw_kint(j, "state_after", e->state_after);
     jw_kuint(j, "version_before", e->version_before);
@@ -423,9 +425,14 @@ static void line_audit(struct line *l, idem_audit_entry *e)
     memset(e, 0, sizeof *e);
     e->seq = (uint64_t)num(l, "seq");
     e->at_ms = num(l, "at_ms");
-    e->actor = (f = jfield_get(l->f, l->n, "actor")) && f->str ? f->str : "";
+    uint32_t len;
+    e->actor = bytes(l, "actor", &len, &p); /* base64_decode ends what it decodes with a NUL */
+    if (e->actor && memchr(e->actor, 0, len)) l->err = "actor";
+    if (!e->actor) e->actor = "";
     e->action = (f = jfield_get(l->f, l->n, "action")) && f->str ? f->str : "";
-    e->reason = (f = jfield_get(l->f, l->n, "reason")) && f->str ? f->str : "";
+    e->reason = bytes(l, "reason", &len, &p);
+    if (e->reason && memchr(e->reason, 0, len)) l->err = "reason";
+    if (!e->reason) e->reason = "";
     e->key = bytes(l, "key", &e->key_len, &p);
     e->state_before = (int)num(l, "state_before");
     e->state_after = (int)num(l, "state_after");

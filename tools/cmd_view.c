@@ -95,7 +95,7 @@ static void status_verdict(struct status *s, const struct ctl_opts *o)
     const idem_stats *t = &s->st.s;
     char d[32], z[32];
     int64_t older = o->has_older ? o->older_ms : STATUS_OLDER_DEFAULT_MS;
-    uint64_t min_free = o->min_free_bytes ? o->min_free_bytes : STATUS_MIN_FREE_DEFAULT;
+    uint64_t min_free = o->has_min_free ? o->min_free_bytes : STATUS_MIN_FREE_DEFAULT;
     if (t->fatal)
         reason_add(s, "the store stopped after a failed write (fatal): restart idemd, then verify");
     if (t->loading) reason_add(s, "recovery is running");
@@ -118,7 +118,7 @@ static void status_verdict(struct status *s, const struct ctl_opts *o)
         reason_add(s, "memory at %u%% of the limit", pct(t->memory_bytes, t->max_memory_bytes));
     if (t->max_disk_bytes && pct(t->disk_bytes, t->max_disk_bytes) >= STATUS_CAPACITY_PCT)
         reason_add(s, "disk use at %u%% of the limit", pct(t->disk_bytes, t->max_disk_bytes));
-    if (t->disk_free_bytes && t->disk_free_bytes < min_free) {
+    if (t->disk_free_bytes < min_free) { /* 0: a full disk (or a size it could not read) */
         fmt_size(t->disk_free_bytes, z, sizeof z);
         reason_add(s, "disk free is %s", z);
     }

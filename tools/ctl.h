@@ -44,6 +44,7 @@ struct ctl_opts {
     int has_result, force;
     int64_t interval_ms, window_ms;
     uint64_t min_free_bytes;
+    int has_min_free;
     const char *pos[CTL_POS_MAX];
     int npos;
     /* get, resolve, audit: KEY as bytes (pos[0] as typed, or decoded by --key-escaped or

@@ -3,6 +3,7 @@
  * form, `--name value` or `--name=value`), picks the subcommand, prints help, and maps results
  * to exit codes: 0 ok, 1 failure, 2 usage.
  */
+#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -179,6 +180,7 @@ static int bad_value(const char *name, const char *v, const char *what)
 
 static int set_state(struct ctl_opts *o, const char *v)
 {
+    if (o->state) return bad_value("state", v, "--state is given once");
     for (int s = IDEM_STATE_IN_FLIGHT; s <= IDEM_STATE_REVIEW; s++)
         if (strcmp(v, idem_state_name(s)) == 0) o->state = s;
     return o->state ? 0 : bad_value("state", v, "not in_flight, committed or review");
@@ -244,6 +246,7 @@ static int set_option(struct ctl_opts *o, const char *name, const char *v, int *
     } else if (!strcmp(name, "min-free")) {
         if (parse_size(v, &o->min_free_bytes) < 0)
             return bad_value(name, v, "not a size (e.g. 512MiB, 1GiB)");
+        o->has_min_free = 1;
     } else {
         if (parse_duration_ms(v, &ms) < 0)
             return bad_value(name, v, "not a duration (e.g. 90s, 15m, 72h, 4d)");
@@ -274,6 +277,12 @@ static int parse_one(struct ctl_opts *o, int argc, char **argv, int *i, unsigned
             v = eq ? eq + 1 : (*i + 1 < argc ? argv[++*i] : NULL);
             if (!v) {
                 ctl_err("--%s needs a value", options[k].name);
+                return CTL_USAGE;
+            }
+            if (!eq && strncmp(v, "--", 2) == 0) { /* an option forgotten its value */
+                ctl_err("--%s needs a value, not the option %s (a value that begins with -- is "
+                        "given as --%s=%s)",
+                        options[k].name, v, options[k].name, v);
                 return CTL_USAGE;
             }
         } else if (eq) {
@@ -391,6 +400,10 @@ int main(int argc, char **argv)
     }
     if ((c->opts & O_KEY) && o.npos > 0 && (rc = key_arg(&o)) != 0) return rc;
     rc = c->fn(&o);
-    fflush(stdout);
+    /* Output that did not reach its file (a full disk under an export) is a failure. */
+    if (fflush(stdout) != 0 || ferror(stdout)) {
+        ctl_err("writing the output: %s", strerror(errno));
+        return rc != CTL_OK ? rc : CTL_FAIL;
+    }
     return rc;
 }

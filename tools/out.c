@@ -157,16 +157,23 @@ void jw_arr_end(struct jw *j)
     jw_close(j, ']');
 }
 
-/* Length of the UTF-8 sequence at p (n bytes left), or 0 if not valid. */
+/* Length of the well-formed UTF-8 sequence at p (n bytes left), or 0: no overlong forms, no
+ * surrogates (U+D800..DFFF), nothing above U+10FFFF (RFC 3629), so JSON readers take it. */
 static size_t utf8_len(const uint8_t *p, size_t n)
 {
-    size_t len = p[0] < 0x80             ? 1
-                 : (p[0] & 0xe0) == 0xc0 ? 2
-                 : (p[0] & 0xf0) == 0xe0 ? 3
-                 : (p[0] & 0xf8) == 0xf0 ? 4
-                                         : 0;
-    if (len == 0 || len > n || (len == 2 && p[0] < 0xc2)) return 0;
-    for (size_t i = 1; i < len; i++)
+    uint8_t c = p[0], lo = 0x80, hi = 0xbf; /* the range of the second byte */
+    size_t len = c < 0x80                 ? 1
+                 : c >= 0xc2 && c <= 0xdf ? 2
+                 : c >= 0xe0 && c <= 0xef ? 3
+                 : c >= 0xf0 && c <= 0xf4 ? 4
+                                          : 0;
+    if (len == 0 || len > n) return 0;
+    if (c == 0xe0) lo = 0xa0;
+    if (c == 0xed) hi = 0x9f;
+    if (c == 0xf0) lo = 0x90;
+    if (c == 0xf4) hi = 0x8f;
+    if (len > 1 && (p[1] < lo || p[1] > hi)) return 0;
+    for (size_t i = 2; i < len; i++)
         if ((p[i] & 0xc0) != 0x80) return 0;
     return len;
 }
@@ -398,6 +405,7 @@ int base64_decode(const char *s, uint8_t **out, size_t *n)
         if (pad < 2) b[o++] = (uint8_t)(v >> 8);
         if (pad < 1) b[o++] = (uint8_t)v;
     }
+    b[o] = 0; /* room for it: len / 4 * 3 + 1 */
     *out = b;
     *n = o;
     return 0;
