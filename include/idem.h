@@ -249,7 +249,8 @@ typedef struct idem_op {
     uint32_t owner_len;
     const void *data; /* commit/resolve result, set_if_absent value, hold/resolve reason */
     uint32_t data_len;
-    const void *result; /* resolve only: the result (data is then the reason) */
+    const void *result; /* resolve only: the result (data is then the reason, which holds no
+                         * NUL byte: IDEM_EINVAL, as the audit trail keeps it as text) */
     uint32_t result_len;
     uint32_t action;         /* resolve: enum idem_resolve_action */
     uint64_t expect_version; /* resolve with IDEM_F_EXPECT */
@@ -479,7 +480,9 @@ int idem_import_audit(idem_queue *q, const idem_audit_entry *e);
 /* Makes dest_dir (absent) a copy of the backup in backup_dir, under a new store generation:
  * the restored store hands out tokens above every token the backup's store could have handed
  * out before the backup was taken, and reports the generation in its stats. As idem_backup, it
- * copies into "<dest_dir>.partial" and renames that to dest_dir once the copy is durable. */
+ * copies into "<dest_dir>.partial" and renames that to dest_dir once the copy is durable and
+ * passes idem_verify (IDEM_ECORRUPT, naming the first fault, for a damaged backup). A backup_dir
+ * that a process holds open for writing is refused (IDEM_ELOCKED). */
 int idem_restore(const char *backup_dir, const char *dest_dir);
 
 /* ---- Maintenance ---- */

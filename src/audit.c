@@ -487,7 +487,9 @@ int idem_import_audit(idem_queue *q, const idem_audit_entry *e)
              : s->fatal       ? IDEM_EFATAL
                               : 0;
     /* The entry names no change in a batch to come: it goes in a group of its own, after every
-     * pending group is written (a group dropped at open cuts off what follows it). */
+     * pending group is written (a group dropped at open cuts off what follows it). Its LSN is
+     * that of the last complete batch on disk, which every later recovery reaches (one past it,
+     * such as a torn batch's, would have the entry cut off at the next open). */
     while (rc == 0 && (s->audit_pend.n || s->audit_out.n))
         rc = store_wait_durable(s);
     if (rc == 0) rc = audit_reserve(s);
@@ -495,7 +497,7 @@ int idem_import_audit(idem_queue *q, const idem_audit_entry *e)
         uint64_t next = audit_next_seq(s), seq = e->seq >= next ? e->seq : next;
         audit_put(s, e->actor, e->action, e->key, e->key_len, e->reason,
                   e->reason ? (uint32_t)strlen(e->reason) : 0, e->state_before, e->state_after,
-                  e->version_before, e->version_after, wal_durable_lsn(s->wal), seq, e->at_ms);
+                  e->version_before, e->version_after, wal_complete_lsn(s->wal), seq, e->at_ms);
         group_close(&s->audit_pend);
         /* The flusher writes it (flush_due): wait until it is. */
         while (!s->fatal && s->audit_seq < seq) {

@@ -75,15 +75,24 @@ static int key_eq(void *ctx, uint64_t addr)
     return 1;
 }
 
-struct index_slot *ops_find(idem_store *s, const void *key, uint32_t key_len, struct rec *r,
-                            uint64_t *lsn)
+/* ops_find, with the LSN of the key's frame as it is (replay: the log's end is not known yet). */
+static struct index_slot *find_raw(idem_store *s, const void *key, uint32_t key_len, struct rec *r,
+                                   uint64_t *lsn)
 {
     struct key_ref k = {s, key, key_len, NULL, 0, 0, 0, 0};
     struct index_slot *slot = index_find(s->ix, ops_hash(s, key, key_len), key_eq, &k);
     s->find_corrupt = k.corrupt || (slot && rec_decode(k.payload, k.payload_len, r) < 0);
     if (!slot || s->find_corrupt) return NULL;
+    *lsn = k.lsn;
+    return slot;
+}
+
+struct index_slot *ops_find(idem_store *s, const void *key, uint32_t key_len, struct rec *r,
+                            uint64_t *lsn)
+{
+    struct index_slot *slot = find_raw(s, key, key_len, r, lsn);
     /* An LSN can never be ahead of the log (guards a wait on a damaged frame). */
-    *lsn = k.lsn <= wal_last_lsn(s->wal) ? k.lsn : wal_last_lsn(s->wal);
+    if (slot && *lsn > wal_last_lsn(s->wal)) *lsn = wal_last_lsn(s->wal);
     return slot;
 }
 
@@ -401,9 +410,10 @@ static int op_valid(const idem_store *s, const idem_op *op)
                op->data_len <= s->opt.result_bytes_max;
     case IDEM_OP_DEL:
         return !op->actor || strlen(op->actor) <= IDEM_ACTOR_BYTES_MAX;
-    case IDEM_OP_RESOLVE:
+    case IDEM_OP_RESOLVE: /* the reason goes to the audit trail, which reads it up to a NUL */
         return op->action >= IDEM_RESOLVE_COMMIT && op->action <= IDEM_RESOLVE_SETTLE &&
                (op->data || !op->data_len) && op->data_len <= IDEM_NOTE_BYTES_MAX &&
+               (!op->data_len || !memchr(op->data, 0, op->data_len)) &&
                (op->result || !op->result_len) && op->result_len <= s->opt.result_bytes_max &&
                (!op->actor || strlen(op->actor) <= IDEM_ACTOR_BYTES_MAX);
     default:
@@ -1271,13 +1281,17 @@ static int replay_frame(idem_store *s, const struct wal_frame *f)
     }
     struct rec cur;
     uint64_t lsn;
-    struct index_slot *slot = ops_find(s, key, key_len, &cur, &lsn);
+    struct index_slot *slot = find_raw(s, key, key_len, &cur, &lsn);
     if (!slot && s->find_corrupt) {
         store_set_error("a record the checkpoint points to fails its checksum (key of the frame "
                         "at log address %llu)",
                         (unsigned long long)f->addr);
         return IDEM_ECORRUPT;
     }
+    /* A checkpoint taken in steps holds each key as the scan found it, maybe a version after
+     * this frame, with its repeat counters: the frame is older news, and replaying it would
+     * point the key back and drop the counters the checkpoint kept. */
+    if (slot && lsn >= f->lsn) return 0;
     if (slot) state_count(s, cur.state, -1);
     struct old_facts old = old_facts(s, slot ? index_slot_addr(slot) : 0);
     if (f->type == WAL_T_DELETE) {

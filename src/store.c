@@ -2579,7 +2579,10 @@ int idem_restore(const char *backup_dir, const char *dest_dir)
     if (io_thread_create(&io) < 0) return IDEM_ENOMEM;
     struct super sb;
     char err[512] = "";
-    int rc = super_load(io, backup_dir, &sb, 0, err, sizeof err);
+    /* A store some process owns changes under the copy: its lock is shared with readers only. */
+    int lock_fd = -1;
+    int rc = lock_acquire(backup_dir, 1, &lock_fd, err, sizeof err);
+    if (rc == 0) rc = super_load(io, backup_dir, &sb, 0, err, sizeof err);
     if (rc < 0) {
         store_set_error("%s", rc == IDEM_ENOTFOUND ? "the backup holds no store" : err);
         goto out;
@@ -2589,8 +2592,20 @@ int idem_restore(const char *backup_dir, const char *dest_dir)
     if (rc < 0) goto out;
     /* A new generation: the copy is another store from here on. */
     sb.store_generation++;
-    rc = copy_dir_end(io, &d, copy_store(io, backup_dir, io, d.partial, &sb, 0, 0, UINT64_MAX));
+    rc = copy_store(io, backup_dir, io, d.partial, &sb, 0, 0, UINT64_MAX);
+    if (rc == 0) { /* named dest only if it is a sound store: a damaged backup is refused */
+        idem_verify_report r;
+        int vrc = idem_verify(d.partial, &r, NULL, NULL);
+        if (vrc != IDEM_OK || r.errors) {
+            if (vrc == IDEM_OK)
+                store_set_error("the copy of %s fails verification (%llu fault(s)); the first: %s",
+                                backup_dir, (unsigned long long)r.errors, r.first_error);
+            rc = vrc != IDEM_OK ? vrc : IDEM_ECORRUPT;
+        }
+    }
+    rc = copy_dir_end(io, &d, rc);
 out:
+    lock_release(lock_fd);
     io_destroy(io);
     return rc;
 }

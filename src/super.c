@@ -218,9 +218,17 @@ int super_store(struct io *io, const char *dir, struct super *sb)
     return 0;
 }
 
-int lock_take(int fd, const char *dir, char *err, size_t errcap)
+int lock_take(int fd, const char *dir, int shared, char *err, size_t errcap)
 {
-    if (flock(fd, LOCK_EX | LOCK_NB) == 0) return 0;
+    if (flock(fd, (shared ? LOCK_SH : LOCK_EX) | LOCK_NB) == 0) return 0;
+    if (!shared && flock(fd, LOCK_SH | LOCK_NB) == 0) { /* readers hold it, no owner */
+        snprintf(err, errcap,
+                 "store %s is being read by another process (an inspection that opened it "
+                 "read-only, such as idemctl status, export or verify): try again once it ends",
+                 dir);
+        close(fd);
+        return IDEM_ELOCKED;
+    }
     char owner[256] = "";
     ssize_t n = pread(fd, owner, sizeof owner - 1, 0);
     owner[n > 0 ? n : 0] = 0;
@@ -236,20 +244,20 @@ int lock_acquire(const char *dir, int read_only, int *fd_out, char *err, size_t 
     char path[4096];
     snprintf(path, sizeof path, "%s/LOCK", dir);
     *fd_out = -1;
-    /* Read-only, nothing is created: without a lock file no process has opened the store
-     * since it was made or copied (as for verify). Where the file cannot be written (a
-     * read-only mount) the lock is taken through a read-only descriptor: flock needs no more. */
-    int fd = open(path, O_RDWR | O_CLOEXEC | (read_only ? 0 : O_CREAT), 0600), writable = fd >= 0;
-    if (fd < 0 && read_only && (errno == EROFS || errno == EACCES || errno == EPERM))
-        fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* Read-only, nothing is created or written: without a lock file no process has opened the
+     * store since it was made or copied (as for verify). Readers share the lock (flock needs
+     * only a read-only descriptor), so inspections run side by side and the file keeps naming
+     * the last owner; an owner holds it alone. */
+    int fd = read_only ? open(path, O_RDONLY | O_CLOEXEC)
+                       : open(path, O_RDWR | O_CLOEXEC | O_CREAT, 0600);
     if (fd < 0 && read_only && errno == ENOENT) return 0;
     if (fd < 0) {
         snprintf(err, errcap, "cannot open %s: %s", path, strerror(errno));
         return IDEM_EIO;
     }
-    int rc = lock_take(fd, dir, err, errcap);
+    int rc = lock_take(fd, dir, read_only, err, errcap);
     if (rc < 0) return rc;
-    if (writable) {
+    if (!read_only) {
         char host[128] = "";
         gethostname(host, sizeof host - 1);
         char line[256];

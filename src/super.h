@@ -93,13 +93,13 @@ int super_load(struct io *io, const char *dir, struct super *sb, int settle, cha
 int super_store(struct io *io, const char *dir, struct super *sb);
 
 /* Takes DIR/LOCK (flock, nonblocking), writing the owner's pid and host into it. For read_only:
- * never created (no lock file: *fd_out -1), and taken through a read-only descriptor where it
- * cannot be written. Returns 0 with *fd_out set, or IDEM_ELOCKED with err naming the owner, or
- * IDEM_EIO. */
+ * shared with other readers, through a read-only descriptor, never created (no lock file:
+ * *fd_out -1) nor written. Returns 0 with *fd_out set, or IDEM_ELOCKED with err naming the
+ * owner (or the readers), or IDEM_EIO. */
 int lock_acquire(const char *dir, int read_only, int *fd_out, char *err, size_t errcap);
-/* flock of an open lock file fd. Returns 0, or IDEM_ELOCKED with err naming the owner its file
- * names (fd is then closed). */
-int lock_take(int fd, const char *dir, char *err, size_t errcap);
+/* flock of an open lock file fd, shared or alone. Returns 0, or IDEM_ELOCKED with err naming
+ * the owner its file names, or the readers that share it (fd is then closed). */
+int lock_take(int fd, const char *dir, int shared, char *err, size_t errcap);
 void lock_release(int fd);
 
 /* ckpt_entry.has_seen bits */

@@ -101,6 +101,8 @@ struct vctx {
     struct ventry *ix;
     size_t ix_cap, ix_used;
     uint64_t ckpt_states[3];
+    uint64_t log_last_lsn; /* the last LSN of the log's last complete batch (verify_log) */
+    uint64_t damaged_seq;  /* the first segment past the replay one with a damaged header */
 };
 
 static void fault(struct vctx *v, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -162,7 +164,7 @@ static int all_zero(const uint8_t *p, size_t n)
     return 1;
 }
 
-/* ---- Lock: held through a read-only descriptor so idemd cannot start meanwhile ---- */
+/* ---- Lock: shared, through a read-only descriptor, so idemd cannot start meanwhile ---- */
 
 static int verify_lock(const char *dir, int *fd_out)
 {
@@ -172,7 +174,7 @@ static int verify_lock(const char *dir, int *fd_out)
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) return 0; /* no lock file: no process has owned the store since it was copied */
     char err[512];
-    int rc = lock_take(fd, dir, err, sizeof err);
+    int rc = lock_take(fd, dir, 1, err, sizeof err);
     if (rc < 0) {
         store_set_error("%s", err);
         return rc;
@@ -261,6 +263,15 @@ static int verify_super(struct vctx *v)
 static void seg_name(char *buf, size_t cap, uint64_t seq)
 {
     snprintf(buf, cap, "wal-%016llx.log", (unsigned long long)seq);
+}
+
+/* Does s have a whole header (seg_header_check finds nothing)? */
+static int seg_header_sound(const struct vctx *v, const struct vseg *s)
+{
+    const uint8_t *h = s->f.map;
+    return s->f.size >= v->sb.seg_bytes && !memcmp(h, "IDEMWAL1", 8) &&
+           util_get_u64(h + 4088) == XXH3_64bits(h, 4088) && util_get_u32(h + 8) == V_WAL_FORMAT &&
+           util_get_u32(h + 12) == v->sb.seg_bytes && util_get_u64(h + 16) == s->seq;
 }
 
 static void seg_header_check(struct vctx *v, struct vseg *s)
@@ -477,6 +488,7 @@ static const char *walk_frame_ok(struct vctx *v, struct walk *w, uint32_t *len)
 {
     const struct vseg *s = seg_get(v, w->p.seq);
     if (!s) return "its segment is missing or has a damaged header";
+    if (w->p.off + WAL_FRAME_HDR > v->sb.seg_bytes) return "the segment ends without a SEGEND";
     *len = frame_valid(v, s, w->p.off);
     if (!*len)
         return all_zero(s->f.map + w->p.off, WAL_FRAME_HDR) ? "no frame was written there"
@@ -540,8 +552,11 @@ static int walk_take(struct vctx *v, struct walk *w, uint32_t len, struct vpos c
  * batch than the one that may have been in flight is corruption. */
 static void walk_beyond(struct vctx *v, const struct walk *w)
 {
-    for (uint64_t seq = w->batch_start.seq; seg_get(v, seq); seq++) {
+    uint64_t end = v->sb.wal_first_seq + v->nsegs; /* past the last segment file */
+    for (uint64_t seq = w->batch_start.seq; seq < end; seq++) {
         const struct vseg *s = seg_get(v, seq);
+        if (!s && (!v->damaged_seq || seq < v->damaged_seq)) break;
+        if (!s) continue; /* a damaged header: the segments after it are read all the same */
         uint32_t off = seq == w->batch_start.seq ? w->batch_start.off + WAL_BLOCK : WAL_BLOCK;
         for (; off + WAL_FRAME_HDR <= v->sb.seg_bytes; off += WAL_BLOCK) {
             if (!frame_valid(v, s, off)) continue;
@@ -554,9 +569,12 @@ static void walk_beyond(struct vctx *v, const struct walk *w)
                 seg_name(name, sizeof name, seq);
                 fault(v,
                       "%s offset %u: a valid frame of batch %llu lies after the end of the log "
-                      "(segment %llu offset %u, last complete batch %llu)",
+                      "(segment %llu offset %u, last complete batch %llu)%s",
                       name, off, (unsigned long long)batch, (unsigned long long)w->batch_start.seq,
-                      w->batch_start.off, (unsigned long long)w->last_batch);
+                      w->batch_start.off, (unsigned long long)w->last_batch,
+                      v->damaged_seq && seq > v->damaged_seq
+                          ? ", behind a segment whose header is damaged"
+                          : "");
                 return;
             }
         }
@@ -578,8 +596,16 @@ static void walk_checkpoint_mark(struct vctx *v, struct walk *w, struct vpos ckp
 
 static int verify_log(struct vctx *v)
 {
-    for (size_t i = 0; i < v->nsegs; i++)
+    for (size_t i = 0; i < v->nsegs; i++) {
+        /* As recovery (wal_open_segments): past the replay segment, a damaged header may be a
+         * creation cut short by a crash; the segments after it are read for later batches
+         * (walk_beyond). After a clean close, see below. */
+        if (v->segs[i].seq > v->sb.ckpt_seq && !seg_header_sound(v, &v->segs[i])) {
+            if (!v->damaged_seq) v->damaged_seq = v->segs[i].seq;
+            continue;
+        }
         seg_header_check(v, &v->segs[i]);
+    }
     struct vpos ckpt = {v->sb.ckpt_seq, v->sb.ckpt_off};
     struct walk w = {.p = {v->sb.wal_first_seq, WAL_BLOCK}};
     w.batch_start = w.p;
@@ -603,6 +629,11 @@ static int verify_log(struct vctx *v)
         fault(v, "super: the checkpoint position (segment %llu offset %u) is not a batch boundary",
               (unsigned long long)ckpt.seq, ckpt.off);
     walk_beyond(v, &w);
+    /* A run that closed cleanly made its spare whole (re-created over any a crash cut short):
+     * damage there is rot. One further on may be left from a crash before that run. */
+    if (v->damaged_seq && v->sb.clean_lsn && v->damaged_seq <= w.batch_start.seq + 1)
+        seg_header_check(v, &v->segs[v->damaged_seq - v->sb.wal_first_seq]);
+    v->log_last_lsn = w.started && w.last_lsn > v->sb.ckpt_lsn ? w.last_lsn : v->sb.ckpt_lsn;
     uint64_t walked = v->done - done0;
     if (walked < v->seg_total) advance(v, v->seg_total - walked);
     return 0;
@@ -890,7 +921,11 @@ static int verify_audit(struct vctx *v)
     if (f.size % V_AUDIT_BLOCK)
         fault(v, "audit.log: %llu bytes is not a whole number of entry blocks",
               (unsigned long long)f.size);
-    uint64_t prev_seq = 0, empty_at = UINT64_MAX;
+    /* After a crash, as audit_open: a unit that is torn, or names a change past the log, ends
+     * the trail (the open cuts it off); a later unit naming a change in the log means it was
+     * damaged after it was written. After a clean close no write was cut short: any damage is. */
+    int crashed = !v->sb.clean_lsn;
+    uint64_t prev_seq = 0, empty_at = UINT64_MAX, trail_end = UINT64_MAX;
     for (uint64_t off = 0; off + V_AUDIT_BLOCK <= f.size;) {
         const uint8_t *u = f.map + off;
         uint32_t bytes = audit_unit_bytes(u);
@@ -900,10 +935,35 @@ static int verify_audit(struct vctx *v)
             off += V_AUDIT_BLOCK;
             continue;
         }
-        if (audit_unit_valid(u, bytes) <= 0) {
+        int n = audit_unit_valid(u, bytes);
+        if (n == AUDIT_TORN && crashed) {
+            if (trail_end == UINT64_MAX) trail_end = off;
+            off += V_AUDIT_BLOCK;
+            continue;
+        }
+        if (n <= 0) {
             fault(v, "audit.log offset %llu: entry fails its checksum or lengths",
                   (unsigned long long)off);
             off += V_AUDIT_BLOCK;
+            continue;
+        }
+        uint64_t lsn_min = UINT64_MAX, lsn_max = 0;
+        uint32_t at = 0;
+        const uint8_t *le;
+        while (audit_unit_next(u, bytes, &at, &le) == 1) {
+            uint64_t lsn = util_get_u64(le + 32);
+            lsn_min = lsn < lsn_min ? lsn : lsn_min;
+            lsn_max = lsn > lsn_max ? lsn : lsn_max;
+        }
+        if (crashed && (trail_end != UINT64_MAX || lsn_max > v->log_last_lsn)) {
+            if (trail_end == UINT64_MAX)
+                trail_end = off; /* entries of changes that never reached the log */
+            else if (lsn_min <= v->log_last_lsn)
+                fault(v,
+                      "audit.log offset %llu: the entries there are damaged, and those at offset "
+                      "%llu after them name changes in the log",
+                      (unsigned long long)trail_end, (unsigned long long)off);
+            off += bytes;
             continue;
         }
         if (empty_at != UINT64_MAX)

@@ -71,8 +71,9 @@ struct wal {
      * and the last segment opened past it (wal_open_segments). Recovery only scans those. */
     uint64_t damaged_seq, beyond_last_seq;
     uint64_t lsn_last;
-    uint64_t lsn_written;   /* written, maybe not flushed (durability none) */
-    uint64_t lsn_recovered; /* last LSN of the last complete batch at recovery */
+    uint64_t lsn_written;         /* written, maybe not flushed (durability none) */
+    uint64_t lsn_recovered;       /* last LSN of the last complete batch at recovery */
+    uint64_t lsn_durable_at_open; /* lsn_durable after recovery (past a torn batch's frames) */
     uint64_t lsn_durable;
     uint64_t batch;
     int64_t last_clock_ms;
@@ -747,6 +748,11 @@ uint64_t wal_recovered_lsn(const struct wal *w)
     return w->lsn_recovered;
 }
 
+uint64_t wal_complete_lsn(const struct wal *w)
+{
+    return w->lsn_durable == w->lsn_durable_at_open ? w->lsn_recovered : w->lsn_durable;
+}
+
 int wal_copy(struct wal *w, const struct wal_frame *f, uint64_t *addr, uint64_t *lsn)
 {
     const void *parts[1] = {f->payload};
@@ -1132,7 +1138,7 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
     segs_advise(w, start_seq, POSIX_MADV_NORMAL); /* the open store's reads: the default */
     if (rc < 0) return rc;
     if (cur_lsn > max_lsn) max_lsn = cur_lsn;
-    w->lsn_last = w->lsn_written = w->lsn_durable = max_lsn;
+    w->lsn_last = w->lsn_written = w->lsn_durable = w->lsn_durable_at_open = max_lsn;
     w->lsn_recovered = last_lsn;
     /* At least two above the last complete batch: the torn batch's number is never reused. */
     w->batch = (max_batch > last_batch + 1 ? max_batch : last_batch + 1) + 1;

@@ -225,6 +225,10 @@ int wal_view_next(const struct wal_seg_view *v, uint32_t *off, struct wal_frame 
 int wal_seg_durable(const struct wal *w, uint64_t seq, uint64_t durable_lsn);
 /* The LSN that recovery ended at: the last frame of the last complete batch. */
 uint64_t wal_recovered_lsn(const struct wal *w);
+/* The last LSN of the last complete batch on stable storage: wal_durable_lsn once this run has
+ * flushed a batch, wal_recovered_lsn before (the durable LSN then counts a torn batch's frames,
+ * which the next recovery drops again). */
+uint64_t wal_complete_lsn(const struct wal *w);
 /* Appends a copy of a frame's payload (compaction). */
 int wal_copy(struct wal *w, const struct wal_frame *f, uint64_t *addr, uint64_t *lsn);
 /* Retirement of the segments from the first through upto (sealed, at most WAL_RETIRE_MAX), once

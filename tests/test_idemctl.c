@@ -226,6 +226,8 @@ Test(idemctl, verify_finds_a_flipped_bit_and_changes_nothing, .init = setup, .fi
     cr_assert_eq(ctl("verify %s --socket x", dir), 2);
 }
 
+static int in_scratch(const char *rel);
+
 Test(idemctl, store_held_by_a_process_is_refused, .init = setup, .fini = teardown)
 {
     write_store();
@@ -235,7 +237,51 @@ Test(idemctl, store_held_by_a_process_is_refused, .init = setup, .fini = teardow
     cr_assert(strstr(err, "pid=") && strstr(err, "host="), "%s", err);
     cr_assert_eq(ctl("verify %s", dir), 1);
     cr_assert(strstr(err, "pid="), "%s", err);
+    cr_assert_eq(ctl("restore %s %s/r", dir, scratch), 1,
+                 "a copy of a store that changes under it");
+    cr_assert(strstr(err, "pid="), "%s", err);
+    cr_assert(!in_scratch("r") && !in_scratch("r.partial"));
     cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+/* Inspections share the lock and leave the lock file as it is (it names the last owner); a
+ * writer waits for them to end, and is told that readers hold the store. */
+Test(idemctl, inspections_share_the_store_and_a_writer_waits_for_them, .init = setup,
+     .fini = teardown)
+{
+    write_store();
+    char path[4200], before[512], after[512];
+    snprintf(path, sizeof path, "%s/LOCK", dir);
+    slurp(path, before, sizeof before);
+    idem_options o;
+    idem_options_init(&o);
+    o.read_only = 1;
+    idem_store *s;
+    cr_assert_eq(idem_open(dir, &o, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(ctl("status --dir %s", dir), 0, "a second inspection: %s", err);
+    cr_assert_eq(ctl("verify %s", dir), 0, "verify beside an inspection: %s", err);
+    cr_assert_eq(ctl("resolve held-1 release --reason r --dir %s", dir), 1);
+    cr_assert(strstr(err, "being read by another process"), "%s", err);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    slurp(path, after, sizeof after);
+    cr_assert_str_eq(after, before, "an inspection rewrote the lock file");
+    cr_assert_eq(ctl("resolve held-1 release --reason r --dir %s", dir), 0, "%s", err);
+}
+
+/* A backup that fails verification is not restored: nothing is left at dest. */
+Test(idemctl, a_damaged_backup_is_not_restored, .init = setup, .fini = teardown)
+{
+    write_store();
+    cr_assert_eq(ctl("backup %s/b --dir %s", scratch, dir), 0, "%s", err);
+    char p[8600];
+    snprintf(p, sizeof p,
+             "f=$(ls %s/b/index-*.ckpt) && printf '\\377' | dd of=$f bs=1 seek=4200 "
+             "conv=notrunc status=none",
+             scratch); /* a byte of the checkpoint's first chunk */
+    cr_assert_eq(system(p), 0);
+    cr_assert_eq(ctl("restore %s/b %s/r", scratch, scratch), 1, "a damaged backup was restored");
+    cr_assert(strstr(err, "fails verification"), "%s", err);
+    cr_assert(!in_scratch("r") && !in_scratch("r.partial"));
 }
 
 /* idemctl export of the store into scratch/exp.jsonl (the export also stays in out). */

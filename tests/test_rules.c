@@ -2566,6 +2566,18 @@ Test(args, unknown_resolve_action_is_einval)
     uint64_t v = get("k").version;
     expect_rc(resolve("k", 0, "x", 0), IDEM_EINVAL);
     expect_rc(resolve("k", 4, "x", 0), IDEM_EINVAL);
+    /* A reason is audited as text: one holding a NUL would come back cut short. */
+    idem_op op;
+    idem_completion c;
+    memset(&op, 0, sizeof op);
+    op.kind = IDEM_OP_RESOLVE;
+    op.key = "k";
+    op.key_len = 1;
+    op.data = "a\0b";
+    op.data_len = 3;
+    op.action = IDEM_RESOLVE_RELEASE;
+    int rc = idem_exec(g_q, &op, &c);
+    expect_rc(rc != IDEM_OK ? rc : c.err, IDEM_EINVAL);
     idem_record r = get("k");
     cr_assert_eq(r.state, IDEM_STATE_REVIEW);
     cr_assert_eq(r.version, v);

@@ -783,6 +783,10 @@ Test(server, roles_and_auth, .init = start_users)
     cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
     freeReplyObject(r);
     expect_error(cmd(c, "IDEM.RESOLVE k release checked"), "ERR"); /* lease runs: FORCE */
+    r = cmd(c, "IDEM.RESOLVE k release %b FORCE", "a\0b", (size_t)3);
+    cr_assert(r && r->type == REDIS_REPLY_ERROR && strstr(r->str, "NUL byte"), "%s",
+              r ? r->str : "no reply");
+    freeReplyObject(r);
     expect_status(cmd(c, "IDEM.RESOLVE k release checked FORCE"), "OK");
     r = cmd(c, "IDEM.AUDIT COUNT 5");
     cr_assert_eq(r->type, REDIS_REPLY_ARRAY);

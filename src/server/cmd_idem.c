@@ -210,6 +210,8 @@ void cmd_resolve(cmd_req *r)
         return cmd_fail(r, "ERR action must be commit, release or settle");
     if (r->argl[3] > IDEM_NOTE_BYTES_MAX)
         return cmd_fail(r, "ERR reason too long (at most %u bytes)", IDEM_NOTE_BYTES_MAX);
+    if (memchr(r->argv[3], 0, r->argl[3]))
+        return cmd_fail(r, "ERR the reason holds a NUL byte (the audit trail keeps text)");
     op.data = r->argv[3];
     op.data_len = r->argl[3];
     for (uint32_t i = 4; i < r->argc; i++) {
