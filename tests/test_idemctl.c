@@ -561,6 +561,80 @@ Test(idemctl, import_into_a_store_that_holds_keys_needs_force, .init = setup, .f
     cr_assert(strstr(out, "\"result\":\"inv-2\""), "forced: the exported record: %s", out);
 }
 
+/* An export ends with a line that counts what it holds: one cut short (here at a line's end,
+ * where nothing else shows it) is refused, and the new store is made aside and removed, so no
+ * directory that looks like a store is left. A result over the store's limit is named, and
+ * --result-max lets it in. */
+Test(idemctl, an_export_cut_short_is_not_imported, .init = setup, .fini = teardown)
+{
+    write_store();
+    export_to_file();
+    cr_assert(strstr(out, "{\"type\":\"end\",\"records\":13,\"audit_entries\":0}\n"), "%s", out);
+    char cmd[9000];
+    snprintf(cmd, sizeof cmd, "head -n 6 %s/exp.jsonl > %s/cut.jsonl", scratch, scratch);
+    cr_assert_eq(system(cmd), 0);
+    cr_assert_eq(ctl("import %s/cut.jsonl --dir %s/im", scratch, scratch), 1,
+                 "a cut export went in");
+    cr_assert(strstr(err, "cut short"), "%s", err);
+    cr_assert(!in_scratch("im") && !in_scratch("im.partial"));
+    cr_assert_eq(ctl("import %s/exp.jsonl --dir %s/im", scratch, scratch), 0, "%s", err);
+    cr_assert(in_scratch("im/super") && !in_scratch("im.partial"));
+
+    idem_store *s;
+    idem_queue *q;
+    idem_completion c;
+    idem_options o;
+    idem_options_init(&o);
+    o.result_bytes_max = 100000;
+    char big[70000];
+    memset(big, 'r', sizeof big);
+    char d2[4200];
+    snprintf(d2, sizeof d2, "%s/big", scratch);
+    cr_assert_eq(idem_open(d2, &o, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
+    claim(q, "large", 60000, "large", &c);
+    cr_assert_eq(idem_commit(q, "large", 5, c.token, big, sizeof big), IDEM_OK);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    snprintf(cmd, sizeof cmd, "timeout 60 %s/idemctl export --dir %s > %s/big.jsonl", build_dir(),
+             d2, scratch);
+    cr_assert_eq(system(cmd), 0);
+    cr_assert_eq(ctl("import %s/big.jsonl --dir %s/im2", scratch, scratch), 1);
+    cr_assert(strstr(err, "field result: 70000 bytes, over the store's limit of 65536"), "%s", err);
+    cr_assert(!in_scratch("im2") && !in_scratch("im2.partial"));
+    cr_assert_eq(ctl("import %s/big.jsonl --dir %s/im2 --result-max 128KiB", scratch, scratch), 0,
+                 "%s", err);
+}
+
+/* Keys printed in tables and by scan can be given back: a long key is printed whole (tables
+ * cut it at 128 characters), and a space at either end is escaped (`read -r` drops it). */
+Test(idemctl, printed_keys_are_whole_and_keep_their_edge_spaces, .init = setup, .fini = teardown)
+{
+    char long_key[301];
+    memset(long_key, 'L', 300);
+    long_key[300] = 0;
+    idem_store *s;
+    idem_queue *q;
+    idem_completion c;
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
+    claim(q, long_key, 1, "x", &c);
+    claim(q, "  sp  ", 1, "x", &c);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    usleep(20000); /* both leases have run out: they need attention */
+    cr_assert_eq(ctl("attention --dir %s", dir), 0, "%s", err);
+    cr_assert(strstr(out, long_key) && !strstr(out, "LLL..."), "%s", out);
+    cr_assert_eq(ctl("scan --dir %s", dir), 0, "%s", err);
+    cr_assert(strstr(out, "\\x20 sp \\x20\n"), "%s", out);
+    char cmd[8200];
+    snprintf(cmd, sizeof cmd,
+             "%s/idemctl scan --dir %s | while read -r k; do %s/idemctl get --key-escaped \"$k\" "
+             "--dir %s >/dev/null || exit 1; done",
+             build_dir(), dir, build_dir(), dir);
+    cr_assert_eq(system(cmd), 0, "a key printed by scan was not found again");
+}
+
 Test(idemctl, out_of_range_timeout_and_count_are_usage_errors, .init = setup, .fini = teardown)
 {
     write_store();
@@ -843,6 +917,13 @@ Test(idemctl_online, backup_does_not_stop_the_server, .init = setup, .fini = sto
     /* A second backup into the same place is refused by name, and idemd goes on. */
     cr_assert_eq(ctl("backup %s %s", backup, sock), 1);
     cr_assert(strstr(err, "backup into"), "%s", err);
+    /* A relative DEST is idemctl's, as offline (idemd would have taken it under its own
+     * working directory). */
+    char cmd[16384];
+    snprintf(cmd, sizeof cmd, "cd %s && timeout 60 %s/idemctl backup rel %s >/dev/null 2>&1",
+             scratch, build_dir(), sock);
+    cr_assert_eq(system(cmd), 0);
+    cr_assert(in_scratch("rel/super"), "the copy is not where idemctl ran");
 }
 
 /* IDEMCTL_PASSWORD alone authenticates as the user named default; against an idemd without

@@ -353,6 +353,10 @@ Test(server, each_argument_past_its_field_limit_is_refused_by_number, .init = st
                   cases[i].fmt, cases[i].len - 1, r->str);
         freeReplyObject(r);
     }
+    /* A relative backup destination would name a place under idemd's working directory. */
+    redisReply *r = cmd(c, "IDEM.BACKUP relative/copy");
+    cr_assert(r->type == REDIS_REPLY_ERROR && strstr(r->str, "absolute path"), "%s", r->str);
+    freeReplyObject(r);
     expect_status(cmd(c, "PING"), "PONG");
     free(big);
     redisFree(c);

@@ -196,6 +196,7 @@ static int offline_open(struct ctl *c, const struct ctl_opts *o, int access)
     idem_options opt;
     idem_options_init(&opt);
     opt.read_only = access == CTL_READ || access == CTL_OFFLINE_READ;
+    if (o->result_max) opt.result_bytes_max = (uint32_t)o->result_max;
     int rc = idem_open(dir, &opt, &c->s);
     if (rc != IDEM_OK) {
         ctl_open_error(dir, rc);
@@ -723,7 +724,19 @@ int ctl_backup(struct ctl *c, const char *dest)
         }
         return CTL_OK;
     }
-    /* idemd makes the copy itself, on its host: dest is a path there. */
+    /* idemd makes the copy itself, on its host: dest is a path there, absolute (idemd refuses
+     * a relative one, which would name a place under its own working directory). A relative
+     * dest is taken from here, as offline. */
+    char abs[4096];
+    if (dest[0] != '/') {
+        char cwd[4096];
+        if (!getcwd(cwd, sizeof cwd) ||
+            (size_t)snprintf(abs, sizeof abs, "%s/%s", cwd, dest) >= sizeof abs) {
+            ctl_err("backup into %s: cannot make the path absolute", dest);
+            return CTL_FAIL;
+        }
+        dest = abs;
+    }
     const char *argv[] = {"IDEM.BACKUP", dest};
     resp_value *v = NULL;
     if (call_ok(c, &v, 2, argv, NULL)) return CTL_FAIL;

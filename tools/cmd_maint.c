@@ -5,6 +5,8 @@
  * All but backup work on a stopped store directory through include/idem.h.
  */
 #include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -15,6 +17,9 @@
 #include "ctl.h"
 
 #define EXPORT_AUDIT_PAGE 10000u
+/* 1: a header, records, audit entries. 2: and an end line with their counts, which import
+ * requires (a file cut short is refused, not taken for the whole store). */
+#define EXPORT_FORMAT 2
 
 /* Offline commands refuse idemd's flags and default the directory. */
 static int offline_opts(const struct ctl_opts *o, struct ctl_opts *out, const char *what)
@@ -267,15 +272,17 @@ static int export_run(struct ctl *c)
     jw_init(&j, stdout);
     jw_obj(&j);
     jw_kstr(&j, "type", "export");
-    jw_kint(&j, "format", 1);
+    jw_kint(&j, "format", EXPORT_FORMAT);
     jw_kstr(&j, "idem_version", IDEM_VERSION_STRING);
     jw_obj_end(&j);
     fputc('\n', stdout);
+    uint64_t nrec = 0, naud = 0;
     for (size_t i = 0; rc == 0 && !k.oom && i < k.n; i++) {
         struct ctl_record r;
         int found = 0;
         rc = ctl_get(c, k.keys[i], k.lens[i], &r, &found);
         if (rc == 0 && found) {
+            nrec++;
             jw_obj(&j);
             jw_kstr(&j, "type", "record");
             print_record_fields(&j, &r.r, 0);
@@ -310,7 +317,7 @@ static int export_run(struct ctl *c)
         before = a[n - 1].e.seq;
     }
     for (size_t p = npages; p > 0; p--) {
-        for (size_t i = pages[p - 1].n; rc == 0 && i > 0; i--)
+        for (size_t i = pages[p - 1].n; rc == 0 && i > 0; i--, naud++)
             export_audit_line(&j, &pages[p - 1].a[i - 1].e);
         ctl_audit_free(pages[p - 1].a, pages[p - 1].n);
     }
@@ -318,6 +325,14 @@ static int export_run(struct ctl *c)
     if (k.oom) {
         ctl_err("out of memory listing the keys");
         rc = CTL_FAIL;
+    }
+    if (rc == 0) { /* the end line: an import of a file cut short finds it missing */
+        jw_obj(&j);
+        jw_kstr(&j, "type", "end");
+        jw_kuint(&j, "records", nrec);
+        jw_kuint(&j, "audit_entries", naud);
+        jw_obj_end(&j);
+        fputc('\n', stdout);
     }
     keylist_free(&k);
     return rc;
@@ -441,9 +456,46 @@ static void line_audit(struct line *l, idem_audit_entry *e)
     if (!e->key) l->err = "key";
 }
 
+/* What import has read of an export so far. */
+struct import_state {
+    int64_t format; /* the header's; 0 before it */
+    int ended;      /* the end line was read */
+    uint64_t nrec, naud;
+    uint32_t result_max; /* the store's result limit, to name it when a result passes it */
+};
+
+/* The header and the end line: 0, or prints why and returns CTL_FAIL. */
+static int import_frame_line(const char *file, uint64_t no, const struct jfield *f, int n,
+                             const char *type, struct import_state *st)
+{
+    const struct jfield *x;
+    if (strcmp(type, "export") == 0) {
+        x = jfield_get(f, n, "format");
+        st->format = x && x->is_num ? x->num : 0;
+        if (no != 1 || st->format < 1 || st->format > EXPORT_FORMAT) {
+            ctl_err("%s:%llu: %s", file, (unsigned long long)no,
+                    no != 1 ? "a second header" : "an export format this idemctl does not know");
+            return CTL_FAIL;
+        }
+        return 0;
+    }
+    const struct jfield *r = jfield_get(f, n, "records"), *a = jfield_get(f, n, "audit_entries");
+    if (!r || !r->is_num || !a || !a->is_num || (uint64_t)r->num != st->nrec ||
+        (uint64_t)a->num != st->naud) {
+        ctl_err("%s:%llu: the end line counts %lld records and %lld audit entries, the file "
+                "holds %llu and %llu",
+                file, (unsigned long long)no, r && r->is_num ? (long long)r->num : -1LL,
+                a && a->is_num ? (long long)a->num : -1LL, (unsigned long long)st->nrec,
+                (unsigned long long)st->naud);
+        return CTL_FAIL;
+    }
+    st->ended = 1;
+    return 0;
+}
+
 /* One line: 0 imported (or skipped), else prints why and returns CTL_FAIL. */
 static int import_line(struct ctl *c, const char *file, uint64_t no, const char *text,
-                       uint64_t *nrec, uint64_t *naud)
+                       struct import_state *ist)
 {
     char err[128];
     struct jfield *f;
@@ -455,21 +507,45 @@ static int import_line(struct ctl *c, const char *file, uint64_t no, const char 
     struct line l = {.f = f, .n = n};
     const struct jfield *type = jfield_get(f, n, "type");
     int rc = IDEM_OK;
+    if (ist->ended || (no > 1 && !ist->format)) {
+        ctl_err("%s:%llu: %s", file, (unsigned long long)no,
+                ist->ended ? "a line after the end line" : "the file does not begin with a header");
+        jfields_free(f, n);
+        return CTL_FAIL;
+    }
+    if (type && type->str && (!strcmp(type->str, "export") || !strcmp(type->str, "end"))) {
+        int frc = import_frame_line(file, no, f, n, type->str, ist);
+        jfields_free(f, n);
+        return frc;
+    }
+    if (!ist->format) {
+        ctl_err("%s:%llu: the file does not begin with a header", file, (unsigned long long)no);
+        jfields_free(f, n);
+        return CTL_FAIL;
+    }
+    uint64_t *nrec = &ist->nrec, *naud = &ist->naud;
+    int said = 0; /* the error was printed with more than its code */
     if (type && type->str && strcmp(type->str, "record") == 0) {
         idem_record r;
         line_record(&l, &r);
         rc = l.err ? IDEM_EINVAL : idem_import_record(c->q, &r);
+        if (rc == IDEM_EINVAL && !l.err && r.result_len > ist->result_max) {
+            ctl_err("%s:%llu: field result: %u bytes, over the store's limit of %u (import "
+                    "--result-max, as idemd's)",
+                    file, (unsigned long long)no, r.result_len, ist->result_max);
+            said = 1;
+        }
         *nrec += rc == IDEM_OK;
     } else if (type && type->str && strcmp(type->str, "audit") == 0) {
         idem_audit_entry e;
         line_audit(&l, &e);
         rc = l.err ? IDEM_EINVAL : idem_import_audit(c->q, &e);
         *naud += rc == IDEM_OK;
-    } else if (!type || !type->str || strcmp(type->str, "export") != 0) {
+    } else {
         l.err = "type";
         rc = IDEM_EINVAL;
     }
-    if (rc != IDEM_OK)
+    if (rc != IDEM_OK && !said)
         ctl_err("%s:%llu: %s%s%s", file, (unsigned long long)no, idem_strerror(rc),
                 l.err ? ": field " : "", l.err ? l.err : "");
     for (int i = 0; i < l.nowned; i++)
@@ -499,6 +575,18 @@ static int import_target_empty(struct ctl *c, const char *dir)
     return CTL_FAIL;
 }
 
+/* Removes what an import cut short left in its partial directory (import made it all). */
+static int rm_one(const char *path, const struct stat *st, int flag, struct FTW *ftw)
+{
+    (void)st;
+    (void)flag;
+    (void)ftw;
+    return remove(path) < 0 ? -1 : 0;
+}
+
+/* Into a directory that does not exist, the store is made in DIR.partial and renamed to DIR
+ * once the whole file is in and the store is closed: DIR never holds an import cut short. An
+ * existing directory (empty, or a store with --force) is written in place. */
 int cmd_import(const struct ctl_opts *o)
 {
     struct ctl_opts oo;
@@ -510,28 +598,76 @@ int cmd_import(const struct ctl_opts *o)
         ctl_err("cannot read %s: %s", file, strerror(errno));
         return CTL_FAIL;
     }
+    char dest[4096], partial[4200];
+    snprintf(dest, sizeof dest, "%s", oo.dir);
+    for (size_t n = strlen(dest); n > 1 && dest[n - 1] == '/'; n--)
+        dest[n - 1] = 0;
+    snprintf(partial, sizeof partial, "%s.partial", dest);
     struct stat st;
-    if (stat(oo.dir, &st) < 0 && mkdir(oo.dir, 0700) < 0) {
-        ctl_err("cannot create %s: %s", oo.dir, strerror(errno));
+    int staged = stat(dest, &st) < 0 && errno == ENOENT;
+    if (staged && mkdir(partial, 0700) < 0) {
+        if (errno == EEXIST)
+            ctl_err("%s exists: an import into %s was cut short there; remove it, then import "
+                    "again",
+                    partial, dest);
+        else
+            ctl_err("cannot create %s: %s", partial, strerror(errno));
         if (in != stdin) fclose(in);
         return CTL_FAIL;
     }
+    if (staged) oo.dir = partial;
     struct ctl c;
     rc = ctl_connect(&c, &oo, CTL_CREATE);
     if (rc == 0 && !o->force) rc = import_target_empty(&c, oo.dir);
     char *text = NULL;
     size_t cap = 0;
-    uint64_t no = 0, nrec = 0, naud = 0;
+    uint64_t no = 0;
+    struct import_state ist = {.result_max = o->result_max ? (uint32_t)o->result_max
+                                                           : IDEM_RESULT_BYTES_DEFAULT};
     while (rc == 0 && getline(&text, &cap, in) > 0) {
         no++;
-        if (text[strspn(text, " \t\r\n")] != 0) rc = import_line(&c, file, no, text, &nrec, &naud);
+        if (text[strspn(text, " \t\r\n")] != 0) rc = import_line(&c, file, no, text, &ist);
+    }
+    if (rc == 0 && ferror(in)) {
+        ctl_err("cannot read %s: %s", file, strerror(errno));
+        rc = CTL_FAIL;
+    }
+    if (rc == 0 && !ist.format) {
+        ctl_err("%s: no export header (an empty file?)", file);
+        rc = CTL_FAIL;
+    }
+    if (rc == 0 && ist.format >= 2 && !ist.ended) {
+        ctl_err("%s: the export ends without its end line: it was cut short (%llu records and "
+                "%llu audit entries read), and is not imported",
+                file, (unsigned long long)ist.nrec, (unsigned long long)ist.naud);
+        rc = CTL_FAIL;
     }
     free(text);
     if (in != stdin) fclose(in);
     if (c.s || c.online) rc = ctl_disconnect(&c, rc);
+    if (staged && rc == 0 && renameat2(AT_FDCWD, partial, AT_FDCWD, dest, RENAME_NOREPLACE) < 0) {
+        ctl_err("cannot rename %s to %s: %s", partial, dest, strerror(errno));
+        rc = CTL_FAIL;
+    }
+    if (staged && rc == 0) { /* the name, durable */
+        char parent[4096];
+        snprintf(parent, sizeof parent, "%s", dest);
+        char *slash = strrchr(parent, '/');
+        if (!slash)
+            snprintf(parent, sizeof parent, ".");
+        else
+            slash[slash == parent] = 0;
+        int fd = open(parent, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+        if (fd < 0 || fsync(fd) < 0) {
+            ctl_err("cannot sync %s: %s", parent, strerror(errno));
+            rc = CTL_FAIL;
+        }
+        if (fd >= 0) close(fd);
+    }
+    if (staged && rc != 0) nftw(partial, rm_one, 16, FTW_DEPTH | FTW_PHYS);
     if (rc == 0)
         printf(o->json ? "{\"records\":%llu,\"audit_entries\":%llu}\n"
                        : "imported %llu records and %llu audit entries\n",
-               (unsigned long long)nrec, (unsigned long long)naud);
+               (unsigned long long)ist.nrec, (unsigned long long)ist.naud);
     return rc;
 }

@@ -123,7 +123,8 @@ static void attention_human(const struct item *it, size_t n, int64_t now, const 
               "VERSION", "NEXT STEP");
     for (size_t i = 0; i < n; i++) {
         const idem_record *r = it[i].r;
-        char key[128], fs[64], lg[64], att[16], ref[96], ver[24], step[512], d[32];
+        /* The whole key: one cut short could not be given back to get or resolve. */
+        char key[CTL_KEY_TEXT_CAP], fs[64], lg[64], att[16], ref[96], ver[24], step[512], d[32];
         bytes_escape(r->key, r->key_len, key, sizeof key);
         fmt_duration(now - r->first_seen_ms, d, sizeof d);
         snprintf(fs, sizeof fs, "%s ago", d);
@@ -383,7 +384,7 @@ static void audit_human(const struct ctl_audit *a, size_t n, const struct ctl_op
     table_add(tb, "SEQ", "WHEN", "WHO", "ACTION", "KEY", "BEFORE -> AFTER", "REASON");
     for (size_t i = 0; i < n; i++) {
         const idem_audit_entry *e = &a[i].e;
-        char seq[24], when[40], key[128], ch[96], reason[256];
+        char seq[24], when[40], key[CTL_KEY_TEXT_CAP], ch[96], reason[256];
         snprintf(seq, sizeof seq, "%llu", (unsigned long long)e->seq);
         fmt_iso(e->at_ms, when, sizeof when);
         bytes_escape(e->key, e->key_len, key, sizeof key);

@@ -45,6 +45,7 @@ struct ctl_opts {
     int64_t interval_ms, window_ms;
     uint64_t min_free_bytes;
     int has_min_free;
+    uint64_t result_max; /* import: the store's result limit (0: the default) */
     const char *pos[CTL_POS_MAX];
     int npos;
     /* get, resolve, audit: KEY as bytes (pos[0] as typed, or decoded by --key-escaped or
@@ -173,7 +174,8 @@ void jw_kbytes(struct jw *j, const char *k, const void *p, size_t n);
 void jw_ktime(struct jw *j, const char *k, int64_t ms); /* ms and ISO 8601 (null for 0) */
 /* Whether bytes are printable UTF-8 without control characters. */
 int bytes_are_text(const void *p, size_t n);
-/* Bytes for a terminal: printable kept, others as \xHH; truncated to max chars with "...". */
+/* Bytes for a terminal: printable kept (but a space at either end), others as \xHH; truncated
+ * with "..." only when cap is too small (CTL_KEY_TEXT_CAP holds any key). */
 void bytes_escape(const void *p, size_t n, char *out, size_t cap);
 /* Room for any key in the escaped form, whole: messages name a key this way, so a key
  * of control bytes never reaches the terminal raw and the text can be given back with

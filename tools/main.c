@@ -24,6 +24,7 @@ enum {
     O_WINDOW = 1 << 7,
     O_MINFREE = 1 << 8,
     O_KEY = 1 << 9, /* takes KEY: --key-escaped, --key-base64 */
+    O_RESULTMAX = 1 << 10,
 };
 
 struct subcmd {
@@ -80,11 +81,15 @@ static const struct subcmd cmds[] = {
      "handed out later are above any the backed-up store could have handed out."},
     {"export", cmd_export, 0, 0, 0, "export --dir DIR",
      "JSON Lines on stdout: every field of every record, then the audit trail (oldest first)."},
-    {"import", cmd_import, 1, 1, O_FORCE, "import FILE --dir DIR [--force]",
+    {"import", cmd_import, 1, 1, O_FORCE | O_RESULTMAX,
+     "import FILE --dir DIR [--force] [--result-max SIZE]",
      "Reads an export (JSON Lines; - for stdin) into the stopped store DIR, made if absent:\n"
      "records as they were (state, times, counters, token, version), audit entries as they\n"
      "were. For a store no worker uses yet: a store that holds keys or decisions is refused\n"
-     "unless --force (import writes over records of the same keys, without audit entries)."},
+     "unless --force (import writes over records of the same keys, without audit entries).\n"
+     "A new DIR is made as DIR.partial and named DIR once the whole file is in; an export cut\n"
+     "short (no end line) is refused. --result-max: the store's result limit, as idemd's\n"
+     "(default 64KiB)."},
     {"checkpoint", cmd_checkpoint, 0, 0, 0, "checkpoint --dir DIR",
      "Writes a checkpoint of the stopped store's index, so the next open need not replay the log."},
     {"compact", cmd_compact, 0, 0, 0, "compact --dir DIR",
@@ -168,6 +173,7 @@ static const struct {
     {"interval", 1, O_INTERVAL},
     {"window", 1, O_WINDOW},
     {"min-free", 1, O_MINFREE},
+    {"result-max", 1, O_RESULTMAX},
     {"key-escaped", 0, O_KEY},
     {"key-base64", 0, O_KEY},
 };
@@ -243,6 +249,10 @@ static int set_option(struct ctl_opts *o, const char *name, const char *v, int *
             return CTL_USAGE;
         }
         o->key_form = form;
+    } else if (!strcmp(name, "result-max")) {
+        if (parse_size(v, &o->result_max) < 0 || o->result_max == 0 ||
+            o->result_max > IDEM_RESULT_BYTES_LIMIT)
+            return bad_value(name, v, "not a result size the store takes");
     } else if (!strcmp(name, "min-free")) {
         if (parse_size(v, &o->min_free_bytes) < 0)
             return bad_value(name, v, "not a size (e.g. 512MiB, 1GiB)");

@@ -320,7 +320,9 @@ void bytes_escape(const void *p, size_t n, char *out, size_t cap)
             snprintf(out + (o < cap - 4 ? o : cap - 4), 4, "...");
             return;
         }
-        if (b[i] >= 0x20 && b[i] < 0x7f && b[i] != '\\')
+        /* A space at either end is escaped too: `read -r` and table columns would lose it. */
+        int edge_space = b[i] == ' ' && (i == 0 || i == n - 1);
+        if (b[i] >= 0x20 && b[i] < 0x7f && b[i] != '\\' && !edge_space)
             out[o++] = (char)b[i];
         else
             o += (size_t)snprintf(out + o, cap - o, "\\x%02x", b[i]);

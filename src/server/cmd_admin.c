@@ -289,6 +289,8 @@ void cmd_backup(cmd_req *r)
     char dest[4096], err[600];
     if (r->argl[1] == 0 || r->argl[1] >= sizeof dest || memchr(r->argv[1], 0, r->argl[1]))
         return cmd_fail(r, "ERR backup destination must be a path of 1..4095 bytes");
+    if (r->argv[1][0] != '/') /* relative to idemd's working directory, not the client's */
+        return cmd_fail(r, "ERR backup destination must be an absolute path (on idemd's host)");
     memcpy(dest, r->argv[1], r->argl[1]);
     dest[r->argl[1]] = 0;
     srv_flush_ops(r->s); /* the copy holds every request before this one */
