@@ -104,7 +104,8 @@ enum idem_lease_policy {
 
 enum idem_io_backend {
     IDEM_IO_AUTO = 0,   /* io_uring where the kernel allows it, else the thread backend */
-    IDEM_IO_URING = 1,  /* io_uring: writes linked to fdatasync */
+    IDEM_IO_URING = 1,  /* io_uring: large writes on the ring, then one fdatasync once all of a
+                         * batch's have completed (small ones written directly) */
     IDEM_IO_THREAD = 2, /* pwrite + fdatasync on the store's flusher thread */
 };
 

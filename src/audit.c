@@ -225,6 +225,17 @@ static int read_unit(idem_store *s, uint64_t off, uint8_t *u, uint32_t *bytes, u
     return k;
 }
 
+/* The trail ends at `end`, short of what the superblock recorded of it (sb.audit_len, whole
+ * units whose changes were durable): entries were lost (a file deleted, or cut), not torn. */
+static int audit_missing(idem_store *s, const char *path, uint64_t end)
+{
+    store_set_error("%s: the audit trail ends at %llu bytes, but %llu bytes of it were durable "
+                    "when the superblock was written (a file removed or cut short): %s",
+                    path, (unsigned long long)end, (unsigned long long)s->sb.audit_len,
+                    idem_strerror(IDEM_ECORRUPT));
+    return IDEM_ECORRUPT;
+}
+
 int audit_open(idem_store *s)
 {
     char path[4096];
@@ -232,7 +243,12 @@ int audit_open(idem_store *s)
     int rc;
     if (s->opt.read_only) {
         rc = io_open(s->io, path, IO_O_RDONLY, &s->audit_f);
+        if (rc == -ENOENT && s->sb.audit_len) return audit_missing(s, path, 0);
         if (rc == -ENOENT) return 0; /* no operator decision yet */
+    } else if (s->sb.audit_len) { /* a trail was durable: it is never made anew */
+        rc = io_open(s->io, path, 0, &s->audit_f);
+        if (rc == -ENOENT) return audit_missing(s, path, 0);
+        if (rc == 0 && s->settle_files) rc = io_settle(s->io, s->audit_f); /* store.h */
     } else {
         rc = io_open(s->io, path, IO_O_CREATE | IO_O_EXCL, &s->audit_f);
         if (rc == 0)
@@ -300,11 +316,14 @@ int audit_open(idem_store *s)
                 rc = IDEM_ECORRUPT;
             }
         }
+        if (rc == 0 && off < s->sb.audit_len) rc = audit_missing(s, path, off);
         if (rc == 0 && !s->opt.read_only && size > off &&
             (io_truncate(s->io, s->audit_f, off) < 0 || io_flush_sync(s->io, s->audit_f) < 0))
             rc = IDEM_EIO;
         break;
     }
+    if (rc == 0 && s->audit_off < s->sb.audit_len) rc = audit_missing(s, path, s->audit_off);
+    s->audit_durable_off = s->audit_off;
     free(u);
     s->audit_alloc = s->audit_off; /* reserved space is not known: reserved again as needed */
     return rc < 0 ? rc : 0;

@@ -136,13 +136,12 @@ int64_t io_posix_write_now(struct io *io, struct io_file *f, uint64_t off, const
     return io_posix_pwrite(f->fd, off, buf, len);
 }
 
+/* Not retried on EINTR: where a flush can be interrupted (network and FUSE file systems), the
+ * interrupted call may already have consumed a write-back error, and a retry would report
+ * success over lost data. The failure is fatal for the store, as any failed flush. */
 int64_t io_posix_datasync(int fd)
 {
-    int rc;
-    do {
-        rc = fdatasync(fd);
-    } while (rc != 0 && errno == EINTR);
-    return rc == 0 ? 0 : -errno;
+    return fdatasync(fd) == 0 ? 0 : -errno;
 }
 
 void io_posix_start_writeback(int fd, uint64_t off, uint64_t len)

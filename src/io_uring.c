@@ -52,6 +52,10 @@ struct iou {
     uint32_t flush_writes_inflight; /* IO_W_FLUSH writes whose CQE has not come */
     int refuse_err;                 /* tests: the next refuse_count submits fail with this, */
     uint32_t refuse_count;          /* the kernel not entered (io_uring_test_refuse) */
+    /* A submit failed for good (iou_enter): its writes were answered with this error, so none
+     * may run later from a buffer the caller freed or to a descriptor reused since. Every SQE
+     * the kernel had not taken became a no-op; new requests are refused with it. */
+    int dead;
 };
 
 static struct iou *iou_of(struct io *io)
@@ -65,6 +69,28 @@ static uint32_t iou_busy(const struct iou *u)
 }
 
 static void iou_reap_one(struct iou *u, const struct io_uring_cqe *cqe);
+
+/* After a submit failed for good: every SQE queued and not yet taken by the kernel becomes a
+ * no-op with the same user_data (its completion then reads no buffer and writes no file), and
+ * the backend refuses new requests with err. */
+static void iou_die(struct iou *u, int err)
+{
+    struct io_uring_sq *sq = &u->ring.sq;
+    unsigned head = io_uring_smp_load_acquire(sq->khead), tail = *sq->ktail;
+    for (unsigned k = head; k != tail; k++) { /* published to the kernel, not yet taken */
+        struct io_uring_sqe *sqe = &sq->sqes[sq->array[k & sq->ring_mask]];
+        uint64_t ud = sqe->user_data;
+        io_uring_prep_nop(sqe);
+        sqe->user_data = ud;
+    }
+    for (unsigned k = sq->sqe_head; k != sq->sqe_tail; k++) { /* not yet published */
+        struct io_uring_sqe *sqe = &sq->sqes[k & sq->ring_mask];
+        uint64_t ud = sqe->user_data;
+        io_uring_prep_nop(sqe);
+        sqe->user_data = ud;
+    }
+    u->dead = err;
+}
 
 /* Accounts every CQE there is; returns how many. */
 static int iou_reap_all(struct iou *u)
@@ -97,7 +123,11 @@ static int iou_enter(struct iou *u, unsigned wait_nr)
             rc = wait_nr ? io_uring_submit_and_wait(&u->ring, wait_nr) : io_uring_submit(&u->ring);
         }
         if (rc == -EINTR) continue;
-        if ((rc != -EAGAIN && rc != -EBUSY) || waited_us >= IOU_REFUSED_MS * 1000) return rc;
+        if (rc < 0 && ((rc != -EAGAIN && rc != -EBUSY) || waited_us >= IOU_REFUSED_MS * 1000)) {
+            iou_die(u, rc);
+            return rc;
+        }
+        if (rc >= 0) return rc;
         if (iou_reap_all(u) > 0 && wait_nr) return 0; /* what the wait was for came */
         struct timespec ts = {0, (long)pause_us * 1000};
         nanosleep(&ts, NULL);
@@ -132,6 +162,7 @@ static int iou_submit_write(struct io *io, struct io_file *f, uint64_t off, cons
 {
     struct iou *u = iou_of(io);
     if ((flags & ~IO_W_FLUSH) || off > INT64_MAX || (!buf && len > 0)) return -EINVAL;
+    if (u->dead) return u->dead;
     if (u->free_count == 0) return -EAGAIN;
     const int flush = (flags & IO_W_FLUSH) != 0;
     if (len <= IOU_INLINE_MAX) {
@@ -157,6 +188,7 @@ static int iou_submit_write(struct io *io, struct io_file *f, uint64_t off, cons
 static int iou_submit_flush(struct io *io, struct io_file *f, uint64_t user_data)
 {
     struct iou *u = iou_of(io);
+    if (u->dead) return u->dead;
     if (u->free_count == 0) return -EAGAIN;
     u->due[u->ndue++] = iou_slot_take(u, f->fd, 1, user_data);
     return 0;
@@ -185,7 +217,8 @@ static void iou_reap_one(struct iou *u, const struct io_uring_cqe *cqe)
     IDEM_ASSERT(s->cqes_pending == 1);
     s->cqes_pending = 0;
     if (s->flush) u->flush_writes_inflight--;
-    iou_account(u, idx, cqe->res);
+    /* After iou_die a write may complete as the no-op it became: never as a success. */
+    iou_account(u, idx, u->dead && cqe->res >= 0 ? u->dead : cqe->res);
 }
 
 /* One fdatasync per file among the due slots; each becomes ready with its write's count (or 0
@@ -296,6 +329,23 @@ int io_uring_create(unsigned entries, struct io **out)
     if (!u) return -ENOMEM;
     int rc = io_uring_queue_init(entries, &u->ring, 0);
     if (rc < 0) goto out_free;
+    /* A ring may be made where entering it is refused (a seccomp or LSM policy that lets
+     * io_uring_setup through): one no-op must go round, or the caller falls back to the thread
+     * backend now, not at the first write too large to make directly. */
+    struct io_uring_sqe *probe = io_uring_get_sqe(&u->ring);
+    struct io_uring_cqe *cqe;
+    if (!probe) {
+        rc = -EAGAIN;
+        goto out_ring;
+    }
+    io_uring_prep_nop(probe);
+    rc = io_uring_submit_and_wait(&u->ring, 1);
+    if (rc >= 0) rc = io_uring_peek_cqe(&u->ring, &cqe);
+    if (rc == 0) {
+        rc = cqe->res < 0 ? cqe->res : 0;
+        io_uring_cqe_seen(&u->ring, cqe);
+    }
+    if (rc < 0) goto out_ring;
     u->slots_count = u->ring.sq.ring_entries;
     u->slots = calloc(u->slots_count, sizeof *u->slots);
     u->free_list = calloc(u->slots_count, sizeof *u->free_list);
@@ -318,6 +368,7 @@ out_exit:
     free(u->slots);
     free(u->due);
     free(u->ready);
+out_ring:
     io_uring_queue_exit(&u->ring);
 out_free:
     free(u);

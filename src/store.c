@@ -190,6 +190,7 @@ static int reserve_tokens(idem_store *s)
     struct super sb = s->sb;
     sb.token_reserved = (uint64_t)s->token_next + STORE_TOKEN_BLOCK;
     sb.store_clock_ms = s->clk_last_ms;
+    sb.audit_len = s->audit_durable_off;
     store_flusher_unlock(s);
     int rc = super_store(s->io, s->dir, &sb);
     store_flusher_relock(s);
@@ -438,10 +439,13 @@ static void flush_once(idem_store *s)
         return;
     }
     if (n == 0) {
+        /* An imported entry, written once every change before it was durable. */
+        if (wal_durable_lsn(s->wal) == wal_last_lsn(s->wal)) s->audit_durable_off = s->audit_off;
         notify_ready_unlocked(s); /* an imported entry is kept */
         return;
     }
     s->durable_lsn = wal_flush_end(s->wal, durable);
+    if (durable) s->audit_durable_off = s->audit_off; /* the changes of every unit written */
     s->last_flush_mono_ms = mono_now(s);
     s->st.flushes++;
     s->st.flush_records += records;
@@ -2063,6 +2067,7 @@ static int ckpt_install(idem_store *s, struct super *sb, int off_lock)
      * reserve_tokens may come between an import and the close that writes this). */
     if (sb->token_reserved < s->sb.token_reserved) sb->token_reserved = s->sb.token_reserved;
     if (sb->token_reserved < (uint64_t)s->token_next) sb->token_reserved = (uint64_t)s->token_next;
+    sb->audit_len = s->audit_durable_off;
     if (off_lock) store_flusher_unlock(s);
     int rc = super_store(s->io, s->dir, sb);
     if (rc == 0 && *old_path) remover_add(s->remover, old_path); /* no copy names it any more */

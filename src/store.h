@@ -275,6 +275,9 @@ struct idem_store {
     /* Audit trail. */
     struct io_file *audit_f;
     uint64_t audit_off;
+    /* audit_off as of the last durable flush: units whose changes are durable (in the
+     * superblock as audit_len, which audit_open holds the file to). */
+    uint64_t audit_durable_off;
     uint64_t audit_alloc; /* audit.log has disk space reserved up to here (audit_reserve_n) */
     /* The trail's map (audit.c): the first unit of each stretch of the file, in file order. */
     struct audit_mark *audit_marks;

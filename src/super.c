@@ -76,6 +76,7 @@ static void super_encode(const struct super *sb, uint8_t *p)
     util_put_u32(p + 168, sb->open_durability);
     util_put_u64(p + 176, sb->ckpt_counts_lsn);
     util_put_u64(p + 184, sb->clean_lsn);
+    util_put_u64(p + 192, sb->audit_len);
     util_put_u64(p + SUPER_CKSUM, XXH3_64bits(p, SUPER_CKSUM));
 }
 
@@ -107,6 +108,7 @@ int super_decode(const uint8_t *p, struct super *sb)
     sb->open_durability = util_get_u32(p + 168);
     sb->ckpt_counts_lsn = util_get_u64(p + 176);
     sb->clean_lsn = util_get_u64(p + 184);
+    sb->audit_len = util_get_u64(p + 192);
     return 1;
 }
 

@@ -74,6 +74,7 @@ struct super {
     uint32_t open_durability; /* enum idem_durability + 1; 0: not recorded */
     uint64_t ckpt_counts_lsn;
     uint64_t clean_lsn; /* 0: not closed cleanly since the last open that could write */
+    uint64_t audit_len; /* audit.log holds at least this many bytes of whole units (0: none) */
 };
 
 /* Decodes one 4 KiB copy: 1 when valid (sb filled), 0 when it fails its checksum or magic,

@@ -913,6 +913,11 @@ static int verify_audit(struct vctx *v)
     snprintf(path, sizeof path, "%s/audit.log", v->dir);
     struct vfile f;
     int rc = vfile_open(path, &f);
+    if (rc == IDEM_ENOTFOUND && v->sb.audit_len)
+        fault(v,
+              "audit.log is missing, but %llu bytes of it were durable when the superblock "
+              "was written",
+              (unsigned long long)v->sb.audit_len);
     if (rc == IDEM_ENOTFOUND) return 0;
     if (rc < 0) {
         store_set_error("cannot read %s: %s", path, strerror(errno));
@@ -925,7 +930,7 @@ static int verify_audit(struct vctx *v)
      * the trail (the open cuts it off); a later unit naming a change in the log means it was
      * damaged after it was written. After a clean close no write was cut short: any damage is. */
     int crashed = !v->sb.clean_lsn;
-    uint64_t prev_seq = 0, empty_at = UINT64_MAX, trail_end = UINT64_MAX;
+    uint64_t prev_seq = 0, empty_at = UINT64_MAX, trail_end = UINT64_MAX, whole_end = 0;
     for (uint64_t off = 0; off + V_AUDIT_BLOCK <= f.size;) {
         const uint8_t *u = f.map + off;
         uint32_t bytes = audit_unit_bytes(u);
@@ -980,7 +985,14 @@ static int verify_audit(struct vctx *v)
             fault(v, "audit.log offset %llu: nonzero bytes after the entry",
                   (unsigned long long)(off + end));
         off += bytes;
+        whole_end = off;
     }
+    /* Units whose changes were durable when the superblock was written (audit_open). */
+    if (whole_end < v->sb.audit_len)
+        fault(v,
+              "audit.log: the trail's whole units end at %llu bytes, but %llu bytes of it were "
+              "durable when the superblock was written",
+              (unsigned long long)whole_end, (unsigned long long)v->sb.audit_len);
     advance(v, f.size);
     vfile_close(&f);
     return 0;

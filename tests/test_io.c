@@ -442,9 +442,18 @@ Test(uring, a_submit_refused_for_good_fails_after_a_bound, .init = setup_uring, 
     int64_t took = mono_ms() - t0;
     cr_expect_geq(took, 1900);
     cr_expect_leq(took, 10000);
-    io_uring_test_refuse(fx.io, 0, 0); /* the write goes in now, and teardown reaps it */
+    /* The write was answered with the error: it must never run later, when the caller may
+     * have freed its buffer or closed its file. Once the kernel takes submits again it
+     * completes as the no-op it became, with the error, and nothing reaches the file. */
+    io_uring_test_refuse(fx.io, 0, 0);
     cr_expect_eq(io_wait(fx.io, &c, 1, 1), 1);
-    cr_expect_eq(c.res, (int64_t)BIG_WRITE);
+    cr_expect_eq(c.res, -EAGAIN, "the refused write completed with %lld", (long long)c.res);
+    uint64_t size = 1;
+    cr_expect_eq(io_size(fx.io, f, &size), 0);
+    cr_expect_eq(size, 0, "the refused write reached the file (%llu bytes)",
+                 (unsigned long long)size);
+    cr_expect_eq(io_submit_write(fx.io, f, 0, buf, BIG_WRITE, 0, 2), -EAGAIN,
+                 "the backend took a request after a submit failed for good");
     io_close(fx.io, f);
     free(buf);
 }
