@@ -32,14 +32,22 @@
 #include "util.h"
 
 #define STORE_CMP_FRAMES_PER_STEP 512
-#define STORE_CMP_LOOKAHEAD       8 /* frames prepared at once: their index misses overlap */
-#define STORE_CMP_SLACK_SEGS      2
-#define STORE_CKPT_EVERY_SEGS     8
-#define STORE_CKPT_RETIRE_BATCH   4    /* walked segments one checkpoint retires under load */
-#define STORE_CKPT_QUIET_MS       5000 /* else the walk has stopped this long */
+/* A step also ends past this many bytes of frames: each is checksummed and maybe copied under
+ * the lock, and 512 frames of 1 MiB results held it for 170-200 ms (a helper's probe). */
+#define STORE_CMP_BYTES_PER_STEP (1u << 20)
+#define STORE_CMP_LOOKAHEAD      8 /* frames prepared at once: their index misses overlap */
+#define STORE_CMP_SLACK_SEGS     2
+#define STORE_CKPT_EVERY_SEGS    8
+#define STORE_CKPT_RETIRE_BATCH  4    /* walked segments one checkpoint retires under load */
+#define STORE_CKPT_QUIET_MS      5000 /* else the walk has stopped this long */
 
 #define HORIZON_STEPS 16 /* compact_learn_horizon reads a segment in this many calls */
-#define MOSTLY_SHIFT  4  /* "mostly expired": all but 1 / 2^MOSTLY_SHIFT of the bytes */
+/* "Mostly expired": all but 1 / 2^MOSTLY_SHIFT of the bytes. Half: a segment is walked once
+ * at least half its bytes have expired, so long-lived records mixed in (one in ten, or one in
+ * three) hold no expired ones back, and each walk reclaims at least as much as it copies. With
+ * all but a sixteenth, keys of 1 s mixed one in ten with keys of a day were never swept. */
+#define MOSTLY_SHIFT 1
+#define WALK_WINDOW  STORE_CMP_AHEAD /* segments whose expired bytes together start a walk */
 
 static void tally_add(struct seg_exp *e, int64_t exp, uint64_t bytes)
 {
@@ -67,7 +75,8 @@ void compact_tally(idem_store *s, uint64_t seq, int64_t exp, uint64_t bytes)
     tally_add(*e, exp, bytes);
 }
 
-/* When all but a sixteenth of e's bytes have expired (INT64_MAX: not before the last bucket). */
+/* When all but 1 / 2^MOSTLY_SHIFT of e's bytes have expired (INT64_MAX: not before the last
+ * bucket). */
 static int64_t mostly_expired_at(const struct seg_exp *e)
 {
     uint64_t total = 0, sum = 0;
@@ -79,6 +88,16 @@ static int64_t mostly_expired_at(const struct seg_exp *e)
         if (sum >= need) return b == 0 ? e->t0 : e->t0 + ((int64_t)1 << b);
     }
     return INT64_MAX;
+}
+
+/* Adds e's bytes to *total, and those certainly expired at now to *expired. */
+static void tally_expired(const struct seg_exp *e, int64_t now, uint64_t *expired, uint64_t *total)
+{
+    for (int b = 0; b < SEG_EXP_BUCKETS; b++) {
+        *total += e->bytes[b];
+        int64_t end = b == 0 ? e->t0 : e->t0 + ((int64_t)1 << b); /* the bucket's bound */
+        if (b < SEG_EXP_BUCKETS - 1 && end <= now) *expired += e->bytes[b];
+    }
 }
 
 static void tally_forget(idem_store *s, uint64_t seq)
@@ -176,8 +195,21 @@ static int walk_wanted(idem_store *s, uint64_t seq)
     /* Not measured yet (written before this open): compact_learn_horizon does, first. */
     int64_t horizon = s->seg_max_exp[seq % WAL_SEG_SLOTS];
     if (horizon != SEG_EXP_UNKNOWN && horizon <= store_now(s)) return 1;
+    int64_t now = store_now(s);
     const struct seg_exp *e = s->seg_exp[seq % WAL_SEG_SLOTS];
-    return e && mostly_expired_at(e) <= store_now(s);
+    if (e && mostly_expired_at(e) <= now) return 1;
+    /* A segment of mostly long-lived records (copies of them gather in the segments walks
+     * write) would hold back every segment behind it, however expired: the walk goes on when
+     * the sealed segments from seq up to some later one have half their bytes expired together
+     * (so the walk to there reclaims at least as much as it copies). */
+    uint64_t expired = 0, total = 0;
+    for (uint64_t q = seq; q < seq + WALK_WINDOW && wal_seg_durable(s->wal, q, s->durable_lsn);
+         q++) {
+        if (!s->seg_exp[q % WAL_SEG_SLOTS]) continue;
+        tally_expired(s->seg_exp[q % WAL_SEG_SLOTS], now, &expired, &total);
+        if (expired >= total - total / 2) return 1;
+    }
+    return 0;
 }
 
 static uint64_t walk_end_lsn(const idem_store *s, uint64_t seq)
@@ -282,7 +314,8 @@ int compact_step(idem_store *s)
     struct cmp_ahead ring[STORE_CMP_LOOKAHEAD];
     uint32_t rd = s->cmp_off;
     int head = 0, n = 0, ended = 0;
-    for (int i = 0; i < STORE_CMP_FRAMES_PER_STEP; i++) {
+    uint64_t bytes = 0;
+    for (int i = 0; i < STORE_CMP_FRAMES_PER_STEP && bytes < STORE_CMP_BYTES_PER_STEP; i++) {
         for (; n < STORE_CMP_LOOKAHEAD && !ended; n++) {
             struct cmp_ahead *a = &ring[(head + n) % STORE_CMP_LOOKAHEAD];
             read_ahead(s, &rd, a);
@@ -308,6 +341,7 @@ int compact_step(idem_store *s)
             return 0;
         }
         if (rc < 0) return rc;
+        bytes += a->next - s->cmp_off;
         s->cmp_off = a->next;
         head = (head + 1) % STORE_CMP_LOOKAHEAD;
         n--;

@@ -213,8 +213,15 @@ static void version_moved(idem_store *s, const struct old_facts *old, uint64_t n
     s->st.keys_with_mismatch += r->mismatch_count > 0;
     uint64_t seq = wal_addr_seq(s->wal, new_addr);
     int64_t *m = &s->seg_max_exp[seq % WAL_SEG_SLOTS];
-    if (r->expires_at_ms > *m) *m = r->expires_at_ms;
-    compact_tally(s, seq, r->expires_at_ms, new_bytes);
+    /* An unfinished record past its ttl never expires while unfinished (rule 5): tallied by
+     * its ttl, a copy of it would make the segment it lands in due at once, and compaction
+     * would copy such records from segment to segment for ever. */
+    int64_t exp = r->expires_at_ms;
+    if (r->state != IDEM_STATE_COMMITTED &&
+        exp <= __atomic_load_n(&s->clk_last_ms, __ATOMIC_RELAXED))
+        exp = INT64_MAX;
+    if (exp > *m) *m = exp;
+    compact_tally(s, seq, exp, new_bytes);
     ages_note(s, r, h, new_addr);
 }
 
@@ -1306,7 +1313,9 @@ static int replay_frame(idem_store *s, const struct wal_frame *f)
         slot = index_insert(s->ix, ops_hash(s, key, key_len), f->addr, 0);
         if (!slot) return IDEM_ENOMEM;
     } else {
-        ops_seen_release(s, slot);
+        /* A compaction copy keeps the version it copies, and the counters a checkpoint took
+         * for it (its frame holds those of the version's writing). */
+        if (cur.version != rr.version) ops_seen_release(s, slot);
         index_slot_set_addr(slot, f->addr);
     }
     ops_slot_mark(slot, &rr);
