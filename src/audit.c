@@ -245,7 +245,7 @@ int audit_open(idem_store *s)
         rc = io_open(s->io, path, IO_O_RDONLY, &s->audit_f);
         if (rc == -ENOENT && s->sb.audit_len) return audit_missing(s, path, 0);
         if (rc == -ENOENT) return 0; /* no operator decision yet */
-    } else if (s->sb.audit_len) { /* a trail was durable: it is never made anew */
+    } else if (s->sb.audit_len) {    /* a trail was durable: it is never made anew */
         rc = io_open(s->io, path, 0, &s->audit_f);
         if (rc == -ENOENT) return audit_missing(s, path, 0);
         if (rc == 0 && s->settle_files) rc = io_settle(s->io, s->audit_f); /* store.h */
@@ -506,10 +506,12 @@ int idem_import_audit(idem_queue *q, const idem_audit_entry *e)
              : s->fatal       ? IDEM_EFATAL
                               : 0;
     /* The entry names no change in a batch to come: it goes in a group of its own, after every
-     * pending group is written (a group dropped at open cuts off what follows it). Its LSN is
-     * that of the last complete batch on disk, which every later recovery reaches (one past it,
-     * such as a torn batch's, would have the entry cut off at the next open). */
-    while (rc == 0 && (s->audit_pend.n || s->audit_out.n))
+     * pending group is written and every batch written is durable (in durability none too:
+     * a group before it whose batch a power loss took is cut off at open, and this one after
+     * it would then read as damage). Its LSN is that of the last complete batch on disk, which
+     * every later recovery reaches (one past it, such as a torn batch's, would have the entry
+     * cut off at the next open). */
+    while (rc == 0 && (s->audit_pend.n || s->audit_out.n || s->durable_lsn < wal_last_lsn(s->wal)))
         rc = store_wait_durable(s);
     if (rc == 0) rc = audit_reserve(s);
     if (rc == 0) {
