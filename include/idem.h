@@ -444,7 +444,7 @@ typedef struct idem_attention_args {
  * group, the oldest records (by first_seen; mismatches by their last mismatch). The store's
  * lock is taken in steps meanwhile, so other callers are not held up for the whole list; a
  * record whose state changes during the call is listed once, possibly in the group being read
- * when it changed.
+ * when it changed. In sync mode the call returns once what it lists is durable (as idem_scan).
  */
 int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_record **records,
                    size_t *n);

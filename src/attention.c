@@ -270,6 +270,13 @@ int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_recor
     free(tmp.buf);
     q->att_buf = ab.b;
     q->att_cap = ab.cap;
+    /* In sync mode what the list reports is durable (rule 8), as for a scan: it waits for the
+     * flush of everything appended before it was read (a record listed may be that new). */
+    if (rc == 0 && k > 0 && s->opt.durability == IDEM_DURABILITY_SYNC) {
+        store_lock(s);
+        if (s->durable_lsn < wal_last_lsn(s->wal)) rc = store_wait_durable(s);
+        store_unlock(s);
+    }
     if (rc < 0) return rc;
     att_rebase(&ab, out, k);
     *records = out;

@@ -13,6 +13,7 @@
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -525,6 +526,68 @@ Test(crash, a_repeat_answered_without_the_lock_waits_for_the_commit_it_reports, 
     cr_assert_not_null(blocked, "the blocking repeat did not end in EFATAL");
     cr_assert_eq(idem_poll(h.q[1], c, 4, 5000), 1);
     cr_assert_eq(c[0].err, IDEM_EFATAL, "a done of a commit never made durable was delivered");
+    held_end(&h, 1);
+}
+
+/* The operator's views report only what is durable in sync mode (rule 8): a scan by state and
+ * the attention list that see "k" held for review wait for the hold's flush, and a flush that
+ * fails turns them into EFATAL. The attention list used to answer at once (twenty-fifth
+ * session's review: it listed a review record that a crash then took back). */
+struct view_call {
+    idem_queue *q;
+    int attention; /* else a scan of the review records */
+    int rc;
+    size_t n;
+    atomic_int done;
+};
+
+static void *view_main(void *arg)
+{
+    struct view_call *v = arg;
+    if (v->attention) {
+        idem_attention_args a = {0};
+        const idem_record *r;
+        v->rc = idem_attention(v->q, &a, &r, &v->n);
+    } else {
+        idem_scan_args a = {.state = IDEM_STATE_REVIEW};
+        uint64_t next;
+        const void **keys;
+        const uint32_t *lens;
+        v->rc = idem_scan(v->q, &a, &next, &keys, &lens, &v->n);
+    }
+    atomic_store(&v->done, 1);
+    return NULL;
+}
+
+Test(crash, operator_views_wait_for_the_changes_they_report, .timeout = 60)
+{
+    struct held h;
+    held_begin(&h, 9);
+    idem_op hold = {.kind = IDEM_OP_HOLD,
+                    .key = "k",
+                    .key_len = 1,
+                    .token = h.tok,
+                    .data = "why",
+                    .data_len = 3,
+                    .user_data = 1};
+    cr_assert_eq(idem_submit(h.q[0], &hold, 1), 1);
+    struct view_call v[2] = {{.q = h.q[1], .attention = 1}, {.q = h.q[2], .attention = 0}};
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(pthread_create(&th[i], NULL, view_main, &v[i]), 0);
+    usleep(200000);
+    cr_assert(!atomic_load(&v[0].done),
+              "the attention list answered before the hold was durable "
+              "(%zu records)",
+              v[0].n);
+    cr_assert(!atomic_load(&v[1].done), "a scan answered before the hold was durable");
+    io_sim_fail_flush(h.sim, 1, -EIO);
+    io_sim_hold(h.sim, 0);
+    for (int i = 0; i < 2; i++) {
+        pthread_join(th[i], NULL);
+        cr_assert_eq(v[i].rc, IDEM_EFATAL, "%s: %s", v[i].attention ? "attention" : "scan",
+                     idem_strerror(v[i].rc));
+    }
     held_end(&h, 1);
 }
 
