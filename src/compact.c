@@ -41,13 +41,8 @@
 #define STORE_CKPT_RETIRE_BATCH  4    /* walked segments one checkpoint retires under load */
 #define STORE_CKPT_QUIET_MS      5000 /* else the walk has stopped this long */
 
-#define HORIZON_STEPS 16 /* compact_learn_horizon reads a segment in this many calls */
-/* "Mostly expired": all but 1 / 2^MOSTLY_SHIFT of the bytes. Half: a segment is walked once
- * at least half its bytes have expired, so long-lived records mixed in (one in ten, or one in
- * three) hold no expired ones back, and each walk reclaims at least as much as it copies. With
- * all but a sixteenth, keys of 1 s mixed one in ten with keys of a day were never swept. */
-#define MOSTLY_SHIFT 1
-#define WALK_WINDOW  STORE_CMP_AHEAD /* segments whose expired bytes together start a walk */
+#define HORIZON_STEPS 16              /* compact_learn_horizon reads a segment in this many calls */
+#define WALK_WINDOW   STORE_CMP_AHEAD /* segments whose expired bytes together start a walk */
 
 static void tally_add(struct seg_exp *e, int64_t exp, uint64_t bytes)
 {
@@ -73,21 +68,6 @@ void compact_tally(idem_store *s, uint64_t seq, int64_t exp, uint64_t bytes)
         (*e)->t0 = now ? now : s->sb.store_clock_ms;
     }
     tally_add(*e, exp, bytes);
-}
-
-/* When all but 1 / 2^MOSTLY_SHIFT of e's bytes have expired (INT64_MAX: not before the last
- * bucket). */
-static int64_t mostly_expired_at(const struct seg_exp *e)
-{
-    uint64_t total = 0, sum = 0;
-    for (int b = 0; b < SEG_EXP_BUCKETS; b++)
-        total += e->bytes[b];
-    uint64_t need = total - (total >> MOSTLY_SHIFT);
-    for (int b = 0; b < SEG_EXP_BUCKETS - 1; b++) {
-        sum += e->bytes[b];
-        if (sum >= need) return b == 0 ? e->t0 : e->t0 + ((int64_t)1 << b);
-    }
-    return INT64_MAX;
 }
 
 /* Adds e's bytes to *total, and those certainly expired at now to *expired. */
@@ -193,21 +173,20 @@ static int walk_wanted(idem_store *s, uint64_t seq)
     uint64_t seg = s->opt.segment_bytes, walked = (seq - first) * seg;
     if (wal_bytes(s->wal) - walked > 2 * s->live_bytes + STORE_CMP_SLACK_SEGS * seg) return 1;
     /* Not measured yet (written before this open): compact_learn_horizon does, first. */
-    int64_t horizon = s->seg_max_exp[seq % WAL_SEG_SLOTS];
-    if (horizon != SEG_EXP_UNKNOWN && horizon <= store_now(s)) return 1;
-    int64_t now = store_now(s);
-    const struct seg_exp *e = s->seg_exp[seq % WAL_SEG_SLOTS];
-    if (e && mostly_expired_at(e) <= now) return 1;
-    /* A segment of mostly long-lived records (copies of them gather in the segments walks
-     * write) would hold back every segment behind it, however expired: the walk goes on when
-     * the sealed segments from seq up to some later one have half their bytes expired together
-     * (so the walk to there reclaims at least as much as it copies). */
+    int64_t now = store_now(s), horizon = s->seg_max_exp[seq % WAL_SEG_SLOTS];
+    if (horizon != SEG_EXP_UNKNOWN && horizon <= now) return 1;
+    /* Half expired: the segment seq, or the sealed segments from it up to some later one
+     * together (by their expiry tallies), have at least half their bytes expired, so a walk
+     * to there reclaims at least as much as it copies. Long-lived records mixed in (one in
+     * ten, or one in three) then hold no expired ones back, nor does a segment of copies of
+     * them (walks write those) hold back the segments behind it. Waiting until all but a
+     * sixteenth had expired, keys of 1 s mixed one in ten with keys of a day were never swept. */
     uint64_t expired = 0, total = 0;
     for (uint64_t q = seq; q < seq + WALK_WINDOW && wal_seg_durable(s->wal, q, s->durable_lsn);
          q++) {
         if (!s->seg_exp[q % WAL_SEG_SLOTS]) continue;
         tally_expired(s->seg_exp[q % WAL_SEG_SLOTS], now, &expired, &total);
-        if (expired >= total - total / 2) return 1;
+        if (total && expired >= total - total / 2) return 1;
     }
     return 0;
 }
