@@ -35,6 +35,8 @@
  *   claim-new-dur-batch   the same in IDEM_DURABILITY_BATCH; claim-new-dur-none in _NONE.
  *   claim-commit-32       claim then commit of each key with a 32 B result, batch form, sync.
  *   claim-commit-4k       the same with 4 KiB results, at most 256 Ki pairs (1 GiB of results).
+ *   claim-commit-parked   claim-commit-32 with 10,000 claims parked by WAIT (60 s) on other keys
+ *                         the bench holds: what a commit pays for the claims waiting elsewhere.
  *   dup-uniform           claims of existing committed keys (preloaded with SET_IF_ABSENT and
  *                         synced, not timed), keys uniform over all of them; expects `done`.
  *   dup-recent            the same over the 128 Ki most recently loaded keys. Both run from
@@ -92,6 +94,7 @@
 #define LEASE_MS           30000ull
 #define RECENT_WINDOW      (128u * 1024u)
 #define RESULT_SMALL_BYTES 32u
+#define PARKED_CLAIMS      10000u /* claim-commit-parked */
 #define RESULT_LARGE_BYTES 4096u
 #define RESULT_SRC_BYTES   (2u * RESULT_LARGE_BYTES)
 #define LARGE_PAIRS_MAX    (256u * 1024u)
@@ -102,17 +105,9 @@
 enum kind { K_NEW, K_CLAIM_COMMIT, K_DUP, K_PRELOAD };
 
 static const char *const case_names[] = {
-    "claim-new-sync",
-    "claim-new-dur-batch",
-    "claim-new-dur-none",
-    "claim-commit-32",
-    "claim-commit-4k",
-    "dup-uniform",
-    "dup-recent",
-    "growth",
-    "blocking-1",
-    "blocking-64",
-    "lmdb",
+    "claim-new-sync",  "claim-new-dur-batch", "claim-new-dur-none", "claim-commit-32",
+    "claim-commit-4k", "claim-commit-parked", "dup-uniform",        "dup-recent",
+    "growth",          "blocking-1",          "blocking-64",        "lmdb",
     "sqlite",
 };
 
@@ -481,16 +476,53 @@ static int pipe_case(struct run *r, idem_store *s, struct pipe *p, double second
     return rc;
 }
 
-/* claim-new-* and claim-commit-*: one fresh store, one batch-form case. */
+/* Claims n keys of its own (not the cases' keys) and parks a claim with WAIT on each, in a queue
+ * of their own: closing it drops them. Returns the queue, or NULL. */
+static idem_queue *park_claims(idem_store *s, uint32_t n)
+{
+    idem_queue *owner, *q;
+    if (idem_queue_open(s, 4, &owner) != IDEM_OK) return NULL;
+    if (idem_queue_open(s, n + 1, &q) != IDEM_OK) {
+        idem_queue_close(owner);
+        return NULL;
+    }
+    char key[32];
+    int ok = 1;
+    for (uint32_t i = 0; i < n && ok; i++) {
+        int len = snprintf(key, sizeof key, "parked-%05u", i);
+        idem_claim_args a = {.ttl_ms = 86400000, .lease_ms = 3600000};
+        idem_completion c;
+        idem_op op = {.kind = IDEM_OP_CLAIM,
+                      .key = key,
+                      .key_len = (uint32_t)len,
+                      .ttl_ms = a.ttl_ms,
+                      .lease_ms = a.lease_ms,
+                      .wait_ms = IDEM_WAIT_MS_MAX};
+        ok = idem_claim(owner, key, (size_t)len, &a, &c) == IDEM_OK && c.outcome == IDEM_NEW &&
+             idem_submit(q, &op, 1) == 1;
+    }
+    idem_queue_close(owner);
+    if (ok) return q;
+    idem_queue_close(q);
+    return NULL;
+}
+
+/* claim-new-* and claim-commit-*: one fresh store, one batch-form case, with parked WAIT
+ * claims on other keys meanwhile. */
 static void case_batch(struct run *r, const char *name, enum kind kind, int durability,
-                       uint32_t result_bytes, uint64_t keys)
+                       uint32_t result_bytes, uint64_t keys, uint32_t parked)
 {
     idem_store *s;
+    idem_queue *wq = NULL;
     struct pipe *p = malloc(sizeof(*p));
     struct result *res = malloc(sizeof(*res));
     if (!p || !res || store_open(r, name, durability, &s) != 0) {
         print_case_error(r, name, "open");
         goto out_free;
+    }
+    if (parked && !(wq = park_claims(s, parked))) {
+        print_case_error(r, name, "park");
+        goto out_close;
     }
     if (pipe_open(p, r, s, name, kind) != 0) {
         print_case_error(r, name, "queue");
@@ -507,6 +539,7 @@ static void case_batch(struct run *r, const char *name, enum kind kind, int dura
         r->new_sync_ops = (double)res->ops / (res->seconds > 0 ? res->seconds : 1e-9);
     pipe_close(p);
 out_close:
+    if (wq) idem_queue_close(wq);
     store_close(r, name, s);
 out_free:
     free(p);
@@ -1002,17 +1035,20 @@ static void run_cases(struct run *r)
 {
     uint64_t large = r->keys < LARGE_PAIRS_MAX ? r->keys : LARGE_PAIRS_MAX;
     if (case_selected(r, "claim-new-sync"))
-        case_batch(r, "claim-new-sync", K_NEW, IDEM_DURABILITY_SYNC, 0, r->keys);
+        case_batch(r, "claim-new-sync", K_NEW, IDEM_DURABILITY_SYNC, 0, r->keys, 0);
     if (case_selected(r, "claim-new-dur-batch"))
-        case_batch(r, "claim-new-dur-batch", K_NEW, IDEM_DURABILITY_BATCH, 0, r->keys);
+        case_batch(r, "claim-new-dur-batch", K_NEW, IDEM_DURABILITY_BATCH, 0, r->keys, 0);
     if (case_selected(r, "claim-new-dur-none"))
-        case_batch(r, "claim-new-dur-none", K_NEW, IDEM_DURABILITY_NONE, 0, r->keys);
+        case_batch(r, "claim-new-dur-none", K_NEW, IDEM_DURABILITY_NONE, 0, r->keys, 0);
     if (case_selected(r, "claim-commit-32"))
         case_batch(r, "claim-commit-32", K_CLAIM_COMMIT, IDEM_DURABILITY_SYNC, RESULT_SMALL_BYTES,
-                   r->keys);
+                   r->keys, 0);
     if (case_selected(r, "claim-commit-4k"))
         case_batch(r, "claim-commit-4k", K_CLAIM_COMMIT, IDEM_DURABILITY_SYNC, RESULT_LARGE_BYTES,
-                   large);
+                   large, 0);
+    if (case_selected(r, "claim-commit-parked"))
+        case_batch(r, "claim-commit-parked", K_CLAIM_COMMIT, IDEM_DURABILITY_SYNC,
+                   RESULT_SMALL_BYTES, r->keys, PARKED_CLAIMS);
     if (case_selected(r, "dup-uniform") || case_selected(r, "dup-recent")) case_dup(r);
     if (case_selected(r, "growth")) case_blocking(r, "growth", 1, IDEM_DURABILITY_NONE, r->case_s);
     if (case_selected(r, "blocking-1"))

@@ -1021,6 +1021,7 @@ static void op_resolve(idem_store *s, struct qslot *sl, const idem_op *op)
  * which thousands of waiters must not hold). */
 static void park(idem_store *s, struct qslot *sl, const idem_op *op)
 {
+    uint64_t h = ops_hash(s, op->key, op->key_len);
     sl->op = *op;
     sl->op.key = qslot_copy(sl, op->key, op->key_len);
     sl->op.owner = op->owner_len ? qslot_copy(sl, op->owner, op->owner_len) : NULL;
@@ -1029,16 +1030,12 @@ static void park(idem_store *s, struct qslot *sl, const idem_op *op)
         sl->op.fp = sl->wait_fp;
         sl->op.fp_len = sizeof sl->wait_fp;
     }
-    if (!sl->op.key || (op->owner_len && !sl->op.owner))
+    if (!sl->op.key || (op->owner_len && !sl->op.owner) || waiters_add(s, sl, h))
         return; /* out of memory: answer busy now */
-    sl->deadline_mono_ms = s->clock.monotonic_ms(s->clock.ctx) + op->wait_ms;
+    int64_t mono = s->clock.monotonic_ms(s->clock.ctx);
+    sl->deadline_mono_ms = mono + op->wait_ms;
     sl->state = SLOT_PARKED;
-    sl->wnext = NULL;
-    if (s->waiters_tail)
-        s->waiters_tail->wnext = sl;
-    else
-        s->waiters = sl;
-    s->waiters_tail = sl;
+    waiters_note_due(s, sl, mono, store_now(s));
     store_kick(s);
 }
 
@@ -1177,14 +1174,24 @@ static int wake_one(idem_store *s, struct qslot *sl, int64_t mono)
     return 1;
 }
 
-/* Takes a completed claim off the waiter list (pp points at it, prev before it). */
-static void waiter_done(idem_store *s, struct qslot **pp, struct qslot *prev, struct qslot *sl)
+/* Takes a completed claim off the waiter list. */
+static void waiter_done(idem_store *s, struct qslot *sl)
 {
-    *pp = sl->wnext;
-    if (s->waiters_tail == sl) s->waiters_tail = prev;
+    waiters_remove(s, sl);
     sl->state = SLOT_DONE;
     queue_signal(sl->q);
     pthread_cond_broadcast(&s->cond_ready);
+}
+
+/* Re-runs one parked claim: off the list once it completes, else its next due time noted. */
+static void wake_try(idem_store *s, struct qslot *sl, int64_t mono, int64_t now)
+{
+    if (wake_one(s, sl, mono)) {
+        waiter_done(s, sl);
+        return;
+    }
+    s->nwake_again += sl->wake_again;
+    waiters_note_due(s, sl, mono, now);
 }
 
 int idem_cancel_wait(idem_queue *q, uint64_t user_data)
@@ -1193,13 +1200,12 @@ int idem_cancel_wait(idem_queue *q, uint64_t user_data)
     idem_store *s = q->s;
     store_lock(s);
     int rc = IDEM_ENOTFOUND;
-    for (struct qslot **pp = &s->waiters, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->wnext) {
-        struct qslot *w = *pp;
-        if (w->q == q && w->c.user_data == user_data) {
+    for (struct qslot *w = q->head; w; w = w->lnext) {
+        if (w->state == SLOT_PARKED && w->c.user_data == user_data) {
             /* Answered now, alone: the other waiters do not run again for it. */
             w->deadline_mono_ms = 0;
             wake_one(s, w, 0);
-            waiter_done(s, pp, prev, w);
+            waiter_done(s, w);
             rc = IDEM_OK;
             break;
         }
@@ -1208,24 +1214,37 @@ int idem_cancel_wait(idem_queue *q, uint64_t user_data)
     return rc;
 }
 
-/* Re-runs the parked claims of key (every one with all), and those whose deadline or awaited
- * lease end has come. */
+static int waiter_of_key(const struct qslot *sl, const void *key, uint32_t key_len)
+{
+    return sl->op.key_len == key_len && !memcmp(sl->op.key, key, key_len);
+}
+
+/* Re-runs the parked claims of key (every one with all). A change of one key re-runs only the
+ * claims in its hash's bucket; any other wake-up walks every parked claim, re-running those
+ * whose deadline or awaited lease end has come, and sets when the next one is due. */
 static void wake_parked(idem_store *s, const void *key, uint32_t key_len, int all)
 {
     if (!s->waiters) return; /* nothing parked: nothing to re-run or append */
     int64_t mono = s->clock.monotonic_ms(s->clock.ctx), now = store_now(s);
-    struct qslot **pp = &s->waiters, *prev = NULL;
-    while (*pp) {
-        struct qslot *sl = *pp;
-        int match = all || (key && sl->op.key_len == key_len && !memcmp(sl->op.key, key, key_len));
-        int due = mono >= sl->deadline_mono_ms || (!s->opt.test_clock && now >= sl->lease_end_ms) ||
-                  sl->wake_again;
-        if ((match || due || s->closing || s->no_wait) && wake_one(s, sl, mono)) {
-            waiter_done(s, pp, prev, sl);
-            continue;
+    if (key && !all && !s->closing && !s->no_wait && !s->nwake_again) {
+        uint64_t h = key_hash(s, key, key_len);
+        for (struct qslot *sl = waiters_of_hash(s, h), *next; sl; sl = next) {
+            next = sl->bnext;
+            if (sl->whash == h && waiter_of_key(sl, key, key_len)) wake_try(s, sl, mono, now);
         }
-        prev = sl;
-        pp = &sl->wnext;
+    } else {
+        s->wake_next_mono_ms = INT64_MAX;
+        s->nwake_again = 0;
+        for (struct qslot *sl = s->waiters, *next; sl; sl = next) {
+            next = sl->wnext;
+            int match = all || (key && waiter_of_key(sl, key, key_len));
+            int due = mono >= sl->deadline_mono_ms ||
+                      (!s->opt.test_clock && now >= sl->lease_end_ms) || sl->wake_again;
+            if (match || due || s->closing || s->no_wait)
+                wake_try(s, sl, mono, now);
+            else
+                waiters_note_due(s, sl, mono, now);
+        }
     }
     if (wal_pending(s->wal)) store_kick(s);
 }
@@ -1239,6 +1258,7 @@ void ops_wake_due(idem_store *s)
 {
     int64_t mono = s->clock.monotonic_ms(s->clock.ctx);
     if (!s->waiters || mono == s->wake_due_mono_ms) return;
+    if (mono < s->wake_next_mono_ms && !s->nwake_again) return; /* nothing can be due yet */
     s->wake_due_mono_ms = mono;
     wake_parked(s, NULL, 0, 0);
 }

@@ -492,12 +492,7 @@ static int64_t flusher_sleep_ms(idem_store *s)
     int64_t mono = mono_now(s);
     if (wal_pending(s->wal) && !s->fatal)
         sleep = STORE_BATCH_FLUSH_MS - (mono - s->last_flush_mono_ms);
-    int64_t now = store_now(s);
-    for (struct qslot *w = s->waiters; w; w = w->wnext) {
-        int64_t d = w->deadline_mono_ms - mono;
-        if (d < sleep) sleep = d;
-        if (!s->opt.test_clock && w->lease_end_ms - now < sleep) sleep = w->lease_end_ms - now;
-    }
+    if (s->waiters && s->wake_next_mono_ms - mono < sleep) sleep = s->wake_next_mono_ms - mono;
     return sleep < 0 ? 0 : sleep;
 }
 
@@ -984,6 +979,7 @@ static void store_free(idem_store *s)
     free(s->seg_max_exp);
     compact_free(s);
     ages_free(s);
+    waiters_free(s);
     free(s->dir);
     free(s);
 }
@@ -1336,17 +1332,8 @@ void idem_queue_close(idem_queue *q)
     }
     for (struct qslot *sl = q->head; sl; sl = sl->lnext)
         slot_durable_done(s, sl);
-    /* Drop parked claims of this queue. */
-    struct qslot **pp = &s->waiters;
-    s->waiters_tail = NULL;
-    while (*pp) {
-        if ((*pp)->q == q) {
-            *pp = (*pp)->wnext;
-        } else {
-            s->waiters_tail = *pp;
-            pp = &(*pp)->wnext;
-        }
-    }
+    for (struct qslot *sl = q->head; sl; sl = sl->lnext) /* drop parked claims of this queue */
+        if (sl->state == SLOT_PARKED) waiters_remove(s, sl);
     if (q->prev)
         q->prev->next = q->next;
     else

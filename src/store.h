@@ -56,7 +56,9 @@ struct qslot {
     int64_t lease_end_ms;        /* store clock: when the lease it waits on runs out */
     uint8_t wait_fp[16];         /* its fingerprint's digest (op.fp points here) */
     int wake_again;              /* a wake-up found no room: the next one of any kind re-runs it */
-    struct qslot *wnext;         /* store's waiter list */
+    uint64_t whash;              /* its key's hash: the waiter bucket it is on (waiters.c) */
+    struct qslot *wprev, *wnext; /* the store's parked claims, oldest first */
+    struct qslot *bprev, *bnext; /* its bucket's parked claims, oldest first */
     struct qslot *lprev, *lnext; /* the queue's outstanding slots, in submission order */
     struct idem_queue *q;
 };
@@ -267,10 +269,17 @@ struct idem_store {
     const void *hash_key;
     uint32_t hash_key_len;
     uint64_t hash_value;
-    /* Parked WAIT claims, oldest first. */
+    /* Parked WAIT claims, oldest first, and by key hash (waiters.c). */
     struct qslot *waiters, *waiters_tail;
-    int64_t wake_due_mono_ms; /* ops_wake_due's last look (monotonic ms) */
-    uint32_t sync_ops;        /* atomic: outstanding durable_wait slots (the flusher flushes) */
+    struct wbucket {
+        struct qslot *head, *tail;
+    } * wbuckets;
+    uint32_t wbuckets_mask; /* buckets - 1 */
+    uint32_t nwaiters;
+    uint32_t nwake_again;      /* at least the parked claims with wake_again set */
+    int64_t wake_due_mono_ms;  /* ops_wake_due's last look (monotonic ms) */
+    int64_t wake_next_mono_ms; /* no parked claim is due before this (monotonic ms) */
+    uint32_t sync_ops;         /* atomic: outstanding durable_wait slots (the flusher flushes) */
     struct idem_queue *queues;
     /* Audit trail. */
     struct io_file *audit_f;
@@ -450,6 +459,14 @@ void ops_wake(idem_store *s, const void *key, uint32_t key_len);
 /* Re-runs the parked claims whose WAIT deadline or awaited lease end has come (mu held), at most
  * once per millisecond: for a flusher that is never idle under steady writes. */
 void ops_wake_due(idem_store *s);
+/* waiters.c (mu held). Parks sl under its key's hash h: 0, or -1 without memory. */
+int waiters_add(idem_store *s, struct qslot *sl, uint64_t h);
+void waiters_remove(idem_store *s, struct qslot *sl);
+/* The first claim parked in h's bucket (then bnext): those of keys with hash h among them. */
+struct qslot *waiters_of_hash(const idem_store *s, uint64_t h);
+/* Lowers wake_next_mono_ms to the moment sl's deadline or lease end may come. */
+void waiters_note_due(idem_store *s, const struct qslot *sl, int64_t mono, int64_t now);
+void waiters_free(idem_store *s);
 /* Replay of one log frame into the index (recovery). */
 int ops_replay(void *ctx, const struct wal_frame *f);
 /* Looks up key; returns the slot and fills *r and *lsn, or NULL: absent, or (find_corrupt set)

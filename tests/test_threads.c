@@ -1662,6 +1662,74 @@ Test(wait, parked_claims_keep_the_digest_of_a_large_fingerprint)
     free(other);
 }
 
+/* Claims parked on thousands of keys, two on each, in buckets grown several times while they
+ * park: a change of one key re-runs only its own claims, the first parked of them first. A
+ * release grants each key to its first waiter alone; the commit of that grant answers the
+ * second with the key's own result. */
+Test(wait, a_change_of_one_key_among_thousands_parked_wakes_its_own_claims_in_order)
+{
+    enum { N = 2000 };
+    static int64_t tok[N];
+    static int order[N];
+    char key[16], res[16];
+    idem_queue *q;
+    expect_rc(idem_queue_open(g_s, 2 * N + 1, &q), IDEM_OK);
+    for (int i = 0; i < N; i++) {
+        snprintf(key, sizeof key, "w%05d", i);
+        tok[i] = claim_new_on(g_q, key);
+        order[i] = i;
+    }
+    for (int round = 0; round < 2; round++)
+        for (int i = 0; i < N; i++) {
+            snprintf(key, sizeof key, "w%05d", i);
+            submit_wait_claim(q, key, 60000, (uint64_t)(round * N + i));
+        }
+    idem_completion c;
+    cr_assert_eq(poll_now(q, &c), 0, "a parked claim answered at once: %llu %s",
+                 (unsigned long long)c.user_data, idem_outcome_name(c.outcome));
+    srand(7);
+    for (int i = N - 1; i > 0; i--) {
+        int j = rand() % (i + 1), t = order[i];
+        order[i] = order[j];
+        order[j] = t;
+    }
+    /* Half the keys released, in a shuffled order: their first waiters alone get new. */
+    static int64_t granted[N];
+    for (int n = 0; n < N / 2; n++) {
+        int k = order[n];
+        snprintf(key, sizeof key, "w%05d", k);
+        expect_rc(idem_release(g_q, key, strlen(key), tok[k]), IDEM_OK);
+        cr_assert_eq(idem_poll(q, &c, 1, 20000), 1, "key %d released: no waiter woke", k);
+        cr_assert_eq(c.user_data, (uint64_t)k, "key %d released: waiter %llu woke", k,
+                     (unsigned long long)c.user_data);
+        cr_assert_eq(c.outcome, IDEM_NEW, "key %d: %s", k, idem_outcome_name(c.outcome));
+        granted[k] = c.token;
+    }
+    cr_assert_eq(idem_poll(q, &c, 1, 50), 0, "waiter %llu woke with no change of its key",
+                 (unsigned long long)c.user_data);
+    /* Those grants committed: each key's second waiter gets that key's result. */
+    for (int n = 0; n < N / 2; n++) {
+        int k = order[n];
+        snprintf(key, sizeof key, "w%05d", k);
+        snprintf(res, sizeof res, "r%05d", k);
+        expect_rc(idem_commit(g_q, key, strlen(key), granted[k], res, strlen(res)), IDEM_OK);
+        cr_assert_eq(idem_poll(q, &c, 1, 20000), 1, "key %d committed: no waiter woke", k);
+        cr_assert_eq(c.user_data, (uint64_t)(N + k), "key %d committed: waiter %llu woke", k,
+                     (unsigned long long)c.user_data);
+        cr_assert_eq(c.outcome, IDEM_DONE, "key %d: %s", k, idem_outcome_name(c.outcome));
+        cr_assert(c.data_len == strlen(res) && !memcmp(c.data, res, c.data_len),
+                  "key %d: the second waiter got another key's result", k);
+    }
+    cr_assert_eq(idem_poll(q, &c, 1, 50), 0, "waiter %llu woke with no change of its key",
+                 (unsigned long long)c.user_data);
+    idem_queue_close(q); /* the other half leave the lists with their queue */
+    for (int n = N / 2; n < N; n++) {
+        int k = order[n];
+        snprintf(key, sizeof key, "w%05d", k);
+        expect_rc(idem_commit(g_q, key, strlen(key), tok[k], "x", 1), IDEM_OK);
+    }
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* Randomised model test. */
 
