@@ -823,7 +823,7 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
     uint64_t addr = e->addr_tag & INDEX_ADDR_MASK;
     /* A checkpoint taken in steps may list a key twice (moved by a split during its scan):
      * keep the first entry. Only equal hash bits call for a look at the keys. */
-    if (s->sb.ckpt_counts_lsn > s->sb.ckpt_lsn && index_has_hash(s->ix, h)) {
+    if (super_ckpt_stepped(&s->sb) && index_has_hash(s->ix, h)) {
         if (index_holds(s->ix, h, addr)) return 0;
         uint32_t len;
         uint64_t lsn;
@@ -861,7 +861,7 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
 static int ckpt_plain_load(void *ctx, const uint8_t *run, uint64_t n)
 {
     idem_store *s = ctx;
-    bool stepped = s->sb.ckpt_counts_lsn > s->sb.ckpt_lsn;
+    bool stepped = super_ckpt_stepped(&s->sb);
     struct wal *w = s->wal;
     struct index *ix = s->ix;
     for (uint64_t i = 0; i < n; i++, run += 16) {
@@ -2110,6 +2110,7 @@ static int checkpoint_locked(idem_store *s)
     sb.ckpt_id = id;
     wal_position(s->wal, &sb.ckpt_seq, &sb.ckpt_off);
     sb.ckpt_lsn = sb.ckpt_counts_lsn = wal_last_lsn(s->wal);
+    sb.ckpt_flags = 0;
     sb.ckpt_batch = wal_batch(s->wal) - 1;
     sb.ckpt_live_bytes = s->live_bytes;
     sb.ckpt_keys_by_state[0] = s->st.keys_in_flight;
@@ -2239,6 +2240,9 @@ static int ckpt_run_step(idem_store *s, int now)
     sb.ckpt_lsn = s->ckr.lsn;
     sb.ckpt_batch = s->ckr.batch;
     sb.ckpt_counts_lsn = s->ckr.end_lsn;
+    /* Recorded, not inferred from the LSNs: a split under the cursor lists a key twice even
+     * when nothing was appended during the scan (an insert whose append failed, disk full). */
+    sb.ckpt_flags = SUPER_CKPT_STEPPED;
     sb.ckpt_live_bytes = s->ckr.live_bytes;
     memcpy(sb.ckpt_keys_by_state, s->ckr.keys_by_state, sizeof sb.ckpt_keys_by_state);
     s->ckr.state = CKPT_RUN_IDLE;

@@ -77,6 +77,7 @@ static void super_encode(const struct super *sb, uint8_t *p)
     util_put_u64(p + 176, sb->ckpt_counts_lsn);
     util_put_u64(p + 184, sb->clean_lsn);
     util_put_u64(p + 192, sb->audit_len);
+    util_put_u32(p + 200, sb->ckpt_flags);
     util_put_u64(p + SUPER_CKSUM, XXH3_64bits(p, SUPER_CKSUM));
 }
 
@@ -109,6 +110,7 @@ int super_decode(const uint8_t *p, struct super *sb)
     sb->ckpt_counts_lsn = util_get_u64(p + 176);
     sb->clean_lsn = util_get_u64(p + 184);
     sb->audit_len = util_get_u64(p + 192);
+    sb->ckpt_flags = util_get_u32(p + 200);
     return 1;
 }
 
@@ -165,7 +167,7 @@ int super_load(struct io *io, const char *dir, struct super *sb, int settle, cha
         sb->ckpt_seq - sb->wal_first_seq >= SUPER_SEGMENTS_MAX ||
         sb->ckpt_lsn >= (UINT64_C(1) << 62) || sb->ckpt_batch >= (UINT64_C(1) << 62) ||
         sb->resume_batch >= (UINT64_C(1) << 62) || sb->open_durability > 3 ||
-        sb->ckpt_counts_lsn >= (UINT64_C(1) << 62) ||
+        sb->ckpt_counts_lsn >= (UINT64_C(1) << 62) || (sb->ckpt_flags & ~SUPER_CKPT_STEPPED) ||
         sb->token_reserved > (uint64_t)IDEM_TOKEN_MAX || sb->store_clock_ms < 0 ||
         sb->store_clock_ms > IDEM_CLOCK_MS_MAX || sb->created_ms < 0 ||
         sb->created_ms > IDEM_CLOCK_MS_MAX) {

@@ -73,9 +73,21 @@ struct super {
     uint64_t resume_batch;
     uint32_t open_durability; /* enum idem_durability + 1; 0: not recorded */
     uint64_t ckpt_counts_lsn;
-    uint64_t clean_lsn; /* 0: not closed cleanly since the last open that could write */
-    uint64_t audit_len; /* audit.log holds at least this many bytes of whole units (0: none) */
+    uint64_t clean_lsn;  /* 0: not closed cleanly since the last open that could write */
+    uint64_t audit_len;  /* audit.log holds at least this many bytes of whole units (0: none) */
+    uint32_t ckpt_flags; /* SUPER_CKPT_* */
 };
+
+/* The checkpoint was taken in steps: a key moved across the scan's cursor by an index split is
+ * listed twice. Recorded since the twenty-seventh session; older copies leave it 0, and for
+ * them a checkpoint whose counts LSN is past its LSN was taken in steps (super_ckpt_stepped). */
+#define SUPER_CKPT_STEPPED 0x1u
+
+/* Whether the loader must look for keys the checkpoint lists twice. */
+static inline int super_ckpt_stepped(const struct super *sb)
+{
+    return (sb->ckpt_flags & SUPER_CKPT_STEPPED) || sb->ckpt_counts_lsn > sb->ckpt_lsn;
+}
 
 /* Decodes one 4 KiB copy: 1 when valid (sb filled), 0 when it fails its checksum or magic,
  * IDEM_EVERSION when valid but of an unknown format or features. */

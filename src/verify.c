@@ -762,9 +762,9 @@ static void ckpt_entry_check(struct vctx *v, const char *name, uint64_t i,
               (unsigned long long)i, bits, idem_state_name(r.state),
               (unsigned long long)r.mismatch_count);
     v->ckpt_states[r.state - 1]++;
-    /* A checkpoint taken in steps (counts at a later LSN) may list a key twice: recovery keeps
+    /* A checkpoint taken in steps (super_ckpt_stepped) may list a key twice: recovery keeps
      * the first entry and replays from the checkpoint's position. */
-    int stepped = v->sb.ckpt_counts_lsn > v->sb.ckpt_lsn;
+    int stepped = super_ckpt_stepped(&v->sb);
     if (stepped && ix_has(v, h, r.key, r.key_len)) return;
     if (ix_put(v, h, r.key, r.key_len, addr))
         fault(v, "%s: entry %llu: the key is in the checkpoint twice", name, (unsigned long long)i);
@@ -823,8 +823,8 @@ static int verify_checkpoint(struct vctx *v)
     }
     int64_t count = ckpt_entries_check(v, name, &f, v->sb.ckpt_id, 1);
     /* Counts match the entries only for a checkpoint taken with changes held; one taken in
-     * steps holds the counts at a later LSN (ckpt_counts_lsn), over a mixed image. */
-    int stepped = v->sb.ckpt_counts_lsn > v->sb.ckpt_lsn;
+     * steps holds the counts at its end (ckpt_counts_lsn), over a mixed image. */
+    int stepped = super_ckpt_stepped(&v->sb);
     for (int i = 0; count >= 0 && !stepped && i < 3; i++) {
         if (v->ckpt_states[i] != v->sb.ckpt_keys_by_state[i])
             fault(v, "super: %llu %s keys at the checkpoint, %s holds %llu",
