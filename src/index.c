@@ -435,6 +435,14 @@ out_free_segs:
     return -ENOMEM;
 }
 
+size_t index_presize_bytes(uint64_t expected_keys)
+{
+    uint32_t depth, cap;
+    if (!presize(expected_keys, 5, &depth, &cap)) return SIZE_MAX;
+    return ((size_t)1 << depth) * (seg_bytes(cap) + sizeof(struct index_dirent)) +
+           sizeof(struct index);
+}
+
 int index_create(uint64_t expected_keys, struct index **out)
 {
     return create_sized(expected_keys, 5, out);

@@ -40,6 +40,8 @@ int index_create(uint64_t expected_keys, struct index **out);
 /* The same at about the size growth would have reached: inserting expected_keys grows about one
  * segment in 1000 once (a checkpoint's load: 21 instead of 27 bytes per key at 10 M keys). */
 int index_create_snug(uint64_t expected_keys, struct index **out);
+/* The memory index_create(expected_keys) takes at once (SIZE_MAX: more than it can). */
+size_t index_presize_bytes(uint64_t expected_keys);
 void index_destroy(struct index *ix);
 
 /* Returns the slot with hash h for which eq(ctx, addr) returns nonzero, or NULL. eq is called

@@ -926,10 +926,33 @@ static int store_recover(idem_store *s)
     return 0;
 }
 
+/* This machine's memory in bytes (0: unknown). */
+static uint64_t machine_memory_bytes(void)
+{
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
+}
+
+/* The keys the index is made for at open: max_keys, so that no growth pauses come before it,
+ * within half of max_memory_bytes (an index made past the memory limit answered FULL on an
+ * empty store) and a quarter of the machine's memory. */
+static uint64_t index_presize_keys(const idem_options *o)
+{
+    uint64_t cap = machine_memory_bytes() / 4;
+    if (o->max_memory_bytes && (!cap || o->max_memory_bytes / 2 < cap))
+        cap = o->max_memory_bytes / 2;
+    uint64_t n = o->max_keys;
+    while (n && cap && index_presize_bytes(n) > cap)
+        n /= 2;
+    return n;
+}
+
 /* Fills in defaults; returns 0, or IDEM_EINVAL with the option and its bounds named. */
 static int store_validate_options(idem_options *o)
 {
     char why[200] = "";
+    uint64_t ram = machine_memory_bytes();
+    size_t keys_need = o->max_keys ? index_presize_bytes(o->max_keys) : 0;
     if (o->result_bytes_max == 0) o->result_bytes_max = IDEM_RESULT_BYTES_DEFAULT;
     if (o->segment_bytes == 0) o->segment_bytes = 64u << 20;
     uint64_t rec_max = REC_FIXED_BYTES + IDEM_KEY_BYTES_MAX + IDEM_OWNER_BYTES_MAX +
@@ -951,6 +974,18 @@ static int store_validate_options(idem_options *o)
                  "result_bytes_max %u)",
                  o->segment_bytes, (unsigned)WAL_BLOCK, (unsigned long long)seg_min,
                  (unsigned long long)WAL_SEG_BYTES_MAX, o->result_bytes_max);
+    else if (ram && o->max_memory_bytes > ram)
+        snprintf(why, sizeof why, "max_memory_bytes %llu is more than this machine's memory (%llu)",
+                 (unsigned long long)o->max_memory_bytes, (unsigned long long)ram);
+    else if (keys_need == SIZE_MAX)
+        snprintf(why, sizeof why, "max_keys %llu is more than the index can hold",
+                 (unsigned long long)o->max_keys);
+    else if (ram && keys_need > ram)
+        snprintf(why, sizeof why,
+                 "max_keys %llu needs about %llu bytes of index memory, more than this "
+                 "machine's %llu",
+                 (unsigned long long)o->max_keys, (unsigned long long)keys_need,
+                 (unsigned long long)ram);
     if (!*why) return 0;
     store_set_error("invalid options: %s", why);
     return IDEM_EINVAL;
@@ -1172,7 +1207,7 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     for (uint32_t i = 0; i < WAL_SEG_SLOTS; i++)
         s->seg_max_exp[i] = SEG_EXP_UNKNOWN;
     rc = wal_create(io, dir, s->opt.segment_bytes, &s->wal);
-    if (rc == 0) rc = index_create(s->opt.max_keys, &s->ix) < 0 ? IDEM_ENOMEM : 0;
+    if (rc == 0) rc = index_create(index_presize_keys(&s->opt), &s->ix) < 0 ? IDEM_ENOMEM : 0;
     if (rc < 0) goto fail;
     rc = fresh ? store_init_new(s) : store_recover(s);
     if (rc < 0) {
@@ -1191,6 +1226,31 @@ fail:
     return rc;
 }
 
+/* A disk limit larger than the file system that holds dir (or its parent, for a store not made
+ * yet) can never be reached: refused by name. Returns 0 or IDEM_EINVAL. */
+static int disk_limit_check(const char *dir, uint64_t max_disk_bytes)
+{
+    struct statvfs vfs;
+    char parent[PATH_MAX];
+    const char *at = dir;
+    if (!max_disk_bytes) return 0;
+    if (statvfs(at, &vfs) != 0) {
+        const char *slash = strrchr(dir, '/');
+        size_t n = slash ? (size_t)(slash - dir) : 0;
+        if (n >= sizeof parent) return 0;
+        memcpy(parent, n ? dir : ".", n ? n : 1);
+        parent[n ? n : 1] = 0;
+        at = parent;
+        if (statvfs(at, &vfs) != 0) return 0; /* the open names what is wrong with dir */
+    }
+    uint64_t size = (uint64_t)vfs.f_blocks * vfs.f_frsize;
+    if (max_disk_bytes <= size) return 0;
+    store_set_error("invalid options: max_disk_bytes %llu is more than the file system of %s "
+                    "holds (%llu)",
+                    (unsigned long long)max_disk_bytes, at, (unsigned long long)size);
+    return IDEM_EINVAL;
+}
+
 int idem_open(const char *dir, const idem_options *o, idem_store **out)
 {
     if (!dir || !*dir || !out) return IDEM_EINVAL;
@@ -1199,6 +1259,7 @@ int idem_open(const char *dir, const idem_options *o, idem_store **out)
         opt = *o;
     else
         idem_options_init(&opt);
+    if (disk_limit_check(dir, opt.max_disk_bytes)) return IDEM_EINVAL;
     /* IDEM_IO_BACKEND=thread|io_uring overrides an automatic choice (operators in sandboxes
      * that refuse io_uring quietly; the test suite runs once on each backend). */
     const char *env = getenv("IDEM_IO_BACKEND");

@@ -3798,6 +3798,63 @@ Test(capacity, past_max_memory_a_new_claim_is_full_whatever_the_index_faulted_in
     }
 }
 
+/* The index is made for max_keys at open, within the memory limit: with a key limit whose
+ * index would pass max_memory_bytes, an empty store answered FULL to its first claim (the
+ * index, made for 10 M keys, held 256 MiB of its 256 MiB before any key came). Both limits
+ * hold: the keys stop at the memory limit. */
+Test(capacity, a_key_limit_past_the_memory_limit_leaves_an_empty_store_room)
+{
+    store_close();
+    g_opts.max_keys = 10000000;
+    g_opts.max_memory_bytes = 1 << 20;
+    store_open();
+    char key[32];
+    int n = 0;
+    idem_completion c;
+    for (;; n++) {
+        cr_assert_lt(n, 1000000, "no FULL from a memory limit of 1 MiB");
+        snprintf(key, sizeof key, "mem-%07d", n);
+        int rc = claim_rc(key, strlen(key), TTL, LEASE, NULL, NULL, &c);
+        if (rc == IDEM_EFULL) break;
+        cr_assert_eq(rc, IDEM_OK, "%s", idem_strerror(rc));
+        expect_outcome(c, IDEM_NEW);
+    }
+    cr_assert_gt(n, 10000, "only %d keys under a memory limit of 1 MiB", n);
+    idem_stats st;
+    idem_get_stats(g_s, &st);
+    cr_assert_eq(st.keys, (uint64_t)n);
+}
+
+/* Limits no machine can meet are refused at open, by name (contract: "checked against RAM and
+ * disk at open"); a key limit past what the index can address made the open fail with "out of
+ * memory" and no word of why, and the others were taken. */
+Test(capacity, limits_past_the_machines_memory_are_refused_by_name)
+{
+    store_close();
+    idem_store *s = NULL;
+    static const struct {
+        uint64_t keys, memory;
+        const char *named;
+    } bad[] = {
+        {100000000000ull, 0, "max_keys 100000000000 is more than the index can hold"},
+        {10000000000ull, 0, "max_keys 10000000000 needs about"},
+        {0, UINT64_C(1) << 50, "max_memory_bytes 1125899906842624 is more than this machine"},
+        {0, 0, "max_disk_bytes 1152921504606846976 is more than the file system of"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        g_opts.max_keys = bad[i].keys;
+        g_opts.max_memory_bytes = bad[i].memory;
+        g_opts.max_disk_bytes = bad[i].keys || bad[i].memory ? 0 : UINT64_C(1) << 60;
+        cr_assert_eq(idem_open(g_dir, &g_opts, &s), IDEM_EINVAL, "limit %zu opened", i);
+        cr_assert(strstr(idem_last_error(), bad[i].named), "limit %zu: \"%s\"", i,
+                  idem_last_error());
+    }
+    g_opts.max_keys = 100;
+    g_opts.max_memory_bytes = 0;
+    g_opts.max_disk_bytes = 0;
+    store_open();
+}
+
 /* ---- Behaviour a mutation of the code showed untested (twenty-first session) ---- */
 
 Test(repeat, a_repeat_on_a_review_record_counts_and_changes_nothing_else)
