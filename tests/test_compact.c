@@ -914,3 +914,136 @@ Test(compact, a_delete_that_hangs_holds_up_no_acknowledgement, .timeout = 60)
     cr_assert_eq(idem_close(s), IDEM_OK);
     io_sim_destroy(sim);
 }
+
+/* Claims key (committed) again n times: repeats, counted in memory, not logged. */
+static void repeat_claims(idem_queue *q, const char *key, int n)
+{
+    idem_claim_args a = {.ttl_ms = 86400000, .lease_ms = 1000};
+    idem_completion c;
+    for (int i = 0; i < n; i++) {
+        cr_assert_eq(idem_claim(q, key, strlen(key), &a, &c), IDEM_OK);
+        cr_assert_eq(c.outcome, IDEM_DONE);
+    }
+}
+
+static uint64_t seen_count(idem_queue *q, const char *key)
+{
+    idem_completion c;
+    cr_assert_eq(idem_get(q, key, strlen(key), &c), IDEM_OK);
+    cr_assert(c.found, "%s lost", key);
+    return c.record.seen_count;
+}
+
+/* A compaction copy is the version it copies, and its frame holds the repeat counters of that
+ * version's writing. A checkpoint taken after the repeats holds their counts; replay after a
+ * crash met the copy past the checkpoint's position and took the counts of its frame (1 here,
+ * not 6). Replay of a copy of the version the key has keeps the counters. */
+Test(compact, a_copy_keeps_the_repeat_counters_of_its_version_after_a_crash, .timeout = 60)
+{
+    struct io_sim *sim;
+    cr_assert_eq(io_sim_create(31, &sim), 0);
+    idem_store *s = open_sim(sim);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 256, &q), IDEM_OK);
+    struct kept kept[1];
+    make_kept(q, kept, 1, "counted"); /* in the first segment, among keys that expire */
+    int next = 0;
+    fill_segments(q, s, &next, 2);
+    repeat_claims(q, kept[0].key, 5);
+    uint64_t seen = seen_count(q, kept[0].key);
+    cr_assert_eq(seen, 6);
+    run_checkpoint_to_the_end(s); /* holds the counts; the flusher takes no more by itself */
+    cr_assert_eq(idem_clock_advance(s, 2000), IDEM_OK);
+    for (int i = 0; i < 1000 && walked_waiting(s) == 0; i++) {
+        cr_assert_eq(idem_sync(s), IDEM_OK);
+        usleep(2000);
+    }
+    cr_assert_gt(walked_waiting(s), 0, "the first segment was never walked");
+    cr_assert_eq(idem_sync(s), IDEM_OK); /* the copy is durable */
+    idem_stats st;
+    idem_get_stats(s, &st);
+    cr_assert_eq(st.compactions, 0, "a walked segment was retired (no checkpoint was asked)");
+    cr_assert_eq(seen_count(q, kept[0].key), seen, "the copy changed the counters in memory");
+    idem_queue_close(q);
+    store_abandon(s);
+    io_sim_crash(sim, 0);
+    s = open_sim(sim);
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    check_kept(s, q, kept, 1);
+    uint64_t after = seen_count(q, kept[0].key);
+    cr_assert_eq(after, seen, "seen_count %llu after the crash, %llu in the checkpoint",
+                 (unsigned long long)after, (unsigned long long)seen);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    io_sim_destroy(sim);
+}
+
+/* One step of compaction runs under the store's lock, checksumming each frame it walks and
+ * copying the live ones: 512 frames of 1 MiB results held the lock for 170-200 ms. A step
+ * ends once it has walked 1 MiB of frames. Here a 4 MiB segment of 256 KiB results expires
+ * whole; with completions held, the flusher stops at the flush of what the first step wrote,
+ * and the walk stands where that step left it: past 1 MiB, short of 1 MiB and a record more.
+ * The first step walked the whole segment (about 15 records). */
+Test(compact, a_step_ends_after_a_mebibyte_of_frames, .timeout = 60)
+{
+    enum { VALUE = 256 << 10, SEG = 4 << 20 };
+    struct io_sim *sim;
+    cr_assert_eq(io_sim_create(37, &sim), 0);
+    idem_options o;
+    idem_options_init(&o);
+    o.test_clock = 1;
+    o.segment_bytes = SEG;
+    o.result_bytes_max = VALUE;
+    idem_store *s = NULL;
+    cr_assert_eq(store_open_io(SIM_DIR, &o, io_sim_io(sim), 1, &s), IDEM_OK, "%s",
+                 idem_last_error());
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    uint8_t *value = tu_random_bytes(VALUE, 37); /* nothing for lz4 to save */
+    uint64_t first = cur_seq(s);
+    for (int i = 0; cur_seq(s) < first + 2; i++) { /* the first segment sealed, and the next */
+        cr_assert_lt(i, 100, "the log does not grow");
+        char key[32];
+        snprintf(key, sizeof key, "big-%d", i);
+        idem_completion c;
+        cr_assert_eq(idem_set_if_absent(q, key, strlen(key), value, VALUE, 1000, 0, &c), IDEM_OK);
+    }
+    free(value);
+    cr_assert_eq(idem_sync(s), IDEM_OK);
+    int spare = 0; /* made before completions are held: its header is written and waited for */
+    for (int i = 0; i < 5000 && !spare; i++) {
+        store_lock(s);
+        spare = !wal_spare_needed(s->wal);
+        if (!spare) store_kick(s);
+        store_unlock(s);
+        if (!spare) usleep(1000);
+    }
+    cr_assert(spare, "the spare segment was never made");
+    io_sim_hold(sim, 1);
+    cr_assert_eq(idem_clock_advance(s, 2000), IDEM_OK); /* every record expired */
+    store_lock(s);
+    store_kick(s); /* not after the idle flusher's second of sleep */
+    store_unlock(s);
+    int flushing = 0;
+    for (int i = 0; i < 5000 && !flushing; i++) {
+        usleep(1000);
+        store_lock(s);
+        flushing = s->flushing;
+        store_unlock(s);
+    }
+    store_lock(s);
+    uint64_t seq = s->cmp_seq, walked = s->cmp_walked;
+    uint32_t off = s->cmp_off;
+    store_unlock(s);
+    io_sim_hold(sim, 0);
+    cr_assert(flushing, "the flusher never flushed what compaction wrote");
+    cr_assert_eq(walked, 0, "the first step walked segment %llu whole (%u bytes)",
+                 (unsigned long long)walked, SEG);
+    cr_assert_eq(seq, first, "the walk is in segment %llu", (unsigned long long)seq);
+    cr_assert_geq(off - 4096, 1u << 20, "the step ended after %u bytes", off - 4096);
+    cr_assert_leq(off - 4096, (1u << 20) + VALUE + 8192, "the step ended after %u bytes",
+                  off - 4096);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    io_sim_destroy(sim);
+}

@@ -6,17 +6,26 @@
  */
 #include <criterion/criterion.h>
 
+#include "idem.h"
 #include "io.h"
 #include "io_sim.h"
 #include "testutil.h"
 
+#include <dlfcn.h>
 #include <errno.h>
+#include <linux/filter.h>
+#include <linux/seccomp.h>
 #include <signal.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #define BLOCK 4096u
 
@@ -456,6 +465,144 @@ Test(uring, a_submit_refused_for_good_fails_after_a_bound, .init = setup_uring, 
                  "the backend took a request after a submit failed for good");
     io_close(fx.io, f);
     free(buf);
+}
+
+/* ---- io_uring: a ring that a policy lets be made but not entered ---- */
+
+/* Installs, in the calling process, a seccomp filter that fails io_uring_enter with EPERM and
+ * lets every other call through (io_uring_setup included), as some container policies do.
+ * Only this process's own calls are filtered, so the native ABI's number is the one to match.
+ * 0, or -errno. */
+static int refuse_io_uring_enter(void)
+{
+    struct sock_filter code[] = {
+        BPF_STMT(BPF_LD | BPF_W | BPF_ABS, offsetof(struct seccomp_data, nr)),
+        BPF_JUMP(BPF_JMP | BPF_JEQ | BPF_K, __NR_io_uring_enter, 0, 1),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ERRNO | (EPERM & SECCOMP_RET_DATA)),
+        BPF_STMT(BPF_RET | BPF_K, SECCOMP_RET_ALLOW),
+    };
+    struct sock_fprog prog = {.len = sizeof code / sizeof code[0], .filter = code};
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0) return -errno;
+    if (prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &prog) != 0) return -errno;
+    return 0;
+}
+
+/* The child of the test below: under the filter, opens a store in dir with the automatic
+ * backend and commits an incompressible result too large to be written outside the ring.
+ * Writes what it saw to fd; exits 0 when the store took the thread backend and the commit
+ * went through, 2 when the filter could not be installed, 1 otherwise. */
+static void ring_refused_child(const char *dir, int fd)
+{
+    char msg[512];
+    int rc = refuse_io_uring_enter(), filtered = rc == 0, ok = 0;
+    idem_store *s = NULL;
+    idem_options o;
+    idem_options_init(&o);
+    o.result_bytes_max = BIG_WRITE;
+    if (rc < 0) {
+        snprintf(msg, sizeof msg, "seccomp filter refused: %s", strerror(-rc));
+    } else if ((rc = idem_open(dir, &o, &s)) != IDEM_OK) {
+        snprintf(msg, sizeof msg, "open: %s (%s)", idem_strerror(rc), idem_last_error());
+    } else {
+        const char *backend = idem_io_backend_name(s);
+        idem_queue *q = NULL;
+        idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
+        idem_completion c;
+        uint8_t *result = tu_random_bytes(BIG_WRITE, 1); /* nothing for lz4 to save */
+        rc = result ? idem_queue_open(s, 4, &q) : IDEM_ENOMEM;
+        if (rc == IDEM_OK) rc = idem_claim(q, "big", 3, &a, &c);
+        if (rc == IDEM_OK) rc = idem_commit(q, "big", 3, c.token, result, BIG_WRITE);
+        snprintf(msg, sizeof msg, "backend %s; claim and commit of %u bytes: %s", backend,
+                 BIG_WRITE, idem_strerror(rc));
+        ok = rc == IDEM_OK && strcmp(backend, "thread") == 0;
+        if (q) idem_queue_close(q);
+        if (idem_close(s) != IDEM_OK) ok = 0;
+        free(result);
+    }
+    ssize_t n = write(fd, msg, strlen(msg));
+    _exit(!filtered ? 2 : ok && n > 0 ? 0 : 1);
+}
+
+/* Where a policy lets io_uring_setup through and refuses io_uring_enter, the ring was taken,
+ * and the store failed at its first write too large to make directly (a fatal EPERM). A ring
+ * must now take a no-op before use: the open falls back to the thread backend, and writes. */
+Test(uring, a_ring_that_cannot_be_entered_falls_back_to_the_thread_backend, .init = setup_uring,
+     .fini = teardown, .timeout = 30)
+{
+    need_uring();
+    char dir[512], msg[512] = "";
+    path_in(dir, sizeof dir, "store");
+    int fds[2];
+    cr_assert_eq(pipe(fds), 0);
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        close(fds[0]);
+        alarm(20); /* a child that hangs ends, and the parent tells */
+        ring_refused_child(dir, fds[1]);
+    }
+    close(fds[1]);
+    ssize_t n = read(fds[0], msg, sizeof msg - 1);
+    msg[n > 0 ? n : 0] = 0;
+    close(fds[0]);
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    if (WIFEXITED(st) && WEXITSTATUS(st) == 2 && strstr(msg, "seccomp")) cr_skip_test("%s", msg);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "child status %#x: %s", st, msg);
+}
+
+/* ---- A flush interrupted by a signal ---- */
+
+/* libidem's fdatasync, interposed for this binary: while fdatasync_eintr is above 0, a call
+ * fails with EINTR (counting it down), as one can on a network or FUSE file system when a signal
+ * comes. Others pass through. */
+static int fdatasync_eintr;
+
+int fdatasync(int fd)
+{
+    static int (*real)(int);
+    if (!real) *(void **)&real = dlsym(RTLD_NEXT, "fdatasync");
+    if (__atomic_load_n(&fdatasync_eintr, __ATOMIC_RELAXED) > 0) {
+        __atomic_fetch_sub(&fdatasync_eintr, 1, __ATOMIC_RELAXED);
+        errno = EINTR;
+        return -1;
+    }
+    return real(fd);
+}
+
+/* The interrupted call may already have consumed a write-back error, so a retry could report
+ * success over lost data: EINTR fails the flush, as any fdatasync error (fatal for a store). It
+ * was retried, and the write completed with its count. */
+static void check_an_interrupted_fdatasync_fails_the_flush(void)
+{
+    static uint8_t data[BLOCK];
+    fill(data, BLOCK, 5);
+    struct io_file *f = open_new("a");
+    __atomic_store_n(&fdatasync_eintr, 1, __ATOMIC_RELAXED);
+    int64_t res = write_one(f, 0, data, BLOCK, IO_W_FLUSH);
+    int left = __atomic_exchange_n(&fdatasync_eintr, 0, __ATOMIC_RELAXED);
+    cr_assert_eq(left, 0, "no fdatasync was made");
+    cr_assert_eq(res, -EINTR, "the interrupted flush of a write completed with %lld",
+                 (long long)res);
+    __atomic_store_n(&fdatasync_eintr, 1, __ATOMIC_RELAXED);
+    struct io_completion c;
+    cr_assert_eq(io_submit_flush(fx.io, f, 8), 0);
+    reap(&c, 1);
+    __atomic_store_n(&fdatasync_eintr, 0, __ATOMIC_RELAXED);
+    cr_assert_eq(c.res, -EINTR, "an interrupted flush request completed with %lld",
+                 (long long)c.res);
+    io_close(fx.io, f);
+}
+
+Test(thread, an_interrupted_fdatasync_fails_the_flush, .init = setup_thread, .fini = teardown)
+{
+    check_an_interrupted_fdatasync_fails_the_flush();
+}
+
+Test(uring, an_interrupted_fdatasync_fails_the_flush, .init = setup_uring, .fini = teardown)
+{
+    need_uring();
+    check_an_interrupted_fdatasync_fails_the_flush();
 }
 
 /* ---- the simulated disk ---- */

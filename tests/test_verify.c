@@ -6,9 +6,11 @@
  */
 #include <criterion/criterion.h>
 #include <dirent.h>
+#include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -422,6 +424,101 @@ Test(verify, a_durable_audit_group_damaged_or_lost_is_corruption, .init = setup,
     cr_assert_gt(r.errors, 0);
     cr_assert(strstr(r.first_error, "audit.log is missing"), "%s", r.first_error);
     cr_assert(access(path, F_OK) != 0, "the refused open made a new trail");
+}
+
+/* libidem's mmap (the symbol "mmap": this file is built with _FILE_OFFSET_BITS=64, where the
+ * name stands for mmap64), interposed for this binary: while guard_maps is set, every read-only
+ * private map of a file (as verify makes) is placed right before a PROT_NONE page, so a read
+ * past its end faults instead of reading whatever mapping the kernel put next. guarded counts
+ * them. The guard page outlives the munmap of the map (a page a map, in the test's process
+ * only). Other maps pass through. */
+static int guard_maps, guarded;
+
+void *test_mmap(void *addr, size_t len, int prot, int flags, int fd, off_t off) __asm__("mmap");
+void *test_mmap(void *addr, size_t len, int prot, int flags, int fd, off_t off)
+{
+    static void *(*real)(void *, size_t, int, int, int, off_t);
+    if (!real) *(void **)&real = dlsym(RTLD_NEXT, "mmap");
+    if (!guard_maps || addr || prot != PROT_READ || flags != MAP_PRIVATE || fd < 0 || off != 0)
+        return real(addr, len, prot, flags, fd, off);
+    size_t page = (size_t)sysconf(_SC_PAGESIZE), span = (len + page - 1) / page * page;
+    void *r = real(NULL, span + page, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (r == MAP_FAILED) return r;
+    void *m = real(r, len, prot, flags | MAP_FIXED, fd, off);
+    if (m == MAP_FAILED)
+        munmap(r, span + page);
+    else
+        guarded++;
+    return m;
+}
+
+/* The last segment file that holds frames, and where the log ends in it: the block after the
+ * last nonzero byte (each batch ends its last block with zeros). */
+static uint64_t log_end(char *name, size_t cap)
+{
+    struct dirent **list;
+    int n = scandir(dir, &list, NULL, alphasort);
+    uint64_t end = 0;
+    name[0] = 0;
+    for (int i = 0; i < n; i++) {
+        uint64_t used;
+        if (!strncmp(list[i]->d_name, "wal-", 4) && (used = used_end(list[i]->d_name)) > 4096) {
+            snprintf(name, cap, "%s", list[i]->d_name);
+            end = (used + 4095) / 4096 * 4096;
+        }
+        free(list[i]);
+    }
+    free(list);
+    cr_assert(name[0], "no segment holds a frame");
+    return end;
+}
+
+/* A valid frame that ends at the segment's last byte, with no SEGEND before it (no writer makes
+ * one; damage or a crafted file can): the walk then stands at the segment's end, where verify
+ * read a frame header's 32 bytes past the segment's map to tell "no frame" from "a damaged one"
+ * (a crash where the next page is not mapped, else a read of another mapping). Here a PAD frame
+ * of a later batch runs from the log's end to the segment's, and the segment's map is followed
+ * by an inaccessible page: verify walks to the frame and stops there. */
+Test(verify, a_frame_that_ends_at_the_segments_last_byte_is_read_in_bounds, .init = setup,
+     .fini = teardown, .timeout = 30)
+{
+    write_store();
+    idem_verify_report r0 = verify_ok();
+    cr_assert_eq(r0.errors, 0, "%s", r0.first_error);
+    char name[256], path[4096];
+    uint64_t end = log_end(name, sizeof name);
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    uint8_t *seg;
+    size_t size = read_all(path, &seg);
+    cr_assert_eq(size, 1u << 20, "segment of %zu bytes", size);
+    cr_assert_lt(end, size, "the log fills its segment");
+    uint32_t len = (uint32_t)(size - end);
+    uint8_t *f = seg + end;
+    memset(f, 0, len);
+    uint64_t lsn = 1ull << 40, batch = 1ull << 40; /* above the log's: not stale */
+    memcpy(f + 8, &lsn, 8);
+    memcpy(f + 16, &batch, 8);
+    memcpy(f + 24, &len, 4);
+    uint16_t type = 5; /* WAL_T_PAD */
+    memcpy(f + 28, &type, 2);
+    uint64_t salt, sum;
+    memcpy(&salt, seg + 24, 8);
+    sum = XXH3_64bits_withSeed(f + 8, len - 8, salt);
+    memcpy(f, &sum, 8);
+    FILE *out = fopen(path, "r+b");
+    cr_assert_not_null(out);
+    cr_assert_eq(fseek(out, (long)end, SEEK_SET), 0);
+    cr_assert_eq(fwrite(f, 1, len, out), len);
+    cr_assert_eq(fclose(out), 0);
+    free(seg);
+    guard_maps = 1;
+    idem_verify_report r;
+    int rc = idem_verify(dir, &r, NULL, NULL);
+    guard_maps = 0;
+    cr_assert_eq(rc, IDEM_OK, "%s", idem_last_error());
+    cr_assert_gt(guarded, 1, "verify's maps were not guarded");
+    cr_assert_eq(r.frames, r0.frames + 1, "the walk did not reach the frame (%s offset %llu)", name,
+                 (unsigned long long)end);
 }
 
 Test(verify, store_in_use_is_refused, .init = setup, .fini = teardown)
