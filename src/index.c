@@ -392,6 +392,7 @@ static inline struct index_seg *seg_make_room(struct index *ix, uint32_t top24)
  * even 2^24 full segments could not hold expected_keys. */
 static bool presize(uint64_t expected_keys, uint32_t sigmas, uint32_t *depth, uint32_t *cap)
 {
+    if (expected_keys >= (UINT64_C(1) << 62)) return false; /* and no sum below overflows */
     for (uint32_t d = 0; d <= INDEX_DEPTH_MAX; d++) {
         uint64_t share = (expected_keys >> d) + 1;
         uint64_t need = share + sigmas * (uint64_t)sqrt((double)share) + 1;

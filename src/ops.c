@@ -541,6 +541,7 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, c
             sl->c.outcome = IDEM_NEW;
             sl->c.token = r->token;
             s->st.claims_new++;
+            if (rc == 0 && !waking) ops_wake(s, op->key, op->key_len); /* the lease moved */
             goto out;
         }
         if (!waking) seen_bump(s, slot, r, now);
@@ -846,6 +847,8 @@ static void op_extend(idem_store *s, struct qslot *sl, const idem_op *op)
     if (!slot) return;
     r.lease_until_ms = now + (int64_t)op->lease_ms;
     sl->c.err = write_version(s, slot, r.state, &r, r.key, r.owner, r.note, NULL, 0, &sl->need_lsn);
+    /* Claims parked on the key wait for the lease's end: it moved (sooner, perhaps). */
+    if (sl->c.err == 0) ops_wake(s, op->key, op->key_len);
 }
 
 /* ---- Reads, SET NX, DEL, RESOLVE ---- */

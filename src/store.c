@@ -395,6 +395,7 @@ void store_fail(idem_store *s, int err, const char *during)
             }
         }
     }
+    ops_wake(s, NULL, 0); /* parked claims answer EFATAL now, not at their deadline */
     notify_ready(s);
 }
 
@@ -789,6 +790,28 @@ static int store_init_new(idem_store *s)
     return super_store(s->io, s->dir, sb);
 }
 
+/* This machine's memory in bytes (0: unknown). */
+static uint64_t machine_memory_bytes(void)
+{
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
+}
+
+/* The keys the index is made for at open: max_keys, so that no growth pauses come before it,
+ * within half of max_memory_bytes (an index made past the memory limit answered FULL on an
+ * empty store) and a quarter of the machine's memory. */
+static uint64_t index_presize_keys(const idem_options *o)
+{
+    uint64_t cap = machine_memory_bytes() / 4;
+    if (o->max_memory_bytes && (!cap || o->max_memory_bytes / 2 < cap))
+        cap = o->max_memory_bytes / 2;
+    if (!cap) cap = UINT64_MAX; /* no memory limit, the machine's memory unknown */
+    uint64_t n = o->max_keys;
+    while (n && index_presize_bytes(n) > cap)
+        n /= 2;
+    return n;
+}
+
 /* The index is made for the checkpoint's entries at once (their count is checked by then), at
  * about the size growth would have reached, so it hardly grows while they load. Without memory
  * for that, the index grows as usual. */
@@ -796,7 +819,7 @@ static void ckpt_sized(void *ctx, uint64_t count)
 {
     idem_store *s = ctx;
     struct index *ix;
-    if (count > s->opt.max_keys && count < (UINT64_C(1) << 34) && /* a made-up file: grow */
+    if (count > index_presize_keys(&s->opt) && count < (UINT64_C(1) << 34) && /* made up: grow */
         index_create_snug(count, &ix) == 0) {
         index_destroy(s->ix);
         s->ix = ix;
@@ -926,27 +949,6 @@ static int store_recover(idem_store *s)
     return 0;
 }
 
-/* This machine's memory in bytes (0: unknown). */
-static uint64_t machine_memory_bytes(void)
-{
-    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-    return pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
-}
-
-/* The keys the index is made for at open: max_keys, so that no growth pauses come before it,
- * within half of max_memory_bytes (an index made past the memory limit answered FULL on an
- * empty store) and a quarter of the machine's memory. */
-static uint64_t index_presize_keys(const idem_options *o)
-{
-    uint64_t cap = machine_memory_bytes() / 4;
-    if (o->max_memory_bytes && (!cap || o->max_memory_bytes / 2 < cap))
-        cap = o->max_memory_bytes / 2;
-    uint64_t n = o->max_keys;
-    while (n && cap && index_presize_bytes(n) > cap)
-        n /= 2;
-    return n;
-}
-
 /* Fills in defaults; returns 0, or IDEM_EINVAL with the option and its bounds named. */
 static int store_validate_options(idem_options *o)
 {
@@ -974,6 +976,10 @@ static int store_validate_options(idem_options *o)
                  "result_bytes_max %u)",
                  o->segment_bytes, (unsigned)WAL_BLOCK, (unsigned long long)seg_min,
                  (unsigned long long)WAL_SEG_BYTES_MAX, o->result_bytes_max);
+    else if (o->max_memory_bytes && o->max_memory_bytes < 2 * index_presize_bytes(0))
+        snprintf(why, sizeof why,
+                 "max_memory_bytes %llu is less than twice the smallest index (%zu bytes)",
+                 (unsigned long long)o->max_memory_bytes, index_presize_bytes(0));
     else if (ram && o->max_memory_bytes > ram)
         snprintf(why, sizeof why, "max_memory_bytes %llu is more than this machine's memory (%llu)",
                  (unsigned long long)o->max_memory_bytes, (unsigned long long)ram);
@@ -1235,8 +1241,14 @@ static int disk_limit_check(const char *dir, uint64_t max_disk_bytes)
     const char *at = dir;
     if (!max_disk_bytes) return 0;
     if (statvfs(at, &vfs) != 0) {
-        const char *slash = strrchr(dir, '/');
-        size_t n = slash ? (size_t)(slash - dir) : 0;
+        /* The parent: dir without its last name (and the slashes after it). */
+        size_t n = strlen(dir);
+        while (n > 1 && dir[n - 1] == '/')
+            n--;
+        while (n > 0 && dir[n - 1] != '/')
+            n--;
+        while (n > 1 && dir[n - 1] == '/')
+            n--;
         if (n >= sizeof parent) return 0;
         memcpy(parent, n ? dir : ".", n ? n : 1);
         parent[n ? n : 1] = 0;

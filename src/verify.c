@@ -199,6 +199,10 @@ static int super_fields_ok(struct vctx *v, const struct super *sb)
         fault(v, "super: segment size %u is not valid", sb->seg_bytes);
         return 0;
     }
+    if (sb->ckpt_flags & ~SUPER_CKPT_STEPPED) {
+        fault(v, "super: checkpoint flags %#x hold an unknown bit", sb->ckpt_flags);
+        return 0;
+    }
     if (sb->wal_first_seq == 0 || sb->ckpt_seq < sb->wal_first_seq || sb->ckpt_off < WAL_BLOCK ||
         sb->ckpt_off % WAL_BLOCK || sb->ckpt_off >= sb->seg_bytes) {
         fault(v, "super: log start %llu or checkpoint position %llu:%u is not valid",

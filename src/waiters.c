@@ -109,6 +109,7 @@ void waiters_note_due(idem_store *s, const struct qslot *sl, int64_t mono, int64
             if (at < due) due = at;
         }
     }
+    if (due <= mono) due = mono + 1; /* a walk ran at mono: the next comes a millisecond on */
     if (due < s->wake_next_mono_ms) s->wake_next_mono_ms = due;
 }
 

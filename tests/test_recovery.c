@@ -167,6 +167,38 @@ Test(recovery, torn_tail_of_an_unacknowledged_batch_is_dropped)
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
+/* A fatal write failure answers the claims parked by WAIT at once, with IDEM_EFATAL: they used
+ * to wait for their deadline (20 s here) or the end of the lease they waited on. */
+Test(recovery, a_fatal_write_answers_parked_claims_at_once, .timeout = 60)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    idem_queue *q, *wq;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    cr_assert_eq(idem_queue_open(s, 4, &wq), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
+    idem_completion c;
+    cr_assert_eq(idem_claim(q, "held", 4, &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    idem_op op = {.kind = IDEM_OP_CLAIM,
+                  .key = "held",
+                  .key_len = 4,
+                  .ttl_ms = a.ttl_ms,
+                  .lease_ms = a.lease_ms,
+                  .wait_ms = 20000,
+                  .user_data = 5};
+    cr_assert_eq(idem_submit(wq, &op, 1), 1);
+    cr_assert_eq(idem_poll(wq, &c, 1, 50), 0, "the waiting claim answered at once");
+    io_sim_fail_flush(sim, 1, -EIO);
+    cr_assert_eq(idem_claim(q, "other", 5, &a, &c), IDEM_EFATAL);
+    cr_assert_eq(idem_poll(wq, &c, 1, 5000), 1, "the parked claim waits on a failed store");
+    cr_assert_eq(c.user_data, 5);
+    cr_assert_eq(c.err, IDEM_EFATAL, "%s", idem_strerror(c.err));
+    idem_queue_close(wq);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_EFATAL);
+}
+
 static double cpu_seconds(void)
 {
     struct rusage ru;

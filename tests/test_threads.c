@@ -1608,6 +1608,47 @@ Test(wait, a_cancelled_waiter_is_never_granted_the_key)
     cr_assert_eq(c.outcome, IDEM_RECOVER, "the next claimer: %s", idem_outcome_name(c.outcome));
 }
 
+/* A lease made shorter (extend, or the owner's claim again with a shorter lease) moves the
+ * moment the claims parked on the key may recover it: they used to keep the end they parked
+ * with (30 s here) and recover the key only at their own deadline. (Elapsed time from a clock
+ * the test moves, as above.) */
+Test(wait, a_lease_made_shorter_ends_the_wait_at_its_new_end)
+{
+    static const idem_clock_source clock = {.monotonic_ms = wait_mono_ms};
+    teardown();
+    g_dir = tu_mkdtemp("threads");
+    idem_options_init(&g_opts);
+    g_opts.clock = &clock;
+    store_open();
+    open_waiters();
+    for (int way = 0; way < 2; way++) {
+        const char *key = way ? "reclaimed" : "extended";
+        uint32_t len = (uint32_t)strlen(key);
+        idem_claim_args a = claim_args(TTL, 30000, 0);
+        a.owner = "w";
+        a.owner_len = 1;
+        idem_completion c;
+        expect_rc(idem_claim(g_q, key, len, &a, &c), IDEM_OK);
+        cr_assert_eq(c.outcome, IDEM_NEW);
+        int64_t tok = c.token;
+        submit_wait_claim(g_wq[way], key, 20000, 40 + (uint64_t)way);
+        cr_assert_eq(poll_now(g_wq[way], &c), 0, "%s: answered at once", key);
+        if (way) {
+            a.lease_ms = 200;
+            expect_rc(idem_claim(g_q, key, len, &a, &c), IDEM_OK);
+            cr_assert_eq(c.outcome, IDEM_NEW, "the owner's claim again: %s",
+                         idem_outcome_name(c.outcome));
+        } else {
+            expect_rc(idem_extend(g_q, key, len, tok, 200), IDEM_OK);
+        }
+        atomic_fetch_add(&g_wait_mono, 300);
+        cr_assert_eq(idem_poll(g_wq[way], &c, 1, 5000), 1,
+                     "%s: the waiter still waits on the lease's old end", key);
+        cr_assert_eq(c.user_data, 40 + (uint64_t)way);
+        cr_assert_eq(c.outcome, IDEM_RECOVER, "%s: %s", key, idem_outcome_name(c.outcome));
+    }
+}
+
 /* Parked claims keep their fingerprint as its digest, not the content it was made from: a
  * thousand waiters with megabyte fingerprints must not hold gigabytes. The digest still decides
  * done against mismatch when they wake. */
