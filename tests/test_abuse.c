@@ -1240,6 +1240,73 @@ Test(abuse, large_requests_starved_while_slow_readers_hold_the_budget, .timeout 
     }
 }
 
+/* Sends INFO requests, pipelined, until told to stop (a thread of the test below). */
+struct info_flood {
+    int fd, n;
+    atomic_int sent;
+};
+
+static void *info_flood_main(void *arg)
+{
+    struct info_flood *f = arg;
+    static const char req[] = "INFO\r\n";
+    char batch[64 * (sizeof req - 1)];
+    for (size_t i = 0; i < sizeof batch; i += sizeof req - 1)
+        memcpy(batch + i, req, sizeof req - 1);
+    while (atomic_load(&f->sent) < f->n && send_all(f->fd, batch, sizeof batch) == 0)
+        atomic_fetch_add(&f->sent, 64);
+    return NULL;
+}
+
+/* Past half the io budget a client's allowance of replies shrinks, and its parse waits for its
+ * output. A client pipelining requests answered at once (INFO) and reading fast was then
+ * written and parsed again and again in one pass over the connections with new replies, listed
+ * each time: the list ran past its end (a heap overflow, which the Asan build reports; a
+ * helper's probe listed one connection 170 times in a pass). Every request is answered, one
+ * round of writing and parsing per connection and pass. */
+Test(abuse, a_fast_reader_of_immediate_replies_under_pressure_is_served_in_turn, .timeout = 120)
+{
+    start_idemd_with(100, 12u << 20);
+    /* A reader of nothing holds over half the budget: its replies stay in idemd's buffer. */
+    int holder = raw_connect(4096, 2000);
+    cr_assert_geq(holder, 0);
+    struct info_flood hold = {.fd = holder, .n = 1000000};
+    pthread_t th;
+    cr_assert(pthread_create(&th, NULL, info_flood_main, &hold) == 0);
+    sleep_ms(3000);
+    int fd = raw_connect(8 << 20, 20000);
+    cr_assert_geq(fd, 0);
+    struct info_flood fast = {.fd = fd, .n = 150000};
+    pthread_t tf;
+    cr_assert(pthread_create(&tf, NULL, info_flood_main, &fast) == 0);
+    sleep_ms(1000); /* replies pile up, then are read as fast as they come */
+    static char buf[1 << 20];
+    int answered = 0;
+    size_t carry = 0;
+    for (int64_t end = now_ms() + 60000; now_ms() < end;) {
+        if (atomic_load(&fast.sent) >= fast.n && answered >= atomic_load(&fast.sent)) break;
+        ssize_t n = recv(fd, buf + carry, sizeof buf - carry - 1, 0);
+        if (n <= 0) break;
+        size_t len = carry + (size_t)n;
+        buf[len] = 0;
+        for (char *p = buf; (p = strstr(p, "# Server\r\n")); p += 10)
+            answered++;
+        carry = len < 10 ? len : 10; /* a marker cut by the read's end is counted once */
+        memmove(buf, buf + len - carry, carry);
+        if (memmem(buf, carry, "# Server\r\n", 10)) carry = 0;
+    }
+    shutdown(holder, SHUT_RDWR);
+    shutdown(fd, SHUT_RDWR);
+    pthread_join(th, NULL);
+    pthread_join(tf, NULL);
+    close(holder);
+    close(fd);
+    cr_assert(alive(), "idemd died (see its log in %s)", srv.dir);
+    cr_assert_eq(answered, atomic_load(&fast.sent), "%d of %d INFO requests answered", answered,
+                 atomic_load(&fast.sent));
+    stop_idemd();
+}
+
 /* An idle connection keeps no input buffer (with 10,000 of them, 16 KiB each would hold a
  * large part of the budget): 1000 connections that sent a PING each shed theirs, and answer the
  * next PING; a request cut in two across the shedding is still answered. */

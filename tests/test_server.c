@@ -1496,6 +1496,20 @@ Test(server, client_limit_and_idle_timeout, .init = start_limited)
     redisFree(a);
 }
 
+/* Idle time counts from the last reply as well as the last request: a WAIT longer than the idle
+ * timeout (1.5 s here) closed its connection right after its answer, so the next request met a
+ * closed connection. */
+Test(server, a_wait_longer_than_the_idle_timeout_keeps_its_connection, .init = start_limited)
+{
+    redisContext *a = connect_tcp();
+    long long tok, left;
+    cr_assert_str_eq(outcome(cmd(a, "IDEM.CLAIM idle 60000 30000"), &tok), "new");
+    cr_assert_str_eq(outcome(cmd(a, "IDEM.CLAIM idle 60000 30000 WAIT 2500"), &left), "busy");
+    usleep(300000); /* a housekeeping pass or more */
+    expect_status(cmd(a, "PING"), "PONG");
+    redisFree(a);
+}
+
 Test(server, second_server_on_the_same_socket_refuses_to_start, .init = start)
 {
     const char *build = getenv("IDEM_BUILD_DIR");

@@ -769,7 +769,9 @@ static void conn_write(srv *s, srv_conn *c)
         ssize_t n = write(c->fd, c->out.data + c->out.sent, c->out.len - c->out.sent);
         if (n > 0) {
             c->out.sent += (size_t)n;
-            c->out_progress_ms = srv_now_ms();
+            /* Idle time counts from the last reply too: a WAIT or a backup longer than the
+             * idle timeout closed the connection right after its answer. */
+            c->last_active_ms = c->out_progress_ms = srv_now_ms();
         } else if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
             break;
         } else {
@@ -806,15 +808,22 @@ static void retry_held(srv *s)
     }
 }
 
+/* Writes the connections with new replies, and parses on for those whose output allowance held
+ * their requests back. A parse may answer at once and list the connection again: it waits for
+ * the next pass (the loop does not sleep meanwhile). One pass used to write and parse one
+ * connection again and again while it read fast, listing it each time: the list ran past its
+ * end (it holds 2 x conns_cap: each connection at most once among those listed during a pass). */
 static void write_dirty(srv *s)
 {
-    for (uint32_t i = 0; i < s->ndirty; i++) {
+    uint32_t n = s->ndirty;
+    for (uint32_t i = 0; i < n; i++) {
         srv_conn *c = s->dirty[i];
         c->in_dirty = 0;
         if (c->fd >= 0) conn_write(s, c);
         if (c->fd >= 0 && c->deferred && !s->draining) conn_parse(s, c); /* draining: no more */
     }
-    s->ndirty = 0;
+    s->ndirty -= n;
+    memmove(s->dirty, s->dirty + n, s->ndirty * sizeof *s->dirty);
     reap_dead(s);
 }
 
@@ -1267,7 +1276,7 @@ static int on_event(srv *s, struct epoll_event *e)
 static int loop_turn(srv *s, int64_t *last_house)
 {
     struct epoll_event evs[EVENTS_MAX];
-    int timeout = s->draining || s->nops || s->big_waiting ? 10 : 250;
+    int timeout = s->ndirty ? 0 : s->draining || s->nops || s->big_waiting ? 10 : 250;
     int n = epoll_wait(s->epfd, evs, EVENTS_MAX, timeout);
     if (n < 0 && errno != EINTR) {
         srv_log("error", "epoll_wait", "errno=%d", errno);
@@ -1314,7 +1323,7 @@ static int setup_fds(srv *s)
     ep_add(s, s->reads_fd, TAG_READS, EPOLLIN);
     s->conns_cap = s->cfg.max_clients + s->cfg.max_clients / 4 + 16;
     s->conns = calloc(s->conns_cap, sizeof *s->conns);
-    s->dirty = calloc(s->conns_cap, sizeof *s->dirty);
+    s->dirty = calloc(2 * (size_t)s->conns_cap, sizeof *s->dirty); /* see write_dirty */
     s->held = calloc(s->conns_cap, sizeof *s->held);
     s->dead = calloc(s->conns_cap, sizeof *s->dead);
     s->ops = calloc(IDEM_BATCH_MAX, sizeof *s->ops);

@@ -162,7 +162,7 @@ typedef struct srv_conn {
     uint64_t big_ticket;         /* PAUSE_INPUT: its place in the queue for an admission */
     int deferred;                /* unparsed input waits for pipeline room */
     int in_held;                 /* on srv.held */
-    int in_work, in_dirty;       /* on this turn's lists */
+    int in_dirty;                /* on the list of connections to write (loop.c) */
     int read_due;                /* a read is under way on the reads thread (reads.c): nothing
                                     after it is parsed until it is answered */
     int64_t partial_since_ms;    /* a request is begun but not whole since then (0: none) */
@@ -234,8 +234,8 @@ typedef struct srv {
     uint64_t *op_slots;  /* user_data of each op, to fail them if not accepted */
     uint32_t nops;
     idem_completion *comps;
-    srv_conn **work, **dirty;
-    uint32_t nwork, ndirty;
+    srv_conn **dirty;
+    uint32_t ndirty;
     srv_conn **held; /* connections held back by the full engine queue, to retry at once */
     uint32_t nheld;
     /* Large requests over the budget (loop.c): admitted, waiting, the last ticket handed out. */
