@@ -502,7 +502,15 @@ static int64_t flusher_sleep_ms(idem_store *s)
  * a full disk is fatal. Returns 1 when mu was released meanwhile. */
 static int flusher_maintain(idem_store *s)
 {
-    if (s->fatal || s->closing) return 0;
+    if (s->fatal) return 0;
+    /* A failed zero write fails the store, also while it closes (the close's checkpoint may be
+     * the last flush its segment gets: idem_close returned 0 over it). */
+    int fill_err = s->filler ? filler_error(s->filler) : 0;
+    if (fill_err) {
+        store_fail(s, fill_err, "zero-filling the log ahead");
+        return 0;
+    }
+    if (s->closing) return 0;
     int released = 0;
     int64_t mono = mono_now(s);
     if (wal_spare_needed(s->wal) &&
@@ -533,11 +541,6 @@ static int flusher_maintain(idem_store *s)
             s->spare_failed_mono_ms = 0;
         }
         pthread_cond_broadcast(&s->cond_ready);
-    }
-    int fill_err = s->filler ? filler_error(s->filler) : 0;
-    if (fill_err) {
-        store_fail(s, fill_err, "zero-filling the log ahead");
-        return 0;
     }
     if (token_headroom_low(s)) {
         released = 1;

@@ -1510,6 +1510,40 @@ Test(server, a_wait_longer_than_the_idle_timeout_keeps_its_connection, .init = s
     redisFree(a);
 }
 
+/* A client that sends its requests and half-closes (printf ... | nc -N) gets the replies of the
+ * requests carried out, then the connection closes. It was closed at the end of its input: the
+ * claim took effect, and its token reached no one. A claim of its with WAIT answers busy at
+ * once (it is not granted to a client that may be gone). */
+Test(server, a_half_close_gets_the_replies_of_what_was_carried_out, .init = start)
+{
+    char buf[4096];
+    int closed;
+    int fd = raw_connect();
+    const char req[] = "PING\r\nIDEM.CLAIM hc1 100000 60000\r\nPING\r\n";
+    raw_send(fd, req, sizeof req - 1);
+    cr_assert_eq(shutdown(fd, SHUT_WR), 0);
+    size_t n = raw_read(fd, buf, sizeof buf - 1, sizeof buf, &closed);
+    close(fd);
+    cr_assert(closed, "the connection stayed open after its replies");
+    const char head[] = "+PONG\r\n*2\r\n$3\r\nnew\r\n:", tail[] = "\r\n+PONG\r\n";
+    cr_assert(n > sizeof head + sizeof tail - 2 && !memcmp(buf, head, sizeof head - 1) &&
+                  !strcmp(buf + n - (sizeof tail - 1), tail),
+              "replies: \"%s\"", buf);
+    redisContext *c = connect_tcp();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM hc2 100000 60000"), &tok), "new");
+    fd = raw_connect();
+    const char wait[] = "IDEM.CLAIM hc2 100000 60000 WAIT 20000\r\n";
+    raw_send(fd, wait, sizeof wait - 1);
+    cr_assert_eq(shutdown(fd, SHUT_WR), 0);
+    int64_t t0 = now_ms();
+    n = raw_read(fd, buf, sizeof buf - 1, sizeof buf, &closed);
+    close(fd);
+    cr_assert(closed && !strncmp(buf, "*2\r\n$4\r\nbusy\r\n", 14), "the WAIT: \"%s\"", buf);
+    cr_assert_lt(now_ms() - t0, 5000, "the WAIT ran on for a client that half-closed");
+    redisFree(c);
+}
+
 Test(server, second_server_on_the_same_socket_refuses_to_start, .init = start)
 {
     const char *build = getenv("IDEM_BUILD_DIR");

@@ -102,8 +102,9 @@ static void conn_update_events(srv *s, srv_conn *c)
 {
     if (c->fd < 0) return;
     /* EPOLLRDHUP always: a client that hangs up while it is not read (QUIT, paused, held back)
-     * is noticed all the same, so that its claims parked by WAIT are cancelled at once. */
-    uint32_t ev = EPOLLRDHUP;
+     * is noticed all the same, so that its claims parked by WAIT are cancelled at once. Not
+     * once it half-closed (it would be reported at every turn): a hangup (EPOLLHUP) still is. */
+    uint32_t ev = c->peer_eof ? 0 : EPOLLRDHUP;
     /* A connection whose parsing is held back (pipeline full, engine queue full, over the budget)
      * is read on only until SRV_IN_HELD_MAX bytes wait unparsed: then its bytes stay in the
      * socket until it may go on, so no input buffer grows without bound. */
@@ -522,9 +523,20 @@ static int conn_read(srv *s, srv_conn *c)
         return -1;
     }
     ssize_t n = read(c->fd, c->in + c->in_len, c->in_cap - c->in_len);
+    if (n == 0 && (c->head_seq != c->tail_seq || c->out.sent < c->out.len)) {
+        /* A half-close with replies owed (printf ... | nc -N): requests carried out are
+         * answered, as Redis answers those it ran before it read the end, then the connection
+         * closes; nothing more is read or parsed. Its claims parked by WAIT answer busy now. */
+        cancel_waits(s, c);
+        c->peer_eof = 1;
+        c->close_after_write = 1;
+        srv_log("info", "half_close", "id=%llu peer=%s", (unsigned long long)c->id, c->peer);
+        conn_update_events(s, c);
+        return 0;
+    }
     if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
-        /* The peer is gone (as Redis does, a half-close is taken for a close): conn_close
-         * cancels its claims parked by WAIT so nothing waits for it. */
+        /* The peer is gone: conn_close cancels its claims parked by WAIT so nothing waits for
+         * it. */
         conn_close(s, c, n == 0 ? "eof" : "read_error");
         return -1;
     }
@@ -1186,6 +1198,7 @@ static int shutdown_fatal(srv *s)
 {
     srv_log("error", "fatal", "msg=\"the store failed a write or flush; exiting\" reason=\"%s\"",
             s->store ? idem_fatal_reason(s->store) : "");
+    s->draining = 1; /* the last writes parse nothing more: a request parsed now went unanswered */
     answer_pending(s, 0,
                    "ERR fatal store error: the outcome of this request is unknown, "
                    "check it after a restart");
