@@ -188,9 +188,9 @@ static int att_group_list(idem_store *s, const struct att_view *av, int g, struc
                     !att_take(s, av, tmp, addr, g, &v[i], &h))
                     continue;
                 struct att_seen *place =
-                    att_set_place(set, ab, out, h, tmp->c.record.key, tmp->c.record.key_len);
+                    att_set_place(set, ab, out, h, tmp->ext->record.key, tmp->ext->record.key_len);
                 if (!place) continue; /* listed already */
-                out[*k] = tmp->c.record;
+                out[*k] = tmp->ext->record;
                 rc = att_keep(ab, &out[*k]);
                 if (rc < 0) break;
                 *place = (struct att_seen){h, ++*k};
@@ -257,7 +257,8 @@ int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_recor
     struct att_set set = {rc == 0 ? calloc(set_cap, sizeof *set.v) : NULL, set_cap - 1};
     if (rc == 0 && !set.v) rc = IDEM_ENOMEM;
     struct att_buf ab = {q->att_buf, 0, q->att_cap};
-    struct qslot tmp = {0};
+    struct qslot_ext tmp_ext = {0};
+    struct qslot tmp = {.ext = &tmp_ext};
     size_t k = 0;
     for (int g = 0; g < (int)ATT_GROUPS && k < max && rc == 0; g++) {
         size_t start = k;

@@ -55,7 +55,7 @@ struct index_slot *index_lookup(const struct index *ix, uint64_t h,
 
 /* Hints for a lookup of h a few operations ahead, so batches overlap their cache misses:
  * index_prefetch starts loading h's home slot; index_peek returns the first slot among the
- * home and the 7 after it whose stored hash bits equal h's (NULL: none, or further on),
+ * home and the 31 after it whose stored hash bits equal h's (NULL: none, or further on),
  * comparing no key. Both only read; an answer made stale by later inserts costs one wasted
  * prefetch. */
 void index_prefetch(const struct index *ix, uint64_t h);

@@ -349,7 +349,7 @@ static int copy_result(struct qslot *sl, const struct rec *r, const void **out, 
 
 void ops_fill_record(struct qslot *sl, const struct rec *r, struct index_slot *slot, idem_store *s)
 {
-    idem_record *o = &sl->c.record;
+    idem_record *o = &sl->ext->record;
     memset(o, 0, sizeof *o);
     o->key = qslot_copy(sl, r->key, r->key_len);
     o->key_len = r->key_len;
@@ -610,7 +610,7 @@ static int op_claim(idem_store *s, struct qslot *sl, const idem_op *op, int waki
     /* The record's bytes may move when the log appends: copy what a version rewrite needs. */
     claim_existing(s, sl, op, fp, slot, &r, lsn, now, waking);
     if (sl->c.outcome == IDEM_BUSY && op->wait_ms && !s->closing && !s->no_wait) {
-        sl->lease_end_ms = r.lease_until_ms;
+        sl->ext->lease_end_ms = r.lease_until_ms;
         return 1;
     }
     return 0;
@@ -962,8 +962,8 @@ void ops_del_group_refuse(idem_store *s, struct qslot *sl, const idem_op *op)
     sl->c.err = IDEM_ESTATE;
     sl->c.found = state != 0;
     if (state) {
-        memset(&sl->c.record, 0, sizeof sl->c.record);
-        sl->c.record.state = state;
+        memset(&sl->ext->record, 0, sizeof sl->ext->record);
+        sl->ext->record.state = state;
     }
     /* The refusal reports a state that may not be durable yet: answered once all is. */
     sl->need_lsn = wal_last_lsn(s->wal);
@@ -1025,18 +1025,18 @@ static void op_resolve(idem_store *s, struct qslot *sl, const idem_op *op)
 static void park(idem_store *s, struct qslot *sl, const idem_op *op)
 {
     uint64_t h = ops_hash(s, op->key, op->key_len);
-    sl->op = *op;
-    sl->op.key = qslot_copy(sl, op->key, op->key_len);
-    sl->op.owner = op->owner_len ? qslot_copy(sl, op->owner, op->owner_len) : NULL;
+    sl->ext->op = *op;
+    sl->ext->op.key = qslot_copy(sl, op->key, op->key_len);
+    sl->ext->op.owner = op->owner_len ? qslot_copy(sl, op->owner, op->owner_len) : NULL;
     if (op->fp) {
-        idem_fingerprint(op->fp, op->fp_len, sl->wait_fp);
-        sl->op.fp = sl->wait_fp;
-        sl->op.fp_len = sizeof sl->wait_fp;
+        idem_fingerprint(op->fp, op->fp_len, sl->ext->wait_fp);
+        sl->ext->op.fp = sl->ext->wait_fp;
+        sl->ext->op.fp_len = sizeof sl->ext->wait_fp;
     }
-    if (!sl->op.key || (op->owner_len && !sl->op.owner) || waiters_add(s, sl, h))
+    if (!sl->ext->op.key || (op->owner_len && !sl->ext->op.owner) || waiters_add(s, sl, h))
         return; /* out of memory: answer busy now */
     int64_t mono = s->clock.monotonic_ms(s->clock.ctx);
-    sl->deadline_mono_ms = mono + op->wait_ms;
+    sl->ext->deadline_mono_ms = mono + op->wait_ms;
     sl->state = SLOT_PARKED;
     waiters_note_due(s, sl, mono, store_now(s));
     store_kick(s);
@@ -1139,7 +1139,7 @@ static void answer_busy(idem_store *s, struct qslot *sl)
 {
     struct rec r;
     uint64_t lsn;
-    struct index_slot *slot = ops_find(s, sl->op.key, sl->op.key_len, &r, &lsn);
+    struct index_slot *slot = ops_find(s, sl->ext->op.key, sl->ext->op.key_len, &r, &lsn);
     int64_t now = store_now(s);
     sl->c.outcome = IDEM_BUSY;
     sl->c.lease_left_ms = slot && r.lease_until_ms > now ? r.lease_until_ms - now : 0;
@@ -1154,26 +1154,26 @@ static int wake_one(idem_store *s, struct qslot *sl, int64_t mono)
     uint64_t ud = sl->c.user_data;
     memset(&sl->c, 0, sizeof sl->c);
     sl->c.user_data = ud;
-    sl->wake_again = 0;
+    sl->ext->wake_again = 0;
     if (s->fatal) {
         sl->c.err = IDEM_EFATAL;
         return 1;
     }
-    if (sl->deadline_mono_ms == 0 || s->closing || s->no_wait) {
+    if (sl->ext->deadline_mono_ms == 0 || s->closing || s->no_wait) {
         answer_busy(s, sl);
         return 1;
     }
     if (store_room_ok(s) == IDEM_EBUSY) {
-        if (mono >= sl->deadline_mono_ms) {
+        if (mono >= sl->ext->deadline_mono_ms) {
             answer_busy(s, sl);
             return 1;
         }
-        sl->wake_again = 1; /* no buffer room now: again at the next wake-up of any kind */
+        sl->ext->wake_again = 1; /* no buffer room now: again at the next wake-up of any kind */
         return 0;
     }
     sl->buf_used = keep;
-    int park_again = op_claim(s, sl, &sl->op, 1);
-    if (park_again && mono < sl->deadline_mono_ms) return 0;
+    int park_again = op_claim(s, sl, &sl->ext->op, 1);
+    if (park_again && mono < sl->ext->deadline_mono_ms) return 0;
     return 1;
 }
 
@@ -1182,7 +1182,7 @@ static void waiter_done(idem_store *s, struct qslot *sl)
 {
     waiters_remove(s, sl);
     sl->state = SLOT_DONE;
-    queue_signal(sl->q);
+    queue_signal(sl->ext->q);
     pthread_cond_broadcast(&s->cond_ready);
 }
 
@@ -1193,7 +1193,7 @@ static void wake_try(idem_store *s, struct qslot *sl, int64_t mono, int64_t now)
         waiter_done(s, sl);
         return;
     }
-    s->nwake_again += sl->wake_again;
+    s->nwake_again += sl->ext->wake_again;
     waiters_note_due(s, sl, mono, now);
 }
 
@@ -1206,7 +1206,7 @@ int idem_cancel_wait(idem_queue *q, uint64_t user_data)
     for (struct qslot *w = q->head; w; w = w->lnext) {
         if (w->state == SLOT_PARKED && w->c.user_data == user_data) {
             /* Answered now, alone: the other waiters do not run again for it. */
-            w->deadline_mono_ms = 0;
+            w->ext->deadline_mono_ms = 0;
             wake_one(s, w, 0);
             waiter_done(s, w);
             rc = IDEM_OK;
@@ -1219,7 +1219,7 @@ int idem_cancel_wait(idem_queue *q, uint64_t user_data)
 
 static int waiter_of_key(const struct qslot *sl, const void *key, uint32_t key_len)
 {
-    return sl->op.key_len == key_len && !memcmp(sl->op.key, key, key_len);
+    return sl->ext->op.key_len == key_len && !memcmp(sl->ext->op.key, key, key_len);
 }
 
 /* Re-runs the parked claims of key (every one with all). A change of one key re-runs only the
@@ -1232,17 +1232,17 @@ static void wake_parked(idem_store *s, const void *key, uint32_t key_len, int al
     if (key && !all && !s->closing && !s->no_wait && !s->nwake_again) {
         uint64_t h = key_hash(s, key, key_len);
         for (struct qslot *sl = waiters_of_hash(s, h), *next; sl; sl = next) {
-            next = sl->bnext;
-            if (sl->whash == h && waiter_of_key(sl, key, key_len)) wake_try(s, sl, mono, now);
+            next = sl->ext->bnext;
+            if (sl->ext->whash == h && waiter_of_key(sl, key, key_len)) wake_try(s, sl, mono, now);
         }
     } else {
         s->wake_next_mono_ms = INT64_MAX;
         s->nwake_again = 0;
         for (struct qslot *sl = s->waiters, *next; sl; sl = next) {
-            next = sl->wnext;
+            next = sl->ext->wnext;
             int match = all || (key && waiter_of_key(sl, key, key_len));
-            int due = mono >= sl->deadline_mono_ms ||
-                      (!s->opt.test_clock && now >= sl->lease_end_ms) || sl->wake_again;
+            int due = mono >= sl->ext->deadline_mono_ms ||
+                      (!s->opt.test_clock && now >= sl->ext->lease_end_ms) || sl->ext->wake_again;
             if (match || due || s->closing || s->no_wait)
                 wake_try(s, sl, mono, now);
             else

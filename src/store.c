@@ -1365,15 +1365,18 @@ int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
     if (!s || !out || depth == 0 || depth > 65536) return IDEM_EINVAL;
     struct idem_queue *q = calloc(1, sizeof *q);
     if (!q) return IDEM_ENOMEM;
-    q->slots = calloc(depth, sizeof *q->slots);
+    q->slots = aligned_alloc(_Alignof(struct qslot), depth * sizeof *q->slots);
+    if (q->slots) memset(q->slots, 0, depth * sizeof *q->slots);
+    q->ext = calloc(depth, sizeof *q->ext);
     q->returned = calloc(depth, sizeof *q->returned);
     q->free_stack = calloc(depth, sizeof *q->free_stack);
     q->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     int cond_ok = pthread_cond_init(&q->cond, NULL) == 0;
-    if (!q->slots || !q->returned || !q->free_stack || q->efd < 0 || !cond_ok) {
+    if (!q->slots || !q->ext || !q->returned || !q->free_stack || q->efd < 0 || !cond_ok) {
         if (cond_ok) pthread_cond_destroy(&q->cond);
         if (q->efd >= 0) close(q->efd);
         free(q->slots);
+        free(q->ext);
         free(q->returned);
         free(q->free_stack);
         free(q);
@@ -1382,7 +1385,8 @@ int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
     q->s = s;
     q->depth = depth;
     for (uint32_t i = 0; i < depth; i++) {
-        q->slots[i].q = q;
+        q->slots[i].ext = &q->ext[i];
+        q->ext[i].q = q;
         q->free_stack[q->nfree++] = depth - 1 - i;
     }
     store_lock(s);
@@ -1419,6 +1423,7 @@ void idem_queue_close(idem_queue *q)
     for (uint32_t i = 0; i < q->depth; i++)
         free(q->slots[i].buf);
     free(q->slots);
+    free(q->ext);
     free(q->returned);
     free(q->free_stack);
     free(q->scan_keys);
@@ -1465,9 +1470,10 @@ void *qslot_reserve(struct qslot *sl, size_t len)
         if (!n) return NULL;
         /* Copies made before would dangle: re-base every pointer into the old buffer. */
         if (n != sl->buf && sl->buf_used) {
-            const void **ps[] = {&sl->c.data,        &sl->c.record.key,    &sl->c.record.owner,
-                                 &sl->c.record.note, &sl->c.record.result, &sl->op.key,
-                                 &sl->op.fp,         &sl->op.owner};
+            const void **ps[] = {
+                &sl->c.data,           &sl->ext->record.key,    &sl->ext->record.owner,
+                &sl->ext->record.note, &sl->ext->record.result, &sl->ext->op.key,
+                &sl->ext->op.fp,       &sl->ext->op.owner};
             for (size_t i = 0; i < IDEM_ARRAY_LEN(ps); i++) {
                 const uint8_t *old = *ps[i];
                 if (old >= sl->buf && old < sl->buf + sl->buf_used) *ps[i] = n + (old - sl->buf);
@@ -1499,7 +1505,7 @@ static struct qslot *slot_take(idem_queue *q)
     sl->durable_wait = 0;
     sl->buf_used = 0;
     /* The record part is filled (whole) only when found is set: zero the rest. */
-    memset(&sl->c, 0, offsetof(idem_completion, record));
+    memset(&sl->c, 0, sizeof sl->c);
     /* Append to the list of outstanding slots, in submission order. */
     sl->lnext = NULL;
     sl->lprev = q->tail;
@@ -1706,10 +1712,8 @@ static size_t collect_ready(idem_queue *q, idem_completion *out, size_t max)
         if (sl->state == SLOT_DONE) {
             if (!slot_ready(s, sl)) break;
             /* The record is filled only when found (idem.h): most completions are 64 bytes. */
-            if (sl->c.found)
-                out[n] = sl->c;
-            else
-                memcpy(&out[n], &sl->c, offsetof(idem_completion, record));
+            memcpy(&out[n], &sl->c, sizeof sl->c);
+            if (sl->c.found) out[n].record = sl->ext->record;
             n++;
             if (sl->lprev)
                 sl->lprev->lnext = sl->lnext;

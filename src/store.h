@@ -38,19 +38,39 @@
 
 enum slot_state { SLOT_FREE = 0, SLOT_DONE = 1, SLOT_PARKED = 2, SLOT_RETURNED = 3 };
 
-/* One submitted operation and its completion, owned by a queue. */
-struct qslot {
-    int state;
-    uint64_t seq;      /* submission order */
-    uint64_t need_lsn; /* ready once this LSN is durable */
-    int durable_wait;  /* IDEM_OP_SYNC without sync durability: counted in s->sync_ops until it
-                          is delivered or its queue closed; ready only once need_lsn is durable */
-    idem_completion c;
-    /* Copies owned by the slot (results, notes, keys of a parked claim). */
-    uint8_t *buf;
-    uint32_t buf_cap;
-    uint32_t buf_used;
-    /* A parked WAIT claim: its op, with key/fp/owner copied into buf. */
+/* idem_completion up to its record: what every operation answers. */
+struct slot_completion {
+    uint64_t user_data;
+    int err;
+    int outcome;
+    int64_t token;
+    int64_t lease_left_ms;
+    uint32_t attempts;
+    int64_t last_grant_ms;
+    const void *data;
+    uint32_t data_len;
+    int found;
+};
+#define SLOT_COMPLETION_SAME(f)                                                                    \
+    _Static_assert(offsetof(struct slot_completion, f) == offsetof(idem_completion, f), #f)
+SLOT_COMPLETION_SAME(user_data);
+SLOT_COMPLETION_SAME(err);
+SLOT_COMPLETION_SAME(outcome);
+SLOT_COMPLETION_SAME(token);
+SLOT_COMPLETION_SAME(lease_left_ms);
+SLOT_COMPLETION_SAME(attempts);
+SLOT_COMPLETION_SAME(last_grant_ms);
+SLOT_COMPLETION_SAME(data);
+SLOT_COMPLETION_SAME(data_len);
+SLOT_COMPLETION_SAME(found);
+_Static_assert(sizeof(struct slot_completion) == offsetof(idem_completion, record),
+               "a slot's completion is idem_completion's head");
+
+/* What few operations of a slot use: a get's record, and a parked WAIT claim's state. */
+struct qslot_ext {
+    struct idem_queue *q;
+    idem_record record; /* when c.found */
+    /* A parked WAIT claim: its op, with key/fp/owner copied into the slot's buf. */
     idem_op op;
     int64_t deadline_mono_ms;
     int64_t lease_end_ms;        /* store clock: when the lease it waits on runs out */
@@ -59,15 +79,34 @@ struct qslot {
     uint64_t whash;              /* its key's hash: the waiter bucket it is on (waiters.c) */
     struct qslot *wprev, *wnext; /* the store's parked claims, oldest first */
     struct qslot *bprev, *bnext; /* its bucket's parked claims, oldest first */
-    struct qslot *lprev, *lnext; /* the queue's outstanding slots, in submission order */
-    struct idem_queue *q;
 };
+
+/* One submitted operation and its completion, owned by a queue. A queue keeps up to 64 Ki in
+ * flight, more than the caches hold, so a slot is two cache lines: the fields every operation
+ * writes, then its completion; the rest is apart (ext). A claim answered from a committed
+ * record writes the slot's two lines and the first of its buffer. */
+struct qslot {
+    _Alignas(64) int state;
+    int durable_wait;  /* IDEM_OP_SYNC without sync durability: counted in s->sync_ops until it
+                          is delivered or its queue closed; ready only once need_lsn is durable */
+    uint64_t seq;      /* submission order */
+    uint64_t need_lsn; /* ready once this LSN is durable */
+    struct qslot *lprev, *lnext; /* the queue's outstanding slots, in submission order */
+    /* Copies owned by the slot (results, notes, keys of a parked claim). */
+    uint8_t *buf;
+    uint32_t buf_cap;
+    uint32_t buf_used;
+    struct qslot_ext *ext;
+    struct slot_completion c;
+};
+_Static_assert(sizeof(struct qslot) == 128, "a slot is two cache lines");
 
 struct idem_queue {
     idem_store *s;
     uint32_t depth;
     struct qslot *slots;
-    uint32_t *free_stack; /* indexes of free slots */
+    struct qslot_ext *ext; /* slots[i].ext == &ext[i] */
+    uint32_t *free_stack;  /* indexes of free slots */
     uint32_t nfree;
     struct qslot *head, *tail; /* outstanding (submitted, not yet polled) */
     uint32_t active;           /* outstanding slots */

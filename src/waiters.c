@@ -26,11 +26,11 @@ static struct wbucket *bucket_of(const idem_store *s, uint64_t h)
 
 static void bucket_append(idem_store *s, struct qslot *sl)
 {
-    struct wbucket *b = bucket_of(s, sl->whash);
-    sl->bnext = NULL;
-    sl->bprev = b->tail;
+    struct wbucket *b = bucket_of(s, sl->ext->whash);
+    sl->ext->bnext = NULL;
+    sl->ext->bprev = b->tail;
     if (b->tail)
-        b->tail->bnext = sl;
+        b->tail->ext->bnext = sl;
     else
         b->head = sl;
     b->tail = sl;
@@ -46,7 +46,7 @@ static int buckets_grow(idem_store *s)
     free(s->wbuckets);
     s->wbuckets = b;
     s->wbuckets_mask = n - 1;
-    for (struct qslot *sl = s->waiters; sl; sl = sl->wnext)
+    for (struct qslot *sl = s->waiters; sl; sl = sl->ext->wnext)
         bucket_append(s, sl);
     return 0;
 }
@@ -55,11 +55,11 @@ int waiters_add(idem_store *s, struct qslot *sl, uint64_t h)
 {
     if ((!s->wbuckets || s->nwaiters >= s->wbuckets_mask + 1) && buckets_grow(s) && !s->wbuckets)
         return -1; /* a failed growth keeps longer chains; no buckets at all parks nothing */
-    sl->whash = h;
-    sl->wnext = NULL;
-    sl->wprev = s->waiters_tail;
+    sl->ext->whash = h;
+    sl->ext->wnext = NULL;
+    sl->ext->wprev = s->waiters_tail;
     if (s->waiters_tail)
-        s->waiters_tail->wnext = sl;
+        s->waiters_tail->ext->wnext = sl;
     else
         s->waiters = sl;
     s->waiters_tail = sl;
@@ -70,24 +70,24 @@ int waiters_add(idem_store *s, struct qslot *sl, uint64_t h)
 
 void waiters_remove(idem_store *s, struct qslot *sl)
 {
-    if (sl->wprev)
-        sl->wprev->wnext = sl->wnext;
+    if (sl->ext->wprev)
+        sl->ext->wprev->ext->wnext = sl->ext->wnext;
     else
-        s->waiters = sl->wnext;
-    if (sl->wnext)
-        sl->wnext->wprev = sl->wprev;
+        s->waiters = sl->ext->wnext;
+    if (sl->ext->wnext)
+        sl->ext->wnext->ext->wprev = sl->ext->wprev;
     else
-        s->waiters_tail = sl->wprev;
-    struct wbucket *b = bucket_of(s, sl->whash);
-    if (sl->bprev)
-        sl->bprev->bnext = sl->bnext;
+        s->waiters_tail = sl->ext->wprev;
+    struct wbucket *b = bucket_of(s, sl->ext->whash);
+    if (sl->ext->bprev)
+        sl->ext->bprev->ext->bnext = sl->ext->bnext;
     else
-        b->head = sl->bnext;
-    if (sl->bnext)
-        sl->bnext->bprev = sl->bprev;
+        b->head = sl->ext->bnext;
+    if (sl->ext->bnext)
+        sl->ext->bnext->ext->bprev = sl->ext->bprev;
     else
-        b->tail = sl->bprev;
-    sl->wprev = sl->wnext = sl->bprev = sl->bnext = NULL;
+        b->tail = sl->ext->bprev;
+    sl->ext->wprev = sl->ext->wnext = sl->ext->bprev = sl->ext->bnext = NULL;
     s->nwaiters--;
 }
 
@@ -98,12 +98,12 @@ struct qslot *waiters_of_hash(const idem_store *s, uint64_t h)
 
 void waiters_note_due(idem_store *s, const struct qslot *sl, int64_t mono, int64_t now)
 {
-    int64_t due = sl->deadline_mono_ms;
+    int64_t due = sl->ext->deadline_mono_ms;
     if (due > mono + WAITERS_LOOK_MS_MAX) due = mono + WAITERS_LOOK_MS_MAX;
     if (!s->opt.test_clock) {
         /* The store clock runs at most 10% ahead of the monotonic one (STORE_SLEW_PER_S_MS),
          * so the lease end comes no sooner than 10/11 of its store time from now. */
-        int64_t left = sl->lease_end_ms - now;
+        int64_t left = sl->ext->lease_end_ms - now;
         if (left < due - mono) {
             int64_t at = left > 0 ? mono + left - (left + 10) / 11 : mono;
             if (at < due) due = at;

@@ -476,7 +476,7 @@ Test(index, growth_while_memory_is_faulted_in_ahead_keeps_every_entry, .timeout 
     index_destroy(ix); /* stops the thread */
 }
 
-/* index_peek is a hint and looks 8 slots from the home; index_has_hash (the checkpoint loader's
+/* index_peek is a hint and looks 32 slots from the home; index_has_hash (the checkpoint loader's
  * duplicate check) must look along the whole run. */
 Test(index, has_hash_finds_an_entry_past_where_peek_stops)
 {
@@ -484,13 +484,14 @@ Test(index, has_hash_finds_an_entry_past_where_peek_stops)
     cr_assert_eq(index_create(0, &ix), 0);
     /* One home for all: the same top 24 bits and the same top bits of hash_lo. */
     const uint64_t base = UINT64_C(0x5a5a5a0000000000) | UINT64_C(0x7f000000);
-    for (uint64_t i = 0; i < 20; i++)
+    for (uint64_t i = 0; i < 40; i++)
         cr_assert_not_null(index_insert(ix, base | (i + 1), i + 1, 0));
-    uint64_t last = base | 20;
+    uint64_t last = base | 40;
     cr_assert(index_has_hash(ix, last));
-    cr_assert_null(index_peek(ix, last), "the 20th entry of a run is past the hint's reach");
+    cr_assert_null(index_peek(ix, last), "the 40th entry of a run is past the hint's reach");
     cr_assert_not_null(index_peek(ix, base | 1));
-    cr_assert_not(index_has_hash(ix, base | 21));
+    cr_assert_not_null(index_peek(ix, base | 32));
+    cr_assert_not(index_has_hash(ix, base | 41));
     index_destroy(ix);
 }
 
