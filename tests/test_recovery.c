@@ -265,19 +265,27 @@ Test(recovery, a_failed_store_holding_its_log_buffers_does_not_spin, .timeout = 
     cr_assert_eq(idem_close(s), IDEM_EFATAL);
 }
 
+/* Keys 0..19 committed (fill), then a batch whose first chunk reached the file and whose second
+ * write failed (big_batch_fails with seed); returns the store opened again. */
+static idem_store *reopen_after_a_torn_batch(uint64_t seed)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim_seg(&s, 16u << 20), IDEM_OK);
+    fill(s, 0, 20);
+    io_sim_fail_write(sim, 2, -EIO);
+    big_batch_fails(s, seed);
+    cr_assert_eq(idem_close(s), IDEM_EFATAL);
+    cr_assert_eq(open_sim_seg(&s, 16u << 20), IDEM_OK, "%s", idem_last_error());
+    return s;
+}
+
 /* A batch whose first chunk reached the file and whose second write failed is dropped whole at
  * the next open, though the first chunk's frames are in the file and checksum well: the log
  * ends at the last complete batch. No power loss here: the open settles the file, the part of
  * the batch with it. */
 Test(recovery, a_batch_written_in_part_is_dropped_whole, .timeout = 60)
 {
-    idem_store *s;
-    cr_assert_eq(open_sim_seg(&s, 16u << 20), IDEM_OK);
-    fill(s, 0, 20);
-    io_sim_fail_write(sim, 2, -EIO);
-    big_batch_fails(s, 13);
-    cr_assert_eq(idem_close(s), IDEM_EFATAL);
-    cr_assert_eq(open_sim_seg(&s, 16u << 20), IDEM_OK, "%s", idem_last_error());
+    idem_store *s = reopen_after_a_torn_batch(13);
     expect_committed(s, 0, 20);
     idem_queue *q;
     cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
@@ -2582,13 +2590,7 @@ Test(recovery, an_audit_entry_imported_after_an_unflushed_batch_survives_a_power
  * LSN of the last complete batch on disk. */
 Test(recovery, an_audit_entry_imported_after_a_torn_batch_survives_the_next_crash, .timeout = 60)
 {
-    idem_store *s;
-    cr_assert_eq(open_sim_seg(&s, 16u << 20), IDEM_OK);
-    fill(s, 0, 20);
-    io_sim_fail_write(sim, 2, -EIO);
-    big_batch_fails(s, 17);
-    cr_assert_eq(idem_close(s), IDEM_EFATAL);
-    cr_assert_eq(open_sim_seg(&s, 16u << 20), IDEM_OK, "%s", idem_last_error());
+    idem_store *s = reopen_after_a_torn_batch(17);
     idem_queue *q;
     cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
     idem_audit_entry in = {.at_ms = 5,

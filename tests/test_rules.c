@@ -3767,23 +3767,31 @@ Test(capacity, at_max_keys_an_expired_key_can_be_claimed_and_set_again)
     cr_assert_eq(st.keys, 100);
 }
 
+/* Claims new keys mem-0000000, mem-0000001, ... (each answered new) until the store answers
+ * FULL; returns how many it took. */
+static int claim_new_until_full(const char *limit)
+{
+    char key[32];
+    idem_completion c;
+    for (int n = 0;; n++) {
+        cr_assert_lt(n, 1000000, "no FULL from a memory limit of %s", limit);
+        snprintf(key, sizeof key, "mem-%07d", n);
+        int rc = claim_rc(key, strlen(key), TTL, LEASE, NULL, NULL, &c);
+        if (rc == IDEM_EFULL) return n;
+        cr_assert_eq(rc, IDEM_OK, "%s", idem_strerror(rc));
+        expect_outcome(c, IDEM_NEW);
+    }
+}
+
 Test(capacity, past_max_memory_a_new_claim_is_full_whatever_the_index_faulted_in_ahead)
 {
     store_close();
     g_opts.max_keys = 0;
     g_opts.max_memory_bytes = 256 * 1024;
     store_open();
+    int n = claim_new_until_full("256 KiB");
     char key[32];
-    int n = 0;
     idem_completion c;
-    for (;; n++) {
-        cr_assert_lt(n, 1000000, "no FULL from a memory limit of 256 KiB");
-        snprintf(key, sizeof key, "mem-%07d", n);
-        int rc = claim_rc(key, strlen(key), TTL, LEASE, NULL, NULL, &c);
-        if (rc == IDEM_EFULL) break;
-        cr_assert_eq(rc, IDEM_OK, "%s", idem_strerror(rc));
-        expect_outcome(c, IDEM_NEW);
-    }
     cr_assert_gt(n, 1000, "only %d keys in 256 KiB of index", n);
     /* The index's thread may fault memory in ahead of growth at any time: the answer stays
      * FULL. */
@@ -3808,17 +3816,7 @@ Test(capacity, a_key_limit_past_the_memory_limit_leaves_an_empty_store_room)
     g_opts.max_keys = 10000000;
     g_opts.max_memory_bytes = 1 << 20;
     store_open();
-    char key[32];
-    int n = 0;
-    idem_completion c;
-    for (;; n++) {
-        cr_assert_lt(n, 1000000, "no FULL from a memory limit of 1 MiB");
-        snprintf(key, sizeof key, "mem-%07d", n);
-        int rc = claim_rc(key, strlen(key), TTL, LEASE, NULL, NULL, &c);
-        if (rc == IDEM_EFULL) break;
-        cr_assert_eq(rc, IDEM_OK, "%s", idem_strerror(rc));
-        expect_outcome(c, IDEM_NEW);
-    }
+    int n = claim_new_until_full("1 MiB");
     cr_assert_gt(n, 10000, "only %d keys under a memory limit of 1 MiB", n);
     idem_stats st;
     idem_get_stats(g_s, &st);

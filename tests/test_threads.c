@@ -1578,11 +1578,8 @@ static int64_t wait_mono_ms(void *ctx)
     return atomic_load(&g_wait_mono);
 }
 
-/* A waiter cancelled after the lease it waits on has run out, before any wake-up ran it, is
- * never granted the key: its caller is gone, and a recover for it would leave a token no one
- * holds and the key blocked for a whole lease. (Elapsed time from a clock the test moves: the
- * flusher, asleep until the lease end by the real clock, does not see the jump at once.) */
-Test(wait, a_cancelled_waiter_is_never_granted_the_key)
+/* A store of its own whose elapsed time comes from g_wait_mono, with the waiters' queues. */
+static void open_waiters_on_moved_clock(void)
 {
     static const idem_clock_source clock = {.monotonic_ms = wait_mono_ms};
     teardown();
@@ -1591,6 +1588,15 @@ Test(wait, a_cancelled_waiter_is_never_granted_the_key)
     g_opts.clock = &clock;
     store_open();
     open_waiters();
+}
+
+/* A waiter cancelled after the lease it waits on has run out, before any wake-up ran it, is
+ * never granted the key: its caller is gone, and a recover for it would leave a token no one
+ * holds and the key blocked for a whole lease. (Elapsed time from a clock the test moves: the
+ * flusher, asleep until the lease end by the real clock, does not see the jump at once.) */
+Test(wait, a_cancelled_waiter_is_never_granted_the_key)
+{
+    open_waiters_on_moved_clock();
     idem_claim_args a = claim_args(TTL, 30000, 0);
     idem_completion c;
     expect_rc(idem_claim(g_q, "k", 1, &a, &c), IDEM_OK);
@@ -1614,13 +1620,7 @@ Test(wait, a_cancelled_waiter_is_never_granted_the_key)
  * the test moves, as above.) */
 Test(wait, a_lease_made_shorter_ends_the_wait_at_its_new_end)
 {
-    static const idem_clock_source clock = {.monotonic_ms = wait_mono_ms};
-    teardown();
-    g_dir = tu_mkdtemp("threads");
-    idem_options_init(&g_opts);
-    g_opts.clock = &clock;
-    store_open();
-    open_waiters();
+    open_waiters_on_moved_clock();
     for (int way = 0; way < 2; way++) {
         const char *key = way ? "reclaimed" : "extended";
         uint32_t len = (uint32_t)strlen(key);
