@@ -250,8 +250,10 @@ typedef struct idem_op {
     uint32_t owner_len;
     const void *data; /* commit/resolve result, set_if_absent value, hold/resolve reason */
     uint32_t data_len;
-    const void *result; /* resolve only: the result (data is then the reason, which holds no
-                         * NUL byte: IDEM_EINVAL, as the audit trail keeps it as text) */
+    const void *result; /* resolve with IDEM_RESOLVE_COMMIT only: the result (data is then the
+                         * reason: required, and without a NUL byte, as the audit trail keeps
+                         * it as text; IDEM_EINVAL otherwise, and for a result given to release
+                         * or settle, which write none) */
     uint32_t result_len;
     uint32_t action;         /* resolve: enum idem_resolve_action */
     uint64_t expect_version; /* resolve with IDEM_F_EXPECT */
@@ -430,9 +432,12 @@ void idem_get_stats(idem_store *s, idem_stats *out);
 /* ---- Operator views ---- */
 
 typedef struct idem_attention_args {
-    int64_t older_ms; /* also list in_flight records older than this (first_seen) while their
-                         lease runs; 0: only those whose lease ran out */
-    uint32_t max;     /* at most this many records (0: 1000) */
+    int64_t older_ms;   /* also list in_flight records older than this (first_seen) while their
+                           lease runs; 0: only those whose lease ran out */
+    uint32_t max;       /* at most this many records (0: 1000) */
+    uint64_t max_bytes; /* the list ends once its records' keys, owners, notes and results
+                           hold this many bytes, the record that reaches it listed (0: no
+                           limit): a list of records with large results stays bounded */
 } idem_attention_args;
 
 /*
@@ -441,7 +446,8 @@ typedef struct idem_attention_args {
  * Costs no scan of all keys (the store keeps the unfinished and the mismatched records apart).
  * records[i] for i < n stay valid until the next call on q; order: review first, then in_flight
  * by first_seen, then mismatches. Cut to max, the list keeps the first groups and, within a
- * group, the oldest records (by first_seen; mismatches by their last mismatch). The store's
+ * group, the oldest records (by first_seen; mismatches by their last mismatch); so is a list cut
+ * to max_bytes. The store's
  * lock is taken in steps meanwhile, so other callers are not held up for the whole list; a
  * record whose state changes during the call is listed once, possibly in the group being read
  * when it changed. In sync mode the call returns once what it lists is durable (as idem_scan).

@@ -17,6 +17,7 @@
 #include "util.h"
 
 #define ATTENTION_MAX_DEFAULT 1000u
+#define ATT_BUF_KEEP          (1u << 20) /* a larger buffer is not kept for the next call */
 
 /* Bytes of the records returned by the last call, as offsets until the end (pointers after). */
 struct att_buf {
@@ -166,23 +167,30 @@ static void touch_pages(void *p, size_t bytes)
 /* How many slots with an entry's hash bits are looked at: one, as a rule. */
 #define ATT_LIKE_MAX 4
 
-/* Lists the records of group g, oldest first (by the heap's time), until max; entries are
+/* Whether the list takes another record: fewer than max, and its bytes short of max_bytes. */
+static int att_room(size_t k, size_t max, const struct att_buf *ab, uint64_t max_bytes)
+{
+    return k < max && (max_bytes == 0 || ab->used < max_bytes);
+}
+
+/* Lists the records of group g, oldest first (by the heap's time), while att_room; entries are
  * checked in steps of AGES_VIEW_STEP, with mu let go between steps. Each entry leads to the
  * slots holding its hash bits: the one still at its address, or one at another address that
  * marks its version kept apart (written since: att_take). */
 static int att_group_list(idem_store *s, const struct att_view *av, int g, struct qslot *tmp,
                           struct att_buf *ab, struct att_set *set, idem_record *out, size_t *k,
-                          size_t max)
+                          size_t max, uint64_t max_bytes)
 {
     int rc = 0;
     const struct age_entry *v = av->v[g];
     store_lock(s);
-    for (size_t i = 0; i < av->n[g] && *k < max && rc == 0;) {
+    for (size_t i = 0; i < av->n[g] && rc == 0 && att_room(*k, max, ab, max_bytes);) {
         if (i > 0) store_let_others_in(s);
-        for (size_t end = i + AGES_VIEW_STEP; i < av->n[g] && i < end && *k < max && rc == 0; i++) {
+        for (size_t end = i + AGES_VIEW_STEP;
+             i < av->n[g] && i < end && rc == 0 && att_room(*k, max, ab, max_bytes); i++) {
             const struct index_slot *like[ATT_LIKE_MAX];
             size_t nl = index_slots_like(s->ix, ages_entry_hash(&v[i]), like, ATT_LIKE_MAX);
-            for (size_t j = 0; j < nl && *k < max && rc == 0; j++) {
+            for (size_t j = 0; j < nl && rc == 0 && att_room(*k, max, ab, max_bytes); j++) {
                 uint64_t addr = index_slot_addr(like[j]), h;
                 if ((addr != ages_entry_addr(&v[i]) && !(like[j]->aux & SLOT_AUX_APART)) ||
                     !att_take(s, av, tmp, addr, g, &v[i], &h))
@@ -256,13 +264,18 @@ int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_recor
         set_cap *= 2;
     struct att_set set = {rc == 0 ? calloc(set_cap, sizeof *set.v) : NULL, set_cap - 1};
     if (rc == 0 && !set.v) rc = IDEM_ENOMEM;
+    if (q->att_cap > ATT_BUF_KEEP) { /* the last list's records are given up now */
+        free(q->att_buf);
+        q->att_buf = NULL;
+        q->att_cap = 0;
+    }
     struct att_buf ab = {q->att_buf, 0, q->att_cap};
     struct qslot_ext tmp_ext = {0};
     struct qslot tmp = {.ext = &tmp_ext};
     size_t k = 0;
     for (int g = 0; g < (int)ATT_GROUPS && k < max && rc == 0; g++) {
         size_t start = k;
-        rc = att_group_list(s, &av, g, &tmp, &ab, &set, out, &k, max);
+        rc = att_group_list(s, &av, g, &tmp, &ab, &set, out, &k, max, a->max_bytes);
         qsort(out + start, k - start, sizeof *out, cmp_first_seen);
     }
     free(set.v);

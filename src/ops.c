@@ -417,11 +417,13 @@ static int op_valid(const idem_store *s, const idem_op *op)
                op->data_len <= s->opt.result_bytes_max;
     case IDEM_OP_DEL:
         return !op->actor || strlen(op->actor) <= IDEM_ACTOR_BYTES_MAX;
-    case IDEM_OP_RESOLVE: /* the reason goes to the audit trail, which reads it up to a NUL */
-        return op->action >= IDEM_RESOLVE_COMMIT && op->action <= IDEM_RESOLVE_SETTLE &&
-               (op->data || !op->data_len) && op->data_len <= IDEM_NOTE_BYTES_MAX &&
-               (!op->data_len || !memchr(op->data, 0, op->data_len)) &&
-               (op->result || !op->result_len) && op->result_len <= s->opt.result_bytes_max &&
+    case IDEM_OP_RESOLVE: /* the reason goes to the audit trail, which reads it up to a NUL;
+                             a result goes with commit only (release and settle write none) */
+        return op->action >= IDEM_RESOLVE_COMMIT && op->action <= IDEM_RESOLVE_SETTLE && op->data &&
+               op->data_len >= 1 && op->data_len <= IDEM_NOTE_BYTES_MAX &&
+               !memchr(op->data, 0, op->data_len) && (op->result || !op->result_len) &&
+               (op->action == IDEM_RESOLVE_COMMIT || (!op->result && !op->result_len)) &&
+               op->result_len <= s->opt.result_bytes_max &&
                (!op->actor || strlen(op->actor) <= IDEM_ACTOR_BYTES_MAX);
     default:
         return 0;

@@ -2578,6 +2578,11 @@ Test(args, unknown_resolve_action_is_einval)
     op.action = IDEM_RESOLVE_RELEASE;
     int rc = idem_exec(g_q, &op, &c);
     expect_rc(rc != IDEM_OK ? rc : c.err, IDEM_EINVAL);
+    /* Rule 9: every decision records why; an empty reason was taken. */
+    expect_rc(resolve("k", IDEM_RESOLVE_RELEASE, "", 0), IDEM_EINVAL);
+    /* Release and settle write no result: one given to them was dropped without a word. */
+    expect_rc(resolve_full("k", IDEM_RESOLVE_SETTLE, "x", "inv", 0, 0, "alice"), IDEM_EINVAL);
+    expect_rc(resolve_full("k", IDEM_RESOLVE_RELEASE, "x", "inv", 0, 0, "alice"), IDEM_EINVAL);
     idem_record r = get("k");
     cr_assert_eq(r.state, IDEM_STATE_REVIEW);
     cr_assert_eq(r.version, v);
@@ -3619,6 +3624,41 @@ Test(stats, attention_cut_to_max_keeps_the_oldest)
         cr_assert(recs[i].key_len == strlen(key) && memcmp(recs[i].key, key, strlen(key)) == 0,
                   "record %zu is not %s", i, key);
     }
+}
+
+/* A list whose records hold large results ends once their bytes reach max_bytes, the record
+ * that reaches it listed, oldest first: IDEM.ATTENTION COUNT 100000 over records with 64 KiB
+ * results copied them all (6 GiB) before idemd refused the reply for its size. The buffer of a
+ * large list is not kept past the next call. */
+Test(stats, attention_cut_to_its_byte_limit_keeps_the_oldest)
+{
+    enum { N = 10, LEN = 10000 };
+    char *val = malloc(LEN + 1), key[32];
+    cr_assert_not_null(val);
+    memset(val, 'v', LEN);
+    val[LEN] = 0;
+    for (int i = 0; i < N; i++) {
+        at(i);
+        snprintf(key, sizeof key, "big%d", i);
+        make_committed(key, "A", val);
+        expect_outcome(claim_fp(key, "B"), IDEM_MISMATCH);
+    }
+    free(val);
+    idem_attention_args aa = {.max = 100, .max_bytes = 25000};
+    const idem_record *recs;
+    size_t n = 0;
+    expect_rc(idem_attention(g_q, &aa, &recs, &n), IDEM_OK);
+    cr_assert_eq(n, 3, "%zu records listed", n);
+    for (size_t i = 0; i < n; i++) {
+        snprintf(key, sizeof key, "big%zu", i);
+        cr_assert(attention_has(recs + i, 1, key), "record %zu is not %s", i, key);
+        cr_assert_eq(recs[i].result_len, LEN);
+    }
+    aa.max_bytes = 0;
+    expect_rc(idem_attention(g_q, &aa, &recs, &n), IDEM_OK);
+    cr_assert_eq(n, N, "%zu records listed without a byte limit", n);
+    for (size_t i = 0; i < n; i++)
+        cr_assert_eq(((const char *)recs[i].result)[LEN - 1], 'v');
 }
 
 /* What the hook below writes while an attention list has let the lock go between steps. */

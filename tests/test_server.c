@@ -357,6 +357,11 @@ Test(server, each_argument_past_its_field_limit_is_refused_by_number, .init = st
     redisReply *r = cmd(c, "IDEM.BACKUP relative/copy");
     cr_assert(r->type == REDIS_REPLY_ERROR && strstr(r->str, "absolute path"), "%s", r->str);
     freeReplyObject(r);
+    /* The destination is logged and named in replies: a newline in it forged log lines. */
+    expect_error(cmd(c, "IDEM.BACKUP %s", "/tmp/x\nts=0 event=operator"),
+                 "ERR backup destination holds a control character");
+    expect_error(cmd(c, "IDEM.BACKUP %s", "/tmp/x\" actor=y"),
+                 "ERR backup destination holds a control character");
     expect_status(cmd(c, "PING"), "PONG");
     free(big);
     redisFree(c);
@@ -485,6 +490,43 @@ Test(server, attention_lists_what_needs_a_person, .init = start)
     expect_error(cmd(admin, "IDEM.ATTENTION OLDER"), "ERR");
     redisFree(c);
     redisFree(admin);
+}
+
+static void start_small_output(void)
+{
+    static const char *const extra[] = {"--client-output-max", "1m", "--durability", "none", NULL};
+    start_with(extra);
+}
+
+/* A list of records with large results stops at half the client's output limit, the oldest
+ * first: it used to copy every record's result (COUNT 100000 of 64 KiB results: 6 GiB) and then
+ * refuse the reply for its size. */
+Test(server, attention_of_large_results_is_cut_to_half_the_output_limit, .init = start_small_output)
+{
+    enum { N = 20, LEN = 65536 };
+    redisContext *c = connect_unix();
+    char *val = malloc(LEN), key[32];
+    cr_assert_not_null(val);
+    memset(val, 'r', LEN);
+    for (int i = 0; i < N; i++) {
+        long long tok;
+        snprintf(key, sizeof key, "big%02d", i);
+        cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM %s 600000 60000 FP a", key), &tok), "new");
+        expect_status(cmd(c, "IDEM.COMMIT %s %lld %b", key, tok, val, (size_t)LEN), "OK");
+        cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM %s 600000 60000 FP b", key), NULL), "mismatch");
+        freeReplyObject(cmd(c, "DEBUG CLOCK ADVANCE 1"));
+    }
+    free(val);
+    redisReply *r = cmd(c, "IDEM.ATTENTION COUNT 100");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY, "%s", r->type == REDIS_REPLY_ERROR ? r->str : "");
+    cr_assert_eq(r->elements, 8, "listed %zu records of 64 KiB under 512 KiB", r->elements);
+    for (size_t i = 0; i < r->elements; i++) {
+        snprintf(key, sizeof key, "big%02zu", i);
+        cr_assert_str_eq(field_of(r->element[i], "key"), key);
+    }
+    freeReplyObject(r);
+    expect_status(cmd(c, "PING"), "PONG");
+    redisFree(c);
 }
 
 static int metrics_port;
@@ -776,6 +818,30 @@ Test(server, roles_and_auth, .init = start_users)
     freeReplyObject(r);
     redisFree(c);
 
+    /* HELLO checks every option before any takes effect: a bad option after good credentials
+     * used to leave the connection authenticated, a name set with wrong ones stayed; a user
+     * name with a NUL byte was cut at it. */
+    c = connect_tcp();
+    expect_error(cmd(c, "HELLO 2 AUTH w pw-w FOO"), "ERR syntax error in HELLO option");
+    expect_error(cmd(c, "PING"), "NOAUTH");
+    expect_error(cmd(c, "HELLO 2 SETNAME early AUTH w wrong"), "WRONGPASS");
+    expect_error(cmd(c, "HELLO 2 AUTH w pw-w SETNAME %s", "two\nlines"), "ERR client name");
+    expect_error(cmd(c, "AUTH %b pw-w", "w\0x", (size_t)3), "WRONGPASS");
+    expect_error(cmd(c, "PING"), "NOAUTH");
+    expect_status(cmd(c, "AUTH w pw-w"), "OK");
+    r = cmd(c, "CLIENT GETNAME");
+    cr_assert_eq(r->type, REDIS_REPLY_NIL, "the name given with wrong credentials was set");
+    freeReplyObject(r);
+    r = cmd(c, "HELLO 2 AUTH w pw-w SETNAME later");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
+    freeReplyObject(r);
+    r = cmd(c, "CLIENT GETNAME");
+    cr_assert(r->type == REDIS_REPLY_STRING && strcmp(r->str, "later") == 0, "name %s",
+              r->str ? r->str : "(none)");
+    freeReplyObject(r);
+    expect_error(cmd(c, "CLIENT SETNAME %s", "tab\there"), "ERR client name");
+    redisFree(c);
+
     c = connect_tcp();
     expect_status(cmd(c, "AUTH pw-d"), "OK"); /* the user named default */
     expect_status(cmd(c, "PING"), "PONG");
@@ -791,6 +857,13 @@ Test(server, roles_and_auth, .init = start_users)
     cr_assert(r && r->type == REDIS_REPLY_ERROR && strstr(r->str, "NUL byte"), "%s",
               r ? r->str : "no reply");
     freeReplyObject(r);
+    /* Rule 9 records why; a result given to release or settle was dropped without a word. */
+    expect_error(cmd(c, "IDEM.RESOLVE k release %b FORCE", "", (size_t)0),
+                 "ERR the reason is empty");
+    expect_error(cmd(c, "IDEM.RESOLVE k release checked RESULT inv FORCE"),
+                 "ERR RESULT goes with commit only");
+    expect_error(cmd(c, "IDEM.RESOLVE k settle checked RESULT inv FORCE"),
+                 "ERR RESULT goes with commit only");
     expect_status(cmd(c, "IDEM.RESOLVE k release checked FORCE"), "OK");
     r = cmd(c, "IDEM.AUDIT COUNT 5");
     cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
@@ -1635,6 +1708,17 @@ Test(server, settings_that_would_weaken_the_server_are_refused_by_name)
     const char *const longl[] = {"--dir", dir, "--port", "0", "--users-file", p, NULL};
     cr_assert_eq(run_idemd(longl), 2);
     cr_assert(strstr(run_err, "line longer than"), "%s", run_err);
+    /* A blank at a line's end was taken into the password, which then never matched; an
+     * indented comment was refused as a malformed user. */
+    p = write_file(dir, "blank-users", "  # ops\n\nops:admin:secret \n", 0600);
+    const char *const blank[] = {"--dir", dir, "--port", "0", "--users-file", p, NULL};
+    cr_assert_eq(run_idemd(blank), 2);
+    cr_assert(strstr(run_err, "blank-users:3: blanks at the start or end"), "%s", run_err);
+    char missing[700];
+    snprintf(missing, sizeof missing, "%s/no-such-users", dir);
+    const char *const gone[] = {"--dir", dir, "--port", "0", "--users-file", missing, NULL};
+    cr_assert_eq(run_idemd(gone), 2);
+    cr_assert(strstr(run_err, "No such file or directory"), "%s", run_err);
 
     p = write_file(dir, "shared.conf", "port 0\nuser ops:admin:secret\n", 0644);
     const char *const shared[] = {"--dir", dir, "--config", p, NULL};

@@ -50,11 +50,14 @@ int auth_user_add(srv_config *cfg, const char *spec, char *err, size_t err_len)
                       : name_len >= SRV_NAME_MAX   ? "user name too long"
                       : role_len >= sizeof role    ? "role too long"
                       : pw_len >= SRV_PASSWORD_MAX ? "password too long"
-                      : pw_len == 0                ? "empty password"
                                                    : NULL;
     if (why) {
         snprintf(err, err_len, "%s (at most %d users, names of %d bytes, passwords of %d)", why,
                  SRV_USERS_MAX, SRV_NAME_MAX - 1, SRV_PASSWORD_MAX - 1);
+        return -1;
+    }
+    if (pw_len == 0) {
+        snprintf(err, err_len, "empty password");
         return -1;
     }
     memcpy(role, c1 + 1, role_len);
@@ -84,7 +87,7 @@ int auth_users_file(srv_config *cfg, const char *path, char *err, size_t err_len
     char line[SRV_NAME_MAX + SRV_PASSWORD_MAX + 32];
     FILE *f = fopen(path, "r");
     if (!f) {
-        snprintf(err, err_len, "cannot open users file %s", path);
+        snprintf(err, err_len, "cannot open users file %s: %s", path, strerror(errno));
         return -1;
     }
     if (fstat(fileno(f), &st) != 0 || (st.st_mode & (S_IRWXG | S_IRWXO))) {
@@ -105,7 +108,17 @@ int auth_users_file(srv_config *cfg, const char *path, char *err, size_t err_len
             break;
         }
         line[strcspn(line, "\r\n")] = '\0';
-        if (line[0] == '\0' || line[0] == '#') continue;
+        const char *text = line + strspn(line, " \t");
+        if (text[0] == '\0' || text[0] == '#') continue; /* blank, or a comment */
+        size_t len = strlen(line);
+        if (text != line || line[len - 1] == ' ' || line[len - 1] == '\t') {
+            snprintf(err, err_len,
+                     "%s:%d: blanks at the start or end of a line (they would be part of the "
+                     "name or the password)",
+                     path, lineno);
+            rc = -1;
+            break;
+        }
         char why[128];
         if (auth_user_add(cfg, line, why, sizeof why) < 0) {
             snprintf(err, err_len, "%s:%d: %s", path, lineno, why);

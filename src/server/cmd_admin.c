@@ -237,8 +237,9 @@ static void audit_reply(idem_queue *q, const srv_read_args *a, resp_buf *b)
 }
 
 /* IDEM.ATTENTION [OLDER ms] [COUNT n]: the records that need a person or a reconciler (review,
- * in_flight past its lease or older than ms, recorded mismatches), each as IDEM.GET's array.
- * Costs no scan of all keys. */
+ * in_flight past its lease or older than ms, recorded mismatches), each as IDEM.GET's array,
+ * at most n, and no more once their bytes reach half --client-output-max. Costs no scan of all
+ * keys. */
 void cmd_attention(cmd_req *r)
 {
     uint64_t older = 0, count = 1000;
@@ -252,8 +253,12 @@ void cmd_attention(cmd_req *r)
             return cmd_fail(r, "ERR syntax error (OLDER ms, COUNT 1..100000)");
         }
     }
+    /* The records' bytes stop at half the reply limit: the rest is room for the reply's
+     * framing, so a long list of large results is cut, not refused after all was copied. */
     srv_read_args a = {.kind = READ_ATTENTION,
-                       .att = {.older_ms = (int64_t)older, .max = (uint32_t)count}};
+                       .att = {.older_ms = (int64_t)older,
+                               .max = (uint32_t)count,
+                               .max_bytes = r->s->cfg.client_output_max / 2}};
     read_request(r, &a);
 }
 
@@ -291,6 +296,12 @@ void cmd_backup(cmd_req *r)
         return cmd_fail(r, "ERR backup destination must be a path of 1..4095 bytes");
     if (r->argv[1][0] != '/') /* relative to idemd's working directory, not the client's */
         return cmd_fail(r, "ERR backup destination must be an absolute path (on idemd's host)");
+    for (uint32_t i = 0; i < r->argl[1]; i++) { /* the path goes into log lines and replies */
+        uint8_t ch = r->argv[1][i];
+        if (ch < 0x20 || ch == 0x7f || ch == '"' || ch == '\\')
+            return cmd_fail(r, "ERR backup destination holds a control character, a quote or a "
+                               "backslash (idemd logs it)");
+    }
     memcpy(dest, r->argv[1], r->argl[1]);
     dest[r->argl[1]] = 0;
     srv_flush_ops(r->s); /* the copy holds every request before this one */

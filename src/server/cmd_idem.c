@@ -143,6 +143,7 @@ void cmd_hold(cmd_req *r)
 {
     idem_op op;
     if (owner_op(r, IDEM_OP_HOLD, &op) < 0) return;
+    if (r->argl[3] == 0) return cmd_fail(r, "ERR the reason is empty: the audit trail records why");
     if (r->argl[3] > IDEM_NOTE_BYTES_MAX)
         return cmd_fail(r, "ERR reason too long (at most %u bytes)", IDEM_NOTE_BYTES_MAX);
     op.data = r->argv[3];
@@ -208,6 +209,7 @@ void cmd_resolve(cmd_req *r)
         op.action = IDEM_RESOLVE_SETTLE;
     else
         return cmd_fail(r, "ERR action must be commit, release or settle");
+    if (r->argl[3] == 0) return cmd_fail(r, "ERR the reason is empty: the audit trail records why");
     if (r->argl[3] > IDEM_NOTE_BYTES_MAX)
         return cmd_fail(r, "ERR reason too long (at most %u bytes)", IDEM_NOTE_BYTES_MAX);
     if (memchr(r->argv[3], 0, r->argl[3]))
@@ -218,6 +220,9 @@ void cmd_resolve(cmd_req *r)
         if (cmd_is(r, i, "FORCE")) {
             op.flags |= IDEM_F_FORCE;
         } else if (cmd_is(r, i, "RESULT") && i + 1 < r->argc) {
+            if (op.action != IDEM_RESOLVE_COMMIT)
+                return cmd_fail(r, "ERR RESULT goes with commit only (release and settle write "
+                                   "no result)");
             if (r->argl[i + 1] > cmd_result_max(r->s))
                 return cmd_fail(r, "ERR result over the limit (at most %u bytes)",
                                 cmd_result_max(r->s));

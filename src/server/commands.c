@@ -135,7 +135,7 @@ static int authenticate(cmd_req *r, const uint8_t *user, uint32_t user_len, cons
 {
     char name[SRV_NAME_MAX];
     int role = ROLE_NONE;
-    if (user_len < sizeof name) {
+    if (user_len < sizeof name && !memchr(user, 0, user_len)) { /* "a\0x" is not user a */
         memcpy(name, user, user_len);
         name[user_len] = '\0';
         role = auth_check(&r->s->cfg, name, pw, pw_len);
@@ -195,33 +195,53 @@ static void hello_reply(cmd_req *r)
     cmd_done(r);
 }
 
+/* Whether a client name may be set: shorter than SRV_NAME_MAX, printable ASCII without spaces
+ * (as Redis allows): names reach the logs and the audit trail. */
+static int client_name_ok(const uint8_t *p, uint32_t len)
+{
+    if (len >= SRV_NAME_MAX) return 0;
+    for (uint32_t i = 0; i < len; i++)
+        if (p[i] < '!' || p[i] > '~') return 0;
+    return 1;
+}
+
+static void set_client_name(srv_conn *c, const uint8_t *p, uint32_t len)
+{
+    memcpy(c->name, p, len);
+    c->name[len] = '\0';
+}
+
+/* HELLO [2 [AUTH user pass] [SETNAME name]]: every option is checked before any takes effect,
+ * and the name is set only once the credentials, if given, are taken. */
 static void cmd_hello(cmd_req *r)
 {
-    uint32_t i = 1;
+    uint32_t i = 1, auth = 0, name = 0;
     if (r->argc > 1) {
         if (!cmd_is(r, 1, "2"))
             return cmd_fail(r, "NOPROTO sorry, this protocol version is not supported "
                                "(idemd speaks RESP2: HELLO 2)");
         i = 2;
     }
-    int authed = 0;
     for (; i < r->argc; i++) {
         if (cmd_is(r, i, "AUTH") && i + 2 < r->argc) {
-            if (authenticate(r, r->argv[i + 1], r->argl[i + 1], r->argv[i + 2], r->argl[i + 2]) < 0)
-                return;
-            authed = 1;
+            auth = i + 1;
             i += 2;
-        } else if (cmd_is(r, i, "SETNAME") && i + 1 < r->argc && r->argl[i + 1] < SRV_NAME_MAX) {
-            memcpy(r->c->name, r->argv[i + 1], r->argl[i + 1]);
-            r->c->name[r->argl[i + 1]] = '\0';
-            i++;
+        } else if (cmd_is(r, i, "SETNAME") && i + 1 < r->argc) {
+            if (!client_name_ok(r->argv[i + 1], r->argl[i + 1]))
+                return cmd_fail(r, "ERR client name too long or holds spaces or special "
+                                   "characters");
+            name = ++i;
         } else {
             return cmd_fail(r, "ERR syntax error in HELLO option");
         }
     }
-    if (!authed && r->c->role == ROLE_NONE)
+    if (auth &&
+        authenticate(r, r->argv[auth], r->argl[auth], r->argv[auth + 1], r->argl[auth + 1]) < 0)
+        return;
+    if (!auth && r->c->role == ROLE_NONE)
         return cmd_fail(r, "NOAUTH HELLO must be called with the client already authenticated, "
                            "otherwise the HELLO <proto> AUTH <user> <pass> option can be used");
+    if (name) set_client_name(r->c, r->argv[name], r->argl[name]);
     hello_reply(r);
 }
 
@@ -230,10 +250,9 @@ static void cmd_client(cmd_req *r)
     srv_conn *c = r->c;
     if (cmd_is(r, 1, "ID") && r->argc == 2) return cmd_int(r, (int64_t)c->id);
     if (cmd_is(r, 1, "SETNAME") && r->argc == 3) {
-        if (r->argl[2] >= SRV_NAME_MAX || memchr(r->argv[2], ' ', r->argl[2]))
-            return cmd_fail(r, "ERR client name too long or contains spaces");
-        memcpy(c->name, r->argv[2], r->argl[2]);
-        c->name[r->argl[2]] = '\0';
+        if (!client_name_ok(r->argv[2], r->argl[2]))
+            return cmd_fail(r, "ERR client name too long or holds spaces or special characters");
+        set_client_name(c, r->argv[2], r->argl[2]);
         return cmd_ok(r);
     }
     if (cmd_is(r, 1, "GETNAME") && r->argc == 2) {
