@@ -406,12 +406,13 @@ typedef struct idem_stats {
     uint64_t disk_bytes; /* the log's segments, as max_disk_bytes counts (not the checkpoints,
                             16-32 bytes a key, two kept, nor audit.log) */
     uint64_t disk_free_bytes;
-    uint64_t memory_bytes; /* anonymous memory: index, repeat counters, age heaps, buffers */
+    uint64_t memory_bytes; /* anonymous memory: index, repeat counters, age heaps, buffers (the
+                              limit, max_memory_bytes, counts index_bytes only) */
     uint64_t max_keys, max_memory_bytes, max_disk_bytes;
     uint64_t flushes;
     uint64_t flush_records; /* records covered by all flushes (batch size = / flushes) */
     uint64_t flush_latency_us_sum;
-    uint64_t flush_latency_us_buckets[16]; /* bucket i: latency < 2^(i+4) us; last: the rest */
+    uint64_t flush_latency_us_buckets[16]; /* bucket i: latency <= 2^(i+4) us; last: the rest */
     int64_t clock_skew_ms;                 /* store clock - wall clock */
     int64_t store_clock_ms;
     uint64_t checkpoints;
@@ -424,6 +425,11 @@ typedef struct idem_stats {
     uint64_t claims_last_minute; /* claims (and SET NX) answered in the last 60 s of elapsed time */
     uint64_t duplicates_last_minute; /* of which not `new`: the duplicate ratio's numerator */
     uint64_t open_ms;                /* how long the last open took */
+    /* The age of the oldest in_flight and review records (store clock - first_seen; 0 if
+     * none): what an alert compares with a bound, with no clock of its own to subtract. */
+    int64_t oldest_in_flight_age_ms, oldest_review_age_ms;
+    uint64_t index_bytes; /* the index's blocks in use: what max_memory_bytes limits (part of
+                             memory_bytes) */
 } idem_stats;
 
 /* Counters in O(1): no scan of keys. Thread-safe. */

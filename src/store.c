@@ -451,10 +451,8 @@ static void flush_once(idem_store *s)
     s->st.flushes++;
     s->st.flush_records += records;
     s->st.flush_latency_us_sum += (uint64_t)us;
-    int b = 0;
-    while (b < 15 && us >= (1ll << (b + 4)))
-        b++;
-    s->st.flush_latency_us_buckets[b]++;
+    s->st.flush_latency_us_buckets[util_latency_bucket(
+        (uint64_t)us, IDEM_ARRAY_LEN(s->st.flush_latency_us_buckets))]++;
     notify_ready_unlocked(s);
 }
 
@@ -2071,6 +2069,11 @@ void idem_get_stats(idem_store *s, idem_stats *out)
     }
     out->oldest_in_flight_ms = ages_oldest(s, AGE_IN_FLIGHT);
     out->oldest_review_ms = ages_oldest(s, AGE_REVIEW);
+    if (out->oldest_in_flight_ms)
+        out->oldest_in_flight_age_ms = out->store_clock_ms - out->oldest_in_flight_ms;
+    if (out->oldest_review_ms)
+        out->oldest_review_age_ms = out->store_clock_ms - out->oldest_review_ms;
+    out->index_bytes = index_live_bytes(s->ix);
     out->store_generation = s->sb.store_generation;
     store_unlock(s);
     struct statvfs vfs;

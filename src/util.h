@@ -80,6 +80,16 @@ static inline void util_atomic_max_i64(int64_t *p, int64_t v)
     }
 }
 
+/* The bucket of a latency histogram of `buckets` buckets for us microseconds: bucket i holds
+ * latencies up to 2^(i+4) us (Prometheus's le: bounds are inclusive), the last the rest. */
+static inline int util_latency_bucket(uint64_t us, int buckets)
+{
+    int b = 0;
+    while (b < buckets - 1 && us > (UINT64_C(1) << (b + 4)))
+        b++;
+    return b;
+}
+
 /* Monotonic (CLOCK_BOOTTIME) and wall (CLOCK_REALTIME) time of the system, in ms and us. */
 int64_t util_boottime_ms(void);
 int64_t util_realtime_ms(void);

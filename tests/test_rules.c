@@ -3253,6 +3253,14 @@ Test(stats, counters_by_outcome_and_keys_by_state)
                  a.oldest_in_flight_ms, t0);
     cr_assert_eq(a.oldest_review_ms, t0);
     cr_assert_eq(a.store_clock_ms, t0 + LEASE);
+    /* Their ages, on the store clock: the contract asks for ages, and a timestamp left an
+     * alert to subtract from a clock of its own (56 years when there was none). */
+    cr_assert_eq(a.oldest_in_flight_age_ms, 0);
+    cr_assert_eq(a.oldest_review_age_ms, LEASE);
+    at(LEASE + 250);
+    a = stats();
+    cr_assert_eq(a.oldest_in_flight_age_ms, 250);
+    cr_assert_eq(a.oldest_review_age_ms, LEASE + 250);
 }
 
 Test(stats, last_minute_counts_claims_and_duplicates)
@@ -3724,6 +3732,8 @@ Test(stats, empty_store_has_no_oldest_records)
     cr_assert_eq(a.keys, 0);
     cr_assert_eq(a.oldest_in_flight_ms, 0);
     cr_assert_eq(a.oldest_review_ms, 0);
+    cr_assert_eq(a.oldest_in_flight_age_ms, 0);
+    cr_assert_eq(a.oldest_review_age_ms, 0);
     cr_assert_eq(a.fatal, 0);
 }
 
@@ -3861,6 +3871,11 @@ Test(capacity, a_key_limit_past_the_memory_limit_leaves_an_empty_store_room)
     idem_stats st;
     idem_get_stats(g_s, &st);
     cr_assert_eq(st.keys, (uint64_t)n);
+    /* What the limit counts is shown: memory_bytes (everything) passes it. */
+    cr_assert_geq(st.index_bytes, st.max_memory_bytes, "FULL at %llu of %llu index bytes",
+                  (unsigned long long)st.index_bytes, (unsigned long long)st.max_memory_bytes);
+    cr_assert_lt(st.index_bytes, st.max_memory_bytes + 64 * 1024);
+    cr_assert_gt(st.memory_bytes, st.index_bytes);
 }
 
 /* Limits no machine can meet are refused at open, by name (contract: "checked against RAM and

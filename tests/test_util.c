@@ -1,6 +1,7 @@
 /*
  * test_util.c: the shared helpers of src/util.h that the store's behaviour rests on without
- * showing it: arrays grown in mappings of their own (the age heaps).
+ * showing it: arrays grown in mappings of their own (the age heaps), and the latency histograms'
+ * buckets.
  */
 #include <criterion/criterion.h>
 #include <stdint.h>
@@ -62,4 +63,20 @@ Test(util, a_mapped_array_keeps_its_contents_as_it_grows_and_stays_off_huge_page
     cr_assert_neq(flags[0], 0, "no mapping holds the array");
     cr_assert_not_null(strstr(flags, " nh"), "the array may take huge pages: VmFlags:%s", flags);
     util_map_free(a, bytes);
+}
+
+/* Prometheus reads a bucket's le as "at most": a latency of exactly 16 us belongs in le="16".
+ * It was counted in le="32" (bounds were exclusive). */
+Test(util, a_latency_on_a_bucket_bound_is_counted_in_that_bucket)
+{
+    static const struct {
+        uint64_t us;
+        int bucket;
+    } cases[] = {{0, 0},          {16, 0},        {17, 1},
+                 {32, 1},         {33, 2},        {64, 2},
+                 {65, 3},         {1u << 18, 14}, {(1u << 18) + 1, 15},
+                 {UINT64_MAX, 15}};
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        cr_assert_eq(util_latency_bucket(cases[i].us, 16), cases[i].bucket, "%llu us: bucket %d",
+                     (unsigned long long)cases[i].us, util_latency_bucket(cases[i].us, 16));
 }

@@ -75,7 +75,8 @@ typedef struct cmd_stat {
     int64_t value;
 } cmd_stat;
 #define CMD_STATS_MAX 96
-int cmd_stats_list(srv *s, cmd_stat *out, int max);
+/* IDEM.STATS's figures: the engine's (stats, taken by the caller) and the server's. */
+int cmd_stats_list(const srv *s, const idem_stats *stats, cmd_stat *out, int max);
 
 /* Handlers, by module. */
 void cmd_claim(cmd_req *r);

@@ -13,14 +13,12 @@
 #include <fnmatch.h>
 #include <stdio.h>
 #include <string.h>
-#include <strings.h>
 #include <unistd.h>
 
-int cmd_stats_list(srv *s, cmd_stat *out, int max)
+int cmd_stats_list(const srv *s, const idem_stats *stats, cmd_stat *out, int max)
 {
-    idem_stats st;
+    const idem_stats st = *stats;
     int n = 0;
-    idem_get_stats(s->store, &st);
 #define STAT(name_, v_)                                                                            \
     do {                                                                                           \
         if (n < max) {                                                                             \
@@ -45,10 +43,13 @@ int cmd_stats_list(srv *s, cmd_stat *out, int max)
     STAT("expired_total", st.expired_total);
     STAT("oldest_in_flight_ms", st.oldest_in_flight_ms);
     STAT("oldest_review_ms", st.oldest_review_ms);
+    STAT("oldest_in_flight_age_ms", st.oldest_in_flight_age_ms);
+    STAT("oldest_review_age_ms", st.oldest_review_age_ms);
     STAT("wal_bytes", st.wal_bytes);
     STAT("disk_bytes", st.disk_bytes);
     STAT("disk_free_bytes", st.disk_free_bytes);
     STAT("memory_bytes", st.memory_bytes);
+    STAT("index_bytes", st.index_bytes);
     STAT("max_keys", st.max_keys);
     STAT("max_memory_bytes", st.max_memory_bytes);
     STAT("max_disk_bytes", st.max_disk_bytes);
@@ -62,7 +63,7 @@ int cmd_stats_list(srv *s, cmd_stat *out, int max)
         "flush_latency_us_bucket_9",  "flush_latency_us_bucket_10", "flush_latency_us_bucket_11",
         "flush_latency_us_bucket_12", "flush_latency_us_bucket_13", "flush_latency_us_bucket_14",
         "flush_latency_us_bucket_15"};
-    for (int i = 0; i < 16; i++) /* bucket i: flushes under 2^(i+4) us; the last: the rest */
+    for (int i = 0; i < 16; i++) /* bucket i: flushes of at most 2^(i+4) us; the last: the rest */
         STAT(buckets[i], st.flush_latency_us_buckets[i]);
     STAT("keys_with_mismatch", st.keys_with_mismatch);
     STAT("claims_last_minute", st.claims_last_minute);
@@ -96,8 +97,10 @@ int cmd_stats_list(srv *s, cmd_stat *out, int max)
 
 void cmd_stats(cmd_req *r)
 {
+    idem_stats engine;
+    idem_get_stats(r->s->store, &engine);
     cmd_stat st[CMD_STATS_MAX];
-    int n = cmd_stats_list(r->s, st, CMD_STATS_MAX);
+    int n = cmd_stats_list(r->s, &engine, st, CMD_STATS_MAX);
     resp_buf *b = cmd_out(r);
     resp_array(b, 2 * n);
     for (int i = 0; i < n; i++) {
@@ -335,7 +338,9 @@ void cmd_del(cmd_req *r)
 
 /* ---- INFO ---- */
 
-static void info_text(srv *s, resp_buf *t, int all, const char *section)
+enum { INFO_SERVER = 1, INFO_CLIENTS = 2, INFO_PERSISTENCE = 4, INFO_IDEM = 8, INFO_ALL = 15 };
+
+static void info_text(srv *s, resp_buf *t, int sections)
 {
     char line[256];
     int64_t up = (srv_now_ms() - s->started_ms) / 1000;
@@ -344,7 +349,7 @@ static void info_text(srv *s, resp_buf *t, int all, const char *section)
         int k_ = snprintf(line, sizeof line, __VA_ARGS__);                                         \
         resp_buf_append(t, line, (size_t)k_);                                                      \
     } while (0)
-    if (all || strcasecmp(section, "server") == 0) {
+    if (sections & INFO_SERVER) {
         LINE("# Server\r\nidem_version:%s\r\nredis_version:7.0.0\r\nredis_mode:standalone\r\n",
              IDEM_VERSION_STRING);
         LINE("process_id:%d\r\ntcp_port:%d\r\nuptime_in_seconds:%lld\r\n", (int)getpid(),
@@ -352,17 +357,19 @@ static void info_text(srv *s, resp_buf *t, int all, const char *section)
         LINE("io_backend:%s\r\n\r\n",
              s->store && !s->loading ? idem_io_backend_name(s->store) : "unknown");
     }
-    if (all || strcasecmp(section, "clients") == 0)
+    if (sections & INFO_CLIENTS)
         LINE("# Clients\r\nconnected_clients:%u\r\nmaxclients:%u\r\n\r\n", s->nlive,
              s->cfg.max_clients);
-    if (all || strcasecmp(section, "persistence") == 0) {
+    if (sections & INFO_PERSISTENCE) {
         static const char *const dur[] = {"sync", "batch", "none"};
         LINE("# Persistence\r\nloading:%d\r\ndurability:%s\r\n\r\n", s->loading ? 1 : 0,
              dur[s->cfg.durability % 3]);
     }
-    if ((all || strcasecmp(section, "idem") == 0) && !s->loading) {
+    if ((sections & INFO_IDEM) && !s->loading) {
+        idem_stats engine;
+        idem_get_stats(s->store, &engine);
         cmd_stat st[CMD_STATS_MAX];
-        int n = cmd_stats_list(s, st, CMD_STATS_MAX);
+        int n = cmd_stats_list(s, &engine, st, CMD_STATS_MAX);
         LINE("# Idem\r\n");
         for (int i = 0; i < n; i++)
             LINE("%s:%lld\r\n", st[i].name, (long long)st[i].value);
@@ -370,20 +377,24 @@ static void info_text(srv *s, resp_buf *t, int all, const char *section)
 #undef LINE
 }
 
+/* INFO [section ...]: every section named (as Redis 7), all of them without a name; a name it
+ * does not know adds nothing. */
 void cmd_info(cmd_req *r)
 {
+    static const struct {
+        const char *name;
+        int sections;
+    } names[] = {
+        {"server", INFO_SERVER}, {"clients", INFO_CLIENTS}, {"persistence", INFO_PERSISTENCE},
+        {"idem", INFO_IDEM},     {"all", INFO_ALL},         {"everything", INFO_ALL},
+        {"default", INFO_ALL}};
+    int sections = r->argc > 1 ? 0 : INFO_ALL;
+    for (uint32_t i = 1; i < r->argc; i++)
+        for (size_t k = 0; k < sizeof names / sizeof names[0]; k++)
+            if (cmd_is(r, i, names[k].name)) sections |= names[k].sections;
     resp_buf t;
-    const char *section = "all";
-    char sec[32] = "all";
-    if (r->argc > 1 && r->argl[1] < sizeof sec) {
-        memcpy(sec, r->argv[1], r->argl[1]);
-        sec[r->argl[1]] = '\0';
-        section = sec;
-    }
-    int all = strcasecmp(section, "all") == 0 || strcasecmp(section, "everything") == 0 ||
-              strcasecmp(section, "default") == 0;
     resp_buf_init(&t, 1 << 20);
-    info_text(r->s, &t, all, section);
+    info_text(r->s, &t, sections);
     resp_bulk(cmd_out(r), t.data ? (const void *)t.data : "", t.len);
     resp_buf_free(&t);
     cmd_done(r);

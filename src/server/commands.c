@@ -85,12 +85,15 @@ int cmd_key_ok(cmd_req *r, uint32_t i)
     return 0;
 }
 
+/* user@peer, user(client name)@peer once the client named itself; without users the user is
+ * the peer's uid on the unix socket (SO_PEERCRED), tcp on TCP. */
 const char *cmd_actor(srv_conn *c)
 {
-    if (c->user[0] && c->is_unix)
-        snprintf(c->actor, sizeof c->actor, "%s@unix", c->user);
+    const char *who = c->user[0] ? c->user : "anonymous";
+    if (c->name[0])
+        snprintf(c->actor, sizeof c->actor, "%s(%s)@%s", who, c->name, c->peer);
     else
-        snprintf(c->actor, sizeof c->actor, "%s@%s", c->user[0] ? c->user : "anonymous", c->peer);
+        snprintf(c->actor, sizeof c->actor, "%s@%s", who, c->peer);
     return c->actor;
 }
 
@@ -156,8 +159,8 @@ static int authenticate(cmd_req *r, const uint8_t *user, uint32_t user_len, cons
         r->c->parser.arg_max = cmd_arg_max;
     }
     memcpy(r->c->user, name, user_len + 1);
-    srv_log("info", "auth", "id=%llu user=%s role=%s", (unsigned long long)r->c->id, name,
-            auth_role_name(role));
+    srv_log_gated(&r->s->log_auth_ok, "info", "auth", "id=%llu user=%s role=%s",
+                  (unsigned long long)r->c->id, name, auth_role_name(role));
     return 0;
 }
 
@@ -205,8 +208,10 @@ static int client_name_ok(const uint8_t *p, uint32_t len)
     return 1;
 }
 
-static void set_client_name(srv_conn *c, const uint8_t *p, uint32_t len)
+static void set_client_name(cmd_req *r, const uint8_t *p, uint32_t len)
 {
+    srv_conn *c = r->c;
+    srv_flush_ops(r->s); /* ops queued name the actor as it was (cmd_actor's buffer) */
     memcpy(c->name, p, len);
     c->name[len] = '\0';
 }
@@ -241,7 +246,7 @@ static void cmd_hello(cmd_req *r)
     if (!auth && r->c->role == ROLE_NONE)
         return cmd_fail(r, "NOAUTH HELLO must be called with the client already authenticated, "
                            "otherwise the HELLO <proto> AUTH <user> <pass> option can be used");
-    if (name) set_client_name(r->c, r->argv[name], r->argl[name]);
+    if (name) set_client_name(r, r->argv[name], r->argl[name]);
     hello_reply(r);
 }
 
@@ -252,7 +257,7 @@ static void cmd_client(cmd_req *r)
     if (cmd_is(r, 1, "SETNAME") && r->argc == 3) {
         if (!client_name_ok(r->argv[2], r->argl[2]))
             return cmd_fail(r, "ERR client name too long or holds spaces or special characters");
-        set_client_name(c, r->argv[2], r->argl[2]);
+        set_client_name(r, r->argv[2], r->argl[2]);
         return cmd_ok(r);
     }
     if (cmd_is(r, 1, "GETNAME") && r->argc == 2) {

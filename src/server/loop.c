@@ -46,6 +46,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "util.h"
+
 #define TAG_UNIX    1u
 #define TAG_TCP     2u
 #define TAG_SIG     3u
@@ -163,8 +165,8 @@ static void conn_close(srv *s, srv_conn *c, const char *why)
     if (c->paused == PAUSE_INPUT) s->big_waiting--;
     c->big_admitted = 0;
     c->paused = PAUSE_NONE;
-    srv_log("info", "disconnect", "id=%llu peer=%s reason=%s", (unsigned long long)c->id, c->peer,
-            why);
+    srv_log_gated(&s->log_disconnect, "info", "disconnect", "id=%llu peer=%s reason=%s",
+                  (unsigned long long)c->id, c->peer, why);
     epoll_ctl(s->epfd, EPOLL_CTL_DEL, c->fd, NULL);
     close(c->fd);
     c->fd = -1;
@@ -213,7 +215,14 @@ static void conn_new(srv *s, int fd, int is_unix, const char *peer)
     c->fd = fd;
     c->is_unix = is_unix;
     c->role = auth_initial_role(&s->cfg, is_unix);
-    snprintf(c->user, sizeof c->user, "%s", s->cfg.nusers ? "" : is_unix ? "unix" : "tcp");
+    struct ucred cred;
+    socklen_t cred_len = sizeof cred;
+    if (s->cfg.nusers) /* named by AUTH */
+        c->user[0] = '\0';
+    else if (is_unix && getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &cred_len) == 0)
+        snprintf(c->user, sizeof c->user, "uid=%u", (unsigned)cred.uid);
+    else
+        snprintf(c->user, sizeof c->user, "%s", is_unix ? "unix" : "tcp");
     snprintf(c->peer, sizeof c->peer, "%s", peer);
     cmd_parser_limits(s, c);
     /* A whole request must fit the input buffer with a read's room to spare (conn_grow_in):
@@ -230,8 +239,8 @@ static void conn_new(srv *s, int fd, int is_unix, const char *peer)
     s->total_connections++;
     c->epoll_events = EPOLLIN | EPOLLRDHUP;
     ep_add(s, fd, TAG_CONN + (uint64_t)idx, EPOLLIN | EPOLLRDHUP);
-    srv_log("info", "connect", "id=%llu peer=%s role=%s", (unsigned long long)c->id, peer,
-            auth_role_name(c->role));
+    srv_log_gated(&s->log_connect, "info", "connect", "id=%llu peer=%s role=%s",
+                  (unsigned long long)c->id, peer, auth_role_name(c->role));
 }
 
 static void listeners_watch(srv *s, int op)
@@ -279,8 +288,10 @@ int srv_accept(srv *s, int lfd, struct sockaddr *sa, socklen_t *sl)
             if (fd >= 0) {
                 static const char msg[] = "-ERR max number of clients reached (the server is out "
                                           "of file descriptors)\r\n";
-                ssize_t w = write(fd, msg, sizeof msg - 1);
-                (void)w;
+                if (lfd != s->metrics_fd) { /* a scraper speaks HTTP: it is only closed */
+                    ssize_t w = write(fd, msg, sizeof msg - 1);
+                    (void)w;
+                }
                 close(fd);
                 s->rejected_connections++;
             }
@@ -473,10 +484,7 @@ void srv_submit_op(srv *s, srv_conn *c, uint32_t seq, int kind, idem_op *op)
 static void claim_latency_add(srv *s, const srv_slot *sl)
 {
     uint64_t us = s->now_us > sl->parsed_us ? (uint64_t)(s->now_us - sl->parsed_us) : 0;
-    int b = 0;
-    while (b < SRV_LAT_BUCKETS - 1 && us >= (1ull << (b + 4)))
-        b++;
-    s->claim_latency_us_buckets[b]++;
+    s->claim_latency_us_buckets[util_latency_bucket(us, SRV_LAT_BUCKETS)]++;
     s->claim_latency_us_sum += us;
     s->claim_latencies++;
 }
@@ -1117,7 +1125,7 @@ static void *load_main(void *arg)
     if (s->load_err != IDEM_OK)
         srv_log("error", "open_failed", "dir=%s err=\"%s\" msg=\"%s\"", s->cfg.dir,
                 idem_strerror(s->load_err), idem_last_error());
-    s->store = s->load_err == IDEM_OK ? st : NULL;
+    s->loaded = st; /* the loop takes it after the join (load_finish): s->store is the loop's */
     uint64_t one = 1;
     ssize_t w = write(s->load_fd, &one, sizeof one);
     (void)w;
@@ -1129,6 +1137,7 @@ static int load_finish(srv *s)
     pthread_join(s->load_thread, NULL);
     s->load_started = 0;
     if (s->load_err != IDEM_OK) return -1;
+    s->store = s->loaded;
     if (idem_queue_open(s->store, s->cfg.queue_depth, &s->q) != IDEM_OK ||
         idem_queue_open(s->store, 16, &s->q_sync) != IDEM_OK) {
         srv_log("error", "queue_open_failed", "depth=%u", s->cfg.queue_depth);
@@ -1353,7 +1362,10 @@ static int finish(srv *s, int rc)
     srv_reads_stop(s); /* before the store closes: it reads the store */
     if (s->q) idem_queue_close(s->q);
     if (s->q_sync) idem_queue_close(s->q_sync);
-    if (s->load_started) pthread_join(s->load_thread, NULL);
+    if (s->load_started) { /* stopped while loading: the store it opened is closed below */
+        pthread_join(s->load_thread, NULL);
+        s->store = s->loaded;
+    }
     if (s->backup_running) pthread_join(s->backup_thread, NULL); /* the store must outlive it */
     for (uint32_t i = 0; s->conns && i < s->conns_cap; i++)
         if (s->conns[i]) conn_free(s, s->conns[i]);

@@ -25,17 +25,17 @@
 static int is_counter(const char *name)
 {
     static const char *const counters[] = {
-        "claims_new",           "claims_busy",         "claims_done", "claims_mismatch",
-        "claims_recover",       "claims_review",       "mismatches",  "recoveries",
-        "conflicting_commits",  "expired_total",       "flushes",     "flush_records",
-        "flush_latency_us_sum", "checkpoints",         "compactions", "total_connections",
-        "total_commands",       "rejected_connections"};
+        "claims_new",          "claims_busy",   "claims_done",       "claims_mismatch",
+        "claims_recover",      "claims_review", "mismatches",        "recoveries",
+        "conflicting_commits", "expired_total", "flushes",           "flush_records",
+        "checkpoints",         "compactions",   "total_connections", "total_commands",
+        "rejected_connections"};
     for (size_t i = 0; i < sizeof counters / sizeof counters[0]; i++)
         if (strcmp(name, counters[i]) == 0) return 1;
     return 0;
 }
 
-/* Renders idem_<name> as a histogram: bucket i counts values under 2^(i+4), the last the rest
+/* Renders idem_<name> as a histogram: bucket i counts values up to 2^(i+4), the last the rest
  * (SRV_LAT_BUCKETS of them); Prometheus wants the buckets cumulative. */
 static void render_histogram(resp_buf *b, const char *name, const uint64_t *buckets, uint64_t sum,
                              uint64_t count)
@@ -59,10 +59,9 @@ static void render_histogram(resp_buf *b, const char *name, const uint64_t *buck
     resp_buf_append(b, line, (size_t)k);
 }
 
-static void render_histograms(srv *s, resp_buf *b)
+static void render_histograms(const srv *s, const idem_stats *stats, resp_buf *b)
 {
-    idem_stats st;
-    idem_get_stats(s->store, &st);
+    const idem_stats st = *stats;
     _Static_assert(sizeof st.flush_latency_us_buckets / sizeof st.flush_latency_us_buckets[0] ==
                        SRV_LAT_BUCKETS,
                    "the flush and claim histograms share their buckets");
@@ -81,19 +80,21 @@ void metrics_render(srv *s, resp_buf *b)
         resp_buf_append(b, line, (size_t)k);
         return;
     }
+    idem_stats engine; /* one reading for the whole scrape */
+    idem_get_stats(s->store, &engine);
     cmd_stat st[CMD_STATS_MAX];
-    int n = cmd_stats_list(s, st, CMD_STATS_MAX);
+    int n = cmd_stats_list(s, &engine, st, CMD_STATS_MAX);
     for (int i = 0; i < n; i++) {
-        if (strncmp(st[i].name, "flush_latency_us_bucket_", 24) == 0 ||
+        if (strncmp(st[i].name, "flush_latency_us_", 17) == 0 ||
             strncmp(st[i].name, "claim_latency_us_", 17) == 0)
-            continue; /* rendered as histograms below */
+            continue; /* rendered as histograms below (their _sum and _count too) */
         int counter = is_counter(st[i].name);
         const char *suffix = counter && !strstr(st[i].name, "_total") ? "_total" : "";
         k = snprintf(line, sizeof line, "# TYPE idem_%s%s %s\nidem_%s%s %lld\n", st[i].name, suffix,
                      counter ? "counter" : "gauge", st[i].name, suffix, (long long)st[i].value);
         resp_buf_append(b, line, (size_t)k);
     }
-    render_histograms(s, b);
+    render_histograms(s, &engine, b);
 }
 
 /* ---- scrape connections: non-blocking, in the loop's epoll set ---- */
@@ -248,6 +249,8 @@ void metrics_event(srv *s, uint32_t index, uint32_t events)
     ssize_t got = recv(m->fd, req, sizeof req, MSG_DONTWAIT);
     if (got > 0) {
         if (request_head_ended(m, req, (size_t)got)) mconn_answer(s, m, index);
+    } else if (got == 0 && (m->asked || m->tail)) {
+        mconn_answer(s, m, index); /* asked, then shut its side before the blank line */
     } else if (got == 0 || (errno != EAGAIN && errno != EINTR)) {
         mconn_close(s, m); /* gone without asking */
     }

@@ -43,7 +43,7 @@
 #define SRV_STALL_BYTES         65536u /* unread replies that make a stalled client a slow reader */
 #define SRV_SLOT_KEEP           16384u /* slot buffers a connection keeps once their replies left */
 #define SRV_TEST_CLOCK_MS_MAX   IDEM_CLOCK_MS_MAX /* DEBUG CLOCK: as far as the store may go */
-#define SRV_LAT_BUCKETS         16 /* latency histograms: bucket i < 2^(i+4) us, the last the rest */
+#define SRV_LAT_BUCKETS         16                /* latency histograms: util_latency_bucket */
 
 #define SRV_METRICS_CONNS    16           /* scrape connections served at once */
 #define SRV_METRICS_WAIT_MS  200          /* a scrape without a request is answered after this */
@@ -145,7 +145,7 @@ typedef struct srv_conn {
     char user[SRV_NAME_MAX];
     char name[SRV_NAME_MAX];
     char peer[64];
-    char actor[160]; /* who acts, for the audit trail */
+    char actor[3 * SRV_NAME_MAX + 8]; /* who acts, for the audit trail: user(name)@peer */
     resp_parser parser;
     uint8_t *in;
     size_t in_len, in_start, in_cap;
@@ -253,10 +253,12 @@ typedef struct srv {
      * being watched until accept_paused_until_ms after any other accept error. */
     int spare_fd;
     int64_t accept_paused_until_ms;
-    srv_log_gate log_accept, log_protocol, log_auth, log_full;
+    srv_log_gate log_accept, log_protocol, log_auth, log_auth_ok, log_full;
+    srv_log_gate log_connect, log_disconnect;
     pthread_t load_thread;
     int load_started;
     int load_err;
+    idem_store *loaded; /* the load thread's store, written before it signals load_fd */
     srv_conn **dead;
     uint32_t ndead;
     /* IDEM.BACKUP copies on a thread of its own (backup.c), one at a time; backup_fd (an
