@@ -272,12 +272,17 @@ int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_recor
     struct att_buf ab = {q->att_buf, 0, q->att_cap};
     struct qslot_ext tmp_ext = {0};
     struct qslot tmp = {.ext = &tmp_ext};
-    size_t k = 0;
-    for (int g = 0; g < (int)ATT_GROUPS && k < max && rc == 0; g++) {
-        size_t start = k;
-        rc = att_group_list(s, &av, g, &tmp, &ab, &set, out, &k, max, a->max_bytes);
-        qsort(out + start, k - start, sizeof *out, cmp_first_seen);
+    size_t k = 0, start[ATT_GROUPS + 1] = {0};
+    for (int g = 0; g < (int)ATT_GROUPS; g++) {
+        start[g] = k;
+        if (k < max && rc == 0)
+            rc = att_group_list(s, &av, g, &tmp, &ab, &set, out, &k, max, a->max_bytes);
     }
+    start[ATT_GROUPS] = k;
+    /* Each group by first_seen, once all are listed: the set names records by their place in
+     * out, which a sort between groups moved (a later group then listed a record again). */
+    for (size_t g = 0; g < ATT_GROUPS; g++)
+        qsort(out + start[g], start[g + 1] - start[g], sizeof *out, cmp_first_seen);
     free(set.v);
     for (size_t g = 0; g < ATT_GROUPS; g++)
         free(av.v[g]);

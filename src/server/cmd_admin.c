@@ -256,12 +256,15 @@ void cmd_attention(cmd_req *r)
             return cmd_fail(r, "ERR syntax error (OLDER ms, COUNT 1..100000)");
         }
     }
-    /* The records' bytes stop at half the reply limit: the rest is room for the reply's
-     * framing, so a long list of large results is cut, not refused after all was copied. */
+    /* The list is cut to fit the reply limit, not refused after all was copied. Past one
+     * record's largest reply, half the room goes to the records' bytes (the last one listed
+     * may pass it by a largest reply) and half to their framing. */
+    uint64_t room = (r->s->cfg.client_output_max - srv_record_reply_max(&r->s->cfg)) / 2;
+    if (count > room / SRV_RECORD_FRAMING_MAX) count = room / SRV_RECORD_FRAMING_MAX;
     srv_read_args a = {.kind = READ_ATTENTION,
                        .att = {.older_ms = (int64_t)older,
-                               .max = (uint32_t)count,
-                               .max_bytes = r->s->cfg.client_output_max / 2}};
+                               .max = count ? (uint32_t)count : 1,
+                               .max_bytes = room ? room : 1}};
     read_request(r, &a);
 }
 

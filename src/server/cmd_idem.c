@@ -143,7 +143,6 @@ void cmd_hold(cmd_req *r)
 {
     idem_op op;
     if (owner_op(r, IDEM_OP_HOLD, &op) < 0) return;
-    if (r->argl[3] == 0) return cmd_fail(r, "ERR the reason is empty: the audit trail records why");
     if (r->argl[3] > IDEM_NOTE_BYTES_MAX)
         return cmd_fail(r, "ERR reason too long (at most %u bytes)", IDEM_NOTE_BYTES_MAX);
     op.data = r->argv[3];
@@ -380,7 +379,16 @@ static void f_fp(field *f, int *n, const char *name, const uint8_t *fp)
     (*n)++;
 }
 
-/* IDEM.GET: the record as field/value pairs; fields that do not apply are left out. */
+uint64_t srv_record_reply_max(const srv_config *cfg)
+{
+    _Static_assert(IDEM_NOTE_BYTES_MAX + 2 * IDEM_KEY_BYTES_MAX + SRV_RECORD_FRAMING_MAX <= 8192,
+                   "a record's reply fits its result and 8 KiB");
+    return (uint64_t)(cfg->result_bytes_max ? cfg->result_bytes_max : IDEM_RESULT_BYTES_DEFAULT) +
+           8192;
+}
+
+/* IDEM.GET: the record as field/value pairs; fields that do not apply are left out (at most 17
+ * fields: their names, numbers and framing stay within SRV_RECORD_FRAMING_MAX). */
 void cmd_reply_record(resp_buf *b, const idem_record *rec)
 {
     field f[24];

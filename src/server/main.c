@@ -309,12 +309,9 @@ static int parse_args(srv_config *cfg, int argc, char **argv)
             return 2;
         }
     }
-    /* The largest reply: an IDEM.GET of a record with the largest result, a 4 KiB note, a
-     * 512-byte key and owner, and the framing. A smaller output limit would close a client
-     * each time it reads such a record, and its worker would retry for ever. */
-    uint64_t reply_max =
-        (uint64_t)(cfg->result_bytes_max ? cfg->result_bytes_max : IDEM_RESULT_BYTES_DEFAULT) +
-        8192;
+    /* A smaller output limit than the largest reply would close a client each time it reads
+     * such a record, and its worker would retry for ever. */
+    uint64_t reply_max = srv_record_reply_max(cfg);
     if (cfg->client_output_max < reply_max) {
         fprintf(stderr,
                 "idemd: --client-output-max %llu is below the largest reply (%llu: --result-max "

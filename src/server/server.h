@@ -26,7 +26,9 @@
 #include "idem.h"
 #include "resp.h"
 
-#define SRV_USERS_MAX           64
+#define SRV_USERS_MAX          64
+#define SRV_RECORD_FRAMING_MAX 1024 /* an IDEM.GET reply's bytes besides key, owner, note, result  \
+                                     */
 #define SRV_NAME_MAX            64
 #define SRV_PASSWORD_MAX        256
 #define SRV_UNAUTH_ARG_MAX      16384u /* bytes of an argument before AUTH (when users are set) */
@@ -390,5 +392,9 @@ void metrics_event(srv *s, uint32_t index, uint32_t events);
 void metrics_tick(srv *s, int64_t now_ms);
 /* Closes every scrape connection (shutdown). */
 void metrics_close_all(srv *s);
+
+/* The largest IDEM.GET reply (cmd_idem.c): the largest result, a 4 KiB note, a 512-byte key and
+ * owner, and the framing; --client-output-max may not be smaller. */
+uint64_t srv_record_reply_max(const srv_config *cfg);
 
 #endif /* IDEM_SERVER_SERVER_H */
