@@ -137,9 +137,10 @@ class Idemd:
             return rc
         return None
 
-    def stop(self):
+    def stop(self, keep=False):
+        """SIGTERM and wait; the temporary directory is removed unless keep (or KEEP_TMP=1)."""
         rc = self.kill(15)
-        if self.own_tmp and os.environ.get("KEEP_TMP") != "1":
+        if self.own_tmp and not keep and os.environ.get("KEEP_TMP") != "1":
             shutil.rmtree(self.tmp, ignore_errors=True)
         return rc
 

@@ -31,6 +31,7 @@ from idemd_server import Idemd, record  # noqa: E402
 TTL = 30 * 86400000  # nothing expires during a run (even the 10000-cycle tier)
 LEASE = 7 * 86400000  # the longest lease: an in-flight claim stays busy throughout
 THREADS = 16
+FIRST_SEEN_SLACK_MS = 1000
 SIGNIFICANT = ("key", "state", "first_seen_ms", "expires_at_ms", "fingerprint", "lease_until_ms",
                "token", "owner", "attempts", "last_grant_ms", "result", "note", "mismatch_count",
                "version")
@@ -78,7 +79,7 @@ class Log:
 
 class Key:
     __slots__ = ("state", "token", "result", "fp", "pending", "first_seen", "snap", "acked_claims",
-                 "at", "note", "audit", "audit_acked", "hold_note")
+                 "at", "note", "audit", "audit_acked", "hold_note", "sent_ms")
 
     def __init__(self, fp):
         self.state = None  # in_flight, committed, released, lost_claim
@@ -87,6 +88,7 @@ class Key:
         self.fp = fp
         self.pending = None  # ("commit", result) or ("release",): sent, never answered
         self.first_seen = None
+        self.sent_ms = None  # (wall ms before the claim was sent, after its reply came)
         self.snap = None
         self.acked_claims = 0
         self.at = 0.0  # when the last acknowledged change was received (monotonic s)
@@ -158,6 +160,7 @@ class Checker:
                 k.state = "lost_claim"
                 return
             k.acked_claims += 1
+            k.sent_ms = (ev["w0"], ev["w1"])
             if ev["out"] != "new":
                 k.state = "lost_claim"  # whatever it is, IDEM.GET will tell
                 return self.bad("fresh key %s: claim answered %r, not new" % (key, ev["reply"]))
@@ -228,6 +231,17 @@ class Checker:
             if rec is None:
                 continue
             fs = int(rec["first_seen_ms"])
+            if k.first_seen is None and k.sent_ms:
+                # The first look: first_seen is when the acknowledged claim was made (the store
+                # clock follows the wall clock here; a second of slack for its slew), and the
+                # grant it made is the only one (a lease of a week is never recovered).
+                w0, w1 = k.sent_ms
+                if not w0 - FIRST_SEEN_SLACK_MS <= fs <= w1 + FIRST_SEEN_SLACK_MS:
+                    self.bad("%s: first_seen_ms %d is not when it was claimed (%d..%d)" %
+                             (key, fs, w0, w1))
+                if int(rec["attempts"]) != 1 or int(rec["last_grant_ms"]) != fs:
+                    self.bad("%s: attempts %s, last_grant_ms %s: not the one grant at %d" %
+                             (key, rec["attempts"], rec["last_grant_ms"], fs))
             if k.first_seen is None:
                 k.first_seen = fs
             elif fs != k.first_seen:
@@ -373,12 +387,16 @@ class Checker:
 
 
 def worker(sock, run, thr, seed, log, stop, committed, inflight, review, pool_lock, started,
-           fresh_max):
+           fresh_max, errors):
+    """One client thread until the kill. A reply it did not expect, or any other failure than
+    the lost connection, goes to errors (the cycle fails): a thread that died quietly left the
+    cycle checking less than it claimed."""
     rng = random.Random("%s/%d/%d" % (seed, run, thr))
     try:
         c = redis.UnixDomainSocketConnection(path=sock, socket_timeout=60)
         c.connect()
-    except LOST:
+    except LOST as e:  # idemd is up and not yet killed: this is a failure
+        errors.append("thread %d could not connect: %r" % (thr, e))
         started.release()
         return
     started.release()
@@ -465,13 +483,15 @@ def worker(sock, run, thr, seed, log, stop, committed, inflight, review, pool_lo
             key = "r%d.t%d.n%d" % (run, thr, n)
             n += 1
             fp = "body-%s-%d" % (key, rng.randrange(1 << 30))
+            w0 = int(time.time() * 1000)
             try:
                 reply = call("IDEM.CLAIM", key, TTL, LEASE, "FP", fp)
             except LOST:
                 log.write(op="claim", run=run, thr=thr, key=key, fp=fp, lost=True)
                 raise
             log.write(op="claim", run=run, thr=thr, key=key, fp=fp, out=reply[0],
-                      tok=reply[1] if len(reply) > 1 else None, reply=reply)
+                      tok=reply[1] if len(reply) > 1 else None, reply=reply, w0=w0,
+                      w1=int(time.time() * 1000))
             if reply[0] != "new":
                 continue
             r = rng.random()
@@ -483,6 +503,8 @@ def worker(sock, run, thr, seed, log, stop, committed, inflight, review, pool_lo
                 owner_call("hold", key, reply[1], "held-%s-%d" % (key, rng.randrange(1 << 30)))
     except LOST:
         pass
+    except Exception as e:
+        errors.append("thread %d: %r" % (thr, e))
     finally:
         c.disconnect()
 
@@ -533,9 +555,11 @@ def main():
         stop = threading.Event()
         pool_lock = threading.Lock()
         started = threading.Semaphore(0)
+        errors = []
+        nviol = len(chk.violations)  # this cycle's count from here: its threads' failures too
         ths = [threading.Thread(target=worker, args=(srv.sock, run, t, args.seed, log, stop, committed,
                                                      inflight, review, pool_lock, started,
-                                                     args.fresh_per_thread), daemon=True)
+                                                     args.fresh_per_thread, errors), daemon=True)
                for t in range(args.threads)]
         for th in ths:
             th.start()
@@ -550,6 +574,8 @@ def main():
             th.join(60)
             if th.is_alive():
                 chk.bad("a client thread hangs after the kill")
+        for e in errors:
+            chk.bad("a client thread failed: %s" % e)
         # sometimes kill it again while it recovers
         rekill = ""
         if rng.random() < 0.2:
@@ -566,10 +592,11 @@ def main():
             failed += 1
             break
         recovery_ms = (time.monotonic() - t0) * 1000
-        nviol = len(chk.violations)
         lost_note = ""
         events = log.new_lines()
         acks = sum(1 for e in events if not e.get("lost"))
+        if acks == 0:
+            chk.bad("no reply was acknowledged before the kill: the cycle checks nothing new")
         for e in events:
             chk.apply(e)
         chk.end_run()
@@ -610,10 +637,12 @@ def main():
         else:
             passed += 1
             log.truncate_if_over(64 << 20)
-    rc = srv.stop()
+    rc = srv.stop(keep=failed > 0)
     if rc not in (0, None):
         print("idemd exited %r on SIGTERM" % rc)
         failed += 1
+    if failed:  # the acknowledgements and idemd's log, for whoever reads the failure
+        print("kept %s (acks.jsonl, the store and idemd's log)" % srv.tmp)
     if chk.warnings:
         print("%d warnings (not failures: repeat counters may undercount after a crash, "
               "docs/design.md section 20), first: %s" % (len(chk.warnings), chk.warnings[0]))
