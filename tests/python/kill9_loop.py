@@ -79,7 +79,7 @@ class Log:
 
 class Key:
     __slots__ = ("state", "token", "result", "fp", "pending", "first_seen", "snap", "acked_claims",
-                 "at", "note", "audit", "audit_acked", "hold_note", "sent_ms")
+                 "at", "note", "audit", "audit_acked", "hold_note", "sent_ms", "mismatches")
 
     def __init__(self, fp):
         self.state = None  # in_flight, committed, released, lost_claim
@@ -96,6 +96,7 @@ class Key:
         self.audit = None  # the reason of a resolve that took effect: in the audit trail
         self.audit_acked = False  # that resolve was acknowledged
         self.hold_note = None  # the note before a resolve (for a resolve lost in batch mode)
+        self.mismatches = 0  # acknowledged claims with other content (rule 3: recorded)
 
 
 class Checker:
@@ -199,6 +200,14 @@ class Checker:
                 return
             k.acked_claims += 1
             self.check_repeat(key, k, ev["reply"], "repeat")
+        elif op == "mismatch":  # a committed key claimed with other content
+            k.snap = None  # recorded (or, unanswered, perhaps): a new version of the record
+            if ev.get("lost"):
+                return
+            k.acked_claims += 1
+            if ev["reply"] != ["mismatch"]:
+                return self.bad("mismatch %s (%s): answered %r" % (key, k.state, ev["reply"]))
+            k.mismatches += 1
 
     def check_repeat(self, key, k, reply, how):
         out = reply[0] if isinstance(reply, list) and reply else reply
@@ -255,6 +264,11 @@ class Checker:
                 diff = {n: (a, b) for n, a, b in zip(SIGNIFICANT, k.snap, snap) if a != b}
                 self.bad("%s (%s): record changed across a restart: %r" % (key, k.state, diff))
                 k.snap = snap
+            if not self.lossy and int(rec["mismatch_count"]) < k.mismatches:
+                self.bad("%s: mismatch_count %s below %d acknowledged mismatches (rule 3)" %
+                         (key, rec["mismatch_count"], k.mismatches))
+            if rec["state"] == "committed" and k.result is not None and rec.get("result") != k.result:
+                self.bad("%s: result %r is not the committed %r" % (key, rec.get("result"), k.result))
             if int(rec["seen_count"]) < k.acked_claims:
                 self.warnings.append("%s: seen_count %s below %d acknowledged claims" %
                                      (key, rec["seen_count"], k.acked_claims))
@@ -473,12 +487,14 @@ def worker(sock, run, thr, seed, log, stop, committed, inflight, review, pool_lo
                 time.sleep(0.002)
             if (r < 0.4 or capped) and committed:
                 key, fp, res = committed[rng.randrange(len(committed))]
+                op = "mismatch" if rng.random() < 0.1 else "repeat"
                 try:
-                    reply = call("IDEM.CLAIM", key, TTL, LEASE, "FP", fp)
+                    reply = call("IDEM.CLAIM", key, TTL, LEASE, "FP",
+                                 "other-" + fp if op == "mismatch" else fp)
                 except LOST:
-                    log.write(op="repeat", run=run, thr=thr, key=key, lost=True)
+                    log.write(op=op, run=run, thr=thr, key=key, lost=True)
                     raise
-                log.write(op="repeat", run=run, thr=thr, key=key, reply=reply)
+                log.write(op=op, run=run, thr=thr, key=key, reply=reply)
                 continue
             key = "r%d.t%d.n%d" % (run, thr, n)
             n += 1
