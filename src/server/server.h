@@ -26,9 +26,9 @@
 #include "idem.h"
 #include "resp.h"
 
-#define SRV_USERS_MAX          64
-#define SRV_RECORD_FRAMING_MAX 1024 /* an IDEM.GET reply's bytes besides key, owner, note, result  \
-                                     */
+#define SRV_USERS_MAX 64
+/* An IDEM.GET reply's bytes besides its key, owner, note and result, at most. */
+#define SRV_RECORD_FRAMING_MAX  1024
 #define SRV_NAME_MAX            64
 #define SRV_PASSWORD_MAX        256
 #define SRV_UNAUTH_ARG_MAX      16384u /* bytes of an argument before AUTH (when users are set) */
