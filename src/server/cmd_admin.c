@@ -15,47 +15,48 @@
 #include <string.h>
 #include <unistd.h>
 
-int cmd_stats_list(const srv *s, const idem_stats *stats, cmd_stat *out, int max)
+int cmd_stats_read(const srv *s, idem_stats *engine, cmd_stat *out)
 {
-    const idem_stats st = *stats;
+    idem_get_stats(s->store, engine);
+    const idem_stats *st = engine;
     int n = 0;
 #define STAT(name_, v_)                                                                            \
     do {                                                                                           \
-        if (n < max) {                                                                             \
+        if (n < CMD_STATS_MAX) {                                                                   \
             out[n].name = name_;                                                                   \
             out[n].value = (int64_t)(v_);                                                          \
             n++;                                                                                   \
         }                                                                                          \
     } while (0)
-    STAT("keys", st.keys);
-    STAT("keys_in_flight", st.keys_in_flight);
-    STAT("keys_committed", st.keys_committed);
-    STAT("keys_review", st.keys_review);
-    STAT("claims_new", st.claims_new);
-    STAT("claims_busy", st.claims_busy);
-    STAT("claims_done", st.claims_done);
-    STAT("claims_mismatch", st.claims_mismatch);
-    STAT("claims_recover", st.claims_recover);
-    STAT("claims_review", st.claims_review);
-    STAT("mismatches", st.mismatches);
-    STAT("recoveries", st.recoveries);
-    STAT("conflicting_commits", st.conflicting_commits);
-    STAT("expired_total", st.expired_total);
-    STAT("oldest_in_flight_ms", st.oldest_in_flight_ms);
-    STAT("oldest_review_ms", st.oldest_review_ms);
-    STAT("oldest_in_flight_age_ms", st.oldest_in_flight_age_ms);
-    STAT("oldest_review_age_ms", st.oldest_review_age_ms);
-    STAT("wal_bytes", st.wal_bytes);
-    STAT("disk_bytes", st.disk_bytes);
-    STAT("disk_free_bytes", st.disk_free_bytes);
-    STAT("memory_bytes", st.memory_bytes);
-    STAT("index_bytes", st.index_bytes);
-    STAT("max_keys", st.max_keys);
-    STAT("max_memory_bytes", st.max_memory_bytes);
-    STAT("max_disk_bytes", st.max_disk_bytes);
-    STAT("flushes", st.flushes);
-    STAT("flush_records", st.flush_records);
-    STAT("flush_latency_us_sum", st.flush_latency_us_sum);
+    STAT("keys", st->keys);
+    STAT("keys_in_flight", st->keys_in_flight);
+    STAT("keys_committed", st->keys_committed);
+    STAT("keys_review", st->keys_review);
+    STAT("claims_new", st->claims_new);
+    STAT("claims_busy", st->claims_busy);
+    STAT("claims_done", st->claims_done);
+    STAT("claims_mismatch", st->claims_mismatch);
+    STAT("claims_recover", st->claims_recover);
+    STAT("claims_review", st->claims_review);
+    STAT("mismatches", st->mismatches);
+    STAT("recoveries", st->recoveries);
+    STAT("conflicting_commits", st->conflicting_commits);
+    STAT("expired_total", st->expired_total);
+    STAT("oldest_in_flight_ms", st->oldest_in_flight_ms);
+    STAT("oldest_review_ms", st->oldest_review_ms);
+    STAT("oldest_in_flight_age_ms", st->oldest_in_flight_age_ms);
+    STAT("oldest_review_age_ms", st->oldest_review_age_ms);
+    STAT("wal_bytes", st->wal_bytes);
+    STAT("disk_bytes", st->disk_bytes);
+    STAT("disk_free_bytes", st->disk_free_bytes);
+    STAT("memory_bytes", st->memory_bytes);
+    STAT("index_bytes", st->index_bytes);
+    STAT("max_keys", st->max_keys);
+    STAT("max_memory_bytes", st->max_memory_bytes);
+    STAT("max_disk_bytes", st->max_disk_bytes);
+    STAT("flushes", st->flushes);
+    STAT("flush_records", st->flush_records);
+    STAT("flush_latency_us_sum", st->flush_latency_us_sum);
     static const char *const buckets[16] = {
         "flush_latency_us_bucket_0",  "flush_latency_us_bucket_1",  "flush_latency_us_bucket_2",
         "flush_latency_us_bucket_3",  "flush_latency_us_bucket_4",  "flush_latency_us_bucket_5",
@@ -64,17 +65,17 @@ int cmd_stats_list(const srv *s, const idem_stats *stats, cmd_stat *out, int max
         "flush_latency_us_bucket_12", "flush_latency_us_bucket_13", "flush_latency_us_bucket_14",
         "flush_latency_us_bucket_15"};
     for (int i = 0; i < 16; i++) /* bucket i: flushes of at most 2^(i+4) us; the last: the rest */
-        STAT(buckets[i], st.flush_latency_us_buckets[i]);
-    STAT("keys_with_mismatch", st.keys_with_mismatch);
-    STAT("claims_last_minute", st.claims_last_minute);
-    STAT("duplicates_last_minute", st.duplicates_last_minute);
-    STAT("store_generation", st.store_generation);
-    STAT("clock_skew_ms", st.clock_skew_ms);
-    STAT("store_clock_ms", st.store_clock_ms);
-    STAT("checkpoints", st.checkpoints);
-    STAT("compactions", st.compactions);
-    STAT("fatal", st.fatal);
-    STAT("loading", st.loading);
+        STAT(buckets[i], st->flush_latency_us_buckets[i]);
+    STAT("keys_with_mismatch", st->keys_with_mismatch);
+    STAT("claims_last_minute", st->claims_last_minute);
+    STAT("duplicates_last_minute", st->duplicates_last_minute);
+    STAT("store_generation", st->store_generation);
+    STAT("clock_skew_ms", st->clock_skew_ms);
+    STAT("store_clock_ms", st->store_clock_ms);
+    STAT("checkpoints", st->checkpoints);
+    STAT("compactions", st->compactions);
+    STAT("fatal", st->fatal);
+    STAT("loading", st->loading);
     STAT("connected_clients", s->nlive);
     STAT("total_connections", s->total_connections);
     STAT("total_commands", s->total_commands);
@@ -98,9 +99,8 @@ int cmd_stats_list(const srv *s, const idem_stats *stats, cmd_stat *out, int max
 void cmd_stats(cmd_req *r)
 {
     idem_stats engine;
-    idem_get_stats(r->s->store, &engine);
     cmd_stat st[CMD_STATS_MAX];
-    int n = cmd_stats_list(r->s, &engine, st, CMD_STATS_MAX);
+    int n = cmd_stats_read(r->s, &engine, st);
     resp_buf *b = cmd_out(r);
     resp_array(b, 2 * n);
     for (int i = 0; i < n; i++) {
@@ -241,8 +241,7 @@ static void audit_reply(idem_queue *q, const srv_read_args *a, resp_buf *b)
 
 /* IDEM.ATTENTION [OLDER ms] [COUNT n]: the records that need a person or a reconciler (review,
  * in_flight past its lease or older than ms, recorded mismatches), each as IDEM.GET's array,
- * at most n, and no more once their bytes reach half --client-output-max. Costs no scan of all
- * keys. */
+ * at most n, cut to fit --client-output-max (below). Costs no scan of all keys. */
 void cmd_attention(cmd_req *r)
 {
     uint64_t older = 0, count = 1000;
@@ -370,9 +369,8 @@ static void info_text(srv *s, resp_buf *t, int sections)
     }
     if ((sections & INFO_IDEM) && !s->loading) {
         idem_stats engine;
-        idem_get_stats(s->store, &engine);
         cmd_stat st[CMD_STATS_MAX];
-        int n = cmd_stats_list(s, &engine, st, CMD_STATS_MAX);
+        int n = cmd_stats_read(s, &engine, st);
         LINE("# Idem\r\n");
         for (int i = 0; i < n; i++)
             LINE("%s:%lld\r\n", st[i].name, (long long)st[i].value);

@@ -59,14 +59,13 @@ static void render_histogram(resp_buf *b, const char *name, const uint64_t *buck
     resp_buf_append(b, line, (size_t)k);
 }
 
-static void render_histograms(const srv *s, const idem_stats *stats, resp_buf *b)
+static void render_histograms(const srv *s, const idem_stats *st, resp_buf *b)
 {
-    const idem_stats st = *stats;
-    _Static_assert(sizeof st.flush_latency_us_buckets / sizeof st.flush_latency_us_buckets[0] ==
+    _Static_assert(sizeof st->flush_latency_us_buckets / sizeof st->flush_latency_us_buckets[0] ==
                        SRV_LAT_BUCKETS,
                    "the flush and claim histograms share their buckets");
-    render_histogram(b, "flush_latency_us", st.flush_latency_us_buckets, st.flush_latency_us_sum,
-                     st.flushes);
+    render_histogram(b, "flush_latency_us", st->flush_latency_us_buckets, st->flush_latency_us_sum,
+                     st->flushes);
     render_histogram(b, "claim_latency_us", s->claim_latency_us_buckets, s->claim_latency_us_sum,
                      s->claim_latencies);
 }
@@ -81,9 +80,8 @@ void metrics_render(srv *s, resp_buf *b)
         return;
     }
     idem_stats engine; /* one reading for the whole scrape */
-    idem_get_stats(s->store, &engine);
     cmd_stat st[CMD_STATS_MAX];
-    int n = cmd_stats_list(s, &engine, st, CMD_STATS_MAX);
+    int n = cmd_stats_read(s, &engine, st);
     for (int i = 0; i < n; i++) {
         if (strncmp(st[i].name, "flush_latency_us_", 17) == 0 ||
             strncmp(st[i].name, "claim_latency_us_", 17) == 0)
