@@ -791,22 +791,16 @@ static int store_init_new(idem_store *s)
     return super_store(s->io, s->dir, sb);
 }
 
-/* This machine's memory in bytes (0: unknown). */
-static uint64_t machine_memory_bytes(void)
-{
-    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-    return pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
-}
-
 /* The keys the index is made for at open: max_keys, so that no growth pauses come before it,
  * within half of max_memory_bytes (an index made past the memory limit answered FULL on an
- * empty store) and a quarter of the machine's memory. */
+ * empty store) and a quarter of the memory this process may use (the machine's, or its
+ * cgroup's limit). */
 static uint64_t index_presize_keys(const idem_options *o)
 {
-    uint64_t cap = machine_memory_bytes() / 4;
+    uint64_t cap = util_memory_bytes() / 4;
     if (o->max_memory_bytes && (!cap || o->max_memory_bytes / 2 < cap))
         cap = o->max_memory_bytes / 2;
-    if (!cap) cap = UINT64_MAX; /* no memory limit, the machine's memory unknown */
+    if (!cap) cap = UINT64_MAX; /* no memory limit, the memory available unknown */
     uint64_t n = o->max_keys;
     while (n && index_presize_bytes(n) > cap)
         n /= 2;
@@ -954,7 +948,7 @@ static int store_recover(idem_store *s)
 static int store_validate_options(idem_options *o)
 {
     char why[200] = "";
-    uint64_t ram = machine_memory_bytes();
+    uint64_t ram = util_memory_bytes();
     size_t keys_need = o->max_keys ? index_presize_bytes(o->max_keys) : 0;
     if (o->result_bytes_max == 0) o->result_bytes_max = IDEM_RESULT_BYTES_DEFAULT;
     if (o->segment_bytes == 0) o->segment_bytes = 64u << 20;
@@ -982,15 +976,17 @@ static int store_validate_options(idem_options *o)
                  "max_memory_bytes %llu is less than twice the smallest index (%zu bytes)",
                  (unsigned long long)o->max_memory_bytes, index_presize_bytes(0));
     else if (ram && o->max_memory_bytes > ram)
-        snprintf(why, sizeof why, "max_memory_bytes %llu is more than this machine's memory (%llu)",
+        snprintf(why, sizeof why,
+                 "max_memory_bytes %llu is more than the memory this process may use (%llu, "
+                 "the machine's or its cgroup's limit)",
                  (unsigned long long)o->max_memory_bytes, (unsigned long long)ram);
     else if (keys_need == SIZE_MAX)
         snprintf(why, sizeof why, "max_keys %llu is more than the index can hold",
                  (unsigned long long)o->max_keys);
     else if (ram && keys_need > ram)
         snprintf(why, sizeof why,
-                 "max_keys %llu needs about %llu bytes of index memory, more than this "
-                 "machine's %llu",
+                 "max_keys %llu needs about %llu bytes of index memory, more than the %llu "
+                 "this process may use",
                  (unsigned long long)o->max_keys, (unsigned long long)keys_need,
                  (unsigned long long)ram);
     if (!*why) return 0;

@@ -97,6 +97,14 @@ int64_t util_monotonic_us(void);
 /* CPU time the calling thread has used, in us (a pause without the time it was preempted). */
 int64_t util_thread_cpu_us(void);
 
+/* The memory this process may use, in bytes: the machine's, or less where a cgroup limits it
+ * (a container's memory limit); 0 when unknown. */
+uint64_t util_memory_bytes(void);
+/* The least memory limit of the cgroups that proc_cgroup (the format of /proc/self/cgroup)
+ * names and of the cgroups above them, v1 (memory.limit_in_bytes) and v2 (memory.max, at the
+ * root or under "unified"), read under cgroup_root (/sys/fs/cgroup but for tests). 0: none. */
+uint64_t util_cgroup_memory_limit(const char *proc_cgroup, const char *cgroup_root);
+
 /* An array that grows under a lock, in a mapping of its own on 4 KiB pages. With malloc's heap
  * on transparent huge pages (huge_pages.c) the first write past each 2 MiB of a growing array
  * faults in a whole huge page, zeroed there and then: 4.7 ms on the machine measured, under the

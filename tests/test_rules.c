@@ -3893,7 +3893,8 @@ Test(capacity, limits_past_the_machines_memory_are_refused_by_name)
         {UINT64_MAX, 0, "max_keys 18446744073709551615 is more than the index can hold"},
         {0, 4, "max_memory_bytes 4 is less than twice the smallest index"},
         {10000000000ull, 0, "max_keys 10000000000 needs about"},
-        {0, UINT64_C(1) << 50, "max_memory_bytes 1125899906842624 is more than this machine"},
+        {0, UINT64_C(1) << 50,
+         "max_memory_bytes 1125899906842624 is more than the memory this process may use"},
         {0, 0, "max_disk_bytes 1152921504606846976 is more than the file system of"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {

@@ -1,12 +1,15 @@
 /*
  * test_util.c: the shared helpers of src/util.h that the store's behaviour rests on without
- * showing it: arrays grown in mappings of their own (the age heaps), and the latency histograms'
- * buckets.
+ * showing it: arrays grown in mappings of their own (the age heaps), the latency histograms'
+ * buckets, and the memory limit of a container (cgroups) that the limits are checked against.
  */
 #include <criterion/criterion.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "util.h"
 
@@ -79,4 +82,66 @@ Test(util, a_latency_on_a_bucket_bound_is_counted_in_that_bucket)
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         cr_assert_eq(util_latency_bucket(cases[i].us, 16), cases[i].bucket, "%llu us: bucket %d",
                      (unsigned long long)cases[i].us, util_latency_bucket(cases[i].us, 16));
+}
+
+/* Writes text to root/rel, making its directories. */
+static void put_file(const char *root, const char *rel, const char *text)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%s/%s", root, rel);
+    for (char *p = path + strlen(root) + 1; (p = strchr(p, '/')); p++) {
+        *p = 0;
+        mkdir(path, 0700);
+        *p = '/';
+    }
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f, "%s", path);
+    fputs(text, f);
+    fclose(f);
+}
+
+/* In a container the machine's memory is not what the process may use: a memory limit of 1 GiB
+ * on a 24 GiB host let max_memory_bytes of 8 GiB through the open's check. The limit is the
+ * least of the process's cgroup and those above it, in cgroup v1 or v2. */
+Test(util, a_cgroup_memory_limit_is_found_above_the_process_in_v1_and_v2)
+{
+    char root[] = "/tmp/idem-test-cgroup-XXXXXX", proc[600];
+    cr_assert_not_null(mkdtemp(root));
+    snprintf(proc, sizeof proc, "%s/proc-cgroup", root);
+
+    /* v1, hybrid: no limit on the process's own cgroup, 1 GiB on its parent. */
+    put_file(root, "proc-cgroup", "9:name=systemd:/\n4:memory:/api/x1\n1:cpu:/\n0::/\n");
+    put_file(root, "memory/api/x1/memory.limit_in_bytes", "9223372036854771712\n");
+    put_file(root, "memory/api/memory.limit_in_bytes", "1073741824\n");
+    put_file(root, "memory/memory.limit_in_bytes", "9223372036854771712\n");
+    cr_assert_eq(util_cgroup_memory_limit(proc, root), UINT64_C(1) << 30);
+
+    /* v2 beside it (unified), tighter: the least of both. */
+    put_file(root, "proc-cgroup", "4:memory:/api/x1\n0::/svc/idem\n");
+    put_file(root, "unified/svc/idem/memory.max", "max\n");
+    put_file(root, "unified/svc/memory.max", "536870912\n");
+    cr_assert_eq(util_cgroup_memory_limit(proc, root), UINT64_C(1) << 29);
+
+    /* v2 alone, in a container whose own cgroup is the mount's root while /proc names the
+     * host's path (no cgroup namespace): the limit at the root is found by going up. */
+    put_file(root, "proc-cgroup", "0::/docker/abc\n");
+    put_file(root, "memory.max", "268435456\n");
+    cr_assert_eq(util_cgroup_memory_limit(proc, root), UINT64_C(1) << 28);
+
+    /* No limit anywhere, or a file that holds no number: none (0). */
+    put_file(root, "memory.max", "max\n");
+    put_file(root, "unified/svc/memory.max", "12k\n");
+    put_file(root, "proc-cgroup", "0::/svc/idem\n");
+    cr_assert_eq(util_cgroup_memory_limit(proc, root), 0);
+    snprintf(proc, sizeof proc, "%s/no-such-file", root);
+    cr_assert_eq(util_cgroup_memory_limit(proc, root), 0);
+
+    char cmd[600];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
+    cr_assert_eq(system(cmd), 0);
+
+    /* What the store reads: never more than the machine has. */
+    uint64_t mem = util_memory_bytes();
+    cr_assert(mem > 0 &&
+              mem <= (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGE_SIZE));
 }
