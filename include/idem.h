@@ -127,7 +127,7 @@ typedef struct idem_options {
                                   (only a new store starts at the wall clock); idem_clock_set */
     uint64_t max_keys;         /* 0: no limit beyond memory */
     uint64_t max_memory_bytes; /* 0: no limit; the index's memory (segments and directory) */
-    uint64_t max_disk_bytes;   /* 0: no limit; bytes of the log's segments (see stats) */
+    uint64_t max_disk_bytes;   /* 0: no limit; bytes of the store's files (stats disk_bytes) */
     uint32_t result_bytes_max; /* 0: IDEM_RESULT_BYTES_DEFAULT; at most IDEM_RESULT_BYTES_LIMIT */
     uint32_t segment_bytes;    /* 0: 64 MiB; WAL segment size, a multiple of 4096, >= 1 MiB */
     const idem_clock_source *clock; /* NULL: system clocks; copied at open */
@@ -403,8 +403,9 @@ typedef struct idem_stats {
     int64_t oldest_in_flight_ms; /* first_seen of the oldest in_flight record, 0 if none */
     int64_t oldest_review_ms;
     uint64_t wal_bytes;  /* bytes of live WAL segments */
-    uint64_t disk_bytes; /* the log's segments, as max_disk_bytes counts (not the checkpoints,
-                            16-32 bytes a key, two kept, nor audit.log) */
+    uint64_t disk_bytes; /* what max_disk_bytes counts: the log's segments, the two checkpoints
+                            kept (16-32 bytes a key each) and audit.log with the space reserved
+                            for it; not the superblock and lock files (a few KiB) */
     uint64_t disk_free_bytes;
     uint64_t memory_bytes; /* anonymous memory: index, repeat counters, age heaps, buffers (the
                               limit, max_memory_bytes, counts index_bytes only) */

@@ -448,7 +448,7 @@ static int owner_same(const struct rec *r, const idem_op *op)
  * a store full of expired keys still takes their re-issue. */
 static int capacity_full(idem_store *s, const struct index_slot *replaces)
 {
-    if (s->opt.max_disk_bytes && wal_bytes(s->wal) >= s->opt.max_disk_bytes) return 1;
+    if (s->opt.max_disk_bytes && store_disk_bytes(s) >= s->opt.max_disk_bytes) return 1;
     if (replaces) return 0;
     if (s->opt.max_keys && index_count(s->ix) >= s->opt.max_keys) return 1;
     /* The index's blocks: not the memory its thread faults in ahead of growth, which comes as

@@ -924,6 +924,9 @@ static int store_recover(idem_store *s)
             return rc;
         }
     }
+    s->ckpt_file_bytes[0] = s->sb.ckpt_id ? ckpt_file_bytes(s->io, s->dir, s->sb.ckpt_id) : 0;
+    s->ckpt_file_bytes[1] =
+        s->sb.ckpt_id > 1 ? ckpt_file_bytes(s->io, s->dir, s->sb.ckpt_id - 1) : 0;
     s->replay_counts_lsn = s->sb.ckpt_counts_lsn;
     struct wal_resume resume = {.first_batch = s->sb.resume_batch,
                                 .sync = s->sb.open_durability == 0 ||
@@ -2048,6 +2051,7 @@ void idem_get_stats(idem_store *s, idem_stats *out)
     out->store_clock_ms = store_now(s);
     out->clock_skew_ms = out->store_clock_ms - s->clock.wall_ms(s->clock.ctx);
     out->wal_bytes = wal_bytes(s->wal);
+    out->disk_bytes = store_disk_bytes(s);
     out->memory_bytes = index_memory_bytes(s->ix) +
                         (uint64_t)s->seen_cap * sizeof(struct seen_info) + wal_buffer_bytes(s->wal);
     for (int k = 0; k < AGE_KINDS; k++)
@@ -2075,7 +2079,12 @@ void idem_get_stats(idem_store *s, idem_stats *out)
     struct statvfs vfs;
     if (!s->test_sim && statvfs(s->dir, &vfs) == 0)
         out->disk_free_bytes = (uint64_t)vfs.f_bavail * vfs.f_frsize;
-    out->disk_bytes = out->wal_bytes;
+}
+
+uint64_t store_disk_bytes(const idem_store *s)
+{
+    uint64_t audit = s->audit_alloc > s->audit_off ? s->audit_alloc : s->audit_off;
+    return wal_bytes(s->wal) + s->ckpt_file_bytes[0] + s->ckpt_file_bytes[1] + audit;
 }
 
 /* ---- Checkpoint ---- */
@@ -2137,11 +2146,14 @@ static int ckpt_install(idem_store *s, struct super *sb, int off_lock)
     if (off_lock) store_flusher_unlock(s);
     int rc = super_store(s->io, s->dir, sb);
     if (rc == 0 && *old_path) remover_add(s->remover, old_path); /* no copy names it any more */
+    uint64_t bytes = rc == 0 ? ckpt_file_bytes(s->io, s->dir, sb->ckpt_id) : 0;
     if (off_lock) store_flusher_relock(s);
     if (rc < 0) {
         if (rc == IDEM_EFATAL) store_fail(s, 0, "writing the superblock of a checkpoint");
         return rc;
     }
+    s->ckpt_file_bytes[1] = s->ckpt_file_bytes[0];
+    s->ckpt_file_bytes[0] = bytes;
     s->sb = *sb;
     s->st.checkpoints++;
     pthread_cond_broadcast(&s->cond_ready);

@@ -347,6 +347,9 @@ struct idem_store {
     /* Space: bytes of the frames the index points to; per segment slot, the largest
      * expires_at_ms of the frames written there (INT64_MAX: unknown). */
     uint64_t live_bytes;
+    /* The sizes of the current checkpoint's file and the one before it, both kept (the disk
+     * limit counts them: store_disk_bytes). */
+    uint64_t ckpt_file_bytes[2];
     int64_t *seg_max_exp; /* SEG_EXP_UNKNOWN: written before this open, not measured yet */
     /* Per segment slot, its record bytes by when they expire (compact.c; NULL: none tallied). */
     struct seg_exp **seg_exp;
@@ -410,6 +413,9 @@ int store_check_index(idem_store *s, uint64_t *entries);
 
 /* ---- store.c, for ops.c ---- */
 int64_t store_now(idem_store *s);
+/* The bytes of the store's files as the disk limit counts them: the log's segments, the two
+ * checkpoints kept and audit.log with its reserved space (mu held). */
+uint64_t store_disk_bytes(const idem_store *s);
 int store_next_token(idem_store *s, int64_t *out);
 void store_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* Ensures an append of one record will find buffer room, a segment and a token (may wait for

@@ -438,6 +438,18 @@ int ckpt_end(struct ckpt_writer *cw)
     return rc;
 }
 
+uint64_t ckpt_file_bytes(struct io *io, const char *dir, uint64_t id)
+{
+    char path[4096];
+    struct io_file *f;
+    uint64_t size = 0;
+    ckpt_path(dir, id, path, sizeof path);
+    if (io_open(io, path, IO_O_RDONLY, &f) < 0) return 0;
+    if (io_size(io, f, &size) < 0) size = 0;
+    io_close(io, f);
+    return size;
+}
+
 /* ---- Reading ---- */
 
 static int ckpt_bad(char *err, size_t errcap, const char *name, uint64_t off, const char *what)

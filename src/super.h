@@ -138,6 +138,8 @@ int ckpt_write_out(struct ckpt_writer *cw);
 /* Writes the trailer, flushes the file and syncs the directory; frees cw either way. */
 int ckpt_end(struct ckpt_writer *cw);
 void ckpt_abort(struct ckpt_writer *cw);
+/* The size of checkpoint id's file: 0 when there is none. */
+uint64_t ckpt_file_bytes(struct io *io, const char *dir, uint64_t id);
 
 /* A checkpoint file in memory whose header and trailer have been checked (ckpt_parse_open). */
 struct ckpt_file {

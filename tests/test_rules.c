@@ -3856,6 +3856,66 @@ Test(capacity, past_max_memory_a_new_claim_is_full_whatever_the_index_faulted_in
     }
 }
 
+/* The bytes of the checkpoint files in dir (index-*.ckpt). */
+static uint64_t ckpt_files_bytes(const char *dir)
+{
+    char cmd[4200];
+    snprintf(cmd, sizeof cmd, "cat '%s'/index-*.ckpt 2>/dev/null | wc -c", dir);
+    FILE *p = popen(cmd, "r");
+    cr_assert_not_null(p);
+    unsigned long long n = 0;
+    cr_assert_eq(fscanf(p, "%llu", &n), 1);
+    pclose(p);
+    return n;
+}
+
+/* The disk limit counts every file of the store, not only the log: a store whose log was under
+ * --max-disk took new keys while its checkpoints (two kept, 16-32 bytes a key each) lay past
+ * it. disk_bytes is the log's segments plus the checkpoint files found in the directory. */
+Test(capacity, past_max_disk_counting_the_checkpoints_a_new_claim_is_full)
+{
+    store_close();
+    g_opts.max_keys = 0;
+    store_open();
+    char key[32];
+    int64_t tok[3];
+    for (int i = 0; i < 3000; i++) {
+        snprintf(key, sizeof key, "disk-%05d", i);
+        idem_completion c = claim(key);
+        expect_outcome(c, IDEM_NEW);
+        if (i < 3) tok[i] = c.token;
+    }
+    reopen(); /* the close writes a checkpoint; the one before it is kept */
+    idem_stats st;
+    idem_get_stats(g_s, &st);
+    uint64_t ckpts = ckpt_files_bytes(g_dir);
+    cr_assert_gt(ckpts, 3000 * 16, "checkpoint files of %llu bytes for 3000 keys",
+                 (unsigned long long)ckpts);
+    cr_assert_eq(st.disk_bytes, st.wal_bytes + ckpts,
+                 "disk_bytes %llu = log %llu + checkpoints %llu", (unsigned long long)st.disk_bytes,
+                 (unsigned long long)st.wal_bytes, (unsigned long long)ckpts);
+    /* A limit past the log but short of the log and the checkpoints. */
+    store_close();
+    g_opts.max_disk_bytes = st.wal_bytes + ckpts / 2;
+    store_open();
+    idem_get_stats(g_s, &st);
+    cr_assert_eq(st.disk_bytes, st.wal_bytes + ckpt_files_bytes(g_dir));
+    cr_assert_lt(st.wal_bytes, g_opts.max_disk_bytes);
+    idem_completion c;
+    cr_assert_eq(claim_rc("disk-new", 8, TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
+    /* Repeats and owner calls go on; nothing was evicted. */
+    expect_outcome(claim("disk-00000"), IDEM_BUSY);
+    expect_outcome(claim("disk-02999"), IDEM_BUSY);
+    commit_ok("disk-00001", tok[1], "r1");
+    expect_outcome(claim("disk-00001"), IDEM_DONE);
+    cr_assert_eq(claim_rc("disk-new", 8, TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
+    /* A limit past them all takes new keys again. */
+    store_close();
+    g_opts.max_disk_bytes = 0;
+    store_open();
+    expect_outcome(claim("disk-new"), IDEM_NEW);
+}
+
 /* The index is made for max_keys at open, within the memory limit: with a key limit whose
  * index would pass max_memory_bytes, an empty store answered FULL to its first claim (the
  * index, made for 10 M keys, held 256 MiB of its 256 MiB before any key came). Both limits

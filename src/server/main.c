@@ -29,7 +29,7 @@ static const char usage_text[] =
     "                            as `recover`; review: it is held for a person\n"
     "  --max-keys N              refuse new claims (-FULL) past N records; never evict\n"
     "  --max-memory BYTES        likewise for the index's memory (suffixes k, m, g)\n"
-    "  --max-disk BYTES          likewise for the log's segments (not checkpoints, audit)\n"
+    "  --max-disk BYTES          likewise for the store's files (log, checkpoints, audit)\n"
     "  --result-max BYTES        largest result or SET value (default 65536, at most 1m)\n"
     "  --test-clock              the store clock stands still; DEBUG CLOCK GET|SET|ADVANCE\n"
     "                            move it (for tests only)\n"
