@@ -1240,6 +1240,70 @@ Test(abuse, large_requests_starved_while_slow_readers_hold_the_budget, .timeout 
     }
 }
 
+/* Over the budget, clients each holding part of a request were read on until 256 KiB of it
+ * waited unparsed: 128 clients that sent 50 KB of a 60 KB SET each held 64 KiB of input
+ * buffers, 8 MiB past a budget of 1 MiB. Now a client with 16 KiB unparsed needs an admission
+ * to be read on, so each holds at most 32 KiB; once they send the rest, each request is
+ * answered (in turn) and its value stored whole. (SET ... NX PX: idemd takes no other SET.) */
+Test(abuse, partial_requests_over_the_budget_hold_little_each, .timeout = 120)
+{
+    enum { N = 128, VALUE = 60000, SENT = 50000 };
+    const uint32_t budget = 1u << 20;
+    start_idemd_with(256, budget);
+    long long before = stat_fresh("io_buffer_bytes");
+    static char value[VALUE];
+    memset(value, 'v', sizeof value);
+    int fds[N];
+    char head[128];
+    for (int i = 0; i < N; i++) {
+        fds[i] = raw_connect(0, 20000);
+        cr_assert_geq(fds[i], 0, "connection %d", i);
+        value[0] = (char)('A' + i % 26); /* each value its own */
+        int k =
+            snprintf(head, sizeof head, "*6\r\n$3\r\nSET\r\n$8\r\npart:%03d\r\n$%d\r\n", i, VALUE);
+        cr_assert_eq(send_all(fds[i], head, (size_t)k), 0);
+        cr_assert_eq(send_all(fds[i], value, SENT), 0);
+    }
+    sleep_ms(1000); /* idemd reads what it will */
+    long long held = stat_fresh("io_buffer_bytes") - before;
+    fprintf(stderr, "abuse: %d partial requests of %d bytes hold %lld bytes (budget %u)\n", N, SENT,
+            held, budget);
+    cr_assert_leq(held, (long long)budget + N * 32768LL,
+                  "%d partial requests hold %lld bytes of buffers, past the budget of %u by more "
+                  "than 32 KiB each",
+                  N, held, budget);
+    for (int i = 0; i < N; i++) {
+        value[0] = (char)('A' + i % 26);
+        cr_assert_eq(send_all(fds[i], value + SENT, VALUE - SENT), 0);
+        static const char tail[] = "\r\n$2\r\nNX\r\n$2\r\nPX\r\n$6\r\n600000\r\n";
+        cr_assert_eq(send_all(fds[i], tail, sizeof tail - 1), 0);
+    }
+    for (int i = 0; i < N; i++) {
+        char in[256] = {0};
+        size_t got = 0;
+        while (got < sizeof in - 1 && !strchr(in, '\n')) {
+            ssize_t n = recv(fds[i], in + got, sizeof in - 1 - got, 0);
+            if (n <= 0) break;
+            got += (size_t)n;
+        }
+        cr_assert_str_eq(in, "+OK\r\n", "client %d: \"%s\" (%s)", i, in,
+                         strchr(in, '\n') ? "" : strerror(errno));
+        close(fds[i]);
+    }
+    redisContext *c = connect_unix();
+    cr_assert(c && !c->err);
+    for (int i = 0; i < N; i += 37) {
+        redisReply *r = redisCommand(c, "GET part:%03d", i);
+        cr_assert(r && r->type == REDIS_REPLY_STRING && r->len == VALUE, "part:%03d", i);
+        cr_assert_eq(r->str[0], 'A' + i % 26, "part:%03d holds another's value", i);
+        cr_assert_eq(r->str[VALUE - 1], 'v');
+        freeReplyObject(r);
+    }
+    redisFree(c);
+    cr_assert(alive(), "idemd died (see its log in %s)", srv.dir);
+    stop_idemd();
+}
+
 /* Sends INFO requests, pipelined, until told to stop (a thread of the test below). */
 struct info_flood {
     int fd, n;

@@ -16,7 +16,7 @@
  * holds itself, so that slow readers holding the budget starve nobody else:
  *   - a slow reader (SRV_HEAVY_BYTES of replies unread or owed) is neither read nor parsed until
  *     it reads them, and one that has read nothing for SRV_STALL_MS is closed;
- *   - a large request (SRV_HEAVY_BYTES unparsed) needs an admission to be read on: big_slots()
+ *   - a large request (SRV_IN_HEAVY_BYTES unparsed) needs an admission to be read on: big_slots()
  *     of them at once, the others wait in arrival order (a ticket each), so large requests go
  *     on one after another; while others wait, an admission lasts SRV_STALL_MS, then the
  *     client goes back in line (a client trickling a large request holds no one up for long);
@@ -576,8 +576,8 @@ static uint64_t conn_out_weight(const srv_conn *c)
     return c->out.len - c->out.sent + c->slot_ready + c->owed;
 }
 
-/* Input not parsed yet: past SRV_HEAVY_BYTES, a large request on its way in (a client whose
- * pipeline is full is not read at that size: see conn_update_events). */
+/* Input not parsed yet: past SRV_IN_HEAVY_BYTES, a large request on its way in, or a pipeline
+ * held back (see conn_update_events). */
 static size_t conn_in_pending(const srv_conn *c)
 {
     return c->in_len - c->in_start;
@@ -625,7 +625,7 @@ static void big_admit(srv *s, srv_conn *c)
 /* An admitted client gives its admission up once its large request is parsed. */
 static void big_release(srv *s, srv_conn *c)
 {
-    if (!c->big_admitted || conn_in_pending(c) >= SRV_HEAVY_BYTES) return;
+    if (!c->big_admitted || conn_in_pending(c) >= SRV_IN_HEAVY_BYTES) return;
     c->big_admitted = 0;
     s->big_admitted--;
 }
@@ -636,7 +636,7 @@ static void budget_check(srv *s, srv_conn *c)
     if (c->paused || !over_budget(s)) return;
     if (conn_out_weight(c) >= SRV_HEAVY_BYTES) {
         conn_pause(s, c, PAUSE_OUTPUT); /* its requests would only wait unparsed */
-    } else if (conn_in_pending(c) >= SRV_HEAVY_BYTES && !c->big_admitted) {
+    } else if (conn_in_pending(c) >= SRV_IN_HEAVY_BYTES && !c->big_admitted) {
         if (s->big_waiting == 0 && s->big_admitted < big_slots(s))
             big_admit(s, c);
         else

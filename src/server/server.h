@@ -39,13 +39,17 @@
 #define SRV_READ_CHUNK          65536u
 #define SRV_REQ_MAX             (SRV_IN_BUF_MAX - SRV_READ_CHUNK / 4) /* larger requests are refused */
 #define SRV_STALL_MS            2000          /* over the io budget, a reader this slow is closed */
-#define SRV_HEAVY_BYTES         (256u * 1024) /* over the budget, clients above this are held back */
-#define SRV_IN_HELD_MAX         (256u * 1024) /* unparsed input kept for a held-back client */
-#define SRV_OWED_TIGHT          (1u << 20) /* replies a client may be owed under memory pressure */
-#define SRV_STALL_BYTES         65536u /* unread replies that make a stalled client a slow reader */
-#define SRV_SLOT_KEEP           16384u /* slot buffers a connection keeps once their replies left */
-#define SRV_TEST_CLOCK_MS_MAX   IDEM_CLOCK_MS_MAX /* DEBUG CLOCK: as far as the store may go */
-#define SRV_LAT_BUCKETS         16                /* latency histograms: util_latency_bucket */
+#define SRV_HEAVY_BYTES         (256u * 1024) /* over the budget, readers owed this are held back */
+/* Over the budget, a client with this much unparsed input (a request begun, or a pipeline it
+ * cannot parse yet) needs an admission to be read on: at most twice this in each other
+ * client's input buffer (16 KiB, doubled once), however many hold a partial request. */
+#define SRV_IN_HEAVY_BYTES    16384u
+#define SRV_IN_HELD_MAX       (256u * 1024) /* unparsed input kept for a held-back client */
+#define SRV_OWED_TIGHT        (1u << 20)    /* replies a client may be owed under memory pressure */
+#define SRV_STALL_BYTES       65536u /* unread replies that make a stalled client a slow reader */
+#define SRV_SLOT_KEEP         16384u /* slot buffers a connection keeps once their replies left */
+#define SRV_TEST_CLOCK_MS_MAX IDEM_CLOCK_MS_MAX /* DEBUG CLOCK: as far as the store may go */
+#define SRV_LAT_BUCKETS       16                /* latency histograms: util_latency_bucket */
 
 #define SRV_METRICS_CONNS    16           /* scrape connections served at once */
 #define SRV_METRICS_WAIT_MS  200          /* a scrape without a request is answered after this */
