@@ -1,11 +1,13 @@
 """kill9_loop.py: the kill -9 loop (issue 3). idemd runs in sync mode on a temp dir; client
-threads, one connection each, claim fresh keys, commit, release, resume in-flight keys and repeat
+threads, one connection each, claim fresh keys (some with an OWNER id), commit, release, hold,
+extend leases, resume in-flight keys (by token, or by claiming again with their OWNER) and repeat
 settled ones, logging every acknowledged reply (and every request left unanswered) to a file,
 flushed after each line. idemd is killed with SIGKILL after a random 50-500 ms (sometimes again
 while it recovers), restarted on the same dir, and after each restart the log is replayed and
 every acknowledged claim/commit is checked with IDEM.GET and by claiming again: the record is
 there with the same token, the same result, committed records unchanged and first_seen
-unchanged, no key is granted `new` twice, released keys stay absent, and tokens are unique and
+unchanged, no key is granted `new` twice (but to its own OWNER again, with the same token),
+released keys stay absent, an acknowledged extend's lease end holds, and tokens are unique and
 strictly increasing across restarts (and per connection).
 
 Run: IDEM_BUILD_DIR=build /usr/bin/python3 tests/python/kill9_loop.py [--cycles N] [--seed S]
@@ -30,6 +32,8 @@ from idemd_server import Idemd, record  # noqa: E402
 
 TTL = 30 * 86400000  # nothing expires during a run (even the 10000-cycle tier)
 LEASE = 7 * 86400000  # the longest lease: an in-flight claim stays busy throughout
+LEASE_OWNED = 86400000  # claims with an OWNER: a day, so that an extend (to LEASE) shows
+OWNED = 0.3  # of fresh claims, those made with an OWNER id
 THREADS = 16
 FIRST_SEEN_SLACK_MS = 1000
 SIGNIFICANT = ("key", "state", "first_seen_ms", "expires_at_ms", "fingerprint", "lease_until_ms",
@@ -79,9 +83,10 @@ class Log:
 
 class Key:
     __slots__ = ("state", "token", "result", "fp", "pending", "first_seen", "snap", "acked_claims",
-                 "at", "note", "audit", "audit_acked", "hold_note", "sent_ms", "mismatches")
+                 "at", "note", "audit", "audit_acked", "hold_note", "sent_ms", "mismatches",
+                 "owner", "lease_min")
 
-    def __init__(self, fp):
+    def __init__(self, fp, owner=None):
         self.state = None  # in_flight, committed, released, lost_claim
         self.token = None
         self.result = None
@@ -97,6 +102,8 @@ class Key:
         self.audit_acked = False  # that resolve was acknowledged
         self.hold_note = None  # the note before a resolve (for a resolve lost in batch mode)
         self.mismatches = 0  # acknowledged claims with other content (rule 3: recorded)
+        self.owner = owner  # the OWNER id it was claimed with (rule 7's re-entrant claims)
+        self.lease_min = None  # in flight: the lease ends no sooner (wall ms), if known
 
 
 class Checker:
@@ -156,7 +163,7 @@ class Checker:
         if op == "claim":  # a fresh key, never claimed before
             if k is not None:
                 return self.bad("fresh key %s claimed twice by the client (test bug)" % key)
-            k = self.keys[key] = Key(ev["fp"])
+            k = self.keys[key] = Key(ev["fp"], ev.get("owner"))
             if ev.get("lost"):
                 k.state = "lost_claim"
                 return
@@ -167,6 +174,29 @@ class Checker:
                 return self.bad("fresh key %s: claim answered %r, not new" % (key, ev["reply"]))
             self.grant(key, ev["tok"], conn, "claim")
             k.state, k.token, k.at = "in_flight", ev["tok"], ev["at"]
+            k.lease_min = ev["w0"] + (LEASE_OWNED if k.owner else LEASE)
+        elif op == "extend":  # the owner runs its lease on: to w0 + LEASE at least
+            k.snap = None  # a new version, or perhaps one (unanswered)
+            if ev.get("lost"):
+                return  # the lease moved on, or stayed: either way lease_min still holds
+            if ev["out"] != "OK":
+                return self.bad("extend %s token %d: answered %r" % (key, ev["tok"], ev["out"]))
+            if k.state != "in_flight" or k.token != ev["tok"]:
+                return self.bad("extend %s: acknowledged OK but the model has %s token %r" %
+                                (key, k.state, k.token))
+            k.at = ev["at"]
+            k.lease_min = ev["w0"] + LEASE
+        elif op == "reenter":  # a claim with the key's OWNER while its lease runs: same token
+            k.snap = None
+            if ev.get("lost"):
+                k.lease_min = None  # it may have shortened an extended lease
+                return
+            k.acked_claims += 1
+            if ev["reply"] != ["new", k.token]:
+                return self.bad("claim %s with its OWNER %s (token %d): answered %r" %
+                                (key, k.owner, k.token, ev["reply"]))
+            k.at = ev["at"]
+            k.lease_min = ev["w0"] + LEASE_OWNED
         elif op in ("commit", "release", "hold"):
             if ev.get("lost"):
                 k.pending = (op, ev.get("res"))
@@ -267,6 +297,13 @@ class Checker:
             if not self.lossy and int(rec["mismatch_count"]) < k.mismatches:
                 self.bad("%s: mismatch_count %s below %d acknowledged mismatches (rule 3)" %
                          (key, rec["mismatch_count"], k.mismatches))
+            if (not self.lossy and k.state == "in_flight" and rec["state"] == "in_flight" and
+                    k.lease_min and int(rec["lease_until_ms"]) < k.lease_min - FIRST_SEEN_SLACK_MS):
+                self.bad("%s: lease_until_ms %s is before %d, the acknowledged lease's end" %
+                         (key, rec["lease_until_ms"], k.lease_min))
+            if k.state == "in_flight" and rec["state"] == "in_flight" and k.owner and \
+                    rec.get("owner") != k.owner:
+                self.bad("%s: owner %r, claimed by %r" % (key, rec.get("owner"), k.owner))
             if rec["state"] == "committed" and k.result is not None and rec.get("result") != k.result:
                 self.bad("%s: result %r is not the committed %r" % (key, rec.get("result"), k.result))
             if int(rec["seen_count"]) < k.acked_claims:
@@ -276,14 +313,26 @@ class Checker:
             live = [key for key in keys if key in self.keys and
                     self.keys[key].state in ("in_flight", "committed", "review")]
             p = cl.pipeline(transaction=False)
+            w0 = int(time.time() * 1000)
             for key in live:
-                p.execute_command("IDEM.CLAIM", key, TTL, LEASE, "FP", self.keys[key].fp)
+                k = self.keys[key]
+                if k.state == "in_flight" and k.owner:  # its own worker resumes
+                    p.execute_command("IDEM.CLAIM", key, TTL, LEASE_OWNED, "FP", k.fp, "OWNER",
+                                      k.owner)
+                else:
+                    p.execute_command("IDEM.CLAIM", key, TTL, LEASE, "FP", k.fp)
             for key, reply in zip(live, p.execute(raise_on_error=False)):
                 k = self.keys[key]
                 reply = [x.decode() if isinstance(x, bytes) else x for x in reply] \
                     if isinstance(reply, list) else str(reply)
                 k.acked_claims += 1
-                self.check_repeat(key, k, reply, "claim after restart")
+                if k.state == "in_flight" and k.owner:
+                    if reply != ["new", k.token]:
+                        self.bad("claim after restart %s with its OWNER %s (token %d): answered "
+                                 "%r" % (key, k.owner, k.token, reply))
+                    k.snap, k.lease_min = None, w0 + LEASE_OWNED
+                else:
+                    self.check_repeat(key, k, reply, "claim after restart")
 
     def verify_audit(self, cl, keys):
         """Rule 9: every acknowledged resolve is in the audit trail after the restart."""
@@ -425,7 +474,8 @@ def worker(sock, run, thr, seed, log, stop, committed, inflight, review, pool_lo
 
     def owner_call(op, key, tok, res=None):
         args = {"commit": ["IDEM.COMMIT", key, tok, res], "hold": ["IDEM.HOLD", key, tok, res],
-                "release": ["IDEM.RELEASE", key, tok]}[op]
+                "release": ["IDEM.RELEASE", key, tok], "extend": ["IDEM.EXTEND", key, tok, LEASE]}[op]
+        w0 = int(time.time() * 1000)
         try:
             try:
                 out = call(*args)
@@ -434,7 +484,11 @@ def worker(sock, run, thr, seed, log, stop, committed, inflight, review, pool_lo
         except LOST:
             log.write(op=op, run=run, thr=thr, key=key, tok=tok, res=res, lost=True)
             raise
-        log.write(op=op, run=run, thr=thr, key=key, tok=tok, res=res, out=out)
+        log.write(op=op, run=run, thr=thr, key=key, tok=tok, res=res, out=out, w0=w0)
+
+    def give_back(item):  # an in-flight key another round may resume
+        with pool_lock:
+            inflight.append(item)
 
     try:
         while not stop.is_set():
@@ -469,12 +523,28 @@ def worker(sock, run, thr, seed, log, stop, committed, inflight, review, pool_lo
                 with pool_lock:
                     if inflight:
                         item = inflight.pop(rng.randrange(len(inflight)))
-                if item and rng.random() < 0.5:  # the owner resumes: commit with its token
-                    key, fp, tok = item
-                    owner_call("commit", key, tok, "res-%s-resumed-%d" % (key, rng.randrange(1 << 30)))
+                if item and rng.random() < 0.5:  # the owner resumes: commit, or runs on
+                    key, fp, tok, owner = item
+                    x = rng.random()
+                    if x < 0.5:
+                        owner_call("commit", key, tok,
+                                   "res-%s-resumed-%d" % (key, rng.randrange(1 << 30)))
+                    elif x < 0.75 or not owner:
+                        owner_call("extend", key, tok)
+                        give_back(item)
+                    else:  # its reply was lost, say: the same worker claims it again
+                        w0 = int(time.time() * 1000)
+                        try:
+                            reply = call("IDEM.CLAIM", key, TTL, LEASE_OWNED, "FP", fp, "OWNER",
+                                         owner)
+                        except LOST:
+                            log.write(op="reenter", run=run, thr=thr, key=key, lost=True)
+                            raise
+                        log.write(op="reenter", run=run, thr=thr, key=key, reply=reply, w0=w0)
+                        give_back(item)
                     continue
                 if item:  # anyone else: busy
-                    key, fp, tok = item
+                    key, fp, tok, owner = item
                     try:
                         reply = call("IDEM.CLAIM", key, TTL, LEASE, "FP", fp)
                     except LOST:
@@ -499,13 +569,15 @@ def worker(sock, run, thr, seed, log, stop, committed, inflight, review, pool_lo
             key = "r%d.t%d.n%d" % (run, thr, n)
             n += 1
             fp = "body-%s-%d" % (key, rng.randrange(1 << 30))
+            owner = "worker-%d-%d" % (run, thr) if rng.random() < OWNED else None
+            claim = ["IDEM.CLAIM", key, TTL, LEASE_OWNED if owner else LEASE, "FP", fp]
             w0 = int(time.time() * 1000)
             try:
-                reply = call("IDEM.CLAIM", key, TTL, LEASE, "FP", fp)
+                reply = call(*(claim + (["OWNER", owner] if owner else [])))
             except LOST:
-                log.write(op="claim", run=run, thr=thr, key=key, fp=fp, lost=True)
+                log.write(op="claim", run=run, thr=thr, key=key, fp=fp, owner=owner, lost=True)
                 raise
-            log.write(op="claim", run=run, thr=thr, key=key, fp=fp, out=reply[0],
+            log.write(op="claim", run=run, thr=thr, key=key, fp=fp, owner=owner, out=reply[0],
                       tok=reply[1] if len(reply) > 1 else None, reply=reply, w0=w0,
                       w1=int(time.time() * 1000))
             if reply[0] != "new":
@@ -566,7 +638,8 @@ def main():
         committed = [(key, k.fp, k.result) for key, k in chk.keys.items() if k.state == "committed"]
         if len(committed) > 5000:
             committed = rng.sample(committed, 5000)
-        inflight = [(key, k.fp, k.token) for key, k in chk.keys.items() if k.state == "in_flight"]
+        inflight = [(key, k.fp, k.token, k.owner) for key, k in chk.keys.items()
+                    if k.state == "in_flight"]
         review = [(key, k.fp, k.note) for key, k in chk.keys.items() if k.state == "review"]
         stop = threading.Event()
         pool_lock = threading.Lock()
