@@ -71,6 +71,9 @@ struct io_ops {
     int (*unlink)(struct io *io, const char *path);
     int (*rename)(struct io *io, const char *from, const char *to);
     int (*sync_dir)(struct io *io, const char *dir);
+    /* Calls fn(name, ctx) for each file in directory dir (its name alone; not "." or ".."),
+     * until fn returns nonzero. fn must not call the backend. Returns 0 or -errno. */
+    int (*list)(struct io *io, const char *dir, int (*fn)(const char *name, void *ctx), void *ctx);
     /* Creates a directory (mode 0700); -EEXIST if present. */
     int (*mkdir)(struct io *io, const char *path);
     /* Makes later reads and maps of f see what the disk holds wherever the cache is clean: drops
@@ -184,6 +187,11 @@ static inline int io_rename(struct io *io, const char *from, const char *to)
 static inline int io_sync_dir(struct io *io, const char *dir)
 {
     return (int)io_noted("fsync of the directory", io->ops->sync_dir(io, dir));
+}
+static inline int io_list(struct io *io, const char *dir, int (*fn)(const char *name, void *ctx),
+                          void *ctx)
+{
+    return io->ops->list(io, dir, fn, ctx);
 }
 static inline int io_mkdir(struct io *io, const char *path)
 {

@@ -6,10 +6,12 @@
 #include "io_posix.h"
 #include "util.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -230,6 +232,23 @@ int io_posix_sync_dir(struct io *io, const char *dir)
     int rc = 0;
     if (fsync(fd) != 0) rc = -errno;
     (void)close(fd);
+    return rc;
+}
+
+int io_posix_list(struct io *io, const char *dir, int (*fn)(const char *name, void *ctx), void *ctx)
+{
+    (void)io;
+    DIR *d = opendir(dir);
+    if (!d) return -errno;
+    struct dirent *e;
+    errno = 0;
+    while ((e = readdir(d)) != NULL) {
+        if (strcmp(e->d_name, ".") == 0 || strcmp(e->d_name, "..") == 0) continue;
+        if (fn(e->d_name, ctx)) break;
+        errno = 0;
+    }
+    int rc = e == NULL && errno ? -errno : 0;
+    (void)closedir(d);
     return rc;
 }
 

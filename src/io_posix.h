@@ -38,6 +38,8 @@ void io_posix_unmap(struct io *io, struct io_file *f, const void *p, size_t len)
 int io_posix_unlink(struct io *io, const char *path);
 int io_posix_rename(struct io *io, const char *from, const char *to);
 int io_posix_sync_dir(struct io *io, const char *dir);
+int io_posix_list(struct io *io, const char *dir, int (*fn)(const char *name, void *ctx),
+                  void *ctx);
 int io_posix_drop_cache(struct io *io, struct io_file *f);
 int io_posix_reserve(struct io *io, struct io_file *f, uint64_t off, uint64_t len);
 int io_posix_mkdir(struct io *io, const char *path);

@@ -932,6 +932,24 @@ static int sim_rename(struct io *io, const char *from, const char *to)
     return rc;
 }
 
+static int sim_list(struct io *io, const char *dir, int (*fn)(const char *name, void *ctx),
+                    void *ctx)
+{
+    struct sim_io *h = sim_io_of(io);
+    struct io_sim *sim = h->sim;
+    size_t len = strlen(dir);
+    sim_lock(sim);
+    int rc = sim_stale(h, NULL) ? -EIO : 0;
+    for (size_t i = 0; rc == 0 && i < sim->cur_ns.count; i++) {
+        const char *p = sim->cur_ns.v[i].path;
+        if (strncmp(p, dir, len) == 0 && p[len] == '/' && p[len + 1] && !strchr(p + len + 1, '/') &&
+            fn(p + len + 1, ctx))
+            break;
+    }
+    sim_unlock(sim);
+    return rc;
+}
+
 static int sim_sync_dir(struct io *io, const char *dir)
 {
     struct sim_io *h = sim_io_of(io);
@@ -1109,6 +1127,7 @@ static const struct io_ops sim_ops = {
     .unlink = sim_unlink,
     .rename = sim_rename,
     .sync_dir = sim_sync_dir,
+    .list = sim_list,
     .mkdir = sim_mkdir,
     .drop_cache = sim_drop_cache,
     .submit_write = sim_submit_write,

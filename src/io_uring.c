@@ -314,6 +314,7 @@ static const struct io_ops iou_ops = {
     .unlink = io_posix_unlink,
     .rename = io_posix_rename,
     .sync_dir = io_posix_sync_dir,
+    .list = io_posix_list,
     .drop_cache = io_posix_drop_cache,
     .mkdir = io_posix_mkdir,
     .submit_write = iou_submit_write,

@@ -1025,39 +1025,90 @@ static void store_free(idem_store *s)
     free(s);
 }
 
-/* Removes files a crash left behind, so that they never hold disk space for good: log segments
- * below the first one the superblock names (a retirement cut short between its superblock write
- * and its unlinks), checkpoints older than the two the superblock copies may name (an install
- * cut short before its unlink), and a checkpoint written after the current one but never
- * installed. Retirements and installs remove files oldest first, so what a crash leaves lies
- * next to the files in use: each walk down stops at the first name that is absent. Called once
- * this open's first superblock copy is durable: neither copy names anything removed here. */
+/* The files remove_leftovers found: segments (kind 0) and checkpoints (kind 1) by number. */
+struct leftovers {
+    const struct super *sb;
+    struct {
+        uint64_t n;
+        int kind;
+    } * v;
+    size_t count, cap;
+    int nomem;
+};
+
+/* Whether name is exactly prefix, 16 hex digits and suffix; *n their value. */
+static int name_numbered(const char *name, const char *prefix, const char *suffix, uint64_t *n)
+{
+    size_t lp = strlen(prefix), ls = strlen(suffix);
+    if (strlen(name) != lp + 16 + ls || strncmp(name, prefix, lp) != 0 ||
+        strcmp(name + lp + 16, suffix) != 0)
+        return 0;
+    uint64_t v = 0;
+    for (const char *p = name + lp; p < name + lp + 16; p++) {
+        int d = *p >= '0' && *p <= '9' ? *p - '0' : *p >= 'a' && *p <= 'f' ? *p - 'a' + 10 : -1;
+        if (d < 0) return 0;
+        v = v << 4 | (uint64_t)d;
+    }
+    *n = v;
+    return 1;
+}
+
+static int leftover_seen(const char *name, void *ctx)
+{
+    struct leftovers *l = ctx;
+    uint64_t n;
+    int kind;
+    if (name_numbered(name, "wal-", ".log", &n) && n < l->sb->wal_first_seq)
+        kind = 0;
+    else if (name_numbered(name, "index-", ".ckpt", &n) &&
+             (n + 1 < l->sb->ckpt_id || n > l->sb->ckpt_id))
+        kind = 1;
+    else
+        return 0;
+    if (l->count == l->cap) {
+        size_t cap = l->cap ? 2 * l->cap : 16;
+        void *v = realloc(l->v, cap * sizeof *l->v);
+        if (!v) {
+            l->nomem = 1;
+            return 1;
+        }
+        l->v = v;
+        l->cap = cap;
+    }
+    l->v[l->count].n = n;
+    l->v[l->count++].kind = kind;
+    return 0;
+}
+
+/* Removes files a crash or a failed delete left behind, so that they never hold disk space for
+ * good: log segments below the first one the superblock names (a retirement cut short between
+ * its superblock write and its unlinks, or one of whose unlinks failed), checkpoints older than
+ * the two the superblock copies may name (an install cut short before its unlink), and
+ * checkpoints written after the current one but never installed. The directory is listed: a
+ * failed delete leaves a file below others that are gone, which a walk down from the files in
+ * use would not reach. Called once this open's first superblock copy is durable: neither copy
+ * names anything removed here. */
 static void remove_leftovers(idem_store *s)
 {
-    char path[4096];
+    char path[4096] = "";
     unsigned segs = 0, ckpts = 0;
-    int rc = 0;
-    for (uint64_t seq = s->sb.wal_first_seq - 1; seq >= 1 && rc == 0; seq--) {
-        wal_seg_path(s->dir, seq, path, sizeof path);
+    struct leftovers l = {.sb = &s->sb};
+    int rc = io_list(s->io, s->dir, leftover_seen, &l);
+    if (l.nomem) rc = -ENOMEM;
+    for (size_t i = 0; rc == 0 && i < l.count; i++) {
+        if (l.v[i].kind == 0)
+            wal_seg_path(s->dir, l.v[i].n, path, sizeof path);
+        else
+            ckpt_path(s->dir, l.v[i].n, path, sizeof path);
         rc = io_unlink(s->io, path);
-        segs += rc == 0;
+        if (rc == -ENOENT) rc = 0;
+        segs += rc == 0 && l.v[i].kind == 0;
+        ckpts += rc == 0 && l.v[i].kind == 1;
     }
-    if (rc == 0 || rc == -ENOENT) {
-        rc = 0;
-        for (uint64_t id = s->sb.ckpt_id - 2; s->sb.ckpt_id > 2 && id >= 1 && rc == 0; id--) {
-            ckpt_path(s->dir, id, path, sizeof path);
-            rc = io_unlink(s->io, path);
-            ckpts += rc == 0;
-        }
-    }
-    if (rc == 0 || rc == -ENOENT) {
-        ckpt_path(s->dir, s->sb.ckpt_id + 1, path, sizeof path);
-        rc = io_unlink(s->io, path);
-        ckpts += rc == 0;
-    }
-    if (rc != 0 && rc != -ENOENT)
+    free(l.v);
+    if (rc != 0)
         fprintf(stderr, "idem: event=leftover_not_removed dir=%s file=%s error=\"%s\"\n", s->dir,
-                path, strerror(-rc));
+                *path ? path : "(listing the directory)", strerror(-rc));
     if (segs + ckpts == 0) return;
     rc = io_sync_dir(s->io, s->dir);
     fprintf(stderr, "idem: event=leftovers_removed dir=%s segments=%u checkpoints=%u%s\n", s->dir,

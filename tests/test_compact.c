@@ -831,7 +831,8 @@ static void sim_put(struct io_sim *sim, const char *path)
     io_destroy(io);
 }
 
-Test(compact, files_a_crash_left_behind_are_removed_at_the_next_open, .timeout = 60)
+Test(compact, files_a_crash_or_a_failed_delete_left_behind_are_removed_at_the_next_open,
+     .timeout = 60)
 {
     struct io_sim *sim;
     cr_assert_eq(io_sim_create(31, &sim), 0);
@@ -845,11 +846,19 @@ Test(compact, files_a_crash_left_behind_are_removed_at_the_next_open, .timeout =
     char err[256];
     cr_assert_eq(super_load(io, SIM_DIR, &sb, 0, err, sizeof err), 0, "%s", err);
     io_destroy(io);
-    cr_assert_gt(sb.wal_first_seq, 3, "too few segments retired to leave two behind");
-    cr_assert_gt(sb.ckpt_id, 3);
+    cr_assert_gt(sb.wal_first_seq, 5, "too few segments retired to leave three behind");
+    cr_assert_gt(sb.ckpt_id, 5);
     /* A retirement and a checkpoint install cut short by a crash, and a checkpoint never
-     * installed, as they would leave the directory. */
+     * installed, as they would leave the directory; and a segment and a checkpoint whose delete
+     * failed, below others that are gone (a walk down from the files in use stopped at the
+     * first absent name and never removed them). */
     char first[256], seg[2][256], ck_old[2][256], ck_prev[256], ck_cur[256], ck_next[256];
+    char seg_gap[256], ck_gap[256];
+    snprintf(seg_gap, sizeof seg_gap, SIM_DIR "/wal-%016llx.log",
+             (unsigned long long)(sb.wal_first_seq - 4));
+    ckpt_path(SIM_DIR, sb.ckpt_id - 5, ck_gap, sizeof ck_gap);
+    sim_put(sim, seg_gap);
+    sim_put(sim, ck_gap);
     snprintf(first, sizeof first, SIM_DIR "/wal-%016llx.log", (unsigned long long)sb.wal_first_seq);
     for (int i = 0; i < 2; i++) {
         snprintf(seg[i], sizeof seg[i], SIM_DIR "/wal-%016llx.log",
@@ -869,6 +878,8 @@ Test(compact, files_a_crash_left_behind_are_removed_at_the_next_open, .timeout =
         cr_assert(!sim_has(sim, ck_old[i]), "%s left behind", ck_old[i]);
     }
     cr_assert(!sim_has(sim, ck_next), "%s left behind", ck_next);
+    cr_assert(!sim_has(sim, seg_gap), "%s (below a gap) left behind", seg_gap);
+    cr_assert(!sim_has(sim, ck_gap), "%s (below a gap) left behind", ck_gap);
     /* What either superblock copy may name stays. */
     cr_assert(sim_has(sim, first));
     cr_assert(sim_has(sim, ck_cur));

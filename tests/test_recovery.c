@@ -1992,6 +1992,51 @@ Test(recovery, a_read_only_open_creates_nothing)
     tu_rmtree(dir);
 }
 
+/* On a real file system the files a crash or a failed delete left are found by listing the
+ * directory: a segment below the first one in use and a checkpoint never installed are
+ * removed at the next open (not at a read-only one); files of other names stay. */
+Test(recovery, leftover_files_are_found_by_listing_the_directory)
+{
+    char *dir = tu_mkdtemp("leftover");
+    idem_store *s;
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    static const char *const gone[] = {"wal-0000000000000000.log", "index-00000000ffffffff.ckpt"};
+    static const char *const kept[] = {"wal-0000000000000000.log.old", "notes.txt",
+                                       "index-ffffffff.ckpt"};
+    char path[4200];
+    struct stat st;
+    for (int pass = 0; pass < 2; pass++) {
+        for (size_t i = 0; i < 2; i++) {
+            snprintf(path, sizeof path, "%s/%s", dir, gone[i]);
+            FILE *f = fopen(path, "w");
+            cr_assert_not_null(f);
+            fclose(f);
+        }
+        for (size_t i = 0; i < 3; i++) {
+            snprintf(path, sizeof path, "%s/%s", dir, kept[i]);
+            FILE *f = fopen(path, "w");
+            cr_assert_not_null(f);
+            fclose(f);
+        }
+        idem_options o;
+        idem_options_init(&o);
+        o.read_only = pass == 0;
+        cr_assert_eq(idem_open(dir, &o, &s), IDEM_OK, "%s", idem_last_error());
+        cr_assert_eq(idem_close(s), IDEM_OK);
+        for (size_t i = 0; i < 2; i++) {
+            snprintf(path, sizeof path, "%s/%s", dir, gone[i]);
+            cr_assert_eq(stat(path, &st) == 0, pass == 0, "%s %s by a%s open", gone[i],
+                         pass == 0 ? "removed" : "left", pass == 0 ? " read-only" : "n");
+        }
+        for (size_t i = 0; i < 3; i++) {
+            snprintf(path, sizeof path, "%s/%s", dir, kept[i]);
+            cr_assert_eq(stat(path, &st), 0, "%s removed", kept[i]);
+        }
+    }
+    tu_rmtree(dir);
+}
+
 /* ---- The golden store ---- */
 
 /* tests/fixtures/golden-v1 was written by the first format (checkpoint format 1, superblock
