@@ -1,5 +1,6 @@
 // test_ioredis.js: idemd with ioredis (connect and ready check, CLIENT SETINFO on connect,
-// claims new/busy/done/mismatch/recover, commit, done with the stored result, owner-call
+// claims new/busy/done/mismatch/recover, exact expiry of finished records only (rule 5),
+// commit, done with the stored result, owner-call
 // errors as ReplyError, SET NX PX/GET, a pipeline (replies in order), auto-pipelining, WAIT
 // woken by a commit, custom commands via redis.call('IDEM.CLAIM', ...) and callBuffer).
 // Needs IDEMD_PORT (TCP, role worker) and IDEMD_SOCK (unix socket, role admin, --test-clock);
@@ -96,6 +97,26 @@ test('recover after the lease runs out (DEBUG CLOCK on the admin socket)', async
   assert.deepEqual(r.slice(2), [2, g]);
   await rejects(w.call('IDEM.COMMIT', 'node:rec', tok, 'x'), /^STALE/);
   assert.equal(await w.call('IDEM.COMMIT', 'node:rec', r[1], 'looked-up'), 'OK');
+});
+
+test('expiry is exact and only finished records expire (rule 5)', async () => {
+  const t0 = await a.call('DEBUG', 'CLOCK', 'GET');
+  const [, tok] = await w.call('IDEM.CLAIM', 'node:exp', 1000, 30000);
+  assert.equal(await w.call('IDEM.COMMIT', 'node:exp', tok, 'r'), 'OK');
+  const [, open] = await w.call('IDEM.CLAIM', 'node:exp-open', 1000, 7 * DAY);
+  await a.call('DEBUG', 'CLOCK', 'ADVANCE', 999); // expires_at - 1: a repeat
+  assert.deepEqual(await w.call('IDEM.CLAIM', 'node:exp', 1000, 30000), ['done', 'r']);
+  assert.equal(await w.pttl('node:exp'), 1);
+  await a.call('DEBUG', 'CLOCK', 'ADVANCE', 1); // expires_at: absent, a re-issue is new
+  assert.equal(await w.exists('node:exp'), 0);
+  const [out, tok2] = await w.call('IDEM.CLAIM', 'node:exp', 1000, 30000);
+  assert.equal(out, 'new');
+  assert.ok(tok2 > tok);
+  // An in_flight record past its expiry stays; committed then, it keeps its outcome a ttl more.
+  assert.equal((await w.call('IDEM.CLAIM', 'node:exp-open', 1000, 30000))[0], 'busy');
+  assert.equal(await w.call('IDEM.COMMIT', 'node:exp-open', open, 'late'), 'OK');
+  const flat = await w.call('IDEM.GET', 'node:exp-open');
+  assert.equal(flat[flat.indexOf('expires_at_ms') + 1], String(t0 + 1000 + 1000));
 });
 
 test('hold then review', async () => {

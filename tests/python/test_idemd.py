@@ -1,5 +1,5 @@
 """test_idemd.py: the idem contract over the wire with redis-py (python3-redis): claim
-outcomes with FP and OWNER, mismatch records, recover (attempts, last_grant_ms), hold -> review,
+outcomes with FP and OWNER, exact expiry of finished records only (rule 5), mismatch records, recover (attempts, last_grant_ms), hold -> review,
 IDEM.RESOLVE with EXPECT/FORCE and -CHANGED, the audit trail, IDEM.ATTENTION, IDEM.SCAN by
 state, IDEM.STATS counters, reads off the event loop (a slow audit query holds up no other client,
 nor do seventy slow scans at once; requests pipelined after a read are applied after it), WAIT woken by commit / release (one waiter gets new) / hold / lease
@@ -272,6 +272,73 @@ class Claims(Base):
             self.w.delete(a)
         self.assertEqual(self.a.delete(a, self.key("none")), 1)
         self.assertEqual(self.w.exists(a), 0)
+
+
+class Expiry(Base):
+    """Rule 5 over the wire: expiry is exact, only finished records expire, and a record
+    finished at or after its expiry keeps its outcome for one more ttl from then."""
+
+    def test_committed_record_expires_exactly_at_expires_at(self):
+        k = self.key()
+        t0 = self.now()
+        t = self.new_token(k, ttl=1000)
+        self.assertEqual(self.cmd("IDEM.COMMIT", k, t, "r"), b"OK")
+        self.assertEqual(int(self.get(k)["expires_at_ms"]), t0 + 1000)
+        self.advance(999)  # expires_at - 1: a repeat
+        self.assertEqual(self.claim(k, 1000), [b"done", b"r"])
+        self.assertEqual(self.cmd("PTTL", k), 1)
+        self.advance(1)  # expires_at: absent, a re-issue is new with a new first_seen
+        self.assertIsNone(self.get(k))
+        self.assertEqual(self.cmd("EXISTS", k), 0)
+        t2 = self.new_token(k, ttl=1000)
+        self.assertGreater(t2, t)
+        rec = self.get(k)
+        self.assertEqual(int(rec["first_seen_ms"]), t0 + 1000)
+        self.assertEqual(rec["attempts"], b"1")
+
+    def test_set_nx_expires_exactly(self):
+        k = self.key()
+        self.assertTrue(self.w.set(k, "v1", nx=True, px=500))
+        self.advance(499)
+        self.assertEqual(self.w.get(k), b"v1")
+        self.assertIsNone(self.w.set(k, "v2", nx=True, px=500))
+        self.advance(1)
+        self.assertIsNone(self.w.get(k))
+        self.assertTrue(self.w.set(k, "v2", nx=True, px=500))
+        self.assertEqual(self.w.get(k), b"v2")
+
+    def test_in_flight_and_review_records_never_expire(self):
+        k, h = self.key("in_flight"), self.key("review")
+        t = self.new_token(k, ttl=1000, lease=7 * DAY)
+        th = self.new_token(h, ttl=1000, lease=7 * DAY)
+        self.assertEqual(self.cmd("IDEM.HOLD", h, th, "charged twice?"), b"OK")
+        self.advance(100000)  # far past expires_at: the outcomes are open
+        self.assertEqual(self.claim(k, 1000)[0], b"busy")
+        self.assertEqual(self.claim(h, 1000), [b"review", b"charged twice?"])
+        self.assertEqual(self.get(k)["state"], b"in_flight")
+        self.assertEqual(self.cmd("EXISTS", k, h), 2)
+        # Finished after its expiry: the outcome is kept one more ttl from that moment.
+        at = self.now()
+        self.assertEqual(self.cmd("IDEM.COMMIT", k, t, "late"), b"OK")
+        self.assertEqual(int(self.get(k)["expires_at_ms"]), at + 1000)
+        self.advance(999)
+        self.assertEqual(self.claim(k, 1000), [b"done", b"late"])
+        self.advance(1)
+        self.assertEqual(self.claim(k, 1000)[0], b"new")
+
+    def test_repeats_never_extend_expiry(self):
+        k = self.key()
+        t0 = self.now()
+        t = self.new_token(k, ttl=1000)
+        self.assertEqual(self.cmd("IDEM.COMMIT", k, t, "r"), b"OK")
+        for _ in range(9):
+            self.advance(100)
+            self.assertEqual(self.claim(k, 1000), [b"done", b"r"])  # rule 4: first_seen stays
+        rec = self.get(k)
+        self.assertEqual(int(rec["first_seen_ms"]), t0)
+        self.assertEqual(int(rec["expires_at_ms"]), t0 + 1000)
+        self.advance(100)
+        self.assertEqual(self.claim(k, 1000)[0], b"new")
 
 
 class Operators(Base):
