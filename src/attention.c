@@ -298,6 +298,10 @@ int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_recor
     }
     if (rc < 0) return rc;
     att_rebase(&ab, out, k);
+    if (k < max) { /* kept until the next call: the records listed, not room for max */
+        idem_record *fit = realloc(out, (k ? k : 1) * sizeof *out);
+        if (fit) out = q->att_recs = fit;
+    }
     *records = out;
     *n = k;
     return 0;

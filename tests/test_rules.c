@@ -12,6 +12,7 @@
 #include <criterion/criterion.h>
 
 #include <inttypes.h>
+#include <malloc.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -3608,6 +3609,14 @@ Test(stats, attention_finds_a_lapsed_lease_behind_many_running_ones)
     cr_assert_eq(n, 1, "%zu records listed", n);
     cr_assert(attention_has(recs, n, "short"));
     cr_assert_eq(recs[0].first_seen_ms, t0 + 10);
+    /* Kept until the next call: the records listed, not room for max (100,000 records of
+     * 192 bytes were held for one listed). */
+    aa.max = 100000;
+    expect_rc(idem_attention(g_q, &aa, &recs, &n), IDEM_OK);
+    cr_assert_eq(n, 1, "%zu records listed", n);
+    cr_assert_eq(recs[0].first_seen_ms, t0 + 10);
+    cr_assert_lt(malloc_usable_size((void *)recs), 65536, "%zu bytes kept for one record",
+                 malloc_usable_size((void *)recs));
 }
 
 /* With more records needing attention than max, the list holds the oldest of them, in order:
