@@ -294,6 +294,14 @@ static int trace_sync_dir(struct io *io, const char *dir)
     return trace_dir_call(io, IO_TRACE_SYNC_DIR, dir);
 }
 
+/* A read of the directory: no event (it changes nothing a crash could keep). */
+static int trace_list(struct io *io, const char *dir, int (*fn)(const char *name, void *ctx),
+                      void *ctx)
+{
+    struct trace_io *h = trace_io_of(io);
+    return h->inner->ops->list(h->inner, dir, fn, ctx);
+}
+
 static int trace_mkdir(struct io *io, const char *path)
 {
     return trace_dir_call(io, IO_TRACE_MKDIR, path);
@@ -397,6 +405,7 @@ static const struct io_ops trace_ops = {
     .unlink = trace_unlink,
     .rename = trace_rename,
     .sync_dir = trace_sync_dir,
+    .list = trace_list,
     .mkdir = trace_mkdir,
     .drop_cache = trace_drop_cache,
     .submit_write = trace_submit_write,
