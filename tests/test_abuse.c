@@ -1304,6 +1304,109 @@ Test(abuse, partial_requests_over_the_budget_hold_little_each, .timeout = 120)
     stop_idemd();
 }
 
+/* Reads from fd until want bytes came or it stalls; returns the bytes read. */
+static size_t read_upto(int fd, char *buf, size_t want)
+{
+    size_t got = 0;
+    while (got < want) {
+        ssize_t n = recv(fd, buf + got, want - got, 0);
+        if (n <= 0) break;
+        got += (size_t)n;
+    }
+    return got;
+}
+
+/* Over the budget, a client that cannot parse (its claim parked by WAIT, requests pipelined
+ * behind it) was queued for an admission once 16 KiB of its input waited, took it and held it
+ * for 2 s, as it could parse nothing: with five of them, each large request waited 10 s for
+ * its turn. A client that cannot parse is held as it is and takes no admission; once the
+ * WAIT is answered, its pipelined requests are all answered. */
+Test(abuse, clients_that_cannot_parse_hold_no_admission_over_the_budget, .timeout = 120)
+{
+    enum { N_PRESS = 100, N_WAIT = 5, N_PINGS = 2000, N_LARGE = 4, VALUE = 60000 };
+    start_idemd_with(256, 1u << 20);
+    redisContext *admin = connect_unix();
+    cr_assert(admin && !admin->err);
+    redisReply *r = redisCommand(admin, "IDEM.CLAIM held 600000 600000");
+    cr_assert(r && r->type == REDIS_REPLY_ARRAY && r->elements == 2, "claim held");
+    long long tok = r->element[1]->integer;
+    freeReplyObject(r);
+    /* The budget held by partial requests of 10 KB each: none needs an admission. */
+    static char value[VALUE];
+    memset(value, 'v', sizeof value);
+    int press[N_PRESS], waiter[N_WAIT];
+    char head[160];
+    for (int i = 0; i < N_PRESS; i++) {
+        press[i] = raw_connect(0, 20000);
+        cr_assert_geq(press[i], 0);
+        int k = snprintf(head, sizeof head, "*6\r\n$3\r\nSET\r\n$6\r\np:%04d\r\n$%d\r\n", i, VALUE);
+        cr_assert_eq(send_all(press[i], head, (size_t)k), 0);
+        cr_assert_eq(send_all(press[i], value, 10000), 0);
+    }
+    static const char wait_claim[] =
+        "*6\r\n$10\r\nIDEM.CLAIM\r\n$4\r\nheld\r\n$6\r\n600000\r\n$6\r\n600000\r\n$4\r\nWAIT\r\n"
+        "$5\r\n60000\r\n";
+    static char pings[N_PINGS * 14];
+    for (int i = 0; i < N_PINGS; i++)
+        memcpy(pings + 14 * i, "*1\r\n$4\r\nPING\r\n", 14);
+    for (int i = 0; i < N_WAIT; i++) {
+        waiter[i] = raw_connect(0, 20000);
+        cr_assert_geq(waiter[i], 0);
+        cr_assert_eq(send_all(waiter[i], wait_claim, sizeof wait_claim - 1), 0);
+    }
+    sleep_ms(200); /* the claims park */
+    for (int i = 0; i < N_WAIT; i++)
+        cr_assert_eq(send_all(waiter[i], pings, sizeof pings), 0);
+    sleep_ms(300);
+    long long io = stat_fresh("io_buffer_bytes");
+    cr_assert_gt(io, 1 << 20, "not over the budget (%lld bytes)", io);
+    int64_t slowest = 0;
+    for (int j = 0; j < N_LARGE; j++) {
+        int fd = raw_connect(0, 20000);
+        cr_assert_geq(fd, 0);
+        int64_t t = now_ms();
+        int k = snprintf(head, sizeof head, "*6\r\n$3\r\nSET\r\n$6\r\nL:%04d\r\n$%d\r\n", j, VALUE);
+        static const char tail[] = "\r\n$2\r\nNX\r\n$2\r\nPX\r\n$6\r\n600000\r\n";
+        cr_assert_eq(send_all(fd, head, (size_t)k), 0);
+        cr_assert_eq(send_all(fd, value, VALUE), 0);
+        cr_assert_eq(send_all(fd, tail, sizeof tail - 1), 0);
+        char in[8] = {0};
+        cr_assert_eq(read_upto(fd, in, 5), 5, "large SET %d unanswered", j);
+        cr_assert_str_eq(in, "+OK\r\n");
+        int64_t took = now_ms() - t;
+        slowest = took > slowest ? took : slowest;
+        close(fd);
+    }
+    fprintf(stderr,
+            "abuse: the slowest of %d large requests took %lld ms beside %d clients that "
+            "cannot parse (io %lld bytes)\n",
+            N_LARGE, (long long)slowest, N_WAIT, io);
+    cr_assert_lt(slowest, 3000, "a large request waited %lld ms for an admission",
+                 (long long)slowest);
+    /* The WAIT answered, each waiter gets done and every PONG. */
+    r = redisCommand(admin, "IDEM.COMMIT held %lld r", tok);
+    cr_assert(r && r->type == REDIS_REPLY_STATUS, "commit held");
+    freeReplyObject(r);
+    static char in[N_PINGS * 7 + 64];
+    static const char done[] = "*2\r\n$4\r\ndone\r\n$1\r\nr\r\n";
+    for (int i = 0; i < N_WAIT; i++) {
+        size_t want = sizeof done - 1 + (size_t)N_PINGS * 7;
+        size_t got = read_upto(waiter[i], in, want);
+        cr_assert_eq(got, want, "waiter %d: %zu of %zu bytes of replies (%s): %.40s", i, got, want,
+                     strerror(errno), in);
+        cr_assert_eq(memcmp(in, done, sizeof done - 1), 0, "waiter %d: %.20s", i, in);
+        for (int p = 0; p < N_PINGS; p++)
+            cr_assert_eq(memcmp(in + sizeof done - 1 + 7 * p, "+PONG\r\n", 7), 0,
+                         "waiter %d, reply %d", i, p + 1);
+        close(waiter[i]);
+    }
+    for (int i = 0; i < N_PRESS; i++)
+        close(press[i]);
+    redisFree(admin);
+    cr_assert(alive(), "idemd died (see its log in %s)", srv.dir);
+    stop_idemd();
+}
+
 /* Sends INFO requests, pipelined, until told to stop (a thread of the test below). */
 struct info_flood {
     int fd, n;

@@ -100,6 +100,8 @@ static void conn_account(srv *s, srv_conn *c)
     c->io_bytes = now;
 }
 
+static int over_budget(const srv *s);
+
 static void conn_update_events(srv *s, srv_conn *c)
 {
     if (c->fd < 0) return;
@@ -107,10 +109,13 @@ static void conn_update_events(srv *s, srv_conn *c)
      * is noticed all the same, so that its claims parked by WAIT are cancelled at once. Not
      * once it half-closed (it would be reported at every turn): a hangup (EPOLLHUP) still is. */
     uint32_t ev = c->peer_eof ? 0 : EPOLLRDHUP;
-    /* A connection whose parsing is held back (pipeline full, engine queue full, over the budget)
-     * is read on only until SRV_IN_HELD_MAX bytes wait unparsed: then its bytes stay in the
-     * socket until it may go on, so no input buffer grows without bound. */
-    int held_full = c->deferred && c->in_len - c->in_start >= SRV_IN_HELD_MAX;
+    /* A connection whose parsing is held back (pipeline full, engine queue full, a claim parked
+     * by WAIT, over the budget) is read on only until SRV_IN_HELD_MAX bytes wait unparsed, over
+     * the budget SRV_IN_HEAVY_BYTES: then its bytes stay in the socket until it may go on, so
+     * no input buffer grows without bound. Such a client needs no admission (budget_check):
+     * one would do it no good while it cannot parse, and would keep others waiting. */
+    size_t held_max = over_budget(s) ? SRV_IN_HEAVY_BYTES : SRV_IN_HELD_MAX;
+    int held_full = c->deferred && c->in_len - c->in_start >= held_max;
     if (!c->paused && !s->draining && !c->close_after_write && !held_full) ev |= EPOLLIN;
     if (c->out.sent < c->out.len) ev |= EPOLLOUT;
     if (ev == c->epoll_events) return;
@@ -622,10 +627,11 @@ static void big_admit(srv *s, srv_conn *c)
     s->big_admitted++;
 }
 
-/* An admitted client gives its admission up once its large request is parsed. */
+/* An admitted client gives its admission up once its large request is parsed, or once it
+ * cannot parse (its input is then held by conn_update_events). */
 static void big_release(srv *s, srv_conn *c)
 {
-    if (!c->big_admitted || conn_in_pending(c) >= SRV_IN_HEAVY_BYTES) return;
+    if (!c->big_admitted || (conn_in_pending(c) >= SRV_IN_HEAVY_BYTES && !c->deferred)) return;
     c->big_admitted = 0;
     s->big_admitted--;
 }
@@ -636,7 +642,7 @@ static void budget_check(srv *s, srv_conn *c)
     if (c->paused || !over_budget(s)) return;
     if (conn_out_weight(c) >= SRV_HEAVY_BYTES) {
         conn_pause(s, c, PAUSE_OUTPUT); /* its requests would only wait unparsed */
-    } else if (conn_in_pending(c) >= SRV_IN_HEAVY_BYTES && !c->big_admitted) {
+    } else if (conn_in_pending(c) >= SRV_IN_HEAVY_BYTES && !c->big_admitted && !c->deferred) {
         if (s->big_waiting == 0 && s->big_admitted < big_slots(s))
             big_admit(s, c);
         else
@@ -959,6 +965,10 @@ static srv_conn *housekeeping_sweep(srv *s, int64_t now)
         conn_shed_input(s, c);
         conn_shed_slots(s, c);
         big_release(s, c);
+        /* A client waiting for an admission that no longer needs one: parsing brought its
+         * input below the bound, or it cannot parse (its input is held as it is). */
+        if (c->paused == PAUSE_INPUT && (c->deferred || conn_in_pending(c) < SRV_IN_HEAVY_BYTES))
+            conn_unpause(s, c);
         if (c->big_admitted && s->big_waiting && now - c->big_admitted_ms >= SRV_STALL_MS) {
             c->big_admitted = 0; /* a trickle must not keep the others waiting: back in line */
             s->big_admitted--;
