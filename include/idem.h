@@ -405,7 +405,9 @@ typedef struct idem_stats {
     uint64_t wal_bytes;  /* bytes of live WAL segments */
     uint64_t disk_bytes; /* what max_disk_bytes counts: the log's segments, the two checkpoints
                             kept (16-32 bytes a key each) and audit.log with the space reserved
-                            for it; not the superblock and lock files (a few KiB) */
+                            for it; not the superblock and lock files (a few KiB), nor a
+                            checkpoint while it is written (one more, until it is installed
+                            and the oldest goes) */
     uint64_t disk_free_bytes;
     uint64_t memory_bytes; /* anonymous memory: index, repeat counters, age heaps, buffers (the
                               limit, max_memory_bytes, counts index_bytes only) */

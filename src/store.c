@@ -1090,25 +1090,28 @@ static int leftover_seen(const char *name, void *ctx)
  * names anything removed here. */
 static void remove_leftovers(idem_store *s)
 {
-    char path[4096] = "";
+    char path[4096];
     unsigned segs = 0, ckpts = 0;
     struct leftovers l = {.sb = &s->sb};
     int rc = io_list(s->io, s->dir, leftover_seen, &l);
     if (l.nomem) rc = -ENOMEM;
-    for (size_t i = 0; rc == 0 && i < l.count; i++) {
+    if (rc < 0)
+        fprintf(stderr,
+                "idem: event=leftover_not_removed dir=%s error=\"listing the directory: %s\"\n",
+                s->dir, strerror(-rc));
+    for (size_t i = 0; rc == 0 && i < l.count; i++) { /* one that stays stops none after it */
         if (l.v[i].kind == 0)
             wal_seg_path(s->dir, l.v[i].n, path, sizeof path);
         else
             ckpt_path(s->dir, l.v[i].n, path, sizeof path);
-        rc = io_unlink(s->io, path);
-        if (rc == -ENOENT) rc = 0;
-        segs += rc == 0 && l.v[i].kind == 0;
-        ckpts += rc == 0 && l.v[i].kind == 1;
+        int del = io_unlink(s->io, path);
+        if (del < 0 && del != -ENOENT)
+            fprintf(stderr, "idem: event=leftover_not_removed dir=%s file=%s error=\"%s\"\n",
+                    s->dir, path, strerror(-del));
+        segs += del == 0 && l.v[i].kind == 0;
+        ckpts += del == 0 && l.v[i].kind == 1;
     }
     free(l.v);
-    if (rc != 0)
-        fprintf(stderr, "idem: event=leftover_not_removed dir=%s file=%s error=\"%s\"\n", s->dir,
-                *path ? path : "(listing the directory)", strerror(-rc));
     if (segs + ckpts == 0) return;
     rc = io_sync_dir(s->io, s->dir);
     fprintf(stderr, "idem: event=leftovers_removed dir=%s segments=%u checkpoints=%u%s\n", s->dir,
@@ -2134,7 +2137,9 @@ void idem_get_stats(idem_store *s, idem_stats *out)
 
 uint64_t store_disk_bytes(const idem_store *s)
 {
-    uint64_t audit = s->audit_alloc > s->audit_off ? s->audit_alloc : s->audit_off;
+    /* audit_alloc is UINT64_MAX where the file system cannot reserve space (audit.c) */
+    uint64_t audit = s->audit_alloc != UINT64_MAX && s->audit_alloc > s->audit_off ? s->audit_alloc
+                                                                                   : s->audit_off;
     return wal_bytes(s->wal) + s->ckpt_file_bytes[0] + s->ckpt_file_bytes[1] + audit;
 }
 

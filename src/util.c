@@ -62,18 +62,27 @@ static uint64_t cgroup_limit_at(const char *path)
 
 /* The least limit in file `name` of the cgroup at rel (a path from /proc/self/cgroup) and of
  * every cgroup above it, under mount. Going up also finds the limit of a container whose own
- * cgroup is mounted as the root while /proc/self/cgroup names its path on the host. */
-static uint64_t cgroup_limit_up(const char *mount, const char *rel, const char *name)
+ * cgroup is mounted as the root while /proc/self/cgroup names its path on the host. In v1 a
+ * cgroup whose memory.use_hierarchy is 0 does not count its children against its limit: the
+ * walk ends there. */
+static uint64_t cgroup_limit_up(const char *mount, const char *rel, const char *name, int v1)
 {
     char path[4096];
     int k = snprintf(path, sizeof path, "%s%s", mount, rel);
     if (k < 0 || (size_t)k >= sizeof path) return UINT64_MAX;
     uint64_t least = UINT64_MAX;
     size_t len = (size_t)k, floor = strlen(mount);
-    for (;;) {
+    for (int own = 1;; own = 0) {
         while (len > floor && path[len - 1] == '/')
             len--;
         char file[4200];
+        if (v1 && !own) {
+            snprintf(file, sizeof file, "%.*s/memory.use_hierarchy", (int)len, path);
+            FILE *h = fopen(file, "r");
+            int flat = h && fgetc(h) == '0';
+            if (h) fclose(h);
+            if (flat) return least;
+        }
         snprintf(file, sizeof file, "%.*s/%s", (int)len, path, name);
         uint64_t v = cgroup_limit_at(file);
         if (v < least) least = v;
@@ -97,16 +106,16 @@ uint64_t util_cgroup_memory_limit(const char *proc_cgroup, const char *cgroup_ro
         *rel++ = 0;
         uint64_t v = UINT64_MAX;
         if (strcmp(line, "0") == 0 && *ctl == 0) { /* v2: at the root, or beside v1 (hybrid) */
-            v = cgroup_limit_up(cgroup_root, rel, "memory.max");
+            v = cgroup_limit_up(cgroup_root, rel, "memory.max", 0);
             snprintf(mount, sizeof mount, "%s/unified", cgroup_root);
-            uint64_t u = cgroup_limit_up(mount, rel, "memory.max");
+            uint64_t u = cgroup_limit_up(mount, rel, "memory.max", 0);
             if (u < v) v = u;
         } else {
             char *save = NULL;
             for (char *c = strtok_r(ctl, ",", &save); c; c = strtok_r(NULL, ",", &save))
                 if (strcmp(c, "memory") == 0) { /* v1's memory controller */
                     snprintf(mount, sizeof mount, "%s/memory", cgroup_root);
-                    v = cgroup_limit_up(mount, rel, "memory.limit_in_bytes");
+                    v = cgroup_limit_up(mount, rel, "memory.limit_in_bytes", 1);
                 }
         }
         if (v < least) least = v;

@@ -1994,7 +1994,8 @@ Test(recovery, a_read_only_open_creates_nothing)
 
 /* On a real file system the files a crash or a failed delete left are found by listing the
  * directory: a segment below the first one in use and a checkpoint never installed are
- * removed at the next open (not at a read-only one); files of other names stay. */
+ * removed at the next open (not at a read-only one), also when another leftover cannot be
+ * deleted; files of other names stay. */
 Test(recovery, leftover_files_are_found_by_listing_the_directory)
 {
     char *dir = tu_mkdtemp("leftover");
@@ -2019,6 +2020,9 @@ Test(recovery, leftover_files_are_found_by_listing_the_directory)
             cr_assert_not_null(f);
             fclose(f);
         }
+        /* A leftover that cannot be deleted (a directory: EISDIR) stops none of the others. */
+        snprintf(path, sizeof path, "%s/index-00000000fffffff0.ckpt", dir);
+        cr_assert(mkdir(path, 0700) == 0 || errno == EEXIST);
         idem_options o;
         idem_options_init(&o);
         o.read_only = pass == 0;
@@ -2033,7 +2037,10 @@ Test(recovery, leftover_files_are_found_by_listing_the_directory)
             snprintf(path, sizeof path, "%s/%s", dir, kept[i]);
             cr_assert_eq(stat(path, &st), 0, "%s removed", kept[i]);
         }
+        snprintf(path, sizeof path, "%s/index-00000000fffffff0.ckpt", dir);
+        cr_assert_eq(stat(path, &st), 0, "the directory went");
     }
+    cr_assert_eq(rmdir(path), 0);
     tu_rmtree(dir);
 }
 

@@ -102,7 +102,8 @@ static void put_file(const char *root, const char *rel, const char *text)
 
 /* In a container the machine's memory is not what the process may use: a memory limit of 1 GiB
  * on a 24 GiB host let max_memory_bytes of 8 GiB through the open's check. The limit is the
- * least of the process's cgroup and those above it, in cgroup v1 or v2. */
+ * least of the process's cgroup and those above it (in v1, those that count their children),
+ * in cgroup v1 or v2. */
 Test(util, a_cgroup_memory_limit_is_found_above_the_process_in_v1_and_v2)
 {
     char root[] = "/tmp/idem-test-cgroup-XXXXXX", proc[600];
@@ -114,6 +115,11 @@ Test(util, a_cgroup_memory_limit_is_found_above_the_process_in_v1_and_v2)
     put_file(root, "memory/api/x1/memory.limit_in_bytes", "9223372036854771712\n");
     put_file(root, "memory/api/memory.limit_in_bytes", "1073741824\n");
     put_file(root, "memory/memory.limit_in_bytes", "9223372036854771712\n");
+    cr_assert_eq(util_cgroup_memory_limit(proc, root), UINT64_C(1) << 30);
+    /* A v1 parent that does not count its children (use_hierarchy 0) limits nothing below it. */
+    put_file(root, "memory/api/memory.use_hierarchy", "0\n");
+    cr_assert_eq(util_cgroup_memory_limit(proc, root), 0);
+    put_file(root, "memory/api/memory.use_hierarchy", "1\n");
     cr_assert_eq(util_cgroup_memory_limit(proc, root), UINT64_C(1) << 30);
 
     /* v2 beside it (unified), tighter: the least of both. */
