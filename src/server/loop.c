@@ -20,6 +20,8 @@
  *     of them at once, the others wait in arrival order (a ticket each), so large requests go
  *     on one after another; while others wait, an admission lasts SRV_STALL_MS, then the
  *     client goes back in line (a client trickling a large request holds no one up for long);
+ *   - a client that may not parse (its pipeline full, a claim parked by WAIT) is read on only
+ *     up to SRV_IN_HEAVY_BYTES unparsed and takes no admission (it would hold one in vain);
  *   - everyone else is read and parsed as usual, and a whole request is always parsed (that is
  *     what frees its input).
  * Once the pressure falls to three quarters of the budget, everyone is read again.
