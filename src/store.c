@@ -795,9 +795,10 @@ static int store_init_new(idem_store *s)
  * within half of max_memory_bytes (an index made past the memory limit answered FULL on an
  * empty store) and a quarter of the memory this process may use (the machine's, or its
  * cgroup's limit). */
-static uint64_t index_presize_keys(const idem_options *o)
+static uint64_t index_presize_keys(const idem_store *s)
 {
-    uint64_t cap = util_memory_bytes() / 4;
+    const idem_options *o = &s->opt;
+    uint64_t cap = s->memory_avail / 4;
     if (o->max_memory_bytes && (!cap || o->max_memory_bytes / 2 < cap))
         cap = o->max_memory_bytes / 2;
     if (!cap) cap = UINT64_MAX; /* no memory limit, the memory available unknown */
@@ -814,7 +815,7 @@ static void ckpt_sized(void *ctx, uint64_t count)
 {
     idem_store *s = ctx;
     struct index *ix;
-    if (count > index_presize_keys(&s->opt) && count < (UINT64_C(1) << 34) && /* made up: grow */
+    if (count > index_presize_keys(s) && count < (UINT64_C(1) << 34) && /* made up: grow */
         index_create_snug(count, &ix) == 0) {
         index_destroy(s->ix);
         s->ix = ix;
@@ -947,11 +948,11 @@ static int store_recover(idem_store *s)
     return 0;
 }
 
-/* Fills in defaults; returns 0, or IDEM_EINVAL with the option and its bounds named. */
-static int store_validate_options(idem_options *o)
+/* Fills in defaults; returns 0, or IDEM_EINVAL with the option and its bounds named. ram: the
+ * memory this process may use (0: unknown). */
+static int store_validate_options(idem_options *o, uint64_t ram)
 {
     char why[200] = "";
-    uint64_t ram = util_memory_bytes();
     size_t keys_need = o->max_keys ? index_presize_bytes(o->max_keys) : 0;
     if (o->result_bytes_max == 0) o->result_bytes_max = IDEM_RESULT_BYTES_DEFAULT;
     if (o->segment_bytes == 0) o->segment_bytes = 64u << 20;
@@ -1221,7 +1222,8 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     s->clock.ctx = s->opt.clock ? s->opt.clock->ctx : NULL;
     s->opt.clock = NULL;
     s->dir = strdup(dir);
-    int rc = s->dir ? store_validate_options(&s->opt) : IDEM_ENOMEM;
+    s->memory_avail = util_memory_bytes(); /* read once: the cgroup's files are files */
+    int rc = s->dir ? store_validate_options(&s->opt, s->memory_avail) : IDEM_ENOMEM;
     if (rc < 0) {
         if (!s->dir) store_set_error("out of memory");
         goto fail;
@@ -1267,7 +1269,7 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     for (uint32_t i = 0; i < WAL_SEG_SLOTS; i++)
         s->seg_max_exp[i] = SEG_EXP_UNKNOWN;
     rc = wal_create(io, dir, s->opt.segment_bytes, &s->wal);
-    if (rc == 0) rc = index_create(index_presize_keys(&s->opt), &s->ix) < 0 ? IDEM_ENOMEM : 0;
+    if (rc == 0) rc = index_create(index_presize_keys(s), &s->ix) < 0 ? IDEM_ENOMEM : 0;
     if (rc < 0) goto fail;
     rc = fresh ? store_init_new(s) : store_recover(s);
     if (rc < 0) {

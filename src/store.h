@@ -350,7 +350,8 @@ struct idem_store {
     /* The sizes of the current checkpoint's file and the one before it, both kept (the disk
      * limit counts them: store_disk_bytes). */
     uint64_t ckpt_file_bytes[2];
-    int64_t *seg_max_exp; /* SEG_EXP_UNKNOWN: written before this open, not measured yet */
+    uint64_t memory_avail; /* util_memory_bytes at open: what the memory limits are checked by */
+    int64_t *seg_max_exp;  /* SEG_EXP_UNKNOWN: written before this open, not measured yet */
     /* Per segment slot, its record bytes by when they expire (compact.c; NULL: none tallied). */
     struct seg_exp **seg_exp;
     /* Compaction from the oldest segment (compact.c). Segments wal_first_seq..cmp_walked
