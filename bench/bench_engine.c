@@ -37,8 +37,11 @@
  *   claim-commit-4k       the same with 4 KiB results, at most 256 Ki pairs (1 GiB of results).
  *   claim-commit-parked   claim-commit-32 with 10,000 claims parked by WAIT (60 s) on other keys
  *                         the bench holds: what a commit pays for the claims waiting elsewhere.
- *   dup-uniform           claims of existing committed keys (preloaded with SET_IF_ABSENT and
- *                         synced, not timed), keys uniform over all of them; expects `done`.
+ *   dup-uniform           claims of existing committed keys (preloaded with SET_IF_ABSENT,
+ *                         synced and checkpointed, not timed: the checkpoint the preload's log
+ *                         calls for would otherwise run during the case, and a store that only
+ *                         answers repeats writes none), keys uniform over all of them; expects
+ *                         `done`.
  *   dup-recent            the same over the 128 Ki most recently loaded keys. Both run from
  *                         --dup-threads threads at once (default: the CPUs online, at most 8),
  *                         each with its own queue, its own draw of keys and keys/threads claims:
@@ -546,7 +549,8 @@ out_free:
     free(res);
 }
 
-/* Loads keys 0..keys-1 as committed records (SET_IF_ABSENT, 32 B values) and syncs: untimed. */
+/* Loads keys 0..keys-1 as committed records (SET_IF_ABSENT, 32 B values), syncs and takes a
+ * checkpoint: untimed. */
 static int dup_preload(struct run *r, idem_store *s, struct pipe *p, uint64_t *loaded)
 {
     struct result res;
@@ -560,6 +564,7 @@ static int dup_preload(struct run *r, idem_store *s, struct pipe *p, uint64_t *l
     if (rc == 0 && res.errors != 0) rc = -1;
     pipe_close(p);
     if (rc == 0 && idem_sync(s) != IDEM_OK) rc = -1;
+    if (rc == 0 && idem_checkpoint(s) != IDEM_OK) rc = -1;
     printf("# dup: preloaded %" PRIu64 " keys in %.1f s (%s)\n", *loaded,
            (double)(bench_now_ns() - t0) / 1e9, rc == 0 ? "ok" : "failed");
     return rc;
