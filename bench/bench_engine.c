@@ -13,9 +13,13 @@
  * count, the allocator's overheads included), `index_step_max_us=<n>` (the longest single growth
  * step of the index: a segment rebuilt or split, or the directory doubled; max_us is the longest
  * claim, whatever held it up), `index_step_max_cpu_us=<n>` (the longest step's CPU time: without
- * the time the thread was preempted, which a shared 2-core machine adds to the wall time) and
- * `index_step_unready=<n>` (blocks carved from memory the index's thread had not faulted in
- * ahead, which the step then faulted in itself: src/index_mem.c). Lines
+ * the time the thread waited for a core, which a shared 2-core machine adds to the wall time),
+ * `index_steps=<n>` and `index_step_p999_cpu_us=<n>` (the steps, and the CPU time 99.9% of them
+ * stayed within) and `index_step_unready=<n>` (blocks carved from memory the index's thread had
+ * not faulted in ahead, which the step then faulted in itself: src/index_mem.c). After the
+ * growth line, a `# host:` line times a fixed computation of about 20 us the same way, 20,000
+ * times: on a virtual machine, time the host takes the core away counts as the thread's CPU
+ * time, and this line shows how much of a step's longest time that can be. Lines
  * starting with '#' are context. A last line prints the ratios idem/peer of durable new-key claims.
  * Exit 0 when every case ran without errors, 1 otherwise, 2 on a usage error.
  *
@@ -140,7 +144,7 @@ struct result {
     double mem_bytes_per_key;                         /* < 0: not printed */
     double anon_bytes_per_key;                        /* < 0: not printed */
     int64_t index_step_max_us, index_step_max_cpu_us; /* < 0: not printed */
-    uint64_t index_step_unready;
+    uint64_t index_steps, index_step_p999_cpu_us, index_step_unready;
 };
 
 /* One queue driven in batches: each slot is a batch going through the steps of its case. */
@@ -192,8 +196,10 @@ static void print_result(struct run *r, const struct result *res)
     if (res->anon_bytes_per_key > 0) printf(" anon_B/key=%.1f", res->anon_bytes_per_key);
     if (res->index_step_max_us >= 0)
         printf(" index_step_max_us=%" PRId64 " index_step_max_cpu_us=%" PRId64
+               " index_steps=%" PRIu64 " index_step_p999_cpu_us=%" PRIu64
                " index_step_unready=%" PRIu64,
-               res->index_step_max_us, res->index_step_max_cpu_us, res->index_step_unready);
+               res->index_step_max_us, res->index_step_max_cpu_us, res->index_steps,
+               res->index_step_p999_cpu_us, res->index_step_unready);
     printf("\n");
     fflush(stdout);
 }
@@ -768,6 +774,39 @@ static uint64_t rss_anon_bytes(void)
     return (uint64_t)kb * 1024;
 }
 
+static int cmp_i64(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Times a fixed computation (no memory beyond 16 KiB, no system call) HOST_PROBES times by
+ * the thread's CPU clock, as the index times its steps, and prints the spread. */
+#define HOST_PROBES 20000
+static void host_probe(void)
+{
+    int64_t *d = malloc(HOST_PROBES * sizeof(*d));
+    uint64_t *buf = calloc(2048, sizeof(*buf));
+    if (!d || !buf) goto out;
+    uint64_t x = 1;
+    for (uint32_t i = 0; i < HOST_PROBES; i++) {
+        int64_t t0 = util_thread_cpu_us();
+        for (int k = 0; k < 12000; k++) {
+            x = x * 6364136223846793005ull + 1442695040888963407ull;
+            buf[x >> 53] += x;
+        }
+        d[i] = util_thread_cpu_us() - t0;
+    }
+    qsort(d, HOST_PROBES, sizeof(*d), cmp_i64);
+    printf("# host: a fixed computation timed %d times by the thread's CPU clock: p50 %" PRId64
+           " us, p99.9 %" PRId64 " us, longest %" PRId64 " us (checksum %" PRIu64 ")\n",
+           HOST_PROBES, d[HOST_PROBES / 2], d[HOST_PROBES - HOST_PROBES / 1000], d[HOST_PROBES - 1],
+           buf[x >> 53] & 0xff);
+out:
+    free(d);
+    free(buf);
+}
+
 /* blocking-1, blocking-64 and growth: new keys through idem_claim from `threads` threads. */
 static void case_blocking(struct run *r, const char *name, uint32_t threads, int durability,
                           double seconds)
@@ -800,6 +839,8 @@ static void case_blocking(struct run *r, const char *name, uint32_t threads, int
             res->anon_bytes_per_key = (double)(anon - anon0) / (double)after.keys;
         res->index_step_max_us = (int64_t)index_max_split_us(s->ix);
         res->index_step_max_cpu_us = (int64_t)index_max_split_cpu_us(s->ix);
+        res->index_steps = index_splits(s->ix);
+        res->index_step_p999_cpu_us = index_split_cpu_quantile_us(s->ix, 999);
         res->index_step_unready = index_cold_blocks(s->ix);
     }
     if (rc != 0)
@@ -1055,7 +1096,10 @@ static void run_cases(struct run *r)
         case_batch(r, "claim-commit-parked", K_CLAIM_COMMIT, IDEM_DURABILITY_SYNC,
                    RESULT_SMALL_BYTES, r->keys, PARKED_CLAIMS);
     if (case_selected(r, "dup-uniform") || case_selected(r, "dup-recent")) case_dup(r);
-    if (case_selected(r, "growth")) case_blocking(r, "growth", 1, IDEM_DURABILITY_NONE, r->case_s);
+    if (case_selected(r, "growth")) {
+        case_blocking(r, "growth", 1, IDEM_DURABILITY_NONE, r->case_s);
+        host_probe();
+    }
     if (case_selected(r, "blocking-1"))
         case_blocking(r, "blocking-1", 1, IDEM_DURABILITY_SYNC, r->blocking1_s);
     if (case_selected(r, "blocking-64"))

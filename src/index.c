@@ -62,6 +62,7 @@
 #define TAG_MASK        (~INDEX_ADDR_MASK)
 #define PEEK_PROBES     32   /* index_peek looks no further: at 85% load, 8 missed 1 entry in 5 */
 #define DIR_MOVE_STEP   2048 /* old directory entries moved per growth step: 64 KiB of new */
+#define SPLIT_HIST_US   256  /* growth steps' CPU times, in 1 us buckets; the last is 255 or more */
 
 _Static_assert(sizeof(struct index_slot) == 16, "index_slot is 16 bytes");
 _Static_assert((SEG_CAP_MAX & (SEG_CAP_MAX - 1)) == 0, "SEG_CAP_MAX is a power of two");
@@ -104,6 +105,8 @@ struct index {
     uint64_t count;
     uint64_t seg_count;
     uint64_t max_split_us, max_split_cpu_us;
+    uint64_t splits;
+    uint32_t split_cpu_hist[SPLIT_HIST_US];
     struct index_mem mem; /* the segments */
     /* Where the last lookup that found nothing stopped: the empty slot an insert of that hash
      * takes, while nothing has changed since (gen counts inserts, removals and rebuilds). A
@@ -370,6 +373,8 @@ static struct index_seg *seg_make_room_slow(struct index *ix, uint32_t top24)
         uint64_t cpu_us = (uint64_t)(util_thread_cpu_us() - c0_us);
         if (pause_us > ix->max_split_us) ix->max_split_us = pause_us;
         if (cpu_us > ix->max_split_cpu_us) ix->max_split_cpu_us = cpu_us;
+        ix->splits++;
+        ix->split_cpu_hist[cpu_us < SPLIT_HIST_US ? cpu_us : SPLIT_HIST_US - 1]++;
         if (rc != 0) return NULL;
     }
     IDEM_ASSERT(!"seg_make_room did not converge");
@@ -766,6 +771,21 @@ uint64_t index_max_split_us(const struct index *ix)
 uint64_t index_max_split_cpu_us(const struct index *ix)
 {
     return ix->max_split_cpu_us;
+}
+
+uint64_t index_splits(const struct index *ix)
+{
+    return ix->splits;
+}
+
+uint64_t index_split_cpu_quantile_us(const struct index *ix, uint32_t per_mille)
+{
+    uint64_t want = (ix->splits * per_mille + 999) / 1000, seen = 0;
+    for (uint32_t us = 0; us < SPLIT_HIST_US; us++) {
+        seen += ix->split_cpu_hist[us];
+        if (seen >= want && seen > 0) return us;
+    }
+    return 0;
 }
 
 uint64_t index_cold_blocks(struct index *ix)

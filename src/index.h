@@ -116,10 +116,15 @@ size_t index_memory_bytes(struct index *ix);
  * ahead (index_mem.h), which come and go. */
 size_t index_live_bytes(const struct index *ix);
 /* The longest growth pause so far (segment grow, split or directory doubling), in
- * microseconds (for the growth benchmark): wall time, and the CPU time of the thread (the
- * step's own cost, without the time the thread was preempted). */
+ * microseconds (for the growth benchmark): wall time, and the CPU time of the thread (without
+ * the time the thread waited for a core; on a virtual machine, time the host took the core
+ * away may still count as the thread's). */
 uint64_t index_max_split_us(const struct index *ix);
 uint64_t index_max_split_cpu_us(const struct index *ix);
+/* Growth steps so far, and the CPU time that per_mille of them stayed within, in whole
+ * microseconds (255 stands for 255 or more). */
+uint64_t index_splits(const struct index *ix);
+uint64_t index_split_cpu_quantile_us(const struct index *ix, uint32_t per_mille);
 /* Blocks carved past the memory faulted in ahead (index_mem.h): their page faults were taken
  * under the owner's lock. */
 uint64_t index_cold_blocks(struct index *ix);

@@ -227,9 +227,15 @@ Test(index, growth_to_1m_keeps_every_entry)
     }
     double bytes_per_key = (double)index_live_bytes(ix) / (double)n;
     double held_per_key = (double)index_memory_bytes(ix) / (double)n;
-    fprintf(stderr, "index: %llu keys: %.2f B/key of slots, %.2f held, max split pause %llu us\n",
+    fprintf(stderr,
+            "index: %llu keys: %.2f B/key of slots, %.2f held, max split pause %llu us, "
+            "%llu steps, 99.9%% within %llu us of CPU\n",
             (unsigned long long)n, bytes_per_key, held_per_key,
-            (unsigned long long)index_max_split_us(ix));
+            (unsigned long long)index_max_split_us(ix), (unsigned long long)index_splits(ix),
+            (unsigned long long)index_split_cpu_quantile_us(ix, 999));
+    /* Every split adds a segment; grows and doublings are steps too. */
+    cr_expect_geq(index_splits(ix), index_segments(ix) - 1);
+    cr_expect_leq(index_split_cpu_quantile_us(ix, 500), index_split_cpu_quantile_us(ix, 999));
     cr_expect_leq(bytes_per_key, 24.5);
     cr_expect_leq(held_per_key, 30.0);
     index_destroy(ix);
@@ -395,6 +401,8 @@ Test(index, presized_index_does_not_grow)
         cr_assert_not_null(index_insert(ix, mix(seed + i), i + 1, 0));
     cr_assert_eq(index_memory_bytes(ix), before);
     cr_assert_eq(index_max_split_us(ix), 0);
+    cr_assert_eq(index_splits(ix), 0);
+    cr_assert_eq(index_split_cpu_quantile_us(ix, 999), 0);
     index_destroy(ix);
 }
 
