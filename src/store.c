@@ -422,7 +422,8 @@ static void flush_once(idem_store *s)
     int begin_rc = 0;
     if (n > 0 && s->ckr.state == CKPT_RUN_IDLE && !s->ckr.by_test && !s->closing &&
         ckpt_run_wanted(s, s->ckr.want_run > s->ckr.installed_run))
-        begin_rc = ckpt_run_begin(s); /* a failure is handled once the batch is written */
+        begin_rc = ckpt_run_begin(s);   /* a failure is handled once the batch is written */
+    if (begin_rc < 0) io_fault_clear(); /* not the call a failure of this batch is named by */
     s->flushing = 1;
     uint64_t records = wal_flush_frames(s->wal);
     int durable = s->opt.durability != IDEM_DURABILITY_NONE || flush_asked(s) || s->closing;
@@ -434,11 +435,9 @@ static void flush_once(idem_store *s)
     store_lock(s);
     s->flushing = 0;
     audit_taken_done(s, rc); /* entries of a batch that failed are not shown */
+    if (rc < 0) store_fail(s, rc, audit_rc < 0 ? "writing the audit trail" : "writing the log");
     if (begin_rc < 0) ckpt_run_failed(s, begin_rc);
-    if (rc < 0) {
-        store_fail(s, rc, audit_rc < 0 ? "writing the audit trail" : "writing the log");
-        return;
-    }
+    if (rc < 0) return;
     if (n == 0) {
         /* An imported entry, written once every change before it was durable. */
         if (wal_durable_lsn(s->wal) == wal_last_lsn(s->wal)) s->audit_durable_off = s->audit_off;
@@ -530,6 +529,7 @@ static int flusher_maintain(idem_store *s)
                         "idem: event=full reason=\"no space for the next log segment\" dir=%s\n",
                         s->dir);
             s->spare_failed_mono_ms = mono;
+            io_fault_clear(); /* handled, as ckpt_run_failed's */
         } else if (rc < 0) {
             char what[64];
             snprintf(what, sizeof what, "creating log segment %llu", (unsigned long long)seq);
@@ -2328,6 +2328,7 @@ static void ckpt_run_failed(idem_store *s, int rc)
         store_fail(s, 0, "writing a checkpoint");
         return;
     }
+    io_fault_clear(); /* handled: a later fatal error of this round must not be named after it */
     s->ckr.failures++;
     s->ckr.last_err = rc;
     s->ckr.want_run = s->ckr.installed_run;

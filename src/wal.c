@@ -559,6 +559,7 @@ int wal_flush_begin(struct wal *w, int64_t clock_ms)
 int wal_flush_io(struct wal *w, int durable)
 {
     int submitted = 0, rc = 0;
+    uint8_t flushed[WAL_CHUNKS_MAX]; /* each write's flags had IO_W_FLUSH: names a failure */
     for (; submitted < w->ninfl; submitted++) {
         struct wal_chunk *c = &w->chunks[w->infl[submitted]];
         struct wal_segment *s = seg_of(w, c->seq);
@@ -566,6 +567,7 @@ int wal_flush_io(struct wal *w, int durable)
         if (w->filler) filler_fence(w->filler, c->seq, (uint64_t)c->off + c->len);
         /* Without durability (mode none) a segment is still flushed once it is sealed. */
         unsigned flags = durable || c->seq < w->cur_seq ? IO_W_FLUSH : 0;
+        flushed[submitted] = flags != 0;
         rc = io_submit_write(w->io, s->f, c->off, c->buf, c->len, flags, (uint64_t)submitted);
         if (rc < 0) break;
     }
@@ -588,8 +590,8 @@ int wal_flush_io(struct wal *w, int durable)
             left--;
             int i = (int)cqe[k].user_data;
             struct wal_chunk *c = &w->chunks[w->infl[i]];
-            if (cqe[k].res < 0)
-                rc = rc ? rc : (int)cqe[k].res;
+            if (cqe[k].res < 0 && rc == 0) /* named for store_fail, as io_write_sync does */
+                rc = (int)io_noted(flushed[i] ? "write or its fdatasync" : "write", cqe[k].res);
             else if ((uint64_t)cqe[k].res < c->len) {
                 shorts[nshort].chunk = i;
                 shorts[nshort++].done = (uint32_t)cqe[k].res;

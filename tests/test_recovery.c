@@ -487,13 +487,84 @@ Test(recovery, a_failed_write_is_fatal_and_nothing_is_acknowledged)
     idem_stats st;
     idem_get_stats(s, &st);
     cr_assert(st.fatal);
-    cr_assert_str_eq(idem_fatal_reason(s), "writing the log: Input/output error");
+    cr_assert_str_eq(idem_fatal_reason(s),
+                     "writing the log: write or its fdatasync: Input/output error");
     idem_queue_close(q);
     store_abandon(s);
     io_sim_crash(sim, IO_SIM_CRASH_LOSE_ALL);
     cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
     expect_committed(s, 0, 5);
     cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+static void *checkpoint_main(void *arg)
+{
+    return (void *)(intptr_t)idem_checkpoint(arg);
+}
+
+/* In one round of the flusher, a failure the store handles (no room for a checkpoint's file:
+ * the checkpoint is dropped) and then a fatal one (the batch's write): the store is named after
+ * the call that failed it. It used to be named after the earlier one ("open: No space left on
+ * device"), as the write's completion was not noted. */
+Test(recovery, a_fatal_error_is_named_after_its_own_call_not_an_earlier_handled_one, .timeout = 60)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, 5);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    io_sim_hold(sim, 1); /* the first batch's write stays in flight */
+    idem_op ops[2] = {
+        {.kind = IDEM_OP_CLAIM,
+         .key = "first",
+         .key_len = 5,
+         .ttl_ms = 3600000,
+         .lease_ms = 60000,
+         .user_data = 1},
+        {.kind = IDEM_OP_CLAIM,
+         .key = "second",
+         .key_len = 6,
+         .ttl_ms = 3600000,
+         .lease_ms = 60000,
+         .user_data = 2},
+    };
+    cr_assert_eq(idem_submit(q, &ops[0], 1), 1);
+    for (int flushing = 0; !flushing; sched_yield()) {
+        store_lock(s);
+        flushing = s->flushing;
+        store_unlock(s);
+    }
+    cr_assert_eq(idem_submit(q, &ops[1], 1), 1); /* pending: the next batch */
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, checkpoint_main, s), 0);
+    for (int wanted = 0; !wanted; sched_yield()) {
+        store_lock(s);
+        wanted = s->ckr.want_run > s->ckr.installed_run;
+        store_unlock(s);
+    }
+    io_sim_fail_create(sim, ".ckpt", -ENOSPC); /* the checkpoint begins with the next batch */
+    io_sim_fail_write(sim, 2, -EIO); /* and that batch's write (the held one counts first) */
+    io_sim_hold(sim, 0);
+    idem_completion c[2];
+    int got = 0;
+    while (got < 2) {
+        int n = idem_poll(q, c + got, (size_t)(2 - got), 10000);
+        cr_assert_gt(n, 0, "no completion: %d", n);
+        got += n;
+    }
+    cr_assert_eq(c[0].user_data, 1);
+    cr_assert_eq(c[0].err, IDEM_OK, "%s", idem_strerror(c[0].err));
+    cr_assert_eq(c[1].user_data, 2);
+    cr_assert_eq(c[1].err, IDEM_EFATAL, "%s", idem_strerror(c[1].err));
+    void *ret;
+    cr_assert_eq(pthread_join(th, &ret), 0);
+    int ckpt_rc = (int)(intptr_t)ret;
+    cr_assert(ckpt_rc == IDEM_EFATAL || ckpt_rc == IDEM_EFULL, "checkpoint: %s",
+              idem_strerror(ckpt_rc));
+    cr_assert_str_eq(idem_fatal_reason(s),
+                     "writing the log: write or its fdatasync: Input/output error");
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_EFATAL);
 }
 
 /* An append that wal_room allowed goes through: here the next frame rolls to the next segment,
