@@ -2311,6 +2311,8 @@ Test(server, malloc_heap_asks_for_huge_pages_after_one_reexecution, .init = star
     char line[1024], path[64], comm[64];
     start_line(line, sizeof line);
     cr_assert(strstr(line, "malloc_hugetlb_tunable=1"), "%s", line);
+    /* The settings by the names the flags take (durability used to read 0). */
+    cr_assert(strstr(line, " durability=sync on_lease_expiry=recover "), "%s", line);
     snprintf(path, sizeof path, "/proc/%d/comm", (int)srv.pid);
     read_text(path, comm, sizeof comm);
     cr_assert_str_eq(comm, "idemd\n", "the process keeps its name");

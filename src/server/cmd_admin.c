@@ -363,9 +363,8 @@ static void info_text(srv *s, resp_buf *t, int sections)
         LINE("# Clients\r\nconnected_clients:%u\r\nmaxclients:%u\r\n\r\n", s->nlive,
              s->cfg.max_clients);
     if (sections & INFO_PERSISTENCE) {
-        static const char *const dur[] = {"sync", "batch", "none"};
         LINE("# Persistence\r\nloading:%d\r\ndurability:%s\r\n\r\n", s->loading ? 1 : 0,
-             dur[s->cfg.durability % 3]);
+             srv_durability_name(s->cfg.durability));
     }
     if ((sections & INFO_IDEM) && !s->loading) {
         idem_stats engine;
@@ -412,7 +411,6 @@ void cmd_config(cmd_req *r)
                            "idemd (restart to change them)");
     memcpy(pattern, r->argv[2], r->argl[2]);
     pattern[r->argl[2]] = '\0';
-    static const char *const dur[] = {"sync", "batch", "none"};
     const char *names[] = {"dir",        "port",       "bind",           "maxclients",
                            "timeout",    "save",       "appendonly",     "databases",
                            "durability", "unixsocket", "on-lease-expiry"};
@@ -424,9 +422,9 @@ void cmd_config(cmd_req *r)
     snprintf(v[5], sizeof v[5], "%s", "");
     snprintf(v[6], sizeof v[6], "%s", "yes");
     snprintf(v[7], sizeof v[7], "%s", "1");
-    snprintf(v[8], sizeof v[8], "%s", dur[c->durability % 3]);
+    snprintf(v[8], sizeof v[8], "%s", srv_durability_name(c->durability));
     snprintf(v[9], sizeof v[9], "%s", c->socket_path);
-    snprintf(v[10], sizeof v[10], "%s", c->lease_policy ? "review" : "recover");
+    snprintf(v[10], sizeof v[10], "%s", srv_lease_policy_name(c->lease_policy));
     size_t n = sizeof names / sizeof names[0];
     int matched = 0;
     for (size_t i = 0; i < n; i++)

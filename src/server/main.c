@@ -88,6 +88,18 @@ static int set_string(char *dst, size_t cap, const char *v)
     return 0;
 }
 
+const char *srv_durability_name(int durability)
+{
+    return durability == IDEM_DURABILITY_SYNC    ? "sync"
+           : durability == IDEM_DURABILITY_BATCH ? "batch"
+                                                 : "none";
+}
+
+const char *srv_lease_policy_name(int policy)
+{
+    return policy == IDEM_LEASE_REVIEW ? "review" : "recover";
+}
+
 static int parse_u32(const char *v, uint32_t min, uint32_t max, uint32_t *out)
 {
     uint64_t n;
@@ -370,8 +382,10 @@ int main(int argc, char **argv)
     }
     raise_nofile(&s->cfg);
     srv_log("info", "start",
-            "version=%s dir=%s durability=%d test_clock=%d users=%d malloc_hugetlb_tunable=%d",
-            IDEM_VERSION_STRING, s->cfg.dir, s->cfg.durability, s->cfg.test_clock, s->cfg.nusers,
+            "version=%s dir=%s durability=%s on_lease_expiry=%s test_clock=%d users=%d "
+            "malloc_hugetlb_tunable=%d",
+            IDEM_VERSION_STRING, s->cfg.dir, srv_durability_name(s->cfg.durability),
+            srv_lease_policy_name(s->cfg.lease_policy), s->cfg.test_clock, s->cfg.nusers,
             huge_pages_tunable());
     rc = srv_run(s);
     free(s);

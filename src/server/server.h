@@ -294,6 +294,11 @@ typedef struct srv {
     uint32_t reads_delay_ms; /* tests (--test-clock): each read waits this long first */
 } srv;
 
+/* ---- main.c ---- */
+/* The settings' names of a durability mode and a lease-expiry policy, as the flags take them. */
+const char *srv_durability_name(int durability);
+const char *srv_lease_policy_name(int policy);
+
 /* ---- loop.c ---- */
 int srv_run(srv *s);
 int64_t srv_now_ms(void); /* monotonic, for timers */
