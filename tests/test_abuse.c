@@ -1192,6 +1192,22 @@ static void *large_main(void *arg)
     return NULL;
 }
 
+/* Starts idemd with the io budget and 16 slow readers on thread *t that keep it exceeded
+ * (until stop_flag); returns the buffers' total once they do. */
+static long long start_with_slow_readers(struct slow_state *slow, pthread_t *t, uint32_t budget)
+{
+    start_idemd_with(256, budget);
+    set_big_values();
+    *slow = (struct slow_state){.n = 16};
+    atomic_store(&stop_flag, 0);
+    cr_assert(pthread_create(t, NULL, slow_main, slow) == 0);
+    long long io = 0;
+    for (int64_t end = now_ms() + 10000; now_ms() < end && io <= budget; sleep_ms(50))
+        io = stat_fresh("io_buffer_bytes");
+    cr_assert_gt(io, budget, "the slow readers did not exceed the budget (%lld bytes)", io);
+    return io;
+}
+
 /* Issue 5 (the 10,000-connection run): 48 slow readers kept the io budget exceeded, and a client
  * sending a 4 MiB request was held back with them (its input made it "heavy"), neither read on
  * nor parsed, for as long as they held the budget: not answered within 10 s. A client that is
@@ -1201,17 +1217,10 @@ Test(abuse, large_requests_starved_while_slow_readers_hold_the_budget, .timeout 
 {
     enum { N_LARGE = 2 };
     const uint32_t budget = 8u << 20;
-    start_idemd_with(256, budget);
-    set_big_values();
-    struct slow_state slow = {.n = 16};
+    struct slow_state slow;
     struct large_state large[N_LARGE] = {0};
     pthread_t t_slow, t_large[N_LARGE];
-    atomic_store(&stop_flag, 0);
-    cr_assert(pthread_create(&t_slow, NULL, slow_main, &slow) == 0);
-    long long io = 0;
-    for (int64_t end = now_ms() + 10000; now_ms() < end && io <= budget; sleep_ms(50))
-        io = stat_fresh("io_buffer_bytes");
-    cr_assert_gt(io, budget, "the slow readers did not exceed the budget (%lld bytes)", io);
+    long long io = start_with_slow_readers(&slow, &t_slow, budget);
     for (int i = 0; i < N_LARGE; i++)
         cr_assert(pthread_create(&t_large[i], NULL, large_main, &large[i]) == 0);
     long long io_min = io, io_peak = io;
@@ -1423,6 +1432,102 @@ static void *info_flood_main(void *arg)
     while (atomic_load(&f->sent) < f->n && send_all(f->fd, batch, sizeof batch) == 0)
         atomic_fetch_add(&f->sent, 64);
     return NULL;
+}
+
+static int log_has(const char *what);
+
+struct big_trickle {
+    int fd;
+    int closed; /* the server closed the connection */
+    size_t sent;
+};
+
+enum { TRICKLE_FP = 4000000, TRICKLE_FAST = 3900000 };
+
+/* Sends an IDEM.CLAIM with a 4 MB FP: 3.9 MB as fast as idemd reads it, then a byte every
+ * 200 ms, until stop_flag or the connection is closed. */
+static void *big_trickle_main(void *arg)
+{
+    struct big_trickle *t = arg;
+    static const char fill[65536];
+    char hdr[128];
+    int h = snprintf(
+        hdr, sizeof hdr,
+        "*6\r\n$10\r\nIDEM.CLAIM\r\n$10\r\ntrickle:%02d\r\n$6\r\n600000\r\n$6\r\n600000\r\n"
+        "$2\r\nFP\r\n$%d\r\n",
+        t->fd % 100, TRICKLE_FP);
+    size_t total = (size_t)h + TRICKLE_FAST;
+    while (!atomic_load(&stop_flag) && !t->closed) {
+        const char *p = t->sent < (size_t)h ? hdr + t->sent : fill;
+        size_t n = t->sent < (size_t)h ? (size_t)h - t->sent
+                   : t->sent < total
+                       ? (total - t->sent < sizeof fill ? total - t->sent : sizeof fill)
+                       : 1;
+        ssize_t w = send(t->fd, p, n, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (w > 0)
+            t->sent += (size_t)w;
+        else if (w < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)
+            t->closed = 1;
+        char b;
+        if (recv(t->fd, &b, 1, MSG_DONTWAIT) == 0) t->closed = 1;
+        sleep_ms(t->sent < total ? 5 : 200);
+    }
+    return NULL;
+}
+
+/* Over the budget an admission lasts 2 s while others wait, then its client goes back in line
+ * with the input it holds. Clients trickling large requests took admissions in turn and each
+ * kept what it had sent: six of them held about 24 MiB past a budget of 8 MiB, and more
+ * clients would have held more. Clients sent back now hold at most the admissions' share of
+ * the budget together (one 8 MiB input buffer here); past it the trickle is closed
+ * (`reason=input_stalled`), and the server answers everyone else. */
+Test(abuse, clients_trickling_large_requests_are_closed_past_the_admissions_share, .timeout = 120)
+{
+    enum { N = 6 };
+    const uint32_t budget = 8u << 20;
+    struct slow_state slow;
+    pthread_t t_slow, t_tr[N];
+    struct big_trickle tr[N];
+    long long io = start_with_slow_readers(&slow, &t_slow, budget);
+    for (int i = 0; i < N; i++) {
+        tr[i] = (struct big_trickle){.fd = raw_connect(0, 2000)};
+        cr_assert(tr[i].fd >= 0);
+        cr_assert(pthread_create(&t_tr[i], NULL, big_trickle_main, &tr[i]) == 0);
+    }
+    /* Each admission runs out 2 s after it began while others wait: N of them in turn. */
+    int closed = 0;
+    long long io_peak = io;
+    for (int64_t end = now_ms() + 2500 * (N + 2); now_ms() < end && closed < N - 3; sleep_ms(100)) {
+        io = stat_fresh("io_buffer_bytes");
+        io_peak = io > io_peak ? io : io_peak;
+        closed = 0;
+        for (int i = 0; i < N; i++)
+            closed += tr[i].closed;
+    }
+    redisContext *by = connect_unix();
+    cr_assert(by && !by->err);
+    redisReply *r = redisCommand(by, "PING");
+    cr_assert(r && r->type == REDIS_REPLY_STATUS, "a bystander is not answered");
+    freeReplyObject(r);
+    redisFree(by);
+    atomic_store(&stop_flag, 1);
+    for (int i = 0; i < N; i++)
+        pthread_join(t_tr[i], NULL);
+    pthread_join(t_slow, NULL);
+    size_t sent = 0;
+    for (int i = 0; i < N; i++) {
+        sent += tr[i].sent;
+        rst_close(tr[i].fd);
+    }
+    fprintf(stderr,
+            "abuse: %d clients trickling 4 MB requests: %d closed, %zu bytes sent in all; "
+            "io_buffer_bytes peak %lld (budget %u)\n",
+            N, closed, sent, io_peak, budget);
+    cr_assert_geq(closed, N - 3, "%d of %d trickling clients closed: they hold their input", closed,
+                  N);
+    cr_assert(log_has("reason=input_stalled"), "no input_stalled line in the log");
+    cr_assert(alive(), "idemd died (see its log in %s)", srv.dir);
+    stop_idemd();
 }
 
 /* Past half the io budget a client's allowance of replies shrinks, and its parse waits for its

@@ -19,7 +19,9 @@
  *   - a large request (SRV_IN_HEAVY_BYTES unparsed) needs an admission to be read on: big_slots()
  *     of them at once, the others wait in arrival order (a ticket each), so large requests go
  *     on one after another; while others wait, an admission lasts SRV_STALL_MS, then the
- *     client goes back in line (a client trickling a large request holds no one up for long);
+ *     client goes back in line (a client trickling a large request holds no one up for long),
+ *     with the input it holds; clients sent back so hold at most big_share() together, and
+ *     past it the trickle is closed instead, as a stalled reader is;
  *   - a client that may not parse (its pipeline full, a claim parked by WAIT) is read on only
  *     up to SRV_IN_HEAVY_BYTES unparsed and takes no admission (it would hold one in vain);
  *   - everyone else is read and parsed as usual, and a whole request is always parsed (that is
@@ -170,6 +172,8 @@ static void conn_close(srv *s, srv_conn *c, const char *why)
     srv_reads_cancel(s, c);
     if (c->big_admitted) s->big_admitted--;
     if (c->paused == PAUSE_INPUT) s->big_waiting--;
+    s->big_back_bytes -= c->big_back_bytes;
+    c->big_back_bytes = 0;
     c->big_admitted = 0;
     c->paused = PAUSE_NONE;
     srv_log_gated(&s->log_disconnect, "info", "disconnect", "id=%llu peer=%s reason=%s",
@@ -598,6 +602,12 @@ static uint32_t big_slots(const srv *s)
     return n == 0 ? 1 : n > UINT32_MAX ? UINT32_MAX : (uint32_t)n;
 }
 
+/* What clients sent back in line may hold together: as much as the admissions themselves. */
+static uint64_t big_share(const srv *s)
+{
+    return (uint64_t)big_slots(s) * SRV_IN_BUF_MAX;
+}
+
 static void conn_pause(srv *s, srv_conn *c, int why)
 {
     if (c->paused) return;
@@ -616,6 +626,8 @@ static void conn_pause(srv *s, srv_conn *c, int why)
 static void conn_unpause(srv *s, srv_conn *c)
 {
     if (c->paused == PAUSE_INPUT) s->big_waiting--;
+    s->big_back_bytes -= c->big_back_bytes;
+    c->big_back_bytes = 0;
     c->paused = PAUSE_NONE;
     conn_update_events(s, c);
 }
@@ -974,7 +986,15 @@ static srv_conn *housekeeping_sweep(srv *s, int64_t now)
         if (c->big_admitted && s->big_waiting && now - c->big_admitted_ms >= SRV_STALL_MS) {
             c->big_admitted = 0; /* a trickle must not keep the others waiting: back in line */
             s->big_admitted--;
+            /* with its input, which stays until its next admission: past the share, each
+             * admission in turn would add up to SRV_IN_BUF_MAX more */
+            if (s->big_back_bytes + c->in_cap > big_share(s)) {
+                conn_close(s, c, "input_stalled");
+                continue;
+            }
             conn_pause(s, c, PAUSE_INPUT);
+            c->big_back_bytes = c->in_cap;
+            s->big_back_bytes += c->big_back_bytes;
         }
         if (c->paused == PAUSE_INPUT && (!first || c->big_ticket < first->big_ticket)) first = c;
     }

@@ -167,6 +167,7 @@ typedef struct srv_conn {
     int big_admitted;            /* may read a large request although over the budget */
     int64_t big_admitted_ms;     /* since when */
     uint64_t big_ticket;         /* PAUSE_INPUT: its place in the queue for an admission */
+    size_t big_back_bytes;       /* PAUSE_INPUT after an admission ran out: the input it holds */
     int deferred;                /* unparsed input waits for pipeline room */
     int in_held;                 /* on srv.held */
     int in_dirty;                /* on the list of connections to write (loop.c) */
@@ -248,6 +249,7 @@ typedef struct srv {
     /* Large requests over the budget (loop.c): admitted, waiting, the last ticket handed out. */
     uint32_t big_admitted, big_waiting;
     uint64_t big_tickets;
+    uint64_t big_back_bytes; /* held by clients sent back in line (conn.big_back_bytes) */
     int64_t started_ms;
     int64_t now_us; /* the loop's clock (monotonic), read when a turn begins and before replies */
     /* IDEM.CLAIM latency, parsed to reply made (WAIT left out), in SRV_LAT_BUCKETS buckets. */
