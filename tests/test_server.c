@@ -343,6 +343,8 @@ Test(server, each_argument_past_its_field_limit_is_refused_by_number, .init = st
         {"DEL a %b", 513, 3, 512},
         {"ECHO %b", 65537, 2, 65536},
         {"IDEM.SCAN 0 COUNT %b", 4097, 4, 4096},
+        {"IDEM.AUDIT KEY %b", 513, 3, 512}, /* was held to 4096, as any other argument */
+        {"IDEM.AUDIT COUNT 5 KEY %b", 513, 5, 512},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         redisReply *r = redisCommand(c, cases[i].fmt, big, cases[i].len);
@@ -931,6 +933,11 @@ Test(server, roles_and_auth, .init = start_users)
     expect_error(cmd(c, "IDEM.RESOLVE k settle checked RESULT inv FORCE"),
                  "ERR RESULT goes with commit only");
     expect_status(cmd(c, "IDEM.RESOLVE k release checked FORCE"), "OK");
+    /* A committed record has its outcome; the refusal used to say it was in_flight or in
+     * review. */
+    expect_status(cmd(c, "SET done v NX PX 60000"), "OK");
+    expect_error(cmd(c, "IDEM.RESOLVE done settle checked FORCE"),
+                 "ERR the record is committed: it has its outcome");
     r = cmd(c, "IDEM.AUDIT COUNT 5");
     cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
     cr_assert_eq(r->elements, 1);

@@ -493,6 +493,12 @@ int cmd_complete(srv *s, srv_slot *sl, resp_buf *b, const idem_completion *cp)
             resp_integer(b, sl->acc);
         return 1;
     }
+    if (cp->err == IDEM_ESTATE && sl->kind == RK_RESOLVE) {
+        /* The engine's one state error; for a resolve it is the other way round. */
+        resp_error(b, "ERR the record is committed: it has its outcome (IDEM.RESOLVE decides "
+                      "in_flight and review records)");
+        return 1;
+    }
     if (cp->err != IDEM_OK) {
         cmd_reply_err(b, cp->err);
         return 1;

@@ -346,6 +346,15 @@ static uint32_t resolve_args(const srv *s, const uint8_t *const *argv, const uin
     return hold_args(s, argv, argl, index);
 }
 
+/* IDEM.AUDIT [KEY key] [COUNT n] [BEFORE seq] */
+static uint32_t audit_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
+                           uint32_t index)
+{
+    (void)s;
+    return index > 1 && name_is(argv[index - 1], argl[index - 1], "KEY") ? IDEM_KEY_BYTES_MAX
+                                                                         : CMD_ARG_MAX_DEFAULT;
+}
+
 /* A table entry; the name's length is taken from the literal. */
 /* clang-format off */
 #define CMD(nm, ar, ro, fl, fn, am) {nm, sizeof nm - 1, ar, ro, fl, fn, am}
@@ -360,7 +369,7 @@ const cmd_def cmd_table[] = {
     CMD("IDEM.SCAN", -2, ROLES_READ, 0, cmd_scan, NULL),
     CMD("IDEM.STATS", 1, ROLES_READ, 0, cmd_stats, NULL),
     CMD("IDEM.RESOLVE", -4, ROLE_ADMIN, CMD_F_WRITE, cmd_resolve, resolve_args),
-    CMD("IDEM.AUDIT", -1, ROLES_READ, 0, cmd_audit, NULL),
+    CMD("IDEM.AUDIT", -1, ROLES_READ, 0, cmd_audit, audit_args),
     CMD("IDEM.ATTENTION", -1, ROLES_READ, 0, cmd_attention, NULL),
     CMD("IDEM.BACKUP", 2, ROLE_ADMIN, 0, cmd_backup, NULL),
     CMD("SET", -3, ROLES_WORK, CMD_F_WRITE, cmd_set, set_args),

@@ -282,7 +282,8 @@ static int unquote_single(uint8_t *s, size_t n, size_t *i, uint8_t **out)
     return 0;
 }
 
-/* Splits line s[0..n) into words in place. Returns the count, -1 on bad quotes, -2 on too many. */
+/* Splits line s[0..n) into words in place, the first p->argc_max into p->argv. Returns the count
+ * of all of them, or -1 on bad quotes. */
 static int split_inline(resp_parser *p, uint8_t *s, size_t n)
 {
     size_t i = 0;
@@ -291,7 +292,6 @@ static int split_inline(resp_parser *p, uint8_t *s, size_t n)
         while (i < n && is_blank(s[i]))
             i++;
         if (i >= n) break;
-        if (argc >= p->argc_max) return -2;
         uint8_t *start = s + i, *o = s + i;
         if (s[i] == '"' || s[i] == '\'') {
             int r = s[i] == '"' ? unquote_double(s, n, &i, &o) : unquote_single(s, n, &i, &o);
@@ -300,8 +300,10 @@ static int split_inline(resp_parser *p, uint8_t *s, size_t n)
             while (i < n && !is_blank(s[i]))
                 *o++ = s[i++];
         }
-        p->argv[argc] = start;
-        p->argl[argc] = (uint32_t)(o - start);
+        if (argc < p->argc_max) { /* past it the words are only counted, for the refusal */
+            p->argv[argc] = start;
+            p->argl[argc] = (uint32_t)(o - start);
+        }
         argc++;
     }
     return (int)argc;
@@ -342,9 +344,9 @@ static int parse_inline(resp_parser *p, uint8_t *buf, size_t len, size_t *consum
     if (argc == -1) return fail(p, RESP_CLOSE, "ERR Protocol error: unbalanced quotes in request");
     *consumed += line + 1;
     reset_request(p);
-    if (argc == -2) {
+    if ((uint32_t)argc > p->argc_max) {
         char why[64];
-        snprintf(why, sizeof why, "too many arguments (at most %u)", p->argc_max);
+        snprintf(why, sizeof why, "too many arguments (%d, at most %u)", argc, p->argc_max);
         refusal(p, p->argv[0], p->argl[0], why);
         return RESP_REFUSED;
     }
