@@ -20,8 +20,9 @@
  *     of them at once, the others wait in arrival order (a ticket each), so large requests go
  *     on one after another; while others wait, an admission lasts SRV_STALL_MS, then the
  *     client goes back in line (a client trickling a large request holds no one up for long),
- *     with the input it holds; clients sent back so hold at most big_share() together, and
- *     past it the trickle is closed instead, as a stalled reader is;
+ *     with the input it holds; clients in line with more than 32 KiB each (admitted before)
+ *     hold at most big_share() together, and past it such a client is closed instead, as a
+ *     stalled reader is;
  *   - a client that may not parse (its pipeline full, a claim parked by WAIT) is read on only
  *     up to SRV_IN_HEAVY_BYTES unparsed and takes no admission (it would hold one in vain);
  *   - everyone else is read and parsed as usual, and a whole request is always parsed (that is
@@ -602,10 +603,18 @@ static uint32_t big_slots(const srv *s)
     return n == 0 ? 1 : n > UINT32_MAX ? UINT32_MAX : (uint32_t)n;
 }
 
-/* What clients sent back in line may hold together: as much as the admissions themselves. */
+/* What clients back in line (admitted before) may hold together: as much as the admissions. */
 static uint64_t big_share(const srv *s)
 {
     return (uint64_t)big_slots(s) * SRV_IN_BUF_MAX;
+}
+
+/* Whether c, to wait for an admission with the input it holds, more than a client never
+ * admitted can hold, would take such clients in line past big_share: then it is closed instead
+ * (a trickle that held an admission and let it run out, as a stalled reader is). */
+static int big_share_full(const srv *s, const srv_conn *c)
+{
+    return c->in_cap > 2 * SRV_IN_HEAVY_BYTES && s->big_back_bytes + c->in_cap > big_share(s);
 }
 
 static void conn_pause(srv *s, srv_conn *c, int why)
@@ -615,6 +624,10 @@ static void conn_pause(srv *s, srv_conn *c, int why)
     if (why == PAUSE_INPUT) {
         c->big_ticket = ++s->big_tickets;
         s->big_waiting++;
+        if (c->in_cap > 2 * SRV_IN_HEAVY_BYTES) { /* more than a client never admitted holds */
+            c->big_back_bytes = c->in_cap;
+            s->big_back_bytes += c->big_back_bytes;
+        }
     }
     srv_log("warn", "budget_pause", "id=%llu why=%s out=%llu in=%zu used=%llu",
             (unsigned long long)c->id, why == PAUSE_INPUT ? "large_request" : "unread_replies",
@@ -659,6 +672,8 @@ static void budget_check(srv *s, srv_conn *c)
     } else if (conn_in_pending(c) >= SRV_IN_HEAVY_BYTES && !c->big_admitted && !c->deferred) {
         if (s->big_waiting == 0 && s->big_admitted < big_slots(s))
             big_admit(s, c);
+        else if (big_share_full(s, c))
+            conn_close(s, c, "input_stalled");
         else
             conn_pause(s, c, PAUSE_INPUT);
     }
@@ -988,13 +1003,11 @@ static srv_conn *housekeeping_sweep(srv *s, int64_t now)
             s->big_admitted--;
             /* with its input, which stays until its next admission: past the share, each
              * admission in turn would add up to SRV_IN_BUF_MAX more */
-            if (s->big_back_bytes + c->in_cap > big_share(s)) {
+            if (big_share_full(s, c)) {
                 conn_close(s, c, "input_stalled");
                 continue;
             }
-            conn_pause(s, c, PAUSE_INPUT);
-            c->big_back_bytes = c->in_cap;
-            s->big_back_bytes += c->big_back_bytes;
+            conn_pause(s, c, PAUSE_INPUT); /* counted there (not if paused for its output) */
         }
         if (c->paused == PAUSE_INPUT && (!first || c->big_ticket < first->big_ticket)) first = c;
     }
@@ -1287,7 +1300,7 @@ static void on_conn_event(srv *s, uint32_t idx, uint32_t events)
     if (!c || c->fd < 0) return;
     if ((events & EPOLLIN) && !c->paused && !s->draining && !c->close_after_write) {
         budget_check(s, c);
-        if (!c->paused && conn_read(s, c) == 0) {
+        if (c->fd >= 0 && !c->paused && conn_read(s, c) == 0) {
             conn_parse(s, c);
             big_release(s, c);
         }

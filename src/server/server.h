@@ -167,7 +167,7 @@ typedef struct srv_conn {
     int big_admitted;            /* may read a large request although over the budget */
     int64_t big_admitted_ms;     /* since when */
     uint64_t big_ticket;         /* PAUSE_INPUT: its place in the queue for an admission */
-    size_t big_back_bytes;       /* PAUSE_INPUT after an admission ran out: the input it holds */
+    size_t big_back_bytes;       /* PAUSE_INPUT holding over 32 KiB (admitted before): its input */
     int deferred;                /* unparsed input waits for pipeline room */
     int in_held;                 /* on srv.held */
     int in_dirty;                /* on the list of connections to write (loop.c) */
