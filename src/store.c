@@ -1467,6 +1467,7 @@ void idem_queue_close(idem_queue *q)
         slot_durable_done(s, sl);
     for (struct qslot *sl = q->head; sl; sl = sl->lnext) /* drop parked claims of this queue */
         if (sl->state == SLOT_PARKED) waiters_remove(s, sl);
+    ops_seen_return(s, q);
     if (q->prev)
         q->prev->next = q->next;
     else
@@ -1713,7 +1714,7 @@ static size_t submit_reads(idem_queue *q, const idem_op *ops, size_t n, int only
     int any_ready = 0, more = n > 0 && ops[0].kind == IDEM_OP_CLAIM;
     struct ahead ah = {.pre = 0};
     for (int first = 1; more; first = 0) {
-        struct read_run run;
+        struct read_run run = {.q = q};
         if (!first || !only_free)
             pthread_rwlock_rdlock(&s->rw);
         else if (pthread_rwlock_tryrdlock(&s->rw) != 0)

@@ -123,6 +123,9 @@ struct idem_queue {
     struct idem_queue *wake_next;
     int wake_listed;
     uint32_t pins;
+    /* Repeat counter entries this queue's readers took from the table in one go and have not
+     * handed out yet: [seen_next, seen_end) (ops.c read_seen_take); freed at close. */
+    uint32_t seen_next, seen_end;
     struct idem_queue *next, *prev;
     /* Poll results kept valid until the next call. */
     struct qslot **returned;
@@ -468,6 +471,7 @@ void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_
  * store clock's reading its claims share, its place in the claims of the last minute, and its
  * tallies, added to the store's counters at its end. */
 struct read_run {
+    idem_queue *q; /* whose claims: the repeat counter entries it took ahead */
     int64_t now;
     int minute;
     uint64_t done, counted; /* claims answered; those without an error */
@@ -523,6 +527,8 @@ uint64_t ops_hash(idem_store *s, const void *key, uint32_t key_len);
 void ops_fill_record(struct qslot *sl, const struct rec *r, struct index_slot *slot, idem_store *s);
 int ops_rec_expired(const struct rec *r, int64_t now);
 void ops_seen_release(idem_store *s, struct index_slot *slot);
+/* Gives the repeat counter entries q took ahead back to the free list (mu held). */
+void ops_seen_return(idem_store *s, idem_queue *q);
 /* The tier of repeat counter i < SEEN_CHUNK, and where that tier begins. */
 static inline uint32_t store_seen_tier(uint32_t i)
 {
