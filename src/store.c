@@ -423,7 +423,6 @@ static void flush_once(idem_store *s)
     if (n > 0 && s->ckr.state == CKPT_RUN_IDLE && !s->ckr.by_test && !s->closing &&
         ckpt_run_wanted(s, s->ckr.want_run > s->ckr.installed_run))
         begin_rc = ckpt_run_begin(s); /* a failure is handled once the batch is written */
-    if (begin_rc == IDEM_EFULL) io_fault_clear(); /* handled: no name for this batch's failure */
     s->flushing = 1;
     uint64_t records = wal_flush_frames(s->wal);
     int durable = s->opt.durability != IDEM_DURABILITY_NONE || flush_asked(s) || s->closing;

@@ -590,9 +590,10 @@ int wal_flush_io(struct wal *w, int durable)
             left--;
             int i = (int)cqe[k].user_data;
             struct wal_chunk *c = &w->chunks[w->infl[i]];
-            if (cqe[k].res < 0 && rc == 0) /* named for store_fail, as io_write_sync does */
-                rc = (int)io_noted(flushed[i] ? "write or its fdatasync" : "write", cqe[k].res);
-            else if ((uint64_t)cqe[k].res < c->len) {
+            if (cqe[k].res < 0) { /* named for store_fail, as io_write_sync does */
+                if (rc == 0)
+                    rc = (int)io_noted(flushed[i] ? "write or its fdatasync" : "write", cqe[k].res);
+            } else if ((uint64_t)cqe[k].res < c->len) {
                 shorts[nshort].chunk = i;
                 shorts[nshort++].done = (uint32_t)cqe[k].res;
             }

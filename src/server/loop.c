@@ -609,12 +609,19 @@ static uint64_t big_share(const srv *s)
     return (uint64_t)big_slots(s) * SRV_IN_BUF_MAX;
 }
 
-/* Whether c, to wait for an admission with the input it holds, more than a client never
- * admitted can hold, would take such clients in line past big_share: then it is closed instead
- * (a trickle that held an admission and let it run out, as a stalled reader is). */
+/* Whether c holds more input than a client never admitted can (it took an admission, or was
+ * read before the budget was passed): counted in big_back_bytes while it waits in line. */
+static int big_holder(const srv_conn *c)
+{
+    return c->in_cap > 2 * SRV_IN_HEAVY_BYTES;
+}
+
+/* Whether c, to wait in line with the input it holds, would take such holders past big_share:
+ * then it is closed instead (a trickle that held an admission and let it run out, as a stalled
+ * reader is). */
 static int big_share_full(const srv *s, const srv_conn *c)
 {
-    return c->in_cap > 2 * SRV_IN_HEAVY_BYTES && s->big_back_bytes + c->in_cap > big_share(s);
+    return big_holder(c) && s->big_back_bytes + c->in_cap > big_share(s);
 }
 
 static void conn_pause(srv *s, srv_conn *c, int why)
@@ -624,7 +631,7 @@ static void conn_pause(srv *s, srv_conn *c, int why)
     if (why == PAUSE_INPUT) {
         c->big_ticket = ++s->big_tickets;
         s->big_waiting++;
-        if (c->in_cap > 2 * SRV_IN_HEAVY_BYTES) { /* more than a client never admitted holds */
+        if (big_holder(c)) {
             c->big_back_bytes = c->in_cap;
             s->big_back_bytes += c->big_back_bytes;
         }
