@@ -1152,7 +1152,7 @@ void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_
     s->hash_cache_on = 0;
     s->hash_key = NULL;
     wal_check_scope(s->wal, 0);
-    if (s->fatal && sl->need_lsn > s->durable_lsn) {
+    if (s->fatal && (sl->need_lsn > s->durable_lsn || store_clock_waits(s, sl))) {
         sl->c.err = IDEM_EFATAL;
         sl->c.outcome = 0;
     }

@@ -4,9 +4,10 @@
  * clock, scans, stats, checkpoints and backups. The rules over one key live in ops.c.
  *
  * Invariants: every completion a queue delivers in sync mode depends only on LSNs <=
- * durable_lsn; at most one batch is in flight (flushing); after fatal is set no change is
- * applied and no not-yet-durable completion reports success; whoever holds mu holds rw's write
- * side too (store_lock), so repeats answered under its read side (submit_reads) see nothing move.
+ * durable_lsn and, on the test clock, on a clock that is durable (clock_saved); at most one batch
+ * is in flight (flushing); after fatal is set no change is applied and no not-yet-durable
+ * completion reports success; whoever holds mu holds rw's write side too (store_lock), so repeats
+ * answered under its read side (submit_reads) see nothing move.
  */
 #include "store.h"
 
@@ -105,14 +106,35 @@ int64_t idem_clock_now(idem_store *s)
     return now;
 }
 
-/* The test clock to ms (mu held): never back, never so far that a time plus a ttl overflows. */
+/* The test clock to ms (mu held): never back, never so far that a time plus a ttl overflows.
+ * A reopen after a crash starts from the clock of the last END frame or superblock written, so
+ * a move is durable once either carries it (clock_saved). Until then no completion is
+ * delivered where durability is waited for (store_clock_waits): an answer given after the move
+ * (a key expired by it) stays true after a crash. The flusher's next batch carries it, or with
+ * none coming the superblock (flusher_save_clock). */
 static int clock_set_locked(idem_store *s, int64_t ms)
 {
     if (ms < s->clk_last_ms || ms > STORE_CLOCK_MS_MAX) return IDEM_EINVAL;
     s->clk_last_ms = ms;
+    if (!s->opt.read_only && !s->fatal) { /* failed, the store makes nothing durable again */
+        s->clk_save_ms = ms;
+        s->clk_wanted = 1;
+        pthread_cond_signal(&s->cond_flush);
+    }
     ops_wake(s, NULL, 0);
     pthread_cond_broadcast(&s->cond_ready);
     return 0;
+}
+
+/* Whether the last move of the test clock is durable (always, without the test clock). */
+static int clock_saved(const idem_store *s)
+{
+    return s->clk_save_ms <= s->sb.store_clock_ms || s->clk_save_ms <= s->clk_durable_ms;
+}
+
+int store_clock_waits(const idem_store *s, const struct qslot *sl)
+{
+    return !clock_saved(s) && (s->opt.durability == IDEM_DURABILITY_SYNC || sl->durable_wait);
 }
 
 int idem_clock_set(idem_store *s, int64_t ms)
@@ -140,9 +162,9 @@ int idem_clock_advance(idem_store *s, int64_t delta_ms)
  * token_reserved may be handed out again, so no crash or durability mode repeats one. */
 int store_next_token(idem_store *s, int64_t *out)
 {
+    if (s->token_next >= IDEM_TOKEN_MAX) return IDEM_EFULL;
     if ((uint64_t)s->token_next >= s->sb.token_reserved)
         return IDEM_EBUSY; /* store_room waits for headroom first; not reached normally */
-    if (s->token_next >= IDEM_TOKEN_MAX) return IDEM_EFULL;
     *out = s->token_next++;
     return 0;
 }
@@ -153,9 +175,16 @@ static uint64_t token_headroom(const idem_store *s)
     return s->sb.token_reserved > next ? s->sb.token_reserved - next : 0;
 }
 
+/* Whether the reservation reached the last token: the superblock refuses more, and claims past
+ * it answer FULL (store_next_token), so neither the flusher nor an append waits for more. */
+static int token_reserved_all(const idem_store *s)
+{
+    return s->sb.token_reserved >= (uint64_t)IDEM_TOKEN_MAX;
+}
+
 static int token_headroom_low(const idem_store *s)
 {
-    return token_headroom(s) < STORE_TOKEN_BLOCK / 2;
+    return token_headroom(s) < STORE_TOKEN_BLOCK / 2 && !token_reserved_all(s);
 }
 
 void store_let_others_in(idem_store *s)
@@ -183,12 +212,15 @@ void store_flusher_relock(idem_store *s)
     pthread_cond_broadcast(&s->cond_ready); /* store_wait_durable waits on flushing */
 }
 
-/* Flusher (mu held, no batch in flight): moves the token reservation ahead. Until the new
- * superblock is durable, tokens come from the old reservation. */
+/* Flusher (mu held, no batch in flight): moves the token reservation ahead, and writes the
+ * store clock with it. Until the new superblock is durable, tokens come from the old
+ * reservation. */
 static int reserve_tokens(idem_store *s)
 {
     struct super sb = s->sb;
     sb.token_reserved = (uint64_t)s->token_next + STORE_TOKEN_BLOCK;
+    if (sb.token_reserved > (uint64_t)IDEM_TOKEN_MAX) /* after an import near the last token */
+        sb.token_reserved = (uint64_t)IDEM_TOKEN_MAX;
     sb.store_clock_ms = s->clk_last_ms;
     sb.audit_len = s->audit_durable_off;
     store_flusher_unlock(s);
@@ -204,7 +236,8 @@ static int slot_ready(const idem_store *s, const struct qslot *sl)
 {
     if (sl->state != SLOT_DONE) return 0;
     return (s->opt.durability != IDEM_DURABILITY_SYNC && !sl->durable_wait) ||
-           sl->need_lsn <= s->durable_lsn || sl->c.err == IDEM_EFATAL;
+           (sl->need_lsn <= s->durable_lsn && !store_clock_waits(s, sl)) ||
+           sl->c.err == IDEM_EFATAL;
 }
 
 /* Someone waits for a flush that durability batch or none would not make now. */
@@ -389,7 +422,8 @@ void store_fail(idem_store *s, int err, const char *during)
     for (struct idem_queue *q = s->queues; q; q = q->next) {
         for (uint32_t i = 0; i < q->depth; i++) {
             struct qslot *sl = &q->slots[i];
-            if (sl->state == SLOT_DONE && sl->need_lsn > s->durable_lsn) {
+            if (sl->state == SLOT_DONE &&
+                (sl->need_lsn > s->durable_lsn || store_clock_waits(s, sl))) {
                 sl->c.err = IDEM_EFATAL;
                 sl->c.outcome = 0;
             }
@@ -444,7 +478,10 @@ static void flush_once(idem_store *s)
         return;
     }
     s->durable_lsn = wal_flush_end(s->wal, durable);
-    if (durable) s->audit_durable_off = s->audit_off; /* the changes of every unit written */
+    if (durable) {
+        s->audit_durable_off = s->audit_off; /* the changes of every unit written */
+        s->clk_durable_ms = now;             /* the clock its END frame carries */
+    }
     s->last_flush_mono_ms = mono_now(s);
     s->st.flushes++;
     s->st.flush_records += records;
@@ -550,6 +587,30 @@ static int flusher_maintain(idem_store *s)
     return released;
 }
 
+/* A move of the test clock that no batch carried (clock_set_locked) goes to the superblock, once
+ * nothing is pending: after compaction's steps in the flusher's round, whose batch would carry
+ * it too (a test that holds the disk's completions sees that batch's flush first). Returns 1
+ * when it did anything (the round goes on). */
+static int flusher_save_clock(idem_store *s)
+{
+    if (!s->clk_wanted || s->fatal || s->closing || s->abandoned) return 0;
+    if (!clock_saved(s)) {
+        if (wal_pending(s->wal)) return 0;
+        if (reserve_tokens(s) < 0) {
+            store_fail(s, 0, "writing the test clock to the superblock");
+            return 1;
+        }
+    }
+    /* Saved here, or by another write of the superblock this round (a checkpoint's install, the
+     * token reservation), which wakes no queue: completions waited for it (store_clock_waits).
+     * Not saved if the clock moved again while mu was let go of: the next round writes it. */
+    if (clock_saved(s)) {
+        s->clk_wanted = 0;
+        notify_ready(s);
+    }
+    return 1;
+}
+
 static int checkpoint_locked(idem_store *s);
 static int ckpt_run_step(idem_store *s, int now);
 
@@ -634,6 +695,7 @@ static void *flusher_main(void *arg)
             store_lock(s);
             stepped = 1;
         }
+        stepped |= flusher_save_clock(s);
         /* A step of the age heaps' filtering (ages.c), then callers get the lock again. */
         int tidied = !s->abandoned && !s->fatal && !s->closing && ages_tidy(s);
         if (tidied) {
@@ -702,7 +764,7 @@ static void store_appended(idem_store *s)
 static int room_ok_for(idem_store *s, uint32_t bytes)
 {
     if (s->ckpt_quiesce) return IDEM_EBUSY; /* a checkpoint is being taken at this log position */
-    if (token_headroom(s) < 64) return IDEM_EBUSY;
+    if (token_headroom(s) < 64 && !token_reserved_all(s)) return IDEM_EBUSY;
     return wal_room(s->wal, bytes);
 }
 
@@ -733,7 +795,9 @@ int store_wait_durable(idem_store *s)
 {
     uint64_t target = wal_last_lsn(s->wal);
     s->sync_waiters++;
-    while (!s->fatal && (s->durable_lsn < target || s->flushing)) {
+    /* and for a move of the test clock, but in the close, whose checkpoint writes the clock */
+    while (!s->fatal &&
+           (s->durable_lsn < target || s->flushing || (!s->closing && !clock_saved(s)))) {
         pthread_cond_signal(&s->cond_flush);
         store_wait(s, &s->cond_ready);
     }

@@ -4089,9 +4089,8 @@ Test(version, an_import_moves_tokens_above_the_imported_ones)
     expect_rc(commit("imp", 1000, "x"), IDEM_ESTALE);
 }
 
-/* A token imported far above the reservation, then a close at once (no flusher round between):
- * the close's checkpoint records a reservation above it, so tokens after the reopen are too. */
-Test(version, an_imported_token_is_never_handed_out_again_after_a_close)
+/* Imports the committed record "imp" with token; returns the token. */
+static int64_t import_committed(int64_t token)
 {
     idem_record in;
     memset(&in, 0, sizeof in);
@@ -4102,10 +4101,33 @@ Test(version, an_imported_token_is_never_handed_out_again_after_a_close)
     in.expires_at_ms = t0 + TTL;
     in.seen_count = 1;
     in.attempts = 1;
-    in.token = 1ll << 40;
+    in.token = token;
     expect_rc(idem_import_record(g_q, &in), IDEM_OK);
+    return token;
+}
+
+/* A token imported within a reservation block of the last one: the flusher reserved tokens
+ * past IDEM_TOKEN_MAX, and the superblock it wrote was refused at the next open as out of
+ * range (a helper's review). The reservation stops at the last token; claims past it answer
+ * FULL. */
+Test(version, an_import_near_the_last_token_leaves_a_store_that_opens)
+{
+    import_committed(IDEM_TOKEN_MAX - 2);
+    cr_assert_eq(claim_new("last"), IDEM_TOKEN_MAX - 1); /* the flusher reserves meanwhile */
+    expect_rc(idem_sync(g_s), IDEM_OK);
+    reopen();
+    idem_completion c;
+    int rc = claim_rc("past", 4, TTL, LEASE, NULL, NULL, &c);
+    cr_assert_eq(rc, IDEM_EFULL, "%s", idem_strerror(rc));
+}
+
+/* A token imported far above the reservation, then a close at once (no flusher round between):
+ * the close's checkpoint records a reservation above it, so tokens after the reopen are too. */
+Test(version, an_imported_token_is_never_handed_out_again_after_a_close)
+{
+    int64_t imported = import_committed(1ll << 40);
     reopen();
     int64_t tok = claim_new("after");
-    cr_assert_gt(tok, in.token, "token %lld handed out again after the import of %lld",
-                 (long long)tok, (long long)in.token);
+    cr_assert_gt(tok, imported, "token %lld handed out again after the import of %lld",
+                 (long long)tok, (long long)imported);
 }
