@@ -80,6 +80,8 @@ int cmd_stats_read(const srv *s, idem_stats *engine, cmd_stat *out)
     STAT("total_connections", s->total_connections);
     STAT("total_commands", s->total_commands);
     STAT("rejected_connections", s->rejected_connections);
+    STAT("clients_closed_input_stalled", s->closed_input_stalled);
+    STAT("clients_closed_output_stalled", s->closed_output_stalled);
     STAT("io_buffer_bytes", s->io_used);
     STAT("claim_latency_us_count", s->claim_latencies);
     STAT("claim_latency_us_sum", s->claim_latency_us_sum);

@@ -20,9 +20,12 @@
  *     of them at once, the others wait in arrival order (a ticket each), so large requests go
  *     on one after another; while others wait, an admission lasts SRV_STALL_MS, then the
  *     client goes back in line (a client trickling a large request holds no one up for long),
- *     with the input it holds; clients in line with more than 32 KiB each (admitted before)
- *     hold at most big_share() together, and past it such a client is closed instead, as a
- *     stalled reader is;
+ *     with the input it holds. Clients holding a large request in part (16 KiB of it, in a
+ *     buffer over 32 KiB: admitted before, or read before the budget was passed) without an
+ *     admission are counted (big_back_bytes), whatever holds them up; while they hold more
+ *     than big_share() only they are admitted, and once those holding it for SRV_STALL_MS
+ *     hold more, the one that began last is closed, as a stalled reader is
+ *     (big_back_enforce). A large buffer holding less is given back (conn_compact_in);
  *   - a client that may not parse (its pipeline full, a claim parked by WAIT) is read on only
  *     up to SRV_IN_HEAVY_BYTES unparsed and takes no admission (it would hold one in vain);
  *   - everyone else is read and parsed as usual, and a whole request is always parsed (that is
@@ -98,17 +101,55 @@ static srv_slot *slot_of(srv_conn *c, uint32_t seq)
     return &c->slots[seq & (c->slot_cap - 1)];
 }
 
+/* Whether c holds more input than a client never admitted can (it took an admission, or was
+ * read before the budget was passed). */
+static int big_holder(const srv_conn *c)
+{
+    return c->in_cap > 2 * SRV_IN_HEAVY_BYTES;
+}
+
+/* Whether c holds a large request in part (16 KiB of it unparsed: the parser consumes nothing
+ * of a request until it is whole) in a buffer larger than big_holder's bound; held, without an
+ * admission: whatever holds it up (waiting in line, paused for its replies, unable to parse, or
+ * sending nothing more). */
+static int big_back_partial(const srv_conn *c)
+{
+    return c->fd >= 0 && big_holder(c) && c->in_len - c->in_start >= SRV_IN_HEAVY_BYTES;
+}
+
+static int big_back_held(const srv_conn *c)
+{
+    return big_back_partial(c) && !c->big_admitted;
+}
+
+/* Keeps c's share of big_back_bytes (see the head of this file) to its state: its whole input
+ * buffer while big_back_held, nothing otherwise; and since when it holds its large request in
+ * part, admitted or not (an admission that runs out does not make a trickle new). Called at
+ * each change of those (conn_update_events, conn_account, the admissions, conn_parse). */
+static void big_back_count(srv *s, srv_conn *c)
+{
+    size_t want = big_back_held(c) ? c->in_cap : 0;
+    s->big_back_bytes = s->big_back_bytes - c->big_back_bytes + want;
+    c->big_back_bytes = want;
+    if (!big_back_partial(c))
+        c->big_back_since_ms = 0;
+    else if (!c->big_back_since_ms)
+        c->big_back_since_ms = srv_now_ms();
+}
+
 static void conn_account(srv *s, srv_conn *c)
 {
     uint64_t now = c->in_cap + c->out.cap + c->slot_bytes;
     s->io_used = s->io_used - c->io_bytes + now;
     c->io_bytes = now;
+    big_back_count(s, c);
 }
 
 static int over_budget(const srv *s);
 
 static void conn_update_events(srv *s, srv_conn *c)
 {
+    big_back_count(s, c);
     if (c->fd < 0) return;
     /* EPOLLRDHUP always: a client that hangs up while it is not read (QUIT, paused, held back)
      * is noticed all the same, so that its claims parked by WAIT are cancelled at once. Not
@@ -177,6 +218,8 @@ static void conn_close(srv *s, srv_conn *c, const char *why)
     c->big_back_bytes = 0;
     c->big_admitted = 0;
     c->paused = PAUSE_NONE;
+    if (strcmp(why, "input_stalled") == 0) s->closed_input_stalled++;
+    if (strcmp(why, "output_stalled") == 0) s->closed_output_stalled++;
     srv_log_gated(&s->log_disconnect, "info", "disconnect", "id=%llu peer=%s reason=%s",
                   (unsigned long long)c->id, c->peer, why);
     epoll_ctl(s->epfd, EPOLL_CTL_DEL, c->fd, NULL);
@@ -508,7 +551,11 @@ void srv_flush_ops(srv *s)
 
 /* ---- reading and parsing ---- */
 
-static int conn_grow_in(srv_conn *c)
+/* Moves what is unparsed to the start of c's input buffer (no operation may point into it:
+ * the batch that referenced it was submitted), and gives back a buffer larger than
+ * big_holder's bound that holds less than SRV_IN_HEAVY_BYTES: once a large request is parsed,
+ * a client that always leaves a small one in part does not keep SRV_IN_BUF_MAX for good. */
+static void conn_compact_in(srv_conn *c)
 {
     if (c->in_start > 0) {
         memmove(c->in, c->in + c->in_start, c->in_len - c->in_start);
@@ -520,7 +567,18 @@ static int conn_grow_in(srv_conn *c)
         free(c->in);
         c->in = NULL;
         c->in_cap = 0;
+    } else if (big_holder(c) && c->in_len < SRV_IN_HEAVY_BYTES) {
+        uint8_t *n = realloc(c->in, 2 * SRV_IN_HEAVY_BYTES);
+        if (n) {
+            c->in = n;
+            c->in_cap = 2 * SRV_IN_HEAVY_BYTES;
+        }
     }
+}
+
+static int conn_grow_in(srv_conn *c)
+{
+    conn_compact_in(c);
     size_t room = c->in_cap - c->in_len;
     if (room >= SRV_READ_CHUNK / 4) return 0;
     /* A full-size buffer is read into while it has room: a request of SRV_REQ_MAX bytes leaves
@@ -609,19 +667,41 @@ static uint64_t big_share(const srv *s)
     return (uint64_t)big_slots(s) * SRV_IN_BUF_MAX;
 }
 
-/* Whether c holds more input than a client never admitted can (it took an admission, or was
- * read before the budget was passed): counted in big_back_bytes while it waits in line. */
-static int big_holder(const srv_conn *c)
+/* Over the budget, clients counted by big_back_count that have held their large request in
+ * part for SRV_STALL_MS or longer (admitted meanwhile or not) hold at most big_share()
+ * together: past it the one that began last is closed, and the next, until they fit (a
+ * trickle that held an admission and let it run out, as a stalled reader is). A client holding
+ * its request for less is left alone: one whose pipeline is full for a turn, behind replies it
+ * is reading, holds it only that long. Housekeeping. */
+static void big_back_enforce(srv *s, int64_t now)
 {
-    return c->in_cap > 2 * SRV_IN_HEAVY_BYTES;
+    if (!over_budget(s) || s->big_back_bytes <= big_share(s)) return;
+    uint64_t held = 0;
+    for (uint32_t i = 0; i < s->conns_cap; i++) {
+        const srv_conn *c = s->conns[i];
+        if (c && c->big_back_bytes && now - c->big_back_since_ms >= SRV_STALL_MS)
+            held += c->big_back_bytes;
+    }
+    while (held > big_share(s)) {
+        srv_conn *last = NULL;
+        for (uint32_t i = 0; i < s->conns_cap; i++) {
+            srv_conn *c = s->conns[i];
+            if (c && c->big_back_bytes && now - c->big_back_since_ms >= SRV_STALL_MS &&
+                (!last || c->big_back_since_ms > last->big_back_since_ms))
+                last = c;
+        }
+        held -= last->big_back_bytes;
+        conn_close(s, last, "input_stalled");
+    }
 }
 
-/* Whether c, to wait in line with the input it holds, would take such holders past big_share:
- * then it is closed instead (a trickle that held an admission and let it run out, as a stalled
- * reader is). */
-static int big_share_full(const srv *s, const srv_conn *c)
+/* Whether c may take an admission when one is free: over the budget, not while the clients
+ * counted by big_back_count hold more than big_share() (counted for less than SRV_STALL_MS too:
+ * else each admission in turn could add SRV_IN_BUF_MAX more before the first could be
+ * closed), unless c is one of them: it holds its input already, and its admission frees it. */
+static int big_admissible(const srv *s, const srv_conn *c)
 {
-    return big_holder(c) && s->big_back_bytes + c->in_cap > big_share(s);
+    return !over_budget(s) || c->big_back_bytes || s->big_back_bytes <= big_share(s);
 }
 
 static void conn_pause(srv *s, srv_conn *c, int why)
@@ -631,10 +711,6 @@ static void conn_pause(srv *s, srv_conn *c, int why)
     if (why == PAUSE_INPUT) {
         c->big_ticket = ++s->big_tickets;
         s->big_waiting++;
-        if (big_holder(c)) {
-            c->big_back_bytes = c->in_cap;
-            s->big_back_bytes += c->big_back_bytes;
-        }
     }
     srv_log("warn", "budget_pause", "id=%llu why=%s out=%llu in=%zu used=%llu",
             (unsigned long long)c->id, why == PAUSE_INPUT ? "large_request" : "unread_replies",
@@ -646,8 +722,6 @@ static void conn_pause(srv *s, srv_conn *c, int why)
 static void conn_unpause(srv *s, srv_conn *c)
 {
     if (c->paused == PAUSE_INPUT) s->big_waiting--;
-    s->big_back_bytes -= c->big_back_bytes;
-    c->big_back_bytes = 0;
     c->paused = PAUSE_NONE;
     conn_update_events(s, c);
 }
@@ -659,15 +733,17 @@ static void big_admit(srv *s, srv_conn *c)
     c->big_admitted = 1;
     c->big_admitted_ms = srv_now_ms();
     s->big_admitted++;
+    big_back_count(s, c);
 }
 
 /* An admitted client gives its admission up once its large request is parsed, or once it
- * cannot parse (its input is then held by conn_update_events). */
+ * cannot parse (its input is then held by conn_update_events, and counted by big_back_count). */
 static void big_release(srv *s, srv_conn *c)
 {
     if (!c->big_admitted || (conn_in_pending(c) >= SRV_IN_HEAVY_BYTES && !c->deferred)) return;
     c->big_admitted = 0;
     s->big_admitted--;
+    big_back_count(s, c);
 }
 
 /* Before a read: over the budget, a client is held back only for what it holds itself. */
@@ -677,10 +753,8 @@ static void budget_check(srv *s, srv_conn *c)
     if (conn_out_weight(c) >= SRV_HEAVY_BYTES) {
         conn_pause(s, c, PAUSE_OUTPUT); /* its requests would only wait unparsed */
     } else if (conn_in_pending(c) >= SRV_IN_HEAVY_BYTES && !c->big_admitted && !c->deferred) {
-        if (s->big_waiting == 0 && s->big_admitted < big_slots(s))
+        if (s->big_waiting == 0 && s->big_admitted < big_slots(s) && big_admissible(s, c))
             big_admit(s, c);
-        else if (big_share_full(s, c))
-            conn_close(s, c, "input_stalled");
         else
             conn_pause(s, c, PAUSE_INPUT);
     }
@@ -700,9 +774,16 @@ static int engine_room(const srv *s)
 static void conn_shed_input(srv *s, srv_conn *c)
 {
     const resp_parser *p = &c->parser;
-    if (s->nops || c->fd < 0 || !c->in || c->in_start != c->in_len || p->in_array ||
-        p->discarding || p->pos)
-        return; /* only between requests: a partial one refers to the buffer */
+    if (s->nops || c->fd < 0 || !c->in) return;
+    if (c->in_start != c->in_len || p->in_array || p->discarding || p->pos) {
+        /* A partial request is kept; a large buffer holding little gives the rest back, also
+         * while c is not read (conn_compact_in). */
+        if (big_holder(c) && c->in_len - c->in_start < SRV_IN_HEAVY_BYTES) {
+            conn_compact_in(c);
+            conn_account(s, c);
+        }
+        return;
+    }
     free(c->in);
     c->in = NULL;
     c->in_cap = c->in_len = c->in_start = 0;
@@ -758,7 +839,7 @@ static void conn_refuse(srv *s, srv_conn *c, const char *err)
     srv_reply_done(s, c, seq);
 }
 
-static void conn_parse(srv *s, srv_conn *c)
+static void conn_parse_requests(srv *s, srv_conn *c)
 {
     if (c->deferred) {
         c->deferred = 0;
@@ -814,6 +895,14 @@ static void conn_parse(srv *s, srv_conn *c)
             cmd_dispatch(s, c, seq, c->parser.nargs, c->parser.argv, c->parser.argl);
         }
     }
+}
+
+/* Parses what c sent, as far as it may; what c then holds unparsed is counted again
+ * (big_back_count). */
+static void conn_parse(srv *s, srv_conn *c)
+{
+    conn_parse_requests(s, c);
+    big_back_count(s, c);
 }
 
 /* ---- writing ---- */
@@ -1010,22 +1099,41 @@ static srv_conn *housekeeping_sweep(srv *s, int64_t now)
             s->big_admitted--;
             /* with its input, which stays until its next admission: past the share, each
              * admission in turn would add up to SRV_IN_BUF_MAX more */
-            if (big_share_full(s, c)) {
-                conn_close(s, c, "input_stalled");
-                continue;
-            }
-            conn_pause(s, c, PAUSE_INPUT); /* counted there (not if paused for its output) */
+            conn_pause(s, c, PAUSE_INPUT); /* (or stays paused for its output) */
+            big_back_count(s, c);
         }
-        if (c->paused == PAUSE_INPUT && (!first || c->big_ticket < first->big_ticket)) first = c;
+        if (c->paused == PAUSE_INPUT && big_admissible(s, c) &&
+            (!first || c->big_ticket < first->big_ticket))
+            first = c;
     }
     return first;
 }
+
+#ifndef NDEBUG
+/* Debug builds: big_back_bytes is the sum of the connections' shares, each as big_back_count
+ * makes it (a change of state that missed it would let input in line go uncounted). */
+static void big_back_verify(const srv *s)
+{
+    uint64_t sum = 0;
+    for (uint32_t i = 0; i < s->conns_cap; i++) {
+        const srv_conn *c = s->conns[i];
+        if (!c) continue;
+        IDEM_DEBUG_ASSERT(c->big_back_bytes == (big_back_held(c) ? c->in_cap : 0));
+        sum += c->big_back_bytes;
+    }
+    IDEM_DEBUG_ASSERT(sum == s->big_back_bytes);
+}
+#endif
 
 static void housekeeping(srv *s, int64_t now)
 {
     metrics_tick(s, now);
     listeners_resume(s, now);
     srv_conn *first = housekeeping_sweep(s, now);
+#ifndef NDEBUG
+    big_back_verify(s);
+#endif
+    big_back_enforce(s, now);
     int unpause_all = budget_pressure(s) <= s->cfg.io_budget_bytes / 4 * 3;
     for (uint32_t i = 0; i < s->conns_cap; i++) {
         srv_conn *c = s->conns[i];
@@ -1042,7 +1150,8 @@ static void housekeeping(srv *s, int64_t now)
             conn_close(s, c, "idle_timeout");
     }
     /* Admissions in arrival order; the sweep found the oldest, later ones wait a turn each. */
-    if (first && first->fd >= 0 && first->paused == PAUSE_INPUT && s->big_admitted < big_slots(s))
+    if (first && first->fd >= 0 && first->paused == PAUSE_INPUT && s->big_admitted < big_slots(s) &&
+        big_admissible(s, first))
         big_admit(s, first);
 }
 

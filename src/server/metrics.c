@@ -24,12 +24,25 @@
 
 static int is_counter(const char *name)
 {
-    static const char *const counters[] = {
-        "claims_new",          "claims_busy",   "claims_done",       "claims_mismatch",
-        "claims_recover",      "claims_review", "mismatches",        "recoveries",
-        "conflicting_commits", "expired_total", "flushes",           "flush_records",
-        "checkpoints",         "compactions",   "total_connections", "total_commands",
-        "rejected_connections"};
+    static const char *const counters[] = {"claims_new",
+                                           "claims_busy",
+                                           "claims_done",
+                                           "claims_mismatch",
+                                           "claims_recover",
+                                           "claims_review",
+                                           "mismatches",
+                                           "recoveries",
+                                           "conflicting_commits",
+                                           "expired_total",
+                                           "flushes",
+                                           "flush_records",
+                                           "checkpoints",
+                                           "compactions",
+                                           "total_connections",
+                                           "total_commands",
+                                           "rejected_connections",
+                                           "clients_closed_input_stalled",
+                                           "clients_closed_output_stalled"};
     for (size_t i = 0; i < sizeof counters / sizeof counters[0]; i++)
         if (strcmp(name, counters[i]) == 0) return 1;
     return 0;

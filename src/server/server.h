@@ -167,7 +167,8 @@ typedef struct srv_conn {
     int big_admitted;            /* may read a large request although over the budget */
     int64_t big_admitted_ms;     /* since when */
     uint64_t big_ticket;         /* PAUSE_INPUT: its place in the queue for an admission */
-    size_t big_back_bytes;       /* PAUSE_INPUT holding over 32 KiB (admitted before): its input */
+    size_t big_back_bytes;       /* its input, while it holds over 32 KiB unread on (loop.c) */
+    int64_t big_back_since_ms;   /* since when it holds a large request in part (loop.c) */
     int deferred;                /* unparsed input waits for pipeline room */
     int in_held;                 /* on srv.held */
     int in_dirty;                /* on the list of connections to write (loop.c) */
@@ -249,13 +250,15 @@ typedef struct srv {
     /* Large requests over the budget (loop.c): admitted, waiting, the last ticket handed out. */
     uint32_t big_admitted, big_waiting;
     uint64_t big_tickets;
-    uint64_t big_back_bytes; /* held by clients sent back in line (conn.big_back_bytes) */
+    uint64_t
+        big_back_bytes; /* held by clients with large input not read on (conn.big_back_bytes) */
     int64_t started_ms;
     int64_t now_us; /* the loop's clock (monotonic), read when a turn begins and before replies */
     /* IDEM.CLAIM latency, parsed to reply made (WAIT left out), in SRV_LAT_BUCKETS buckets. */
     uint64_t claim_latency_us_buckets[SRV_LAT_BUCKETS];
     uint64_t claim_latency_us_sum, claim_latencies;
     uint64_t total_connections, total_commands, rejected_connections;
+    uint64_t closed_input_stalled, closed_output_stalled; /* closes by the io budget's rules */
     /* Out of file descriptors, a connection is taken on this one (/dev/null until then), answered
      * and closed, so that the listener does not stay readable (accept_one). Listeners stop
      * being watched until accept_paused_until_ms after any other accept error. */
