@@ -527,8 +527,9 @@ int64_t idem_clock_now(idem_store *s);
 #define IDEM_CLOCK_MS_MAX ((INT64_C(1) << 50) - 1)
 /* Test clock only (IDEM_ENOTSUP otherwise): move the clock forward to ms (a step back, or past
  * IDEM_CLOCK_MS_MAX, answers IDEM_EINVAL), or by delta_ms >= 0. Due lease wake-ups fire. The
- * move is written to the superblock, and in sync mode no completion is delivered until it is
- * durable: an answer given after it (a key it expired) stays true after a crash. */
+ * move is made durable by the next batch or a superblock write, and in sync mode no completion
+ * is delivered until then (idem_sync waits for it too): an answer given after it (a key it
+ * expired) stays true after a crash. */
 int idem_clock_set(idem_store *s, int64_t ms);
 int idem_clock_advance(idem_store *s, int64_t delta_ms);
 
