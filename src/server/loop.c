@@ -609,6 +609,7 @@ static int conn_read(srv *s, srv_conn *c)
         c->peer_eof = 1;
         c->close_after_write = 1;
         srv_log("info", "half_close", "id=%llu peer=%s", (unsigned long long)c->id, c->peer);
+        conn_account(s, c); /* conn_grow_in may have resized the buffer */
         conn_update_events(s, c);
         return 0;
     }
@@ -690,6 +691,7 @@ static void big_back_enforce(srv *s, int64_t now)
                 (!last || c->big_back_since_ms > last->big_back_since_ms))
                 last = c;
         }
+        if (!last) break; /* not reached: held sums those very clients */
         held -= last->big_back_bytes;
         conn_close(s, last, "input_stalled");
     }
