@@ -103,6 +103,7 @@ struct vctx {
     uint64_t ckpt_states[3];
     uint64_t log_last_lsn; /* the last LSN of the log's last complete batch (verify_log) */
     uint64_t damaged_seq;  /* the first segment past the replay one with a damaged header */
+    uint64_t salt_named;   /* damaged_seq, once a SEGEND named its salt (read on: damaged_read) */
 };
 
 static void fault(struct vctx *v, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -423,6 +424,8 @@ static const char *frame_content_problem(const struct vctx *v, uint32_t type, co
     case WAL_T_END:
         return plen >= 8 ? NULL : "is an END frame without its clock";
     case WAL_T_SEGEND:
+        return plen == 0 || plen == WAL_SEGEND_PAYLOAD ? NULL
+                                                       : "is a SEGEND frame of unknown length";
     case WAL_T_PAD:
         return NULL;
     default:
@@ -511,6 +514,20 @@ static const char *walk_frame_ok(struct vctx *v, struct walk *w, uint32_t *len)
     return NULL;
 }
 
+/* As recovery (wal.c, damaged_install): a SEGEND that names the salt of the next segment, whose
+ * header is damaged, lets the walk read on there; a batch completed there is a fault. */
+static void damaged_read(struct vctx *v, uint64_t seq, const uint8_t *segend, uint32_t len)
+{
+    if (seq != v->damaged_seq || v->salt_named || len < WAL_FRAME_HDR + WAL_SEGEND_PAYLOAD ||
+        seq - v->sb.wal_first_seq >= v->nsegs)
+        return;
+    struct vseg *s = &v->segs[seq - v->sb.wal_first_seq];
+    if (s->ok || s->f.size < v->sb.seg_bytes) return;
+    s->salt = util_get_u64(segend + WAL_FRAME_HDR);
+    s->ok = 1;
+    v->salt_named = seq;
+}
+
 /* Takes in the valid frame at w->p. */
 static int walk_take(struct vctx *v, struct walk *w, uint32_t len, struct vpos ckpt)
 {
@@ -536,6 +553,13 @@ static int walk_take(struct vctx *v, struct walk *w, uint32_t len, struct vpos c
         int rc = frames_push(v, addr_of(s->seq, w->p.off), type, vpos_cmp(w->p, ckpt) >= 0);
         if (rc < 0) return rc;
     }
+    if (type == WAL_T_SEGEND) damaged_read(v, s->seq + 1, f, len);
+    if (type == WAL_T_END && v->salt_named && s->seq >= v->salt_named)
+        fault(v,
+              "wal-%016llx.log: the header is damaged, but its frames, read with the salt the "
+              "SEGEND before it names, complete batch %llu (offset %u): the header was whole "
+              "when they were written",
+              (unsigned long long)v->salt_named, (unsigned long long)w->batch_no, w->p.off);
     struct vpos before = w->p;
     walk_step(v, w, s, type, len);
     advance(v, w->p.seq == before.seq ? w->p.off - before.off : v->sb.seg_bytes - before.off);
@@ -576,8 +600,8 @@ static void walk_beyond(struct vctx *v, const struct walk *w)
                       "(segment %llu offset %u, last complete batch %llu)%s",
                       name, off, (unsigned long long)batch, (unsigned long long)w->batch_start.seq,
                       w->batch_start.off, (unsigned long long)w->last_batch,
-                      v->damaged_seq && seq > v->damaged_seq
-                          ? ", behind a segment whose header is damaged"
+                      v->damaged_seq && seq >= v->damaged_seq
+                          ? ", in or behind a segment whose header is damaged"
                           : "");
                 return;
             }

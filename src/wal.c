@@ -70,6 +70,9 @@ struct wal {
     /* At open: the first segment past the replay segment whose header is damaged (0: none),
      * and the last segment opened past it (wal_open_segments). Recovery only scans those. */
     uint64_t damaged_seq, beyond_last_seq;
+    /* The damaged segment's file, mapped but not in segs (seq 0: none, or too short to map):
+     * installed by recovery when the SEGEND before it names its salt (wal_recover). */
+    struct wal_segment damaged;
     uint64_t lsn_last;
     uint64_t lsn_written;         /* written, maybe not flushed (durability none) */
     uint64_t lsn_recovered;       /* last LSN of the last complete batch at recovery */
@@ -151,6 +154,7 @@ void wal_destroy(struct wal *w)
         if (w->segs[i].seq) seg_close(w, &w->segs[i]);
     for (uint32_t i = 0; i < w->nretired; i++)
         seg_close(w, &w->retired[i]);
+    if (w->damaged.seq) seg_close(w, &w->damaged);
     for (uint32_t i = 0; i < WAL_CHUNKS_MAX; i++) {
         int in_flight = 0;
         for (int k = 0; k < w->ninfl && w->io_lost; k++)
@@ -324,12 +328,19 @@ put:
  * SEGEND always fit. */
 #define WAL_TAIL_RESERVE (2 * WAL_BLOCK)
 
-/* Ends the current segment with SEGEND and goes on in the spare segment. */
+/* Ends the current segment with SEGEND and goes on in the spare segment. The SEGEND names the
+ * spare's salt: should the spare's header rot later, recovery can still read its frames, and
+ * tell acknowledged batches there from a torn tail (wal_recover). */
 static int seg_roll(struct wal *w, int reserve)
 {
     if (!w->spare_ready) return w->spare_err ? w->spare_err : IDEM_EBUSY;
     uint64_t addr;
-    int rc = append_frame(w, WAL_T_SEGEND, NULL, NULL, 0, WAL_FRAME_HDR, &addr, reserve);
+    uint8_t salt[WAL_SEGEND_PAYLOAD];
+    util_put_u64(salt, seg_of(w, w->cur_seq + 1)->salt);
+    const void *parts[1] = {salt};
+    const uint32_t lens[1] = {sizeof salt};
+    int rc = append_frame(w, WAL_T_SEGEND, parts, lens, 1, WAL_FRAME_HDR + WAL_SEGEND_PAYLOAD,
+                          &addr, reserve);
     if (rc < 0) return rc;
     seg_of(w, w->cur_seq)->end_lsn = w->lsn_last;
     chunk_close_block(w, chunk_tail(w), 0); /* the chunk ends on a block boundary */
@@ -867,6 +878,24 @@ static int seg_open(struct wal *w, uint64_t seq, int read_only)
     return 0;
 }
 
+/* Opens and maps segment seq without looking at its header (salt 0 until recovery learns it):
+ * for a damaged header past the replay segment. Returns 0 with *out filled, or < 0. */
+static int seg_open_raw(struct wal *w, uint64_t seq, int read_only, struct wal_segment *out)
+{
+    char path[4096];
+    wal_seg_path(w->dir, seq, path, sizeof path);
+    struct wal_segment s = {.seq = seq};
+    uint64_t size = 0;
+    if (io_open(w->io, path, read_only ? IO_O_RDONLY : 0, &s.f) < 0) return IDEM_EIO;
+    if (io_size(w->io, s.f, &size) < 0 || size < w->seg_bytes ||
+        io_map(w->io, s.f, w->seg_bytes, (const void **)&s.map) < 0) {
+        seg_close(w, &s);
+        return IDEM_EIO;
+    }
+    *out = s;
+    return 0;
+}
+
 /* A valid frame at off of a segment's map: checksum, bounds. Returns its length or 0. */
 static uint32_t frame_valid_in(const uint8_t *map, uint64_t salt, uint32_t seg_bytes, uint32_t off)
 {
@@ -1002,11 +1031,11 @@ static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch,
             uint64_t lsn = util_get_u64(s->map + off + 8);
             uint64_t batch = util_get_u64(s->map + off + 16);
             if (wal_beyond_is_corrupt(batch, last_batch, resume)) {
-                if (w->damaged_seq && seq > w->damaged_seq)
+                if (w->damaged_seq && seq >= w->damaged_seq)
                     snprintf(w->err, sizeof w->err,
                              "log corrupt: the header of segment %llu is damaged, and segment "
-                             "%llu after it holds a frame of batch %llu at offset %u (the log "
-                             "stops at segment %llu offset %u, last complete batch %llu)",
+                             "%llu holds a frame of batch %llu at offset %u (the log stops at "
+                             "segment %llu offset %u, last complete batch %llu)",
                              (unsigned long long)w->damaged_seq, (unsigned long long)seq,
                              (unsigned long long)batch, off, (unsigned long long)p.seq, p.off,
                              (unsigned long long)last_batch);
@@ -1048,6 +1077,7 @@ int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int
              * acknowledged later. Those with whole headers are opened for the scan past the
              * end of the log (scan_beyond), which tells the two apart by their batches. */
             w->damaged_seq = seq;
+            if (seg_open_raw(w, seq, read_only, &w->damaged) < 0) w->damaged.seq = 0;
             while (seg_open(w, ++seq, read_only) == 0)
                 w->beyond_last_seq = seq;
             break;
@@ -1072,6 +1102,7 @@ int wal_settle(struct wal *w, uint64_t start_seq)
 {
     for (uint64_t q = start_seq; seg_of(w, q) || q < w->beyond_last_seq; q++) {
         struct wal_segment *s = seg_of(w, q);
+        if (!s && q == w->damaged.seq) s = &w->damaged;
         if (!s) continue; /* a damaged header (wal_open_segments) */
         int rc = io_settle(w->io, s->f);
         if (rc < 0) {
@@ -1092,6 +1123,26 @@ int wal_addr_valid(const struct wal *w, uint64_t addr)
     return slot < WAL_SEG_SLOTS && w->segs[slot].seq != 0 &&
            (!w->damaged_seq || w->segs[slot].seq < w->damaged_seq) && off >= WAL_BLOCK &&
            off + WAL_FRAME_HDR <= w->seg_bytes;
+}
+
+/* At a SEGEND whose next segment, seq, has the damaged header: the SEGEND names that segment's
+ * salt (stores written before it did not), so its frames can be read. Were the header a creation
+ * cut short, no SEGEND could name it: the log rolls only into a spare whose header is durable.
+ * Left over from a batch torn across the boundary, it names the salt of a segment an open later
+ * re-created; that segment can hold only the torn batch's own frames with it, which do not
+ * complete it. So recovery reads on: a batch completed there, or a frame of a later batch found
+ * past the end, is corruption (the header rotted after it was written), where before both were
+ * dropped as a torn tail. */
+static void damaged_install(struct wal *w, uint64_t seq, const uint8_t *segend, uint32_t len)
+{
+    if (seq != w->damaged_seq || w->damaged.seq != seq ||
+        len < WAL_FRAME_HDR + WAL_SEGEND_PAYLOAD || seg_of(w, seq) ||
+        w->segs[seq % WAL_SEG_SLOTS].seq)
+        return;
+    w->damaged.salt = util_get_u64(segend + WAL_FRAME_HDR);
+    w->segs[seq % WAL_SEG_SLOTS] = w->damaged;
+    memset(&w->damaged, 0, sizeof w->damaged);
+    posix_madvise((void *)w->segs[seq % WAL_SEG_SLOTS].map, w->seg_bytes, POSIX_MADV_RANDOM);
 }
 
 int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t prev_lsn,
@@ -1116,6 +1167,16 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
             break; /* a stale frame, or a gap inside a batch */
         cur_lsn = lsn;
         cur_batch = batch;
+        if (type == WAL_T_END && w->damaged_seq && p.seq >= w->damaged_seq) {
+            snprintf(w->err, sizeof w->err,
+                     "log corrupt: the header of segment %llu is damaged, but its frames, read "
+                     "with the salt the SEGEND before it names, complete batch %llu at segment "
+                     "%llu offset %u",
+                     (unsigned long long)w->damaged_seq, (unsigned long long)batch,
+                     (unsigned long long)p.seq, p.off);
+            segs_advise(w, start_seq, POSIX_MADV_NORMAL);
+            return IDEM_ECORRUPT;
+        }
         if (type == WAL_T_END) {
             int rc = replay_batch(w, batch_start, lsn, fn, ctx);
             if (rc < 0) {
@@ -1127,6 +1188,7 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
             int64_t clock = (int64_t)util_get_u64(f + WAL_FRAME_HDR);
             if (clock > 0 && clock <= IDEM_CLOCK_MS_MAX) w->last_clock_ms = clock;
         }
+        if (type == WAL_T_SEGEND) damaged_install(w, p.seq + 1, f, len);
         struct scan_pos prev = p;
         if (scan_step(w, &p, type, len) < 0) {
             p = prev;
@@ -1150,6 +1212,7 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
     /* Segments past the end are stale; they are re-created (new salt) when the log gets there. */
     for (uint64_t q = w->cur_seq + 1; seg_of(w, q) || q < w->beyond_last_seq; q++)
         if (seg_of(w, q)) seg_close(w, seg_of(w, q));
+    if (w->damaged.seq) seg_close(w, &w->damaged);
     w->damaged_seq = w->beyond_last_seq = 0;
     (void)read_only;
     return 0;

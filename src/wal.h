@@ -15,16 +15,17 @@
  *
  * Every flush batch ends with an END frame (payload: i64 store clock ms) and the rest of its last
  * 4 KiB block is left zero: the next batch starts on a fresh block, so no flush rewrites a block
- * that holds acknowledged data. A segment whose room is used up ends with a SEGEND frame and the
- * log goes on at block 1 of the next segment. Where fewer than 32 bytes are left in a block the
- * next frame starts at the next block; a PAD frame fills the rest of a block when a chunk
- * buffer is full, so every chunk starts on a block boundary.
+ * that holds acknowledged data. A segment whose room is used up ends with a SEGEND frame (payload:
+ * u64 salt of the next segment) and the log goes on at block 1 of the next segment. Where fewer
+ * than 32 bytes are left in a block the next frame starts at the next block; a PAD frame fills the
+ * rest of a block when a chunk buffer is full, so every chunk starts on a block boundary.
  *
  * Recovery applies only batches whose END frame is present: a batch is acknowledged only after
  * its flush, END included, so a batch without END was never acknowledged and is dropped whole.
  * After a torn tail, the next LSN and batch number start above every valid frame seen, so stale
  * frames left behind can never be taken for new ones. Corruption is a valid frame, after the
- * point where the log stops, from a batch later than the one that was in flight.
+ * point where the log stops, from a batch later than the one that was in flight, and a batch
+ * completed in a segment whose header is damaged (read with the salt its SEGEND names).
  *
  * Addresses: a frame is named by a 40-bit address, segment slot (seq mod WAL_SEG_SLOTS, 14 bits)
  * and byte offset / 8 (26 bits). Offsets of frames are >= 4096, so no address is 0.
@@ -50,12 +51,15 @@
 #define WAL_SEG_BYTES_MIN (64u * 1024u)
 #define WAL_CHUNK_BYTES   (2u << 20)
 #define WAL_CHUNKS_MAX    32u
+/* A SEGEND frame's payload: u64 salt of the next segment. Stores written before it have none
+ * (an empty payload); readers take either. */
+#define WAL_SEGEND_PAYLOAD 8u
 
 enum wal_type {
     WAL_T_RECORD = 1, /* a full version of a record (record.h) */
     WAL_T_DELETE = 2, /* key removed: u16 key_len, key */
     WAL_T_END = 3,    /* end of a flush batch: i64 store clock ms */
-    WAL_T_SEGEND = 4, /* the rest of this segment is unused */
+    WAL_T_SEGEND = 4, /* the rest of this segment is unused: u64 salt of the next (or none) */
     WAL_T_PAD = 5,    /* filler to the end of a block */
 };
 
