@@ -73,6 +73,7 @@ struct wal {
     /* The damaged segment's file, mapped but not in segs (seq 0: none, or too short to map):
      * installed by recovery when the SEGEND before it names its salt (wal_recover). */
     struct wal_segment damaged;
+    uint64_t named_seq; /* damaged_seq, once installed with the salt a SEGEND names */
     uint64_t lsn_last;
     uint64_t lsn_written;         /* written, maybe not flushed (durability none) */
     uint64_t lsn_recovered;       /* last LSN of the last complete batch at recovery */
@@ -1030,7 +1031,9 @@ static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch,
             if (!frame_valid(w, s, off)) continue;
             uint64_t lsn = util_get_u64(s->map + off + 8);
             uint64_t batch = util_get_u64(s->map + off + 16);
-            if (wal_beyond_is_corrupt(batch, last_batch, resume)) {
+            /* Frames under a salt a SEGEND named may be older than opens since, which could
+             * not read them and so numbered their batches below them (damaged_install). */
+            if (seq != w->named_seq && wal_beyond_is_corrupt(batch, last_batch, resume)) {
                 if (w->damaged_seq && seq >= w->damaged_seq)
                     snprintf(w->err, sizeof w->err,
                              "log corrupt: the header of segment %llu is damaged, and segment "
@@ -1100,7 +1103,8 @@ int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int
 
 int wal_settle(struct wal *w, uint64_t start_seq)
 {
-    for (uint64_t q = start_seq; seg_of(w, q) || q < w->beyond_last_seq; q++) {
+    for (uint64_t q = start_seq; seg_of(w, q) || q < w->beyond_last_seq || q == w->damaged.seq;
+         q++) {
         struct wal_segment *s = seg_of(w, q);
         if (!s && q == w->damaged.seq) s = &w->damaged;
         if (!s) continue; /* a damaged header (wal_open_segments) */
@@ -1128,11 +1132,15 @@ int wal_addr_valid(const struct wal *w, uint64_t addr)
 /* At a SEGEND whose next segment, seq, has the damaged header: the SEGEND names that segment's
  * salt (stores written before it did not), so its frames can be read. Were the header a creation
  * cut short, no SEGEND could name it: the log rolls only into a spare whose header is durable.
- * Left over from a batch torn across the boundary, it names the salt of a segment an open later
- * re-created; that segment can hold only the torn batch's own frames with it, which do not
- * complete it. So recovery reads on: a batch completed there, or a frame of a later batch found
- * past the end, is corruption (the header rotted after it was written), where before both were
- * dropped as a torn tail. */
+ * Left over from a batch torn across the boundary, it names the salt of a segment that an open
+ * later found past the end and re-created (seg_make writes a new header over the old file). That
+ * open read the segment under this salt, after wal_settle, and found the batch incomplete; a
+ * re-creation writes only the header, so no batch completes there later. So recovery reads on,
+ * and a batch completed there is corruption: the header rotted after it was written (before,
+ * such batches were dropped as a torn tail). Frames of later batches may lie there under this
+ * salt (durability batch and none write unflushed batches in any order), and opens since, which
+ * read the segment under a newer salt, numbered their batches without them: so scan_beyond lets
+ * them raise the numbering, and never calls them corruption (named_seq). */
 static void damaged_install(struct wal *w, uint64_t seq, const uint8_t *segend, uint32_t len)
 {
     if (seq != w->damaged_seq || w->damaged.seq != seq ||
@@ -1141,6 +1149,7 @@ static void damaged_install(struct wal *w, uint64_t seq, const uint8_t *segend, 
         return;
     w->damaged.salt = util_get_u64(segend + WAL_FRAME_HDR);
     w->segs[seq % WAL_SEG_SLOTS] = w->damaged;
+    w->named_seq = seq;
     memset(&w->damaged, 0, sizeof w->damaged);
     posix_madvise((void *)w->segs[seq % WAL_SEG_SLOTS].map, w->seg_bytes, POSIX_MADV_RANDOM);
 }
@@ -1213,7 +1222,7 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
     for (uint64_t q = w->cur_seq + 1; seg_of(w, q) || q < w->beyond_last_seq; q++)
         if (seg_of(w, q)) seg_close(w, seg_of(w, q));
     if (w->damaged.seq) seg_close(w, &w->damaged);
-    w->damaged_seq = w->beyond_last_seq = 0;
+    w->damaged_seq = w->beyond_last_seq = w->named_seq = 0;
     (void)read_only;
     return 0;
 }

@@ -966,10 +966,34 @@ static int sim_segment_written(uint64_t seq, uint32_t block)
     char path[256];
     snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)seq);
     cr_assert_lt(block, 64);
-    if (io_sim_read_file(sim, path, buf, sizeof buf) != (int64_t)sizeof buf) return 0;
+    int64_t want = ((int64_t)block + 1) * 4096;
+    if (io_sim_read_file(sim, path, buf, (size_t)want) != want) return 0;
     for (uint32_t i = 0; i < 32; i++)
         if (buf[block * 4096 + i]) return 1;
     return 0;
+}
+
+/* The salt in segment seq's header on the simulated disk. */
+static uint64_t sim_segment_salt(uint64_t seq)
+{
+    uint8_t h[4096];
+    char path[256];
+    snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)seq);
+    cr_assert_eq(io_sim_read_file(sim, path, h, sizeof h), (int64_t)sizeof h);
+    uint64_t salt;
+    memcpy(&salt, h + 24, 8);
+    return salt;
+}
+
+/* Whether f (room bytes to the segment's end) is a frame whose checksum holds under salt. */
+static int sim_frame_valid(const uint8_t *f, uint64_t salt, uint32_t room)
+{
+    uint32_t len;
+    uint64_t sum;
+    memcpy(&len, f + 24, 4);
+    memcpy(&sum, f, 8);
+    return len >= 32 && len % 8 == 0 && len <= room &&
+           sum == XXH3_64bits_withSeed(f + 8, len - 8, salt);
 }
 
 /* The header of the segment the log was writing last rots. Nothing after it holds a later batch
@@ -1050,6 +1074,72 @@ Test(recovery, a_batch_torn_across_a_segment_boundary_under_a_damaged_header_is_
     cr_assert_eq(idem_close(s), IDEM_OK);
     cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK, "%s", idem_last_error());
     expect_committed(s, keys, keys + 300);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+/* Found by a review of the rule above: the salt a stale SEGEND names can be older than the one
+ * the segment had at the opens since. A run in durability none rolls into segment 2 and writes
+ * batches there; a power loss keeps the later ones and loses the first block (none mode writes
+ * unflushed batches in any order). Open 2 (batch mode) ends the log in segment 1 and makes
+ * segment 2 again under a new salt; open 3 (sync) cannot read the old frames under it, numbers
+ * its batches above what it saw only, records that in the superblock, and its own making of
+ * segment 2 is cut short. Open 4 reads segment 2 under the old salt and finds batches later
+ * than the one the sync rule allows in flight: they must not be called corruption. */
+Test(recovery, frames_under_a_stale_salt_past_the_end_are_not_corruption_after_mixed_modes)
+{
+    const uint32_t seg = 64 * 1024;
+    static uint8_t buf[64 * 1024];
+    idem_store *s;
+    cr_assert_eq(open_sim_with(&s, seg, IDEM_DURABILITY_NONE), IDEM_OK);
+    int keys = 0;
+    while (!sim_segment_written(2, 8)) {
+        fill(s, keys, keys + 5);
+        keys += 5;
+        cr_assert_eq(idem_sync(s), IDEM_OK);
+        cr_assert_lt(keys, 4000);
+    }
+    cr_assert(!sim_segment_written(3, 1), "the log reached segment 3");
+    store_abandon(s);
+    uint64_t salt1 = sim_segment_salt(1), salt2 = sim_segment_salt(2);
+    /* B: the batch of segment 1's SEGEND; segment 2 must hold batches past B + 1. */
+    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/wal-0000000000000001.log", buf, seg), seg);
+    uint64_t b_segend = 0, b_max = 0, b;
+    for (uint32_t off = 4096; off + 40 <= seg; off += 8) {
+        uint16_t type;
+        memcpy(&type, buf + off + 28, 2);
+        if (type == 4 && sim_frame_valid(buf + off, salt1, seg - off))
+            memcpy(&b_segend, buf + off + 16, 8);
+    }
+    cr_assert_gt(b_segend, 0, "no SEGEND in segment 1");
+    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/wal-0000000000000002.log", buf, seg), seg);
+    for (uint32_t off = 4096; off + 32 <= seg; off += 4096)
+        if (sim_frame_valid(buf + off, salt2, seg - off) &&
+            (memcpy(&b, buf + off + 16, 8), b > b_max))
+            b_max = b;
+    cr_assert_geq(b_max, b_segend + 2);
+    /* The power loss: segment 2's first block (batch B's frames there) lost. */
+    struct io *io = io_sim_io(sim);
+    struct io_file *f;
+    cr_assert_eq(io_open(io, SIM_DIR "/wal-0000000000000002.log", 0, &f), 0);
+    uint8_t *zero = aligned_alloc(4096, 4096);
+    memset(zero, 0, 4096);
+    cr_assert_eq(io_write_sync(io, f, 4096, zero, 4096, 1), 0);
+    free(zero);
+    io_close(io, f);
+    io_destroy(io);
+    /* Open 2: the log ends in segment 1, segment 2 made again, nothing written. */
+    cr_assert_eq(open_sim_with(&s, seg, IDEM_DURABILITY_BATCH), IDEM_OK, "%s", idem_last_error());
+    store_abandon(s);
+    cr_assert_neq(sim_segment_salt(2), salt2, "segment 2 was not made again");
+    /* Open 3: its making of segment 2 fails (the header's write), and a bit of the header stands
+     * for a write torn by a power loss. */
+    io_sim_fail_write(sim, 2, -EIO);
+    cr_assert_neq(open_sim_with(&s, seg, IDEM_DURABILITY_SYNC), IDEM_OK);
+    io_sim_fail_write(sim, 0, 0);
+    cr_assert_eq(io_sim_corrupt(sim, SIM_DIR "/wal-0000000000000002.log", 100, 0x01), 0);
+    int rc = open_sim_with(&s, seg, IDEM_DURABILITY_SYNC);
+    cr_assert_eq(rc, IDEM_OK, "open 4: %s: %s", idem_strerror(rc), idem_last_error());
+    expect_committed(s, 0, 5);
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
@@ -2416,7 +2506,10 @@ Test(recovery, leftover_files_are_found_by_listing_the_directory)
  * changes only in the log. golden-v2 also holds repeat counters (a checkpoint entry of 32
  * bytes among 16-byte ones); golden-v3 (audit groups) a delete and a resolve of one submission,
  * after the checkpoint: one group of two audit entries. golden-v4 holds the same in compact
- * records (record.h), fixed-form records in the log of v1-v3. */
+ * records (record.h), fixed-form records in the log of v1-v3. golden-v5 adds claims after the
+ * checkpoint until the log rolls into segment 2 and 3: SEGEND frames that name the next
+ * segment's salt (v1-v4 never roll). */
+#define GOLDEN_ROLL_KEYS 12
 static void golden_contents(idem_queue *q, int write, int version)
 {
     idem_claim_args a = {.ttl_ms = 9ull * 365 * 24 * 3600 * 1000, .lease_ms = 1000};
@@ -2441,6 +2534,14 @@ static void golden_contents(idem_queue *q, int write, int version)
             cr_assert_eq(idem_hold(q, "golden-resolved", 15, c.token, "unsure", 6), IDEM_OK);
         }
         return;
+    }
+    for (int i = 0; version >= 5 && i < GOLDEN_ROLL_KEYS; i++) {
+        char key[32];
+        snprintf(key, sizeof key, "golden-roll-%d", i);
+        cr_assert_eq(idem_get(q, key, strlen(key), &c), IDEM_OK);
+        cr_assert_eq(c.record.state, IDEM_STATE_COMMITTED, "%s", key);
+        cr_assert_eq(c.record.result_len, 4);
+        cr_assert(!memcmp(c.record.result, "paid", 4));
     }
     if (version >= 3) {
         cr_assert_eq(idem_get(q, "golden-deleted", 14, &c), IDEM_OK);
@@ -2516,6 +2617,12 @@ static void golden_write(const char *golden, int version)
              .actor = "ops"}};
         submit_expect(q, ops, 2, IDEM_OK);
     }
+    for (int i = 0; version >= 5 && i < GOLDEN_ROLL_KEYS; i++) { /* two batches each */
+        char key[32];
+        snprintf(key, sizeof key, "golden-roll-%d", i);
+        cr_assert_eq(idem_claim(q, key, strlen(key), &a, &c), IDEM_OK);
+        cr_assert_eq(idem_commit(q, key, strlen(key), c.token, "paid", 4), IDEM_OK);
+    }
     idem_queue_close(q);
     store_abandon(s);
 }
@@ -2566,6 +2673,11 @@ Test(golden, audit_groups_store_opens_and_answers)
 Test(golden, compact_records_store_opens_and_answers)
 {
     golden_check(4);
+}
+
+Test(golden, segend_with_the_next_salt_store_opens_and_answers)
+{
+    golden_check(5);
 }
 
 static void durability_mode_sync_makes_durable(int mode)
