@@ -602,8 +602,8 @@ static void walk_beyond(struct vctx *v, const struct walk *w)
                       "(segment %llu offset %u, last complete batch %llu)%s",
                       name, off, (unsigned long long)batch, (unsigned long long)w->batch_start.seq,
                       w->batch_start.off, (unsigned long long)w->last_batch,
-                      v->damaged_seq && seq >= v->damaged_seq
-                          ? ", in or behind a segment whose header is damaged"
+                      v->damaged_seq && seq > v->damaged_seq
+                          ? ", behind a segment whose header is damaged"
                           : "");
                 return;
             }

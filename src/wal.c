@@ -1034,11 +1034,11 @@ static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch,
             /* Frames under a salt a SEGEND named may be older than opens since, which could
              * not read them and so numbered their batches below them (damaged_install). */
             if (seq != w->named_seq && wal_beyond_is_corrupt(batch, last_batch, resume)) {
-                if (w->damaged_seq && seq >= w->damaged_seq)
+                if (w->damaged_seq && seq > w->damaged_seq)
                     snprintf(w->err, sizeof w->err,
                              "log corrupt: the header of segment %llu is damaged, and segment "
-                             "%llu holds a frame of batch %llu at offset %u (the log stops at "
-                             "segment %llu offset %u, last complete batch %llu)",
+                             "%llu after it holds a frame of batch %llu at offset %u (the log "
+                             "stops at segment %llu offset %u, last complete batch %llu)",
                              (unsigned long long)w->damaged_seq, (unsigned long long)seq,
                              (unsigned long long)batch, off, (unsigned long long)p.seq, p.off,
                              (unsigned long long)last_batch);
@@ -1144,8 +1144,7 @@ int wal_addr_valid(const struct wal *w, uint64_t addr)
 static void damaged_install(struct wal *w, uint64_t seq, const uint8_t *segend, uint32_t len)
 {
     if (seq != w->damaged_seq || w->damaged.seq != seq ||
-        len < WAL_FRAME_HDR + WAL_SEGEND_PAYLOAD || seg_of(w, seq) ||
-        w->segs[seq % WAL_SEG_SLOTS].seq)
+        len < WAL_FRAME_HDR + WAL_SEGEND_PAYLOAD || w->segs[seq % WAL_SEG_SLOTS].seq)
         return;
     w->damaged.salt = util_get_u64(segend + WAL_FRAME_HDR);
     w->segs[seq % WAL_SEG_SLOTS] = w->damaged;
