@@ -36,6 +36,7 @@ struct filler {
     pthread_cond_t cond;
     pthread_t thread;
     int started, stop, running, in_piece, err;
+    int cow_logged; /* the copy-on-write skip was logged (once a store) */
     struct fill_job jobs[FILLER_JOBS];
     int njobs;
     uint64_t fence_waits;
@@ -89,6 +90,18 @@ static void job_run(struct filler *fl)
         if (rc != -ENOENT)
             fprintf(stderr, "idem: event=fill_skipped file=%s error=\"%s\"\n", path, strerror(-rc));
         rc = 0;
+    }
+    if (f && !io_overwrites_in_place(fl->io, f)) {
+        /* Copy on write: the log's write over the zeros would take new space, and fail with
+         * ENOSPC on a full disk (fatal for the store), where its write into space only
+         * allocated cannot. Nothing to gain either: such file systems write elsewhere anyway. */
+        if (!fl->cow_logged)
+            fprintf(stderr,
+                    "idem: event=fill_skipped file=%s reason=\"the file system writes over data "
+                    "elsewhere (copy on write): zeros written ahead would not keep the space\"\n",
+                    path);
+        fl->cow_logged = 1;
+        j->pos = j->to;
     }
     uint64_t hole_end = 0; /* [pos, hole_end): never written, to be filled */
     while (f && rc == 0 && !j->cancelled && !fl->stop && j->pos < j->to) {
@@ -232,6 +245,14 @@ int filler_error(struct filler *fl)
     int err = fl->err;
     pthread_mutex_unlock(&fl->mu);
     return err;
+}
+
+int filler_idle(struct filler *fl)
+{
+    pthread_mutex_lock(&fl->mu);
+    int idle = fl->njobs == 0 && !fl->running;
+    pthread_mutex_unlock(&fl->mu);
+    return idle;
 }
 
 uint64_t filler_fence_waits(struct filler *fl)

@@ -31,6 +31,7 @@ int64_t io_posix_datasync(int fd);
  * writes flushed together gets its first writes going to the disk while the rest are copied
  * (a batch of 40 MiB lost a quarter of its rate without). Errors are left to the fdatasync. */
 void io_posix_start_writeback(int fd, uint64_t off, uint64_t len);
+int io_posix_overwrites_in_place(struct io *io, struct io_file *f);
 int io_posix_data_after(struct io *io, struct io_file *f, uint64_t off, uint64_t *data,
                         uint64_t *hole);
 int io_posix_map(struct io *io, struct io_file *f, size_t len, const void **out);

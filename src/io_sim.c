@@ -119,6 +119,7 @@ struct io_sim {
     int writes_now_held; /* io_sim_hold_writes_now: writes_now wait while held (held_cond) */
     int writes_now_err;  /* io_sim_fail_writes_now: every write_now fails with it (0: none) */
     int data_after_held; /* io_sim_hold_data_after: answers wait while held (held_cond) */
+    int copy_on_write;   /* io_sim_copy_on_write: overwrites_in_place answers 0 */
     uint64_t rng;
     uint64_t epoch;
     uint64_t seq;
@@ -854,6 +855,17 @@ static int sim_data_after(struct io *io, struct io_file *f, uint64_t off, uint64
     return 0;
 }
 
+/* Writes over written blocks stay in place unless io_sim_copy_on_write said otherwise. */
+static int sim_overwrites_in_place(struct io *io, struct io_file *f)
+{
+    (void)f;
+    struct io_sim *sim = sim_io_of(io)->sim;
+    sim_lock(sim);
+    int cow = sim->copy_on_write;
+    sim_unlock(sim);
+    return !cow;
+}
+
 static int sim_map(struct io *io, struct io_file *f, size_t len, const void **out)
 {
     struct sim_io *h = sim_io_of(io);
@@ -1122,6 +1134,7 @@ static const struct io_ops sim_ops = {
     .read = sim_read,
     .write_now = sim_write_now,
     .data_after = sim_data_after,
+    .overwrites_in_place = sim_overwrites_in_place,
     .map = sim_map,
     .unmap = sim_unmap,
     .unlink = sim_unlink,
@@ -1202,6 +1215,13 @@ void io_sim_hold_writes_now(struct io_sim *sim, int hold)
     sim_lock(sim);
     sim->writes_now_held = hold;
     if (!hold) pthread_cond_broadcast(&sim->held_cond);
+    sim_unlock(sim);
+}
+
+void io_sim_copy_on_write(struct io_sim *sim, int on)
+{
+    sim_lock(sim);
+    sim->copy_on_write = on;
     sim_unlock(sim);
 }
 

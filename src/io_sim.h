@@ -87,6 +87,8 @@ void io_sim_hold_writes_now(struct io_sim *sim, int hold);
 /* While hold is nonzero, data_after calls wait after they have looked, before they answer: an
  * answer that is stale by the time it is used. */
 void io_sim_hold_data_after(struct io_sim *sim, int hold);
+/* While on is nonzero, overwrites_in_place answers 0, as on a copy-on-write file system. */
+void io_sim_copy_on_write(struct io_sim *sim, int on);
 /* While err is nonzero (a negative errno), every write_now fails with it. */
 void io_sim_fail_writes_now(struct io_sim *sim, int err);
 

@@ -137,6 +137,7 @@ static const struct io_ops io_thread_ops = {
     .read = io_posix_read,
     .write_now = io_posix_write_now,
     .data_after = io_posix_data_after,
+    .overwrites_in_place = io_posix_overwrites_in_place,
     .map = io_posix_map,
     .unmap = io_posix_unmap,
     .unlink = io_posix_unlink,

@@ -210,6 +210,12 @@ static int trace_data_after(struct io *io, struct io_file *f, uint64_t off, uint
     return h->inner->ops->data_after(h->inner, f->inner, off, data, hole);
 }
 
+static int trace_overwrites_in_place(struct io *io, struct io_file *f)
+{
+    struct trace_io *h = trace_io_of(io);
+    return h->inner->ops->overwrites_in_place(h->inner, f->inner);
+}
+
 /* Not recorded: the file's size and content stay as they are. */
 static int trace_reserve(struct io *io, struct io_file *f, uint64_t off, uint64_t len)
 {
@@ -400,6 +406,7 @@ static const struct io_ops trace_ops = {
     .read = trace_read,
     .write_now = trace_write_now,
     .data_after = trace_data_after,
+    .overwrites_in_place = trace_overwrites_in_place,
     .map = trace_map,
     .unmap = trace_unmap,
     .unlink = trace_unlink,
