@@ -83,6 +83,7 @@ static void job_run(struct filler *fl)
     pthread_mutex_unlock(&fl->mu);
     struct io_file *f = NULL;
     int rc = io_open(fl->io, path, IO_O_DSYNC, &f);
+    int in_place = f && io_overwrites_in_place(fl->io, f); /* fstatfs: not under mu */
     pthread_mutex_lock(&fl->mu);
     if (rc < 0) {
         /* Not the disk failing (gone already, out of descriptors or memory): only speed is
@@ -91,14 +92,15 @@ static void job_run(struct filler *fl)
             fprintf(stderr, "idem: event=fill_skipped file=%s error=\"%s\"\n", path, strerror(-rc));
         rc = 0;
     }
-    if (f && !io_overwrites_in_place(fl->io, f)) {
-        /* Copy on write: the log's write over the zeros would take new space, and fail with
-         * ENOSPC on a full disk (fatal for the store), where its write into space only
-         * allocated cannot. Nothing to gain either: such file systems write elsewhere anyway. */
+    if (f && !in_place) {
+        /* On copy on write (btrfs) the log's write over the zeros would take new space, and
+         * failed with ENOSPC on a full disk (fatal for the store) where its write into space
+         * only allocated succeeded. Elsewhere (overlayfs, tmpfs, ...) it is not known. */
         if (!fl->cow_logged)
             fprintf(stderr,
-                    "idem: event=fill_skipped file=%s reason=\"the file system writes over data "
-                    "elsewhere (copy on write): zeros written ahead would not keep the space\"\n",
+                    "idem: event=fill_skipped file=%s reason=\"the file system is not known to "
+                    "write over data in place (only ext4 and XFS are): zeros written ahead "
+                    "might not keep the space\"\n",
                     path);
         fl->cow_logged = 1;
         j->pos = j->to;

@@ -1376,7 +1376,7 @@ static uint64_t zeros_written_at_open(int copy_on_write)
 {
     io_sim_copy_on_write(sim, copy_on_write);
     idem_store *s;
-    cr_assert_eq(open_sim_seg(&s, 4 << 20), IDEM_OK); /* a job: [2 MiB, 4 MiB) of segment 1 */
+    cr_assert_eq(open_sim_seg(&s, 4 << 20), IDEM_OK); /* jobs: [2, 4) MiB of segment 1, the spare */
     for (int i = 0; i < 5000 && !filler_idle(s->filler); i++)
         usleep(1000);
     cr_assert(filler_idle(s->filler), "the filler did not finish its job");
