@@ -36,7 +36,6 @@ struct filler {
     pthread_cond_t cond;
     pthread_t thread;
     int started, stop, running, in_piece, err;
-    int cow_logged; /* the copy-on-write skip was logged (once a store) */
     struct fill_job jobs[FILLER_JOBS];
     int njobs;
     uint64_t fence_waits;
@@ -83,7 +82,6 @@ static void job_run(struct filler *fl)
     pthread_mutex_unlock(&fl->mu);
     struct io_file *f = NULL;
     int rc = io_open(fl->io, path, IO_O_DSYNC, &f);
-    int in_place = f && io_overwrites_in_place(fl->io, f); /* fstatfs: not under mu */
     pthread_mutex_lock(&fl->mu);
     if (rc < 0) {
         /* Not the disk failing (gone already, out of descriptors or memory): only speed is
@@ -91,19 +89,6 @@ static void job_run(struct filler *fl)
         if (rc != -ENOENT)
             fprintf(stderr, "idem: event=fill_skipped file=%s error=\"%s\"\n", path, strerror(-rc));
         rc = 0;
-    }
-    if (f && !in_place) {
-        /* On copy on write (btrfs) the log's write over the zeros would take new space, and
-         * failed with ENOSPC on a full disk (fatal for the store) where its write into space
-         * only allocated succeeded. Elsewhere (overlayfs, tmpfs, ...) it is not known. */
-        if (!fl->cow_logged)
-            fprintf(stderr,
-                    "idem: event=fill_skipped file=%s reason=\"the file system is not known to "
-                    "write over data in place (only ext4 and XFS are): zeros written ahead "
-                    "might not keep the space\"\n",
-                    path);
-        fl->cow_logged = 1;
-        j->pos = j->to;
     }
     uint64_t hole_end = 0; /* [pos, hole_end): never written, to be filled */
     while (f && rc == 0 && !j->cancelled && !fl->stop && j->pos < j->to) {

@@ -8,9 +8,8 @@
  * so that the log's flushes find written space. The content does not change: allocated space
  * reads as zeros before and after, and recovery never trusts a byte without its frame checksum.
  * Only space that io_data_after reports unwritten is filled: a segment filled in an earlier run
- * is passed over, and so is everything on a file system that cannot tell, or that writes over
- * data elsewhere (io_overwrites_in_place: copy on write, where the log's write over the zeros
- * would need new space and could fail for it on a full disk).
+ * is passed over, and so is everything on a file system that cannot tell. The store makes no
+ * filler where writes over written bytes are not known to stay in place (store.c).
  *
  * The one rule: a piece of zeros never lands on bytes the log has written. The log's writes go
  * up a segment and so do a job's pieces. Before the flusher writes segment seq below end, it

@@ -1217,8 +1217,17 @@ static int store_start(idem_store *s)
     remove_leftovers(s);
     if (remover_create(s->io, s->dir, &s->remover) < 0) return IDEM_ENOMEM;
     /* Zeros ahead of the log shorten flushes that callers wait for: in sync mode only (batch and
-     * none answer before the flush, and the zeros would cost them CPU and disk). */
-    if (s->opt.durability == IDEM_DURABILITY_SYNC) {
+     * none answer before the flush, and the zeros would cost them CPU and disk), and only where
+     * a write over written bytes stays in place. On copy on write (btrfs) the log's write over
+     * the zeros takes new space, and failed with ENOSPC on a full disk (fatal for the store)
+     * where its write into space only allocated succeeded; elsewhere it is not known. */
+    if (s->opt.durability == IDEM_DURABILITY_SYNC && !wal_overwrites_in_place(s->wal)) {
+        fprintf(stderr,
+                "idem: event=fill_off dir=%s reason=\"the file system is not known to write over "
+                "data in place (only ext4 and XFS are): zeros written ahead of the log might not "
+                "keep its space\"\n",
+                s->dir);
+    } else if (s->opt.durability == IDEM_DURABILITY_SYNC) {
         if (filler_create(s->io, &s->filler) < 0) return IDEM_ENOMEM;
         wal_set_filler(s->wal, s->filler);
     }

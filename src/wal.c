@@ -399,6 +399,11 @@ static void fill_segment(struct wal *w, uint64_t seq, uint64_t from)
     (void)filler_add(w->filler, seq, path, from, w->seg_bytes);
 }
 
+int wal_overwrites_in_place(struct wal *w)
+{
+    return io_overwrites_in_place(w->io, seg_of(w, w->cur_seq)->f);
+}
+
 void wal_set_filler(struct wal *w, struct filler *fl)
 {
     w->filler = fl;
