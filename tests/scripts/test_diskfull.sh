@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # test_diskfull.sh: proves that idemd survives a really full disk. Its store lives on a small
-# ext4 image (loop device) with 1 MiB log segments (idemd has no flag for the segment size; the
+# ext4 image (loop device; btrfs with IDEM_DISKFULL_FS=btrfs, test_diskfull_btrfs.sh) with 1 MiB
+# log segments (idemd has no flag for the segment size; the
 # store is created with tests/load/mkstore.c, and idemd keeps the size a store was created with).
 # Scenario A: claims and commits from 4 connections while a filler file takes the rest of the
 # filesystem, until claims answer -FULL; then idemd must not exit, must lose nothing it
@@ -10,7 +11,9 @@
 # `idemctl verify` finds the store sound after a clean stop.
 # Scenario B: the same with the --max-disk limit instead of a full filesystem, then a restart
 # with a higher limit.
-# Needs root, /dev/loop-control, losetup, mkfs.ext4 and mount; without them it prints why and
+# On ext4 the log's space is zero-filled ahead of it; on btrfs (copy on write) it must not be:
+# the log's writes over those zeros would need new space, and failed on the full disk.
+# Needs root, /dev/loop-control, losetup, mkfs.ext4 (mkfs.btrfs) and mount; without them it prints why and
 # `0 passed, 0 failed, 1 skipped` (exit 77: ctest reports it skipped). Everything runs on
 # 127.0.0.1 and a private unix socket, with bounded loops; the trap unmounts and detaches the
 # loop device.
@@ -41,7 +44,15 @@ skip_all() {
 # ---- preconditions ----
 [ "$(id -u)" = 0 ] || skip_all "not root (loop devices and mount need it)"
 [ -e /dev/loop-control ] || skip_all "no /dev/loop-control"
-for tool in losetup mkfs.ext4 mount umount fallocate python3 cc pkg-config; do
+FS=${IDEM_DISKFULL_FS:-ext4}
+case "$FS" in
+ext4) FS_MB=48 ;;
+btrfs) FS_MB=128 ;; # mkfs.btrfs refuses less than 109 MiB (without --mixed)
+*) echo "IDEM_DISKFULL_FS=$FS: ext4 or btrfs"; echo "0 passed, 1 failed"; exit 1 ;;
+esac
+[ "$FS" = btrfs ] && ! grep -qw btrfs /proc/filesystems && ! modprobe btrfs 2>/dev/null &&
+    skip_all "the kernel has no btrfs"
+for tool in losetup "mkfs.$FS" mount umount fallocate python3 cc pkg-config; do
     command -v "$tool" >/dev/null 2>&1 || skip_all "$tool is not installed"
 done
 [ -x "$IDEMD" ] || { echo "no idemd at $IDEMD"; echo "0 passed, 1 failed"; exit 1; }
@@ -65,13 +76,17 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 mkdir -p "$MNT"
-truncate -s 48M "$WORK/fs.img"
-# -m 0: no blocks reserved for root (idemd runs as root here, and full must mean full)
-mkfs.ext4 -q -F -m 0 "$WORK/fs.img" >/dev/null 2>&1 || skip_all "mkfs.ext4 failed"
+truncate -s ${FS_MB}M "$WORK/fs.img"
+if [ "$FS" = ext4 ]; then
+    # -m 0: no blocks reserved for root (idemd runs as root here, and full must mean full)
+    mkfs.ext4 -q -F -m 0 "$WORK/fs.img" >/dev/null 2>&1 || skip_all "mkfs.ext4 failed"
+else
+    mkfs.btrfs -q -f "$WORK/fs.img" >/dev/null 2>&1 || skip_all "mkfs.btrfs failed"
+fi
 LOOPDEV=$(losetup -f --show "$WORK/fs.img" 2>"$WORK/losetup.err") ||
     skip_all "losetup failed: $(cat "$WORK/losetup.err")"
 mount "$LOOPDEV" "$MNT" 2>"$WORK/mount.err" || skip_all "mount failed: $(cat "$WORK/mount.err")"
-echo "# store filesystem: 48 MiB ext4 on $LOOPDEV"
+echo "# store filesystem: $FS_MB MiB $FS on $LOOPDEV"
 
 # ---- the small-segment store maker (built by CMake with the build's own flags) ----
 if [ ! -x "$BUILD/idem-mkstore" ]; then
@@ -165,6 +180,13 @@ r=$(admin IDEM.STATS)
 echo "# stats while full: $(grep -o 'disk_free_bytes :[0-9]*\|fatal :[0-9]*\|claims_new :[0-9]*' <<<"$r" | tr '\n' ' ')"
 check "A: IDEM.STATS reports no fatal error" grep -q 'fatal :0' <<<"$r"
 check "A: idemd logged the full disk" grep -q 'event=full' "$LOG_A"
+if [ "$FS" = ext4 ]; then
+    check "A: zeros are written ahead of the log on ext4 (no fill_off)" \
+        test "$(grep -c 'event=fill_off' "$LOG_A")" = 0
+else
+    check "A: no zeros are written ahead of the log on btrfs (fill_off, once)" \
+        test "$(grep -c 'event=fill_off' "$LOG_A")" = 1
+fi
 check "A: idemd is still running after the reads" alive
 
 # Free the space: new claims must succeed again without a restart, within a few seconds.
