@@ -371,7 +371,7 @@ int audit_reserve_n(idem_store *s, uint32_t n)
     if (end > s->audit_alloc) {
         uint64_t to = IDEM_ALIGN_UP(end + AUDIT_ROOM_STEP, AUDIT_ROOM_STEP);
         int rc = io_reserve(s->io, s->audit_f, s->audit_alloc, to - s->audit_alloc);
-        if (rc == -ENOSPC || rc == -EDQUOT) return IDEM_EFULL;
+        if (UTIL_NO_SPACE(rc)) return IDEM_EFULL;
         if (rc < 0 && rc != -EOPNOTSUPP) return IDEM_EIO;
         /* A file system that cannot reserve: the trail grows as it is written, as it did. */
         s->audit_alloc = rc == 0 ? to : UINT64_MAX;

@@ -82,6 +82,7 @@ static void job_run(struct filler *fl)
     pthread_mutex_unlock(&fl->mu);
     struct io_file *f = NULL;
     int rc = io_open(fl->io, path, IO_O_DSYNC, &f);
+    int in_place = f && io_overwrites_in_place(fl->io, f); /* fstatfs, ioctl: not under mu */
     pthread_mutex_lock(&fl->mu);
     if (rc < 0) {
         /* Not the disk failing (gone already, out of descriptors or memory): only speed is
@@ -89,6 +90,15 @@ static void job_run(struct filler *fl)
         if (rc != -ENOENT)
             fprintf(stderr, "idem: event=fill_skipped file=%s error=\"%s\"\n", path, strerror(-rc));
         rc = 0;
+    } else if (!in_place) {
+        /* The store starts a filler only where its log's writes stay in place, but a segment
+         * file made before (by an earlier build on btrfs, before files were made NOCOW) may
+         * not: the log's writes over its zeros would take new space, and fail on a full disk. */
+        fprintf(stderr,
+                "idem: event=fill_skipped file=%s reason=\"this file is not known to be written "
+                "over in place\"\n",
+                path);
+        j->pos = j->to;
     }
     uint64_t hole_end = 0; /* [pos, hole_end): never written, to be filled */
     while (f && rc == 0 && !j->cancelled && !fl->stop && j->pos < j->to) {
@@ -114,6 +124,14 @@ static void job_run(struct filler *fl)
             if (whole == 0) rc = -EIO; /* no progress: the disk refuses */
         }
         pthread_cond_broadcast(&fl->cond);
+    }
+    if (UTIL_NO_SPACE(rc)) {
+        /* No room to make the allocated space written (its extents' metadata, a quota): the
+         * space stays allocated, and the log writes into it as it would without zeros. Only
+         * speed is lost, where any other failed write means a failing disk. */
+        fprintf(stderr, "idem: event=fill_skipped file=%s offset=%llu error=\"%s\"\n", path,
+                (unsigned long long)j->pos, strerror(-rc));
+        rc = 0;
     }
     if (rc < 0 && !fl->err) {
         fl->err = rc;

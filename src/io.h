@@ -65,9 +65,10 @@ struct io_ops {
      * nothing but those follows. A backend that cannot tell reports [off, UINT64_MAX). */
     int (*data_after)(struct io *io, struct io_file *f, uint64_t off, uint64_t *data,
                       uint64_t *hole);
-    /* 1 when a write over bytes of f already written reuses their space (ext4, XFS), so zeros
-     * written over preallocated space keep it the file's; 0 where such a write takes new space
-     * and can fail with ENOSPC on a full disk (copy-on-write: btrfs), or where not known. */
+    /* 1 when a write over bytes of f already written reuses their space (ext4, XFS, a NOCOW file
+     * on btrfs: io_posix_open marks the files it creates so), so zeros written over
+     * preallocated space keep it the file's; 0 where such a write takes new space and can fail
+     * with ENOSPC on a full disk (copy on write: other files on btrfs), or where not known. */
     int (*overwrites_in_place)(struct io *io, struct io_file *f);
     /* Maps [0, len) of the file read-only; *out stays valid until unmap. */
     int (*map)(struct io *io, struct io_file *f, size_t len, const void **out);

@@ -12,7 +12,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <linux/btrfs.h>
+#include <linux/btrfs_tree.h>
+#include <linux/fs.h>
 #include <linux/magic.h>
+#include <sys/ioctl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/vfs.h>
@@ -29,6 +33,54 @@ static int io_posix_open_flags(unsigned flags)
     if ((flags & IO_O_CREATE) && (flags & IO_O_EXCL)) oflags |= O_EXCL;
     if (flags & IO_O_DSYNC) oflags |= O_DSYNC;
     return oflags;
+}
+
+static int is_btrfs(int fd)
+{
+    struct statfs sf;
+    return fstatfs(fd, &sf) == 0 && (unsigned long)sf.f_type == BTRFS_SUPER_MAGIC;
+}
+
+/* 1 when btrfs keeps a single copy of the data (profile single or RAID0) on every data block
+ * group. With two copies or parity (DUP, RAID1*, RAID10, RAID5/6) the store's files stay copy
+ * on write: a NOCOW file has no checksums that let btrfs pick or repair the good copy, and its
+ * copies written in place may differ after a power loss. */
+static int btrfs_data_single(int fd)
+{
+    struct btrfs_ioctl_space_args probe = {0};
+    if (ioctl(fd, BTRFS_IOC_SPACE_INFO, &probe) != 0 || probe.total_spaces == 0 ||
+        probe.total_spaces > 64)
+        return 0;
+    uint64_t n = probe.total_spaces;
+    struct btrfs_ioctl_space_args *a = calloc(1, sizeof *a + n * sizeof a->spaces[0]);
+    if (!a) return 0;
+    a->space_slots = n;
+    int single = ioctl(fd, BTRFS_IOC_SPACE_INFO, a) == 0 && a->total_spaces > 0;
+    for (uint64_t i = 0; single && i < a->total_spaces && i < n; i++)
+        if ((a->spaces[i].flags & BTRFS_BLOCK_GROUP_DATA) &&
+            (a->spaces[i].flags & BTRFS_BLOCK_GROUP_PROFILE_MASK & ~BTRFS_BLOCK_GROUP_RAID0))
+            single = 0;
+    free(a);
+    return single;
+}
+
+/* On btrfs with one copy of the data, a file the store creates (or empties to reuse) is marked
+ * NOCOW (chattr +C): its writes over written bytes then stay in place, as on ext4, so a full
+ * disk cannot refuse them (the superblock's copies, the log's space zero-filled ahead of it, a
+ * segment made again). btrfs takes the mark only while the file is empty, and keeps no
+ * checksums of such data; every byte idem reads back carries its own. Best effort: where it
+ * is refused the file stays copy on write, and io_posix_overwrites_in_place says so. */
+static void nocow_if_empty(int fd, const char *path)
+{
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size != 0 || !is_btrfs(fd)) return;
+    int attr = 0;
+    if (ioctl(fd, FS_IOC_GETFLAGS, &attr) != 0 || (attr & FS_NOCOW_FL) || !btrfs_data_single(fd))
+        return;
+    attr |= FS_NOCOW_FL;
+    if (ioctl(fd, FS_IOC_SETFLAGS, &attr) != 0)
+        fprintf(stderr, "idem: event=nocow_refused file=%s error=\"%s\"\n", path ? path : "-",
+                strerror(errno));
 }
 
 int io_posix_open(struct io *io, const char *path, unsigned flags, struct io_file **out)
@@ -51,6 +103,7 @@ int io_posix_open(struct io *io, const char *path, unsigned flags, struct io_fil
     }
     if (fd < 0) fd = open(path, oflags, 0600);
     if (fd < 0) goto out_free;
+    if (flags & IO_O_CREATE) nocow_if_empty(fd, path);
     f->fd = fd;
     *out = f;
     return 0;
@@ -101,7 +154,9 @@ int io_posix_truncate(struct io *io, struct io_file *f, uint64_t len)
     do {
         rc = ftruncate(f->fd, (off_t)len);
     } while (rc != 0 && errno == EINTR);
-    return rc == 0 ? 0 : -errno;
+    if (rc != 0) return -errno;
+    if (len == 0) nocow_if_empty(f->fd, NULL); /* a leftover file reused from its start */
+    return 0;
 }
 
 int64_t io_posix_read(struct io *io, struct io_file *f, uint64_t off, void *buf, size_t len)
@@ -173,13 +228,18 @@ static int fs_reports_holes(int fd)
 }
 
 /* ext4 and XFS write over written blocks in place. btrfs writes them elsewhere (copy on
- * write): measured on a full btrfs, a write over space zero-filled after fallocate failed with
- * ENOSPC, where a write into space only fallocated succeeded. Elsewhere: not known. */
+ * write) unless the file is NOCOW (nocow_if_empty): measured on a full btrfs, a write over space
+ * zero-filled after fallocate failed with ENOSPC, where a write into space only fallocated
+ * succeeded. Elsewhere: not known. */
 int io_posix_overwrites_in_place(struct io *io, struct io_file *f)
 {
     (void)io;
     struct statfs sf;
     if (fstatfs(f->fd, &sf) != 0) return 0;
+    if ((unsigned long)sf.f_type == BTRFS_SUPER_MAGIC) {
+        int attr = 0;
+        return ioctl(f->fd, FS_IOC_GETFLAGS, &attr) == 0 && (attr & FS_NOCOW_FL);
+    }
     return (unsigned long)sf.f_type == EXT4_SUPER_MAGIC ||
            (unsigned long)sf.f_type == XFS_SUPER_MAGIC;
 }

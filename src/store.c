@@ -1218,14 +1218,15 @@ static int store_start(idem_store *s)
     if (remover_create(s->io, s->dir, &s->remover) < 0) return IDEM_ENOMEM;
     /* Zeros ahead of the log shorten flushes that callers wait for: in sync mode only (batch and
      * none answer before the flush, and the zeros would cost them CPU and disk), and only where
-     * a write over written bytes stays in place. On copy on write (btrfs) the log's write over
-     * the zeros takes new space, and failed with ENOSPC on a full disk (fatal for the store)
-     * where its write into space only allocated succeeded; elsewhere it is not known. */
+     * a write over written bytes stays in place. On copy on write (btrfs, but for files made
+     * NOCOW) the log's write over the zeros takes new space, and failed with ENOSPC on a full
+     * disk (fatal for the store) where its write into space only allocated succeeded; elsewhere
+     * it is not known. */
     if (s->opt.durability == IDEM_DURABILITY_SYNC && !wal_overwrites_in_place(s->wal)) {
         fprintf(stderr,
-                "idem: event=fill_off dir=%s reason=\"the file system is not known to write over "
-                "data in place (only ext4 and XFS are): zeros written ahead of the log might not "
-                "keep its space\"\n",
+                "idem: event=fill_off dir=%s reason=\"the log's file is not known to be written "
+                "over in place (files on ext4 and XFS are, and on btrfs files made NOCOW): zeros "
+                "written ahead of the log might not keep its space\"\n",
                 s->dir);
     } else if (s->opt.durability == IDEM_DURABILITY_SYNC) {
         if (filler_create(s->io, &s->filler) < 0) return IDEM_ENOMEM;
@@ -1306,7 +1307,7 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     if (rc == 0) rc = sync_parent(io, dir); /* the store's name must survive a power loss */
     if (rc < 0 && rc != -EEXIST) {
         store_set_error("cannot create %s: %s", dir, strerror(-rc));
-        rc = s->opt.read_only ? IDEM_EIO : (rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO);
+        rc = s->opt.read_only ? IDEM_EIO : (UTIL_NO_SPACE(rc) ? IDEM_EFULL : IDEM_EIO);
         goto fail;
     }
     if (!simulated) {
@@ -1350,8 +1351,18 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
                             idem_strerror(rc));
         goto fail;
     }
+    io_fault_clear();
     rc = store_start(s);
-    if (rc < 0) goto fail;
+    if (rc < 0) {
+        /* A superblock or segment write that failed here is named by its call (a disk with no
+         * block left for a copy-on-write rewrite: "write or its fdatasync: No space ..."). */
+        if (!*last_error && io_fault_last.err)
+            store_set_error("cannot start store %s: %s: %s", dir, io_fault_last.call,
+                            strerror(-io_fault_last.err));
+        else if (!*last_error)
+            store_set_error("cannot start store %s: %s", dir, idem_strerror(rc));
+        goto fail;
+    }
     s->st.open_ms = (uint64_t)(util_monotonic_us() - t0) / 1000;
     *out = s;
     return 0;
@@ -2599,7 +2610,7 @@ static int copy_file(struct io *rd, struct io *wr, const char *from, const char 
     if (rc < 0) {
         store_set_error("cannot create %s: %s", to, strerror(-rc));
         io_close(rd, in);
-        return rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
+        return UTIL_NO_SPACE(rc) ? IDEM_EFULL : IDEM_EIO;
     }
     uint8_t *buf = aligned_alloc(4096, 1 << 20);
     uint64_t off = 0;
@@ -2614,12 +2625,12 @@ static int copy_file(struct io *rd, struct io *wr, const char *from, const char 
         /* Flushed chunk by chunk: a copy's dirty pages, written back all at once, would hold up
          * the log's flushes on the same disk for as long. */
         int w = io_write_sync(wr, out, off, buf, (size_t)n, 1);
-        if (w < 0) rc = w == -ENOSPC ? IDEM_EFULL : IDEM_EIO, err = -w, what = "writing";
+        if (w < 0) rc = UTIL_NO_SPACE(w) ? IDEM_EFULL : IDEM_EIO, err = -w, what = "writing";
         off += (uint64_t)n;
     }
     if (rc == 0 && size > off) {
         int a = io_allocate(wr, out, off, size - off);
-        if (a < 0) rc = a == -ENOSPC ? IDEM_EFULL : IDEM_EIO, err = -a, what = "allocating";
+        if (a < 0) rc = UTIL_NO_SPACE(a) ? IDEM_EFULL : IDEM_EIO, err = -a, what = "allocating";
     }
     int f = rc == 0 ? io_flush_sync(wr, out) : 0;
     if (f < 0) rc = IDEM_EIO, err = -f, what = "flushing";

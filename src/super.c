@@ -198,7 +198,7 @@ int super_store(struct io *io, const char *dir, struct super *sb)
         }
         created = 1;
     }
-    if (rc < 0) return rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
+    if (rc < 0) return UTIL_NO_SPACE(rc) ? IDEM_EFULL : IDEM_EIO;
     uint8_t *blk = aligned_alloc(SUPER_BLOCK, 2 * SUPER_BLOCK);
     if (!blk) {
         io_close(io, f);
@@ -218,7 +218,7 @@ int super_store(struct io *io, const char *dir, struct super *sb)
     if (rc == 0 && created) rc = io_rename(io, tmp, path);
     if (rc == 0 && created) rc = io_sync_dir(io, dir);
     /* Only the creation may meet a full disk; a failed rewrite of the file is fatal. */
-    if (rc < 0) return created && (rc == -ENOSPC || rc == -EDQUOT) ? IDEM_EFULL : IDEM_EFATAL;
+    if (rc < 0) return created && UTIL_NO_SPACE(rc) ? IDEM_EFULL : IDEM_EFATAL;
     return 0;
 }
 
@@ -266,10 +266,23 @@ int lock_acquire(const char *dir, int read_only, int *fd_out, char *err, size_t 
         gethostname(host, sizeof host - 1);
         char line[256];
         int len = snprintf(line, sizeof line, "pid=%d host=%s\n", (int)getpid(), host);
-        if (ftruncate(fd, 0) < 0 || pwrite(fd, line, (size_t)len, 0) != len) {
-            snprintf(err, errcap, "cannot write %s: %s", path, strerror(errno));
-            close(fd);
-            return IDEM_EIO;
+        /* Written over the last owner's line, then cut to length: on ext4 a write over the
+         * file's block needs no new one, where a cut to 0 first would free it. */
+        errno = EIO; /* a short write sets none */
+        if (pwrite(fd, line, (size_t)len, 0) != len || ftruncate(fd, len) < 0) {
+            int e = errno;
+            if (!UTIL_NO_SPACE(-e)) {
+                snprintf(err, errcap, "cannot write %s: %s", path, strerror(e));
+                close(fd);
+                return IDEM_EIO;
+            }
+            /* The lock is held; the line only names the owner to a second opener. On a disk
+             * with no space left for it (btrfs writes even a rewrite elsewhere) the store still
+             * opens, with the line emptied if it can be (a second opener then names no owner
+             * rather than one gone). */
+            int emptied = ftruncate(fd, 0) == 0;
+            fprintf(stderr, "idem: event=lock_owner_unrecorded file=%s error=\"%s\"%s\n", path,
+                    strerror(e), emptied ? "" : " stale_owner=1");
         }
     }
     *fd_out = fd;
@@ -328,7 +341,7 @@ static int ckpt_drain(struct ckpt_writer *cw)
     uint32_t len = (uint32_t)IDEM_ALIGN_UP(cw->used, 4096);
     memset(cw->buf + cw->used, 0, len - cw->used);
     int rc = io_write_sync(cw->io, cw->f, cw->off, cw->buf, len, 0);
-    if (rc < 0) cw->err = rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
+    if (rc < 0) cw->err = UTIL_NO_SPACE(rc) ? IDEM_EFULL : IDEM_EIO;
     cw->off += cw->used;
     if (cw->used % 4096) {
         uint32_t keep = cw->used % 4096;
@@ -364,7 +377,7 @@ int ckpt_begin(struct io *io, const char *dir, uint64_t id, struct ckpt_writer *
     if (rc < 0) {
         free(cw->buf);
         free(cw);
-        return rc == -ENOSPC ? IDEM_EFULL : IDEM_EIO;
+        return UTIL_NO_SPACE(rc) ? IDEM_EFULL : IDEM_EIO;
     }
     memset(cw->buf, 0, 4096);
     memcpy(cw->buf, CKPT_MAGIC, 8);

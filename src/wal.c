@@ -181,12 +181,12 @@ static int seg_make(struct wal *w, uint64_t seq, struct wal_segment *out)
     wal_seg_path(w->dir, seq, path, sizeof path);
     struct wal_segment s = {.seq = seq};
     int rc = io_open(w->io, path, IO_O_CREATE, &s.f);
-    if (rc < 0) return rc == -ENOSPC || rc == -EDQUOT ? IDEM_EFULL : IDEM_EIO;
+    if (rc < 0) return UTIL_NO_SPACE(rc) ? IDEM_EFULL : IDEM_EIO;
     rc = io_allocate(w->io, s.f, 0, w->seg_bytes);
     if (rc < 0) {
         io_close(w->io, s.f);
         io_unlink(w->io, path);
-        return rc == -ENOSPC || rc == -EDQUOT ? IDEM_EFULL : IDEM_EIO;
+        return UTIL_NO_SPACE(rc) ? IDEM_EFULL : IDEM_EIO;
     }
     uint8_t *hdr = aligned_alloc(WAL_BLOCK, WAL_BLOCK);
     if (!hdr) {

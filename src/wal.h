@@ -161,7 +161,7 @@ int wal_spare_end(struct wal *w, struct wal_segment *made, int rc);
  * passes filler_fence first. Lock held; call once, after recovery and the first spare. */
 struct filler;
 void wal_set_filler(struct wal *w, struct filler *fl);
-/* io_overwrites_in_place of the current segment's file system. */
+/* io_overwrites_in_place of the current segment's file (on btrfs it depends on the file). */
 int wal_overwrites_in_place(struct wal *w);
 
 /* Starts loading the first bytes of the frame at addr from the segment map (any address is

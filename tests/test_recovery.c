@@ -1398,6 +1398,35 @@ Test(recovery, zeros_are_written_ahead_of_the_log_where_writes_stay_in_place)
     cr_assert_gt(zeros_written_at_open(0), 0);
 }
 
+/* A filler made where the log's writes stay in place still asks each file it fills: a segment
+ * file made before (on btrfs by a build that did not make files NOCOW) gets no zeros. Here the
+ * simulated disk turns copy-on-write after the filler opened segment 1 and before it opens the
+ * spare: segment 1's rest is filled, the spare is not. */
+Test(recovery, the_filler_writes_no_zeros_into_a_file_not_written_over_in_place, .timeout = 60)
+{
+    io_sim_hold_data_after(sim, 1);
+    idem_store *s;
+    cr_assert_eq(open_sim_seg(&s, 4 << 20), IDEM_OK); /* jobs: [2, 4) MiB of segment 1, the spare */
+    cr_assert(s->filler != NULL);
+    struct io_sim_counts n;
+    do { /* the filler has opened segment 1 and asks where its data ends */
+        sched_yield();
+        io_sim_counts(sim, &n);
+    } while (n.data_after_waiting == 0);
+    io_sim_copy_on_write(sim, 1);
+    io_sim_hold_data_after(sim, 0);
+    for (int i = 0; i < 5000 && !filler_idle(s->filler); i++)
+        usleep(1000);
+    cr_assert(filler_idle(s->filler), "the filler did not finish its jobs");
+    io_sim_counts(sim, &n);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    io_sim_copy_on_write(sim, 0);
+    /* [2, 4) MiB of segment 1 takes two pieces of 1 MiB (FILLER_PIECE); the spare would take
+     * four more (the store of zeros_are_written_ahead_of_the_log_where_writes_stay_in_place
+     * makes six). */
+    cr_assert_eq(n.writes_now, 2, "%llu zero writes", (unsigned long long)n.writes_now);
+}
+
 /* A zero write that fails is an I/O error like any other: the store stops, and answers every
  * change after it with the fatal error (nothing it acknowledged depended on that space). */
 Test(recovery, a_failed_write_of_zeros_ahead_of_the_log_is_fatal, .timeout = 30)
@@ -1415,6 +1444,47 @@ Test(recovery, a_failed_write_of_zeros_ahead_of_the_log_is_fatal, .timeout = 30)
     idem_queue_close(q);
     cr_assert_eq(idem_close(s), IDEM_EFATAL);
     io_sim_fail_writes_now(sim, 0);
+}
+
+/* A write the open itself makes that fails (here the superblock's, which reserves tokens) stops
+ * the open, and the error says which call failed and why, where it used to say nothing. */
+Test(recovery, an_open_whose_superblock_write_fails_says_why, .timeout = 30)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, 10);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    io_sim_fail_write(sim, 1, -ENOSPC); /* the first write of the open: the superblock's */
+    cr_assert_eq(open_sim(&s), IDEM_EFATAL);
+    const char *why = idem_last_error();
+    cr_assert(strstr(why, "cannot start store") && strstr(why, "No space left on device"),
+              "error: \"%s\"", why);
+    io_sim_fail_write(sim, 0, 0);
+    cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+/* A zero write refused for space (its extents' metadata, a quota) is not a failing disk: the
+ * filler passes over the rest of that job, and the log writes into the space as it would
+ * without zeros. */
+Test(recovery, a_write_of_zeros_refused_for_space_is_passed_over, .timeout = 30)
+{
+    io_sim_fail_writes_now(sim, -ENOSPC);
+    idem_store *s;
+    cr_assert_eq(open_sim_seg(&s, 4 << 20), IDEM_OK);
+    for (int i = 0; i < 5000 && !filler_idle(s->filler); i++)
+        usleep(1000);
+    cr_assert(filler_idle(s->filler), "the filler did not finish its jobs");
+    io_sim_fail_writes_now(sim, 0);
+    cr_assert(!idem_is_fatal(s), "the store failed: %s", idem_fatal_reason(s));
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
+    idem_completion c;
+    cr_assert_eq(idem_claim(q, "k", 1, &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
 /* Damages one byte of the last occurrence of `text` in the log's segments (1..7). */

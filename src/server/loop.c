@@ -1544,7 +1544,13 @@ static int finish(srv *s, int rc)
         if (fds[i] >= 0) close(fds[i]);
     if (s->store) {
         int err = idem_close(s->store);
-        if (err != IDEM_OK) {
+        if (err == IDEM_EFULL) {
+            /* Only the closing checkpoint found no space: every change is durable in the log,
+             * which the next open replays. */
+            srv_log("warn", "checkpoint_skipped",
+                    "reason=\"no space for the closing checkpoint: the next open replays the "
+                    "log\"");
+        } else if (err != IDEM_OK) {
             srv_log("error", "close_failed", "err=\"%s\"", idem_strerror(err));
             rc = 1;
         }

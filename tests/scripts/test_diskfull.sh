@@ -11,8 +11,13 @@
 # `idemctl verify` finds the store sound after a clean stop.
 # Scenario B: the same with the --max-disk limit instead of a full filesystem, then a restart
 # with a higher limit.
-# On ext4 the log's space is zero-filled ahead of it; on btrfs (copy on write) it must not be:
-# the log's writes over those zeros would need new space, and failed on the full disk.
+# The log's space is zero-filled ahead of it on both: on btrfs (copy on write) only because the
+# store's files are made NOCOW, without which the log's writes over those zeros took new space,
+# and failed on the full disk. Then others take the last blocks as well: idemd answers, is killed,
+# restarts and stops cleanly with no block left.
+# Scenario C: a new store, whose segments have room left when others take the last blocks:
+# claims go on into the log's own space (over the filler's zeros), idemd is killed under load,
+# and claims after the restart are written over the dropped batch; nothing is fatal or lost.
 # Needs root, /dev/loop-control, losetup, mkfs.ext4 (mkfs.btrfs) and mount; without them it prints why and
 # `0 passed, 0 failed, 1 skipped` (exit 77: ctest reports it skipped). Everything runs on
 # 127.0.0.1 and a private unix socket, with bounded loops; the trap unmounts and detaches the
@@ -119,6 +124,25 @@ avail_bytes() { df --output=avail -B1 "$MNT" | tail -1 | tr -d ' '; }
 fill() { $LOAD fill --port "$PORT" --prefix "$1" --ack "$2" --conns "$3" --max-keys "$4" \
     --result-bytes "$RESULT_BYTES" --full-stop 10 --timeout 120; }
 field_of() { sed -n "s/.*\b$1=\([0-9]*\).*/\1/p" <<<"$2"; }
+take_last_blocks() { # take_last_blocks NAME: files NAME* take every block left (a few rounds:
+    # btrfs frees reserved space only as its transactions commit)
+    fallocate -l "$(avail_bytes)" "$MNT/$1" 2>/dev/null
+    for i in 1 2 3 4 5; do
+        dd if=/dev/zero of="$MNT/$1-$i" bs=4k 2>/dev/null
+        sync -f "$MNT"
+        [ "$(avail_bytes)" -lt 4096 ] && return 0
+    done
+    return 0
+}
+check_acks() { # check_acks "what" ACKFILE: every acknowledged key reads back (IDEM.GET, GET,
+    # a repeated claim answering done with its result, or in flight with its token)
+    local res
+    res=$($LOAD check --port "$PORT" --ack "$2" --result-bytes "$RESULT_BYTES")
+    echo "# $(head -1 <<<"$res")"
+    grep '^  ' <<<"$res" | head -10
+    check "$1 ($(wc -l <"$2") acknowledgements)" grep -q ' bad=0$' <<<"$(head -1 <<<"$res")"
+}
+stat_of() { $LOAD cmd --unix "$SOCK" IDEM.STATS | sed -n "s/.*\b$1 :\([0-9]*\).*/\1/p"; }
 stop_term() { # SIGTERM and wait (at most 30 s); the exit code goes to RC
     kill -TERM "$PID"
     for _ in $(seq 1 300); do
@@ -172,22 +196,43 @@ r=$(cmd IDEM.CLAIM "$key" 86400000 60000 FP "fp:$key")
 check "A: a repeat of the last committed key answers done while full" grep -q '^done r:' <<<"$r"
 r=$(cmd PING)
 check "A: PING answers while full" test "$r" = "+PONG"
-res=$($LOAD check --port "$PORT" --ack "$ACK_A" --result-bytes "$RESULT_BYTES")
-echo "# $res" | head -5
-check "A: every acknowledged key reads back while full (IDEM.GET, GET, repeat claim = done)" \
-    grep -q ' bad=0$' <<<"$(head -1 <<<"$res")"
+check_acks "A: every acknowledged key reads back while full" "$ACK_A"
 r=$(admin IDEM.STATS)
 echo "# stats while full: $(grep -o 'disk_free_bytes :[0-9]*\|fatal :[0-9]*\|claims_new :[0-9]*' <<<"$r" | tr '\n' ' ')"
 check "A: IDEM.STATS reports no fatal error" grep -q 'fatal :0' <<<"$r"
 check "A: idemd logged the full disk" grep -q 'event=full' "$LOG_A"
-if [ "$FS" = ext4 ]; then
-    check "A: zeros are written ahead of the log on ext4 (no fill_off)" \
-        test "$(grep -c 'event=fill_off' "$LOG_A")" = 0
-else
-    check "A: no zeros are written ahead of the log on btrfs (fill_off, once)" \
-        test "$(grep -c 'event=fill_off' "$LOG_A")" = 1
+check "A: zeros are written ahead of the log (no fill_off, no fill_skipped)" \
+    test "$(grep -c 'event=fill_off\|event=fill_skipped' "$LOG_A")" = 0
+if [ "$FS" = btrfs ] && command -v lsattr >/dev/null 2>&1; then
+    # Every file but LOCK (a line of text, written over at each open; btrfs keeps it inline).
+    files=$(find "$A" -maxdepth 1 -type f ! -name LOCK | sort)
+    nocow=$(for f in $files; do lsattr "$f"; done 2>/dev/null | awk '$1 ~ /C/' | wc -l)
+    check "A: on btrfs the store's files are NOCOW ($nocow of $(wc -w <<<"$files") show C)" \
+        test "$nocow" = "$(wc -w <<<"$files")" -a "$nocow" -ge 3
 fi
 check "A: idemd is still running after the reads" alive
+
+# Others take the last blocks too: nothing the store writes over in place may need new space
+# (on btrfs only NOCOW files write over in place), and a restart must not need any.
+take_last_blocks filler-last
+echo "# the last blocks taken: free $(avail_bytes) bytes"
+check "A: others hold every block ($(avail_bytes) bytes free)" test "$(avail_bytes)" -lt 4096
+r=$(cmd IDEM.CLAIM fresh:2 86400000 60000)
+check "A: with no block left a new claim answers -FULL ($r)" grep -q '^-FULL' <<<"$r"
+r=$(cmd IDEM.CLAIM "$key" 86400000 60000 FP "fp:$key")
+check "A: with no block left a repeat answers done" grep -q '^done r:' <<<"$r"
+kill9
+check "A: idemd restarts after kill -9 with no block left" start_idemd "$A" "$LOG_A"
+check_acks "A: every acknowledged key is there after it" "$ACK_A"
+r=$(cmd IDEM.CLAIM fresh:3 86400000 60000)
+check "A: a new claim still answers -FULL ($r)" grep -q '^-FULL' <<<"$r"
+out=$(timeout 10 "$IDEMD" --dir "$A" --port 0 --socket "$WORK/second.sock" 2>&1 </dev/null)
+check "A: a second idemd on the store is refused (the lock holds)" grep -q 'in use by another process' <<<"$out"
+stop_term
+check "A: SIGTERM with no block left exits 0 (exit $RC; the log holds everything)" test "$RC" = 0
+check "A: it logged that the closing checkpoint found no space" grep -q 'event=checkpoint_skipped' "$LOG_A"
+check "A: idemd restarts again with no block left" start_idemd "$A" "$LOG_A"
+rm -f "$MNT"/filler-last*
 
 # Free the space: new claims must succeed again without a restart, within a few seconds.
 rm -f "$MNT/filler"
@@ -209,11 +254,7 @@ check "A: 200 more claims commit after space came back" test "$(field_of committ
 # Crash and restart: every acknowledged key is there.
 kill9
 check "A: idemd restarts on the same store after kill -9" start_idemd "$A" "$LOG_A"
-res=$($LOAD check --port "$PORT" --ack "$ACK_A" --result-bytes "$RESULT_BYTES")
-echo "# after restart: $(head -1 <<<"$res")"
-grep '^  ' <<<"$res" | head -10
-check "A: every acknowledged key survives the restart ($(wc -l <"$ACK_A") keys)" \
-    grep -q ' bad=0$' <<<"$(head -1 <<<"$res")"
+check_acks "A: every acknowledged key survives the restart" "$ACK_A"
 r=$(cmd IDEM.CLAIM post:1 86400000 60000)
 check "A: new claims succeed after the restart" grep -q '^new :' <<<"$r"
 stop_term
@@ -236,24 +277,63 @@ check "B: claims answer -FULL at --max-disk ($(field_of full "$out") answers)" t
 check "B: claims were acknowledged before the limit ($(field_of committed "$out"))" test "$(field_of committed "$out")" -gt 0
 check "B: no unexpected answers during the fill" test "$(field_of other "$out")" = 0
 check "B: idemd is still running at the limit" alive
-res=$($LOAD check --port "$PORT" --ack "$ACK_B" --result-bytes "$RESULT_BYTES")
-check "B: every acknowledged key reads back at the limit" grep -q ' bad=0$' <<<"$(head -1 <<<"$res")"
+check_acks "B: every acknowledged key reads back at the limit" "$ACK_B"
 r=$(admin IDEM.STATS)
 echo "# stats at the limit: $(grep -o 'disk_bytes :[0-9]*\|max_disk_bytes :[0-9]*' <<<"$r" | tr '\n' ' ')"
 stop_term
 check "B: SIGTERM at the limit exits 0 (exit $RC)" test "$RC" = 0
 check "B: idemd restarts with --max-disk 32m" start_idemd "$B" "$LOG_B" --max-disk 32m
-res=$($LOAD check --port "$PORT" --ack "$ACK_B" --result-bytes "$RESULT_BYTES")
-echo "# after restart: $(head -1 <<<"$res")"
-check "B: every acknowledged key survives the restart" grep -q ' bad=0$' <<<"$(head -1 <<<"$res")"
+check_acks "B: every acknowledged key survives the restart" "$ACK_B"
 r=$(cmd IDEM.CLAIM post:b 86400000 60000)
 check "B: new claims succeed under the higher limit" grep -q '^new :' <<<"$r"
 stop_term
 check "B: SIGTERM exits 0 (exit $RC)" test "$RC" = 0
 
+# ================ Scenario C: no block left, with room in the log's segments ================
+# The log's own space is allocated, so claims go on into it; the writes over the filler's zeros,
+# and after a crash over the dropped batch, must need no new block.
+C=$MNT/c
+ACK_C=$WORK/ack-c
+LOG_C=$WORK/idemd-c.log
+: >"$ACK_C"
+check "C: store created with 1 MiB segments" "$WORK/mkstore" "$C" 1048576
+start_idemd "$C" "$LOG_C" || not_ok "C: idemd starts"
+out=$(fill warmc "$ACK_C" 2 25)
+check "C: 50 warm-up claims committed" test "$(field_of committed "$out")" = 50
+sleep 1 # the filler zero-fills the current segment's rest and the spare (1 MiB pieces)
+take_last_blocks filler-c
+check "C: others hold every block ($(avail_bytes) bytes free)" test "$(avail_bytes)" -lt 4096
+fill loadc "$ACK_C" 4 3000 >"$WORK/fill-c.out" 2>/dev/null &
+FILL_PID=$!
+for _ in $(seq 1 400); do # until 100 claims of the load are in (at most 20 s)
+    [ "$(stat_of claims_new)" -ge 150 ] 2>/dev/null && break
+    sleep 0.05
+done
+kill9
+wait "$FILL_PID"
+echo "# killed under load: $(head -1 "$WORK/fill-c.out")"
+check "C: claims were acknowledged with no block left ($(grep -c . "$ACK_C") acknowledgements)" \
+    test "$(grep -c . "$ACK_C")" -gt 100
+check "C: idemd restarts after kill -9 under load" start_idemd "$C" "$LOG_C"
+out=$(fill againc "$ACK_C" 4 100000)
+echo "# claims after the restart: $out"
+check "C: claims after the restart are acknowledged ($(field_of committed "$out") committed)" \
+    test "$(field_of committed "$out")" -gt 0
+check "C: and answer -FULL once the segments are used" test "$(field_of full "$out")" -gt 0
+check "C: no answer other than new/+OK/-FULL" test "$(field_of other "$out")" = 0
+r=$(admin IDEM.STATS)
+check "C: no fatal error" grep -q 'fatal :0' <<<"$r"
+kill9
+check "C: idemd restarts once more" start_idemd "$C" "$LOG_C"
+check_acks "C: every acknowledged key is there after the restarts" "$ACK_C"
+check "C: no fatal error was logged" test "$(grep -c 'event=fatal_io_error' "$LOG_C")" = 0
+stop_term
+check "C: SIGTERM exits 0 (exit $RC)" test "$RC" = 0
+rm -f "$MNT"/filler-c*
+
 if [ "$failed" -gt 0 ]; then
     echo "# idemd logs (last lines):"
-    tail -n 15 "$LOG_A" "$LOG_B" 2>/dev/null | sed 's/^/#   /'
+    tail -n 15 "$LOG_A" "$LOG_B" "$LOG_C" 2>/dev/null | sed 's/^/#   /'
 fi
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
