@@ -126,9 +126,12 @@ static void job_run(struct filler *fl)
         pthread_cond_broadcast(&fl->cond);
     }
     if (UTIL_NO_SPACE(rc)) {
-        /* No room to make the allocated space written (its extents' metadata, a quota): the
-         * space stays allocated, and the log writes into it as it would without zeros. Only
-         * speed is lost, where any other failed write means a failing disk. */
+        /* No room to make the allocated space written (its extents' metadata, a quota): a
+         * write refused so wrote nothing, the space stays allocated, and the log writes into
+         * it as it would without zeros. Only speed is lost, where any other failed write means
+         * a failing disk. (Should write-back, the O_DSYNC half, meet it instead, the kernel
+         * reports it to the log's next flush of the file as well, and the store stops there,
+         * as it did here before.) */
         fprintf(stderr, "idem: event=fill_skipped file=%s offset=%llu error=\"%s\"\n", path,
                 (unsigned long long)j->pos, strerror(-rc));
         rc = 0;

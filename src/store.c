@@ -1356,7 +1356,7 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     if (rc < 0) {
         /* A superblock or segment write that failed here is named by its call (a disk with no
          * block left for a copy-on-write rewrite: "write or its fdatasync: No space ..."). */
-        if (!*last_error && io_fault_last.err)
+        if (!*last_error && io_fault_last.err && (rc == IDEM_EFATAL || rc == IDEM_EIO))
             store_set_error("cannot start store %s: %s: %s", dir, io_fault_last.call,
                             strerror(-io_fault_last.err));
         else if (!*last_error)

@@ -269,20 +269,24 @@ int lock_acquire(const char *dir, int read_only, int *fd_out, char *err, size_t 
         /* Written over the last owner's line, then cut to length: on ext4 a write over the
          * file's block needs no new one, where a cut to 0 first would free it. */
         errno = EIO; /* a short write sets none */
-        if (pwrite(fd, line, (size_t)len, 0) != len || ftruncate(fd, len) < 0) {
+        int wrote = pwrite(fd, line, (size_t)len, 0) == len;
+        if (!wrote || ftruncate(fd, len) < 0) {
             int e = errno;
             if (!UTIL_NO_SPACE(-e)) {
                 snprintf(err, errcap, "cannot write %s: %s", path, strerror(e));
                 close(fd);
                 return IDEM_EIO;
             }
-            /* The lock is held; the line only names the owner to a second opener. On a disk
-             * with no space left for it (btrfs writes even a rewrite elsewhere) the store still
-             * opens, with the line emptied if it can be (a second opener then names no owner
-             * rather than one gone). */
-            int emptied = ftruncate(fd, 0) == 0;
-            fprintf(stderr, "idem: event=lock_owner_unrecorded file=%s error=\"%s\"%s\n", path,
-                    strerror(e), emptied ? "" : " stale_owner=1");
+            /* The lock is held; the line only names the owner to a second opener (who reads
+             * up to the first newline: a tail left by a cut that failed is never read). On a
+             * disk with no space left for the line (btrfs writes even a rewrite elsewhere) the
+             * store still opens, with the file emptied if it can be, so that a second opener
+             * names no owner rather than one gone. */
+            if (!wrote) {
+                int emptied = ftruncate(fd, 0) == 0;
+                fprintf(stderr, "idem: event=lock_owner_unrecorded file=%s error=\"%s\"%s\n", path,
+                        strerror(e), emptied ? "" : " stale_owner=1");
+            }
         }
     }
     *fd_out = fd;
