@@ -23,10 +23,11 @@ void util_assert_fail(const char *file, int line, const char *expr) __attribute_
 #define IDEM_DEBUG_ASSERT(x) IDEM_ASSERT(x)
 #endif
 
-#define IDEM_ARRAY_LEN(a) (sizeof(a) / sizeof((a)[0]))
-/* A call's -errno that means no space (the disk, or a quota): FULL, not an I/O error. */
-#define UTIL_NO_SPACE(rc)   ((rc) == -ENOSPC || (rc) == -EDQUOT)
+#define IDEM_ARRAY_LEN(a)   (sizeof(a) / sizeof((a)[0]))
 #define IDEM_ALIGN_UP(x, a) (((x) + ((a)-1)) & ~((uint64_t)(a)-1))
+
+/* A call's -errno that means no space (the disk, or a quota): FULL, not an I/O error. */
+#define UTIL_NO_SPACE(rc) ((rc) == -ENOSPC || (rc) == -EDQUOT)
 
 /* Little-endian codecs: one load or store on little-endian hosts (the compiler turns the
  * memcpy into a move), a byte swap on big-endian ones. */

@@ -1372,15 +1372,21 @@ Test(recovery, zeros_never_follow_an_answer_the_log_made_stale, .timeout = 60)
  * On a copy-on-write file system (btrfs) the log's write over them takes new space: on a full
  * disk it failed with ENOSPC, fatal for the store, where a write into space only allocated
  * succeeds (measured on btrfs, io_posix.c). So the filler writes nothing there. */
+/* Waits (at most 5 s) until the store's filler, if it has one, has finished its jobs. */
+static void filler_wait_idle(idem_store *s)
+{
+    for (int i = 0; i < 5000 && s->filler && !filler_idle(s->filler); i++)
+        usleep(1000);
+    cr_assert(!s->filler || filler_idle(s->filler), "the filler did not finish its jobs");
+}
+
 static uint64_t zeros_written_at_open(int copy_on_write)
 {
     io_sim_copy_on_write(sim, copy_on_write);
     idem_store *s;
     cr_assert_eq(open_sim_seg(&s, 4 << 20), IDEM_OK); /* jobs: [2, 4) MiB of segment 1, the spare */
     cr_assert_eq(s->filler == NULL, copy_on_write, "a filler %s", s->filler ? "made" : "missing");
-    for (int i = 0; i < 5000 && s->filler && !filler_idle(s->filler); i++)
-        usleep(1000);
-    cr_assert(!s->filler || filler_idle(s->filler), "the filler did not finish its job");
+    filler_wait_idle(s);
     struct io_sim_counts n;
     io_sim_counts(sim, &n);
     cr_assert_eq(idem_close(s), IDEM_OK);
@@ -1415,9 +1421,7 @@ Test(recovery, the_filler_writes_no_zeros_into_a_file_not_written_over_in_place,
     } while (n.data_after_waiting == 0);
     io_sim_copy_on_write(sim, 1);
     io_sim_hold_data_after(sim, 0);
-    for (int i = 0; i < 5000 && !filler_idle(s->filler); i++)
-        usleep(1000);
-    cr_assert(filler_idle(s->filler), "the filler did not finish its jobs");
+    filler_wait_idle(s);
     io_sim_counts(sim, &n);
     cr_assert_eq(idem_close(s), IDEM_OK);
     io_sim_copy_on_write(sim, 0);
@@ -1472,18 +1476,10 @@ Test(recovery, a_write_of_zeros_refused_for_space_is_passed_over, .timeout = 30)
     io_sim_fail_writes_now(sim, -ENOSPC);
     idem_store *s;
     cr_assert_eq(open_sim_seg(&s, 4 << 20), IDEM_OK);
-    for (int i = 0; i < 5000 && !filler_idle(s->filler); i++)
-        usleep(1000);
-    cr_assert(filler_idle(s->filler), "the filler did not finish its jobs");
+    filler_wait_idle(s);
     io_sim_fail_writes_now(sim, 0);
     cr_assert(!idem_is_fatal(s), "the store failed: %s", idem_fatal_reason(s));
-    idem_queue *q;
-    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
-    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
-    idem_completion c;
-    cr_assert_eq(idem_claim(q, "k", 1, &a, &c), IDEM_OK);
-    cr_assert_eq(c.outcome, IDEM_NEW);
-    idem_queue_close(q);
+    fill(s, 0, 10); /* claims and commits are acknowledged */
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 

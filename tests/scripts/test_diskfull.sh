@@ -18,6 +18,7 @@
 # Scenario C: a new store, whose segments have room left when others take the last blocks:
 # claims go on into the log's own space, idemd is killed under load, and claims after the
 # restart go on into the spare the filler zero-filled, until FULL; nothing is fatal or lost.
+# Scenario D (btrfs only): on a btrfs with two copies of the data no file is made NOCOW.
 # Needs root, /dev/loop-control, losetup, mkfs.ext4 (mkfs.btrfs) and mount; without them it prints why and
 # `0 passed, 0 failed, 1 skipped` (exit 77: ctest reports it skipped). Everything runs on
 # 127.0.0.1 and a private unix socket, with bounded loops; the trap unmounts and detaches the
@@ -65,6 +66,7 @@ done
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/idem-diskfull-XXXXXX")
 MNT=$WORK/mnt
 LOOPDEV=""
+LOOPDEV2="" # scenario D's
 PID=""
 cleanup() {
     if [ -n "$PID" ] && kill -0 "$PID" 2>/dev/null; then
@@ -75,6 +77,10 @@ cleanup() {
         umount "$MNT" 2>/dev/null || { sleep 1; umount "$MNT" 2>/dev/null; } || umount -l "$MNT"
     fi
     [ -n "$LOOPDEV" ] && losetup -d "$LOOPDEV" 2>/dev/null
+    if [ -n "$LOOPDEV2" ]; then
+        umount "$WORK/mnt2" 2>/dev/null || umount -l "$WORK/mnt2" 2>/dev/null
+        losetup -d "$LOOPDEV2" 2>/dev/null
+    fi
     rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -350,6 +356,31 @@ check "C: no zeros were passed over (no fill_off, no fill_skipped)" \
 stop_term
 check "C: SIGTERM exits 0 (exit $RC)" test "$RC" = 0
 rm -f "$MNT"/filler-c*
+
+# ====== Scenario D (btrfs): two copies of the data, where the files stay copy on write ======
+# NOCOW would take away btrfs's checksums, with which it picks and repairs the good copy; so
+# there nothing is marked, and no zeros are written ahead of the log.
+if [ "$FS" = btrfs ] && command -v lsattr >/dev/null 2>&1; then
+    MNT2=$WORK/mnt2
+    mkdir -p "$MNT2"
+    truncate -s 256M "$WORK/dup.img" # sparse; mkfs.btrfs wants 229 MiB for data DUP
+    if mkfs.btrfs -q -f -d dup -m dup "$WORK/dup.img" >/dev/null 2>&1 &&
+        LOOPDEV2=$(losetup -f --show "$WORK/dup.img" 2>/dev/null) && mount "$LOOPDEV2" "$MNT2"; then
+        D=$MNT2/d
+        LOG_D=$WORK/idemd-d.log
+        check "D: store created on a btrfs with data DUP" "$WORK/mkstore" "$D" 1048576
+        start_idemd "$D" "$LOG_D" || not_ok "D: idemd starts"
+        nocow=$(for f in $(find "$D" -maxdepth 1 -type f); do lsattr "$f"; done 2>/dev/null | awk '$1 ~ /C/' | wc -l)
+        check "D: no file is NOCOW there ($nocow show C)" test "$nocow" = 0
+        check "D: no zeros are written ahead of the log (fill_off)" grep -q 'event=fill_off' "$LOG_D"
+        r=$(cmd IDEM.CLAIM d:1 86400000 60000)
+        check "D: claims are answered ($r)" grep -q '^new :' <<<"$r"
+        stop_term
+        check "D: SIGTERM exits 0 (exit $RC)" test "$RC" = 0
+    else
+        echo "# a btrfs with data DUP could not be made: scenario D is skipped"
+    fi
+fi
 
 if [ "$failed" -gt 0 ]; then
     echo "# idemd logs (last lines):"
