@@ -12,7 +12,7 @@
  *               below the superblock's reservation). The log may end in a torn batch only after
  *               the checkpoint's replay position (never acknowledged); before it, a bad frame is
  *               damage. Past the end, a valid frame of a later batch is corruption (as recovery
- *               judges it);
+ *               judges it), and a file shorter than a segment that a SEGEND names is damage;
  *   index-*.ckpt the current checkpoint: header, entries and trailer checksums, zero padding,
  *               and every entry naming a durable RECORD frame of a key with its hash;
  *   audit.log   every unit (an entry block, or a group of entries): checksums, lengths, zero
@@ -55,6 +55,7 @@ struct vfile {
     int fd;
     const uint8_t *map;
     uint64_t size;
+    size_t map_len; /* size, or a segment's size for a short segment's zero-filled copy */
 };
 
 struct vseg {
@@ -62,6 +63,9 @@ struct vseg {
     struct vfile f;
     uint64_t salt;
     int ok; /* header valid */
+    /* The file is shorter than a segment (f.map a copy of a segment's size), its header whole
+     * otherwise: salt is the header's, for the scan past the end alone (walk_beyond). */
+    int short_whole;
 };
 
 struct vpos {
@@ -146,13 +150,32 @@ static int vfile_open(const char *path, struct vfile *f)
             return IDEM_EIO;
         }
         f->map = m;
+        f->map_len = f->size;
     }
+    return 0;
+}
+
+/* Makes f's map a zero-filled copy of `bytes` (> f->size), so reads up to `bytes` stay inside it
+ * (a map of a file faults past its end). Returns 0 or IDEM_ENOMEM. */
+static int vfile_widen(struct vfile *f, size_t bytes)
+{
+    uint8_t *m = util_map_grow(NULL, 0, bytes);
+    if (!m) return IDEM_ENOMEM;
+    if (f->map) {
+        memcpy(m, f->map, f->size);
+        munmap((void *)f->map, f->map_len);
+    }
+    f->map = m;
+    f->map_len = bytes;
     return 0;
 }
 
 static void vfile_close(struct vfile *f)
 {
-    if (f->map) munmap((void *)f->map, f->size);
+    if (f->map && f->map_len > f->size)
+        util_map_free((void *)f->map, f->map_len);
+    else if (f->map)
+        munmap((void *)f->map, f->map_len);
     if (f->fd >= 0) close(f->fd);
     memset(f, 0, sizeof *f);
     f->fd = -1;
@@ -270,13 +293,19 @@ static void seg_name(char *buf, size_t cap, uint64_t seq)
     snprintf(buf, cap, "wal-%016llx.log", (unsigned long long)seq);
 }
 
-/* Does s have a whole header (seg_header_check finds nothing)? */
-static int seg_header_sound(const struct vctx *v, const struct vseg *s)
+/* Does s's first block hold a whole header of its segment? */
+static int seg_header_whole(const struct vctx *v, const struct vseg *s)
 {
     const uint8_t *h = s->f.map;
-    return s->f.size >= v->sb.seg_bytes && !memcmp(h, "IDEMWAL1", 8) &&
+    return s->f.size >= WAL_BLOCK && !memcmp(h, "IDEMWAL1", 8) &&
            util_get_u64(h + 4088) == XXH3_64bits(h, 4088) && util_get_u32(h + 8) == V_WAL_FORMAT &&
            util_get_u32(h + 12) == v->sb.seg_bytes && util_get_u64(h + 16) == s->seq;
+}
+
+/* Does s have a whole header and size (seg_header_check finds nothing)? */
+static int seg_header_sound(const struct vctx *v, const struct vseg *s)
+{
+    return s->f.size >= v->sb.seg_bytes && seg_header_whole(v, s);
 }
 
 static void seg_header_check(struct vctx *v, struct vseg *s)
@@ -326,6 +355,10 @@ static int verify_open_segments(struct vctx *v)
                 return IDEM_ENOMEM;
             }
             v->segs = n;
+        }
+        if (f.size < v->sb.seg_bytes && vfile_widen(&f, v->sb.seg_bytes) < 0) {
+            vfile_close(&f);
+            return IDEM_ENOMEM;
         }
         struct vseg *s = &v->segs[v->nsegs++];
         memset(s, 0, sizeof *s);
@@ -518,11 +551,19 @@ static const char *walk_frame_ok(struct vctx *v, struct walk *w, uint32_t *len)
  * header is damaged, lets the walk read on there; a batch completed there is a fault. */
 static void damaged_read(struct vctx *v, uint64_t seq, const uint8_t *segend, uint32_t len)
 {
-    if (seq != v->damaged_seq || v->salt_named || len < WAL_FRAME_HDR + WAL_SEGEND_PAYLOAD ||
-        seq - v->sb.wal_first_seq >= v->nsegs)
-        return;
+    if (seq != v->damaged_seq || v->salt_named || seq - v->sb.wal_first_seq >= v->nsegs) return;
     struct vseg *s = &v->segs[seq - v->sb.wal_first_seq];
-    if (s->ok || s->f.size < v->sb.seg_bytes) return;
+    if (s->ok) return;
+    if (s->f.size < v->sb.seg_bytes) {
+        /* As recovery: the log rolls only into a segment made whole, and none is ever cut. */
+        fault(v,
+              "wal-%016llx.log: %llu bytes, shorter than the segment size %u, but the SEGEND of "
+              "segment %llu names it: the file was cut after the log reached it",
+              (unsigned long long)seq, (unsigned long long)s->f.size, v->sb.seg_bytes,
+              (unsigned long long)seq - 1);
+        return;
+    }
+    if (len < WAL_FRAME_HDR + WAL_SEGEND_PAYLOAD) return;
     s->salt = util_get_u64(segend + WAL_FRAME_HDR);
     s->ok = 1;
     v->salt_named = seq;
@@ -584,6 +625,8 @@ static void walk_beyond(struct vctx *v, const struct walk *w)
     for (uint64_t seq = w->batch_start.seq; seq < end; seq++) {
         const struct vseg *s = seg_get(v, seq);
         if (!s && (!v->damaged_seq || seq < v->damaged_seq)) break;
+        if (!s && v->segs[seq - v->sb.wal_first_seq].short_whole)
+            s = &v->segs[seq - v->sb.wal_first_seq]; /* read with its own header's salt */
         if (!s) continue; /* a damaged header: the segments after it are read all the same */
         uint32_t off = seq == w->batch_start.seq ? w->batch_start.off + WAL_BLOCK : WAL_BLOCK;
         for (; off + WAL_FRAME_HDR <= v->sb.seg_bytes; off += WAL_BLOCK) {
@@ -632,6 +675,11 @@ static int verify_log(struct vctx *v)
          * (walk_beyond). After a clean close, see below. */
         if (v->segs[i].seq > v->sb.ckpt_seq && !seg_header_sound(v, &v->segs[i])) {
             if (!v->damaged_seq) v->damaged_seq = v->segs[i].seq;
+            if (v->segs[i].seq == v->damaged_seq && seg_header_whole(v, &v->segs[i])) {
+                /* Short: read past the end of the log with its header's salt, as recovery does. */
+                v->segs[i].salt = util_get_u64(v->segs[i].f.map + 24);
+                v->segs[i].short_whole = 1;
+            }
             continue;
         }
         seg_header_check(v, &v->segs[i]);

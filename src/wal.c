@@ -8,7 +8,9 @@
  * 4088 u64 XXH3-64 of bytes [0, 4088)
  *
  * Invariants: chunks start on a block boundary; pending chunks are contiguous in log order;
- * at most one batch is in flight; lsn_durable <= lsn_last.
+ * at most one batch is in flight; lsn_durable <= lsn_last; a segment file is made whole (its
+ * whole length allocated, then its header flushed) before the log rolls into it, and is never
+ * cut, so recovery takes a SEGEND before a shorter file for corruption.
  */
 #include "wal.h"
 
@@ -37,6 +39,10 @@ struct wal_segment {
     struct io_file *f;
     const uint8_t *map;
     uint64_t salt;
+    /* The damaged segment only (wal_open_segments): its file is shorter than a segment, and map
+     * is a zero-filled copy of what it holds (file_bytes), freed rather than unmapped. */
+    uint64_t file_bytes;
+    int copied;
 };
 
 struct wal_chunk {
@@ -70,8 +76,9 @@ struct wal {
     /* At open: the first segment past the replay segment whose header is damaged (0: none),
      * and the last segment opened past it (wal_open_segments). Recovery only scans those. */
     uint64_t damaged_seq, beyond_last_seq;
-    /* The damaged segment's file, mapped but not in segs (seq 0: none, or too short to map):
-     * installed by recovery when the SEGEND before it names its salt (wal_recover). */
+    /* The damaged segment's file, mapped (copied when shorter than a segment) but not in segs
+     * (seq 0: none, or unreadable): installed by recovery when the SEGEND before it names its
+     * salt (wal_recover). */
     struct wal_segment damaged;
     uint64_t named_seq; /* damaged_seq, once installed with the salt a SEGEND names */
     uint64_t lsn_last;
@@ -143,7 +150,10 @@ int wal_create(struct io *io, const char *dir, uint32_t seg_bytes, struct wal **
 
 static void seg_close(struct wal *w, struct wal_segment *s)
 {
-    if (s->map) io_unmap(w->io, s->f, s->map, w->seg_bytes);
+    if (s->map && s->copied)
+        util_map_free((void *)s->map, w->seg_bytes);
+    else if (s->map)
+        io_unmap(w->io, s->f, s->map, w->seg_bytes);
     if (s->f) io_close(w->io, s->f);
     memset(s, 0, sizeof *s);
 }
@@ -842,6 +852,18 @@ const char *wal_error(const struct wal *w)
 
 /* Opens and checks segment seq. Returns 0, IDEM_ENOTFOUND if absent, IDEM_ECORRUPT if its
  * header is bad. */
+/* Does block h hold a whole header of segment seq? Sets *salt when it does. */
+static int seg_header_whole(const struct wal *w, const uint8_t *h, uint64_t seq, uint64_t *salt)
+{
+    if (memcmp(h, WAL_MAGIC, 8) ||
+        util_get_u64(h + WAL_SEG_HDR_CKSUM) != XXH3_64bits(h, WAL_SEG_HDR_CKSUM) ||
+        util_get_u32(h + 8) != WAL_FORMAT || util_get_u32(h + 12) != w->seg_bytes ||
+        util_get_u64(h + 16) != seq)
+        return 0;
+    *salt = util_get_u64(h + 24);
+    return 1;
+}
+
 static int seg_open(struct wal *w, uint64_t seq, int read_only)
 {
     char path[4096];
@@ -864,12 +886,7 @@ static int seg_open(struct wal *w, uint64_t seq, int read_only)
     }
     int64_t n = io_read(w->io, s.f, 0, h, WAL_BLOCK);
     rc = n < 0 ? IDEM_EIO : 0;
-    if (rc == 0 && (n != WAL_BLOCK || memcmp(h, WAL_MAGIC, 8) ||
-                    util_get_u64(h + WAL_SEG_HDR_CKSUM) != XXH3_64bits(h, WAL_SEG_HDR_CKSUM) ||
-                    util_get_u32(h + 8) != WAL_FORMAT || util_get_u32(h + 12) != w->seg_bytes ||
-                    util_get_u64(h + 16) != seq))
-        rc = IDEM_ECORRUPT;
-    s.salt = util_get_u64(h + 24);
+    if (rc == 0 && (n != WAL_BLOCK || !seg_header_whole(w, h, seq, &s.salt))) rc = IDEM_ECORRUPT;
     free(h);
     if (rc == 0 && io_map(w->io, s.f, w->seg_bytes, (const void **)&s.map) < 0) rc = IDEM_EIO;
     if (rc < 0) {
@@ -884,19 +901,46 @@ static int seg_open(struct wal *w, uint64_t seq, int read_only)
     return 0;
 }
 
-/* Opens and maps segment seq without looking at its header (salt 0 until recovery learns it):
- * for a damaged header past the replay segment. Returns 0 with *out filled, or < 0. */
+/* A file shorter than a segment cannot be mapped whole (a read past its end faults): copies
+ * what it holds into zeroed memory of a segment's size (again after wal_settle, which may drop
+ * what the first copy read), and takes the salt of a whole header. Returns 0 or < 0. */
+static int seg_copy_short(struct wal *w, struct wal_segment *s)
+{
+    uint8_t *m = (uint8_t *)s->map;
+    if (!m && !(m = util_map_grow(NULL, 0, w->seg_bytes))) return IDEM_ENOMEM;
+    s->map = m;
+    s->copied = 1;
+    s->salt = 0;
+    memset(m, 0, s->file_bytes);
+    for (uint64_t at = 0; at < s->file_bytes;) {
+        int64_t n = io_read(w->io, s->f, at, m + at, (size_t)(s->file_bytes - at));
+        if (n < 0) return IDEM_EIO;
+        if (n == 0) break; /* the file got shorter meanwhile: the rest reads as zeros */
+        at += (uint64_t)n;
+    }
+    uint64_t salt;
+    if (s->file_bytes >= WAL_BLOCK && seg_header_whole(w, m, s->seq, &salt)) s->salt = salt;
+    return 0;
+}
+
+/* Opens segment seq for a damaged header past the replay segment, or a file shorter than a
+ * segment, mapped or copied (seg_copy_short) without trusting its header: salt 0 until recovery
+ * learns it, but a short file's whole header gives its own. Returns 0 with *out filled, or < 0. */
 static int seg_open_raw(struct wal *w, uint64_t seq, int read_only, struct wal_segment *out)
 {
     char path[4096];
     wal_seg_path(w->dir, seq, path, sizeof path);
     struct wal_segment s = {.seq = seq};
-    uint64_t size = 0;
     if (io_open(w->io, path, read_only ? IO_O_RDONLY : 0, &s.f) < 0) return IDEM_EIO;
-    if (io_size(w->io, s.f, &size) < 0 || size < w->seg_bytes ||
-        io_map(w->io, s.f, w->seg_bytes, (const void **)&s.map) < 0) {
+    int rc = io_size(w->io, s.f, &s.file_bytes) < 0 ? IDEM_EIO : 0;
+    if (rc == 0 && s.file_bytes < w->seg_bytes)
+        rc = seg_copy_short(w, &s);
+    else if (rc == 0 && io_map(w->io, s.f, w->seg_bytes, (const void **)&s.map) < 0) {
+        rc = IDEM_EIO;
+    }
+    if (rc < 0) {
         seg_close(w, &s);
-        return IDEM_EIO;
+        return rc;
     }
     *out = s;
     return 0;
@@ -1017,8 +1061,11 @@ static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch,
                        const struct wal_resume *resume, struct read_ahead *ra, uint64_t *max_lsn,
                        uint64_t *max_batch)
 {
-    for (uint64_t seq = p.seq; seg_of(w, seq) || seq < w->beyond_last_seq; seq++) {
+    for (uint64_t seq = p.seq; seg_of(w, seq) || seq < w->beyond_last_seq || seq == w->damaged.seq;
+         seq++) {
         struct wal_segment *s = seg_of(w, seq);
+        /* A damaged segment is read when a short file's whole header gives its salt. */
+        if (!s && seq == w->damaged.seq && w->damaged.salt) s = &w->damaged;
         if (!s) continue; /* the damaged header; the segments after it are read all the same */
         /* The stop position is a block start (the end of a complete batch); it may itself
          * hold a valid frame of the batch that was in flight. */
@@ -1114,6 +1161,7 @@ int wal_settle(struct wal *w, uint64_t start_seq)
         if (!s && q == w->damaged.seq) s = &w->damaged;
         if (!s) continue; /* a damaged header (wal_open_segments) */
         int rc = io_settle(w->io, s->f);
+        if (rc == 0 && s->copied && seg_copy_short(w, s) < 0) rc = -EIO;
         if (rc < 0) {
             snprintf(w->err, sizeof w->err,
                      "log segment %llu: flushing what the last run wrote: %s",
@@ -1146,16 +1194,26 @@ int wal_addr_valid(const struct wal *w, uint64_t addr)
  * salt (durability batch and none write unflushed batches in any order), and opens since, which
  * read the segment under a newer salt, numbered their batches without them: so scan_beyond lets
  * them raise the numbering, and never calls them corruption (named_seq). */
-static void damaged_install(struct wal *w, uint64_t seq, const uint8_t *segend, uint32_t len)
+static int damaged_install(struct wal *w, uint64_t seq, const uint8_t *segend, uint32_t len)
 {
-    if (seq != w->damaged_seq || w->damaged.seq != seq ||
-        len < WAL_FRAME_HDR + WAL_SEGEND_PAYLOAD || w->segs[seq % WAL_SEG_SLOTS].seq)
-        return;
+    if (seq != w->damaged_seq || w->damaged.seq != seq || w->segs[seq % WAL_SEG_SLOTS].seq)
+        return 0;
+    if (w->damaged.copied) {
+        snprintf(w->err, sizeof w->err,
+                 "log corrupt: segment %llu is %llu bytes, shorter than a segment (%u), but the "
+                 "log reached it (the SEGEND of segment %llu names it): the file was cut after "
+                 "it was made whole",
+                 (unsigned long long)seq, (unsigned long long)w->damaged.file_bytes, w->seg_bytes,
+                 (unsigned long long)seq - 1);
+        return IDEM_ECORRUPT;
+    }
+    if (len < WAL_FRAME_HDR + WAL_SEGEND_PAYLOAD) return 0;
     w->damaged.salt = util_get_u64(segend + WAL_FRAME_HDR);
     w->segs[seq % WAL_SEG_SLOTS] = w->damaged;
     w->named_seq = seq;
     memset(&w->damaged, 0, sizeof w->damaged);
     posix_madvise((void *)w->segs[seq % WAL_SEG_SLOTS].map, w->seg_bytes, POSIX_MADV_RANDOM);
+    return 0;
 }
 
 int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t prev_lsn,
@@ -1201,7 +1259,13 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
             int64_t clock = (int64_t)util_get_u64(f + WAL_FRAME_HDR);
             if (clock > 0 && clock <= IDEM_CLOCK_MS_MAX) w->last_clock_ms = clock;
         }
-        if (type == WAL_T_SEGEND) damaged_install(w, p.seq + 1, f, len);
+        if (type == WAL_T_SEGEND) {
+            int rc = damaged_install(w, p.seq + 1, f, len);
+            if (rc < 0) {
+                segs_advise(w, start_seq, POSIX_MADV_NORMAL);
+                return rc;
+            }
+        }
         struct scan_pos prev = p;
         if (scan_step(w, &p, type, len) < 0) {
             p = prev;

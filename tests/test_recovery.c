@@ -1032,6 +1032,122 @@ Test(recovery, a_rotted_header_of_the_segment_written_last_is_corruption)
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
+/* Cuts the sim file of segment seq to len bytes, durably. */
+static void sim_segment_cut(uint64_t seq, uint64_t len)
+{
+    char path[256];
+    snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)seq);
+    struct io *io = io_sim_io(sim);
+    struct io_file *f;
+    cr_assert_eq(io_open(io, path, 0, &f), 0, "%s", path);
+    cr_assert_eq(io_truncate(io, f, len), 0);
+    cr_assert_eq(io_flush_sync(io, f), 0);
+    io_close(io, f);
+    io_destroy(io);
+}
+
+/* Fills a store with 1 MiB segments until the segment after the replay segment holds a few
+ * batches, and leaves it as a crash would; returns the replay segment, sets *keys. */
+static uint64_t fill_into_the_next_segment(int *keys)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK);
+    uint8_t sb[8192];
+    uint64_t replay = 0;
+    for (*keys = 0;;) {
+        fill(s, *keys, *keys + 10);
+        *keys += 10;
+        memcpy(&replay, newest_super(sb) + 72, 8);
+        if (sim_segment_written(replay + 1, 6)) break;
+        cr_assert_lt(*keys, 4000);
+    }
+    cr_assert(!sim_segment_written(replay + 2, 1), "the log went past the segment after replay");
+    store_abandon(s);
+    return replay;
+}
+
+/* A segment file the log rolled into was made whole first (seg_make allocates it, then writes
+ * its header), and no segment is ever cut: one shorter than a segment that the SEGEND before it
+ * names was cut after it was written. Such a file could not be mapped, so recovery ended the log
+ * at that SEGEND and dropped the batches acknowledged in it as a torn tail. */
+Test(recovery, a_segment_file_cut_after_the_log_reached_it_is_corruption)
+{
+    int keys;
+    uint64_t replay = fill_into_the_next_segment(&keys);
+    uint64_t cuts[] = {3 * 4096, 100, 0};
+    for (size_t i = 0; i < sizeof cuts / sizeof cuts[0]; i++) {
+        sim_segment_cut(replay + 1, cuts[i]);
+        idem_store *s;
+        int rc = open_sim_seg(&s, 1 << 20);
+        cr_assert_eq(rc, IDEM_ECORRUPT, "cut to %llu: got %s", (unsigned long long)cuts[i],
+                     idem_strerror(rc));
+        cr_assert(strstr(idem_last_error(), "shorter than a segment") &&
+                      strstr(idem_last_error(), "SEGEND"),
+                  "message: %s", idem_last_error());
+    }
+}
+
+/* What that rule must not catch: a spare whose making a crash cut short (its file shorter than
+ * a segment, no SEGEND names it). The store opens with every key, and makes the segment again
+ * when the log gets there. */
+Test(recovery, a_spare_cut_short_in_its_making_is_made_again)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK);
+    int keys = 0;
+    fill(s, 0, 10);
+    keys = 10;
+    cr_assert(!sim_segment_written(2, 1), "the log already reached segment 2");
+    char path[256];
+    snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", 2ull);
+    static uint8_t head[4096];
+    for (int i = 0; i < 1000 && io_sim_read_file(sim, path, head, sizeof head) != sizeof head; i++)
+        usleep(2000); /* the flusher makes the spare after the first flushes */
+    cr_assert_eq(io_sim_read_file(sim, path, head, sizeof head), (int64_t)sizeof head,
+                 "no spare segment 2");
+    store_abandon(s);
+    sim_segment_cut(2, 2000);
+    cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, keys);
+    /* Past the end of segment 1 and well into segment 2. */
+    for (; !sim_segment_written(2, 6); keys += 10) {
+        fill(s, keys, keys + 10);
+        cr_assert_lt(keys, 4000);
+    }
+    store_abandon(s);
+    cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, keys);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+/* The log stops at damage at the end of a segment (the SEGEND's block), and the next segment,
+ * cut shorter than a segment but with its header whole, holds later batches: the scan past the
+ * end reads it with its header's salt and finds them (it could not map the file, and the open
+ * succeeded without those batches). */
+Test(recovery, later_batches_in_a_cut_segment_past_the_end_are_corruption)
+{
+    int keys;
+    uint64_t replay = fill_into_the_next_segment(&keys);
+    char path[256];
+    snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)replay);
+    static uint8_t seg[1 << 20];
+    cr_assert_eq(io_sim_read_file(sim, path, seg, sizeof seg), (int64_t)sizeof seg);
+    uint32_t last = 0; /* the last block holding anything: the SEGEND's */
+    for (uint32_t off = 4096; off < sizeof seg; off += 4096)
+        for (uint32_t i = 0; i < 4096; i++)
+            if (seg[off + i]) {
+                last = off;
+                break;
+            }
+    cr_assert_gt(last, 4096);
+    sim_segment_cut(replay + 1, 16 * 4096);
+    cr_assert_eq(io_sim_corrupt(sim, path, last + 12, 0x01), 0); /* its first frame's LSN */
+    idem_store *s;
+    int rc = open_sim_seg(&s, 1 << 20);
+    cr_assert_eq(rc, IDEM_ECORRUPT, "got %s", idem_strerror(rc));
+    cr_assert(strstr(idem_last_error(), "after the log stops"), "message: %s", idem_last_error());
+}
+
 /* What the rule above must not catch: a batch torn across a segment boundary (its frame in the
  * next segment lost), then an open whose re-creation of that segment was cut short, leaving its
  * header damaged over the torn batch's frames. The SEGEND before it names the old salt, and the
@@ -3435,6 +3551,64 @@ Test(recovery_disk, a_later_frame_past_the_end_is_corruption_after_a_crash_unrea
             cr_assert_eq(idem_open(dir, &o, &s), IDEM_OK, "case %d: %s", where, idem_last_error());
             expect_committed(s, 0, 50);
             cr_assert_eq(idem_close(s), IDEM_OK);
+        }
+        tu_rmtree(dir);
+    }
+}
+
+/* Whether block `block` of segment seq of the store in dir holds anything. */
+static int disk_segment_written(const char *dir, uint64_t seq, uint32_t block)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/wal-%016llx.log", dir, (unsigned long long)seq);
+    FILE *f = fopen(path, "rb");
+    if (!f) return 0;
+    uint8_t buf[32] = {0};
+    int ok = fseek(f, (long)block * 4096, SEEK_SET) == 0 && fread(buf, 1, sizeof buf, f) == 32;
+    fclose(f);
+    for (size_t i = 0; ok && i < sizeof buf; i++)
+        if (buf[i]) return 1;
+    return 0;
+}
+
+/* On a real file system, where a segment file shorter than a segment cannot be mapped whole (a
+ * read past its end faults): a segment the log reached, cut, is corruption; the spare, cut, is
+ * made again and every key is kept. */
+Test(recovery_disk, a_cut_segment_is_corruption_and_a_cut_spare_is_made_again)
+{
+    for (int spare = 0; spare < 2; spare++) {
+        char *dir = tu_mkdtemp("cut");
+        idem_options o;
+        idem_options_init(&o);
+        o.segment_bytes = 1u << 20;
+        idem_store *s;
+        cr_assert_eq(idem_open(dir, &o, &s), IDEM_OK, "%s", idem_last_error());
+        int keys = 0;
+        for (; spare ? keys < 10 : !disk_segment_written(dir, 2, 2); keys += 10) {
+            fill(s, keys, keys + 10);
+            cr_assert_lt(keys, 4000);
+        }
+        char path[4096];
+        snprintf(path, sizeof path, "%s/wal-%016llx.log", dir, 2ull);
+        for (int i = 0; i < 1000 && access(path, F_OK) != 0; i++)
+            usleep(2000); /* the spare is made after the first flushes */
+        store_abandon(s);
+        cr_assert_eq(truncate(path, spare ? 2000 : 3 * 4096), 0, "%s", path);
+        int rc = idem_open(dir, &o, &s);
+        if (spare) {
+            cr_assert_eq(rc, IDEM_OK, "%s", idem_last_error());
+            expect_committed(s, 0, keys);
+            for (; !disk_segment_written(dir, 2, 2); keys += 10) {
+                fill(s, keys, keys + 10);
+                cr_assert_lt(keys, 4000);
+            }
+            store_abandon(s);
+            cr_assert_eq(idem_open(dir, &o, &s), IDEM_OK, "%s", idem_last_error());
+            expect_committed(s, 0, keys);
+            cr_assert_eq(idem_close(s), IDEM_OK);
+        } else {
+            cr_assert_eq(rc, IDEM_ECORRUPT, "got %s", idem_strerror(rc));
+            cr_assert(strstr(idem_last_error(), "shorter than a segment"), "%s", idem_last_error());
         }
         tu_rmtree(dir);
     }

@@ -563,11 +563,11 @@ Test(verify, golden_store_of_format_1_is_sound, .init = setup, .fini = teardown)
     cr_assert_gt(r.index_entries, 0);
 }
 
-/* The header of the segment the log was writing last rots after a crash (no clean close, so the
- * checkpoint's replay segment is the one before it). The SEGEND before it names its salt: verify
- * reads on, finds batches completed there, and reports the header, as recovery refuses the open.
- * Before, the walk stopped at the SEGEND and found nothing wrong. */
-Test(verify, a_rotted_header_of_the_segment_written_last_is_found, .init = setup, .fini = teardown)
+/* A writer process makes `pairs` claim+commit pairs in a store with 1 MiB segments (two batches,
+ * one block each, a pair: about 127 pairs a segment, so 150 reach segment 2, well before the
+ * store would checkpoint on its own), waits for the spare segment 2, and exits without closing:
+ * a crash, no checkpoint at close. */
+static void write_pairs_and_crash(int pairs)
 {
     pid_t pid = fork();
     cr_assert_geq(pid, 0);
@@ -578,9 +578,7 @@ Test(verify, a_rotted_header_of_the_segment_written_last_is_found, .init = setup
         idem_options_init(&o);
         o.segment_bytes = 1u << 20;
         if (idem_open(dir, &o, &s) != IDEM_OK || idem_queue_open(s, 4, &q) != IDEM_OK) _exit(2);
-        /* Two batches (one block each) a pair, about 127 pairs a segment: into segment 2,
-         * well before the store would checkpoint on its own. */
-        for (int i = 0; i < 150; i++) {
+        for (int i = 0; i < pairs; i++) {
             char key[32];
             idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
             idem_completion c;
@@ -589,11 +587,24 @@ Test(verify, a_rotted_header_of_the_segment_written_last_is_found, .init = setup
                 idem_commit(q, key, strlen(key), c.token, "inv", 3) != IDEM_OK)
                 _exit(3);
         }
-        _exit(0); /* a crash: no checkpoint at close */
+        char spare[4096];
+        snprintf(spare, sizeof spare, "%s/wal-0000000000000002.log", dir);
+        for (int i = 0; i < 1000 && access(spare, F_OK) != 0; i++)
+            usleep(2000); /* the spare, made after the first flushes */
+        _exit(0);
     }
     int st;
     cr_assert_eq(waitpid(pid, &st, 0), pid);
     cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "writer status %d", st);
+}
+
+/* The header of the segment the log was writing last rots after a crash (no clean close, so the
+ * checkpoint's replay segment is the one before it). The SEGEND before it names its salt: verify
+ * reads on, finds batches completed there, and reports the header, as recovery refuses the open.
+ * Before, the walk stopped at the SEGEND and found nothing wrong. */
+Test(verify, a_rotted_header_of_the_segment_written_last_is_found, .init = setup, .fini = teardown)
+{
+    write_pairs_and_crash(150);
     cr_assert_gt(used_end("wal-0000000000000002.log"), 2 * 4096, "the log did not reach segment 2");
     cr_assert_eq(verify_ok().errors, 0, "%s", verify_ok().first_error);
     flip_bit("wal-0000000000000002.log", 100, 0);
@@ -606,4 +617,50 @@ Test(verify, a_rotted_header_of_the_segment_written_last_is_found, .init = setup
     cr_assert_eq(idem_open(dir, NULL, &s), IDEM_ECORRUPT);
     flip_bit("wal-0000000000000002.log", 100, 0);
     cr_assert_eq(verify_ok().errors, 0);
+}
+
+/* The log's segment 2, cut shorter than a segment after the log reached it (no segment is ever
+ * cut: the log rolls only into one made whole), is found, as recovery finds it; before the log
+ * reached it (a spare whose making a crash cut short), it is not a fault. With the SEGEND of
+ * segment 1 damaged too, so that the log ends before it, the later batches the cut segment still
+ * holds are found past the end, read with its header's salt. */
+Test(verify, a_segment_cut_after_the_log_reached_it_is_found, .init = setup, .fini = teardown)
+{
+    for (int run = 0; run < 3; run++) {
+        int reached = run > 0, segend = run == 2;
+        write_pairs_and_crash(reached ? 150 : 20);
+        char path[4096];
+        snprintf(path, sizeof path, "%s/wal-0000000000000002.log", dir);
+        cr_assert_eq(access(path, F_OK), 0, "no segment 2");
+        cr_assert_eq(used_end("wal-0000000000000002.log") > 2 * 4096, reached);
+        cr_assert_eq(verify_ok().errors, 0, "%s", verify_ok().first_error);
+        cr_assert_eq(truncate(path, (segend ? 16 : 3) * 4096), 0);
+        idem_store *s;
+        if (segend) {
+            uint64_t end = used_end("wal-0000000000000001.log");
+            flip_bit("wal-0000000000000001.log", (end - 1) / 4096 * 4096 + 12, 0);
+            idem_verify_report r = verify_ok();
+            cr_assert_gt(r.errors, 0, "the later batches were not found");
+            cr_assert(strstr(r.first_error, "wal-0000000000000002.log") &&
+                          strstr(r.first_error, "after the end of the log"),
+                      "%s", r.first_error);
+            cr_assert_eq(idem_open(dir, NULL, &s), IDEM_ECORRUPT);
+            cr_assert(strstr(idem_last_error(), "after the log stops"), "%s", idem_last_error());
+        } else if (reached) {
+            idem_verify_report r = verify_ok();
+            cr_assert_gt(r.errors, 0, "the cut segment was not found");
+            cr_assert(strstr(r.first_error, "wal-0000000000000002.log") &&
+                          strstr(r.first_error, "shorter than the segment size") &&
+                          strstr(r.first_error, "SEGEND"),
+                      "%s", r.first_error);
+            cr_assert_eq(idem_open(dir, NULL, &s), IDEM_ECORRUPT);
+        } else {
+            idem_verify_report r = verify_ok();
+            cr_assert_eq(r.errors, 0, "%s", r.first_error);
+            cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+            cr_assert_eq(idem_close(s), IDEM_OK);
+        }
+        tu_rmtree(dir);
+        dir = tu_mkdtemp("verify");
+    }
 }
