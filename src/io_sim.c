@@ -139,6 +139,7 @@ struct io_sim {
     int fail_write_err, fail_flush_err, fail_submit_err;
     char fail_create_suffix[64]; /* "": none */
     int fail_create_err;
+    int fail_allocate_err; /* 0: none */
 };
 
 /* ---- small helpers ---- */
@@ -742,7 +743,7 @@ static int sim_allocate(struct io *io, struct io_file *f, uint64_t off, uint64_t
     struct sim_io *h = sim_io_of(io);
     if (off > INT64_MAX || len == 0 || len > INT64_MAX - off) return -EINVAL;
     sim_lock(h->sim);
-    int rc = sim_stale(h, f) ? -EIO : (f->flags & IO_O_RDONLY) ? -EBADF : 0;
+    int rc = sim_stale(h, f) ? -EIO : (f->flags & IO_O_RDONLY) ? -EBADF : h->sim->fail_allocate_err;
     if (rc == 0) rc = sim_resize_logged(h->sim, f->node, SIM_CH_EXTEND, off + len);
     sim_unlock(h->sim);
     return rc;
@@ -1268,6 +1269,14 @@ void io_sim_fail_submit(struct io_sim *sim, uint64_t nth, int err)
     sim_lock(sim);
     sim->fail_submit_at = nth ? sim->counts.submits + nth : 0;
     sim->fail_submit_err = err;
+    sim_unlock(sim);
+}
+
+void io_sim_fail_allocate(struct io_sim *sim, int err)
+{
+    IDEM_ASSERT(err <= 0);
+    sim_lock(sim);
+    sim->fail_allocate_err = err;
     sim_unlock(sim);
 }
 

@@ -55,6 +55,10 @@ void io_sim_fail_submit(struct io_sim *sim, uint64_t nth, int err);
 /* The next open that creates a file whose path ends with suffix fails with err (a negative
  * errno) and creates nothing; NULL disarms it. */
 void io_sim_fail_create(struct io_sim *sim, const char *suffix, int err);
+/* While err is nonzero (a negative errno), every allocate fails with it, over space the file
+ * already holds too, as XFS and btrfs may on a full disk (they reserve the whole range first);
+ * 0 disarms it. */
+void io_sim_fail_allocate(struct io_sim *sim, int err);
 /* Total bytes the disk holds; allocate or a write that grows the files past it: -ENOSPC. 0: no
  * limit. */
 void io_sim_set_capacity(struct io_sim *sim, uint64_t bytes);

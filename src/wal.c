@@ -182,20 +182,29 @@ static uint64_t frame_checksum(uint64_t salt, const uint8_t *frame, uint32_t len
     return XXH3_64bits_withSeed(frame + 8, len - 8, salt);
 }
 
-/* Creates (or re-creates, with a new salt) segment seq: allocate, header, flush, dir sync. */
-/* Creates segment seq's file into *out without touching w's state (the store's lock may be
- * released meanwhile; the caller keeps the ring to itself). */
+/* Creates (or re-creates, with a new salt) segment seq's file into *out: allocate, header,
+ * flush, dir sync; without touching w's state (the store's lock may be released meanwhile; the
+ * caller keeps the ring to itself). A file already whole (a segment made again) is not
+ * allocated again: XFS and btrfs reserve the whole range first and can refuse it on a full
+ * disk. Nor is a file that holds anything removed when its allocation fails: a SEGEND may name
+ * it, and recovery takes a SEGEND before a file shorter than a segment for corruption (only an
+ * empty file, never whole, goes). */
 static int seg_make(struct wal *w, uint64_t seq, struct wal_segment *out)
 {
     char path[4096];
     wal_seg_path(w->dir, seq, path, sizeof path);
     struct wal_segment s = {.seq = seq};
+    uint64_t size = 0;
     int rc = io_open(w->io, path, IO_O_CREATE, &s.f);
     if (rc < 0) return UTIL_NO_SPACE(rc) ? IDEM_EFULL : IDEM_EIO;
-    rc = io_allocate(w->io, s.f, 0, w->seg_bytes);
+    if (io_size(w->io, s.f, &size) < 0) {
+        io_close(w->io, s.f);
+        return IDEM_EIO;
+    }
+    rc = size < w->seg_bytes ? io_allocate(w->io, s.f, 0, w->seg_bytes) : 0;
     if (rc < 0) {
         io_close(w->io, s.f);
-        io_unlink(w->io, path);
+        if (size == 0) io_unlink(w->io, path);
         return UTIL_NO_SPACE(rc) ? IDEM_EFULL : IDEM_EIO;
     }
     uint8_t *hdr = aligned_alloc(WAL_BLOCK, WAL_BLOCK);
@@ -850,8 +859,6 @@ const char *wal_error(const struct wal *w)
 
 /* ---- Recovery ---- */
 
-/* Opens and checks segment seq. Returns 0, IDEM_ENOTFOUND if absent, IDEM_ECORRUPT if its
- * header is bad. */
 /* Does block h hold a whole header of segment seq? Sets *salt when it does. */
 static int seg_header_whole(const struct wal *w, const uint8_t *h, uint64_t seq, uint64_t *salt)
 {
@@ -864,6 +871,8 @@ static int seg_header_whole(const struct wal *w, const uint8_t *h, uint64_t seq,
     return 1;
 }
 
+/* Opens and checks segment seq. Returns 0, IDEM_ENOTFOUND if absent, IDEM_ECORRUPT if its
+ * header is bad. */
 static int seg_open(struct wal *w, uint64_t seq, int read_only)
 {
     char path[4096];
@@ -1161,7 +1170,13 @@ int wal_settle(struct wal *w, uint64_t start_seq)
         if (!s && q == w->damaged.seq) s = &w->damaged;
         if (!s) continue; /* a damaged header (wal_open_segments) */
         int rc = io_settle(w->io, s->f);
-        if (rc == 0 && s->copied && seg_copy_short(w, s) < 0) rc = -EIO;
+        int copy = rc == 0 && s->copied ? seg_copy_short(w, s) : 0;
+        if (copy < 0) {
+            snprintf(w->err, sizeof w->err,
+                     "log segment %llu: reading the file, shorter than a segment, again: %s",
+                     (unsigned long long)q, idem_strerror(copy));
+            return -EIO;
+        }
         if (rc < 0) {
             snprintf(w->err, sizeof w->err,
                      "log segment %llu: flushing what the last run wrote: %s",
@@ -1196,8 +1211,7 @@ int wal_addr_valid(const struct wal *w, uint64_t addr)
  * them raise the numbering, and never calls them corruption (named_seq). */
 static int damaged_install(struct wal *w, uint64_t seq, const uint8_t *segend, uint32_t len)
 {
-    if (seq != w->damaged_seq || w->damaged.seq != seq || w->segs[seq % WAL_SEG_SLOTS].seq)
-        return 0;
+    if (seq != w->damaged_seq || w->damaged.seq != seq) return 0;
     if (w->damaged.copied) {
         snprintf(w->err, sizeof w->err,
                  "log corrupt: segment %llu is %llu bytes, shorter than a segment (%u), but the "
@@ -1207,7 +1221,7 @@ static int damaged_install(struct wal *w, uint64_t seq, const uint8_t *segend, u
                  (unsigned long long)seq - 1);
         return IDEM_ECORRUPT;
     }
-    if (len < WAL_FRAME_HDR + WAL_SEGEND_PAYLOAD) return 0;
+    if (len < WAL_FRAME_HDR + WAL_SEGEND_PAYLOAD || w->segs[seq % WAL_SEG_SLOTS].seq) return 0;
     w->damaged.salt = util_get_u64(segend + WAL_FRAME_HDR);
     w->segs[seq % WAL_SEG_SLOTS] = w->damaged;
     w->named_seq = seq;

@@ -1032,6 +1032,44 @@ Test(recovery, a_rotted_header_of_the_segment_written_last_is_corruption)
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
+/* A store with 1 MiB segments, one SET NX a batch ([RECORD, END]) until a RECORD that did not fit
+ * rolled the segment: the batch that first wrote in segment 2 holds segment 1's SEGEND. Left as a
+ * crash leaves it; returns the keys set (the last one is that batch's). */
+static int set_into_segment_2(void)
+{
+    idem_store *s;
+    idem_queue *q;
+    cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK);
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    int keys = 0;
+    while (!sim_segment_written(2, 1)) {
+        char key[32];
+        idem_completion c;
+        key_of(keys++, key);
+        cr_assert_eq(idem_set_if_absent(q, key, strlen(key), "v", 1, 3600000, 0, &c), IDEM_OK);
+        cr_assert_eq(c.outcome, IDEM_NEW);
+        cr_assert_lt(keys, 4000);
+    }
+    idem_queue_close(q);
+    store_abandon(s);
+    return keys;
+}
+
+/* Every key but the last of set_into_segment_2's is found. */
+static void expect_all_but_the_last(idem_store *s, int keys)
+{
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    for (int i = 0; i < keys; i++) {
+        char key[32];
+        idem_completion c;
+        key_of(i, key);
+        cr_assert_eq(idem_get(q, key, strlen(key), &c), IDEM_OK);
+        cr_assert_eq(c.found, i < keys - 1, "%s: found %d", key, c.found);
+    }
+    idem_queue_close(q);
+}
+
 /* Cuts the sim file of segment seq to len bytes, durably. */
 static void sim_segment_cut(uint64_t seq, uint64_t len)
 {
@@ -1087,10 +1125,9 @@ Test(recovery, a_segment_file_cut_after_the_log_reached_it_is_corruption)
     }
 }
 
-/* What that rule must not catch: a spare whose making a crash cut short (its file shorter than
- * a segment, no SEGEND names it). The store opens with every key, and makes the segment again
- * when the log gets there. */
-Test(recovery, a_spare_cut_short_in_its_making_is_made_again)
+/* Makes a store whose spare, segment 2, a crash left cut to `cut` bytes, and checks that it
+ * opens with every key and goes on into segment 2. */
+static void spare_cut_short(uint64_t cut)
 {
     idem_store *s;
     cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK);
@@ -1106,7 +1143,7 @@ Test(recovery, a_spare_cut_short_in_its_making_is_made_again)
     cr_assert_eq(io_sim_read_file(sim, path, head, sizeof head), (int64_t)sizeof head,
                  "no spare segment 2");
     store_abandon(s);
-    sim_segment_cut(2, 2000);
+    sim_segment_cut(2, cut);
     cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK, "%s", idem_last_error());
     expect_committed(s, 0, keys);
     /* Past the end of segment 1 and well into segment 2. */
@@ -1118,6 +1155,19 @@ Test(recovery, a_spare_cut_short_in_its_making_is_made_again)
     cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK, "%s", idem_last_error());
     expect_committed(s, 0, keys);
     cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+/* What that rule must not catch: a spare whose making a crash cut short (its file shorter than
+ * a segment, with or without its header whole; no SEGEND names it). The store opens with every
+ * key, and makes the segment again when the log gets there. */
+Test(recovery, a_spare_cut_short_in_its_making_is_made_again)
+{
+    static const uint64_t cuts[] = {2000, 3 * 4096};
+    for (int run = 0; run < 2; run++) {
+        io_sim_destroy(sim);
+        cr_assert_eq(io_sim_create(42 + (uint64_t)run, &sim), 0);
+        spare_cut_short(cuts[run]);
+    }
 }
 
 /* The log stops at damage at the end of a segment (the SEGEND's block), and the next segment,
@@ -1145,7 +1195,41 @@ Test(recovery, later_batches_in_a_cut_segment_past_the_end_are_corruption)
     idem_store *s;
     int rc = open_sim_seg(&s, 1 << 20);
     cr_assert_eq(rc, IDEM_ECORRUPT, "got %s", idem_strerror(rc));
-    cr_assert(strstr(idem_last_error(), "after the log stops"), "message: %s", idem_last_error());
+    char named[64];
+    snprintf(named, sizeof named, "segment %llu offset", (unsigned long long)replay + 1);
+    cr_assert(strstr(idem_last_error(), "after the log stops") && strstr(idem_last_error(), named),
+              "message: %s", idem_last_error());
+}
+
+/* A batch torn across a segment boundary leaves a SEGEND naming the next segment, which the next
+ * open makes again (a new header over the whole file). On a full disk XFS and btrfs refuse even
+ * an allocation the file already holds: that open removed the file, so a later making of it,
+ * cut short by a crash, left a file shorter than a segment behind that SEGEND, which recovery
+ * takes for corruption. A whole file is now neither allocated again nor removed. */
+Test(recovery, a_segment_made_again_on_a_full_disk_stays_whole)
+{
+    idem_store *s;
+    int keys = set_into_segment_2();
+    uint64_t salt = sim_segment_salt(2);
+    /* The power loss: the batch's part in segment 2 lost. */
+    struct io *io = io_sim_io(sim);
+    struct io_file *f;
+    cr_assert_eq(io_open(io, SIM_DIR "/wal-0000000000000002.log", 0, &f), 0);
+    static uint8_t zero[4096];
+    cr_assert_eq(io_write_sync(io, f, 4096, zero, sizeof zero, 1), 0);
+    io_close(io, f);
+    io_destroy(io);
+    io_sim_fail_allocate(sim, -ENOSPC);
+    cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK, "%s", idem_last_error());
+    static uint8_t seg[1 << 20];
+    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/wal-0000000000000002.log", seg, sizeof seg),
+                 (int64_t)sizeof seg, "segment 2 is no longer whole");
+    cr_assert_neq(sim_segment_salt(2), salt, "segment 2 was not made again");
+    store_abandon(s);
+    io_sim_fail_allocate(sim, 0);
+    cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK, "%s", idem_last_error());
+    expect_all_but_the_last(s, keys);
+    cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
 /* What the rule above must not catch: a batch torn across a segment boundary (its frame in the
@@ -1156,37 +1240,14 @@ Test(recovery, later_batches_in_a_cut_segment_past_the_end_are_corruption)
 Test(recovery, a_batch_torn_across_a_segment_boundary_under_a_damaged_header_is_dropped)
 {
     idem_store *s;
-    idem_queue *q;
-    cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK);
-    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
-    /* One SET NX a batch: [RECORD, END]. The RECORD that does not fit rolls the segment, so the
-     * batch that first writes in segment 2 holds segment 1's SEGEND. */
-    int keys = 0;
-    while (!sim_segment_written(2, 1)) {
-        char key[32];
-        idem_completion c;
-        key_of(keys++, key);
-        cr_assert_eq(idem_set_if_absent(q, key, strlen(key), "v", 1, 3600000, 0, &c), IDEM_OK);
-        cr_assert_eq(c.outcome, IDEM_NEW);
-        cr_assert_lt(keys, 4000);
-    }
-    idem_queue_close(q);
-    store_abandon(s);
+    int keys = set_into_segment_2();
     char path[256];
     snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", 2ull);
     cr_assert_eq(io_sim_corrupt(sim, path, 4096 + 40, 0x01), 0); /* the batch's RECORD */
     cr_assert_eq(io_sim_corrupt(sim, path, 100, 0x01), 0);       /* the header */
     cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK, "%s", idem_last_error());
-    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
-    for (int i = 0; i < keys; i++) {
-        char key[32];
-        idem_completion c;
-        key_of(i, key);
-        cr_assert_eq(idem_get(q, key, strlen(key), &c), IDEM_OK);
-        cr_assert_eq(c.found, i < keys - 1, "%s: found %d", key, c.found);
-    }
+    expect_all_but_the_last(s, keys);
     /* The log goes on into the segment made again, and a reopen reads it. */
-    idem_queue_close(q);
     fill(s, keys, keys + 300);
     cr_assert_eq(idem_close(s), IDEM_OK);
     cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK, "%s", idem_last_error());
