@@ -184,11 +184,12 @@ static uint64_t frame_checksum(uint64_t salt, const uint8_t *frame, uint32_t len
 
 /* Creates (or re-creates, with a new salt) segment seq's file into *out: allocate, header,
  * flush, dir sync; without touching w's state (the store's lock may be released meanwhile; the
- * caller keeps the ring to itself). A file already whole (a segment made again) is not
- * allocated again: XFS and btrfs reserve the whole range first and can refuse it on a full
- * disk. Nor is a file that holds anything removed when its allocation fails: a SEGEND may name
- * it, and recovery takes a SEGEND before a file shorter than a segment for corruption (only an
- * empty file, never whole, goes). */
+ * caller keeps the ring to itself). A file made again is allocated again too (a sparse copy of a
+ * store has holes a log write could find no space for), but when that fails (XFS and btrfs can
+ * refuse on a full disk even space the file holds) it is not removed: a SEGEND may name it, and
+ * recovery takes a SEGEND before a file shorter than a segment for corruption. Only an empty
+ * file, never whole, goes. A header refused for space is IDEM_EFULL too (a copy-on-write
+ * file's overwrite): the file stays whole, with its old header, and the making is tried again. */
 static int seg_make(struct wal *w, uint64_t seq, struct wal_segment *out)
 {
     char path[4096];
@@ -201,7 +202,7 @@ static int seg_make(struct wal *w, uint64_t seq, struct wal_segment *out)
         io_close(w->io, s.f);
         return IDEM_EIO;
     }
-    rc = size < w->seg_bytes ? io_allocate(w->io, s.f, 0, w->seg_bytes) : 0;
+    rc = io_allocate(w->io, s.f, 0, w->seg_bytes);
     if (rc < 0) {
         io_close(w->io, s.f);
         if (size == 0) io_unlink(w->io, path);
@@ -223,6 +224,10 @@ static int seg_make(struct wal *w, uint64_t seq, struct wal_segment *out)
     util_put_u64(hdr + WAL_SEG_HDR_CKSUM, XXH3_64bits(hdr, WAL_SEG_HDR_CKSUM));
     rc = io_write_sync(w->io, s.f, 0, hdr, WAL_BLOCK, 1);
     free(hdr);
+    if (UTIL_NO_SPACE(rc)) {
+        io_close(w->io, s.f);
+        return IDEM_EFULL;
+    }
     if (rc == 0) rc = io_sync_dir(w->io, w->dir);
     if (rc == 0) rc = io_map(w->io, s.f, w->seg_bytes, (const void **)&s.map);
     if (rc < 0) {
@@ -1141,7 +1146,13 @@ int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int
              * acknowledged later. Those with whole headers are opened for the scan past the
              * end of the log (scan_beyond), which tells the two apart by their batches. */
             w->damaged_seq = seq;
-            if (seg_open_raw(w, seq, read_only, &w->damaged) < 0) w->damaged.seq = 0;
+            rc = seg_open_raw(w, seq, read_only, &w->damaged);
+            if (rc < 0) {
+                /* Unread, a SEGEND naming it would end the log there without a word. */
+                snprintf(w->err, sizeof w->err, "log segment %llu (damaged or short): %s",
+                         (unsigned long long)seq, idem_strerror(rc));
+                return rc;
+            }
             while (seg_open(w, ++seq, read_only) == 0)
                 w->beyond_last_seq = seq;
             break;

@@ -1201,35 +1201,69 @@ Test(recovery, later_batches_in_a_cut_segment_past_the_end_are_corruption)
               "message: %s", idem_last_error());
 }
 
+/* Whether segment seq's sim file is a whole segment of 1 MiB. */
+static int sim_segment_whole(uint64_t seq)
+{
+    static uint8_t seg[(1 << 20) + 1];
+    char path[256];
+    snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)seq);
+    return io_sim_read_file(sim, path, seg, sizeof seg) == 1 << 20;
+}
+
 /* A batch torn across a segment boundary leaves a SEGEND naming the next segment, which the next
  * open makes again (a new header over the whole file). On a full disk XFS and btrfs refuse even
  * an allocation the file already holds: that open removed the file, so a later making of it,
  * cut short by a crash, left a file shorter than a segment behind that SEGEND, which recovery
- * takes for corruption. A whole file is now neither allocated again nor removed. */
+ * takes for corruption. A file that holds anything is now kept, whole, and made again later. */
 Test(recovery, a_segment_made_again_on_a_full_disk_stays_whole)
 {
     idem_store *s;
     int keys = set_into_segment_2();
     uint64_t salt = sim_segment_salt(2);
-    /* The power loss: the batch's part in segment 2 lost. */
+    /* The power loss: the batch's part in segment 2 lost, and whatever the flusher wrote after
+     * it (compaction). */
     struct io *io = io_sim_io(sim);
     struct io_file *f;
     cr_assert_eq(io_open(io, SIM_DIR "/wal-0000000000000002.log", 0, &f), 0);
-    static uint8_t zero[4096];
+    static uint8_t zero[16 * 4096];
     cr_assert_eq(io_write_sync(io, f, 4096, zero, sizeof zero, 1), 0);
     io_close(io, f);
     io_destroy(io);
     io_sim_fail_allocate(sim, -ENOSPC);
     cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK, "%s", idem_last_error());
-    static uint8_t seg[1 << 20];
-    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/wal-0000000000000002.log", seg, sizeof seg),
-                 (int64_t)sizeof seg, "segment 2 is no longer whole");
-    cr_assert_neq(sim_segment_salt(2), salt, "segment 2 was not made again");
+    cr_assert(sim_segment_whole(2), "segment 2 is no longer whole");
+    cr_assert_eq(sim_segment_salt(2), salt, "segment 2 made again without its allocation");
     store_abandon(s);
     io_sim_fail_allocate(sim, 0);
     cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK, "%s", idem_last_error());
+    cr_assert(sim_segment_whole(2), "segment 2 is no longer whole");
+    cr_assert_neq(sim_segment_salt(2), salt, "segment 2 was not made again");
     expect_all_but_the_last(s, keys);
     cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+/* A segment's header refused for space (on a copy-on-write file, the first write of a making
+ * that needs space when the file is already whole) is FULL, as a refused allocation is, not a
+ * fatal error: the file stays, and the next try makes it. */
+Test(recovery, a_segment_header_refused_for_space_is_full_not_fatal)
+{
+    struct io *io = io_sim_io(sim);
+    struct wal *w;
+    cr_assert_eq(wal_create(io, SIM_DIR, 64 * 1024, &w), 0);
+    cr_assert_eq(wal_init_new(w), 0);
+    io_sim_fail_write(sim, 1, -ENOSPC);
+    cr_assert_eq(wal_spare_create(w), IDEM_EFULL);
+    static uint8_t seg[64 * 1024 + 1];
+    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/wal-0000000000000002.log", seg, sizeof seg),
+                 64 * 1024, "the spare's file was not kept whole");
+    cr_assert(wal_spare_needed(w));
+    cr_assert_eq(wal_spare_create(w), 0);
+    cr_assert(!wal_spare_needed(w));
+    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/wal-0000000000000002.log", seg, sizeof seg),
+                 64 * 1024);
+    cr_assert_eq(memcmp(seg, "IDEMWAL1", 8), 0, "no header");
+    wal_destroy(w);
+    io_destroy(io);
 }
 
 /* What the rule above must not catch: a batch torn across a segment boundary (its frame in the
