@@ -139,7 +139,9 @@ struct io_sim {
     int fail_write_err, fail_flush_err, fail_submit_err;
     char fail_create_suffix[64]; /* "": none */
     int fail_create_err;
-    int fail_allocate_err; /* 0: none */
+    int fail_allocate_err;                 /* 0: none */
+    const struct sim_node *fail_read_node; /* io_sim_fail_reads: NULL none; compared only */
+    int fail_read_err;
 };
 
 /* ---- small helpers ---- */
@@ -787,6 +789,8 @@ static int64_t sim_read(struct io *io, struct io_file *f, uint64_t off, void *bu
     const struct sim_buf *b = &f->node->cur;
     if (sim_stale(h, f)) {
         res = -EIO;
+    } else if (f->node == h->sim->fail_read_node) {
+        res = h->sim->fail_read_err;
     } else if (off < b->len) {
         uint64_t n = b->len - off < len ? b->len - off : len;
         memcpy(buf, b->p + off, (size_t)n);
@@ -1278,6 +1282,17 @@ void io_sim_fail_allocate(struct io_sim *sim, int err)
     sim_lock(sim);
     sim->fail_allocate_err = err;
     sim_unlock(sim);
+}
+
+int io_sim_fail_reads(struct io_sim *sim, const char *path, int err)
+{
+    IDEM_ASSERT(!path || err < 0);
+    sim_lock(sim);
+    struct sim_entry *e = path ? sim_ns_find(&sim->cur_ns, path) : NULL;
+    sim->fail_read_node = e ? e->node : NULL;
+    sim->fail_read_err = err;
+    sim_unlock(sim);
+    return path && !e ? -ENOENT : 0;
 }
 
 void io_sim_fail_create(struct io_sim *sim, const char *suffix, int err)

@@ -185,11 +185,13 @@ static uint64_t frame_checksum(uint64_t salt, const uint8_t *frame, uint32_t len
 /* Creates (or re-creates, with a new salt) segment seq's file into *out: allocate, header,
  * flush, dir sync; without touching w's state (the store's lock may be released meanwhile; the
  * caller keeps the ring to itself). A file made again is allocated again too (a sparse copy of a
- * store has holes a log write could find no space for), but when that fails (XFS and btrfs can
- * refuse on a full disk even space the file holds) it is not removed: a SEGEND may name it, and
- * recovery takes a SEGEND before a file shorter than a segment for corruption. Only an empty
- * file, never whole, goes. A header refused for space is IDEM_EFULL too (a copy-on-write
- * file's overwrite): the file stays whole, with its old header, and the making is tried again. */
+ * store has holes a log write could find no space for). When the allocation or the header is
+ * refused for space (IDEM_EFULL; XFS and btrfs can refuse on a full disk even space the file
+ * holds, and a copy-on-write file its header's overwrite), the making is tried again later, and
+ * a file that was whole before it stays as it was: a SEGEND may name it, and recovery takes a
+ * SEGEND before a file shorter than a segment for corruption. A file that was not whole goes:
+ * the log rolls only into a segment made whole, so no SEGEND names it, and left behind by a
+ * clean close it would read as a spare rotted (idemctl verify). */
 static int seg_make(struct wal *w, uint64_t seq, struct wal_segment *out)
 {
     char path[4096];
@@ -205,7 +207,7 @@ static int seg_make(struct wal *w, uint64_t seq, struct wal_segment *out)
     rc = io_allocate(w->io, s.f, 0, w->seg_bytes);
     if (rc < 0) {
         io_close(w->io, s.f);
-        if (size == 0) io_unlink(w->io, path);
+        if (size < w->seg_bytes) io_unlink(w->io, path);
         return UTIL_NO_SPACE(rc) ? IDEM_EFULL : IDEM_EIO;
     }
     uint8_t *hdr = aligned_alloc(WAL_BLOCK, WAL_BLOCK);
@@ -226,6 +228,7 @@ static int seg_make(struct wal *w, uint64_t seq, struct wal_segment *out)
     free(hdr);
     if (UTIL_NO_SPACE(rc)) {
         io_close(w->io, s.f);
+        if (size < w->seg_bytes) io_unlink(w->io, path);
         return IDEM_EFULL;
     }
     if (rc == 0) rc = io_sync_dir(w->io, w->dir);

@@ -1125,15 +1125,12 @@ Test(recovery, a_segment_file_cut_after_the_log_reached_it_is_corruption)
     }
 }
 
-/* Makes a store whose spare, segment 2, a crash left cut to `cut` bytes, and checks that it
- * opens with every key and goes on into segment 2. */
-static void spare_cut_short(uint64_t cut)
+/* Makes a store whose spare, segment 2, a crash left cut to `cut` bytes. Returns its keys. */
+static int make_spare_cut_short(uint64_t cut)
 {
     idem_store *s;
     cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK);
-    int keys = 0;
     fill(s, 0, 10);
-    keys = 10;
     cr_assert(!sim_segment_written(2, 1), "the log already reached segment 2");
     char path[256];
     snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", 2ull);
@@ -1144,6 +1141,15 @@ static void spare_cut_short(uint64_t cut)
                  "no spare segment 2");
     store_abandon(s);
     sim_segment_cut(2, cut);
+    return 10;
+}
+
+/* Makes a store whose spare, segment 2, a crash left cut to `cut` bytes, and checks that it
+ * opens with every key and goes on into segment 2. */
+static void spare_cut_short(uint64_t cut)
+{
+    int keys = make_spare_cut_short(cut);
+    idem_store *s;
     cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK, "%s", idem_last_error());
     expect_committed(s, 0, keys);
     /* Past the end of segment 1 and well into segment 2. */
@@ -1168,6 +1174,24 @@ Test(recovery, a_spare_cut_short_in_its_making_is_made_again)
         cr_assert_eq(io_sim_create(42 + (uint64_t)run, &sim), 0);
         spare_cut_short(cuts[run]);
     }
+}
+
+/* A short or damaged segment that cannot be read (a read error, no memory for its copy) fails
+ * the open, naming it: passed over, a SEGEND naming it would end the log there without a word. */
+Test(recovery, a_short_segment_that_cannot_be_read_fails_the_open_naming_it)
+{
+    int keys = make_spare_cut_short(3 * 4096);
+    const char *seg2 = SIM_DIR "/wal-0000000000000002.log";
+    cr_assert_eq(io_sim_fail_reads(sim, seg2, -EIO), 0);
+    idem_store *s;
+    int rc = open_sim_seg(&s, 1 << 20);
+    cr_assert_eq(rc, IDEM_EIO, "got %s", idem_strerror(rc));
+    cr_assert(strstr(idem_last_error(), "log segment 2 (damaged or short)"), "message: %s",
+              idem_last_error());
+    cr_assert_eq(io_sim_fail_reads(sim, NULL, 0), 0);
+    cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, keys);
+    cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
 /* The log stops at damage at the end of a segment (the SEGEND's block), and the next segment,
@@ -1242,27 +1266,53 @@ Test(recovery, a_segment_made_again_on_a_full_disk_stays_whole)
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
-/* A segment's header refused for space (on a copy-on-write file, the first write of a making
- * that needs space when the file is already whole) is FULL, as a refused allocation is, not a
- * fatal error: the file stays, and the next try makes it. */
-Test(recovery, a_segment_header_refused_for_space_is_full_not_fatal)
+/* A making of a segment refused for space, its allocation or its header (on a copy-on-write
+ * file, the first write of a making that needs space when the file is already whole), is FULL,
+ * not a fatal error, and the next try makes it. A file that was whole before stays as it was (a
+ * SEGEND may name it); one that was not (absent, or cut short by a crash in its making) goes: no
+ * SEGEND names it, and a clean close that left it would leave a spare that reads as rotted. */
+Test(recovery, a_segment_making_refused_for_space_is_full_and_keeps_only_a_whole_file)
 {
     struct io *io = io_sim_io(sim);
-    struct wal *w;
-    cr_assert_eq(wal_create(io, SIM_DIR, 64 * 1024, &w), 0);
-    cr_assert_eq(wal_init_new(w), 0);
-    io_sim_fail_write(sim, 1, -ENOSPC);
-    cr_assert_eq(wal_spare_create(w), IDEM_EFULL);
-    static uint8_t seg[64 * 1024 + 1];
-    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/wal-0000000000000002.log", seg, sizeof seg),
-                 64 * 1024, "the spare's file was not kept whole");
-    cr_assert(wal_spare_needed(w));
-    cr_assert_eq(wal_spare_create(w), 0);
-    cr_assert(!wal_spare_needed(w));
-    cr_assert_eq(io_sim_read_file(sim, SIM_DIR "/wal-0000000000000002.log", seg, sizeof seg),
-                 64 * 1024);
-    cr_assert_eq(memcmp(seg, "IDEMWAL1", 8), 0, "no header");
-    wal_destroy(w);
+    const char *seg2 = SIM_DIR "/wal-0000000000000002.log";
+    static uint8_t seg[64 * 1024 + 1], before[64 * 1024];
+    for (int was = 0; was < 3; was++) {                 /* absent, short, whole */
+        for (int refused = 0; refused < 2; refused++) { /* the allocation, the header */
+            io_unlink(io, SIM_DIR "/wal-0000000000000001.log");
+            io_unlink(io, seg2);
+            memset(before, 0xab, sizeof before);
+            size_t was_len = was == 0 ? 0 : was == 1 ? 3 * 4096 : sizeof before;
+            if (was) {
+                struct io_file *f;
+                cr_assert_eq(io_open(io, seg2, IO_O_CREATE, &f), 0);
+                cr_assert_eq(io_write_sync(io, f, 0, before, was_len, 1), 0);
+                io_close(io, f);
+            }
+            struct wal *w;
+            cr_assert_eq(wal_create(io, SIM_DIR, 64 * 1024, &w), 0);
+            cr_assert_eq(wal_init_new(w), 0);
+            if (refused)
+                io_sim_fail_write(sim, 1, -ENOSPC);
+            else
+                io_sim_fail_allocate(sim, -ENOSPC);
+            cr_assert_eq(wal_spare_create(w), IDEM_EFULL, "was %d, refused %d", was, refused);
+            io_sim_fail_allocate(sim, 0);
+            int64_t n = io_sim_read_file(sim, seg2, seg, sizeof seg);
+            if (was == 2) {
+                cr_assert_eq(n, (int64_t)sizeof before, "a whole file was not kept whole");
+                cr_assert_eq(memcmp(seg, before, sizeof before), 0, "a whole file changed");
+            } else {
+                cr_assert_lt(n, 0, "a file never whole was left behind (was %d, refused %d)", was,
+                             refused);
+            }
+            cr_assert(wal_spare_needed(w));
+            cr_assert_eq(wal_spare_create(w), 0);
+            cr_assert(!wal_spare_needed(w));
+            cr_assert_eq(io_sim_read_file(sim, seg2, seg, sizeof seg), 64 * 1024);
+            cr_assert_eq(memcmp(seg, "IDEMWAL1", 8), 0, "no header");
+            wal_destroy(w);
+        }
+    }
     io_destroy(io);
 }
 
