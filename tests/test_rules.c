@@ -669,6 +669,35 @@ Test(expiry, the_boundary_holds_for_claims_answered_without_the_lock)
     cr_assert_eq(get("k").first_seen_ms, t0 + TTL);
 }
 
+/* A blocking caller whose claims keep missing the read side (new keys) tries it only once in a
+ * while (store.c, EXEC_READ_MISSES): repeats meanwhile are answered on the locked path, the
+ * same; once a try finds its key committed, every repeat goes to the read side again. */
+Test(expiry, blocking_repeats_after_new_keys_go_back_to_the_read_side)
+{
+    store_close();
+    g_opts.clock = &g_mono_clock;
+    store_open();
+    make_committed("k", NULL, "r");
+    for (int i = 0; i < 20; i++) {
+        char key[16];
+        snprintf(key, sizeof key, "new-%d", i);
+        expect_outcome(claim(key), IDEM_NEW);
+    }
+    uint64_t reads = store_test_reads(g_s);
+    int locked = 0;
+    for (; locked < 64 && store_test_reads(g_s) == reads; locked++) {
+        idem_completion c = claim("k");
+        expect_outcome(c, IDEM_DONE);
+        expect_data(c, "r");
+    }
+    cr_assert_gt(locked, 1,
+                 "no repeat was left to the locked path: the read side was tried at once");
+    cr_assert_lt(locked, 64, "the read side was never tried again");
+    for (int i = 0; i < 4; i++)
+        expect_outcome(claim("k"), IDEM_DONE);
+    cr_assert_eq(store_test_reads(g_s), reads + 5, "repeats did not go back to the read side");
+}
+
 Test(expiry, committed_key_at_expires_at_is_absent_to_get)
 {
     make_committed("k", NULL, "r");
