@@ -411,6 +411,8 @@ void store_test_wake_delay(idem_store *s, uint32_t us);
 uint64_t store_test_queue_buf_bytes(const idem_queue *q);
 /* Claims answered so far under rw's read side, without the store's lock. */
 uint64_t store_test_reads(idem_store *s);
+/* Tests: idem_exec's claims in a row that the read side did not find committed (store.c). */
+uint32_t store_test_exec_read_misses(const idem_queue *q);
 /* Lets mu go (held on entry and on return) long enough for a thread blocked on it to take it:
  * the mutex is not fair, and a thread that unlocks and locks again at once takes it back before
  * a woken waiter runs. */
