@@ -1718,7 +1718,7 @@ static int del_group_begin(idem_store *s, const idem_queue *q, const idem_op *op
 #define SUBMIT_AHEAD 8   /* operations between a prefetch and its use */
 #define READ_RUN_OPS 128 /* claims answered per hold of rw's read side (about 40 us) */
 /* idem_exec: after this many claims in a row whose keys the read side did not find committed,
- * it is tried once in EXEC_READ_PROBE calls only (a power of two). */
+ * it is tried with one claim in EXEC_READ_PROBE only (a power of two). */
 #define EXEC_READ_MISSES 8u
 #define EXEC_READ_PROBE  32u
 

@@ -126,7 +126,7 @@ struct idem_queue {
     /* Repeat counter entries this queue's readers took from the table in one go and have not
      * handed out yet: [seen_next, seen_end) (ops.c read_seen_take); freed at close. */
     uint32_t seen_next, seen_end;
-    /* idem_exec's claims in a row that the read side did not find committed, and the calls
+    /* idem_exec's claims in a row that the read side did not find committed, and the claims
      * made since it was last tried (store.c, EXEC_READ_MISSES). */
     uint32_t exec_read_misses, exec_read_skips;
     struct idem_queue *next, *prev;
