@@ -392,7 +392,8 @@ int idem_audit_page(idem_queue *q, const void *key, size_t key_len, uint64_t bef
 
 typedef struct idem_stats {
     uint64_t keys; /* records in the index, expired ones not yet swept included */
-    uint64_t keys_in_flight, keys_committed, keys_review;
+    uint64_t keys_in_flight, keys_review;
+    uint64_t keys_committed; /* expired ones not yet swept included, as in keys */
     /* Claims by outcome. A claim that waits (WAIT) counts busy once, when it parks, and the
      * outcome it is woken with; its re-runs while it waits are not counted. */
     uint64_t claims_new, claims_busy, claims_done, claims_mismatch, claims_recover, claims_review;
@@ -423,7 +424,8 @@ typedef struct idem_stats {
     int fatal;
     int loading;
     uint64_t store_generation;   /* 1 at creation; bumped by every restore and import */
-    uint64_t keys_with_mismatch; /* records whose mismatch_count > 0 */
+    uint64_t keys_with_mismatch; /* records whose mismatch_count > 0 (expired ones not yet
+                                    swept included) */
     uint64_t frames_replayed;    /* at the last open */
     uint64_t claims_last_minute; /* claims (and SET NX) answered in the last 60 s of elapsed time */
     uint64_t duplicates_last_minute; /* of which not `new`: the duplicate ratio's numerator */

@@ -106,6 +106,10 @@ static int att_take(idem_store *s, const struct att_view *av, struct qslot *tmp,
     if (!p || rec_decode(p, len, &r) < 0) return 0;
     struct index_slot *slot = ops_find(s, r.key, r.key_len, &cur, &lsn);
     if (!slot || index_slot_addr(slot) != addr) return 0; /* another key with those hash bits */
+    if (ops_rec_expired(&r, av->now)) {                   /* gone, though no sweep reached it yet */
+        store_clock_need(s, r.expires_at_ms);
+        return 0;
+    }
     int kind = att_order[g], rg = att_group(&r, av->now, av->older_ms);
     if (rg < 0) return 0;
     *h = ops_hash(s, r.key, r.key_len);
@@ -290,10 +294,12 @@ int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_recor
     q->att_buf = ab.b;
     q->att_cap = ab.cap;
     /* In sync mode what the list reports is durable (rule 8), as for a scan: it waits for the
-     * flush of everything appended before it was read (a record listed may be that new). */
-    if (rc == 0 && k > 0 && s->opt.durability == IDEM_DURABILITY_SYNC) {
+     * flush of everything appended before it was read (a record listed may be that new), and
+     * for the clock that left out a record found expired (store_clock_need). */
+    if (rc == 0 && s->opt.durability == IDEM_DURABILITY_SYNC) {
         store_lock(s);
-        if (s->durable_lsn < wal_last_lsn(s->wal)) rc = store_wait_durable(s);
+        if ((k > 0 && s->durable_lsn < wal_last_lsn(s->wal)) || !store_clock_saved(s))
+            rc = store_wait_durable(s);
         store_unlock(s);
     }
     if (rc < 0) return rc;

@@ -4,7 +4,8 @@
  * clock, scans, stats, checkpoints and backups. The rules over one key live in ops.c.
  *
  * Invariants: every completion a queue delivers in sync mode depends only on LSNs <=
- * durable_lsn and, on the test clock, on a clock that is durable (clock_saved); at most one batch
+ * durable_lsn and on a clock that is durable (store_clock_saved: a move of the test clock, the
+ * clock that found a key expired); at most one batch
  * is in flight (flushing); after fatal is set no change is applied and no not-yet-durable
  * completion reports success; whoever holds mu holds rw's write side too (store_lock), so repeats
  * answered under its read side (submit_reads) see nothing move.
@@ -108,7 +109,7 @@ int64_t idem_clock_now(idem_store *s)
 
 /* The test clock to ms (mu held): never back, never so far that a time plus a ttl overflows.
  * A reopen after a crash starts from the clock of the last END frame or superblock written, so
- * a move is durable once either carries it (clock_saved). Until then no completion is
+ * a move is durable once either carries it (store_clock_saved). Until then no completion is
  * delivered where durability is waited for (store_clock_waits): an answer given after the move
  * (a key expired by it) stays true after a crash. The flusher's next batch carries it, or with
  * none coming the superblock (flusher_save_clock). */
@@ -126,15 +127,29 @@ static int clock_set_locked(idem_store *s, int64_t ms)
     return 0;
 }
 
-/* Whether the last move of the test clock is durable (always, without the test clock). */
-static int clock_saved(const idem_store *s)
+int store_clock_saved(const idem_store *s)
 {
     return s->clk_save_ms <= s->sb.store_clock_ms || s->clk_save_ms <= s->clk_durable_ms;
 }
 
+/* A key answered absent because it expired stays absent after a crash only if the store
+ * reopens at a clock at or past its expiry. The store clock reopens at the last clock an END
+ * frame or the superblock carries, or at the wall clock if that is later; after the wall clock
+ * stepped back, the store clock runs ahead of it, and an idle store writes no END frame. So such
+ * an answer makes the clock that expired the key wanted durable, as a move of the test clock is
+ * (clock_set_locked): in sync mode no completion is delivered until it is. */
+void store_clock_need(idem_store *s, int64_t ms)
+{
+    if (ms <= s->sb.store_clock_ms || ms <= s->clk_durable_ms || ms <= s->clk_save_ms) return;
+    if (s->opt.read_only || s->fatal) return;
+    s->clk_save_ms = s->clk_last_ms; /* at or past ms: the clock that found the key expired */
+    s->clk_wanted = 1;
+    pthread_cond_signal(&s->cond_flush);
+}
+
 int store_clock_waits(const idem_store *s, const struct qslot *sl)
 {
-    return !clock_saved(s) && (s->opt.durability == IDEM_DURABILITY_SYNC || sl->durable_wait);
+    return !store_clock_saved(s) && (s->opt.durability == IDEM_DURABILITY_SYNC || sl->durable_wait);
 }
 
 int idem_clock_set(idem_store *s, int64_t ms)
@@ -587,14 +602,15 @@ static int flusher_maintain(idem_store *s)
     return released;
 }
 
-/* A move of the test clock that no batch carried (clock_set_locked) goes to the superblock, once
+/* A clock wanted durable that no batch carried (a move of the test clock, clock_set_locked, or
+ * the clock that found a key expired, store_clock_need) goes to the superblock, once
  * nothing is pending: after compaction's steps in the flusher's round, whose batch would carry
  * it too (a test that holds the disk's completions sees that batch's flush first). Returns 1
  * when it did anything (the round goes on). */
 static int flusher_save_clock(idem_store *s)
 {
     if (!s->clk_wanted || s->fatal || s->closing || s->abandoned) return 0;
-    if (!clock_saved(s)) {
+    if (!store_clock_saved(s)) {
         if (wal_pending(s->wal)) return 0;
         if (reserve_tokens(s) < 0) {
             store_fail(s, 0, "writing the test clock to the superblock");
@@ -604,7 +620,7 @@ static int flusher_save_clock(idem_store *s)
     /* Saved here, or by another write of the superblock this round (a checkpoint's install, the
      * token reservation), which wakes no queue: completions waited for it (store_clock_waits).
      * Not saved if the clock moved again while mu was let go of: the next round writes it. */
-    if (clock_saved(s)) {
+    if (store_clock_saved(s)) {
         s->clk_wanted = 0;
         notify_ready(s);
     }
@@ -797,7 +813,7 @@ int store_wait_durable(idem_store *s)
     s->sync_waiters++;
     /* and for a move of the test clock, but in the close, whose checkpoint writes the clock */
     while (!s->fatal &&
-           (s->durable_lsn < target || s->flushing || (!s->closing && !clock_saved(s)))) {
+           (s->durable_lsn < target || s->flushing || (!s->closing && !store_clock_saved(s)))) {
         pthread_cond_signal(&s->cond_flush);
         store_wait(s, &s->cond_ready);
     }
@@ -1281,8 +1297,9 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     pthread_mutexattr_destroy(&ma);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
+    /* Timed waits count elapsed time, whatever the wall clock does (the flusher, idem_compact). */
     pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&s->cond_ready, NULL);
+    pthread_cond_init(&s->cond_ready, &ca);
     pthread_cond_init(&s->cond_flush, &ca);
     pthread_condattr_destroy(&ca);
     s->lock_fd = -1;
@@ -1507,7 +1524,11 @@ int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
     q->returned = calloc(depth, sizeof *q->returned);
     q->free_stack = calloc(depth, sizeof *q->free_stack);
     q->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    int cond_ok = pthread_cond_init(&q->cond, NULL) == 0;
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* idem_poll's timeout is elapsed time */
+    int cond_ok = pthread_cond_init(&q->cond, &ca) == 0;
+    pthread_condattr_destroy(&ca);
     if (!q->slots || !q->ext || !q->returned || !q->free_stack || q->efd < 0 || !cond_ok) {
         if (cond_ok) pthread_cond_destroy(&q->cond);
         if (q->efd >= 0) close(q->efd);
@@ -1896,7 +1917,7 @@ static size_t poll_locked(idem_queue *q, idem_completion *out, size_t max, int t
     size_t n = collect_ready(q, out, max);
     if (n == 0 && timeout_ms != 0 && q->active > 0) {
         struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
+        clock_gettime(CLOCK_MONOTONIC, &ts);
         if (timeout_ms > 0) {
             ts.tv_sec += timeout_ms / 1000;
             ts.tv_nsec += (timeout_ms % 1000) * 1000000L;
@@ -2114,7 +2135,11 @@ static void scan_one(void *ctx, struct index_slot *slot)
     uint64_t lsn;
     const uint8_t *p = wal_payload(sc->s->wal, index_slot_addr(slot), &len, &lsn);
     struct rec r;
-    if (!p || rec_decode(p, len, &r) < 0 || ops_rec_expired(&r, sc->now)) return;
+    if (!p || rec_decode(p, len, &r) < 0) return;
+    if (ops_rec_expired(&r, sc->now)) {
+        store_clock_need(sc->s, r.expires_at_ms);
+        return;
+    }
     if (sc->a->state && r.state != sc->a->state) return;
     if (sc->a->older_ms && sc->now - r.first_seen_ms < sc->a->older_ms) return;
     if (lsn > sc->max_lsn) sc->max_lsn = lsn;
@@ -2170,7 +2195,8 @@ int idem_scan(idem_queue *q, const idem_scan_args *a, uint64_t *next_cursor, con
     *next_cursor = cursor;
     /* In sync mode what a scan lists is durable (rule 8): a key claimed a moment ago waits for
      * the flush that makes it so, shared with the claim's own. */
-    if (!sc.err && s->opt.durability == IDEM_DURABILITY_SYNC && sc.max_lsn > s->durable_lsn)
+    if (!sc.err && s->opt.durability == IDEM_DURABILITY_SYNC &&
+        (sc.max_lsn > s->durable_lsn || !store_clock_saved(s)))
         sc.err = store_wait_durable(s);
     store_unlock(s);
     if (sc.err) return sc.err;
@@ -2595,7 +2621,7 @@ int idem_compact(idem_store *s, int timeout_ms)
         s->sync_waiters++; /* durability none: the walk waits for durable segments */
         pthread_cond_signal(&s->cond_flush);
         struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
+        clock_gettime(CLOCK_MONOTONIC, &ts);
         ts.tv_nsec += 20 * 1000000L;
         if (ts.tv_nsec >= 1000000000L) {
             ts.tv_sec++;

@@ -307,7 +307,7 @@ struct idem_store {
     int64_t clk_store_ms, clk_mono_ms, clk_last_ms; /* clk_last_ms: atomic under rw's read side */
     uint64_t reads_answered; /* claims answered under rw's read side (atomic; store_test_reads) */
     int clk_frozen;          /* inside idem_submit: the clock read at its start serves every op */
-    int64_t clk_save_ms;     /* test clock: the last move (idem_clock_set), to be made durable */
+    int64_t clk_save_ms;     /* to be made durable: a move of the test clock, store_clock_need */
     int64_t clk_durable_ms;  /* the clock of the last END frame made durable (flush_once) */
     int clk_wanted;          /* clk_save_ms may need the superblock (flusher_save_clock) */
     int64_t mono_batch_ms;   /* the monotonic clock read at the start of that idem_submit */
@@ -390,7 +390,13 @@ struct idem_store {
 int store_open_io(const char *dir, const idem_options *o, struct io *io, int simulated,
                   idem_store **out);
 
-/* Whether sl's completion waits for a move of the test clock to be durable (mu or rw held). */
+/* Whether the clock that must be durable (clk_save_ms: a move of the test clock, or the clock
+ * that found a key expired, store_clock_need) is (mu or rw held). */
+int store_clock_saved(const idem_store *s);
+/* An answer holds only while the store clock is at least ms after a crash too (a key found
+ * expired at ms): makes the store clock durable (mu held). */
+void store_clock_need(idem_store *s, int64_t ms);
+/* Whether sl's completion waits for store_clock_saved (mu or rw held). */
 int store_clock_waits(const idem_store *s, const struct qslot *sl);
 
 /* Tests: stops the store as a crash would (no flush, no checkpoint) and frees it. Queues are

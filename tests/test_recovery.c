@@ -361,6 +361,81 @@ Test(recovery, a_move_of_the_test_clock_survives_a_power_loss, .timeout = 60)
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
+static int64_t g_wall_ms, g_mono_ms; /* the clocks an injected clock source reads */
+
+static int64_t wall_now(void *ctx)
+{
+    (void)ctx;
+    return __atomic_load_n(&g_wall_ms, __ATOMIC_RELAXED);
+}
+
+static int64_t mono_now(void *ctx)
+{
+    (void)ctx;
+    return __atomic_load_n(&g_mono_ms, __ATOMIC_RELAXED);
+}
+
+static void clocks_elapse(int64_t ms)
+{
+    __atomic_fetch_add(&g_wall_ms, ms, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&g_mono_ms, ms, __ATOMIC_RELAXED);
+}
+
+/* On the real store clock, after the wall clock stepped back, the store clock runs ahead of it
+ * (rule 10) and an idle store wrote no batch to carry it: a power loss reopened the store at
+ * the clock of its last batch, so a key answered absent (get, and an owner call's NOTFOUND)
+ * once it expired was found again, and a late commit of it succeeded. Such an answer now waits
+ * until a clock at or past the expiry is durable. */
+Test(recovery, an_expiry_answered_ahead_of_the_wall_clock_survives_a_power_loss, .timeout = 60)
+{
+    static const idem_clock_source src = {wall_now, mono_now, NULL};
+    const int64_t w0 = INT64_C(1800000000000), hour = INT64_C(3600000);
+    g_wall_ms = w0;
+    g_mono_ms = 5000;
+    idem_options o;
+    idem_options_init(&o);
+    o.clock = &src;
+    o.segment_bytes = 64 * 1024;
+    o.result_bytes_max = 4096;
+    idem_store *s;
+    idem_queue *q;
+    idem_completion c;
+    cr_assert_eq(store_open_io(SIM_DIR, &o, io_sim_io(sim), 1, &s), IDEM_OK, "%s",
+                 idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    cr_assert_eq(idem_set_if_absent(q, "short", 5, "v", 1, 60000, 0, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    idem_claim_args a = {.ttl_ms = 60000, .lease_ms = 1000};
+    cr_assert_eq(idem_claim(q, "late", 4, &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    int64_t token = c.token;
+    cr_assert_eq(idem_commit(q, "late", 4, token, "r", 1), IDEM_OK);
+    /* The wall clock steps an hour back; 80 s pass with nothing written. The store clock,
+     * slewing towards the wall clock at a bounded rate, passes both expiries. */
+    __atomic_fetch_sub(&g_wall_ms, hour, __ATOMIC_RELAXED);
+    for (int i = 0; i < 80; i++) {
+        clocks_elapse(1000);
+        (void)idem_clock_now(s);
+    }
+    int64_t answered_at = idem_clock_now(s);
+    cr_assert_geq(answered_at, w0 + 60000, "the store clock did not reach the expiry");
+    cr_assert_not(key_found(q, "short"), "the key outlived its ttl");
+    cr_assert_eq(idem_commit(q, "late", 4, token, "r", 1), IDEM_ENOTFOUND);
+    idem_queue_close(q);
+    store_abandon(s);
+    io_sim_crash(sim, IO_SIM_CRASH_TEAR | IO_SIM_CRASH_FLIP);
+    cr_assert_eq(store_open_io(SIM_DIR, &o, io_sim_io(sim), 1, &s), IDEM_OK, "%s",
+                 idem_last_error());
+    cr_assert_geq(idem_clock_now(s), w0 + 60000, "the clock reopened %lld ms before the expiry",
+                  (long long)(w0 + 60000 - idem_clock_now(s)));
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    cr_assert_not(key_found(q, "short"), "a key answered absent is back after the crash");
+    cr_assert_eq(idem_commit(q, "late", 4, token, "r", 1), IDEM_ENOTFOUND,
+                 "a commit refused as expired succeeds after the crash");
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
 struct clock_waiter {
     idem_store *s;
     idem_queue *q;

@@ -3653,6 +3653,29 @@ Test(stats, attention_finds_a_lapsed_lease_behind_many_running_ones)
                  malloc_usable_size((void *)recs));
 }
 
+/* A committed record with mismatches is listed until it expires, not until a sweep reaches it:
+ * at expires_at it is absent (rule 5), from the list too, while a get says so. */
+Test(stats, attention_leaves_out_a_mismatched_record_once_it_expired)
+{
+    make_committed("k", "body-A", "res");
+    at(10);
+    expect_outcome(claim_fp("k", "body-B"), IDEM_MISMATCH);
+    idem_attention_args aa = {.max = 10};
+    const idem_record *recs;
+    size_t n = 0;
+    at(TTL - 1);
+    expect_rc(idem_attention(g_q, &aa, &recs, &n), IDEM_OK);
+    cr_assert_eq(n, 1, "%zu records listed one ms before the expiry", n);
+    cr_assert(attention_has(recs, n, "k"));
+    cr_assert_eq(recs[0].mismatch_count, 1);
+    at(TTL);
+    expect_rc(idem_attention(g_q, &aa, &recs, &n), IDEM_OK);
+    cr_assert_eq(n, 0, "%zu records listed at the expiry", n);
+    idem_completion c;
+    expect_rc(idem_get(g_q, "k", 1, &c), IDEM_OK);
+    cr_assert_not(c.found);
+}
+
 /* With more records needing attention than max, the list holds the oldest of them, in order:
  * every other record's lease ran out, and the first 100 of those are listed. */
 Test(stats, attention_cut_to_max_keeps_the_oldest)
