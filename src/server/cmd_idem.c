@@ -11,6 +11,8 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "util.h"
+
 void cmd_reply_err(resp_buf *b, int err)
 {
     switch (err) {
@@ -91,25 +93,33 @@ void cmd_claim(cmd_req *r)
     if (arg_range(r, 2, "ttl_ms", IDEM_TTL_MS_MAX, &op.ttl_ms) < 0 ||
         arg_range(r, 3, "lease_ms", IDEM_LEASE_MS_MAX, &op.lease_ms) < 0)
         return;
+    static const char *const opts[] = {"FP", "OWNER", "WAIT"};
+    unsigned seen = 0;
     for (uint32_t i = 4; i < r->argc; i += 2) {
         if (i + 1 >= r->argc) return cmd_fail(r, "ERR syntax error: option without a value");
-        if (cmd_is(r, i, "FP")) {
+        unsigned k = 0;
+        while (k < IDEM_ARRAY_LEN(opts) && !cmd_is(r, i, opts[k]))
+            k++;
+        if (k == IDEM_ARRAY_LEN(opts))
+            return cmd_fail(r, "ERR syntax error: unknown option (FP, OWNER, WAIT)");
+        /* An option given twice is refused, not taken last: which one the caller meant is not
+         * known (the fingerprint of the other content would answer mismatch later). */
+        if (seen & 1u << k) return cmd_fail(r, "ERR syntax error: %s given twice", opts[k]);
+        seen |= 1u << k;
+        if (k == 0) {
             op.fp = r->argv[i + 1];
             op.fp_len = r->argl[i + 1];
-        } else if (cmd_is(r, i, "OWNER")) {
+        } else if (k == 1) {
             if (r->argl[i + 1] == 0 || r->argl[i + 1] > IDEM_OWNER_BYTES_MAX)
                 return cmd_fail(r, "ERR owner id must be 1..%u bytes", IDEM_OWNER_BYTES_MAX);
             op.owner = r->argv[i + 1];
             op.owner_len = r->argl[i + 1];
-        } else if (cmd_is(r, i, "WAIT")) {
+        } else {
             if (cmd_u64(r->argv[i + 1], r->argl[i + 1], &v) < 0 || v > IDEM_WAIT_MS_MAX)
                 return cmd_fail(r, "ERR WAIT ms is not an integer of at most %u", IDEM_WAIT_MS_MAX);
             op.wait_ms = (uint32_t)v;
-        } else {
-            return cmd_fail(r, "ERR syntax error: unknown option (FP, OWNER, WAIT)");
         }
     }
-    if (r->s->draining) op.wait_ms = 0;
     srv_submit_op(r->s, r->c, r->seq, RK_CLAIM, &op);
 }
 
@@ -216,6 +226,14 @@ void cmd_resolve(cmd_req *r)
     op.data = r->argv[3];
     op.data_len = r->argl[3];
     for (uint32_t i = 4; i < r->argc; i++) {
+        /* Each option once: an operator's decision is not guessed from two of them. */
+        if ((cmd_is(r, i, "FORCE") && (op.flags & IDEM_F_FORCE)) ||
+            (cmd_is(r, i, "RESULT") && op.result) ||
+            (cmd_is(r, i, "EXPECT") && (op.flags & IDEM_F_EXPECT)))
+            return cmd_fail(r, "ERR syntax error: %s given twice",
+                            cmd_is(r, i, "FORCE")    ? "FORCE"
+                            : cmd_is(r, i, "RESULT") ? "RESULT"
+                                                     : "EXPECT");
         if (cmd_is(r, i, "FORCE")) {
             op.flags |= IDEM_F_FORCE;
         } else if (cmd_is(r, i, "RESULT") && i + 1 < r->argc) {
@@ -262,7 +280,11 @@ static int set_options(cmd_req *r, uint64_t *ttl_ms, int *nx, int *get)
             *get = 1;
         } else if ((cmd_is(r, i, "PX") || cmd_is(r, i, "EX")) && i + 1 < r->argc) {
             uint64_t mult = cmd_is(r, i, "EX") ? 1000 : 1;
-            if (*ttl_ms || cmd_u64(r->argv[i + 1], r->argl[i + 1], &v) < 0 || v == 0 ||
+            if (*ttl_ms) {
+                cmd_fail(r, "ERR syntax error: one expire time per SET (PX ms or EX s)");
+                return -1;
+            }
+            if (cmd_u64(r->argv[i + 1], r->argl[i + 1], &v) < 0 || v == 0 ||
                 v > IDEM_TTL_MS_MAX / mult) {
                 cmd_fail(r, "ERR invalid expire time in 'set' command");
                 return -1;
@@ -471,9 +493,14 @@ void cmd_del_count(const srv_conn *c, srv_slot *sl, const idem_completion *cp)
 int cmd_complete(srv *s, srv_slot *sl, resp_buf *b, const idem_completion *cp)
 {
     if (sl->kind == RK_EXISTS) {
+        /* A key whose lookup failed is not counted absent: the reply is the error, as GET's. */
         sl->acc += cp->err == IDEM_OK && cp->found;
+        if (cp->err != IDEM_OK && !sl->err) sl->err = cp->err;
         if (sl->remaining > 0) return 0;
-        resp_integer(b, sl->acc);
+        if (sl->err)
+            cmd_reply_err(b, sl->err);
+        else
+            resp_integer(b, sl->acc);
         return 1;
     }
     if (sl->kind == RK_DEL) {

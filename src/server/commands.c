@@ -138,6 +138,10 @@ static int authenticate(cmd_req *r, const uint8_t *user, uint32_t user_len, cons
 {
     char name[SRV_NAME_MAX];
     int role = ROLE_NONE;
+    /* Without users, the user `default` takes any password, as Redis's default user without a
+     * password does: a client set up with that user and a password connects. The connection
+     * keeps the role its transport gave it. */
+    if (r->s->cfg.nusers == 0 && user_len == 7 && memcmp(user, "default", 7) == 0) return 0;
     if (user_len < sizeof name && !memchr(user, 0, user_len)) { /* "a\0x" is not user a */
         memcpy(name, user, user_len);
         name[user_len] = '\0';
@@ -167,7 +171,7 @@ static int authenticate(cmd_req *r, const uint8_t *user, uint32_t user_len, cons
 static void cmd_auth(cmd_req *r)
 {
     if (r->argc > 3) return cmd_fail(r, "ERR syntax error");
-    if (r->s->cfg.nusers == 0)
+    if (r->s->cfg.nusers == 0 && r->argc == 2)
         return cmd_fail(r, "ERR AUTH <password> called without any password configured for "
                            "the default user. Are you sure your configuration is correct?");
     if (r->argc == 2) {

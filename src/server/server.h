@@ -131,7 +131,7 @@ typedef struct srv_slot {
     uint8_t is_wait;
     uint32_t remaining; /* engine completions still due (EXISTS, DEL with several keys) */
     int64_t acc;        /* EXISTS: keys found so far; DEL: keys deleted so far */
-    int err;            /* DEL: the first error other than not found */
+    int err;            /* DEL: the first error other than not found; EXISTS: the first error */
     uint32_t keys_done; /* DEL: completions so far (they come in the keys' order) */
     uint32_t refused;   /* DEL: the key (from 1) named in a refusal, 0: none yet */
     int refused_state;  /* its state, when the engine said (0: not known) */
