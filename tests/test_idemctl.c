@@ -171,6 +171,12 @@ Test(idemctl, attention_lists_what_needs_a_person_by_urgency, .init = setup, .fi
     cr_assert(strstr(out, "\"key\":\"live-1\""), "--older lists long in_flight: %s", out);
     cr_assert_eq(ctl("attention --dir %s", dir), 0);
     cr_assert(strstr(out, "NEXT STEP") && strstr(out, "held-1"), "%s", out);
+    cr_assert_null(strstr(err, "more may need attention"), "%s", err);
+    /* A list cut to --count says so (on stderr: the list stays as scripts read it). */
+    cr_assert_eq(ctl("attention --count 2 --dir %s --json", dir), 0);
+    cr_assert(strstr(out, "\"key\":\"held-1\"") && !strstr(out, "\"key\":\"order-1\""), "%s", out);
+    cr_assert(strstr(err, "the 2 most urgent records are listed: more may need attention"), "%s",
+              err);
 }
 
 Test(idemctl, resolve_is_checked_and_audited, .init = setup, .fini = teardown)
@@ -195,6 +201,49 @@ Test(idemctl, resolve_is_checked_and_audited, .init = setup, .fini = teardown)
     cr_assert(strstr(out, "target shows INV-9") && strstr(out, "\"actor\":\"offline:"), "%s", out);
     cr_assert_eq(ctl("audit held-1 --dir %s", dir), 0);
     cr_assert(strstr(out, "review v") && !strstr(out, "late-1"), "%s", out);
+}
+
+/* resolve --expect acts only on the version the operator checked the target for: a record
+ * that moved on since (late-1 recovered by a reconciler, its version bumped) is refused, with
+ * what it is now, and nothing is done; at the version it is at, the decision goes through. */
+static unsigned long long version_shown(const char *key)
+{
+    cr_assert_eq(ctl("get %s --dir %s --json", key, dir), 0, "%s", err);
+    const char *v = strstr(out, "\"version\":");
+    cr_assert_not_null(v, "%s", out);
+    return strtoull(v + 10, NULL, 10);
+}
+
+Test(idemctl, resolve_expect_acts_only_on_the_version_checked, .init = setup, .fini = teardown)
+{
+    write_store();
+    unsigned long long shown = version_shown("late-1");
+    idem_store *s;
+    idem_queue *q;
+    idem_completion c;
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
+    claim(q, "late-1", 60000, "late-1", &c);
+    cr_assert_eq(c.outcome, IDEM_RECOVER);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    cr_assert_eq(ctl("resolve late-1 release --expect %llu --force --reason 'checked at v%llu' "
+                     "--dir %s",
+                     shown, shown, dir),
+                 1, "a decision on an old version went through");
+    cr_assert(strstr(err, "not ") && strstr(err, "(--expect)") && strstr(err, "nothing was done") &&
+                  strstr(err, "It is now in_flight"),
+              "%s", err);
+    cr_assert_eq(ctl("audit late-1 --dir %s --json", dir), 0, "%s", err);
+    cr_assert_null(strstr(out, "checked at v"), "%s", out);
+    unsigned long long now = version_shown("late-1");
+    cr_assert_gt(now, shown);
+    cr_assert_eq(ctl("resolve late-1 release --expect %llu --force --reason 'not charged' --dir %s",
+                     now, dir),
+                 0, "%s", err);
+    cr_assert_eq(ctl("audit late-1 --dir %s --json", dir), 0, "%s", err);
+    cr_assert(strstr(out, "not charged"), "%s", out);
+    cr_assert_eq(ctl("resolve held-1 release --expect 0 --reason x --dir %s", dir), 2);
 }
 
 Test(idemctl, scan_lists_keys_for_scripts, .init = setup, .fini = teardown)
@@ -579,6 +628,20 @@ Test(idemctl, an_export_cut_short_is_not_imported, .init = setup, .fini = teardo
     cr_assert(!in_scratch("im") && !in_scratch("im.partial"));
     cr_assert_eq(ctl("import %s/exp.jsonl --dir %s/im", scratch, scratch), 0, "%s", err);
     cr_assert(in_scratch("im/super") && !in_scratch("im.partial"));
+    /* An empty directory made for the store is staged the same way: a cut export leaves it
+     * empty, and a whole one fills it. */
+    char empty[4200];
+    snprintf(empty, sizeof empty, "%s/made", scratch);
+    cr_assert_eq(mkdir(empty, 0700), 0);
+    cr_assert_eq(ctl("import %s/cut.jsonl --dir %s", scratch, empty), 1, "a cut export went in");
+    cr_assert(strstr(err, "cut short"), "%s", err);
+    cr_assert(in_scratch("made") && !in_scratch("made/super") && !in_scratch("made.partial"));
+    cr_assert_eq(ctl("import %s/exp.jsonl --dir %s", scratch, empty), 0, "%s", err);
+    cr_assert(in_scratch("made/super") && !in_scratch("made.partial"));
+    cr_assert(strstr(out, "imported 13 records"), "%s", out);
+    /* Into a store that holds keys (--force), what was written before the cut stays: said so. */
+    cr_assert_eq(ctl("import %s/cut.jsonl --dir %s --force", scratch, empty), 1);
+    cr_assert(strstr(err, "cut short") && strstr(err, "stay there"), "%s", err);
 
     idem_store *s;
     idem_queue *q;

@@ -737,6 +737,11 @@ int ctl_backup(struct ctl *c, const char *dest)
         }
         dest = abs;
     }
+    /* idemd answers once the copy is durable, and goes on copying if nobody waits: a store of
+     * gigabytes takes longer than the usual timeout, which would report a failure while the
+     * copy carries on. So the answer is waited for up to CTL_TIMEOUT_MAX_MS, unless --timeout
+     * says otherwise. */
+    if (!c->o->has_timeout) c->conn.timeout_ms = CTL_TIMEOUT_MAX_MS;
     const char *argv[] = {"IDEM.BACKUP", dest};
     resp_value *v = NULL;
     if (call_ok(c, &v, 2, argv, NULL)) return CTL_FAIL;

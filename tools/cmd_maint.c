@@ -4,6 +4,7 @@
  * export (JSON Lines, read-only), import (into a new or empty store), checkpoint and compact.
  * All but backup work on a stopped store directory through include/idem.h.
  */
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <ftw.h>
@@ -554,6 +555,18 @@ static int import_line(struct ctl *c, const char *file, uint64_t no, const char 
     return rc == IDEM_OK ? 0 : CTL_FAIL;
 }
 
+/* Whether path is a directory with no entries. */
+static int dir_empty(const char *path)
+{
+    DIR *d = opendir(path);
+    if (!d) return 0;
+    int empty = 1;
+    for (struct dirent *de; empty && (de = readdir(d));)
+        empty = !strcmp(de->d_name, ".") || !strcmp(de->d_name, "..");
+    closedir(d);
+    return empty;
+}
+
 /* Import writes records as they were, over any record of the same key, and no audit entry for
  * that: into a store that holds keys or decisions it would roll them back unseen. Such a store
  * takes an import only with --force. */
@@ -603,8 +616,13 @@ int cmd_import(const struct ctl_opts *o)
     for (size_t n = strlen(dest); n > 1 && dest[n - 1] == '/'; n--)
         dest[n - 1] = 0;
     snprintf(partial, sizeof partial, "%s.partial", dest);
+    /* A DIR that is absent, or an empty directory, is made as DIR.partial: a file found bad
+     * part-way leaves nothing. Into a store that holds keys (--force), records are written as
+     * they are read. */
     struct stat st;
-    int staged = stat(dest, &st) < 0 && errno == ENOENT;
+    int absent = stat(dest, &st) < 0 && errno == ENOENT;
+    int empty_dir = !absent && S_ISDIR(st.st_mode) && dir_empty(dest);
+    int staged = absent || empty_dir;
     if (staged && mkdir(partial, 0700) < 0) {
         if (errno == EEXIST)
             ctl_err("%s exists: an import into %s was cut short there; remove it, then import "
@@ -645,7 +663,9 @@ int cmd_import(const struct ctl_opts *o)
     free(text);
     if (in != stdin) fclose(in);
     if (c.s || c.online) rc = ctl_disconnect(&c, rc);
-    if (staged && rc == 0 && renameat2(AT_FDCWD, partial, AT_FDCWD, dest, RENAME_NOREPLACE) < 0) {
+    /* An empty DIR is replaced as one step (rename refuses it if anything came into it). */
+    if (staged && rc == 0 &&
+        renameat2(AT_FDCWD, partial, AT_FDCWD, dest, empty_dir ? 0 : RENAME_NOREPLACE) < 0) {
         ctl_err("cannot rename %s to %s: %s", partial, dest, strerror(errno));
         rc = CTL_FAIL;
     }
@@ -665,6 +685,10 @@ int cmd_import(const struct ctl_opts *o)
         if (fd >= 0) close(fd);
     }
     if (staged && rc != 0) nftw(partial, rm_one, 16, FTW_DEPTH | FTW_PHYS);
+    if (!staged && rc != 0 && ist.nrec + ist.naud > 0)
+        ctl_err("%llu records and %llu audit entries read before that were written into %s, "
+                "which held keys (--force), and stay there",
+                (unsigned long long)ist.nrec, (unsigned long long)ist.naud, dest);
     if (rc == 0)
         printf(o->json ? "{\"records\":%llu,\"audit_entries\":%llu}\n"
                        : "imported %llu records and %llu audit entries\n",

@@ -172,6 +172,13 @@ int cmd_attention(const struct ctl_opts *o)
             attention_json(it, n, now);
         else
             attention_human(it, n, now, o);
+        /* The list was cut to max, the most urgent kept: say so (on stderr, so the list on
+         * stdout stays what it is for scripts). */
+        if (n >= max)
+            fprintf(stderr,
+                    "idemctl: the %zu most urgent records are listed: more may need attention "
+                    "(--count, at most %u)\n",
+                    n, (unsigned)ATTENTION_MAX_LIMIT);
     }
     free(it);
     ctl_records_free(recs, n);
@@ -296,7 +303,17 @@ static int resolve_run(struct ctl *c, const struct ctl_opts *o, int action)
         return CTL_FAIL;
     }
     char msg[512] = "";
-    int rc = resolve_precheck(o, shown, &seen.r, now);
+    int rc = 0;
+    if (o->has_expect && seen.r.version != o->expect_version) {
+        /* The decision was made on another version: nothing is sent. */
+        ctl_err("%s is at version %llu, not %llu (--expect): it changed since that version was "
+                "shown; nothing was done. It is now %s; read it again (idemctl get) and decide "
+                "on what is there",
+                shown, (unsigned long long)seen.r.version, (unsigned long long)o->expect_version,
+                idem_state_name(seen.r.state));
+        rc = CTL_FAIL;
+    }
+    if (rc == 0) rc = resolve_precheck(o, shown, &seen.r, now);
     if (rc == 0)
         rc = ctl_resolve(c, key, klen, action, seen.r.version, o->force, msg, sizeof msg, &changed);
     if (rc && changed) {

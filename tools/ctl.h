@@ -34,6 +34,7 @@ struct ctl_opts {
     const char *socket, *host, *user, *password, *password_file, *dir;
     int port;
     int json, color, timeout_ms;
+    int has_timeout; /* --timeout given (else online backup waits as long as the copy takes) */
     /* Subcommand options. */
     int64_t older_ms;
     int has_older;
@@ -42,6 +43,8 @@ struct ctl_opts {
     int has_count;
     const char *reason, *result;
     int has_result, force;
+    uint64_t expect_version; /* resolve --expect: the version the decision was made on */
+    int has_expect;
     int64_t interval_ms, window_ms;
     uint64_t min_free_bytes;
     int has_min_free;

@@ -25,6 +25,7 @@ enum {
     O_MINFREE = 1 << 8,
     O_KEY = 1 << 9, /* takes KEY: --key-escaped, --key-base64 */
     O_RESULTMAX = 1 << 10,
+    O_EXPECT = 1 << 11,
 };
 
 struct subcmd {
@@ -52,13 +53,15 @@ static const struct subcmd cmds[] = {
      "Every record that needs a person or a reconciler, most urgent first: review records,\n"
      "in_flight records whose lease ran out (or older than --older), keys with mismatches; each\n"
      "with the suggested next step. Never scans all keys (idemd: IDEM.ATTENTION)."},
-    {"resolve", cmd_resolve, 2, 2, O_REASON | O_RESULT | O_FORCE | O_KEY,
-     "resolve KEY commit|release|settle --reason TEXT [--result BYTES] [--force]",
+    {"resolve", cmd_resolve, 2, 2, O_REASON | O_RESULT | O_FORCE | O_KEY | O_EXPECT,
+     "resolve KEY commit|release|settle --reason TEXT [--result BYTES] [--expect VERSION]\n"
+     "        [--force]",
      "An operator decision (admin role). commit: the target was checked and it happened\n"
      "(--result: the target's reference); release: it did not happen, re-offer the key; settle:\n"
-     "close without new action. The record is read first and the decision passes the version\n"
-     "shown (EXPECT), so a record that changed meanwhile is refused with what changed. --force is\n"
-     "needed while a lease runs. Recorded in the audit trail."},
+     "close without new action. The decision passes a version (EXPECT): --expect VERSION, the\n"
+     "version `get` or `attention` showed when the target was checked; without it, the version\n"
+     "resolve reads first. A record at another version is refused, with what it is now. --force\n"
+     "is needed while a lease runs. Recorded in the audit trail."},
     {"audit", cmd_audit, 0, 1, O_COUNT | O_KEY, "audit [KEY] [--count N]",
      "Operator decisions, newest first: who, when, action, reason, state before and after."},
     {"scan", cmd_scan, 0, 0, O_STATE | O_OLDER | O_COUNT,
@@ -74,8 +77,9 @@ static const struct subcmd cmds[] = {
      "Exit 1 on any fault. Never modifies the store."},
     {"backup", cmd_backup, 1, 1, 0, "backup DEST [--socket PATH | --dir DIR]",
      "Copies a consistent point-in-time image of the store into the new directory DEST: online,\n"
-     "idemd copies its live store (IDEM.BACKUP, admin; DEST is a path on idemd's host; the\n"
-     "store pauses while it copies); offline, the stopped store DIR."},
+     "idemd copies its live store (IDEM.BACKUP, admin; DEST is a path on idemd's host; changes\n"
+     "are held back for one flush, then go on while it copies; idemctl waits for the copy,\n"
+     "however long, unless --timeout says otherwise); offline, the stopped store DIR."},
     {"restore", cmd_restore, 2, 2, 0, "restore BACKUP DEST",
      "Makes DEST (absent) a store from the backup BACKUP, under a new store generation: tokens\n"
      "handed out later are above any the backed-up store could have handed out."},
@@ -87,9 +91,9 @@ static const struct subcmd cmds[] = {
      "records as they were (state, times, counters, token, version), audit entries as they\n"
      "were. For a store no worker uses yet: a store that holds keys or decisions is refused\n"
      "unless --force (import writes over records of the same keys, without audit entries).\n"
-     "A new DIR is made as DIR.partial and named DIR once the whole file is in; an export cut\n"
-     "short (no end line) is refused. --result-max: the store's result limit, as idemd's\n"
-     "(default 64KiB)."},
+     "A DIR that is absent or empty is made as DIR.partial and named DIR once the whole file is\n"
+     "in; an export cut short (no end line) is refused. --result-max: the store's result limit,\n"
+     "as idemd's (default 64KiB)."},
     {"checkpoint", cmd_checkpoint, 0, 0, 0, "checkpoint --dir DIR",
      "Writes a checkpoint of the stopped store's index, so the next open need not replay the log."},
     {"compact", cmd_compact, 0, 0, 0, "compact --dir DIR",
@@ -174,6 +178,7 @@ static const struct {
     {"window", 1, O_WINDOW},
     {"min-free", 1, O_MINFREE},
     {"result-max", 1, O_RESULTMAX},
+    {"expect", 1, O_EXPECT},
     {"key-escaped", 0, O_KEY},
     {"key-base64", 0, O_KEY},
 };
@@ -242,7 +247,10 @@ static int set_option(struct ctl_opts *o, const char *name, const char *v, int *
         o->has_result = 1;
     } else if (!strcmp(name, "force"))
         o->force = 1;
-    else if (!strcmp(name, "key-escaped") || !strcmp(name, "key-base64")) {
+    else if (!strcmp(name, "expect")) {
+        if (set_number(name, v, UINT64_MAX, &o->expect_version)) return CTL_USAGE;
+        o->has_expect = 1;
+    } else if (!strcmp(name, "key-escaped") || !strcmp(name, "key-base64")) {
         int form = name[4] == 'e' ? CTL_KEY_ESCAPED : CTL_KEY_BASE64;
         if (o->key_form && o->key_form != form) {
             ctl_err("give --key-escaped or --key-base64, not both");
@@ -264,6 +272,7 @@ static int set_option(struct ctl_opts *o, const char *name, const char *v, int *
             if (ms <= 0 || ms > CTL_TIMEOUT_MAX_MS)
                 return bad_value(name, v, "not between 1ms and 24h");
             o->timeout_ms = (int)ms;
+            o->has_timeout = 1;
         } else if (!strcmp(name, "older")) {
             o->older_ms = ms;
             o->has_older = 1;
