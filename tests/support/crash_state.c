@@ -467,11 +467,18 @@ static int file_build(const struct cs_walk *w, const struct cs_select *sel, cons
     if (fd < 0) return -errno;
     const struct cs_buf *b = &w->nodes[n->node];
     int rc = ftruncate(fd, (off_t)b->len) == 0 ? 0 : -errno;
-    /* Blocks of zeros stay holes (they read as zeros): most of a preallocated segment. */
-    for (uint64_t off = 0; rc == 0 && off < b->len; off += CS_BLOCK) {
-        uint64_t len = b->len - off < CS_BLOCK ? b->len - off : CS_BLOCK;
-        if (buf_zero(b->p + off, len)) continue;
-        if (pwrite(fd, b->p + off, len, (off_t)off) != (ssize_t)len) rc = -EIO;
+    /* Blocks of zeros stay holes (they read as zeros): most of a preallocated segment. Each
+     * run of other blocks is written at once. */
+    for (uint64_t off = 0; rc == 0 && off < b->len;) {
+        uint64_t end = off;
+        while (end < b->len) {
+            uint64_t len = b->len - end < CS_BLOCK ? b->len - end : CS_BLOCK;
+            if (buf_zero(b->p + end, len)) break;
+            end += len;
+        }
+        if (end > off && pwrite(fd, b->p + off, end - off, (off_t)off) != (ssize_t)(end - off))
+            rc = -EIO;
+        off = end < b->len ? end + CS_BLOCK : end; /* past the block of zeros that ended the run */
     }
     uint64_t size = b->len;
     if (rc == 0) rc = apply_open(w, sel, n->node, fd, &size);
