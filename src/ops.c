@@ -1143,8 +1143,11 @@ void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_
         break;
     case IDEM_OP_SYNC:
         sl->need_lsn = wal_last_lsn(s->wal);
-        /* Durable in every mode: batch and none flush for it (flush_asked). */
-        if (s->opt.durability != IDEM_DURABILITY_SYNC && sl->need_lsn > s->durable_lsn) {
+        /* Durable in every mode: batch and none flush for it (flush_asked), and the clock an
+         * answer before it rests on is made durable (store_clock_need). */
+        if (s->opt.durability != IDEM_DURABILITY_SYNC &&
+            (sl->need_lsn > s->durable_lsn || !store_clock_saved(s))) {
+            store_clock_want(s);
             sl->durable_wait = 1;
             __atomic_add_fetch(&s->sync_ops, 1, __ATOMIC_RELAXED);
             store_kick(s);

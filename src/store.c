@@ -143,6 +143,14 @@ void store_clock_need(idem_store *s, int64_t ms)
     if (ms <= s->sb.store_clock_ms || ms <= s->clk_durable_ms || ms <= s->clk_save_ms) return;
     if (s->opt.read_only || s->fatal) return;
     s->clk_save_ms = s->clk_last_ms; /* at or past ms: the clock that found the key expired */
+    /* Durability none writes it only when asked to make things durable (store_clock_want):
+     * idle, each such run of answers would cost a superblock write and its flush. */
+    if (s->opt.durability != IDEM_DURABILITY_NONE) store_clock_want(s);
+}
+
+void store_clock_want(idem_store *s)
+{
+    if (store_clock_saved(s)) return;
     s->clk_wanted = 1;
     pthread_cond_signal(&s->cond_flush);
 }
@@ -613,7 +621,7 @@ static int flusher_save_clock(idem_store *s)
     if (!store_clock_saved(s)) {
         if (wal_pending(s->wal)) return 0;
         if (reserve_tokens(s) < 0) {
-            store_fail(s, 0, "writing the test clock to the superblock");
+            store_fail(s, 0, "writing the store clock to the superblock");
             return 1;
         }
     }
@@ -811,7 +819,9 @@ int store_wait_durable(idem_store *s)
 {
     uint64_t target = wal_last_lsn(s->wal);
     s->sync_waiters++;
-    /* and for a move of the test clock, but in the close, whose checkpoint writes the clock */
+    /* and for the clock to be durable (store_clock_saved), but in the close, whose checkpoint
+     * writes the clock */
+    if (!s->closing) store_clock_want(s);
     while (!s->fatal &&
            (s->durable_lsn < target || s->flushing || (!s->closing && !store_clock_saved(s)))) {
         pthread_cond_signal(&s->cond_flush);

@@ -396,6 +396,8 @@ int store_clock_saved(const idem_store *s);
 /* An answer holds only while the store clock is at least ms after a crash too (a key found
  * expired at ms): makes the store clock durable (mu held). */
 void store_clock_need(idem_store *s, int64_t ms);
+/* Has the flusher make clk_save_ms durable, if it is not (mu held). */
+void store_clock_want(idem_store *s);
 /* Whether sl's completion waits for store_clock_saved (mu or rw held). */
 int store_clock_waits(const idem_store *s, const struct qslot *sl);
 

@@ -385,8 +385,9 @@ static void clocks_elapse(int64_t ms)
  * (rule 10) and an idle store wrote no batch to carry it: a power loss reopened the store at
  * the clock of its last batch, so a key answered absent (get, and an owner call's NOTFOUND)
  * once it expired was found again, and a late commit of it succeeded. Such an answer now waits
- * until a clock at or past the expiry is durable. */
-Test(recovery, an_expiry_answered_ahead_of_the_wall_clock_survives_a_power_loss, .timeout = 60)
+ * until a clock at or past the expiry is durable (sync mode), and so does an IDEM_OP_SYNC after
+ * it in the other modes. */
+static void expiry_answered_ahead_of_the_wall_clock(int durability)
 {
     static const idem_clock_source src = {wall_now, mono_now, NULL};
     const int64_t w0 = INT64_C(1800000000000), hour = INT64_C(3600000);
@@ -397,6 +398,7 @@ Test(recovery, an_expiry_answered_ahead_of_the_wall_clock_survives_a_power_loss,
     o.clock = &src;
     o.segment_bytes = 64 * 1024;
     o.result_bytes_max = 4096;
+    o.durability = durability;
     idem_store *s;
     idem_queue *q;
     idem_completion c;
@@ -410,6 +412,7 @@ Test(recovery, an_expiry_answered_ahead_of_the_wall_clock_survives_a_power_loss,
     cr_assert_eq(c.outcome, IDEM_NEW);
     int64_t token = c.token;
     cr_assert_eq(idem_commit(q, "late", 4, token, "r", 1), IDEM_OK);
+    cr_assert_eq(idem_sync(s), IDEM_OK);
     /* The wall clock steps an hour back; 80 s pass with nothing written. The store clock,
      * slewing towards the wall clock at a bounded rate, passes both expiries. */
     __atomic_fetch_sub(&g_wall_ms, hour, __ATOMIC_RELAXED);
@@ -419,8 +422,21 @@ Test(recovery, an_expiry_answered_ahead_of_the_wall_clock_survives_a_power_loss,
     }
     int64_t answered_at = idem_clock_now(s);
     cr_assert_geq(answered_at, w0 + 60000, "the store clock did not reach the expiry");
+    /* Batch: the answers come at once; the disk is held, so the clock cannot be written yet. */
+    int held = durability != IDEM_DURABILITY_SYNC;
+    if (held) io_sim_hold(sim, 1);
     cr_assert_not(key_found(q, "short"), "the key outlived its ttl");
     cr_assert_eq(idem_commit(q, "late", 4, token, "r", 1), IDEM_ENOTFOUND);
+    idem_op sync = {.kind = IDEM_OP_SYNC, .user_data = 7};
+    cr_assert_eq(idem_submit(q, &sync, 1), 1);
+    if (held) {
+        cr_assert_eq(idem_poll(q, &c, 1, 50), 0,
+                     "the sync op completed before the clock was durable");
+        io_sim_hold(sim, 0);
+    }
+    cr_assert_eq(idem_poll(q, &c, 1, 5000), 1);
+    cr_assert_eq(c.user_data, 7);
+    cr_assert_eq(c.err, IDEM_OK);
     idem_queue_close(q);
     store_abandon(s);
     io_sim_crash(sim, IO_SIM_CRASH_TEAR | IO_SIM_CRASH_FLIP);
@@ -434,6 +450,23 @@ Test(recovery, an_expiry_answered_ahead_of_the_wall_clock_survives_a_power_loss,
                  "a commit refused as expired succeeds after the crash");
     idem_queue_close(q);
     cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+Test(recovery, an_expiry_answered_ahead_of_the_wall_clock_survives_a_power_loss, .timeout = 60)
+{
+    expiry_answered_ahead_of_the_wall_clock(IDEM_DURABILITY_SYNC);
+}
+
+Test(recovery, an_expiry_answered_before_a_sync_op_survives_a_power_loss_in_batch_mode,
+     .timeout = 60)
+{
+    expiry_answered_ahead_of_the_wall_clock(IDEM_DURABILITY_BATCH);
+}
+
+Test(recovery, an_expiry_answered_before_a_sync_op_survives_a_power_loss_in_durability_none,
+     .timeout = 60)
+{
+    expiry_answered_ahead_of_the_wall_clock(IDEM_DURABILITY_NONE);
 }
 
 struct clock_waiter {

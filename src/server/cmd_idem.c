@@ -449,8 +449,10 @@ static void reply_ttl(srv *s, resp_buf *b, const idem_completion *cp, int second
 {
     if (!cp->found) return (void)resp_integer(b, -2);
     if (cp->record.state != IDEM_STATE_COMMITTED) return (void)resp_integer(b, -1);
+    /* The record was there when it was read: one that expired since answers 0, not -2 (an
+     * absence rests on a clock made durable, and this reading of it is not). */
     int64_t left = cp->record.expires_at_ms - idem_clock_now(s->store);
-    if (left <= 0) return (void)resp_integer(b, -2);
+    if (left < 0) left = 0;
     resp_integer(b, seconds ? (left + 500) / 1000 : left);
 }
 
