@@ -58,7 +58,7 @@ static void slurp(const char *path, char *buf, size_t cap)
 static int ctl(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static int ctl(const char *fmt, ...)
 {
-    char args[4096], cmd[16384], o[4200], e[4200];
+    char args[12288], cmd[24576], o[4200], e[4200];
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(args, sizeof args, fmt, ap);
@@ -186,6 +186,10 @@ Test(idemctl, resolve_is_checked_and_audited, .init = setup, .fini = teardown)
     cr_assert(strstr(err, "already committed"), "%s", err);
     cr_assert_eq(ctl("resolve live-1 release --reason x --dir %s", dir), 1);
     cr_assert(strstr(err, "--force"), "%s", err);
+    static char reason[4098];
+    memset(reason, 'r', 4097);
+    cr_assert_eq(ctl("resolve held-1 release --reason %s --dir %s", reason, dir), 2);
+    cr_assert(strstr(err, "--reason is 4097 bytes, over the limit of 4096"), "%s", err);
     cr_assert_eq(ctl("resolve held-1 commit --reason 'target shows INV-9' --result INV-9 --dir "
                      "%s --json",
                      dir),

@@ -349,6 +349,11 @@ int cmd_resolve(const struct ctl_opts *o)
         ctl_err("resolve needs --reason TEXT: why, for the audit trail");
         return CTL_USAGE;
     }
+    if (strlen(o->reason) > IDEM_NOTE_BYTES_MAX) {
+        ctl_err("--reason is %zu bytes, over the limit of %u", strlen(o->reason),
+                (unsigned)IDEM_NOTE_BYTES_MAX);
+        return CTL_USAGE;
+    }
     if (o->has_result && action != IDEM_RESOLVE_COMMIT) {
         ctl_err("--result goes with commit only");
         return CTL_USAGE;

@@ -226,18 +226,23 @@ static int take_value(const char *buf, size_t len, size_t *pos, resp_value *v, i
     }
 }
 
-/* Whether a whole reply is in buf: a count of values still to read, no stack. */
-static int reply_complete(const char *buf, size_t len, size_t *end)
+/* Whether a whole reply is in buf: a count of values still to read (*need), no stack. Goes on
+ * from *pos, where the values before were found whole, and leaves *pos at the first value not
+ * yet whole: a reply arriving in pieces is looked through once, not once per piece (a list of
+ * 64 MiB came in a few hundred pieces). */
+static int reply_scan(const char *buf, size_t len, size_t *pos, size_t *need)
 {
-    size_t pos = 0, need = 1;
-    while (need > 0) {
+    while (*need > 0) {
+        size_t at = *pos;
         resp_value v;
-        int rc = take_value(buf, len, &pos, &v, 0);
-        if (rc <= 0) return rc;
-        need += v.n;
-        need--;
+        int rc = take_value(buf, len, pos, &v, 0);
+        if (rc <= 0) {
+            *pos = at;
+            return rc;
+        }
+        *need += v.n;
+        --*need;
     }
-    *end = pos;
     return 1;
 }
 
@@ -248,8 +253,8 @@ struct build_frame {
 
 int resp_parse(const char *buf, size_t len, resp_value **out, size_t *used)
 {
-    size_t end;
-    int rc = reply_complete(buf, len, &end);
+    size_t end = 0, need = 1;
+    int rc = reply_scan(buf, len, &end, &need);
     if (rc <= 0) return rc;
     resp_value *root = calloc(1, sizeof *root);
     struct build_frame stack[RESP_DEPTH_MAX];
@@ -325,9 +330,11 @@ const resp_value *resp_field(const resp_value *arr, const char *name)
 /* Reads until a whole reply is buffered; returns it and drops its bytes from the buffer. */
 static int read_reply(resp_conn *c, resp_value **out)
 {
+    size_t scanned = 0, need = 1; /* reply_scan's place in the reply */
     for (;;) {
         size_t used = 0;
-        int rc = c->len ? resp_parse(c->buf, c->len, out, &used) : 0;
+        int rc = c->len ? reply_scan(c->buf, c->len, &scanned, &need) : 0;
+        if (rc == 1) rc = resp_parse(c->buf, c->len, out, &used);
         if (rc < 0) {
             snprintf(c->err, sizeof c->err, "idemd sent a malformed reply");
             return -1;
