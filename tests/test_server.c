@@ -797,6 +797,26 @@ Test(server, set_nx_get_pttl, .init = start)
     redisFree(c);
 }
 
+/* The fingerprint is XXH3-128 of the content, unseeded, in canonical (big-endian) byte order
+ * (CONTRACT.md), so a worker or another store computes the same: known answers, not the
+ * library's own function. XXH3-128 of "" is the published 99aa06d3014798d86001c324468d497f. */
+Test(server, the_fingerprint_is_unseeded_xxh3_128_in_canonical_order, .init = start)
+{
+    static const char *const kat[][2] = {
+        {"hello", "b5e9c1ad071b3e7fc779cfaa5e523818"},
+        {"order-42 {\"amount\":1250}", "940c8053de24cb92d9daabf35744964c"},
+    };
+    redisContext *c = connect_tcp();
+    for (int i = 0; i < (int)(sizeof kat / sizeof kat[0]); i++) {
+        cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM kat-%d 60000 5000 FP %s", i, kat[i][0]), NULL),
+                         "new");
+        redisReply *r = cmd(c, "IDEM.GET kat-%d", i);
+        cr_assert_str_eq(field_of(r, "fingerprint"), kat[i][1], "FP %s", kat[i][0]);
+        freeReplyObject(r);
+    }
+    redisFree(c);
+}
+
 /* Flips the first byte of `pattern` in the store's log files (the running server reads its log
  * through a shared mapping, so it sees the damage); fails unless one is found. */
 static void damage_log(const char *pattern)
@@ -2439,6 +2459,52 @@ Test(server, sigterm_drains_and_exits_zero, .init = start)
     redisFree(c);
     int status = stop_and_wait(SIGTERM);
     cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "status %d", status);
+}
+
+/* SIGTERM with claims in flight: each request idemd took is answered (`new`, or refused as the
+ * server shuts down) before it exits 0, none after the connection ends, and every `new` it
+ * answered is found after a restart with its token: the drain made it durable. */
+Test(server, sigterm_answers_the_claims_in_flight_and_keeps_what_it_answered, .init = start)
+{
+    enum { N = 3000 };
+    static long long token[N];
+    redisContext *c = connect_tcp();
+    for (int i = 0; i < N; i++)
+        redisAppendCommand(c, "IDEM.CLAIM drain-%d 600000 60000", i);
+    redisReply *r = NULL;
+    cr_assert_eq(redisGetReply(c, (void **)&r), REDIS_OK); /* the first is in: idemd is reading */
+    cr_assert_str_eq(outcome(r, &token[0]), "new");
+    kill(srv.pid, SIGTERM);
+    int answered = 1, refused = 0;
+    for (int i = 1; i < N; i++) {
+        if (redisGetReply(c, (void **)&r) != REDIS_OK) break; /* the connection ended */
+        if (r->type == REDIS_REPLY_ERROR) {
+            cr_assert(strstr(r->str, "ERR server is shutting down"), "claim %d: %s", i, r->str);
+            refused++;
+            freeReplyObject(r);
+            continue;
+        }
+        cr_assert_eq(refused, 0, "claim %d answered after one was refused", i);
+        cr_assert_str_eq(outcome(r, &token[i]), "new");
+        answered++;
+    }
+    redisFree(c);
+    int status = 0;
+    for (int i = 0; i < 1000 && waitpid(srv.pid, &status, WNOHANG) == 0; i++)
+        usleep(10000);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "status %d", status);
+    srv.pid = 0;
+    start_in(1, NULL);
+    c = connect_tcp();
+    for (int i = 0; i < answered; i++) {
+        r = cmd(c, "IDEM.GET drain-%d", i);
+        cr_assert_eq(r->type, REDIS_REPLY_ARRAY, "claim %d answered new is gone", i);
+        cr_assert_str_eq(field_of(r, "state"), "in_flight");
+        cr_assert_eq(atoll(field_of(r, "token")), token[i], "claim %d", i);
+        freeReplyObject(r);
+    }
+    expect_nil(cmd(c, "IDEM.GET drain-%d", answered + refused));
+    redisFree(c);
 }
 
 #else

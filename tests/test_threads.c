@@ -180,7 +180,7 @@ TestSuite(race, .init = setup, .fini = teardown, .timeout = 120);
 #define HOT_ROUNDS_MAX  200
 
 static pthread_barrier_t g_bar;
-static size_t g_hot_rounds;
+static size_t g_hot_rounds, g_hot_threads;
 static int g_hot_outcome[HOT_ROUNDS_MAX][HOT_THREADS_MAX];
 static int64_t g_hot_token[HOT_ROUNDS_MAX][HOT_THREADS_MAX];
 
@@ -208,12 +208,18 @@ static void *hot_worker(void *arg)
             if (rc != IDEM_OK) WFAIL(w, "round %zu: commit: %s", r, idem_strerror(rc));
         }
         pthread_barrier_wait(&g_bar);
+        /* Every outcome of the round is written (the barrier above): the result is the one
+         * its winner committed, no other round's. */
+        char want[32] = "";
+        for (size_t i = 0; i < g_hot_threads; i++)
+            if (g_hot_outcome[r][i] == IDEM_NEW) snprintf(want, sizeof want, "winner-%zu", i);
         rc = q ? idem_claim(q, key, strlen(key), &a, &c) : IDEM_EINVAL;
         if (rc != IDEM_OK || c.outcome != IDEM_DONE)
             WFAIL(w, "round %zu: claim after commit: rc %d outcome %s", r, rc,
                   idem_outcome_name(c.outcome));
-        else if (c.data_len < 7 || memcmp(c.data, "winner-", 7) != 0)
-            WFAIL(w, "round %zu: done without the winner's result", r);
+        else if (c.data_len != strlen(want) || memcmp(c.data, want, c.data_len) != 0)
+            WFAIL(w, "round %zu: done with %.*s, not the winner's %s", r, (int)c.data_len,
+                  (const char *)c.data, want);
     }
     if (q) idem_queue_close(q);
     return NULL;
@@ -223,6 +229,7 @@ static void hot_key_race(size_t nthreads)
 {
     worker ws[HOT_THREADS_MAX];
     g_hot_rounds = tu_count(10, HOT_ROUNDS_MAX);
+    g_hot_threads = nthreads;
     cr_assert_eq(pthread_barrier_init(&g_bar, NULL, (unsigned)nthreads), 0);
     start_all(ws, nthreads, hot_worker);
     join_all(ws, nthreads);
@@ -1431,14 +1438,25 @@ Test(wait, lease_running_out_wakes_one_waiter_with_recover)
     cr_assert_eq(c.outcome, IDEM_DONE);
 }
 
+static int64_t real_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+/* WAIT counts real time: the blocking claim answers busy after its 100 ms, not at once. */
 Test(wait, waiting_claim_answers_busy_when_its_time_passes)
 {
     open_waiters();
     claim_new_on(g_q, "k");
     idem_claim_args a = claim_args(TTL, LEASE, 100);
     idem_completion c;
+    int64_t t0 = real_ms();
     expect_rc(idem_claim(g_wq[0], "k", 1, &a, &c), IDEM_OK);
+    int64_t waited = real_ms() - t0;
     cr_assert_eq(c.outcome, IDEM_BUSY, "%s", idem_outcome_name(c.outcome));
+    cr_assert_geq(waited, 99, "answered busy after %lld ms of a 100 ms WAIT", (long long)waited);
     cr_assert_eq(c.lease_left_ms, LEASE, "the test clock stood still");
 }
 
@@ -1539,7 +1557,16 @@ Test(wait, blocking_waiters_in_other_threads_and_an_async_waiter_see_the_commit)
         ws[i].idx = i + 1;
         cr_assert_eq(pthread_create(&ws[i].th, NULL, blocking_waiter, &ws[i]), 0);
     }
-    /* Whether a thread is already parked or claims after the commit, it must see done. */
+    /* Every waiter parks before the commit (a claim that waits counts busy once, as it
+     * parks): the commit is what wakes them, not a claim made after it. */
+    idem_stats st;
+    for (int i = 0; i < 10000; i++) {
+        idem_get_stats(g_s, &st);
+        if (st.claims_busy >= WAITERS) break;
+        usleep(1000);
+    }
+    cr_assert_eq(st.claims_busy, WAITERS, "%llu of %d waiters parked",
+                 (unsigned long long)st.claims_busy, WAITERS);
     expect_rc(idem_commit(g_q, "k", 1, tok, "r", 1), IDEM_OK);
     join_all(ws, WAITERS - 1);
     idem_completion c;
