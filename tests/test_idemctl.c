@@ -250,6 +250,26 @@ Test(idemctl, resolve_expect_acts_only_on_the_version_checked, .init = setup, .f
     cr_assert_eq(ctl("resolve held-1 release --expect 0 --reason x --dir %s", dir), 2);
 }
 
+/* The audit table escapes who acted as it does keys and reasons: an offline actor comes from
+ * $USER, and a control byte in it would reach the operator's terminal. */
+Test(idemctl, audit_escapes_the_actor, .init = setup, .fini = teardown)
+{
+    write_store();
+    const char *user = getenv("USER");
+    char *saved = user ? strdup(user) : NULL;
+    cr_assert_eq(setenv("USER", "eve\x1b[2J", 1), 0);
+    int rc = ctl("resolve held-1 release --reason checked --dir %s", dir);
+    if (saved)
+        setenv("USER", saved, 1);
+    else
+        unsetenv("USER");
+    free(saved);
+    cr_assert_eq(rc, 0, "%s", err);
+    cr_assert_eq(ctl("audit --dir %s", dir), 0, "%s", err);
+    cr_assert_null(strchr(out, '\x1b'), "a raw escape byte in the table: %s", out);
+    cr_assert(strstr(out, "eve\\x1b[2J"), "%s", out);
+}
+
 Test(idemctl, scan_lists_keys_for_scripts, .init = setup, .fini = teardown)
 {
     write_store();

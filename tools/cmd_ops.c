@@ -406,7 +406,7 @@ static void audit_human(const struct ctl_audit *a, size_t n, const struct ctl_op
     table_add(tb, "SEQ", "WHEN", "WHO", "ACTION", "KEY", "BEFORE -> AFTER", "REASON");
     for (size_t i = 0; i < n; i++) {
         const idem_audit_entry *e = &a[i].e;
-        char seq[24], when[40], key[CTL_KEY_TEXT_CAP], ch[96], reason[256];
+        char seq[24], when[40], key[CTL_KEY_TEXT_CAP], ch[96], reason[256], who[320], what[96];
         snprintf(seq, sizeof seq, "%llu", (unsigned long long)e->seq);
         fmt_iso(e->at_ms, when, sizeof when);
         bytes_escape(e->key, e->key_len, key, sizeof key);
@@ -414,7 +414,11 @@ static void audit_human(const struct ctl_audit *a, size_t n, const struct ctl_op
                  (unsigned long long)e->version_before, state_or_absent(e->state_after),
                  (unsigned long long)e->version_after);
         bytes_escape(e->reason, strlen(e->reason), reason, sizeof reason);
-        table_add(tb, seq, when, e->actor, e->action, key, ch, reason);
+        /* Escaped as the key and reason are: an actor comes from a name a client or $USER
+         * gave, and control bytes would reach the terminal. */
+        bytes_escape(e->actor, strlen(e->actor), who, sizeof who);
+        bytes_escape(e->action, strlen(e->action), what, sizeof what);
+        table_add(tb, seq, when, who, what, key, ch, reason);
     }
     table_print(tb, stdout, 1, o->color);
     table_free(tb);
