@@ -5,10 +5,10 @@
  *
  * Invariants: every completion a queue delivers in sync mode depends only on LSNs <=
  * durable_lsn and on a clock that is durable (store_clock_saved: a move of the test clock, the
- * clock that found a key expired); at most one batch
- * is in flight (flushing); after fatal is set no change is applied and no not-yet-durable
- * completion reports success; whoever holds mu holds rw's write side too (store_lock), so repeats
- * answered under its read side (submit_reads) see nothing move.
+ * clock that found a key expired); at most one batch is in flight (flushing); after fatal is set no
+ * change is applied and no not-yet-durable completion reports success; whoever holds mu holds rw's
+ * write side too (store_lock), so repeats answered under its read side (submit_reads) see nothing
+ * move.
  */
 #include "store.h"
 
@@ -125,6 +125,18 @@ static int clock_set_locked(idem_store *s, int64_t ms)
     ops_wake(s, NULL, 0);
     pthread_cond_broadcast(&s->cond_ready);
     return 0;
+}
+
+/* Timed waits on c count elapsed time, whatever the wall clock does (the flusher, idem_poll's
+ * timeout, idem_compact). Returns pthread_cond_init's result. */
+static int cond_init_monotonic(pthread_cond_t *c)
+{
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    int rc = pthread_cond_init(c, &ca);
+    pthread_condattr_destroy(&ca);
+    return rc;
 }
 
 int store_clock_saved(const idem_store *s)
@@ -1305,13 +1317,8 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     pthread_mutexattr_settype(&ma, PTHREAD_MUTEX_ADAPTIVE_NP);
     pthread_mutex_init(&s->seen_mu, &ma);
     pthread_mutexattr_destroy(&ma);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    /* Timed waits count elapsed time, whatever the wall clock does (the flusher, idem_compact). */
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&s->cond_ready, &ca);
-    pthread_cond_init(&s->cond_flush, &ca);
-    pthread_condattr_destroy(&ca);
+    cond_init_monotonic(&s->cond_ready);
+    cond_init_monotonic(&s->cond_flush);
     s->lock_fd = -1;
     s->io = io;
     s->test_sim = simulated;
@@ -1534,11 +1541,7 @@ int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
     q->returned = calloc(depth, sizeof *q->returned);
     q->free_stack = calloc(depth, sizeof *q->free_stack);
     q->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC); /* idem_poll's timeout is elapsed time */
-    int cond_ok = pthread_cond_init(&q->cond, &ca) == 0;
-    pthread_condattr_destroy(&ca);
+    int cond_ok = cond_init_monotonic(&q->cond) == 0;
     if (!q->slots || !q->ext || !q->returned || !q->free_stack || q->efd < 0 || !cond_ok) {
         if (cond_ok) pthread_cond_destroy(&q->cond);
         if (q->efd >= 0) close(q->efd);
