@@ -122,6 +122,8 @@ static int att_take(idem_store *s, const struct att_view *av, struct qslot *tmp,
             if (bsearch(&own, av->v[rg], av->n[rg], sizeof own, ages_entry_cmp)) return 0;
         }
     }
+    /* Listed because its lease ran out: that holds after a crash once the clock is durable. */
+    if (rg == 1 && av->now >= r.lease_until_ms) store_clock_need(s, r.lease_until_ms);
     tmp->buf_used = 0;
     memset(&tmp->c, 0, sizeof tmp->c);
     ops_fill_record(tmp, &r, slot, s);
@@ -295,7 +297,8 @@ int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_recor
     q->att_cap = ab.cap;
     /* In sync mode what the list reports is durable (rule 8), as for a scan: it waits for the
      * flush of everything appended before it was read (a record listed may be that new), and
-     * for the clock that left out a record found expired (store_clock_need). */
+     * for the clock that left out a record found expired, or found a lease run out
+     * (store_clock_need). */
     if (rc == 0 && s->opt.durability == IDEM_DURABILITY_SYNC) {
         store_lock(s);
         if ((k > 0 && s->durable_lsn < wal_last_lsn(s->wal)) || !store_clock_saved(s))

@@ -153,8 +153,11 @@ int store_clock_saved(const idem_store *s)
 void store_clock_need(idem_store *s, int64_t ms)
 {
     if (ms <= s->sb.store_clock_ms || ms <= s->clk_durable_ms || ms <= s->clk_save_ms) return;
-    if (s->opt.read_only || s->fatal) return;
+    if (s->opt.read_only) return;
     s->clk_save_ms = s->clk_last_ms; /* at or past ms: the clock that found the key expired */
+    /* After a fatal error it is never saved: the answer, and every later one that waits for
+     * durability (store_clock_waits), is IDEM_EFATAL. */
+    if (s->fatal) return;
     /* Durability none writes it only when asked to make things durable (store_clock_want):
      * idle, each such run of answers would cost a superblock write and its flush. */
     if (s->opt.durability != IDEM_DURABILITY_NONE) store_clock_want(s);

@@ -387,23 +387,53 @@ static void clocks_elapse(int64_t ms)
  * once it expired was found again, and a late commit of it succeeded. Such an answer now waits
  * until a clock at or past the expiry is durable (sync mode), and so does an IDEM_OP_SYNC after
  * it in the other modes. */
-static void expiry_answered_ahead_of_the_wall_clock(int durability)
+static const int64_t w0 = INT64_C(1800000000000), hour = INT64_C(3600000);
+
+/* Opens a store on the simulated disk whose clocks the test moves (wall_now, mono_now), both
+ * set to their start, the wall clock at w0; o keeps its options for a reopen. */
+static idem_store *clocks_open(idem_options *o, int durability)
 {
     static const idem_clock_source src = {wall_now, mono_now, NULL};
-    const int64_t w0 = INT64_C(1800000000000), hour = INT64_C(3600000);
     g_wall_ms = w0;
     g_mono_ms = 5000;
-    idem_options o;
-    idem_options_init(&o);
-    o.clock = &src;
-    o.segment_bytes = 64 * 1024;
-    o.result_bytes_max = 4096;
-    o.durability = durability;
+    idem_options_init(o);
+    o->clock = &src;
+    o->segment_bytes = 64 * 1024;
+    o->result_bytes_max = 4096;
+    o->durability = durability;
     idem_store *s;
+    cr_assert_eq(store_open_io(SIM_DIR, o, io_sim_io(sim), 1, &s), IDEM_OK, "%s",
+                 idem_last_error());
+    return s;
+}
+
+/* A power loss under s, and the store opened again with o. */
+static idem_store *power_loss_reopen(idem_store *s, const idem_options *o)
+{
+    store_abandon(s);
+    io_sim_crash(sim, IO_SIM_CRASH_TEAR | IO_SIM_CRASH_FLIP);
+    cr_assert_eq(store_open_io(SIM_DIR, o, io_sim_io(sim), 1, &s), IDEM_OK, "%s",
+                 idem_last_error());
+    return s;
+}
+
+/* The wall clock steps an hour back; 80 s pass with nothing written. The store clock, slewing
+ * towards the wall clock at a bounded rate, runs on 80 s from where it was. */
+static void idle_80s_after_a_step_back(idem_store *s)
+{
+    __atomic_fetch_sub(&g_wall_ms, hour, __ATOMIC_RELAXED);
+    for (int i = 0; i < 80; i++) {
+        clocks_elapse(1000);
+        (void)idem_clock_now(s);
+    }
+}
+
+static void expiry_answered_ahead_of_the_wall_clock(int durability)
+{
+    idem_options o;
+    idem_store *s = clocks_open(&o, durability);
     idem_queue *q;
     idem_completion c;
-    cr_assert_eq(store_open_io(SIM_DIR, &o, io_sim_io(sim), 1, &s), IDEM_OK, "%s",
-                 idem_last_error());
     cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
     cr_assert_eq(idem_set_if_absent(q, "short", 5, "v", 1, 60000, 0, &c), IDEM_OK);
     cr_assert_eq(c.outcome, IDEM_NEW);
@@ -413,13 +443,7 @@ static void expiry_answered_ahead_of_the_wall_clock(int durability)
     int64_t token = c.token;
     cr_assert_eq(idem_commit(q, "late", 4, token, "r", 1), IDEM_OK);
     cr_assert_eq(idem_sync(s), IDEM_OK);
-    /* The wall clock steps an hour back; 80 s pass with nothing written. The store clock,
-     * slewing towards the wall clock at a bounded rate, passes both expiries. */
-    __atomic_fetch_sub(&g_wall_ms, hour, __ATOMIC_RELAXED);
-    for (int i = 0; i < 80; i++) {
-        clocks_elapse(1000);
-        (void)idem_clock_now(s);
-    }
+    idle_80s_after_a_step_back(s); /* the store clock passes both expiries */
     int64_t answered_at = idem_clock_now(s);
     cr_assert_geq(answered_at, w0 + 60000, "the store clock did not reach the expiry");
     /* Batch: the answers come at once; the disk is held, so the clock cannot be written yet. */
@@ -438,10 +462,7 @@ static void expiry_answered_ahead_of_the_wall_clock(int durability)
     cr_assert_eq(c.user_data, 7);
     cr_assert_eq(c.err, IDEM_OK);
     idem_queue_close(q);
-    store_abandon(s);
-    io_sim_crash(sim, IO_SIM_CRASH_TEAR | IO_SIM_CRASH_FLIP);
-    cr_assert_eq(store_open_io(SIM_DIR, &o, io_sim_io(sim), 1, &s), IDEM_OK, "%s",
-                 idem_last_error());
+    s = power_loss_reopen(s, &o);
     cr_assert_geq(idem_clock_now(s), w0 + 60000, "the clock reopened %lld ms before the expiry",
                   (long long)(w0 + 60000 - idem_clock_now(s)));
     cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
@@ -467,6 +488,35 @@ Test(recovery, an_expiry_answered_before_a_sync_op_survives_a_power_loss_in_dura
      .timeout = 60)
 {
     expiry_answered_ahead_of_the_wall_clock(IDEM_DURABILITY_NONE);
+}
+
+/* The same for the attention list: an in_flight record listed because its lease ran out on the
+ * store clock ahead of the wall clock is listed again after a power loss. */
+Test(recovery, a_lease_listed_as_run_out_ahead_of_the_wall_clock_survives_a_power_loss,
+     .timeout = 60)
+{
+    idem_options o;
+    idem_store *s = clocks_open(&o, IDEM_DURABILITY_SYNC);
+    idem_queue *q;
+    idem_completion c;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = hour, .lease_ms = 30000};
+    cr_assert_eq(idem_claim(q, "leased", 6, &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    idle_80s_after_a_step_back(s);
+    idem_attention_args aa = {0};
+    const idem_record *recs;
+    size_t n;
+    cr_assert_eq(idem_attention(q, &aa, &recs, &n), IDEM_OK);
+    cr_assert_eq(n, 1, "listed %zu", n);
+    cr_assert(recs[0].key_len == 6 && memcmp(recs[0].key, "leased", 6) == 0);
+    idem_queue_close(q);
+    s = power_loss_reopen(s, &o);
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    cr_assert_eq(idem_attention(q, &aa, &recs, &n), IDEM_OK);
+    cr_assert_eq(n, 1, "a lease listed as run out is running again after the crash");
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
 struct clock_waiter {
@@ -584,6 +634,42 @@ Test(recovery, a_read_after_a_failure_that_kept_a_move_of_the_test_clock_is_answ
     cr_assert_eq(w.rc, IDEM_EFATAL, "%s", idem_strerror(w.rc));
     idem_queue_close(w.q);
     cr_assert_eq(idem_close(s), IDEM_EFATAL);
+}
+
+/* After a failure that left nothing unwritten (a checkpoint's write), the clock moves: a key
+ * found expired by that move cannot be answered absent, since the store can no longer make the
+ * clock durable and a reopen finds the key again. Nor can a scan leave it out. */
+Test(recovery, a_key_expired_after_a_failure_is_not_answered_absent, .timeout = 60)
+{
+    idem_store *s;
+    idem_queue *q;
+    idem_completion c;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    cr_assert_eq(idem_set_if_absent(q, "short", 5, "v", 1, 1000, 0, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    cr_assert_eq(idem_sync(s), IDEM_OK);
+    io_sim_fail_write(sim, 1, -EIO);
+    cr_assert_eq(idem_checkpoint(s), IDEM_EFATAL);
+    cr_assert(idem_is_fatal(s));
+    cr_assert(key_found(q, "short"), "a read of a durable record is answered after the failure");
+    cr_assert_eq(idem_clock_advance(s, 1000), IDEM_OK);
+    cr_assert_eq(idem_get(q, "short", 5, &c), IDEM_EFATAL, "answered %s, found %d",
+                 idem_strerror(c.err), c.found);
+    idem_scan_args sa = {0};
+    uint64_t next;
+    const void **keys;
+    const uint32_t *lens;
+    size_t n;
+    cr_assert_eq(idem_scan(q, &sa, &next, &keys, &lens, &n), IDEM_EFATAL);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_EFATAL);
+    io_sim_crash(sim, IO_SIM_CRASH_TEAR);
+    cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    cr_assert(key_found(q, "short"), "the reopened store's clock is before the expiry");
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
 /* A failed flush leaves its batch in the page cache (Linux keeps the pages, marked clean) and on

@@ -452,6 +452,22 @@ static const char *field_of(const redisReply *rec, const char *name)
     return NULL;
 }
 
+/* Waits (up to 10 s) until key's seen_count reaches want: a claim parked by WAIT counts in it
+ * when it parks. A sleep instead let a slow waiter arrive after the change meant to wake it,
+ * and the test passed without a wait. */
+static void wait_seen(redisContext *c, const char *key, long long want)
+{
+    long long seen = -1;
+    for (int i = 0; i < 1000 && seen < want; i++) {
+        redisReply *r = cmd(c, "IDEM.GET %s", key);
+        const char *v = r->type == REDIS_REPLY_ARRAY ? field_of(r, "seen_count") : NULL;
+        seen = v ? atoll(v) : -1;
+        freeReplyObject(r);
+        if (seen < want) usleep(10000);
+    }
+    cr_assert_geq(seen, want, "%s: seen_count %lld, the waiters did not park", key, seen);
+}
+
 /* The test clock refuses a move that would let now + the largest ttl overflow (the store's
  * times are signed 64-bit ms), and the server goes on. */
 Test(server, debug_clock_refuses_moves_that_would_overflow, .init = start)
@@ -983,6 +999,36 @@ Test(server, roles_and_auth, .init = start_users)
     r = cmd(c, "IDEM.SCAN 0");
     cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
     freeReplyObject(r);
+    r = cmd(c, "IDEM.AUDIT COUNT 5");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY, "a reader reads the audit: type %d", r->type);
+    freeReplyObject(r);
+    r = cmd(c, "IDEM.GET k");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY, "a reader reads a record: type %d", r->type);
+    freeReplyObject(r);
+    /* A reader changes nothing: neither the owner calls nor an operator's decision. */
+    static const char *const changes[] = {"IDEM.COMMIT k 1 r",
+                                          "IDEM.RELEASE k 1",
+                                          "IDEM.HOLD k 1 why",
+                                          "IDEM.EXTEND k 1 1000",
+                                          "IDEM.RESOLVE k release why FORCE",
+                                          "DEL k"};
+    for (size_t i = 0; i < sizeof changes / sizeof changes[0]; i++)
+        expect_error(cmd(c, changes[i]), "NOPERM");
+    redisFree(c);
+    c = connect_tcp();
+    expect_status(cmd(c, "AUTH boss pw-a"), "OK");
+    r = cmd(c, "IDEM.GET k");
+    cr_assert(r->type == REDIS_REPLY_ARRAY, "type %d", r->type);
+    freeReplyObject(r);
+    r = cmd(c, "IDEM.AUDIT COUNT 5");
+    cr_assert(r->type == REDIS_REPLY_ARRAY && r->elements == 0, "a reader's call was audited");
+    freeReplyObject(r);
+    redisFree(c);
+
+    /* Before AUTH, QUIT is answered and closes the connection, as in Redis. */
+    c = connect_tcp();
+    expect_status(cmd(c, "QUIT"), "OK");
+    cr_assert_null(redisCommand(c, "PING"), "the connection stayed open after QUIT");
     redisFree(c);
 
     /* HELLO checks every option before any takes effect: a bad option after good credentials
@@ -1472,7 +1518,7 @@ Test(server, wait_is_woken_by_commit, .init = start)
     redisAppendCommand(waiter, "IDEM.CLAIM w 60000 30000 WAIT 20000");
     for (int done = 0; !done;)
         cr_assert_eq(redisBufferWrite(waiter, &done), REDIS_OK);
-    usleep(100000);
+    wait_seen(owner, "w", 2);
     int64_t t0 = now_ms();
     expect_status(cmd(owner, "IDEM.COMMIT w %lld result-w", tok), "OK");
     redisReply *r;
@@ -1510,7 +1556,7 @@ Test(server, a_claim_pipelined_behind_a_wait_runs_after_it, .init = start)
     redisAppendCommand(b, "IDEM.CLAIM behind 100000 500");
     for (int done = 0; !done;)
         cr_assert_eq(redisBufferWrite(b, &done), REDIS_OK);
-    usleep(200000);
+    wait_seen(a, "hot", 2);
     freeReplyObject(cmd(admin, "DEBUG CLOCK ADVANCE 600")); /* past the lease it would hold */
     cr_assert_str_eq(outcome(cmd(other, "IDEM.CLAIM behind 100000 500"), NULL), "new",
                      "the claim behind the WAIT ran before it and its lease ran out unheard");
@@ -1552,7 +1598,7 @@ static void waiter_gone_after(const char *tail)
     char req[256];
     snprintf(req, sizeof req, "IDEM.CLAIM gone 100000 60000 WAIT 30000\r\n%s", tail);
     raw_send(fd, req, strlen(req));
-    usleep(100000);
+    wait_seen(a, "gone", 2);
     close(fd);
     wait_connected_clients(a, 1); /* the server saw the hangup */
     expect_status(cmd(a, "IDEM.RELEASE gone %lld", tok), "OK");
@@ -1581,23 +1627,24 @@ static void start_queue_256(void)
 }
 
 /* Claims parked by WAIT of clients that went away must give their share of the queue back:
- * after 180 of them (more than half of a queue of 256) WAIT still waits. */
+ * after 180 of them (more than half of a queue of 256; a connection parks one at a time, the
+ * requests it pipelined after it wait their turn) WAIT still waits. */
 Test(server, abandoned_waiters_do_not_use_up_wait, .init = start_queue_256)
 {
     redisContext *a = connect_tcp();
     long long tok;
     cr_assert_str_eq(outcome(cmd(a, "IDEM.CLAIM ab 1000000 600000"), &tok), "new");
-    static char req[60 * 48];
-    size_t len = 0;
-    for (int i = 0; i < 60; i++)
-        len += (size_t)snprintf(req + len, sizeof req - len,
-                                "IDEM.CLAIM ab 1000000 600000 WAIT 60000\r\n");
+    static const char req[] = "IDEM.CLAIM ab 1000000 600000 WAIT 60000\r\n";
     for (int round = 0; round < 3; round++) {
-        int fd = raw_connect();
-        raw_send(fd, req, len);
-        usleep(200000);
-        close(fd);
-        usleep(200000);
+        int fd[60];
+        for (int i = 0; i < 60; i++) {
+            fd[i] = raw_connect();
+            raw_send(fd[i], req, sizeof req - 1);
+        }
+        wait_seen(a, "ab", 1 + 60 * (round + 1));
+        for (int i = 0; i < 60; i++)
+            close(fd[i]);
+        wait_connected_clients(a, 1); /* the server saw the hangups */
     }
     int64_t t0 = now_ms();
     cr_assert_str_eq(outcome(cmd(a, "IDEM.CLAIM ab 1000000 600000 WAIT 1500"), NULL), "busy");
@@ -1966,6 +2013,33 @@ Test(server, settings_that_would_weaken_the_server_are_refused_by_name)
     const char *const ldir[] = {"--dir", long_dir, NULL};
     cr_assert_eq(run_idemd(ldir), 2);
     cr_assert(strstr(run_err, "socket path"), "%s", run_err);
+    tu_rmtree(dir);
+}
+
+/* --socket-mode sets the unix socket's permissions; a mode that is not octal up to 0777 is
+ * refused by name. */
+static void start_group_socket(void)
+{
+    static const char *const extra[] = {"--socket-mode", "0660", NULL};
+    start_with(extra);
+}
+
+Test(server, socket_mode_sets_the_sockets_permissions, .init = start_group_socket)
+{
+    struct stat st;
+    cr_assert(stat(srv.sock, &st) == 0);
+    cr_assert(S_ISSOCK(st.st_mode));
+    cr_assert_eq(st.st_mode & 0777, 0660, "mode %04o", (unsigned)(st.st_mode & 0777));
+    redisContext *c = connect_unix();
+    expect_status(cmd(c, "PING"), "PONG");
+    redisFree(c);
+    char *dir = tu_mkdtemp("socket-mode");
+    static const char *const bad[] = {"0800", "1777", "rw", "", "-1"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        const char *const args[] = {"--dir", dir, "--port", "0", "--socket-mode", bad[i], NULL};
+        cr_assert_eq(run_idemd(args), 2, "--socket-mode '%s'", bad[i]);
+        cr_assert(strstr(run_err, "socket-mode"), "'%s': %s", bad[i], run_err);
+    }
     tu_rmtree(dir);
 }
 

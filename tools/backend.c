@@ -448,7 +448,7 @@ static void stat_set(struct ctl_stats *st, const char *name, int64_t v)
     }
 }
 
-int ctl_stats(struct ctl *c, struct ctl_stats *st)
+static int stats_get(struct ctl *c, struct ctl_stats *st, int loading_ok)
 {
     memset(st, 0, sizeof *st);
     st->connected_clients = -1;
@@ -459,11 +459,31 @@ int ctl_stats(struct ctl *c, struct ctl_stats *st)
     }
     const char *argv[1] = {"IDEM.STATS"};
     resp_value *v;
-    if (call_ok(c, &v, 1, argv, NULL)) return CTL_FAIL;
+    if (call(c, &v, 1, argv, NULL)) return CTL_FAIL;
+    if (loading_ok && v->type == RESP_ERROR && v->str && strncmp(v->str, "LOADING", 7) == 0) {
+        st->loading = st->s.loading = 1;
+        resp_free(v);
+        return 0;
+    }
+    if (v->type == RESP_ERROR) {
+        reply_error(v, argv[0]);
+        resp_free(v);
+        return CTL_FAIL;
+    }
     for (size_t i = 0; v->type == RESP_ARRAY && i + 1 < v->n; i += 2)
         if (v->elems[i].str) stat_set(st, v->elems[i].str, val_i64(&v->elems[i + 1]));
     resp_free(v);
     return 0;
+}
+
+int ctl_stats(struct ctl *c, struct ctl_stats *st)
+{
+    return stats_get(c, st, 0);
+}
+
+int ctl_stats_or_loading(struct ctl *c, struct ctl_stats *st)
+{
+    return stats_get(c, st, 1);
 }
 
 int ctl_now(struct ctl *c, int64_t *now_ms)

@@ -132,7 +132,12 @@ static int status_collect(struct ctl *c, const struct ctl_opts *o, struct status
 {
     memset(s, 0, sizeof *s);
     struct ctl_stats first;
-    if (ctl_stats(c, &first)) return CTL_FAIL;
+    if (ctl_stats_or_loading(c, &first)) return CTL_FAIL;
+    if (first.loading) { /* a verdict, without counts: idemd has none yet */
+        s->st = first;
+        status_verdict(s, o);
+        return 0;
+    }
     /* The store counts the last minute itself; --window measures a window of one's own. */
     if (!o->window_ms && first.has_last_minute) {
         s->st = first;
@@ -173,6 +178,12 @@ static void status_json(const struct status *s)
     jw_obj(&j);
     jw_kstr(&j, "verdict", s->reasons[0] ? "attention" : "healthy");
     jw_kstr(&j, "reasons", s->reasons[0] ? s->reasons : NULL);
+    jw_kint(&j, "loading", t->loading);
+    if (s->st.loading) { /* nothing else is known */
+        jw_obj_end(&j);
+        fputc('\n', stdout);
+        return;
+    }
     jw_kuint(&j, "keys", t->keys);
     jw_kuint(&j, "keys_in_flight", t->keys_in_flight);
     jw_kuint(&j, "keys_committed", t->keys_committed);
@@ -247,6 +258,10 @@ static void status_human(const struct status *s, const struct ctl_opts *o)
         printf("%sattention%s: %s\n", col(o, CTL_C_YELLOW), col(o, CTL_C_RESET), s->reasons);
     else
         printf("%shealthy%s\n", col(o, CTL_C_GREEN), col(o, CTL_C_RESET));
+    if (s->st.loading) {
+        printf("idemd answers -LOADING: its counts come once the store is open\n");
+        return;
+    }
     struct table *tb = table_new(3);
     snprintf(a, sizeof a, "%llu", (unsigned long long)t->keys);
     snprintf(c, sizeof c, "in_flight %llu, committed %llu, review %llu",

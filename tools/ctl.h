@@ -90,6 +90,8 @@ struct ctl_stats {
     int has_keys_with_mismatch; /* otherwise the mismatches counter is what is known */
     int has_last_minute;        /* claims_last_minute and duplicates_last_minute known */
     int64_t connected_clients;  /* -1 offline */
+    int loading;                /* idemd answered -LOADING (ctl_stats_or_loading): nothing else
+                                   is known */
 };
 
 /* An audit entry with its strings owned (ctl_audit_free). */
@@ -107,6 +109,8 @@ int ctl_disconnect(struct ctl *c, int rc);
 int ctl_get(struct ctl *c, const void *key, size_t klen, struct ctl_record *out, int *found);
 void ctl_record_free(struct ctl_record *r);
 int ctl_stats(struct ctl *c, struct ctl_stats *st);
+/* As ctl_stats, but an idemd still recovering the store is an answer: st->loading. */
+int ctl_stats_or_loading(struct ctl *c, struct ctl_stats *st);
 /* Store clock now (ms). */
 int ctl_now(struct ctl *c, int64_t *now_ms);
 int ctl_attention(struct ctl *c, int64_t older_ms, uint32_t max, struct ctl_record **recs,

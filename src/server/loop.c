@@ -1288,6 +1288,12 @@ static void *load_main(void *arg)
     if (s->load_err != IDEM_OK)
         srv_log("error", "open_failed", "dir=%s err=\"%s\" msg=\"%s\"", s->cfg.dir,
                 idem_strerror(s->load_err), idem_last_error());
+    /* Tests hold the server in -LOADING for a while (with --test-clock only). */
+    const char *delay = getenv("IDEM_TEST_LOAD_DELAY_MS");
+    if (s->cfg.test_clock && delay) {
+        unsigned long ms = strtoul(delay, NULL, 10);
+        usleep((useconds_t)(ms < 10000 ? ms : 10000) * 1000);
+    }
     s->loaded = st; /* the loop takes it after the join (load_finish): s->store is the loop's */
     uint64_t one = 1;
     ssize_t w = write(s->load_fd, &one, sizeof one);

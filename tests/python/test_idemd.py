@@ -770,12 +770,8 @@ class Shutdown(Base):
         rc, res = self.parked_then_sigterm()
         self.assertEqual(rc, 0)
         self.assertEqual(res["r"][0], b"busy", res)
-        self.assertLess(res["t"], 5)
-
-    def test_sigterm_busy_carries_lease_left(self):
-        rc, res = self.parked_then_sigterm()
-        self.assertEqual(rc, 0)
         self.assertEqual(res["r"][1], 100000, "lease_left_ms: the test clock stands still")
+        self.assertLess(res["t"], 5)
 
 
 class Idle(Base):
@@ -932,7 +928,10 @@ class ManyReads(SlowReads):
 
 
 class Loading(Base):
-    flags = ("--durability", "sync")  # acknowledged: durable (batch mode left a window)
+    # acknowledged: durable (batch mode left a window); the test clock lets the test hold the
+    # restarted server in -LOADING for 500 ms past its recovery (IDEM_TEST_LOAD_DELAY_MS), so
+    # that a quick recovery is seen too
+    flags = ("--durability", "sync", "--test-clock")
     KEYS = 100000
 
     def test_loading_while_recovering(self):
@@ -942,7 +941,11 @@ class Loading(Base):
                 p.execute_command("SET", "load-%d-%d" % (b, i), "v" * 40, "NX", "PX", DAY)
             p.execute()
         self.srv.kill(9)
-        self.srv.spawn(self.srv.port)
+        os.environ["IDEM_TEST_LOAD_DELAY_MS"] = "500"
+        try:
+            self.srv.spawn(self.srv.port)
+        finally:
+            del os.environ["IDEM_TEST_LOAD_DELAY_MS"]
         seen_loading = pinged = info_loading = 0
         deadline = time.monotonic() + 60
         n = None
@@ -970,8 +973,7 @@ class Loading(Base):
         type(self).w = self.srv.worker()
         type(self).a = self.srv.admin()
         self.assertEqual(n, self.KEYS, "every SET NX acknowledged before the kill")
-        if not seen_loading:
-            self.skipTest("recovery was too quick to see -LOADING")
+        self.assertGreater(seen_loading, 0, "-LOADING while the store was opened")
         self.assertEqual(info_loading, seen_loading, "INFO says loading:1 while -LOADING")
 
 
