@@ -88,6 +88,7 @@ struct att_view {
     struct age_entry *v[ATT_GROUPS];
     size_t n[ATT_GROUPS];
     int64_t now, older_ms;
+    int err; /* IDEM_EFATAL: a record left out or listed rests on a clock never made durable */
 };
 
 /* Whether the key's current version, at addr, is listed in group g for entry e of that group's
@@ -96,8 +97,8 @@ struct att_view {
  * it). A version written since at another address (moved) is listed here if it is of the same
  * record and belongs in this group or an earlier one, or in a later one whose copy lacks its
  * entry (written while the list runs): it would be missed otherwise. */
-static int att_take(idem_store *s, const struct att_view *av, struct qslot *tmp, uint64_t addr,
-                    int g, const struct age_entry *e, uint64_t *h)
+static int att_take(idem_store *s, struct att_view *av, struct qslot *tmp, uint64_t addr, int g,
+                    const struct age_entry *e, uint64_t *h)
 {
     uint32_t len;
     uint64_t lsn;
@@ -107,7 +108,7 @@ static int att_take(idem_store *s, const struct att_view *av, struct qslot *tmp,
     struct index_slot *slot = ops_find(s, r.key, r.key_len, &cur, &lsn);
     if (!slot || index_slot_addr(slot) != addr) return 0; /* another key with those hash bits */
     if (ops_rec_expired(&r, av->now)) {                   /* gone, though no sweep reached it yet */
-        store_clock_need(s, r.expires_at_ms);
+        if (store_clock_need(s, r.expires_at_ms) < 0) av->err = IDEM_EFATAL;
         return 0;
     }
     int kind = att_order[g], rg = att_group(&r, av->now, av->older_ms);
@@ -123,7 +124,10 @@ static int att_take(idem_store *s, const struct att_view *av, struct qslot *tmp,
         }
     }
     /* Listed because its lease ran out: that holds after a crash once the clock is durable. */
-    if (rg == 1 && av->now >= r.lease_until_ms) store_clock_need(s, r.lease_until_ms);
+    if (rg == 1 && av->now >= r.lease_until_ms && store_clock_need(s, r.lease_until_ms) < 0) {
+        av->err = IDEM_EFATAL;
+        return 0;
+    }
     tmp->buf_used = 0;
     memset(&tmp->c, 0, sizeof tmp->c);
     ops_fill_record(tmp, &r, slot, s);
@@ -183,7 +187,7 @@ static int att_room(size_t k, size_t max, const struct att_buf *ab, uint64_t max
  * checked in steps of AGES_VIEW_STEP, with mu let go between steps. Each entry leads to the
  * slots holding its hash bits: the one still at its address, or one at another address that
  * marks its version kept apart (written since: att_take). */
-static int att_group_list(idem_store *s, const struct att_view *av, int g, struct qslot *tmp,
+static int att_group_list(idem_store *s, struct att_view *av, int g, struct qslot *tmp,
                           struct att_buf *ab, struct att_set *set, idem_record *out, size_t *k,
                           size_t max, uint64_t max_bytes)
 {
@@ -284,6 +288,7 @@ int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_recor
         if (k < max && rc == 0)
             rc = att_group_list(s, &av, g, &tmp, &ab, &set, out, &k, max, a->max_bytes);
     }
+    if (rc == 0) rc = av.err;
     start[ATT_GROUPS] = k;
     /* Each group by first_seen, once all are listed: the set names records by their place in
      * out, which a sort between groups moved (a later group then listed a record again). */

@@ -786,7 +786,7 @@ static struct index_slot *owner_lookup(idem_store *s, struct qslot *sl, const id
     if (!slot || ops_rec_expired(r, now)) {
         sl->need_lsn = wal_last_lsn(s->wal);
         sl->c.err = !slot && s->find_corrupt ? IDEM_ECORRUPT : IDEM_ENOTFOUND;
-        if (slot) store_clock_need(s, r->expires_at_ms);
+        if (slot && store_clock_need(s, r->expires_at_ms) < 0) sl->c.err = IDEM_EFATAL;
         return NULL;
     }
     sl->need_lsn = lsn;
@@ -886,7 +886,7 @@ static void op_get(idem_store *s, struct qslot *sl, const idem_op *op)
     if (!slot || ops_rec_expired(&r, store_now(s))) {
         sl->need_lsn = wal_last_lsn(s->wal);
         if (!slot && s->find_corrupt) sl->c.err = IDEM_ECORRUPT;
-        if (slot) store_clock_need(s, r.expires_at_ms);
+        if (slot && store_clock_need(s, r.expires_at_ms) < 0) sl->c.err = IDEM_EFATAL;
         return;
     }
     sl->need_lsn = lsn;

@@ -144,23 +144,28 @@ int store_clock_saved(const idem_store *s)
     return s->clk_save_ms <= s->sb.store_clock_ms || s->clk_save_ms <= s->clk_durable_ms;
 }
 
+static int flush_asked(idem_store *s);
+
 /* A key answered absent because it expired stays absent after a crash only if the store
  * reopens at a clock at or past its expiry. The store clock reopens at the last clock an END
  * frame or the superblock carries, or at the wall clock if that is later; after the wall clock
  * stepped back, the store clock runs ahead of it, and an idle store writes no END frame. So such
  * an answer makes the clock that expired the key wanted durable, as a move of the test clock is
- * (clock_set_locked): in sync mode no completion is delivered until it is. */
-void store_clock_need(idem_store *s, int64_t ms)
+ * (clock_set_locked): in sync mode no completion is delivered until it is. A failed store saves
+ * no clock again: in sync mode the answer is then IDEM_EFATAL (returned), and the clock wanted
+ * stays as it was, so answers given before it, and later ones that rest on no new clock, are
+ * delivered. */
+int store_clock_need(idem_store *s, int64_t ms)
 {
-    if (ms <= s->sb.store_clock_ms || ms <= s->clk_durable_ms || ms <= s->clk_save_ms) return;
-    if (s->opt.read_only) return;
+    if (ms <= s->sb.store_clock_ms || ms <= s->clk_durable_ms || ms <= s->clk_save_ms) return 0;
+    if (s->opt.read_only) return 0;
+    if (s->fatal) return s->opt.durability == IDEM_DURABILITY_SYNC ? IDEM_EFATAL : 0;
     s->clk_save_ms = s->clk_last_ms; /* at or past ms: the clock that found the key expired */
-    /* After a fatal error it is never saved: the answer, and every later one that waits for
-     * durability (store_clock_waits), is IDEM_EFATAL. */
-    if (s->fatal) return;
-    /* Durability none writes it only when asked to make things durable (store_clock_want):
-     * idle, each such run of answers would cost a superblock write and its flush. */
-    if (s->opt.durability != IDEM_DURABILITY_NONE) store_clock_want(s);
+    /* Durability none writes it only when asked to make things durable (store_clock_want, or an
+     * IDEM_OP_SYNC outstanding: flush_asked): idle, each such run of answers would cost a
+     * superblock write and its flush. */
+    if (s->opt.durability != IDEM_DURABILITY_NONE || flush_asked(s)) store_clock_want(s);
+    return 0;
 }
 
 void store_clock_want(idem_store *s)
@@ -1669,10 +1674,19 @@ const void *qslot_copy(struct qslot *sl, const void *p, size_t len)
     return dst;
 }
 
+/* A slot keeps a buffer up to QSLOT_BUF_SMALL for its next operation. A larger one (a large
+ * result copied out) is kept only up to QSLOT_BUF_KEEP, by at most QSLOT_BIG_KEPT free slots of
+ * a queue: a queue's memory does not stay at its largest answers, times its depth (8,192 slots
+ * that each once copied a 64 KiB result kept 1 GiB). */
+#define QSLOT_BUF_SMALL (4u << 10)
+#define QSLOT_BUF_KEEP  (128u << 10)
+#define QSLOT_BIG_KEPT  32u
+
 static struct qslot *slot_take(idem_queue *q)
 {
     if (q->nfree == 0) return NULL;
     struct qslot *sl = &q->slots[q->free_stack[--q->nfree]];
+    if (sl->buf_cap > QSLOT_BUF_SMALL) q->kept_big--;
     sl->state = SLOT_DONE;
     sl->seq = q->seq_next++;
     sl->need_lsn = 0;
@@ -1692,18 +1706,18 @@ static struct qslot *slot_take(idem_queue *q)
     return sl;
 }
 
-/* A slot keeps a buffer up to this size for its next operation; a larger one (a large result
- * copied out) is given back, so a queue's memory does not stay at its largest answers. */
-#define QSLOT_BUF_KEEP (128u << 10)
-
 static void release_returned(idem_queue *q)
 {
     for (uint32_t i = 0; i < q->nreturned; i++) {
         struct qslot *sl = q->returned[i];
-        if (sl->buf_cap > QSLOT_BUF_KEEP) {
-            free(sl->buf);
-            sl->buf = NULL;
-            sl->buf_cap = 0;
+        if (sl->buf_cap > QSLOT_BUF_SMALL) {
+            if (sl->buf_cap <= QSLOT_BUF_KEEP && q->kept_big < QSLOT_BIG_KEPT) {
+                q->kept_big++; /* slot_take counts it out */
+            } else {
+                free(sl->buf);
+                sl->buf = NULL;
+                sl->buf_cap = 0;
+            }
         }
         sl->state = SLOT_FREE;
         q->free_stack[q->nfree++] = (uint32_t)(sl - q->slots);
@@ -2153,7 +2167,8 @@ static void scan_one(void *ctx, struct index_slot *slot)
     struct rec r;
     if (!p || rec_decode(p, len, &r) < 0) return;
     if (ops_rec_expired(&r, sc->now)) {
-        store_clock_need(sc->s, r.expires_at_ms);
+        int rc = store_clock_need(sc->s, r.expires_at_ms);
+        if (rc < 0) sc->err = rc;
         return;
     }
     if (sc->a->state && r.state != sc->a->state) return;
@@ -2716,7 +2731,8 @@ struct copy_dir {
     char dest[4096], partial[4096];
 };
 
-/* Is the directory `inner` (which exists) src itself or inside it? */
+/* Is the directory `inner` (which exists) src itself or inside it? (0 when either cannot be
+ * resolved: the copy then fails where it is made.) */
 static int dir_within(const char *inner, const char *src)
 {
     char a[PATH_MAX], b[PATH_MAX];
@@ -2743,6 +2759,20 @@ static int copy_dir_begin(struct io *io, const char *src, const char *dest, stru
         store_set_error("cannot create %s: it exists", dest);
         return IDEM_EINVAL;
     }
+    /* A copy kept with what it copies is lost with it. Checked on the directory that would
+     * hold the copy, before anything is made there: src is not written to. */
+    char parent[sizeof d->partial];
+    memcpy(parent, d->partial, sizeof parent);
+    char *slash = strrchr(parent, '/');
+    if (!slash)
+        strcpy(parent, ".");
+    else
+        slash[slash == parent] = 0; /* "/x" has the parent "/" */
+    if (dir_within(parent, src)) {
+        store_set_error("cannot copy %s into %s: the copy would lie within the directory it copies",
+                        src, dest);
+        return IDEM_EINVAL;
+    }
     int rc = io_mkdir(io, d->partial);
     if (rc == -EEXIST) {
         store_set_error("%s exists: a copy into %s was cut short there; remove it, then copy "
@@ -2753,12 +2783,6 @@ static int copy_dir_begin(struct io *io, const char *src, const char *dest, stru
     if (rc < 0) {
         store_set_error("cannot create %s: %s", d->partial, strerror(-rc));
         return IDEM_EIO;
-    }
-    if (dir_within(d->partial, src)) { /* a copy kept with what it copies is lost with it */
-        rmdir(d->partial);
-        store_set_error("cannot copy %s into %s: the copy would lie within the directory it copies",
-                        src, dest);
-        return IDEM_EINVAL;
     }
     return 0;
 }

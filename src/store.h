@@ -108,6 +108,7 @@ struct idem_queue {
     struct qslot_ext *ext; /* slots[i].ext == &ext[i] */
     uint32_t *free_stack;  /* indexes of free slots */
     uint32_t nfree;
+    uint32_t kept_big;         /* free slots keeping a buffer over QSLOT_BUF_SMALL (store.c) */
     struct qslot *head, *tail; /* outstanding (submitted, not yet polled) */
     uint32_t active;           /* outstanding slots */
     uint64_t seq_next;
@@ -394,8 +395,9 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
  * that found a key expired, store_clock_need) is (mu or rw held). */
 int store_clock_saved(const idem_store *s);
 /* An answer holds only while the store clock is at least ms after a crash too (a key found
- * expired at ms): makes the store clock durable (mu held). */
-void store_clock_need(idem_store *s, int64_t ms);
+ * expired at ms): makes the store clock durable (mu held). Returns IDEM_EFATAL when it never
+ * can be (a failed store in sync mode): the answer is not given. */
+int store_clock_need(idem_store *s, int64_t ms);
 /* Has the flusher make clk_save_ms durable, if it is not (mu held). */
 void store_clock_want(idem_store *s);
 /* Whether sl's completion waits for store_clock_saved (mu or rw held). */

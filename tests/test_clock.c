@@ -6,9 +6,10 @@
  * only by a bounded slew); at open the store clock is max(wall clock, last persisted store
  * clock).
  *
- * Slew bounds: the contract bounds the slew without a figure. These tests accept any slew rate
- * below 50% (the store clock runs at 0.5x to 1.5x of elapsed time while it catches up), which
- * every sane bound satisfies and which a store that follows the wall clock by steps fails.
+ * Slew bounds: the contract bounds the slew without a figure. The store's is 10% (docs/design.md,
+ * the store clock); a forward step is checked against it, and the other tests accept any slew
+ * rate below 50% (the store clock runs at 0.5x to 1.5x of elapsed time while it catches up),
+ * which a store that follows the wall clock by steps fails.
  */
 #include <criterion/criterion.h>
 
@@ -192,18 +193,24 @@ Test(clock, wall_clock_step_forward_by_hours_does_not_expire_keys_en_masse)
     const int n = 200;
     const uint64_t ttl = 10 * MINUTE;
     commit_keys(n, ttl);
+    /* A key whose ttl ends just past 5 min run 10% fast (the slew docs/design.md states). */
+    idem_completion edge = claim("edge", 5 * MINUTE * 11 / 10 + 2000, 1000);
+    expect_outcome(edge, IDEM_NEW);
+    expect_rc(idem_commit(g_q, "edge", 4, edge.token, "r", 1), IDEM_OK);
     atomic_fetch_add(&g_wall, 5 * HOUR); /* an appliance's first NTP sync */
     atomic_fetch_add(&g_mono, 1);
     int64_t now = idem_clock_now(g_s);
     cr_assert_lt(now, W0 + MINUTE, "the store clock jumped with the wall clock: +%" PRId64 " ms",
                  now - W0);
     cr_assert_eq(count_outcome(n, ttl, IDEM_DONE), n, "keys expired at the wall clock step");
-    /* Half a ttl of elapsed time: the store may run fast while it catches up, but not 2x. */
+    /* Half a ttl of elapsed time: the store runs fast while it catches up, by 10% at most. */
     elapse_in_steps(5 * MINUTE, 1000);
     now = idem_clock_now(g_s);
     cr_assert_geq(now, W0 + 5 * MINUTE, "the store clock ran slower than elapsed time");
-    cr_assert_lt(now, W0 + 10 * MINUTE, "the store clock slewed by 100%% or more");
+    cr_assert_leq(now, W0 + 5 * MINUTE * 11 / 10 + 1000,
+                  "the store clock slewed by over 10%%: +%" PRId64 " ms", now - W0);
     cr_assert_eq(count_outcome(n, ttl, IDEM_DONE), n, "keys expired early");
+    expect_outcome(claim("edge", HOUR, 1000), IDEM_DONE);
     idem_stats st;
     idem_get_stats(g_s, &st);
     cr_assert_eq(st.expired_total, 0);
@@ -262,6 +269,9 @@ Test(clock, store_clock_slews_toward_a_stepped_wall_clock)
     int64_t now = idem_clock_now(g_s);
     int64_t skew1 = atomic_load(&g_wall) - now;
     cr_assert_lt(skew1, skew0, "the store clock does not follow the wall clock at all");
+    /* At the slew the store states: 10% of the elapsed time, 12 min in 2 h. */
+    cr_assert(skew0 - skew1 >= 2 * HOUR / 10 - 1000 && skew0 - skew1 <= 2 * HOUR / 10,
+              "caught up %" PRId64 " ms in 2 h", skew0 - skew1);
     cr_assert_geq(skew1, 0, "the store clock overshot the wall clock");
     idem_stats st;
     idem_get_stats(g_s, &st);

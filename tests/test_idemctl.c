@@ -136,6 +136,8 @@ Test(idemctl, status_offline_reports_attention, .init = setup, .fini = teardown)
     cr_assert(strstr(out, "\"verdict\":\"attention\""), "%s", out);
     cr_assert(strstr(out, "\"keys_review\":1"), "%s", out);
     cr_assert(strstr(out, "\"keys_in_flight\":2"), "%s", out);
+    cr_assert(strstr(out, "\"index_bytes\":") && !strstr(out, "\"index_bytes\":0,"),
+              "--max-memory counts the index: %s", out);
     cr_assert_eq(ctl("status --dir %s", dir), 0);
     cr_assert(strstr(out, "attention: "), "%s", out);
     cr_assert(strstr(out, "held for review"), "%s", out);
@@ -207,6 +209,36 @@ Test(idemctl, resolve_is_checked_and_audited, .init = setup, .fini = teardown)
     cr_assert(strstr(out, "review v") && !strstr(out, "late-1"), "%s", out);
 }
 
+/* The result limit is idemd's setting (--result-max), not kept in the store: offline, a
+ * decision's result longer than the default 64 KiB used to be refused. */
+Test(idemctl, resolve_offline_takes_a_result_over_the_default_limit, .init = setup,
+     .fini = teardown)
+{
+    write_store();
+    char path[4200];
+    snprintf(path, sizeof path, "%s/big-result", scratch);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    for (int i = 0; i < 100 * 1024; i++)
+        fputc('a' + i % 26, f);
+    fclose(f);
+    cr_assert_eq(ctl("resolve held-1 commit --reason 'target shows it' --result \"$(cat %s)\" "
+                     "--dir %s",
+                     path, dir),
+                 0, "%s", err);
+    idem_store *s;
+    idem_queue *q;
+    idem_completion g;
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
+    cr_assert_eq(idem_get(q, "held-1", 6, &g), IDEM_OK);
+    cr_assert(g.found && g.record.state == IDEM_STATE_COMMITTED);
+    cr_assert_eq(g.record.result_len, 100 * 1024);
+    cr_assert_eq(((const char *)g.record.result)[100 * 1024 - 1], 'a' + (100 * 1024 - 1) % 26);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
 /* resolve --expect acts only on the version the operator checked the target for: a record
  * that moved on since (late-1 recovered by a reconciler, its version bumped) is refused, with
  * what it is now, and nothing is done; at the version it is at, the decision goes through. */
@@ -250,24 +282,44 @@ Test(idemctl, resolve_expect_acts_only_on_the_version_checked, .init = setup, .f
     cr_assert_eq(ctl("resolve held-1 release --expect 0 --reason x --dir %s", dir), 2);
 }
 
-/* The audit table escapes who acted as it does keys and reasons: an offline actor comes from
- * $USER, and a control byte in it would reach the operator's terminal. */
-Test(idemctl, audit_escapes_the_actor, .init = setup, .fini = teardown)
+/* Resolves held-1 (release) offline with $USER set to user; returns idemctl's exit code. */
+static int resolve_held_as(const char *user)
 {
-    write_store();
-    const char *user = getenv("USER");
-    char *saved = user ? strdup(user) : NULL;
-    cr_assert_eq(setenv("USER", "eve\x1b[2J", 1), 0);
+    const char *was = getenv("USER");
+    char *saved = was ? strdup(was) : NULL;
+    cr_assert_eq(setenv("USER", user, 1), 0);
     int rc = ctl("resolve held-1 release --reason checked --dir %s", dir);
     if (saved)
         setenv("USER", saved, 1);
     else
         unsetenv("USER");
     free(saved);
-    cr_assert_eq(rc, 0, "%s", err);
+    return rc;
+}
+
+/* The audit table escapes who acted as it does keys and reasons: an offline actor comes from
+ * $USER, and a control byte in it would reach the operator's terminal. */
+Test(idemctl, audit_escapes_the_actor, .init = setup, .fini = teardown)
+{
+    write_store();
+    cr_assert_eq(resolve_held_as("eve\x1b[2J"), 0, "%s", err);
     cr_assert_eq(ctl("audit --dir %s", dir), 0, "%s", err);
     cr_assert_null(strchr(out, '\x1b'), "a raw escape byte in the table: %s", out);
     cr_assert(strstr(out, "eve\\x1b[2J"), "%s", out);
+}
+
+/* An offline actor over the audit trail's limit is named before the store is opened; it was
+ * refused as "invalid argument". */
+Test(idemctl, an_offline_actor_over_the_limit_is_named, .init = setup, .fini = teardown)
+{
+    write_store();
+    char longer[301];
+    memset(longer, 'u', 300);
+    longer[300] = 0;
+    cr_assert_eq(resolve_held_as(longer), 1);
+    cr_assert(strstr(err, "over the limit of 256") && strstr(err, "USER"), "%s", err);
+    cr_assert_eq(ctl("get held-1 --dir %s --json", dir), 0, "%s", err);
+    cr_assert(strstr(out, "\"state\":\"review\""), "nothing was done: %s", out);
 }
 
 Test(idemctl, scan_lists_keys_for_scripts, .init = setup, .fini = teardown)
@@ -385,6 +437,28 @@ Test(idemctl, export_import_round_trip, .init = setup, .fini = teardown)
     cr_assert_eq(ctl("import %s/nope.jsonl --dir %s/copy", scratch, scratch), 1);
 }
 
+/* A number outside its field's range is a bad line, not cut to fit: attempts 2^32 + 1 was
+ * imported as 1, a state of 2^32 + 2 as 2. */
+Test(idemctl, import_refuses_a_number_out_of_its_fields_range, .init = setup, .fini = teardown)
+{
+    write_store();
+    cr_assert_eq(ctl("resolve held-1 release --reason checked --dir %s", dir), 0, "%s", err);
+    export_to_file();
+    static const char *const edits[] = {"s/\"attempts\":[0-9]*/\"attempts\":4294967297/",
+                                        "s/\"state_after\":[0-9]*/\"state_after\":4294967298/",
+                                        "s/\"seen_count\":[0-9]*/\"seen_count\":-1/"};
+    static const char *const names[] = {"attempts", "state_after", "seen_count"};
+    for (size_t i = 0; i < sizeof edits / sizeof edits[0]; i++) {
+        char cmd[9000];
+        snprintf(cmd, sizeof cmd, "sed '%s' %s/exp.jsonl > %s/bad.jsonl", edits[i], scratch,
+                 scratch);
+        cr_assert_eq(system(cmd), 0);
+        cr_assert_eq(ctl("import %s/bad.jsonl --dir %s/copy-%zu", scratch, scratch, i), 1, "%s",
+                     names[i]);
+        cr_assert(strstr(err, names[i]), "%s: %s", names[i], err);
+    }
+}
+
 /* JSON output is strict UTF-8: a key holding an encoded surrogate (not UTF-8, though it has
  * its shape) goes as key_base64, not raw. A reason that is not text goes as reason_base64 and an
  * import gives the same bytes back (it used to come back as the code points of its bytes). */
@@ -479,11 +553,19 @@ Test(idemctl, a_copy_is_made_aside_and_named_only_when_whole, .init = setup, .fi
     cr_assert(strstr(err, "c.partial exists") && strstr(err, "cut short"), "%s", err);
     cr_assert(!in_scratch("c"));
 
-    /* A copy inside what it copies would be lost with it: refused, and nothing is left there. */
+    /* A copy inside what it copies would be lost with it: refused, with nothing made there
+     * (the store's directory is not written: it used to get inner.partial for a moment). */
+    struct stat before, after;
+    cr_assert_eq(stat(dir, &before), 0);
+    usleep(20000);
     cr_assert_eq(ctl("backup %s/inner --dir %s", dir, dir), 1, "into the store's own directory");
     cr_assert(strstr(err, "within the directory it copies"), "%s", err);
     snprintf(p, sizeof p, "%s/inner.partial", dir);
     cr_assert(access(p, F_OK) != 0, "the refused copy left %s", p);
+    cr_assert_eq(stat(dir, &after), 0);
+    cr_assert(before.st_mtim.tv_sec == after.st_mtim.tv_sec &&
+                  before.st_mtim.tv_nsec == after.st_mtim.tv_nsec,
+              "the refused copy wrote into the store's directory");
     cr_assert_eq(ctl("restore %s/b %s/b/r", scratch, scratch), 1,
                  "into the backup's own directory");
     cr_assert(strstr(err, "within the directory it copies"), "%s", err);
@@ -856,14 +938,14 @@ static void start_idemd_with(const char *user)
 /* An idemd that has not opened its store yet gets a verdict from status, not a failure. */
 Test(idemctl_online, status_while_idemd_recovers_says_so, .init = setup, .fini = stop_idemd)
 {
-    load_delay_ms = 3000;
-    start_idemd(); /* returns while it answers -LOADING */
+    load_delay_ms = 8000; /* room for three idemctl runs on a loaded machine */
+    start_idemd();        /* returns while it answers -LOADING */
     load_delay_ms = 0;
     char sock[4200];
     snprintf(sock, sizeof sock, "--socket %s/idemd.sock", dir);
     cr_assert_eq(ctl("status %s", sock), 0, "%s", err);
     cr_assert(strstr(out, "attention") && strstr(out, "recovery is running") &&
-                  strstr(out, "LOADING"),
+                  strstr(out, "LOADING") && !strstr(out, "disk free"),
               "%s", out);
     cr_assert_eq(ctl("status %s --json", sock), 0, "%s", err);
     cr_assert(strstr(out, "\"verdict\":\"attention\"") && strstr(out, "\"loading\":1") &&
@@ -872,13 +954,13 @@ Test(idemctl_online, status_while_idemd_recovers_says_so, .init = setup, .fini =
     cr_assert_eq(ctl("watch --count 1 %s", sock), 1, "watch has nothing to show yet");
     cr_assert(strstr(err, "LOADING"), "%s", err);
     char reply[256];
-    for (int i = 0; i < 300 && (sock_cmd("IDEM.GET none\r\n", reply, sizeof reply) != 0 ||
-                                strstr(reply, "LOADING"));
+    for (int i = 0; i < 1000 && (sock_cmd("IDEM.GET none\r\n", reply, sizeof reply) != 0 ||
+                                 strstr(reply, "LOADING"));
          i++)
         usleep(20000);
     cr_assert_eq(ctl("status %s --json", sock), 0, "%s", err);
-    cr_assert(strstr(out, "\"verdict\":\"healthy\"") && strstr(out, "\"loading\":0") &&
-                  strstr(out, "\"keys\":0"),
+    cr_assert(strstr(out, "\"loading\":0") && strstr(out, "\"keys\":0") &&
+                  !strstr(out, "recovery is running"),
               "%s", out);
 }
 
@@ -1123,4 +1205,47 @@ Test(idemctl_online, a_reply_that_trickles_in_is_cut_off_at_the_timeout, .init =
     cr_assert_lt(took_ms, 4000, "idemctl waited %lld ms", (long long)took_ms);
     pthread_join(t, NULL);
     close(lfd);
+}
+
+/* A stand-in for idemd on a unix socket: every request it reads is answered "+OK". */
+struct ok_server {
+    int fd;
+    char path[200];
+    pthread_t t;
+};
+
+static void *ok_server_main(void *arg)
+{
+    struct ok_server *o = arg;
+    for (;;) {
+        int c = accept(o->fd, NULL, NULL);
+        if (c < 0) return NULL;
+        char buf[4096];
+        while (read(c, buf, sizeof buf) > 0)
+            if (write(c, "+OK\r\n", 5) != 5) break;
+        close(c);
+    }
+}
+
+/* An idemd that answers a list with something else (+OK) is an error, not an empty list:
+ * attention said "nothing needs attention", audit "no decisions recorded", and exited 0. */
+Test(idemctl, a_reply_that_is_not_a_list_is_an_error, .init = setup, .fini = teardown)
+{
+    struct ok_server o;
+    snprintf(o.path, sizeof o.path, "%s/ok.sock", scratch);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    cr_assert_lt(strlen(o.path), sizeof sa.sun_path);
+    strcpy(sa.sun_path, o.path);
+    o.fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    cr_assert_geq(o.fd, 0);
+    cr_assert_eq(bind(o.fd, (struct sockaddr *)&sa, sizeof sa), 0);
+    cr_assert_eq(listen(o.fd, 4), 0);
+    cr_assert_eq(pthread_create(&o.t, NULL, ok_server_main, &o), 0);
+    cr_assert_eq(ctl("attention --socket %s", o.path), 1, "%s", out);
+    cr_assert(strstr(err, "IDEM.ATTENTION: unexpected reply"), "%s", err);
+    cr_assert_eq(ctl("audit --socket %s", o.path), 1, "%s", out);
+    cr_assert(strstr(err, "IDEM.AUDIT: unexpected reply"), "%s", err);
+    shutdown(o.fd, SHUT_RDWR);
+    close(o.fd);
+    pthread_join(o.t, NULL);
 }

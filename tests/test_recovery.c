@@ -519,6 +519,48 @@ Test(recovery, a_lease_listed_as_run_out_ahead_of_the_wall_clock_survives_a_powe
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
+/* Durability none writes a clock wanted only when asked to make things durable. An
+ * IDEM_OP_SYNC answered (flushed, the clock durable) but not yet collected was held back by a
+ * key found expired after it on an idle store: its clock was wanted and nobody wrote it. */
+Test(recovery, a_sync_op_in_durability_none_is_delivered_after_a_later_expiry, .timeout = 60)
+{
+    idem_options o;
+    idem_store *s = clocks_open(&o, IDEM_DURABILITY_NONE);
+    idem_queue *q, *reader;
+    idem_completion c;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    cr_assert_eq(idem_queue_open(s, 4, &reader), IDEM_OK);
+    cr_assert_eq(idem_set_if_absent(q, "short", 5, "v", 1, 60000, 0, &c), IDEM_OK);
+    cr_assert_eq(idem_sync(s), IDEM_OK);
+    __atomic_fetch_sub(&g_wall_ms, hour, __ATOMIC_RELAXED);
+    for (int i = 0; i < 50; i++) { /* the store clock runs on, ahead of the wall clock */
+        clocks_elapse(1000);
+        (void)idem_clock_now(s);
+    }
+    cr_assert_eq(idem_set_if_absent(q, "other", 5, "v", 1, hour, 0, &c), IDEM_OK);
+    idem_stats st;
+    idem_get_stats(s, &st);
+    uint64_t f0 = st.flushes;
+    idem_op sync = {.kind = IDEM_OP_SYNC, .user_data = 7};
+    cr_assert_eq(idem_submit(q, &sync, 1), 1);
+    for (int i = 0; i < 500 && st.flushes == f0; i++) {
+        usleep(10000);
+        idem_get_stats(s, &st);
+    }
+    cr_assert_gt(st.flushes, f0, "the sync op was not flushed");
+    for (int i = 0; i < 20; i++) { /* past the expiry, with nothing written */
+        clocks_elapse(1000);
+        (void)idem_clock_now(s);
+    }
+    cr_assert_not(key_found(reader, "short"), "the key outlived its ttl");
+    cr_assert_eq(idem_poll(q, &c, 1, 5000), 1, "the sync op answered before was held back");
+    cr_assert_eq(c.user_data, 7);
+    cr_assert_eq(c.err, IDEM_OK);
+    idem_queue_close(reader);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
 struct clock_waiter {
     idem_store *s;
     idem_queue *q;
@@ -638,7 +680,30 @@ Test(recovery, a_read_after_a_failure_that_kept_a_move_of_the_test_clock_is_answ
 
 /* After a failure that left nothing unwritten (a checkpoint's write), the clock moves: a key
  * found expired by that move cannot be answered absent, since the store can no longer make the
- * clock durable and a reopen finds the key again. Nor can a scan leave it out. */
+ * clock durable and a reopen finds the key again; nor can a scan leave it out, nor attention
+ * list a lease run out by it. Each such answer is IDEM_EFATAL on its own account, and only it:
+ * a read answered before it in the same submit is delivered (it waited for the clock, which no
+ * flush would ever write), and so is a later read that rests on no new clock. */
+struct two_gets {
+    idem_queue *q;
+    int n;
+    idem_completion c[2];
+};
+
+static void *two_gets_main(void *arg)
+{
+    struct two_gets *w = arg;
+    idem_op ops[2] = {{.kind = IDEM_OP_GET, .user_data = 1, .key = "live", .key_len = 4},
+                      {.kind = IDEM_OP_GET, .user_data = 2, .key = "short", .key_len = 5}};
+    if (idem_submit(w->q, ops, 2) != 2) return NULL;
+    while (w->n < 2) {
+        int k = idem_poll(w->q, w->c + w->n, 2 - (size_t)w->n, -1);
+        if (k < 0) return NULL;
+        w->n += k;
+    }
+    return NULL;
+}
+
 Test(recovery, a_key_expired_after_a_failure_is_not_answered_absent, .timeout = 60)
 {
     idem_store *s;
@@ -648,20 +713,36 @@ Test(recovery, a_key_expired_after_a_failure_is_not_answered_absent, .timeout = 
     cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
     cr_assert_eq(idem_set_if_absent(q, "short", 5, "v", 1, 1000, 0, &c), IDEM_OK);
     cr_assert_eq(c.outcome, IDEM_NEW);
+    cr_assert_eq(idem_set_if_absent(q, "live", 4, "v", 1, 100000, 0, &c), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 100000, .lease_ms = 500};
+    cr_assert_eq(idem_claim(q, "leased", 6, &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_NEW);
     cr_assert_eq(idem_sync(s), IDEM_OK);
     io_sim_fail_write(sim, 1, -EIO);
     cr_assert_eq(idem_checkpoint(s), IDEM_EFATAL);
     cr_assert(idem_is_fatal(s));
     cr_assert(key_found(q, "short"), "a read of a durable record is answered after the failure");
     cr_assert_eq(idem_clock_advance(s, 1000), IDEM_OK);
-    cr_assert_eq(idem_get(q, "short", 5, &c), IDEM_EFATAL, "answered %s, found %d",
-                 idem_strerror(c.err), c.found);
-    idem_scan_args sa = {0};
+    struct two_gets w = {.q = q};
+    pthread_t t;
+    cr_assert_eq(pthread_create(&t, NULL, two_gets_main, &w), 0);
+    join_within_5s(t, "idem_poll of a read and an expired read");
+    cr_assert_eq(w.n, 2);
+    cr_assert(w.c[0].user_data == 1 && w.c[0].err == IDEM_OK && w.c[0].found, "live: %s",
+              idem_strerror(w.c[0].err));
+    cr_assert(w.c[1].user_data == 2 && w.c[1].err == IDEM_EFATAL, "short: %s, found %d",
+              idem_strerror(w.c[1].err), w.c[1].found);
+    cr_assert(key_found(q, "live"), "a later read that rests on no new clock is answered");
+    idem_scan_args sa = {.count = 1u << 24}; /* every slot at once */
     uint64_t next;
     const void **keys;
     const uint32_t *lens;
     size_t n;
     cr_assert_eq(idem_scan(q, &sa, &next, &keys, &lens, &n), IDEM_EFATAL);
+    idem_attention_args aa = {0};
+    const idem_record *recs;
+    cr_assert_eq(idem_attention(q, &aa, &recs, &n), IDEM_EFATAL,
+                 "a lease run out on a clock never made durable was listed");
     idem_queue_close(q);
     cr_assert_eq(idem_close(s), IDEM_EFATAL);
     io_sim_crash(sim, IO_SIM_CRASH_TEAR);

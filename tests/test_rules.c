@@ -3204,6 +3204,28 @@ Test(durability, batch_mode_flushes_a_change_made_just_after_a_flush_within_the_
     }
 }
 
+/* Under steady changes, batch mode flushes every STORE_BATCH_FLUSH_MS (10 ms): what a crash
+ * can take back is that much. The test asks for a quarter of that cadence, for a loaded
+ * machine: a flusher that waited 40 ms or more between flushes fails it. */
+Test(durability, batch_mode_flushes_steady_changes_every_interval)
+{
+    store_close();
+    g_opts.durability = IDEM_DURABILITY_BATCH;
+    store_open();
+    uint64_t f0 = stats().flushes;
+    int64_t start = util_monotonic_us();
+    char key[32];
+    for (int i = 0; util_monotonic_us() - start < 1000000; i++) {
+        snprintf(key, sizeof key, "steady-%d", i);
+        claim_new(key);
+        usleep(200);
+    }
+    uint64_t flushes = stats().flushes - f0;
+    cr_assert_geq(flushes, 1000 / (4 * STORE_BATCH_FLUSH_MS),
+                  "%llu flushes in 1 s of steady changes (interval %d ms)",
+                  (unsigned long long)flushes, STORE_BATCH_FLUSH_MS);
+}
+
 /* A call that runs out of chunk buffers waits for room, the flusher flushes everything and,
  * finding nothing pending, goes to its idle sleep; what the call appends after its wait is then
  * the first pending frames, though frames were pending when it began. They must not wait for

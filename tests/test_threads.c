@@ -1730,6 +1730,42 @@ Test(wait, parked_claims_keep_the_digest_of_a_large_fingerprint)
     free(other);
 }
 
+/* A queue keeps few large copy buffers once they are returned: 8,192 slots that each copied a
+ * 64 KiB result once kept 1 GiB for the life of the queue (idemd's engine queue). */
+Test(wait, a_queue_keeps_few_large_buffers_after_large_answers)
+{
+    enum { N = 256, RESULT = 60 * 1024 };
+    static char result[RESULT];
+    memset(result, 'r', sizeof result);
+    idem_claim_args a = claim_args(TTL, LEASE, 0);
+    idem_completion c;
+    expect_rc(idem_claim(g_q, "big", 3, &a, &c), IDEM_OK);
+    expect_rc(idem_commit(g_q, "big", 3, c.token, result, sizeof result), IDEM_OK);
+    idem_queue *q;
+    expect_rc(idem_queue_open(g_s, N, &q), IDEM_OK);
+    idem_op ops[N];
+    for (int i = 0; i < N; i++)
+        ops[i] =
+            (idem_op){.kind = IDEM_OP_GET, .key = "big", .key_len = 3, .user_data = (uint64_t)i};
+    cr_assert_eq(idem_submit(q, ops, N), N);
+    idem_completion out[N];
+    for (int got = 0; got < N;) {
+        int n = idem_poll(q, out + got, (size_t)(N - got), 20000);
+        cr_assert_gt(n, 0, "the gets were not answered");
+        got += n;
+    }
+    for (int i = 0; i < N; i++)
+        cr_assert(out[i].found && out[i].record.result_len == RESULT, "get %d", i);
+    uint64_t during = store_test_queue_buf_bytes(q);
+    cr_assert_geq(during, (uint64_t)N * RESULT, "each answer holds its copy until the next call");
+    cr_assert_eq(idem_submit(q, ops, 1), 1); /* returns the slots of the last call */
+    cr_assert_eq(idem_poll(q, out, 1, 20000), 1);
+    uint64_t kept = store_test_queue_buf_bytes(q);
+    cr_assert_leq(kept, 34 * 128 * 1024 + (uint64_t)N * 4096, "the queue kept %llu bytes",
+                  (unsigned long long)kept);
+    idem_queue_close(q);
+}
+
 /* Claims parked on thousands of keys, two on each, in buckets grown several times while they
  * park: a change of one key re-runs only its own claims, the first parked of them first. A
  * release grants each key to its first waiter alone; the commit of that grant answers the

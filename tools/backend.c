@@ -193,10 +193,24 @@ static int offline_open(struct ctl *c, const struct ctl_opts *o, int access)
         ctl_err("%s holds no store (no superblock file 'super': %s)", dir, strerror(errno));
         return CTL_FAIL;
     }
+    char host[128] = "";
+    gethostname(host, sizeof host - 1);
+    const char *user = getenv("USER");
+    int n = snprintf(c->actor, sizeof c->actor, "offline:%s@%s", user ? user : "unknown", host);
+    if (access == CTL_WRITE && (n < 0 || (unsigned)n > IDEM_ACTOR_BYTES_MAX)) {
+        ctl_err("the audit trail names who acts as offline:$USER@HOST, here %d bytes, over the "
+                "limit of %u: run it with a shorter USER",
+                n, (unsigned)IDEM_ACTOR_BYTES_MAX);
+        return CTL_FAIL;
+    }
     idem_options opt;
     idem_options_init(&opt);
     opt.read_only = access == CTL_READ || access == CTL_OFFLINE_READ;
     if (o->result_max) opt.result_bytes_max = (uint32_t)o->result_max;
+    /* A decision's result is refused over the store's limit, which is idemd's (--result-max),
+     * not kept in the store: offline, the result given is within it. */
+    if (o->has_result && strlen(o->result) > IDEM_RESULT_BYTES_DEFAULT)
+        opt.result_bytes_max = (uint32_t)strlen(o->result); /* at most the limit: cmd_resolve */
     int rc = idem_open(dir, &opt, &c->s);
     if (rc != IDEM_OK) {
         ctl_open_error(dir, rc);
@@ -206,10 +220,6 @@ static int offline_open(struct ctl *c, const struct ctl_opts *o, int access)
         ctl_err("cannot open a queue on %s", dir);
         return CTL_FAIL;
     }
-    char host[128] = "";
-    gethostname(host, sizeof host - 1);
-    const char *user = getenv("USER");
-    snprintf(c->actor, sizeof c->actor, "offline:%s@%s", user ? user : "unknown", host);
     return 0;
 }
 
@@ -406,6 +416,7 @@ static const struct {
     STAT_U(disk_bytes),
     STAT_U(disk_free_bytes),
     STAT_U(memory_bytes),
+    STAT_U(index_bytes),
     STAT_U(max_keys),
     STAT_U(max_memory_bytes),
     STAT_U(max_disk_bytes),
@@ -519,6 +530,11 @@ static int attention_online(struct ctl *c, int64_t older_ms, uint32_t max, struc
         resp_free(v);
         return CTL_FAIL;
     }
+    if (v->type != RESP_ARRAY) { /* not "nothing needs attention" */
+        ctl_err("IDEM.ATTENTION: unexpected reply (not a list)");
+        resp_free(v);
+        return CTL_FAIL;
+    }
     int rc = 0;
     *n = 0;
     *recs = calloc(v->n ? v->n : 1, sizeof **recs);
@@ -613,6 +629,11 @@ static int audit_online(struct ctl *c, const void *key, size_t klen, uint32_t co
     size_t argl[5] = {10, 5, strlen(cnt), 3, klen};
     resp_value *v;
     if (call_ok(c, &v, key ? 5 : 3, argv, argl)) return CTL_FAIL;
+    if (v->type != RESP_ARRAY) { /* not "no decisions recorded" */
+        ctl_err("IDEM.AUDIT: unexpected reply (not a list)");
+        resp_free(v);
+        return CTL_FAIL;
+    }
     *out = calloc(v->n ? v->n : 1, sizeof **out);
     for (size_t i = 0; *out && i < v->n; i++) {
         const resp_value *a = &v->elems[i];

@@ -367,6 +367,14 @@ static int64_t num(struct line *l, const char *name)
     return f && f->is_num ? f->num : 0;
 }
 
+/* A number field that must lie in lo..hi: one outside is the line's error, not cut to fit. */
+static int64_t num_in(struct line *l, const char *name, int64_t lo, int64_t hi)
+{
+    int64_t v = num(l, name);
+    if (v < lo || v > hi) l->err = name;
+    return v;
+}
+
 /* A bytes field: "name" (text) or "name_base64"; *present 0 when null or absent. */
 static const void *bytes(struct line *l, const char *name, uint32_t *len, int *present)
 {
@@ -419,19 +427,19 @@ static void line_record(struct line *l, idem_record *r)
     r->first_seen_ms = num(l, "first_seen_ms");
     r->expires_at_ms = num(l, "expires_at_ms");
     r->last_seen_ms = num(l, "last_seen_ms");
-    r->seen_count = (uint64_t)num(l, "seen_count");
+    r->seen_count = (uint64_t)num_in(l, "seen_count", 0, INT64_MAX);
     r->has_fp = hexfield(l, "fingerprint", r->fp);
     r->lease_until_ms = num(l, "lease_until_ms");
     r->token = num(l, "token");
     r->owner = bytes(l, "owner", &r->owner_len, &p);
-    r->attempts = (uint32_t)num(l, "attempts");
+    r->attempts = (uint32_t)num_in(l, "attempts", 0, UINT32_MAX);
     r->last_grant_ms = num(l, "last_grant_ms");
     r->result = bytes(l, "result", &r->result_len, &p);
     r->note = bytes(l, "note", &r->note_len, &p);
-    r->mismatch_count = (uint64_t)num(l, "mismatch_count");
+    r->mismatch_count = (uint64_t)num_in(l, "mismatch_count", 0, INT64_MAX);
     r->last_mismatch_ms = num(l, "last_mismatch_ms");
     r->has_last_mismatch_fp = hexfield(l, "last_mismatch_fp", r->last_mismatch_fp);
-    r->version = (uint64_t)num(l, "version");
+    r->version = (uint64_t)num_in(l, "version", 0, INT64_MAX);
 }
 
 static void line_audit(struct line *l, idem_audit_entry *e)
@@ -439,7 +447,7 @@ static void line_audit(struct line *l, idem_audit_entry *e)
     int p;
     const struct jfield *f;
     memset(e, 0, sizeof *e);
-    e->seq = (uint64_t)num(l, "seq");
+    e->seq = (uint64_t)num_in(l, "seq", 0, INT64_MAX);
     e->at_ms = num(l, "at_ms");
     uint32_t len;
     e->actor = bytes(l, "actor", &len, &p); /* base64_decode ends what it decodes with a NUL */
@@ -450,10 +458,10 @@ static void line_audit(struct line *l, idem_audit_entry *e)
     if (e->reason && memchr(e->reason, 0, len)) l->err = "reason";
     if (!e->reason) e->reason = "";
     e->key = bytes(l, "key", &e->key_len, &p);
-    e->state_before = (int)num(l, "state_before");
-    e->state_after = (int)num(l, "state_after");
-    e->version_before = (uint64_t)num(l, "version_before");
-    e->version_after = (uint64_t)num(l, "version_after");
+    e->state_before = (int)num_in(l, "state_before", 0, IDEM_STATE_REVIEW);
+    e->state_after = (int)num_in(l, "state_after", 0, IDEM_STATE_REVIEW);
+    e->version_before = (uint64_t)num_in(l, "version_before", 0, INT64_MAX);
+    e->version_after = (uint64_t)num_in(l, "version_after", 0, INT64_MAX);
     if (!e->key) l->err = "key";
 }
 
@@ -617,8 +625,8 @@ int cmd_import(const struct ctl_opts *o)
         dest[n - 1] = 0;
     snprintf(partial, sizeof partial, "%s.partial", dest);
     /* A DIR that is absent, or an empty directory, is made as DIR.partial: a file found bad
-     * part-way leaves nothing. Into a store that holds keys (--force), records are written as
-     * they are read. */
+     * part-way leaves nothing. Into a store that exists (empty, or holding keys with --force),
+     * records are written as they are read. */
     struct stat st;
     int absent = stat(dest, &st) < 0 && errno == ENOENT;
     int empty_dir = !absent && S_ISDIR(st.st_mode) && dir_empty(dest);
@@ -686,8 +694,8 @@ int cmd_import(const struct ctl_opts *o)
     }
     if (staged && rc != 0) nftw(partial, rm_one, 16, FTW_DEPTH | FTW_PHYS);
     if (!staged && rc != 0 && ist.nrec + ist.naud > 0)
-        ctl_err("%llu records and %llu audit entries read before that were written into %s, "
-                "which held keys (--force), and stay there",
+        ctl_err("%llu records and %llu audit entries read before that were written into the "
+                "store %s, which existed (it is written in place), and stay there",
                 (unsigned long long)ist.nrec, (unsigned long long)ist.naud, dest);
     if (rc == 0)
         printf(o->json ? "{\"records\":%llu,\"audit_entries\":%llu}\n"

@@ -358,6 +358,11 @@ int cmd_resolve(const struct ctl_opts *o)
         ctl_err("--result goes with commit only");
         return CTL_USAGE;
     }
+    if (o->has_result && strlen(o->result) > IDEM_RESULT_BYTES_LIMIT) {
+        ctl_err("--result is %zu bytes, over the limit of %u", strlen(o->result),
+                (unsigned)IDEM_RESULT_BYTES_LIMIT);
+        return CTL_USAGE;
+    }
     struct ctl c;
     int rc = ctl_connect(&c, o, CTL_WRITE);
     if (rc) return rc;

@@ -98,7 +98,10 @@ static void status_verdict(struct status *s, const struct ctl_opts *o)
     uint64_t min_free = o->has_min_free ? o->min_free_bytes : STATUS_MIN_FREE_DEFAULT;
     if (t->fatal)
         reason_add(s, "the store stopped after a failed write (fatal): restart idemd, then verify");
-    if (t->loading) reason_add(s, "recovery is running");
+    if (t->loading) { /* nothing else is known: the counts are all 0 until then */
+        reason_add(s, "recovery is running");
+        return;
+    }
     if (t->keys_review)
         reason_add(s, "%llu record(s) held for review", (unsigned long long)t->keys_review);
     if (t->oldest_in_flight_ms && s->now_ms - t->oldest_in_flight_ms >= older) {
@@ -114,8 +117,10 @@ static void status_verdict(struct status *s, const struct ctl_opts *o)
         reason_add(s, "%llu conflicting commit(s)", (unsigned long long)t->conflicting_commits);
     if (t->max_keys && pct(t->keys, t->max_keys) >= STATUS_CAPACITY_PCT)
         reason_add(s, "keys at %u%% of the limit", pct(t->keys, t->max_keys));
-    if (t->max_memory_bytes && pct(t->memory_bytes, t->max_memory_bytes) >= STATUS_CAPACITY_PCT)
-        reason_add(s, "memory at %u%% of the limit", pct(t->memory_bytes, t->max_memory_bytes));
+    /* --max-memory limits the index (index_bytes), not all the store's memory */
+    if (t->max_memory_bytes && pct(t->index_bytes, t->max_memory_bytes) >= STATUS_CAPACITY_PCT)
+        reason_add(s, "index memory at %u%% of the limit",
+                   pct(t->index_bytes, t->max_memory_bytes));
     if (t->max_disk_bytes && pct(t->disk_bytes, t->max_disk_bytes) >= STATUS_CAPACITY_PCT)
         reason_add(s, "disk use at %u%% of the limit", pct(t->disk_bytes, t->max_disk_bytes));
     if (t->disk_free_bytes < min_free) { /* 0: a full disk (or a size it could not read) */
@@ -204,6 +209,7 @@ static void status_json(const struct status *s)
     jw_kuint(&j, "conflicting_commits", t->conflicting_commits);
     jw_kuint(&j, "max_keys", t->max_keys);
     jw_kuint(&j, "memory_bytes", t->memory_bytes);
+    jw_kuint(&j, "index_bytes", t->index_bytes);
     jw_kuint(&j, "max_memory_bytes", t->max_memory_bytes);
     jw_kuint(&j, "disk_bytes", t->disk_bytes);
     jw_kuint(&j, "max_disk_bytes", t->max_disk_bytes);
@@ -286,7 +292,7 @@ static void status_human(const struct status *s, const struct ctl_opts *o)
     snprintf(a, sizeof a, "%llu", (unsigned long long)t->conflicting_commits);
     table_add(tb, "conflicting commits", a, "a target may have given two references for one key");
     row_cap(tb, "capacity: keys", t->keys, t->max_keys, 0);
-    row_cap(tb, "capacity: memory", t->memory_bytes, t->max_memory_bytes, 1);
+    row_cap(tb, "capacity: index memory", t->index_bytes, t->max_memory_bytes, 1);
     row_cap(tb, "capacity: disk", t->disk_bytes, t->max_disk_bytes, 1);
     fmt_size(t->disk_free_bytes, a, sizeof a);
     table_add(tb, "disk free", a, "");
@@ -407,9 +413,10 @@ static void row_time(struct table *tb, const char *name, int64_t ms, int64_t now
     table_add(tb, name, iso, rel);
 }
 
+/* A key or an owner whole; a result or a note cut with "..." past that (--json has it whole). */
 static void row_bytes(struct table *tb, const char *name, const void *p, size_t n)
 {
-    char esc[512], len[32];
+    char esc[CTL_KEY_TEXT_CAP], len[32];
     bytes_escape(p, n, esc, sizeof esc);
     snprintf(len, sizeof len, "%zu bytes", n);
     table_add(tb, name, esc, len);

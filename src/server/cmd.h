@@ -12,6 +12,7 @@
 #define CMD_F_NOAUTH  0x1 /* allowed before AUTH */
 #define CMD_F_LOADING 0x2 /* allowed while the store recovers */
 #define CMD_F_WRITE   0x4 /* for COMMAND's flags */
+#define CMD_F_RESULT  0x8 /* its reply may carry a result or a record (srv_record_reply_max) */
 
 #define ROLES_ALL  (ROLE_WORKER | ROLE_READER | ROLE_ADMIN)
 #define ROLES_READ (ROLE_READER | ROLE_ADMIN)

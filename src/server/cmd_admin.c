@@ -127,12 +127,34 @@ static int state_parse(cmd_req *r, uint32_t i)
     return 0;
 }
 
+/* The largest an audit entry's reply can be: its key, reason and actor at their limits, the
+ * action, six numbers and ten field names, with their framing. */
+#define AUDIT_ENTRY_REPLY_MAX                                                                      \
+    (IDEM_KEY_BYTES_MAX + IDEM_NOTE_BYTES_MAX + IDEM_ACTOR_BYTES_MAX + 1024)
+
+/* The largest reply read a can make. */
+static uint64_t read_reply_max(const srv *s, const srv_read_args *a)
+{
+    switch (a->kind) {
+    case READ_SCAN: /* the cursor, then a key per slot visited at most */
+        return 64 + (uint64_t)(a->scan.count ? a->scan.count : 100) * (IDEM_KEY_BYTES_MAX + 16);
+    case READ_AUDIT:
+        return 64 + (uint64_t)a->count * AUDIT_ENTRY_REPLY_MAX;
+    default: /* its records' bytes, the last one's whole reply past them, and their framing */
+        return 64 + a->att.max_bytes + srv_record_reply_max(&s->cfg) +
+               (uint64_t)a->att.max * SRV_RECORD_FRAMING_MAX;
+    }
+}
+
 /* Makes the read on the reads thread (reads.c), or here when there is none. The batch goes
- * first, so that the read sees every earlier request. */
+ * first, so that the read sees every earlier request. The reply is owed at its largest, or at
+ * the room memory pressure leaves, which then bounds it (a larger one is refused by name). */
 static void read_request(cmd_req *r, const srv_read_args *a)
 {
     srv_flush_ops(r->s);
-    if (srv_reads_submit(r->s, r->c, r->seq, a) == 0) return;
+    uint64_t room = srv_reply_room(r->s, read_reply_max(r->s, a));
+    srv_reply_owe(r->s, r->c, r->seq, room);
+    if (srv_reads_submit(r->s, r->c, r->seq, a, room) == 0) return;
     srv_reads_test_delay(r->s);
     srv_read_run(r->s->q_sync, a, cmd_out(r));
     cmd_done(r);

@@ -364,20 +364,20 @@ static uint32_t audit_args(const srv *s, const uint8_t *const *argv, const uint3
 #define CMD(nm, ar, ro, fl, fn, am) {nm, sizeof nm - 1, ar, ro, fl, fn, am}
 /* clang-format on */
 const cmd_def cmd_table[] = {
-    CMD("IDEM.CLAIM", -4, ROLES_WORK, CMD_F_WRITE, cmd_claim, claim_args),
+    CMD("IDEM.CLAIM", -4, ROLES_WORK, CMD_F_WRITE | CMD_F_RESULT, cmd_claim, claim_args),
     CMD("IDEM.COMMIT", 4, ROLES_WORK, CMD_F_WRITE, cmd_commit, commit_args),
     CMD("IDEM.RELEASE", 3, ROLES_WORK, CMD_F_WRITE, cmd_release, key_args),
     CMD("IDEM.HOLD", 4, ROLES_WORK, CMD_F_WRITE, cmd_hold, hold_args),
     CMD("IDEM.EXTEND", 4, ROLES_WORK, CMD_F_WRITE, cmd_extend, key_args),
-    CMD("IDEM.GET", 2, ROLES_ALL, 0, cmd_idem_get, key_args),
+    CMD("IDEM.GET", 2, ROLES_ALL, CMD_F_RESULT, cmd_idem_get, key_args),
     CMD("IDEM.SCAN", -2, ROLES_READ, 0, cmd_scan, NULL),
     CMD("IDEM.STATS", 1, ROLES_READ, 0, cmd_stats, NULL),
     CMD("IDEM.RESOLVE", -4, ROLE_ADMIN, CMD_F_WRITE, cmd_resolve, resolve_args),
     CMD("IDEM.AUDIT", -1, ROLES_READ, 0, cmd_audit, audit_args),
     CMD("IDEM.ATTENTION", -1, ROLES_READ, 0, cmd_attention, NULL),
     CMD("IDEM.BACKUP", 2, ROLE_ADMIN, 0, cmd_backup, NULL),
-    CMD("SET", -3, ROLES_WORK, CMD_F_WRITE, cmd_set, set_args),
-    CMD("GET", 2, ROLES_ALL, 0, cmd_get, key_args),
+    CMD("SET", -3, ROLES_WORK, CMD_F_WRITE | CMD_F_RESULT, cmd_set, set_args),
+    CMD("GET", 2, ROLES_ALL, CMD_F_RESULT, cmd_get, key_args),
     CMD("EXISTS", -2, ROLES_ALL, 0, cmd_exists, keys_args),
     CMD("PTTL", 2, ROLES_ALL, 0, cmd_pttl, key_args),
     CMD("TTL", 2, ROLES_ALL, 0, cmd_ttl, key_args),
@@ -484,6 +484,20 @@ void cmd_dispatch(srv *s, srv_conn *c, uint32_t seq, uint32_t argc, const uint8_
         return cmd_fail(&r, "LOADING idemd is recovering the store; try again shortly");
     if (s->draining && (d->flags & CMD_F_WRITE)) return cmd_fail(&r, "ERR server is shutting down");
     d->fn(&r);
+}
+
+uint32_t cmd_reply_reserve(const srv *s, uint32_t argc, const uint8_t *const *argv,
+                           const uint32_t *argl)
+{
+    const cmd_def *d = cmd_lookup(argv[0], argl[0]);
+    if (!d || !(d->flags & CMD_F_RESULT)) return SRV_REPLY_SMALL;
+    if (d->fn == cmd_set) { /* SET gives a value back only with GET */
+        uint32_t i = 3;
+        while (i < argc && !(argl[i] == 3 && strncasecmp((const char *)argv[i], "GET", 3) == 0))
+            i++;
+        if (i == argc) return SRV_REPLY_SMALL;
+    }
+    return (uint32_t)srv_record_reply_max(&s->cfg);
 }
 
 /* ---- the parser's field limits ---- */

@@ -284,9 +284,6 @@ static void conn_new(srv *s, int fd, int is_unix, const char *peer)
      * one that would not (several 4 MiB FPs) is refused as it streams in, not a closed socket. */
     c->parser.req_max = SRV_REQ_MAX;
     resp_buf_init(&c->out, s->cfg.client_output_max);
-    /* Until its replies show their size, a client is owed the largest a reply can be. */
-    c->reply_est =
-        (s->cfg.result_bytes_max ? s->cfg.result_bytes_max : IDEM_RESULT_BYTES_DEFAULT) + 64;
     c->last_active_ms = srv_now_ms();
     s->conns[idx] = c;
     s->nconns++;
@@ -438,6 +435,27 @@ static void slot_recount(srv_conn *c, srv_slot *sl)
 {
     c->slot_bytes = c->slot_bytes - sl->buf_counted + sl->buf.cap;
     sl->buf_counted = sl->buf.cap;
+}
+
+static uint64_t budget_pressure(const srv *s);
+
+void srv_reply_owe(srv *s, srv_conn *c, uint32_t seq, uint64_t bytes)
+{
+    srv_slot *sl = slot_of(c, seq);
+    uint32_t owe = bytes < UINT32_MAX ? (uint32_t)bytes : UINT32_MAX;
+    c->owed = c->owed - sl->owed + owe;
+    s->owed_total = s->owed_total - sl->owed + owe;
+    sl->owed = owe;
+}
+
+uint64_t srv_reply_room(const srv *s, uint64_t want)
+{
+    uint64_t room = s->cfg.client_output_max, budget = s->cfg.io_budget_bytes;
+    if (budget) {
+        uint64_t used = budget_pressure(s), left = used < budget ? budget - used : 0;
+        if (room > left) room = left > SRV_OWED_TIGHT ? left : SRV_OWED_TIGHT;
+    }
+    return want < room ? want : room;
 }
 
 void srv_reply_done(srv *s, srv_conn *c, uint32_t seq)
@@ -608,7 +626,8 @@ static int conn_read(srv *s, srv_conn *c)
         cancel_waits(s, c);
         c->peer_eof = 1;
         c->close_after_write = 1;
-        srv_log("info", "half_close", "id=%llu peer=%s", (unsigned long long)c->id, c->peer);
+        srv_log_gated(&s->log_half_close, "info", "half_close", "id=%llu peer=%s",
+                      (unsigned long long)c->id, c->peer);
         conn_account(s, c); /* conn_grow_in may have resized the buffer */
         conn_update_events(s, c);
         return 0;
@@ -714,10 +733,11 @@ static void conn_pause(srv *s, srv_conn *c, int why)
         c->big_ticket = ++s->big_tickets;
         s->big_waiting++;
     }
-    srv_log("warn", "budget_pause", "id=%llu why=%s out=%llu in=%zu used=%llu",
-            (unsigned long long)c->id, why == PAUSE_INPUT ? "large_request" : "unread_replies",
-            (unsigned long long)conn_out_weight(c), conn_in_pending(c),
-            (unsigned long long)budget_pressure(s));
+    srv_log_gated(&s->log_budget_pause, "warn", "budget_pause",
+                  "id=%llu why=%s out=%llu in=%zu used=%llu", (unsigned long long)c->id,
+                  why == PAUSE_INPUT ? "large_request" : "unread_replies",
+                  (unsigned long long)conn_out_weight(c), conn_in_pending(c),
+                  (unsigned long long)budget_pressure(s));
     conn_update_events(s, c);
 }
 
@@ -889,9 +909,9 @@ static void conn_parse_requests(srv *s, srv_conn *c)
                 return;
             }
             s->total_commands++;
-            /* Reserve the reply against the budget at the largest reply this client has had. */
+            /* Reserve the reply against the budget at the largest its command can make. */
             srv_slot *sl = slot_of(c, seq);
-            sl->owed = (uint32_t)(c->reply_est < UINT32_MAX ? c->reply_est : UINT32_MAX);
+            sl->owed = cmd_reply_reserve(s, c->parser.nargs, c->parser.argv, c->parser.argl);
             c->owed += sl->owed;
             s->owed_total += sl->owed;
             cmd_dispatch(s, c, seq, c->parser.nargs, c->parser.argv, c->parser.argl);
@@ -1008,12 +1028,7 @@ static void complete_one(srv *s, const idem_completion *cp)
     sl->remaining--;
     if (sl->kind == RK_DEL) cmd_del_count(c, sl, cp); /* its outcome line, client gone or not */
     if (c->dead) return;
-    resp_buf *rb = srv_reply_buf(c, seq);
-    size_t before = rb->len;
-    int done = cmd_complete(s, sl, rb, cp);
-    /* The estimate follows the largest recent reply: it rises at once and decays slowly. */
-    size_t got = rb->len > before ? rb->len - before : 0;
-    c->reply_est = got > c->reply_est - c->reply_est / 16 ? got : c->reply_est - c->reply_est / 16;
+    int done = cmd_complete(s, sl, srv_reply_buf(c, seq), cp);
     if (done && sl->timed) claim_latency_add(s, sl);
     if (done) srv_reply_done(s, c, seq);
 }
@@ -1292,7 +1307,10 @@ static void *load_main(void *arg)
     const char *delay = getenv("IDEM_TEST_LOAD_DELAY_MS");
     if (s->cfg.test_clock && delay) {
         unsigned long ms = strtoul(delay, NULL, 10);
-        usleep((useconds_t)(ms < 10000 ? ms : 10000) * 1000);
+        if (ms > 10000) ms = 10000;
+        struct timespec ts = {(time_t)(ms / 1000), (long)(ms % 1000) * 1000000L};
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+        }
     }
     s->loaded = st; /* the loop takes it after the join (load_finish): s->store is the loop's */
     uint64_t one = 1;

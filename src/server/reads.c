@@ -89,7 +89,7 @@ int srv_reads_start(srv *s)
     return 0;
 }
 
-int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a)
+int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a, uint64_t limit)
 {
     if (!s->reads_started) return -1;
     srv_read *r = s->reads_free;
@@ -100,7 +100,7 @@ int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a)
         r = calloc(1, sizeof *r);
         if (!r) return -1;
     }
-    r->reply.limit = s->cfg.client_output_max; /* empty: new, or emptied when it came back */
+    r->reply.limit = limit; /* empty: new, or emptied when it came back */
     r->conn = c->index;
     r->seq = seq;
     r->a = *a;
@@ -156,7 +156,8 @@ void srv_reads_done(srv *s)
         if (!c->dead && srv_reply_pending(c, r->seq)) {
             resp_buf *b = srv_reply_buf(c, r->seq);
             if (r->reply.overflow) /* the request asked too much, whatever the client read */
-                resp_error(b, "ERR the reply would pass --client-output-max: ask for fewer "
+                resp_error(b, "ERR the reply would pass --client-output-max (or the memory left "
+                              "under load): ask for fewer "
                               "(a lower COUNT)");
             else if (resp_buf_append(b, r->reply.data, r->reply.len) < 0)
                 c->out.overflow = 1; /* closed as too slow a reader, as on the loop */

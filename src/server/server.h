@@ -46,6 +46,7 @@
 #define SRV_IN_HEAVY_BYTES    16384u
 #define SRV_IN_HELD_MAX       (256u * 1024) /* unparsed input kept for a held-back client */
 #define SRV_OWED_TIGHT        (1u << 20)    /* replies a client may be owed under memory pressure */
+#define SRV_REPLY_SMALL       512u   /* owed for a reply without a result (cmd_reply_reserve) */
 #define SRV_STALL_BYTES       65536u /* unread replies that make a stalled client a slow reader */
 #define SRV_SLOT_KEEP         16384u /* slot buffers a connection keeps once their replies left */
 #define SRV_TEST_CLOCK_MS_MAX IDEM_CLOCK_MS_MAX /* DEBUG CLOCK: as far as the store may go */
@@ -182,7 +183,6 @@ typedef struct srv_conn {
     int64_t out_progress_ms;     /* last write progress, or when the backlog began; 0: none */
     int64_t outq_ms;             /* when outq_bytes was looked at (conn_stalled) */
     int outq_bytes;              /* the kernel's unacknowledged bytes then; -1: unknown */
-    size_t reply_est;            /* the size of its large recent replies (decays slowly) */
     uint64_t owed;               /* reply bytes reserved for its requests not yet answered */
     uint64_t slot_bytes;         /* capacity of its slot buffers (in io_bytes) */
     uint64_t slot_ready;         /* bytes of replies made that wait in slots for those before */
@@ -265,7 +265,7 @@ typedef struct srv {
     int spare_fd;
     int64_t accept_paused_until_ms;
     srv_log_gate log_accept, log_protocol, log_auth, log_auth_ok, log_full;
-    srv_log_gate log_connect, log_disconnect;
+    srv_log_gate log_connect, log_disconnect, log_half_close, log_budget_pause;
     pthread_t load_thread;
     int load_started;
     int load_err;
@@ -314,6 +314,11 @@ int srv_accept(srv *s, int lfd, struct sockaddr *sa, socklen_t *sl);
 resp_buf *srv_reply_buf(srv_conn *c, uint32_t seq);
 /* The request `seq` is answered (its reply is complete): release its slot in order. */
 void srv_reply_done(srv *s, srv_conn *c, uint32_t seq);
+/* Makes what request seq is owed `bytes` (a read, once its bound is known). */
+void srv_reply_owe(srv *s, srv_conn *c, uint32_t seq, uint64_t bytes);
+/* Room for a reply of up to `want` bytes: want, or less under memory pressure (what is left of
+ * the budget, at least SRV_OWED_TIGHT), at most --client-output-max. */
+uint64_t srv_reply_room(const srv *s, uint64_t want);
 /* Queues an engine op for request `seq`, whose completion is formatted as `kind` (enum
  * reply_kind). The op's user_data is set here; its pointers must stay valid until the batch is
  * submitted (they point into the connection's input buffer). */
@@ -337,7 +342,7 @@ void srv_backup_done(srv *s);
 int srv_reads_start(srv *s);
 /* Hands the read of request `seq` of c to the thread, or returns -1 when there is no thread or
  * no memory (the caller makes it on the loop). */
-int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a);
+int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a, uint64_t limit);
 /* Tests (IDEM_TEST_READS_DELAY_MS under --test-clock): waits that long before a read. */
 void srv_reads_test_delay(const srv *s);
 /* The loop saw reads_fd readable: answers the reads that are done. */
@@ -352,6 +357,11 @@ void srv_reads_stop(srv *s);
  * when the engine completes the ops it queued. */
 void cmd_dispatch(srv *s, srv_conn *c, uint32_t seq, uint32_t argc, const uint8_t *const *argv,
                   const uint32_t *argl);
+/* The reply a request of the command `name` is owed until it is made: the largest record reply
+ * for a command whose reply may carry a result, else SRV_REPLY_SMALL (reads raise theirs:
+ * srv_reply_owe). */
+uint32_t cmd_reply_reserve(const srv *s, uint32_t argc, const uint8_t *const *argv,
+                           const uint32_t *argl);
 /* Formats the reply of one engine completion for request slot sl. Returns nonzero when the
  * request is answered. */
 int cmd_complete(srv *s, srv_slot *sl, resp_buf *b, const idem_completion *cp);
