@@ -209,8 +209,9 @@ Test(idemctl, resolve_is_checked_and_audited, .init = setup, .fini = teardown)
     cr_assert(strstr(out, "review v") && !strstr(out, "late-1"), "%s", out);
 }
 
-/* The result limit is idemd's setting (--result-max), not kept in the store: offline, a
- * decision's result longer than the default 64 KiB used to be refused. */
+/* The result limit is idemd's setting (--result-max), not kept in the store: offline it is
+ * given as --result-max; a decision's result longer than the default 64 KiB used to be
+ * refused as "invalid argument" whatever the store's idemd took. */
 Test(idemctl, resolve_offline_takes_a_result_over_the_default_limit, .init = setup,
      .fini = teardown)
 {
@@ -224,6 +225,12 @@ Test(idemctl, resolve_offline_takes_a_result_over_the_default_limit, .init = set
     fclose(f);
     cr_assert_eq(ctl("resolve held-1 commit --reason 'target shows it' --result \"$(cat %s)\" "
                      "--dir %s",
+                     path, dir),
+                 2, "over the default limit without --result-max");
+    cr_assert(strstr(err, "102400 bytes, over the store's result limit of 65536 (--result-max"),
+              "%s", err);
+    cr_assert_eq(ctl("resolve held-1 commit --reason 'target shows it' --result \"$(cat %s)\" "
+                     "--result-max 128k --dir %s",
                      path, dir),
                  0, "%s", err);
     idem_store *s;

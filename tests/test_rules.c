@@ -3205,8 +3205,9 @@ Test(durability, batch_mode_flushes_a_change_made_just_after_a_flush_within_the_
 }
 
 /* Under steady changes, batch mode flushes every STORE_BATCH_FLUSH_MS (10 ms): what a crash
- * can take back is that much. The test asks for a quarter of that cadence, for a loaded
- * machine: a flusher that waited 40 ms or more between flushes fails it. */
+ * can take back is that much. The test asks for a tenth of that cadence, for a loaded machine
+ * whose flushes may take tens of ms: a flusher that waited 100 ms or more between flushes (or
+ * slept its idle second) fails it. */
 Test(durability, batch_mode_flushes_steady_changes_every_interval)
 {
     store_close();
@@ -3221,7 +3222,7 @@ Test(durability, batch_mode_flushes_steady_changes_every_interval)
         usleep(200);
     }
     uint64_t flushes = stats().flushes - f0;
-    cr_assert_geq(flushes, 1000 / (4 * STORE_BATCH_FLUSH_MS),
+    cr_assert_geq(flushes, 1000 / (10 * STORE_BATCH_FLUSH_MS),
                   "%llu flushes in 1 s of steady changes (interval %d ms)",
                   (unsigned long long)flushes, STORE_BATCH_FLUSH_MS);
 }

@@ -207,10 +207,6 @@ static int offline_open(struct ctl *c, const struct ctl_opts *o, int access)
     idem_options_init(&opt);
     opt.read_only = access == CTL_READ || access == CTL_OFFLINE_READ;
     if (o->result_max) opt.result_bytes_max = (uint32_t)o->result_max;
-    /* A decision's result is refused over the store's limit, which is idemd's (--result-max),
-     * not kept in the store: offline, the result given is within it. */
-    if (o->has_result && strlen(o->result) > IDEM_RESULT_BYTES_DEFAULT)
-        opt.result_bytes_max = (uint32_t)strlen(o->result); /* at most the limit: cmd_resolve */
     int rc = idem_open(dir, &opt, &c->s);
     if (rc != IDEM_OK) {
         ctl_open_error(dir, rc);

@@ -358,9 +358,14 @@ int cmd_resolve(const struct ctl_opts *o)
         ctl_err("--result goes with commit only");
         return CTL_USAGE;
     }
-    if (o->has_result && strlen(o->result) > IDEM_RESULT_BYTES_LIMIT) {
-        ctl_err("--result is %zu bytes, over the limit of %u", strlen(o->result),
-                (unsigned)IDEM_RESULT_BYTES_LIMIT);
+    /* The store's result limit is idemd's --result-max, not kept in the store: offline it is
+     * given as --result-max (a larger result would be a record idemd answers past what it
+     * reserves for a reply). */
+    uint64_t limit = o->result_max ? o->result_max : IDEM_RESULT_BYTES_DEFAULT;
+    if (o->has_result && o->dir && strlen(o->result) > limit) {
+        ctl_err("--result is %zu bytes, over the store's result limit of %llu (--result-max, as "
+                "idemd's)",
+                strlen(o->result), (unsigned long long)limit);
         return CTL_USAGE;
     }
     struct ctl c;

@@ -48,7 +48,7 @@ struct ctl_opts {
     int64_t interval_ms, window_ms;
     uint64_t min_free_bytes;
     int has_min_free;
-    uint64_t result_max; /* import: the store's result limit (0: the default) */
+    uint64_t result_max; /* import, offline resolve: the store's result limit (0: the default) */
     const char *pos[CTL_POS_MAX];
     int npos;
     /* get, resolve, audit: KEY as bytes (pos[0] as typed, or decoded by --key-escaped or

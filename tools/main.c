@@ -53,15 +53,16 @@ static const struct subcmd cmds[] = {
      "Every record that needs a person or a reconciler, most urgent first: review records,\n"
      "in_flight records whose lease ran out (or older than --older), keys with mismatches; each\n"
      "with the suggested next step. Never scans all keys (idemd: IDEM.ATTENTION)."},
-    {"resolve", cmd_resolve, 2, 2, O_REASON | O_RESULT | O_FORCE | O_KEY | O_EXPECT,
+    {"resolve", cmd_resolve, 2, 2, O_REASON | O_RESULT | O_FORCE | O_KEY | O_EXPECT | O_RESULTMAX,
      "resolve KEY commit|release|settle --reason TEXT [--result BYTES] [--expect VERSION]\n"
-     "        [--force]",
+     "        [--force] [--result-max SIZE]",
      "An operator decision (admin role). commit: the target was checked and it happened\n"
      "(--result: the target's reference); release: it did not happen, re-offer the key; settle:\n"
      "close without new action. The decision passes a version (EXPECT): --expect VERSION, the\n"
      "version `get` or `attention` showed when the target was checked; without it, the version\n"
      "resolve reads first. A record at another version is refused, with what it is now. --force\n"
-     "is needed while a lease runs. Recorded in the audit trail."},
+     "is needed while a lease runs. Recorded in the audit trail. --result-max (offline): the\n"
+     "store's result limit, as idemd's (default 64KiB)."},
     {"audit", cmd_audit, 0, 1, O_COUNT | O_KEY, "audit [KEY] [--count N]",
      "Operator decisions, newest first: who, when, action, reason, state before and after."},
     {"scan", cmd_scan, 0, 0, O_STATE | O_OLDER | O_COUNT,

@@ -152,7 +152,8 @@ static uint64_t read_reply_max(const srv *s, const srv_read_args *a)
 static void read_request(cmd_req *r, const srv_read_args *a)
 {
     srv_flush_ops(r->s);
-    uint64_t room = srv_reply_room(r->s, read_reply_max(r->s, a));
+    uint64_t most = read_reply_max(r->s, a), line = srv_reads_room(r->s);
+    uint64_t room = srv_reply_room(r->s, most < line ? most : line);
     srv_reply_owe(r->s, r->c, r->seq, room);
     if (srv_reads_submit(r->s, r->c, r->seq, a, room) == 0) return;
     srv_reads_test_delay(r->s);
@@ -265,7 +266,7 @@ static void audit_reply(idem_queue *q, const srv_read_args *a, resp_buf *b)
 
 /* IDEM.ATTENTION [OLDER ms] [COUNT n]: the records that need a person or a reconciler (review,
  * in_flight past its lease or older than ms, recorded mismatches), each as IDEM.GET's array,
- * at most n, cut to fit --client-output-max (below). Costs no scan of all keys. */
+ * at most n, cut to fit the room its reply has (below). Costs no scan of all keys. */
 void cmd_attention(cmd_req *r)
 {
     uint64_t older = 0, count = 1000;
@@ -279,10 +280,14 @@ void cmd_attention(cmd_req *r)
             return cmd_fail(r, "ERR syntax error (OLDER ms, COUNT 1..100000)");
         }
     }
-    /* The list is cut to fit the reply limit, not refused after all was copied. Past one
-     * record's largest reply, half the room goes to the records' bytes (the last one listed
-     * may pass it by a largest reply) and half to their framing. */
-    uint64_t room = (r->s->cfg.client_output_max - srv_record_reply_max(&r->s->cfg)) / 2;
+    /* The list is cut to fit the room its reply has (--client-output-max, or less under
+     * memory pressure: srv_reply_room, srv_reads_room), not refused after all was copied.
+     * Past one record's largest reply and the array's header, half the room goes to the
+     * records' bytes (the last one listed may pass it by a largest reply) and half to their
+     * framing. */
+    uint64_t avail = srv_reply_room(r->s, srv_reads_room(r->s)),
+             rec = srv_record_reply_max(&r->s->cfg) + 64;
+    uint64_t room = avail > rec ? (avail - rec) / 2 : 0;
     if (count > room / SRV_RECORD_FRAMING_MAX) count = room / SRV_RECORD_FRAMING_MAX;
     srv_read_args a = {.kind = READ_ATTENTION,
                        .att = {.older_ms = (int64_t)older,

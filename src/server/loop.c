@@ -139,7 +139,10 @@ static void big_back_count(srv *s, srv_conn *c)
 
 static void conn_account(srv *s, srv_conn *c)
 {
-    uint64_t now = c->in_cap + c->out.cap + c->slot_bytes;
+    /* The slot ring too once a pipeline grew it (up to --pipeline-max entries held behind a
+     * WAIT); the small ring every connection keeps is its fixed cost, as the struct is. */
+    uint64_t ring = c->slot_cap > SRV_SLOTS_KEEP ? (uint64_t)c->slot_cap * sizeof(srv_slot) : 0;
+    uint64_t now = c->in_cap + c->out.cap + c->slot_bytes + ring;
     s->io_used = s->io_used - c->io_bytes + now;
     c->io_bytes = now;
     big_back_count(s, c);
@@ -173,6 +176,8 @@ static void conn_update_events(srv *s, srv_conn *c)
 static void conn_free(srv *s, srv_conn *c)
 {
     s->owed_total -= c->owed; /* replies it was owed will never be made */
+    s->short_by -= c->short_by;
+    c->owed = c->short_by = 0;
     for (uint32_t i = 0; i < c->slot_cap; i++)
         resp_buf_free(&c->slots[i].buf);
     free(c->slots);
@@ -284,6 +289,7 @@ static void conn_new(srv *s, int fd, int is_unix, const char *peer)
      * one that would not (several 4 MiB FPs) is refused as it streams in, not a closed socket. */
     c->parser.req_max = SRV_REQ_MAX;
     resp_buf_init(&c->out, s->cfg.client_output_max);
+    c->reply_est = SRV_REPLY_SMALL;
     c->last_active_ms = srv_now_ms();
     s->conns[idx] = c;
     s->nconns++;
@@ -450,11 +456,12 @@ void srv_reply_owe(srv *s, srv_conn *c, uint32_t seq, uint64_t bytes)
 
 uint64_t srv_reply_room(const srv *s, uint64_t want)
 {
-    uint64_t room = s->cfg.client_output_max, budget = s->cfg.io_budget_bytes;
+    uint64_t room = UINT64_MAX, budget = s->cfg.io_budget_bytes;
     if (budget) {
         uint64_t used = budget_pressure(s), left = used < budget ? budget - used : 0;
-        if (room > left) room = left > SRV_OWED_TIGHT ? left : SRV_OWED_TIGHT;
+        room = left > SRV_OWED_TIGHT ? left : SRV_OWED_TIGHT;
     }
+    if (room > s->cfg.client_output_max) room = s->cfg.client_output_max;
     return want < room ? want : room;
 }
 
@@ -465,6 +472,9 @@ void srv_reply_done(srv *s, srv_conn *c, uint32_t seq)
     c->owed -= sl->owed; /* the reply exists now: io_used and the client's output count it */
     s->owed_total -= sl->owed;
     sl->owed = 0;
+    c->short_by -= sl->short_by;
+    s->short_by -= sl->short_by;
+    sl->short_by = 0;
     slot_recount(c, sl);
     c->slot_ready += sl->buf.len; /* 0 for the head: its reply went to `out` */
     /* Replies waiting in slots are the client's output as much as `out` is: past
@@ -813,8 +823,7 @@ static void conn_shed_input(srv *s, srv_conn *c)
 }
 
 /* A connection with nothing outstanding gives back a reply ring grown past SRV_SLOTS_KEEP
- * entries by a burst of pipelined requests (96 bytes an entry, and their buffers). */
-#define SRV_SLOTS_KEEP 64
+ * entries by a burst of pipelined requests (about 110 bytes an entry, and their buffers). */
 static void conn_shed_slots(srv *s, srv_conn *c)
 {
     if (c->head_seq != c->tail_seq || c->slot_cap <= SRV_SLOTS_KEEP) return;
@@ -909,9 +918,22 @@ static void conn_parse_requests(srv *s, srv_conn *c)
                 return;
             }
             s->total_commands++;
-            /* Reserve the reply against the budget at the largest its command can make. */
+            /* Reserve the reply against the budget at the largest its command can make, or at
+             * the size of the client's large recent replies while what all requests are owed
+             * short of their largest stays within SRV_SHORT_DIV of the budget: the replies
+             * made past their reservations are bounded, and pipelines of small replies are
+             * not held back for results they do not carry. */
             srv_slot *sl = slot_of(c, seq);
-            sl->owed = cmd_reply_reserve(s, c->parser.nargs, c->parser.argv, c->parser.argl);
+            uint32_t full = cmd_reply_reserve(s, c->parser.nargs, c->parser.argv, c->parser.argl);
+            uint32_t est = c->reply_est < full ? (uint32_t)c->reply_est : full;
+            sl->owed = full;
+            if (est < full &&
+                s->short_by + (full - est) <= s->cfg.io_budget_bytes / SRV_SHORT_DIV) {
+                sl->owed = est;
+                sl->short_by = full - est;
+                c->short_by += sl->short_by;
+                s->short_by += sl->short_by;
+            }
             c->owed += sl->owed;
             s->owed_total += sl->owed;
             cmd_dispatch(s, c, seq, c->parser.nargs, c->parser.argv, c->parser.argl);
@@ -1028,7 +1050,13 @@ static void complete_one(srv *s, const idem_completion *cp)
     sl->remaining--;
     if (sl->kind == RK_DEL) cmd_del_count(c, sl, cp); /* its outcome line, client gone or not */
     if (c->dead) return;
-    int done = cmd_complete(s, sl, srv_reply_buf(c, seq), cp);
+    resp_buf *rb = srv_reply_buf(c, seq);
+    size_t before = rb->len;
+    int done = cmd_complete(s, sl, rb, cp);
+    /* The estimate follows the largest recent reply: it rises at once and decays slowly. */
+    size_t got = rb->len > before ? rb->len - before : 0,
+           decayed = c->reply_est - c->reply_est / 16;
+    c->reply_est = got > decayed ? got : decayed > SRV_REPLY_SMALL ? decayed : SRV_REPLY_SMALL;
     if (done && sl->timed) claim_latency_add(s, sl);
     if (done) srv_reply_done(s, c, seq);
 }

@@ -101,6 +101,8 @@ int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a, 
         if (!r) return -1;
     }
     r->reply.limit = limit; /* empty: new, or emptied when it came back */
+    r->room = limit;
+    s->reads_owed += limit;
     r->conn = c->index;
     r->seq = seq;
     r->a = *a;
@@ -118,6 +120,14 @@ int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a, 
     pthread_cond_signal(&s->reads_cond);
     pthread_mutex_unlock(&s->reads_mu);
     return 0;
+}
+
+uint64_t srv_reads_room(const srv *s)
+{
+    uint64_t budget = s->cfg.io_budget_bytes;
+    if (!budget || !s->reads_started) return UINT64_MAX;
+    uint64_t cap = budget / SRV_READS_DIV, left = cap > s->reads_owed ? cap - s->reads_owed : 0;
+    return left > SRV_OWED_TIGHT ? left : SRV_OWED_TIGHT;
 }
 
 /* A read that came back (or was withdrawn) is kept for reuse, SRV_READS_KEEP at most. */
@@ -153,6 +163,7 @@ void srv_reads_done(srv *s)
         c->engine_due--;
         s->engine_due--;
         s->reads_out--;
+        s->reads_owed -= r->room;
         if (!c->dead && srv_reply_pending(c, r->seq)) {
             resp_buf *b = srv_reply_buf(c, r->seq);
             if (r->reply.overflow) /* the request asked too much, whatever the client read */
@@ -186,6 +197,7 @@ void srv_reads_cancel(srv *s, srv_conn *c)
     c->engine_due--;
     s->engine_due--;
     s->reads_out--;
+    s->reads_owed -= found->room;
     read_recycle(s, found);
 }
 

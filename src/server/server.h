@@ -46,7 +46,10 @@
 #define SRV_IN_HEAVY_BYTES    16384u
 #define SRV_IN_HELD_MAX       (256u * 1024) /* unparsed input kept for a held-back client */
 #define SRV_OWED_TIGHT        (1u << 20)    /* replies a client may be owed under memory pressure */
+#define SRV_SLOTS_KEEP        64     /* a slot ring this small is kept while idle, uncounted */
 #define SRV_REPLY_SMALL       512u   /* owed for a reply without a result (cmd_reply_reserve) */
+#define SRV_SHORT_DIV         4u     /* owed short of largest replies: --io-budget / this at most */
+#define SRV_READS_DIV         8u     /* reads in line may be owed --io-budget / this */
 #define SRV_STALL_BYTES       65536u /* unread replies that make a stalled client a slow reader */
 #define SRV_SLOT_KEEP         16384u /* slot buffers a connection keeps once their replies left */
 #define SRV_TEST_CLOCK_MS_MAX IDEM_CLOCK_MS_MAX /* DEBUG CLOCK: as far as the store may go */
@@ -137,6 +140,7 @@ typedef struct srv_slot {
     uint32_t refused;   /* DEL: the key (from 1) named in a refusal, 0: none yet */
     int refused_state;  /* its state, when the engine said (0: not known) */
     uint32_t owed;      /* reply bytes reserved for it against the budget until it is made */
+    uint32_t short_by;  /* what owed falls short of the largest reply its command can make */
     uint8_t timed;      /* a claim whose latency is measured (not one that waits) */
     int64_t parsed_us;  /* timed: the loop's clock when it was parsed */
     resp_buf buf;       /* the reply, when it cannot go to `out` yet */
@@ -184,6 +188,8 @@ typedef struct srv_conn {
     int64_t outq_ms;             /* when outq_bytes was looked at (conn_stalled) */
     int outq_bytes;              /* the kernel's unacknowledged bytes then; -1: unknown */
     uint64_t owed;               /* reply bytes reserved for its requests not yet answered */
+    uint64_t short_by;           /* what those fall short of their largest replies (srv.short_by) */
+    size_t reply_est;            /* the size of its large recent replies (decays slowly) */
     uint64_t slot_bytes;         /* capacity of its slot buffers (in io_bytes) */
     uint64_t slot_ready;         /* bytes of replies made that wait in slots for those before */
     int64_t last_active_ms;
@@ -208,6 +214,7 @@ typedef struct srv_read {
     struct srv_read *next;
     uint32_t conn, seq; /* the request: connection index and sequence */
     srv_read_args a;
+    uint64_t room;  /* what its reply may hold, counted in srv.reads_owed until it is back */
     resp_buf reply; /* made by the thread */
 } srv_read;
 
@@ -236,6 +243,8 @@ typedef struct srv {
     uint64_t next_id;
     uint64_t io_used;
     uint64_t owed_total; /* reply bytes reserved for requests not yet answered, all clients */
+    uint64_t short_by;   /* what those fall short of their largest replies: SRV_SHORT_MAX at most */
+    uint64_t reads_owed; /* reply bytes the reads handed to the reads thread may make */
     uint32_t engine_due; /* all connections */
     int queue_signalled; /* the engine queue's eventfd was readable this turn: poll drains it */
     uint32_t wait_due;   /* of which claims parked with WAIT */
@@ -343,6 +352,9 @@ int srv_reads_start(srv *s);
 /* Hands the read of request `seq` of c to the thread, or returns -1 when there is no thread or
  * no memory (the caller makes it on the loop). */
 int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a, uint64_t limit);
+/* What a read handed to the reads thread may still be owed: reads waiting in line together are
+ * owed at most --io-budget / SRV_READS_DIV (each at least SRV_OWED_TIGHT). */
+uint64_t srv_reads_room(const srv *s);
 /* Tests (IDEM_TEST_READS_DELAY_MS under --test-clock): waits that long before a read. */
 void srv_reads_test_delay(const srv *s);
 /* The loop saw reads_fd readable: answers the reads that are done. */
