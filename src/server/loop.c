@@ -181,6 +181,8 @@ static void conn_free(srv *s, srv_conn *c)
     for (uint32_t i = 0; i < c->slot_cap; i++)
         resp_buf_free(&c->slots[i].buf);
     free(c->slots);
+    c->slots = NULL;
+    c->slot_cap = 0; /* a ring grown past SRV_SLOTS_KEEP is counted: counted out now */
     free(c->in);
     resp_buf_free(&c->out);
     c->in_cap = 0;
@@ -846,10 +848,11 @@ static int conn_may_parse(srv *s, srv_conn *c)
      * while its reply waits behind the WAIT, and another worker could recover the key. */
     if (c->waits_due) return 0;
     /* As Redis, a client may pipeline far ahead of reading its replies: they collect in its
-     * output, up to --client-output-max (replies still owed count at the largest reply it has
-     * had). Past half the global budget the allowance shrinks to SRV_OWED_TIGHT, and past the
-     * budget to SRV_HEAVY_BYTES. Input never holds parsing back: parsing is what frees it. */
-    uint64_t owed = conn_out_weight(c);
+     * output, up to --client-output-max (replies still owed count at the largest their
+     * commands can make, so that a pipeline is held back, not closed, at that limit). Past
+     * half the global budget the allowance shrinks to SRV_OWED_TIGHT, and past the budget to
+     * SRV_HEAVY_BYTES. Input never holds parsing back: parsing is what frees it. */
+    uint64_t owed = conn_out_weight(c) + c->short_by;
     if (over_budget(s) && owed >= SRV_HEAVY_BYTES) return 0;
     uint64_t pressure = budget_pressure(s);
     uint64_t cap = s->cfg.io_budget_bytes && pressure > s->cfg.io_budget_bytes / 2

@@ -243,7 +243,8 @@ typedef struct srv {
     uint64_t next_id;
     uint64_t io_used;
     uint64_t owed_total; /* reply bytes reserved for requests not yet answered, all clients */
-    uint64_t short_by;   /* what those fall short of their largest replies: SRV_SHORT_MAX at most */
+    uint64_t short_by;   /* what those fall short of their largest replies: --io-budget /
+                            SRV_SHORT_DIV at most */
     uint64_t reads_owed; /* reply bytes the reads handed to the reads thread may make */
     uint32_t engine_due; /* all connections */
     int queue_signalled; /* the engine queue's eventfd was readable this turn: poll drains it */
