@@ -537,12 +537,16 @@ Test(recovery, a_sync_op_in_durability_none_is_delivered_after_a_later_expiry, .
         clocks_elapse(1000);
         (void)idem_clock_now(s);
     }
-    cr_assert_eq(idem_set_if_absent(q, "other", 5, "v", 1, hour, 0, &c), IDEM_OK);
+    /* The disk held, so that the sync op finds "other" not yet written (it waits for a flush:
+     * durable_wait), however fast the flusher. */
     idem_stats st;
     idem_get_stats(s, &st);
     uint64_t f0 = st.flushes;
+    io_sim_hold(sim, 1);
+    cr_assert_eq(idem_set_if_absent(q, "other", 5, "v", 1, hour, 0, &c), IDEM_OK);
     idem_op sync = {.kind = IDEM_OP_SYNC, .user_data = 7};
     cr_assert_eq(idem_submit(q, &sync, 1), 1);
+    io_sim_hold(sim, 0);
     for (int i = 0; i < 500 && st.flushes == f0; i++) {
         usleep(10000);
         idem_get_stats(s, &st);
