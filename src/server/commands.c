@@ -461,11 +461,27 @@ static int roles_allow(const cmd_def *d, int role)
     return (d->roles & role) != 0;
 }
 
+/* The reply r is owed until it is made: the largest record reply for a command whose reply may
+ * carry a result (SET's only with GET), else SRV_REPLY_SMALL (reads raise theirs once their
+ * bound is known: srv_reply_owe). */
+static uint32_t reply_max(const cmd_req *r, const cmd_def *d)
+{
+    if (!d || !(d->flags & CMD_F_RESULT)) return SRV_REPLY_SMALL;
+    if (d->fn == cmd_set) {
+        uint32_t i = 3;
+        while (i < r->argc && !cmd_is(r, i, "GET"))
+            i++;
+        if (i == r->argc) return SRV_REPLY_SMALL;
+    }
+    return (uint32_t)srv_record_reply_max(&r->s->cfg);
+}
+
 void cmd_dispatch(srv *s, srv_conn *c, uint32_t seq, uint32_t argc, const uint8_t *const *argv,
                   const uint32_t *argl)
 {
     cmd_req r = {s, c, seq, argc, argv, argl};
     const cmd_def *d = cmd_lookup(argv[0], argl[0]);
+    srv_reply_reserve(s, c, seq, reply_max(&r, d));
     if (!d) {
         if (c->role == ROLE_NONE) return cmd_fail(&r, "NOAUTH Authentication required.");
         return unknown_command(&r);
@@ -484,20 +500,6 @@ void cmd_dispatch(srv *s, srv_conn *c, uint32_t seq, uint32_t argc, const uint8_
         return cmd_fail(&r, "LOADING idemd is recovering the store; try again shortly");
     if (s->draining && (d->flags & CMD_F_WRITE)) return cmd_fail(&r, "ERR server is shutting down");
     d->fn(&r);
-}
-
-uint32_t cmd_reply_reserve(const srv *s, uint32_t argc, const uint8_t *const *argv,
-                           const uint32_t *argl)
-{
-    const cmd_def *d = cmd_lookup(argv[0], argl[0]);
-    if (!d || !(d->flags & CMD_F_RESULT)) return SRV_REPLY_SMALL;
-    if (d->fn == cmd_set) { /* SET gives a value back only with GET */
-        uint32_t i = 3;
-        while (i < argc && !(argl[i] == 3 && strncasecmp((const char *)argv[i], "GET", 3) == 0))
-            i++;
-        if (i == argc) return SRV_REPLY_SMALL;
-    }
-    return (uint32_t)srv_record_reply_max(&s->cfg);
 }
 
 /* ---- the parser's field limits ---- */

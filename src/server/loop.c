@@ -447,6 +447,25 @@ static void slot_recount(srv_conn *c, srv_slot *sl)
 
 static uint64_t budget_pressure(const srv *s);
 
+/* A reply is reserved at the largest its command can make, or at the size of the client's
+ * large recent replies while what all requests are owed short of their largest stays within
+ * SRV_SHORT_DIV of the budget: the replies made past their reservations are bounded, and
+ * pipelines of small replies are not held back for results they do not carry. */
+void srv_reply_reserve(srv *s, srv_conn *c, uint32_t seq, uint32_t full)
+{
+    srv_slot *sl = slot_of(c, seq);
+    uint32_t est = c->reply_est < full ? (uint32_t)c->reply_est : full;
+    sl->owed = full;
+    if (est < full && s->short_by + (full - est) <= s->cfg.io_budget_bytes / SRV_SHORT_DIV) {
+        sl->owed = est;
+        sl->short_by = full - est;
+        c->short_by += sl->short_by;
+        s->short_by += sl->short_by;
+    }
+    c->owed += sl->owed;
+    s->owed_total += sl->owed;
+}
+
 void srv_reply_owe(srv *s, srv_conn *c, uint32_t seq, uint64_t bytes)
 {
     srv_slot *sl = slot_of(c, seq);
@@ -921,24 +940,6 @@ static void conn_parse_requests(srv *s, srv_conn *c)
                 return;
             }
             s->total_commands++;
-            /* Reserve the reply against the budget at the largest its command can make, or at
-             * the size of the client's large recent replies while what all requests are owed
-             * short of their largest stays within SRV_SHORT_DIV of the budget: the replies
-             * made past their reservations are bounded, and pipelines of small replies are
-             * not held back for results they do not carry. */
-            srv_slot *sl = slot_of(c, seq);
-            uint32_t full = cmd_reply_reserve(s, c->parser.nargs, c->parser.argv, c->parser.argl);
-            uint32_t est = c->reply_est < full ? (uint32_t)c->reply_est : full;
-            sl->owed = full;
-            if (est < full &&
-                s->short_by + (full - est) <= s->cfg.io_budget_bytes / SRV_SHORT_DIV) {
-                sl->owed = est;
-                sl->short_by = full - est;
-                c->short_by += sl->short_by;
-                s->short_by += sl->short_by;
-            }
-            c->owed += sl->owed;
-            s->owed_total += sl->owed;
             cmd_dispatch(s, c, seq, c->parser.nargs, c->parser.argv, c->parser.argl);
         }
     }

@@ -47,7 +47,7 @@
 #define SRV_IN_HELD_MAX       (256u * 1024) /* unparsed input kept for a held-back client */
 #define SRV_OWED_TIGHT        (1u << 20)    /* replies a client may be owed under memory pressure */
 #define SRV_SLOTS_KEEP        64     /* a slot ring this small is kept while idle, uncounted */
-#define SRV_REPLY_SMALL       512u   /* owed for a reply without a result (cmd_reply_reserve) */
+#define SRV_REPLY_SMALL       512u   /* owed for a reply without a result (cmd_dispatch) */
 #define SRV_SHORT_DIV         4u     /* owed short of largest replies: --io-budget / this at most */
 #define SRV_READS_DIV         8u     /* reads in line may be owed --io-budget / this */
 #define SRV_STALL_BYTES       65536u /* unread replies that make a stalled client a slow reader */
@@ -324,6 +324,11 @@ int srv_accept(srv *s, int lfd, struct sockaddr *sa, socklen_t *sl);
 resp_buf *srv_reply_buf(srv_conn *c, uint32_t seq);
 /* The request `seq` is answered (its reply is complete): release its slot in order. */
 void srv_reply_done(srv *s, srv_conn *c, uint32_t seq);
+/* Reserves the reply of the new request seq against the budget (cmd_dispatch, before anything
+ * answers it): `full`, the largest its command can make, or the client's recent reply estimate
+ * while what all requests are owed short of their largest stays within --io-budget /
+ * SRV_SHORT_DIV. */
+void srv_reply_reserve(srv *s, srv_conn *c, uint32_t seq, uint32_t full);
 /* Makes what request seq is owed `bytes` (a read, once its bound is known). */
 void srv_reply_owe(srv *s, srv_conn *c, uint32_t seq, uint64_t bytes);
 /* Room for a reply of up to `want` bytes: want, or less under memory pressure (what is left of
@@ -370,11 +375,6 @@ void srv_reads_stop(srv *s);
  * when the engine completes the ops it queued. */
 void cmd_dispatch(srv *s, srv_conn *c, uint32_t seq, uint32_t argc, const uint8_t *const *argv,
                   const uint32_t *argl);
-/* The reply a request of the command `name` is owed until it is made: the largest record reply
- * for a command whose reply may carry a result, else SRV_REPLY_SMALL (reads raise theirs:
- * srv_reply_owe). */
-uint32_t cmd_reply_reserve(const srv *s, uint32_t argc, const uint8_t *const *argv,
-                           const uint32_t *argl);
 /* Formats the reply of one engine completion for request slot sl. Returns nonzero when the
  * request is answered. */
 int cmd_complete(srv *s, srv_slot *sl, resp_buf *b, const idem_completion *cp);
