@@ -280,6 +280,10 @@ int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
     __attribute__((warn_unused_result));
 /* Frees the queue; outstanding operations still take effect but are not reported. */
 void idem_queue_close(idem_queue *q);
+/* Frees what q keeps for the results of idem_scan, idem_audit and idem_attention (a call on q:
+ * those results are invalid after). q keeps it between calls so that the next read reuses it,
+ * as much as the largest read made; a caller that made a large one can give it back. */
+void idem_queue_trim(idem_queue *q);
 
 /* A file descriptor that is readable while completions are ready to poll (an eventfd), for
  * event loops. Reading it is idem_poll's job, and one wake-up may stand for many completions:

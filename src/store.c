@@ -1576,6 +1576,25 @@ int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
     return 0;
 }
 
+#define FREE_CLEAR(p) (free(p), (p) = NULL)
+
+void idem_queue_trim(idem_queue *q)
+{
+    FREE_CLEAR(q->scan_keys);
+    FREE_CLEAR(q->scan_lens);
+    FREE_CLEAR(q->scan_buf);
+    q->scan_cap = q->scan_used = q->scan_n = q->scan_max = 0;
+    FREE_CLEAR(q->audit);
+    FREE_CLEAR(q->audit_mem);
+    FREE_CLEAR(q->audit_place);
+    FREE_CLEAR(q->audit_read);
+    FREE_CLEAR(q->audit_hits);
+    q->audit_mem_cap = q->audit_read_cap = 0;
+    FREE_CLEAR(q->att_recs);
+    FREE_CLEAR(q->att_buf);
+    q->att_cap = 0;
+}
+
 void idem_queue_close(idem_queue *q)
 {
     if (!q) return;
@@ -1605,16 +1624,7 @@ void idem_queue_close(idem_queue *q)
     free(q->ext);
     free(q->returned);
     free(q->free_stack);
-    free(q->scan_keys);
-    free(q->scan_lens);
-    free(q->scan_buf);
-    free(q->audit);
-    free(q->audit_mem);
-    free(q->audit_place);
-    free(q->audit_read);
-    free(q->audit_hits);
-    free(q->att_recs);
-    free(q->att_buf);
+    idem_queue_trim(q);
     close(q->efd);
     pthread_cond_destroy(&q->cond);
     free(q);

@@ -311,12 +311,15 @@ void srv_read_run(idem_queue *q, const srv_read_args *a, resp_buf *b)
 {
     switch (a->kind) {
     case READ_SCAN:
-        return scan_reply(q, &a->scan, b);
+        scan_reply(q, &a->scan, b);
+        break;
     case READ_AUDIT:
-        return audit_reply(q, a, b);
+        audit_reply(q, a, b);
+        break;
     default:
-        return attention_reply(q, &a->att, b);
+        attention_reply(q, &a->att, b);
     }
+    idem_queue_trim(q); /* the reply holds it all now; a large read's results are not kept */
 }
 
 /* IDEM.BACKUP dest: a consistent point-in-time copy of the live store into the new directory
