@@ -2009,6 +2009,66 @@ Test(server, a_half_close_gets_the_replies_of_what_was_carried_out, .init = star
     redisFree(c);
 }
 
+/* A claim then QUIT, then the end of input (printf ... | nc -N): idemd read both in one turn,
+ * stopped reading after QUIT, and took the end for a hangup: the claim took effect and its
+ * token reached no one. Now both replies come, then the close. */
+Test(server, a_half_close_after_quit_gets_the_claims_reply, .init = start)
+{
+    for (int i = 0; i < 20; i++) {
+        char req[128], buf[4096];
+        int closed, n0 = snprintf(req, sizeof req, "IDEM.CLAIM hq%d 100000 60000\r\nQUIT\r\n", i);
+        int fd = raw_connect();
+        raw_send(fd, req, (size_t)n0);
+        cr_assert_eq(shutdown(fd, SHUT_WR), 0);
+        size_t n = raw_read(fd, buf, sizeof buf - 1, sizeof buf, &closed);
+        close(fd);
+        const char head[] = "*2\r\n$3\r\nnew\r\n:", tail[] = "\r\n+OK\r\n";
+        cr_assert(closed && n > sizeof head + sizeof tail - 2 &&
+                      !memcmp(buf, head, sizeof head - 1) &&
+                      !strcmp(buf + n - (sizeof tail - 1), tail),
+                  "round %d: \"%s\"", i, buf);
+    }
+}
+
+/* Requests received whole before the end of input are run and answered, past --pipeline-max
+ * too: 3,000 claims then the end got about 1,024 replies (what was parsed before the end), and
+ * the rest, read, were dropped without a word. A request cut short by the end is not run. */
+Test(server, a_half_close_answers_every_whole_request_it_sent, .init = start, .timeout = 120)
+{
+    enum { CLAIMS = 3000 };
+    static char req[CLAIMS * 48 + 64];
+    size_t len = 0;
+    for (int i = 0; i < CLAIMS; i++)
+        len += (size_t)snprintf(req + len, sizeof req - len, "IDEM.CLAIM hw%d 100000 60000\r\n", i);
+    len += (size_t)snprintf(req + len, sizeof req - len, "IDEM.CLAIM cut 100000");
+    int fd = raw_connect();
+    raw_send(fd, req, len);
+    cr_assert_eq(shutdown(fd, SHUT_WR), 0);
+    static char buf[CLAIMS * 40];
+    size_t n = 0;
+    int closed = 0;
+    for (int64_t end = now_ms() + 60000; !closed && n < sizeof buf - 1 && now_ms() < end;)
+        n += raw_read(fd, buf + n, sizeof buf - 1 - n, sizeof buf - 1 - n, &closed);
+    close(fd);
+    buf[n] = '\0';
+    cr_assert(closed, "the connection stayed open after its replies");
+    int news = 0;
+    for (const char *p = buf; (p = strstr(p, "$3\r\nnew\r\n")) != NULL; p++)
+        news++;
+    cr_assert_eq(news, CLAIMS, "%d claims answered new of %d sent", news, CLAIMS);
+    redisContext *c = connect_unix();
+    for (int i = 0; i < CLAIMS; i += CLAIMS / 10) {
+        redisReply *r = cmd(c, "IDEM.GET hw%d", i);
+        cr_assert(r->type == REDIS_REPLY_ARRAY && r->elements > 0, "hw%d was not claimed", i);
+        freeReplyObject(r);
+    }
+    redisReply *r = cmd(c, "IDEM.GET hw%d", CLAIMS - 1);
+    cr_assert(r->type == REDIS_REPLY_ARRAY && r->elements > 0, "the last claim was not run");
+    freeReplyObject(r);
+    expect_nil(cmd(c, "IDEM.GET cut"));
+    redisFree(c);
+}
+
 Test(server, second_server_on_the_same_socket_refuses_to_start, .init = start)
 {
     const char *build = getenv("IDEM_BUILD_DIR");

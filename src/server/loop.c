@@ -165,7 +165,8 @@ static void conn_update_events(srv *s, srv_conn *c)
      * one would do it no good while it cannot parse, and would keep others waiting. */
     size_t held_max = over_budget(s) ? SRV_IN_HEAVY_BYTES : SRV_IN_HELD_MAX;
     int held_full = c->deferred && c->in_len - c->in_start >= held_max;
-    if (!c->paused && !s->draining && !c->close_after_write && !held_full) ev |= EPOLLIN;
+    if (!c->paused && !s->draining && !c->close_after_write && !c->in_ended && !held_full)
+        ev |= EPOLLIN;
     if (c->out.sent < c->out.len) ev |= EPOLLOUT;
     if (ev == c->epoll_events) return;
     struct epoll_event e = {.events = ev, .data.u64 = TAG_CONN + c->index};
@@ -210,6 +211,19 @@ static void cancel_waits(srv *s, srv_conn *c)
         if (sl->state == SLOT_PENDING && sl->is_wait)
             idem_cancel_wait(s->q, ((uint64_t)c->index << 32) | q);
     }
+}
+
+/* c's peer ended its side (EPOLLRDHUP, or a read of 0): it may be gone, so its claims parked by
+ * WAIT answer busy now, and later ones do not park (srv_submit_op); what it sent before is still
+ * read, run and answered. */
+static void conn_peer_eof(srv *s, srv_conn *c)
+{
+    if (c->peer_eof) return;
+    c->peer_eof = 1;
+    cancel_waits(s, c);
+    if (c->head_seq != c->tail_seq || c->out.sent < c->out.len || c->in_len > c->in_start)
+        srv_log_gated(&s->log_half_close, "info", "half_close", "id=%llu peer=%s",
+                      (unsigned long long)c->id, c->peer); /* not for a plain disconnect */
 }
 
 /* Closes c's socket, whatever the reason: its claims parked by WAIT are cancelled (they answer
@@ -570,8 +584,9 @@ void srv_submit_op(srv *s, srv_conn *c, uint32_t seq, int kind, idem_op *op)
     s->engine_due++;
     slot_of(c, seq)->remaining++;
     if (op->kind == IDEM_OP_CLAIM && op->wait_ms > 0) {
-        /* Parked claims hold engine slots: past half the queue, a WAIT answers at once. */
-        if (s->wait_due >= s->cfg.queue_depth / 2) {
+        /* Parked claims hold engine slots: past half the queue, a WAIT answers at once; so does
+         * one from a client whose end was seen (it may be gone). */
+        if (s->wait_due >= s->cfg.queue_depth / 2 || c->peer_eof) {
             s->ops[s->nops - 1].wait_ms = 0;
         } else {
             slot_of(c, seq)->is_wait = 1;
@@ -650,23 +665,21 @@ static int conn_read(srv *s, srv_conn *c)
         return -1;
     }
     ssize_t n = read(c->fd, c->in + c->in_len, c->in_cap - c->in_len);
-    if (n == 0 && (c->head_seq != c->tail_seq || c->out.sent < c->out.len)) {
-        /* A half-close with replies owed (printf ... | nc -N): requests carried out are
-         * answered, as Redis answers those it ran before it read the end, then the connection
-         * closes; nothing more is read or parsed. Its claims parked by WAIT answer busy now. */
-        cancel_waits(s, c);
-        c->peer_eof = 1;
-        c->close_after_write = 1;
-        srv_log_gated(&s->log_half_close, "info", "half_close", "id=%llu peer=%s",
-                      (unsigned long long)c->id, c->peer);
+    if (n == 0) {
+        /* The end of its input (printf ... | nc -N, or a close: they look the same until a
+         * write fails). Nothing more is read; the requests the buffer holds whole are run and
+         * answered in order, as Redis answers what it read before the end, and the connection
+         * closes once nothing is left to answer (conn_parse_requests). */
+        conn_peer_eof(s, c);
+        c->in_ended = 1;
         conn_account(s, c); /* conn_grow_in may have resized the buffer */
         conn_update_events(s, c);
         return 0;
     }
-    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+    if (n < 0 && errno != EAGAIN && errno != EINTR) {
         /* The peer is gone: conn_close cancels its claims parked by WAIT so nothing waits for
          * it. */
-        conn_close(s, c, n == 0 ? "eof" : "read_error");
+        conn_close(s, c, "read_error");
         return -1;
     }
     if (n > 0) {
@@ -912,6 +925,12 @@ static void conn_parse_requests(srv *s, srv_conn *c)
         size_t used;
         int r = resp_parse(&c->parser, c->in + c->in_start, c->in_len - c->in_start, &used);
         c->in_start += used;
+        if (r == RESP_NEED_MORE && c->in_ended) {
+            /* Every whole request it sent is parsed; one cut short by the end is not run. */
+            c->close_after_write = 1;
+            if (c->head_seq == c->tail_seq && c->out.sent == c->out.len) conn_close(s, c, "eof");
+            return;
+        }
         if (r == RESP_NEED_MORE) {
             /* Before AUTH a request begun must end within SRV_UNAUTH_REQUEST_MS (housekeeping):
              * connections that each hold a partial one would add up past the budget. */
@@ -1472,16 +1491,20 @@ static void on_conn_event(srv *s, uint32_t idx, uint32_t events)
 {
     srv_conn *c = s->conns[idx];
     if (!c || c->fd < 0) return;
-    if ((events & EPOLLIN) && !c->paused && !s->draining && !c->close_after_write) {
+    if ((events & EPOLLIN) && !c->paused && !s->draining && !c->close_after_write && !c->in_ended) {
         budget_check(s, c);
         if (c->fd >= 0 && !c->paused && conn_read(s, c) == 0) {
             conn_parse(s, c);
             big_release(s, c);
         }
-    } else if (events & (EPOLLHUP | EPOLLERR | EPOLLRDHUP)) {
-        /* Not read now (QUIT, paused, held back): a hangup is a disconnect all the same. */
-        conn_close(s, c, "hangup");
+    } else if (events & (EPOLLHUP | EPOLLERR)) {
+        conn_close(s, c, "hangup"); /* both ways shut: nothing can be answered */
         return;
+    } else if (events & EPOLLRDHUP) {
+        /* Not read now (QUIT, paused, held back): its end is seen all the same, and what it
+         * sent before the end is read once it may be. */
+        conn_peer_eof(s, c);
+        conn_update_events(s, c);
     }
     if (c->fd >= 0 && (events & EPOLLOUT)) conn_write(s, c);
 }

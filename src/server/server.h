@@ -166,7 +166,8 @@ typedef struct srv_conn {
     uint32_t head_seq, tail_seq; /* outstanding requests: [head_seq, tail_seq) */
     uint32_t engine_due;         /* completions the engine still owes this connection */
     int close_after_write;       /* QUIT or a protocol error: close once out is written */
-    int peer_eof;                /* the peer half-closed: its owed replies go out, then close */
+    int peer_eof;                /* its end was seen (EPOLLRDHUP): WAIT claims answer at once */
+    int in_ended;                /* read gave 0: what the buffer holds whole runs, then close */
     int dead;                    /* closed; freed when engine_due reaches 0 */
     int paused;                  /* reading stopped by the global budget (enum srv_pause) */
     int big_admitted;            /* may read a large request although over the budget */
