@@ -975,6 +975,40 @@ static void start_users(void)
     start_with(extra);
 }
 
+/* Before AUTH a client that sends and never reads makes idemd hold little of its -NOAUTH replies
+ * (it held up to --client-output-max, 64 MiB, each), and is answered once it reads them. */
+Test(server, replies_before_auth_are_held_to_a_little, .init = start_users, .timeout = 60)
+{
+    redisContext *a = connect_unix();
+    cr_assert_eq(a->err, 0);
+    expect_status(cmd(a, "AUTH boss pw-a"), "OK");
+    int fd = raw_connect();
+    static char pings[64 * 1024];
+    for (size_t i = 0; i + 6 <= sizeof pings; i += 6)
+        memcpy(pings + i, "PING\r\n", 6);
+    size_t sent = 0, chunk = sizeof pings / 6 * 6;
+    long long peak = 0;
+    for (int64_t end = now_ms() + 3000; now_ms() < end;) {
+        ssize_t n = send(fd, pings, chunk, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (n > 0) sent += (size_t)n;
+        long long io = stat_value(a, "io_buffer_bytes");
+        if (io > peak) peak = io;
+        if (n <= 0) usleep(20000);
+    }
+    fprintf(stderr, "before auth: %zu bytes of PING sent, io_buffer_bytes at most %lld\n", sent,
+            peak);
+    cr_assert_gt(sent, 1u << 20, "only %zu bytes sent", sent);
+    cr_assert_lt(peak, 1 << 20, "io_buffer_bytes %lld for a client that has not authenticated",
+                 peak);
+    /* Once it reads, it is answered on. */
+    static char buf[1 << 16];
+    int closed;
+    size_t got = raw_read(fd, buf, sizeof buf - 1, sizeof buf - 1, &closed);
+    cr_assert(got > 0 && !closed && !strncmp(buf, "-NOAUTH", 7), "\"%.40s\"", buf);
+    close(fd);
+    redisFree(a);
+}
+
 Test(server, roles_and_auth, .init = start_users)
 {
     redisContext *c = connect_tcp();

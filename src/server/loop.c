@@ -885,6 +885,9 @@ static int conn_may_parse(srv *s, srv_conn *c)
      * half the global budget the allowance shrinks to SRV_OWED_TIGHT, and past the budget to
      * SRV_HEAVY_BYTES. Input never holds parsing back: parsing is what frees it. */
     uint64_t owed = conn_out_weight(c) + c->short_by;
+    /* Before AUTH, as its input is: a client without a password that never reads makes idemd
+     * hold SRV_UNAUTH_OUT_MAX of -NOAUTH replies, not --client-output-max. */
+    if (c->role == ROLE_NONE && owed >= SRV_UNAUTH_OUT_MAX) return 0;
     if (over_budget(s) && owed >= SRV_HEAVY_BYTES) return 0;
     uint64_t pressure = budget_pressure(s);
     uint64_t cap = s->cfg.io_budget_bytes && pressure > s->cfg.io_budget_bytes / 2

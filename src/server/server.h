@@ -34,6 +34,7 @@
 #define SRV_UNAUTH_ARG_MAX      16384u /* bytes of an argument before AUTH (when users are set) */
 #define SRV_UNAUTH_ARGC_MAX     16u    /* arguments of a request before AUTH */
 #define SRV_UNAUTH_REQUEST_MS   5000   /* a request begun before AUTH must end within this */
+#define SRV_UNAUTH_OUT_MAX      16384u /* replies owed or unread before AUTH, past which it waits */
 #define SRV_IDLE_TIMEOUT_MS_MAX (1ull << 53) /* far beyond any use, and no overflow in a sum */
 #define SRV_IN_BUF_MAX          (2u * RESP_BULK_PROTO_MAX + 65536u) /* a whole request must fit */
 #define SRV_READ_CHUNK          65536u
