@@ -907,6 +907,11 @@ Test(server, an_option_given_twice_is_refused_by_name, .init = start)
     cr_assert_str_eq(field_of(r, "state"), "in_flight");
     freeReplyObject(r);
     expect_status(cmd(c, "IDEM.RESOLVE k commit why RESULT a FORCE"), "OK");
+    /* The reads too: `IDEM.AUDIT KEY a KEY b` listed b's entries alone. */
+    expect_error(cmd(c, "IDEM.SCAN 0 COUNT 10 COUNT 20"), "ERR syntax error: COUNT given twice");
+    expect_error(cmd(c, "IDEM.SCAN 0 NOSUCH 1"), "ERR syntax error: unknown option (STATE");
+    expect_error(cmd(c, "IDEM.AUDIT KEY a KEY b"), "ERR syntax error: KEY given twice");
+    expect_error(cmd(c, "IDEM.ATTENTION OLDER 5 OLDER 6"), "ERR syntax error: OLDER given twice");
     redisFree(c);
 }
 
@@ -923,6 +928,12 @@ Test(server, refusals_by_name, .init = start)
     expect_error(cmd(c, "HELLO 3"), "NOPROTO");
     expect_error(cmd(c, "NOSUCH x"), "ERR unknown command");
     expect_error(cmd(c, "IDEM.CLAIM k"), "ERR wrong number of arguments");
+    /* With a value over 4 KiB too: it used to be refused for its length, which hid why. */
+    static char big[5001];
+    memset(big, 'a', sizeof big - 1);
+    expect_error(cmd(c, "GETSET a %s", big), "ERR GETSET is refused");
+    expect_error(cmd(c, "SETEX a 10 %s", big), "ERR SETEX is refused");
+    expect_error(cmd(c, "APPEND a %s", big), "ERR APPEND is refused");
     expect_status(cmd(c, "PING"), "PONG"); /* the connection stays usable */
     redisFree(c);
 }

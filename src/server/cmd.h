@@ -55,6 +55,11 @@ void cmd_int(cmd_req *r, int64_t v);
 
 /* Is argv[i] equal to the word (ASCII case-insensitive)? */
 int cmd_is(const cmd_req *r, uint32_t i, const char *word);
+/* The option named by argv[i], with its value at argv[i + 1]: its index in names[0..n), each
+ * allowed once (*seen keeps those given), or -1 once r is answered (no value, an option not in
+ * names, which `usage` lists, or one given twice). */
+int cmd_option(cmd_req *r, uint32_t i, const char *const *names, unsigned n, unsigned *seen,
+               const char *usage);
 /* Strict decimal parsing. Return 0 or -1. */
 int cmd_u64(const uint8_t *p, uint32_t n, uint64_t *out);
 int cmd_i64(const uint8_t *p, uint32_t n, int64_t *out);

@@ -9,6 +9,7 @@
  * unfinished.
  */
 #include "cmd.h"
+#include "util.h"
 
 #include <fnmatch.h>
 #include <stdio.h>
@@ -168,16 +169,17 @@ void cmd_scan(cmd_req *r)
     uint64_t v;
     if (cmd_u64(r->argv[1], r->argl[1], &a.scan.cursor) < 0)
         return cmd_fail(r, "ERR invalid cursor");
+    static const char *const opts[] = {"STATE", "OLDER", "COUNT"};
+    unsigned seen = 0;
     for (uint32_t i = 2; i < r->argc; i += 2) {
-        if (i + 1 >= r->argc) return cmd_fail(r, "ERR syntax error: option without a value");
-        if (cmd_is(r, i, "STATE") && (a.scan.state = state_parse(r, i + 1)) != 0) continue;
-        if (cmd_is(r, i, "OLDER") && cmd_u64(r->argv[i + 1], r->argl[i + 1], &v) == 0 &&
-            v <= INT64_MAX) {
+        int k = cmd_option(r, i, opts, IDEM_ARRAY_LEN(opts), &seen, "STATE, OLDER, COUNT");
+        if (k < 0) return;
+        if (k == 0 && (a.scan.state = state_parse(r, i + 1)) != 0) continue;
+        if (k == 1 && cmd_u64(r->argv[i + 1], r->argl[i + 1], &v) == 0 && v <= INT64_MAX) {
             a.scan.older_ms = (int64_t)v;
             continue;
         }
-        if (cmd_is(r, i, "COUNT") && cmd_u64(r->argv[i + 1], r->argl[i + 1], &v) == 0 && v > 0 &&
-            v <= 100000) {
+        if (k == 2 && cmd_u64(r->argv[i + 1], r->argl[i + 1], &v) == 0 && v > 0 && v <= 100000) {
             a.scan.count = (uint32_t)v;
             continue;
         }
@@ -233,16 +235,18 @@ void cmd_audit(cmd_req *r)
 {
     srv_read_args a = {.kind = READ_AUDIT};
     uint64_t count = 10;
+    static const char *const opts[] = {"KEY", "COUNT", "BEFORE"};
+    unsigned seen = 0;
     for (uint32_t i = 1; i < r->argc; i += 2) {
-        if (i + 1 < r->argc && cmd_is(r, i, "KEY")) {
+        int k = cmd_option(r, i, opts, IDEM_ARRAY_LEN(opts), &seen, "KEY, COUNT, BEFORE");
+        if (k < 0) return;
+        if (k == 0) {
             if (cmd_key_ok(r, i + 1) < 0) return;
             memcpy(a.key, r->argv[i + 1], r->argl[i + 1]);
             a.key_len = r->argl[i + 1];
-        } else if (i + 1 < r->argc && cmd_is(r, i, "COUNT") &&
-                   cmd_u64(r->argv[i + 1], r->argl[i + 1], &count) == 0 && count > 0 &&
+        } else if (k == 1 && cmd_u64(r->argv[i + 1], r->argl[i + 1], &count) == 0 && count > 0 &&
                    count <= 10000) {
-        } else if (i + 1 < r->argc && cmd_is(r, i, "BEFORE") &&
-                   cmd_u64(r->argv[i + 1], r->argl[i + 1], &a.before_seq) == 0 &&
+        } else if (k == 2 && cmd_u64(r->argv[i + 1], r->argl[i + 1], &a.before_seq) == 0 &&
                    a.before_seq > 0) {
         } else {
             return cmd_fail(r, "ERR syntax error (KEY key, COUNT 1..10000, BEFORE seq)");
@@ -270,14 +274,18 @@ static void audit_reply(idem_queue *q, const srv_read_args *a, resp_buf *b)
 void cmd_attention(cmd_req *r)
 {
     uint64_t older = 0, count = 1000;
+    static const char *const opts[] = {"OLDER", "COUNT"};
+    unsigned seen = 0;
     for (uint32_t i = 1; i < r->argc; i += 2) {
-        if (i + 1 < r->argc && cmd_is(r, i, "OLDER") &&
-            cmd_u64(r->argv[i + 1], r->argl[i + 1], &older) == 0 && older <= IDEM_TTL_MS_MAX) {
-        } else if (i + 1 < r->argc && cmd_is(r, i, "COUNT") &&
-                   cmd_u64(r->argv[i + 1], r->argl[i + 1], &count) == 0 && count > 0 &&
+        int k = cmd_option(r, i, opts, IDEM_ARRAY_LEN(opts), &seen, "OLDER, COUNT");
+        if (k < 0) return;
+        if (k == 0 && cmd_u64(r->argv[i + 1], r->argl[i + 1], &older) == 0 &&
+            older <= IDEM_TTL_MS_MAX) {
+        } else if (k == 1 && cmd_u64(r->argv[i + 1], r->argl[i + 1], &count) == 0 && count > 0 &&
                    count <= 100000) {
         } else {
-            return cmd_fail(r, "ERR syntax error (OLDER ms, COUNT 1..100000)");
+            return cmd_fail(r, "ERR syntax error (OLDER ms of at most %llu, COUNT 1..100000)",
+                            (unsigned long long)IDEM_TTL_MS_MAX);
         }
     }
     /* The list is cut to fit the room its reply has (--client-output-max, or less under

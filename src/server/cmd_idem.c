@@ -96,16 +96,8 @@ void cmd_claim(cmd_req *r)
     static const char *const opts[] = {"FP", "OWNER", "WAIT"};
     unsigned seen = 0;
     for (uint32_t i = 4; i < r->argc; i += 2) {
-        if (i + 1 >= r->argc) return cmd_fail(r, "ERR syntax error: option without a value");
-        unsigned k = 0;
-        while (k < IDEM_ARRAY_LEN(opts) && !cmd_is(r, i, opts[k]))
-            k++;
-        if (k == IDEM_ARRAY_LEN(opts))
-            return cmd_fail(r, "ERR syntax error: unknown option (FP, OWNER, WAIT)");
-        /* An option given twice is refused, not taken last: which one the caller meant is not
-         * known (the fingerprint of the other content would answer mismatch later). */
-        if (seen & 1u << k) return cmd_fail(r, "ERR syntax error: %s given twice", opts[k]);
-        seen |= 1u << k;
+        int k = cmd_option(r, i, opts, IDEM_ARRAY_LEN(opts), &seen, "FP, OWNER, WAIT");
+        if (k < 0) return;
         if (k == 0) {
             op.fp = r->argv[i + 1];
             op.fp_len = r->argl[i + 1];

@@ -51,6 +51,30 @@ int cmd_is(const cmd_req *r, uint32_t i, const char *word)
     return i < r->argc && r->argl[i] == n && strncasecmp((const char *)r->argv[i], word, n) == 0;
 }
 
+int cmd_option(cmd_req *r, uint32_t i, const char *const *names, unsigned n, unsigned *seen,
+               const char *usage)
+{
+    unsigned k = 0;
+    if (i + 1 >= r->argc) {
+        cmd_fail(r, "ERR syntax error: option without a value");
+        return -1;
+    }
+    while (k < n && !cmd_is(r, i, names[k]))
+        k++;
+    if (k == n) {
+        cmd_fail(r, "ERR syntax error: unknown option (%s)", usage);
+        return -1;
+    }
+    /* An option given twice is refused, not taken last: which one the caller meant is not
+     * known (the fingerprint of the other content would answer mismatch later). */
+    if (*seen & 1u << k) {
+        cmd_fail(r, "ERR syntax error: %s given twice", names[k]);
+        return -1;
+    }
+    *seen |= 1u << k;
+    return (int)k;
+}
+
 int cmd_u64(const uint8_t *p, uint32_t n, uint64_t *out)
 {
     uint64_t v = 0;
@@ -416,6 +440,16 @@ static const struct {
     {"APPEND", "it would change a recorded result"},
 };
 
+/* The entry of refused[] named name[0..n), or -1. */
+static int refused_index(const uint8_t *name, uint32_t n)
+{
+    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++)
+        if (strlen(refused[i].name) == n &&
+            strncasecmp(refused[i].name, (const char *)name, n) == 0)
+            return (int)i;
+    return -1;
+}
+
 static const cmd_def *cmd_lookup(const uint8_t *name, uint32_t n)
 {
     for (size_t i = 0; i < cmd_table_len; i++)
@@ -449,10 +483,9 @@ void cmd_log_operator(cmd_req *r, const char *fmt, ...)
 static void unknown_command(cmd_req *r)
 {
     char name[48];
+    int i = refused_index(r->argv[0], r->argl[0]);
+    if (i >= 0) return cmd_fail(r, "ERR %s is refused: %s", refused[i].name, refused[i].why);
     cmd_printable(name, sizeof name, r->argv[0], r->argl[0]);
-    for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++)
-        if (strcasecmp(refused[i].name, name) == 0)
-            return cmd_fail(r, "ERR %s is refused: %s", refused[i].name, refused[i].why);
     cmd_fail(r, "ERR unknown command '%s'", name);
 }
 
@@ -508,7 +541,10 @@ uint32_t cmd_arg_max(void *ctx, const uint8_t *const *argv, const uint32_t *argl
 {
     if (index == 0) return 64;
     const cmd_def *d = cmd_lookup(argv[0], argl[0]);
-    return d && d->arg_max ? d->arg_max(ctx, argv, argl, index) : CMD_ARG_MAX_DEFAULT;
+    if (d) return d->arg_max ? d->arg_max(ctx, argv, argl, index) : CMD_ARG_MAX_DEFAULT;
+    /* A command refused by name is answered with why, whatever the length of its values (a
+     * length error would hide it); it is never run, so it is held only as any request is. */
+    return refused_index(argv[0], argl[0]) >= 0 ? RESP_BULK_PROTO_MAX : CMD_ARG_MAX_DEFAULT;
 }
 
 uint32_t cmd_arg_max_unauth(void *ctx, const uint8_t *const *argv, const uint32_t *argl,
