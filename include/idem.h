@@ -52,7 +52,7 @@ typedef struct idem_queue idem_queue;
 enum idem_err {
     IDEM_OK = 0,
     IDEM_EINVAL = -1,     /* bad argument or unknown flag bit */
-    IDEM_ENOMEM = -2,     /* allocation failed */
+    IDEM_ENOMEM = -2,     /* allocation failed (memory, or file descriptors) */
     IDEM_EIO = -3,        /* an I/O call failed outside the write path (open, read, create) */
     IDEM_EFATAL = -4,     /* a write or flush failed: the store acknowledges nothing more */
     IDEM_EFULL = -5,      /* a capacity limit or a full disk: nothing was changed or evicted */
@@ -515,8 +515,10 @@ int idem_restore(const char *backup_dir, const char *dest_dir);
  * IDEM_EFULL (no room for the file), or IDEM_EINVAL if the store is closed meanwhile. */
 int idem_checkpoint(idem_store *s);
 /* Compacts every sealed segment now (live records copied forward, expired ones dropped, the
- * segments retired) and returns when that is done or timeout_ms passed (IDEM_EBUSY then; the
- * work goes on in the background). */
+ * segments retired) and returns when that is done (IDEM_OK) or timeout_ms passed (IDEM_EBUSY
+ * then; the work goes on in the background; a negative timeout_ms waits without bound), or
+ * IDEM_EFULL once a checkpoint the retirement needs finds no room, IDEM_ECORRUPT if a damaged
+ * frame stopped compaction, IDEM_EFATAL. */
 int idem_compact(idem_store *s, int timeout_ms);
 /* Copies a consistent point-in-time image of the live store into the new directory dest. The
  * copy is made in "<dest>.partial" (which must not exist either) and renamed to dest once it is

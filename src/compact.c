@@ -17,11 +17,14 @@
  *
  * When: the next segment is walked if the log, less the walked segments, holds more than twice
  * the live bytes (plus slack of STORE_CMP_SLACK_SEGS segments), or every record written to it
- * has passed its expires_at (its records are all expired or unfinished), or all but a sixteenth
- * of its record bytes have (the tally of struct seg_exp: a few long-lived records in every
- * segment, counted live with the expired ones, would otherwise keep every walk back for their
- * whole life, and the expired keys in the index and the log with them). Disk use thus stays
- * within about 2x the live bytes, and expired keys leave memory as the log turns over.
+ * has passed its expires_at (its records are all expired or unfinished), or half its record
+ * bytes have, or half those of it and the sealed segments after it (64 at most) together (the
+ * tally of struct seg_exp: a few long-lived records in every segment, counted live with the
+ * expired ones, would otherwise keep every walk back for their whole life, and the expired keys
+ * in the index and the log with them). The log, less the walked segments waiting for a
+ * checkpoint (STORE_CMP_AHEAD at most), thus stays within about 2x the live bytes, and expired
+ * keys leave memory as the log turns over (design.md section 9 lists when the bound does not
+ * hold).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -243,6 +246,10 @@ static int retire(idem_store *s)
     store_flusher_unlock(s);
     int rc = super_store(s->io, s->dir, &sb);
     store_flusher_relock(s);
+    if (rc == IDEM_ENOMEM) { /* out of descriptors or memory, nothing written: a later step */
+        io_fault_clear();
+        return 0;
+    }
     if (rc < 0) return rc;
     s->sb = sb;
     rc = wal_retire_detach(s->wal, upto);
@@ -311,7 +318,8 @@ int compact_step(idem_store *s)
             return 1;
         }
         rc = a->more < 0 ? a->more : ops_compact_frame(s, &a->cf, now);
-        if (rc == IDEM_EBUSY || rc == IDEM_EFULL) return i > 0;
+        /* No room, buffers or memory for the copy now (nothing was appended): a later step. */
+        if (rc == IDEM_EBUSY || rc == IDEM_EFULL || rc == IDEM_ENOMEM) return i > 0;
         if (rc == IDEM_ECORRUPT) {
             /* Reported, never trusted: compaction stops; the store serves on; verify tells. */
             fprintf(stderr, "idem: event=compaction_stopped segment=%llu offset=%u error=\"%s\"\n",

@@ -139,6 +139,8 @@ struct io_sim {
     int fail_write_err, fail_flush_err, fail_submit_err;
     char fail_create_suffix[64]; /* "": none */
     int fail_create_err;
+    char fail_open_suffix[64]; /* "": none */
+    int fail_open_err;
     int fail_allocate_err;                 /* 0: none */
     const struct sim_node *fail_read_node; /* io_sim_fail_reads: NULL none; compared only */
     int fail_read_err;
@@ -650,12 +652,12 @@ static int sim_open_new(struct io_sim *sim, const char *path, struct sim_node **
     return 0;
 }
 
-/* Whether this creation is the one io_sim_fail_create armed (disarms it). */
-static int sim_create_fails(struct io_sim *sim, const char *path)
+/* Whether path ends with an armed suffix (then disarmed: it fails once). */
+static int sim_suffix_fires(char *suffix, const char *path)
 {
-    size_t n = strlen(sim->fail_create_suffix), len = strlen(path);
-    if (!n || len < n || strcmp(path + len - n, sim->fail_create_suffix) != 0) return 0;
-    sim->fail_create_suffix[0] = 0;
+    size_t n = strlen(suffix), len = strlen(path);
+    if (!n || len < n || strcmp(path + len - n, suffix) != 0) return 0;
+    suffix[0] = 0;
     return 1;
 }
 
@@ -673,13 +675,15 @@ static int sim_open(struct io *io, const char *path, unsigned flags, struct io_f
     struct sim_entry *e = sim_ns_find(&sim->cur_ns, path);
     if (sim_stale(h, NULL))
         rc = -EIO;
+    else if (sim_suffix_fires(sim->fail_open_suffix, path))
+        rc = sim->fail_open_err;
     else if (e && (flags & IO_O_CREATE) && (flags & IO_O_EXCL))
         rc = -EEXIST;
     else if (!e && sim_str_in(sim->dirs, sim->dirs_count, path))
         rc = -EISDIR;
     else if (!e && !(flags & IO_O_CREATE))
         rc = -ENOENT;
-    else if (!e && sim_create_fails(sim, path))
+    else if (!e && sim_suffix_fires(sim->fail_create_suffix, path))
         rc = sim->fail_create_err;
     else if (!e)
         rc = sim_open_new(sim, path, &f->node);
@@ -1301,6 +1305,15 @@ void io_sim_fail_create(struct io_sim *sim, const char *suffix, int err)
     sim_lock(sim);
     snprintf(sim->fail_create_suffix, sizeof sim->fail_create_suffix, "%s", suffix ? suffix : "");
     sim->fail_create_err = err;
+    sim_unlock(sim);
+}
+
+void io_sim_fail_open(struct io_sim *sim, const char *suffix, int err)
+{
+    IDEM_ASSERT(err < 0 && (!suffix || strlen(suffix) < sizeof sim->fail_open_suffix));
+    sim_lock(sim);
+    snprintf(sim->fail_open_suffix, sizeof sim->fail_open_suffix, "%s", suffix ? suffix : "");
+    sim->fail_open_err = err;
     sim_unlock(sim);
 }
 

@@ -55,6 +55,9 @@ void io_sim_fail_submit(struct io_sim *sim, uint64_t nth, int err);
 /* The next open that creates a file whose path ends with suffix fails with err (a negative
  * errno) and creates nothing; NULL disarms it. */
 void io_sim_fail_create(struct io_sim *sim, const char *suffix, int err);
+/* The next open of any file, there or not, whose path ends with suffix fails with err (a
+ * negative errno, such as -EMFILE); NULL disarms it. */
+void io_sim_fail_open(struct io_sim *sim, const char *suffix, int err);
 /* Every read of the file at path fails with err (a negative errno) until disarmed (NULL).
  * Returns 0, or -ENOENT if no file is at path. */
 int io_sim_fail_reads(struct io_sim *sim, const char *path, int err);

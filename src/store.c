@@ -2653,10 +2653,17 @@ int idem_compact(idem_store *s, int timeout_ms)
     /* Every segment sealed now is walked; the flusher does the work between batches. */
     s->cmp_force_until = wal_cur_seq(s->wal);
     int64_t deadline = mono_now(s) + timeout_ms;
+    uint64_t ckpt_failures = s->ckr.failures;
     int rc = 0;
     while (!s->fatal && !s->cmp_disabled && wal_first_seq(s->wal) < s->cmp_force_until) {
         if (timeout_ms >= 0 && mono_now(s) >= deadline) {
             rc = IDEM_EBUSY;
+            break;
+        }
+        /* Segments are retired only under a newer checkpoint: one refused for want of room
+         * means none will be until room is made (waiting would end in EBUSY, or never). */
+        if (s->ckr.failures != ckpt_failures && s->ckr.last_err == IDEM_EFULL) {
+            rc = IDEM_EFULL;
             break;
         }
         s->sync_waiters++; /* durability none: the walk waits for durable segments */
@@ -2757,8 +2764,12 @@ static int copy_dir_begin(struct io *io, const char *src, const char *dest, stru
     size_t n = strlen(dest);
     while (n > 1 && dest[n - 1] == '/')
         n--; /* "dir/" names dir: its partial copy is dir.partial */
-    if (n + sizeof ".partial" > sizeof d->partial) {
-        store_set_error("path too long: %s", dest);
+    /* Room for the longest name made in it ("/index-<16 hex>.ckpt"): a longer path was cut
+     * short in the names of the copied files, and a copy of one segment "succeeded" unopenable. */
+    const size_t names_max = 32;
+    if (n + sizeof ".partial" + names_max > sizeof d->partial) {
+        store_set_error("path too long: %s (at most %zu bytes)", dest,
+                        sizeof d->partial - sizeof ".partial" - names_max);
         return IDEM_EINVAL;
     }
     memcpy(d->dest, dest, n);
@@ -2948,7 +2959,7 @@ const char *idem_strerror(int err)
     case IDEM_EINVAL:
         return "invalid argument";
     case IDEM_ENOMEM:
-        return "out of memory";
+        return "out of memory or file descriptors";
     case IDEM_EIO:
         return "I/O error";
     case IDEM_EFATAL:

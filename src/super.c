@@ -198,7 +198,7 @@ int super_store(struct io *io, const char *dir, struct super *sb)
         }
         created = 1;
     }
-    if (rc < 0) return UTIL_NO_SPACE(rc) ? IDEM_EFULL : IDEM_EIO;
+    if (rc < 0) return UTIL_OPEN_ERR(rc);
     uint8_t *blk = aligned_alloc(SUPER_BLOCK, 2 * SUPER_BLOCK);
     if (!blk) {
         io_close(io, f);
@@ -381,7 +381,7 @@ int ckpt_begin(struct io *io, const char *dir, uint64_t id, struct ckpt_writer *
     if (rc < 0) {
         free(cw->buf);
         free(cw);
-        return UTIL_NO_SPACE(rc) ? IDEM_EFULL : IDEM_EIO;
+        return UTIL_OPEN_ERR(rc);
     }
     memset(cw->buf, 0, 4096);
     memcpy(cw->buf, CKPT_MAGIC, 8);

@@ -28,6 +28,12 @@ void util_assert_fail(const char *file, int line, const char *expr) __attribute_
 
 /* A call's -errno that means no space (the disk, or a quota): FULL, not an I/O error. */
 #define UTIL_NO_SPACE(rc) ((rc) == -ENOSPC || (rc) == -EDQUOT)
+/* What a failed open's -errno means: FULL (no space), ENOMEM (out of descriptors or memory: not
+ * the disk, and nothing was written, so the caller may try again later), else EIO. */
+#define UTIL_OPEN_ERR(rc)                                                                          \
+    (UTIL_NO_SPACE(rc)                                       ? IDEM_EFULL                          \
+     : (rc) == -EMFILE || (rc) == -ENFILE || (rc) == -ENOMEM ? IDEM_ENOMEM                         \
+                                                             : IDEM_EIO)
 
 /* Little-endian codecs: one load or store on little-endian hosts (the compiler turns the
  * memcpy into a move), a byte swap on big-endian ones. */

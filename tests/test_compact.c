@@ -230,6 +230,43 @@ Test(compact, compact_on_request_retires_every_sealed_segment, .timeout = 60)
     io_sim_destroy(sim);
 }
 
+/* Out of descriptors when the superblock is opened to retire segments (or to install the
+ * checkpoint they wait for): nothing was written, so the store goes on and retires them at a
+ * later step. It used to fail the store, and idemd exited, although nothing had changed. */
+Test(compact, a_retirement_out_of_descriptors_is_tried_again, .timeout = 60)
+{
+    struct io_sim *sim;
+    cr_assert_eq(io_sim_create(12, &sim), 0);
+    idem_store *s = open_sim(sim);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    static const char *const prefix[] = {"k", "m", "n", "o"};
+    struct kept kept[4][200];
+    make_kept(q, kept[0], 200, prefix[0]);
+    for (int round = 0; round < 3; round++) {
+        idem_stats before, after;
+        idem_get_stats(s, &before);
+        io_sim_fail_open(sim, "/super", round == 2 ? -ENOMEM : -EMFILE);
+        int rc = idem_compact(s, 20000);
+        cr_assert_eq(rc, IDEM_OK, "round %d: %s", round, idem_strerror(rc));
+        idem_get_stats(s, &after);
+        cr_assert_eq(after.fatal, 0);
+        cr_assert_gt(after.compactions, before.compactions, "round %d retired nothing", round);
+        make_kept(q, kept[round + 1], 200, prefix[round + 1]);
+    }
+    for (int k = 0; k < 4; k++)
+        check_kept(s, q, kept[k], 200);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    s = open_sim(sim);
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    for (int k = 0; k < 4; k++)
+        check_kept(s, q, kept[k], 200);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    io_sim_destroy(sim);
+}
+
 /* Rule 5: unfinished records never expire, so compaction copies them forward however long ago
  * their ttl ran out: an in_flight and a review record, their segments compacted away. */
 static void check_unfinished(idem_queue *q, int64_t fly_token, const char *when)

@@ -2461,6 +2461,35 @@ Test(keys, many_keys_are_all_distinct)
 
 TestSuite(args, .init = setup, .fini = teardown);
 
+/* A backup's destination must leave room for the names of the files made in it: a path 20-30
+ * bytes short of PATH_MAX had them cut short, and a copy of one segment "succeeded" without the
+ * files it needs. Refused before anything is made; one that leaves room is taken. */
+Test(args, a_backup_destination_too_long_for_its_files_names_is_refused)
+{
+    claim_new("k");
+    char parent[4200], dest[4200], cmd[4400];
+    int n = snprintf(parent, sizeof parent, "%s-b", g_dir);
+    while (n < 4000) /* directories of 100 bytes each, made */
+        n += snprintf(parent + n, sizeof parent - (size_t)n, "/%099d", 0);
+    snprintf(cmd, sizeof cmd, "mkdir -p '%s'", parent);
+    cr_assert_eq(system(cmd), 0);
+    memcpy(dest, parent, (size_t)n);
+    dest[n] = '/';
+    memset(dest + n + 1, 'd', 4070 - (size_t)n - 1);
+    dest[4070] = 0;
+    expect_rc(idem_backup(g_s, dest), IDEM_EINVAL);
+    cr_assert(strstr(idem_last_error(), "path too long"), "%s", idem_last_error());
+    snprintf(cmd, sizeof cmd, "%s.partial", dest);
+    cr_assert(access(dest, F_OK) != 0 && access(cmd, F_OK) != 0, "a refused backup made a copy");
+    memcpy(dest + n, "/ok", 4);
+    expect_rc(idem_backup(g_s, dest), IDEM_OK);
+    idem_verify_report r;
+    expect_rc(idem_verify(dest, &r, NULL, NULL), IDEM_OK);
+    cr_assert_eq(r.errors, 0, "%s", r.first_error);
+    snprintf(cmd, sizeof cmd, "rm -rf '%s-b'", g_dir);
+    cr_assert_eq(system(cmd), 0);
+}
+
 static int exec_rc(const idem_op *op)
 {
     idem_completion c;

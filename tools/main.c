@@ -79,11 +79,12 @@ static const struct subcmd cmds[] = {
     {"backup", cmd_backup, 1, 1, 0, "backup DEST [--socket PATH | --dir DIR]",
      "Copies a consistent point-in-time image of the store into the new directory DEST: online,\n"
      "idemd copies its live store (IDEM.BACKUP, admin; DEST is a path on idemd's host; changes\n"
-     "are held back for one flush, then go on while it copies; idemctl waits for the copy,\n"
-     "however long, unless --timeout says otherwise); offline, the stopped store DIR."},
+     "are held back for one flush, then go on while it copies; idemctl waits for the copy\n"
+     "up to 24 h, or --timeout); offline, the stopped store DIR."},
     {"restore", cmd_restore, 2, 2, 0, "restore BACKUP DEST",
-     "Makes DEST (absent) a store from the backup BACKUP, under a new store generation: tokens\n"
-     "handed out later are above any the backed-up store could have handed out."},
+     "Makes DEST (absent) a store from the backup BACKUP, under a new store generation: its\n"
+     "tokens are above any the backed-up store handed out before the backup; what that store\n"
+     "did after the backup (keys, tokens) is not known to the copy."},
     {"export", cmd_export, 0, 0, 0, "export --dir DIR",
      "JSON Lines on stdout: every field of every record, then the audit trail (oldest first)."},
     {"import", cmd_import, 1, 1, O_FORCE | O_RESULTMAX,
