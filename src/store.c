@@ -2865,6 +2865,11 @@ static int copy_store(struct io *rd, const char *src, struct io *wr, const char 
         struct super copy = *sb;
         copy.generation = 0;
         rc = super_store(wr, dest, &copy);
+        /* The copy's superblock failed, not the store's: not "the store stopped". */
+        if (rc == IDEM_EFATAL) {
+            store_set_error("writing the superblock of the copy in %s failed", dest);
+            rc = IDEM_EIO;
+        }
     }
     if (rc == 0 && io_sync_dir(wr, dest) < 0) rc = IDEM_EIO;
     return rc;

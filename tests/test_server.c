@@ -326,8 +326,8 @@ Test(server, each_argument_past_its_field_limit_is_refused_by_number, .init = st
     } cases[] = {
         {"IDEM.CLAIM %b 60000 5000", 513, 2, 512},
         {"IDEM.CLAIM k 60000 5000 OWNER %b", 257, 6, 256},
-        {"IDEM.CLAIM k 60000 5000 %b 1", 17, 5, 16},
-        {"IDEM.CLAIM k %b 5000", 33, 3, 32},
+        {"IDEM.CLAIM k 60000 5000 %b 1", 65, 5, 64},
+        {"IDEM.CLAIM k %b 5000", 65, 3, 64},
         {"IDEM.COMMIT k 1 %b", 65537, 4, 65536},
         {"IDEM.COMMIT %b 1 r", 513, 2, 512},
         {"IDEM.RELEASE %b 1", 513, 2, 512},

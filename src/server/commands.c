@@ -338,11 +338,13 @@ static uint32_t claim_args(const srv *s, const uint8_t *const *argv, const uint3
                            uint32_t index)
 {
     (void)s;
-    if (index <= 3) return index == 1 ? IDEM_KEY_BYTES_MAX : 32;
-    if ((index - 4) % 2 == 0) return 16; /* an option name */
+    /* Numbers and option names: room enough that a wrong one is answered by the handler, which
+     * says what is wrong with it, not by its length. */
+    if (index <= 3) return index == 1 ? IDEM_KEY_BYTES_MAX : 64;
+    if ((index - 4) % 2 == 0) return 64; /* an option name */
     if (name_is(argv[index - 1], argl[index - 1], "FP")) return RESP_BULK_PROTO_MAX;
     if (name_is(argv[index - 1], argl[index - 1], "OWNER")) return IDEM_OWNER_BYTES_MAX;
-    return 32;
+    return 64;
 }
 
 /* IDEM.COMMIT key token result */
