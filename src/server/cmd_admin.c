@@ -446,9 +446,12 @@ void cmd_config(cmd_req *r)
 {
     const srv_config *c = &r->s->cfg;
     char pattern[128], v[11][1040];
-    if (!cmd_is(r, 1, "GET") || r->argc != 3 || r->argl[2] >= sizeof pattern)
+    if (!cmd_is(r, 1, "GET") || r->argc != 3)
         return cmd_fail(r, "ERR only CONFIG GET pattern is supported; settings are flags of "
                            "idemd (restart to change them)");
+    if (r->argl[2] >= sizeof pattern || memchr(r->argv[2], 0, r->argl[2]))
+        return cmd_fail(r, "ERR CONFIG GET pattern must be 0..%zu bytes without a NUL byte",
+                        sizeof pattern - 1);
     memcpy(pattern, r->argv[2], r->argl[2]);
     pattern[r->argl[2]] = '\0';
     const char *names[] = {"dir",        "port",       "bind",           "maxclients",

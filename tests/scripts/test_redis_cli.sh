@@ -60,6 +60,7 @@ expect $'COMMAND INFO idem.claim' '1) 1) "idem.claim"' "$(R COMMAND INFO idem.cl
 expect $'CONFIG GET durability (admin)' $'1) "durability"\n2) "sync"' "$(A CONFIG GET durability)"
 expect_re "CONFIG GET * has dir" '"dir"' "$(A CONFIG GET '*')"
 expect_re "CONFIG SET refused" '^\(error\) ERR' "$(A CONFIG SET durability none)"
+expect_re "CONFIG GET long pattern named" 'pattern must be 0..127 bytes' "$(A CONFIG GET "$(printf 'd%.0s' $(seq 200))")"
 expect_re "CONFIG GET worker NOPERM" '^\(error\) NOPERM' "$(R CONFIG GET durability)"
 
 # ---- claim outcomes ----
