@@ -583,7 +583,7 @@ static int read_stretch(idem_queue *q, uint64_t from, uint64_t to, const void *k
 {
     idem_store *s = q->s;
     size_t len = (size_t)(to - from);
-    if (len > q->audit_read_cap) { /* kept for the queue's next reads: no fresh pages each time */
+    if (len > q->audit_read_cap) { /* kept for the queue's next reads, until idem_queue_trim */
         free(q->audit_read);
         free(q->audit_hits);
         q->audit_read = malloc(len);

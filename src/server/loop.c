@@ -128,7 +128,7 @@ static int big_back_held(const srv_conn *c)
  * each change of those (conn_update_events, conn_account, the admissions, conn_parse). */
 static void big_back_count(srv *s, srv_conn *c)
 {
-    size_t want = big_back_held(c) ? c->in_cap : 0;
+    size_t want = c->fd >= 0 && big_back_held(c) ? c->in_cap : 0; /* closed: nothing */
     s->big_back_bytes = s->big_back_bytes - c->big_back_bytes + want;
     c->big_back_bytes = want;
     if (!big_back_partial(c))
@@ -901,7 +901,7 @@ static void conn_refuse(srv *s, srv_conn *c, const char *err)
 {
     uint32_t seq;
     if (slot_alloc(c, &seq) < 0) {
-        c->close_after_write = 1;
+        conn_close(s, c, "out_of_memory"); /* nothing would be written to close it after */
         return;
     }
     resp_error(srv_reply_buf(c, seq), err);
@@ -929,7 +929,14 @@ static void conn_parse_requests(srv *s, srv_conn *c)
         int r = resp_parse(&c->parser, c->in + c->in_start, c->in_len - c->in_start, &used);
         c->in_start += used;
         if (r == RESP_NEED_MORE && c->in_ended) {
-            /* Every whole request it sent is parsed; one cut short by the end is not run. */
+            /* Every whole request it sent is parsed; one cut short by the end is not run, and
+             * its bytes (up to a whole input buffer) are let go of now, not at the close. */
+            srv_flush_ops(s); /* nothing queued points into the buffer after */
+            free(c->in);
+            c->in = NULL;
+            c->in_cap = c->in_len = c->in_start = 0;
+            cmd_parser_limits(s, c);
+            conn_account(s, c);
             c->close_after_write = 1;
             if (c->head_seq == c->tail_seq && c->out.sent == c->out.len) conn_close(s, c, "eof");
             return;
@@ -1494,19 +1501,23 @@ static void on_conn_event(srv *s, uint32_t idx, uint32_t events)
 {
     srv_conn *c = s->conns[idx];
     if (!c || c->fd < 0) return;
+    if (events & (EPOLLHUP | EPOLLERR)) {
+        /* Gone both ways (a close on the unix socket, a reset on TCP): nothing it sent is run,
+         * since no reply could reach it. */
+        conn_close(s, c, "hangup");
+        return;
+    }
+    if (events & EPOLLRDHUP) /* before its last bytes are read: a WAIT claim there must not park */
+        conn_peer_eof(s, c);
     if ((events & EPOLLIN) && !c->paused && !s->draining && !c->close_after_write && !c->in_ended) {
         budget_check(s, c);
         if (c->fd >= 0 && !c->paused && conn_read(s, c) == 0) {
             conn_parse(s, c);
             big_release(s, c);
         }
-    } else if (events & (EPOLLHUP | EPOLLERR)) {
-        conn_close(s, c, "hangup"); /* both ways shut: nothing can be answered */
-        return;
     } else if (events & EPOLLRDHUP) {
-        /* Not read now (QUIT, paused, held back): its end is seen all the same, and what it
-         * sent before the end is read once it may be. */
-        conn_peer_eof(s, c);
+        /* Not read now (QUIT, paused, held back): its end is seen all the same (above), and
+         * what it sent before the end is read once it may be. */
         conn_update_events(s, c);
     }
     if (c->fd >= 0 && (events & EPOLLOUT)) conn_write(s, c);

@@ -376,8 +376,10 @@ int main(int argc, char **argv)
     /* Blocks over 256 KiB (large replies, reads' results) are mapped and unmapped on their own,
      * so that what a burst took goes back to the system once freed. Left to itself glibc raises
      * this threshold to the largest block freed (up to 32 MiB) and keeps such blocks in its
-     * heaps: a single IDEM.SCAN of 8 MB left idemd 10 MB larger for good. */
-    mallopt(M_MMAP_THRESHOLD, 256 * 1024);
+     * heaps: a single IDEM.SCAN of 8 MB left idemd 10 MB larger for good. A threshold set in
+     * GLIBC_TUNABLES is the operator's and is kept. */
+    const char *tunables = getenv("GLIBC_TUNABLES");
+    if (!tunables || !strstr(tunables, "mmap_threshold")) mallopt(M_MMAP_THRESHOLD, 256 * 1024);
     srv *s = calloc(1, sizeof *s);
     if (!s) return 1;
     config_defaults(&s->cfg);
