@@ -1135,10 +1135,10 @@ Test(server, roles_and_auth, .init = start_users)
     redisFree(c);
 }
 
-/* The actor audited for key, by IDEM.AUDIT (copied into buf). */
+/* The actor of key's newest audit entry, by IDEM.AUDIT (copied into buf). */
 static const char *audited_actor(redisContext *c, const char *key, char *buf, size_t cap)
 {
-    redisReply *r = cmd(c, "IDEM.AUDIT KEY %s", key);
+    redisReply *r = cmd(c, "IDEM.AUDIT KEY %s COUNT 1", key);
     cr_assert(r->type == REDIS_REPLY_ARRAY && r->elements == 1, "%s: no audit entry", key);
     const redisReply *e = r->element[0];
     buf[0] = 0;
@@ -1189,6 +1189,10 @@ Test(server, without_users_the_audit_names_the_peers_uid_and_client_name, .init 
     snprintf(want, sizeof want, "uid=%u@unix", (unsigned)getuid());
     cr_assert_str_eq(audited_actor(c, "k1", got, sizeof got), want);
     snprintf(want, sizeof want, "uid=%u(ops-7)@unix", (unsigned)getuid());
+    cr_assert_str_eq(audited_actor(c, "k2", got, sizeof got), want);
+    /* A name that would read as another peer ("ops)@10.0.0.5") is written with '?'. */
+    dels_around(c, "CLIENT SETNAME ops)@10.0.0.5");
+    snprintf(want, sizeof want, "uid=%u(ops??10.0.0.5)@unix", (unsigned)getuid());
     cr_assert_str_eq(audited_actor(c, "k2", got, sizeof got), want);
     redisFree(c);
 }

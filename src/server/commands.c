@@ -110,13 +110,19 @@ int cmd_key_ok(cmd_req *r, uint32_t i)
 }
 
 /* user@peer, user(client name)@peer once the client named itself; without users the user is
- * the peer's uid on the unix socket (SO_PEERCRED), tcp on TCP. */
+ * the peer's uid on the unix socket (SO_PEERCRED), tcp on TCP. The name's '(', ')' and '@' are
+ * written '?': a name of "x)@10.0.0.5" must not read as another peer. */
 const char *cmd_actor(srv_conn *c)
 {
     const char *who = c->user[0] ? c->user : "anonymous";
-    if (c->name[0])
-        snprintf(c->actor, sizeof c->actor, "%s(%s)@%s", who, c->name, c->peer);
-    else
+    if (c->name[0]) {
+        char name[sizeof c->name];
+        size_t i = 0;
+        for (; c->name[i] && i + 1 < sizeof name; i++)
+            name[i] = strchr("()@", c->name[i]) ? '?' : c->name[i];
+        name[i] = '\0';
+        snprintf(c->actor, sizeof c->actor, "%s(%s)@%s", who, name, c->peer);
+    } else
         snprintf(c->actor, sizeof c->actor, "%s@%s", who, c->peer);
     return c->actor;
 }
