@@ -47,22 +47,27 @@ int srv_backup_start(srv *s, srv_conn *c, uint32_t seq, const char *dest, char *
     return 0;
 }
 
+void srv_backup_join(srv *s)
+{
+    pthread_join(s->backup_thread, NULL);
+    s->backup_running = 0;
+    if (s->backup_err == IDEM_OK)
+        srv_log("info", "backup_done", "dest=\"%s\"", s->backup_dest);
+    else
+        srv_log("error", "backup_failed", "dest=\"%s\" err=\"%s\" msg=\"%s\"", s->backup_dest,
+                idem_strerror(s->backup_err), s->backup_msg);
+}
+
 void srv_backup_done(srv *s)
 {
     uint64_t v;
     ssize_t r = read(s->backup_fd, &v, sizeof v);
     (void)r;
     if (!s->backup_running) return;
-    pthread_join(s->backup_thread, NULL);
-    s->backup_running = 0;
+    srv_backup_join(s);
     srv_conn *c = s->conns[s->backup_conn];
     c->engine_due--;
     s->engine_due--;
-    if (s->backup_err == IDEM_OK)
-        srv_log("info", "backup_done", "dest=\"%s\"", s->backup_dest);
-    else
-        srv_log("error", "backup_failed", "dest=\"%s\" err=\"%s\" msg=\"%s\"", s->backup_dest,
-                idem_strerror(s->backup_err), s->backup_msg);
     if (c->dead || !srv_reply_pending(c, s->backup_seq)) return;
     resp_buf *b = srv_reply_buf(c, s->backup_seq);
     if (s->backup_err == IDEM_OK) {

@@ -1622,7 +1622,10 @@ static int finish(srv *s, int rc)
         pthread_join(s->load_thread, NULL);
         s->store = s->loaded;
     }
-    if (s->backup_running) pthread_join(s->backup_thread, NULL); /* the store must outlive it */
+    if (s->backup_running) { /* the store must outlive it; its client is gone, the log tells */
+        srv_log("info", "shutdown_waits_for_backup", "dest=\"%s\"", s->backup_dest);
+        srv_backup_join(s);
+    }
     for (uint32_t i = 0; s->conns && i < s->conns_cap; i++)
         if (s->conns[i]) conn_free(s, s->conns[i]);
     free(s->conns);

@@ -353,6 +353,8 @@ int srv_backup_start(srv *s, srv_conn *c, uint32_t seq, const char *dest, char *
                      size_t err_len);
 /* The loop saw backup_fd readable: joins the thread and answers the request. */
 void srv_backup_done(srv *s);
+/* Waits for the copy's thread and logs its outcome (event=backup_done or backup_failed). */
+void srv_backup_join(srv *s);
 
 /* ---- reads.c ---- */
 /* Starts the reads thread with its own queue (after the store is open). Returns 0 or -1. */
