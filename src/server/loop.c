@@ -1520,7 +1520,12 @@ static void on_conn_event(srv *s, uint32_t idx, uint32_t events)
          * what it sent before the end is read once it may be. */
         conn_update_events(s, c);
     }
-    if (c->fd >= 0 && (events & EPOLLOUT)) conn_write(s, c);
+    if (c->fd >= 0 && (events & EPOLLOUT)) {
+        conn_write(s, c);
+        /* It read replies: one held back for its output (its allowance, before AUTH) goes on
+         * now, not at the next housekeeping pass. */
+        if (c->fd >= 0 && c->deferred && !s->draining) conn_parse(s, c);
+    }
 }
 
 static int on_event(srv *s, struct epoll_event *e)
