@@ -602,11 +602,11 @@ static int flusher_maintain(idem_store *s)
         }
         rc = wal_spare_end(s->wal, made, rc);
         if (rc == 0) s->seg_max_exp[(wal_cur_seq(s->wal) + 1) % WAL_SEG_SLOTS] = SEG_EXP_EMPTY;
-        if (rc == IDEM_EFULL) {
+        if (rc == IDEM_EFULL || rc == IDEM_ENOMEM) { /* not the disk failing: tried again */
             if (!s->spare_failed_mono_ms)
                 fprintf(stderr,
-                        "idem: event=full reason=\"no space for the next log segment\" dir=%s\n",
-                        s->dir);
+                        "idem: event=full reason=\"no %s for the next log segment\" dir=%s\n",
+                        rc == IDEM_EFULL ? "space" : "file descriptor or memory", s->dir);
             s->spare_failed_mono_ms = mono;
             io_fault_clear(); /* handled, as ckpt_run_failed's */
         } else if (rc < 0) {

@@ -199,7 +199,7 @@ static int seg_make(struct wal *w, uint64_t seq, struct wal_segment *out)
     struct wal_segment s = {.seq = seq};
     uint64_t size = 0;
     int rc = io_open(w->io, path, IO_O_CREATE, &s.f);
-    if (rc < 0) return UTIL_NO_SPACE(rc) ? IDEM_EFULL : IDEM_EIO;
+    if (rc < 0) return UTIL_OPEN_ERR(rc);
     if (io_size(w->io, s.f, &size) < 0) {
         io_close(w->io, s.f);
         return IDEM_EIO;
@@ -483,7 +483,9 @@ int wal_spare_end(struct wal *w, struct wal_segment *made, int rc)
         if (w->fill_spare) fill_segment(w, w->cur_seq + 1, WAL_BLOCK);
     }
     if (rc == 0 && !w->spare_ready) return 0; /* nothing was needed */
-    w->spare_err = rc == IDEM_EFULL ? rc : 0;
+    /* Out of descriptors or memory answers new writes FULL as no space does (not waiting for
+     * a retry that may be long in coming); the flusher tries again every second. */
+    w->spare_err = rc == IDEM_EFULL || rc == IDEM_ENOMEM ? IDEM_EFULL : 0;
     return rc;
 }
 

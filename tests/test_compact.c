@@ -855,6 +855,49 @@ static int sim_has(struct io_sim *sim, const char *path)
     return io_sim_read_file(sim, path, &b, 0) >= 0;
 }
 
+/* Out of descriptors when making the next log segment: new writes answer FULL until the
+ * flusher, trying again every second, makes it; nothing is lost, the store is not failed (it
+ * was: idemd exited, EMFILE taken for the disk failing). */
+Test(compact, a_segment_made_out_of_descriptors_answers_full_then_goes_on, .timeout = 60)
+{
+    struct io_sim *sim;
+    cr_assert_eq(io_sim_create(13, &sim), 0);
+    idem_store *s = open_sim(sim);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    char third[128];
+    snprintf(third, sizeof third, "/wal-%016llx.log", 3ull);
+    io_sim_fail_open(sim, third, -EMFILE);
+    int full = 0, done = 0;
+    int64_t t0 = util_monotonic_us();
+    for (int i = 0; done < 2000 && util_monotonic_us() - t0 < 20 * 1000000; i++) {
+        char key[32];
+        snprintf(key, sizeof key, "seg-%d", i);
+        idem_claim_args a = {.ttl_ms = 86400000, .lease_ms = 1000};
+        idem_completion c;
+        int rc = idem_claim(q, key, strlen(key), &a, &c);
+        if (rc == IDEM_EFULL || (rc == IDEM_OK && c.err == IDEM_EFULL)) {
+            full++;
+            usleep(1000);
+            continue;
+        }
+        cr_assert_eq(rc, IDEM_OK, "%s", idem_strerror(rc));
+        cr_assert_eq(c.err, IDEM_OK, "claim %d: %s", i, idem_strerror(c.err));
+        cr_assert_eq(c.outcome, IDEM_NEW);
+        done++;
+    }
+    idem_stats st;
+    idem_get_stats(s, &st);
+    cr_assert_eq(st.fatal, 0);
+    cr_assert_eq(done, 2000, "%d claims in 20 s", done);
+    cr_assert_gt(full, 0, "the failed open of segment 3 was never met");
+    cr_assert_geq(cur_seq(s), 3, "the log never reached segment 3");
+    cr_assert_eq(st.keys, 2000);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    io_sim_destroy(sim);
+}
+
 /* Puts a file of 4 KiB at path on the simulated disk, durably, as a crash would leave one. */
 static void sim_put(struct io_sim *sim, const char *path)
 {

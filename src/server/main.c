@@ -344,17 +344,22 @@ static int parse_args(srv_config *cfg, int argc, char **argv)
     return 0;
 }
 
-/* Raises the soft open-files limit to max-clients + NOFILE_SPARE where the hard limit allows;
- * where it does not, max-clients is lowered to fit (as Redis does), so that a client past it is
- * told so instead of the server running out of descriptors (srv_accept copes with that too). */
-#define NOFILE_SPARE 64 /* descriptors kept for the store's files, listeners and the loop */
+/* Raises the soft open-files limit to max-clients + NOFILE_SPARE where the hard limit allows,
+ * and further up to NOFILE_AHEAD more: the store keeps one descriptor open per log segment
+ * (a log of 100 GiB has 1,600), which NOFILE_SPARE alone would leave to chance. Where the hard
+ * limit does not allow max-clients + NOFILE_SPARE, max-clients is lowered to fit (as Redis
+ * does), so that a client past it is told so instead of the server running out of descriptors
+ * (srv_accept copes with that too). */
+#define NOFILE_SPARE 64     /* descriptors kept for the store's files, listeners and the loop */
+#define NOFILE_AHEAD 65536u /* and, where the hard limit allows, this many more */
 static void raise_nofile(srv_config *cfg)
 {
     struct rlimit rl;
     if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
-    rlim_t want = (rlim_t)cfg->max_clients + NOFILE_SPARE;
-    if (rl.rlim_cur < want) {
-        rl.rlim_cur = rl.rlim_max == RLIM_INFINITY || rl.rlim_max > want ? want : rl.rlim_max;
+    rlim_t want = (rlim_t)cfg->max_clients + NOFILE_SPARE, ahead = want + NOFILE_AHEAD;
+    rlim_t to = rl.rlim_max == RLIM_INFINITY || rl.rlim_max > ahead ? ahead : rl.rlim_max;
+    if (rl.rlim_cur < to) {
+        rl.rlim_cur = to;
         setrlimit(RLIMIT_NOFILE, &rl);
         getrlimit(RLIMIT_NOFILE, &rl);
     }
