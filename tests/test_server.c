@@ -2118,6 +2118,56 @@ Test(server, a_half_close_answers_every_whole_request_it_sent, .init = start, .t
     redisFree(c);
 }
 
+/* Waits until pid is stopped (state T in /proc/pid/stat). */
+static void wait_stopped(pid_t pid)
+{
+    char path[64], buf[256];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    for (int i = 0; i < 500; i++) {
+        FILE *f = fopen(path, "r");
+        size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+        if (f) fclose(f);
+        buf[n] = 0;
+        const char *end = strrchr(buf, ')');
+        if (end && end[1] == ' ' && (end[2] == 'T' || end[2] == 't')) return;
+        usleep(2000);
+    }
+    cr_assert_fail("process %d did not stop", (int)pid);
+}
+
+/* A waiter whose end is seen in the turn that also carries a release of its key, by another
+ * client, is cancelled before the release runs: it used to be cancelled after the batch was
+ * submitted, so the release granted it the key, its reply went nowhere, and the key stayed held
+ * by a token nobody had. idemd is stopped while both arrive, so one turn sees both. */
+Test(server, a_waiter_gone_in_the_turn_of_a_release_is_not_granted_the_key, .init = start)
+{
+    redisContext *a = connect_tcp();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(a, "IDEM.CLAIM gk 100000 60000"), &tok), "new");
+    int w = raw_connect();
+    const char wait[] = "IDEM.CLAIM gk 100000 60000 WAIT 30000\r\n";
+    raw_send(w, wait, sizeof wait - 1);
+    wait_seen(a, "gk", 2);
+    cr_assert_eq(kill(srv.pid, SIGSTOP), 0);
+    wait_stopped(srv.pid); /* the signal is delivered later than kill returns */
+    cr_assert_eq(redisAppendCommand(a, "IDEM.RELEASE gk %lld", tok), REDIS_OK);
+    int done = 0;
+    while (!done)
+        cr_assert_eq(redisBufferWrite(a, &done), REDIS_OK);
+    usleep(50000);
+    close(w);
+    usleep(50000);
+    cr_assert_eq(kill(srv.pid, SIGCONT), 0);
+    redisReply *r;
+    cr_assert_eq(redisGetReply(a, (void **)&r), REDIS_OK);
+    expect_status(r, "OK");
+    redisContext *third = connect_tcp();
+    cr_assert_str_eq(outcome(cmd(third, "IDEM.CLAIM gk 100000 60000"), NULL), "new",
+                     "the key went to the waiter that was gone");
+    redisFree(third);
+    redisFree(a);
+}
+
 Test(server, second_server_on_the_same_socket_refuses_to_start, .init = start)
 {
     const char *build = getenv("IDEM_BUILD_DIR");

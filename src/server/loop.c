@@ -205,11 +205,15 @@ static void cancel_waits(srv *s, srv_conn *c)
     for (uint32_t q = c->head_seq; q != c->tail_seq; q++)
         any |= slot_of(c, q)->state == SLOT_PENDING && slot_of(c, q)->is_wait;
     if (!any || !s->q) return;
-    submit_batch(s);
-    for (uint32_t q = c->head_seq; q != c->tail_seq; q++) {
-        srv_slot *sl = slot_of(c, q);
-        if (sl->state == SLOT_PENDING && sl->is_wait)
-            idem_cancel_wait(s->q, ((uint64_t)c->index << 32) | q);
+    /* Those parked already first: a release queued this turn, by another client, would grant
+     * one of them the key as the batch is submitted. Then those the batch parks. */
+    for (int pass = 0; pass < 2; pass++) {
+        if (pass == 1) submit_batch(s);
+        for (uint32_t q = c->head_seq; q != c->tail_seq; q++) {
+            srv_slot *sl = slot_of(c, q);
+            if (sl->state == SLOT_PENDING && sl->is_wait)
+                (void)idem_cancel_wait(s->q, ((uint64_t)c->index << 32) | q);
+        }
     }
 }
 
