@@ -1111,10 +1111,12 @@ void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_
     }
     switch (op->kind) {
     case IDEM_OP_CLAIM:
-        if (op_claim(s, sl, op, 0))
+        if (op_claim(s, sl, op, 0)) {
+            s->st.claims_busy--; /* not answered yet: counted by its outcome (waiter_done) */
             park(s, sl, op);
-        else if (sl->c.err == 0)
+        } else if (sl->c.err == 0) {
             store_count_claim(s, sl->c.outcome);
+        }
         break;
     case IDEM_OP_COMMIT:
         op_commit(s, sl, op);
@@ -1206,9 +1208,14 @@ static int wake_one(idem_store *s, struct qslot *sl, int64_t mono)
     return 1;
 }
 
-/* Takes a completed claim off the waiter list. */
+/* Takes a completed claim off the waiter list. A claim is counted once, by the outcome it is
+ * answered with: the re-run that answered it counted any other (claim_existing, claim_new). */
 static void waiter_done(idem_store *s, struct qslot *sl)
 {
+    if (sl->c.err == 0) {
+        if (sl->c.outcome == IDEM_BUSY) s->st.claims_busy++;
+        store_count_claim(s, sl->c.outcome);
+    }
     waiters_remove(s, sl);
     sl->state = SLOT_DONE;
     queue_signal(sl->ext->q);
