@@ -502,6 +502,28 @@ static void claim_new(idem_store *s, struct qslot *sl, const idem_op *op, const 
     s->st.claims_new++;
 }
 
+static int waiter_of_key(const struct qslot *sl, const void *key, uint32_t key_len)
+{
+    return sl->ext->op.key_len == key_len && !memcmp(sl->ext->op.key, key, key_len);
+}
+
+/* The owner's claim again, made while the claims parked on its key are being re-run, moved the
+ * lease's end to lease_until: those re-run before it noted the old end, and would run only at
+ * their own deadline. Theirs is set to the new end, and when they are due is noted again. */
+static void waiters_lease_moved(idem_store *s, const void *key, uint32_t key_len,
+                                int64_t lease_until, int64_t now)
+{
+    int64_t mono = s->clock.monotonic_ms(s->clock.ctx);
+    uint64_t h = key_hash(s, key, key_len);
+    for (struct qslot *sl = waiters_of_hash(s, h); sl; sl = sl->ext->bnext) {
+        if (sl->ext->whash != h || !waiter_of_key(sl, key, key_len) ||
+            sl->ext->lease_end_ms <= lease_until)
+            continue;
+        sl->ext->lease_end_ms = lease_until;
+        waiters_note_due(s, sl, mono, now);
+    }
+}
+
 /* A claim that meets an unfinished or committed record. Returns the outcome written. */
 static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, const uint8_t fp[16],
                            struct index_slot *slot, struct rec *r, uint64_t lsn, int64_t now,
@@ -553,6 +575,8 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, c
             sl->c.token = r->token;
             s->st.claims_new++;
             if (rc == 0 && !waking) ops_wake(s, op->key, op->key_len); /* the lease moved */
+            if (rc == 0 && waking)
+                waiters_lease_moved(s, op->key, op->key_len, r->lease_until_ms, now);
             goto out;
         }
         if (!waking) seen_bump(s, slot, r, now);
@@ -1251,11 +1275,6 @@ int idem_cancel_wait(idem_queue *q, uint64_t user_data)
     }
     store_unlock(s);
     return rc;
-}
-
-static int waiter_of_key(const struct qslot *sl, const void *key, uint32_t key_len)
-{
-    return sl->ext->op.key_len == key_len && !memcmp(sl->ext->op.key, key, key_len);
 }
 
 /* Re-runs the parked claims of key (every one with all). A change of one key re-runs only the

@@ -1683,6 +1683,49 @@ Test(wait, a_lease_made_shorter_ends_the_wait_at_its_new_end)
     }
 }
 
+/* Parked claims re-run after a release, in arrival order: B (owner x) gets new with a lease of
+ * 30 s, C (owner y) parks again with that end, then A (owner x as well, lease 200 ms) resumes
+ * x's claim and makes the lease end sooner. C used to keep the 30 s end it had noted and recover
+ * the key only at its own deadline. (Elapsed time from a clock the test moves, as above.) */
+Test(wait, a_lease_made_shorter_by_a_woken_owner_ends_the_others_wait)
+{
+    open_waiters_on_moved_clock();
+    idem_claim_args a = claim_args(TTL, 30000, 0);
+    idem_completion c;
+    expect_rc(idem_claim(g_q, "k", 1, &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    int64_t tok = c.token;
+    static const struct {
+        const char *owner;
+        uint64_t lease_ms;
+    } w[3] = {{"x", 30000}, {"y", 30000}, {"x", 200}};
+    for (int i = 0; i < 3; i++) {
+        idem_op op;
+        memset(&op, 0, sizeof op);
+        op.kind = IDEM_OP_CLAIM;
+        op.key = "k";
+        op.key_len = 1;
+        op.ttl_ms = TTL;
+        op.lease_ms = w[i].lease_ms;
+        op.owner = w[i].owner;
+        op.owner_len = 1;
+        op.wait_ms = 20000;
+        op.user_data = 70 + (uint64_t)i;
+        cr_assert_eq(idem_submit(g_wq[i], &op, 1), 1);
+        cr_assert_eq(poll_now(g_wq[i], &c), 0, "waiter %d answered at once", i);
+    }
+    expect_rc(idem_release(g_q, "k", 1, tok), IDEM_OK);
+    cr_assert_eq(idem_poll(g_wq[0], &c, 1, 5000), 1);
+    cr_assert_eq(c.outcome, IDEM_NEW, "B: %s", idem_outcome_name(c.outcome));
+    cr_assert_eq(idem_poll(g_wq[2], &c, 1, 5000), 1);
+    cr_assert_eq(c.outcome, IDEM_NEW, "A resumes x's claim: %s", idem_outcome_name(c.outcome));
+    cr_assert_eq(poll_now(g_wq[1], &c), 0, "C answered before the lease ran out");
+    atomic_fetch_add(&g_wait_mono, 300);
+    cr_assert_eq(idem_poll(g_wq[1], &c, 1, 5000), 1, "C still waits on the lease's old end");
+    cr_assert_eq(c.user_data, 71);
+    cr_assert_eq(c.outcome, IDEM_RECOVER, "C: %s", idem_outcome_name(c.outcome));
+}
+
 /* Parked claims keep their fingerprint as its digest, not the content it was made from: a
  * thousand waiters with megabyte fingerprints must not hold gigabytes. The digest still decides
  * done against mismatch when they wake. */
