@@ -1020,6 +1020,39 @@ Test(server, replies_before_auth_are_held_to_a_little, .init = start_users, .tim
     redisFree(a);
 }
 
+static void start_users_auth_within_1500ms(void)
+{
+    setenv("IDEM_TEST_AUTH_WITHIN_MS", "1500", 1); /* the child inherits it */
+    start_users();
+    unsetenv("IDEM_TEST_AUTH_WITHIN_MS");
+}
+
+/* With users, a connection that has not authenticated within its time (10 s; 1.5 s here) is
+ * closed, whatever it sends meanwhile: connections without a password used to hold their slots
+ * of --max-clients for good. One that authenticated stays. */
+Test(server, a_connection_that_does_not_authenticate_in_time_is_closed,
+     .init = start_users_auth_within_1500ms)
+{
+    redisContext *ok = connect_tcp();
+    expect_status(cmd(ok, "AUTH w pw-w"), "OK");
+    int silent = raw_connect(), talker = raw_connect();
+    int64_t t0 = now_ms();
+    char buf[256];
+    int closed = 0;
+    while (!closed && now_ms() - t0 < 8000) {
+        raw_send(talker, "PING\r\n", 6);
+        raw_read(talker, buf, sizeof buf - 1, 1, &closed);
+        usleep(100000);
+    }
+    cr_assert(closed, "a client that only gets NOAUTH stayed connected for 8 s");
+    cr_assert_geq(now_ms() - t0, 1400, "closed before its time");
+    cr_assert(raw_closed(silent), "a silent unauthenticated client stayed connected");
+    close(silent);
+    close(talker);
+    expect_status(cmd(ok, "PING"), "PONG");
+    redisFree(ok);
+}
+
 Test(server, roles_and_auth, .init = start_users)
 {
     redisContext *c = connect_tcp();

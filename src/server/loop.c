@@ -310,7 +310,7 @@ static void conn_new(srv *s, int fd, int is_unix, const char *peer)
     c->parser.req_max = SRV_REQ_MAX;
     resp_buf_init(&c->out, s->cfg.client_output_max);
     c->reply_est = SRV_REPLY_SMALL;
-    c->last_active_ms = srv_now_ms();
+    c->last_active_ms = c->accepted_ms = srv_now_ms();
     s->conns[idx] = c;
     s->nconns++;
     s->nlive++;
@@ -1227,6 +1227,9 @@ static void housekeeping(srv *s, int64_t now)
         if (c->fd >= 0 && c->role == ROLE_NONE && c->partial_since_ms &&
             now - c->partial_since_ms >= SRV_UNAUTH_REQUEST_MS)
             conn_close(s, c, "unfinished_request_before_auth");
+        /* Connections that hold a slot without a password cannot fill --max-clients for good. */
+        if (c->fd >= 0 && c->role == ROLE_NONE && now - c->accepted_ms >= s->unauth_ms)
+            conn_close(s, c, "auth_timeout");
         if (c->fd >= 0 && s->cfg.idle_timeout_ms && c->head_seq == c->tail_seq && c->out.len == 0 &&
             now - c->last_active_ms > (int64_t)s->cfg.idle_timeout_ms)
             conn_close(s, c, "idle_timeout");
@@ -1671,6 +1674,9 @@ int srv_run(srv *s)
         s->mconns[i].fd = -1;
     s->epfd = s->sig_fd = s->load_fd = s->backup_fd = s->reads_fd = s->spare_fd = -1;
     s->started_ms = srv_now_ms();
+    s->unauth_ms = SRV_UNAUTH_MS;
+    const char *within = getenv("IDEM_TEST_AUTH_WITHIN_MS"); /* tests, with --test-clock only */
+    if (s->cfg.test_clock && within) s->unauth_ms = (int64_t)strtoul(within, NULL, 10);
     clock_tick(s);
     if (setup_fds(s) < 0 || listen_all(s) < 0) return finish(s, 1);
     s->loading = 1;

@@ -34,6 +34,7 @@
 #define SRV_UNAUTH_ARG_MAX      16384u /* bytes of an argument before AUTH (when users are set) */
 #define SRV_UNAUTH_ARGC_MAX     16u    /* arguments of a request before AUTH */
 #define SRV_UNAUTH_REQUEST_MS   5000   /* a request begun before AUTH must end within this */
+#define SRV_UNAUTH_MS           10000  /* with users, a connection must AUTH within this */
 #define SRV_UNAUTH_OUT_MAX      16384u /* replies owed or unread before AUTH, past which it waits */
 #define SRV_IDLE_TIMEOUT_MS_MAX (1ull << 53) /* far beyond any use, and no overflow in a sum */
 #define SRV_IN_BUF_MAX          (2u * RESP_BULK_PROTO_MAX + 65536u) /* a whole request must fit */
@@ -195,6 +196,7 @@ typedef struct srv_conn {
     uint64_t slot_bytes;         /* capacity of its slot buffers (in io_bytes) */
     uint64_t slot_ready;         /* bytes of replies made that wait in slots for those before */
     int64_t last_active_ms;
+    int64_t accepted_ms; /* when it connected (srv_now_ms) */
     uint32_t epoll_events;
 } srv_conn;
 
@@ -309,6 +311,7 @@ typedef struct srv {
     uint32_t reads_kept;                                 /* on reads_free */
     uint32_t reads_out;                                  /* handed to the thread, not back */
     uint32_t reads_delay_ms; /* tests (--test-clock): each read waits this long first */
+    int64_t unauth_ms;       /* SRV_UNAUTH_MS, or IDEM_TEST_AUTH_WITHIN_MS under --test-clock */
 } srv;
 
 /* ---- main.c ---- */
