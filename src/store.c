@@ -619,12 +619,25 @@ static int flusher_maintain(idem_store *s)
         }
         pthread_cond_broadcast(&s->cond_ready);
     }
-    if (token_headroom_low(s)) {
+    if (token_headroom_low(s) &&
+        (!s->super_failed_mono_ms || mono - s->super_failed_mono_ms >= 1000)) {
         released = 1;
-        if (reserve_tokens(s) < 0) {
+        int rc = reserve_tokens(s);
+        if (rc == IDEM_ENOMEM) { /* out of descriptors or memory, nothing written: again in 1 s */
+            if (!s->super_failed_mono_ms)
+                fprintf(stderr,
+                        "idem: event=token_reservation_deferred reason=\"no file descriptor or "
+                        "memory to open the superblock\" dir=%s\n",
+                        s->dir);
+            s->super_failed_mono_ms = mono;
+            io_fault_clear();
+            return released;
+        }
+        if (rc < 0) {
             store_fail(s, 0, "reserving tokens in the superblock");
             return 1;
         }
+        s->super_failed_mono_ms = 0;
         pthread_cond_broadcast(&s->cond_ready);
     }
     return released;
@@ -640,10 +653,19 @@ static int flusher_save_clock(idem_store *s)
     if (!s->clk_wanted || s->fatal || s->closing || s->abandoned) return 0;
     if (!store_clock_saved(s)) {
         if (wal_pending(s->wal)) return 0;
-        if (reserve_tokens(s) < 0) {
+        int64_t mono = mono_now(s);
+        if (s->super_failed_mono_ms && mono - s->super_failed_mono_ms < 1000) return 0;
+        int rc = reserve_tokens(s);
+        if (rc == IDEM_ENOMEM) { /* nothing written: the answers waiting for it wait 1 s more */
+            s->super_failed_mono_ms = mono;
+            io_fault_clear();
+            return 0;
+        }
+        if (rc < 0) {
             store_fail(s, 0, "writing the store clock to the superblock");
             return 1;
         }
+        s->super_failed_mono_ms = 0;
     }
     /* Saved here, or by another write of the superblock this round (a checkpoint's install, the
      * token reservation), which wakes no queue: completions waited for it (store_clock_waits).

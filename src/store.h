@@ -290,6 +290,7 @@ struct idem_store {
     int flushing;
     uint32_t frame_max;           /* the largest frame one change can append */
     int64_t spare_failed_mono_ms; /* last failed attempt at the spare segment (disk full) */
+    int64_t super_failed_mono_ms; /* last token reservation that found no descriptor or memory */
     int sync_waiters;
     /* The flusher sleeps with nothing pending (up to a second): in batch and none modes the next
      * frame appended must wake it (store_appended in store.c). */
