@@ -1083,8 +1083,11 @@ static void park(idem_store *s, struct qslot *sl, const idem_op *op)
         sl->ext->op.fp = sl->ext->wait_fp;
         sl->ext->op.fp_len = sizeof sl->ext->wait_fp;
     }
-    if (!sl->ext->op.key || (op->owner_len && !sl->ext->op.owner) || waiters_add(s, sl, h))
-        return; /* out of memory: answer busy now */
+    if (!sl->ext->op.key || (op->owner_len && !sl->ext->op.owner) || waiters_add(s, sl, h)) {
+        s->st.claims_busy++; /* out of memory: answered busy now, and counted so */
+        store_count_claim(s, IDEM_BUSY);
+        return;
+    }
     int64_t mono = s->clock.monotonic_ms(s->clock.ctx);
     sl->ext->deadline_mono_ms = mono + op->wait_ms;
     sl->state = SLOT_PARKED;

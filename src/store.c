@@ -615,6 +615,11 @@ static int flusher_maintain(idem_store *s)
             store_fail(s, 0, what);
             return 1;
         } else {
+            if (s->spare_failed_mono_ms && seq)
+                fprintf(stderr,
+                        "idem: event=full_over reason=\"the next log segment is made\" "
+                        "dir=%s\n",
+                        s->dir);
             s->spare_failed_mono_ms = 0;
         }
         pthread_cond_broadcast(&s->cond_ready);

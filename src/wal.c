@@ -235,7 +235,9 @@ static int seg_make(struct wal *w, uint64_t seq, struct wal_segment *out)
     if (rc == 0) rc = io_map(w->io, s.f, w->seg_bytes, (const void **)&s.map);
     if (rc < 0) {
         io_close(w->io, s.f);
-        return IDEM_EFATAL;
+        /* Out of descriptors (the directory's open) or memory (the map): not the disk, and the
+         * file is whole, so making it again later takes it as it is. */
+        return UTIL_OPEN_ERR(rc) == IDEM_ENOMEM ? IDEM_ENOMEM : IDEM_EFATAL;
     }
     *out = s;
     return 0;

@@ -905,7 +905,12 @@ static void conn_refuse(srv *s, srv_conn *c, const char *err)
 {
     uint32_t seq;
     if (slot_alloc(c, &seq) < 0) {
-        conn_close(s, c, "out_of_memory"); /* nothing would be written to close it after */
+        /* Closed once what it is owed is written; at once if nothing is (no write would come
+         * to close it). */
+        if (c->head_seq == c->tail_seq && c->out.sent == c->out.len)
+            conn_close(s, c, "out_of_memory");
+        else
+            c->close_after_write = 1;
         return;
     }
     resp_error(srv_reply_buf(c, seq), err);
@@ -1070,9 +1075,11 @@ static void complete_one(srv *s, const idem_completion *cp)
     s->engine_due--;
     if (cp->err == IDEM_EFATAL) s->fatal = 1;
     if (cp->err == IDEM_EFULL)
-        srv_log_gated(&s->log_full, "warn", "full", "id=%llu peer=%s msg=\"%s\"",
-                      (unsigned long long)c->id, c->peer,
-                      "a change refused: capacity limit or full disk (nothing was evicted)");
+        srv_log_gated(
+            &s->log_full, "warn", "full", "id=%llu peer=%s msg=\"%s\"", (unsigned long long)c->id,
+            c->peer,
+            "a change refused: capacity limit or full disk, or no file descriptor for the "
+            "log's next segment (nothing was evicted)");
     srv_slot *sl = slot_of(c, seq);
     if (sl->kind == RK_RESOLVE) /* also when its client is gone: the decision took effect */
         log_resolve_result(c, seq, cp->err);
