@@ -177,7 +177,8 @@ static int walk_wanted(idem_store *s, uint64_t seq)
     if (wal_bytes(s->wal) - walked > 2 * s->live_bytes + STORE_CMP_SLACK_SEGS * seg) return 1;
     /* Not measured yet (written before this open): compact_learn_horizon does, first. */
     int64_t now = store_now(s), horizon = s->seg_max_exp[seq % WAL_SEG_SLOTS];
-    if (horizon != SEG_EXP_UNKNOWN && horizon <= now) return 1;
+    if (horizon == SEG_EXP_UNKNOWN) return 0; /* nor by the segments after it */
+    if (horizon <= now) return 1;
     /* Half expired: the segment seq, or the sealed segments from it up to some later one
      * together (by their expiry tallies), have at least half their bytes expired, so a walk
      * to there reclaims at least as much as it copies. Long-lived records mixed in (one in

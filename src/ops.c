@@ -229,8 +229,14 @@ static void version_moved(idem_store *s, const struct old_facts *old, uint64_t n
     if (r->state != IDEM_STATE_COMMITTED &&
         exp <= __atomic_load_n(&s->clk_last_ms, __ATOMIC_RELAXED))
         exp = INT64_MAX;
-    if (exp > *m) *m = exp;
-    compact_tally(s, seq, exp, new_bytes);
+    /* A segment written before this open (its records replayed, or the open's current one
+     * written on) stays unknown until compact_learn_horizon measures all of it: from part of
+     * its records it looked expired while records before the open lived on, and a walk copied
+     * them. */
+    if (*m != SEG_EXP_UNKNOWN) {
+        if (exp > *m) *m = exp;
+        compact_tally(s, seq, exp, new_bytes);
+    }
     ages_note(s, r, h, new_addr);
 }
 

@@ -849,6 +849,73 @@ Test(compact, a_segment_from_before_the_open_is_walked_once_its_records_expire, 
     io_sim_destroy(sim);
 }
 
+static void log_position(idem_store *s, uint64_t *seq, uint32_t *off)
+{
+    store_lock(s);
+    wal_position(s->wal, seq, off);
+    store_unlock(s);
+}
+
+/* The segment current at an open, written on after it: its expiry horizon was taken from the
+ * records written after the open alone. Short-lived keys written then (hour-long ones after them)
+ * expire, and the segment looked all expired although the hour-long keys written before the open
+ * (most of it) live on: a walk copied them all. Now the segment is measured whole first, and not
+ * walked. */
+Test(compact, the_segment_current_at_an_open_is_judged_by_all_its_records, .timeout = 60)
+{
+    struct io_sim *sim;
+    cr_assert_eq(io_sim_create(31, &sim), 0);
+    idem_store *s = open_sim(sim);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 64, &q), IDEM_OK);
+    uint64_t seq;
+    uint32_t off;
+    int hours = 0;
+    do { /* hour-long keys over three quarters of the first segment */
+        char prefix[16];
+        snprintf(prefix, sizeof prefix, "hour%d", hours++);
+        set_keys(q, prefix, 64, 3600000);
+        log_position(s, &seq, &off);
+    } while (seq == 1 && off < 48 * 1024);
+    cr_assert_eq(seq, 1, "the hour-long keys passed the first segment");
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    s = open_sim(sim);
+    cr_assert_eq(idem_queue_open(s, 64, &q), IDEM_OK);
+    for (int i = 0; cur_seq(s) < 2; i++) { /* 1 s keys: the rest of it */
+        char prefix[16];
+        snprintf(prefix, sizeof prefix, "sec%d", i);
+        set_keys(q, prefix, 64, 1000);
+    }
+    int lates = 0;
+    while (cur_seq(s) < 3) { /* hour-long keys after it: no window of expired segments */
+        char prefix[16];
+        snprintf(prefix, sizeof prefix, "late%d", lates++);
+        set_keys(q, prefix, 64, 3600000);
+    }
+    cr_assert_eq(idem_sync(s), IDEM_OK);
+    uint64_t seq0;
+    uint32_t off0;
+    log_position(s, &seq0, &off0);
+    cr_assert_eq(idem_clock_advance(s, 5000), IDEM_OK);
+    for (int i = 0; i < 100; i++) { /* the flusher's rounds: measuring, perhaps walking */
+        cr_assert_eq(idem_sync(s), IDEM_OK);
+        usleep(5000);
+    }
+    log_position(s, &seq, &off);
+    cr_assert(seq == seq0 && off == off0,
+              "the log grew from %llu:%u to %llu:%u: the hour-long keys were copied",
+              (unsigned long long)seq0, off0, (unsigned long long)seq, off);
+    for (int h = 0; h < hours; h++) {
+        char prefix[16];
+        snprintf(prefix, sizeof prefix, "hour%d", h);
+        check_keys(q, prefix, 64);
+    }
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    io_sim_destroy(sim);
+}
+
 static int sim_has(struct io_sim *sim, const char *path)
 {
     char b;
