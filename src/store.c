@@ -662,6 +662,11 @@ static int flusher_save_clock(idem_store *s)
         if (s->super_failed_mono_ms && mono - s->super_failed_mono_ms < 1000) return 0;
         int rc = reserve_tokens(s);
         if (rc == IDEM_ENOMEM) { /* nothing written: the answers waiting for it wait 1 s more */
+            if (!s->super_failed_mono_ms)
+                fprintf(stderr,
+                        "idem: event=clock_save_deferred reason=\"no file descriptor or memory "
+                        "to open the superblock\" dir=%s\n",
+                        s->dir);
             s->super_failed_mono_ms = mono;
             io_fault_clear();
             return 0;
@@ -835,7 +840,10 @@ static void store_appended(idem_store *s)
 static int room_ok_for(idem_store *s, uint32_t bytes)
 {
     if (s->ckpt_quiesce) return IDEM_EBUSY; /* a checkpoint is being taken at this log position */
-    if (token_headroom(s) < 64 && !token_reserved_all(s)) return IDEM_EBUSY;
+    if (token_headroom(s) < 64 && !token_reserved_all(s))
+        /* A reservation put off for want of descriptors or memory: FULL until it is made, as
+         * for the next segment, rather than a wait as long as the shortage. */
+        return s->super_failed_mono_ms ? IDEM_EFULL : IDEM_EBUSY;
     return wal_room(s->wal, bytes);
 }
 

@@ -231,7 +231,11 @@ static int seg_make(struct wal *w, uint64_t seq, struct wal_segment *out)
         if (size < w->seg_bytes) io_unlink(w->io, path);
         return IDEM_EFULL;
     }
-    if (rc == 0) rc = io_sync_dir(w->io, w->dir);
+    if (rc < 0) {
+        io_close(w->io, s.f);
+        return IDEM_EFATAL;
+    }
+    rc = io_sync_dir(w->io, w->dir);
     if (rc == 0) rc = io_map(w->io, s.f, w->seg_bytes, (const void **)&s.map);
     if (rc < 0) {
         io_close(w->io, s.f);

@@ -31,8 +31,8 @@ void cmd_reply_err(resp_buf *b, int err)
         resp_error(b, "CHANGED the record's version is not the one expected; look again");
         break;
     case IDEM_EFULL:
-        resp_error(b, "FULL capacity limit or full disk (or no file descriptor for the log's next "
-                      "segment): nothing was stored or evicted");
+        resp_error(b, "FULL capacity limit or full disk (or no file descriptor or memory for the "
+                      "log): nothing was stored or evicted");
         break;
     case IDEM_ESTATE:
         resp_error(b, "ERR the record is in_flight or in review: it has no outcome yet "

@@ -907,10 +907,12 @@ static void conn_refuse(srv *s, srv_conn *c, const char *err)
     if (slot_alloc(c, &seq) < 0) {
         /* Closed once what it is owed is written; at once if nothing is (no write would come
          * to close it). */
-        if (c->head_seq == c->tail_seq && c->out.sent == c->out.len)
+        if (c->head_seq == c->tail_seq && c->out.sent == c->out.len) {
             conn_close(s, c, "out_of_memory");
-        else
+        } else {
             c->close_after_write = 1;
+            conn_update_events(s, c); /* not read any more: EPOLLIN would spin the loop */
+        }
         return;
     }
     resp_error(srv_reply_buf(c, seq), err);
@@ -1516,9 +1518,20 @@ static void on_conn_event(srv *s, uint32_t idx, uint32_t events)
     srv_conn *c = s->conns[idx];
     if (!c || c->fd < 0) return;
     if (events & (EPOLLHUP | EPOLLERR)) {
-        /* Gone both ways (a close on the unix socket, a reset on TCP): nothing it sent is run,
-         * since no reply could reach it. */
-        conn_close(s, c, "hangup");
+        /* Gone both ways (a close on the unix socket, a reset on TCP). What it sent before a
+         * close is still run as far as it can be now, as at TCP's end of input, which looks
+         * the same (an operator's DEL sent just before the close takes effect); its replies go
+         * nowhere. Then it is closed: EPOLLHUP would be reported at every turn. */
+        conn_peer_eof(s, c);
+        for (int i = 0; i < 64 && !(events & EPOLLERR) && c->fd >= 0 && !c->in_ended &&
+                        !c->close_after_write && !c->paused && !s->draining;
+             i++) {
+            size_t had = c->in_len - c->in_start;
+            if (conn_read(s, c) < 0) break;
+            conn_parse(s, c);
+            if (c->fd >= 0 && !c->in_ended && c->in_len - c->in_start >= had) break; /* held */
+        }
+        if (c->fd >= 0) conn_close(s, c, "hangup");
         return;
     }
     if (events & EPOLLRDHUP) /* before its last bytes are read: a WAIT claim there must not park */
