@@ -243,17 +243,23 @@ Test(compact, a_retirement_out_of_descriptors_is_tried_again, .timeout = 60)
     static const char *const prefix[] = {"k", "m", "n", "o"};
     struct kept kept[4][200];
     make_kept(q, kept[0], 200, prefix[0]);
+    /* Counted from the open: the flusher may retire segments by itself before the request (the
+     * failed open then meets whichever superblock write comes next: a checkpoint's install, a
+     * retirement or the store clock's save). The request's promise is that no segment sealed at
+     * the call is left. */
+    idem_stats first, after;
+    idem_get_stats(s, &first);
     for (int round = 0; round < 3; round++) {
-        idem_stats before, after;
-        idem_get_stats(s, &before);
         io_sim_fail_open(sim, "/super", round == 2 ? -ENOMEM : -EMFILE);
         int rc = idem_compact(s, 20000);
         cr_assert_eq(rc, IDEM_OK, "round %d: %s", round, idem_strerror(rc));
         idem_get_stats(s, &after);
         cr_assert_eq(after.fatal, 0);
-        cr_assert_gt(after.compactions, before.compactions, "round %d retired nothing", round);
+        cr_assert_leq(after.wal_bytes, 3 * 64 * 1024, "round %d: log %llu bytes after compaction",
+                      round, (unsigned long long)after.wal_bytes);
         make_kept(q, kept[round + 1], 200, prefix[round + 1]);
     }
+    cr_assert_gt(after.compactions, first.compactions, "nothing retired");
     for (int k = 0; k < 4; k++)
         check_kept(s, q, kept[k], 200);
     idem_queue_close(q);
