@@ -573,6 +573,34 @@ static int64_t flusher_sleep_ms(idem_store *s)
     return sleep < 0 ? 0 : sleep;
 }
 
+/* Writes the superblock with tokens reserved ahead and the store clock (reserve_tokens). While
+ * an open of it finds no file descriptor or memory (nothing written), it is tried again once a
+ * second, the first time logged as event=`deferred`. Returns 1 when it was tried (mu was let go;
+ * written unless super_failed_mono_ms is set), 0 when it waits for its second, -1 once the
+ * store is failed (`why`). */
+static int superblock_save(idem_store *s, const char *deferred, const char *why)
+{
+    int64_t mono = mono_now(s);
+    if (s->super_failed_mono_ms && mono - s->super_failed_mono_ms < 1000) return 0;
+    int rc = reserve_tokens(s);
+    if (rc == IDEM_ENOMEM) {
+        if (!s->super_failed_mono_ms)
+            fprintf(stderr,
+                    "idem: event=%s reason=\"no file descriptor or memory to open the "
+                    "superblock\" dir=%s\n",
+                    deferred, s->dir);
+        s->super_failed_mono_ms = mono;
+        io_fault_clear();
+        return 1;
+    }
+    if (rc < 0) {
+        store_fail(s, 0, why);
+        return -1;
+    }
+    s->super_failed_mono_ms = 0;
+    return 1;
+}
+
 /* Between batches (mu held, nothing in flight): the spare segment and token headroom, so
  * callers never do file I/O of their own; the I/O runs with mu released. A failure other than
  * a full disk is fatal. Returns 1 when mu was released meanwhile. */
@@ -624,26 +652,12 @@ static int flusher_maintain(idem_store *s)
         }
         pthread_cond_broadcast(&s->cond_ready);
     }
-    if (token_headroom_low(s) &&
-        (!s->super_failed_mono_ms || mono - s->super_failed_mono_ms >= 1000)) {
-        released = 1;
-        int rc = reserve_tokens(s);
-        if (rc == IDEM_ENOMEM) { /* out of descriptors or memory, nothing written: again in 1 s */
-            if (!s->super_failed_mono_ms)
-                fprintf(stderr,
-                        "idem: event=token_reservation_deferred reason=\"no file descriptor or "
-                        "memory to open the superblock\" dir=%s\n",
-                        s->dir);
-            s->super_failed_mono_ms = mono;
-            io_fault_clear();
-            return released;
-        }
-        if (rc < 0) {
-            store_fail(s, 0, "reserving tokens in the superblock");
-            return 1;
-        }
-        s->super_failed_mono_ms = 0;
-        pthread_cond_broadcast(&s->cond_ready);
+    if (token_headroom_low(s)) {
+        int rc =
+            superblock_save(s, "token_reservation_deferred", "reserving tokens in the superblock");
+        if (rc < 0) return 1;
+        released |= rc;
+        if (rc && !s->super_failed_mono_ms) pthread_cond_broadcast(&s->cond_ready);
     }
     return released;
 }
@@ -658,24 +672,10 @@ static int flusher_save_clock(idem_store *s)
     if (!s->clk_wanted || s->fatal || s->closing || s->abandoned) return 0;
     if (!store_clock_saved(s)) {
         if (wal_pending(s->wal)) return 0;
-        int64_t mono = mono_now(s);
-        if (s->super_failed_mono_ms && mono - s->super_failed_mono_ms < 1000) return 0;
-        int rc = reserve_tokens(s);
-        if (rc == IDEM_ENOMEM) { /* nothing written: the answers waiting for it wait 1 s more */
-            if (!s->super_failed_mono_ms)
-                fprintf(stderr,
-                        "idem: event=clock_save_deferred reason=\"no file descriptor or memory "
-                        "to open the superblock\" dir=%s\n",
-                        s->dir);
-            s->super_failed_mono_ms = mono;
-            io_fault_clear();
-            return 0;
-        }
-        if (rc < 0) {
-            store_fail(s, 0, "writing the store clock to the superblock");
-            return 1;
-        }
-        s->super_failed_mono_ms = 0;
+        int rc =
+            superblock_save(s, "clock_save_deferred", "writing the store clock to the superblock");
+        if (rc < 0) return 1;
+        if (s->super_failed_mono_ms) return 0; /* the answers waiting for it wait 1 s more */
     }
     /* Saved here, or by another write of the superblock this round (a checkpoint's install, the
      * token reservation), which wakes no queue: completions waited for it (store_clock_waits).
