@@ -452,9 +452,7 @@ static const struct {
 static int refused_index(const uint8_t *name, uint32_t n)
 {
     for (size_t i = 0; i < sizeof refused / sizeof refused[0]; i++)
-        if (strlen(refused[i].name) == n &&
-            strncasecmp(refused[i].name, (const char *)name, n) == 0)
-            return (int)i;
+        if (name_is(name, n, refused[i].name)) return (int)i;
     return -1;
 }
 
