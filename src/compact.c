@@ -46,17 +46,33 @@
 
 #define HORIZON_STEPS 16              /* compact_learn_horizon reads a segment in this many calls */
 #define WALK_WINDOW   STORE_CMP_AHEAD /* segments whose expired bytes together start a walk */
+/* A new key refused by the key or memory limit this recently (store time) presses compaction:
+ * a walk starts once an eighth of the bytes are expired instead of half, and the current
+ * segment is ended for it, at most once a second. */
+#define PRESSED_MS      10000
+#define PRESSED_ROLL_MS 1000
+
+/* The bucket of an expiry d ms after the tally's t0 (struct seg_exp). */
+static int tally_bucket(int64_t d)
+{
+    if (d <= 0) return 0;
+    if (d < SEG_EXP_SUBS) return (int)d;
+    int k = 63 - __builtin_clzll((uint64_t)d); /* 2^k <= d < 2^(k+1), k >= 3 */
+    if (k >= 3 + SEG_EXP_OCTAVES) return SEG_EXP_BUCKETS - 1;
+    return SEG_EXP_SUBS + (k - 3) * SEG_EXP_SUBS + (int)((d >> (k - 3)) & (SEG_EXP_SUBS - 1));
+}
+
+/* The offset from t0 at which every expiry in bucket b (not the last) has come. */
+static int64_t tally_bucket_done(int b)
+{
+    if (b < SEG_EXP_SUBS) return b;
+    int k = 3 + (b - SEG_EXP_SUBS) / SEG_EXP_SUBS, sub = (b - SEG_EXP_SUBS) % SEG_EXP_SUBS;
+    return ((int64_t)(SEG_EXP_SUBS + sub + 1) << (k - 3)) - 1;
+}
 
 static void tally_add(struct seg_exp *e, int64_t exp, uint64_t bytes)
 {
-    int b;
-    if (exp <= e->t0)
-        b = 0;
-    else if (exp == INT64_MAX)
-        b = SEG_EXP_BUCKETS - 1;
-    else
-        b = 64 - __builtin_clzll((uint64_t)(exp - e->t0)); /* 1..63: under t0 + 2^b */
-    e->bytes[b < SEG_EXP_BUCKETS - 1 ? b : SEG_EXP_BUCKETS - 1] += bytes;
+    e->bytes[exp == INT64_MAX ? SEG_EXP_BUCKETS - 1 : tally_bucket(exp - e->t0)] += bytes;
 }
 
 void compact_tally(idem_store *s, uint64_t seq, int64_t exp, uint64_t bytes)
@@ -78,8 +94,7 @@ static void tally_expired(const struct seg_exp *e, int64_t now, uint64_t *expire
 {
     for (int b = 0; b < SEG_EXP_BUCKETS; b++) {
         *total += e->bytes[b];
-        int64_t end = b == 0 ? e->t0 : e->t0 + ((int64_t)1 << b); /* the bucket's bound */
-        if (b < SEG_EXP_BUCKETS - 1 && end <= now) *expired += e->bytes[b];
+        if (b < SEG_EXP_BUCKETS - 1 && e->t0 + tally_bucket_done(b) <= now) *expired += e->bytes[b];
     }
 }
 
@@ -164,6 +179,20 @@ int compact_learn_horizon(idem_store *s)
     return 1;
 }
 
+/* Whether a new key met the key or memory limit lately (ops.c): the expired records then take
+ * places that new keys want, and a walk pays for fewer of them. */
+static int capacity_pressed(const idem_store *s, int64_t now)
+{
+    return s->cap_full_seen && now - s->cap_full_ms < PRESSED_MS;
+}
+
+/* Whether a walk over `total` record bytes, `expired` of them expired, reclaims enough: at least
+ * as much as it copies, or an eighth while the capacity limits press. */
+static int expired_enough(uint64_t expired, uint64_t total, int pressed)
+{
+    return total && (pressed ? expired >= total - total / 8 * 7 : expired >= total - total / 2);
+}
+
 /* Whether segment seq, the next after those walked already, should be walked now. */
 static int walk_wanted(idem_store *s, uint64_t seq)
 {
@@ -186,13 +215,40 @@ static int walk_wanted(idem_store *s, uint64_t seq)
      * them (walks write those) hold back the segments behind it. Waiting until all but a
      * sixteenth had expired, keys of 1 s mixed one in ten with keys of a day were never swept. */
     uint64_t expired = 0, total = 0;
+    int pressed = capacity_pressed(s, now);
     for (uint64_t q = seq; q < seq + WALK_WINDOW && wal_seg_durable(s->wal, q, s->durable_lsn);
          q++) {
         if (!s->seg_exp[q % WAL_SEG_SLOTS]) continue;
         tally_expired(s->seg_exp[q % WAL_SEG_SLOTS], now, &expired, &total);
-        if (total && expired >= total - total / 2) return 1;
+        if (expired_enough(expired, total, pressed)) return 1;
     }
     return 0;
+}
+
+/* Ends the current segment (wal_roll) when the capacity limits press, every sealed segment was
+ * walked, and the current one holds enough expired bytes, or was written before this open (its
+ * tally is not known): else a store whose records fit in one segment never walks them, and at
+ * max_keys answers FULL among expired keys for good (nothing new is written to fill the segment).
+ * The walk then goes by walk_wanted. Returns 1 when it rolled. */
+static int roll_for_capacity(idem_store *s, uint64_t next)
+{
+    uint64_t cur = wal_cur_seq(s->wal);
+    int64_t now = store_now(s);
+    if (next != cur || !capacity_pressed(s, now) || cur - wal_first_seq(s->wal) >= STORE_CMP_AHEAD)
+        return 0;
+    if (s->cap_rolled_seen && now - s->cap_rolled_ms < PRESSED_ROLL_MS) return 0;
+    if (s->seg_max_exp[cur % WAL_SEG_SLOTS] != SEG_EXP_UNKNOWN) {
+        uint64_t expired = 0, total = 0;
+        if (!s->seg_exp[cur % WAL_SEG_SLOTS]) return 0;
+        tally_expired(s->seg_exp[cur % WAL_SEG_SLOTS], now, &expired, &total);
+        if (!expired_enough(expired, total, 1)) return 0;
+    }
+    if (store_room_ok(s) != 0 || wal_roll(s->wal) != 1) return 0; /* tried again later */
+    s->cap_rolled_seen = 1;
+    s->cap_rolled_ms = now;
+    fprintf(stderr, "idem: event=segment_ended_for_capacity segment=%llu\n",
+            (unsigned long long)cur);
+    return 1;
 }
 
 static uint64_t walk_end_lsn(const idem_store *s, uint64_t seq)
@@ -290,7 +346,7 @@ int compact_step(idem_store *s)
     if (rc != 0 || s->cmp_disabled) return rc;
     if (!s->cmp_seq) {
         uint64_t next = walk_next(s);
-        if (!walk_wanted(s, next)) return 0;
+        if (!walk_wanted(s, next)) return roll_for_capacity(s, next);
         s->cmp_seq = next;
         s->cmp_off = WAL_BLOCK;
     }

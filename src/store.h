@@ -375,6 +375,10 @@ struct idem_store {
     int64_t cmp_walked_ms;                    /* store clock when the last walk ended */
     int cmp_turn;                             /* compaction's turn beside a checkpoint run */
     uint64_t cmp_force_until;                 /* idem_compact: walk every segment below this one */
+    /* Store clock of the last new key refused by the key or memory limit (ops.c), and of the
+     * last segment ended for that (compact.c); each valid once its _seen is set. */
+    int64_t cap_full_ms, cap_rolled_ms;
+    int cap_full_seen, cap_rolled_seen;
     /* compact_learn_horizon's pass over segment hz_seq (0: none): up to hz_off, max hz_max. */
     uint64_t hz_seq;
     uint32_t hz_off;
@@ -583,10 +587,15 @@ int ops_compact_prepare(idem_store *s, struct cmp_frame *cf);
 int ops_compact_frame(idem_store *s, const struct cmp_frame *cf, int64_t now);
 
 /* ---- compact.c (flusher thread, mu held, no batch in flight) ---- */
-/* Record bytes of a segment by when they expire: bucket 0 at or before t0, bucket b (1..30)
- * before t0 + 2^b ms, the last later or never. A segment is walked once all but a sixteenth
- * of them have expired (compact.c), whatever the few long-lived records among them. */
-#define SEG_EXP_BUCKETS 32
+/* Record bytes of a segment by when they expire, d ms after t0: bucket 0 at or before t0, 1..7
+ * at t0 + 1..7 ms, then eight buckets for each power of two 2^k <= d < 2^(k+1) (k from 3 to
+ * 30), each an eighth of it wide, the last later or never. A segment is walked once half its
+ * bytes have expired, or an eighth while the capacity limits press (compact.c), whatever the
+ * few long-lived records among them; a bucket counts as expired once all of it has, at most an
+ * eighth of its offset late. */
+#define SEG_EXP_SUBS    8
+#define SEG_EXP_OCTAVES 28
+#define SEG_EXP_BUCKETS (SEG_EXP_SUBS + SEG_EXP_SUBS * SEG_EXP_OCTAVES + 1)
 struct seg_exp {
     int64_t t0;
     uint64_t bytes[SEG_EXP_BUCKETS];

@@ -390,6 +390,13 @@ static int seg_roll(struct wal *w, int reserve)
     return 0;
 }
 
+int wal_roll(struct wal *w)
+{
+    if (w->cur_off == WAL_BLOCK) return 0; /* an empty segment holds nothing to reclaim */
+    int rc = seg_roll(w, 2);
+    return rc < 0 ? rc : 1;
+}
+
 static int append_reserved(struct wal *w, uint32_t type, const void *const *parts,
                            const uint32_t *lens, int nparts, uint64_t *addr, uint64_t *lsn,
                            int reserve)

@@ -136,6 +136,12 @@ uint64_t wal_frames_beyond(const struct wal *w);
 int wal_append(struct wal *w, uint32_t type, const void *const *parts, const uint32_t *part_lens,
                int nparts, uint64_t *addr, uint64_t *lsn);
 
+/* Ends the current segment now (SEGEND) and goes on in the spare, so that compaction can walk
+ * it (a store whose records fit in one segment is never walked otherwise): 1 when it did, 0
+ * when the segment holds no frame, IDEM_EBUSY when the spare or a chunk buffer is not ready
+ * (try later), or the error the spare's creation met. Mu held, as for an append. */
+int wal_roll(struct wal *w);
+
 /* Whether an append of a frame of frame_bytes (payload + 32) can go ahead now: 0, IDEM_EBUSY
  * (wait for the flusher: chunk buffers or the spare segment), or the error that creating the
  * spare segment met (IDEM_EFULL when the disk is full). */

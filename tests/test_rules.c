@@ -3989,10 +3989,47 @@ Test(capacity, past_max_keys_a_new_claim_is_full_and_every_key_stays)
     expect_outcome(claim("cap-new"), IDEM_BUSY);
 }
 
-/* A store at its key limit whose keys have expired takes their re-issue: the new version
- * replaces the expired record (absent by rule 5) and adds no key. A key it does not hold is
- * still FULL until the expired records leave the index. */
-Test(capacity, at_max_keys_an_expired_key_can_be_claimed_and_set_again)
+/* Claims key, a new one, until it is answered new: each FULL is a try more while compaction
+ * takes expired keys out of the index on its own. Fails after 5 s. */
+static void claim_new_once_room_is_made(const char *key)
+{
+    idem_completion c;
+    for (int tries = 1;; tries++) {
+        int rc = claim_rc(key, strlen(key), TTL, LEASE, NULL, NULL, &c);
+        if (rc == IDEM_OK) {
+            expect_outcome(c, IDEM_NEW);
+            return;
+        }
+        cr_assert_eq(rc, IDEM_EFULL, "%s: %s", key, idem_strerror(rc));
+        cr_assert_lt(tries, 500, "%s still FULL after 5 s among expired keys", key);
+        usleep(10000);
+    }
+}
+
+/* Waits up to 5 s for the store to hold `keys` keys. */
+static void keys_become(uint64_t keys)
+{
+    idem_stats st;
+    for (int i = 0;; i++) {
+        idem_get_stats(g_s, &st);
+        if (st.keys == keys) return;
+        cr_assert_lt(i, 500, "%" PRIu64 " keys, not %" PRIu64, st.keys, keys);
+        usleep(10000);
+    }
+}
+
+/* Claims n keys named prefix-NNN, each answered new at once: the store has room for them. */
+static void new_keys_fit(const char *prefix, int n)
+{
+    char key[32];
+    for (int i = 0; i < n; i++) {
+        snprintf(key, sizeof key, "%s-%03d", prefix, i);
+        expect_outcome(claim(key), IDEM_NEW);
+    }
+}
+
+/* From t0 on (set to now), 100 keys cap-000 .. cap-099 committed: the store's key limit. */
+static void fill_with_committed_keys(void)
 {
     char key[32];
     t0 = idem_clock_now(g_s);
@@ -4000,16 +4037,73 @@ Test(capacity, at_max_keys_an_expired_key_can_be_claimed_and_set_again)
         snprintf(key, sizeof key, "cap-%03d", i);
         make_committed(key, NULL, "r");
     }
+}
+
+/* A store at its key limit whose keys have expired takes their re-issue at once: the new version
+ * replaces the expired record (absent by rule 5) and adds no key. A key it does not hold waits
+ * for compaction to take the expired records out of the index: its FULL presses compaction,
+ * which ends the segment they are in (the only one: nothing else would ever end it, since
+ * nothing new is written) and walks it. */
+Test(capacity, at_max_keys_expired_keys_make_room_for_new_ones)
+{
+    fill_with_committed_keys();
     idem_completion c;
     cr_assert_eq(claim_rc("cap-new", 7, TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
     at(TTL);
-    expect_outcome(claim("cap-000"), IDEM_NEW);
+    idem_completion again = claim_full("cap-000", TTL, TTL, NULL, NULL);
+    expect_outcome(again, IDEM_NEW);
     expect_rc(idem_set_if_absent(g_q, "cap-001", 7, "v", 1, TTL, 0, &c), IDEM_OK);
     expect_outcome(c, IDEM_NEW);
-    cr_assert_eq(claim_rc("cap-new", 7, TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
-    idem_stats st;
-    idem_get_stats(g_s, &st);
-    cr_assert_eq(st.keys, 100);
+    /* A segment's expiry tally has buckets an eighth of their offset wide: an expired bucket
+     * counts once all of it has expired. */
+    at(TTL + TTL / 8);
+    claim_new_once_room_is_made("cap-new");
+    keys_become(3);
+    /* The re-issued keys kept their new versions; the other expired ones are gone. */
+    expect_outcome(claim("cap-000"), IDEM_BUSY);
+    cr_assert_eq(get("cap-000").token, again.token);
+    expect_outcome(claim("cap-001"), IDEM_DONE);
+    cr_assert(!found("cap-002"));
+    new_keys_fit("fit", 97);
+    cr_assert_eq(claim_rc("past", 4, TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
+    reopen();
+    keys_become(100);
+    expect_outcome(claim("cap-001"), IDEM_DONE);
+}
+
+/* After a reopen the segment the expired keys are in is current, and its expiry unknown until
+ * measured: the limit's press still ends it and has it walked. */
+Test(capacity, after_a_reopen_expired_keys_still_make_room_at_max_keys)
+{
+    fill_with_committed_keys();
+    reopen();
+    at(TTL + TTL / 8);
+    claim_new_once_room_is_made("cap-new");
+    keys_become(1);
+    new_keys_fit("fit", 99);
+}
+
+/* At the key limit, expired keys a fifth of the store are reclaimed: a walk that copies four
+ * live records for each expired one pays when new keys are refused (without that press, a
+ * walk waits for half the bytes to have expired). */
+Test(capacity, at_max_keys_a_fifth_expired_make_room)
+{
+    char key[32];
+    t0 = idem_clock_now(g_s);
+    for (int i = 0; i < 100; i++) {
+        snprintf(key, sizeof key, "cap-%03d", i);
+        idem_completion c = claim_full(key, i % 5 ? TTL : 1000, LEASE, NULL, NULL);
+        expect_outcome(c, IDEM_NEW);
+        commit_ok(key, c.token, "r");
+    }
+    at(1000 + 1000 / 8);
+    claim_new_once_room_is_made("cap-new");
+    keys_become(81);
+    new_keys_fit("fit", 19);
+    for (int i = 1; i < 100; i += 5) {
+        snprintf(key, sizeof key, "cap-%03d", i);
+        expect_outcome(claim(key), IDEM_DONE);
+    }
 }
 
 /* Claims new keys mem-0000000, mem-0000001, ... (each answered new) until the store answers
