@@ -1114,7 +1114,8 @@ int ops_hint_hash(const idem_store *s, const idem_op *op, uint64_t *h)
     return 1;
 }
 
-void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_t *hash)
+void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_t *hash,
+               int room_made)
 {
     s->hash_key = NULL; /* a new operation: its key bytes may sit where the last one's did */
     if (!op_valid(s, op)) {
@@ -1130,9 +1131,11 @@ void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_
             sl->c.err = IDEM_EREADONLY;
             return;
         }
-        int rc = store_room(s);
-        /* Operator calls: room for the audit entry before the change (op_del). */
-        if (rc == 0 && (op->kind == IDEM_OP_DEL || op->kind == IDEM_OP_RESOLVE))
+        /* A group of deletes made room for all its frames and entries at once, and none of it
+         * may wait (the lock let go, a key could change between the group's check and its
+         * deletes). Operator calls: room for the audit entry before the change (op_del). */
+        int rc = room_made ? 0 : store_room(s);
+        if (rc == 0 && !room_made && (op->kind == IDEM_OP_DEL || op->kind == IDEM_OP_RESOLVE))
             rc = audit_reserve(s);
         if (rc < 0) {
             sl->c.err = rc;
@@ -1360,6 +1363,16 @@ int ops_replay(void *ctx, const struct wal_frame *f)
     return rc;
 }
 
+/* A frame whose checksum holds but whose content does not make sense, named by where it is. */
+static int replay_bad_frame(idem_store *s, const struct wal_frame *f, const char *what)
+{
+    store_set_error("log corrupt in %s: the %s frame of LSN %llu at segment %llu offset %u %s",
+                    s->dir, f->type == WAL_T_RECORD ? "RECORD" : "DELETE",
+                    (unsigned long long)f->lsn, (unsigned long long)wal_addr_seq(s->wal, f->addr),
+                    wal_addr_off(f->addr), what);
+    return IDEM_ECORRUPT;
+}
+
 static int replay_frame(idem_store *s, const struct wal_frame *f)
 {
     s->st.frames_replayed++;
@@ -1368,16 +1381,18 @@ static int replay_frame(idem_store *s, const struct wal_frame *f)
     int state = 0;
     struct rec rr;
     if (f->type == WAL_T_RECORD) {
-        if (rec_decode(f->payload, f->payload_len, &rr) < 0) return IDEM_ECORRUPT;
+        if (rec_decode(f->payload, f->payload_len, &rr) < 0)
+            return replay_bad_frame(s, f, "holds a record that does not decode");
         key = rr.key;
         key_len = rr.key_len;
         state = rr.state;
         if (rr.token > s->max_token_seen) s->max_token_seen = rr.token;
     } else {
-        if (f->payload_len < 8) return IDEM_ECORRUPT;
+        if (f->payload_len < 8) return replay_bad_frame(s, f, "is too short for a key");
         key_len = util_get_u16(f->payload);
         key = f->payload + 8;
-        if (key_len == 0 || 8 + key_len > f->payload_len) return IDEM_ECORRUPT;
+        if (key_len == 0 || 8 + key_len > f->payload_len)
+            return replay_bad_frame(s, f, "names a key length its payload does not hold");
     }
     struct rec cur;
     uint64_t lsn;
@@ -1459,8 +1474,20 @@ int ops_compact_frame(idem_store *s, const struct cmp_frame *cf, int64_t now)
 
 /* ---- Import ---- */
 
+/* A time a record can hold: the store clock's range (first_seen_ms past 0: no store clock is
+ * 0). Outside it, rule 5's extension (now + expires_at - first_seen) and the ages overflow. */
+static int import_time_ok(int64_t ms)
+{
+    return ms >= 0 && ms <= IDEM_CLOCK_MS_MAX;
+}
+
 static int import_valid(const idem_store *s, const idem_record *in)
 {
+    if (in->first_seen_ms <= 0 || !import_time_ok(in->first_seen_ms) ||
+        !import_time_ok(in->expires_at_ms) || !import_time_ok(in->last_seen_ms) ||
+        !import_time_ok(in->lease_until_ms) || !import_time_ok(in->last_grant_ms) ||
+        !import_time_ok(in->last_mismatch_ms))
+        return 0;
     return in->key && in->key_len >= 1 && in->key_len <= IDEM_KEY_BYTES_MAX &&
            in->state >= IDEM_STATE_IN_FLIGHT && in->state <= IDEM_STATE_REVIEW &&
            in->owner_len <= IDEM_OWNER_BYTES_MAX && in->note_len <= IDEM_NOTE_BYTES_MAX &&

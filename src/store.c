@@ -1074,20 +1074,36 @@ static int store_recover(idem_store *s)
         s->sb.ckpt_id > 1 ? ckpt_file_bytes(s->io, s->dir, s->sb.ckpt_id - 1) : 0;
     s->replay_counts_lsn = s->sb.ckpt_counts_lsn;
     struct wal_resume resume = {.first_batch = s->sb.resume_batch,
-                                .sync = s->sb.open_durability == 0 ||
-                                        s->sb.open_durability == IDEM_DURABILITY_SYNC + 1,
+                                .sync = wal_ordered_batches(s->sb.open_durability),
                                 .clean_lsn = s->sb.clean_lsn};
     rc = wal_recover(s->wal, s->sb.ckpt_seq, s->sb.ckpt_off, s->sb.ckpt_lsn, s->sb.ckpt_batch,
                      &resume, ops_replay, s, s->opt.read_only);
     if (rc < 0) {
-        store_set_error("%s", *wal_error(s->wal) ? wal_error(s->wal) : idem_strerror(rc));
+        /* The log's own message, else the replay's (ops_replay names the frame), else rc's. */
+        if (*wal_error(s->wal))
+            store_set_error("%s", wal_error(s->wal));
+        else if (!last_error[0])
+            store_set_error("replaying the log of %s: %s", s->dir, idem_strerror(rc));
         return rc;
+    }
+    /* A checkpoint is installed only once every frame up to its counts LSN is durable, and its
+     * entries point up to there: a log that ends before it lost acknowledged batches (a
+     * damaged or lost write taken for a torn tail), and the entries would point at space the
+     * next appends take. */
+    if (wal_recovered_lsn(s->wal) < s->sb.ckpt_counts_lsn) {
+        store_set_error("log corrupt in %s: it ends at LSN %llu (segment %llu), before LSN %llu, "
+                        "which checkpoint %llu found durable when it was installed",
+                        s->dir, (unsigned long long)wal_recovered_lsn(s->wal),
+                        (unsigned long long)wal_cur_seq(s->wal),
+                        (unsigned long long)s->sb.ckpt_counts_lsn,
+                        (unsigned long long)s->sb.ckpt_id);
+        return IDEM_ECORRUPT;
     }
     if (wal_frames_beyond(s->wal))
         fprintf(stderr, "idem: event=recovery_dropped_tail dir=%s frames=%llu reason=\"%s\"\n",
                 s->dir, (unsigned long long)wal_frames_beyond(s->wal),
                 resume.sync ? "the batch in flight at the crash"
-                            : "unflushed batches of an open without sync durability");
+                            : "unflushed batches of an open with durability none");
     s->durable_lsn = wal_last_lsn(s->wal);
     return 0;
 }
@@ -1875,7 +1891,7 @@ static int submit_locked(idem_queue *q, const idem_op *ops, size_t n)
         else if (grp.left && grp.err)
             sl->c.err = grp.err;
         else
-            ops_apply(s, sl, &ops[done], hash);
+            ops_apply(s, sl, &ops[done], hash, grp.left > 0); /* a group made its room */
         grp.left -= grp.left > 0;
         any_ready |= slot_ready(s, sl);
     }

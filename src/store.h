@@ -490,8 +490,11 @@ _Static_assert((uint64_t)SEEN_CHUNKS_MAX *SEEN_CHUNK <= SLOT_AUX_SEEN, "seen ind
 void ops_slot_mark(struct index_slot *slot, const struct rec *r);
 
 void queue_signal(struct idem_queue *q);
-/* Applies op; hash, when given, is its key's hash from ops_hint_hash. */
-void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_t *hash);
+/* Applies op; hash, when given, is its key's hash from ops_hint_hash. room_made: op belongs to
+ * a group of deletes whose room in the log and the audit trail was made (del_group_begin): it
+ * does not wait for room, nor let go of the lock. */
+void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_t *hash,
+               int room_made);
 
 /* One hold of rw's read side (ops.c, "Claims of committed keys under rw's read side"): the
  * store clock's reading its claims share, its place in the claims of the last minute, and its

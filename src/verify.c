@@ -633,8 +633,7 @@ static void walk_beyond(struct vctx *v, const struct walk *w)
             if (!frame_valid(v, s, off)) continue;
             uint64_t batch = util_get_u64(s->f.map + off + 16);
             struct wal_resume resume = {.first_batch = v->sb.resume_batch,
-                                        .sync = v->sb.open_durability == 0 ||
-                                                v->sb.open_durability == IDEM_DURABILITY_SYNC + 1};
+                                        .sync = wal_ordered_batches(v->sb.open_durability)};
             /* As recovery (scan_beyond): frames under a salt a SEGEND named are never
              * corruption here; opens since may have numbered their batches below them. */
             if (seq != v->salt_named && wal_beyond_is_corrupt(batch, w->last_batch, &resume)) {
@@ -712,6 +711,13 @@ static int verify_log(struct vctx *v)
     if (v->damaged_seq && v->sb.clean_lsn && v->damaged_seq <= w.batch_start.seq + 1)
         seg_header_check(v, &v->segs[v->damaged_seq - v->sb.wal_first_seq]);
     v->log_last_lsn = w.started && w.last_lsn > v->sb.ckpt_lsn ? w.last_lsn : v->sb.ckpt_lsn;
+    if (v->log_last_lsn < v->sb.ckpt_counts_lsn) /* as the open (store.c) */
+        fault(v,
+              "the log ends at LSN %llu (segment %llu offset %u), before LSN %llu, which "
+              "checkpoint %llu found durable when it was installed",
+              (unsigned long long)v->log_last_lsn, (unsigned long long)w.batch_start.seq,
+              w.batch_start.off, (unsigned long long)v->sb.ckpt_counts_lsn,
+              (unsigned long long)v->sb.ckpt_id);
     uint64_t walked = v->done - done0;
     if (walked < v->seg_total) advance(v, v->seg_total - walked);
     return 0;

@@ -757,6 +757,11 @@ uint64_t wal_addr_seq(const struct wal *w, uint64_t addr)
     return w->segs[(addr >> WAL_OFF_BITS) % WAL_SEG_SLOTS].seq;
 }
 
+uint32_t wal_addr_off(uint64_t addr)
+{
+    return (uint32_t)((addr & ((UINT64_C(1) << WAL_OFF_BITS) - 1)) << 3);
+}
+
 void wal_seg_view(struct wal *w, uint64_t seq, struct wal_seg_view *v)
 {
     struct wal_segment *s = seg_of(w, seq);
@@ -1299,7 +1304,8 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
             }
             last_lsn = lsn;
             last_batch = batch;
-            int64_t clock = (int64_t)util_get_u64(f + WAL_FRAME_HDR);
+            /* The clock an END frame carries (a frame too short for one carries none). */
+            int64_t clock = len >= WAL_FRAME_HDR + 8 ? (int64_t)util_get_u64(f + WAL_FRAME_HDR) : 0;
             if (clock > 0 && clock <= IDEM_CLOCK_MS_MAX) w->last_clock_ms = clock;
         }
         if (type == WAL_T_SEGEND) {

@@ -42,6 +42,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "idem.h"
 #include "io.h"
 
 #define WAL_BLOCK         4096u
@@ -89,8 +90,8 @@ int wal_addr_valid(const struct wal *w, uint64_t addr);
 
 /* What recovery knows about the open that wrote the log's last batches (from the superblock
  * it wrote before writing any): the number of its first batch (0: not recorded) and whether it
- * flushed every batch before writing the next (sync mode, or not recorded); and clean_lsn, the
- * log's last LSN when that open closed cleanly (0: it did not, or the copy predates the mark).
+ * flushed every batch before writing the next (sync or batch mode, or not recorded); and clean_lsn,
+ * the log's last LSN when that open closed cleanly (0: it did not, or the copy predates the mark).
  * When the replay ends exactly there, nothing past the end was ever written by that open, and
  * the scan past the end (which reads zero-filled space in full) is skipped. */
 struct wal_resume {
@@ -99,11 +100,20 @@ struct wal_resume {
     uint64_t clean_lsn;
 };
 
+/* Whether the run that wrote the log's tail, opened with open_durability (the superblock's:
+ * enum idem_durability + 1, 0 unknown), wrote each batch only once the one before it was
+ * durable: in sync and in batch mode (each flush is made durable before the next is written;
+ * batch mode only answers before the flush), not in none. */
+static inline int wal_ordered_batches(uint32_t open_durability)
+{
+    return open_durability != IDEM_DURABILITY_NONE + 1;
+}
+
 /* Whether a valid frame of batch b past the end of the log (last complete batch last) is
- * corruption. In sync mode a batch is written only after the one before it is durable, so past
- * the end lies at most the batch that was in flight: last + 1, or the open's first batch when
- * none of its batches completed (the numbering skips at an open). Without sync, unflushed
- * batches may reach the disk in any order: nothing past the end is corruption. */
+ * corruption. With ordered batches (wal_ordered_batches: r->sync), past the end lies at most
+ * the batch that was in flight: last + 1, or the open's first batch when none of its batches
+ * completed (the numbering skips at an open). In durability none, unflushed batches may reach
+ * the disk in any order: nothing past the end is corruption. */
 static inline int wal_beyond_is_corrupt(uint64_t b, uint64_t last, const struct wal_resume *r)
 {
     if (!r->sync) return 0;
@@ -258,6 +268,8 @@ int wal_retire_remove(struct wal *w, struct remover *rm);
 void wal_seg_path(const char *dir, uint64_t seq, char *buf, size_t cap);
 /* The segment holding addr (by slot); 0 if none. */
 uint64_t wal_addr_seq(const struct wal *w, uint64_t addr);
+/* The offset in its segment of the frame at addr. */
+uint32_t wal_addr_off(uint64_t addr);
 uint64_t wal_cur_seq(const struct wal *w);
 
 /* Sentence describing the last recovery failure. */

@@ -1157,15 +1157,22 @@ Test(recovery, a_short_write_is_completed)
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
-Test(recovery, corruption_in_the_middle_of_the_log_is_reported)
+/* A damaged frame with acknowledged batches after it is reported, not taken for a torn tail, in
+ * sync and in batch mode alike: both write a batch only once the one before it is durable (batch
+ * mode was read as none, where unflushed batches may reach the disk in any order, and the open
+ * dropped every batch after the damage without an error). */
+static void corruption_in_the_middle_of_the_log_is_reported(int durability)
 {
     idem_store *s;
     /* Segments large enough that the store takes no checkpoint of its own (after compaction or
      * 8 segments): one at the end of the log would leave nothing after it to corrupt. */
-    cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK);
+    cr_assert_eq(open_sim_with(&s, 1 << 20, durability), IDEM_OK);
     fill(s, 0, 30);
     cr_assert_eq(idem_checkpoint(s), IDEM_OK);
-    fill(s, 30, 60);
+    for (int i = 30; i < 60; i += 5) { /* batches after the one damaged (batch mode) */
+        fill(s, i, i + 5);
+        cr_assert_eq(idem_sync(s), IDEM_OK);
+    }
     store_abandon(s); /* no clean checkpoint: the log since the last one is replayed */
     /* Corrupt the first frame of the newest segment that replay reads from its start. */
     uint8_t sb[8192];
@@ -1177,9 +1184,19 @@ Test(recovery, corruption_in_the_middle_of_the_log_is_reported)
     uint32_t off;
     memcpy(&off, cur + 80, 4);
     cr_assert_eq(io_sim_corrupt(sim, path, off + 64, 0x10), 0);
-    int rc = open_sim_seg(&s, 1 << 20);
+    int rc = open_sim_with(&s, 1 << 20, durability);
     cr_assert_eq(rc, IDEM_ECORRUPT, "got %s", idem_strerror(rc));
     cr_assert(strstr(idem_last_error(), "corrupt"), "message: %s", idem_last_error());
+}
+
+Test(recovery, corruption_in_the_middle_of_the_log_is_reported)
+{
+    corruption_in_the_middle_of_the_log_is_reported(IDEM_DURABILITY_SYNC);
+}
+
+Test(recovery, corruption_in_the_middle_of_a_batch_mode_log_is_reported)
+{
+    corruption_in_the_middle_of_the_log_is_reported(IDEM_DURABILITY_BATCH);
 }
 
 /* Segment seq's path, and whether it exists on the simulated disk. */
@@ -2937,6 +2954,79 @@ Test(recovery, a_group_of_deletes_on_a_full_disk_deletes_none)
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
+struct del_pair_call {
+    idem_queue *q;
+    int done;
+    idem_completion c[2];
+};
+
+/* DEL k1 k2 as one group. */
+static void *del_pair_main(void *arg)
+{
+    struct del_pair_call *d = arg;
+    idem_op ops[2] = {
+        {.kind = IDEM_OP_DEL, .flags = IDEM_F_WITH_NEXT, .key = "k1", .key_len = 2, .actor = "ops"},
+        {.kind = IDEM_OP_DEL, .key = "k2", .key_len = 2, .actor = "ops"},
+    };
+    if (idem_submit(d->q, ops, 2) == 2)
+        for (int got = 0; got < 2;) {
+            int k = idem_poll(d->q, d->c + got, (size_t)(2 - got), 10000);
+            if (k <= 0) break;
+            got += k;
+        }
+    __atomic_store_n(&d->done, 1, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+/* A group of deletes makes room in the log for all its frames before it checks its keys, and
+ * none of its deletes waits for room again: such a wait let go of the lock, and a key the group
+ * found absent could be claimed meanwhile, so that DEL k1 k2 deleted k1 and answered that
+ * nothing was deleted. Here the log is near the end of a segment whose spare cannot be made
+ * yet (every completion held): room for a largest frame would wait, room for the group's two
+ * small frames is there. */
+Test(recovery, a_group_of_deletes_does_not_wait_again_for_the_room_it_made, .timeout = 60)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim_with(&s, 64 * 1024, IDEM_DURABILITY_NONE), IDEM_OK);
+    idem_queue *q, *dq;
+    cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
+    cr_assert_eq(idem_queue_open(s, 8, &dq), IDEM_OK);
+    idem_completion c;
+    cr_assert_eq(idem_set_if_absent(q, "k1", 2, "v", 1, 3600000, 0, &c), IDEM_OK);
+    cr_assert_eq(idem_sync(s), IDEM_OK);
+    io_sim_hold(sim, 1); /* no flush ends: no spare segment is made after the next roll */
+    char key[32];
+    int near = 0;
+    for (int i = 0; i < 20000 && !near; i++) {
+        store_lock(s);
+        near = wal_cur_seq(s->wal) > 1 && wal_room(s->wal, s->frame_max) != 0;
+        store_unlock(s);
+        if (near) break;
+        key_of(i, key);
+        cr_assert_eq(idem_set_if_absent(q, key, strlen(key), "v", 1, 3600000, 0, &c), IDEM_OK);
+    }
+    cr_assert(near, "the log never came near a segment's end without a spare");
+    store_lock(s);
+    cr_assert_eq(wal_room(s->wal, 1024), 0);
+    store_unlock(s);
+    struct del_pair_call d = {.q = dq};
+    pthread_t t;
+    cr_assert_eq(pthread_create(&t, NULL, del_pair_main, &d), 0);
+    for (int i = 0; i < 2000 && !__atomic_load_n(&d.done, __ATOMIC_ACQUIRE); i++)
+        usleep(1000);
+    int done = __atomic_load_n(&d.done, __ATOMIC_ACQUIRE);
+    io_sim_hold(sim, 0);
+    pthread_join(t, NULL);
+    cr_assert(done, "the group's deletes waited for room the group had made");
+    cr_assert_eq(d.c[0].err, IDEM_OK, "%s", idem_strerror(d.c[0].err));
+    cr_assert_eq(d.c[1].err, IDEM_ENOTFOUND, "%s", idem_strerror(d.c[1].err));
+    cr_assert_eq(idem_get(q, "k1", 2, &c), IDEM_OK);
+    cr_assert(!c.found, "k1 was not deleted");
+    idem_queue_close(dq);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
 struct ckpt_call {
     idem_store *s;
     int rc;
@@ -3710,6 +3800,58 @@ Test(recovery, a_checkpoint_in_steps_across_index_splits_recovers_every_key, .ti
     free(m.state);
     free(m.token);
     free(m.touched);
+}
+
+/* A checkpoint in steps is installed once every frame up to where its scan ended is durable,
+ * and its entries point up to there. A log that ends before that point after a crash lost
+ * acknowledged batches: here the last batch, holding that frame, is damaged, which alone looks
+ * like the batch in flight at a crash. The open reports it (verify applies the same rule); it used
+ * to drop the batch as a torn tail, leaving the image's entries pointing at space the next appends
+ * take. */
+Test(recovery, a_log_that_ends_before_its_checkpoint_found_it_durable_is_corruption, .timeout = 60)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim_seg(&s, 4 << 20), IDEM_OK);
+    fill(s, 0, 20000); /* enough that the scan takes steps */
+    int steps = 0, rc, next = 20000;
+    while ((rc = store_ckpt_step(s)) == 1) {
+        cr_assert_lt(++steps, 1000, "the checkpoint never ends");
+        fill(s, next, next + 5); /* frames appended during the scan */
+        next += 5;
+    }
+    cr_assert_eq(rc, 0, "%s", idem_strerror(rc));
+    store_lock(s);
+    uint64_t counts_lsn = s->sb.ckpt_counts_lsn, seq = wal_cur_seq(s->wal);
+    cr_assert_gt(counts_lsn, s->sb.ckpt_lsn, "nothing was appended during the scan");
+    store_unlock(s);
+    store_abandon(s);
+    /* Damage the frame at the scan's end LSN and every one after it: the log looks cut there,
+     * as by a crash during the batch in flight. */
+    char path[256];
+    snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)seq);
+    static uint8_t seg[4 << 20];
+    cr_assert_eq(io_sim_read_file(sim, path, seg, sizeof seg), (int64_t)sizeof seg);
+    int damaged = 0, at_counts = 0;
+    for (uint64_t off = WAL_BLOCK; off + WAL_FRAME_HDR <= sizeof seg; off += 8) {
+        uint64_t lsn;
+        memcpy(&lsn, seg + off + 8, 8);
+        uint32_t len;
+        memcpy(&len, seg + off + 24, 4);
+        if (lsn < counts_lsn || lsn > counts_lsn + 100 || len < WAL_FRAME_HDR || len > 4096 ||
+            len % 8)
+            continue;
+        cr_assert_eq(io_sim_corrupt(sim, path, off + 9, 0x10), 0);
+        damaged++;
+        at_counts |= lsn == counts_lsn;
+    }
+    cr_assert(at_counts, "no frame of LSN %llu in segment %llu", (unsigned long long)counts_lsn,
+              (unsigned long long)seq);
+    fprintf(stderr, "%d frames damaged from LSN %llu\n", damaged, (unsigned long long)counts_lsn);
+    rc = open_sim_seg(&s, 4 << 20);
+    cr_assert_eq(rc, IDEM_ECORRUPT, "got %s", idem_strerror(rc));
+    cr_assert(strstr(idem_last_error(), "which checkpoint") &&
+                  strstr(idem_last_error(), "found durable"),
+              "message: %s", idem_last_error());
 }
 
 /* A checkpoint in steps during which nothing is appended while the index splits under its

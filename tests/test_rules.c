@@ -4369,6 +4369,38 @@ Test(version, an_import_moves_tokens_above_the_imported_ones)
     expect_rc(commit("imp", 1000, "x"), IDEM_ESTALE);
 }
 
+/* An imported record's times are held to the store clock's range: far ones made rule 5's
+ * extension (now + expires_at - first_seen) overflow, and a first_seen of 0 read as "none" in
+ * the oldest ages. */
+Test(version, an_import_with_times_out_of_the_clocks_range_is_refused)
+{
+    idem_record in;
+    memset(&in, 0, sizeof in);
+    in.key = "imp";
+    in.key_len = 3;
+    in.state = IDEM_STATE_IN_FLIGHT;
+    in.seen_count = in.attempts = 1;
+    in.token = 5;
+    int64_t *times[] = {&in.first_seen_ms,  &in.expires_at_ms, &in.last_seen_ms,
+                        &in.lease_until_ms, &in.last_grant_ms, &in.last_mismatch_ms};
+    for (size_t i = 0; i < sizeof times / sizeof *times; i++) {
+        in.first_seen_ms = in.last_seen_ms = in.last_grant_ms = t0;
+        in.expires_at_ms = t0 + TTL;
+        in.lease_until_ms = t0 + LEASE;
+        in.last_mismatch_ms = 0;
+        *times[i] = i == 1 ? INT64_MAX - 1 : -1;
+        expect_rc(idem_import_record(g_q, &in), IDEM_EINVAL);
+    }
+    in.last_mismatch_ms = 0;
+    in.first_seen_ms = 0;
+    in.expires_at_ms = TTL;
+    expect_rc(idem_import_record(g_q, &in), IDEM_EINVAL);
+    cr_assert(!found("imp"));
+    in.first_seen_ms = t0;
+    in.expires_at_ms = t0 + TTL;
+    expect_rc(idem_import_record(g_q, &in), IDEM_OK);
+}
+
 /* Imports the committed record "imp" with token; returns the token. */
 static int64_t import_committed(int64_t token)
 {
