@@ -80,6 +80,20 @@ static void claim(idem_queue *q, const char *key, uint64_t lease_ms, const char 
     cr_assert_eq(idem_claim(q, key, strlen(key), &a, c), IDEM_OK);
 }
 
+/* A claim of key in the stopped store, opened for it. */
+static idem_completion claim_in_store(const char *key, uint64_t lease_ms, const char *fp)
+{
+    idem_store *s;
+    idem_queue *q;
+    idem_completion c;
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
+    claim(q, key, lease_ms, fp, &c);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    return c;
+}
+
 /* order-0..9 committed ("inv-N"), late-1 in_flight with a lease that runs out at once,
  * live-1 in_flight with a long lease, held-1 in review, order-1 with a mismatch. */
 static void write_store(void)
@@ -179,6 +193,21 @@ Test(idemctl, attention_lists_what_needs_a_person_by_urgency, .init = setup, .fi
     cr_assert(strstr(out, "\"key\":\"held-1\"") && !strstr(out, "\"key\":\"order-1\""), "%s", out);
     cr_assert(strstr(err, "the 2 most urgent records are listed: more may need attention"), "%s",
               err);
+    /* An in_flight record listed for a mismatch while its lease runs is a mismatch, not a long
+     * in_flight one to resolve with --force under a working holder. */
+    claim_in_store("live-2", 3600000, "live-2");
+    cr_assert_eq(claim_in_store("live-2", 3600000, "other content").outcome, IDEM_MISMATCH);
+    cr_assert_eq(ctl("attention --dir %s --json", dir), 0, "%s", err);
+    char *live = strstr(out, "\"key\":\"live-2\"");
+    cr_assert(live, "%s", out);
+    char *row = live;
+    while (row > out && strncmp(row, "{\"why\"", strlen("{\"why\"")) != 0)
+        row--;
+    cr_assert(strncmp(row, "{\"why\":\"mismatch\"", strlen("{\"why\":\"mismatch\"")) == 0, "%.300s",
+              row);
+    cr_assert(strstr(row, "a worker holds the key") && !strstr(row, "--force") &&
+                  strstr(row, "fix the source") < live,
+              "%.400s", row);
 }
 
 Test(idemctl, resolve_is_checked_and_audited, .init = setup, .fini = teardown)
@@ -261,15 +290,7 @@ Test(idemctl, resolve_expect_acts_only_on_the_version_checked, .init = setup, .f
 {
     write_store();
     unsigned long long shown = version_shown("late-1");
-    idem_store *s;
-    idem_queue *q;
-    idem_completion c;
-    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
-    cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
-    claim(q, "late-1", 60000, "late-1", &c);
-    cr_assert_eq(c.outcome, IDEM_RECOVER);
-    idem_queue_close(q);
-    cr_assert_eq(idem_close(s), IDEM_OK);
+    cr_assert_eq(claim_in_store("late-1", 60000, "late-1").outcome, IDEM_RECOVER);
     cr_assert_eq(ctl("resolve late-1 release --expect %llu --force --reason 'checked at v%llu' "
                      "--dir %s",
                      shown, shown, dir),
@@ -490,7 +511,8 @@ Test(idemctl, json_is_strict_utf8_and_an_import_keeps_a_reasons_bytes, .init = s
                      dir),
                  0, "%s", err);
     cr_assert_eq(ctl("audit --dir %s --json", dir), 0, "%s", err);
-    cr_assert(strstr(out, "\"reason\":\"r\\u00ff\""), "%s", out);
+    /* As \u00ff a reader would take the reason for other bytes (c3 bf). */
+    cr_assert(strstr(out, "\"reason_base64\":\"cv8=\""), "%s", out);
     export_to_file();
     cr_assert(strstr(out, "\"reason_base64\":\"cv8=\""), "%s", out);
     cr_assert_eq(ctl("import %s/exp.jsonl --dir %s/copy", scratch, scratch), 0, "%s", err);
@@ -696,6 +718,20 @@ Test(idemctl, a_directory_without_a_store_is_refused_and_left_empty, .init = set
 
 /* import writes records over those of the same keys, without audit entries: a store that holds
  * keys takes it only with --force. */
+/* A --dir that holds files but no store (a mistyped one) gets no store made among them. */
+Test(idemctl, import_into_a_directory_of_other_files_is_refused, .init = setup, .fini = teardown)
+{
+    write_store();
+    export_to_file();
+    char cmd[8800];
+    snprintf(cmd, sizeof cmd, "mkdir -p %s/app && echo data > %s/app/notes.txt", scratch, scratch);
+    cr_assert_eq(system(cmd), 0);
+    cr_assert_eq(ctl("import %s/exp.jsonl --dir %s/app", scratch, scratch), 1);
+    cr_assert(strstr(err, "holds files but no store"), "%s", err);
+    snprintf(cmd, sizeof cmd, "test \"$(ls %s/app)\" = notes.txt", scratch);
+    cr_assert_eq(system(cmd), 0, "files were made beside notes.txt");
+}
+
 Test(idemctl, import_into_a_store_that_holds_keys_needs_force, .init = setup, .fini = teardown)
 {
     write_store();
@@ -1219,6 +1255,8 @@ struct ok_server {
     int fd;
     char path[200];
     pthread_t t;
+    const char *reply; /* NULL: +OK */
+    size_t reply_len;
 };
 
 static void *ok_server_main(void *arg)
@@ -1228,8 +1266,10 @@ static void *ok_server_main(void *arg)
         int c = accept(o->fd, NULL, NULL);
         if (c < 0) return NULL;
         char buf[4096];
+        const char *r = o->reply ? o->reply : "+OK\r\n";
+        size_t n = o->reply ? o->reply_len : 5;
         while (read(c, buf, sizeof buf) > 0)
-            if (write(c, "+OK\r\n", 5) != 5) break;
+            if (write(c, r, n) != (ssize_t)n) break;
         close(c);
     }
 }
@@ -1238,7 +1278,7 @@ static void *ok_server_main(void *arg)
  * attention said "nothing needs attention", audit "no decisions recorded", and exited 0. */
 Test(idemctl, a_reply_that_is_not_a_list_is_an_error, .init = setup, .fini = teardown)
 {
-    struct ok_server o;
+    struct ok_server o = {0};
     snprintf(o.path, sizeof o.path, "%s/ok.sock", scratch);
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
     cr_assert_lt(strlen(o.path), sizeof sa.sun_path);
@@ -1252,6 +1292,17 @@ Test(idemctl, a_reply_that_is_not_a_list_is_an_error, .init = setup, .fini = tea
     cr_assert(strstr(err, "IDEM.ATTENTION: unexpected reply"), "%s", err);
     cr_assert_eq(ctl("audit --socket %s", o.path), 1, "%s", out);
     cr_assert(strstr(err, "IDEM.AUDIT: unexpected reply"), "%s", err);
+    /* A scan whose key comes as a simple string with a NUL in it: its length was kept past
+     * the copy (which stopped at the NUL), and the key printed from beyond it. */
+    static char nul_key[600];
+    int n = snprintf(nul_key, sizeof nul_key, "*2\r\n$1\r\n0\r\n*1\r\n+");
+    memset(nul_key + n, 'A', 500);
+    nul_key[n] = 0;
+    memcpy(nul_key + n + 500, "\r\n", 2);
+    o.reply = nul_key;
+    o.reply_len = (size_t)n + 502;
+    cr_assert_eq(ctl("scan --socket %s", o.path), 1, "%s", out);
+    cr_assert(strstr(err, "IDEM.SCAN: unexpected reply"), "%s", err);
     shutdown(o.fd, SHUT_RDWR);
     close(o.fd);
     pthread_join(o.t, NULL);

@@ -604,6 +604,12 @@ int ctl_scan_step(struct ctl *c, uint64_t *cursor, int state, int64_t older_ms,
         resp_free(v);
         return CTL_FAIL;
     }
+    for (size_t i = 0; i < v->elems[1].n; i++)
+        if (v->elems[1].elems[i].type != RESP_BULK) {
+            ctl_err("IDEM.SCAN: unexpected reply (a key that is not a bulk string)");
+            resp_free(v);
+            return CTL_FAIL;
+        }
     *cursor = val_u64(&v->elems[0]);
     for (size_t i = 0; i < v->elems[1].n; i++)
         fn(ctx, v->elems[1].elems[i].str, v->elems[1].elems[i].len);

@@ -631,6 +631,16 @@ int cmd_import(const struct ctl_opts *o)
     int absent = stat(dest, &st) < 0 && errno == ENOENT;
     int empty_dir = !absent && S_ISDIR(st.st_mode) && dir_empty(dest);
     int staged = absent || empty_dir;
+    char super[4200];
+    snprintf(super, sizeof super, "%s/super", dest);
+    if (!staged && stat(super, &st) < 0) {
+        /* Files but no store (a mistyped --dir): a store is made in no such place. */
+        ctl_err("%s holds files but no store (no superblock file 'super'): give a new or empty "
+                "directory, or a store's",
+                dest);
+        if (in != stdin) fclose(in);
+        return CTL_FAIL;
+    }
     if (staged && mkdir(partial, 0700) < 0) {
         if (errno == EEXIST)
             ctl_err("%s exists: an import into %s was cut short there; remove it, then import "

@@ -38,10 +38,15 @@ struct item {
     enum why why;
 };
 
-static enum why why_of(const idem_record *r, int64_t now)
+/* Why idemd listed r, by its rule (attention.c): an in_flight record whose lease runs is listed
+ * as long in_flight only when older than --older (older_ms > 0); else it was listed for a
+ * mismatch, and a worker holds it. */
+static enum why why_of(const idem_record *r, int64_t now, int64_t older_ms)
 {
     if (r->state == IDEM_STATE_REVIEW) return WHY_REVIEW;
-    if (r->state == IDEM_STATE_IN_FLIGHT) return r->lease_until_ms <= now ? WHY_EXPIRED : WHY_OLD;
+    if (r->state == IDEM_STATE_IN_FLIGHT && r->lease_until_ms <= now) return WHY_EXPIRED;
+    if (r->state == IDEM_STATE_IN_FLIGHT && older_ms > 0 && now - r->first_seen_ms >= older_ms)
+        return WHY_OLD;
     return WHY_MISMATCH;
 }
 
@@ -85,9 +90,17 @@ static void next_step(const struct item *it, int64_t now, char *out, size_t cap)
                  fix, d);
         break;
     case WHY_MISMATCH:
-        snprintf(out, cap,
-                 "fix the source (mismatch): repeats came with different content; the stored "
-                 "outcome stands, nothing to resolve");
+        if (r->state == IDEM_STATE_IN_FLIGHT) {
+            fmt_duration(r->lease_until_ms - now, d, sizeof d);
+            snprintf(out, cap,
+                     "fix the source (mismatch): repeats came with different content; a worker "
+                     "holds the key (leased for %s): nothing to resolve",
+                     d);
+        } else {
+            snprintf(out, cap,
+                     "fix the source (mismatch): repeats came with different content; the "
+                     "stored outcome stands, nothing to resolve");
+        }
         break;
     }
 }
@@ -166,7 +179,8 @@ int cmd_attention(const struct ctl_opts *o)
     if (rc == 0 && !it) rc = CTL_FAIL;
     if (it) {
         for (size_t i = 0; i < n; i++)
-            it[i] = (struct item){&recs[i].r, why_of(&recs[i].r, now)};
+            it[i] =
+                (struct item){&recs[i].r, why_of(&recs[i].r, now, o->has_older ? o->older_ms : 0)};
         qsort(it, n, sizeof *it, item_cmp);
         if (o->json)
             attention_json(it, n, now);
@@ -392,10 +406,12 @@ static void audit_json(const struct ctl_audit *a, size_t n)
         jw_obj(&j);
         jw_kuint(&j, "seq", e->seq);
         jw_ktime(&j, "at_ms", e->at_ms);
-        jw_kstr(&j, "actor", e->actor);
+        /* Names and reasons are bytes: those that are not text go as "actor_base64" and
+         * "reason_base64" (as \u00XX a reader would take them for other bytes). */
+        jw_kblob_pub(&j, "actor", e->actor, strlen(e->actor));
         jw_kstr(&j, "action", e->action);
         jw_kblob_pub(&j, "key", e->key, e->key_len);
-        jw_kstr(&j, "reason", e->reason);
+        jw_kblob_pub(&j, "reason", e->reason, strlen(e->reason));
         jw_kstr(&j, "state_before", state_or_absent(e->state_before));
         jw_kstr(&j, "state_after", state_or_absent(e->state_after));
         jw_kuint(&j, "version_before", e->version_before);

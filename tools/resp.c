@@ -192,7 +192,12 @@ static int take_value(const char *buf, size_t len, size_t *pos, resp_value *v, i
     case '-':
         v->type = line[0] == '+' ? RESP_SIMPLE : RESP_ERROR;
         v->len = ll - 1;
-        if (build && !(v->str = strndup(line + 1, ll - 1))) return -1;
+        /* Copied whole, as a bulk string is: a NUL inside must not leave len past the copy. */
+        if (build && !(v->str = malloc(ll))) return -1;
+        if (build) {
+            memcpy(v->str, line + 1, ll - 1);
+            v->str[ll - 1] = 0;
+        }
         return 1;
     case ':':
         v->type = RESP_INTEGER;
