@@ -7,6 +7,7 @@
  * with the reason, when build/idemd is missing).
  */
 #include <criterion/criterion.h>
+#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdarg.h>
@@ -141,6 +142,12 @@ Test(idemctl, usage_errors_exit_2, .init = setup, .fini = teardown)
     cr_assert(strstr(err, "--reason"), "%s", err);
     cr_assert_eq(ctl("resolve k undo --reason x --dir %s", dir), 2);
     cr_assert_eq(ctl("get k --dir %s --socket /nonexistent", dir), 2);
+    /* Numbers are digits alone, in range: no sign, blank or saturation. */
+    cr_assert_eq(ctl("attention --count ' 5' --dir %s", dir), 2);
+    cr_assert_eq(ctl("attention --count +5 --dir %s", dir), 2);
+    cr_assert_eq(ctl("resolve k release --reason x --expect 99999999999999999999 --dir %s", dir),
+                 2);
+    cr_assert(strstr(err, "not a count in range"), "%s", err);
 }
 
 Test(idemctl, status_offline_reports_attention, .init = setup, .fini = teardown)
@@ -472,10 +479,12 @@ Test(idemctl, import_refuses_a_number_out_of_its_fields_range, .init = setup, .f
     write_store();
     cr_assert_eq(ctl("resolve held-1 release --reason checked --dir %s", dir), 0, "%s", err);
     export_to_file();
-    static const char *const edits[] = {"s/\"attempts\":[0-9]*/\"attempts\":4294967297/",
-                                        "s/\"state_after\":[0-9]*/\"state_after\":4294967298/",
-                                        "s/\"seen_count\":[0-9]*/\"seen_count\":-1/"};
-    static const char *const names[] = {"attempts", "state_after", "seen_count"};
+    static const char *const edits[] = {
+        "s/\"attempts\":[0-9]*/\"attempts\":4294967297/",
+        "s/\"state_after\":[0-9]*/\"state_after\":4294967298/",
+        "s/\"seen_count\":[0-9]*/\"seen_count\":-1/",
+        "s/\"fingerprint\":\"[0-9a-f]*\"/\"fingerprint\":\"-1-1-1-1-1-1-1-1-1-1-1-1-1-1-1-1\"/"};
+    static const char *const names[] = {"attempts", "state_after", "seen_count", "fingerprint"};
     for (size_t i = 0; i < sizeof edits / sizeof edits[0]; i++) {
         char cmd[9000];
         snprintf(cmd, sizeof cmd, "sed '%s' %s/exp.jsonl > %s/bad.jsonl", edits[i], scratch,
@@ -1272,6 +1281,39 @@ static void *ok_server_main(void *arg)
             if (write(c, r, n) != (ssize_t)n) break;
         close(c);
     }
+}
+
+/* --timeout bounds the connect too: a wedged idemd whose listen queue is full held idemctl in
+ * connect(2) for good (on a unix socket; about 2 min for TCP to an address that drops SYNs). */
+Test(idemctl, a_connect_to_a_full_listen_queue_ends_at_the_timeout, .init = setup, .fini = teardown)
+{
+    char path[200];
+    snprintf(path, sizeof path, "%s/full.sock", scratch);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    cr_assert_lt(strlen(path), sizeof sa.sun_path);
+    strcpy(sa.sun_path, path);
+    int l = socket(AF_UNIX, SOCK_STREAM, 0);
+    cr_assert_geq(l, 0);
+    cr_assert_eq(bind(l, (struct sockaddr *)&sa, sizeof sa), 0);
+    cr_assert_eq(listen(l, 0), 0);
+    int held[4], nheld = 0; /* fill the queue: never accepted */
+    for (; nheld < 4; nheld++) {
+        held[nheld] = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0);
+        if (connect(held[nheld], (struct sockaddr *)&sa, sizeof sa) < 0) {
+            cr_assert_eq(errno, EAGAIN, "%s", strerror(errno));
+            close(held[nheld]);
+            break;
+        }
+    }
+    cr_assert_gt(nheld, 0);
+    int64_t t0 = now_us();
+    cr_assert_eq(ctl("status --socket %s --timeout 1s", path), 1, "%s", out);
+    int64_t took = (now_us() - t0) / 1000;
+    cr_assert(strstr(err, "cannot connect") && strstr(err, "timed out"), "%s", err);
+    cr_assert_lt(took, 10000, "took %lld ms", (long long)took);
+    for (int i = 0; i < nheld; i++)
+        close(held[i]);
+    close(l);
 }
 
 /* An idemd that answers a list with something else (+OK) is an error, not an empty list:

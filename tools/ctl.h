@@ -192,6 +192,9 @@ void bytes_escape(const void *p, size_t n, char *out, size_t cap);
 void fmt_iso(int64_t ms, char *out, size_t cap);
 /* 16 bytes as 32 hex digits. */
 void fmt_hex(const uint8_t *p, size_t n, char *out, size_t cap);
+/* The value of hex digit c, or -1. */
+int hex_digit(char c);
+/* Exactly 2n hex digits into out[n]: 0, or -1. */
 int parse_hex(const char *s, uint8_t *out, size_t n);
 /* Base64 for bytes that are not text (export). */
 char *base64_encode(const void *p, size_t n);

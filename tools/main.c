@@ -117,8 +117,8 @@ static const char global_help[] =
     "Keys (get, resolve, audit): as typed, or with --key-escaped as tables and scan print\n"
     "them (\\xHH for a byte outside printable ASCII and for a backslash), or with\n"
     "--key-base64 as JSON's key_base64 gives them; 1 to 512 bytes.\n"
-    "  --timeout DURATION     how long to wait for idemd, and compact's bound (default 10s,\n"
-    "                         at most 24h)\n"
+    "  --timeout DURATION     how long to wait for idemd (to connect, and for each reply),\n"
+    "                         and compact's bound (default 10s, at most 24h)\n"
     "Durations: 250ms, 90s, 15m, 72h, 4d, 1h30m. Sizes: 64KiB, 10MB, 1GiB.\n"
     "Exit codes: 0 ok, 1 failure (or faults found), 2 usage.\n";
 
@@ -202,8 +202,10 @@ static int set_state(struct ctl_opts *o, const char *v)
 static int set_number(const char *name, const char *v, uint64_t max, uint64_t *out)
 {
     char *end;
-    unsigned long long n = strtoull(v, &end, 10);
-    if (!*v || *end || *v == '-' || n == 0 || n > max)
+    errno = 0;
+    /* Digits alone: strtoull would take a sign or leading blanks, and saturate out of range. */
+    unsigned long long n = *v >= '0' && *v <= '9' ? strtoull(v, &end, 10) : 0;
+    if (n == 0 || *end || errno == ERANGE || n > max)
         return bad_value(name, v, "not a count in range");
     *out = n;
     return 0;
@@ -339,14 +341,6 @@ static int parse_args(struct ctl_opts *o, int argc, char **argv, const char **cm
         }
     }
     return 0;
-}
-
-static int hex_digit(char c)
-{
-    return c >= '0' && c <= '9'   ? c - '0'
-           : c >= 'a' && c <= 'f' ? c - 'a' + 10
-           : c >= 'A' && c <= 'F' ? c - 'A' + 10
-                                  : -1;
 }
 
 /* KEY (pos[0]) as bytes into o->key: as typed, or decoded from the escaped form (bytes_escape's:

@@ -352,13 +352,21 @@ void fmt_hex(const uint8_t *p, size_t n, char *out, size_t cap)
     out[o < cap ? o : cap - 1] = 0;
 }
 
+int hex_digit(char c)
+{
+    return c >= '0' && c <= '9'   ? c - '0'
+           : c >= 'a' && c <= 'f' ? c - 'a' + 10
+           : c >= 'A' && c <= 'F' ? c - 'A' + 10
+                                  : -1;
+}
+
 int parse_hex(const char *s, uint8_t *out, size_t n)
 {
     if (strlen(s) != 2 * n) return -1;
-    for (size_t i = 0; i < n; i++) {
-        unsigned v;
-        if (sscanf(s + 2 * i, "%2x", &v) != 1) return -1;
-        out[i] = (uint8_t)v;
+    for (size_t i = 0; i < n; i++) { /* hex digits alone: no sign, blank or 0x */
+        int hi = hex_digit(s[2 * i]), lo = hex_digit(s[2 * i + 1]);
+        if (hi < 0 || lo < 0) return -1;
+        out[i] = (uint8_t)(hi << 4 | lo);
     }
     return 0;
 }

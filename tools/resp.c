@@ -29,6 +29,54 @@ static void conn_init(resp_conn *c, int timeout_ms)
     c->timeout_ms = timeout_ms > 0 ? timeout_ms : 10000;
 }
 
+/* A non-blocking socket connected to sa within the timeout: -1 with errno set (ETIMEDOUT past
+ * it). A unix socket whose listen queue is full answers EAGAIN at once, and is tried again every
+ * 10 ms; a TCP connect in progress is waited for. The socket stays non-blocking: every send and
+ * receive waits in poll within the command's deadline. */
+static int connect_within(resp_conn *c, int family, int proto, const struct sockaddr *sa,
+                          socklen_t len)
+{
+    int64_t deadline = mono_ms() + c->timeout_ms;
+    c->fd = socket(family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, proto);
+    if (c->fd < 0) return -1;
+    int e;
+    for (;;) {
+        if (connect(c->fd, sa, len) == 0) return 0;
+        e = errno;
+        if (e == EAGAIN) {
+            if (deadline - mono_ms() <= 0) {
+                e = ETIMEDOUT;
+                break;
+            }
+            struct timespec ts = {0, 10 * 1000000};
+            nanosleep(&ts, NULL);
+            continue;
+        }
+        if (e != EINPROGRESS && e != EINTR) break; /* EINTR: the connect goes on, as EINPROGRESS */
+        struct pollfd p = {.fd = c->fd, .events = POLLOUT};
+        int n;
+        do {
+            int64_t left = deadline - mono_ms();
+            n = left > 0 ? poll(&p, 1, (int)left) : 0;
+        } while (n < 0 && errno == EINTR);
+        int soerr = 0;
+        socklen_t sl = sizeof soerr;
+        if (n == 0)
+            e = ETIMEDOUT;
+        else if (n < 0 || getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &soerr, &sl) < 0)
+            e = errno;
+        else if (soerr == 0)
+            return 0;
+        else
+            e = soerr;
+        break;
+    }
+    close(c->fd);
+    c->fd = -1;
+    errno = e;
+    return -1;
+}
+
 int resp_connect_unix(resp_conn *c, const char *path, int timeout_ms)
 {
     conn_init(c, timeout_ms);
@@ -38,8 +86,7 @@ int resp_connect_unix(resp_conn *c, const char *path, int timeout_ms)
         return -1;
     }
     strcpy(sa.sun_path, path);
-    c->fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (c->fd < 0 || connect(c->fd, (struct sockaddr *)&sa, sizeof sa) < 0) {
+    if (connect_within(c, AF_UNIX, 0, (struct sockaddr *)&sa, sizeof sa) < 0) {
         snprintf(c->err, sizeof c->err, "cannot connect to idemd at %s: %s", path, strerror(errno));
         resp_close(c);
         return -1;
@@ -59,14 +106,9 @@ int resp_connect_tcp(resp_conn *c, const char *host, int port, int timeout_ms)
         return -1;
     }
     int saved = 0;
-    for (struct addrinfo *a = res; a && c->fd < 0; a = a->ai_next) {
-        c->fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-        if (c->fd >= 0 && connect(c->fd, a->ai_addr, a->ai_addrlen) < 0) {
+    for (struct addrinfo *a = res; a && c->fd < 0; a = a->ai_next)
+        if (connect_within(c, a->ai_family, a->ai_protocol, a->ai_addr, a->ai_addrlen) < 0)
             saved = errno;
-            close(c->fd);
-            c->fd = -1;
-        }
-    }
     freeaddrinfo(res);
     if (c->fd < 0) {
         snprintf(c->err, sizeof c->err, "cannot connect to idemd at %s:%d: %s", host, port,
