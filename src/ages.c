@@ -237,19 +237,36 @@ int ages_tidy(idem_store *s)
     return worked;
 }
 
+/* Room for one more entry: 0, or -1 when the heap cannot grow. */
+static int heap_grow(const idem_store *s, struct age_heap *h)
+{
+    if (h->n < h->cap) return 0;
+    if (s->test_ages_no_grow) return -1;
+    size_t cap = h->cap ? h->cap + h->cap / 2 : 256; /* 1.5x: at most a third unused */
+    struct age_entry *v = util_map_grow(h->v, h->cap * sizeof *v, cap * sizeof *v);
+    if (!v) return -1;
+    h->v = v;
+    h->cap = cap;
+    return 0;
+}
+
 static void heap_push(idem_store *s, int kind, int64_t t, uint64_t hash, uint64_t addr)
 {
     struct age_heap *h = &s->ages[kind];
     filter_if_due(s, kind, AGES_FILTER_STEP);
-    if (h->n == h->cap) {
-        size_t cap = h->cap ? h->cap + h->cap / 2 : 256; /* 1.5x: at most a third unused */
-        struct age_entry *v = util_map_grow(h->v, h->cap * sizeof *v, cap * sizeof *v);
-        if (!v) return; /* the age reads high until the next rebuild; nothing else depends on it */
-        h->v = v;
-        h->cap = cap;
-    }
+    /* ages_room made room before the change; filtering only removes entries. */
+    if (heap_grow(s, h) < 0) return;
     h->v[h->n] = (struct age_entry){time_key(t, hash), (hash & ~INDEX_ADDR_MASK) | addr};
     sift_up(h, h->n++);
+}
+
+int ages_room(idem_store *s, const struct rec *r)
+{
+    if (r->state == IDEM_STATE_IN_FLIGHT && heap_grow(s, &s->ages[AGE_IN_FLIGHT]) < 0)
+        return IDEM_ENOMEM;
+    if (r->state == IDEM_STATE_REVIEW && heap_grow(s, &s->ages[AGE_REVIEW]) < 0) return IDEM_ENOMEM;
+    if (r->mismatch_count > 0 && heap_grow(s, &s->ages[AGE_MISMATCH]) < 0) return IDEM_ENOMEM;
+    return 0;
 }
 
 void ages_note(idem_store *s, const struct rec *r, uint64_t h, uint64_t addr)

@@ -256,6 +256,7 @@ static int write_version(idem_store *s, struct index_slot *slot, int old_state, 
                          const void *key, const void *owner, const void *note, const void *result,
                          uint32_t result_len, uint64_t *lsn)
 {
+    if (ages_room(s, r) < 0) return IDEM_ENOMEM; /* before anything changes */
     struct seen_info *si = seen_of(s, slot);
     if (si) {
         r->seen_count = si->seen_count;
@@ -1417,6 +1418,7 @@ static int replay_frame(idem_store *s, const struct wal_frame *f)
         }
         return 0;
     }
+    if (ages_room(s, &rr) < 0) return IDEM_ENOMEM;
     if (!slot) {
         slot = index_insert(s->ix, ops_hash(s, key, key_len), f->addr, 0);
         if (!slot) return IDEM_ENOMEM;
@@ -1459,6 +1461,7 @@ int ops_compact_frame(idem_store *s, const struct cmp_frame *cf, int64_t now)
         if (rc == 0) s->st.expired_total++;
         return rc;
     }
+    if (ages_room(s, r) < 0) return IDEM_ENOMEM; /* tried again at a later step */
     uint64_t addr;
     int rc = wal_copy(s->wal, f, &addr, &lsn);
     /* Too large to append again: this store never wrote such a frame (damage behind a valid

@@ -1011,6 +1011,7 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
                             (unsigned long long)s->sb.ckpt_id);
             return IDEM_ECORRUPT;
         }
+        if (ages_room(s, &r) < 0) return IDEM_ENOMEM;
         ages_note(s, &r, h, index_slot_addr(slot));
         ops_slot_mark(slot, &r);
         s->st.keys_with_mismatch += r.mismatch_count > 0;

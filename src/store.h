@@ -256,6 +256,7 @@ struct idem_store {
     uint32_t notifying;          /* pins held on all queues (atomic; for tests) */
     uint32_t test_wake_delay_us; /* store_test_wake_delay */
     int test_no_tidy;            /* store_test_ages_tidy */
+    int test_ages_no_grow;       /* tests: the age heaps cannot grow (out of memory) */
     /* Tests: called by the flusher after a step of filtering, with mu let go (ages_tidy), and
      * by store_let_others_in while it has let mu go. */
     void (*test_after_tidy)(idem_store *s);
@@ -622,6 +623,10 @@ int compact_wants_checkpoint(idem_store *s);
 /* Version r of a key (hash h) was written (or found, at load) at addr: remember it if it
  * belongs to a kind (unfinished, or with mismatches). */
 void ages_note(idem_store *s, const struct rec *r, uint64_t h, uint64_t addr);
+/* Room in the heaps ages_note would put r's version in, made before the change that writes
+ * it: 0, or IDEM_ENOMEM (nothing may change then: a version left out of its heap would be
+ * missing from the attention list and the oldest ages until the store is reopened). */
+int ages_room(idem_store *s, const struct rec *r);
 /* Filters kind's heap if it is past its bound, in steps of AGES_VIEW_STEP with mu let go
  * between them (held on entry and on return, released meanwhile): before ages_oldest. */
 void ages_settle(idem_store *s, int kind);

@@ -4106,6 +4106,46 @@ Test(capacity, at_max_keys_a_fifth_expired_make_room)
     }
 }
 
+/* A claim whose record the age heaps have no room for (their growth out of memory) is refused
+ * before anything changes: kept out of its heap, the record was missing from the attention list
+ * and the oldest ages until the store was reopened (a review record could stay unlisted). */
+Test(capacity, a_claim_the_age_heaps_cannot_hold_is_refused_and_nothing_goes_unlisted)
+{
+    store_close();
+    g_opts.max_keys = 0;
+    store_open();
+    t0 = idem_clock_now(g_s);
+    char key[32];
+    int n = 0;
+    for (;; n++) {
+        store_lock(g_s);
+        int full = g_s->ages[AGE_IN_FLIGHT].n == g_s->ages[AGE_IN_FLIGHT].cap && n > 0;
+        g_s->test_ages_no_grow = full;
+        store_unlock(g_s);
+        if (full) break;
+        cr_assert_lt(n, 100000, "the in_flight heap never filled");
+        snprintf(key, sizeof key, "held-%05d", n);
+        claim_new(key);
+    }
+    idem_completion c;
+    cr_assert_eq(claim_rc("one-more", 8, TTL, LEASE, NULL, NULL, &c), IDEM_ENOMEM);
+    cr_assert(!found("one-more"));
+    store_lock(g_s);
+    g_s->test_ages_no_grow = 0;
+    store_unlock(g_s);
+    claim_new("one-more");
+    at(LEASE); /* every lease has run out: each record needs attention */
+    idem_attention_args aa = {.max = 100000};
+    const idem_record *recs;
+    size_t listed;
+    expect_rc(idem_attention(g_q, &aa, &recs, &listed), IDEM_OK);
+    cr_assert_eq(listed, (size_t)n + 1);
+    int seen = 0;
+    for (size_t i = 0; i < listed; i++)
+        seen |= recs[i].key_len == 8 && memcmp(recs[i].key, "one-more", 8) == 0;
+    cr_assert(seen, "one-more is not listed");
+}
+
 /* Claims new keys mem-0000000, mem-0000001, ... (each answered new) until the store answers
  * FULL; returns how many it took. */
 static int claim_new_until_full(const char *limit)
