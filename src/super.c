@@ -160,17 +160,7 @@ int super_load(struct io *io, const char *dir, struct super *sb, int settle, cha
      * after the clean close writes it first): the mark is trusted only when neither failed. */
     if (!va || !vb) sb->clean_lsn = 0;
     /* Fields that address the log are checked before anything trusts them. */
-    if (sb->seg_bytes % 4096 || sb->seg_bytes < 64 * 1024 || sb->seg_bytes > 512u * 1024 * 1024 ||
-        sb->ckpt_off % 4096 || sb->ckpt_off < 4096 || sb->ckpt_off >= sb->seg_bytes ||
-        sb->wal_first_seq == 0 || sb->ckpt_seq < sb->wal_first_seq ||
-        sb->wal_first_seq >= (UINT64_C(1) << 62) || sb->ckpt_seq >= (UINT64_C(1) << 62) ||
-        sb->ckpt_seq - sb->wal_first_seq >= SUPER_SEGMENTS_MAX ||
-        sb->ckpt_lsn >= (UINT64_C(1) << 62) || sb->ckpt_batch >= (UINT64_C(1) << 62) ||
-        sb->resume_batch >= (UINT64_C(1) << 62) || sb->open_durability > 3 ||
-        sb->ckpt_counts_lsn >= (UINT64_C(1) << 62) || (sb->ckpt_flags & ~SUPER_CKPT_STEPPED) ||
-        sb->token_reserved > (uint64_t)IDEM_TOKEN_MAX || sb->store_clock_ms < 0 ||
-        sb->store_clock_ms > IDEM_CLOCK_MS_MAX || sb->created_ms < 0 ||
-        sb->created_ms > IDEM_CLOCK_MS_MAX) {
+    if (!super_fields_valid(sb)) {
         snprintf(err, errcap,
                  "%s: superblock fields out of range (segment size %u, replay at %llu:%u, "
                  "lsn %llu, batch %llu, tokens %llu, clock %lld)",
@@ -180,6 +170,22 @@ int super_load(struct io *io, const char *dir, struct super *sb, int settle, cha
         return IDEM_ECORRUPT;
     }
     return 0;
+}
+
+int super_fields_valid(const struct super *sb)
+{
+    return !(sb->seg_bytes % 4096 || sb->seg_bytes < 64 * 1024 ||
+             sb->seg_bytes > 512u * 1024 * 1024 || sb->ckpt_off % 4096 || sb->ckpt_off < 4096 ||
+             sb->ckpt_off >= sb->seg_bytes || sb->wal_first_seq == 0 ||
+             sb->ckpt_seq < sb->wal_first_seq || sb->wal_first_seq >= (UINT64_C(1) << 62) ||
+             sb->ckpt_seq >= (UINT64_C(1) << 62) ||
+             sb->ckpt_seq - sb->wal_first_seq >= SUPER_SEGMENTS_MAX ||
+             sb->ckpt_lsn >= (UINT64_C(1) << 62) || sb->ckpt_batch >= (UINT64_C(1) << 62) ||
+             sb->resume_batch >= (UINT64_C(1) << 62) || sb->open_durability > 3 ||
+             sb->ckpt_counts_lsn >= (UINT64_C(1) << 62) || (sb->ckpt_flags & ~SUPER_CKPT_STEPPED) ||
+             sb->token_reserved > (uint64_t)IDEM_TOKEN_MAX || sb->store_clock_ms < 0 ||
+             sb->store_clock_ms > IDEM_CLOCK_MS_MAX || sb->created_ms < 0 ||
+             sb->created_ms > IDEM_CLOCK_MS_MAX);
 }
 
 int super_store(struct io *io, const char *dir, struct super *sb)

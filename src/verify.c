@@ -234,6 +234,16 @@ static int super_fields_ok(struct vctx *v, const struct super *sb)
               sb->ckpt_off);
         return 0;
     }
+    if (!super_fields_valid(sb)) { /* what the open refuses, as it does */
+        fault(v,
+              "super: fields out of range (log start %llu, replay at %llu, lsn %llu, batch %llu, "
+              "counts lsn %llu, tokens %llu, clock %lld, created %lld, durability %u)",
+              (unsigned long long)sb->wal_first_seq, (unsigned long long)sb->ckpt_seq,
+              (unsigned long long)sb->ckpt_lsn, (unsigned long long)sb->ckpt_batch,
+              (unsigned long long)sb->ckpt_counts_lsn, (unsigned long long)sb->token_reserved,
+              (long long)sb->store_clock_ms, (long long)sb->created_ms, sb->open_durability);
+        return 0;
+    }
     return 1;
 }
 
