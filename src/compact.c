@@ -18,7 +18,9 @@
  * When: the next segment is walked if the log, less the walked segments, holds more than twice
  * the live bytes (plus slack of STORE_CMP_SLACK_SEGS segments), or every record written to it
  * has passed its expires_at (its records are all expired or unfinished), or half its record
- * bytes have, or half those of it and the sealed segments after it (64 at most) together (the
+ * bytes have (an eighth while the key limit refuses new keys, when the current segment is ended
+ * for a walk too: roll_for_capacity), or half those of it and the sealed segments after it (64
+ * at most) together (the
  * tally of struct seg_exp: a few long-lived records in every segment, counted live with the
  * expired ones, would otherwise keep every walk back for their whole life, and the expired keys
  * in the index and the log with them). The log, less the walked segments waiting for a
@@ -46,9 +48,10 @@
 
 #define HORIZON_STEPS 16              /* compact_learn_horizon reads a segment in this many calls */
 #define WALK_WINDOW   STORE_CMP_AHEAD /* segments whose expired bytes together start a walk */
-/* A new key refused by the key or memory limit this recently (store time) presses compaction:
- * a walk starts once an eighth of the bytes are expired instead of half, and the current
- * segment is ended for it, at most once a second. */
+/* A new key refused by the key limit this recently (store time) presses compaction: a walk
+ * starts once an eighth of the bytes are expired instead of half, and the current segment is
+ * ended for it, at most once a second. (Not the memory limit: the index's blocks stay when keys
+ * leave, and their slots are used again, so a walk frees none of what it counts.) */
 #define PRESSED_MS      10000
 #define PRESSED_ROLL_MS 1000
 
@@ -179,8 +182,8 @@ int compact_learn_horizon(idem_store *s)
     return 1;
 }
 
-/* Whether a new key met the key or memory limit lately (ops.c): the expired records then take
- * places that new keys want, and a walk pays for fewer of them. */
+/* Whether a new key met the key limit lately (ops.c): the expired records then take places
+ * that new keys want, and a walk pays for fewer of them. */
 static int capacity_pressed(const idem_store *s, int64_t now)
 {
     return s->cap_full_seen && now - s->cap_full_ms < PRESSED_MS;
@@ -225,27 +228,40 @@ static int walk_wanted(idem_store *s, uint64_t seq)
     return 0;
 }
 
-/* Ends the current segment (wal_roll) when the capacity limits press, every sealed segment was
- * walked, and the current one holds enough expired bytes, or was written before this open (its
- * tally is not known): else a store whose records fit in one segment never walks them, and at
- * max_keys answers FULL among expired keys for good (nothing new is written to fill the segment).
- * The walk then goes by walk_wanted. Returns 1 when it rolled. */
+/* Ends the current segment (wal_roll) when the key limit presses and the segments from the next
+ * one to walk through the current one hold enough expired bytes together (the current one
+ * counted: a walk takes only sealed segments), or the current one was written before this open
+ * (its tally is not known): else a store whose records fit in one segment never walks them, and
+ * at max_keys answers FULL among expired keys for good (nothing new is written to fill the
+ * segment), nor does one whose expired keys are in the current segment behind sealed segments
+ * of live ones. The walk then goes by walk_wanted. In durability none the end is made durable
+ * at the next flush (cap_roll_lsn, flush_asked), or the walk would wait for it. Returns 1 when
+ * it rolled. */
 static int roll_for_capacity(idem_store *s, uint64_t next)
 {
     uint64_t cur = wal_cur_seq(s->wal);
     int64_t now = store_now(s);
-    if (next != cur || !capacity_pressed(s, now) || cur - wal_first_seq(s->wal) >= STORE_CMP_AHEAD)
+    if (!capacity_pressed(s, now) || cur - next >= WALK_WINDOW ||
+        cur - wal_first_seq(s->wal) >= STORE_CMP_AHEAD)
         return 0;
     if (s->cap_rolled_seen && now - s->cap_rolled_ms < PRESSED_ROLL_MS) return 0;
-    if (s->seg_max_exp[cur % WAL_SEG_SLOTS] != SEG_EXP_UNKNOWN) {
-        uint64_t expired = 0, total = 0;
-        if (!s->seg_exp[cur % WAL_SEG_SLOTS]) return 0;
-        tally_expired(s->seg_exp[cur % WAL_SEG_SLOTS], now, &expired, &total);
-        if (!expired_enough(expired, total, 1)) return 0;
+    uint64_t expired = 0, total = 0;
+    for (uint64_t q = next; q <= cur; q++) {
+        int unknown = s->seg_max_exp[q % WAL_SEG_SLOTS] == SEG_EXP_UNKNOWN;
+        /* A sealed one not durable or not measured yet: its turn comes without a roll. */
+        if (q < cur && (unknown || !wal_seg_durable(s->wal, q, s->durable_lsn))) return 0;
+        if (unknown) { /* the current one, written before this open */
+            expired = total = 1;
+            break;
+        }
+        if (s->seg_exp[q % WAL_SEG_SLOTS])
+            tally_expired(s->seg_exp[q % WAL_SEG_SLOTS], now, &expired, &total);
     }
+    if (!expired_enough(expired, total, 1)) return 0;
     if (store_room_ok(s) != 0 || wal_roll(s->wal) != 1) return 0; /* tried again later */
     s->cap_rolled_seen = 1;
     s->cap_rolled_ms = now;
+    s->cap_roll_lsn = wal_last_lsn(s->wal);
     fprintf(stderr, "idem: event=segment_ended_for_capacity segment=%llu\n",
             (unsigned long long)cur);
     return 1;

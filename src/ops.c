@@ -461,21 +461,21 @@ static int owner_same(const struct rec *r, const idem_op *op)
 
 /* Whether a new version is refused by a capacity limit. One that replaces an expired record
  * (replaces: its slot) adds no key and no index memory: only the disk limit applies to it, so
- * a store full of expired keys still takes their re-issue. A new key refused by the key or
- * memory limit presses compaction (compact.c) to take the expired keys out of the index. */
+ * a store full of expired keys still takes their re-issue. A new key refused by the key limit
+ * presses compaction (compact.c) to take the expired keys out of the index. */
 static int capacity_full(idem_store *s, const struct index_slot *replaces, int64_t now)
 {
     if (s->opt.max_disk_bytes && store_disk_bytes(s) >= s->opt.max_disk_bytes) return 1;
     if (replaces) return 0;
-    /* The index's blocks: not the memory its thread faults in ahead of growth, which comes as
-     * that thread runs, so the answer does not depend on the thread's timing. */
-    if ((s->opt.max_keys && index_count(s->ix) >= s->opt.max_keys) ||
-        (s->opt.max_memory_bytes && index_live_bytes(s->ix) >= s->opt.max_memory_bytes)) {
+    if (s->opt.max_keys && index_count(s->ix) >= s->opt.max_keys) {
         if (!s->cap_full_seen || now - s->cap_full_ms >= 1000) store_kick(s);
         s->cap_full_seen = 1;
         s->cap_full_ms = now;
         return 1;
     }
+    /* The index's blocks: not the memory its thread faults in ahead of growth, which comes as
+     * that thread runs, so the answer does not depend on the thread's timing. */
+    if (s->opt.max_memory_bytes && index_live_bytes(s->ix) >= s->opt.max_memory_bytes) return 1;
     return 0;
 }
 

@@ -286,7 +286,9 @@ static int slot_ready(const idem_store *s, const struct qslot *sl)
 /* Someone waits for a flush that durability batch or none would not make now. */
 static int flush_asked(idem_store *s)
 {
-    return s->sync_waiters || __atomic_load_n(&s->sync_ops, __ATOMIC_RELAXED);
+    /* and a segment ended for the key limit, which compaction waits to see durable (compact.c) */
+    return s->sync_waiters || __atomic_load_n(&s->sync_ops, __ATOMIC_RELAXED) ||
+           s->cap_roll_lsn > s->durable_lsn;
 }
 
 /* A durable_wait slot leaves the queue (delivered, or its queue closed). */
@@ -1821,7 +1823,9 @@ static int del_group_begin(idem_store *s, const idem_queue *q, const idem_op *op
         bytes += (uint32_t)IDEM_ALIGN_UP(WAL_FRAME_HDR + 8 + k, 8);
     }
     int rc = s->closing ? IDEM_ECLOSED : s->opt.read_only ? IDEM_EREADONLY : 0;
-    if (rc == 0) rc = store_room_for(s, bytes);
+    /* Each append checks its room from the next block boundary (append_reserved), and pads
+     * a block's last bytes: two blocks more cover every delete's check. */
+    if (rc == 0) rc = store_room_for(s, bytes + 2 * WAL_BLOCK);
     if (rc == 0) rc = audit_reserve_n(s, (uint32_t)g->left);
     if (rc == 0) rc = ops_del_group_check(s, &ops[at], g->left);
     g->err = rc;

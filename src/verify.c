@@ -523,6 +523,13 @@ static void walk_step(struct vctx *v, struct walk *w, const struct vseg *s, uint
     if (tail > v->sb.seg_bytes) tail = v->sb.seg_bytes;
     if (type == WAL_T_SEGEND) {
         pad_check(w, s, next, tail);
+        /* As recovery (wal_recover): a SEGEND names a file that exists. */
+        char name[64], path[4200];
+        seg_name(name, sizeof name, w->p.seq + 1);
+        snprintf(path, sizeof path, "%s/%s", v->dir, name);
+        if (access(path, F_OK) != 0)
+            fault(v, "%s is missing, but the SEGEND of segment %llu (offset %u) names it", name,
+                  (unsigned long long)w->p.seq, w->p.off);
         w->p = (struct vpos){w->p.seq + 1, WAL_BLOCK};
         return;
     }

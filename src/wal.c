@@ -1315,10 +1315,20 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
                 return rc;
             }
         }
-        struct scan_pos prev = p;
-        if (scan_step(w, &p, type, len) < 0) {
-            p = prev;
-            break;
+        if (scan_step(w, &p, type, len) < 0) { /* a SEGEND whose next segment is not open */
+            /* A damaged header that no salt in the SEGEND lets be read (earlier versions): a
+             * creation cut short, as before. */
+            if (w->damaged_seq == p.seq + 1) break;
+            /* A missing file: the log rolls only into a segment whose file was made whole and
+             * its directory entry synced, and only a prefix of the log is ever removed, so a
+             * SEGEND names a file that exists. Ending the log here would drop every batch
+             * written after it. */
+            snprintf(w->err, sizeof w->err,
+                     "log corrupt: wal-%016llx.log is missing, but the SEGEND of segment %llu "
+                     "(offset %u) names it",
+                     (unsigned long long)(p.seq + 1), (unsigned long long)p.seq, p.off);
+            segs_advise(w, start_seq, POSIX_MADV_NORMAL);
+            return IDEM_ECORRUPT;
         }
         if (type == WAL_T_END) batch_start = p;
     }

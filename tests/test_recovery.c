@@ -1207,6 +1207,34 @@ static int sim_segment(uint64_t seq, char *path, size_t cap)
     return io_sim_read_file(sim, path, head, sizeof head) == (int64_t)sizeof head;
 }
 
+/* A segment file missing from the middle of the log (an operator's rm, fsck, a copy that
+ * skipped it): the SEGEND before it names it, so the log cannot have ended there. The open
+ * reports it by name; it used to end the log at that SEGEND and drop every batch after it (and
+ * re-create the files later under new salts). */
+Test(recovery, a_segment_missing_from_the_middle_of_the_log_is_corruption)
+{
+    idem_store *s;
+    /* Segments of 1 MiB: the store takes no checkpoint of its own before 8 of them, and each
+     * acknowledged change starts a block (about 250 a segment). */
+    cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK);
+    store_lock(s);
+    s->cmp_disabled = 1; /* no walk, so no checkpoint moves the replay start */
+    store_unlock(s);
+    fill(s, 0, 600);
+    store_lock(s);
+    uint64_t first = s->sb.ckpt_seq, cur = wal_cur_seq(s->wal);
+    store_unlock(s);
+    cr_assert_geq(cur, first + 3, "the replay covers %llu..%llu", (unsigned long long)first,
+                  (unsigned long long)cur);
+    store_abandon(s);
+    char path[256];
+    snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)(first + 1));
+    cr_assert_eq(io_unlink(io_sim_io(sim), path), 0);
+    int rc = open_sim_seg(&s, 1 << 20);
+    cr_assert_eq(rc, IDEM_ECORRUPT, "got %s", idem_strerror(rc));
+    cr_assert(strstr(idem_last_error(), "is missing, but the SEGEND"), "%s", idem_last_error());
+}
+
 /* A segment header that rots after it was written, on a segment the replay still reads, looks
  * like a creation cut short by a crash: the log would end at the SEGEND before it. When later
  * segments hold batches the log wrote after it, the header was whole when they were written:
@@ -3828,21 +3856,23 @@ Test(recovery, a_log_that_ends_before_its_checkpoint_found_it_durable_is_corrupt
     /* Damage the frame at the scan's end LSN and every one after it: the log looks cut there,
      * as by a crash during the batch in flight. */
     char path[256];
-    snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)seq);
     static uint8_t seg[4 << 20];
-    cr_assert_eq(io_sim_read_file(sim, path, seg, sizeof seg), (int64_t)sizeof seg);
     int damaged = 0, at_counts = 0;
-    for (uint64_t off = WAL_BLOCK; off + WAL_FRAME_HDR <= sizeof seg; off += 8) {
-        uint64_t lsn;
-        memcpy(&lsn, seg + off + 8, 8);
-        uint32_t len;
-        memcpy(&len, seg + off + 24, 4);
-        if (lsn < counts_lsn || lsn > counts_lsn + 100 || len < WAL_FRAME_HDR || len > 4096 ||
-            len % 8)
-            continue;
-        cr_assert_eq(io_sim_corrupt(sim, path, off + 9, 0x10), 0);
-        damaged++;
-        at_counts |= lsn == counts_lsn;
+    for (uint64_t q = seq > 1 ? seq - 1 : seq; q <= seq; q++) { /* the batch may cross a roll */
+        snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)q);
+        cr_assert_eq(io_sim_read_file(sim, path, seg, sizeof seg), (int64_t)sizeof seg);
+        for (uint64_t off = WAL_BLOCK; off + WAL_FRAME_HDR <= sizeof seg; off += 8) {
+            uint64_t lsn;
+            memcpy(&lsn, seg + off + 8, 8);
+            uint32_t len;
+            memcpy(&len, seg + off + 24, 4);
+            if (lsn < counts_lsn || lsn > counts_lsn + 100 || len < WAL_FRAME_HDR || len > 4096 ||
+                len % 8)
+                continue;
+            cr_assert_eq(io_sim_corrupt(sim, path, off + 9, 0x10), 0);
+            damaged++;
+            at_counts |= lsn == counts_lsn;
+        }
     }
     cr_assert(at_counts, "no frame of LSN %llu in segment %llu", (unsigned long long)counts_lsn,
               (unsigned long long)seq);

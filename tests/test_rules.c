@@ -4044,7 +4044,7 @@ static void fill_with_committed_keys(void)
  * for compaction to take the expired records out of the index: its FULL presses compaction,
  * which ends the segment they are in (the only one: nothing else would ever end it, since
  * nothing new is written) and walks it. */
-Test(capacity, at_max_keys_expired_keys_make_room_for_new_ones)
+static void expired_keys_make_room_for_new_ones(void)
 {
     fill_with_committed_keys();
     idem_completion c;
@@ -4069,6 +4069,58 @@ Test(capacity, at_max_keys_expired_keys_make_room_for_new_ones)
     reopen();
     keys_become(100);
     expect_outcome(claim("cap-001"), IDEM_DONE);
+}
+
+Test(capacity, at_max_keys_expired_keys_make_room_for_new_ones)
+{
+    expired_keys_make_room_for_new_ones();
+}
+
+/* In durability none the segment ended for the walk is flushed durable at once: nothing else
+ * would make it so, and a walk waits for it. */
+Test(capacity, at_max_keys_expired_keys_make_room_in_durability_none)
+{
+    store_close();
+    g_opts.durability = IDEM_DURABILITY_NONE;
+    store_open();
+    expired_keys_make_room_for_new_ones();
+}
+
+/* The expired keys in the current segment, behind a sealed one of live keys: the segments from
+ * the next to walk through the current one are judged together, and the current one is ended
+ * for the walk. */
+Test(capacity, expired_keys_behind_a_segment_of_live_ones_make_room)
+{
+    store_close(); /* a new store: the segment size is set when a store is made */
+    tu_rmtree(g_dir);
+    g_dir = tu_mkdtemp("rules");
+    cr_assert_not_null(g_dir);
+    g_opts.segment_bytes = 1 << 20;
+    store_open();
+    t0 = idem_clock_now(g_s);
+    static char result[8192]; /* that lz4 cannot shrink */
+    uint64_t rng = 7;
+    for (size_t k = 0; k + 1 < sizeof result; k++)
+        result[k] = (char)('a' + tu_rand(&rng) % 26);
+    char key[32];
+    int i = 0;
+    for (; wal_cur_seq(g_s->wal) == 1; i++) { /* long-lived keys until the segment ends */
+        cr_assert_lt(i, 90, "the first segment never ended");
+        snprintf(key, sizeof key, "long-%03d", i);
+        commit_ok(key, claim_new(key), result);
+    }
+    for (; i < 100; i++) {
+        snprintf(key, sizeof key, "short-%03d", i);
+        idem_completion c = claim_full(key, 1000, LEASE, NULL, NULL);
+        expect_outcome(c, IDEM_NEW);
+        commit_ok(key, c.token, result);
+    }
+    idem_completion c;
+    cr_assert_eq(claim_rc("cap-new", 7, TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
+    at(1000 + 1000 / 8);
+    claim_new_once_room_is_made("cap-new");
+    snprintf(key, sizeof key, "long-%03d", 0);
+    expect_outcome(claim(key), IDEM_DONE);
 }
 
 /* After a reopen the segment the expired keys are in is current, and its expiry unknown until

@@ -173,7 +173,9 @@ int cmd_attention(const struct ctl_opts *o)
     int64_t now = 0;
     uint32_t max = o->has_count ? (uint32_t)o->count : ATTENTION_MAX_DEFAULT;
     rc = ctl_attention(&c, o->has_older ? o->older_ms : 0, max, &recs, &n);
-    if (rc == 0) rc = ctl_now(&c, &now);
+    struct ctl_stats st;
+    if (rc == 0) rc = ctl_stats(&c, &st);
+    if (rc == 0) now = st.s.store_clock_ms;
     rc = ctl_disconnect(&c, rc);
     struct item *it = rc == 0 ? calloc(n ? n : 1, sizeof *it) : NULL;
     if (rc == 0 && !it) rc = CTL_FAIL;
@@ -187,12 +189,28 @@ int cmd_attention(const struct ctl_opts *o)
         else
             attention_human(it, n, now, o);
         /* The list was cut to max, the most urgent kept: say so (on stderr, so the list on
-         * stdout stays what it is for scripts). */
+         * stdout stays what it is for scripts). idemd also cuts it to its reply room, without
+         * a word in the reply: every review record and every key with mismatches is listed
+         * whole, so fewer of them than the store counts means a cut (or records made since). */
+        uint64_t review = 0, mismatched = 0;
+        for (size_t i = 0; i < n; i++) {
+            review += recs[i].r.state == IDEM_STATE_REVIEW;
+            mismatched += recs[i].r.mismatch_count > 0;
+        }
         if (n >= max)
             fprintf(stderr,
                     "idemctl: the %zu most urgent records are listed: more may need attention "
                     "(--count, at most %u)\n",
                     n, (unsigned)ATTENTION_MAX_LIMIT);
+        else if (review < st.s.keys_review ||
+                 (st.has_keys_with_mismatch && mismatched < st.s.keys_with_mismatch))
+            fprintf(stderr,
+                    "idemctl: %zu records are listed, but the store holds %llu in review and "
+                    "%llu with mismatches (%llu and %llu listed): the list was cut short (idemd's "
+                    "reply room), or they came since; more may need attention\n",
+                    n, (unsigned long long)st.s.keys_review,
+                    (unsigned long long)st.s.keys_with_mismatch, (unsigned long long)review,
+                    (unsigned long long)mismatched);
     }
     free(it);
     ctl_records_free(recs, n);
