@@ -604,6 +604,7 @@ int ops_compact_frame(idem_store *s, const struct cmp_frame *cf, int64_t now);
 #define SEG_EXP_BUCKETS (SEG_EXP_SUBS + SEG_EXP_SUBS * SEG_EXP_OCTAVES + 1)
 struct seg_exp {
     int64_t t0;
+    uint64_t total; /* the sum of bytes[] */
     uint64_t bytes[SEG_EXP_BUCKETS];
 };
 /* Counts a frame of `bytes` expiring at exp, written to segment seq (mu held; any thread). */
