@@ -642,6 +642,22 @@ Test(server, prometheus_endpoint_counts_outcomes_and_flushes, .init = start_metr
     cr_assert(strstr(body, "\nidem_flush_latency_us_sum "), "%s", body);
     cr_assert(strstr(body, "\n# TYPE idem_oldest_in_flight_age_ms gauge\n"), "%s", body);
     cr_assert(strstr(body, "\n# TYPE idem_index_bytes gauge\n"), "%s", body);
+    /* Every figure has its own help line, just before its type line (none the generic one). */
+    int types = 0;
+    for (char *p = strstr(body, "\n# TYPE "); p; p = strstr(p + 1, "\n# TYPE ")) {
+        char name[128];
+        cr_assert_eq(sscanf(p + 8, "%127s", name), 1);
+        char *prev = p; /* the line that ends at p */
+        while (prev > body && prev[-1] != '\n')
+            prev--;
+        char want[160];
+        snprintf(want, sizeof want, "# HELP %s ", name);
+        cr_assert(strncmp(prev, want, strlen(want)) == 0, "no help line before %s", name);
+        cr_assert(strncmp(prev + strlen(want), "idem's ", 7) != 0, "%s has no help of its own",
+                  name);
+        types++;
+    }
+    cr_assert_gt(types, 40);
     redisFree(c);
 }
 

@@ -22,30 +22,79 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-static int is_counter(const char *name)
+/* Each figure's type and help line. A figure not listed is a gauge with a help line naming it
+ * (test_server checks that every figure is listed). */
+static const struct metric_info {
+    const char *name;
+    int counter;
+    const char *help;
+} metric_infos[] = {
+    {"keys", 0, "Records in the store (expired ones included until compaction removes them)."},
+    {"keys_in_flight", 0, "Records claimed and not yet committed or released."},
+    {"keys_committed", 0, "Records committed (expired ones included until compaction)."},
+    {"keys_review", 0, "Records held for review: they need a person or a reconciler."},
+    {"claims_new", 1, "Claims answered new (the caller acts)."},
+    {"claims_busy", 1, "Claims answered busy (another holder's lease runs)."},
+    {"claims_done", 1, "Claims answered done (a duplicate of a committed record)."},
+    {"claims_mismatch", 1, "Claims answered mismatch (the same key with different content)."},
+    {"claims_recover", 1, "Claims answered recover (a lease had run out)."},
+    {"claims_review", 1, "Claims answered review (the record is held for review)."},
+    {"mismatches", 1, "Mismatches recorded on records."},
+    {"recoveries", 1, "Records taken over after their lease ran out."},
+    {"conflicting_commits", 1, "Owner calls refused because another token holds the key."},
+    {"expired_total", 1, "Expired records removed by compaction."},
+    {"oldest_in_flight_ms", 0, "First-seen store time of the oldest in_flight record (0: none)."},
+    {"oldest_review_ms", 0, "First-seen store time of the oldest review record (0: none)."},
+    {"oldest_in_flight_age_ms", 0, "Age of the oldest in_flight record in ms (0: none)."},
+    {"oldest_review_age_ms", 0, "Age of the oldest review record in ms (0: none)."},
+    {"wal_bytes", 0, "Bytes of the log's segment files."},
+    {"disk_bytes", 0, "Bytes of the store's files, as --max-disk counts them."},
+    {"disk_free_bytes", 0, "Free bytes of the store's file system (0: unknown)."},
+    {"memory_bytes", 0, "Anonymous memory of the store: index, counters, age heaps, buffers."},
+    {"index_bytes", 0, "Bytes of the index's blocks in use, as --max-memory counts them."},
+    {"max_keys", 0, "The --max-keys limit (0: none)."},
+    {"max_memory_bytes", 0, "The --max-memory limit (0: none)."},
+    {"max_disk_bytes", 0, "The --max-disk limit (0: none)."},
+    {"flushes", 1, "Group commits written (batches of the log)."},
+    {"flush_records", 1, "Records written by group commits."},
+    {"keys_with_mismatch", 0, "Records with at least one recorded mismatch."},
+    {"claims_last_minute", 0, "Claims in the last minute."},
+    {"duplicates_last_minute", 0, "Claims answered from an existing record in the last minute."},
+    {"store_generation", 0, "Superblock writes since the store was made."},
+    {"clock_skew_ms", 0, "Store clock minus wall clock in ms (positive: the store runs ahead)."},
+    {"store_clock_ms", 0, "The store clock in ms since the epoch."},
+    {"checkpoints", 1, "Checkpoints installed."},
+    {"compactions", 1, "Log segments retired by compaction."},
+    {"fatal", 0, "1 once a write or flush failed and the store stopped."},
+    {"loading", 0, "1 while recovery runs."},
+    {"connected_clients", 0, "Client connections open."},
+    {"total_connections", 1, "Client connections accepted."},
+    {"total_commands", 1, "Commands run."},
+    {"rejected_connections", 1, "Connections refused at --max-clients."},
+    {"clients_closed_input_stalled", 1, "Clients closed by the I/O budget for input not read."},
+    {"clients_closed_output_stalled", 1, "Clients closed by the I/O budget for replies not read."},
+    {"io_buffer_bytes", 0, "Bytes of client buffers, as --io-budget bounds them."},
+    {"flush_latency_us", 0, "Group commit latency in microseconds (write and flush)."},
+    {"claim_latency_us", 0, "IDEM.CLAIM latency in microseconds, parse to reply (WAIT left out)."},
+};
+
+static const struct metric_info *metric_info(const char *name)
 {
-    static const char *const counters[] = {"claims_new",
-                                           "claims_busy",
-                                           "claims_done",
-                                           "claims_mismatch",
-                                           "claims_recover",
-                                           "claims_review",
-                                           "mismatches",
-                                           "recoveries",
-                                           "conflicting_commits",
-                                           "expired_total",
-                                           "flushes",
-                                           "flush_records",
-                                           "checkpoints",
-                                           "compactions",
-                                           "total_connections",
-                                           "total_commands",
-                                           "rejected_connections",
-                                           "clients_closed_input_stalled",
-                                           "clients_closed_output_stalled"};
-    for (size_t i = 0; i < sizeof counters / sizeof counters[0]; i++)
-        if (strcmp(name, counters[i]) == 0) return 1;
-    return 0;
+    for (size_t i = 0; i < sizeof metric_infos / sizeof metric_infos[0]; i++)
+        if (strcmp(name, metric_infos[i].name) == 0) return &metric_infos[i];
+    return NULL;
+}
+
+/* The "# HELP" and "# TYPE" lines of idem_<name><suffix>. */
+static void render_head(resp_buf *b, const char *name, const char *suffix, const char *type)
+{
+    const struct metric_info *mi = metric_info(name);
+    char line[320];
+    int k = mi ? snprintf(line, sizeof line, "# HELP idem_%s%s %s\n", name, suffix, mi->help)
+               : snprintf(line, sizeof line, "# HELP idem_%s%s idem's %s.\n", name, suffix, name);
+    resp_buf_append(b, line, (size_t)k);
+    k = snprintf(line, sizeof line, "# TYPE idem_%s%s %s\n", name, suffix, type);
+    resp_buf_append(b, line, (size_t)k);
 }
 
 /* Renders idem_<name> as a histogram: bucket i counts values up to 2^(i+4), the last the rest
@@ -55,8 +104,8 @@ static void render_histogram(resp_buf *b, const char *name, const uint64_t *buck
 {
     char line[200];
     uint64_t cum = 0;
-    int k = snprintf(line, sizeof line, "# TYPE idem_%s histogram\n", name);
-    resp_buf_append(b, line, (size_t)k);
+    int k;
+    render_head(b, name, "", "histogram");
     for (int i = 0; i < SRV_LAT_BUCKETS; i++) {
         cum += buckets[i];
         if (i < SRV_LAT_BUCKETS - 1)
@@ -88,8 +137,8 @@ void metrics_render(srv *s, resp_buf *b)
     char line[200];
     int k;
     if (!s->store || s->loading) {
-        k = snprintf(line, sizeof line, "# TYPE idem_loading gauge\nidem_loading 1\n");
-        resp_buf_append(b, line, (size_t)k);
+        render_head(b, "loading", "", "gauge");
+        resp_buf_append(b, "idem_loading 1\n", 15);
         return;
     }
     idem_stats engine; /* one reading for the whole scrape */
@@ -99,10 +148,12 @@ void metrics_render(srv *s, resp_buf *b)
         if (strncmp(st[i].name, "flush_latency_us_", 17) == 0 ||
             strncmp(st[i].name, "claim_latency_us_", 17) == 0)
             continue; /* rendered as histograms below (their _sum and _count too) */
-        int counter = is_counter(st[i].name);
+        const struct metric_info *mi = metric_info(st[i].name);
+        int counter = mi && mi->counter;
         const char *suffix = counter && !strstr(st[i].name, "_total") ? "_total" : "";
-        k = snprintf(line, sizeof line, "# TYPE idem_%s%s %s\nidem_%s%s %lld\n", st[i].name, suffix,
-                     counter ? "counter" : "gauge", st[i].name, suffix, (long long)st[i].value);
+        render_head(b, st[i].name, suffix, counter ? "counter" : "gauge");
+        k = snprintf(line, sizeof line, "idem_%s%s %lld\n", st[i].name, suffix,
+                     (long long)st[i].value);
         resp_buf_append(b, line, (size_t)k);
     }
     render_histograms(s, &engine, b);
