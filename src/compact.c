@@ -18,15 +18,14 @@
  * When: the next segment is walked if the log, less the walked segments, holds more than twice
  * the live bytes (plus slack of STORE_CMP_SLACK_SEGS segments), or every record written to it
  * has passed its expires_at (its records are all expired or unfinished), or half its record
- * bytes have (an eighth while the key limit refuses new keys, when the current segment is ended
- * for a walk too: roll_for_capacity), or half those of it and the sealed segments after it (64
- * at most) together (the
- * tally of struct seg_exp: a few long-lived records in every segment, counted live with the
- * expired ones, would otherwise keep every walk back for their whole life, and the expired keys
- * in the index and the log with them). The log, less the walked segments waiting for a
- * checkpoint (STORE_CMP_AHEAD at most), thus stays within about 2x the live bytes, and expired
- * keys leave memory as the log turns over (design.md section 9 lists when the bound does not
- * hold).
+ * bytes have (an eighth while the key or memory limit refuses new keys, when the current
+ * segment is ended for a walk too: roll_for_capacity), or half those of it and the sealed segments
+ * after it (64 at most) together (the tally of struct seg_exp: a few long-lived records in every
+ * segment, counted live with the expired ones, would otherwise keep every walk back for their whole
+ * life, and the expired keys in the index and the log with them). The log, less the walked segments
+ * waiting for a checkpoint (STORE_CMP_AHEAD at most), thus stays within about 2x the live bytes,
+ * and expired keys leave memory as the log turns over (design.md section 9 lists when the bound
+ * does not hold).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -48,10 +47,10 @@
 
 #define HORIZON_STEPS 16              /* compact_learn_horizon reads a segment in this many calls */
 #define WALK_WINDOW   STORE_CMP_AHEAD /* segments whose expired bytes together start a walk */
-/* A new key refused by the key limit this recently (store time) presses compaction: a walk
- * starts once an eighth of the bytes are expired instead of half, and the current segment is
- * ended for it, at most once a second. (Not the memory limit: the index's blocks stay when keys
- * leave, and their slots are used again, so a walk frees none of what it counts.) */
+/* A new key refused by the key or memory limit this recently (store time) presses compaction:
+ * a walk starts once an eighth of the bytes are expired instead of half, and the current
+ * segment is ended for it, at most once a second. (The memory limit refuses only a key whose
+ * insert would grow the index: slots that expired keys leave are used again.) */
 #define PRESSED_MS      10000
 #define PRESSED_ROLL_MS 1000
 
@@ -184,8 +183,8 @@ int compact_learn_horizon(idem_store *s)
     return 1;
 }
 
-/* Whether a new key met the key limit lately (ops.c): the expired records then take places
- * that new keys want, and a walk pays for fewer of them. */
+/* Whether a new key met the key or memory limit lately (ops.c): the expired records then take
+ * places that new keys want, and a walk pays for fewer of them. */
 static int capacity_pressed(const idem_store *s, int64_t now)
 {
     return s->cap_full_seen && now - s->cap_full_ms < PRESSED_MS;
@@ -230,7 +229,7 @@ static int walk_wanted(idem_store *s, uint64_t seq)
     return 0;
 }
 
-/* Ends the current segment (wal_roll) when the key limit presses and the segments from the next
+/* Ends the current segment (wal_roll) when a capacity limit presses and the segments from the next
  * one to walk through the current one hold enough expired bytes together (the current one
  * counted: a walk takes only sealed segments), or the current one was written before this open
  * (its tally is not known): else a store whose records fit in one segment never walks them, and

@@ -389,6 +389,12 @@ static inline struct index_seg *seg_make_room(struct index *ix, uint32_t top24)
     return seg->count + 1 <= seg_limit(seg->cap) ? seg : seg_make_room_slow(ix, top24);
 }
 
+bool index_insert_grows(const struct index *ix, uint64_t h)
+{
+    const struct index_seg *seg = dir_of(ix, hash_top24(h))->seg;
+    return seg->count + 1 > seg_limit(seg->cap);
+}
+
 /* Presizing: the fewest segments (2^depth) whose expected share, plus `sigmas` standard
  * deviations (binomial, ~sqrt(share)) for the luckiest of them, stays under the load limit of
  * one ladder step; then the smallest such step. With 5, inserting expected_keys uniform hashes

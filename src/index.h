@@ -78,6 +78,9 @@ size_t index_slots_like(const struct index *ix, uint64_t h, const struct index_s
  * the slot, or NULL when memory for a split cannot be had or a segment at the deepest local
  * depth (24) is full (nothing changed then). */
 struct index_slot *index_insert(struct index *ix, uint64_t h, uint64_t addr, uint32_t aux);
+/* Whether inserting hash h would grow or split its segment (take more memory) first: an insert
+ * into a segment with room uses a slot that is there, one a removal may have freed. */
+bool index_insert_grows(const struct index *ix, uint64_t h);
 /* index_insert (aux 0) for entries that arrive in ascending order of position within their
  * segment, as a checkpoint lists them: each insert starts probing where the run of slots it
  * joins ends, instead of at its home (sorted inserts into linear probing otherwise walk the

@@ -459,30 +459,34 @@ static int owner_same(const struct rec *r, const idem_op *op)
            memcmp(r->owner, op->owner, op->owner_len) == 0;
 }
 
-/* Whether a new version is refused by a capacity limit. One that replaces an expired record
- * (replaces: its slot) adds no key and no index memory: only the disk limit applies to it, so
- * a store full of expired keys still takes their re-issue. A new key refused by the key limit
- * presses compaction (compact.c) to take the expired keys out of the index. */
-static int capacity_full(idem_store *s, const struct index_slot *replaces, int64_t now)
+/* Whether a new version of key is refused by a capacity limit. One that replaces an expired
+ * record (replaces: its slot) adds no key and no index memory: only the disk limit applies to
+ * it, so a store full of expired keys still takes their re-issue. The memory limit refuses a new
+ * key only when its insert would grow the index: the index's blocks stay when keys leave, and a
+ * slot a removal freed is used again. A new key refused by the key or memory limit presses
+ * compaction (compact.c) to take the expired keys out of the index. */
+static int capacity_full(idem_store *s, const struct index_slot *replaces, const void *key,
+                         uint32_t key_len, int64_t now)
 {
     if (s->opt.max_disk_bytes && store_disk_bytes(s) >= s->opt.max_disk_bytes) return 1;
     if (replaces) return 0;
-    if (s->opt.max_keys && index_count(s->ix) >= s->opt.max_keys) {
+    /* The index's blocks: not the memory its thread faults in ahead of growth, which comes as
+     * that thread runs, so the answer does not depend on the thread's timing. */
+    if ((s->opt.max_keys && index_count(s->ix) >= s->opt.max_keys) ||
+        (s->opt.max_memory_bytes && index_live_bytes(s->ix) >= s->opt.max_memory_bytes &&
+         index_insert_grows(s->ix, ops_hash(s, key, key_len)))) {
         if (!s->cap_full_seen || now - s->cap_full_ms >= 1000) store_kick(s);
         s->cap_full_seen = 1;
         s->cap_full_ms = now;
         return 1;
     }
-    /* The index's blocks: not the memory its thread faults in ahead of growth, which comes as
-     * that thread runs, so the answer does not depend on the thread's timing. */
-    if (s->opt.max_memory_bytes && index_live_bytes(s->ix) >= s->opt.max_memory_bytes) return 1;
     return 0;
 }
 
 static void claim_new(idem_store *s, struct qslot *sl, const idem_op *op, const uint8_t fp[16],
                       struct index_slot *slot, int old_state, int64_t now)
 {
-    if (capacity_full(s, slot, now)) {
+    if (capacity_full(s, slot, op->key, op->key_len, now)) {
         sl->c.err = IDEM_EFULL;
         return;
     }
@@ -956,7 +960,7 @@ static void op_set(idem_store *s, struct qslot *sl, const idem_op *op)
             sl->c.err = copy_result(sl, &r, &sl->c.data, &sl->c.data_len);
         return;
     }
-    if (capacity_full(s, slot, now)) {
+    if (capacity_full(s, slot, op->key, op->key_len, now)) {
         sl->c.err = IDEM_EFULL;
         return;
     }

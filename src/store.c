@@ -286,7 +286,7 @@ static int slot_ready(const idem_store *s, const struct qslot *sl)
 /* Someone waits for a flush that durability batch or none would not make now. */
 static int flush_asked(idem_store *s)
 {
-    /* and a segment ended for the key limit, which compaction waits to see durable (compact.c) */
+    /* and a segment ended for a capacity limit, which compaction waits to see durable */
     return s->sync_waiters || __atomic_load_n(&s->sync_ops, __ATOMIC_RELAXED) ||
            s->cap_roll_lsn > s->durable_lsn;
 }

@@ -376,9 +376,9 @@ struct idem_store {
     int64_t cmp_walked_ms;                    /* store clock when the last walk ended */
     int cmp_turn;                             /* compaction's turn beside a checkpoint run */
     uint64_t cmp_force_until;                 /* idem_compact: walk every segment below this one */
-    /* Store clock of the last new key refused by the key limit (ops.c), and of the last
-     * segment ended for that (compact.c); each valid once its _seen is set. cap_roll_lsn: that
-     * segment's SEGEND, flushed durable at once (flush_asked) in durability none too. */
+    /* Store clock of the last new key refused by the key or memory limit (ops.c), and of the
+     * last segment ended for that (compact.c); each valid once its _seen is set. cap_roll_lsn:
+     * that segment's SEGEND, flushed durable at once (flush_asked) in durability none too. */
     int64_t cap_full_ms, cap_rolled_ms;
     int cap_full_seen, cap_rolled_seen;
     uint64_t cap_roll_lsn;

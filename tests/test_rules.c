@@ -4224,17 +4224,61 @@ Test(capacity, past_max_memory_a_new_claim_is_full_whatever_the_index_faulted_in
     char key[32];
     idem_completion c;
     cr_assert_gt(n, 1000, "only %d keys in 256 KiB of index", n);
-    /* The index's thread may fault memory in ahead of growth at any time: the answer stays
-     * FULL. */
+    /* The index's thread may fault memory in ahead of growth at any time: the answer for the
+     * key refused (its insert would grow the index) stays FULL. */
+    char refused[32];
+    snprintf(refused, sizeof refused, "mem-%07d", n);
     for (int round = 0; round < 20; round++) {
         expect_rc(idem_sync(g_s), IDEM_OK);
         usleep(1000);
-        cr_assert_eq(claim_rc("mem-new", 7, TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
+        cr_assert_eq(claim_rc(refused, strlen(refused), TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
     }
     for (int i = 0; i < n; i += 97) {
         snprintf(key, sizeof key, "mem-%07d", i);
         expect_outcome(claim(key), IDEM_BUSY);
     }
+}
+
+/* The index's blocks stay when keys leave, and the memory limit counts them: it refuses only a
+ * new key whose insert would grow the index. Once keys are deleted, new ones take their slots;
+ * the store at its memory limit used to refuse every new key until a restart. */
+Test(capacity, at_max_memory_deleted_keys_make_room_for_new_ones)
+{
+    store_close();
+    g_opts.max_keys = 0;
+    g_opts.max_memory_bytes = 256 * 1024;
+    store_open();
+    char key[32];
+    idem_completion c;
+    int n = 0;
+    for (;; n++) { /* committed keys until the limit */
+        cr_assert_lt(n, 1000000, "no FULL from a memory limit");
+        snprintf(key, sizeof key, "old-%07d", n);
+        int rc = idem_set_if_absent(g_q, key, strlen(key), "v", 1, TTL, 0, &c);
+        if (rc == IDEM_EFULL) break;
+        cr_assert_eq(rc, IDEM_OK, "%s", idem_strerror(rc));
+    }
+    cr_assert_gt(n, 1000);
+    idem_stats st;
+    idem_get_stats(g_s, &st);
+    uint64_t index_bytes = st.index_bytes;
+    for (int i = 0; i < n; i++) {
+        snprintf(key, sizeof key, "old-%07d", i);
+        expect_rc(idem_del(g_q, key, strlen(key), "test"), IDEM_OK);
+    }
+    int fit = 0; /* new keys in the slots the deletes freed (hashed anew, they fill the
+                  * segments unevenly: not quite as many) */
+    for (;; fit++) {
+        snprintf(key, sizeof key, "new-%07d", fit);
+        int rc = claim_rc(key, strlen(key), TTL, LEASE, NULL, NULL, &c);
+        if (rc == IDEM_EFULL) break;
+        cr_assert_eq(rc, IDEM_OK, "new key %d: %s", fit, idem_strerror(rc));
+        expect_outcome(c, IDEM_NEW);
+    }
+    cr_assert_geq(fit, n / 2, "%d new keys fit where %d were deleted", fit, n);
+    idem_get_stats(g_s, &st);
+    cr_assert_leq(st.index_bytes, index_bytes + 64 * 1024, "the index grew from %llu to %llu",
+                  (unsigned long long)index_bytes, (unsigned long long)st.index_bytes);
 }
 
 /* The bytes of the checkpoint files in dir (index-*.ckpt). */
