@@ -249,8 +249,14 @@ static int roll_for_capacity(idem_store *s, uint64_t next)
     uint64_t expired = 0, total = 0;
     for (uint64_t q = next; q <= cur; q++) {
         int unknown = s->seg_max_exp[q % WAL_SEG_SLOTS] == SEG_EXP_UNKNOWN;
-        /* A sealed one not durable or not measured yet: its turn comes without a roll. */
-        if (q < cur && (unknown || !wal_seg_durable(s->wal, q, s->durable_lsn))) return 0;
+        /* A sealed one not measured yet: its turn comes without a roll. One not durable: in
+         * durability none nothing makes it so while new keys are refused (nothing is written),
+         * so a flush is asked for (flush_asked); then its turn comes. */
+        if (q < cur && !wal_seg_durable(s->wal, q, s->durable_lsn)) {
+            if (s->cap_roll_lsn < wal_last_lsn(s->wal)) s->cap_roll_lsn = wal_last_lsn(s->wal);
+            return 0;
+        }
+        if (q < cur && unknown) return 0;
         if (unknown) { /* the current one, written before this open */
             expired = total = 1;
             break;

@@ -83,10 +83,11 @@ struct super {
  * them a checkpoint whose counts LSN is past its LSN was taken in steps (super_ckpt_stepped). */
 #define SUPER_CKPT_STEPPED 0x1u
 
-/* Whether the loader must look for keys the checkpoint lists twice. */
 /* Whether every field that addresses the log, counts or tokens is in range (super_load checks it
  * before anything trusts them; idem_verify too). */
 int super_fields_valid(const struct super *sb);
+
+/* Whether the loader must look for keys the checkpoint lists twice. */
 static inline int super_ckpt_stepped(const struct super *sb)
 {
     return (sb->ckpt_flags & SUPER_CKPT_STEPPED) || sb->ckpt_counts_lsn > sb->ckpt_lsn;

@@ -1324,8 +1324,8 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
              * SEGEND names a file that exists. Ending the log here would drop every batch
              * written after it. */
             snprintf(w->err, sizeof w->err,
-                     "log corrupt: wal-%016llx.log is missing, but the SEGEND of segment %llu "
-                     "(offset %u) names it",
+                     "log corrupt: wal-%016llx.log is missing or could not be opened, but the "
+                     "SEGEND of segment %llu (offset %u) names it",
                      (unsigned long long)(p.seq + 1), (unsigned long long)p.seq, p.off);
             segs_advise(w, start_seq, POSIX_MADV_NORMAL);
             return IDEM_ECORRUPT;

@@ -1232,7 +1232,8 @@ Test(recovery, a_segment_missing_from_the_middle_of_the_log_is_corruption)
     cr_assert_eq(io_unlink(io_sim_io(sim), path), 0);
     int rc = open_sim_seg(&s, 1 << 20);
     cr_assert_eq(rc, IDEM_ECORRUPT, "got %s", idem_strerror(rc));
-    cr_assert(strstr(idem_last_error(), "is missing, but the SEGEND"), "%s", idem_last_error());
+    cr_assert(strstr(idem_last_error(), "is missing or could not be opened"), "%s",
+              idem_last_error());
 }
 
 /* A segment header that rots after it was written, on a segment the replay still reads, looks
@@ -3015,7 +3016,15 @@ static void *del_pair_main(void *arg)
 Test(recovery, a_group_of_deletes_does_not_wait_again_for_the_room_it_made, .timeout = 60)
 {
     idem_store *s;
-    cr_assert_eq(open_sim_with(&s, 64 * 1024, IDEM_DURABILITY_NONE), IDEM_OK);
+    idem_options o; /* results up to 32 KiB: room for a largest frame is far more than the
+                     * group's, and the two blocks more it counts */
+    idem_options_init(&o);
+    o.test_clock = 1;
+    o.segment_bytes = 256 * 1024;
+    o.result_bytes_max = 32 * 1024;
+    o.durability = IDEM_DURABILITY_NONE;
+    cr_assert_eq(store_open_io(SIM_DIR, &o, io_sim_io(sim), 1, &s), IDEM_OK, "%s",
+                 idem_last_error());
     idem_queue *q, *dq;
     cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
     cr_assert_eq(idem_queue_open(s, 8, &dq), IDEM_OK);
@@ -3035,7 +3044,7 @@ Test(recovery, a_group_of_deletes_does_not_wait_again_for_the_room_it_made, .tim
     }
     cr_assert(near, "the log never came near a segment's end without a spare");
     store_lock(s);
-    cr_assert_eq(wal_room(s->wal, 1024), 0);
+    cr_assert_eq(wal_room(s->wal, 2 * WAL_BLOCK + 1024), 0, "no room left for the group");
     store_unlock(s);
     struct del_pair_call d = {.q = dq};
     pthread_t t;
@@ -3860,7 +3869,9 @@ Test(recovery, a_log_that_ends_before_its_checkpoint_found_it_durable_is_corrupt
     int damaged = 0, at_counts = 0;
     for (uint64_t q = seq > 1 ? seq - 1 : seq; q <= seq; q++) { /* the batch may cross a roll */
         snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)q);
-        cr_assert_eq(io_sim_read_file(sim, path, seg, sizeof seg), (int64_t)sizeof seg);
+        int64_t got = io_sim_read_file(sim, path, seg, sizeof seg);
+        if (q < seq && got != (int64_t)sizeof seg) continue; /* retired since */
+        cr_assert_eq(got, (int64_t)sizeof seg);
         for (uint64_t off = WAL_BLOCK; off + WAL_FRAME_HDR <= sizeof seg; off += 8) {
             uint64_t lsn;
             memcpy(&lsn, seg + off + 8, 8);

@@ -190,27 +190,23 @@ int cmd_attention(const struct ctl_opts *o)
             attention_human(it, n, now, o);
         /* The list was cut to max, the most urgent kept: say so (on stderr, so the list on
          * stdout stays what it is for scripts). idemd also cuts it to its reply room, without
-         * a word in the reply: every review record and every key with mismatches is listed
-         * whole, so fewer of them than the store counts means a cut (or records made since). */
-        uint64_t review = 0, mismatched = 0;
-        for (size_t i = 0; i < n; i++) {
+         * a word in the reply: every review record is listed (they never expire), so fewer of
+         * them than the store counts means a cut (or records made since). Keys with mismatches
+         * are counted expired too until compaction takes them out: no measure. */
+        uint64_t review = 0;
+        for (size_t i = 0; i < n; i++)
             review += recs[i].r.state == IDEM_STATE_REVIEW;
-            mismatched += recs[i].r.mismatch_count > 0;
-        }
         if (n >= max)
             fprintf(stderr,
                     "idemctl: the %zu most urgent records are listed: more may need attention "
                     "(--count, at most %u)\n",
                     n, (unsigned)ATTENTION_MAX_LIMIT);
-        else if (review < st.s.keys_review ||
-                 (st.has_keys_with_mismatch && mismatched < st.s.keys_with_mismatch))
+        else if (review < st.s.keys_review)
             fprintf(stderr,
-                    "idemctl: %zu records are listed, but the store holds %llu in review and "
-                    "%llu with mismatches (%llu and %llu listed): the list was cut short (idemd's "
-                    "reply room), or they came since; more may need attention\n",
-                    n, (unsigned long long)st.s.keys_review,
-                    (unsigned long long)st.s.keys_with_mismatch, (unsigned long long)review,
-                    (unsigned long long)mismatched);
+                    "idemctl: %zu records are listed, but the store holds %llu in review (%llu "
+                    "listed): the list was cut short (idemd's reply room), or they came since; "
+                    "more may need attention\n",
+                    n, (unsigned long long)st.s.keys_review, (unsigned long long)review);
     }
     free(it);
     ctl_records_free(recs, n);

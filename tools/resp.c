@@ -29,14 +29,13 @@ static void conn_init(resp_conn *c, int timeout_ms)
     c->timeout_ms = timeout_ms > 0 ? timeout_ms : 10000;
 }
 
-/* A non-blocking socket connected to sa within the timeout: -1 with errno set (ETIMEDOUT past
- * it). A unix socket whose listen queue is full answers EAGAIN at once, and is tried again every
- * 10 ms; a TCP connect in progress is waited for. The socket stays non-blocking: every send and
- * receive waits in poll within the command's deadline. */
+/* A non-blocking socket connected to sa by the deadline (mono_ms): -1 with errno set (ETIMEDOUT
+ * past it). A unix socket whose listen queue is full answers EAGAIN at once, and is tried again
+ * every 10 ms; a TCP connect in progress is waited for. The socket stays non-blocking: every send
+ * and receive waits in poll within the command's deadline. */
 static int connect_within(resp_conn *c, int family, int proto, const struct sockaddr *sa,
-                          socklen_t len)
+                          socklen_t len, int64_t deadline)
 {
-    int64_t deadline = mono_ms() + c->timeout_ms;
     c->fd = socket(family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, proto);
     if (c->fd < 0) return -1;
     int e;
@@ -86,7 +85,8 @@ int resp_connect_unix(resp_conn *c, const char *path, int timeout_ms)
         return -1;
     }
     strcpy(sa.sun_path, path);
-    if (connect_within(c, AF_UNIX, 0, (struct sockaddr *)&sa, sizeof sa) < 0) {
+    if (connect_within(c, AF_UNIX, 0, (struct sockaddr *)&sa, sizeof sa,
+                       mono_ms() + c->timeout_ms) < 0) {
         snprintf(c->err, sizeof c->err, "cannot connect to idemd at %s: %s", path, strerror(errno));
         resp_close(c);
         return -1;
@@ -106,8 +106,10 @@ int resp_connect_tcp(resp_conn *c, const char *host, int port, int timeout_ms)
         return -1;
     }
     int saved = 0;
+    int64_t deadline = mono_ms() + c->timeout_ms; /* for every address together */
     for (struct addrinfo *a = res; a && c->fd < 0; a = a->ai_next)
-        if (connect_within(c, a->ai_family, a->ai_protocol, a->ai_addr, a->ai_addrlen) < 0)
+        if (connect_within(c, a->ai_family, a->ai_protocol, a->ai_addr, a->ai_addrlen, deadline) <
+            0)
             saved = errno;
     freeaddrinfo(res);
     if (c->fd < 0) {
