@@ -1229,7 +1229,9 @@ Test(recovery, a_segment_missing_from_the_middle_of_the_log_is_corruption)
     store_abandon(s);
     char path[256];
     snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)(first + 1));
-    cr_assert_eq(io_unlink(io_sim_io(sim), path), 0);
+    struct io *io = io_sim_io(sim);
+    cr_assert_eq(io_unlink(io, path), 0);
+    io_destroy(io);
     int rc = open_sim_seg(&s, 1 << 20);
     cr_assert_eq(rc, IDEM_ECORRUPT, "got %s", idem_strerror(rc));
     cr_assert(strstr(idem_last_error(), "is missing or could not be opened"), "%s",
