@@ -240,6 +240,7 @@ static int walk_wanted(idem_store *s, uint64_t seq)
  * it rolled. */
 static int roll_for_capacity(idem_store *s, uint64_t next)
 {
+    if (!s->cap_full_seen) return 0; /* no clock read on every round of an unpressed store */
     uint64_t cur = wal_cur_seq(s->wal);
     int64_t now = store_now(s);
     if (!capacity_pressed(s, now) || cur - next >= WALK_WINDOW ||
@@ -247,24 +248,23 @@ static int roll_for_capacity(idem_store *s, uint64_t next)
         return 0;
     if (s->cap_rolled_seen && now - s->cap_rolled_ms < PRESSED_ROLL_MS) return 0;
     uint64_t expired = 0, total = 0;
+    int cur_unknown = 0;
     for (uint64_t q = next; q <= cur; q++) {
-        int unknown = s->seg_max_exp[q % WAL_SEG_SLOTS] == SEG_EXP_UNKNOWN;
-        /* A sealed one not measured yet: its turn comes without a roll. One not durable: in
-         * durability none nothing makes it so while new keys are refused (nothing is written),
-         * so a flush is asked for (flush_asked); then its turn comes. */
+        /* A sealed one not durable: in durability none nothing makes it so while new keys are
+         * refused (nothing is written), so a flush is asked for (flush_asked); then its turn
+         * comes. One not measured yet: its turn comes without a roll. */
         if (q < cur && !wal_seg_durable(s->wal, q, s->durable_lsn)) {
             if (s->cap_roll_lsn < wal_last_lsn(s->wal)) s->cap_roll_lsn = wal_last_lsn(s->wal);
             return 0;
         }
-        if (q < cur && unknown) return 0;
-        if (unknown) { /* the current one, written before this open */
-            expired = total = 1;
-            break;
-        }
-        if (s->seg_exp[q % WAL_SEG_SLOTS])
+        if (s->seg_max_exp[q % WAL_SEG_SLOTS] == SEG_EXP_UNKNOWN) {
+            if (q < cur) return 0;
+            cur_unknown = 1; /* the current one, written before this open */
+        } else if (s->seg_exp[q % WAL_SEG_SLOTS]) {
             tally_expired(s->seg_exp[q % WAL_SEG_SLOTS], now, &expired, &total);
+        }
     }
-    if (!expired_enough(expired, total, 1)) return 0;
+    if (!cur_unknown && !expired_enough(expired, total, 1)) return 0;
     if (store_room_ok(s) != 0 || wal_roll(s->wal) != 1) return 0; /* tried again later */
     s->cap_rolled_seen = 1;
     s->cap_rolled_ms = now;

@@ -1412,6 +1412,7 @@ static int replay_frame(idem_store *s, const struct wal_frame *f)
      * this frame, with its repeat counters: the frame is older news, and replaying it would
      * point the key back and drop the counters the checkpoint kept. */
     if (slot && lsn >= f->lsn) return 0;
+    if (f->type == WAL_T_RECORD && ages_room(s, &rr) < 0) return IDEM_ENOMEM; /* nothing changed */
     if (slot) state_count(s, cur.state, -1);
     struct old_facts old = old_facts(s, slot ? index_slot_addr(slot) : 0);
     if (f->type == WAL_T_DELETE) {
@@ -1422,7 +1423,6 @@ static int replay_frame(idem_store *s, const struct wal_frame *f)
         }
         return 0;
     }
-    if (ages_room(s, &rr) < 0) return IDEM_ENOMEM;
     if (!slot) {
         slot = index_insert(s->ix, ops_hash(s, key, key_len), f->addr, 0);
         if (!slot) return IDEM_ENOMEM;

@@ -125,6 +125,11 @@ static uint64_t addr_make(uint64_t seq, uint32_t off)
     return ((seq % WAL_SEG_SLOTS) << WAL_OFF_BITS) | (off >> 3);
 }
 
+static inline uint32_t addr_off(uint64_t addr)
+{
+    return (uint32_t)(addr & ((UINT64_C(1) << WAL_OFF_BITS) - 1)) << 3;
+}
+
 int wal_create(struct io *io, const char *dir, uint32_t seg_bytes, struct wal **out)
 {
     if (seg_bytes % WAL_BLOCK || seg_bytes < WAL_SEG_BYTES_MIN || seg_bytes > WAL_SEG_BYTES_MAX)
@@ -523,7 +528,7 @@ int wal_append(struct wal *w, uint32_t type, const void *const *parts, const uin
 void wal_prefetch(const struct wal *w, uint64_t addr)
 {
     uint32_t slot = (uint32_t)(addr >> WAL_OFF_BITS);
-    uint32_t off = (uint32_t)(addr & ((1u << WAL_OFF_BITS) - 1)) << 3;
+    uint32_t off = addr_off(addr);
     if (slot >= WAL_SEG_SLOTS || w->segs[slot].seq == 0 || !w->segs[slot].map) return;
     if (off < WAL_BLOCK || off + 256 > w->seg_bytes) return;
     const uint8_t *f = w->segs[slot].map + off;
@@ -538,7 +543,7 @@ static const uint8_t *payload_at(const struct wal *w, uint64_t addr, uint32_t *p
                                  uint64_t *lsn, struct wal *scope)
 {
     uint32_t slot = (uint32_t)(addr >> WAL_OFF_BITS);
-    uint32_t off = (uint32_t)(addr & ((1u << WAL_OFF_BITS) - 1)) << 3;
+    uint32_t off = addr_off(addr);
     if (slot >= WAL_SEG_SLOTS || w->segs[slot].seq == 0) return NULL;
     const struct wal_segment *s = &w->segs[slot];
     const uint8_t *f = NULL;
@@ -759,7 +764,7 @@ uint64_t wal_addr_seq(const struct wal *w, uint64_t addr)
 
 uint32_t wal_addr_off(uint64_t addr)
 {
-    return (uint32_t)((addr & ((UINT64_C(1) << WAL_OFF_BITS) - 1)) << 3);
+    return addr_off(addr);
 }
 
 void wal_seg_view(struct wal *w, uint64_t seq, struct wal_seg_view *v)
@@ -1224,7 +1229,7 @@ int wal_settle(struct wal *w, uint64_t start_seq)
 int wal_addr_valid(const struct wal *w, uint64_t addr)
 {
     uint32_t slot = (uint32_t)(addr >> WAL_OFF_BITS);
-    uint32_t off = (uint32_t)(addr & ((1u << WAL_OFF_BITS) - 1)) << 3;
+    uint32_t off = addr_off(addr);
     /* Segments past a damaged header are open only for recovery's scan past the end. */
     return slot < WAL_SEG_SLOTS && w->segs[slot].seq != 0 &&
            (!w->damaged_seq || w->segs[slot].seq < w->damaged_seq) && off >= WAL_BLOCK &&
