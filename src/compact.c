@@ -322,7 +322,7 @@ static int retire(idem_store *s)
      * takes its copy of the superblock. */
     struct super sb = s->sb;
     sb.wal_first_seq = upto + 1;
-    sb.audit_len = s->audit_durable_off;
+    store_super_marks(s, &sb);
     store_flusher_unlock(s);
     int rc = super_store(s->io, s->dir, &sb);
     store_flusher_relock(s);

@@ -255,6 +255,14 @@ void store_flusher_relock(idem_store *s)
     pthread_cond_broadcast(&s->cond_ready); /* store_wait_durable waits on flushing */
 }
 
+void store_super_marks(idem_store *s, struct super *sb)
+{
+    sb->audit_len = s->audit_durable_off;
+    /* A complete batch on stable storage: recovery reaches it, or lost acknowledged batches. */
+    uint64_t lsn = wal_complete_lsn(s->wal);
+    if (lsn > sb->log_durable_lsn) sb->log_durable_lsn = lsn;
+}
+
 /* Flusher (mu held, no batch in flight): moves the token reservation ahead, and writes the
  * store clock with it. Until the new superblock is durable, tokens come from the old
  * reservation. */
@@ -265,7 +273,7 @@ static int reserve_tokens(idem_store *s)
     if (sb.token_reserved > (uint64_t)IDEM_TOKEN_MAX) /* after an import near the last token */
         sb.token_reserved = (uint64_t)IDEM_TOKEN_MAX;
     sb.store_clock_ms = s->clk_last_ms;
-    sb.audit_len = s->audit_durable_off;
+    store_super_marks(s, &sb);
     store_flusher_unlock(s);
     int rc = super_store(s->io, s->dir, &sb);
     store_flusher_relock(s);
@@ -1100,6 +1108,17 @@ static int store_recover(idem_store *s)
                         (unsigned long long)wal_cur_seq(s->wal),
                         (unsigned long long)s->sb.ckpt_counts_lsn,
                         (unsigned long long)s->sb.ckpt_id);
+        return IDEM_ECORRUPT;
+    }
+    /* Every batch up to the durable mark was complete and durable when the superblock was
+     * written: a log that ends before it (a damaged or lost write taken for a torn tail) lost
+     * acknowledged batches, where no later batch lies past the end to show it. */
+    if (wal_recovered_lsn(s->wal) < s->sb.log_durable_lsn) {
+        store_set_error("log corrupt in %s: it ends at LSN %llu (segment %llu), before LSN %llu, "
+                        "which the superblock recorded durable",
+                        s->dir, (unsigned long long)wal_recovered_lsn(s->wal),
+                        (unsigned long long)wal_cur_seq(s->wal),
+                        (unsigned long long)s->sb.log_durable_lsn);
         return IDEM_ECORRUPT;
     }
     if (wal_frames_beyond(s->wal))
@@ -2424,7 +2443,7 @@ static int ckpt_install(idem_store *s, struct super *sb, int off_lock)
      * reserve_tokens may come between an import and the close that writes this). */
     if (sb->token_reserved < s->sb.token_reserved) sb->token_reserved = s->sb.token_reserved;
     if (sb->token_reserved < (uint64_t)s->token_next) sb->token_reserved = (uint64_t)s->token_next;
-    sb->audit_len = s->audit_durable_off;
+    store_super_marks(s, sb);
     if (off_lock) store_flusher_unlock(s);
     int rc = super_store(s->io, s->dir, sb);
     if (rc == 0 && *old_path) remover_add(s->remover, old_path); /* no copy names it any more */

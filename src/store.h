@@ -466,6 +466,9 @@ void store_fail(idem_store *s, int err, const char *during);
  * stays set meanwhile, so the ring stays the flusher's and no superblock is written by anyone
  * else (checkpoint_locked waits for it); callers go on applying operations.
  * store_flusher_relock takes mu back. */
+/* Sets what every superblock the open store writes carries from the moment (super.h): the audit
+ * trail's durable length and the log's durable end (never lowered). mu held. */
+void store_super_marks(idem_store *s, struct super *sb);
 void store_flusher_unlock(idem_store *s);
 void store_flusher_relock(idem_store *s);
 void store_kick(idem_store *s);

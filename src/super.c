@@ -78,6 +78,7 @@ static void super_encode(const struct super *sb, uint8_t *p)
     util_put_u64(p + 184, sb->clean_lsn);
     util_put_u64(p + 192, sb->audit_len);
     util_put_u32(p + 200, sb->ckpt_flags);
+    util_put_u64(p + 208, sb->log_durable_lsn);
     util_put_u64(p + SUPER_CKSUM, XXH3_64bits(p, SUPER_CKSUM));
 }
 
@@ -111,6 +112,7 @@ int super_decode(const uint8_t *p, struct super *sb)
     sb->clean_lsn = util_get_u64(p + 184);
     sb->audit_len = util_get_u64(p + 192);
     sb->ckpt_flags = util_get_u32(p + 200);
+    sb->log_durable_lsn = util_get_u64(p + 208);
     return 1;
 }
 
@@ -174,18 +176,18 @@ int super_load(struct io *io, const char *dir, struct super *sb, int settle, cha
 
 int super_fields_valid(const struct super *sb)
 {
-    return !(sb->seg_bytes % 4096 || sb->seg_bytes < 64 * 1024 ||
-             sb->seg_bytes > 512u * 1024 * 1024 || sb->ckpt_off % 4096 || sb->ckpt_off < 4096 ||
-             sb->ckpt_off >= sb->seg_bytes || sb->wal_first_seq == 0 ||
-             sb->ckpt_seq < sb->wal_first_seq || sb->wal_first_seq >= (UINT64_C(1) << 62) ||
-             sb->ckpt_seq >= (UINT64_C(1) << 62) ||
-             sb->ckpt_seq - sb->wal_first_seq >= SUPER_SEGMENTS_MAX ||
-             sb->ckpt_lsn >= (UINT64_C(1) << 62) || sb->ckpt_batch >= (UINT64_C(1) << 62) ||
-             sb->resume_batch >= (UINT64_C(1) << 62) || sb->open_durability > 3 ||
-             sb->ckpt_counts_lsn >= (UINT64_C(1) << 62) || (sb->ckpt_flags & ~SUPER_CKPT_STEPPED) ||
-             sb->token_reserved > (uint64_t)IDEM_TOKEN_MAX || sb->store_clock_ms < 0 ||
-             sb->store_clock_ms > IDEM_CLOCK_MS_MAX || sb->created_ms < 0 ||
-             sb->created_ms > IDEM_CLOCK_MS_MAX);
+    return !(
+        sb->seg_bytes % 4096 || sb->seg_bytes < 64 * 1024 || sb->seg_bytes > 512u * 1024 * 1024 ||
+        sb->ckpt_off % 4096 || sb->ckpt_off < 4096 || sb->ckpt_off >= sb->seg_bytes ||
+        sb->wal_first_seq == 0 || sb->ckpt_seq < sb->wal_first_seq ||
+        sb->wal_first_seq >= (UINT64_C(1) << 62) || sb->ckpt_seq >= (UINT64_C(1) << 62) ||
+        sb->ckpt_seq - sb->wal_first_seq >= SUPER_SEGMENTS_MAX ||
+        sb->ckpt_lsn >= (UINT64_C(1) << 62) || sb->ckpt_batch >= (UINT64_C(1) << 62) ||
+        sb->resume_batch >= (UINT64_C(1) << 62) || sb->open_durability > 3 ||
+        sb->ckpt_counts_lsn >= (UINT64_C(1) << 62) || sb->log_durable_lsn >= (UINT64_C(1) << 62) ||
+        (sb->ckpt_flags & ~SUPER_CKPT_STEPPED) || sb->token_reserved > (uint64_t)IDEM_TOKEN_MAX ||
+        sb->store_clock_ms < 0 || sb->store_clock_ms > IDEM_CLOCK_MS_MAX || sb->created_ms < 0 ||
+        sb->created_ms > IDEM_CLOCK_MS_MAX);
 }
 
 int super_store(struct io *io, const char *dir, struct super *sb)

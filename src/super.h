@@ -23,6 +23,11 @@
  *  184 u64 clean lsn: the log's last LSN when the open that wrote this copy closed cleanly
  *      (0: it had not; every open that may write clears it in its first copy). Older builds
  *      leave it 0, and zero it when they write.
+ *  192 u64 audit length: audit.log holds at least this many bytes of whole units (0: none)
+ *  200 u32 checkpoint flags (SUPER_CKPT_*)
+ *  208 u64 durable lsn: every batch up to this LSN was complete and durable when this copy was
+ *      written (the end of the log the open recovered, or a later flush); a log that ends
+ *      before it lost acknowledged batches. Older builds leave it 0, and zero it when they write.
  * 4088 u64 XXH3-64 of bytes [0, 4088)
  *
  * DIR/index-<id:016x>.ckpt is an image of the index at a batch boundary (formats in super.c).
@@ -76,6 +81,7 @@ struct super {
     uint64_t clean_lsn;  /* 0: not closed cleanly since the last open that could write */
     uint64_t audit_len;  /* audit.log holds at least this many bytes of whole units (0: none) */
     uint32_t ckpt_flags; /* SUPER_CKPT_* */
+    uint64_t log_durable_lsn; /* 0: not recorded */
 };
 
 /* The checkpoint was taken in steps: a key moved across the scan's cursor by an index split is

@@ -108,6 +108,7 @@ struct vctx {
     uint64_t log_last_lsn; /* the last LSN of the log's last complete batch (verify_log) */
     uint64_t damaged_seq;  /* the first segment past the replay one with a damaged header */
     uint64_t salt_named;   /* damaged_seq, once a SEGEND named its salt (read on: damaged_read) */
+    uint64_t salt_named_batch; /* the batch of that SEGEND */
 };
 
 static void fault(struct vctx *v, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
@@ -566,7 +567,8 @@ static const char *walk_frame_ok(struct vctx *v, struct walk *w, uint32_t *len)
 
 /* As recovery (wal.c, damaged_install): a SEGEND that names the salt of the next segment, whose
  * header is damaged, lets the walk read on there; a batch completed there is a fault. */
-static void damaged_read(struct vctx *v, uint64_t seq, const uint8_t *segend, uint32_t len)
+static void damaged_read(struct vctx *v, uint64_t seq, const uint8_t *segend, uint32_t len,
+                         uint64_t batch)
 {
     if (seq != v->damaged_seq || v->salt_named || seq - v->sb.wal_first_seq >= v->nsegs) return;
     struct vseg *s = &v->segs[seq - v->sb.wal_first_seq];
@@ -584,6 +586,7 @@ static void damaged_read(struct vctx *v, uint64_t seq, const uint8_t *segend, ui
     s->salt = util_get_u64(segend + WAL_FRAME_HDR);
     s->ok = 1;
     v->salt_named = seq;
+    v->salt_named_batch = batch;
 }
 
 /* Takes in the valid frame at w->p. */
@@ -611,7 +614,7 @@ static int walk_take(struct vctx *v, struct walk *w, uint32_t len, struct vpos c
         int rc = frames_push(v, addr_of(s->seq, w->p.off), type, vpos_cmp(w->p, ckpt) >= 0);
         if (rc < 0) return rc;
     }
-    if (type == WAL_T_SEGEND) damaged_read(v, s->seq + 1, f, len);
+    if (type == WAL_T_SEGEND) damaged_read(v, s->seq + 1, f, len, w->batch_no);
     if (type == WAL_T_END && v->salt_named && s->seq >= v->salt_named)
         fault(v,
               "wal-%016llx.log: the header is damaged, but its frames, read with the salt the "
@@ -651,9 +654,11 @@ static void walk_beyond(struct vctx *v, const struct walk *w)
             uint64_t batch = util_get_u64(s->f.map + off + 16);
             struct wal_resume resume = {.first_batch = v->sb.resume_batch,
                                         .sync = wal_ordered_batches(v->sb.open_durability)};
-            /* As recovery (scan_beyond): frames under a salt a SEGEND named are never
-             * corruption here; opens since may have numbered their batches below them. */
-            if (seq != v->salt_named && wal_beyond_is_corrupt(batch, w->last_batch, &resume)) {
+            /* As recovery (scan_beyond): frames under a salt a SEGEND named are judged only
+             * when the open that wrote the tail wrote that SEGEND; opens since may have
+             * numbered their batches below them. */
+            int judged = seq != v->salt_named || wal_named_judged(v->salt_named_batch, &resume);
+            if (judged && wal_beyond_is_corrupt(batch, w->last_batch, &resume)) {
                 char name[64];
                 seg_name(name, sizeof name, seq);
                 fault(v,
@@ -663,7 +668,8 @@ static void walk_beyond(struct vctx *v, const struct walk *w)
                       w->batch_start.off, (unsigned long long)w->last_batch,
                       v->damaged_seq && seq > v->damaged_seq
                           ? ", behind a segment whose header is damaged"
-                          : "");
+                      : seq == v->salt_named ? ", in a segment whose header is damaged"
+                                             : "");
                 return;
             }
         }
@@ -735,6 +741,12 @@ static int verify_log(struct vctx *v)
               (unsigned long long)v->log_last_lsn, (unsigned long long)w.batch_start.seq,
               w.batch_start.off, (unsigned long long)v->sb.ckpt_counts_lsn,
               (unsigned long long)v->sb.ckpt_id);
+    else if (v->log_last_lsn < v->sb.log_durable_lsn) /* as the open (store.c) */
+        fault(v,
+              "the log ends at LSN %llu (segment %llu offset %u), before LSN %llu, which the "
+              "superblock recorded durable",
+              (unsigned long long)v->log_last_lsn, (unsigned long long)w.batch_start.seq,
+              w.batch_start.off, (unsigned long long)v->sb.log_durable_lsn);
     uint64_t walked = v->done - done0;
     if (walked < v->seg_total) advance(v, v->seg_total - walked);
     return 0;

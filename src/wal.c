@@ -80,7 +80,8 @@ struct wal {
      * (seq 0: none, or unreadable): installed by recovery when the SEGEND before it names its
      * salt (wal_recover). */
     struct wal_segment damaged;
-    uint64_t named_seq; /* damaged_seq, once installed with the salt a SEGEND names */
+    uint64_t named_seq;   /* damaged_seq, once installed with the salt a SEGEND names */
+    uint64_t named_batch; /* the batch of that SEGEND */
     uint64_t lsn_last;
     uint64_t lsn_written;         /* written, maybe not flushed (durability none) */
     uint64_t lsn_recovered;       /* last LSN of the last complete batch at recovery */
@@ -1127,12 +1128,13 @@ static int scan_beyond(struct wal *w, struct scan_pos p, uint64_t last_batch,
             uint64_t batch = util_get_u64(s->map + off + 16);
             /* Frames under a salt a SEGEND named may be older than opens since, which could
              * not read them and so numbered their batches below them (damaged_install). */
-            if (seq != w->named_seq && wal_beyond_is_corrupt(batch, last_batch, resume)) {
-                if (w->damaged_seq && seq > w->damaged_seq)
+            int judged = seq != w->named_seq || wal_named_judged(w->named_batch, resume);
+            if (judged && wal_beyond_is_corrupt(batch, last_batch, resume)) {
+                if (w->damaged_seq && (seq > w->damaged_seq || seq == w->named_seq))
                     snprintf(w->err, sizeof w->err,
                              "log corrupt: the header of segment %llu is damaged, and segment "
-                             "%llu after it holds a frame of batch %llu at offset %u (the log "
-                             "stops at segment %llu offset %u, last complete batch %llu)",
+                             "%llu holds a frame of batch %llu at offset %u (the log stops at "
+                             "segment %llu offset %u, last complete batch %llu)",
                              (unsigned long long)w->damaged_seq, (unsigned long long)seq,
                              (unsigned long long)batch, off, (unsigned long long)p.seq, p.off,
                              (unsigned long long)last_batch);
@@ -1247,8 +1249,11 @@ int wal_addr_valid(const struct wal *w, uint64_t addr)
  * such batches were dropped as a torn tail). Frames of later batches may lie there under this
  * salt (durability batch and none write unflushed batches in any order), and opens since, which
  * read the segment under a newer salt, numbered their batches without them: so scan_beyond lets
- * them raise the numbering, and never calls them corruption (named_seq). */
-static int damaged_install(struct wal *w, uint64_t seq, const uint8_t *segend, uint32_t len)
+ * them raise the numbering, and calls them corruption only when the open that wrote the log's
+ * tail wrote this SEGEND (wal_named_judged): a header and first frames damaged together would
+ * else drop every batch acknowledged there as a torn tail. batch: the SEGEND's. */
+static int damaged_install(struct wal *w, uint64_t seq, const uint8_t *segend, uint32_t len,
+                           uint64_t batch)
 {
     if (seq != w->damaged_seq || w->damaged.seq != seq) return 0;
     if (w->damaged.copied) {
@@ -1264,6 +1269,7 @@ static int damaged_install(struct wal *w, uint64_t seq, const uint8_t *segend, u
     w->damaged.salt = util_get_u64(segend + WAL_FRAME_HDR);
     w->segs[seq % WAL_SEG_SLOTS] = w->damaged;
     w->named_seq = seq;
+    w->named_batch = batch;
     memset(&w->damaged, 0, sizeof w->damaged);
     posix_madvise((void *)w->segs[seq % WAL_SEG_SLOTS].map, w->seg_bytes, POSIX_MADV_RANDOM);
     return 0;
@@ -1314,7 +1320,7 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
             if (clock > 0 && clock <= IDEM_CLOCK_MS_MAX) w->last_clock_ms = clock;
         }
         if (type == WAL_T_SEGEND) {
-            int rc = damaged_install(w, p.seq + 1, f, len);
+            int rc = damaged_install(w, p.seq + 1, f, len, batch);
             if (rc < 0) {
                 segs_advise(w, start_seq, POSIX_MADV_NORMAL);
                 return rc;
@@ -1354,7 +1360,7 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
     for (uint64_t q = w->cur_seq + 1; seg_of(w, q) || q < w->beyond_last_seq; q++)
         if (seg_of(w, q)) seg_close(w, seg_of(w, q));
     if (w->damaged.seq) seg_close(w, &w->damaged);
-    w->damaged_seq = w->beyond_last_seq = w->named_seq = 0;
+    w->damaged_seq = w->beyond_last_seq = w->named_seq = w->named_batch = 0;
     (void)read_only;
     return 0;
 }

@@ -121,6 +121,17 @@ static inline int wal_beyond_is_corrupt(uint64_t b, uint64_t last, const struct 
     return b > in_flight;
 }
 
+/* Whether frames past the end in a segment whose header is damaged, read under the salt that
+ * the SEGEND of batch segend_batch names (wal_recover), are judged as the rest of the log
+ * (wal_beyond_is_corrupt). Only when the open that wrote the log's tail wrote that SEGEND (its
+ * batches are numbered from first_batch on): then every frame under that salt is its own. Else
+ * they may be older than opens since, which could not read them under the salt the segment had
+ * then and numbered their batches below them. */
+static inline int wal_named_judged(uint64_t segend_batch, const struct wal_resume *r)
+{
+    return r->first_batch && segend_batch >= r->first_batch;
+}
+
 /*
  * Replays frames from (start_seq, start_off) calling fn for each RECORD and DELETE frame and the
  * END frames of complete batches (fn returns 0 or a negative idem_err to stop). A torn tail is

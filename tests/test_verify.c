@@ -649,6 +649,50 @@ Test(verify, a_rotted_header_of_the_segment_written_last_is_found, .init = setup
     cr_assert_eq(verify_ok().errors, 0);
 }
 
+/* An open of the store in a child that exits without closing: the open recovers the log and
+ * writes its superblock, and nothing more. */
+static void reopen_and_crash(void)
+{
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        idem_store *s;
+        _exit(idem_open(dir, NULL, &s) == IDEM_OK ? 0 : 2);
+    }
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "reopen status %d", st);
+}
+
+/* As recovery finds them (test_recovery, rotted_header_and_first_frames): the header of the
+ * segment written last and its first frame rot together, and the batches after them lie past
+ * the end of the log the SEGEND before them ends. Written by the open that wrote that SEGEND,
+ * they are found past the end; recovered by an open since, the log ends before the durable mark
+ * that open's superblock carries. Before, verify found nothing. */
+Test(verify, a_rotted_header_and_first_frames_of_the_last_segment_are_found, .init = setup,
+     .fini = teardown)
+{
+    for (int reopened = 0; reopened < 2; reopened++) {
+        write_pairs_and_crash(150);
+        if (reopened) reopen_and_crash();
+        cr_assert_gt(used_end("wal-0000000000000002.log"), 3 * 4096,
+                     "the log did not reach "
+                     "segment 2");
+        cr_assert_eq(verify_ok().errors, 0, "%s", verify_ok().first_error);
+        flip_bit("wal-0000000000000002.log", 100, 0);
+        flip_bit("wal-0000000000000002.log", 4096 + 12, 0);
+        idem_verify_report r = verify_ok();
+        cr_assert_gt(r.errors, 0, "the lost batches were not found (run %d)", reopened);
+        const char *want = reopened ? "which the superblock recorded durable"
+                                    : "in a segment whose header is damaged";
+        cr_assert(strstr(r.first_error, want), "%s", r.first_error);
+        idem_store *s;
+        cr_assert_eq(idem_open(dir, NULL, &s), IDEM_ECORRUPT);
+        tu_rmtree(dir);
+        dir = tu_mkdtemp("verify");
+    }
+}
+
 /* The log's segment 2, cut shorter than a segment after the log reached it (no segment is ever
  * cut: the log rolls only into one made whole), is found, as recovery finds it; before the log
  * reached it (a spare whose making a crash cut short), it is not a fault. With the SEGEND of
