@@ -113,11 +113,17 @@ void cmd_stats(cmd_req *r)
     cmd_done(r);
 }
 
+/* The count covers every request before it (this client's pipelined writes too: the batch goes
+ * first), and in sync mode it is answered once every change it counts is durable (rule 8). */
 void cmd_dbsize(cmd_req *r)
 {
+    srv_flush_ops(r->s);
     idem_stats st;
     idem_get_stats(r->s->store, &st);
-    cmd_int(r, (int64_t)st.keys);
+    if (r->s->cfg.durability != IDEM_DURABILITY_SYNC) return cmd_int(r, (int64_t)st.keys);
+    idem_op op = {.kind = IDEM_OP_SYNC};
+    srv_submit_op(r->s, r->c, r->seq, RK_COUNT, &op);
+    srv_slot_of(r->c, r->seq)->acc = (int64_t)st.keys;
 }
 
 static int state_parse(cmd_req *r, uint32_t i)
@@ -152,6 +158,7 @@ static uint64_t read_reply_max(const srv *s, const srv_read_args *a)
  * the room memory pressure leaves, which then bounds it (a larger one is refused by name). */
 static void read_request(cmd_req *r, const srv_read_args *a)
 {
+    if (r->c->hung_up) return cmd_fail(r, "ERR the client left"); /* no one reads the reply */
     srv_flush_ops(r->s);
     uint64_t most = read_reply_max(r->s, a), line = srv_reads_room(r->s);
     uint64_t room = srv_reply_room(r->s, most < line ? most : line);

@@ -487,6 +487,13 @@ void cmd_del_count(const srv_conn *c, srv_slot *sl, const idem_completion *cp)
 
 int cmd_complete(srv *s, srv_slot *sl, resp_buf *b, const idem_completion *cp)
 {
+    if (sl->kind == RK_COUNT) {
+        if (cp->err != IDEM_OK)
+            cmd_reply_err(b, cp->err);
+        else
+            resp_integer(b, sl->acc);
+        return 1;
+    }
     if (sl->kind == RK_EXISTS) {
         /* A key whose lookup failed is not counted absent: the reply is the error, as GET's. */
         sl->acc += cp->err == IDEM_OK && cp->found;

@@ -96,11 +96,6 @@ static void ep_add(srv *s, int fd, uint64_t tag, uint32_t events)
 
 /* ---- connections ---- */
 
-static srv_slot *slot_of(srv_conn *c, uint32_t seq)
-{
-    return &c->slots[seq & (c->slot_cap - 1)];
-}
-
 /* Whether c holds more input than a client never admitted can (it took an admission, or was
  * read before the budget was passed). */
 static int big_holder(const srv_conn *c)
@@ -153,7 +148,7 @@ static int over_budget(const srv *s);
 static void conn_update_events(srv *s, srv_conn *c)
 {
     big_back_count(s, c);
-    if (c->fd < 0) return;
+    if (c->fd < 0 || c->hung_up) return;
     /* EPOLLRDHUP always: a client that hangs up while it is not read (QUIT, paused, held back)
      * is noticed all the same, so that its claims parked by WAIT are cancelled at once. Not
      * once it half-closed (it would be reported at every turn): a hangup (EPOLLHUP) still is. */
@@ -203,14 +198,14 @@ static void cancel_waits(srv *s, srv_conn *c)
 {
     int any = 0;
     for (uint32_t q = c->head_seq; q != c->tail_seq; q++)
-        any |= slot_of(c, q)->state == SLOT_PENDING && slot_of(c, q)->is_wait;
+        any |= srv_slot_of(c, q)->state == SLOT_PENDING && srv_slot_of(c, q)->is_wait;
     if (!any || !s->q) return;
     /* Those parked already first: a release queued this turn, by another client, would grant
      * one of them the key as the batch is submitted. Then those the batch parks. */
     for (int pass = 0; pass < 2; pass++) {
         if (pass == 1) submit_batch(s);
         for (uint32_t q = c->head_seq; q != c->tail_seq; q++) {
-            srv_slot *sl = slot_of(c, q);
+            srv_slot *sl = srv_slot_of(c, q);
             if (sl->state == SLOT_PENDING && sl->is_wait)
                 (void)idem_cancel_wait(s->q, ((uint64_t)c->index << 32) | q);
         }
@@ -236,7 +231,8 @@ static void conn_close(srv *s, srv_conn *c, const char *why)
 {
     if (c->fd < 0) return;
     cancel_waits(s, c);
-    srv_reads_cancel(s, c);
+    uint32_t seq;
+    (void)srv_reads_cancel(s, c, &seq);
     if (c->big_admitted) s->big_admitted--;
     if (c->paused == PAUSE_INPUT) s->big_waiting--;
     s->big_back_bytes -= c->big_back_bytes;
@@ -420,7 +416,7 @@ static int slot_alloc(srv_conn *c, uint32_t *seq)
         srv_slot *ns = calloc(cap, sizeof *ns);
         if (!ns) return -1;
         for (uint32_t q = c->head_seq; q != c->tail_seq; q++)
-            ns[q & (cap - 1)] = *slot_of(c, q);
+            ns[q & (cap - 1)] = *srv_slot_of(c, q);
         for (uint32_t i = 0; i < c->slot_cap; i++) { /* free buffers of unused entries */
             uint32_t q = c->head_seq + i;
             if (q - c->head_seq >= c->tail_seq - c->head_seq) {
@@ -433,7 +429,7 @@ static int slot_alloc(srv_conn *c, uint32_t *seq)
         c->slot_cap = cap;
     }
     *seq = c->tail_seq++;
-    srv_slot *sl = slot_of(c, *seq);
+    srv_slot *sl = srv_slot_of(c, *seq);
     resp_buf keep = sl->buf;
     size_t counted = sl->buf_counted;
     memset(sl, 0, sizeof *sl);
@@ -448,12 +444,13 @@ static int slot_alloc(srv_conn *c, uint32_t *seq)
 
 int srv_reply_pending(srv_conn *c, uint32_t seq)
 {
-    return seq - c->head_seq < c->tail_seq - c->head_seq && slot_of(c, seq)->state == SLOT_PENDING;
+    return seq - c->head_seq < c->tail_seq - c->head_seq &&
+           srv_slot_of(c, seq)->state == SLOT_PENDING;
 }
 
 resp_buf *srv_reply_buf(srv_conn *c, uint32_t seq)
 {
-    return seq == c->head_seq ? &c->out : &slot_of(c, seq)->buf;
+    return seq == c->head_seq ? &c->out : &srv_slot_of(c, seq)->buf;
 }
 
 /* The slot's buffer capacity as the budget counts it (c->slot_bytes), after it changed. */
@@ -471,7 +468,7 @@ static uint64_t budget_pressure(const srv *s);
  * pipelines of small replies are not held back for results they do not carry. */
 void srv_reply_reserve(srv *s, srv_conn *c, uint32_t seq, uint32_t full)
 {
-    srv_slot *sl = slot_of(c, seq);
+    srv_slot *sl = srv_slot_of(c, seq);
     uint32_t est = c->reply_est < full ? (uint32_t)c->reply_est : full;
     sl->owed = full;
     if (est < full && s->short_by + (full - est) <= s->cfg.io_budget_bytes / SRV_SHORT_DIV) {
@@ -486,7 +483,7 @@ void srv_reply_reserve(srv *s, srv_conn *c, uint32_t seq, uint32_t full)
 
 void srv_reply_owe(srv *s, srv_conn *c, uint32_t seq, uint64_t bytes)
 {
-    srv_slot *sl = slot_of(c, seq);
+    srv_slot *sl = srv_slot_of(c, seq);
     uint32_t owe = bytes < UINT32_MAX ? (uint32_t)bytes : UINT32_MAX;
     c->owed = c->owed - sl->owed + owe;
     s->owed_total = s->owed_total - sl->owed + owe;
@@ -506,7 +503,7 @@ uint64_t srv_reply_room(const srv *s, uint64_t want)
 
 void srv_reply_done(srv *s, srv_conn *c, uint32_t seq)
 {
-    srv_slot *sl = slot_of(c, seq);
+    srv_slot *sl = srv_slot_of(c, seq);
     sl->state = SLOT_READY;
     c->owed -= sl->owed; /* the reply exists now: io_used and the client's output count it */
     s->owed_total -= sl->owed;
@@ -520,8 +517,8 @@ void srv_reply_done(srv *s, srv_conn *c, uint32_t seq)
      * --client-output-max the connection is closed (conn_write: output_limit). */
     if (c->out.limit && c->out.len - c->out.sent + c->slot_ready > c->out.limit)
         c->out.overflow = 1;
-    while (c->head_seq != c->tail_seq && slot_of(c, c->head_seq)->state == SLOT_READY) {
-        srv_slot *h = slot_of(c, c->head_seq);
+    while (c->head_seq != c->tail_seq && srv_slot_of(c, c->head_seq)->state == SLOT_READY) {
+        srv_slot *h = srv_slot_of(c, c->head_seq);
         c->slot_ready -= h->buf.len;
         /* A reply that did not fit its slot is not sent cut short: the connection is closed
          * (conn_write: output_limit), as when the reply goes to `out` at once. */
@@ -563,13 +560,13 @@ static void submit_batch(srv *s)
         uint32_t seq = (uint32_t)ud;
         c->engine_due--;
         s->engine_due--;
-        if (slot_of(c, seq)->is_wait) {
-            slot_of(c, seq)->is_wait = 0;
+        if (srv_slot_of(c, seq)->is_wait) {
+            srv_slot_of(c, seq)->is_wait = 0;
             s->wait_due--;
             c->waits_due--;
         }
-        if (slot_of(c, seq)->kind == RK_RESOLVE) log_resolve_result(c, seq, IDEM_EBUSY);
-        if (c->dead || slot_of(c, seq)->state != SLOT_PENDING) continue;
+        if (srv_slot_of(c, seq)->kind == RK_RESOLVE) log_resolve_result(c, seq, IDEM_EBUSY);
+        if (c->dead || srv_slot_of(c, seq)->state != SLOT_PENDING) continue;
         resp_error(srv_reply_buf(c, seq), "ERR server busy: engine queue full, retry");
         srv_reply_done(s, c, seq);
     }
@@ -580,27 +577,27 @@ static void submit_batch(srv *s)
 
 void srv_submit_op(srv *s, srv_conn *c, uint32_t seq, int kind, idem_op *op)
 {
-    slot_of(c, seq)->kind = (uint8_t)kind;
+    srv_slot_of(c, seq)->kind = (uint8_t)kind;
     if (s->nops >= IDEM_BATCH_MAX) submit_batch(s);
     op->user_data = ((uint64_t)c->index << 32) | seq;
     s->ops[s->nops++] = *op;
     c->engine_due++;
     s->engine_due++;
-    slot_of(c, seq)->remaining++;
+    srv_slot_of(c, seq)->remaining++;
     if (op->kind == IDEM_OP_CLAIM && op->wait_ms > 0) {
         /* Parked claims hold engine slots: past half the queue, a WAIT answers at once; so does
          * one from a client whose end was seen (it may be gone). */
         if (s->wait_due >= s->cfg.queue_depth / 2 || c->peer_eof) {
             s->ops[s->nops - 1].wait_ms = 0;
         } else {
-            slot_of(c, seq)->is_wait = 1;
+            srv_slot_of(c, seq)->is_wait = 1;
             s->wait_due++;
             c->waits_due++;
         }
     }
     /* Claim latency: from this turn's clock; a WAIT's time is mostly its wait, left out. */
-    slot_of(c, seq)->timed = kind == RK_CLAIM && !slot_of(c, seq)->is_wait;
-    slot_of(c, seq)->parsed_us = s->now_us;
+    srv_slot_of(c, seq)->timed = kind == RK_CLAIM && !srv_slot_of(c, seq)->is_wait;
+    srv_slot_of(c, seq)->parsed_us = s->now_us;
 }
 
 /* Counts the latency of a claim answered now (srv.claim_latency_us_*). */
@@ -986,10 +983,24 @@ static void conn_parse_requests(srv *s, srv_conn *c)
 }
 
 /* Parses what c sent, as far as it may; what c then holds unparsed is counted again
- * (big_back_count). */
+ * (big_back_count). A connection that hung up gets no event for the bytes it sent last: they
+ * are read here, as parsing goes on, until its end. */
 static void conn_parse(srv *s, srv_conn *c)
 {
     conn_parse_requests(s, c);
+    while (c->hung_up && c->fd >= 0 && !c->in_ended && !c->deferred && !c->paused &&
+           !c->close_after_write && !s->draining) {
+        /* Ops queued from the last read point into the input buffer, which the next read may
+         * move or free (conn_grow_in): they are submitted first. */
+        srv_flush_ops(s);
+        size_t had = c->in_len - c->in_start;
+        if (conn_read(s, c) < 0) return;
+        if (!c->in_ended && c->in_len - c->in_start == had) {
+            conn_close(s, c, "hangup"); /* nothing to read, and no event would come */
+            return;
+        }
+        conn_parse_requests(s, c);
+    }
     big_back_count(s, c);
 }
 
@@ -1002,6 +1013,7 @@ static void conn_write(srv *s, srv_conn *c)
         conn_close(s, c, "output_limit");
         return;
     }
+    if (c->hung_up) c->out.sent = c->out.len; /* its replies go nowhere */
     if (c->out.sent < c->out.len && c->out_progress_ms == 0)
         c->out_progress_ms = srv_now_ms(); /* a backlog begins: the stall clock starts */
     while (c->out.sent < c->out.len) {
@@ -1082,7 +1094,7 @@ static void complete_one(srv *s, const idem_completion *cp)
             c->peer,
             "a change refused: capacity limit or full disk, or no file descriptor for the "
             "log's next segment (nothing was evicted)");
-    srv_slot *sl = slot_of(c, seq);
+    srv_slot *sl = srv_slot_of(c, seq);
     if (sl->kind == RK_RESOLVE) /* also when its client is gone: the decision took effect */
         log_resolve_result(c, seq, cp->err);
     /* A parked claim gives its share of WAIT back whoever it answers: a closed connection, or
@@ -1432,7 +1444,7 @@ static void answer_pending(srv *s, int waits_only, const char *err)
         srv_conn *c = s->conns[i];
         if (!c || c->fd < 0) continue;
         for (uint32_t q = c->head_seq; q != c->tail_seq; q++) {
-            srv_slot *sl = slot_of(c, q);
+            srv_slot *sl = srv_slot_of(c, q);
             if (sl->state != SLOT_PENDING || (waits_only && !sl->is_wait)) continue;
             resp_buf *b = srv_reply_buf(c, q);
             if (waits_only) {
@@ -1519,19 +1531,28 @@ static void on_conn_event(srv *s, uint32_t idx, uint32_t events)
     if (!c || c->fd < 0) return;
     if (events & (EPOLLHUP | EPOLLERR)) {
         /* Gone both ways (a close on the unix socket, a reset on TCP). What it sent before a
-         * close is still run as far as it can be now, as at TCP's end of input, which looks
-         * the same (an operator's DEL sent just before the close takes effect); its replies go
-         * nowhere. Then it is closed: EPOLLHUP would be reported at every turn. */
+         * close is run all the same, as at TCP's end of input, which looks the same (an
+         * operator's DEL, or a script piped in, sent just before the close takes effect); its
+         * replies go nowhere. It leaves epoll (EPOLLHUP would be reported at every turn), its
+         * last bytes are read as parsing goes on (conn_parse), and it is closed once what it
+         * sent is answered. A reset, or a client paused for the budget, is closed at once. */
         conn_peer_eof(s, c);
-        for (int i = 0; i < 64 && !(events & EPOLLERR) && c->fd >= 0 && !c->in_ended &&
-                        !c->close_after_write && !c->paused && !s->draining;
-             i++) {
-            size_t had = c->in_len - c->in_start;
-            if (conn_read(s, c) < 0) break;
-            conn_parse(s, c);
-            if (c->fd >= 0 && !c->in_ended && c->in_len - c->in_start >= had) break; /* held */
+        if ((events & EPOLLERR) || c->paused || s->draining || c->close_after_write) {
+            conn_close(s, c, "hangup");
+            return;
         }
-        if (c->fd >= 0) conn_close(s, c, "hangup");
+        epoll_ctl(s->epfd, EPOLL_CTL_DEL, c->fd, NULL);
+        c->hung_up = 1;
+        /* Reads change nothing: one not begun is withdrawn, and later ones are not made
+         * (read_request), so that no one waits behind the reads of a client that left. */
+        uint32_t seq;
+        if (srv_reads_cancel(s, c, &seq)) {
+            resp_error(srv_reply_buf(c, seq), "ERR the client left");
+            srv_reply_done(s, c, seq);
+        }
+        conn_write(s, c); /* what it was owed goes nowhere */
+        if (c->fd >= 0) conn_parse(s, c);
+        if (c->fd >= 0 && c->in_ended && c->head_seq == c->tail_seq) conn_close(s, c, "hangup");
         return;
     }
     if (events & EPOLLRDHUP) /* before its last bytes are read: a WAIT claim there must not park */

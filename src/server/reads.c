@@ -178,9 +178,9 @@ void srv_reads_done(srv *s)
     }
 }
 
-void srv_reads_cancel(srv *s, srv_conn *c)
+int srv_reads_cancel(srv *s, srv_conn *c, uint32_t *seq)
 {
-    if (!c->read_due || !s->reads_started) return;
+    if (!c->read_due || !s->reads_started) return 0;
     srv_read *found = NULL;
     pthread_mutex_lock(&s->reads_mu);
     for (srv_read **pp = &s->reads_todo, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next) {
@@ -192,13 +192,15 @@ void srv_reads_cancel(srv *s, srv_conn *c)
         }
     }
     pthread_mutex_unlock(&s->reads_mu);
-    if (!found) return; /* being made: it comes back, and its reply is dropped */
+    if (!found) return 0; /* being made: it comes back, and its reply is dropped */
     c->read_due = 0;
     c->engine_due--;
     s->engine_due--;
     s->reads_out--;
     s->reads_owed -= found->room;
+    *seq = found->seq;
     read_recycle(s, found);
+    return 1;
 }
 
 static void reads_free_list(srv_read *r)

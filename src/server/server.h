@@ -129,6 +129,7 @@ enum reply_kind {
     RK_SET_GET, /* SET NX GET */
     RK_DEL,     /* DEL (several keys add up; the first error wins) */
     RK_RESOLVE, /* IDEM.RESOLVE: as RK_OWNER, and its outcome logged */
+    RK_COUNT,   /* DBSIZE in sync mode: acc, read at parse, answered once a sync op completes */
 };
 
 typedef struct srv_slot {
@@ -170,6 +171,8 @@ typedef struct srv_conn {
     int close_after_write;       /* QUIT or a protocol error: close once out is written */
     int peer_eof;                /* its end was seen (EPOLLRDHUP): WAIT claims answer at once */
     int in_ended;                /* read gave 0: what the buffer holds whole runs, then close */
+    int hung_up;                 /* gone both ways (EPOLLHUP): out of epoll, read as parsed on,
+                                    replies dropped; closed once what it sent is answered */
     int dead;                    /* closed; freed when engine_due reaches 0 */
     int paused;                  /* reading stopped by the global budget (enum srv_pause) */
     int big_admitted;            /* may read a large request although over the budget */
@@ -199,6 +202,12 @@ typedef struct srv_conn {
     int64_t accepted_ms; /* when it connected (srv_now_ms) */
     uint32_t epoll_events;
 } srv_conn;
+
+/* The slot of c's request seq. */
+static inline srv_slot *srv_slot_of(srv_conn *c, uint32_t seq)
+{
+    return &c->slots[seq & (c->slot_cap - 1)];
+}
 
 /* What IDEM.SCAN, IDEM.AUDIT and IDEM.ATTENTION read (cmd_admin.c parses it, srv_read_run
  * makes the read). */
@@ -372,8 +381,9 @@ uint64_t srv_reads_room(const srv *s);
 void srv_reads_test_delay(const srv *s);
 /* The loop saw reads_fd readable: answers the reads that are done. */
 void srv_reads_done(srv *s);
-/* c is closing: its read, if the thread has not begun it, is withdrawn (and counted done). */
-void srv_reads_cancel(srv *s, srv_conn *c);
+/* c is closing, or hung up: its read, if the thread has not begun it, is withdrawn (and counted
+ * done). Returns 1 with *seq its request's sequence (the slot is left unanswered), else 0. */
+int srv_reads_cancel(srv *s, srv_conn *c, uint32_t *seq);
 /* Stops the thread (reads not made are dropped: their connections are closed) and frees all. */
 void srv_reads_stop(srv *s);
 
