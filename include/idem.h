@@ -428,6 +428,8 @@ typedef struct idem_stats {
     int fatal;
     int loading;
     uint64_t store_generation;   /* 1 at creation; bumped by every restore and import */
+    int64_t token_next;          /* every token handed out so far is below it (an export
+                                    carries it: idem_import_begin) */
     uint64_t keys_with_mismatch; /* records whose mismatch_count > 0 (expired ones not yet
                                     swept included) */
     uint64_t frames_replayed;    /* at the last open */
@@ -489,8 +491,18 @@ int idem_verify(const char *dir, idem_verify_report *r,
 /* ---- Import and restore ---- */
 
 /*
- * Writes a record exactly as given (state, first_seen, expiry, counters, token, version kept;
- * the record replaces any record of the key). For import from an export: admin use only, on a
+ * Begins an import from an export: the store's generation goes one up (written with its next
+ * superblock), and tokens handed out from now on are at least token_next, the source store's
+ * (an export carries it: every token that store handed out is below it; 0 when not known), so
+ * that no token the source gave out, even to a key since released or deleted, is given out
+ * again. Returns once a reservation that covers token_next is durable: IDEM_OK, IDEM_EINVAL
+ * (token_next out of 0..IDEM_TOKEN_MAX), or a store error.
+ */
+int idem_import_begin(idem_queue *q, int64_t token_next);
+/*
+ * Writes a record as given (state, first_seen, expiry, counters and token kept; the version kept
+ * when it is ahead of this store's log, else made the next one, since versions only grow; the
+ * record replaces any record of the key). For import from an export: admin use only, on a
  * store no worker uses yet. Tokens handed out later are above every imported token. Returns
  * IDEM_OK, IDEM_EINVAL (a field out of range), or a store error.
  */

@@ -501,10 +501,7 @@ int idem_import_audit(idem_queue *q, const idem_audit_entry *e)
         return IDEM_EINVAL;
     idem_store *s = q->s;
     store_lock(s);
-    int rc = s->opt.read_only ? IDEM_EREADONLY
-             : s->closing     ? IDEM_ECLOSED
-             : s->fatal       ? IDEM_EFATAL
-                              : 0;
+    int rc = store_import_refused(s);
     /* The entry names no change in a batch to come: it goes in a group of its own, after every
      * pending group is written and every batch written is durable (in durability none too:
      * a group before it whose batch a power loss took is cut off at open, and this one after

@@ -137,6 +137,7 @@ struct io_sim {
     struct io_sim_counts counts;
     uint64_t fail_write_at, fail_flush_at, short_write_at, fail_submit_at; /* 0: none */
     int fail_write_err, fail_flush_err, fail_submit_err;
+    int fail_sync_dir_err;       /* the next sync_dir's (0: none) */
     char fail_create_suffix[64]; /* "": none */
     int fail_create_err;
     char fail_open_suffix[64]; /* "": none */
@@ -978,7 +979,8 @@ static int sim_sync_dir(struct io *io, const char *dir)
     char *d = sim_dir_of(dir, 1);
     if (!d) return -ENOMEM;
     sim_lock(sim);
-    int rc = sim_stale(h, NULL) ? -EIO : 0;
+    int rc = sim_stale(h, NULL) ? -EIO : sim->fail_sync_dir_err;
+    sim->fail_sync_dir_err = 0;
     if (rc == 0) {
         size_t kept = 0;
         for (size_t i = 0; i < sim->dir_ops_count; i++) {
@@ -1314,6 +1316,13 @@ void io_sim_fail_open(struct io_sim *sim, const char *suffix, int err)
     sim_lock(sim);
     snprintf(sim->fail_open_suffix, sizeof sim->fail_open_suffix, "%s", suffix ? suffix : "");
     sim->fail_open_err = err;
+    sim_unlock(sim);
+}
+
+void io_sim_fail_sync_dir(struct io_sim *sim, int err)
+{
+    sim_lock(sim);
+    sim->fail_sync_dir_err = err;
     sim_unlock(sim);
 }
 

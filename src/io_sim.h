@@ -65,6 +65,9 @@ int io_sim_fail_reads(struct io_sim *sim, const char *path, int err);
  * already holds too, as XFS and btrfs may on a full disk (they reserve the whole range first);
  * 0 disarms it. */
 void io_sim_fail_allocate(struct io_sim *sim, int err);
+/* The next sync_dir fails with err (a negative errno, such as -ENOSPC, as btrfs may answer when
+ * its commit finds no metadata space) and makes nothing durable; 0 disarms it. */
+void io_sim_fail_sync_dir(struct io_sim *sim, int err);
 /* Total bytes the disk holds; allocate or a write that grows the files past it: -ENOSPC. 0: no
  * limit. */
 void io_sim_set_capacity(struct io_sim *sim, uint64_t bytes);

@@ -1488,26 +1488,38 @@ static int import_time_ok(int64_t ms)
     return ms >= 0 && ms <= IDEM_CLOCK_MS_MAX;
 }
 
-static int import_valid(const idem_store *s, const idem_record *in)
+/* The field of an imported record out of its range (NULL: none), which the refusal names. */
+static const char *import_invalid(const idem_store *s, const idem_record *in)
 {
-    if (in->first_seen_ms <= 0 || !import_time_ok(in->first_seen_ms) ||
-        !import_time_ok(in->expires_at_ms) || !import_time_ok(in->last_seen_ms) ||
-        !import_time_ok(in->lease_until_ms) || !import_time_ok(in->last_grant_ms) ||
-        !import_time_ok(in->last_mismatch_ms))
-        return 0;
-    return in->key && in->key_len >= 1 && in->key_len <= IDEM_KEY_BYTES_MAX &&
-           in->state >= IDEM_STATE_IN_FLIGHT && in->state <= IDEM_STATE_REVIEW &&
-           in->owner_len <= IDEM_OWNER_BYTES_MAX && in->note_len <= IDEM_NOTE_BYTES_MAX &&
-           in->result_len <= s->opt.result_bytes_max && (in->owner || !in->owner_len) &&
-           (in->note || !in->note_len) && (in->result || !in->result_len) && in->token >= 0 &&
-           in->token < IDEM_TOKEN_MAX && in->expires_at_ms >= in->first_seen_ms;
+    if (in->first_seen_ms <= 0 || !import_time_ok(in->first_seen_ms)) return "first_seen_ms";
+    if (!import_time_ok(in->expires_at_ms) || in->expires_at_ms < in->first_seen_ms)
+        return "expires_at_ms";
+    if (!import_time_ok(in->last_seen_ms)) return "last_seen_ms";
+    if (!import_time_ok(in->lease_until_ms)) return "lease_until_ms";
+    if (!import_time_ok(in->last_grant_ms)) return "last_grant_ms";
+    if (!import_time_ok(in->last_mismatch_ms)) return "last_mismatch_ms";
+    if (!in->key || in->key_len < 1 || in->key_len > IDEM_KEY_BYTES_MAX) return "key";
+    if (in->state < IDEM_STATE_IN_FLIGHT || in->state > IDEM_STATE_REVIEW) return "state";
+    if (in->owner_len > IDEM_OWNER_BYTES_MAX || (!in->owner && in->owner_len)) return "owner";
+    if (in->note_len > IDEM_NOTE_BYTES_MAX || (!in->note && in->note_len)) return "note";
+    if (in->result_len > s->opt.result_bytes_max || (!in->result && in->result_len))
+        return "result";
+    /* An in_flight record's holder proves itself with its token: one never handed out (0)
+     * would fence no one. */
+    if (in->token < (in->state == IDEM_STATE_IN_FLIGHT) || in->token >= IDEM_TOKEN_MAX)
+        return "token";
+    return NULL;
 }
 
 int idem_import_record(idem_queue *q, const idem_record *in)
 {
     if (!q || !in) return IDEM_EINVAL;
     idem_store *s = q->s;
-    if (!import_valid(s, in)) return IDEM_EINVAL;
+    const char *bad = import_invalid(s, in);
+    if (bad) {
+        store_set_error("import: field %s out of its range", bad);
+        return IDEM_EINVAL;
+    }
     struct rec r = {0};
     r.state = (uint8_t)in->state;
     r.key_len = (uint16_t)in->key_len;
@@ -1533,10 +1545,8 @@ int idem_import_record(idem_queue *q, const idem_record *in)
         memcpy(r.last_mismatch_fp, in->last_mismatch_fp, 16);
     }
     store_lock(s);
-    int rc = s->opt.read_only ? IDEM_EREADONLY
-             : s->closing     ? IDEM_ECLOSED
-             : s->fatal       ? IDEM_EFATAL
-                              : store_room(s);
+    int rc = store_import_refused(s);
+    if (rc == 0) rc = store_room(s);
     uint64_t lsn = 0;
     if (rc == 0) {
         struct rec cur;

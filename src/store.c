@@ -230,6 +230,29 @@ static int token_headroom_low(const idem_store *s)
     return token_headroom(s) < STORE_TOKEN_BLOCK / 2 && !token_reserved_all(s);
 }
 
+int idem_import_begin(idem_queue *q, int64_t token_next)
+{
+    if (!q || token_next < 0 || token_next > IDEM_TOKEN_MAX) return IDEM_EINVAL;
+    idem_store *s = q->s;
+    store_lock(s);
+    int rc = store_import_refused(s);
+    if (rc == 0) {
+        s->sb.store_generation++;
+        /* No token at or above the reservation is handed out (store_next_token): raised to it
+         * at least, the flusher reserves above the new floor first, and its superblock carries
+         * the generation too. Waited for here, so that both survive a crash of the import. */
+        if ((int64_t)s->sb.token_reserved > token_next) token_next = (int64_t)s->sb.token_reserved;
+        if (token_next > s->token_next) s->token_next = token_next;
+        while (!s->fatal && token_headroom_low(s)) {
+            pthread_cond_signal(&s->cond_flush);
+            store_wait(s, &s->cond_ready);
+        }
+        if (s->fatal) rc = IDEM_EFATAL;
+    }
+    store_unlock(s);
+    return rc;
+}
+
 void store_let_others_in(idem_store *s)
 {
     void (*hook)(idem_store *) = s->test_let_go;
@@ -2374,6 +2397,7 @@ void idem_get_stats(idem_store *s, idem_stats *out)
         out->oldest_review_age_ms = out->store_clock_ms - out->oldest_review_ms;
     out->index_bytes = index_live_bytes(s->ix);
     out->store_generation = s->sb.store_generation;
+    out->token_next = s->token_next;
     store_unlock(s);
     struct statvfs vfs;
     if (!s->test_sim && statvfs(s->dir, &vfs) == 0)

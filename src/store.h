@@ -466,6 +466,16 @@ void store_fail(idem_store *s, int err, const char *during);
  * stays set meanwhile, so the ring stays the flusher's and no superblock is written by anyone
  * else (checkpoint_locked waits for it); callers go on applying operations.
  * store_flusher_relock takes mu back. */
+/* What a write of an operator's import gets from the store's state: IDEM_EREADONLY,
+ * IDEM_ECLOSED, IDEM_EFATAL, or 0 (mu held). */
+static inline int store_import_refused(const idem_store *s)
+{
+    return s->opt.read_only ? IDEM_EREADONLY
+           : s->closing     ? IDEM_ECLOSED
+           : s->fatal       ? IDEM_EFATAL
+                            : 0;
+}
+
 /* Sets what every superblock the open store writes carries from the moment (super.h): the audit
  * trail's durable length and the log's durable end (never lowered). mu held. */
 void store_super_marks(idem_store *s, struct super *sb);

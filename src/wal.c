@@ -94,6 +94,8 @@ struct wal {
     int npend;
     int infl[WAL_CHUNKS_MAX]; /* chunk indexes of the batch in flight */
     int ninfl;
+    uint64_t infl_cur_seq; /* cur_seq when the batch in flight was taken (wal_flush_io reads it
+                              without the lock; a roll may change cur_seq meanwhile) */
     int io_lost; /* the ring failed with writes of the batch in flight: their buffers are kept */
     int free_list[WAL_CHUNKS_MAX];
     int nfree;
@@ -245,9 +247,12 @@ static int seg_make(struct wal *w, uint64_t seq, struct wal_segment *out)
     if (rc == 0) rc = io_map(w->io, s.f, w->seg_bytes, (const void **)&s.map);
     if (rc < 0) {
         io_close(w->io, s.f);
-        /* Out of descriptors (the directory's open) or memory (the map): not the disk, and the
-         * file is whole, so making it again later takes it as it is. */
-        return UTIL_OPEN_ERR(rc) == IDEM_ENOMEM ? IDEM_ENOMEM : IDEM_EFATAL;
+        /* Out of descriptors (the directory's open) or memory (the map), or no space for the
+         * directory's sync (btrfs may need metadata space for it): not a failed write into
+         * the log's space, and the file is whole, so making it again later takes it as it is
+         * (and syncs the directory again). */
+        int why = UTIL_OPEN_ERR(rc);
+        return why == IDEM_ENOMEM || why == IDEM_EFULL ? why : IDEM_EFATAL;
     }
     *out = s;
     return 0;
@@ -614,6 +619,7 @@ int wal_flush_begin(struct wal *w, int64_t clock_ms)
     for (int i = 0; i < w->npend; i++)
         w->infl[i] = w->pend[i];
     w->ninfl = w->npend;
+    w->infl_cur_seq = w->cur_seq;
     w->npend = 0;
     w->batch++;
     w->frames_inflight = w->frames_pending;
@@ -631,7 +637,7 @@ int wal_flush_io(struct wal *w, int durable)
         IDEM_ASSERT(s && c->len % WAL_BLOCK == 0);
         if (w->filler) filler_fence(w->filler, c->seq, (uint64_t)c->off + c->len);
         /* Without durability (mode none) a segment is still flushed once it is sealed. */
-        unsigned flags = durable || c->seq < w->cur_seq ? IO_W_FLUSH : 0;
+        unsigned flags = durable || c->seq < w->infl_cur_seq ? IO_W_FLUSH : 0;
         flushed[submitted] = flags != 0;
         rc = io_submit_write(w->io, s->f, c->off, c->buf, c->len, flags, (uint64_t)submitted);
         if (rc < 0) break;
@@ -670,7 +676,7 @@ int wal_flush_io(struct wal *w, int durable)
         struct wal_chunk *c = &w->chunks[w->infl[shorts[k].chunk]];
         uint32_t done = shorts[k].done & ~(WAL_BLOCK - 1);
         rc = io_write_sync(w->io, seg_of(w, c->seq)->f, c->off + done, c->buf + done, c->len - done,
-                           durable || c->seq < w->cur_seq);
+                           durable || c->seq < w->infl_cur_seq);
     }
     return rc;
 }

@@ -1640,6 +1640,30 @@ Test(recovery, a_segment_made_again_on_a_full_disk_stays_whole)
  * not a fatal error, and the next try makes it. A file that was whole before stays as it was (a
  * SEGEND may name it); one that was not (absent, or cut short by a crash in its making) goes: no
  * SEGEND names it, and a clean close that left it would leave a spare that reads as rotted. */
+/* Found by a review of the I/O layer: a sync of the directory refused for space (btrfs may need
+ * metadata space for its commit) while the spare segment was made turned the store fatal, and
+ * an open failed; every other step of the making answers FULL and is tried again. Now it is
+ * FULL too: the open succeeds, and the spare is made again a second later. */
+Test(recovery, a_directory_sync_refused_for_space_while_making_a_segment_is_not_fatal,
+     .timeout = 60)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, 10);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    io_sim_fail_sync_dir(sim, -ENOSPC); /* the reopen's making of the spare */
+    cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+    cr_assert(!idem_is_fatal(s));
+    /* Past the segment: the log needs the spare, made again once the second is up. */
+    usleep(1500 * 1000);
+    fill(s, 10, 800);
+    cr_assert(!idem_is_fatal(s));
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, 800);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
 Test(recovery, a_segment_making_refused_for_space_is_full_and_keeps_only_a_whole_file)
 {
     struct io *io = io_sim_io(sim);

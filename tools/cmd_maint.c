@@ -19,7 +19,9 @@
 
 #define EXPORT_AUDIT_PAGE 10000u
 /* 1: a header, records, audit entries. 2: and an end line with their counts, which import
- * requires (a file cut short is refused, not taken for the whole store). */
+ * requires (a file cut short is refused, not taken for the whole store). The header of format 2
+ * may carry the store's token_next, above every token it handed out (idem_import_begin);
+ * exports before it have none, and an older idemctl reads the format still (a way back). */
 #define EXPORT_FORMAT 2
 
 /* Offline commands refuse idemd's flags and default the directory. */
@@ -275,6 +277,9 @@ static int export_run(struct ctl *c)
     jw_kstr(&j, "type", "export");
     jw_kint(&j, "format", EXPORT_FORMAT);
     jw_kstr(&j, "idem_version", IDEM_VERSION_STRING);
+    idem_stats st;
+    idem_get_stats(c->s, &st);
+    jw_kint(&j, "token_next", st.token_next);
     jw_obj_end(&j);
     fputc('\n', stdout);
     uint64_t nrec = 0, naud = 0;
@@ -384,6 +389,11 @@ static const void *bytes(struct line *l, const char *name, uint32_t *len, int *p
     const struct jfield *b = jfield_get(l->f, l->n, b64name);
     *present = 0;
     *len = 0;
+    /* A value of another type (a number, an object) is the line's error, not an empty field. */
+    if ((f && !f->str && !f->is_null) || (b && !b->str && !b->is_null)) {
+        l->err = name;
+        return NULL;
+    }
     if (f && f->str) {
         *present = 1;
         *len = (uint32_t)f->len;
@@ -392,7 +402,7 @@ static const void *bytes(struct line *l, const char *name, uint32_t *len, int *p
     if (b && b->str && l->nowned < 8) {
         uint8_t *d;
         size_t n;
-        if (base64_decode(b->str, &d, &n) < 0) {
+        if (strlen(b->str) != b->len || base64_decode(b->str, &d, &n) < 0) {
             l->err = name;
             return NULL;
         }
@@ -407,8 +417,9 @@ static const void *bytes(struct line *l, const char *name, uint32_t *len, int *p
 static int hexfield(struct line *l, const char *name, uint8_t *out)
 {
     const struct jfield *f = jfield_get(l->f, l->n, name);
+    if (f && !f->str && !f->is_null) l->err = name;
     if (!f || !f->str) return 0;
-    if (parse_hex(f->str, out, IDEM_FP_BYTES) < 0) {
+    if (strlen(f->str) != f->len || parse_hex(f->str, out, IDEM_FP_BYTES) < 0) {
         l->err = name;
         return 0;
     }
@@ -467,8 +478,9 @@ static void line_audit(struct line *l, idem_audit_entry *e)
 
 /* What import has read of an export so far. */
 struct import_state {
-    int64_t format; /* the header's; 0 before it */
-    int ended;      /* the end line was read */
+    int64_t format;     /* the header's; 0 before it */
+    int64_t token_next; /* the header's (format 3 on), 0 before */
+    int ended;          /* the end line was read */
     uint64_t nrec, naud;
     uint32_t result_max; /* the store's result limit, to name it when a result passes it */
 };
@@ -486,6 +498,13 @@ static int import_frame_line(const char *file, uint64_t no, const struct jfield 
                     no != 1 ? "a second header" : "an export format this idemctl does not know");
             return CTL_FAIL;
         }
+        x = jfield_get(f, n, "token_next");
+        if (x && (!x->is_num || x->num < 1 || x->num > IDEM_TOKEN_MAX)) {
+            ctl_err("%s:%llu: the header's field token_next is not a number in 1..%lld", file,
+                    (unsigned long long)no, (long long)IDEM_TOKEN_MAX);
+            return CTL_FAIL;
+        }
+        st->token_next = x ? x->num : 0;
         return 0;
     }
     const struct jfield *r = jfield_get(f, n, "records"), *a = jfield_get(f, n, "audit_entries");
@@ -523,8 +542,17 @@ static int import_line(struct ctl *c, const char *file, uint64_t no, const char 
         return CTL_FAIL;
     }
     if (type && type->str && (!strcmp(type->str, "export") || !strcmp(type->str, "end"))) {
+        int header = !strcmp(type->str, "export");
         int frc = import_frame_line(file, no, f, n, type->str, ist);
         jfields_free(f, n);
+        if (frc == 0 && header) {
+            rc = idem_import_begin(c->q, ist->token_next);
+            if (rc != IDEM_OK) {
+                ctl_err("%s:%llu: beginning the import: %s", file, (unsigned long long)no,
+                        idem_strerror(rc));
+                return CTL_FAIL;
+            }
+        }
         return frc;
     }
     if (!ist->format) {
@@ -553,6 +581,10 @@ static int import_line(struct ctl *c, const char *file, uint64_t no, const char 
     } else {
         l.err = "type";
         rc = IDEM_EINVAL;
+    }
+    if (rc == IDEM_EINVAL && !l.err && !said && *idem_last_error()) {
+        ctl_err("%s:%llu: %s", file, (unsigned long long)no, idem_last_error()); /* names it */
+        said = 1;
     }
     if (rc != IDEM_OK && !said)
         ctl_err("%s:%llu: %s%s%s", file, (unsigned long long)no, idem_strerror(rc),
