@@ -414,7 +414,8 @@ typedef struct idem_stats {
                             checkpoint while it is written (one more, until it is installed
                             and the oldest goes) */
     uint64_t disk_free_bytes;
-    uint64_t memory_bytes; /* anonymous memory: index, repeat counters, age heaps, buffers (the
+    uint64_t memory_bytes; /* anonymous memory: index, repeat counters, age heaps, the audit
+                              trail's map (about 8 KiB a MiB of trail), buffers (the
                               limit, max_memory_bytes, counts index_bytes only) */
     uint64_t max_keys, max_memory_bytes, max_disk_bytes;
     uint64_t flushes;

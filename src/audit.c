@@ -63,7 +63,9 @@
  * entries of a stretch of one-entry groups, about one stretch in 600,000 is read for nothing;
  * with about 10,000 entries of 100 bytes, one in 20. */
 #define AUDIT_FILTER_BITS (64u * 1024)
-#define AUDIT_FILTER_K    3
+/* An entry buffer larger than this is given back once written. */
+#define AUDIT_BUF_KEEP (64u * 1024)
+#define AUDIT_FILTER_K 3
 
 /* The bits of key in a stretch's filter. */
 static void filter_bits(const void *key, uint32_t len, uint32_t bit[AUDIT_FILTER_K])
@@ -490,6 +492,19 @@ void audit_taken_done(idem_store *s, int rc)
     }
     b->len = 0;
     b->n = 0;
+    /* A large group's room (a DEL of 64 keys reserves about 600 KB) is not kept for good. */
+    if (b->cap > AUDIT_BUF_KEEP) {
+        free(b->p);
+        b->p = NULL;
+        b->cap = 0;
+    }
+}
+
+uint64_t audit_memory_bytes(const idem_store *s)
+{
+    return (uint64_t)s->audit_marks_cap * sizeof *s->audit_marks +
+           (uint64_t)s->naudit_marks * (AUDIT_FILTER_BITS / 8) + s->audit_pend.cap +
+           s->audit_out.cap;
 }
 
 int idem_import_audit(idem_queue *q, const idem_audit_entry *e)

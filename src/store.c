@@ -2375,7 +2375,8 @@ void idem_get_stats(idem_store *s, idem_stats *out)
     out->wal_bytes = wal_bytes(s->wal);
     out->disk_bytes = store_disk_bytes(s);
     out->memory_bytes = index_memory_bytes(s->ix) +
-                        (uint64_t)s->seen_cap * sizeof(struct seen_info) + wal_buffer_bytes(s->wal);
+                        (uint64_t)s->seen_cap * sizeof(struct seen_info) +
+                        wal_buffer_bytes(s->wal) + audit_memory_bytes(s);
     for (int k = 0; k < AGE_KINDS; k++)
         out->memory_bytes += (uint64_t)s->ages[k].cap * sizeof *s->ages[k].v;
     out->max_keys = s->opt.max_keys;

@@ -680,6 +680,8 @@ void ages_free(idem_store *s);
 /* ---- audit.c ---- */
 int audit_open(idem_store *s);
 void audit_close(idem_store *s);
+/* The trail's memory: its map (marks and key filters, about 8 KiB a MiB of trail) and buffers. */
+uint64_t audit_memory_bytes(const idem_store *s);
 /* Makes room for one entry (an operator call, before its change: audit_append cannot fail
  * after it). Returns 0 or IDEM_ENOMEM. */
 int audit_reserve(idem_store *s);
