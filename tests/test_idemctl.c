@@ -557,6 +557,29 @@ Test(idemctl, import_refuses_a_number_out_of_its_fields_range, .init = setup, .f
     }
 }
 
+/* Found by a review of import: a line had no bound (read whole, and each string in it reserved
+ * the rest of the line), so one huge line took memory without limit. A line longer than any
+ * export writes is refused by number, and nothing is imported. */
+Test(idemctl, an_import_line_longer_than_any_export_writes_is_refused, .init = setup,
+     .fini = teardown)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/big.jsonl", scratch);
+    FILE *f = fopen(path, "w");
+    cr_assert_not_null(f);
+    fputs("{\"type\":\"export\",\"format\":2}\n{\"type\":\"record\",\"key\":\"", f);
+    for (int i = 0; i < 8 << 20; i++)
+        fputc('a', f);
+    fputs("\"}\n", f);
+    fclose(f);
+    cr_assert_eq(ctl("import %s --dir %s/copy", path, scratch), 1);
+    cr_assert(strstr(err, "big.jsonl:2") && strstr(err, "longer than"), "%s", err);
+    cr_assert_neq(access(path, F_OK), -1);
+    char copy[4200];
+    snprintf(copy, sizeof copy, "%s/copy", scratch);
+    cr_assert_eq(access(copy, F_OK), -1, "a refused import left a store");
+}
+
 /* JSON output is strict UTF-8: a key holding an encoded surrogate (not UTF-8, though it has
  * its shape) goes as key_base64, not raw. A reason that is not text goes as reason_base64 and an
  * import gives the same bytes back (it used to come back as the code points of its bytes). */

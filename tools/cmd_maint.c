@@ -595,6 +595,36 @@ static int import_line(struct ctl *c, const char *file, uint64_t no, const char 
     return rc == IDEM_OK ? 0 : CTL_FAIL;
 }
 
+/* The longest line an export holds: a result at IDEM_RESULT_BYTES_LIMIT written as text with
+ * every byte escaped (6 characters), and the rest of the record. */
+#define IMPORT_LINE_MAX (6u * IDEM_RESULT_BYTES_LIMIT + (1u << 20))
+
+/* Reads one line into *buf (grown as needed, up to IMPORT_LINE_MAX): 1 with *len set, 0 at the
+ * end of the file, -1 for a line longer than that (read no further), -2 for a read error or
+ * out of memory (errno says which). */
+static int read_line(FILE *in, char **buf, size_t *cap, size_t *len)
+{
+    size_t n = 0;
+    for (int c; (c = getc_unlocked(in)) != EOF;) {
+        if (n + 2 > *cap) {
+            if (*cap >= IMPORT_LINE_MAX) return -1;
+            size_t grown = *cap ? 2 * *cap : 4096;
+            if (grown > IMPORT_LINE_MAX) grown = IMPORT_LINE_MAX;
+            char *b = realloc(*buf, grown);
+            if (!b) return -2;
+            *buf = b;
+            *cap = grown;
+        }
+        (*buf)[n++] = (char)c;
+        if (c == '\n') break;
+    }
+    if (ferror(in)) return -2;
+    if (n == 0) return 0;
+    (*buf)[n] = 0;
+    *len = n;
+    return 1;
+}
+
 /* Whether path is a directory with no entries. */
 static int dir_empty(const char *path)
 {
@@ -692,13 +722,23 @@ int cmd_import(const struct ctl_opts *o)
     uint64_t no = 0;
     struct import_state ist = {.result_max = o->result_max ? (uint32_t)o->result_max
                                                            : IDEM_RESULT_BYTES_DEFAULT};
-    while (rc == 0 && getline(&text, &cap, in) > 0) {
+    for (size_t len; rc == 0;) {
+        int got = read_line(in, &text, &cap, &len);
+        if (got == 0) break;
         no++;
-        if (text[strspn(text, " \t\r\n")] != 0) rc = import_line(&c, file, no, text, &ist);
-    }
-    if (rc == 0 && ferror(in)) {
-        ctl_err("cannot read %s: %s", file, strerror(errno));
-        rc = CTL_FAIL;
+        if (got == -1) {
+            ctl_err("%s:%llu: a line longer than %u bytes: no export writes one", file,
+                    (unsigned long long)no, IMPORT_LINE_MAX);
+            rc = CTL_FAIL;
+        } else if (got == -2) {
+            ctl_err("cannot read %s: %s", file, strerror(errno));
+            rc = CTL_FAIL;
+        } else if (memchr(text, 0, len)) {
+            ctl_err("%s:%llu: a NUL byte in the line: not JSON", file, (unsigned long long)no);
+            rc = CTL_FAIL;
+        } else if (text[strspn(text, " \t\r\n")] != 0) {
+            rc = import_line(&c, file, no, text, &ist);
+        }
     }
     if (rc == 0 && !ist.format) {
         ctl_err("%s: no export header (an empty file?)", file);

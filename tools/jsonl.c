@@ -69,8 +69,12 @@ static int hex4(const char *p, unsigned *out)
 /* Parses the string at j->p (at its opening quote) into a malloc'd buffer. */
 static int parse_string(struct jp *j, char **out, size_t *len)
 {
-    const char *p = j->p + 1;
-    char *o = malloc(strlen(p) + 1);
+    const char *p = j->p + 1, *q = p;
+    /* Decoded, a string is no longer than its text up to the closing quote: that much, not the
+     * rest of the line (a line of many strings reserved the line for each). */
+    while (*q && *q != '"')
+        q += q[0] == '\\' && q[1] ? 2 : 1;
+    char *o = malloc((size_t)(q - p) + 1);
     if (!o) return fail(j, "out of memory");
     size_t n = 0;
     while (*p && *p != '"') {
