@@ -1402,6 +1402,14 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
                   idem_store **out)
 {
     last_error[0] = 0;
+    /* Room for the longest file name made in it ("/index-<16 hex>.ckpt") in the 4096-byte
+     * paths its files are named in: in a longer one the names were cut short, and different
+     * segments came out as one file. */
+    if (strlen(dir) + 32 >= 4096) {
+        io_destroy(io);
+        store_set_error("path too long: %s (at most %d bytes)", dir, 4096 - 33);
+        return IDEM_EINVAL;
+    }
     int64_t t0 = util_monotonic_us();
     idem_store *s = calloc(1, sizeof *s);
     if (!s) {
@@ -2971,7 +2979,10 @@ static int copy_store(struct io *rd, const char *src, struct io *wr, const char 
             rc = IDEM_EIO;
         }
     }
-    if (rc == 0 && io_sync_dir(wr, dest) < 0) rc = IDEM_EIO;
+    if (rc == 0 && io_sync_dir(wr, dest) < 0) {
+        store_set_error("syncing the directory of the copy %s failed", dest);
+        rc = IDEM_EIO;
+    }
     return rc;
 }
 

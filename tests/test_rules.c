@@ -3105,6 +3105,20 @@ Test(open, lock_is_released_by_close_and_by_the_death_of_its_owner, .timeout = 6
     expect_rc(idem_queue_open(g_s, 8, &g_q), IDEM_OK);
 }
 
+/* Found by a review of import: a directory path with no room left for the names of the files
+ * made in it (4096-byte paths) cut those names short, and different segments came out as one
+ * file. Such a path is refused by name. */
+Test(open, a_directory_path_with_no_room_for_its_file_names_is_refused)
+{
+    static char path[4100];
+    int n = snprintf(path, sizeof path, "%s/", g_dir);
+    memset(path + n, 'd', 4070 - (size_t)n);
+    path[4070] = 0;
+    idem_store *s;
+    expect_rc(idem_open(path, NULL, &s), IDEM_EINVAL);
+    cr_assert(strstr(idem_last_error(), "path too long"), "%s", idem_last_error());
+}
+
 Test(open, clock_control_needs_the_test_clock)
 {
     store_close();

@@ -1126,7 +1126,13 @@ static void poll_completions(srv *s)
 {
     int drain = s->queue_signalled;
     s->queue_signalled = 0;
-    for (int rounds = 0; rounds < 64 && s->q && (s->engine_due > 0 || drain); rounds++) {
+    for (int rounds = 0; s->q && (s->engine_due > 0 || drain); rounds++) {
+        if (rounds == 64) {
+            /* More may be ready (a queue deeper than 64 rounds), and the polls took the
+             * queue's signal: the next turn polls again, at once (loop_turn). */
+            s->queue_signalled = 1;
+            return;
+        }
         drain = 0;
         int n = idem_poll(s->q, s->comps, COMPLETIONS_MAX, 0);
         if (n < 0 && n != IDEM_EBUSY) {
@@ -1607,7 +1613,9 @@ static int on_event(srv *s, struct epoll_event *e)
 static int loop_turn(srv *s, int64_t *last_house)
 {
     struct epoll_event evs[EVENTS_MAX];
-    int timeout = s->ndirty ? 0 : s->draining || s->nops || s->big_waiting ? 10 : 250;
+    int timeout = s->ndirty || s->queue_signalled            ? 0
+                  : s->draining || s->nops || s->big_waiting ? 10
+                                                             : 250;
     int n = epoll_wait(s->epfd, evs, EVENTS_MAX, timeout);
     if (n < 0 && errno != EINTR) {
         srv_log("error", "epoll_wait", "errno=%d", errno);
