@@ -237,13 +237,21 @@ int idem_import_begin(idem_queue *q, int64_t token_next)
     store_lock(s);
     int rc = store_import_refused(s);
     if (rc == 0) {
-        s->sb.store_generation++;
-        /* No token at or above the reservation is handed out (store_next_token): raised to it
-         * at least, the flusher reserves above the new floor first, and its superblock carries
-         * the generation too. Waited for here, so that both survive a crash of the import. */
+        /* Every superblock written from now on carries the new generation (store_super_marks:
+         * one the flusher is writing now was taken before it). No token at or above the
+         * reservation is handed out (store_next_token): raised to it at least, the flusher
+         * reserves above the new floor first, in a superblock that carries both. Waited for
+         * here, so that both survive a crash of the import. */
+        s->generation_floor = s->sb.store_generation + 1;
+        s->sb.store_generation = s->generation_floor;
         if ((int64_t)s->sb.token_reserved > token_next) token_next = (int64_t)s->sb.token_reserved;
         if (token_next > s->token_next) s->token_next = token_next;
-        while (!s->fatal && token_headroom_low(s)) {
+        while (!s->fatal && !token_reserved_all(s)) {
+            if (!token_headroom_low(s)) {
+                if (s->sb.store_generation >= s->generation_floor) break;
+                /* The write was taken before the new generation: one more. */
+                s->token_next = (int64_t)s->sb.token_reserved;
+            }
             pthread_cond_signal(&s->cond_flush);
             store_wait(s, &s->cond_ready);
         }
@@ -281,6 +289,7 @@ void store_flusher_relock(idem_store *s)
 void store_super_marks(idem_store *s, struct super *sb)
 {
     sb->audit_len = s->audit_durable_off;
+    if (sb->store_generation < s->generation_floor) sb->store_generation = s->generation_floor;
     /* A complete batch on stable storage: recovery reaches it, or lost acknowledged batches. */
     uint64_t lsn = wal_complete_lsn(s->wal);
     if (lsn > sb->log_durable_lsn) sb->log_durable_lsn = lsn;

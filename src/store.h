@@ -243,6 +243,8 @@ struct idem_store {
     struct filler *filler;   /* zero-fills log space ahead of the log (NULL when read-only) */
     int lock_fd;
     struct super sb;
+    uint64_t generation_floor; /* every superblock written carries at least this generation
+                                  (idem_import_begin; 0: none) */
     struct wal *wal;
     struct index *ix;
     uint64_t durable_lsn;

@@ -680,13 +680,18 @@ static void walk_checkpoint_mark(struct vctx *v, struct walk *w, struct vpos ckp
 {
     if (w->in_batch || w->ckpt_reached || vpos_cmp(w->p, ckpt) != 0) return;
     w->ckpt_reached = 1;
-    /* The batch number may have skipped a torn batch's number since (never reused). */
-    if (w->started && (w->last_lsn != v->sb.ckpt_lsn || w->last_batch > v->sb.ckpt_batch))
+    /* The batch number and the LSN may have skipped a torn batch's since (never reused: a
+     * checkpoint with nothing appended after a torn tail records the LSNs its frames took). */
+    if (w->started && (w->last_lsn > v->sb.ckpt_lsn || w->last_batch > v->sb.ckpt_batch))
         fault(v,
               "super: the checkpoint position follows LSN %llu of batch %llu, the log has LSN "
               "%llu of batch %llu there",
               (unsigned long long)v->sb.ckpt_lsn, (unsigned long long)v->sb.ckpt_batch,
               (unsigned long long)w->last_lsn, (unsigned long long)w->last_batch);
+    /* As recovery, which reads on from here above the checkpoint's LSN and batch. */
+    if (!w->started || w->last_lsn < v->sb.ckpt_lsn) w->cur_lsn = w->last_lsn = v->sb.ckpt_lsn;
+    if (!w->started || w->last_batch < v->sb.ckpt_batch) w->last_batch = v->sb.ckpt_batch;
+    w->started = 1;
 }
 
 static int verify_log(struct vctx *v)

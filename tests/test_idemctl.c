@@ -543,9 +543,11 @@ Test(idemctl, import_refuses_a_number_out_of_its_fields_range, .init = setup, .f
         "s/\"result\":\"inv-1\"/\"result\":123/",
         "s/\"fingerprint\":\"[0-9a-f]*\"/\"fingerprint\":7/",
         "s/\"first_seen_ms\":[0-9]*/\"first_seen_ms\":0/",
-        "/\"state\":\"in_flight\"/s/\"token\":[0-9]*/\"token\":0/"};
-    static const char *const names[] = {"attempts", "state_after", "seen_count",    "fingerprint",
-                                        "result",   "fingerprint", "first_seen_ms", "field token"};
+        "/\"state\":\"in_flight\"/s/\"token\":[0-9]*/\"token\":0/",
+        "s/\"action\":\"[^\"]*\"/\"action\":3/"};
+    static const char *const names[] = {"attempts",      "state_after", "seen_count",
+                                        "fingerprint",   "result",      "fingerprint",
+                                        "first_seen_ms", "field token", "action"};
     for (size_t i = 0; i < sizeof edits / sizeof edits[0]; i++) {
         char cmd[9000];
         snprintf(cmd, sizeof cmd, "sed '%s' %s/exp.jsonl > %s/bad.jsonl", edits[i], scratch,

@@ -693,6 +693,38 @@ Test(verify, a_rotted_header_and_first_frames_of_the_last_segment_are_found, .in
     }
 }
 
+/* Found by a review: after a torn tail the next LSN starts above the torn batch's frames, and a
+ * close with nothing appended records that LSN in its checkpoint, past the last complete batch
+ * at the checkpoint's position. Recovery reads on from it; verify took it for a checkpoint that
+ * disagrees with the log, so a healthy store failed verify (and a backup of it, restore). */
+Test(verify, a_checkpoint_after_a_torn_tail_with_nothing_appended_is_sound, .init = setup,
+     .fini = teardown)
+{
+    write_pairs_and_crash(150);
+    uint64_t end = used_end("wal-0000000000000002.log");
+    cr_assert_gt(end, 2 * 4096, "the log did not reach segment 2");
+    /* The last batch's END (after its RECORD, at the block's start): the batch is torn, and
+     * its RECORD's LSN is taken by no complete batch. */
+    char path[4200];
+    snprintf(path, sizeof path, "%s/wal-0000000000000002.log", dir);
+    uint8_t *d;
+    size_t n = read_all(path, &d);
+    uint64_t block = (end - 1) / 4096 * 4096;
+    cr_assert_lt(block + 32, n);
+    uint32_t len;
+    memcpy(&len, d + block + 24, 4);
+    free(d);
+    cr_assert(len >= 32 && len < 4096 - 32, "frame length %u", len);
+    flip_bit("wal-0000000000000002.log", block + len + 12, 0);
+    idem_store *s;
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    idem_verify_report r = verify_ok();
+    cr_assert_eq(r.errors, 0, "%s", r.first_error);
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
 /* The log's segment 2, cut shorter than a segment after the log reached it (no segment is ever
  * cut: the log rolls only into one made whole), is found, as recovery finds it; before the log
  * reached it (a spare whose making a crash cut short), it is not a fault. With the SEGEND of

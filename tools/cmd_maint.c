@@ -464,7 +464,9 @@ static void line_audit(struct line *l, idem_audit_entry *e)
     e->actor = bytes(l, "actor", &len, &p); /* base64_decode ends what it decodes with a NUL */
     if (e->actor && memchr(e->actor, 0, len)) l->err = "actor";
     if (!e->actor) e->actor = "";
-    e->action = (f = jfield_get(l->f, l->n, "action")) && f->str ? f->str : "";
+    f = jfield_get(l->f, l->n, "action");
+    e->action = f && f->str ? f->str : "";
+    if (!f || !f->str || !*f->str || strlen(f->str) != f->len) l->err = "action";
     e->reason = bytes(l, "reason", &len, &p);
     if (e->reason && memchr(e->reason, 0, len)) l->err = "reason";
     if (!e->reason) e->reason = "";

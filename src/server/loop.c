@@ -1009,11 +1009,14 @@ static void conn_parse(srv *s, srv_conn *c)
 static void conn_write(srv *s, srv_conn *c)
 {
     if (c->fd < 0) return;
+    if (c->hung_up) { /* its replies go nowhere: none is too large */
+        c->out.sent = c->out.len;
+        c->out.overflow = 0;
+    }
     if (c->out.overflow) {
         conn_close(s, c, "output_limit");
         return;
     }
-    if (c->hung_up) c->out.sent = c->out.len; /* its replies go nowhere */
     if (c->out.sent < c->out.len && c->out_progress_ms == 0)
         c->out_progress_ms = srv_now_ms(); /* a backlog begins: the stall clock starts */
     while (c->out.sent < c->out.len) {
@@ -1257,8 +1260,8 @@ static void housekeeping(srv *s, int64_t now)
         /* Connections that hold a slot without a password cannot fill --max-clients for good. */
         if (c->fd >= 0 && c->role == ROLE_NONE && now - c->accepted_ms >= s->unauth_ms)
             conn_close(s, c, "auth_timeout");
-        if (c->fd >= 0 && s->cfg.idle_timeout_ms && c->head_seq == c->tail_seq && c->out.len == 0 &&
-            now - c->last_active_ms > (int64_t)s->cfg.idle_timeout_ms)
+        if (c->fd >= 0 && !c->hung_up && s->cfg.idle_timeout_ms && c->head_seq == c->tail_seq &&
+            c->out.len == 0 && now - c->last_active_ms > (int64_t)s->cfg.idle_timeout_ms)
             conn_close(s, c, "idle_timeout");
     }
     /* Admissions in arrival order; the sweep found the oldest, later ones wait a turn each. */
@@ -1543,7 +1546,10 @@ static void on_conn_event(srv *s, uint32_t idx, uint32_t events)
          * last bytes are read as parsing goes on (conn_parse), and it is closed once what it
          * sent is answered. A reset, or a client paused for the budget, is closed at once. */
         conn_peer_eof(s, c);
-        if ((events & EPOLLERR) || c->paused || s->draining || c->close_after_write) {
+        /* A unix peer that closed with replies unread in its socket is reported with EPOLLERR
+         * too, and what it sent can still be read; on TCP, EPOLLERR is a reset. */
+        if (((events & EPOLLERR) && !c->is_unix) || c->paused || s->draining ||
+            c->close_after_write) {
             conn_close(s, c, "hangup");
             return;
         }
@@ -1556,9 +1562,8 @@ static void on_conn_event(srv *s, uint32_t idx, uint32_t events)
             resp_error(srv_reply_buf(c, seq), "ERR the client left");
             srv_reply_done(s, c, seq);
         }
-        conn_write(s, c); /* what it was owed goes nowhere */
-        if (c->fd >= 0) conn_parse(s, c);
-        if (c->fd >= 0 && c->in_ended && c->head_seq == c->tail_seq) conn_close(s, c, "hangup");
+        conn_write(s, c);                 /* what it was owed goes nowhere */
+        if (c->fd >= 0) conn_parse(s, c); /* closes it at its end once it is answered */
         return;
     }
     if (events & EPOLLRDHUP) /* before its last bytes are read: a WAIT claim there must not park */
