@@ -141,10 +141,29 @@ static uint64_t walk_next(idem_store *s)
     return s->cmp_walked ? s->cmp_walked + 1 : wal_first_seq(s->wal);
 }
 
+/* Whether a new key met the key or memory limit lately (ops.c): the expired records then take
+ * places that new keys want, and a walk pays for fewer of them. */
+static int capacity_pressed(const idem_store *s, int64_t now)
+{
+    return s->cap_full_seen && now - s->cap_full_ms < PRESSED_MS;
+}
+
 int compact_learn_horizon(idem_store *s)
 {
     if (s->fatal || s->closing || s->opt.read_only || s->cmp_disabled || s->cmp_seq) return 0;
-    uint64_t seq = walk_next(s);
+    /* The next segment to walk; while a capacity limit presses, the first sealed one not
+     * measured yet from it on (one under way first): walk_wanted judges the next together
+     * with those after it by their tallies, and measuring the next alone left expired keys
+     * behind a segment of live ones unreclaimed after a reopen, until the live ones expired.
+     * Unpressed, the segments after it are left unread (a read of each after every open). */
+    uint64_t seq = walk_next(s), first = wal_first_seq(s->wal);
+    if (s->cap_full_seen && capacity_pressed(s, store_now(s))) {
+        if (s->hz_seq > seq && s->seg_max_exp[s->hz_seq % WAL_SEG_SLOTS] == SEG_EXP_UNKNOWN)
+            seq = s->hz_seq;
+        while (s->seg_max_exp[seq % WAL_SEG_SLOTS] != SEG_EXP_UNKNOWN &&
+               seq + 1 < wal_cur_seq(s->wal) && seq + 1 - first < STORE_CMP_AHEAD)
+            seq++;
+    }
     int64_t *m = &s->seg_max_exp[seq % WAL_SEG_SLOTS];
     if (*m != SEG_EXP_UNKNOWN || seq - wal_first_seq(s->wal) >= STORE_CMP_AHEAD ||
         !wal_seg_durable(s->wal, seq, s->durable_lsn))
@@ -181,13 +200,6 @@ int compact_learn_horizon(idem_store *s)
         }
     }
     return 1;
-}
-
-/* Whether a new key met the key or memory limit lately (ops.c): the expired records then take
- * places that new keys want, and a walk pays for fewer of them. */
-static int capacity_pressed(const idem_store *s, int64_t now)
-{
-    return s->cap_full_seen && now - s->cap_full_ms < PRESSED_MS;
 }
 
 /* Whether a walk over `total` record bytes, `expired` of them expired, reclaims enough: at least

@@ -4138,7 +4138,7 @@ Test(capacity, at_max_keys_expired_keys_make_room_in_durability_none)
 /* The expired keys in the current segment, behind a sealed one of live keys: the segments from
  * the next to walk through the current one are judged together, and the current one is ended
  * for the walk. */
-static void expired_keys_behind_a_segment_of_live_ones_make_room(int durability)
+static void expired_keys_behind_a_segment_of_live_ones_make_room(int durability, int reopened)
 {
     store_close(); /* a new store: the segment size is set when a store is made */
     tu_rmtree(g_dir);
@@ -4165,6 +4165,7 @@ static void expired_keys_behind_a_segment_of_live_ones_make_room(int durability)
         expect_outcome(c, IDEM_NEW);
         commit_ok(key, c.token, result);
     }
+    if (reopened) reopen(); /* no segment's expiry is known: each is measured first */
     idem_completion c;
     cr_assert_eq(claim_rc("cap-new", 7, TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
     at(1000 + 1000 / 8);
@@ -4175,14 +4176,22 @@ static void expired_keys_behind_a_segment_of_live_ones_make_room(int durability)
 
 Test(capacity, expired_keys_behind_a_segment_of_live_ones_make_room)
 {
-    expired_keys_behind_a_segment_of_live_ones_make_room(IDEM_DURABILITY_SYNC);
+    expired_keys_behind_a_segment_of_live_ones_make_room(IDEM_DURABILITY_SYNC, 0);
+}
+
+/* The same after a reopen: the next segment to walk is measured (live), and the one after it
+ * too, though it is not the next (only the next was: the expired keys behind it were never
+ * reclaimed until the live ones expired, a gap named in the thirty-ninth session's note). */
+Test(capacity, after_a_reopen_expired_keys_behind_a_segment_of_live_ones_make_room)
+{
+    expired_keys_behind_a_segment_of_live_ones_make_room(IDEM_DURABILITY_SYNC, 1);
 }
 
 /* In durability none the sealed segment of live keys is made durable for the walk: nothing
  * else would, as nothing is written while new keys are refused. */
 Test(capacity, expired_keys_behind_a_segment_of_live_ones_make_room_in_durability_none)
 {
-    expired_keys_behind_a_segment_of_live_ones_make_room(IDEM_DURABILITY_NONE);
+    expired_keys_behind_a_segment_of_live_ones_make_room(IDEM_DURABILITY_NONE, 0);
 }
 
 /* After a reopen the segment the expired keys are in is current, and its expiry unknown until
