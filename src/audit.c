@@ -467,6 +467,11 @@ size_t audit_take(idem_store *s)
     s->audit_out = s->audit_pend;
     s->audit_out_seq = s->audit_pend_seq;
     s->audit_pend = t;
+    if (!s->audit_out.len && s->audit_out.cap > AUDIT_BUF_KEEP) { /* a group refused whole */
+        free(s->audit_out.p);
+        s->audit_out.p = NULL;
+        s->audit_out.cap = 0;
+    }
     return s->audit_out.len;
 }
 

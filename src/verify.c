@@ -541,6 +541,36 @@ static void walk_step(struct vctx *v, struct walk *w, const struct vseg *s, uint
     w->p.off = next;
 }
 
+static const char walk_stale[] = "a stale frame (LSN or batch not above the log's)";
+
+/* Whether the frames from p form a complete batch: valid frames of one batch with consecutive
+ * LSNs, through its END. */
+static int batch_completes_at(struct vctx *v, struct vpos p)
+{
+    uint64_t prev = 0, batch = 0;
+    for (int n = 0;; n++) {
+        const struct vseg *s = seg_get(v, p.seq);
+        if (!s || p.off + WAL_FRAME_HDR > v->sb.seg_bytes) return 0;
+        uint32_t len = frame_valid(v, s, p.off);
+        if (!len) return 0;
+        const uint8_t *f = s->f.map + p.off;
+        uint64_t lsn = util_get_u64(f + 8), b = util_get_u64(f + 16);
+        uint32_t type = util_get_u16(f + 28);
+        if (n && (lsn != prev + 1 || b != batch)) return 0;
+        prev = lsn;
+        batch = b;
+        if (type == WAL_T_END) return 1;
+        if (type == WAL_T_SEGEND) {
+            p = (struct vpos){p.seq + 1, WAL_BLOCK};
+            continue;
+        }
+        uint32_t next = p.off + len;
+        if (next % WAL_BLOCK && WAL_BLOCK - next % WAL_BLOCK < WAL_FRAME_HDR)
+            next = (uint32_t)IDEM_ALIGN_UP(next, WAL_BLOCK);
+        p.off = next;
+    }
+}
+
 /* Why the frame at w->p does not continue the log (NULL: it does); *len is its length. */
 static const char *walk_frame_ok(struct vctx *v, struct walk *w, uint32_t *len)
 {
@@ -558,8 +588,7 @@ static const char *walk_frame_ok(struct vctx *v, struct walk *w, uint32_t *len)
         w->cur_lsn = w->last_lsn = lsn - 1;
         w->last_batch = batch - 1;
     }
-    if (lsn <= w->cur_lsn || batch <= w->last_batch)
-        return "a stale frame (LSN or batch not above the log's)";
+    if (lsn <= w->cur_lsn || batch <= w->last_batch) return walk_stale;
     if (w->in_batch && (lsn != w->cur_lsn + 1 || batch != w->batch_no))
         return "a gap in the LSNs of a batch";
     return NULL;
@@ -733,6 +762,15 @@ static int verify_log(struct vctx *v)
     else if (!w.ckpt_reached)
         fault(v, "super: the checkpoint position (segment %llu offset %u) is not a batch boundary",
               (unsigned long long)ckpt.seq, ckpt.off);
+    /* The checkpoint's LSN may lie above the log's at its position only past a torn batch,
+     * which never completes: a complete batch there that recovery, reading on above that LSN,
+     * would drop means a checkpoint that overstates where the log is. */
+    if (stop == walk_stale && vpos_cmp(w.batch_start, ckpt) == 0 && vpos_cmp(w.p, ckpt) == 0 &&
+        batch_completes_at(v, ckpt))
+        fault(v,
+              "wal-%016llx.log offset %u: a complete batch at the checkpoint's position has "
+              "LSNs at or below the checkpoint's (%llu): recovery would drop it",
+              (unsigned long long)ckpt.seq, ckpt.off, (unsigned long long)v->sb.ckpt_lsn);
     walk_beyond(v, &w);
     /* A run that closed cleanly made its spare whole (re-created over any a crash cut short):
      * damage there is rot. One further on may be left from a crash before that run. */

@@ -725,6 +725,42 @@ Test(verify, a_checkpoint_after_a_torn_tail_with_nothing_appended_is_sound, .ini
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
+/* Sets the u64 at offset at of both superblock copies, with their checksums. */
+static void super_set_u64(int at, uint64_t v)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/super", dir);
+    uint8_t *b;
+    size_t n = read_all(path, &b);
+    cr_assert_geq(n, 8192);
+    for (int copy = 0; copy < 2; copy++) {
+        uint8_t *p = b + 4096 * copy;
+        memcpy(p + at, &v, 8);
+        uint64_t sum = XXH3_64bits(p, 4088);
+        memcpy(p + 4088, &sum, 8);
+    }
+    FILE *f = fopen(path, "r+b");
+    cr_assert_not_null(f);
+    cr_assert_eq(fwrite(b, 1, n, f), n);
+    fclose(f);
+    free(b);
+}
+
+/* What the rule above must not let through (found by a review of it): a checkpoint LSN above
+ * the log's at its position over complete batches, which recovery, reading on above that LSN,
+ * drops. Only a torn batch, which never completes, may lie there. */
+Test(verify, a_checkpoint_lsn_above_complete_batches_at_its_position_is_found, .init = setup,
+     .fini = teardown)
+{
+    write_pairs_and_crash(20); /* no checkpoint yet: its position is the log's first block */
+    cr_assert_eq(verify_ok().errors, 0, "%s", verify_ok().first_error);
+    super_set_u64(88, 6); /* the checkpoint's LSN, over the first batches' */
+    idem_verify_report r = verify_ok();
+    cr_assert_gt(r.errors, 0, "verify passed a checkpoint LSN over complete batches");
+    cr_assert(strstr(r.first_error, "complete batch at the checkpoint's position"), "%s",
+              r.first_error);
+}
+
 /* The log's segment 2, cut shorter than a segment after the log reached it (no segment is ever
  * cut: the log rolls only into one made whole), is found, as recovery finds it; before the log
  * reached it (a spare whose making a crash cut short), it is not a fault. With the SEGEND of

@@ -466,7 +466,7 @@ static void line_audit(struct line *l, idem_audit_entry *e)
     if (!e->actor) e->actor = "";
     f = jfield_get(l->f, l->n, "action");
     e->action = f && f->str ? f->str : "";
-    if (!f || !f->str || !*f->str || strlen(f->str) != f->len) l->err = "action";
+    if (!f || !f->str || strlen(f->str) != f->len) l->err = "action";
     e->reason = bytes(l, "reason", &len, &p);
     if (e->reason && memchr(e->reason, 0, len)) l->err = "reason";
     if (!e->reason) e->reason = "";
