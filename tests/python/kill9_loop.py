@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -450,10 +451,10 @@ class Checker:
 
 
 def worker(sock, run, thr, seed, log, stop, committed, inflight, review, pool_lock, started,
-           fresh_max, errors):
+           fresh_max, errors, killing):
     """One client thread until the kill. A reply it did not expect, or any other failure than
-    the lost connection, goes to errors (the cycle fails): a thread that died quietly left the
-    cycle checking less than it claimed."""
+    the connection lost to the kill (killing set), goes to errors (the cycle fails): a thread
+    that died quietly left the cycle checking less than it claimed."""
     rng = random.Random("%s/%d/%d" % (seed, run, thr))
     try:
         c = redis.UnixDomainSocketConnection(path=sock, socket_timeout=60)
@@ -589,12 +590,24 @@ def worker(sock, run, thr, seed, log, stop, committed, inflight, review, pool_lo
                 owner_call("release", key, reply[1])
             elif r < 0.84:
                 owner_call("hold", key, reply[1], "held-%s-%d" % (key, rng.randrange(1 << 30)))
-    except LOST:
-        pass
+    except LOST as e:
+        if not killing.is_set():  # idemd closed it, or went, before the kill
+            errors.append("thread %d: connection lost before the kill: %r" % (thr, e))
     except Exception as e:
         errors.append("thread %d: %r" % (thr, e))
     finally:
         c.disconnect()
+
+
+def log_problems(path, start):
+    """Lines of idemd's log past byte start that report a fault no kill explains: a sanitizer's
+    report, a failed assertion, a store failed for I/O."""
+    with open(path, "rb") as f:
+        f.seek(start)
+        text = f.read().decode(errors="replace")
+    marks = ("AddressSanitizer", "runtime error:", "LeakSanitizer", "assertion failed",
+             "event=fatal")
+    return [line[:300] for line in text.splitlines() if any(m in line for m in marks)]
 
 
 def main():
@@ -630,6 +643,7 @@ def main():
     log = Log(os.path.join(srv.tmp, "acks.jsonl"))
     chk = Checker(lossy=args.durability != "sync")
     passed = failed = 0
+    seen_log = 0  # idemd's log up to here was looked at (log_problems)
     srv.start()
     t_start = time.monotonic()
     for cycle in range(1, args.cycles + 1):
@@ -645,10 +659,12 @@ def main():
         pool_lock = threading.Lock()
         started = threading.Semaphore(0)
         errors = []
+        killing = threading.Event()
         nviol = len(chk.violations)  # this cycle's count from here: its threads' failures too
         ths = [threading.Thread(target=worker, args=(srv.sock, run, t, args.seed, log, stop, committed,
                                                      inflight, review, pool_lock, started,
-                                                     args.fresh_per_thread, errors), daemon=True)
+                                                     args.fresh_per_thread, errors, killing),
+                               daemon=True)
                for t in range(args.threads)]
         for th in ths:
             th.start()
@@ -657,7 +673,10 @@ def main():
         delay = rng.uniform(0.05, 0.5)
         time.sleep(delay)
         chk.kill_at = time.monotonic()
-        srv.kill(9)
+        killing.set()
+        rc = srv.kill(9)
+        if rc != -signal.SIGKILL:  # it ended by itself: an abort, a sanitizer, a fatal exit
+            chk.bad("idemd ended by itself before the kill (status %r)" % rc)
         stop.set()
         for th in ths:
             th.join(60)
@@ -671,7 +690,9 @@ def main():
             d = rng.uniform(0.0, 0.03)
             srv.spawn(0)
             time.sleep(d)
-            srv.kill(9)
+            rc = srv.kill(9)
+            if rc != -signal.SIGKILL:
+                chk.bad("idemd ended by itself while it recovered (status %r)" % rc)
             rekill = ", killed again %d ms into a restart" % (d * 1000)
         t0 = time.monotonic()
         try:
@@ -681,6 +702,9 @@ def main():
             failed += 1
             break
         recovery_ms = (time.monotonic() - t0) * 1000
+        for line in log_problems(srv.log_path, seen_log):
+            chk.bad("idemd's log: %s" % line)
+        seen_log = os.path.getsize(srv.log_path)
         lost_note = ""
         events = log.new_lines()
         acks = sum(1 for e in events if not e.get("lost"))
