@@ -501,6 +501,34 @@ Test(server, debug_clock_refuses_moves_that_would_overflow, .init = start)
 
 /* A hold's note may be empty (it is not audited): refusing one, as a change once did, left the
  * record in flight for the next claimer to recover instead of in review. */
+/* The version an operator saw (IDEM.GET) is what EXPECT takes; an extend since then, a change
+ * (CONTRACT: extends included), makes it -CHANGED and changes nothing. Found by a review of the
+ * wire tests: -CHANGED was tested only with a made-up version. */
+Test(server, resolve_expect_takes_the_version_seen_and_an_extend_since_makes_it_changed,
+     .init = start)
+{
+    redisContext *c = connect_tcp(), *admin = connect_unix();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM v 600000 60000"), &tok), "new");
+    redisReply *rec = cmd(c, "IDEM.GET v");
+    long long v1 = atoll(field_of(rec, "version"));
+    freeReplyObject(rec);
+    expect_status(cmd(c, "IDEM.EXTEND v %lld 120000", tok), "OK");
+    rec = cmd(c, "IDEM.GET v");
+    long long v2 = atoll(field_of(rec, "version"));
+    freeReplyObject(rec);
+    cr_assert_gt(v2, v1, "an extend left the version at %lld", v1);
+    expect_error(cmd(admin, "IDEM.RESOLVE v release checked EXPECT %lld FORCE", v1), "CHANGED");
+    rec = cmd(c, "IDEM.GET v");
+    cr_assert_str_eq(field_of(rec, "state"), "in_flight");
+    cr_assert_eq(atoll(field_of(rec, "version")), v2, "a refused resolve changed the record");
+    freeReplyObject(rec);
+    expect_status(cmd(admin, "IDEM.RESOLVE v release checked EXPECT %lld FORCE", v2), "OK");
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM v 600000 60000"), NULL), "new");
+    redisFree(c);
+    redisFree(admin);
+}
+
 Test(server, a_hold_with_an_empty_note_goes_to_review, .init = start)
 {
     redisContext *c = connect_tcp();
