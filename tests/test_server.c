@@ -2871,6 +2871,39 @@ static void start_max_keys_3(void)
     start_with(extra);
 }
 
+/* At the key limit a new key answers -FULL, and nothing is evicted: repeats, owner calls and
+ * reads of the keys held are answered as before (CONTRACT: capacity limits never evict). Found
+ * by a review of the wire tests: only the -FULL was checked over the wire. */
+Test(server, at_max_keys_a_new_key_is_full_and_the_held_keys_answer_as_before,
+     .init = start_max_keys_3)
+{
+    redisContext *c = connect_tcp();
+    long long tok = 0;
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM k1 600000 60000"), &tok), "new");
+    expect_status(cmd(c, "IDEM.COMMIT k1 %lld inv-1", tok), "OK");
+    long long tok2 = 0;
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM k2 600000 60000"), &tok2), "new");
+    expect_status(cmd(c, "SET k3 v3 NX PX 600000"), "OK");
+    expect_error(cmd(c, "IDEM.CLAIM k4 600000 60000"), "FULL");
+    expect_error(cmd(c, "SET k5 v NX PX 600000"), "FULL");
+    redisReply *r = cmd(c, "IDEM.CLAIM k1 600000 60000");
+    cr_assert_str_eq(outcome(r, NULL), "done");
+    r = cmd(c, "IDEM.CLAIM k1 600000 60000");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
+    cr_assert_eq(r->elements, 2);
+    cr_assert_str_eq(r->element[1]->str, "inv-1");
+    freeReplyObject(r);
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM k2 600000 60000"), NULL), "busy");
+    expect_bulk(cmd(c, "GET k3"), "v3");
+    expect_int(cmd(c, "EXISTS k1 k2 k3 k4"), 3);
+    expect_status(cmd(c, "IDEM.COMMIT k2 %lld inv-2", tok2), "OK"); /* a change of a held key */
+    r = cmd(c, "IDEM.CLAIM k2 600000 60000");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
+    cr_assert_str_eq(r->element[1]->str, "inv-2");
+    freeReplyObject(r);
+    redisFree(c);
+}
+
 /* The log says what an operator decided and how it came out, when a change was refused as FULL,
  * and what the open found (issue: one line per event that matters). */
 Test(server, the_log_names_operator_decisions_full_and_what_the_open_found,
