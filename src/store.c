@@ -227,7 +227,7 @@ static int token_reserved_all(const idem_store *s)
 
 static int token_headroom_low(const idem_store *s)
 {
-    return token_headroom(s) < STORE_TOKEN_BLOCK / 2 && !token_reserved_all(s);
+    return token_headroom(s) < SUPER_TOKEN_BLOCK / 2 && !token_reserved_all(s);
 }
 
 int idem_import_begin(idem_queue *q, int64_t token_next)
@@ -301,7 +301,7 @@ void store_super_marks(idem_store *s, struct super *sb)
 static int reserve_tokens(idem_store *s)
 {
     struct super sb = s->sb;
-    sb.token_reserved = (uint64_t)s->token_next + STORE_TOKEN_BLOCK;
+    sb.token_reserved = (uint64_t)s->token_next + SUPER_TOKEN_BLOCK;
     if (sb.token_reserved > (uint64_t)IDEM_TOKEN_MAX) /* after an import near the last token */
         sb.token_reserved = (uint64_t)IDEM_TOKEN_MAX;
     sb.store_clock_ms = s->clk_last_ms;
@@ -1015,8 +1015,16 @@ static uint64_t ckpt_entry_hash(const struct ckpt_entry *e)
 
 static int ckpt_addr_invalid(const idem_store *s)
 {
-    store_set_error("checkpoint %llu names a log address outside the log's segments",
-                    (unsigned long long)s->sb.ckpt_id);
+    uint64_t gap = wal_gap_seq(s->wal);
+    char why[160] = "";
+    if (gap) {
+        char path[4096];
+        wal_seg_path(s->dir, gap, path, sizeof path);
+        snprintf(why, sizeof why, " (%s is missing: the log starts after it)",
+                 strrchr(path, '/') + 1);
+    }
+    store_set_error("checkpoint %llu names a log address outside the log's segments%s",
+                    (unsigned long long)s->sb.ckpt_id, why);
     return IDEM_ECORRUPT;
 }
 
@@ -2955,18 +2963,29 @@ static int copy_dir_end(struct io *io, struct copy_dir *d, int rc)
 
 /* Copies a store's files from src (read through rd) into dest (written through wr): the log from
  * sb's first segment up to the end (end_seq, end_off), the rest of that segment zero, or when
- * end_seq is 0 every segment up to the first absent one; the checkpoint sb names; the audit trail
- * up to audit_len; then sb as the copy's superblock, and dest synced. */
+ * end_seq is 0 every segment up to the first absent one at or past the replay segment (one
+ * absent before it was retired after this superblock copy was written, and the log starts after
+ * it, as the open has it: wal_open_segments); the checkpoint sb names; the audit trail up to
+ * audit_len; then sb, naming the log's first segment, as the copy's superblock, and dest
+ * synced. */
 static int copy_store(struct io *rd, const char *src, struct io *wr, const char *dest,
                       const struct super *sb, uint64_t end_seq, uint32_t end_off,
                       uint64_t audit_len)
 {
     char from[4096], to[4096];
     int rc = 0;
+    uint64_t first = 0;
     for (uint64_t seq = sb->wal_first_seq; rc == 0 && (end_seq == 0 || seq <= end_seq); seq++) {
         wal_seg_path(src, seq, from, sizeof from);
         wal_seg_path(dest, seq, to, sizeof to);
-        if (end_seq == 0 && access(from, F_OK) != 0) break;
+        if (end_seq == 0 && access(from, F_OK) != 0) {
+            if (seq < sb->ckpt_seq) {
+                first = 0; /* the log starts after it, as the open has it */
+                continue;
+            }
+            break;
+        }
+        if (!first) first = seq;
         rc = seq != end_seq ? copy_file(rd, wr, from, to, UINT64_MAX, 0, 0)
                             : copy_file(rd, wr, from, to, end_off, sb->seg_bytes, 0);
     }
@@ -2983,6 +3002,7 @@ static int copy_store(struct io *rd, const char *src, struct io *wr, const char 
     if (rc == 0) {
         struct super copy = *sb;
         copy.generation = 0;
+        if (first) copy.wal_first_seq = first;
         rc = super_store(wr, dest, &copy);
         /* The copy's superblock failed, not the store's: not "the store stopped". */
         if (rc == IDEM_EFATAL) {
@@ -3017,6 +3037,10 @@ int idem_backup(idem_store *s, const char *dest_dir)
              : s->opt.read_only ? 0
                                 : quiesce_durable(s);
     struct super sb = s->sb;
+    /* The log's first segment as the open found it: the superblock may name earlier ones a
+     * retirement removed (the older copy read at the open), which only the next retirement's
+     * superblock stops naming. The copy's superblock names the segments the copy holds. */
+    sb.wal_first_seq = wal_first_seq(s->wal);
     uint64_t end_seq;
     uint32_t end_off;
     wal_position(s->wal, &end_seq, &end_off);

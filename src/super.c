@@ -159,8 +159,18 @@ int super_load(struct io *io, const char *dir, struct super *sb, int settle, cha
     }
     *sb = (va && (!vb || a.generation > b.generation)) ? a : b;
     /* A copy that fails its checksum may be a later one that cleared the clean mark (the open
-     * after the clean close writes it first): the mark is trusted only when neither failed. */
-    if (!va || !vb) sb->clean_lsn = 0;
+     * after the clean close writes it first): the mark is trusted only when neither failed.
+     * It may also be a later one that rotted after it was written, whose reservation of tokens
+     * a block further on was used: tokens handed out under it in batches a crash then lost
+     * (durability batch or none) start again past that block, not at this copy's reservation.
+     * (A torn write of it reserved nothing that was handed out: one block is skipped.) */
+    if (!va || !vb) {
+        sb->clean_lsn = 0;
+        if (sb->token_reserved < (uint64_t)IDEM_TOKEN_MAX - SUPER_TOKEN_BLOCK)
+            sb->token_reserved += SUPER_TOKEN_BLOCK;
+        else
+            sb->token_reserved = (uint64_t)IDEM_TOKEN_MAX;
+    }
     /* Fields that address the log are checked before anything trusts them. */
     if (!super_fields_valid(sb)) {
         snprintf(err, errcap,

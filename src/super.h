@@ -56,6 +56,9 @@
     (SUPER_FEAT_CKPT_CHUNKS | SUPER_FEAT_AUDIT_GROUPS | SUPER_FEAT_COMPACT_RECORDS)
 /* The log never holds more segments than this (wal.h WAL_SEG_SLOTS). */
 #define SUPER_SEGMENTS_MAX 16384u
+/* Tokens one superblock write reserves ahead (store.c reserve_tokens): a copy's token_reserved
+ * is at most this much above the copy before it, unless an import raised the next token. */
+#define SUPER_TOKEN_BLOCK (1u << 20)
 
 struct super {
     uint32_t features; /* as read; every copy written sets SUPER_FEATURES_KNOWN */

@@ -343,7 +343,9 @@ static void seg_header_check(struct vctx *v, struct vseg *s)
     s->ok = 1;
 }
 
-/* Opens the segments from the first one on, as long as they exist. */
+/* Opens the segments from the first one on, as long as they exist. One absent before the replay
+ * segment was retired after this superblock copy was written: the log starts after it, as the
+ * open has it (wal_open_segments). */
 static int verify_open_segments(struct vctx *v)
 {
     size_t cap = 0;
@@ -353,6 +355,13 @@ static int verify_open_segments(struct vctx *v)
         snprintf(path, sizeof path, "%s/%s", v->dir, name);
         struct vfile f;
         int rc = vfile_open(path, &f);
+        if (rc == IDEM_ENOTFOUND && seq < v->sb.ckpt_seq) {
+            while (v->nsegs)
+                vfile_close(&v->segs[--v->nsegs].f);
+            v->seg_total = 0;
+            v->sb.wal_first_seq = seq + 1;
+            continue;
+        }
         if (rc == IDEM_ENOTFOUND) break;
         if (rc < 0) {
             store_set_error("cannot read %s: %s", path, strerror(errno));

@@ -76,6 +76,9 @@ struct wal {
     /* At open: the first segment past the replay segment whose header is damaged (0: none),
      * and the last segment opened past it (wal_open_segments). Recovery only scans those. */
     uint64_t damaged_seq, beyond_last_seq;
+    /* At open: the last segment found missing below the replay segment with older segments
+     * present (0: none); those older ones are no longer part of the log (wal_open_segments). */
+    uint64_t gap_seq;
     /* The damaged segment's file, mapped (copied when shorter than a segment) but not in segs
      * (seq 0: none, or unreadable): installed by recovery when the SEGEND before it names its
      * salt (wal_recover). */
@@ -884,6 +887,10 @@ uint64_t wal_first_seq(const struct wal *w)
 {
     return w->first_seq;
 }
+uint64_t wal_gap_seq(const struct wal *w)
+{
+    return w->gap_seq;
+}
 uint64_t wal_batch(const struct wal *w)
 {
     return w->batch;
@@ -1172,7 +1179,18 @@ int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int
     for (;; seq++) {
         int rc = seg_open(w, seq, read_only);
         if (rc == IDEM_ENOTFOUND && seq < start_seq) {
-            w->first_seq = seq + 1; /* retired after this superblock copy was written */
+            /* Retired after this superblock copy was written. Retirement removes the oldest
+             * first, so segments found before the missing one are older still and out of the
+             * log too (its removals may reach the disk in another order): a checkpoint entry
+             * into one is refused at this open, not at the first open after the next
+             * retirement's superblock stopped naming them. */
+            for (uint64_t q = w->first_seq; q < seq; q++) {
+                struct wal_segment *old = seg_of(w, q);
+                if (!old) continue;
+                seg_close(w, old);
+                w->gap_seq = seq;
+            }
+            w->first_seq = seq + 1;
             continue;
         }
         if (rc == IDEM_ENOTFOUND) break;

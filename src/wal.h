@@ -234,6 +234,9 @@ uint64_t wal_bytes(const struct wal *w); /* bytes of all segments */
 /* Where the next batch starts: a checkpoint taken now replays from here. */
 void wal_position(const struct wal *w, uint64_t *seq, uint32_t *off);
 uint64_t wal_first_seq(const struct wal *w);
+/* The last segment the open found missing below the replay segment with older ones present
+ * (left out of the log, with them), or 0. */
+uint64_t wal_gap_seq(const struct wal *w);
 uint64_t wal_batch(const struct wal *w);        /* the batch being filled */
 int64_t wal_last_clock_ms(const struct wal *w); /* clock of the last END frame replayed */
 /* ---- Compaction (compact.c) ---- */
