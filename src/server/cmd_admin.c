@@ -83,6 +83,7 @@ int cmd_stats_read(const srv *s, idem_stats *engine, cmd_stat *out)
     STAT("rejected_connections", s->rejected_connections);
     STAT("clients_closed_input_stalled", s->closed_input_stalled);
     STAT("clients_closed_output_stalled", s->closed_output_stalled);
+    STAT("reads_withdrawn", s->reads_withdrawn);
     STAT("io_buffer_bytes", s->io_used);
     STAT("claim_latency_us_count", s->claim_latencies);
     STAT("claim_latency_us_sum", s->claim_latency_us_sum);
@@ -158,7 +159,10 @@ static uint64_t read_reply_max(const srv *s, const srv_read_args *a)
  * the room memory pressure leaves, which then bounds it (a larger one is refused by name). */
 static void read_request(cmd_req *r, const srv_read_args *a)
 {
-    if (r->c->hung_up) return cmd_fail(r, "ERR the client left"); /* no one reads the reply */
+    if (r->c->hung_up) { /* no one reads the reply */
+        r->s->reads_withdrawn++;
+        return cmd_fail(r, "ERR the client left");
+    }
     srv_flush_ops(r->s);
     uint64_t most = read_reply_max(r->s, a), line = srv_reads_room(r->s);
     uint64_t room = srv_reply_room(r->s, most < line ? most : line);

@@ -13,7 +13,9 @@
  *   - While a read is out its connection is held open like one the engine owes a completion
  *     (engine_due): its struct lives until the read comes back, even if its socket is closed.
  *     A connection that closes withdraws its read if the thread has not begun it
- *     (srv_reads_cancel): reads of clients that are gone make no one else wait.
+ *     (srv_reads_cancel): reads of clients that are gone make no one else wait. Each read
+ *     withdrawn, or not handed over because its client had left (read_request), counts in
+ *     reads_withdrawn (IDEM.STATS).
  *     Reads hold no slot of the engine's queue q: engine_room leaves reads_out out.
  *   - The thread touches only the reads on reads_todo and reads_done (under reads_mu), the read
  *     it is making, q_reads and the store; everything else is the loop's.
@@ -198,6 +200,7 @@ int srv_reads_cancel(srv *s, srv_conn *c, uint32_t *seq)
     s->engine_due--;
     s->reads_out--;
     s->reads_owed -= found->room;
+    s->reads_withdrawn++;
     *seq = found->seq;
     read_recycle(s, found);
     return 1;

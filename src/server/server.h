@@ -319,8 +319,9 @@ typedef struct srv {
     srv_read *reads_free;                                /* the loop's */
     uint32_t reads_kept;                                 /* on reads_free */
     uint32_t reads_out;                                  /* handed to the thread, not back */
-    uint32_t reads_delay_ms; /* tests (--test-clock): each read waits this long first */
-    int64_t unauth_ms;       /* SRV_UNAUTH_MS, or IDEM_TEST_AUTH_WITHIN_MS under --test-clock */
+    uint64_t reads_withdrawn; /* reads not made because their client left (IDEM.STATS) */
+    uint32_t reads_delay_ms;  /* tests (--test-clock): each read waits this long first */
+    int64_t unauth_ms;        /* SRV_UNAUTH_MS, or IDEM_TEST_AUTH_WITHIN_MS under --test-clock */
 } srv;
 
 /* ---- main.c ---- */

@@ -1,6 +1,7 @@
 """idemd_server.py: starts and stops idemd for the Python tests (temp dir, free 127.0.0.1 port,
 unix socket), waits until it is ready, and gives redis-py clients for the worker (TCP) and
-admin (unix socket) roles. Not a test itself."""
+admin (unix socket) roles, and raw connections whose replies can be looked for without waiting.
+Not a test itself."""
 
 import atexit
 import ctypes
@@ -143,6 +144,83 @@ class Idemd:
         if self.own_tmp and not keep and os.environ.get("KEEP_TMP") != "1":
             shutil.rmtree(self.tmp, ignore_errors=True)
         return rc
+
+
+def resp(*args):
+    """One request in RESP's multi-bulk form."""
+    out = [b"*%d\r\n" % len(args)]
+    for a in args:
+        a = a if isinstance(a, bytes) else str(a).encode()
+        out.append(b"$%d\r\n%s\r\n" % (len(a), a))
+    return b"".join(out)
+
+
+class RawConn:
+    """A connection on the unix socket driven by hand: a request is sent at once, and whether
+    its reply has come can be asked without waiting (pending). Not a redis-py client: that one
+    sends and reads in one call."""
+
+    def __init__(self, path, timeout=70):
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(timeout)
+        self.sock.connect(path)
+        self.buf = b""
+
+    def send(self, *args):
+        self.sock.sendall(resp(*args))
+
+    def pending(self):
+        """True while no byte of a reply has come: asks, never waits. (With a timeout set,
+        Python polls for readability before recv, MSG_DONTWAIT or not: the socket is made
+        non-blocking for the look.)"""
+        if self.buf:
+            return False
+        timeout = self.sock.gettimeout()
+        self.sock.settimeout(0)
+        try:
+            return not self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return True
+        finally:
+            self.sock.settimeout(timeout)
+
+    def _line(self):
+        while b"\r\n" not in self.buf:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("closed before the reply's end: %r" % self.buf)
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\r\n", 1)
+        return line
+
+    def reply(self):
+        """Reads one reply: bytes, int, None, a list, or redis.ResponseError for an error."""
+        line = self._line()
+        kind, rest = line[:1], line[1:]
+        if kind == b"+":
+            return rest
+        if kind == b"-":
+            return redis.ResponseError(rest.decode(errors="replace"))
+        if kind == b":":
+            return int(rest)
+        if kind == b"$":
+            n = int(rest)
+            if n < 0:
+                return None
+            while len(self.buf) < n + 2:
+                chunk = self.sock.recv(65536)
+                if not chunk:
+                    raise ConnectionError("closed in a bulk string")
+                self.buf += chunk
+            data, self.buf = self.buf[:n], self.buf[n + 2:]
+            return data
+        if kind == b"*":
+            n = int(rest)
+            return None if n < 0 else [self.reply() for _ in range(n)]
+        raise ValueError("not a RESP reply: %r" % line)
+
+    def close(self):
+        self.sock.close()
 
 
 def record(reply):

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import redis  # noqa: E402
 
-from idemd_server import Idemd, record, stats  # noqa: E402
+from idemd_server import Idemd, RawConn, record, stats  # noqa: E402
 
 DAY = 86400000
 
@@ -76,6 +76,25 @@ class Base(unittest.TestCase):
                 return
             time.sleep(0.01)
         self.fail("%d waiters did not park on %s" % (n, key))
+
+    def commands_total(self):
+        """idemd's total_commands, read by an IDEM.STATS on the admin connection (counted too)."""
+        return stats(self.a)["total_commands"]
+
+    def wait_parsed(self, base, n):
+        """Waits until idemd has parsed n more commands than the commands_total() that gave
+        base, the IDEM.STATS calls made here left out: a read is handed to the reads thread as
+        it is parsed, so this is when it is queued there, where a sleep only hoped so. Only for
+        a test whose other clients are quiet meanwhile."""
+        deadline = time.monotonic() + 30
+        polls = 0
+        while True:
+            polls += 1
+            got = self.commands_total() - base - polls
+            if got >= n or time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+        self.assertEqual(got, n, "commands parsed since the base")
 
     def new_token(self, key, *opts, lease=30000, ttl=DAY):
         r = self.claim(key, ttl, lease, *opts)
@@ -256,10 +275,14 @@ class Claims(Base):
         self.assertEqual(self.w.pttl(k), 10000)
         self.assertEqual(self.w.ttl(k), 10)
         self.assertEqual(self.claim(k), [b"done", b"v1"])
-        with self.assertRaises(redis.ResponseError):
+        # Refused by name, saying why (redis-py strips the "ERR "), as redis-cli shows them.
+        with self.assertRaises(redis.ResponseError) as cm:
             self.w.set(k, "v4")
-        with self.assertRaises(redis.ResponseError):
+        self.assertTrue(str(cm.exception).startswith("SET without NX is refused: "), cm.exception)
+        with self.assertRaises(redis.ResponseError) as cm:
             self.w.expire(k, 100)
+        self.assertTrue(str(cm.exception).startswith("EXPIRE is refused: "), cm.exception)
+        self.assertEqual(self.w.get(k), b"v1")
         self.assertEqual(self.w.pttl(k), 10000)
 
     def test_del_none_if_any_unfinished(self):
@@ -364,7 +387,9 @@ class Operators(Base):
         self.assertEqual(self.claim(k), [b"done", b"inv-7"])
         rec = self.get(k)
         self.assertEqual(rec["note"], b"ledger checked")
-        self.error("IDEM.RESOLVE", k, "release", "again", client=self.a)  # committed: refused
+        err = self.error("IDEM.RESOLVE", k, "release", "again", client=self.a)
+        self.assertTrue(err.startswith("the record is committed: it has its outcome"), err)
+        self.assertEqual(self.claim(k), [b"done", b"inv-7"], "the refused resolve changed it")
         audit = [record(e) for e in self.cmd("IDEM.AUDIT", "KEY", k, client=self.a)]
         self.assertEqual(len(audit), 1)
         e = audit[0]
@@ -824,69 +849,90 @@ class Reads(SlowReads):
         k = self.key()
         self.new_token(k)
         self.cmd("IDEM.RESOLVE", k, "release", "slow read", "FORCE", client=self.a)
-        got = {}
-
-        def query():
-            c = self.srv.admin()
-            t0 = time.monotonic()
-            got["entries"] = c.execute_command("IDEM.AUDIT", "KEY", k)
-            got["secs"] = time.monotonic() - t0
-            c.close()
-
-        th = threading.Thread(target=query)
-        th.start()
-        time.sleep(0.2)  # the query is with the reads thread now
+        size = self.cmd("DBSIZE", client=self.a)
+        slow = RawConn(self.srv.sock)
+        base = self.commands_total()
         t0 = time.monotonic()
+        slow.send("IDEM.AUDIT", "KEY", k)
+        self.wait_parsed(base, 1)  # the query is with the reads thread now (a sleep hoped so)
         self.assertTrue(self.w.ping())
         self.new_token(self.key("other"))
-        self.assertEqual(self.cmd("DBSIZE", client=self.a), self.cmd("DBSIZE", client=self.a))
-        others = time.monotonic() - t0
-        th.join()
-        self.assertLess(others, self.DELAY / 2, "other clients waited %.2f s for a read" % others)
-        self.assertGreater(got["secs"], self.DELAY * 0.9, "the query did not go to the thread")
-        entries = [record(e) for e in got["entries"]]
+        self.assertEqual(self.cmd("DBSIZE", client=self.a), size + 1, "the claim made one key")
+        # Every other client was answered while the query was out: its reply has not come.
+        # (Made on the loop, the query would have been answered before any of them.)
+        self.assertTrue(slow.pending(), "the slow query was answered before the other clients")
+        entries = slow.reply()
+        secs = time.monotonic() - t0
+        slow.close()
+        self.assertGreater(secs, self.DELAY * 0.9, "the query did not wait its delay")
+        self.assertIsInstance(entries, list, entries)
+        entries = [record(e) for e in entries]
         self.assertEqual([e["reason"] for e in entries], [b"slow read"], entries)
 
     def test_requests_pipelined_after_a_read_are_applied_after_it(self):
+        # In review, so that IDEM.ATTENTION lists the key until the resolve and not after it
+        # (an in_flight key with a running lease is listed by neither).
         k = self.key()
-        self.new_token(k)
+        t = self.new_token(k)
+        self.assertEqual(self.cmd("IDEM.HOLD", k, t, "to review"), b"OK")
         p = self.a.pipeline(transaction=False)
         p.execute_command("IDEM.AUDIT", "KEY", k)
-        p.execute_command("IDEM.SCAN", 0, "STATE", "in_flight", "COUNT", 100000)
-        p.execute_command("IDEM.RESOLVE", k, "release", "after the reads", "FORCE")
+        p.execute_command("IDEM.SCAN", 0, "STATE", "review", "COUNT", 100000)
+        p.execute_command("IDEM.ATTENTION", "OLDER", 0)
+        p.execute_command("IDEM.RESOLVE", k, "release", "after the reads")
         p.execute_command("IDEM.AUDIT", "KEY", k)
         p.execute_command("IDEM.ATTENTION", "OLDER", 0)
-        before, scan, resolved, after, attention = p.execute()
+        before, scan, listed, resolved, after, attention = p.execute()
         self.assertEqual(before, [], "the first query saw the resolve pipelined after it")
-        self.assertIn(k.encode(), scan[1], "the scan missed the in_flight key")
+        self.assertIn(k.encode(), scan[1], "the scan missed the review key")
+        self.assertIn(k.encode(), [record(r)["key"] for r in listed],
+                      "the attention list before the resolve missed the review key")
         self.assertEqual(resolved, b"OK")
         self.assertEqual([record(e)["reason"] for e in after], [b"after the reads"])
-        self.assertNotIn(k.encode(), [record(r)["key"] for r in attention])
+        self.assertNotIn(k.encode(), [record(r)["key"] for r in attention],
+                         "the attention list after the resolve was made before it")
 
 
 class GoneReaders(SlowReads):
     """A client that sends a read and leaves withdraws it: the reads thread does not make it,
-    and those who stay do not wait behind it."""
+    and those who stay do not wait behind it. Counted in reads_withdrawn (IDEM.STATS)."""
 
     DELAY = 1.0
+    LEAVERS = 4
 
     def test_reads_of_clients_that_left_are_not_made(self):
-        import socket
-        for _ in range(5):
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.connect(self.srv.sock)
-            s.sendall(b"IDEM.SCAN 0\r\n")
-            time.sleep(0.05)  # read and handed to the thread
-            s.close()
-        time.sleep(0.2)  # the closes are seen
+        k = self.key()
+        self.new_token(k)
+        withdrawn = stats(self.a)["reads_withdrawn"]
+        # First in line, a client that stays: the thread makes its read (DELAY) while the
+        # others queue behind it, are handed over (parsed), and leave.
+        stay = RawConn(self.srv.sock)
+        base = self.commands_total()
+        stay.send("IDEM.SCAN", 0, "STATE", "in_flight")
+        self.wait_parsed(base, 1)
+        leavers = [RawConn(self.srv.sock) for _ in range(self.LEAVERS)]
+        base = self.commands_total()
+        for c in leavers:
+            c.send("IDEM.SCAN", 0)
+        self.wait_parsed(base, self.LEAVERS)  # received: each is queued for the thread
+        for c in leavers:
+            c.close()
+        deadline = time.monotonic() + 20
+        while (stats(self.a)["reads_withdrawn"] - withdrawn < self.LEAVERS
+               and time.monotonic() < deadline):
+            time.sleep(0.01)
+        # Each read of a client that left was withdrawn, not made; none of those that stay.
+        self.assertEqual(stats(self.a)["reads_withdrawn"] - withdrawn, self.LEAVERS,
+                         "reads of clients that left were not withdrawn")
+        scan = stay.reply()
+        stay.close()
+        self.assertIsInstance(scan, list, scan)
+        self.assertIn(k.encode(), scan[1])
         c = self.srv.admin(socket_timeout=30)
-        t0 = time.monotonic()
-        c.execute_command("IDEM.SCAN", 0)
-        took = time.monotonic() - t0
+        self.assertIn(k.encode(), c.execute_command("IDEM.SCAN", 0, "STATE", "in_flight")[1])
         c.close()
-        # The first read may be under way when its client leaves; the other four are withdrawn.
-        self.assertLess(took, self.DELAY * 2.6, "a read waited %.2f s behind reads of clients "
-                        "that left" % took)
+        self.assertEqual(stats(self.a)["reads_withdrawn"] - withdrawn, self.LEAVERS,
+                         "a read of a client that stayed was withdrawn")
 
 
 class ManyReads(SlowReads):
@@ -901,29 +947,27 @@ class ManyReads(SlowReads):
     def test_seventy_slow_reads_at_once_hold_up_no_other_client(self):
         k = self.key()
         self.new_token(k)
-        conns = []
-        for _ in range(self.READS):
-            c = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            c.connect(self.srv.sock)
-            c.sendall(b"IDEM.SCAN 0 STATE in_flight\r\n")
-            conns.append(c)
-        time.sleep(0.3)  # every scan is parsed and handed over by now
+        conns = [RawConn(self.srv.sock, timeout=self.READS * self.DELAY * 3 + 10)
+                 for _ in range(self.READS)]
+        base = self.commands_total()
+        for c in conns:
+            c.send("IDEM.SCAN", 0, "STATE", "in_flight")
+        self.wait_parsed(base, self.READS)  # every scan is parsed and handed over
         t0 = time.monotonic()
         self.assertTrue(self.w.ping())
         self.new_token(self.key("other"))
         others = time.monotonic() - t0
+        # The reads were queued before the claim and are not all made yet (the thread takes
+        # READS x DELAY for them): the last one's reply has not come.
+        self.assertTrue(conns[-1].pending(), "the last scan was answered before the claim")
         # Made on the loop, the reads past 64 would take (READS - 64) x DELAY; counted as
         # engine ops, they would hold the claim until 59 of them are done.
         self.assertLess(others, 1.0, "other clients waited %.2f s for reads" % others)
         # Every scan is answered, each with the in_flight key (the thread takes DELAY a read).
         for c in conns:
-            c.settimeout(self.READS * self.DELAY * 3 + 10)
-            got = b""
-            while k.encode() not in got:
-                chunk = c.recv(65536)
-                self.assertTrue(chunk, "closed before the scan's reply: %r" % got)
-                got += chunk
-            self.assertTrue(got.startswith(b"*2\r\n"), got)
+            got = c.reply()
+            self.assertIsInstance(got, list, got)
+            self.assertIn(k.encode(), got[1])
             c.close()
 
 
