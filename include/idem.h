@@ -57,7 +57,9 @@ enum idem_err {
     IDEM_EFATAL = -4,     /* a write or flush failed: the store acknowledges nothing more */
     IDEM_EFULL = -5,      /* a capacity limit or a full disk: nothing was changed or evicted */
     IDEM_ECORRUPT = -6,   /* a checksum or invariant failed on a file of the store; any call that
-                             reads a record answers this when the record fails its checksum */
+                             reads a record answers this when the record fails its checksum; an
+                             open answers it for a store an import was cut short in (it holds
+                             IDEM_IMPORT_MARKER: see idem_import_mark) */
     IDEM_EVERSION = -7,   /* the store's format version or features are unknown to this build */
     IDEM_ELOCKED = -8,    /* another process owns the directory (see idem_last_error) */
     IDEM_ENOTFOUND = -9,  /* owner or operator call on an absent key */
@@ -131,6 +133,9 @@ typedef struct idem_options {
     uint32_t result_bytes_max; /* 0: IDEM_RESULT_BYTES_DEFAULT; at most IDEM_RESULT_BYTES_LIMIT */
     uint32_t segment_bytes;    /* 0: 64 MiB; WAL segment size, a multiple of 4096, >= 1 MiB */
     const idem_clock_source *clock; /* NULL: system clocks; copied at open */
+    int importing; /* nonzero: an import's open: a store that holds IDEM_IMPORT_MARKER (an
+                      import into it was cut short) is opened, to import into it again; without
+                      it such a store is refused (IDEM_ECORRUPT) unless read_only */
 } idem_options;
 
 /* Fills *o with the defaults (sync, recover, auto backend, no limits). */
@@ -139,8 +144,10 @@ void idem_options_init(idem_options *o);
 /*
  * Opens (creating if absent) the store in directory `dir`, running recovery.
  * Returns IDEM_OK and sets *out, or: IDEM_EINVAL, IDEM_ELOCKED (another process owns it; the
- * message from idem_last_error names its pid and host), IDEM_ECORRUPT, IDEM_EVERSION,
- * IDEM_EIO, IDEM_ENOMEM, IDEM_EFULL (no space to create the store).
+ * message from idem_last_error names its pid and host), IDEM_ECORRUPT (also for a store that
+ * holds IDEM_IMPORT_MARKER, unless o->read_only, which opens it and says so on stderr, or
+ * o->importing), IDEM_EVERSION, IDEM_EIO, IDEM_ENOMEM, IDEM_EFULL (no space to create the
+ * store).
  * On failure, idem_last_error() (thread-local) describes the cause in a sentence.
  */
 int idem_open(const char *dir, const idem_options *o, idem_store **out)
@@ -497,7 +504,9 @@ int idem_verify(const char *dir, idem_verify_report *r,
  * (an export carries it: every token that store handed out is below it; 0 when not known), so
  * that no token the source gave out, even to a key since released or deleted, is given out
  * again. Returns once a reservation that covers token_next is durable: IDEM_OK, IDEM_EINVAL
- * (token_next out of 0..IDEM_TOKEN_MAX), or a store error.
+ * (token_next out of 0..IDEM_TOKEN_MAX), or a store error. An import into a store that existed
+ * before it marks the store first (idem_import_mark, below), so that a crash part-way leaves a
+ * store that idem_open refuses.
  */
 int idem_import_begin(idem_queue *q, int64_t token_next);
 /*
@@ -512,12 +521,41 @@ int idem_import_record(idem_queue *q, const idem_record *r);
  * becomes the next one). IDEM_EINVAL for a seq above INT64_MAX: later entries must have room to
  * number on from it. */
 int idem_import_audit(idem_queue *q, const idem_audit_entry *e);
+/*
+ * The import marker: a file of this name in a store's directory says that an import into the
+ * store began and has not finished, so the store may hold only part of an export. idem_open
+ * refuses such a store (IDEM_ECORRUPT, idem_last_error naming the file and what to do) unless it
+ * is opened read-only or with idem_options.importing. A store made by the import in a directory
+ * of its own, and given its name only once whole, needs none.
+ */
+#define IDEM_IMPORT_MARKER "IMPORTING"
+/*
+ * Creates dir/IDEM_IMPORT_MARKER (one line naming the process, its host and the time) and makes
+ * it durable with its directory. Call it with the store open for the import (its lock held) and
+ * before the first idem_import_begin, idem_import_record or idem_import_audit: from then on a
+ * crash leaves a store that open refuses. A marker already there (an import cut short, run
+ * again) is kept as it is. Returns IDEM_OK, IDEM_EINVAL, IDEM_EFULL or IDEM_EIO (nothing is left
+ * then); idem_last_error says why. Thread-safe.
+ */
+int idem_import_mark(const char *dir) __attribute__((warn_unused_result));
+/*
+ * Removes dir/IDEM_IMPORT_MARKER and makes that durable: call it once the import has read the
+ * whole export and idem_close returned IDEM_OK. Takes the store's lock for it: IDEM_ELOCKED while
+ * a process holds the store. Returns IDEM_OK (also when there was no marker), IDEM_EINVAL or
+ * IDEM_EIO. Thread-safe.
+ */
+int idem_import_unmark(const char *dir) __attribute__((warn_unused_result));
+/* 1 when dir holds IDEM_IMPORT_MARKER, 0 when not, IDEM_EINVAL or IDEM_EIO when that cannot be
+ * told (idem_last_error says why). Thread-safe. */
+int idem_import_marked(const char *dir);
 /* Makes dest_dir (absent) a copy of the backup in backup_dir, under a new store generation:
  * the restored store hands out tokens above every token the backup's store could have handed
  * out before the backup was taken, and reports the generation in its stats. As idem_backup, it
  * copies into "<dest_dir>.partial" and renames that to dest_dir once the copy is durable and
  * passes idem_verify (IDEM_ECORRUPT, naming the first fault, for a damaged backup). A backup_dir
- * that a process holds open for writing is refused (IDEM_ELOCKED). */
+ * that a process holds open for writing is refused (IDEM_ELOCKED). IDEM_IMPORT_MARKER is not
+ * copied: a caller that restores a marked backup marks dest_dir (idem_import_mark), as idemctl
+ * restore does. */
 int idem_restore(const char *backup_dir, const char *dest_dir);
 
 /* ---- Maintenance ---- */
@@ -536,7 +574,9 @@ int idem_compact(idem_store *s, int timeout_ms);
 /* Copies a consistent point-in-time image of the live store into the new directory dest. The
  * copy is made in "<dest>.partial" (which must not exist either) and renamed to dest once it is
  * whole and durable: dest never holds a copy cut short. A copy that fails removes its partial
- * directory; one cut short by a crash leaves it, and a later copy to dest refuses, naming it. */
+ * directory; one cut short by a crash leaves it, and a later copy to dest refuses, naming it.
+ * IDEM_IMPORT_MARKER is not copied: a caller that backs up a marked store (open read-only) marks
+ * dest (idem_import_mark), as idemctl backup does. */
 int idem_backup(idem_store *s, const char *dest_dir);
 
 /* ---- The store clock ---- */

@@ -30,6 +30,7 @@
 #include <xxhash.h>
 
 #include "filler.h"
+#include "import_mark.h"
 #include "remover.h"
 #include "util.h"
 
@@ -1482,6 +1483,7 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
             store_set_error("%s", err);
             goto fail;
         }
+        if ((rc = import_mark_check(dir, &s->opt)) < 0) goto fail;
     }
     char err[512] = "";
     rc = super_load(io, dir, &s->sb, !s->opt.read_only, err, sizeof err);

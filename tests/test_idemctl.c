@@ -8,6 +8,8 @@
  */
 #include <criterion/criterion.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdarg.h>
@@ -15,8 +17,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -847,9 +851,20 @@ Test(idemctl, import_into_a_store_that_holds_keys_needs_force, .init = setup, .f
 
     cr_assert_eq(ctl("import %s --dir %s", path, dir), 1);
     cr_assert(strstr(err, "already holds 13 keys") && strstr(err, "--force"), "%s", err);
+    char mark[4200];
+    snprintf(mark, sizeof mark, "%s/%s", dir, IDEM_IMPORT_MARKER);
+    cr_assert(access(mark, F_OK) < 0, "a refused import left its marker");
     cr_assert_eq(ctl("get order-2 --dir %s --json", dir), 0, "%s", err);
     cr_assert(strstr(out, "\"state\":\"in_flight\""), "the record is the live one: %s", out);
+    /* A file that is no export, refused before anything was written, leaves no marker either. */
+    char junk[4200];
+    snprintf(junk, sizeof junk, "echo '{\"type\":\"record\"}' > %s/junk.jsonl", scratch);
+    cr_assert_eq(system(junk), 0);
+    cr_assert_eq(ctl("import %s/junk.jsonl --dir %s --force", scratch, dir), 1);
+    cr_assert(strstr(err, "header"), "%s", err);
+    cr_assert(access(mark, F_OK) < 0, "an import that wrote nothing left its marker");
     cr_assert_eq(ctl("import %s --dir %s --force", path, dir), 0, "%s", err);
+    cr_assert(access(mark, F_OK) < 0, "a finished import left its marker");
     cr_assert_eq(ctl("get order-2 --dir %s --json", dir), 0, "%s", err);
     cr_assert(strstr(out, "\"result\":\"inv-2\""), "forced: the exported record: %s", out);
 }
@@ -883,9 +898,18 @@ Test(idemctl, an_export_cut_short_is_not_imported, .init = setup, .fini = teardo
     cr_assert_eq(ctl("import %s/exp.jsonl --dir %s", scratch, empty), 0, "%s", err);
     cr_assert(in_scratch("made/super") && !in_scratch("made.partial"));
     cr_assert(strstr(out, "imported 13 records"), "%s", out);
-    /* Into a store that holds keys (--force), what was written before the cut stays: said so. */
+    /* Into a store that holds keys (--force), what was written before the cut stays: said so.
+     * The store stays marked as an import cut short, so no writer opens it until an import of
+     * the whole export finishes. */
     cr_assert_eq(ctl("import %s/cut.jsonl --dir %s --force", scratch, empty), 1);
     cr_assert(strstr(err, "cut short") && strstr(err, "stay there"), "%s", err);
+    cr_assert(strstr(err, IDEM_IMPORT_MARKER), "%s", err);
+    cr_assert(in_scratch("made/" IDEM_IMPORT_MARKER));
+    cr_assert_eq(ctl("checkpoint --dir %s", empty), 1, "a store an import cut short was opened");
+    cr_assert(strstr(err, IDEM_IMPORT_MARKER), "%s", err);
+    cr_assert_eq(ctl("import %s/exp.jsonl --dir %s --force", scratch, empty), 0, "%s", err);
+    cr_assert(!in_scratch("made/" IDEM_IMPORT_MARKER));
+    cr_assert_eq(ctl("checkpoint --dir %s", empty), 0, "%s", err);
 
     idem_store *s;
     idem_queue *q;
@@ -911,6 +935,332 @@ Test(idemctl, an_export_cut_short_is_not_imported, .init = setup, .fini = teardo
     cr_assert(!in_scratch("im2") && !in_scratch("im2.partial"));
     cr_assert_eq(ctl("import %s/big.jsonl --dir %s/im2 --result-max 128KiB", scratch, scratch), 0,
                  "%s", err);
+}
+
+/* ---- The import marker: an import in place, killed part-way ---- */
+
+static char export_text[1 << 16]; /* export_with_decisions' export */
+
+/* The store of write_store with two operator decisions, exported to scratch/exp.jsonl (and
+ * export_text): a header, 12 records (held-1 was released), 2 audit entries, the end line. */
+static void export_with_decisions(void)
+{
+    write_store();
+    cr_assert_eq(ctl("resolve held-1 release --reason checked --dir %s", dir), 0, "%s", err);
+    cr_assert_eq(ctl("resolve late-1 commit --reason found --dir %s", dir), 0, "%s", err);
+    export_to_file();
+    snprintf(export_text, sizeof export_text, "%s", out);
+    cr_assert(strstr(export_text, "{\"type\":\"end\",\"records\":12,\"audit_entries\":2}"), "%s",
+              export_text);
+}
+
+/* The bytes of text's first n lines. */
+static size_t lines_len(const char *text, int n)
+{
+    const char *p = text;
+    for (int i = 0; i < n; i++) {
+        p = strchr(p, '\n');
+        cr_assert_not_null(p, "fewer than %d lines", n);
+        p++;
+    }
+    return (size_t)(p - text);
+}
+
+/* A store made and left empty in scratch/rel, as idemd's first start leaves it. */
+static const char *empty_store(const char *rel)
+{
+    static char path[4200];
+    snprintf(path, sizeof path, "%s/%s", scratch, rel);
+    idem_store *s;
+    cr_assert_eq(idem_open(path, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    return path;
+}
+
+static int marked(const char *store)
+{
+    char p[4200];
+    snprintf(p, sizeof p, "%s/%s", store, IDEM_IMPORT_MARKER);
+    return access(p, F_OK) == 0;
+}
+
+/* The keys a read-only open finds in store. */
+static uint64_t keys_in(const char *store)
+{
+    idem_options o;
+    idem_options_init(&o);
+    o.read_only = 1;
+    idem_store *s;
+    cr_assert_eq(idem_open(store, &o, &s), IDEM_OK, "%s", idem_last_error());
+    idem_stats st;
+    idem_get_stats(s, &st);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    return st.keys;
+}
+
+/* idemctl import reading a FIFO that the test feeds: it imports each line it is given and then
+ * waits for more, so a kill lands after the line the test chose. */
+struct feed {
+    pid_t pid;
+    int fd; /* the FIFO's write end */
+    char fifo[PATH_MAX];
+};
+
+static void feed_start(struct feed *f, const char *target, int force)
+{
+    char path[4200], bin[4200], o[4200], e[4200];
+    snprintf(path, sizeof path, "%s/feed.fifo", scratch);
+    unlink(path);
+    cr_assert_eq(mkfifo(path, 0600), 0);
+    cr_assert_not_null(realpath(path, f->fifo)); /* as /proc names it */
+    snprintf(bin, sizeof bin, "%s/idemctl", build_dir());
+    snprintf(o, sizeof o, "%s/out", scratch);
+    snprintf(e, sizeof e, "%s/err", scratch);
+    f->pid = fork();
+    cr_assert_geq(f->pid, 0);
+    if (f->pid == 0) {
+        if (!freopen(o, "w", stdout) || !freopen(e, "w", stderr)) _exit(127);
+        execl(bin, "idemctl", "import", f->fifo, "--dir", target, force ? "--force" : (char *)NULL,
+              (char *)NULL);
+        _exit(127);
+    }
+    /* Opened once idemctl opens its end (a writer alone gets ENXIO without blocking). */
+    for (int i = 0; i < 3000; i++) {
+        f->fd = open(f->fifo, O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+        if (f->fd >= 0) break;
+        int st;
+        cr_assert_eq(waitpid(f->pid, &st, WNOHANG), 0, "idemctl ended before it read");
+        usleep(10000);
+    }
+    cr_assert_geq(f->fd, 0, "idemctl never opened %s", f->fifo);
+    cr_assert_eq(fcntl(f->fd, F_SETFL, 0), 0);
+}
+
+static void feed_write(struct feed *f, const char *p, size_t n)
+{
+    while (n > 0) {
+        ssize_t w = write(f->fd, p, n);
+        cr_assert_gt(w, 0, "write to the FIFO: %s", strerror(errno));
+        p += w;
+        n -= (size_t)w;
+    }
+}
+
+/* Waits until idemctl has imported every whole line written so far: the FIFO is empty, and
+ * after that its main thread sleeps in a read of the FIFO. stdio reads again only once its
+ * buffer is used up, and each record or audit entry is durable before the import reads on; a
+ * read that took the last bytes returns with them without sleeping, and /proc shows the
+ * syscall of a sleeping thread only ("running" otherwise), so that read is a later one. */
+static void feed_wait_reading(struct feed *f)
+{
+    for (int i = 0; i < 6000; i++) {
+        int st, queued = -1;
+        if (waitpid(f->pid, &st, WNOHANG) != 0) {
+            char e[4200];
+            snprintf(e, sizeof e, "%s/err", scratch);
+            slurp(e, err, sizeof err);
+            cr_assert_fail("idemctl ended while it was fed: %s", err);
+        }
+        cr_assert_eq(ioctl(f->fd, FIONREAD, &queued), 0, "FIONREAD: %s", strerror(errno));
+        char path[64], link[PATH_MAX];
+        long nr = -1;
+        unsigned long fd = 0;
+        snprintf(path, sizeof path, "/proc/%d/syscall", (int)f->pid);
+        FILE *p = queued == 0 ? fopen(path, "r") : NULL;
+        if (queued == 0 && !p) cr_skip_test("%s cannot be read here: %s", path, strerror(errno));
+        if (p && fscanf(p, "%ld 0x%lx", &nr, &fd) != 2) nr = -1;
+        if (p) fclose(p);
+        if (nr == SYS_read) {
+            snprintf(path, sizeof path, "/proc/%d/fd/%lu", (int)f->pid, fd);
+            ssize_t n = readlink(path, link, sizeof link - 1);
+            link[n > 0 ? n : 0] = 0;
+            if (strcmp(link, f->fifo) == 0) return;
+        }
+        usleep(5000);
+    }
+    cr_assert_fail("idemctl never came to wait for more of the export");
+}
+
+/* kill -9 of the import, as an OOM kill or a power loss cuts it short. */
+static void feed_kill(struct feed *f)
+{
+    int st;
+    cr_assert_eq(kill(f->pid, SIGKILL), 0);
+    cr_assert_eq(waitpid(f->pid, &st, 0), f->pid);
+    cr_assert(WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL, "idemctl ended on its own");
+    close(f->fd);
+    unlink(f->fifo);
+}
+
+/* The end of the FIFO: idemctl's exit code, its output in out and err. */
+static int feed_end(struct feed *f)
+{
+    int st;
+    close(f->fd);
+    cr_assert_eq(waitpid(f->pid, &st, 0), f->pid);
+    unlink(f->fifo);
+    char o[4200], e[4200];
+    snprintf(o, sizeof o, "%s/out", scratch);
+    snprintf(e, sizeof e, "%s/err", scratch);
+    slurp(o, out, sizeof out);
+    slurp(e, err, sizeof err);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/* idemd, started on store, exits at once with an error that names the marker. */
+static void idemd_refuses(const char *store)
+{
+    char bin[4200], cmd[16384], log[4200];
+    snprintf(bin, sizeof bin, "%s/idemd", build_dir());
+    if (access(bin, X_OK) != 0) {
+        cr_log_warn("build/idemd is missing: its refusal is not checked");
+        return;
+    }
+    snprintf(log, sizeof log, "%s/idemd.log", scratch);
+    snprintf(cmd, sizeof cmd, "timeout 30 %s --dir %s --socket %s/refused.sock --port 0 >%s 2>&1",
+             bin, store, scratch, log);
+    int st = system(cmd);
+    slurp(log, err, sizeof err);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) != 0 && WEXITSTATUS(st) != 124,
+              "idemd ran on a store an import cut short (status %d): %s", st, err);
+    cr_assert(strstr(err, IDEM_IMPORT_MARKER), "%s", err);
+}
+
+/* Found by a review of import: into a store that existed (here one idemd made at its first start
+ * and left empty) import writes in place, and nothing recorded that it ran. Killed part-way (an
+ * OOM kill, kill -9, a power loss), it left a store with part of the export that idemd opened as
+ * a whole one: redeliveries of the keys not yet imported got `new`, and their side effects ran
+ * twice. The store is now marked before the first record is written; every open that writes
+ * refuses it, by name, idemd's included; inspections still read it. */
+Test(idemctl, an_import_killed_part_way_leaves_a_store_no_writer_opens, .init = setup,
+     .fini = teardown)
+{
+    export_with_decisions();
+    const char *target = empty_store("target");
+    struct feed f;
+    feed_start(&f, target, 0);
+    feed_write(&f, export_text, lines_len(export_text, 7)); /* the header and 6 records */
+    feed_wait_reading(&f);
+    feed_kill(&f);
+
+    cr_assert_eq(keys_in(target), 6, "the 6 records imported are durable");
+    idem_store *s;
+    cr_assert_eq(idem_open(target, NULL, &s), IDEM_ECORRUPT,
+                 "a store that holds part of an import was opened");
+    cr_assert(strstr(idem_last_error(), IDEM_IMPORT_MARKER) &&
+                  strstr(idem_last_error(), "cut short") && strstr(idem_last_error(), "--force"),
+              "%s", idem_last_error());
+    idemd_refuses(target);
+    cr_assert_eq(ctl("resolve order-1 settle --reason x --dir %s", target), 1);
+    cr_assert(strstr(err, IDEM_IMPORT_MARKER), "%s", err);
+    cr_assert_eq(ctl("status --dir %s", target), 0, "an inspection was refused: %s", err);
+}
+
+/* The marker is durable before the first record is written and removed only once the whole
+ * export is in and the store closed: while the import runs the store holds it; after, it does
+ * not, and the store opens with every record. */
+Test(idemctl, an_import_in_place_marks_the_store_until_it_has_finished, .init = setup,
+     .fini = teardown)
+{
+    export_with_decisions();
+    const char *target = empty_store("target");
+    struct feed f;
+    feed_start(&f, target, 0);
+    size_t part = lines_len(export_text, 2); /* the header and one record */
+    feed_write(&f, export_text, part);
+    feed_wait_reading(&f);
+    cr_assert(marked(target), "no marker while the import ran");
+    feed_write(&f, export_text + part, strlen(export_text) - part);
+    cr_assert_eq(feed_end(&f), 0, "%s", err);
+    cr_assert(strstr(out, "imported 12 records and 2 audit entries"), "%s", out);
+    cr_assert(!marked(target), "the marker outlived the import");
+    idem_store *s;
+    idem_queue *q;
+    idem_completion c;
+    cr_assert_eq(idem_open(target, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
+    cr_assert_eq(idem_get(q, "order-9", 7, &c), IDEM_OK);
+    cr_assert(c.found && c.record.state == IDEM_STATE_COMMITTED);
+    idem_stats st;
+    idem_get_stats(s, &st);
+    cr_assert_eq(st.keys, 12);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+/* An import cut short is finished by running it again with --force (refused without it, saying
+ * why), however often it was cut: its records are written over, and the audit entries the runs
+ * before had written are not written twice. */
+Test(idemctl, an_import_cut_short_is_finished_by_running_it_again, .init = setup, .fini = teardown)
+{
+    export_with_decisions();
+    cr_assert_eq(ctl("audit --dir %s --json", dir), 0, "%s", err);
+    static char audit_src[1 << 16];
+    snprintf(audit_src, sizeof audit_src, "%s", out);
+    const char *target = empty_store("target");
+    struct feed f;
+    feed_start(&f, target, 0);
+    feed_write(&f, export_text, lines_len(export_text, 7)); /* among the records */
+    feed_wait_reading(&f);
+    feed_kill(&f);
+    cr_assert_eq(ctl("import %s/exp.jsonl --dir %s", scratch, target), 1);
+    cr_assert(strstr(err, IDEM_IMPORT_MARKER) && strstr(err, "cut short") && strstr(err, "--force"),
+              "%s", err);
+
+    feed_start(&f, target, 1);
+    feed_write(&f, export_text, lines_len(export_text, 14)); /* and the first audit entry */
+    feed_wait_reading(&f);
+    feed_kill(&f);
+    cr_assert(marked(target), "the marker went with a run cut short");
+    idem_store *s;
+    cr_assert_eq(idem_open(target, NULL, &s), IDEM_ECORRUPT,
+                 "a store that holds part of an import was opened");
+
+    cr_assert_eq(ctl("import %s/exp.jsonl --dir %s --force", scratch, target), 0, "%s", err);
+    cr_assert(strstr(out, "imported 12 records and 2 audit entries"), "%s", out);
+    cr_assert(!marked(target), "the marker outlived the import");
+    cr_assert_eq(ctl("audit --dir %s --json", target), 0, "%s", err);
+    cr_assert_str_eq(out, audit_src, "the trail is not the exported one");
+    cr_assert_eq(ctl("get order-1 --dir %s --json", target), 0, "%s", err);
+    cr_assert(strstr(out, "\"result\":\"inv-1\"") && strstr(out, "\"mismatch_count\":1"), "%s",
+              out);
+    cr_assert_eq(idem_open(target, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    idem_stats st;
+    idem_get_stats(s, &st);
+    cr_assert_eq(st.keys, 12);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+/* Inspections open a store an import cut short and say so; verify counts the marker as a fault;
+ * backup --dir and restore carry it to the copy, which would otherwise open as a whole store. */
+Test(idemctl, inspections_report_the_import_marker_and_copies_keep_it, .init = setup,
+     .fini = teardown)
+{
+    write_store();
+    char mark[4200];
+    snprintf(mark, sizeof mark, "%s/%s", dir, IDEM_IMPORT_MARKER);
+    FILE *m = fopen(mark, "w");
+    cr_assert_not_null(m);
+    fclose(m);
+    cr_assert_eq(ctl("status --dir %s", dir), 0, "%s", err);
+    cr_assert(strstr(err, "import_unfinished"), "%s", err);
+    cr_assert_eq(ctl("verify %s", dir), 1, "%s", out);
+    cr_assert(strstr(out, "sound") && strstr(out, "import unfinished"), "%s", out);
+    cr_assert(strstr(err, "--force"), "%s", err);
+    cr_assert_eq(ctl("verify %s --json", dir), 1, "%s", out);
+    cr_assert(strstr(out, "\"import_unfinished\":true"), "%s", out);
+    cr_assert_eq(ctl("backup %s/b --dir %s", scratch, dir), 0, "%s", err);
+    cr_assert(in_scratch("b/" IDEM_IMPORT_MARKER), "the backup lost the marker");
+    cr_assert_eq(ctl("restore %s/b %s/r", scratch, scratch), 0, "%s", err);
+    cr_assert(in_scratch("r/" IDEM_IMPORT_MARKER), "the restored store lost the marker");
+    char r[4200];
+    snprintf(r, sizeof r, "%s/r", scratch);
+    idem_store *s;
+    cr_assert_eq(idem_open(r, NULL, &s), IDEM_ECORRUPT, "a copy of a marked store opened");
+
+    cr_assert_eq(unlink(mark), 0);
+    cr_assert_eq(ctl("verify %s --json", dir), 0, "%s", out);
+    cr_assert(strstr(out, "\"import_unfinished\":false"), "%s", out);
 }
 
 /* Keys printed in tables and by scan can be given back: a long key is printed whole (tables

@@ -206,6 +206,8 @@ static int offline_open(struct ctl *c, const struct ctl_opts *o, int access)
     idem_options opt;
     idem_options_init(&opt);
     opt.read_only = access == CTL_READ || access == CTL_OFFLINE_READ;
+    /* Only import may take a store that an import cut short (IDEM_IMPORT_MARKER): to finish. */
+    opt.importing = access == CTL_CREATE;
     if (o->result_max) opt.result_bytes_max = (uint32_t)o->result_max;
     int rc = idem_open(dir, &opt, &c->s);
     if (rc != IDEM_OK) {

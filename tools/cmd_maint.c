@@ -3,6 +3,11 @@
  * (online through idemd's IDEM.BACKUP, or of a stopped store opened read-only), restore,
  * export (JSON Lines, read-only), import (into a new or empty store), checkpoint and compact.
  * All but backup work on a stopped store directory through include/idem.h.
+ *
+ * An import into a store that exists is written in place, so it marks the store
+ * (IDEM_IMPORT_MARKER) before its first write and removes the marker only once the whole export
+ * is in and the store closed: a crash part-way leaves a store that idemd refuses. verify reports
+ * the marker as a fault; backup --dir and restore carry it to the copy.
  */
 #include <dirent.h>
 #include <errno.h>
@@ -58,7 +63,17 @@ static void bar_progress(void *ctx, uint64_t done, uint64_t total)
     fflush(stderr);
 }
 
-static void verify_print(const char *dir, const idem_verify_report *r, const struct ctl_opts *o)
+/* What an operator is told of a store that an import cut short (IDEM_IMPORT_MARKER). */
+static void import_marked_say(const char *dir)
+{
+    ctl_err("%s holds %s: an import into it was cut short, and it may hold only part of the "
+            "export; idemd refuses it until the import is run again with --force (or the file is "
+            "removed once the store is known to hold what it should)",
+            dir, IDEM_IMPORT_MARKER);
+}
+
+static void verify_print(const char *dir, const idem_verify_report *r, int marked,
+                         const struct ctl_opts *o)
 {
     if (o->json) {
         struct jw j;
@@ -74,6 +89,8 @@ static void verify_print(const char *dir, const idem_verify_report *r, const str
         jw_kuint(&j, "checkpoint_entries", r->checkpoint_entries);
         jw_kuint(&j, "audit_entries", r->audit_entries);
         jw_kuint(&j, "index_entries", r->index_entries);
+        jw_key(&j, "import_unfinished");
+        jw_bool(&j, marked);
         jw_obj_end(&j);
         fputc('\n', stdout);
         return;
@@ -89,6 +106,9 @@ static void verify_print(const char *dir, const idem_verify_report *r, const str
     else
         printf("%ssound%s: every checksum and invariant holds\n", col(o, CTL_C_GREEN),
                col(o, CTL_C_RESET));
+    if (marked)
+        printf("%simport unfinished%s: %s/%s says an import into the store was cut short\n",
+               col(o, CTL_C_RED), col(o, CTL_C_RESET), dir, IDEM_IMPORT_MARKER);
 }
 
 int cmd_verify(const struct ctl_opts *o)
@@ -109,11 +129,32 @@ int cmd_verify(const struct ctl_opts *o)
         ctl_err("verify %s: %s (%s)", dir, idem_last_error(), idem_strerror(rc));
         return CTL_FAIL;
     }
-    verify_print(dir, &r, o);
-    return r.errors ? CTL_FAIL : CTL_OK;
+    /* A store an import cut short checks out, yet holds only part of an export: a fault. */
+    int marked = idem_import_marked(dir);
+    if (marked < 0) {
+        ctl_err("verify %s: %s", dir, idem_last_error());
+        return CTL_FAIL;
+    }
+    verify_print(dir, &r, marked, o);
+    if (marked) import_marked_say(dir);
+    return r.errors || marked ? CTL_FAIL : CTL_OK;
 }
 
 /* ---- backup, restore, checkpoint ---- */
+
+/* dest, a copy of the store in src that an import cut short, is marked as its source is. */
+static int copy_marked(const char *src, const char *dest)
+{
+    import_marked_say(src);
+    int err = idem_import_mark(dest);
+    if (err != IDEM_OK) {
+        ctl_err("cannot mark the copy %s as its source is: %s (%s); remove the copy", dest,
+                idem_last_error(), idem_strerror(err));
+        return CTL_FAIL;
+    }
+    ctl_err("the copy %s is marked the same way (%s)", dest, IDEM_IMPORT_MARKER);
+    return 0;
+}
 
 int cmd_backup(const struct ctl_opts *o)
 {
@@ -121,8 +162,16 @@ int cmd_backup(const struct ctl_opts *o)
     struct ctl c;
     int rc = ctl_connect(&c, o, CTL_READ); /* offline: the files as they are, nothing repaired */
     if (rc) return rc;
+    /* The engine copies the store's files, not its import marker: the copy of a store that an
+     * import cut short is marked here, or it would open as a whole store. */
+    int marked = c.online ? 0 : idem_import_marked(o->dir);
+    if (marked < 0) {
+        ctl_err("backup of %s: %s", o->dir, idem_last_error());
+        return ctl_disconnect(&c, CTL_FAIL);
+    }
     rc = ctl_disconnect(&c, ctl_backup(&c, o->pos[0]));
     if (rc) return rc;
+    if (marked && (rc = copy_marked(o->dir, o->pos[0])) != 0) return rc;
     if (o->json)
         printf("{\"backup\":\"ok\"}\n");
     else
@@ -136,12 +185,18 @@ int cmd_restore(const struct ctl_opts *o)
         ctl_err("restore takes BACKUP and DEST only");
         return CTL_USAGE;
     }
+    int marked = idem_import_marked(o->pos[0]);
+    if (marked < 0) {
+        ctl_err("restore of %s: %s", o->pos[0], idem_last_error());
+        return CTL_FAIL;
+    }
     int err = idem_restore(o->pos[0], o->pos[1]);
     if (err != IDEM_OK) {
         ctl_err("restore of %s into %s failed: %s (%s)", o->pos[0], o->pos[1], idem_strerror(err),
                 idem_last_error());
         return CTL_FAIL;
     }
+    if (marked && (err = copy_marked(o->pos[0], o->pos[1])) != 0) return err;
     if (o->json)
         printf("{\"restore\":\"ok\"}\n");
     else
@@ -485,7 +540,26 @@ struct import_state {
     int ended;          /* the end line was read */
     uint64_t nrec, naud;
     uint32_t result_max; /* the store's result limit, to name it when a result passes it */
+    int rerun;           /* the store held IDEM_IMPORT_MARKER: an import cut short, run again */
+    uint64_t naud_in;    /* audit entries of naud the cut-short import had written already */
+    uint64_t writes;     /* records and audit entries handed to the store (some may be in) */
 };
+
+/* A re-run of an import cut short: whether the trail holds e as that import wrote it. An entry
+ * keeps its seq when the trail had none as high (a store that held no decisions before the
+ * import), so the entry of that seq is compared whole. 1, 0, or a negative idem_err. */
+static int audit_in_already(struct ctl *c, const idem_audit_entry *e)
+{
+    const idem_audit_entry *a = NULL;
+    size_t n = 0;
+    int rc = idem_audit_page(c->q, NULL, 0, e->seq + 1, 1, &a, &n); /* the newest seq <= e's */
+    if (rc != IDEM_OK) return rc;
+    if (n != 1 || a->seq != e->seq || a->at_ms != e->at_ms || a->key_len != e->key_len) return 0;
+    return !strcmp(a->actor, e->actor) && !strcmp(a->action, e->action) &&
+           !strcmp(a->reason, e->reason) && !memcmp(a->key, e->key, e->key_len) &&
+           a->state_before == e->state_before && a->state_after == e->state_after &&
+           a->version_before == e->version_before && a->version_after == e->version_after;
+}
 
 /* The header and the end line: 0, or prints why and returns CTL_FAIL. */
 static int import_frame_line(const char *file, uint64_t no, const struct jfield *f, int n,
@@ -567,6 +641,7 @@ static int import_line(struct ctl *c, const char *file, uint64_t no, const char 
     if (type && type->str && strcmp(type->str, "record") == 0) {
         idem_record r;
         line_record(&l, &r);
+        ist->writes += !l.err;
         rc = l.err ? IDEM_EINVAL : idem_import_record(c->q, &r);
         if (rc == IDEM_EINVAL && !l.err && r.result_len > ist->result_max) {
             ctl_err("%s:%llu: field result: %u bytes, over the store's limit of %u (import "
@@ -578,7 +653,10 @@ static int import_line(struct ctl *c, const char *file, uint64_t no, const char 
     } else if (type && type->str && strcmp(type->str, "audit") == 0) {
         idem_audit_entry e;
         line_audit(&l, &e);
-        rc = l.err ? IDEM_EINVAL : idem_import_audit(c->q, &e);
+        int in = !l.err && ist->rerun ? audit_in_already(c, &e) : 0;
+        ist->naud_in += in > 0;
+        ist->writes += !l.err && !in;
+        rc = l.err ? IDEM_EINVAL : in ? (in < 0 ? in : IDEM_OK) : idem_import_audit(c->q, &e);
         *naud += rc == IDEM_OK;
     } else {
         l.err = "type";
@@ -642,7 +720,7 @@ static int dir_empty(const char *path)
 /* Import writes records as they were, over any record of the same key, and no audit entry for
  * that: into a store that holds keys or decisions it would roll them back unseen. Such a store
  * takes an import only with --force. */
-static int import_target_empty(struct ctl *c, const char *dir)
+static int import_target_empty(struct ctl *c, const char *dir, int marked)
 {
     idem_stats st;
     const idem_audit_entry *e = NULL;
@@ -654,6 +732,13 @@ static int import_target_empty(struct ctl *c, const char *dir)
         return CTL_FAIL;
     }
     if (st.keys == 0 && n == 0) return 0;
+    if (marked) {
+        ctl_err("%s holds %s and %llu keys%s: an import into it was cut short; run the import "
+                "again with --force to finish it (it writes over the records of the same keys)",
+                dir, IDEM_IMPORT_MARKER, (unsigned long long)st.keys,
+                n ? " and operator decisions" : "");
+        return CTL_FAIL;
+    }
     ctl_err("%s already holds %llu keys%s: import writes over records without an audit entry; "
             "import into a new directory, or pass --force",
             dir, (unsigned long long)st.keys, n ? " and operator decisions" : "");
@@ -669,9 +754,44 @@ static int rm_one(const char *path, const struct stat *st, int flag, struct FTW 
     return remove(path) < 0 ? -1 : 0;
 }
 
+/* Marks the store in dir, opened for an import in place, before the import's first write
+ * (marked: it holds the marker of an import cut short already, which stays as it is). */
+static int import_mark(struct import_state *ist, const char *dir, int marked)
+{
+    int err = idem_import_mark(dir);
+    if (err != IDEM_OK) {
+        ctl_err("cannot mark %s for the import: %s (%s)", dir, idem_last_error(),
+                idem_strerror(err));
+        return CTL_FAIL;
+    }
+    ist->rerun = marked;
+    return 0;
+}
+
+/* After an import in place, the store closed: the marker goes once the whole export is in and
+ * the close succeeded (rc 0), or when this run found no marker and handed nothing to the store
+ * (it holds what it held). Otherwise it stays, and the store is refused until an import
+ * finishes. Returns rc, or CTL_FAIL if the marker could not be removed. */
+static int import_unmark(const char *dir, int rc, const struct import_state *ist)
+{
+    if (rc != 0 && (ist->rerun || ist->writes)) {
+        ctl_err("%s keeps its marker %s: idemd refuses the store until an import into it "
+                "finishes; import the whole export again with --force (or remove the store and "
+                "import into a new directory)",
+                dir, IDEM_IMPORT_MARKER);
+        return rc;
+    }
+    int err = idem_import_unmark(dir);
+    if (err == IDEM_OK) return rc;
+    ctl_err("cannot remove the marker %s/%s: %s (%s)%s", dir, IDEM_IMPORT_MARKER, idem_last_error(),
+            idem_strerror(err), rc == 0 ? "; the import is whole: remove the file" : "");
+    return CTL_FAIL;
+}
+
 /* Into a directory that does not exist, the store is made in DIR.partial and renamed to DIR
  * once the whole file is in and the store is closed: DIR never holds an import cut short. An
- * existing directory (empty, or a store with --force) is written in place. */
+ * existing directory (empty, or a store with --force) is written in place, marked
+ * (IDEM_IMPORT_MARKER) from before the first write until the store is closed after the last. */
 int cmd_import(const struct ctl_opts *o)
 {
     struct ctl_opts oo;
@@ -717,13 +837,23 @@ int cmd_import(const struct ctl_opts *o)
     }
     if (staged) oo.dir = partial;
     struct ctl c;
+    struct import_state ist = {.result_max = o->result_max ? (uint32_t)o->result_max
+                                                           : IDEM_RESULT_BYTES_DEFAULT};
     rc = ctl_connect(&c, &oo, CTL_CREATE);
-    if (rc == 0 && !o->force) rc = import_target_empty(&c, oo.dir);
+    /* In place, from here on the store is open: its lock is held. */
+    int marked = rc == 0 && !staged ? idem_import_marked(dest) : 0, marking = 0;
+    if (marked < 0) {
+        ctl_err("cannot import into %s: %s", dest, idem_last_error());
+        rc = CTL_FAIL;
+    }
+    if (rc == 0 && !o->force) rc = import_target_empty(&c, oo.dir, marked);
+    if (rc == 0 && !staged) {
+        rc = import_mark(&ist, dest, marked);
+        marking = rc == 0;
+    }
     char *text = NULL;
     size_t cap = 0;
     uint64_t no = 0;
-    struct import_state ist = {.result_max = o->result_max ? (uint32_t)o->result_max
-                                                           : IDEM_RESULT_BYTES_DEFAULT};
     for (size_t len; rc == 0;) {
         int got = read_line(in, &text, &cap, &len);
         if (got == 0) break;
@@ -781,9 +911,14 @@ int cmd_import(const struct ctl_opts *o)
         ctl_err("%llu records and %llu audit entries read before that were written into the "
                 "store %s, which existed (it is written in place), and stay there",
                 (unsigned long long)ist.nrec, (unsigned long long)ist.naud, dest);
-    if (rc == 0)
-        printf(o->json ? "{\"records\":%llu,\"audit_entries\":%llu}\n"
-                       : "imported %llu records and %llu audit entries\n",
-               (unsigned long long)ist.nrec, (unsigned long long)ist.naud);
+    if (marking) rc = import_unmark(dest, rc, &ist);
+    if (rc == 0 && o->json)
+        printf("{\"records\":%llu,\"audit_entries\":%llu}\n", (unsigned long long)ist.nrec,
+               (unsigned long long)ist.naud);
+    else if (rc == 0)
+        printf("imported %llu records and %llu audit entries%s\n", (unsigned long long)ist.nrec,
+               (unsigned long long)ist.naud,
+               ist.naud_in ? " (some audit entries were in already, from the import cut short)"
+                           : "");
     return rc;
 }

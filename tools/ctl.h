@@ -66,7 +66,8 @@ enum ctl_access {
     CTL_WRITE = 2,        /* online, or offline read-write */
     CTL_OFFLINE = 3,      /* offline only, read-write */
     CTL_OFFLINE_READ = 4, /* offline only, read-only */
-    CTL_CREATE = 5,       /* offline only, read-write; a directory without a store gets one */
+    CTL_CREATE = 5,       /* offline only, read-write; a directory without a store gets one,
+                             and a store an import cut short opens (import only) */
 };
 
 struct ctl {

@@ -75,7 +75,8 @@ static const struct subcmd cmds[] = {
     {"verify", cmd_verify, 0, 1, 0, "verify [DIR]",
      "Offline, read-only check of every checksum and invariant of a stopped store (DIR, or\n"
      "--dir): superblock copies, every log frame, the checkpoint, the audit trail, the index.\n"
-     "Exit 1 on any fault. Never modifies the store."},
+     "Exit 1 on any fault, and on a store an import was cut short in (it holds IMPORTING).\n"
+     "Never modifies the store."},
     {"backup", cmd_backup, 1, 1, 0, "backup DEST [--socket PATH | --dir DIR]",
      "Copies a consistent point-in-time image of the store into the new directory DEST: online,\n"
      "idemd copies its live store (IDEM.BACKUP, admin; DEST is a path on idemd's host; changes\n"
@@ -94,8 +95,10 @@ static const struct subcmd cmds[] = {
      "were. For a store no worker uses yet: a store that holds keys or decisions is refused\n"
      "unless --force (import writes over records of the same keys, without audit entries).\n"
      "A DIR that is absent or empty is made as DIR.partial and named DIR once the whole file is\n"
-     "in; an export cut short (no end line) is refused. --result-max: the store's result limit,\n"
-     "as idemd's (default 64KiB)."},
+     "in; an export cut short (no end line) is refused. A store that exists is written in\n"
+     "place and holds DIR/IMPORTING until the import has finished: a store an import was cut\n"
+     "short in is refused by idemd; run the same import again with --force to finish it.\n"
+     "--result-max: the store's result limit, as idemd's (default 64KiB)."},
     {"checkpoint", cmd_checkpoint, 0, 0, 0, "checkpoint --dir DIR",
      "Writes a checkpoint of the stopped store's index, so the next open need not replay the log."},
     {"compact", cmd_compact, 0, 0, 0, "compact --dir DIR",
