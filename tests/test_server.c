@@ -1720,6 +1720,9 @@ Test(server, pipelined_replies_come_in_order, .init = start)
 
 /* ---- concurrency ---- */
 
+/* Exactly one new, and it is the winner's: the record names the winner's owner and token, the
+ * winner commits with its token, and a loser's token is stale. Counts alone held with replies
+ * matched to the wrong requests, or a record written by a loser (a test review). */
 Test(server, sixty_four_connections_race_one_key, .init = start)
 {
     enum { N = 64 };
@@ -1727,21 +1730,40 @@ Test(server, sixty_four_connections_race_one_key, .init = start)
     for (int i = 0; i < N; i++)
         c[i] = connect_tcp();
     for (int i = 0; i < N; i++)
-        redisAppendCommand(c[i], "IDEM.CLAIM race 60000 10000");
+        redisAppendCommand(c[i], "IDEM.CLAIM race 60000 10000 OWNER r%d", i);
     for (int i = 0; i < N; i++) /* send all before reading any */
         for (int done = 0; !done;)
             cr_assert_eq(redisBufferWrite(c[i], &done), REDIS_OK);
-    int news = 0, busys = 0;
+    int news = 0, busys = 0, winner = -1;
+    long long token = 0;
     for (int i = 0; i < N; i++) {
         redisReply *r;
         cr_assert_eq(redisGetReply(c[i], (void **)&r), REDIS_OK);
-        const char *o = outcome(r, NULL);
-        news += strcmp(o, "new") == 0;
-        busys += strcmp(o, "busy") == 0;
-        redisFree(c[i]);
+        long long n = 0;
+        const char *o = outcome(r, &n);
+        if (strcmp(o, "new") == 0) {
+            news++;
+            winner = i;
+            token = n;
+        } else {
+            cr_assert_str_eq(o, "busy", "racer %d: %s", i, o);
+            cr_assert(n > 0 && n <= 10000, "racer %d: lease_left %lld", i, n);
+            busys++;
+        }
     }
     cr_assert_eq(news, 1);
     cr_assert_eq(busys, N - 1);
+    redisReply *rec = cmd(c[0], "IDEM.GET race");
+    char owner[16];
+    snprintf(owner, sizeof owner, "r%d", winner);
+    cr_assert_str_eq(field_of(rec, "owner"), owner);
+    cr_assert_eq(atoll(field_of(rec, "token")), token);
+    freeReplyObject(rec);
+    int loser = winner == 0 ? 1 : 0;
+    expect_error(cmd(c[loser], "IDEM.COMMIT race %lld x", token + 1), "STALE");
+    expect_status(cmd(c[winner], "IDEM.COMMIT race %lld x", token), "OK");
+    for (int i = 0; i < N; i++)
+        redisFree(c[i]);
 }
 
 Test(server, wait_is_woken_by_commit, .init = start)

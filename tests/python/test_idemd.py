@@ -1098,7 +1098,8 @@ class Wire(Base):
                 def run(i):
                     barrier.wait()
                     try:
-                        out[i] = clients[i].execute_command("IDEM.CLAIM", k, DAY, 30000)
+                        out[i] = clients[i].execute_command(
+                            "IDEM.CLAIM", k, DAY, 30000, "OWNER", "t%d" % i)
                     except Exception as e:
                         out[i] = e
 
@@ -1111,7 +1112,21 @@ class Wire(Base):
                 outcomes = [r[0] if isinstance(r, list) else r for r in out]
                 self.assertEqual(outcomes.count(b"new"), 1, outcomes)
                 self.assertEqual(outcomes.count(b"busy"), nthreads - 1, outcomes)
-                self.assertEqual(self.get(k)["seen_count"], str(nthreads).encode())
+                rec = self.get(k)
+                self.assertEqual(rec["seen_count"], str(nthreads).encode())
+                # The one new is the winner's: its owner and token are the record's, it
+                # commits with the token, and a token no claim was given is stale.
+                win = outcomes.index(b"new")
+                token = out[win][1]
+                self.assertEqual(rec["owner"], b"t%d" % win)
+                self.assertEqual(int(rec["token"]), token)
+                for i, r in enumerate(out):
+                    if i != win:
+                        self.assertTrue(0 < r[1] <= 30000, (i, r))
+                with self.assertRaisesRegex(redis.ResponseError, "^STALE"):
+                    clients[(win + 1) % nthreads].execute_command(
+                        "IDEM.COMMIT", k, token + 1, "x")
+                self.assertEqual(clients[win].execute_command("IDEM.COMMIT", k, token, "x"), b"OK")
             # SET NX race: exactly one sets
             k = self.key("set")
             barrier = threading.Barrier(nthreads)
