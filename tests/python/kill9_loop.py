@@ -58,6 +58,7 @@ class Log:
         self.f = open(path, "a", buffering=1)
         self.lock = threading.Lock()
         self.read_at = 0
+        self.acked = 0  # replies written as acknowledged (not lost), in all
 
     def write(self, **ev):
         ev["at"] = round(time.monotonic(), 4)
@@ -65,6 +66,7 @@ class Log:
         with self.lock:
             self.f.write(line)
             self.f.flush()
+            self.acked += not ev.get("lost")
 
     def truncate_if_over(self, limit):
         """Long runs: drops the lines already checked once the file is over limit bytes."""
@@ -670,6 +672,11 @@ def main():
             th.start()
         for _ in ths:
             started.acquire()
+        # The kill comes once a reply of this cycle was acknowledged (a first flush under the
+        # sanitizers on a loaded machine can take longer than the shortest delay), within 10 s.
+        acked_before, wait_end = log.acked, time.monotonic() + 10
+        while log.acked == acked_before and time.monotonic() < wait_end:
+            time.sleep(0.005)
         delay = rng.uniform(0.05, 0.5)
         time.sleep(delay)
         chk.kill_at = time.monotonic()

@@ -8,9 +8,11 @@
 # Then a short batch-mode loop: acknowledged changes may be lost there, those of the last 10 ms
 # (the batch interval) only: a loss acknowledged more than KILL_LOSS_WINDOW_MS (default 100: the
 # interval plus slack for this noisy machine's scheduling) before its kill fails the run. Tokens
-# must still never repeat or go back.
+# must still never repeat or go back. Last a durability-none loop: any acknowledged change may
+# be lost there (nothing bounds the loss), but what the store holds must be what some reply
+# said, and tokens must never repeat or go back ("in any mode").
 # KILL_CYCLES (sync cycles, default 20; the long tier runs 10000), KILL_BATCH_CYCLES (default
-# 5; 0: none) and KILL_SEED choose the run.
+# 5; 0: none), KILL_NONE_CYCLES (default 3; 0: none) and KILL_SEED choose the run.
 set -u
 IDEM_SOURCE_DIR=${IDEM_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
 IDEM_BUILD_DIR=${IDEM_BUILD_DIR:-$IDEM_SOURCE_DIR/build}
@@ -18,6 +20,7 @@ export IDEM_SOURCE_DIR IDEM_BUILD_DIR
 PY=/usr/bin/python3
 CYCLES=${KILL_CYCLES:-20}
 BATCH_CYCLES=${KILL_BATCH_CYCLES:-5}
+NONE_CYCLES=${KILL_NONE_CYCLES:-3}
 LOOP=$IDEM_SOURCE_DIR/tests/python/kill9_loop.py
 
 if ! "$PY" -c 'import redis' 2>/dev/null; then
@@ -54,9 +57,12 @@ if [ "$BATCH_CYCLES" -gt 0 ]; then
     KILL_LOSS_WINDOW_MS=${KILL_LOSS_WINDOW_MS:-100} run_loop --cycles "$BATCH_CYCLES" \
         --durability batch || rc=1
 fi
+if [ "$NONE_CYCLES" -gt 0 ]; then
+    KILL_LOSS_WINDOW_MS=inf run_loop --cycles "$NONE_CYCLES" --durability none || rc=1
+fi
 # the closing line: the cycles of both loops
 read -r p f < <(grep -E '^[0-9]+ passed, [0-9]+ failed' "$OUT" | awk '{p += $1; f += $3} END {print p + 0, f + 0}')
 [ "$rc" -ne 0 ] && [ "$f" -eq 0 ] && f=1
-echo "kill9 total: sync $CYCLES + batch $BATCH_CYCLES cycles"
+echo "kill9 total: sync $CYCLES + batch $BATCH_CYCLES + none $NONE_CYCLES cycles"
 echo "$p passed, $f failed"
 [ "$rc" -eq 0 ] && [ "$f" -eq 0 ]
