@@ -1443,7 +1443,9 @@ static int log_has(const char *what);
 static int wait_for_closes(int *const *closed, int n, long long *io_peak)
 {
     int count = 0;
-    for (int64_t end = now_ms() + 2500 * (n + 2); now_ms() < end && count < n - 3; sleep_ms(100)) {
+    /* An admission lasts 2 s, and on while its client sends 1 MiB in 2 s (a trickle's fast
+     * start, on a slow loop): the trickles go back in line one after another. */
+    for (int64_t end = now_ms() + 4000 * (n + 2); now_ms() < end && count < n - 3; sleep_ms(100)) {
         long long io = stat_fresh("io_buffer_bytes");
         *io_peak = io > *io_peak ? io : *io_peak;
         count = 0;

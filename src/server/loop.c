@@ -20,10 +20,11 @@
  *     of them at once, the others wait in arrival order (a ticket each), so large requests go
  *     on one after another; while others wait, an admission lasts SRV_STALL_MS, then the
  *     client goes back in line (a client trickling a large request holds no one up for long),
- *     with the input it holds. Clients holding a large request in part (16 KiB of it, in a
- *     buffer over 32 KiB: admitted before, or read before the budget was passed) without an
- *     admission are counted (big_back_bytes), whatever holds them up; while they hold more
- *     than big_share() only they are admitted, and once those holding it for SRV_STALL_MS
+ *     with the input it holds, unless the admission brought in SRV_ADMIT_GOING_BYTES over that
+ *     time (the loop is the slow side: the admission goes on). Clients holding a large request in
+ * part (16 KiB of it, in a buffer over 32 KiB: admitted before, or read before the budget was
+ * passed) without an admission are counted (big_back_bytes), whatever holds them up; while they
+ * hold more than big_share() only they are admitted, and once those holding it for SRV_STALL_MS
  *     hold more, the one that began last is closed, as a stalled reader is
  *     (big_back_enforce). A large buffer holding less is given back (conn_compact_in);
  *   - a client that may not parse (its pipeline full, a claim parked by WAIT) is read on only
@@ -685,6 +686,7 @@ static int conn_read(srv *s, srv_conn *c)
     }
     if (n > 0) {
         c->in_len += (size_t)n;
+        c->in_read += (uint64_t)n;
         c->last_active_ms = srv_now_ms();
     }
     conn_account(s, c);
@@ -732,26 +734,41 @@ static uint64_t big_share(const srv *s)
     return (uint64_t)big_slots(s) * SRV_IN_BUF_MAX;
 }
 
+/* Since when c counts as holding its large request for big_back_enforce: since it began, or,
+ * while its input waits for pipeline room (deferred) and it has read nearly every reply it
+ * was sent, since its last reply went out. Such a client holds its request because the loop
+ * is slow to answer the ones before it (a loaded machine, a sanitizer: two clients pipelining
+ * 4 MB requests and reading at once were closed), not because it trickles or reads slowly;
+ * one whose replies stop (a claim parked by WAIT ahead of it) or pile up unread is counted
+ * from the start. */
+static int64_t big_back_clock(const srv_conn *c)
+{
+    uint64_t unread = c->out.len - c->out.sent + c->slot_ready;
+    return c->deferred && unread < SRV_HEAVY_BYTES && c->last_reply_ms > c->big_back_since_ms
+               ? c->last_reply_ms
+               : c->big_back_since_ms;
+}
+
 /* Over the budget, clients counted by big_back_count that have held their large request in
- * part for SRV_STALL_MS or longer (admitted meanwhile or not) hold at most big_share()
- * together: past it the one that began last is closed, and the next, until they fit (a
- * trickle that held an admission and let it run out, as a stalled reader is). A client holding
- * its request for less is left alone: one whose pipeline is full for a turn, behind replies it
- * is reading, holds it only that long. Housekeeping. */
+ * part for SRV_STALL_MS or longer (big_back_clock; admitted meanwhile or not) hold at most
+ * big_share() together: past it the one that began last is closed, and the next, until they
+ * fit (a trickle that held an admission and let it run out, as a stalled reader is). A client
+ * holding its request for less is left alone: one whose pipeline is full, behind replies it is
+ * reading, holds it only that long. Housekeeping. */
 static void big_back_enforce(srv *s, int64_t now)
 {
     if (!over_budget(s) || s->big_back_bytes <= big_share(s)) return;
     uint64_t held = 0;
     for (uint32_t i = 0; i < s->conns_cap; i++) {
         const srv_conn *c = s->conns[i];
-        if (c && c->big_back_bytes && now - c->big_back_since_ms >= SRV_STALL_MS)
+        if (c && c->big_back_bytes && now - big_back_clock(c) >= SRV_STALL_MS)
             held += c->big_back_bytes;
     }
     while (held > big_share(s)) {
         srv_conn *last = NULL;
         for (uint32_t i = 0; i < s->conns_cap; i++) {
             srv_conn *c = s->conns[i];
-            if (c && c->big_back_bytes && now - c->big_back_since_ms >= SRV_STALL_MS &&
+            if (c && c->big_back_bytes && now - big_back_clock(c) >= SRV_STALL_MS &&
                 (!last || c->big_back_since_ms > last->big_back_since_ms))
                 last = c;
         }
@@ -799,6 +816,7 @@ static void big_admit(srv *s, srv_conn *c)
     if (c->paused == PAUSE_INPUT) conn_unpause(s, c);
     c->big_admitted = 1;
     c->big_admitted_ms = srv_now_ms();
+    c->big_admitted_read = c->in_read;
     s->big_admitted++;
     big_back_count(s, c);
 }
@@ -1025,7 +1043,7 @@ static void conn_write(srv *s, srv_conn *c)
             c->out.sent += (size_t)n;
             /* Idle time counts from the last reply too: a WAIT or a backup longer than the
              * idle timeout closed the connection right after its answer. */
-            c->last_active_ms = c->out_progress_ms = srv_now_ms();
+            c->last_active_ms = c->out_progress_ms = c->last_reply_ms = srv_now_ms();
         } else if (n < 0 && (errno == EAGAIN || errno == EINTR)) {
             break;
         } else {
@@ -1206,6 +1224,13 @@ static srv_conn *housekeeping_sweep(srv *s, int64_t now)
          * input below the bound, or it cannot parse (its input is held as it is). */
         if (c->paused == PAUSE_INPUT && (c->deferred || conn_in_pending(c) < SRV_IN_HEAVY_BYTES))
             conn_unpause(s, c);
+        if (c->big_admitted && s->big_waiting && now - c->big_admitted_ms >= SRV_STALL_MS &&
+            c->in_read - c->big_admitted_read >= SRV_ADMIT_GOING_BYTES) {
+            /* Sending as fast as it is read: kept on. Sent back in line, it held its input
+             * beside the next admission's, and past the share one of them was closed. */
+            c->big_admitted_ms = now;
+            c->big_admitted_read = c->in_read;
+        }
         if (c->big_admitted && s->big_waiting && now - c->big_admitted_ms >= SRV_STALL_MS) {
             c->big_admitted = 0; /* a trickle must not keep the others waiting: back in line */
             s->big_admitted--;

@@ -40,8 +40,12 @@
 #define SRV_IN_BUF_MAX          (2u * RESP_BULK_PROTO_MAX + 65536u) /* a whole request must fit */
 #define SRV_READ_CHUNK          65536u
 #define SRV_REQ_MAX             (SRV_IN_BUF_MAX - SRV_READ_CHUNK / 4) /* larger requests are refused */
-#define SRV_STALL_MS            2000          /* over the io budget, a reader this slow is closed */
-#define SRV_HEAVY_BYTES         (256u * 1024) /* over the budget, readers owed this are held back */
+#define SRV_STALL_MS            2000 /* over the io budget, a reader this slow is closed */
+/* An admission (a large request read over the budget) that brought in this much during its
+ * last SRV_STALL_MS goes on while others wait: its client sends as fast as the loop reads it
+ * (a loop slowed by its load, or a sanitizer), where a trickle goes back in line. */
+#define SRV_ADMIT_GOING_BYTES (1u << 20)
+#define SRV_HEAVY_BYTES       (256u * 1024) /* over the budget, readers owed this are held back */
 /* Over the budget, a client with this much unparsed input (a request begun, or a pipeline it
  * cannot parse yet) needs an admission to be read on: at most twice this in each other
  * client's input buffer (16 KiB, doubled once), however many hold a partial request. */
@@ -176,7 +180,9 @@ typedef struct srv_conn {
     int dead;                    /* closed; freed when engine_due reaches 0 */
     int paused;                  /* reading stopped by the global budget (enum srv_pause) */
     int big_admitted;            /* may read a large request although over the budget */
-    int64_t big_admitted_ms;     /* since when */
+    int64_t big_admitted_ms;     /* since when (or since it was last kept on: loop.c) */
+    uint64_t big_admitted_read;  /* in_read then */
+    uint64_t in_read;            /* bytes read from the socket, in all */
     uint64_t big_ticket;         /* PAUSE_INPUT: its place in the queue for an admission */
     size_t big_back_bytes;       /* its input, while it holds over 32 KiB unread on (loop.c) */
     int64_t big_back_since_ms;   /* since when it holds a large request in part (loop.c) */
@@ -191,6 +197,7 @@ typedef struct srv_conn {
                                     be granted a lease that runs out before its reply) */
     uint64_t io_bytes;           /* accounted against the global budget */
     int64_t out_progress_ms;     /* last write progress, or when the backlog began; 0: none */
+    int64_t last_reply_ms;       /* last write progress (loop.c big_back_clock) */
     int64_t outq_ms;             /* when outq_bytes was looked at (conn_stalled) */
     int outq_bytes;              /* the kernel's unacknowledged bytes then; -1: unknown */
     uint64_t owed;               /* reply bytes reserved for its requests not yet answered */
