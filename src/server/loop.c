@@ -21,12 +21,14 @@
  *     on one after another; while others wait, an admission lasts SRV_STALL_MS, then the
  *     client goes back in line (a client trickling a large request holds no one up for long),
  *     with the input it holds, unless the admission brought in SRV_ADMIT_GOING_BYTES over that
- *     time (the loop is the slow side: the admission goes on). Clients holding a large request in
- * part (16 KiB of it, in a buffer over 32 KiB: admitted before, or read before the budget was
- * passed) without an admission are counted (big_back_bytes), whatever holds them up; while they
- * hold more than big_share() only they are admitted, and once those holding it for SRV_STALL_MS
- *     hold more, the one that began last is closed, as a stalled reader is
- *     (big_back_enforce). A large buffer holding less is given back (conn_compact_in);
+ *     time or more waits in its socket (the loop is the slow side: the admission goes on,
+ *     SRV_ADMIT_KEEPS_MAX times at most). Clients holding a large request in part (16 KiB of it, in
+ * a buffer over 32 KiB: admitted before, or read before the budget was passed) without an admission
+ * are counted (big_back_bytes), whatever holds them up; while they hold more than big_share() only
+ *     they are admitted, and once those holding it for SRV_STALL_MS hold more (counted from
+ *     their last reply while they wait for pipeline room reading every reply: big_back_clock),
+ *     the one that began last is closed, as a stalled reader is (big_back_enforce). A large
+ *     buffer holding less is given back (conn_compact_in);
  *   - a client that may not parse (its pipeline full, a claim parked by WAIT) is read on only
  *     up to SRV_IN_HEAVY_BYTES unparsed and takes no admission (it would hold one in vain);
  *   - everyone else is read and parsed as usual, and a whole request is always parsed (that is
@@ -739,12 +741,13 @@ static uint64_t big_share(const srv *s)
  * was sent, since its last reply went out. Such a client holds its request because the loop
  * is slow to answer the ones before it (a loaded machine, a sanitizer: two clients pipelining
  * 4 MB requests and reading at once were closed), not because it trickles or reads slowly;
- * one whose replies stop (a claim parked by WAIT ahead of it) or pile up unread is counted
- * from the start. */
+ * one with a claim parked by WAIT (whose replies may come every few seconds, one WAIT after
+ * another) or replies piling up unread is counted from the start. */
 static int64_t big_back_clock(const srv_conn *c)
 {
     uint64_t unread = c->out.len - c->out.sent + c->slot_ready;
-    return c->deferred && unread < SRV_HEAVY_BYTES && c->last_reply_ms > c->big_back_since_ms
+    return c->deferred && c->waits_due == 0 && unread < SRV_HEAVY_BYTES &&
+                   c->last_reply_ms > c->big_back_since_ms
                ? c->last_reply_ms
                : c->big_back_since_ms;
 }
@@ -817,6 +820,7 @@ static void big_admit(srv *s, srv_conn *c)
     c->big_admitted = 1;
     c->big_admitted_ms = srv_now_ms();
     c->big_admitted_read = c->in_read;
+    c->big_admit_keeps = 0;
     s->big_admitted++;
     big_back_count(s, c);
 }
@@ -1170,6 +1174,13 @@ static void poll_completions(srv *s)
 
 /* ---- housekeeping: stalled readers, idle input, admissions, deferred, idle ---- */
 
+/* Bytes the client sent that wait in the kernel to be read (SIOCINQ); -1 if unknown. */
+static int conn_inq(const srv_conn *c)
+{
+    int q = 0;
+    return ioctl(c->fd, FIONREAD, &q) == 0 ? q : -1;
+}
+
 /* Bytes the kernel holds for c that the client has not acknowledged; -1 if unknown. */
 static int conn_outq(const srv_conn *c)
 {
@@ -1225,9 +1236,12 @@ static srv_conn *housekeeping_sweep(srv *s, int64_t now)
         if (c->paused == PAUSE_INPUT && (c->deferred || conn_in_pending(c) < SRV_IN_HEAVY_BYTES))
             conn_unpause(s, c);
         if (c->big_admitted && s->big_waiting && now - c->big_admitted_ms >= SRV_STALL_MS &&
-            c->in_read - c->big_admitted_read >= SRV_ADMIT_GOING_BYTES) {
-            /* Sending as fast as it is read: kept on. Sent back in line, it held its input
-             * beside the next admission's, and past the share one of them was closed. */
+            c->big_admit_keeps < SRV_ADMIT_KEEPS_MAX &&
+            (c->in_read - c->big_admitted_read >= SRV_ADMIT_GOING_BYTES || conn_inq(c) > 0)) {
+            c->big_admit_keeps++;
+            /* Sending as fast as it is read (1 MiB in the 2 s, or more waiting in its socket
+             * now): kept on. Sent back in line, it held its input beside the next admission's,
+             * and past the share one of them was closed. */
             c->big_admitted_ms = now;
             c->big_admitted_read = c->in_read;
         }

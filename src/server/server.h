@@ -45,7 +45,10 @@
  * last SRV_STALL_MS goes on while others wait: its client sends as fast as the loop reads it
  * (a loop slowed by its load, or a sanitizer), where a trickle goes back in line. */
 #define SRV_ADMIT_GOING_BYTES (1u << 20)
-#define SRV_HEAVY_BYTES       (256u * 1024) /* over the budget, readers owed this are held back */
+/* ... at most this many times over (an 8 MiB request at that rate is whole by then): a client
+ * pipelining large requests at that rate does not keep one admission for good. */
+#define SRV_ADMIT_KEEPS_MAX 8
+#define SRV_HEAVY_BYTES     (256u * 1024) /* over the budget, readers owed this are held back */
 /* Over the budget, a client with this much unparsed input (a request begun, or a pipeline it
  * cannot parse yet) needs an admission to be read on: at most twice this in each other
  * client's input buffer (16 KiB, doubled once), however many hold a partial request. */
@@ -182,6 +185,7 @@ typedef struct srv_conn {
     int big_admitted;            /* may read a large request although over the budget */
     int64_t big_admitted_ms;     /* since when (or since it was last kept on: loop.c) */
     uint64_t big_admitted_read;  /* in_read then */
+    uint32_t big_admit_keeps;    /* times the admission went on (SRV_ADMIT_KEEPS_MAX) */
     uint64_t in_read;            /* bytes read from the socket, in all */
     uint64_t big_ticket;         /* PAUSE_INPUT: its place in the queue for an admission */
     size_t big_back_bytes;       /* its input, while it holds over 32 KiB unread on (loop.c) */
