@@ -4,8 +4,8 @@
  * over part of its index-*.ckpt file; with the fix-up bit the header checksum, every chunk's
  * entry count and checksum, and the trailer's counts and checksum are recomputed (fix_ckpt), so
  * entries (addresses, hash bits, flags, repeat counters) and the chunk structure are fuzzed
- * behind valid checksums. Then the store is opened: it opens and works,
- * or fails with IDEM_ECORRUPT/IDEM_EVERSION and a message. Images without a checkpoint (the
+ * behind valid checksums. Then the store is opened: it fails with IDEM_ECORRUPT/IDEM_EVERSION and a
+ * message, or it answers as fz_run requires. Images without a checkpoint (the
  * no-checkpoint one) fall back to the clean image.
  */
 #include <stddef.h>

@@ -1,8 +1,9 @@
 /*
  * fuzz_store.h: what the file targets (fuzz_wal_replay, fuzz_checkpoint, fuzz_superblock) share:
- * store images built once through the API on the simulated disk, the decoding of a patch from
- * the fuzz input, checksum fix-ups, and the run of one case (restore the image on a fresh
- * simulated disk, corrupt one file with io_sim_corrupt, open, check).
+ * store images built once through the API on the simulated disk (with what each must answer),
+ * the decoding of a patch from the fuzz input, checksum fix-ups, and the run of one case (restore
+ * the image on a fresh simulated disk, corrupt one file with io_sim_corrupt, open, check the
+ * answers against the image).
  *
  * Input layout of every file target:
  *   0     image (mod FZ_IMAGES)
@@ -65,9 +66,16 @@ const struct fz_file *fz_find(const struct fz_image *img, const char *prefix, un
 int fz_decode(const uint8_t *data, size_t size, struct fz_patch *pt);
 /*
  * Applies the patch to a copy of file f (fix-ups of kind `fix` when pt->fix), restores img on a
- * fresh simulated disk, writes the differences with io_sim_corrupt, and checks: the store opens
- * (every get answers, a new claim and commit work, close succeeds, and it opens again) or open
- * fails with IDEM_ECORRUPT or IDEM_EVERSION and a message. Aborts otherwise.
+ * fresh simulated disk, writes the differences with io_sim_corrupt, and checks: the open fails
+ * with IDEM_ECORRUPT or IDEM_EVERSION and a message, or the store answers as the image and the
+ * patch allow (fuzz_store.c, "Judging a patch"). Each key of the image reads as the unpatched
+ * image does; or, where the patch may have cut the log, as one of its earlier versions or absent;
+ * or anything, where the patch rewrote a frame or entry naming it behind a valid checksum (a read
+ * may always answer IDEM_ECORRUPT). A fresh key, and each key read absent, is claimed new with a
+ * token above every token handed out before; each key read committed answers done with its
+ * result (mismatch if it holds another fingerprint). Compaction and close succeed; the store
+ * opens again (or reports corruption) and reads every key as the first open last read it. Aborts
+ * with the key and the field otherwise.
  */
 void fz_run(const struct fz_image *img, const struct fz_file *f, const struct fz_patch *pt,
             int fix);

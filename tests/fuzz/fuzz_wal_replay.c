@@ -4,8 +4,9 @@
  * one of its segment files wal-*.log (flags bits 2-7 pick the segment; with the fix-up bit the
  * segment header and every frame the patch touches are re-checksummed with the segment's salt,
  * so frame lengths, types, LSNs, batches and record payloads are fuzzed behind valid checksums),
- * then the store is opened: it opens and works, or fails with IDEM_ECORRUPT/IDEM_EVERSION and a
- * message. Never a crash, a hang or an assertion.
+ * then the store is opened: it fails with IDEM_ECORRUPT/IDEM_EVERSION and a message, or it
+ * answers as fz_run requires (no acknowledged record lost or altered unless the patch allows it).
+ * Never a crash, a hang or an assertion.
  */
 #include <stddef.h>
 #include <stdint.h>
