@@ -1257,6 +1257,10 @@ Test(idemctl, inspections_report_the_import_marker_and_copies_keep_it, .init = s
     snprintf(r, sizeof r, "%s/r", scratch);
     idem_store *s;
     cr_assert_eq(idem_open(r, NULL, &s), IDEM_ECORRUPT, "a copy of a marked store opened");
+    /* An export would look whole, and a store imported from it elsewhere would be unmarked. */
+    cr_assert_eq(ctl("export --dir %s", dir), 1, "%s", err);
+    cr_assert(strstr(err, IDEM_IMPORT_MARKER), "%s", err);
+    cr_assert_eq(out[0], 0, "an export of a marked store was written: %.80s", out);
 
     cr_assert_eq(unlink(mark), 0);
     cr_assert_eq(ctl("verify %s --json", dir), 0, "%s", out);

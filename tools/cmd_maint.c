@@ -404,6 +404,16 @@ int cmd_export(const struct ctl_opts *o)
     struct ctl_opts oo;
     int rc = offline_opts(o, &oo, "export");
     if (rc) return rc;
+    /* An export of a store an import cut short would look whole, and a store imported from it
+     * in a new directory would be unmarked with part of the keys: refused. */
+    int marked = idem_import_marked(oo.dir);
+    if (marked != 0) {
+        if (marked < 0)
+            ctl_err("export of %s: %s", oo.dir, idem_last_error());
+        else
+            import_marked_say(oo.dir);
+        return CTL_FAIL;
+    }
     struct ctl c;
     rc = ctl_connect(&c, &oo, CTL_OFFLINE_READ);
     if (rc) return rc;
