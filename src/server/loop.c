@@ -22,13 +22,14 @@
  *     client goes back in line (a client trickling a large request holds no one up for long),
  *     with the input it holds, unless the admission brought in SRV_ADMIT_GOING_BYTES over that
  *     time or more waits in its socket (the loop is the slow side: the admission goes on,
- *     SRV_ADMIT_KEEPS_MAX times at most). Clients holding a large request in part (16 KiB of it, in
- * a buffer over 32 KiB: admitted before, or read before the budget was passed) without an admission
- * are counted (big_back_bytes), whatever holds them up; while they hold more than big_share() only
- *     they are admitted, and once those holding it for SRV_STALL_MS hold more (counted from
- *     their last reply while they wait for pipeline room reading every reply: big_back_clock),
- *     the one that began last is closed, as a stalled reader is (big_back_enforce). A large
- *     buffer holding less is given back (conn_compact_in);
+ *     SRV_ADMIT_KEEPS_MAX times at most). Clients holding a large request in part (16 KiB of
+ *     it, in a buffer over 32 KiB: admitted before, or read before the budget was passed)
+ *     without an admission are counted (big_back_bytes), whatever holds them up; while they
+ *     hold more than big_share() only they are admitted, and once those holding it for
+ *     SRV_STALL_MS hold more (counted from their last reply while they wait for pipeline room
+ *     reading every reply: big_back_clock), the one that began last is closed, as a stalled
+ *     reader is (big_back_enforce). A large buffer holding less is given back
+ *     (conn_compact_in);
  *   - a client that may not parse (its pipeline full, a claim parked by WAIT) is read on only
  *     up to SRV_IN_HEAVY_BYTES unparsed and takes no admission (it would hold one in vain);
  *   - everyone else is read and parsed as usual, and a whole request is always parsed (that is
@@ -1238,14 +1239,13 @@ static srv_conn *housekeeping_sweep(srv *s, int64_t now)
         if (c->big_admitted && s->big_waiting && now - c->big_admitted_ms >= SRV_STALL_MS &&
             c->big_admit_keeps < SRV_ADMIT_KEEPS_MAX &&
             (c->in_read - c->big_admitted_read >= SRV_ADMIT_GOING_BYTES || conn_inq(c) > 0)) {
-            c->big_admit_keeps++;
             /* Sending as fast as it is read (1 MiB in the 2 s, or more waiting in its socket
              * now): kept on. Sent back in line, it held its input beside the next admission's,
              * and past the share one of them was closed. */
+            c->big_admit_keeps++;
             c->big_admitted_ms = now;
             c->big_admitted_read = c->in_read;
-        }
-        if (c->big_admitted && s->big_waiting && now - c->big_admitted_ms >= SRV_STALL_MS) {
+        } else if (c->big_admitted && s->big_waiting && now - c->big_admitted_ms >= SRV_STALL_MS) {
             c->big_admitted = 0; /* a trickle must not keep the others waiting: back in line */
             s->big_admitted--;
             /* with its input, which stays until its next admission: past the share, each
