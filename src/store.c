@@ -1101,6 +1101,10 @@ static int store_recover(idem_store *s)
     s->st.keys_committed = s->sb.ckpt_keys_by_state[1];
     s->st.keys_review = s->sb.ckpt_keys_by_state[2];
     int rc = wal_open_segments(s->wal, s->sb.wal_first_seq, s->sb.ckpt_seq, s->opt.read_only);
+    /* The log as the open found it: segments the superblock names before a missing one were
+     * retired (or left behind by a retirement), and this open's superblock stops naming them,
+     * so that remove_leftovers removes what is left of them. */
+    if (rc == 0) s->sb.wal_first_seq = wal_first_seq(s->wal);
     /* After a crash or a failed store, what the last run wrote may be only in the page cache:
      * recovery reads the log from disk (design.md section 7). */
     s->settle_files = !s->opt.read_only && !s->sb.clean_lsn;
@@ -1306,12 +1310,14 @@ static int leftover_seen(const char *name, void *ctx)
 
 /* Removes files a crash or a failed delete left behind, so that they never hold disk space for
  * good: log segments below the first one the superblock names (a retirement cut short between
- * its superblock write and its unlinks, or one of whose unlinks failed), checkpoints older than
+ * its superblock write and its unlinks, or one of whose unlinks failed; the open's superblock
+ * names the first the log holds, after any missing one: store_recover), checkpoints older than
  * the two the superblock copies may name (an install cut short before its unlink), and
  * checkpoints written after the current one but never installed. The directory is listed: a
  * failed delete leaves a file below others that are gone, which a walk down from the files in
  * use would not reach. Called once this open's first superblock copy is durable: neither copy
- * names anything removed here. */
+ * names anything removed here, except segments the other may name before a missing one, which
+ * every open skips. */
 static void remove_leftovers(idem_store *s)
 {
     char path[4096];
@@ -2965,29 +2971,26 @@ static int copy_dir_end(struct io *io, struct copy_dir *d, int rc)
 
 /* Copies a store's files from src (read through rd) into dest (written through wr): the log from
  * sb's first segment up to the end (end_seq, end_off), the rest of that segment zero, or when
- * end_seq is 0 every segment up to the first absent one at or past the replay segment (one
- * absent before it was retired after this superblock copy was written, and the log starts after
- * it, as the open has it: wal_open_segments); the checkpoint sb names; the audit trail up to
- * audit_len; then sb, naming the log's first segment, as the copy's superblock, and dest
- * synced. */
+ * end_seq is 0 every segment up to the first absent one at or past the replay segment, from the
+ * one after the last absent before it (retired after this superblock copy was written: the log
+ * starts after it, and what is left before it is not copied, as the open has it:
+ * wal_open_segments); the checkpoint sb names; the audit trail up to audit_len; then sb, naming
+ * the log's first segment, as the copy's superblock, and dest synced. */
 static int copy_store(struct io *rd, const char *src, struct io *wr, const char *dest,
                       const struct super *sb, uint64_t end_seq, uint32_t end_off,
                       uint64_t audit_len)
 {
     char from[4096], to[4096];
     int rc = 0;
-    uint64_t first = 0;
-    for (uint64_t seq = sb->wal_first_seq; rc == 0 && (end_seq == 0 || seq <= end_seq); seq++) {
+    uint64_t first = sb->wal_first_seq;
+    for (uint64_t seq = first; end_seq == 0 && seq < sb->ckpt_seq; seq++) {
+        wal_seg_path(src, seq, from, sizeof from);
+        if (access(from, F_OK) != 0) first = seq + 1; /* the log starts after it */
+    }
+    for (uint64_t seq = first; rc == 0 && (end_seq == 0 || seq <= end_seq); seq++) {
         wal_seg_path(src, seq, from, sizeof from);
         wal_seg_path(dest, seq, to, sizeof to);
-        if (end_seq == 0 && access(from, F_OK) != 0) {
-            if (seq < sb->ckpt_seq) {
-                first = 0; /* the log starts after it, as the open has it */
-                continue;
-            }
-            break;
-        }
-        if (!first) first = seq;
+        if (end_seq == 0 && access(from, F_OK) != 0) break;
         rc = seq != end_seq ? copy_file(rd, wr, from, to, UINT64_MAX, 0, 0)
                             : copy_file(rd, wr, from, to, end_off, sb->seg_bytes, 0);
     }
@@ -3004,7 +3007,7 @@ static int copy_store(struct io *rd, const char *src, struct io *wr, const char 
     if (rc == 0) {
         struct super copy = *sb;
         copy.generation = 0;
-        if (first) copy.wal_first_seq = first;
+        copy.wal_first_seq = first;
         rc = super_store(wr, dest, &copy);
         /* The copy's superblock failed, not the store's: not "the store stopped". */
         if (rc == IDEM_EFATAL) {

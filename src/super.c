@@ -116,6 +116,15 @@ int super_decode(const uint8_t *p, struct super *sb)
     return 1;
 }
 
+void super_other_copy_failed(struct super *sb)
+{
+    sb->clean_lsn = 0;
+    if (sb->token_reserved < (uint64_t)IDEM_TOKEN_MAX - SUPER_TOKEN_BLOCK)
+        sb->token_reserved += SUPER_TOKEN_BLOCK;
+    else
+        sb->token_reserved = (uint64_t)IDEM_TOKEN_MAX;
+}
+
 int super_load(struct io *io, const char *dir, struct super *sb, int settle, char *err,
                size_t errcap)
 {
@@ -164,13 +173,7 @@ int super_load(struct io *io, const char *dir, struct super *sb, int settle, cha
      * a block further on was used: tokens handed out under it in batches a crash then lost
      * (durability batch or none) start again past that block, not at this copy's reservation.
      * (A torn write of it reserved nothing that was handed out: one block is skipped.) */
-    if (!va || !vb) {
-        sb->clean_lsn = 0;
-        if (sb->token_reserved < (uint64_t)IDEM_TOKEN_MAX - SUPER_TOKEN_BLOCK)
-            sb->token_reserved += SUPER_TOKEN_BLOCK;
-        else
-            sb->token_reserved = (uint64_t)IDEM_TOKEN_MAX;
-    }
+    if (!va || !vb) super_other_copy_failed(sb);
     /* Fields that address the log are checked before anything trusts them. */
     if (!super_fields_valid(sb)) {
         snprintf(err, errcap,

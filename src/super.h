@@ -105,6 +105,10 @@ static inline int super_ckpt_stepped(const struct super *sb)
 /* Decodes one 4 KiB copy: 1 when valid (sb filled), 0 when it fails its checksum or magic,
  * IDEM_EVERSION when valid but of an unknown format or features. */
 int super_decode(const uint8_t *p, struct super *sb);
+/* What the newest valid copy sb is taken for when the other copy fails its checksum (the reasons
+ * are at its call in super_load): not clean, and its token reservation a block further on.
+ * verify reads the copies itself and calls it too. */
+void super_other_copy_failed(struct super *sb);
 /* Loads the newest valid copy. IDEM_ENOTFOUND: no superblock file (a new store);
  * IDEM_ECORRUPT: neither copy valid; IDEM_EVERSION: unknown format or features. err gets a
  * sentence on failure. settle: first flush the file and drop its cached pages, so that a copy

@@ -294,6 +294,8 @@ static int verify_super(struct vctx *v)
     int pick = ok[0] == 1 && (ok[1] != 1 || c[0].generation > c[1].generation) ? 0 : 1;
     v->sb = c[pick];
     if (ok[!pick] == 1 && c[!pick].ckpt_id != v->sb.ckpt_id) v->older_ckpt_id = c[!pick].ckpt_id;
+    /* As the open takes it: records may hold tokens the failed copy reserved. */
+    if (ok[!pick] != 1) super_other_copy_failed(&v->sb);
     return super_fields_ok(v, &v->sb) ? 0 : IDEM_ECORRUPT;
 }
 

@@ -1175,9 +1175,15 @@ uint64_t wal_frames_beyond(const struct wal *w)
 int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int read_only)
 {
     w->first_seq = first_seq;
-    uint64_t seq = first_seq;
+    uint64_t seq = first_seq, bad_seq = 0;
     for (;; seq++) {
         int rc = seg_open(w, seq, read_only);
+        if (rc == IDEM_ECORRUPT && seq < start_seq) {
+            /* Refused below, unless a missing segment after it takes it out of the log: one a
+             * retirement left behind is not read, whatever its state (as verify has it). */
+            if (!bad_seq) bad_seq = seq;
+            continue;
+        }
         if (rc == IDEM_ENOTFOUND && seq < start_seq) {
             /* Retired after this superblock copy was written. Retirement removes the oldest
              * first, so segments found before the missing one are older still and out of the
@@ -1190,6 +1196,8 @@ int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int
                 seg_close(w, old);
                 w->gap_seq = seq;
             }
+            if (bad_seq) w->gap_seq = seq;
+            bad_seq = 0;
             w->first_seq = seq + 1;
             continue;
         }
@@ -1216,6 +1224,11 @@ int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int
                      idem_strerror(rc));
             return rc;
         }
+    }
+    if (bad_seq) {
+        snprintf(w->err, sizeof w->err, "log segment %llu: %s", (unsigned long long)bad_seq,
+                 idem_strerror(IDEM_ECORRUPT));
+        return IDEM_ECORRUPT;
     }
     if (!seg_of(w, start_seq)) {
         snprintf(w->err, sizeof w->err, "log segment %llu is missing",
