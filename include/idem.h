@@ -540,9 +540,9 @@ int idem_import_audit(idem_queue *q, const idem_audit_entry *e);
 int idem_import_mark(const char *dir) __attribute__((warn_unused_result));
 /*
  * Removes dir/IDEM_IMPORT_MARKER and makes that durable: call it once the import has read the
- * whole export and idem_close returned IDEM_OK. Takes the store's lock for it: IDEM_ELOCKED while
- * a process holds the store. Returns IDEM_OK (also when there was no marker), IDEM_EINVAL or
- * IDEM_EIO. Thread-safe.
+ * whole export and idem_close returned IDEM_OK. Takes the store's lock for it, shared with
+ * read-only opens (inspections): IDEM_ELOCKED while a process holds the store to write. Returns
+ * IDEM_OK (also when there was no marker), IDEM_EINVAL or IDEM_EIO. Thread-safe.
  */
 int idem_import_unmark(const char *dir) __attribute__((warn_unused_result));
 /* 1 when dir holds IDEM_IMPORT_MARKER, 0 when not, IDEM_EINVAL or IDEM_EIO when that cannot be

@@ -9,7 +9,8 @@
  *   - the import creates it (idem_import_mark) after its own open and before its first write,
  *     and makes it durable: the file flushed, then the directory synced;
  *   - it is removed (idem_import_unmark) only after the import read the whole export and
- *     idem_close returned IDEM_OK, under the store's lock, and the directory synced again;
+ *     idem_close returned IDEM_OK, under the store's lock taken shared (so an inspection that
+ *     runs then does not fail the import), and the directory synced again;
  *   - while it exists, an open is refused (import_mark_check, called by the open once it holds
  *     the lock) unless it is read-only (inspections: reported on stderr) or sets
  *     idem_options.importing (an import taking the store again, to finish).
@@ -31,6 +32,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "io_posix.h"
 #include "store.h"
 #include "super.h"
 #include "util.h"
@@ -46,15 +48,11 @@ static int mark_path(const char *dir, char *buf, size_t cap)
     return IDEM_EINVAL;
 }
 
-/* fsync of the directory itself, so that a name made or removed in it survives a power loss.
- * 0 or -errno. */
+/* fsync of the directory itself, so that a name made or removed in it survives a power loss
+ * (the posix I/O layer's, which needs no ring). 0 or -errno. */
 static int mark_sync_dir(const char *dir)
 {
-    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (fd < 0) return -errno;
-    int rc = fsync(fd) < 0 ? -errno : 0;
-    close(fd);
-    return rc;
+    return io_posix_sync_dir(NULL, dir);
 }
 
 /* The marker's first line (who began the import), or "no owner recorded". */
@@ -128,9 +126,11 @@ int idem_import_unmark(const char *dir)
     if (!dir || !*dir) return IDEM_EINVAL;
     char path[4096], err[512];
     if (mark_path(dir, path, sizeof path) < 0) return IDEM_EINVAL;
-    /* Under the lock: the marker of an import that runs now is never removed by another. */
+    /* Under the lock, shared: the marker of an import that runs now (it holds the lock alone)
+     * is never removed by another, and no open that writes starts while it goes; inspections
+     * (read-only opens, sharing it) may run. */
     int lock_fd;
-    int rc = lock_acquire(dir, 0, &lock_fd, err, sizeof err);
+    int rc = lock_acquire(dir, 1, &lock_fd, err, sizeof err);
     if (rc < 0) {
         store_set_error("%s", err);
         return rc;

@@ -104,3 +104,31 @@ Test(import_mark, an_import_that_runs_is_reported_as_the_stores_owner)
     cr_assert_eq(idem_open(dir, NULL, &s), IDEM_ECORRUPT, "a store an import cut short opened");
     tu_rmtree(dir);
 }
+
+/* Found by a review of import: the import removed its marker under the store's lock taken
+ * alone, so an inspection running at that moment (idemctl status, which shares the lock) failed
+ * the whole import at its last step and left the store refused. The marker now goes under the
+ * lock shared; a process that holds the store to write still keeps it. */
+Test(import_mark, the_marker_is_removed_while_an_inspection_runs_and_kept_while_a_writer_holds_it)
+{
+    char *dir = tu_mkdtemp("unmark");
+    store_with_a_key(dir);
+    cr_assert_eq(idem_import_mark(dir), IDEM_OK, "%s", idem_last_error());
+    idem_options o;
+    idem_options_init(&o);
+    o.importing = 1;
+    idem_store *s;
+    cr_assert_eq(idem_open(dir, &o, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_import_unmark(dir), IDEM_ELOCKED, "the marker of an import that runs went");
+    cr_assert_eq(idem_import_marked(dir), 1);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+
+    o.read_only = 1;
+    cr_assert_eq(idem_open(dir, &o, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_import_unmark(dir), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_import_marked(dir), 0);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    tu_rmtree(dir);
+}
