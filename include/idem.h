@@ -405,8 +405,8 @@ typedef struct idem_stats {
     uint64_t keys; /* records in the index, expired ones not yet swept included */
     uint64_t keys_in_flight, keys_review;
     uint64_t keys_committed; /* expired ones not yet swept included, as in keys */
-    /* Claims by outcome. A claim that waits (WAIT) counts busy once, when it parks, and the
-     * outcome it is woken with; its re-runs while it waits are not counted. */
+    /* Claims by outcome. A claim that waits (WAIT) counts once, by the outcome it is answered
+     * with (busy at its deadline or when cancelled); not as it parks, nor its re-runs. */
     uint64_t claims_new, claims_busy, claims_done, claims_mismatch, claims_recover, claims_review;
     uint64_t mismatches; /* mismatches recorded */
     uint64_t recoveries;

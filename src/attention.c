@@ -300,13 +300,14 @@ int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_recor
     free(tmp.buf);
     q->att_buf = ab.b;
     q->att_cap = ab.cap;
-    /* In sync mode what the list reports is durable (rule 8), as for a scan: it waits for the
-     * flush of everything appended before it was read (a record listed may be that new), and
-     * for the clock that left out a record found expired, or found a lease run out
-     * (store_clock_need). */
+    /* In sync mode what the list reports, and what it leaves out, is durable (rule 8), as for a
+     * scan: it waits for the flush of everything appended before it was read (a record listed
+     * may be that new; one left out may have been resolved or deleted a moment ago, even when
+     * nothing is listed), and for the clock that left out a record found expired, or found a
+     * lease run out (store_clock_need). */
     if (rc == 0 && s->opt.durability == IDEM_DURABILITY_SYNC) {
         store_lock(s);
-        if ((k > 0 && s->durable_lsn < wal_last_lsn(s->wal)) || !store_clock_saved(s))
+        if (s->durable_lsn < wal_last_lsn(s->wal) || !store_clock_saved(s))
             rc = store_wait_durable(s);
         store_unlock(s);
     }

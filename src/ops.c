@@ -1108,6 +1108,7 @@ static void park(idem_store *s, struct qslot *sl, const idem_op *op)
     int64_t mono = s->clock.monotonic_ms(s->clock.ctx);
     sl->ext->deadline_mono_ms = mono + op->wait_ms;
     sl->state = SLOT_PARKED;
+    queue_park(sl->ext->q, sl);
     waiters_note_due(s, sl, mono, store_now(s));
     store_kick(s);
 }
@@ -1265,6 +1266,7 @@ static void waiter_done(idem_store *s, struct qslot *sl)
     }
     waiters_remove(s, sl);
     sl->state = SLOT_DONE;
+    queue_unpark(sl->ext->q, sl);
     queue_signal(sl->ext->q);
     pthread_cond_broadcast(&s->cond_ready);
 }
@@ -1286,8 +1288,8 @@ int idem_cancel_wait(idem_queue *q, uint64_t user_data)
     idem_store *s = q->s;
     store_lock(s);
     int rc = IDEM_ENOTFOUND;
-    for (struct qslot *w = q->head; w; w = w->lnext) {
-        if (w->state == SLOT_PARKED && w->c.user_data == user_data) {
+    for (struct qslot *w = q->parked_head; w; w = w->lnext) {
+        if (w->c.user_data == user_data) {
             /* Answered now, alone: the other waiters do not run again for it. */
             w->ext->deadline_mono_ms = 0;
             wake_one(s, w, 0);

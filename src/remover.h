@@ -4,10 +4,12 @@
  * 15-18 ms here (the kernel drops its cached pages), a checkpoint of 10 M keys about twice that:
  * on the flusher that was a stall of every acknowledgement.
  *
- * A file is given to it only once no superblock copy names it, so a delete that a crash cuts
- * short leaves a file the next open removes (store.c, remove_leftovers). The directory is synced
- * once the queue runs dry. A failed delete is reported, never fatal: the file is a leftover.
- * Thread-safe.
+ * A file is given to it only once no open can need it (a checkpoint neither superblock copy
+ * names; a segment the newest durable copy starts the log past, which the older copy's range
+ * may still include: an open skips it once missing, wal_open_segments), so a delete that a
+ * crash cuts short leaves a file the next open removes (store.c, remove_leftovers). The directory
+ * is synced once the queue runs dry. A failed delete is reported, never fatal: the file is a
+ * leftover. Thread-safe.
  */
 #ifndef IDEM_REMOVER_H
 #define IDEM_REMOVER_H

@@ -357,14 +357,11 @@ void queue_signal(struct idem_queue *q)
     if (q->fd_used) efd_signal(q->efd);
 }
 
-/* Whether the queue has a completion to deliver: the first finished one in submission order,
- * as collect_ready delivers them. */
+/* Whether the queue has a completion to deliver: the first outstanding one in submission order,
+ * as collect_ready delivers them (parked claims are not on that list). */
 static int queue_ready(const idem_store *s, const struct idem_queue *q)
 {
-    const struct qslot *sl = q->head;
-    while (sl && sl->state != SLOT_DONE)
-        sl = sl->lnext;
-    return sl && slot_ready(s, sl);
+    return q->head && slot_ready(s, q->head);
 }
 
 /* After the durable LSN moved (or fatal): wake the queues that have a ready completion, and the
@@ -1740,8 +1737,8 @@ void idem_queue_close(idem_queue *q)
     }
     for (struct qslot *sl = q->head; sl; sl = sl->lnext)
         slot_durable_done(s, sl);
-    for (struct qslot *sl = q->head; sl; sl = sl->lnext) /* drop parked claims of this queue */
-        if (sl->state == SLOT_PARKED) waiters_remove(s, sl);
+    for (struct qslot *sl = q->parked_head; sl; sl = sl->lnext) /* drop its parked claims */
+        waiters_remove(s, sl);
     ops_seen_return(s, q);
     if (q->prev)
         q->prev->next = q->next;
@@ -1845,6 +1842,50 @@ static struct qslot *slot_take(idem_queue *q)
     q->tail = sl;
     q->active++;
     return sl;
+}
+
+static void outstanding_unlink(idem_queue *q, struct qslot *sl)
+{
+    if (sl->lprev)
+        sl->lprev->lnext = sl->lnext;
+    else
+        q->head = sl->lnext;
+    if (sl->lnext)
+        sl->lnext->lprev = sl->lprev;
+    else
+        q->tail = sl->lprev;
+}
+
+void queue_park(idem_queue *q, struct qslot *sl)
+{
+    outstanding_unlink(q, sl);
+    sl->lprev = NULL;
+    sl->lnext = q->parked_head;
+    if (q->parked_head) q->parked_head->lprev = sl;
+    q->parked_head = sl;
+}
+
+/* The walk back from the tail passes only what was submitted after sl and is not yet polled. */
+void queue_unpark(idem_queue *q, struct qslot *sl)
+{
+    if (sl->lprev)
+        sl->lprev->lnext = sl->lnext;
+    else
+        q->parked_head = sl->lnext;
+    if (sl->lnext) sl->lnext->lprev = sl->lprev;
+    struct qslot *after = q->tail;
+    while (after && after->seq > sl->seq)
+        after = after->lprev;
+    sl->lprev = after;
+    sl->lnext = after ? after->lnext : q->head;
+    if (sl->lnext)
+        sl->lnext->lprev = sl;
+    else
+        q->tail = sl;
+    if (after)
+        after->lnext = sl;
+    else
+        q->head = sl;
 }
 
 static void release_returned(idem_queue *q)
@@ -2037,9 +2078,9 @@ int idem_submit(idem_queue *q, const idem_op *ops, size_t n)
     return (int)done + rc;
 }
 
-/* Delivers ready completions in submission order. The walk skips parked claims and stops at the
- * first completion that waits for a flush: later ones almost always wait for the same or a
- * later flush, so the cost stays proportional to what is delivered. */
+/* Delivers ready completions in submission order (parked claims are on a list of their own). The
+ * walk stops at the first completion that waits for a flush: later ones almost always wait for
+ * the same or a later flush, so the cost stays proportional to what is delivered. */
 static size_t collect_ready(idem_queue *q, idem_completion *out, size_t max)
 {
     idem_store *s = q->s;
@@ -2053,14 +2094,7 @@ static size_t collect_ready(idem_queue *q, idem_completion *out, size_t max)
             memcpy(&out[n], &sl->c, sizeof sl->c);
             if (sl->c.found) out[n].record = sl->ext->record;
             n++;
-            if (sl->lprev)
-                sl->lprev->lnext = sl->lnext;
-            else
-                q->head = sl->lnext;
-            if (sl->lnext)
-                sl->lnext->lprev = sl->lprev;
-            else
-                q->tail = sl->lprev;
+            outstanding_unlink(q, sl);
             slot_durable_done(s, sl);
             sl->state = SLOT_RETURNED; /* freed at the next call */
             q->returned[q->nreturned++] = sl;
@@ -2293,7 +2327,6 @@ struct scan_ctx {
     idem_queue *q;
     const idem_scan_args *a;
     int64_t now;
-    uint64_t max_lsn; /* the newest record listed */
     int err;
 };
 
@@ -2316,7 +2349,6 @@ static void scan_one(void *ctx, struct index_slot *slot)
     }
     if (sc->a->state && r.state != sc->a->state) return;
     if (sc->a->older_ms && sc->now - r.first_seen_ms < sc->a->older_ms) return;
-    if (lsn > sc->max_lsn) sc->max_lsn = lsn;
     idem_queue *q = sc->q;
     if (q->scan_n == q->scan_max) {
         size_t m = q->scan_max ? q->scan_max * 2 : 64;
@@ -2367,10 +2399,11 @@ int idem_scan(idem_queue *q, const idem_scan_args *a, uint64_t *next_cursor, con
         store_let_others_in(s);
     }
     *next_cursor = cursor;
-    /* In sync mode what a scan lists is durable (rule 8): a key claimed a moment ago waits for
-     * the flush that makes it so, shared with the claim's own. */
+    /* In sync mode what a scan lists, and what it leaves out, is durable (rule 8): a key claimed
+     * a moment ago waits for the flush that makes it so, shared with the claim's own, and so
+     * does one resolved out of the state scanned, or deleted. */
     if (!sc.err && s->opt.durability == IDEM_DURABILITY_SYNC &&
-        (sc.max_lsn > s->durable_lsn || !store_clock_saved(s)))
+        (wal_last_lsn(s->wal) > s->durable_lsn || !store_clock_saved(s)))
         sc.err = store_wait_durable(s);
     store_unlock(s);
     if (sc.err) return sc.err;

@@ -90,7 +90,7 @@ struct qslot {
                           is delivered or its queue closed; ready only once need_lsn is durable */
     uint64_t seq;      /* submission order */
     uint64_t need_lsn; /* ready once this LSN is durable */
-    struct qslot *lprev, *lnext; /* the queue's outstanding slots, in submission order */
+    struct qslot *lprev, *lnext; /* the queue's outstanding slots, or its parked ones */
     /* Copies owned by the slot (results, notes, keys of a parked claim). */
     uint8_t *buf;
     uint32_t buf_cap;
@@ -107,9 +107,14 @@ struct idem_queue {
     struct qslot_ext *ext; /* slots[i].ext == &ext[i] */
     uint32_t *free_stack;  /* indexes of free slots */
     uint32_t nfree;
-    uint32_t kept_big;         /* free slots keeping a buffer over QSLOT_BUF_SMALL (store.c) */
-    struct qslot *head, *tail; /* outstanding (submitted, not yet polled) */
-    uint32_t active;           /* outstanding slots */
+    uint32_t kept_big; /* free slots keeping a buffer over QSLOT_BUF_SMALL (store.c) */
+    /* Outstanding slots (submitted, not yet polled) in submission order, but for parked WAIT
+     * claims: those are on parked_head (any order) until they complete, and then go back in
+     * their place by seq (queue_park, queue_unpark), so that neither a poll nor a flush's end
+     * walks thousands of them. */
+    struct qslot *head, *tail;
+    struct qslot *parked_head;
+    uint32_t active; /* outstanding slots, parked ones included */
     uint64_t seq_next;
     int efd;
     int fd_used; /* idem_queue_fd was called: signal efd (mu) */
@@ -483,6 +488,10 @@ void store_super_marks(idem_store *s, struct super *sb);
 void store_flusher_unlock(idem_store *s);
 void store_flusher_relock(idem_store *s);
 void store_kick(idem_store *s);
+/* A WAIT claim of q parks: sl leaves the outstanding list for the parked one. mu held. */
+void queue_park(idem_queue *q, struct qslot *sl);
+/* A parked claim completed: back on the outstanding list, in its place by seq. mu held. */
+void queue_unpark(idem_queue *q, struct qslot *sl);
 /* Waits (mu held, letting it go) until everything appended so far is durable, and with it the
  * audit entries of those changes written. Returns 0 or IDEM_EFATAL. */
 int store_wait_durable(idem_store *s);
@@ -609,13 +618,17 @@ int ops_compact_frame(idem_store *s, const struct cmp_frame *cf, int64_t now);
 /* ---- compact.c (flusher thread, mu held, no batch in flight) ---- */
 /* Record bytes of a segment by when they expire, d ms after t0: bucket 0 at or before t0, 1..7
  * at t0 + 1..7 ms, then eight buckets for each power of two 2^k <= d < 2^(k+1) (k from 3 to
- * 30), each an eighth of it wide, the last later or never. A segment is walked once half its
- * bytes have expired, or an eighth while the capacity limits press (compact.c), whatever the
- * few long-lived records among them; a bucket counts as expired once all of it has, at most an
- * eighth of its offset late. */
+ * 38: 2^39 ms is 17 years, past IDEM_TTL_MS_MAX), each an eighth of it wide, the last never
+ * (an unfinished record) or later still. A segment is walked once half its bytes have expired, or
+ * an eighth while the capacity limits press (compact.c), whatever the few long-lived records among
+ * them; a bucket counts as expired once all of it has, at most an eighth of its offset late. (Until
+ * the forty-second session the buckets ended at 2^31 ms, 24.8 days: keys of a month never
+ * counted as expired.) */
 #define SEG_EXP_SUBS    8
-#define SEG_EXP_OCTAVES 28
+#define SEG_EXP_OCTAVES 36
 #define SEG_EXP_BUCKETS (SEG_EXP_SUBS + SEG_EXP_SUBS * SEG_EXP_OCTAVES + 1)
+_Static_assert((int64_t)IDEM_TTL_MS_MAX < (INT64_C(1) << (3 + SEG_EXP_OCTAVES)),
+               "every TTL has an expiry bucket of its own");
 struct seg_exp {
     int64_t t0;
     uint64_t total; /* the sum of bytes[] */

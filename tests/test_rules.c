@@ -4125,6 +4125,41 @@ Test(capacity, at_max_keys_expired_keys_make_room_for_new_ones)
     expired_keys_make_room_for_new_ones();
 }
 
+/* Found by a review of compaction: a segment's expiry tally put every expiry more than 2^31 ms
+ * (24.8 days) after the segment's first write in its last bucket, "later or never", which never
+ * counts as expired. Keys of a month at the key limit then answered FULL among expired keys for
+ * good, and under no limit such keys stayed in memory until the segment's last key expired.
+ * The tally now reaches past the longest TTL; keys of nine years are counted as theirs. */
+static void keys_of_a_ttl_make_room_once_expired(uint64_t ttl)
+{
+    char key[32];
+    t0 = idem_clock_now(g_s);
+    for (int i = 0; i < 100; i++) {
+        snprintf(key, sizeof key, "long-%03d", i);
+        idem_completion c = claim_full(key, ttl, LEASE, NULL, NULL);
+        expect_outcome(c, IDEM_NEW);
+        commit_ok(key, c.token, "r");
+    }
+    idem_completion c;
+    cr_assert_eq(claim_rc("cap-new", 7, TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
+    at((int64_t)(ttl - ttl / 16));
+    cr_assert_eq(claim_rc("cap-new", 7, TTL, LEASE, NULL, NULL, &c), IDEM_EFULL,
+                 "room before the keys expired");
+    at((int64_t)(ttl + ttl / 8));
+    claim_new_once_room_is_made("cap-new");
+    keys_become(1);
+}
+
+Test(capacity, at_max_keys_keys_of_a_month_make_room_once_expired)
+{
+    keys_of_a_ttl_make_room_once_expired(30ull * 86400000);
+}
+
+Test(capacity, at_max_keys_keys_of_nine_years_make_room_once_expired)
+{
+    keys_of_a_ttl_make_room_once_expired(9ull * 365 * 86400000);
+}
+
 /* In durability none the segment ended for the walk is flushed durable at once: nothing else
  * would make it so, and a walk waits for it. */
 Test(capacity, at_max_keys_expired_keys_make_room_in_durability_none)

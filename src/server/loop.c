@@ -195,24 +195,30 @@ static void conn_free(srv *s, srv_conn *c)
 
 static void submit_batch(srv *s);
 
-/* Claims of c parked by WAIT in the engine complete now (busy), for a client that is gone. Ops
- * of this turn not yet handed to the engine are submitted first, so that none of them parks
- * after the cancel and is granted the key later. */
+/* Whether the op named ud is in this turn's batch, not yet handed to the engine. */
+static int op_unsubmitted(const srv *s, uint64_t ud)
+{
+    for (uint32_t i = 0; i < s->nops; i++)
+        if (s->ops[i].user_data == ud) return 1;
+    return 0;
+}
+
+/* Claims of c parked by WAIT in the engine complete now (busy), for a client that is gone, each
+ * found once. Those parked already go first: the batch of this turn, once submitted, may hold a
+ * release by another client that would grant one of them the key. One still in the batch is
+ * submitted with it, then cancelled, so that it does not park after the cancel and get the key
+ * later; c's ops reach the engine in order, so those parked come before it. The batch goes
+ * early only for that: another connection's close does not hand a release queued this turn to
+ * a waiter whose own close comes later in the turn. */
 static void cancel_waits(srv *s, srv_conn *c)
 {
-    int any = 0;
-    for (uint32_t q = c->head_seq; q != c->tail_seq; q++)
-        any |= srv_slot_of(c, q)->state == SLOT_PENDING && srv_slot_of(c, q)->is_wait;
-    if (!any || !s->q) return;
-    /* Those parked already first: a release queued this turn, by another client, would grant
-     * one of them the key as the batch is submitted. Then those the batch parks. */
-    for (int pass = 0; pass < 2; pass++) {
-        if (pass == 1) submit_batch(s);
-        for (uint32_t q = c->head_seq; q != c->tail_seq; q++) {
-            srv_slot *sl = srv_slot_of(c, q);
-            if (sl->state == SLOT_PENDING && sl->is_wait)
-                (void)idem_cancel_wait(s->q, ((uint64_t)c->index << 32) | q);
-        }
+    if (!s->q) return;
+    for (uint32_t q = c->head_seq; q != c->tail_seq; q++) {
+        srv_slot *sl = srv_slot_of(c, q);
+        if (sl->state != SLOT_PENDING || !sl->is_wait) continue;
+        uint64_t ud = ((uint64_t)c->index << 32) | q;
+        if (op_unsubmitted(s, ud)) submit_batch(s);
+        (void)idem_cancel_wait(s->q, ud);
     }
 }
 
