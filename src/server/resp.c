@@ -14,8 +14,6 @@
 #include <string.h>
 #include <strings.h>
 
-#define NUM_LINE_MAX 24 /* '*' or '$', sign, 20 digits, CRLF */
-
 enum { LINE_OK = 0, LINE_NEED = 1, LINE_BAD = 2 };
 enum { PARSE_SKIP = 100 }; /* an empty request was consumed: go on with the next */
 
@@ -36,6 +34,7 @@ void resp_parser_init(resp_parser *p, uint32_t argc_max, resp_arg_max_fn arg_max
     p->argc_max = argc_max == 0 || argc_max > RESP_ARGV_MAX ? RESP_ARGV_MAX : argc_max;
     p->arg_max = arg_max;
     p->arg_max_ctx = ctx;
+    p->inline_max = RESP_INLINE_MAX;
     reset_request(p);
 }
 
@@ -43,7 +42,7 @@ void resp_parser_init(resp_parser *p, uint32_t argc_max, resp_arg_max_fn arg_max
 static int read_number_line(const uint8_t *buf, size_t len, size_t pos, char prefix, int64_t *v,
                             size_t *next)
 {
-    size_t i = pos + 1, end = pos + NUM_LINE_MAX;
+    size_t i = pos + 1, end = pos + RESP_LINE_SLACK;
     int neg = 0, digits = 0;
     int64_t n = 0;
     if (buf[pos] != (uint8_t)prefix) return LINE_BAD;
@@ -330,14 +329,14 @@ static int parse_inline(resp_parser *p, uint8_t *buf, size_t len, size_t *consum
     const uint8_t *nl = memchr(buf + p->pos, '\n', len - p->pos);
     if (!nl) {
         if (!p->first_line_done && looks_like_http(buf, len, 0)) return fail(p, RESP_CLOSE, "");
-        if (len > RESP_INLINE_MAX)
+        if (len > p->inline_max)
             return fail(p, RESP_CLOSE, "ERR Protocol error: too big inline request");
         p->pos = len;
         return RESP_NEED_MORE;
     }
     size_t line = (size_t)(nl - buf);
     if (!p->first_line_done && looks_like_http(buf, line, 1)) return fail(p, RESP_CLOSE, "");
-    if (line > RESP_INLINE_MAX)
+    if (line > p->inline_max)
         return fail(p, RESP_CLOSE, "ERR Protocol error: too big inline request");
     p->first_line_done = 1;
     int argc = split_inline(p, buf, line);

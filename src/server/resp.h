@@ -16,7 +16,10 @@
  *     then refused; a bulk length above RESP_BULK_PROTO_MAX closes the connection.
  *   - an array request whose bytes in all would pass req_max (when set) is discarded as it
  *     streams in, from the bulk that would pass it on, and refused (-ERR ... request too large).
- *   - an inline line longer than RESP_INLINE_MAX closes the connection.
+ *   - an inline line longer than inline_max (RESP_INLINE_MAX) closes the connection.
+ * So, with req_max set, a caller never holds more than req_max + RESP_LINE_SLACK bytes of a
+ * request not yet answered (nor more than inline_max of an inline line): what resp_parse left
+ * unconsumed when it returns RESP_NEED_MORE (fuzz_resp checks it).
  *   - the first line of a connection that looks like HTTP (`POST`, `GET /`, `Host:`) closes it.
  *
  * Invariants: while a request is incomplete the parser consumes nothing, except in discard mode
@@ -33,7 +36,8 @@
 #define RESP_BULK_PROTO_MAX (4u * 1024u * 1024u) /* a larger bulk length is a protocol error */
 #define RESP_ARGC_PROTO_MAX (1024u * 1024u)      /* a larger argc is a protocol error */
 #define RESP_INLINE_MAX     (64u * 1024u)        /* longest inline line */
-#define RESP_ARGV_MAX       64u                  /* arguments kept per request */
+#define RESP_LINE_SLACK     24u /* longest '*' or '$' line: the prefix, a sign, 20 digits, CRLF */
+#define RESP_ARGV_MAX       64u /* arguments kept per request */
 #define RESP_ERR_MAX        128u
 
 enum resp_status {
@@ -56,6 +60,7 @@ struct resp_parser {
     /* configuration */
     uint32_t argc_max; /* <= RESP_ARGV_MAX */
     size_t req_max;    /* bytes a whole array request may take (0: no limit); set after init */
+    size_t inline_max; /* longest inline line: RESP_INLINE_MAX from init (the fuzzer lowers it) */
     resp_arg_max_fn arg_max;
     void *arg_max_ctx;
     /* state of the request being parsed */

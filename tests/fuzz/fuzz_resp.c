@@ -1,8 +1,11 @@
 /*
  * fuzz_resp.c: libFuzzer target for the RESP request parser (src/server/resp.c).
  *
- * Input: byte 0 picks argc_max (1..64), bytes 1-2 seed the piece sizes, byte 3 picks the largest
- * piece (1..256 bytes); the rest is the byte stream of one connection.
+ * Input: byte 0 picks argc_max (1..64, its low six bits) and which limits are lowered (its top
+ * two bits: req_max to 16..1036 bytes from byte 1, inline_max to 8..518 from byte 2), bytes 1-2
+ * seed the piece sizes, byte 3 picks the largest piece (1..256 bytes); the rest is the byte
+ * stream of one connection. (The limits' own values, 64 KiB and more, lie past the inputs
+ * libFuzzer makes.)
  *
  * The stream is parsed twice, as a server would (drop what is consumed, call again while a
  * request or a refusal comes out, wait for more bytes on NEED_MORE, stop on CLOSE): once handed
@@ -12,6 +15,9 @@
  *   - argv of a request lies inside the consumed bytes; nargs in 1..argc_max;
  *   - the arg_max callback sees index < argc_max and earlier arguments inside the buffer;
  *   - err of a refusal is a nonempty string; the -ERR reply made of it holds no CR or LF;
+ *   - with req_max set, what is left unconsumed waiting for more bytes never passes
+ *     req_max + RESP_LINE_SLACK (an inline line: inline_max), so a connection's memory is
+ *     bounded whatever it sends;
  *   - the events (requests with their arguments, refusals and closes with their messages)
  *     of the whole parse equal those of the piecewise parse.
  *
@@ -48,6 +54,7 @@ struct arg_ctx {
     const uint8_t *buf;
     size_t len;
     uint32_t argc_max;
+    size_t req_max, inline_max; /* 0: left as init has them */
 };
 
 static uint8_t *region;
@@ -149,9 +156,12 @@ static int drain(resp_parser *p, struct conn *c, struct arg_ctx *a, struct event
         a->len = len;
         int r = resp_parse(p, buf, len, &consumed);
         if (consumed > len) fail("consumed > len");
+        size_t bound = p->req_max + RESP_LINE_SLACK;
+        if (bound < p->inline_max + 1) bound = p->inline_max + 1;
         switch (r) {
         case RESP_NEED_MORE:
             c->have -= consumed;
+            if (p->req_max && c->have > bound) fail("bytes held for a request pass the limits");
             return 0;
         case RESP_REQUEST:
             if (p->nargs == 0 || p->nargs > a->argc_max) fail("nargs out of range");
@@ -192,13 +202,16 @@ static uint64_t next_rand(uint64_t *s)
     return z ^ (z >> 31);
 }
 
-static void parse_stream(uint32_t argc_max, const uint8_t *s, size_t n, uint64_t seed,
+static void parse_stream(const struct arg_ctx *limits, const uint8_t *s, size_t n, uint64_t seed,
                          uint32_t piece_max, struct events *e)
 {
     resp_parser p;
     struct conn c;
-    struct arg_ctx a = {.argc_max = argc_max};
+    uint32_t argc_max = limits->argc_max;
+    struct arg_ctx a = *limits;
     resp_parser_init(&p, argc_max, arg_max, &a);
+    if (limits->req_max) p.req_max = limits->req_max;
+    if (limits->inline_max) p.inline_max = limits->inline_max;
     conn_init(&c);
     size_t off = 0;
     while (off < n) {
@@ -223,7 +236,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         if (!whole.p || !pieces.p) fail("malloc");
     }
     if (size < 4 || size - 4 > INPUT_MAX) return 0;
-    uint32_t argc_max = 1u + data[0] % RESP_ARGV_MAX;
+    struct arg_ctx limits = {.argc_max = 1u + data[0] % RESP_ARGV_MAX};
+    if (data[0] & 0x40) limits.req_max = 16u + 4u * data[1];
+    if (data[0] & 0x80) limits.inline_max = 8u + 2u * data[2];
     uint64_t seed = (uint64_t)data[1] | (uint64_t)data[2] << 8;
     uint32_t piece_max = 1u + data[3];
     const uint8_t *s = data + 4;
@@ -231,8 +246,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 
     whole.len = pieces.len = 0;
     whole.overflow = pieces.overflow = 0;
-    parse_stream(argc_max, s, n, 0, 0, &whole);
-    parse_stream(argc_max, s, n, seed, piece_max, &pieces);
+    parse_stream(&limits, s, n, 0, 0, &whole);
+    parse_stream(&limits, s, n, seed, piece_max, &pieces);
     if (whole.overflow || pieces.overflow) return 0;
     if (whole.len != pieces.len || memcmp(whole.p, pieces.p, whole.len)) {
         size_t i = 0;
