@@ -374,7 +374,10 @@ typedef struct idem_scan_args {
 } idem_scan_args;
 
 /* Keys of one scan step: keys[i], key_lens[i] for i < n, valid until the next call on q.
- * Like Redis SCAN: every key present for the whole scan is returned at least once. */
+ * Like Redis SCAN: every key present for the whole scan is returned at least once. In sync mode
+ * it returns once everything written before it read is durable, what it lists and what it
+ * leaves out alike (so a failed store, whose last writes never will be, answers IDEM_EFATAL;
+ * idem_attention likewise). */
 int idem_scan(idem_queue *q, const idem_scan_args *a, uint64_t *next_cursor, const void ***keys,
               const uint32_t **key_lens, size_t *n);
 

@@ -1859,10 +1859,13 @@ static void outstanding_unlink(idem_queue *q, struct qslot *sl)
 void queue_park(idem_queue *q, struct qslot *sl)
 {
     outstanding_unlink(q, sl);
-    sl->lprev = NULL;
-    sl->lnext = q->parked_head;
-    if (q->parked_head) q->parked_head->lprev = sl;
-    q->parked_head = sl;
+    sl->lnext = NULL;
+    sl->lprev = q->parked_tail;
+    if (q->parked_tail)
+        q->parked_tail->lnext = sl;
+    else
+        q->parked_head = sl;
+    q->parked_tail = sl;
 }
 
 /* The walk back from the tail passes only what was submitted after sl and is not yet polled. */
@@ -1872,7 +1875,10 @@ void queue_unpark(idem_queue *q, struct qslot *sl)
         sl->lprev->lnext = sl->lnext;
     else
         q->parked_head = sl->lnext;
-    if (sl->lnext) sl->lnext->lprev = sl->lprev;
+    if (sl->lnext)
+        sl->lnext->lprev = sl->lprev;
+    else
+        q->parked_tail = sl->lprev;
     struct qslot *after = q->tail;
     while (after && after->seq > sl->seq)
         after = after->lprev;
@@ -3075,9 +3081,9 @@ int idem_backup(idem_store *s, const char *dest_dir)
              : s->opt.read_only ? 0
                                 : quiesce_durable(s);
     struct super sb = s->sb;
-    /* The log's first segment as the open found it: the superblock may name earlier ones a
-     * retirement removed (the older copy read at the open), which only the next retirement's
-     * superblock stops naming. The copy's superblock names the segments the copy holds. */
+    /* The log's first segment as the open found it (a read-only open's superblock may name
+     * earlier ones a retirement removed: the older copy, read at the open; a writable open
+     * names the first it found). The copy's superblock names the segments the copy holds. */
     sb.wal_first_seq = wal_first_seq(s->wal);
     uint64_t end_seq;
     uint32_t end_off;

@@ -109,11 +109,11 @@ struct idem_queue {
     uint32_t nfree;
     uint32_t kept_big; /* free slots keeping a buffer over QSLOT_BUF_SMALL (store.c) */
     /* Outstanding slots (submitted, not yet polled) in submission order, but for parked WAIT
-     * claims: those are on parked_head (any order) until they complete, and then go back in
-     * their place by seq (queue_park, queue_unpark), so that neither a poll nor a flush's end
-     * walks thousands of them. */
+     * claims: those are on parked_head..parked_tail (in the order they parked) until they
+     * complete, and then go back in their place by seq (queue_park, queue_unpark), so that
+     * neither a poll nor a flush's end walks thousands of them. */
     struct qslot *head, *tail;
-    struct qslot *parked_head;
+    struct qslot *parked_head, *parked_tail;
     uint32_t active; /* outstanding slots, parked ones included */
     uint64_t seq_next;
     int efd;

@@ -1604,6 +1604,25 @@ Test(wait, a_cancel_answers_only_the_cancelled_waiter)
                  "the cancelled claim counts busy once; the others' re-runs are not claims");
 }
 
+/* Claims that share a user_data are cancelled oldest first, one a call, whatever their keys. */
+Test(wait, claims_of_one_user_data_are_cancelled_oldest_first)
+{
+    open_waiters();
+    idem_claim_args a = claim_args(TTL, LEASE, 0), b = claim_args(TTL, LEASE / 2, 0);
+    idem_completion c;
+    expect_rc(idem_claim(g_q, "a", 1, &a, &c), IDEM_OK);
+    expect_rc(idem_claim(g_q, "b", 1, &b, &c), IDEM_OK);
+    submit_wait_claim(g_wq[0], "b", 20000, 7);
+    submit_wait_claim(g_wq[0], "a", 20000, 7);
+    expect_rc(idem_cancel_wait(g_wq[0], 7), IDEM_OK);
+    cr_assert_eq(idem_poll(g_wq[0], &c, 1, 5000), 1);
+    cr_assert_eq(c.lease_left_ms, LEASE / 2, "the claim of b, parked first, was not the one");
+    expect_rc(idem_cancel_wait(g_wq[0], 7), IDEM_OK);
+    cr_assert_eq(idem_poll(g_wq[0], &c, 1, 5000), 1);
+    cr_assert_eq(c.lease_left_ms, LEASE);
+    expect_rc(idem_cancel_wait(g_wq[0], 7), IDEM_ENOTFOUND);
+}
+
 static _Atomic int64_t g_wait_mono = 5000000;
 
 static int64_t wait_mono_ms(void *ctx)

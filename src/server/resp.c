@@ -42,7 +42,7 @@ void resp_parser_init(resp_parser *p, uint32_t argc_max, resp_arg_max_fn arg_max
 static int read_number_line(const uint8_t *buf, size_t len, size_t pos, char prefix, int64_t *v,
                             size_t *next)
 {
-    size_t i = pos + 1, end = pos + RESP_LINE_SLACK;
+    size_t i = pos + 1, end = pos + RESP_LINE_MAX - 1; /* a CR at end - 1 at the latest */
     int neg = 0, digits = 0;
     int64_t n = 0;
     if (buf[pos] != (uint8_t)prefix) return LINE_BAD;

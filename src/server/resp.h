@@ -17,9 +17,10 @@
  *   - an array request whose bytes in all would pass req_max (when set) is discarded as it
  *     streams in, from the bulk that would pass it on, and refused (-ERR ... request too large).
  *   - an inline line longer than inline_max (RESP_INLINE_MAX) closes the connection.
- * So, with req_max set, a caller never holds more than req_max + RESP_LINE_SLACK bytes of a
- * request not yet answered (nor more than inline_max of an inline line): what resp_parse left
- * unconsumed when it returns RESP_NEED_MORE (fuzz_resp checks it).
+ * So a caller never holds more of a request not yet answered (what resp_parse left unconsumed
+ * when it returns RESP_NEED_MORE) than max(inline_max, RESP_LINE_MAX) bytes outside an array
+ * request, nor, with req_max set, max(req_max, RESP_LINE_MAX) + RESP_LINE_MAX inside one (its
+ * '*' line is not counted against req_max; fuzz_resp checks both bounds).
  *   - the first line of a connection that looks like HTTP (`POST`, `GET /`, `Host:`) closes it.
  *
  * Invariants: while a request is incomplete the parser consumes nothing, except in discard mode
@@ -36,9 +37,11 @@
 #define RESP_BULK_PROTO_MAX (4u * 1024u * 1024u) /* a larger bulk length is a protocol error */
 #define RESP_ARGC_PROTO_MAX (1024u * 1024u)      /* a larger argc is a protocol error */
 #define RESP_INLINE_MAX     (64u * 1024u)        /* longest inline line */
-#define RESP_LINE_SLACK     24u /* longest '*' or '$' line: the prefix, a sign, 20 digits, CRLF */
-#define RESP_ARGV_MAX       64u /* arguments kept per request */
-#define RESP_ERR_MAX        128u
+#define RESP_LINE_MAX                                                                              \
+    25u                   /* longest '*' or '$' line: the prefix, 22 digits or a sign and 21       \
+                             (leading zeros count), CRLF; 24 bytes without its LF */
+#define RESP_ARGV_MAX 64u /* arguments kept per request */
+#define RESP_ERR_MAX  128u
 
 enum resp_status {
     RESP_NEED_MORE = 0, /* incomplete: call again with more bytes (consumed may be > 0) */

@@ -15,8 +15,9 @@
  *   - argv of a request lies inside the consumed bytes; nargs in 1..argc_max;
  *   - the arg_max callback sees index < argc_max and earlier arguments inside the buffer;
  *   - err of a refusal is a nonempty string; the -ERR reply made of it holds no CR or LF;
- *   - with req_max set, what is left unconsumed waiting for more bytes never passes
- *     req_max + RESP_LINE_SLACK (an inline line: inline_max), so a connection's memory is
+ *   - what is left unconsumed waiting for more bytes never passes the bounds resp.h states:
+ *     max(inline_max, RESP_LINE_MAX) outside an array request and, with req_max set,
+ *     max(req_max, RESP_LINE_MAX) + RESP_LINE_MAX inside one, so a connection's memory is
  *     bounded whatever it sends;
  *   - the events (requests with their arguments, refusals and closes with their messages)
  *     of the whole parse equal those of the piecewise parse.
@@ -145,6 +146,15 @@ static void check_err(const resp_parser *p, int need_text)
     resp_buf_free(&b);
 }
 
+/* The most a connection may hold of a request not yet answered (resp.h). */
+static size_t held_max(const resp_parser *p)
+{
+    size_t line = RESP_LINE_MAX;
+    if (!p->in_array) return p->inline_max > line ? p->inline_max : line;
+    if (!p->req_max) return SIZE_MAX;
+    return (p->req_max > line ? p->req_max : line) + line;
+}
+
 /* Calls resp_parse until it wants more bytes; logs events. Returns 1 once the connection is
  * closed. */
 static int drain(resp_parser *p, struct conn *c, struct arg_ctx *a, struct events *e)
@@ -156,12 +166,10 @@ static int drain(resp_parser *p, struct conn *c, struct arg_ctx *a, struct event
         a->len = len;
         int r = resp_parse(p, buf, len, &consumed);
         if (consumed > len) fail("consumed > len");
-        size_t bound = p->req_max + RESP_LINE_SLACK;
-        if (bound < p->inline_max + 1) bound = p->inline_max + 1;
         switch (r) {
         case RESP_NEED_MORE:
             c->have -= consumed;
-            if (p->req_max && c->have > bound) fail("bytes held for a request pass the limits");
+            if (c->have > held_max(p)) fail("bytes held for a request pass the limits");
             return 0;
         case RESP_REQUEST:
             if (p->nargs == 0 || p->nargs > a->argc_max) fail("nargs out of range");
