@@ -130,14 +130,8 @@ int idem_import_unmark(const char *dir)
      * is never removed by another, and no open that writes starts while it goes; inspections
      * (read-only opens, sharing it) may run. The lock file is made if it is missing (as an
      * open that writes would make it), so that the lock holds then too. */
-    char lock_path[4096];
-    snprintf(lock_path, sizeof lock_path, "%s/LOCK", dir);
-    int lock_fd = open(lock_path, O_RDONLY | O_CREAT | O_CLOEXEC, 0600);
-    if (lock_fd < 0) {
-        store_set_error("cannot open %s: %s", lock_path, strerror(errno));
-        return IDEM_EIO;
-    }
-    int rc = lock_take(lock_fd, dir, 1, err, sizeof err); /* closes lock_fd when refused */
+    int lock_fd;
+    int rc = lock_acquire(dir, LOCK_AS_SHARER, &lock_fd, err, sizeof err);
     if (rc < 0) {
         store_set_error("%s", err);
         return rc;

@@ -1481,7 +1481,8 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     }
     if (!simulated) {
         char err[512];
-        rc = lock_acquire(dir, s->opt.read_only, &s->lock_fd, err, sizeof err);
+        rc = lock_acquire(dir, s->opt.read_only ? LOCK_AS_READER : LOCK_AS_OWNER, &s->lock_fd, err,
+                          sizeof err);
         if (rc < 0) {
             store_set_error("%s", err);
             goto fail;
@@ -1820,6 +1821,35 @@ const void *qslot_copy(struct qslot *sl, const void *p, size_t len)
 #define QSLOT_BUF_KEEP  (128u << 10)
 #define QSLOT_BIG_KEPT  32u
 
+/* A queue's two slot lists (outstanding, parked) are doubly linked through lprev and lnext;
+ * these keep head and tail right. after NULL inserts at the head. */
+static void slot_list_unlink(struct qslot **head, struct qslot **tail, struct qslot *sl)
+{
+    if (sl->lprev)
+        sl->lprev->lnext = sl->lnext;
+    else
+        *head = sl->lnext;
+    if (sl->lnext)
+        sl->lnext->lprev = sl->lprev;
+    else
+        *tail = sl->lprev;
+}
+
+static void slot_list_insert(struct qslot **head, struct qslot **tail, struct qslot *after,
+                             struct qslot *sl)
+{
+    sl->lprev = after;
+    sl->lnext = after ? after->lnext : *head;
+    if (sl->lnext)
+        sl->lnext->lprev = sl;
+    else
+        *tail = sl;
+    if (after)
+        after->lnext = sl;
+    else
+        *head = sl;
+}
+
 static struct qslot *slot_take(idem_queue *q)
 {
     if (q->nfree == 0) return NULL;
@@ -1832,66 +1862,25 @@ static struct qslot *slot_take(idem_queue *q)
     sl->buf_used = 0;
     /* The record part is filled (whole) only when found is set: zero the rest. */
     memset(&sl->c, 0, sizeof sl->c);
-    /* Append to the list of outstanding slots, in submission order. */
-    sl->lnext = NULL;
-    sl->lprev = q->tail;
-    if (q->tail)
-        q->tail->lnext = sl;
-    else
-        q->head = sl;
-    q->tail = sl;
+    slot_list_insert(&q->head, &q->tail, q->tail, sl); /* outstanding, in submission order */
     q->active++;
     return sl;
 }
 
-static void outstanding_unlink(idem_queue *q, struct qslot *sl)
-{
-    if (sl->lprev)
-        sl->lprev->lnext = sl->lnext;
-    else
-        q->head = sl->lnext;
-    if (sl->lnext)
-        sl->lnext->lprev = sl->lprev;
-    else
-        q->tail = sl->lprev;
-}
-
 void queue_park(idem_queue *q, struct qslot *sl)
 {
-    outstanding_unlink(q, sl);
-    sl->lnext = NULL;
-    sl->lprev = q->parked_tail;
-    if (q->parked_tail)
-        q->parked_tail->lnext = sl;
-    else
-        q->parked_head = sl;
-    q->parked_tail = sl;
+    slot_list_unlink(&q->head, &q->tail, sl);
+    slot_list_insert(&q->parked_head, &q->parked_tail, q->parked_tail, sl);
 }
 
 /* The walk back from the tail passes only what was submitted after sl and is not yet polled. */
 void queue_unpark(idem_queue *q, struct qslot *sl)
 {
-    if (sl->lprev)
-        sl->lprev->lnext = sl->lnext;
-    else
-        q->parked_head = sl->lnext;
-    if (sl->lnext)
-        sl->lnext->lprev = sl->lprev;
-    else
-        q->parked_tail = sl->lprev;
+    slot_list_unlink(&q->parked_head, &q->parked_tail, sl);
     struct qslot *after = q->tail;
     while (after && after->seq > sl->seq)
         after = after->lprev;
-    sl->lprev = after;
-    sl->lnext = after ? after->lnext : q->head;
-    if (sl->lnext)
-        sl->lnext->lprev = sl;
-    else
-        q->tail = sl;
-    if (after)
-        after->lnext = sl;
-    else
-        q->head = sl;
+    slot_list_insert(&q->head, &q->tail, after, sl);
 }
 
 static void release_returned(idem_queue *q)
@@ -2100,7 +2089,7 @@ static size_t collect_ready(idem_queue *q, idem_completion *out, size_t max)
             memcpy(&out[n], &sl->c, sizeof sl->c);
             if (sl->c.found) out[n].record = sl->ext->record;
             n++;
-            outstanding_unlink(q, sl);
+            slot_list_unlink(&q->head, &q->tail, sl);
             slot_durable_done(s, sl);
             sl->state = SLOT_RETURNED; /* freed at the next call */
             q->returned[q->nreturned++] = sl;
@@ -3080,11 +3069,7 @@ int idem_backup(idem_store *s, const char *dest_dir)
              : s->closing       ? IDEM_EINVAL /* a call on a store being closed */
              : s->opt.read_only ? 0
                                 : quiesce_durable(s);
-    struct super sb = s->sb;
-    /* The log's first segment as the open found it (a read-only open's superblock may name
-     * earlier ones a retirement removed: the older copy, read at the open; a writable open
-     * names the first it found). The copy's superblock names the segments the copy holds. */
-    sb.wal_first_seq = wal_first_seq(s->wal);
+    struct super sb = s->sb; /* names the log's first segment, as every open and retirement */
     uint64_t end_seq;
     uint32_t end_off;
     wal_position(s->wal, &end_seq, &end_off);
@@ -3115,7 +3100,7 @@ int idem_restore(const char *backup_dir, const char *dest_dir)
     char err[512] = "";
     /* A store some process owns changes under the copy: its lock is shared with readers only. */
     int lock_fd = -1;
-    int rc = lock_acquire(backup_dir, 1, &lock_fd, err, sizeof err);
+    int rc = lock_acquire(backup_dir, LOCK_AS_READER, &lock_fd, err, sizeof err);
     if (rc == 0) rc = super_load(io, backup_dir, &sb, 0, err, sizeof err);
     if (rc < 0) {
         store_set_error("%s", rc == IDEM_ENOTFOUND ? "the backup holds no store" : err);

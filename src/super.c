@@ -243,7 +243,9 @@ int super_store(struct io *io, const char *dir, struct super *sb)
     return 0;
 }
 
-int lock_take(int fd, const char *dir, int shared, char *err, size_t errcap)
+/* flock of an open lock file fd, shared or alone. Returns 0, or IDEM_ELOCKED with err naming
+ * the owner its file names, or the readers that share it (fd is then closed). */
+static int lock_take(int fd, const char *dir, int shared, char *err, size_t errcap)
 {
     if (flock(fd, (shared ? LOCK_SH : LOCK_EX) | LOCK_NB) == 0) return 0;
     if (!shared && flock(fd, LOCK_SH | LOCK_NB) == 0) { /* readers hold it, no owner */
@@ -264,25 +266,24 @@ int lock_take(int fd, const char *dir, int shared, char *err, size_t errcap)
     return IDEM_ELOCKED;
 }
 
-int lock_acquire(const char *dir, int read_only, int *fd_out, char *err, size_t errcap)
+int lock_acquire(const char *dir, enum lock_mode mode, int *fd_out, char *err, size_t errcap)
 {
     char path[4096];
     snprintf(path, sizeof path, "%s/LOCK", dir);
     *fd_out = -1;
-    /* Read-only, nothing is created or written: without a lock file no process has opened the
-     * store since it was made or copied (as for verify). Readers share the lock (flock needs
-     * only a read-only descriptor), so inspections run side by side and the file keeps naming
-     * the last owner; an owner holds it alone. */
-    int fd = read_only ? open(path, O_RDONLY | O_CLOEXEC)
-                       : open(path, O_RDWR | O_CLOEXEC | O_CREAT, 0600);
-    if (fd < 0 && read_only && errno == ENOENT) return 0;
+    /* Readers share the lock (flock needs only a read-only descriptor), so inspections run
+     * side by side and the file keeps naming the last owner; an owner holds it alone. */
+    int fd = mode == LOCK_AS_OWNER    ? open(path, O_RDWR | O_CLOEXEC | O_CREAT, 0600)
+             : mode == LOCK_AS_SHARER ? open(path, O_RDONLY | O_CLOEXEC | O_CREAT, 0600)
+                                      : open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0 && mode == LOCK_AS_READER && errno == ENOENT) return 0;
     if (fd < 0) {
         snprintf(err, errcap, "cannot open %s: %s", path, strerror(errno));
         return IDEM_EIO;
     }
-    int rc = lock_take(fd, dir, read_only, err, errcap);
+    int rc = lock_take(fd, dir, mode != LOCK_AS_OWNER, err, errcap);
     if (rc < 0) return rc;
-    if (!read_only) {
+    if (mode == LOCK_AS_OWNER) {
         char host[128] = "";
         gethostname(host, sizeof host - 1);
         char line[256];

@@ -122,14 +122,18 @@ int super_load(struct io *io, const char *dir, struct super *sb, int settle, cha
  * opens again). */
 int super_store(struct io *io, const char *dir, struct super *sb);
 
-/* Takes DIR/LOCK (flock, nonblocking), writing the owner's pid and host into it. For read_only:
- * shared with other readers, through a read-only descriptor, never created (no lock file:
- * *fd_out -1) nor written. Returns 0 with *fd_out set, or IDEM_ELOCKED with err naming the
- * owner (or the readers), or IDEM_EIO. */
-int lock_acquire(const char *dir, int read_only, int *fd_out, char *err, size_t errcap);
-/* flock of an open lock file fd, shared or alone. Returns 0, or IDEM_ELOCKED with err naming
- * the owner its file names, or the readers that share it (fd is then closed). */
-int lock_take(int fd, const char *dir, int shared, char *err, size_t errcap);
+/* How a process takes DIR/LOCK (flock, nonblocking). */
+enum lock_mode {
+    LOCK_AS_OWNER,  /* alone; the file made if missing, the owner's pid and host written in */
+    LOCK_AS_READER, /* shared with other readers and sharers, through a read-only descriptor;
+                     * never made (no lock file: *fd_out -1, no process owned the store since
+                     * it was made or copied) nor written */
+    LOCK_AS_SHARER, /* as a reader, but the file made if missing, so that the lock holds: the
+                     * removal of an import's marker, which no owner may start during */
+};
+/* Returns 0 with *fd_out set, or IDEM_ELOCKED with err naming the owner (or the readers), or
+ * IDEM_EIO. */
+int lock_acquire(const char *dir, enum lock_mode mode, int *fd_out, char *err, size_t errcap);
 void lock_release(int fd);
 
 /* ckpt_entry.has_seen bits */

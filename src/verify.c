@@ -30,7 +30,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -187,25 +186,6 @@ static int all_zero(const uint8_t *p, size_t n)
     for (size_t i = 0; i < n; i++)
         if (p[i]) return 0;
     return 1;
-}
-
-/* ---- Lock: shared, through a read-only descriptor, so idemd cannot start meanwhile ---- */
-
-static int verify_lock(const char *dir, int *fd_out)
-{
-    char path[4096];
-    snprintf(path, sizeof path, "%s/LOCK", dir);
-    *fd_out = -1;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return 0; /* no lock file: no process has owned the store since it was copied */
-    char err[512];
-    int rc = lock_take(fd, dir, 1, err, sizeof err);
-    if (rc < 0) {
-        store_set_error("%s", err);
-        return rc;
-    }
-    *fd_out = fd;
-    return 0;
 }
 
 /* ---- Superblock ---- */
@@ -1215,10 +1195,10 @@ int idem_verify(const char *dir, idem_verify_report *r,
         store_set_error("%s is not a directory", dir);
         return IDEM_EIO;
     }
-    int lock_fd;
-    int rc = verify_lock(dir, &lock_fd);
+    int lock_fd; /* shared, so that no process takes the store to write meanwhile */
+    int rc = lock_acquire(dir, LOCK_AS_READER, &lock_fd, r->first_error, sizeof r->first_error);
     if (rc < 0) {
-        snprintf(r->first_error, sizeof r->first_error, "%s", idem_last_error());
+        store_set_error("%s", r->first_error);
         return rc;
     }
     struct vctx v = {.dir = dir, .r = r, .progress = progress, .pctx = ctx};
