@@ -312,8 +312,9 @@ int compact_wants_checkpoint(idem_store *s)
     return wal_cur_seq(s->wal) - s->sb.ckpt_seq >= STORE_CKPT_EVERY_SEGS;
 }
 
-/* Retires the walked segments the installed checkpoint covers, oldest first. */
-static int retire(idem_store *s)
+/* Retires the walked segments the installed checkpoint covers, oldest first; off_lock as for
+ * the flusher's steps (compact_retire_closing holds mu throughout). */
+static int retire(idem_store *s, int off_lock)
 {
     if (!s->cmp_walked || s->backups) return 0; /* a backup may be copying them */
     uint64_t first = wal_first_seq(s->wal), upto = 0;
@@ -335,9 +336,9 @@ static int retire(idem_store *s)
     struct super sb = s->sb;
     sb.wal_first_seq = upto + 1;
     store_super_marks(s, &sb);
-    store_flusher_unlock(s);
+    if (off_lock) store_flusher_unlock(s);
     int rc = super_store(s->io, s->dir, &sb);
-    store_flusher_relock(s);
+    if (off_lock) store_flusher_relock(s);
     if (rc == IDEM_ENOMEM) { /* out of descriptors or memory, nothing written: a later step */
         io_fault_clear();
         return 0;
@@ -355,6 +356,12 @@ static int retire(idem_store *s)
     s->st.compactions += upto - first + 1;
     pthread_cond_broadcast(&s->cond_ready); /* idem_compact may wait for this */
     return 1;
+}
+
+int compact_retire_closing(idem_store *s)
+{
+    int rc = retire(s, 0);
+    return rc < 0 ? rc : 0;
 }
 
 /* A frame read ahead of its turn: prepared (decoded, its index slot prefetched), with where the
@@ -377,7 +384,7 @@ static void read_ahead(idem_store *s, uint32_t *off, struct cmp_ahead *a)
 int compact_step(idem_store *s)
 {
     if (s->fatal || s->closing || s->opt.read_only) return 0;
-    int rc = retire(s); /* segments walked before a corrupt frame stopped compaction, too */
+    int rc = retire(s, 1); /* segments walked before a corrupt frame stopped compaction, too */
     if (rc != 0 || s->cmp_disabled) return rc;
     if (!s->cmp_seq) {
         uint64_t next = walk_next(s);

@@ -69,6 +69,7 @@ _Static_assert((SEG_CAP_MAX & (SEG_CAP_MAX - 1)) == 0, "SEG_CAP_MAX is a power o
 _Static_assert(SEG_CAP_MAX <= 65536, "index_holds finds a home from 16 of hash_lo's bits");
 _Static_assert(2 * SEG_CAP_MAX <= 65536, "a run's end (< 2 cap) fits in 16 bits");
 _Static_assert(64 - INDEX_ADDR_BITS == INDEX_DEPTH_MAX, "tag bits are the directory bits");
+_Static_assert(INDEX_DEPTH_MAX + 32 == INDEX_SCAN_CURSOR_BITS, "a cursor: prefix, then hash_lo");
 
 struct index_seg {
     uint32_t cap;   /* slots */

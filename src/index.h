@@ -146,5 +146,6 @@ size_t index_dir_unmoved(const struct index *ix);
  */
 uint64_t index_scan(struct index *ix, uint64_t cursor, uint32_t max_slots,
                     void (*fn)(void *ctx, struct index_slot *slot), void *ctx);
+#define INDEX_SCAN_CURSOR_BITS 56 /* the cursors index_scan returns are below 2^56 */
 
 #endif /* IDEM_INDEX_H */

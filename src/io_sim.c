@@ -109,6 +109,7 @@ struct io_file {
     uint64_t epoch;
     unsigned flags;
     uint64_t inflight;
+    int fail_flush_err; /* io_sim_fail_flush_of: its next flush's (0: none) */
 };
 
 struct io_sim {
@@ -140,7 +141,9 @@ struct io_sim {
     int fail_sync_dir_err;       /* the next sync_dir's (0: none) */
     char fail_create_suffix[64]; /* "": none */
     int fail_create_err;
-    char fail_open_suffix[64]; /* "": none */
+    char fail_open_suffix[64];  /* "": none */
+    char fail_flush_suffix[64]; /* io_sim_fail_flush_of ("": none) */
+    int fail_flush_of_err;
     int fail_open_err;
     int fail_allocate_err;                 /* 0: none */
     const struct sim_node *fail_read_node; /* io_sim_fail_reads: NULL none; compared only */
@@ -511,10 +514,17 @@ static int64_t sim_perform_flush(struct io_sim *sim, struct io_file *f, uint64_t
                                  uint64_t linked_seq)
 {
     uint64_t nth = ++sim->counts.flushes;
+    int err = 0;
     if (nth == sim->fail_flush_at) {
         sim->fail_flush_at = 0;
+        err = sim->fail_flush_err;
+    } else if (f->fail_flush_err) {
+        err = f->fail_flush_err;
+    }
+    f->fail_flush_err = 0;
+    if (err) {
         int rc = sim_flush_node(f->node, covers_seq, linked_seq, 1);
-        return rc < 0 ? rc : sim->fail_flush_err;
+        return rc < 0 ? rc : err;
     }
     return sim_flush_node(f->node, covers_seq, linked_seq, 0);
 }
@@ -692,6 +702,8 @@ static int sim_open(struct io *io, const char *path, unsigned flags, struct io_f
         f->node = e->node;
         f->node->refs++;
     }
+    if (rc == 0 && sim_suffix_fires(sim->fail_flush_suffix, path))
+        f->fail_flush_err = sim->fail_flush_of_err;
     f->epoch = sim->epoch;
     sim_unlock(sim);
     if (rc < 0) {
@@ -1331,6 +1343,15 @@ void io_sim_fail_flush(struct io_sim *sim, uint64_t nth, int err)
     sim_lock(sim);
     sim->fail_flush_at = nth ? sim->counts.flushes + nth : 0;
     sim->fail_flush_err = err;
+    sim_unlock(sim);
+}
+
+void io_sim_fail_flush_of(struct io_sim *sim, const char *suffix, int err)
+{
+    IDEM_ASSERT(err < 0 && (!suffix || strlen(suffix) < sizeof sim->fail_flush_suffix));
+    sim_lock(sim);
+    snprintf(sim->fail_flush_suffix, sizeof sim->fail_flush_suffix, "%s", suffix ? suffix : "");
+    sim->fail_flush_of_err = err;
     sim_unlock(sim);
 }
 

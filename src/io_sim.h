@@ -58,6 +58,10 @@ void io_sim_fail_create(struct io_sim *sim, const char *suffix, int err);
 /* The next open of any file, there or not, whose path ends with suffix fails with err (a
  * negative errno, such as -EMFILE); NULL disarms it. */
 void io_sim_fail_open(struct io_sim *sim, const char *suffix, int err);
+/* The first flush of the next file opened whose path ends with suffix fails with err (a
+ * negative errno) and makes nothing durable: a fault for one file, whatever other files the
+ * flushes between reach; NULL disarms it. */
+void io_sim_fail_flush_of(struct io_sim *sim, const char *suffix, int err);
 /* Every read of the file at path fails with err (a negative errno) until disarmed (NULL).
  * Returns 0, or -ENOENT if no file is at path. */
 int io_sim_fail_reads(struct io_sim *sim, const char *path, int err);

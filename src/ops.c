@@ -112,8 +112,9 @@ static struct seen_info *seen_of(idem_store *s, const struct index_slot *slot)
 void ops_prefetch_record(const idem_store *s, const struct index_slot *slot)
 {
     wal_prefetch(s->wal, slot->addr_tag & INDEX_ADDR_MASK);
-    if (slot->aux & SLOT_AUX_SEEN)
-        __builtin_prefetch(store_seen_at(s, (slot->aux & SLOT_AUX_SEEN) - 1));
+    /* Readers without the lock set aux by compare-and-swap (a counter taken): read it whole. */
+    uint32_t aux = __atomic_load_n(&slot->aux, __ATOMIC_RELAXED);
+    if (aux & SLOT_AUX_SEEN) __builtin_prefetch(store_seen_at(s, (aux & SLOT_AUX_SEEN) - 1));
 }
 
 void ops_seen_release(idem_store *s, struct index_slot *slot)

@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <time.h>
@@ -949,18 +950,25 @@ static int store_init_new(idem_store *s)
 {
     struct super *sb = &s->sb;
     memset(sb, 0, sizeof *sb);
-    uint64_t r1 = XXH3_64bits_withSeed(s->dir, strlen(s->dir), (uint64_t)util_monotonic_us());
-    uint64_t r2 = XXH3_64bits_withSeed(&r1, sizeof r1, (uint64_t)util_realtime_ms() ^ getpid());
-    FILE *ur = fopen("/dev/urandom", "rb");
-    if (ur) {
-        if (fread(&r1, sizeof r1, 1, ur) != 1 || fread(&r2, sizeof r2, 1, ur) != 1) {
-            /* keep the time-derived values */
+    /* The hash seed is secret (keys that collide are worked out from it), and drawn apart from
+     * the store id. getrandom needs no device file; without it (a kernel before 3.17 and no
+     * /dev/urandom) the values come from clocks and the pid, which can be guessed: said. */
+    uint64_t r[3];
+    if (getrandom(r, sizeof r, 0) != (ssize_t)sizeof r) {
+        FILE *ur = fopen("/dev/urandom", "rb");
+        if (!ur || fread(r, sizeof r, 1, ur) != 1) {
+            r[0] = XXH3_64bits_withSeed(s->dir, strlen(s->dir), (uint64_t)util_monotonic_us());
+            r[1] = XXH3_64bits_withSeed(r, 8, (uint64_t)util_realtime_ms() ^ (uint64_t)getpid());
+            r[2] = XXH3_64bits_withSeed(r, 16, (uint64_t)util_monotonic_us());
+            fprintf(stderr,
+                    "idem: event=weak_hash_seed dir=%s error=\"no random source: the "
+                    "hash seed comes from clocks\"\n",
+                    s->dir);
         }
-        fclose(ur);
+        if (ur) fclose(ur);
     }
-    memcpy(sb->store_id, &r1, 8);
-    memcpy(sb->store_id + 8, &r2, 8);
-    sb->hash_seed = r1 ^ (r2 << 1);
+    memcpy(sb->store_id, r, 16);
+    sb->hash_seed = r[2];
     sb->token_reserved = 1;
     sb->wal_first_seq = 1;
     sb->ckpt_seq = 1;
@@ -2375,6 +2383,49 @@ static void scan_one(void *ctx, struct index_slot *slot)
     q->scan_used += r.key_len;
 }
 
+/* A scan's cursor is an index position (index_scan: the top 24 bits of a hash, then a bound on
+ * its low 32 bits) sealed by a permutation of its 56 bits keyed by the hash seed: a client that
+ * steps cursors learns nothing of where keys hash, from which the seed, and then keys made to
+ * collide, could be worked out. Four rounds of a Feistel network over two 28-bit halves; the
+ * sealed value is the permuted one plus 1, so that 0 stays the start and the end. Any value
+ * opens to some position, which index_scan takes (restarting its block if it never gave it). */
+#define CURSOR_HALF_BITS 28
+#define CURSOR_HALF_MASK ((UINT64_C(1) << CURSOR_HALF_BITS) - 1)
+#define CURSOR_ROUNDS    4
+_Static_assert(2 * CURSOR_HALF_BITS == INDEX_SCAN_CURSOR_BITS, "a cursor is two halves");
+
+static uint64_t cursor_round(const idem_store *s, uint64_t half, uint64_t round)
+{
+    uint32_t v = (uint32_t)half;
+    return XXH3_64bits_withSeed(&v, sizeof v, s->sb.hash_seed + round * 0x9e3779b97f4a7c15ull) &
+           CURSOR_HALF_MASK;
+}
+
+static uint64_t cursor_seal(const idem_store *s, uint64_t pos)
+{
+    if (pos == 0) return 0;
+    uint64_t l = (pos >> CURSOR_HALF_BITS) & CURSOR_HALF_MASK, r = pos & CURSOR_HALF_MASK;
+    for (uint64_t i = 0; i < CURSOR_ROUNDS; i++) {
+        uint64_t t = r;
+        r = l ^ cursor_round(s, r, i);
+        l = t;
+    }
+    return ((l << CURSOR_HALF_BITS) | r) + 1;
+}
+
+static uint64_t cursor_open(const idem_store *s, uint64_t cursor)
+{
+    if (cursor == 0) return 0;
+    uint64_t c = cursor - 1;
+    uint64_t l = (c >> CURSOR_HALF_BITS) & CURSOR_HALF_MASK, r = c & CURSOR_HALF_MASK;
+    for (uint64_t i = CURSOR_ROUNDS; i-- > 0;) {
+        uint64_t t = l;
+        l = r ^ cursor_round(s, l, i);
+        r = t;
+    }
+    return (l << CURSOR_HALF_BITS) | r;
+}
+
 int idem_scan(idem_queue *q, const idem_scan_args *a, uint64_t *next_cursor, const void ***keys,
               const uint32_t **key_lens, size_t *n)
 {
@@ -2385,7 +2436,7 @@ int idem_scan(idem_queue *q, const idem_scan_args *a, uint64_t *next_cursor, con
     q->scan_n = q->scan_used = 0;
     store_lock(s);
     struct scan_ctx sc = {.s = s, .q = q, .a = a, .now = store_now(s)};
-    uint64_t cursor = a->cursor;
+    uint64_t cursor = cursor_open(s, a->cursor);
     for (uint32_t left = a->count ? a->count : 100; left > 0 && !sc.err;) {
         uint32_t step = left < SCAN_SLOTS_PER_HOLD ? left : SCAN_SLOTS_PER_HOLD;
         cursor = index_scan(s->ix, cursor, step, scan_one, &sc);
@@ -2393,7 +2444,7 @@ int idem_scan(idem_queue *q, const idem_scan_args *a, uint64_t *next_cursor, con
         if (cursor == 0 || left == 0) break;
         store_let_others_in(s);
     }
-    *next_cursor = cursor;
+    *next_cursor = cursor_seal(s, cursor);
     /* In sync mode what a scan lists, and what it leaves out, is durable (rule 8): a key claimed
      * a moment ago waits for the flush that makes it so, shared with the claim's own, and so
      * does one resolved out of the state scanned, or deleted. */
@@ -2599,7 +2650,8 @@ static int checkpoint_locked(idem_store *s)
     /* At close nothing is appended after this checkpoint: the next open need not look past the
      * end of the log (wal_resume). */
     sb.clean_lsn = s->closing ? sb.ckpt_lsn : 0;
-    return ckpt_install(s, &sb, 0);
+    rc = ckpt_install(s, &sb, 0);
+    return rc < 0 || !s->closing ? rc : compact_retire_closing(s);
 }
 
 /*

@@ -648,6 +648,11 @@ int compact_learn_horizon(idem_store *s);
 /* Whether the flusher should write a checkpoint now (log length since the last one, or walked
  * segments waiting to be retired: see the function). */
 int compact_wants_checkpoint(idem_store *s);
+/* Once the closing checkpoint is installed, retires the walked segments it covers (else the
+ * next open, which forgets the walk, walks them again). A superblock of its own, after the
+ * checkpoint's, as the flusher's retirements: the older copy, used if the newer one rots,
+ * then replays from the checkpoint, past the segments. Mu held throughout. */
+int compact_retire_closing(idem_store *s);
 
 /* ---- ages.c ---- */
 /* Version r of a key (hash h) was written (or found, at load) at addr: remember it if it

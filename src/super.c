@@ -471,8 +471,17 @@ int ckpt_end(struct ckpt_writer *cw)
     util_put_u64(p + 24, XXH3_64bits_withSeed(p, 24, cw->id));
     cw->used += CKPT_ENTRY;
     int rc = ckpt_drain(cw);
-    if (rc == 0 && io_flush_sync(cw->io, cw->f) < 0) rc = IDEM_EFATAL;
-    if (rc == 0 && io_sync_dir(cw->io, cw->dir) < 0) rc = IDEM_EFATAL;
+    /* The file is installed only once this returns 0. A flush refused for space (a file system
+     * that allocates at writeback) is FULL, as a write is; so is the directory's sync (btrfs
+     * may need metadata space for its commit), and out of descriptors or memory for it is
+     * ENOMEM: nothing in the log's space failed, and a later checkpoint writes the file anew.
+     * Any other failure is fatal. */
+    int io_rc = rc == 0 ? io_flush_sync(cw->io, cw->f) : 0;
+    if (io_rc < 0) rc = UTIL_NO_SPACE(io_rc) ? IDEM_EFULL : IDEM_EFATAL;
+    if (rc == 0 && (io_rc = io_sync_dir(cw->io, cw->dir)) < 0) {
+        rc = UTIL_OPEN_ERR(io_rc);
+        if (rc == IDEM_EIO) rc = IDEM_EFATAL;
+    }
     ckpt_abort(cw);
     return rc;
 }

@@ -33,9 +33,10 @@
 #define WAL_SEG_HDR_CKSUM 4088u
 
 struct wal_segment {
-    uint64_t seq;     /* 0: slot unused */
-    uint64_t end_lsn; /* LSN of its SEGEND frame once sealed in this run (0: none yet, or
-                         sealed before the last open and so durable) */
+    uint64_t seq; /* 0: slot unused */
+    /* LSN of its SEGEND frame once sealed in this run, until a flush makes the whole segment
+     * durable (0: durable, or not sealed yet) */
+    uint64_t end_lsn;
     struct io_file *f;
     const uint8_t *map;
     uint64_t salt;
@@ -689,6 +690,10 @@ uint64_t wal_flush_end(struct wal *w, int durable)
     for (int i = 0; i < w->ninfl; i++) {
         struct wal_chunk *c = &w->chunks[w->infl[i]];
         if (c->last_lsn > w->lsn_written) w->lsn_written = c->last_lsn;
+        /* Flushed, as every write to a sealed segment is (wal_flush_io): in durability none
+         * too, the segment is durable whole (its earlier writes were done before), and
+         * compaction may walk it without waiting for a sync of the log. */
+        if (c->seq < w->infl_cur_seq) seg_of(w, c->seq)->end_lsn = 0;
         w->free_list[w->nfree++] = w->infl[i];
     }
     w->ninfl = 0;

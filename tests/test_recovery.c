@@ -1795,6 +1795,32 @@ Test(recovery, a_directory_sync_refused_for_space_while_making_a_segment_is_not_
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
+/* Found by the forty-second session's review: a checkpoint whose file's flush or directory sync
+ * was refused for space turned the store fatal, where a segment's making answers FULL. The
+ * checkpoint is not installed, so nothing acknowledged depends on it: FULL, and the next one
+ * writes the file anew. */
+Test(recovery, a_checkpoint_refused_for_space_at_its_flush_or_directory_sync_is_full_not_fatal,
+     .timeout = 60)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, 10);
+    io_sim_fail_sync_dir(sim, -ENOSPC);
+    cr_assert_eq(idem_checkpoint(s), IDEM_EFULL, "%s", idem_last_error());
+    cr_assert(!idem_is_fatal(s));
+    fill(s, 10, 20);
+    io_sim_fail_flush_of(sim, ".ckpt", -ENOSPC);
+    cr_assert_eq(idem_checkpoint(s), IDEM_EFULL, "%s", idem_last_error());
+    cr_assert(!idem_is_fatal(s));
+    fill(s, 20, 30);
+    cr_assert_eq(idem_checkpoint(s), IDEM_OK, "%s", idem_last_error());
+    store_abandon(s);
+    io_sim_crash(sim, IO_SIM_CRASH_LOSE_ALL);
+    cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, 30);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
 Test(recovery, a_segment_making_refused_for_space_is_full_and_keeps_only_a_whole_file)
 {
     struct io *io = io_sim_io(sim);

@@ -102,7 +102,7 @@ static void start_in(int keep_dir, const char *const *extra)
     for (int64_t end = now_ms() + 10000; now_ms() < end;) {
         redisContext *c = redisConnect("127.0.0.1", srv.port);
         if (c && !c->err) {
-            /* EXISTS answers -LOADING until recovery is over, unlike PING */
+            /* EXISTS answers -LOADING until recovery is over */
             if (ready_auth) freeReplyObject(redisCommand(c, ready_auth));
             redisReply *r = redisCommand(c, "EXISTS ready");
             int ok = r && r->type != REDIS_REPLY_ERROR;
@@ -988,6 +988,23 @@ Test(server, refusals_by_name, .init = start)
     expect_error(cmd(c, "GETSET a %s", big), "ERR GETSET is refused");
     expect_error(cmd(c, "SETEX a 10 %s", big), "ERR SETEX is refused");
     expect_error(cmd(c, "APPEND a %s", big), "ERR APPEND is refused");
+    /* Found by a review against the contract: these answered "unknown command", which does
+     * not say why. Each would change a result, make a record without expiry, move one to
+     * another key, or delete without the audit trail; a key made before stays as it was. */
+    expect_status(cmd(c, "SET a 1 NX PX 100000"), "OK");
+    static const char *const more[] = {
+        "SETRANGE a 0 x", "INCR a",       "INCRBY a 1",       "INCRBYFLOAT a 1",
+        "DECR a",         "DECRBY a 1",   "SETNX b 1",        "MSETNX b 1 c 2",
+        "RENAME a b",     "RENAMENX a b", "COPY a b REPLACE", "MOVE a 1",
+        "RESTORE b 0 x",  "UNLINK a",     "FLUSHDB",          "FLUSHALL",
+    };
+    for (size_t i = 0; i < sizeof more / sizeof more[0]; i++) {
+        char want[64];
+        snprintf(want, sizeof want, "ERR %.*s is refused: ", (int)strcspn(more[i], " "), more[i]);
+        expect_error(cmd(c, more[i]), want);
+    }
+    expect_bulk(cmd(c, "GET a"), "1");
+    expect_int(cmd(c, "EXISTS b c"), 0);
     expect_status(cmd(c, "PING"), "PONG"); /* the connection stays usable */
     redisFree(c);
 }
@@ -1281,6 +1298,22 @@ Test(server, without_users_the_audit_names_the_peers_uid_and_client_name, .init 
     dels_around(c, "CLIENT SETNAME ops)@10.0.0.5");
     snprintf(want, sizeof want, "uid=%u(ops??10.0.0.5)@unix", (unsigned)getuid());
     cr_assert_str_eq(audited_actor(c, "k2", got, sizeof got), want);
+    /* Found by a review against the contract: a name of 64 bytes or more was refused, and a
+     * client that sets one on connect (redis-py's client_name) could not connect. Up to 255
+     * bytes are taken; the actor keeps the first 120, so that the peer always fits. */
+    static char name[257], cut[121];
+    memset(name, 'n', 255);
+    memset(cut, 'n', 120);
+    expect_status(cmd(c, "CLIENT SETNAME %s", name), "OK");
+    redisReply *r = cmd(c, "CLIENT GETNAME");
+    cr_assert(r->type == REDIS_REPLY_STRING && r->len == 255, "the name is not kept whole");
+    freeReplyObject(r);
+    dels_around(c, "SELECT 0");
+    char want_long[200];
+    snprintf(want_long, sizeof want_long, "uid=%u(%s)@unix", (unsigned)getuid(), cut);
+    cr_assert_str_eq(audited_actor(c, "k2", got, sizeof got), want_long);
+    name[255] = 'n';
+    expect_error(cmd(c, "CLIENT SETNAME %s", name), "ERR client name too long");
     redisFree(c);
 }
 

@@ -141,7 +141,7 @@ wait_ping() { # port pid
         sleep 0.1
     done
 }
-# idemd answers PING while it recovers its store (everything else gets -LOADING): wait for the end.
+# INFO says when a store opened with data is recovered (loading:0), for the figures of its open.
 wait_loaded() { # port pid
     local i=0
     until redis-cli -p "$1" INFO persistence 2>/dev/null | tr -d '\r' | grep -q '^loading:0$'; do

@@ -421,8 +421,10 @@ void cmd_reply_record(resp_buf *b, const idem_record *rec)
         f_num(f, &n, "token", rec->token);
         if (rec->owner) f_bytes(f, &n, "owner", rec->owner, rec->owner_len);
     }
-    f_num(f, &n, "attempts", rec->attempts);
-    f_num(f, &n, "last_grant_ms", rec->last_grant_ms);
+    if (rec->attempts) { /* a SET NX record was never granted to an owner */
+        f_num(f, &n, "attempts", rec->attempts);
+        f_num(f, &n, "last_grant_ms", rec->last_grant_ms);
+    }
     if (rec->state == IDEM_STATE_COMMITTED) f_bytes(f, &n, "result", rec->result, rec->result_len);
     if (rec->note) f_bytes(f, &n, "note", rec->note, rec->note_len);
     f_num(f, &n, "mismatch_count", (int64_t)rec->mismatch_count);

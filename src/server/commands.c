@@ -111,12 +111,17 @@ int cmd_key_ok(cmd_req *r, uint32_t i)
 
 /* user@peer, user(client name)@peer once the client named itself; without users the user is
  * the peer's uid on the unix socket (SO_PEERCRED), tcp on TCP. The name's '(', ')' and '@' are
- * written '?': a name of "x)@10.0.0.5" must not read as another peer. */
+ * written '?': a name of "x)@10.0.0.5" must not read as another peer. A name is cut to
+ * ACTOR_NAME_MAX bytes there, so that user and peer always fit in IDEM_ACTOR_BYTES_MAX. */
+#define ACTOR_NAME_MAX 120
+_Static_assert(SRV_NAME_MAX - 1 + ACTOR_NAME_MAX + sizeof((srv_conn *)0)->peer - 1 + 3 <=
+                   IDEM_ACTOR_BYTES_MAX,
+               "user(name)@peer fits an audit entry's actor");
 const char *cmd_actor(srv_conn *c)
 {
     const char *who = c->user[0] ? c->user : "anonymous";
     if (c->name[0]) {
-        char name[sizeof c->name];
+        char name[ACTOR_NAME_MAX + 1];
         size_t i = 0;
         for (; c->name[i] && i + 1 < sizeof name; i++)
             name[i] = strchr("()@", c->name[i]) ? '?' : c->name[i];
@@ -232,11 +237,11 @@ static void hello_reply(cmd_req *r)
     cmd_done(r);
 }
 
-/* Whether a client name may be set: shorter than SRV_NAME_MAX, printable ASCII without spaces
- * (as Redis allows): names reach the logs and the audit trail. */
+/* Whether a client name may be set: shorter than SRV_CLIENT_NAME_MAX, printable ASCII without
+ * spaces (as Redis allows): names reach the logs and the audit trail. */
 static int client_name_ok(const uint8_t *p, uint32_t len)
 {
-    if (len >= SRV_NAME_MAX) return 0;
+    if (len >= SRV_CLIENT_NAME_MAX) return 0;
     for (uint32_t i = 0; i < len; i++)
         if (p[i] < '!' || p[i] > '~') return 0;
     return 1;
@@ -415,8 +420,8 @@ const cmd_def cmd_table[] = {
     CMD("TTL", 2, ROLES_ALL, 0, cmd_ttl, key_args),
     CMD("DEL", -2, ROLE_ADMIN, CMD_F_WRITE, cmd_del, keys_args),
     CMD("DBSIZE", 1, ROLES_READ, 0, cmd_dbsize, NULL),
-    CMD("PING", -1, ROLES_ALL, CMD_F_LOADING, cmd_ping, result_args),
-    CMD("ECHO", 2, ROLES_ALL, CMD_F_LOADING, cmd_echo, result_args),
+    CMD("PING", -1, ROLES_ALL, 0, cmd_ping, result_args),
+    CMD("ECHO", 2, ROLES_ALL, 0, cmd_echo, result_args),
     CMD("INFO", -1, ROLES_ALL, CMD_F_LOADING, cmd_info, NULL),
     CMD("AUTH", -2, ROLES_ALL, CMD_F_NOAUTH | CMD_F_LOADING, cmd_auth, NULL),
     CMD("HELLO", -1, ROLES_ALL, CMD_F_NOAUTH | CMD_F_LOADING, cmd_hello, NULL),
@@ -446,6 +451,22 @@ static const struct {
     {"GETDEL", "deleting is an audited admin action: use DEL"},
     {"MSET", "it would replace records; use SET key value NX PX ms"},
     {"APPEND", "it would change a recorded result"},
+    {"SETRANGE", "it would change a recorded result"},
+    {"INCR", "it would change a recorded result"},
+    {"INCRBY", "it would change a recorded result"},
+    {"INCRBYFLOAT", "it would change a recorded result"},
+    {"DECR", "it would change a recorded result"},
+    {"DECRBY", "it would change a recorded result"},
+    {"SETNX", "a record that never expires is not allowed; use SET key value NX PX ms"},
+    {"MSETNX", "a record that never expires is not allowed; use SET key value NX PX ms"},
+    {"RENAME", "it would replace a record under another key; records are insert-only"},
+    {"RENAMENX", "it would make a record under another key outside a claim"},
+    {"COPY", "it would make or replace a record under another key outside a claim"},
+    {"MOVE", "there is one database, 0"},
+    {"RESTORE", "it would make or replace a record outside a claim"},
+    {"UNLINK", "deleting is an audited admin action: use DEL"},
+    {"FLUSHDB", "deleting is an audited admin action, key by key: use DEL"},
+    {"FLUSHALL", "deleting is an audited admin action, key by key: use DEL"},
 };
 
 /* The entry of refused[] named name[0..n), or -1. */

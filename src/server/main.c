@@ -43,7 +43,7 @@ static const char usage_text[] =
     "Users (without any, unix socket connections are admin and TCP ones workers):\n"
     "  --user NAME:ROLE:PASSWORD repeatable; ROLE is worker, reader or admin; `AUTH password`\n"
     "                            alone authenticates as the user named default\n"
-    "  --users-file FILE         one NAME:ROLE:PASSWORD a line; must not be readable by others\n"
+    "  --users-file FILE         one NAME:ROLE:PASSWORD a line; no permission for group or others\n"
     "Limits:\n"
     "  --max-clients N           connections at once (default 10000)\n"
     "  --pipeline-max N          requests one connection may have outstanding (default 1024)\n"

@@ -41,7 +41,9 @@ static const struct metric_info {
     {"claims_review", 1, "Claims answered review (the record is held for review)."},
     {"mismatches", 1, "Mismatches recorded on records."},
     {"recoveries", 1, "Records taken over after their lease ran out."},
-    {"conflicting_commits", 1, "Owner calls refused because another token holds the key."},
+    {"conflicting_commits", 1,
+     "Commits repeated by the holder with a different result (-CONFLICT): the sender may have "
+     "handed out two references for one key."},
     {"expired_total", 1, "Expired records removed by compaction or replaced by a new claim."},
     {"oldest_in_flight_ms", 0, "First-seen store time of the oldest in_flight record (0: none)."},
     {"oldest_review_ms", 0, "First-seen store time of the oldest review record (0: none)."},

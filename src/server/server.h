@@ -30,6 +30,7 @@
 /* An IDEM.GET reply's bytes besides its key, owner, note and result, at most. */
 #define SRV_RECORD_FRAMING_MAX  1024
 #define SRV_NAME_MAX            64
+#define SRV_CLIENT_NAME_MAX     256 /* a client name, its NUL included (Redis has no limit) */
 #define SRV_PASSWORD_MAX        256
 #define SRV_UNAUTH_ARG_MAX      16384u /* bytes of an argument before AUTH (when users are set) */
 #define SRV_UNAUTH_ARGC_MAX     16u    /* arguments of a request before AUTH */
@@ -164,9 +165,9 @@ typedef struct srv_conn {
     int is_unix;
     int role; /* enum srv_role; ROLE_NONE until AUTH when users are configured */
     char user[SRV_NAME_MAX];
-    char name[SRV_NAME_MAX];
+    char name[SRV_CLIENT_NAME_MAX];
     char peer[64];
-    char actor[3 * SRV_NAME_MAX + 8]; /* who acts, for the audit trail: user(name)@peer */
+    char actor[IDEM_ACTOR_BYTES_MAX + 1]; /* who acts, for the audit trail: user(name)@peer */
     resp_parser parser;
     uint8_t *in;
     size_t in_len, in_start, in_cap;

@@ -329,6 +329,12 @@ class Expiry(Base):
         self.assertIsNone(self.w.get(k))
         self.assertTrue(self.w.set(k, "v2", nx=True, px=500))
         self.assertEqual(self.w.get(k), b"v2")
+        # Never granted to an owner: IDEM.GET leaves out the fields of grants, as it leaves
+        # out any field that does not apply (it showed attempts 0 and last_grant_ms 0).
+        rec = self.get(k)
+        self.assertEqual(rec["result"], b"v2")
+        self.assertNotIn("attempts", rec)
+        self.assertNotIn("last_grant_ms", rec)
 
     def test_in_flight_and_review_records_never_expire(self):
         k, h = self.key("in_flight"), self.key("review")
@@ -1002,6 +1008,10 @@ class Loading(Base):
                     # -LOADING after it means INFO must have said loading:1 (no race).
                     was_loading = c.info("persistence")["loading"] == 1
                     self.assertTrue(c.ping())
+                    # PING answers -LOADING while the store recovers, as Redis does: a
+                    # readiness probe that pings is not told ready too soon.
+                    self.assertEqual(c.info("persistence")["loading"], 0,
+                                     "PING answered while the store recovers")
                     pinged += 1
                     n = c.dbsize()
                     break
