@@ -361,6 +361,10 @@ static int retire(idem_store *s, int off_lock)
 int compact_retire_closing(idem_store *s)
 {
     int rc = retire(s, 0);
+    /* A failed write, as on the flusher: named, and the store failed. The closing checkpoint is
+     * installed whatever the copy written here holds (copies alternate), so the next open
+     * replays from it; the segments stay until its walk. */
+    if (rc < 0) store_fail(s, 0, "retiring walked segments at close");
     return rc < 0 ? rc : 0;
 }
 

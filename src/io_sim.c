@@ -520,8 +520,8 @@ static int64_t sim_perform_flush(struct io_sim *sim, struct io_file *f, uint64_t
         err = sim->fail_flush_err;
     } else if (f->fail_flush_err) {
         err = f->fail_flush_err;
+        f->fail_flush_err = 0;
     }
-    f->fail_flush_err = 0;
     if (err) {
         int rc = sim_flush_node(f->node, covers_seq, linked_seq, 1);
         return rc < 0 ? rc : err;

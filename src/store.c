@@ -2596,6 +2596,10 @@ static int ckpt_install(idem_store *s, struct super *sb, int off_lock)
     s->ckpt_file_bytes[0] = bytes;
     s->sb = *sb;
     s->st.checkpoints++;
+    if (s->ckr.failed_mono_ms)
+        fprintf(stderr, "idem: event=full_over reason=\"a checkpoint is written\" dir=%s\n",
+                s->dir);
+    s->ckr.failed_mono_ms = 0;
     pthread_cond_broadcast(&s->cond_ready);
     return 0;
 }
@@ -2683,7 +2687,10 @@ static int checkpoint_locked(idem_store *s)
  * one yet. */
 static int ckpt_run_wanted(idem_store *s, int now)
 {
-    return !s->backups && (now || compact_wants_checkpoint(s));
+    if (s->backups) return 0;
+    if (now) return 1; /* idem_checkpoint asks */
+    if (s->ckr.failed_mono_ms && mono_now(s) - s->ckr.failed_mono_ms < 1000) return 0;
+    return compact_wants_checkpoint(s);
 }
 
 /* Begins a run at the current batch boundary: nothing may be pending (those frames belong to a
@@ -2715,6 +2722,13 @@ static void ckpt_run_failed(idem_store *s, int rc)
     s->ckr.failures++;
     s->ckr.last_err = rc;
     s->ckr.want_run = s->ckr.installed_run;
+    /* A run refused at its end (a flush or directory sync) has scanned the whole index and
+     * written the whole file: the flusher's own runs wait a second after it, as the spare
+     * segment's making does, and the first of a streak is logged. */
+    if (!s->ckr.failed_mono_ms)
+        fprintf(stderr, "idem: event=full reason=\"no %s for a checkpoint\" dir=%s\n",
+                rc == IDEM_EFULL ? "space" : "file descriptor or memory", s->dir);
+    s->ckr.failed_mono_ms = mono_now(s);
     pthread_cond_broadcast(&s->cond_ready);
 }
 

@@ -285,6 +285,9 @@ struct idem_store {
         uint64_t run, runs_started, installed_run, want_run;
         uint64_t failures; /* runs that ended in an error that is not fatal (last_err) */
         int last_err;
+        /* When the last run refused for space, descriptors or memory ended (0: the last run
+         * did not): the flusher begins none of its own for a second after it. */
+        int64_t failed_mono_ms;
         int by_test;        /* store_ckpt_step was called: the flusher steps only when asked */
         int test_step;      /* a step asked for and not yet taken */
         int test_rc;        /* what that step returned */

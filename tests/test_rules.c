@@ -3243,10 +3243,10 @@ Test(scan, expired_and_released_keys_are_not_returned)
 }
 
 /* Found by the forty-third session's review of the index: a cursor was the raw index position
- * (the top bits of a key's hash, then a bound on its low bits), so a client stepping cursors
- * could learn where keys hash, and from that the store's hash seed. A cursor is now sealed: in
- * no order a client can read, and a scan by them still lists every key. */
-Test(scan, cursors_do_not_show_where_keys_hash)
+ * (the top bits of a key's hash, then a bound on its low bits), so a client could bisect
+ * cursors to learn a listed key's hash, and from that the store's hash seed. A cursor is now
+ * sealed: in no order a client can read, and a scan by them still lists every key. */
+Test(scan, cursor_values_are_sealed_and_a_scan_by_them_lists_every_key)
 {
     char key[16];
     uint64_t all = 0;

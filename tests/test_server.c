@@ -980,6 +980,7 @@ Test(server, refusals_by_name, .init = start)
     expect_error(cmd(c, "PEXPIRE a 1"), "ERR PEXPIRE is refused");
     expect_error(cmd(c, "PERSIST a"), "ERR PERSIST is refused");
     expect_error(cmd(c, "HELLO 3"), "NOPROTO");
+    expect_error(cmd(c, "HELLO foo"), "ERR Protocol version is not an integer");
     expect_error(cmd(c, "NOSUCH x"), "ERR unknown command");
     expect_error(cmd(c, "IDEM.CLAIM k"), "ERR wrong number of arguments");
     /* With a value over 4 KiB too: it used to be refused for its length, which hid why. */
@@ -1202,6 +1203,10 @@ Test(server, roles_and_auth, .init = start_users)
               r->str ? r->str : "(none)");
     freeReplyObject(r);
     expect_error(cmd(c, "CLIENT SETNAME %s", "tab\there"), "ERR client name");
+    expect_status(cmd(c, "CLIENT SETINFO LIB-NAME redis-py"), "OK");
+    expect_status(cmd(c, "CLIENT SETINFO lib-ver 5.0.1"), "OK");
+    expect_error(cmd(c, "CLIENT SETINFO LIB-COLOUR red"), "ERR Unrecognized option");
+    expect_error(cmd(c, "CLIENT SETINFO LIB-VER %s", "5 0"), "ERR lib-ver cannot contain");
     redisFree(c);
 
     c = connect_tcp();

@@ -457,14 +457,13 @@ void cmd_config(cmd_req *r)
 {
     const srv_config *c = &r->s->cfg;
     char pattern[128], v[11][1040];
-    if (!cmd_is(r, 1, "GET") || r->argc != 3)
-        return cmd_fail(r, "ERR only CONFIG GET pattern is supported; settings are flags of "
-                           "idemd (restart to change them)");
-    if (r->argl[2] >= sizeof pattern || memchr(r->argv[2], 0, r->argl[2]))
-        return cmd_fail(r, "ERR CONFIG GET pattern must be 0..%zu bytes without a NUL byte",
-                        sizeof pattern - 1);
-    memcpy(pattern, r->argv[2], r->argl[2]);
-    pattern[r->argl[2]] = '\0';
+    if (!cmd_is(r, 1, "GET") || r->argc < 3)
+        return cmd_fail(r, "ERR only CONFIG GET pattern [pattern ...] is supported; settings are "
+                           "flags of idemd (restart to change them)");
+    for (uint32_t i = 2; i < r->argc; i++)
+        if (r->argl[i] >= sizeof pattern || memchr(r->argv[i], 0, r->argl[i]))
+            return cmd_fail(r, "ERR CONFIG GET pattern must be 0..%zu bytes without a NUL byte",
+                            sizeof pattern - 1);
     const char *names[] = {"dir",        "port",       "bind",           "maxclients",
                            "timeout",    "save",       "appendonly",     "databases",
                            "durability", "unixsocket", "on-lease-expiry"};
@@ -479,14 +478,21 @@ void cmd_config(cmd_req *r)
     snprintf(v[8], sizeof v[8], "%s", srv_durability_name(c->durability));
     snprintf(v[9], sizeof v[9], "%s", c->socket_path);
     snprintf(v[10], sizeof v[10], "%s", srv_lease_policy_name(c->lease_policy));
+    /* Several patterns, as Redis 7 takes: each setting once, whichever patterns match it. */
     size_t n = sizeof names / sizeof names[0];
-    int matched = 0;
+    int hit[sizeof names / sizeof names[0]] = {0}, matched = 0;
+    for (uint32_t k = 2; k < r->argc; k++) {
+        memcpy(pattern, r->argv[k], r->argl[k]);
+        pattern[r->argl[k]] = '\0';
+        for (size_t i = 0; i < n; i++)
+            hit[i] |= fnmatch(pattern, names[i], FNM_CASEFOLD) == 0;
+    }
     for (size_t i = 0; i < n; i++)
-        matched += fnmatch(pattern, names[i], FNM_CASEFOLD) == 0;
+        matched += hit[i];
     resp_buf *b = cmd_out(r);
     resp_array(b, 2 * matched);
     for (size_t i = 0; i < n; i++) {
-        if (fnmatch(pattern, names[i], FNM_CASEFOLD) == 0) {
+        if (hit[i]) {
             resp_bulk_str(b, names[i]);
             resp_bulk_str(b, v[i]);
         }

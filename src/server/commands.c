@@ -261,6 +261,11 @@ static void cmd_hello(cmd_req *r)
 {
     uint32_t i = 1, auth = 0, name = 0;
     if (r->argc > 1) {
+        /* As Redis: a version that is not a number is a plain error, another number NOPROTO. */
+        int digits = r->argl[1] > 0 && r->argl[1] < 20;
+        for (uint32_t k = 0; digits && k < r->argl[1]; k++)
+            digits = r->argv[1][k] >= '0' && r->argv[1][k] <= '9';
+        if (!digits) return cmd_fail(r, "ERR Protocol version is not an integer or out of range");
         if (!cmd_is(r, 1, "2"))
             return cmd_fail(r, "NOPROTO sorry, this protocol version is not supported "
                                "(idemd speaks RESP2: HELLO 2)");
@@ -306,7 +311,16 @@ static void cmd_client(cmd_req *r)
             resp_nil(cmd_out(r));
         return cmd_done(r);
     }
-    if (cmd_is(r, 1, "SETINFO") && r->argc == 4) return cmd_ok(r);
+    if (cmd_is(r, 1, "SETINFO") && r->argc == 4) {
+        /* As Redis 7.2: the library's name and version, kept nowhere here (clients ignore an
+         * error, but one that sends something else is told so). */
+        if (!cmd_is(r, 2, "LIB-NAME") && !cmd_is(r, 2, "LIB-VER"))
+            return cmd_fail(r, "ERR Unrecognized option for CLIENT SETINFO (LIB-NAME, LIB-VER)");
+        if (!client_name_ok(r->argv[3], r->argl[3]))
+            return cmd_fail(r, "ERR %s cannot contain spaces, newlines or special characters",
+                            cmd_is(r, 2, "LIB-NAME") ? "lib-name" : "lib-ver");
+        return cmd_ok(r);
+    }
     cmd_fail(r, "ERR unknown CLIENT subcommand or wrong number of arguments (ID, SETNAME, "
                 "GETNAME, SETINFO)");
 }

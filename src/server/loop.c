@@ -1751,12 +1751,12 @@ static int finish(srv *s, int rc)
         if (fds[i] >= 0) close(fds[i]);
     if (s->store) {
         int err = idem_close(s->store);
-        if (err == IDEM_EFULL) {
-            /* Only the closing checkpoint found no space: every change is durable in the log,
-             * which the next open replays. */
+        if (err == IDEM_EFULL || err == IDEM_ENOMEM) {
+            /* Only the closing checkpoint found no space, or no descriptor or memory: every
+             * change is durable in the log, which the next open replays. */
             srv_log("warn", "checkpoint_skipped",
-                    "reason=\"no space for the closing checkpoint: the next open replays the "
-                    "log\"");
+                    "reason=\"%s for the closing checkpoint: the next open replays the log\"",
+                    err == IDEM_EFULL ? "no space" : "out of descriptors or memory");
         } else if (err != IDEM_OK) {
             srv_log("error", "close_failed", "err=\"%s\"", idem_strerror(err));
             rc = 1;

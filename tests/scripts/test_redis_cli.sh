@@ -65,6 +65,9 @@ expect_re "COMMAND DOCS answers" '^\(empty array\)|^1\)' "$(R COMMAND DOCS)"
 expect $'COMMAND INFO idem.claim' '1) 1) "idem.claim"' "$(R COMMAND INFO idem.claim | head -1)"
 expect $'CONFIG GET durability (admin)' $'1) "durability"\n2) "sync"' "$(A CONFIG GET durability)"
 expect_re "CONFIG GET * has dir" '"dir"' "$(A CONFIG GET '*')"
+# Several patterns, as Redis 7 takes them: each setting once.
+expect $'CONFIG GET two patterns' $'1) "port"\n2) "'"$PORT"$'"\n3) "durability"\n4) "sync"' \
+    "$(A CONFIG GET durability port 'dur*')"
 expect_re "CONFIG SET refused" '^\(error\) ERR' "$(A CONFIG SET durability none)"
 expect_re "CONFIG GET long pattern named" 'pattern must be 0..127 bytes' "$(A CONFIG GET "$(printf 'd%.0s' $(seq 200))")"
 expect_re "CONFIG GET worker NOPERM" '^\(error\) NOPERM' "$(R CONFIG GET durability)"
