@@ -368,8 +368,8 @@ int idem_sync(idem_store *s);
 
 typedef struct idem_scan_args {
     uint64_t cursor;  /* 0 to start; the returned next_cursor to go on; 0 returned: done. A
-                       * cursor is opaque: sealed with the store's secret (it would otherwise
-                       * tell where keys hash), and valid only for the store that returned it */
+                       * cursor is opaque: sealed with the store's secret (so that no position
+                       * can be chosen), and valid only for the store that returned it */
     int state;        /* 0: any, else enum idem_state */
     int64_t older_ms; /* 0: any, else only records with now - first_seen_ms >= older_ms */
     uint32_t count;   /* slots to visit per call (a hint, like Redis SCAN), 0: 100 */

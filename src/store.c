@@ -2384,11 +2384,13 @@ static void scan_one(void *ctx, struct index_slot *slot)
 }
 
 /* A scan's cursor is an index position (index_scan: the top 24 bits of a hash, then a bound on
- * its low 32 bits) sealed by a permutation of its 56 bits keyed by the hash seed: a client that
- * steps cursors learns nothing of where keys hash, from which the seed, and then keys made to
- * collide, could be worked out. Four rounds of a Feistel network over two 28-bit halves; the
- * sealed value is the permuted one plus 1, so that 0 stays the start and the end. Any value
- * opens to some position, which index_scan takes (restarting its block if it never gave it). */
+ * its low 32 bits) sealed by a permutation of its 56 bits keyed by the hash seed: a client
+ * cannot name positions of its choosing, as a bisection of cursors would give most of a listed
+ * key's hash, from which the seed, and then keys made to collide, could be worked out. (The
+ * order keys come in still follows their hashes: design.md section 14.) Four rounds of a Feistel
+ * network over two 28-bit halves; the sealed value is the permuted one plus 1, so that 0 stays the
+ * start and the end. Any value opens to some position, which index_scan takes (restarting its block
+ * if it never gave it). */
 #define CURSOR_HALF_BITS 28
 #define CURSOR_HALF_MASK ((UINT64_C(1) << CURSOR_HALF_BITS) - 1)
 #define CURSOR_ROUNDS    4

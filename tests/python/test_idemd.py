@@ -1007,9 +1007,12 @@ class Loading(Base):
                     # INFO first: loading only goes from 1 to 0, so a PING refused with
                     # -LOADING after it means INFO must have said loading:1 (no race).
                     was_loading = c.info("persistence")["loading"] == 1
-                    self.assertTrue(c.ping())
-                    # PING answers -LOADING while the store recovers, as Redis does: a
+                    # PING and ECHO answer -LOADING while the store recovers, as Redis does: a
                     # readiness probe that pings is not told ready too soon.
+                    self.assertEqual(c.echo("x"), b"x")
+                    self.assertEqual(c.info("persistence")["loading"], 0,
+                                     "ECHO answered while the store recovers")
+                    self.assertTrue(c.ping())
                     self.assertEqual(c.info("persistence")["loading"], 0,
                                      "PING answered while the store recovers")
                     pinged += 1
