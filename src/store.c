@@ -728,7 +728,7 @@ static int flusher_save_clock(idem_store *s)
     return 1;
 }
 
-static int checkpoint_locked(idem_store *s);
+static int checkpoint_at_close(idem_store *s);
 static int ckpt_run_step(idem_store *s, int now);
 
 /* Checkpoints and compaction between batches; returns 1 when work was done (loop again). */
@@ -1627,7 +1627,7 @@ int idem_close(idem_store *s)
     s->closing = 1;
     ops_wake(s, NULL, 0); /* parked claims answer busy */
     int rc = 0;
-    if (!s->opt.read_only && !s->fatal) rc = checkpoint_locked(s);
+    if (!s->opt.read_only && !s->fatal) rc = checkpoint_at_close(s);
     pthread_cond_signal(&s->cond_flush);
     store_unlock(s);
     if (s->flusher_started) pthread_join(s->flusher, NULL);
@@ -2557,7 +2557,7 @@ static void ckpt_one(void *ctx, struct index_slot *slot)
 /* Makes every appended frame durable and returns with mu held and nothing pending or in flight,
  * so that the index is exactly the log up to the current position. Callers' new changes wait
  * meanwhile (store_room sees ckpt_quiesce). Never on the flusher thread: it waits for the
- * flusher (checkpoint_locked at close, idem_backup). */
+ * flusher (checkpoint_at_close, idem_backup). */
 static int quiesce_durable(idem_store *s)
 {
     IDEM_ASSERT(!s->flusher_started || !pthread_equal(pthread_self(), s->flusher));
@@ -2613,11 +2613,13 @@ static void ckpt_run_abort(idem_store *s)
     s->ckr.state = CKPT_RUN_IDLE;
 }
 
-/* Writes a checkpoint with changes held: everything appended is made durable first, so the
- * image is exactly the index at the current batch boundary (idem_close).
- * A checkpoint the flusher is taking in steps is dropped: this one replaces it. */
-static int checkpoint_locked(idem_store *s)
+/* The closing checkpoint (idem_close, mu held, closing set): everything appended is made
+ * durable first, so the image is exactly the index at the current batch boundary, and nothing
+ * is appended after it. A checkpoint the flusher is taking in steps is dropped: this one
+ * replaces it. Once installed, the segments walked before it are retired. */
+static int checkpoint_at_close(idem_store *s)
 {
+    IDEM_ASSERT(s->closing);
     /* A backup may be copying checkpoint X; a run in steps may install X+1 meanwhile, and this
      * install would then remove X. quiesce_durable lets go of mu: a backup may start there. */
     int rc;
@@ -2653,11 +2655,11 @@ static int checkpoint_locked(idem_store *s)
     sb.ckpt_keys_by_state[0] = s->st.keys_in_flight;
     sb.ckpt_keys_by_state[1] = s->st.keys_committed;
     sb.ckpt_keys_by_state[2] = s->st.keys_review;
-    /* At close nothing is appended after this checkpoint: the next open need not look past the
-     * end of the log (wal_resume). */
-    sb.clean_lsn = s->closing ? sb.ckpt_lsn : 0;
+    /* Nothing is appended after this checkpoint: the next open need not look past the end of
+     * the log (wal_resume). */
+    sb.clean_lsn = sb.ckpt_lsn;
     rc = ckpt_install(s, &sb, 0);
-    return rc < 0 || !s->closing ? rc : compact_retire_closing(s);
+    return rc < 0 ? rc : compact_retire_closing(s);
 }
 
 /*
