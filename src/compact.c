@@ -116,23 +116,70 @@ void compact_free(idem_store *s)
     free(s->hz_tally);
 }
 
+/* An unfinished record past its ttl met by the measuring pass: whether it counts as expired
+ * depends on whether it is still its key's version, which the index says (with mu held). */
+struct hz_unfinished {
+    uint64_t addr;
+    const void *key; /* in the segment's map: only the flusher retires segments */
+    uint32_t key_len, bytes;
+    int64_t exp;
+};
+#define HZ_UNFINISHED_MAX 64 /* a pass's call stops early once it has met this many */
+
+struct hz_pass {
+    int64_t now, max;
+    struct seg_exp *tally; /* NULL: none (out of memory) */
+    struct hz_unfinished unf[HZ_UNFINISHED_MAX];
+    int n_unf;
+};
+
+static void hz_count(struct hz_pass *p, int64_t exp, uint64_t bytes)
+{
+    if (exp > p->max) p->max = exp;
+    if (p->tally) tally_add(p->tally, exp, bytes);
+}
+
 /* The largest expires_at_ms of the records of a sealed segment, one read-only pass over its
  * frames, no copy, from *off until *off passes `until`: 1 at the segment's end, 0 to go on,
- * -1 at a broken chain (the walk meets it and reports it). */
-static int view_horizon(const struct wal_seg_view *v, uint32_t *off, uint64_t until, int64_t *max,
-                        struct seg_exp *tally)
+ * -1 at a broken chain (the walk meets it and reports it). Unfinished records past their ttl
+ * are left in p->unf for hz_settle. */
+static int view_horizon(const struct wal_seg_view *v, uint32_t *off, uint64_t until,
+                        struct hz_pass *p)
 {
     struct wal_frame f;
     int more = 1;
-    while (more == 1 && *off < until) {
+    while (more == 1 && *off < until && p->n_unf < HZ_UNFINISHED_MAX) {
         more = wal_view_next(v, off, &f);
         if (more != 1 || f.type != WAL_T_RECORD) continue;
+        uint64_t bytes = (uint64_t)f.payload_len + WAL_FRAME_HDR;
         struct rec r; /* one that does not decode counts as never expiring: kept, not judged */
-        int64_t exp = rec_decode(f.payload, f.payload_len, &r) == 0 ? r.expires_at_ms : INT64_MAX;
-        if (exp > *max) *max = exp;
-        if (tally) tally_add(tally, exp, (uint64_t)f.payload_len + WAL_FRAME_HDR);
+        if (rec_decode(f.payload, f.payload_len, &r) < 0) {
+            hz_count(p, INT64_MAX, bytes);
+        } else if (r.state != IDEM_STATE_COMMITTED && r.expires_at_ms <= p->now) {
+            p->unf[p->n_unf++] = (struct hz_unfinished){.addr = f.addr,
+                                                        .key = r.key,
+                                                        .key_len = r.key_len,
+                                                        .bytes = (uint32_t)bytes,
+                                                        .exp = r.expires_at_ms};
+        } else {
+            hz_count(p, r.expires_at_ms, bytes);
+        }
     }
     return more == 1 ? 0 : more < 0 ? -1 : 1;
+}
+
+/* Counts the unfinished records past their ttl that view_horizon met (mu held): one that is
+ * still its key's version never expires while unfinished (rule 5) and counts as never expiring,
+ * as version_moved counts the copies of such records; a dead version counts by its ttl. Counted
+ * by the ttl, a live one made its segment due after every open, and each open copied it again. */
+static void hz_settle(idem_store *s, struct hz_pass *p)
+{
+    for (int i = 0; i < p->n_unf; i++) {
+        const struct hz_unfinished *u = &p->unf[i];
+        int live = ops_record_live(s, u->key, u->key_len, u->addr);
+        hz_count(p, live ? INT64_MAX : u->exp, u->bytes);
+    }
+    p->n_unf = 0;
 }
 
 /* The segment the walk takes next. */
@@ -181,17 +228,17 @@ int compact_learn_horizon(idem_store *s)
     struct wal_seg_view v;
     wal_seg_view(s->wal, seq, &v);
     uint32_t off = s->hz_off;
-    int64_t max = s->hz_max;
+    struct hz_pass p = {.now = store_now(s), .max = s->hz_max, .tally = s->hz_tally};
     /* Only the flusher (this thread) retires segments and runs this pass: the segment stays
      * mapped meanwhile, and the pass's tally is this thread's alone. */
     store_unlock(s);
-    int done =
-        view_horizon(&v, &off, (uint64_t)off + v.seg_bytes / HORIZON_STEPS, &max, s->hz_tally);
+    int done = view_horizon(&v, &off, (uint64_t)off + v.seg_bytes / HORIZON_STEPS, &p);
     store_lock(s);
+    hz_settle(s, &p);
     s->hz_off = off;
-    s->hz_max = max;
+    s->hz_max = p.max;
     if (done != 0) {
-        *m = done < 0 ? SEG_EXP_EMPTY : max;
+        *m = done < 0 ? SEG_EXP_EMPTY : p.max;
         s->hz_seq = 0;
         struct seg_exp **e = &s->seg_exp[seq % WAL_SEG_SLOTS];
         if (done > 0 && !*e) { /* the segment's tally is the pass's (none was written since) */

@@ -1453,6 +1453,11 @@ int ops_compact_prepare(idem_store *s, struct cmp_frame *cf)
     return 0;
 }
 
+int ops_record_live(idem_store *s, const void *key, uint32_t key_len, uint64_t addr)
+{
+    return index_find_addr(s->ix, key_hash(s, key, key_len), addr) != NULL;
+}
+
 int ops_compact_frame(idem_store *s, const struct cmp_frame *cf, int64_t now)
 {
     const struct wal_frame *f = &cf->f;

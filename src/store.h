@@ -617,6 +617,8 @@ int ops_compact_prepare(idem_store *s, struct cmp_frame *cf);
 /* Compacts one prepared frame: copies a live record (one the index holds by this address)
  * forward, logs the removal of an expired one, skips a dead one. */
 int ops_compact_frame(idem_store *s, const struct cmp_frame *cf, int64_t now);
+/* Whether the index holds the record at addr as its key's version (mu held). */
+int ops_record_live(idem_store *s, const void *key, uint32_t key_len, uint64_t addr);
 
 /* ---- compact.c (flusher thread, mu held, no batch in flight) ---- */
 /* Record bytes of a segment by when they expire, d ms after t0: bucket 0 at or before t0, 1..7

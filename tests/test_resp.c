@@ -42,13 +42,12 @@ static void guard_free(guarded *g)
     munmap(g->map, g->map_len);
 }
 
-/* Field limits like idemd's: argument 1 (a key) at most 16 bytes, others free. */
+/* Field limits like idemd's: argument 1 at most 16 bytes, others free; GET names it "key". */
 static uint32_t test_arg_max(void *ctx, const uint8_t *const *argv, const uint32_t *argl,
-                             uint32_t index)
+                             uint32_t index, const char **field)
 {
     (void)ctx;
-    (void)argv;
-    (void)argl;
+    if (index == 1 && argl[0] == 3 && memcmp(argv[0], "GET", 3) == 0) *field = "key";
     return index == 1 ? 16 : RESP_BULK_PROTO_MAX;
 }
 
@@ -291,7 +290,8 @@ Test(resp, oversized_field_is_discarded_while_streaming)
     const char *tail = "\r\n$1\r\nv\r\nPING\r\n";
     guarded g = guard_copy(tail, strlen(tail));
     cr_assert_eq(resp_parse(&p, g.data, g.len, &consumed), RESP_REFUSED);
-    cr_assert(strstr(p.err, "GET: argument 2 is too long (100000 bytes, at most 16)"), "%s", p.err);
+    cr_assert(strstr(p.err, "GET: key (argument 2) is too long (100000 bytes, at most 16)"), "%s",
+              p.err);
     size_t off = consumed;
     cr_assert_eq(resp_parse(&p, g.data + off, g.len - off, &consumed), RESP_REQUEST);
     cr_assert_eq(p.argl[0], 4);
@@ -304,8 +304,12 @@ Test(resp, oversized_inline_field_is_refused)
     size_t c;
     const char *s = "GET 0123456789abcdefXYZ\r\n";
     cr_assert_eq(parse_once(&p, s, strlen(s), &c), RESP_REFUSED);
-    cr_assert_str_eq(p.err, "ERR GET: argument 2 is too long (19 bytes, at most 16)");
+    cr_assert_str_eq(p.err, "ERR GET: key (argument 2) is too long (19 bytes, at most 16)");
     cr_assert_eq(c, strlen(s));
+    /* A field without a name is named by its place. */
+    s = "SET 0123456789abcdefXYZ v\r\n";
+    cr_assert_eq(parse_once(&p, s, strlen(s), &c), RESP_REFUSED);
+    cr_assert_str_eq(p.err, "ERR SET: argument 2 is too long (19 bytes, at most 16)");
 }
 
 Test(resp, inline_line_over_limit_closes)

@@ -322,7 +322,7 @@ Test(server, claim_outcomes_and_owner_calls, .init = start)
 
 /* Each command's arguments have the limits of the fields they fill (docs/protocol.md): one byte
  * past a limit is refused by name, number and limit, and the connection goes on. */
-Test(server, each_argument_past_its_field_limit_is_refused_by_number, .init = start)
+Test(server, each_argument_past_its_field_limit_is_refused_by_name_and_number, .init = start)
 {
     redisContext *c = connect_unix(); /* admin: IDEM.RESOLVE and DEL too */
     enum { BIG = 70000 };
@@ -333,37 +333,42 @@ Test(server, each_argument_past_its_field_limit_is_refused_by_number, .init = st
         const char *fmt; /* %b: the long argument */
         size_t len;
         unsigned argno, max;
+        const char *field; /* the field's name in the refusal (NULL: by its place alone) */
     } cases[] = {
-        {"IDEM.CLAIM %b 60000 5000", 513, 2, 512},
-        {"IDEM.CLAIM k 60000 5000 OWNER %b", 257, 6, 256},
-        {"IDEM.CLAIM k 60000 5000 %b 1", 65, 5, 64},
-        {"IDEM.CLAIM k %b 5000", 65, 3, 64},
-        {"IDEM.COMMIT k 1 %b", 65537, 4, 65536},
-        {"IDEM.COMMIT %b 1 r", 513, 2, 512},
-        {"IDEM.RELEASE %b 1", 513, 2, 512},
-        {"IDEM.HOLD k 1 %b", 4097, 4, 4096},
-        {"IDEM.EXTEND %b 1 1000", 513, 2, 512},
-        {"IDEM.GET %b", 513, 2, 512},
-        {"IDEM.RESOLVE k commit why RESULT %b", 65537, 6, 65536},
-        {"IDEM.RESOLVE k release %b", 4097, 4, 4096},
-        {"SET k %b NX", 65537, 3, 65536},
-        {"SET %b v NX", 513, 2, 512},
-        {"GET %b", 513, 2, 512},
-        {"PTTL %b", 513, 2, 512},
-        {"TTL %b", 513, 2, 512},
-        {"EXISTS a %b", 513, 3, 512},
-        {"DEL a %b", 513, 3, 512},
-        {"ECHO %b", 65537, 2, 65536},
-        {"IDEM.SCAN 0 COUNT %b", 4097, 4, 4096},
-        {"IDEM.AUDIT KEY %b", 513, 3, 512}, /* was held to 4096, as any other argument */
-        {"IDEM.AUDIT COUNT 5 KEY %b", 513, 5, 512},
+        {"IDEM.CLAIM %b 60000 5000", 513, 2, 512, "key"},
+        {"IDEM.CLAIM k 60000 5000 OWNER %b", 257, 6, 256, "owner"},
+        {"IDEM.CLAIM k 60000 5000 %b 1", 65, 5, 64, "option"},
+        {"IDEM.CLAIM k %b 5000", 65, 3, 64, "ttl"},
+        {"IDEM.CLAIM k 60000 %b", 65, 4, 64, "lease"},
+        {"IDEM.CLAIM k 60000 5000 WAIT %b", 65, 6, 64, "WAIT ms"},
+        {"%b k", 65, 1, 64, "command name"},
+        {"IDEM.COMMIT k 1 %b", 65537, 4, 65536, "result"},
+        {"IDEM.COMMIT %b 1 r", 513, 2, 512, "key"},
+        {"IDEM.RELEASE %b 1", 513, 2, 512, "key"},
+        {"IDEM.HOLD k 1 %b", 4097, 4, 4096, "reason"},
+        {"IDEM.EXTEND %b 1 1000", 513, 2, 512, "key"},
+        {"IDEM.GET %b", 513, 2, 512, "key"},
+        {"IDEM.RESOLVE k commit why RESULT %b", 65537, 6, 65536, "result"},
+        {"IDEM.RESOLVE k release %b", 4097, 4, 4096, "reason"},
+        {"SET k %b NX", 65537, 3, 65536, "value"},
+        {"SET %b v NX", 513, 2, 512, "key"},
+        {"GET %b", 513, 2, 512, "key"},
+        {"PTTL %b", 513, 2, 512, "key"},
+        {"TTL %b", 513, 2, 512, "key"},
+        {"EXISTS a %b", 513, 3, 512, "key"},
+        {"DEL a %b", 513, 3, 512, "key"},
+        {"ECHO %b", 65537, 2, 65536, "message"},
+        {"IDEM.SCAN 0 COUNT %b", 4097, 4, 4096, NULL},
+        {"IDEM.AUDIT KEY %b", 513, 3, 512, "key"}, /* was held to 4096, as any other argument */
+        {"IDEM.AUDIT COUNT 5 KEY %b", 513, 5, 512, "key"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         redisReply *r = redisCommand(c, cases[i].fmt, big, cases[i].len);
         cr_assert(r && r->type == REDIS_REPLY_ERROR, "%s: no error", cases[i].fmt);
         char want[128];
-        snprintf(want, sizeof want, "argument %u is too long (%zu bytes, at most %u)",
-                 cases[i].argno, cases[i].len, cases[i].max);
+        snprintf(want, sizeof want, "%s%sargument %u%s is too long (%zu bytes, at most %u)",
+                 cases[i].field ? cases[i].field : "", cases[i].field ? " (" : "", cases[i].argno,
+                 cases[i].field ? ")" : "", cases[i].len, cases[i].max);
         cr_expect(strstr(r->str, want) != NULL, "%s: '%s', want '%s'", cases[i].fmt, r->str, want);
         freeReplyObject(r);
         /* one byte less passes the parser's limit (the command may still refuse it) */

@@ -29,9 +29,10 @@ typedef struct cmd_req {
 
 typedef void (*cmd_fn)(cmd_req *r);
 /* The longest argument `index` (1..) of a request may be, given the arguments before it: the
- * parser discards a longer one as it streams in (resp_arg_max_fn). */
+ * parser discards a longer one as it streams in (resp_arg_max_fn). Names the field in *field
+ * where it has a name. */
 typedef uint32_t (*cmd_arg_fn)(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
-                               uint32_t index);
+                               uint32_t index, const char **field);
 
 typedef struct cmd_def {
     const char *name;

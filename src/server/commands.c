@@ -336,78 +336,103 @@ static int name_is(const uint8_t *p, uint32_t n, const char *word)
 
 /* A key first (IDEM.RELEASE, IDEM.GET, GET, ...). */
 static uint32_t key_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
-                         uint32_t index)
+                         uint32_t index, const char **field)
 {
     (void)s, (void)argv, (void)argl;
-    return index == 1 ? IDEM_KEY_BYTES_MAX : CMD_ARG_MAX_DEFAULT;
+    if (index != 1) return CMD_ARG_MAX_DEFAULT;
+    *field = "key";
+    return IDEM_KEY_BYTES_MAX;
 }
 
 /* Keys only (EXISTS, DEL). */
 static uint32_t keys_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
-                          uint32_t index)
+                          uint32_t index, const char **field)
 {
     (void)s, (void)argv, (void)argl, (void)index;
+    *field = "key";
     return IDEM_KEY_BYTES_MAX;
 }
 
 /* PING, ECHO: a message as long as a result. */
 static uint32_t result_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
-                            uint32_t index)
+                            uint32_t index, const char **field)
 {
     (void)argv, (void)argl, (void)index;
+    *field = "message";
     return cmd_result_max(s);
 }
 
 /* IDEM.CLAIM key ttl lease [FP content] [OWNER id] [WAIT ms] */
 static uint32_t claim_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
-                           uint32_t index)
+                           uint32_t index, const char **field)
 {
-    (void)s;
     /* Numbers and option names: room enough that a wrong one is answered by the handler, which
      * says what is wrong with it, not by its length. */
-    if (index <= 3) return index == 1 ? IDEM_KEY_BYTES_MAX : 64;
-    if ((index - 4) % 2 == 0) return 64; /* an option name */
-    if (name_is(argv[index - 1], argl[index - 1], "FP")) return RESP_BULK_PROTO_MAX;
-    if (name_is(argv[index - 1], argl[index - 1], "OWNER")) return IDEM_OWNER_BYTES_MAX;
+    static const char *const fixed[] = {NULL, NULL, "ttl", "lease"};
+    if (index <= 3) {
+        *field = fixed[index];
+        return index == 1 ? key_args(s, argv, argl, index, field) : 64;
+    }
+    const uint8_t *opt = argv[index - 1];
+    uint32_t opt_len = argl[index - 1];
+    if ((index - 4) % 2 == 0) {
+        *field = "option";
+        return 64;
+    }
+    if (name_is(opt, opt_len, "FP")) return RESP_BULK_PROTO_MAX;
+    if (name_is(opt, opt_len, "OWNER")) {
+        *field = "owner";
+        return IDEM_OWNER_BYTES_MAX;
+    }
+    if (name_is(opt, opt_len, "WAIT")) *field = "WAIT ms";
     return 64;
 }
 
 /* IDEM.COMMIT key token result */
 static uint32_t commit_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
-                            uint32_t index)
+                            uint32_t index, const char **field)
 {
-    return index == 3 ? cmd_result_max(s) : key_args(s, argv, argl, index);
+    if (index != 3) return key_args(s, argv, argl, index, field);
+    *field = "result";
+    return cmd_result_max(s);
 }
 
 /* SET key value [NX] [PX ms | EX s] [GET] */
 static uint32_t set_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
-                         uint32_t index)
+                         uint32_t index, const char **field)
 {
-    return index == 2 ? cmd_result_max(s) : key_args(s, argv, argl, index);
+    if (index != 2) return key_args(s, argv, argl, index, field);
+    *field = "value";
+    return cmd_result_max(s);
 }
 
 /* IDEM.HOLD key token reason */
 static uint32_t hold_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
-                          uint32_t index)
+                          uint32_t index, const char **field)
 {
-    return index == 3 ? IDEM_NOTE_BYTES_MAX : key_args(s, argv, argl, index);
+    if (index != 3) return key_args(s, argv, argl, index, field);
+    *field = "reason";
+    return IDEM_NOTE_BYTES_MAX;
 }
 
 /* IDEM.RESOLVE key action reason [RESULT r] [EXPECT v] [FORCE] */
 static uint32_t resolve_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
-                             uint32_t index)
+                             uint32_t index, const char **field)
 {
-    if (index > 3 && name_is(argv[index - 1], argl[index - 1], "RESULT")) return cmd_result_max(s);
-    return hold_args(s, argv, argl, index);
+    if (index <= 3 || !name_is(argv[index - 1], argl[index - 1], "RESULT"))
+        return hold_args(s, argv, argl, index, field);
+    *field = "result";
+    return cmd_result_max(s);
 }
 
 /* IDEM.AUDIT [KEY key] [COUNT n] [BEFORE seq] */
 static uint32_t audit_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
-                           uint32_t index)
+                           uint32_t index, const char **field)
 {
     (void)s;
-    return index > 1 && name_is(argv[index - 1], argl[index - 1], "KEY") ? IDEM_KEY_BYTES_MAX
-                                                                         : CMD_ARG_MAX_DEFAULT;
+    if (index <= 1 || !name_is(argv[index - 1], argl[index - 1], "KEY")) return CMD_ARG_MAX_DEFAULT;
+    *field = "key";
+    return IDEM_KEY_BYTES_MAX;
 }
 
 /* A table entry; the name's length is taken from the literal. */
@@ -578,21 +603,27 @@ void cmd_dispatch(srv *s, srv_conn *c, uint32_t seq, uint32_t argc, const uint8_
 
 /* ---- the parser's field limits ---- */
 
-uint32_t cmd_arg_max(void *ctx, const uint8_t *const *argv, const uint32_t *argl, uint32_t index)
+uint32_t cmd_arg_max(void *ctx, const uint8_t *const *argv, const uint32_t *argl, uint32_t index,
+                     const char **field)
 {
-    if (index == 0) return 64;
+    if (index == 0) {
+        *field = "command name";
+        return 64;
+    }
     const cmd_def *d = cmd_lookup(argv[0], argl[0]);
-    if (d) return d->arg_max ? d->arg_max(ctx, argv, argl, index) : CMD_ARG_MAX_DEFAULT;
+    if (d) return d->arg_max ? d->arg_max(ctx, argv, argl, index, field) : CMD_ARG_MAX_DEFAULT;
     /* A command refused by name is answered with why, whatever the length of its values (a
      * length error would hide it); it is never run, so it is held only as any request is. */
     return refused_index(argv[0], argl[0]) >= 0 ? RESP_BULK_PROTO_MAX : CMD_ARG_MAX_DEFAULT;
 }
 
 uint32_t cmd_arg_max_unauth(void *ctx, const uint8_t *const *argv, const uint32_t *argl,
-                            uint32_t index)
+                            uint32_t index, const char **field)
 {
-    uint32_t max = cmd_arg_max(ctx, argv, argl, index);
-    return max < SRV_UNAUTH_ARG_MAX ? max : SRV_UNAUTH_ARG_MAX;
+    uint32_t max = cmd_arg_max(ctx, argv, argl, index, field);
+    if (max <= SRV_UNAUTH_ARG_MAX) return max;
+    *field = NULL; /* not the field's limit */
+    return SRV_UNAUTH_ARG_MAX;
 }
 
 void cmd_parser_limits(srv *s, srv_conn *c)

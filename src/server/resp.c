@@ -98,6 +98,15 @@ static void fill_argv(resp_parser *p, const uint8_t *buf, uint32_t n)
     }
 }
 
+/* "key (argument 2) is too long (600 bytes, at most 512)"; index is 0-based. */
+static void too_long(char *why, size_t size, const char *field, uint32_t index, uint64_t len,
+                     uint32_t max)
+{
+    snprintf(why, size, "%s%sargument %u%s is too long (%llu bytes, at most %u)",
+             field ? field : "", field ? " (" : "", index + 1, field ? ")" : "",
+             (unsigned long long)len, max);
+}
+
 /* The bulk header of argument argi was read (the request's bytes up to its data: `upto`): check
  * it against its field's limit and the whole request against req_max. */
 static int check_bulk(resp_parser *p, const uint8_t *buf, int64_t n, size_t upto)
@@ -113,13 +122,13 @@ static int check_bulk(resp_parser *p, const uint8_t *buf, int64_t n, size_t upto
         start_discard(p, buf, why);
         return RESP_NEED_MORE;
     }
+    const char *field = NULL;
     if (p->arg_max) {
         fill_argv(p, buf, p->argi);
-        max = p->arg_max(p->arg_max_ctx, p->argv, p->argl, p->argi);
+        max = p->arg_max(p->arg_max_ctx, p->argv, p->argl, p->argi, &field);
     }
     if (n > (int64_t)max) {
-        snprintf(why, sizeof why, "argument %u is too long (%lld bytes, at most %u)", p->argi + 1,
-                 (long long)n, max);
+        too_long(why, sizeof why, field, p->argi, (uint64_t)n, max);
         start_discard(p, buf, why);
     }
     return RESP_NEED_MORE;
@@ -312,11 +321,11 @@ static int split_inline(resp_parser *p, uint8_t *s, size_t n)
 static int check_inline_limits(resp_parser *p, uint32_t argc)
 {
     for (uint32_t i = 0; p->arg_max && i < argc; i++) {
-        uint32_t max = p->arg_max(p->arg_max_ctx, p->argv, p->argl, i);
+        const char *field = NULL;
+        uint32_t max = p->arg_max(p->arg_max_ctx, p->argv, p->argl, i, &field);
         if (p->argl[i] > max) {
-            char why[80];
-            snprintf(why, sizeof why, "argument %u is too long (%u bytes, at most %u)", i + 1,
-                     p->argl[i], max);
+            char why[96];
+            too_long(why, sizeof why, field, i, p->argl[i], max);
             refusal(p, i > 0 ? p->argv[0] : NULL, i > 0 ? p->argl[0] : 0, why);
             return -1;
         }

@@ -55,9 +55,10 @@ typedef struct resp_parser resp_parser;
 /*
  * Largest length argument `index` (0-based) may have, given the arguments before it
  * (argv[0..index-1], argl likewise; all present). Return RESP_BULK_PROTO_MAX for no field limit.
+ * *field (NULL on entry) may be set to the field's name ("key"), which the refusal then gives.
  */
 typedef uint32_t (*resp_arg_max_fn)(void *ctx, const uint8_t *const *argv, const uint32_t *argl,
-                                    uint32_t index);
+                                    uint32_t index, const char **field);
 
 struct resp_parser {
     /* configuration */

@@ -411,11 +411,12 @@ int cmd_complete(srv *s, srv_slot *sl, resp_buf *b, const idem_completion *cp);
 /* Counts one key's completion into DEL's slot sl; logs the outcome at the last. */
 void cmd_del_count(const srv_conn *c, srv_slot *sl, const idem_completion *cp);
 /* The parser's field limits (resp_arg_max_fn); ctx is the srv. */
-uint32_t cmd_arg_max(void *ctx, const uint8_t *const *argv, const uint32_t *argl, uint32_t index);
+uint32_t cmd_arg_max(void *ctx, const uint8_t *const *argv, const uint32_t *argl, uint32_t index,
+                     const char **field);
 /* The same, capped at SRV_UNAUTH_ARG_MAX: a connection that must AUTH first cannot make idemd
  * buffer large requests (as Redis caps unauthenticated bulks). */
 uint32_t cmd_arg_max_unauth(void *ctx, const uint8_t *const *argv, const uint32_t *argl,
-                            uint32_t index);
+                            uint32_t index, const char **field);
 /* Sets up c's parser with the limits of its role (before AUTH: SRV_UNAUTH_*). */
 void cmd_parser_limits(srv *s, srv_conn *c);
 /* Writes the reply of an error code (-STALE, -NOTFOUND, ...). */

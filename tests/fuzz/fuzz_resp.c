@@ -117,9 +117,12 @@ static void ev_put_u32(struct events *e, uint32_t v)
 }
 
 /* Field limits that depend on the arguments before (as the server's command table does). */
-static uint32_t arg_max(void *ctx, const uint8_t *const *argv, const uint32_t *argl, uint32_t index)
+static uint32_t arg_max(void *ctx, const uint8_t *const *argv, const uint32_t *argl, uint32_t index,
+                        const char **field)
 {
     struct arg_ctx *a = ctx;
+    if (*field) fail("arg_max's field is not NULL on entry");
+    if (index % 2) *field = "field";
     if (index >= a->argc_max) fail("arg_max called past argc_max");
     for (uint32_t i = 0; i < index; i++) {
         if (argv[i] < a->buf || argv[i] + argl[i] > a->buf + a->len)
