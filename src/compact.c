@@ -120,11 +120,11 @@ void compact_free(idem_store *s)
  * depends on whether it is still its key's version, which the index says (with mu held). */
 struct hz_unfinished {
     uint64_t addr;
-    const void *key; /* in the segment's map: only the flusher retires segments */
+    const void *key; /* in the segment's map, which stays (compact_learn_horizon) */
     uint32_t key_len, bytes;
     int64_t exp;
 };
-#define HZ_UNFINISHED_MAX 64 /* a pass's call stops early once it has met this many */
+#define HZ_UNFINISHED_MAX 64 /* view_horizon stops early once it has set aside this many */
 
 struct hz_pass {
     int64_t now, max;
@@ -229,12 +229,22 @@ int compact_learn_horizon(idem_store *s)
     wal_seg_view(s->wal, seq, &v);
     uint32_t off = s->hz_off;
     struct hz_pass p = {.now = store_now(s), .max = s->hz_max, .tally = s->hz_tally};
-    /* Only the flusher (this thread) retires segments and runs this pass: the segment stays
-     * mapped meanwhile, and the pass's tally is this thread's alone. */
+    /* The segment stays mapped while mu is let go: segments are retired by the flusher (this
+     * thread) and at close (compact_retire_closing, perhaps meanwhile), only those walked, all
+     * before this one. The pass's tally is this thread's alone. The records set aside are
+     * settled with mu taken again, 64 at a time. */
+    uint64_t until = (uint64_t)off + v.seg_bytes / HORIZON_STEPS;
+    int done;
     store_unlock(s);
-    int done = view_horizon(&v, &off, (uint64_t)off + v.seg_bytes / HORIZON_STEPS, &p);
+    do {
+        done = view_horizon(&v, &off, until, &p);
+        if (p.n_unf) {
+            store_lock(s);
+            hz_settle(s, &p);
+            store_unlock(s);
+        }
+    } while (done == 0 && off < until);
     store_lock(s);
-    hz_settle(s, &p);
     s->hz_off = off;
     s->hz_max = p.max;
     if (done != 0) {

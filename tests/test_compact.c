@@ -776,17 +776,18 @@ Test(compact, unfinished_records_past_their_ttl_are_not_copied_again_after_a_reo
 {
     struct io_sim *sim;
     cr_assert_eq(io_sim_create(37, &sim), 0);
-    idem_store *s = open_sim(sim);
+    /* Segments of 256 KiB: a sixteenth of one holds more records than are set aside at once. */
+    idem_store *s = open_sim_seg(sim, 256 * 1024);
     idem_queue *q;
     cr_assert_eq(idem_queue_open(s, 256, &q), IDEM_OK);
-    claim_flying(q, 3000, NULL);
+    claim_flying(q, 8000, NULL);
     store_lock(s);
     uint64_t first = wal_first_seq(s->wal), cur = wal_cur_seq(s->wal);
     store_unlock(s);
     cr_assert_gt(cur, first + 1, "the claims fill less than two segments");
     idem_queue_close(q);
     close_past_the_ttls(s);
-    s = open_sim(sim);
+    s = open_sim_seg(sim, 256 * 1024);
     uint64_t walked;
     int64_t horizon = measure_first_segment(s, first, 100, &walked);
     cr_assert_eq(horizon, INT64_MAX, "measured as expiring at %lld", (long long)horizon);
@@ -841,7 +842,7 @@ Test(compact, replaced_in_flight_versions_count_as_expired_after_a_reopen, .time
     }
     store_lock(s);
     uint64_t walked_before = s->cmp_walked;
-        store_unlock(s);
+    store_unlock(s);
     cr_assert_eq(walked_before, 0, "segment %llu was walked before the reopen",
                  (unsigned long long)walked_before);
     idem_queue_close(q);

@@ -338,8 +338,8 @@ Test(server, each_argument_past_its_field_limit_is_refused_by_name_and_number, .
         {"IDEM.CLAIM %b 60000 5000", 513, 2, 512, "key"},
         {"IDEM.CLAIM k 60000 5000 OWNER %b", 257, 6, 256, "owner"},
         {"IDEM.CLAIM k 60000 5000 %b 1", 65, 5, 64, "option"},
-        {"IDEM.CLAIM k %b 5000", 65, 3, 64, "ttl"},
-        {"IDEM.CLAIM k 60000 %b", 65, 4, 64, "lease"},
+        {"IDEM.CLAIM k %b 5000", 65, 3, 64, "ttl_ms"},
+        {"IDEM.CLAIM k 60000 %b", 65, 4, 64, "lease_ms"},
         {"IDEM.CLAIM k 60000 5000 WAIT %b", 65, 6, 64, "WAIT ms"},
         {"%b k", 65, 1, 64, "command name"},
         {"IDEM.COMMIT k 1 %b", 65537, 4, 65536, "result"},
@@ -1045,10 +1045,97 @@ Test(server, connection_commands, .init = start)
     cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
     cr_assert(r->elements > 20);
     freeReplyObject(r);
-    r = cmd(c, "COMMAND DOCS");
-    cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
-    freeReplyObject(r);
     expect_status(cmd(c, "QUIT"), "OK");
+    redisFree(c);
+}
+
+/* The value of field `name` in a flat array of field/value pairs (NULL: none). */
+static const redisReply *pair_value(const redisReply *map, const char *name)
+{
+    for (size_t i = 0; i + 1 < map->elements; i += 2)
+        if (map->element[i]->type == REDIS_REPLY_STRING && strcmp(map->element[i]->str, name) == 0)
+            return map->element[i + 1];
+    return NULL;
+}
+
+/* Renders arguments as redis-cli does for its HELP and hints, checking what it asserts on. */
+static void render_args(const redisReply *args, const char *sep, char *out, size_t size)
+{
+    cr_assert_eq(args->type, REDIS_REPLY_ARRAY);
+    for (size_t j = 0; j < args->elements; j++) {
+        const redisReply *a = args->element[j];
+        cr_assert(a->type == REDIS_REPLY_ARRAY && a->elements % 2 == 0);
+        const redisReply *name = pair_value(a, "name"), *type = pair_value(a, "type");
+        const redisReply *token = pair_value(a, "token"), *flags = pair_value(a, "flags");
+        const redisReply *sub = pair_value(a, "arguments");
+        cr_assert(name && name->type == REDIS_REPLY_STRING && type &&
+                      type->type == REDIS_REPLY_STRING,
+                  "an argument without a name or a type");
+        int optional = 0, multiple = 0;
+        for (size_t k = 0; flags && k < flags->elements; k++) {
+            cr_assert_eq(flags->element[k]->type, REDIS_REPLY_STATUS, "flags are status replies");
+            optional |= strcmp(flags->element[k]->str, "optional") == 0;
+            multiple |= strcmp(flags->element[k]->str, "multiple") == 0;
+        }
+        char part[256] = "";
+        if (strcmp(type->str, "oneof") == 0 || strcmp(type->str, "block") == 0) {
+            cr_assert(sub, "%s: %s without its arguments", name->str, type->str);
+            render_args(sub, strcmp(type->str, "oneof") == 0 ? "|" : " ", part, sizeof part);
+        } else if (strcmp(type->str, "pure-token") != 0) {
+            cr_assert(strstr(" key string integer ", type->str), "%s: type %s", name->str,
+                      type->str);
+            snprintf(part, sizeof part, "%s", name->str);
+        }
+        size_t n = strlen(out);
+        snprintf(out + n, size - n, "%s%s%s%s%s%s%s%s", j ? sep : "", optional ? "[" : "",
+                 token ? token->str : "", token && part[0] ? " " : "", part, multiple ? " [" : "",
+                 multiple ? part : "", multiple ? " ...]" : "");
+        n = strlen(out);
+        snprintf(out + n, size - n, "%s", optional ? "]" : "");
+    }
+}
+
+/* COMMAND DOCS answered an empty array, from which interactive redis-cli built no HELP and no
+ * hints, for any command. Now every command has its summary, group and arguments, in the
+ * shape redis-cli reads (it asserts on a missing type, and on flags that are not status
+ * replies). */
+Test(server, command_docs_describe_every_command_as_redis_cli_reads_them, .init = start)
+{
+    redisContext *c = connect_unix();
+    redisReply *list = cmd(c, "COMMAND");
+    redisReply *docs = cmd(c, "COMMAND DOCS");
+    cr_assert(list->type == REDIS_REPLY_ARRAY && docs->type == REDIS_REPLY_ARRAY);
+    cr_assert_eq(docs->elements, 2 * list->elements, "%zu docs for %zu commands",
+                 docs->elements / 2, list->elements);
+    for (size_t i = 0; i < list->elements; i++) {
+        const char *name = list->element[i]->element[0]->str;
+        const redisReply *d = pair_value(docs, name);
+        cr_assert(d && d->type == REDIS_REPLY_ARRAY, "no docs for %s", name);
+        const char *want[] = {"summary", "since", "group"};
+        for (size_t k = 0; k < 3; k++) {
+            const redisReply *v = pair_value(d, want[k]);
+            cr_assert(v && v->type == REDIS_REPLY_STRING && v->len > 0, "%s: no %s", name, want[k]);
+        }
+        char params[512] = "";
+        const redisReply *args = pair_value(d, "arguments");
+        if (args) render_args(args, " ", params, sizeof params);
+        if (strcmp(name, "idem.claim") == 0)
+            cr_assert_str_eq(params, "key ttl_ms lease_ms [FP content] [OWNER id] [WAIT ms]");
+        if (strcmp(name, "idem.resolve") == 0)
+            cr_assert_str_eq(params, "key commit|release|settle reason [RESULT result] "
+                                     "[EXPECT version] [FORCE]");
+        if (strcmp(name, "set") == 0)
+            cr_assert_str_eq(params, "key value NX PX milliseconds|EX seconds [GET]");
+        if (strcmp(name, "del") == 0) cr_assert_str_eq(params, "key [key ...]");
+    }
+    freeReplyObject(list);
+    freeReplyObject(docs);
+    /* Those named, in order, the unknown ones left out, as Redis does. */
+    redisReply *r = cmd(c, "COMMAND DOCS Get no-such idem.get");
+    cr_assert(r->type == REDIS_REPLY_ARRAY && r->elements == 4);
+    cr_assert_str_eq(r->element[0]->str, "get");
+    cr_assert_str_eq(r->element[2]->str, "idem.get");
+    freeReplyObject(r);
     redisFree(c);
 }
 
@@ -2661,6 +2748,18 @@ Test(server, requests_before_auth_are_held_to_small_arguments, .init = start_fro
     int closed = 0;
     raw_read(fd, got, sizeof got - 1, 1, &closed);
     cr_assert(strstr(got, "argument 6 is too long (20000 bytes, at most 16384)"), "%s", got);
+    /* A named field held to the smaller limit is named by its place alone: the limit is not
+     * the field's (an ECHO message may be as long as a result after AUTH). */
+    static char echo[24000];
+    size_t e = (size_t)snprintf(echo, sizeof echo, "*2\r\n$4\r\nECHO\r\n$20000\r\n");
+    memset(echo + e, 'm', 20000);
+    e += 20000;
+    memcpy(echo + e, "\r\n", 2);
+    raw_send(fd, echo, e + 2);
+    raw_read(fd, got, sizeof got - 1, 1, &closed);
+    cr_assert(strstr(got, "ERR ECHO: argument 2 is too long (20000 bytes, at most 16384)") &&
+                  !strstr(got, "message"),
+              "%s", got);
     const char auth[] = "*3\r\n$4\r\nAUTH\r\n$3\r\nops\r\n$6\r\npw-ops\r\n";
     raw_send(fd, auth, sizeof auth - 1);
     raw_read(fd, got, sizeof got - 1, 5, &closed);

@@ -56,6 +56,10 @@ void cmd_int(cmd_req *r, int64_t v);
 
 /* Is argv[i] equal to the word (ASCII case-insensitive)? */
 int cmd_is(const cmd_req *r, uint32_t i, const char *word);
+/* A command's name in lower case, as COMMAND and COMMAND DOCS list it (cut to size - 1). */
+void cmd_name_lower(const char *name, char *out, size_t size);
+/* COMMAND DOCS [name ...]: every command's description, or those named (cmd_docs.c). */
+void cmd_docs_reply(resp_buf *b, const cmd_req *r);
 /* The option named by argv[i], with its value at argv[i + 1]: its index in names[0..n), each
  * allowed once (*seen keeps those given), or -1 once r is answered (no value, an option not in
  * names, which `usage` lists, or one given twice). */

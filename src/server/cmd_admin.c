@@ -502,13 +502,18 @@ void cmd_config(cmd_req *r)
 
 /* ---- COMMAND ---- */
 
+void cmd_name_lower(const char *name, char *out, size_t size)
+{
+    size_t k = 0;
+    for (; name[k] && k + 1 < size; k++)
+        out[k] = (char)(name[k] >= 'A' && name[k] <= 'Z' ? name[k] + 32 : name[k]);
+    out[k] = '\0';
+}
+
 static void command_entry(resp_buf *b, const cmd_def *d)
 {
     char lower[32];
-    size_t k = 0;
-    for (; d->name[k] && k + 1 < sizeof lower; k++)
-        lower[k] = (char)(d->name[k] >= 'A' && d->name[k] <= 'Z' ? d->name[k] + 32 : d->name[k]);
-    lower[k] = '\0';
+    cmd_name_lower(d->name, lower, sizeof lower);
     int keyed = strncmp(lower, "idem.", 5) == 0 || strcmp(lower, "set") == 0 ||
                 strcmp(lower, "get") == 0 || strcmp(lower, "exists") == 0 ||
                 strcmp(lower, "del") == 0 || strcmp(lower, "pttl") == 0 ||
@@ -537,7 +542,7 @@ void cmd_command(cmd_req *r)
     } else if (cmd_is(r, 1, "COUNT")) {
         resp_integer(b, (int64_t)cmd_table_len);
     } else if (cmd_is(r, 1, "DOCS")) {
-        resp_array(b, 0);
+        cmd_docs_reply(b, r);
     } else if (cmd_is(r, 1, "INFO")) {
         resp_array(b, r->argc - 2);
         for (uint32_t i = 2; i < r->argc; i++) {

@@ -368,7 +368,7 @@ static uint32_t claim_args(const srv *s, const uint8_t *const *argv, const uint3
 {
     /* Numbers and option names: room enough that a wrong one is answered by the handler, which
      * says what is wrong with it, not by its length. */
-    static const char *const fixed[] = {NULL, NULL, "ttl", "lease"};
+    static const char *const fixed[] = {NULL, NULL, "ttl_ms", "lease_ms"};
     if (index <= 3) {
         *field = fixed[index];
         return index == 1 ? key_args(s, argv, argl, index, field) : 64;
