@@ -223,13 +223,9 @@ static void version_moved(idem_store *s, const struct old_facts *old, uint64_t n
     s->st.keys_with_mismatch += r->mismatch_count > 0;
     uint64_t seq = wal_addr_seq(s->wal, new_addr);
     int64_t *m = &s->seg_max_exp[seq % WAL_SEG_SLOTS];
-    /* An unfinished record past its ttl never expires while unfinished (rule 5): tallied by
-     * its ttl, a copy of it would make the segment it lands in due at once, and compaction
-     * would copy such records from segment to segment for ever. */
-    int64_t exp = r->expires_at_ms;
-    if (r->state != IDEM_STATE_COMMITTED &&
-        exp <= __atomic_load_n(&s->clk_last_ms, __ATOMIC_RELAXED))
-        exp = INT64_MAX;
+    int64_t exp = rec_unfinished_past_ttl(r, __atomic_load_n(&s->clk_last_ms, __ATOMIC_RELAXED))
+                      ? INT64_MAX
+                      : r->expires_at_ms;
     /* A segment written before this open (its records replayed, or the open's current one
      * written on) stays unknown until compact_learn_horizon measures all of it: from part of
      * its records it looked expired while records before the open lived on, and a walk copied

@@ -34,6 +34,18 @@ typedef void (*cmd_fn)(cmd_req *r);
 typedef uint32_t (*cmd_arg_fn)(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
                                uint32_t index, const char **field);
 
+#define DOC_OPTIONAL 1u
+#define DOC_MULTIPLE 2u
+
+/* One argument of a command as COMMAND DOCS describes it (cmd_docs.c). */
+struct doc_arg {
+    const char *name;
+    const char *type; /* key, string, integer, pure-token, oneof, block */
+    const char *token;
+    unsigned flags;            /* DOC_* */
+    const struct doc_arg *sub; /* oneof, block: the parts, ended by one without a name */
+};
+
 typedef struct cmd_def {
     const char *name;
     uint32_t name_len;
@@ -42,6 +54,10 @@ typedef struct cmd_def {
     int flags;
     cmd_fn fn;
     cmd_arg_fn arg_max; /* NULL: CMD_ARG_MAX_DEFAULT for every argument */
+    const char *summary, *group;
+    /* Ended by one without a name; NULL: none. A first argument of type key without a token
+     * makes the command keyed for COMMAND (one key, or all that follow if it is multiple). */
+    const struct doc_arg *args;
 } cmd_def;
 
 #define CMD_ARG_MAX_DEFAULT 4096 /* reasons, notes and option words, unless a command says */
@@ -58,6 +74,8 @@ void cmd_int(cmd_req *r, int64_t v);
 int cmd_is(const cmd_req *r, uint32_t i, const char *word);
 /* A command's name in lower case, as COMMAND and COMMAND DOCS list it (cut to size - 1). */
 void cmd_name_lower(const char *name, char *out, size_t size);
+/* The command named name[0..n) (ASCII case-insensitive), or NULL. */
+const cmd_def *cmd_find(const uint8_t *name, uint32_t n);
 /* COMMAND DOCS [name ...]: every command's description, or those named (cmd_docs.c). */
 void cmd_docs_reply(resp_buf *b, const cmd_req *r);
 /* The option named by argv[i], with its value at argv[i + 1]: its index in names[0..n), each

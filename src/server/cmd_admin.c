@@ -514,14 +514,9 @@ static void command_entry(resp_buf *b, const cmd_def *d)
 {
     char lower[32];
     cmd_name_lower(d->name, lower, sizeof lower);
-    int keyed = strncmp(lower, "idem.", 5) == 0 || strcmp(lower, "set") == 0 ||
-                strcmp(lower, "get") == 0 || strcmp(lower, "exists") == 0 ||
-                strcmp(lower, "del") == 0 || strcmp(lower, "pttl") == 0 ||
-                strcmp(lower, "ttl") == 0;
-    keyed = keyed && strcmp(lower, "idem.scan") && strcmp(lower, "idem.stats") &&
-            strcmp(lower, "idem.audit") && strcmp(lower, "idem.attention") &&
-            strcmp(lower, "idem.backup");
-    int multi = strcmp(lower, "exists") == 0 || strcmp(lower, "del") == 0;
+    const struct doc_arg *first = d->args;
+    int keyed = first && strcmp(first->type, "key") == 0 && !first->token;
+    int multi = keyed && (first->flags & DOC_MULTIPLE);
     resp_array(b, 6);
     resp_bulk_str(b, lower);
     resp_integer(b, d->arity);
@@ -546,9 +541,7 @@ void cmd_command(cmd_req *r)
     } else if (cmd_is(r, 1, "INFO")) {
         resp_array(b, r->argc - 2);
         for (uint32_t i = 2; i < r->argc; i++) {
-            const cmd_def *d = NULL;
-            for (size_t k = 0; k < cmd_table_len && !d; k++)
-                if (cmd_is(r, i, cmd_table[k].name)) d = &cmd_table[k];
+            const cmd_def *d = cmd_find(r->argv[i], r->argl[i]);
             if (d)
                 command_entry(b, d);
             else

@@ -435,42 +435,122 @@ static uint32_t audit_args(const srv *s, const uint8_t *const *argv, const uint3
     return IDEM_KEY_BYTES_MAX;
 }
 
-/* A table entry; the name's length is taken from the literal. */
+/* A table entry; the name's length is taken from the literal. Summary, group and arguments are
+ * what COMMAND DOCS answers, in the shape Redis 7 gives them: redis-cli builds its HELP and the
+ * hints it shows as a command is typed from them, and asserts on an argument without a type. */
 /* clang-format off */
-#define CMD(nm, ar, ro, fl, fn, am) {nm, sizeof nm - 1, ar, ro, fl, fn, am}
-/* clang-format on */
+#define CMD(nm, ar, ro, fl, fn, am, su, gr, args) {nm, sizeof nm - 1, ar, ro, fl, fn, am, su, gr, args}
+#define ARGS(...) ((const struct doc_arg[]){__VA_ARGS__, {0}})
+#define KEY         {.name = "key", .type = "key"}
+#define KEYS        {.name = "key", .type = "key", .flags = DOC_MULTIPLE}
+#define STR(n)      {.name = n, .type = "string"}
+#define INT(n)      {.name = n, .type = "integer"}
+#define PURE(t)     {.name = t, .type = "pure-token", .token = t}
+#define OPT_PURE(t) {.name = t, .type = "pure-token", .token = t, .flags = DOC_OPTIONAL}
+#define OPT_INT(t, n) {.name = n, .type = "integer", .token = t, .flags = DOC_OPTIONAL}
+#define OPT_STR(t, n) {.name = n, .type = "string", .token = t, .flags = DOC_OPTIONAL}
+#define MORE(n)     {.name = n, .type = "string", .flags = DOC_OPTIONAL | DOC_MULTIPLE}
 const cmd_def cmd_table[] = {
-    CMD("IDEM.CLAIM", -4, ROLES_WORK, CMD_F_WRITE | CMD_F_RESULT, cmd_claim, claim_args),
-    CMD("IDEM.COMMIT", 4, ROLES_WORK, CMD_F_WRITE, cmd_commit, commit_args),
-    CMD("IDEM.RELEASE", 3, ROLES_WORK, CMD_F_WRITE, cmd_release, key_args),
-    CMD("IDEM.HOLD", 4, ROLES_WORK, CMD_F_WRITE, cmd_hold, hold_args),
-    CMD("IDEM.EXTEND", 4, ROLES_WORK, CMD_F_WRITE, cmd_extend, key_args),
-    CMD("IDEM.GET", 2, ROLES_ALL, CMD_F_RESULT, cmd_idem_get, key_args),
-    CMD("IDEM.SCAN", -2, ROLES_READ, 0, cmd_scan, NULL),
-    CMD("IDEM.STATS", 1, ROLES_READ, 0, cmd_stats, NULL),
-    CMD("IDEM.RESOLVE", -4, ROLE_ADMIN, CMD_F_WRITE, cmd_resolve, resolve_args),
-    CMD("IDEM.AUDIT", -1, ROLES_READ, 0, cmd_audit, audit_args),
-    CMD("IDEM.ATTENTION", -1, ROLES_READ, 0, cmd_attention, NULL),
-    CMD("IDEM.BACKUP", 2, ROLE_ADMIN, 0, cmd_backup, NULL),
-    CMD("SET", -3, ROLES_WORK, CMD_F_WRITE | CMD_F_RESULT, cmd_set, set_args),
-    CMD("GET", 2, ROLES_ALL, CMD_F_RESULT, cmd_get, key_args),
-    CMD("EXISTS", -2, ROLES_ALL, 0, cmd_exists, keys_args),
-    CMD("PTTL", 2, ROLES_ALL, 0, cmd_pttl, key_args),
-    CMD("TTL", 2, ROLES_ALL, 0, cmd_ttl, key_args),
-    CMD("DEL", -2, ROLE_ADMIN, CMD_F_WRITE, cmd_del, keys_args),
-    CMD("DBSIZE", 1, ROLES_READ, 0, cmd_dbsize, NULL),
-    CMD("PING", -1, ROLES_ALL, 0, cmd_ping, result_args),
-    CMD("ECHO", 2, ROLES_ALL, 0, cmd_echo, result_args),
-    CMD("INFO", -1, ROLES_ALL, CMD_F_LOADING, cmd_info, NULL),
-    CMD("AUTH", -2, ROLES_ALL, CMD_F_NOAUTH | CMD_F_LOADING, cmd_auth, NULL),
-    CMD("HELLO", -1, ROLES_ALL, CMD_F_NOAUTH | CMD_F_LOADING, cmd_hello, NULL),
-    CMD("CLIENT", -2, ROLES_ALL, CMD_F_LOADING, cmd_client, NULL),
-    CMD("SELECT", 2, ROLES_ALL, CMD_F_LOADING, cmd_select, NULL),
-    CMD("COMMAND", -1, ROLES_ALL, CMD_F_LOADING, cmd_command, NULL),
-    CMD("CONFIG", -2, ROLES_READ, CMD_F_LOADING, cmd_config, NULL),
-    CMD("QUIT", -1, ROLES_ALL, CMD_F_NOAUTH | CMD_F_LOADING, cmd_quit, NULL),
-    CMD("DEBUG", -2, ROLE_ADMIN, 0, cmd_debug, NULL),
+    CMD("IDEM.CLAIM", -4, ROLES_WORK, CMD_F_WRITE | CMD_F_RESULT, cmd_claim, claim_args,
+        "Reserves a key before a side effect; answers new, busy, done, mismatch, recover or "
+        "review", "idem",
+        ARGS(KEY, INT("ttl_ms"), INT("lease_ms"), OPT_STR("FP", "content"), OPT_STR("OWNER", "id"),
+             OPT_INT("WAIT", "ms"))),
+    CMD("IDEM.COMMIT", 4, ROLES_WORK, CMD_F_WRITE, cmd_commit, commit_args,
+        "Records the outcome of a claim, with the claim's token", "idem",
+        ARGS(KEY, INT("token"), STR("result"))),
+    CMD("IDEM.RELEASE", 3, ROLES_WORK, CMD_F_WRITE, cmd_release, key_args,
+        "Gives a claimed key back: the next claim gets new", "idem", ARGS(KEY, INT("token"))),
+    CMD("IDEM.HOLD", 4, ROLES_WORK, CMD_F_WRITE, cmd_hold, hold_args,
+        "Sends a claimed key to review, for a person to decide", "idem",
+        ARGS(KEY, INT("token"), STR("reason"))),
+    CMD("IDEM.EXTEND", 4, ROLES_WORK, CMD_F_WRITE, cmd_extend, key_args,
+        "Runs a claim's lease on from now", "idem", ARGS(KEY, INT("token"), INT("lease_ms"))),
+    CMD("IDEM.GET", 2, ROLES_ALL, CMD_F_RESULT, cmd_idem_get, key_args,
+        "Returns the whole record of a key", "idem", ARGS(KEY)),
+    CMD("IDEM.SCAN", -2, ROLES_READ, 0, cmd_scan, NULL,
+        "Lists keys by state and age, a page at a time", "idem",
+        ARGS(INT("cursor"),
+             {.name = "state", .type = "oneof", .token = "STATE", .flags = DOC_OPTIONAL,
+              .sub = ARGS(PURE("in_flight"), PURE("committed"), PURE("review"))},
+             OPT_INT("OLDER", "ms"), OPT_INT("COUNT", "count"))),
+    CMD("IDEM.STATS", 1, ROLES_READ, 0, cmd_stats, NULL,
+        "Returns the store's counters", "idem", NULL),
+    CMD("IDEM.RESOLVE", -4, ROLE_ADMIN, CMD_F_WRITE, cmd_resolve, resolve_args,
+        "Decides an unfinished record (admin; audited)", "idem",
+        ARGS(KEY,
+             {.name = "action", .type = "oneof",
+              .sub = ARGS(PURE("commit"), PURE("release"), PURE("settle"))},
+             STR("reason"), OPT_STR("RESULT", "result"), OPT_INT("EXPECT", "version"),
+             OPT_PURE("FORCE"))),
+    CMD("IDEM.AUDIT", -1, ROLES_READ, 0, cmd_audit, audit_args,
+        "Lists entries of the audit trail, newest first", "idem",
+        ARGS({.name = "key", .type = "key", .token = "KEY", .flags = DOC_OPTIONAL},
+             OPT_INT("COUNT", "count"), OPT_INT("BEFORE", "seq"))),
+    CMD("IDEM.ATTENTION", -1, ROLES_READ, 0, cmd_attention, NULL,
+        "Lists the records that wait for a person or a reconciler", "idem",
+        ARGS(OPT_INT("OLDER", "ms"), OPT_INT("COUNT", "count"))),
+    CMD("IDEM.BACKUP", 2, ROLE_ADMIN, 0, cmd_backup, NULL,
+        "Writes a consistent copy of the store into a new directory (admin)", "idem",
+        ARGS(STR("path"))),
+    CMD("SET", -3, ROLES_WORK, CMD_F_WRITE | CMD_F_RESULT, cmd_set, set_args,
+        "Creates a committed record whose result is the value, if the key is absent (NX and an "
+        "expiry required)", "string",
+        ARGS(KEY, STR("value"), PURE("NX"),
+             {.name = "expiration", .type = "oneof",
+              .sub = ARGS({.name = "milliseconds", .type = "integer", .token = "PX"},
+                          {.name = "seconds", .type = "integer", .token = "EX"})},
+             OPT_PURE("GET"))),
+    CMD("GET", 2, ROLES_ALL, CMD_F_RESULT, cmd_get, key_args,
+        "Returns the result of a committed record", "string", ARGS(KEY)),
+    CMD("EXISTS", -2, ROLES_ALL, 0, cmd_exists, keys_args,
+        "Counts the keys that have a record", "generic", ARGS(KEYS)),
+    CMD("PTTL", 2, ROLES_ALL, 0, cmd_pttl, key_args,
+        "Returns the milliseconds until a committed record expires", "generic", ARGS(KEY)),
+    CMD("TTL", 2, ROLES_ALL, 0, cmd_ttl, key_args,
+        "Returns the seconds until a committed record expires", "generic", ARGS(KEY)),
+    CMD("DEL", -2, ROLE_ADMIN, CMD_F_WRITE, cmd_del, keys_args,
+        "Deletes records (admin; audited)", "generic", ARGS(KEYS)),
+    CMD("DBSIZE", 1, ROLES_READ, 0, cmd_dbsize, NULL,
+        "Returns the number of records", "server", NULL),
+    CMD("PING", -1, ROLES_ALL, 0, cmd_ping, result_args,
+        "Answers PONG, or the message", "connection",
+        ARGS({.name = "message", .type = "string", .flags = DOC_OPTIONAL})),
+    CMD("ECHO", 2, ROLES_ALL, 0, cmd_echo, result_args,
+        "Answers the message", "connection", ARGS(STR("message"))),
+    CMD("INFO", -1, ROLES_ALL, CMD_F_LOADING, cmd_info, NULL,
+        "Returns information about the server and the store", "server", ARGS(MORE("section"))),
+    CMD("AUTH", -2, ROLES_ALL, CMD_F_NOAUTH | CMD_F_LOADING, cmd_auth, NULL,
+        "Authenticates the connection", "connection",
+        ARGS({.name = "username", .type = "string", .flags = DOC_OPTIONAL}, STR("password"))),
+    CMD("HELLO", -1, ROLES_ALL, CMD_F_NOAUTH | CMD_F_LOADING, cmd_hello, NULL,
+        "Answers with the server's properties (protocol 2 only), authenticating and naming the "
+        "connection", "connection",
+        ARGS({.name = "protover", .type = "integer", .flags = DOC_OPTIONAL},
+             {.name = "auth", .type = "block", .token = "AUTH", .flags = DOC_OPTIONAL,
+              .sub = ARGS(STR("username"), STR("password"))},
+             OPT_STR("SETNAME", "clientname"))),
+    CMD("CLIENT", -2, ROLES_ALL, CMD_F_LOADING, cmd_client, NULL,
+        "Names the connection or reads its name or id (SETNAME, GETNAME, ID, SETINFO)",
+        "connection", ARGS(STR("subcommand"), MORE("argument"))),
+    CMD("SELECT", 2, ROLES_ALL, CMD_F_LOADING, cmd_select, NULL,
+        "Selects database 0, the only one", "connection", ARGS(INT("index"))),
+    CMD("COMMAND", -1, ROLES_ALL, CMD_F_LOADING, cmd_command, NULL,
+        "Describes the commands (COUNT, DOCS, INFO)", "server",
+        ARGS({.name = "subcommand", .type = "string", .flags = DOC_OPTIONAL}, MORE("argument"))),
+    CMD("CONFIG", -2, ROLES_READ, CMD_F_LOADING, cmd_config, NULL,
+        "Returns the settings that match the patterns (GET only)", "server",
+        ARGS(PURE("GET"), {.name = "parameter", .type = "string", .flags = DOC_MULTIPLE})),
+    CMD("QUIT", -1, ROLES_ALL, CMD_F_NOAUTH | CMD_F_LOADING, cmd_quit, NULL,
+        "Closes the connection once the replies before it are written", "connection", NULL),
+    CMD("DEBUG", -2, ROLE_ADMIN, 0, cmd_debug, NULL,
+        "Reads or moves the test clock (with --test-clock; admin)", "server",
+        ARGS(PURE("CLOCK"),
+             {.name = "action", .type = "oneof",
+              .sub = ARGS(PURE("GET"), {.name = "ms", .type = "integer", .token = "SET"},
+                          {.name = "ms", .type = "integer", .token = "ADVANCE"})})),
 };
+/* clang-format on */
 const size_t cmd_table_len = sizeof cmd_table / sizeof cmd_table[0];
 
 /* Commands refused by name: each would extend, replace or un-expire a record. */
@@ -516,7 +596,7 @@ static int refused_index(const uint8_t *name, uint32_t n)
     return -1;
 }
 
-static const cmd_def *cmd_lookup(const uint8_t *name, uint32_t n)
+const cmd_def *cmd_find(const uint8_t *name, uint32_t n)
 {
     for (size_t i = 0; i < cmd_table_len; i++)
         if (cmd_table[i].name_len == n &&
@@ -579,7 +659,7 @@ void cmd_dispatch(srv *s, srv_conn *c, uint32_t seq, uint32_t argc, const uint8_
                   const uint32_t *argl)
 {
     cmd_req r = {s, c, seq, argc, argv, argl};
-    const cmd_def *d = cmd_lookup(argv[0], argl[0]);
+    const cmd_def *d = cmd_find(argv[0], argl[0]);
     srv_reply_reserve(s, c, seq, reply_max(&r, d));
     if (!d) {
         if (c->role == ROLE_NONE) return cmd_fail(&r, "NOAUTH Authentication required.");
@@ -610,7 +690,7 @@ uint32_t cmd_arg_max(void *ctx, const uint8_t *const *argv, const uint32_t *argl
         *field = "command name";
         return 64;
     }
-    const cmd_def *d = cmd_lookup(argv[0], argl[0]);
+    const cmd_def *d = cmd_find(argv[0], argl[0]);
     if (d) return d->arg_max ? d->arg_max(ctx, argv, argl, index, field) : CMD_ARG_MAX_DEFAULT;
     /* A command refused by name is answered with why, whatever the length of its values (a
      * length error would hide it); it is never run, so it is held only as any request is. */
