@@ -56,10 +56,13 @@ static int free_port(void)
     return ntohs(a.sin_port);
 }
 
+/* The address clients reach idemd's TCP listener at (a test of --bind may change it). */
+static const char *tcp_host = "127.0.0.1";
+
 static redisContext *connect_tcp(void)
 {
     struct timeval tv = {10, 0};
-    redisContext *c = redisConnectWithTimeout("127.0.0.1", srv.port, tv);
+    redisContext *c = redisConnectWithTimeout(tcp_host, srv.port, tv);
     cr_assert(c && !c->err, "connect: %s", c ? c->errstr : "oom");
     redisSetTimeout(c, tv);
     return c;
@@ -100,7 +103,7 @@ static void start_in(int keep_dir, const char *const *extra)
         _exit(127);
     }
     for (int64_t end = now_ms() + 10000; now_ms() < end;) {
-        redisContext *c = redisConnect("127.0.0.1", srv.port);
+        redisContext *c = redisConnect(tcp_host, srv.port);
         if (c && !c->err) {
             /* EXISTS answers -LOADING until recovery is over */
             if (ready_auth) freeReplyObject(redisCommand(c, ready_auth));
@@ -361,6 +364,11 @@ Test(server, each_argument_past_its_field_limit_is_refused_by_name_and_number, .
         {"IDEM.SCAN 0 COUNT %b", 4097, 4, 4096, NULL},
         {"IDEM.AUDIT KEY %b", 513, 3, 512, "key"}, /* was held to 4096, as any other argument */
         {"IDEM.AUDIT COUNT 5 KEY %b", 513, 5, 512, "key"},
+        /* Option words are told by their place, not their text: a value that reads as one is
+         * a value, and what follows it an option word (was named result, key). */
+        {"IDEM.RESOLVE k commit why FORCE RESULT %b", 65537, 7, 65536, "result"},
+        {"IDEM.RESOLVE k commit why EXPECT RESULT %b", 4097, 7, 4096, NULL},
+        {"IDEM.AUDIT COUNT KEY %b", 4097, 4, 4096, NULL},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         redisReply *r = redisCommand(c, cases[i].fmt, big, cases[i].len);
@@ -643,12 +651,20 @@ static void start_metrics(void)
 
 /* Sends req to the metrics endpoint (then shuts the write side with half_close); returns the
  * whole response in buf. */
+static int metrics_ipv6; /* the endpoint listens on [::1], not 127.0.0.1 */
+
 static void scrape_with(const char *req, int half_close, char *buf, size_t cap)
 {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    int fd = socket(metrics_ipv6 ? AF_INET6 : AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)metrics_port)};
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    struct sockaddr_in6 a6 = {.sin6_family = AF_INET6,
+                              .sin6_port = htons((uint16_t)metrics_port),
+                              .sin6_addr = IN6ADDR_LOOPBACK_INIT};
+    if (metrics_ipv6)
+        cr_assert_eq(connect(fd, (struct sockaddr *)&a6, sizeof a6), 0);
+    else
+        cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
     cr_assert_eq(write(fd, req, strlen(req)), (ssize_t)strlen(req));
     if (half_close) cr_assert_eq(shutdown(fd, SHUT_WR), 0);
     size_t len = 0;
@@ -1347,6 +1363,48 @@ static const char *audited_actor(redisContext *c, const char *key, char *buf, si
         if (!strcmp(e->element[i]->str, "actor")) snprintf(buf, cap, "%s", e->element[i + 1]->str);
     freeReplyObject(r);
     return buf;
+}
+
+/* Whether this machine has an IPv6 loopback (the test of --bind ::1 is skipped without one). */
+static int have_ipv6_loopback(void)
+{
+    int fd = socket(AF_INET6, SOCK_STREAM, 0);
+    if (fd < 0) return 0;
+    struct sockaddr_in6 a = {.sin6_family = AF_INET6, .sin6_addr = IN6ADDR_LOOPBACK_INIT};
+    int ok = bind(fd, (struct sockaddr *)&a, sizeof a) == 0;
+    close(fd);
+    return ok;
+}
+
+/* --bind and --metrics-listen take IPv6 addresses (they took IPv4 alone): a client reaches idemd
+ * over ::1 and not over 127.0.0.1, the audit names such a peer with its address in brackets, and
+ * the metrics endpoint answers on [::1]. */
+Test(server, listens_on_ipv6_and_names_such_peers_in_brackets)
+{
+    if (!have_ipv6_loopback()) cr_skip_test("no IPv6 loopback here");
+    static char listen[32];
+    metrics_port = free_port();
+    metrics_ipv6 = 1;
+    snprintf(listen, sizeof listen, "[::1]:%d", metrics_port);
+    const char *extra[] = {"--bind",          "::1", "--metrics-listen", listen, "--user",
+                           "boss:admin:pw-a", NULL};
+    tcp_host = "::1";
+    ready_auth = "AUTH boss pw-a";
+    start_with(extra);
+    redisContext *c = connect_tcp();
+    expect_status(cmd(c, "AUTH boss pw-a"), "OK");
+    expect_status(cmd(c, "SET k1 v NX PX 100000"), "OK");
+    expect_int(cmd(c, "DEL k1"), 1);
+    char got[256];
+    audited_actor(c, "k1", got, sizeof got);
+    cr_assert(strncmp(got, "boss@[::1]:", 11) == 0 && strlen(got) > 11, "actor %s", got);
+    redisFree(c);
+    redisContext *v4 = redisConnect("127.0.0.1", srv.port);
+    cr_assert(v4 && v4->err, "idemd bound to ::1 answered on 127.0.0.1");
+    redisFree(v4);
+    static char body[1 << 16];
+    scrape(body, sizeof body);
+    cr_assert(strstr(body, "200 OK") && strstr(body, "idem_keys "), "%.200s", body);
 }
 
 /* Pipelines DEL k1, `between` (answered +OK), DEL k2, of k1 and k2 set here. */
@@ -2620,8 +2678,9 @@ Test(server, settings_that_would_weaken_the_server_are_refused_by_name)
     const char *const idle[] = {"--dir", dir, "--idle-timeout-ms", "9223372036854775808", NULL};
     cr_assert_eq(run_idemd(idle), 2);
     cr_assert(strstr(run_err, "idle-timeout-ms"), "%s", run_err);
-    const char *const listens[] = {"127.0.0.1:", "127.0.0.1:abc", "127.0.0.1:70000",
-                                   "localhost:9100", "127.0.0.1:9k"};
+    const char *const listens[] = {"127.0.0.1:",     "127.0.0.1:abc", "127.0.0.1:70000",
+                                   "localhost:9100", "127.0.0.1:9k",  "::1:9100",
+                                   "[::1]",          "[::1]:0",       "[fe80::1%lo]:9100"};
     for (size_t i = 0; i < sizeof listens / sizeof listens[0]; i++) {
         const char *const m[] = {"--dir", dir, "--metrics-listen", listens[i], NULL};
         cr_assert_eq(run_idemd(m), 2, "%s", listens[i]);
@@ -2631,9 +2690,12 @@ Test(server, settings_that_would_weaken_the_server_are_refused_by_name)
     cr_assert_eq(run_idemd(out), 2, "an output limit below the largest reply");
     cr_assert(strstr(run_err, "client-output-max") && strstr(run_err, "largest reply"), "%s",
               run_err);
-    const char *const bind[] = {"--dir", dir, "--bind", "localhost", NULL};
-    cr_assert_eq(run_idemd(bind), 2);
-    cr_assert(strstr(run_err, "bind"), "%s", run_err);
+    const char *const binds[] = {"localhost", "[::1", "::1]", "fe80::1%lo", "1.2.3"};
+    for (size_t i = 0; i < sizeof binds / sizeof binds[0]; i++) {
+        const char *const bind[] = {"--dir", dir, "--bind", binds[i], NULL};
+        cr_assert_eq(run_idemd(bind), 2, "%s", binds[i]);
+        cr_assert(strstr(run_err, "bind"), "%s: %s", binds[i], run_err);
+    }
     memset(long_opt, 'o', sizeof long_opt - 1);
     long_opt[0] = long_opt[1] = '-';
     long_opt[sizeof long_opt - 1] = 0;

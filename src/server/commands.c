@@ -415,22 +415,31 @@ static uint32_t hold_args(const srv *s, const uint8_t *const *argv, const uint32
     return IDEM_NOTE_BYTES_MAX;
 }
 
-/* IDEM.RESOLVE key action reason [RESULT r] [EXPECT v] [FORCE] */
+/* The most arguments a valid IDEM.RESOLVE has, its name included. */
+#define RESOLVE_ARGC_MAX 9
+
+/* IDEM.RESOLVE key action reason [RESULT r] [EXPECT v] [FORCE]: after the reason, option words
+ * and their values in turn (FORCE has none), so a value is told by its place: in `EXPECT RESULT
+ * x` the x is an option word, held to an option word's limit. */
 static uint32_t resolve_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
                              uint32_t index, const char **field)
 {
-    if (index <= 3 || !name_is(argv[index - 1], argl[index - 1], "RESULT"))
-        return hold_args(s, argv, argl, index, field);
+    if (index <= 3) return hold_args(s, argv, argl, index, field);
+    uint32_t word = 4; /* the option word at or just before index */
+    while (word + 1 < index && word < RESOLVE_ARGC_MAX)
+        word += name_is(argv[word], argl[word], "FORCE") ? 1 : 2;
+    if (word + 1 != index || !name_is(argv[word], argl[word], "RESULT")) return CMD_ARG_MAX_DEFAULT;
     *field = "result";
     return cmd_result_max(s);
 }
 
-/* IDEM.AUDIT [KEY key] [COUNT n] [BEFORE seq] */
+/* IDEM.AUDIT [KEY key] [COUNT n] [BEFORE seq]: every option has a value, so values have even
+ * places and `COUNT KEY x` has no key. */
 static uint32_t audit_args(const srv *s, const uint8_t *const *argv, const uint32_t *argl,
                            uint32_t index, const char **field)
 {
     (void)s;
-    if (index <= 1 || !name_is(argv[index - 1], argl[index - 1], "KEY")) return CMD_ARG_MAX_DEFAULT;
+    if (index % 2 || !name_is(argv[index - 1], argl[index - 1], "KEY")) return CMD_ARG_MAX_DEFAULT;
     *field = "key";
     return IDEM_KEY_BYTES_MAX;
 }

@@ -42,7 +42,6 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
-#include <arpa/inet.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -404,11 +403,8 @@ static void accept_all(srv *s, int lfd, int is_unix)
         int fd = srv_accept(s, lfd, (struct sockaddr *)&ss, &sl);
         if (fd < 0) return;
         char peer[64] = "unix";
-        if (!is_unix && ss.ss_family == AF_INET) {
-            struct sockaddr_in *in = (struct sockaddr_in *)&ss;
-            char a[INET_ADDRSTRLEN];
-            inet_ntop(AF_INET, &in->sin_addr, a, sizeof a);
-            snprintf(peer, sizeof peer, "%s:%u", a, ntohs(in->sin_port));
+        if (!is_unix) {
+            srv_addr_format((const struct sockaddr *)&ss, peer, sizeof peer);
             int one = 1;
             setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
         }
@@ -1361,15 +1357,22 @@ static int listen_unix(srv *s)
     return 0;
 }
 
-/* Listens on addr:port over TCP; returns the fd or -1. */
-static int listen_tcp_on(const char *addr, int port)
+/* Listens on addr:port over TCP, IPv4 or IPv6, and writes the address as logs name it into
+ * where (IPv6 in brackets); returns the fd or -1. */
+static int listen_tcp_on(const char *addr, int port, char *where, size_t cap)
 {
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    if (inet_pton(AF_INET, addr, &a.sin_addr) != 1) return -1;
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0), one = 1;
+    struct sockaddr_storage a;
+    socklen_t alen;
+    snprintf(where, cap, "%s:%d", addr, port);
+    if (srv_addr_parse(addr, port, &a, &alen) < 0) {
+        errno = EINVAL;
+        return -1;
+    }
+    srv_addr_format((const struct sockaddr *)&a, where, cap);
+    int fd = socket(a.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0), one = 1;
     if (fd < 0) return -1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (bind(fd, (struct sockaddr *)&a, sizeof a) != 0 || listen(fd, 511) != 0) {
+    if (bind(fd, (struct sockaddr *)&a, alen) != 0 || listen(fd, 511) != 0) {
         int e = errno; /* for the caller's log line */
         close(fd);
         errno = e;
@@ -1382,22 +1385,20 @@ static int listen_all(srv *s)
 {
     if (s->cfg.socket_path[0] && listen_unix(s) < 0) return -1;
     if (s->cfg.port > 0) {
-        s->tcp_fd = listen_tcp_on(s->cfg.bind_addr, s->cfg.port);
+        char where[80];
+        s->tcp_fd = listen_tcp_on(s->cfg.bind_addr, s->cfg.port, where, sizeof where);
         if (s->tcp_fd < 0) {
-            srv_log("error", "listen_failed", "addr=%s:%d error=\"%s\"", s->cfg.bind_addr,
-                    s->cfg.port, strerror(errno));
+            srv_log("error", "listen_failed", "addr=%s error=\"%s\"", where, strerror(errno));
             return -1;
         }
         ep_add(s, s->tcp_fd, TAG_TCP, EPOLLIN);
-        srv_log("info", "listening", "addr=%s:%d", s->cfg.bind_addr, s->cfg.port);
+        srv_log("info", "listening", "addr=%s", where);
     }
     if (s->cfg.metrics_listen[0]) {
-        char host[64]; /* ADDR:PORT, checked when the flag was parsed (main.c) */
-        const char *colon = strrchr(s->cfg.metrics_listen, ':');
-        size_t hl = (size_t)(colon - s->cfg.metrics_listen);
-        memcpy(host, s->cfg.metrics_listen, hl);
-        host[hl] = '\0';
-        s->metrics_fd = listen_tcp_on(host, atoi(colon + 1));
+        char host[64], where[80]; /* ADDR:PORT, checked when the flag was parsed (main.c) */
+        int port = 0;
+        srv_hostport_split(s->cfg.metrics_listen, host, sizeof host, &port);
+        s->metrics_fd = listen_tcp_on(host, port, where, sizeof where);
         if (s->metrics_fd < 0) {
             srv_log("error", "listen_failed", "metrics=%s error=\"%s\"", s->cfg.metrics_listen,
                     strerror(errno));

@@ -12,7 +12,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <arpa/inet.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -37,9 +36,11 @@ static const char usage_text[] =
     "Listeners:\n"
     "  --socket PATH             unix socket (default DIR/idemd.sock; empty: none)\n"
     "  --socket-mode MODE        its permissions, octal (default 0600)\n"
-    "  --bind ADDR               TCP address (default 127.0.0.1)\n"
+    "  --bind ADDR               TCP address, IPv4 or IPv6 (default 127.0.0.1; :: or 0.0.0.0:\n"
+    "                            every interface)\n"
     "  --port N                  TCP port (default 7379; 0: no TCP listener)\n"
-    "  --metrics-listen ADDR:PORT  Prometheus text endpoint (default off)\n"
+    "  --metrics-listen ADDR:PORT  Prometheus text endpoint (default off; IPv6 in brackets:\n"
+    "                            [::1]:9379)\n"
     "Users (without any, unix socket connections are admin and TCP ones workers):\n"
     "  --user NAME:ROLE:PASSWORD repeatable; ROLE is worker, reader or admin; `AUTH password`\n"
     "                            alone authenticates as the user named default\n"
@@ -109,24 +110,20 @@ static int parse_u32(const char *v, uint32_t min, uint32_t max, uint32_t *out)
     return 0;
 }
 
-/* An IPv4 address as listen_tcp_on takes it. */
-static int bad_ipv4(const char *v)
+/* An address --bind takes: IPv4, or IPv6 with or without brackets. */
+static int bad_addr(const char *v)
 {
-    struct in_addr a;
-    return inet_pton(AF_INET, v, &a) != 1;
+    struct sockaddr_storage ss;
+    socklen_t len;
+    return srv_addr_parse(v, 0, &ss, &len) != 0;
 }
 
-/* ADDR:PORT of --metrics-listen: an IPv4 address and a port 1..65535. */
+/* ADDR:PORT of --metrics-listen. */
 static int bad_listen(const char *v)
 {
-    const char *colon = strrchr(v, ':');
     char host[64];
-    uint32_t port;
-    if (!colon || (size_t)(colon - v) >= sizeof host) return 1;
-    memcpy(host, v, (size_t)(colon - v));
-    host[colon - v] = '\0';
-    return bad_ipv4(host) || parse_u32(colon + 1, 1, 65535, &port) != 0 ||
-           strpbrk(colon + 1, "kKmMgG");
+    int port;
+    return srv_hostport_split(v, host, sizeof host, &port) != 0;
 }
 
 static int config_file(srv_config *cfg, const char *path, char *err, size_t err_len);
@@ -146,7 +143,7 @@ static int apply(srv_config *cfg, const char *name, const char *v, char *err, si
         cfg->socket_mode = (unsigned)strtoul(v, &end, 8);
         bad = *v == '\0' || *end != '\0' || cfg->socket_mode > 0777;
     } else if (strcmp(name, "bind") == 0)
-        bad = set_string(cfg->bind_addr, sizeof cfg->bind_addr, v) || bad_ipv4(v);
+        bad = set_string(cfg->bind_addr, sizeof cfg->bind_addr, v) || bad_addr(v);
     else if (strcmp(name, "port") == 0) {
         uint32_t p = 0;
         bad = parse_u32(v, 0, 65535, &p);

@@ -341,6 +341,15 @@ typedef struct srv {
 const char *srv_durability_name(int durability);
 const char *srv_lease_policy_name(int policy);
 
+/* ---- addr.c ---- */
+/* An IPv4 or IPv6 address (brackets allowed) and a port as a socket address. Returns 0 or -1. */
+int srv_addr_parse(const char *addr, int port, struct sockaddr_storage *ss, socklen_t *len);
+/* ADDR:PORT (IPv6 in brackets, port 1..65535) split into host (brackets kept) and port. Returns
+ * 0, or -1 when either part is not valid. */
+int srv_hostport_split(const char *v, char *host, size_t cap, int *port);
+/* A TCP address as `1.2.3.4:5` or `[::1]:5` (any other family: `unix`). */
+void srv_addr_format(const struct sockaddr *sa, char *out, size_t cap);
+
 /* ---- loop.c ---- */
 int srv_run(srv *s);
 int64_t srv_now_ms(void); /* monotonic, for timers */
