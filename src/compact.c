@@ -155,7 +155,7 @@ static int view_horizon(const struct wal_seg_view *v, uint32_t *off, uint64_t un
         struct rec r; /* one that does not decode counts as never expiring: kept, not judged */
         if (rec_decode(f.payload, f.payload_len, &r) < 0) {
             hz_count(p, INT64_MAX, bytes);
-        } else if (rec_unfinished_past_ttl(&r, p->now)) {
+        } else if (ops_rec_unfinished_past_ttl(&r, p->now)) {
             p->unf[p->n_unf++] = (struct hz_unfinished){.addr = f.addr,
                                                         .key = r.key,
                                                         .key_len = r.key_len,

@@ -223,7 +223,7 @@ static void version_moved(idem_store *s, const struct old_facts *old, uint64_t n
     s->st.keys_with_mismatch += r->mismatch_count > 0;
     uint64_t seq = wal_addr_seq(s->wal, new_addr);
     int64_t *m = &s->seg_max_exp[seq % WAL_SEG_SLOTS];
-    int64_t exp = rec_unfinished_past_ttl(r, __atomic_load_n(&s->clk_last_ms, __ATOMIC_RELAXED))
+    int64_t exp = ops_rec_unfinished_past_ttl(r, __atomic_load_n(&s->clk_last_ms, __ATOMIC_RELAXED))
                       ? INT64_MAX
                       : r->expires_at_ms;
     /* A segment written before this open (its records replayed, or the open's current one

@@ -113,13 +113,4 @@ static inline const uint8_t *rec_key(const uint8_t *p, uint32_t len, uint32_t *k
     return (uint64_t)at + *key_len <= len ? p + at : NULL;
 }
 
-/* Whether r is unfinished (in_flight or review) and past its ttl at now. Such a record never
- * expires while unfinished (rule 5): while it is its key's version, the tallies that decide
- * compaction count it as never expiring, or its segment looks due at once and a walk copies it
- * forward again and again. */
-static inline int rec_unfinished_past_ttl(const struct rec *r, int64_t now)
-{
-    return r->state != IDEM_STATE_COMMITTED && r->expires_at_ms <= now;
-}
-
 #endif

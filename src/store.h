@@ -583,7 +583,16 @@ struct index_slot *ops_find(idem_store *s, const void *key, uint32_t key_len, st
                             uint64_t *lsn);
 uint64_t ops_hash(idem_store *s, const void *key, uint32_t key_len);
 void ops_fill_record(struct qslot *sl, const struct rec *r, struct index_slot *slot, idem_store *s);
+/* Whether r expired at now: only a committed record expires (rule 5). */
 int ops_rec_expired(const struct rec *r, int64_t now);
+/* Whether r is unfinished (in_flight or review) and past its ttl at now. Such a record never
+ * expires while unfinished (rule 5): while it is its key's version, the tallies that decide
+ * compaction count it as never expiring, or its segment looks due at once and a walk copies it
+ * forward again and again. */
+static inline int ops_rec_unfinished_past_ttl(const struct rec *r, int64_t now)
+{
+    return r->state != IDEM_STATE_COMMITTED && r->expires_at_ms <= now;
+}
 void ops_seen_release(idem_store *s, struct index_slot *slot);
 /* Gives the repeat counter entries q took ahead back to the free list (mu held). */
 void ops_seen_return(idem_store *s, idem_queue *q);

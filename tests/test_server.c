@@ -1,7 +1,7 @@
 /*
  * test_server.c: idemd over loopback. Each test starts build/idemd on a fresh temp dir with
- * --test-clock, a free TCP port on 127.0.0.1 and its unix socket (admin when no users are
- * configured), drives it with hiredis or raw sockets, and kills it in .fini.
+ * --test-clock, a free TCP port on 127.0.0.1 (::1 for a test of IPv6) and its unix socket (admin
+ * when no users are configured), drives it with hiredis or raw sockets, and kills it in .fini.
  */
 #include <criterion/criterion.h>
 
@@ -45,19 +45,30 @@ static int64_t now_ms(void)
     return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-static int free_port(void)
-{
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_addr.s_addr = htonl(INADDR_LOOPBACK)};
-    socklen_t len = sizeof a;
-    cr_assert(bind(fd, (struct sockaddr *)&a, sizeof a) == 0);
-    cr_assert(getsockname(fd, (struct sockaddr *)&a, &len) == 0);
-    close(fd);
-    return ntohs(a.sin_port);
-}
-
 /* The address clients reach idemd's TCP listener at (a test of --bind may change it). */
 static const char *tcp_host = "127.0.0.1";
+
+/* A port free on the loopback address of tcp_host's family. */
+static int free_port(void)
+{
+    int v6 = strchr(tcp_host, ':') != NULL;
+    int fd = socket(v6 ? AF_INET6 : AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_storage ss = {0};
+    struct sockaddr_in *a = (struct sockaddr_in *)&ss;
+    struct sockaddr_in6 *a6 = (struct sockaddr_in6 *)&ss;
+    if (v6) {
+        a6->sin6_family = AF_INET6;
+        a6->sin6_addr = in6addr_loopback;
+    } else {
+        a->sin_family = AF_INET;
+        a->sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    }
+    socklen_t len = v6 ? sizeof *a6 : sizeof *a;
+    cr_assert(bind(fd, (struct sockaddr *)&ss, len) == 0);
+    cr_assert(getsockname(fd, (struct sockaddr *)&ss, &len) == 0);
+    close(fd);
+    return ntohs(v6 ? a6->sin6_port : a->sin_port);
+}
 
 static redisContext *connect_tcp(void)
 {
@@ -649,10 +660,10 @@ static void start_metrics(void)
     unsetenv("IDEM_TEST_METRICS_WAIT_MS");
 }
 
-/* Sends req to the metrics endpoint (then shuts the write side with half_close); returns the
- * whole response in buf. */
 static int metrics_ipv6; /* the endpoint listens on [::1], not 127.0.0.1 */
 
+/* Sends req to the metrics endpoint (then shuts the write side with half_close); returns the
+ * whole response in buf. */
 static void scrape_with(const char *req, int half_close, char *buf, size_t cap)
 {
     int fd = socket(metrics_ipv6 ? AF_INET6 : AF_INET, SOCK_STREAM, 0);
@@ -1376,35 +1387,89 @@ static int have_ipv6_loopback(void)
     return ok;
 }
 
+/* The DEL of key k1 by boss over c (AUTH given) is audited with an actor that starts with want. */
+static void expect_del_actor(redisContext *c, const char *want)
+{
+    expect_status(cmd(c, "SET k1 v NX PX 100000"), "OK");
+    expect_int(cmd(c, "DEL k1"), 1);
+    char got[256];
+    audited_actor(c, "k1", got, sizeof got);
+    cr_assert(strncmp(got, want, strlen(want)) == 0 && strlen(got) > strlen(want), "actor %s", got);
+}
+
 /* --bind and --metrics-listen take IPv6 addresses (they took IPv4 alone): a client reaches idemd
  * over ::1 and not over 127.0.0.1, the audit names such a peer with its address in brackets, and
  * the metrics endpoint answers on [::1]. */
 Test(server, listens_on_ipv6_and_names_such_peers_in_brackets)
 {
     if (!have_ipv6_loopback()) cr_skip_test("no IPv6 loopback here");
+    tcp_host = "::1"; /* free ports on ::1 */
     static char listen[32];
     metrics_port = free_port();
     metrics_ipv6 = 1;
     snprintf(listen, sizeof listen, "[::1]:%d", metrics_port);
     const char *extra[] = {"--bind",          "::1", "--metrics-listen", listen, "--user",
                            "boss:admin:pw-a", NULL};
-    tcp_host = "::1";
     ready_auth = "AUTH boss pw-a";
     start_with(extra);
     redisContext *c = connect_tcp();
     expect_status(cmd(c, "AUTH boss pw-a"), "OK");
-    expect_status(cmd(c, "SET k1 v NX PX 100000"), "OK");
-    expect_int(cmd(c, "DEL k1"), 1);
-    char got[256];
-    audited_actor(c, "k1", got, sizeof got);
-    cr_assert(strncmp(got, "boss@[::1]:", 11) == 0 && strlen(got) > 11, "actor %s", got);
+    expect_del_actor(c, "boss@[::1]:");
     redisFree(c);
-    redisContext *v4 = redisConnect("127.0.0.1", srv.port);
-    cr_assert(v4 && v4->err, "idemd bound to ::1 answered on 127.0.0.1");
-    redisFree(v4);
+    /* Not on 127.0.0.1: the port is held there (bound, not listening), so that no other
+     * process's listener can answer in idemd's place. */
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)srv.port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (bind(fd, (struct sockaddr *)&a, sizeof a) == 0) {
+        int t = socket(AF_INET, SOCK_STREAM, 0);
+        cr_assert(connect(t, (struct sockaddr *)&a, sizeof a) != 0 && errno == ECONNREFUSED,
+                  "idemd bound to ::1 answered on 127.0.0.1");
+        close(t);
+    }
+    close(fd);
     static char body[1 << 16];
     scrape(body, sizeof body);
     cr_assert(strstr(body, "200 OK") && strstr(body, "idem_keys "), "%.200s", body);
+}
+
+/* --bind :: takes IPv4 connections too, and names their peers as --bind 0.0.0.0 would, not as
+ * IPv4-mapped IPv6 addresses ([::ffff:127.0.0.1]:port). */
+Test(server, a_dual_stack_bind_names_ipv4_peers_as_ipv4)
+{
+    if (!have_ipv6_loopback()) cr_skip_test("no IPv6 loopback here");
+    const char *extra[] = {"--bind", "::", "--user", "boss:admin:pw-a", NULL};
+    ready_auth = "AUTH boss pw-a";
+    start_with(extra); /* ready once it answered on 127.0.0.1 */
+    redisContext *c = connect_tcp();
+    expect_status(cmd(c, "AUTH boss pw-a"), "OK");
+    expect_del_actor(c, "boss@127.0.0.1:");
+    redisFree(c);
+    tcp_host = "::1";
+    c = connect_tcp();
+    expect_status(cmd(c, "AUTH boss pw-a"), "OK");
+    expect_del_actor(c, "boss@[::1]:");
+    redisFree(c);
+}
+
+/* COMMAND's key positions, which follow from each command's documented first argument: a
+ * required key (one, or all of them), or none (IDEM.AUDIT's key comes after a token). */
+Test(server, command_info_gives_the_key_positions, .init = start)
+{
+    redisContext *c = connect_unix();
+    redisReply *r = cmd(c, "COMMAND INFO del idem.audit idem.claim idem.scan set dbsize");
+    cr_assert(r->type == REDIS_REPLY_ARRAY && r->elements == 6);
+    static const long long want[][3] = {{1, -1, 1}, {0, 0, 0}, {1, 1, 1},
+                                        {0, 0, 0},  {1, 1, 1}, {0, 0, 0}};
+    for (size_t i = 0; i < 6; i++) {
+        const redisReply *e = r->element[i];
+        cr_assert(e->type == REDIS_REPLY_ARRAY && e->elements == 6);
+        for (size_t k = 0; k < 3; k++)
+            cr_assert_eq(e->element[3 + k]->integer, want[i][k], "%s: position %zu",
+                         e->element[0]->str, k);
+    }
+    freeReplyObject(r);
+    redisFree(c);
 }
 
 /* Pipelines DEL k1, `between` (answered +OK), DEL k2, of k1 and k2 set here. */
@@ -2690,11 +2755,18 @@ Test(server, settings_that_would_weaken_the_server_are_refused_by_name)
     cr_assert_eq(run_idemd(out), 2, "an output limit below the largest reply");
     cr_assert(strstr(run_err, "client-output-max") && strstr(run_err, "largest reply"), "%s",
               run_err);
-    const char *const binds[] = {"localhost", "[::1", "::1]", "fe80::1%lo", "1.2.3"};
+    /* fe80::1: a link-local address needs a scope id, which is not taken (bind failed later) */
+    const char *const binds[] = {"localhost", "[::1", "::1]", "fe80::1%lo", "fe80::1", "1.2.3"};
     for (size_t i = 0; i < sizeof binds / sizeof binds[0]; i++) {
         const char *const bind[] = {"--dir", dir, "--bind", binds[i], NULL};
         cr_assert_eq(run_idemd(bind), 2, "%s", binds[i]);
         cr_assert(strstr(run_err, "bind"), "%s: %s", binds[i], run_err);
+    }
+    const char *const ports[] = {"8k", "+80", " 80", "65536", "", "7379 "}; /* 8k took 8192 */
+    for (size_t i = 0; i < sizeof ports / sizeof ports[0]; i++) {
+        const char *const port[] = {"--dir", dir, "--port", ports[i], NULL};
+        cr_assert_eq(run_idemd(port), 2, "'%s'", ports[i]);
+        cr_assert(strstr(run_err, "port"), "'%s': %s", ports[i], run_err);
     }
     memset(long_opt, 'o', sizeof long_opt - 1);
     long_opt[0] = long_opt[1] = '-';

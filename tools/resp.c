@@ -97,10 +97,17 @@ int resp_connect_unix(resp_conn *c, const char *path, int timeout_ms)
 int resp_connect_tcp(resp_conn *c, const char *host, int port, int timeout_ms)
 {
     conn_init(c, timeout_ms);
-    char ports[16];
+    char ports[16], name[256];
     snprintf(ports, sizeof ports, "%d", port);
+    /* An IPv6 address in brackets, as idemd's --bind takes it; named so in errors. */
+    size_t n = strlen(host);
+    if (n >= 2 && host[0] == '[' && host[n - 1] == ']')
+        snprintf(name, sizeof name, "%.*s", (int)(n - 2), host + 1);
+    else
+        snprintf(name, sizeof name, "%s", host);
+    const char *lb = strchr(name, ':') ? "[" : "", *rb = *lb ? "]" : "";
     struct addrinfo hints = {.ai_socktype = SOCK_STREAM}, *res = NULL;
-    int rc = getaddrinfo(host, ports, &hints, &res);
+    int rc = getaddrinfo(name, ports, &hints, &res);
     if (rc != 0) {
         snprintf(c->err, sizeof c->err, "cannot resolve %s: %s", host, gai_strerror(rc));
         return -1;
@@ -113,8 +120,8 @@ int resp_connect_tcp(resp_conn *c, const char *host, int port, int timeout_ms)
             saved = errno;
     freeaddrinfo(res);
     if (c->fd < 0) {
-        snprintf(c->err, sizeof c->err, "cannot connect to idemd at %s:%d: %s", host, port,
-                 strerror(saved ? saved : errno));
+        snprintf(c->err, sizeof c->err, "cannot connect to idemd at %s%.200s%s:%d: %s", lb, name,
+                 rb, port, strerror(saved ? saved : errno));
         return -1;
     }
     return 0;

@@ -1,8 +1,9 @@
 /*
  * cmd.h: private to the command modules (commands.c: table, dispatch and connection commands;
  * cmd_idem.c: the key commands that go to the engine; cmd_admin.c: stats, scans, audit, DEL,
- * INFO, CONFIG, COMMAND, DEBUG). A handler answers its request now (reply + done) or queues
- * engine ops with srv_submit_op; it never keeps argv past its return.
+ * INFO, CONFIG, COMMAND, DEBUG; cmd_docs.c: COMMAND DOCS, from the table's descriptions). A handler
+ * answers its request now (reply + done) or queues engine ops with srv_submit_op; it never keeps
+ * argv past its return.
  */
 #ifndef IDEM_SERVER_CMD_H
 #define IDEM_SERVER_CMD_H
@@ -55,8 +56,9 @@ typedef struct cmd_def {
     cmd_fn fn;
     cmd_arg_fn arg_max; /* NULL: CMD_ARG_MAX_DEFAULT for every argument */
     const char *summary, *group;
-    /* Ended by one without a name; NULL: none. A first argument of type key without a token
-     * makes the command keyed for COMMAND (one key, or all that follow if it is multiple). */
+    /* Ended by one without a name; NULL: none. A first argument of type key, neither optional
+     * nor after a token, makes the command keyed for COMMAND (one key, or all that follow if it
+     * is multiple). */
     const struct doc_arg *args;
 } cmd_def;
 

@@ -515,7 +515,8 @@ static void command_entry(resp_buf *b, const cmd_def *d)
     char lower[32];
     cmd_name_lower(d->name, lower, sizeof lower);
     const struct doc_arg *first = d->args;
-    int keyed = first && strcmp(first->type, "key") == 0 && !first->token;
+    int keyed =
+        first && strcmp(first->type, "key") == 0 && !first->token && !(first->flags & DOC_OPTIONAL);
     int multi = keyed && (first->flags & DOC_MULTIPLE);
     resp_array(b, 6);
     resp_bulk_str(b, lower);

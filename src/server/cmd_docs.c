@@ -3,8 +3,9 @@
  * in cmd_table), in the shape Redis 7 gives them, from which redis-cli builds its HELP and the
  * hints it shows as a command is typed.
  *
- * Invariants: every argument has a name and a type, and those of type oneof or block list their
- * parts in `sub` (redis-cli asserts on a missing type and reads flags as status replies).
+ * Invariants (of the descriptions in cmd_table, commands.c): every argument has a name and a
+ * type, and those of type oneof or block list their parts in `sub` (redis-cli asserts on a
+ * missing type and reads flags as status replies).
  */
 #include "cmd.h"
 

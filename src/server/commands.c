@@ -1,7 +1,9 @@
 /*
- * commands.c: the command table, dispatch (lookup, arity, authentication, role, loading), the
- * parser's field limits, refusals by name, and the connection commands (PING, ECHO, AUTH, HELLO,
- * CLIENT, SELECT, QUIT). The key commands live in cmd_idem.c, the operator ones in cmd_admin.c.
+ * commands.c: the command table (each command's handler, limits and the description COMMAND
+ * DOCS gives, which cmd_docs.c renders), dispatch (lookup, arity, authentication, role,
+ * loading), the parser's field limits, refusals by name, and the connection commands (PING,
+ * ECHO, AUTH, HELLO, CLIENT, SELECT, QUIT). The key commands live in cmd_idem.c, the operator
+ * ones in cmd_admin.c.
  */
 #include "cmd.h"
 
@@ -415,7 +417,8 @@ static uint32_t hold_args(const srv *s, const uint8_t *const *argv, const uint32
     return IDEM_NOTE_BYTES_MAX;
 }
 
-/* The most arguments a valid IDEM.RESOLVE has, its name included. */
+/* The most arguments a valid IDEM.RESOLVE has, its name included: any further one is held to
+ * the default limit (the handler refuses the request). */
 #define RESOLVE_ARGC_MAX 9
 
 /* IDEM.RESOLVE key action reason [RESULT r] [EXPECT v] [FORCE]: after the reason, option words
@@ -425,8 +428,9 @@ static uint32_t resolve_args(const srv *s, const uint8_t *const *argv, const uin
                              uint32_t index, const char **field)
 {
     if (index <= 3) return hold_args(s, argv, argl, index, field);
+    if (index >= RESOLVE_ARGC_MAX) return CMD_ARG_MAX_DEFAULT;
     uint32_t word = 4; /* the option word at or just before index */
-    while (word + 1 < index && word < RESOLVE_ARGC_MAX)
+    while (word + 1 < index)
         word += name_is(argv[word], argl[word], "FORCE") ? 1 : 2;
     if (word + 1 != index || !name_is(argv[word], argl[word], "RESULT")) return CMD_ARG_MAX_DEFAULT;
     *field = "result";
@@ -448,7 +452,7 @@ static uint32_t audit_args(const srv *s, const uint8_t *const *argv, const uint3
  * what COMMAND DOCS answers, in the shape Redis 7 gives them: redis-cli builds its HELP and the
  * hints it shows as a command is typed from them, and asserts on an argument without a type. */
 /* clang-format off */
-#define CMD(nm, ar, ro, fl, fn, am, su, gr, args) {nm, sizeof nm - 1, ar, ro, fl, fn, am, su, gr, args}
+#define CMD(nm, ar, ro, fl, fn, am, su, gr, as) {nm, sizeof nm - 1, ar, ro, fl, fn, am, su, gr, as}
 #define ARGS(...) ((const struct doc_arg[]){__VA_ARGS__, {0}})
 #define KEY         {.name = "key", .type = "key"}
 #define KEYS        {.name = "key", .type = "key", .flags = DOC_MULTIPLE}
@@ -560,6 +564,17 @@ const cmd_def cmd_table[] = {
                           {.name = "ms", .type = "integer", .token = "ADVANCE"})})),
 };
 /* clang-format on */
+#undef CMD
+#undef ARGS
+#undef KEY
+#undef KEYS
+#undef STR
+#undef INT
+#undef PURE
+#undef OPT_PURE
+#undef OPT_INT
+#undef OPT_STR
+#undef MORE
 const size_t cmd_table_len = sizeof cmd_table / sizeof cmd_table[0];
 
 /* Commands refused by name: each would extend, replace or un-expire a record. */

@@ -985,6 +985,11 @@ static void conn_parse_requests(srv *s, srv_conn *c)
             return;
         }
         c->partial_since_ms = 0;
+        /* A request went whole: a large one it holds in part from here on is a later one, held
+         * from now (conn_parse's big_back_count). Counted from the first, a client pipelining
+         * large requests one after another held "one" as long as it kept sending, and was
+         * closed as a trickle two seconds in whenever its input waited for an admission. */
+        c->big_back_since_ms = 0;
         if (r == RESP_REFUSED) {
             conn_refuse(s, c, c->parser.err);
         } else if (r == RESP_CLOSE) {
@@ -1369,9 +1374,11 @@ static int listen_tcp_on(const char *addr, int port, char *where, size_t cap)
         return -1;
     }
     srv_addr_format((const struct sockaddr *)&a, where, cap);
-    int fd = socket(a.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0), one = 1;
+    int fd = socket(a.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0), one = 1, zero = 0;
     if (fd < 0) return -1;
     setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    /* `::` takes IPv4 connections too, whatever the system's default (bindv6only). */
+    if (a.ss_family == AF_INET6) setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero);
     if (bind(fd, (struct sockaddr *)&a, alen) != 0 || listen(fd, 511) != 0) {
         int e = errno; /* for the caller's log line */
         close(fd);
@@ -1397,7 +1404,7 @@ static int listen_all(srv *s)
     if (s->cfg.metrics_listen[0]) {
         char host[64], where[80]; /* ADDR:PORT, checked when the flag was parsed (main.c) */
         int port = 0;
-        srv_hostport_split(s->cfg.metrics_listen, host, sizeof host, &port);
+        if (srv_addr_split(s->cfg.metrics_listen, host, sizeof host, &port) < 0) host[0] = '\0';
         s->metrics_fd = listen_tcp_on(host, port, where, sizeof where);
         if (s->metrics_fd < 0) {
             srv_log("error", "listen_failed", "metrics=%s error=\"%s\"", s->cfg.metrics_listen,

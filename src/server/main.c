@@ -123,7 +123,7 @@ static int bad_listen(const char *v)
 {
     char host[64];
     int port;
-    return srv_hostport_split(v, host, sizeof host, &port) != 0;
+    return srv_addr_split(v, host, sizeof host, &port) != 0;
 }
 
 static int config_file(srv_config *cfg, const char *path, char *err, size_t err_len);
@@ -144,11 +144,9 @@ static int apply(srv_config *cfg, const char *name, const char *v, char *err, si
         bad = *v == '\0' || *end != '\0' || cfg->socket_mode > 0777;
     } else if (strcmp(name, "bind") == 0)
         bad = set_string(cfg->bind_addr, sizeof cfg->bind_addr, v) || bad_addr(v);
-    else if (strcmp(name, "port") == 0) {
-        uint32_t p = 0;
-        bad = parse_u32(v, 0, 65535, &p);
-        cfg->port = (int)p;
-    } else if (strcmp(name, "durability") == 0) {
+    else if (strcmp(name, "port") == 0)
+        bad = srv_addr_port(v, 0, &cfg->port);
+    else if (strcmp(name, "durability") == 0) {
         cfg->durability = strcmp(v, "sync") == 0    ? IDEM_DURABILITY_SYNC
                           : strcmp(v, "batch") == 0 ? IDEM_DURABILITY_BATCH
                           : strcmp(v, "none") == 0  ? IDEM_DURABILITY_NONE

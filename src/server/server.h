@@ -342,12 +342,18 @@ const char *srv_durability_name(int durability);
 const char *srv_lease_policy_name(int policy);
 
 /* ---- addr.c ---- */
-/* An IPv4 or IPv6 address (brackets allowed) and a port as a socket address. Returns 0 or -1. */
-int srv_addr_parse(const char *addr, int port, struct sockaddr_storage *ss, socklen_t *len);
+/* An IPv4 or IPv6 address (brackets allowed; not link-local) and a port as a socket address.
+ * Returns 0 or -1. */
+int srv_addr_parse(const char *addr, int port, struct sockaddr_storage *ss, socklen_t *len)
+    __attribute__((warn_unused_result));
+/* A port in decimal digits alone, min..65535. Returns 0 or -1. */
+int srv_addr_port(const char *v, int min, int *port) __attribute__((warn_unused_result));
 /* ADDR:PORT (IPv6 in brackets, port 1..65535) split into host (brackets kept) and port. Returns
  * 0, or -1 when either part is not valid. */
-int srv_hostport_split(const char *v, char *host, size_t cap, int *port);
-/* A TCP address as `1.2.3.4:5` or `[::1]:5` (any other family: `unix`). */
+int srv_addr_split(const char *v, char *host, size_t cap, int *port)
+    __attribute__((warn_unused_result));
+/* A TCP address as `1.2.3.4:5` or `[::1]:5` (an IPv4-mapped one as IPv4; any other family:
+ * `unix`). */
 void srv_addr_format(const struct sockaddr *sa, char *out, size_t cap);
 
 /* ---- loop.c ---- */
