@@ -2468,6 +2468,14 @@ Test(server, client_limit_and_idle_timeout, .init = start_limited)
     a = connect_tcp();
     expect_status(cmd(a, "PING"), "PONG");
     redisFree(a);
+    /* CONFIG GET timeout, in Redis's whole seconds, rounds up: 500 ms read as 0, which Redis
+     * clients take for never. */
+    a = connect_unix();
+    redisReply *t = cmd(a, "CONFIG GET timeout");
+    cr_assert(t->type == REDIS_REPLY_ARRAY && t->elements == 2);
+    cr_assert_str_eq(t->element[1]->str, "2", "1500 ms");
+    freeReplyObject(t);
+    redisFree(a);
 }
 
 /* Idle time counts from the last reply as well as the last request: a WAIT longer than the idle
@@ -2750,6 +2758,12 @@ Test(server, settings_that_would_weaken_the_server_are_refused_by_name)
         const char *const m[] = {"--dir", dir, "--metrics-listen", listens[i], NULL};
         cr_assert_eq(run_idemd(m), 2, "%s", listens[i]);
         cr_assert(strstr(run_err, "metrics-listen"), "%s: %s", listens[i], run_err);
+    }
+    const char *const budgets[] = {"0", "512k"}; /* 0 switched the budget off */
+    for (size_t i = 0; i < sizeof budgets / sizeof budgets[0]; i++) {
+        const char *const budget[] = {"--dir", dir, "--io-budget", budgets[i], NULL};
+        cr_assert_eq(run_idemd(budget), 2, "%s", budgets[i]);
+        cr_assert(strstr(run_err, "io-budget"), "%s: %s", budgets[i], run_err);
     }
     const char *const out[] = {"--dir", dir, "--client-output-max", "64k", NULL};
     cr_assert_eq(run_idemd(out), 2, "an output limit below the largest reply");

@@ -471,7 +471,8 @@ void cmd_config(cmd_req *r)
     snprintf(v[1], sizeof v[1], "%d", c->port);
     snprintf(v[2], sizeof v[2], "%s", c->bind_addr);
     snprintf(v[3], sizeof v[3], "%u", c->max_clients);
-    snprintf(v[4], sizeof v[4], "%llu", (unsigned long long)(c->idle_timeout_ms / 1000));
+    /* Redis's timeout is in seconds, 0 for never: a timeout under a second is not never. */
+    snprintf(v[4], sizeof v[4], "%llu", (unsigned long long)((c->idle_timeout_ms + 999) / 1000));
     snprintf(v[5], sizeof v[5], "%s", "");
     snprintf(v[6], sizeof v[6], "%s", "yes");
     snprintf(v[7], sizeof v[7], "%s", "1");

@@ -498,11 +498,9 @@ void srv_reply_owe(srv *s, srv_conn *c, uint32_t seq, uint64_t bytes)
 
 uint64_t srv_reply_room(const srv *s, uint64_t want)
 {
-    uint64_t room = UINT64_MAX, budget = s->cfg.io_budget_bytes;
-    if (budget) {
-        uint64_t used = budget_pressure(s), left = used < budget ? budget - used : 0;
-        room = left > SRV_OWED_TIGHT ? left : SRV_OWED_TIGHT;
-    }
+    uint64_t budget = s->cfg.io_budget_bytes, used = budget_pressure(s);
+    uint64_t left = used < budget ? budget - used : 0;
+    uint64_t room = left > SRV_OWED_TIGHT ? left : SRV_OWED_TIGHT;
     if (room > s->cfg.client_output_max) room = s->cfg.client_output_max;
     return want < room ? want : room;
 }
@@ -708,7 +706,7 @@ static uint64_t budget_pressure(const srv *s)
 
 static int over_budget(const srv *s)
 {
-    return s->cfg.io_budget_bytes && budget_pressure(s) > s->cfg.io_budget_bytes;
+    return budget_pressure(s) > s->cfg.io_budget_bytes;
 }
 
 /* The replies c has not read yet (in `out` and waiting in slots) and those its outstanding
@@ -916,9 +914,8 @@ static int conn_may_parse(srv *s, srv_conn *c)
     if (c->role == ROLE_NONE && owed >= SRV_UNAUTH_OUT_MAX) return 0;
     if (over_budget(s) && owed >= SRV_HEAVY_BYTES) return 0;
     uint64_t pressure = budget_pressure(s);
-    uint64_t cap = s->cfg.io_budget_bytes && pressure > s->cfg.io_budget_bytes / 2
-                       ? SRV_OWED_TIGHT
-                       : s->cfg.client_output_max;
+    uint64_t cap =
+        pressure > s->cfg.io_budget_bytes / 2 ? SRV_OWED_TIGHT : s->cfg.client_output_max;
     if (cap && owed >= cap) return 0;
     return engine_room(s);
 }
@@ -985,11 +982,13 @@ static void conn_parse_requests(srv *s, srv_conn *c)
             return;
         }
         c->partial_since_ms = 0;
-        /* A request went whole: a large one it holds in part from here on is a later one, held
+        /* A large request went whole: one it holds in part from here on is a later one, held
          * from now (conn_parse's big_back_count). Counted from the first, a client pipelining
          * large requests one after another held "one" as long as it kept sending, and was
-         * closed as a trickle two seconds in whenever its input waited for an admission. */
-        c->big_back_since_ms = 0;
+         * closed as a trickle two seconds in whenever its input waited for an admission. Small
+         * requests parsed one by one (as a slow reader reads their replies) start nothing: a
+         * large request behind them has been held all along. */
+        if (used >= SRV_IN_HEAVY_BYTES) c->big_back_since_ms = 0;
         if (r == RESP_REFUSED) {
             conn_refuse(s, c, c->parser.err);
         } else if (r == RESP_CLOSE) {

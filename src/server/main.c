@@ -52,7 +52,7 @@ static const char usage_text[] =
     "  --io-budget BYTES         input and output buffers of all clients; past it clients\n"
     "                            with 256k of unread replies stop being read (closed after 2 s\n"
     "                            without reading) and large requests are read a few at a time\n"
-    "                            (default 1g)\n"
+    "                            (default 1g, at least 1m)\n"
     "  --idle-timeout-ms MS      close connections idle this long (default 0: never)\n"
     "  --queue-depth N           engine operations in flight (default 8192); at most half\n"
     "                            of them may be claims parked by WAIT\n"
@@ -182,7 +182,7 @@ static int apply(srv_config *cfg, const char *name, const char *v, char *err, si
     else if (strcmp(name, "client-output-max") == 0)
         bad = parse_size(v, &cfg->client_output_max) || cfg->client_output_max < 65536;
     else if (strcmp(name, "io-budget") == 0)
-        bad = parse_size(v, &cfg->io_budget_bytes);
+        bad = parse_size(v, &cfg->io_budget_bytes) || cfg->io_budget_bytes < SRV_IO_BUDGET_MIN;
     else if (strcmp(name, "idle-timeout-ms") == 0)
         bad = parse_size(v, &n) || n > SRV_IDLE_TIMEOUT_MS_MAX, cfg->idle_timeout_ms = n;
     else {

@@ -127,7 +127,7 @@ int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a, 
 uint64_t srv_reads_room(const srv *s)
 {
     uint64_t budget = s->cfg.io_budget_bytes;
-    if (!budget || !s->reads_started) return UINT64_MAX;
+    if (!s->reads_started) return UINT64_MAX;
     uint64_t cap = budget / SRV_READS_DIV, left = cap > s->reads_owed ? cap - s->reads_owed : 0;
     return left > SRV_OWED_TIGHT ? left : SRV_OWED_TIGHT;
 }

@@ -41,7 +41,8 @@
 #define SRV_IN_BUF_MAX          (2u * RESP_BULK_PROTO_MAX + 65536u) /* a whole request must fit */
 #define SRV_READ_CHUNK          65536u
 #define SRV_REQ_MAX             (SRV_IN_BUF_MAX - SRV_READ_CHUNK / 4) /* larger requests are refused */
-#define SRV_STALL_MS            2000 /* over the io budget, a reader this slow is closed */
+#define SRV_STALL_MS            2000       /* over the io budget, a reader this slow is closed */
+#define SRV_IO_BUDGET_MIN       (1u << 20) /* --io-budget at least (0 would switch it off) */
 /* An admission (a large request read over the budget) that brought in this much during its
  * last SRV_STALL_MS goes on while others wait: its client sends as fast as the loop reads it
  * (a loop slowed by its load, or a sanitizer), where a trickle goes back in line. */
