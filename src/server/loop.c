@@ -26,10 +26,11 @@
  *     it, in a buffer over 32 KiB: admitted before, or read before the budget was passed)
  *     without an admission are counted (big_back_bytes), whatever holds them up; while they
  *     hold more than big_share() only they are admitted, and once those holding it for
- *     SRV_STALL_MS hold more (counted from their last reply while they wait for pipeline room
- *     reading every reply: big_back_clock), the one that began last is closed, as a stalled
- *     reader is (big_back_enforce). A large buffer holding less is given back
- *     (conn_compact_in);
+ *     SRV_STALL_MS hold more (timed from when they began holding it, or, for one that reads
+ *     every reply and waits on no claim, from its last large request parsed whole or, while it
+ *     waits for pipeline room, its last reply: big_back_clock), the one that began last is
+ *     closed, as a stalled reader is (big_back_enforce). A large buffer holding less is given
+ *     back (conn_compact_in);
  *   - a client that may not parse (its pipeline full, a claim parked by WAIT) is read on only
  *     up to SRV_IN_HEAVY_BYTES unparsed and takes no admission (it would hold one in vain);
  *   - everyone else is read and parsed as usual, and a whole request is always parsed (that is
@@ -709,11 +710,17 @@ static int over_budget(const srv *s)
     return budget_pressure(s) > s->cfg.io_budget_bytes;
 }
 
+/* Replies made and not yet read by c: in its output buffer, or done behind an earlier one. */
+static uint64_t conn_unread(const srv_conn *c)
+{
+    return c->out.len - c->out.sent + c->slot_ready;
+}
+
 /* The replies c has not read yet (in `out` and waiting in slots) and those its outstanding
  * requests will add. */
 static uint64_t conn_out_weight(const srv_conn *c)
 {
-    return c->out.len - c->out.sent + c->slot_ready + c->owed;
+    return conn_unread(c) + c->owed;
 }
 
 /* Input not parsed yet: past SRV_IN_HEAVY_BYTES, a large request on its way in, or a pipeline
@@ -738,19 +745,25 @@ static uint64_t big_share(const srv *s)
 }
 
 /* Since when c counts as holding its large request for big_back_enforce: since it began, or,
- * while its input waits for pipeline room (deferred) and it has read nearly every reply it
- * was sent, since its last reply went out. Such a client holds its request because the loop
- * is slow to answer the ones before it (a loaded machine, a sanitizer: two clients pipelining
- * 4 MB requests and reading at once were closed), not because it trickles or reads slowly;
- * one with a claim parked by WAIT (whose replies may come every few seconds, one WAIT after
- * another) or replies piling up unread is counted from the start. */
+ * while it reads nearly every reply it was sent and has no claim parked by WAIT, since the
+ * last of these, if later:
+ *   - its last large request parsed whole: a client pipelining large requests one after
+ *     another, the next begun before the last was parsed, holds "one" as long as it sends, and
+ *     was closed as a trickle two seconds in whenever its input waited for an admission;
+ *   - while its input waits for pipeline room (deferred), its last reply: it holds its request
+ *     because the loop is slow to answer the ones before it (a loaded machine, a sanitizer).
+ * Neither holds for one whose replies pile up unread, nor the first for one whose parse waited
+ * for replies it left unread since that request (its requests, large or small, are parsed one
+ * by one as it reads: a slow reader interleaving requests of 16 KiB held its large one for
+ * minutes), nor either for one that waits on a claim (whose replies may come every few
+ * seconds, one WAIT after another): it is counted from the start. */
 static int64_t big_back_clock(const srv_conn *c)
 {
-    uint64_t unread = c->out.len - c->out.sent + c->slot_ready;
-    return c->deferred && c->waits_due == 0 && unread < SRV_HEAVY_BYTES &&
-                   c->last_reply_ms > c->big_back_since_ms
-               ? c->last_reply_ms
-               : c->big_back_since_ms;
+    int64_t t = c->big_back_since_ms;
+    if (c->waits_due || conn_unread(c) >= SRV_HEAVY_BYTES) return t;
+    if (c->big_request_ms > t && c->read_slow_ms < c->big_request_ms) t = c->big_request_ms;
+    if (c->deferred && c->last_reply_ms > t) t = c->last_reply_ms;
+    return t;
 }
 
 /* Over the budget, clients counted by big_back_count that have held their large request in
@@ -841,6 +854,7 @@ static void budget_check(srv *s, srv_conn *c)
 {
     if (c->paused || !over_budget(s)) return;
     if (conn_out_weight(c) >= SRV_HEAVY_BYTES) {
+        if (conn_unread(c) >= SRV_HEAVY_BYTES / 2) c->read_slow_ms = srv_now_ms();
         conn_pause(s, c, PAUSE_OUTPUT); /* its requests would only wait unparsed */
     } else if (conn_in_pending(c) >= SRV_IN_HEAVY_BYTES && !c->big_admitted && !c->deferred) {
         if (s->big_waiting == 0 && s->big_admitted < big_slots(s) && big_admissible(s, c))
@@ -912,11 +926,16 @@ static int conn_may_parse(srv *s, srv_conn *c)
     /* Before AUTH, as its input is: a client without a password that never reads makes idemd
      * hold SRV_UNAUTH_OUT_MAX of -NOAUTH replies, not --client-output-max. */
     if (c->role == ROLE_NONE && owed >= SRV_UNAUTH_OUT_MAX) return 0;
-    if (over_budget(s) && owed >= SRV_HEAVY_BYTES) return 0;
     uint64_t pressure = budget_pressure(s);
-    uint64_t cap =
-        pressure > s->cfg.io_budget_bytes / 2 ? SRV_OWED_TIGHT : s->cfg.client_output_max;
-    if (cap && owed >= cap) return 0;
+    uint64_t cap = over_budget(s)                          ? SRV_HEAVY_BYTES
+                   : pressure > s->cfg.io_budget_bytes / 2 ? SRV_OWED_TIGHT
+                                                           : s->cfg.client_output_max;
+    if (owed >= cap) {
+        /* Held back by replies made and left unread, not by those still being made: a slow
+         * reader, timed from the start in what it holds (big_back_clock). */
+        if (conn_unread(c) >= SRV_HEAVY_BYTES / 2) c->read_slow_ms = srv_now_ms();
+        return 0;
+    }
     return engine_room(s);
 }
 
@@ -982,13 +1001,7 @@ static void conn_parse_requests(srv *s, srv_conn *c)
             return;
         }
         c->partial_since_ms = 0;
-        /* A large request went whole: one it holds in part from here on is a later one, held
-         * from now (conn_parse's big_back_count). Counted from the first, a client pipelining
-         * large requests one after another held "one" as long as it kept sending, and was
-         * closed as a trickle two seconds in whenever its input waited for an admission. Small
-         * requests parsed one by one (as a slow reader reads their replies) start nothing: a
-         * large request behind them has been held all along. */
-        if (used >= SRV_IN_HEAVY_BYTES) c->big_back_since_ms = 0;
+        if (used >= SRV_IN_HEAVY_BYTES) c->big_request_ms = srv_now_ms(); /* big_back_clock */
         if (r == RESP_REFUSED) {
             conn_refuse(s, c, c->parser.err);
         } else if (r == RESP_CLOSE) {
@@ -1290,7 +1303,6 @@ static void housekeeping(srv *s, int64_t now)
 #ifndef NDEBUG
     big_back_verify(s);
 #endif
-    big_back_enforce(s, now);
     int unpause_all = budget_pressure(s) <= s->cfg.io_budget_bytes / 4 * 3;
     for (uint32_t i = 0; i < s->conns_cap; i++) {
         srv_conn *c = s->conns[i];
@@ -1309,6 +1321,9 @@ static void housekeeping(srv *s, int64_t now)
             c->out.len == 0 && now - c->last_active_ms > (int64_t)s->cfg.idle_timeout_ms)
             conn_close(s, c, "idle_timeout");
     }
+    /* After the deferred clients' parses: a whole large request that waited for room, parsed
+     * now, is not judged by the time its holder held it. */
+    big_back_enforce(s, now);
     /* Admissions in arrival order; the sweep found the oldest, later ones wait a turn each. */
     if (first && first->fd >= 0 && first->paused == PAUSE_INPUT && s->big_admitted < big_slots(s) &&
         big_admissible(s, first))

@@ -192,6 +192,8 @@ typedef struct srv_conn {
     uint64_t big_ticket;         /* PAUSE_INPUT: its place in the queue for an admission */
     size_t big_back_bytes;       /* its input, while it holds over 32 KiB unread on (loop.c) */
     int64_t big_back_since_ms;   /* since when it holds a large request in part (loop.c) */
+    int64_t big_request_ms;      /* when a large request of it was last parsed whole */
+    int64_t read_slow_ms;        /* when its parse last waited for replies it left unread */
     int deferred;                /* unparsed input waits for pipeline room */
     int in_held;                 /* on srv.held */
     int in_dirty;                /* on the list of connections to write (loop.c) */
