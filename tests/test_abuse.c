@@ -436,7 +436,10 @@ static void *http_main(void *arg)
         send_all(fd, r, strlen(r));
         st->requests++;
         int eof = 0;
-        size_t got = read_some(fd, in, sizeof in, sizeof in, 2000, &eof);
+        /* Left open means never closed: the wait is not a latency bound (the good client's
+         * LATENCY_MAX_MS is), so a loop slowed by the abuse and a sanitizer is not taken for
+         * one that keeps HTTP connections. */
+        size_t got = read_some(fd, in, sizeof in, sizeof in, 10000, &eof);
         if (got > 0)
             st->answered++;
         else if (eof)
@@ -1027,14 +1030,17 @@ struct count_state {
     int fd;
     long replies, want;
     int eof;
+    int64_t took_ms; /* until the last reply read */
 };
 
+/* Counts replies until st->want came, the connection is closed, or none came for 10 s (a
+ * stalled pipeline, not a slow one: the time all of them take is printed, not bounded). */
 static void *count_main(void *arg)
 {
     struct count_state *st = arg;
     char buf[65536];
-    int64_t end = now_ms() + 30000;
-    while (st->replies < st->want && now_ms() < end) {
+    int64_t t0 = now_ms(), last = t0;
+    while (st->replies < st->want && now_ms() - last < 10000) {
         struct pollfd p = {.fd = st->fd, .events = POLLIN};
         if (poll(&p, 1, 100) <= 0) continue;
         ssize_t n = recv(st->fd, buf, sizeof buf, 0);
@@ -1044,7 +1050,9 @@ static void *count_main(void *arg)
         }
         for (ssize_t i = 0; i < n; i++)
             st->replies += buf[i] == '\n'; /* every reply is "$-1\r\n" */
+        last = now_ms();
     }
+    st->took_ms = last - t0;
     return NULL;
 }
 
@@ -1070,8 +1078,8 @@ Test(abuse, pipelining_client_that_reads_is_not_disconnected, .timeout = 120)
     pthread_join(t, NULL);
     free(req);
     close(st.fd);
-    fprintf(stderr, "abuse: pipelined %d GETs: %ld replies, %s\n", N, st.replies,
-            st.eof ? "disconnected by idemd" : "connection kept");
+    fprintf(stderr, "abuse: pipelined %d GETs: %ld replies in %lld ms, %s\n", N, st.replies,
+            (long long)st.took_ms, st.eof ? "disconnected by idemd" : "connection kept");
     cr_expect(sent_ok && !st.eof && st.replies == N, "%ld of %d replies, eof %d", st.replies, N,
               st.eof);
 }
@@ -1133,6 +1141,15 @@ static size_t large_answer(struct large_state *st, int fd, char *in, size_t cap,
     return got;
 }
 
+/* How many lines s holds. */
+static int crlf_count(const char *s)
+{
+    int n = 0;
+    for (; (s = strstr(s, "\r\n")) != NULL; s += 2)
+        n++;
+    return n;
+}
+
 /* Rounds of a claim with a 4 MiB - 64 FP (within its field's limit: read whole, answered) and
  * a 1 MiB SET value (over its field's limit: discarded as it streams in, refused by name), each
  * answer timed from the request's first byte. */
@@ -1162,7 +1179,13 @@ static void *large_main(void *arg)
         } else if (strncmp(in, "*2\r\n$3\r\nnew", 11) == 0 ||
                    strncmp(in, "*2\r\n$4\r\nbusy", 12) == 0) {
             st->claims_ok++;
-            read_some(fd, in, sizeof in, 0, 1000, &(int){0}); /* the token's line */
+            /* The reply's last line (the token or lease left), if the first read missed it: a
+             * read that waits for it once it came cost each round a second. */
+            for (size_t got = strlen(in); crlf_count(in) < 4 && got + 1 < sizeof in;) {
+                size_t more = read_some(fd, in + got, sizeof in - got, 0, 1000, &(int){0});
+                if (more == 0) break;
+                got += more;
+            }
         } else {
             large_bad(st, "claim", in);
         }
@@ -1437,19 +1460,22 @@ static void *info_flood_main(void *arg)
 
 static int log_has(const char *what);
 
+/* The longest an admission lasts over the budget while others wait (loop.c): 2 s, and 2 s more
+ * each time its client sent 1 MiB in the last 2 s or more waits in its socket, 8 times at most
+ * (SRV_STALL_MS, SRV_ADMIT_KEEPS_MAX). A client's 4 MB read slowly keeps it that long. */
+enum { ADMIT_MAX_MS = 2000 * (1 + 8) };
+
 /* Samples io_buffer_bytes (its peak into *io_peak) until n - 3 of the clients' closed flags
- * are set, or 10 s for each client and 4 s more have passed; returns how many are set, once a
- * bystander was answered. */
+ * are set, or ADMIT_MAX_MS for each client but one and 4 s more have passed; returns how many
+ * are set, once a bystander was answered. */
 static int wait_for_closes(int *const *closed, int n, long long *io_peak)
 {
     int count = 0;
-    /* An admission lasts 2 s, and 2 s more each time its client sent 1 MiB in the last 2 s or
-     * more waits in its socket: a client's 4 MB, read slowly, keep it up to 10 s (4 to 6 s in
-     * the Asan build beside two busy loops; on a slower machine 4 s each, as allowed before,
-     * saw two of six trickles closed). The clients go back in line one after another, and
-     * n - 3 are closed once n - 1 have gone back: passing runs end there. */
-    for (int64_t end = now_ms() + 10000 * n + 4000; now_ms() < end && count < n - 3;
-         sleep_ms(100)) {
+    /* The clients go back in line one after another, and n - 3 are closed once n - 1 have gone
+     * back: passing runs end there (in 26-30 s in the Asan build beside two busy loops; a slower
+     * machine closed two of six trickles in the 32 s allowed before). */
+    for (int64_t end = now_ms() + (int64_t)ADMIT_MAX_MS * (n - 1) + 4000;
+         now_ms() < end && count < n - 3; sleep_ms(100)) {
         long long io = stat_fresh("io_buffer_bytes");
         *io_peak = io > *io_peak ? io : *io_peak;
         count = 0;
@@ -1510,7 +1536,7 @@ static void *big_trickle_main(void *arg)
  * clients would have held more. Clients sent back now hold at most the admissions' share of
  * the budget together (one 8 MiB input buffer here); past it the trickle is closed
  * (`reason=input_stalled`), and the server answers everyone else. */
-Test(abuse, clients_trickling_large_requests_are_closed_past_the_admissions_share, .timeout = 120)
+Test(abuse, clients_trickling_large_requests_are_closed_past_the_admissions_share, .timeout = 180)
 {
     enum { N = 6 };
     const uint32_t budget = 8u << 20;
@@ -1688,7 +1714,7 @@ static void big_paused_run(int slow_clients)
  * admission is given while those counted hold more than the admissions' share, and past it the
  * one counted last among those counted for 2 s is closed (`reason=input_stalled`); the peak
  * falls to 22-30 MB, most of it the slow readers'. */
-Test(abuse, clients_held_back_for_their_replies_count_their_large_input, .timeout = 120)
+Test(abuse, clients_held_back_for_their_replies_count_their_large_input, .timeout = 180)
 {
     big_paused_run(1);
 }
@@ -1698,7 +1724,7 @@ Test(abuse, clients_held_back_for_their_replies_count_their_large_input, .timeou
  * after 20 KB of its second large request; read on, it was not counted, and the next client did
  * the same (64 MB held against a budget of 8 MiB, a helper's review). It counts now, whatever
  * holds its request up. */
-Test(abuse, clients_that_stop_sending_count_their_large_request_in_part, .timeout = 120)
+Test(abuse, clients_that_stop_sending_count_their_large_request_in_part, .timeout = 180)
 {
     big_paused_run(0);
 }
@@ -2109,7 +2135,10 @@ Test(abuse, out_of_file_descriptors_refuses_without_spinning, .timeout = 60)
     long cpu0 = cpu_ms(srv.pid);
     sleep_ms(1000);
     long spent = cpu_ms(srv.pid) - cpu0;
-    cr_expect_lt(spent, 300, "idemd spent %ld ms of CPU in 1 s while out of descriptors", spent);
+    /* A loop woken again and again for the backlog spends the whole second; the filler zeroing
+     * the fresh store's log segments may spend some of it. */
+    fprintf(stderr, "abuse: out of descriptors, idemd spent %ld ms of CPU in 1 s\n", spent);
+    cr_expect_lt(spent, 600, "idemd spent %ld ms of CPU in 1 s while out of descriptors", spent);
     for (int i = 0; i < 8; i++) {
         int eof = 0;
         if (extra[i] < 0) continue;

@@ -1853,7 +1853,7 @@ Test(recovery, the_flusher_waits_a_second_after_a_checkpoint_refused_for_space, 
     if (wait > 0) usleep((useconds_t)wait * 1000);
     idem_get_stats(s, &st);
     cr_assert_eq(st.checkpoints, checkpoints, "a checkpoint began at once after the refusal");
-    for (int i = 0; i < 300 && st.checkpoints == checkpoints; i++) {
+    for (int i = 0; i < 800 && st.checkpoints == checkpoints; i++) { /* the flusher sleeps 1 s */
         usleep(10 * 1000);
         idem_get_stats(s, &st);
     }

@@ -3370,7 +3370,8 @@ static int64_t ms_until_flush_after(uint64_t before)
 /* In batch mode a caller does not wake the flusher for every change, only for the first one
  * pending or once the interval has passed. A change made just after a flush is the first
  * pending while the interval has not passed, and the flusher, finding nothing pending after
- * its flush, sleeps up to a second: it must be woken, or the change waits that second. */
+ * its flush, sleeps up to a second: it must be woken, or the change waits that second. The
+ * bound, 800 ms, leaves a slow disk room and still tells the two apart. */
 Test(durability, batch_mode_flushes_a_change_made_just_after_a_flush_within_the_interval)
 {
     store_close();
@@ -3385,7 +3386,7 @@ Test(durability, batch_mode_flushes_a_change_made_just_after_a_flush_within_the_
         f0 = stats().flushes;
         claim_new(key);
         int64_t ms = ms_until_flush_after(f0);
-        cr_assert_lt(ms, 500,
+        cr_assert_lt(ms, 800,
                      "round %d: the change waited %" PRId64 " ms for its flush (interval %d ms)",
                      round, ms, STORE_BATCH_FLUSH_MS);
     }
@@ -3459,7 +3460,7 @@ Test(durability, batch_mode_flushes_what_a_call_appended_after_it_waited_for_roo
         got += n;
     }
     int64_t ms = ms_until_flush_after(f2);
-    cr_assert_lt(ms, 500, "what the call appended after its wait waited %" PRId64 " ms for a flush",
+    cr_assert_lt(ms, 800, "what the call appended after its wait waited %" PRId64 " ms for a flush",
                  ms);
 }
 

@@ -433,6 +433,57 @@ Test(server, idem_get_shows_the_record, .init = start)
     redisFree(c);
 }
 
+/* Whether r (an IDEM.CLAIM's done, GET's bulk or an IDEM.GET) carries the result want. */
+static int holds_result(const redisReply *r, const char *want, size_t len)
+{
+    const redisReply *v = NULL;
+    if (r->type == REDIS_REPLY_STRING) v = r;
+    if (r->type == REDIS_REPLY_ARRAY && r->elements == 2 && strcmp(r->element[0]->str, "done") == 0)
+        v = r->element[1];
+    for (size_t i = 0; r->type == REDIS_REPLY_ARRAY && i + 1 < r->elements; i += 2)
+        if (strcmp(r->element[i]->str, "result") == 0) v = r->element[i + 1];
+    return v && v->type == REDIS_REPLY_STRING && v->len == len && memcmp(v->str, want, len) == 0;
+}
+
+/* --result-max is idemd's setting, not the store's: a result committed under a larger limit is
+ * served whole once idemd runs with a smaller one (a worker's repeat gets its `done`), while a
+ * new result over the smaller limit is refused by name. */
+Test(server, results_kept_under_a_larger_limit_are_served_once_it_is_lowered)
+{
+    static const char *const larger[] = {"--result-max", "128k", NULL};
+    start_with(larger);
+    enum { LEN = 100000 };
+    char *res = malloc(LEN);
+    cr_assert(res);
+    for (size_t i = 0; i < LEN; i++) /* mostly incompressible: stored as it is */
+        res[i] = (char)((i * 2654435761u) >> 13);
+    redisContext *c = connect_unix();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM big 600000 5000"), &tok), "new");
+    expect_status(cmd(c, "IDEM.COMMIT big %lld %b", tok, res, (size_t)LEN), "OK");
+    expect_status(cmd(c, "SET big-set %b NX PX 600000", res, (size_t)LEN), "OK");
+    redisFree(c);
+    cr_assert_eq(stop_and_wait(SIGTERM), 0);
+    start_in(1, NULL); /* the default limit, 64 KiB */
+    c = connect_unix();
+    redisReply *r = cmd(c, "IDEM.CLAIM big 600000 5000");
+    cr_assert(holds_result(r, res, LEN), "the claim's done lost its result");
+    freeReplyObject(r);
+    r = cmd(c, "IDEM.GET big");
+    cr_assert(holds_result(r, res, LEN), "IDEM.GET lost the result");
+    freeReplyObject(r);
+    r = cmd(c, "GET big-set");
+    cr_assert(holds_result(r, res, LEN), "GET lost the value");
+    freeReplyObject(r);
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM new 600000 5000"), &tok), "new");
+    r = cmd(c, "IDEM.COMMIT new %lld %b", tok, res, (size_t)LEN);
+    cr_assert(r->type == REDIS_REPLY_ERROR && strstr(r->str, "result") && strstr(r->str, "65536"),
+              "a new result over the lowered limit: %s", r->str ? r->str : "(not an error)");
+    freeReplyObject(r);
+    free(res);
+    redisFree(c);
+}
+
 /* ---- the test clock: expiry and leases ---- */
 
 Test(server, expiry_boundary_via_debug_clock, .init = start)
@@ -2459,7 +2510,7 @@ Test(server, client_limit_and_idle_timeout, .init = start_limited)
               "the fourth client is refused");
     freeReplyObject(r);
     redisFree(d);
-    usleep(3000000); /* idle past the timeout: the server closes a, b and c */
+    usleep(4000000); /* idle past the 1.5 s timeout: the server closes a, b and c */
     r = redisCommand(a, "PING");
     cr_assert(!r, "an idle connection is closed");
     redisFree(a);

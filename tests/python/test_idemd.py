@@ -810,6 +810,9 @@ class Idle(Base):
     epoll_wait. (Its loop once spun a whole core from its start until the first operation.)"""
 
     WINDOW = 1.0
+    # A spinning loop uses the whole window; a fresh store's log segments, zeroed by the
+    # filler thread after start, may take a share of it on a slow disk.
+    IDLE_MAX = 0.5
 
     def cpu_seconds(self):
         with open("/proc/%d/stat" % self.srv.proc.pid) as f:
@@ -824,11 +827,11 @@ class Idle(Base):
     def test_idle_server_uses_no_cpu_before_and_after_its_first_claim(self):
         self.assertTrue(self.w.ping())
         used = self.idle_cpu()
-        self.assertLess(used, 0.2 * self.WINDOW, "idle before any claim: %.2f s of CPU in %.1f s"
+        self.assertLess(used, self.IDLE_MAX * self.WINDOW, "idle before any claim: %.2f s of CPU in %.1f s"
                         % (used, self.WINDOW))
         self.new_token(self.key())
         used = self.idle_cpu()
-        self.assertLess(used, 0.2 * self.WINDOW, "idle after a claim: %.2f s of CPU in %.1f s"
+        self.assertLess(used, self.IDLE_MAX * self.WINDOW, "idle after a claim: %.2f s of CPU in %.1f s"
                         % (used, self.WINDOW))
 
 
