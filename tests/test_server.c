@@ -447,7 +447,8 @@ static int holds_result(const redisReply *r, const char *want, size_t len)
 
 /* --result-max is idemd's setting, not the store's: a result committed under a larger limit is
  * served whole once idemd runs with a smaller one (a worker's repeat gets its `done`), while a
- * new result over the smaller limit is refused by name. */
+ * new result over the smaller limit is refused by name, and so is a read whose reply would pass
+ * --client-output-max. */
 Test(server, results_kept_under_a_larger_limit_are_served_once_it_is_lowered)
 {
     static const char *const larger[] = {"--result-max", "128k", NULL};
@@ -479,6 +480,26 @@ Test(server, results_kept_under_a_larger_limit_are_served_once_it_is_lowered)
     r = cmd(c, "IDEM.COMMIT new %lld %b", tok, res, (size_t)LEN);
     cr_assert(r->type == REDIS_REPLY_ERROR && strstr(r->str, "result") && strstr(r->str, "65536"),
               "a new result over the lowered limit: %s", r->str ? r->str : "(not an error)");
+    freeReplyObject(r);
+    redisFree(c);
+    /* With --client-output-max lowered too, below such a reply: refused by name, where the
+     * connection was closed at each read of the record (its worker retrying for ever). */
+    cr_assert_eq(stop_and_wait(SIGTERM), 0);
+    static const char *const lower[] = {"--result-max", "4k", "--client-output-max", "64k", NULL};
+    start_in(1, lower);
+    c = connect_unix();
+    static const char *const reads[] = {"IDEM.CLAIM big 600000 5000", "IDEM.GET big", "GET big-set",
+                                        "SET big-set v NX GET PX 1000"};
+    for (size_t i = 0; i < sizeof reads / sizeof reads[0]; i++) {
+        r = cmd(c, reads[i]);
+        cr_assert(r->type == REDIS_REPLY_ERROR && strstr(r->str, "100000 bytes") &&
+                      strstr(r->str, "--client-output-max 108192"),
+                  "%s: %s", reads[i], r->type == REDIS_REPLY_ERROR ? r->str : "(not an error)");
+        freeReplyObject(r);
+    }
+    expect_status(cmd(c, "PING"), "PONG");
+    r = cmd(c, "IDEM.CLAIM small 600000 5000");
+    cr_assert_str_eq(r->element[0]->str, "new", "other keys are served");
     freeReplyObject(r);
     free(res);
     redisFree(c);

@@ -487,6 +487,38 @@ void cmd_del_count(const srv_conn *c, srv_slot *sl, const idem_completion *cp)
             sl->err ? idem_strerror(sl->err) : "");
 }
 
+/* The length of the result sl's reply carries (0: none). */
+static uint32_t reply_result_len(const srv_slot *sl, const idem_completion *cp)
+{
+    switch (sl->kind) {
+    case RK_CLAIM:
+        return cp->outcome == IDEM_DONE && cp->data ? cp->data_len : 0;
+    case RK_SET_GET:
+        return cp->outcome != IDEM_NEW && cp->data ? cp->data_len : 0;
+    case RK_RECORD:
+    case RK_GET:
+        return cp->found && cp->record.result ? cp->record.result_len : 0;
+    default:
+        return 0;
+    }
+}
+
+/* The result limit is idemd's, not the store's: a result stored under a larger --result-max
+ * can make a reply larger than --client-output-max lets a client hold, and such a reply closed
+ * the connection at each read of the record, its worker retrying for ever. It is refused by
+ * name instead, by the rule idemd's start applies to --result-max (its result and 8 KiB). */
+static int reply_refused_over_output(srv *s, resp_buf *b, uint32_t result_len)
+{
+    uint64_t need = (uint64_t)result_len + 8192;
+    if (need <= s->cfg.client_output_max) return 0;
+    resp_errorf(b,
+                "ERR the record's result is %u bytes, a larger reply than --client-output-max "
+                "(%llu) lets a client hold; it was stored under a larger --result-max: give "
+                "--client-output-max %llu or more",
+                result_len, (unsigned long long)s->cfg.client_output_max, (unsigned long long)need);
+    return 1;
+}
+
 int cmd_complete(srv *s, srv_slot *sl, resp_buf *b, const idem_completion *cp)
 {
     if (sl->kind == RK_COUNT) {
@@ -534,6 +566,7 @@ int cmd_complete(srv *s, srv_slot *sl, resp_buf *b, const idem_completion *cp)
         cmd_reply_err(b, cp->err);
         return 1;
     }
+    if (reply_refused_over_output(s, b, reply_result_len(sl, cp))) return 1;
     switch (sl->kind) {
     case RK_CLAIM:
         reply_claim(b, cp);
