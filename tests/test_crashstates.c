@@ -833,7 +833,7 @@ static void run_seed(uint64_t seed, int rounds, int random_subsets, struct check
     run_dirs_free(&d);
 }
 
-/* 114-142 s under ASan: the timeout leaves room for a machine four times slower, below
+/* 114-142 s under ASan: the timeout leaves room for a machine nearly four times slower, below
  * ctest's 600 s for the binary. */
 Test(crashstates, every_crash_state_of_a_small_workload_recovers, .timeout = 560)
 {

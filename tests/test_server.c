@@ -445,6 +445,21 @@ static int holds_result(const redisReply *r, const char *want, size_t len)
     return v && v->type == REDIS_REPLY_STRING && v->len == len && memcmp(v->str, want, len) == 0;
 }
 
+/* Twenty GETs of key, pipelined, each answered with want (len bytes), and the connection kept. */
+static void expect_pipelined_gets(redisContext *c, const char *key, const char *want, size_t len)
+{
+    enum { N = 20 };
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(redisAppendCommand(c, "GET %s", key), REDIS_OK);
+    for (int i = 0; i < N; i++) {
+        void *r = NULL;
+        cr_assert_eq(redisGetReply(c, &r), REDIS_OK, "pipelined GET %d: %s", i, c->errstr);
+        cr_assert(holds_result(r, want, len), "pipelined GET %d", i);
+        freeReplyObject(r);
+    }
+    expect_status(cmd(c, "PING"), "PONG");
+}
+
 /* --result-max is idemd's setting, not the store's: a result committed under a larger limit is
  * served whole once idemd runs with a smaller one (a worker's repeat gets its `done`), while a
  * new result over the smaller limit is refused by name, and so is a read whose reply would pass
@@ -463,6 +478,10 @@ Test(server, results_kept_under_a_larger_limit_are_served_once_it_is_lowered)
     cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM big 600000 5000"), &tok), "new");
     expect_status(cmd(c, "IDEM.COMMIT big %lld %b", tok, res, (size_t)LEN), "OK");
     expect_status(cmd(c, "SET big-set %b NX PX 600000", res, (size_t)LEN), "OK");
+    /* IDEM.ATTENTION lists a committed record with a mismatch recorded, result and all */
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM big-fp 600000 5000 FP a"), &tok), "new");
+    expect_status(cmd(c, "IDEM.COMMIT big-fp %lld %b", tok, res, (size_t)LEN), "OK");
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM big-fp 600000 5000 FP b"), NULL), "mismatch");
     redisFree(c);
     cr_assert_eq(stop_and_wait(SIGTERM), 0);
     start_in(1, NULL); /* the default limit, 64 KiB */
@@ -488,19 +507,38 @@ Test(server, results_kept_under_a_larger_limit_are_served_once_it_is_lowered)
     static const char *const lower[] = {"--result-max", "4k", "--client-output-max", "64k", NULL};
     start_in(1, lower);
     c = connect_unix();
-    static const char *const reads[] = {"IDEM.CLAIM big 600000 5000", "IDEM.GET big", "GET big-set",
-                                        "SET big-set v NX GET PX 1000"};
+    static const struct {
+        const char *cmd, *need; /* the result, and the record's other fields or the framing */
+    } reads[] = {{"IDEM.CLAIM big 600000 5000", "100064"},
+                 {"IDEM.GET big", "108192"},
+                 {"GET big-set", "100064"},
+                 {"SET big-set v NX GET PX 1000", "100064"},
+                 {"IDEM.ATTENTION", "108256"}};
     for (size_t i = 0; i < sizeof reads / sizeof reads[0]; i++) {
-        r = cmd(c, reads[i]);
+        char want[64];
+        snprintf(want, sizeof want, "--client-output-max %s or more", reads[i].need);
+        r = cmd(c, reads[i].cmd);
         cr_assert(r->type == REDIS_REPLY_ERROR && strstr(r->str, "100000 bytes") &&
-                      strstr(r->str, "--client-output-max 108192"),
-                  "%s: %s", reads[i], r->type == REDIS_REPLY_ERROR ? r->str : "(not an error)");
+                      strstr(r->str, want),
+                  "%s: %s", reads[i].cmd, r->type == REDIS_REPLY_ERROR ? r->str : "(not an error)");
         freeReplyObject(r);
     }
     expect_status(cmd(c, "PING"), "PONG");
     r = cmd(c, "IDEM.CLAIM small 600000 5000");
     cr_assert_str_eq(r->element[0]->str, "new", "other keys are served");
     freeReplyObject(r);
+    redisFree(c);
+    /* Room for ten such replies: once one was served, pipelined reads are reserved at its
+     * size, not at --result-max's, and held back at the limit, not closed past it (twenty
+     * pipelined GETs reserved at 12 KiB each made 2 MB of replies at once). */
+    cr_assert_eq(stop_and_wait(SIGTERM), 0);
+    static const char *const roomy[] = {"--result-max", "4k", "--client-output-max", "1m", NULL};
+    start_in(1, roomy);
+    c = connect_unix();
+    r = cmd(c, "GET big-set");
+    cr_assert(holds_result(r, res, LEN), "GET lost the value");
+    freeReplyObject(r);
+    expect_pipelined_gets(c, "big-set", res, LEN);
     free(res);
     redisFree(c);
 }
@@ -2290,6 +2328,30 @@ Test(server, a_scan_reply_past_the_output_limit_is_refused_by_name, .init = star
     freeReplyObject(r);
     expect_status(cmd(a, "PING"), "PONG");
     redisFree(a);
+}
+
+static void start_output_100k(void)
+{
+    static const char *const extra[] = {"--client-output-max", "100k", "--result-max", "57344",
+                                        NULL};
+    start_with(extra);
+}
+
+/* Pipelined reads are parsed while their replies can fit --client-output-max: a request was
+ * parsed while what was owed stayed under the limit, so the last one could pass it by its whole
+ * reply, and two GETs of 56 KiB results against a limit of 100 KiB closed the connection. */
+Test(server, pipelined_reads_of_the_largest_results_are_held_back_not_closed,
+     .init = start_output_100k)
+{
+    redisContext *c = connect_unix();
+    enum { LEN = 57344 };
+    char *v = malloc(LEN);
+    cr_assert(v);
+    memset(v, 'r', LEN);
+    expect_status(cmd(c, "SET full %b NX PX 600000", v, (size_t)LEN), "OK");
+    expect_pipelined_gets(c, "full", v, LEN);
+    free(v);
+    redisFree(c);
 }
 
 /* A figure of idemd's /proc status ("VmRSS:", "RssAnon:"), in KiB (-1 if unknown). */

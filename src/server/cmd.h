@@ -131,6 +131,9 @@ void cmd_attention(cmd_req *r);
 void cmd_backup(cmd_req *r);
 /* Writes a record as IDEM.GET answers it (field/value pairs). */
 void cmd_reply_record(resp_buf *b, const idem_record *rec);
+/* Whether a reply carrying a result of result_len bytes and room bytes more fits
+ * --client-output-max (output_max); if not, b gets an error that names the limit it needs. */
+int cmd_reply_fits(resp_buf *b, uint32_t result_len, uint32_t room, uint64_t output_max);
 void cmd_del(cmd_req *r);
 void cmd_dbsize(cmd_req *r);
 void cmd_info(cmd_req *r);

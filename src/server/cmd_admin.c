@@ -149,7 +149,7 @@ static uint64_t read_reply_max(const srv *s, const srv_read_args *a)
     case READ_AUDIT:
         return 64 + (uint64_t)a->count * AUDIT_ENTRY_REPLY_MAX;
     default: /* its records' bytes, the last one's whole reply past them, and their framing */
-        return 64 + a->att.max_bytes + srv_record_reply_max(&s->cfg) +
+        return 64 + a->att.max_bytes + srv_record_reply_now(s) +
                (uint64_t)a->att.max * SRV_RECORD_FRAMING_MAX;
     }
 }
@@ -305,22 +305,29 @@ void cmd_attention(cmd_req *r)
      * records' bytes (the last one listed may pass it by a largest reply) and half to their
      * framing. */
     uint64_t avail = srv_reply_room(r->s, srv_reads_room(r->s)),
-             rec = srv_record_reply_max(&r->s->cfg) + 64;
+             rec = srv_record_reply_now(r->s) + 64;
     uint64_t room = avail > rec ? (avail - rec) / 2 : 0;
     if (count > room / SRV_RECORD_FRAMING_MAX) count = room / SRV_RECORD_FRAMING_MAX;
     srv_read_args a = {.kind = READ_ATTENTION,
                        .att = {.older_ms = (int64_t)older,
                                .max = count ? (uint32_t)count : 1,
-                               .max_bytes = room ? room : 1}};
+                               .max_bytes = room ? room : 1},
+                       .output_max = r->s->cfg.client_output_max};
     read_request(r, &a);
 }
 
-static void attention_reply(idem_queue *q, const idem_attention_args *a, resp_buf *b)
+/* A record listed with a result stored under a larger --result-max than its reply may hold is
+ * refused by name (cmd_reply_fits), as its IDEM.GET is: a lower COUNT would not help. */
+static void attention_reply(idem_queue *q, const srv_read_args *a, resp_buf *b)
 {
     const idem_record *recs = NULL;
     size_t n = 0;
-    int err = idem_attention(q, a, &recs, &n);
+    int err = idem_attention(q, &a->att, &recs, &n);
     if (err != IDEM_OK) return cmd_reply_err(b, err);
+    for (size_t i = 0; i < n; i++)
+        if (recs[i].result &&
+            !cmd_reply_fits(b, recs[i].result_len, SRV_RECORD_REPLY_ROOM + 64, a->output_max))
+            return;
     resp_array(b, (int64_t)n);
     for (size_t i = 0; i < n; i++)
         cmd_reply_record(b, &recs[i]);
@@ -336,7 +343,7 @@ void srv_read_run(idem_queue *q, const srv_read_args *a, resp_buf *b)
         audit_reply(q, a, b);
         break;
     default:
-        attention_reply(q, &a->att, b);
+        attention_reply(q, a, b);
     }
     idem_queue_trim(q); /* the reply holds it all now; a large read's results are not kept */
 }

@@ -396,10 +396,18 @@ static void f_fp(field *f, int *n, const char *name, const uint8_t *fp)
 
 uint64_t srv_record_reply_max(const srv_config *cfg)
 {
-    _Static_assert(IDEM_NOTE_BYTES_MAX + 2 * IDEM_KEY_BYTES_MAX + SRV_RECORD_FRAMING_MAX <= 8192,
-                   "a record's reply fits its result and 8 KiB");
+    _Static_assert(IDEM_NOTE_BYTES_MAX + 2 * IDEM_KEY_BYTES_MAX + SRV_RECORD_FRAMING_MAX <=
+                       SRV_RECORD_REPLY_ROOM,
+                   "a record's reply fits its result and SRV_RECORD_REPLY_ROOM");
     return (uint64_t)(cfg->result_bytes_max ? cfg->result_bytes_max : IDEM_RESULT_BYTES_DEFAULT) +
-           8192;
+           SRV_RECORD_REPLY_ROOM;
+}
+
+uint64_t srv_record_reply_now(const srv *s)
+{
+    uint64_t seen = (uint64_t)s->result_seen_max + SRV_RECORD_REPLY_ROOM;
+    uint64_t max = srv_record_reply_max(&s->cfg);
+    return seen > max ? seen : max;
 }
 
 /* IDEM.GET: the record as field/value pairs; fields that do not apply are left out (at most 17
@@ -506,17 +514,17 @@ static uint32_t reply_result_len(const srv_slot *sl, const idem_completion *cp)
 /* The result limit is idemd's, not the store's: a result stored under a larger --result-max
  * can make a reply larger than --client-output-max lets a client hold, and such a reply closed
  * the connection at each read of the record, its worker retrying for ever. It is refused by
- * name instead, by the rule idemd's start applies to --result-max (its result and 8 KiB). */
-static int reply_refused_over_output(srv *s, resp_buf *b, uint32_t result_len)
+ * name instead: room is what the reply holds past its result (SRV_RECORD_REPLY_ROOM for a
+ * record's fields, less for a bare result). */
+int cmd_reply_fits(resp_buf *b, uint32_t result_len, uint32_t room, uint64_t output_max)
 {
-    uint64_t need = (uint64_t)result_len + 8192;
-    if (need <= s->cfg.client_output_max) return 0;
+    uint64_t need = (uint64_t)result_len + room;
+    if (need <= output_max) return 1;
     resp_errorf(b,
-                "ERR the record's result is %u bytes, a larger reply than --client-output-max "
-                "(%llu) lets a client hold; it was stored under a larger --result-max: give "
-                "--client-output-max %llu or more",
-                result_len, (unsigned long long)s->cfg.client_output_max, (unsigned long long)need);
-    return 1;
+                "ERR the record's result is %u bytes, stored under a larger --result-max: its "
+                "reply needs --client-output-max %llu or more (it is %llu)",
+                result_len, (unsigned long long)need, (unsigned long long)output_max);
+    return 0;
 }
 
 int cmd_complete(srv *s, srv_slot *sl, resp_buf *b, const idem_completion *cp)
@@ -566,7 +574,15 @@ int cmd_complete(srv *s, srv_slot *sl, resp_buf *b, const idem_completion *cp)
         cmd_reply_err(b, cp->err);
         return 1;
     }
-    if (reply_refused_over_output(s, b, reply_result_len(sl, cp))) return 1;
+    uint32_t result_len = reply_result_len(sl, cp);
+    if (result_len > s->result_seen_max) s->result_seen_max = result_len; /* reservations */
+    if (!cmd_reply_fits(b, result_len, sl->kind == RK_RECORD ? SRV_RECORD_REPLY_ROOM : 64,
+                        s->cfg.client_output_max)) {
+        srv_log_gated(&s->log_protocol, "warn", "reply_over_output_limit",
+                      "result_len=%u client_output_max=%llu", result_len,
+                      (unsigned long long)s->cfg.client_output_max);
+        return 1;
+    }
     switch (sl->kind) {
     case RK_CLAIM:
         reply_claim(b, cp);

@@ -665,7 +665,8 @@ static int roles_allow(const cmd_def *d, int role)
 }
 
 /* The reply r is owed until it is made: the largest record reply for a command whose reply may
- * carry a result (SET's only with GET), else SRV_REPLY_SMALL (reads raise theirs once their
+ * carry a result (SET's only with GET; with the longest result served, once one stored under a
+ * larger --result-max was), else SRV_REPLY_SMALL (reads raise theirs once their
  * bound is known: srv_reply_owe). */
 static uint32_t reply_max(const cmd_req *r, const cmd_def *d)
 {
@@ -676,7 +677,7 @@ static uint32_t reply_max(const cmd_req *r, const cmd_def *d)
             i++;
         if (i == r->argc) return SRV_REPLY_SMALL;
     }
-    return (uint32_t)srv_record_reply_max(&r->s->cfg);
+    return (uint32_t)srv_record_reply_now(r->s);
 }
 
 void cmd_dispatch(srv *s, srv_conn *c, uint32_t seq, uint32_t argc, const uint8_t *const *argv,

@@ -29,6 +29,7 @@
 #define SRV_USERS_MAX 64
 /* An IDEM.GET reply's bytes besides its key, owner, note and result, at most. */
 #define SRV_RECORD_FRAMING_MAX  1024
+#define SRV_RECORD_REPLY_ROOM   8192u /* a record's reply past its result (srv_record_reply_max) */
 #define SRV_NAME_MAX            64
 #define SRV_CLIENT_NAME_MAX     256 /* a client name, its NUL included (Redis has no limit) */
 #define SRV_PASSWORD_MAX        256
@@ -234,6 +235,7 @@ typedef struct srv_read_args {
     uint8_t key[IDEM_KEY_BYTES_MAX];
     uint32_t key_len;    /* READ_AUDIT: 0, every key */
     uint32_t count;      /* READ_AUDIT */
+    uint64_t output_max; /* READ_ATTENTION: --client-output-max (cmd_reply_fits) */
     uint64_t before_seq; /* READ_AUDIT: entries older than this seq (0: from the newest) */
 } srv_read_args;
 
@@ -297,6 +299,7 @@ typedef struct srv {
     uint64_t claim_latency_us_sum, claim_latencies;
     uint64_t total_connections, total_commands, rejected_connections;
     uint64_t closed_input_stalled, closed_output_stalled; /* closes by the io budget's rules */
+    uint32_t result_seen_max; /* the longest result a reply carried (cmd_complete) */
     /* Out of file descriptors, a connection is taken on this one (/dev/null until then), answered
      * and closed, so that the listener does not stay readable (accept_one). Listeners stop
      * being watched until accept_paused_until_ms after any other accept error. */
@@ -482,5 +485,8 @@ void metrics_close_all(srv *s);
 /* The largest IDEM.GET reply (cmd_idem.c): the largest result, a 4 KiB note, a 512-byte key and
  * owner, and the framing; --client-output-max may not be smaller. */
 uint64_t srv_record_reply_max(const srv_config *cfg);
+/* The same, or larger once a reply carried a result stored under a larger --result-max:
+ * what a reply that may carry a result is reserved at (cmd_idem.c). */
+uint64_t srv_record_reply_now(const srv *s);
 
 #endif /* IDEM_SERVER_SERVER_H */

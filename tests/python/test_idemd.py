@@ -827,11 +827,13 @@ class Idle(Base):
     def test_idle_server_uses_no_cpu_before_and_after_its_first_claim(self):
         self.assertTrue(self.w.ping())
         used = self.idle_cpu()
-        self.assertLess(used, self.IDLE_MAX * self.WINDOW, "idle before any claim: %.2f s of CPU in %.1f s"
+        self.assertLess(used, self.IDLE_MAX * self.WINDOW,
+                        "idle before any claim: %.2f s of CPU in %.1f s"
                         % (used, self.WINDOW))
         self.new_token(self.key())
         used = self.idle_cpu()
-        self.assertLess(used, self.IDLE_MAX * self.WINDOW, "idle after a claim: %.2f s of CPU in %.1f s"
+        self.assertLess(used, self.IDLE_MAX * self.WINDOW,
+                        "idle after a claim: %.2f s of CPU in %.1f s"
                         % (used, self.WINDOW))
 
 
