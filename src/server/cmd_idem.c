@@ -407,7 +407,8 @@ uint64_t srv_record_reply_now(const srv *s)
 {
     uint64_t seen = (uint64_t)s->result_seen_max + SRV_RECORD_REPLY_ROOM;
     uint64_t max = srv_record_reply_max(&s->cfg);
-    return seen > max ? seen : max;
+    if (seen > max) max = seen;
+    return max < s->cfg.client_output_max ? max : s->cfg.client_output_max;
 }
 
 /* IDEM.GET: the record as field/value pairs; fields that do not apply are left out (at most 17
@@ -575,7 +576,6 @@ int cmd_complete(srv *s, srv_slot *sl, resp_buf *b, const idem_completion *cp)
         return 1;
     }
     uint32_t result_len = reply_result_len(sl, cp);
-    if (result_len > s->result_seen_max) s->result_seen_max = result_len; /* reservations */
     if (!cmd_reply_fits(b, result_len, sl->kind == RK_RECORD ? SRV_RECORD_REPLY_ROOM : 64,
                         s->cfg.client_output_max)) {
         srv_log_gated(&s->log_protocol, "warn", "reply_over_output_limit",
@@ -583,6 +583,9 @@ int cmd_complete(srv *s, srv_slot *sl, resp_buf *b, const idem_completion *cp)
                       (unsigned long long)s->cfg.client_output_max);
         return 1;
     }
+    /* Served: later replies are reserved at it (a refused one would raise them past what any
+     * client may hold, for every client) */
+    if (result_len > s->result_seen_max) s->result_seen_max = result_len;
     switch (sl->kind) {
     case RK_CLAIM:
         reply_claim(b, cp);

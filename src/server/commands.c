@@ -680,6 +680,27 @@ static uint32_t reply_max(const cmd_req *r, const cmd_def *d)
     return (uint32_t)srv_record_reply_now(r->s);
 }
 
+uint64_t srv_next_reply_max(const srv *s, const uint8_t *in, size_t n)
+{
+    const uint8_t *p = in, *end = in + n, *name;
+    size_t len = 0;
+    if (p < end && *p == '*') { /* *argc CRLF $len CRLF name CRLF */
+        const uint8_t *nl = memchr(p, '\n', n);
+        if (!nl || end - nl < 2 || nl[1] != '$') return srv_record_reply_now(s);
+        for (p = nl + 2; p < end && *p >= '0' && *p <= '9' && len <= 64; p++)
+            len = len * 10 + (size_t)(*p - '0');
+        if (end - p < 2 || p[0] != '\r' || (size_t)(end - p - 2) < len)
+            return srv_record_reply_now(s);
+        name = p + 2;
+    } else { /* inline: the first word */
+        for (name = p; p < end && *p != ' ' && *p != '\r' && *p != '\n'; p++)
+            len++;
+        if (p == end) return srv_record_reply_now(s);
+    }
+    const cmd_def *d = len <= 64 ? cmd_find(name, (uint32_t)len) : NULL;
+    return d && !(d->flags & CMD_F_RESULT) ? SRV_REPLY_SMALL : srv_record_reply_now(s);
+}
+
 void cmd_dispatch(srv *s, srv_conn *c, uint32_t seq, uint32_t argc, const uint8_t *const *argv,
                   const uint32_t *argl)
 {

@@ -920,25 +920,29 @@ static int conn_may_parse(srv *s, srv_conn *c)
     /* As Redis, a client may pipeline far ahead of reading its replies: they collect in its
      * output, up to --client-output-max (replies still owed count at the largest their
      * commands can make, and a request is parsed only while the rest leaves room for the
-     * largest record reply, the first one always: a pipeline is held back, not closed, at that
-     * limit). Past half the global budget the allowance shrinks to SRV_OWED_TIGHT, and past
-     * the budget to SRV_HEAVY_BYTES. Input never holds parsing back: parsing is what frees
+     * largest reply its command can make, the first one always: a pipeline is held back, not
+     * closed, at that limit). Past half the global budget the allowance shrinks to SRV_OWED_TIGHT,
+     * and past the budget to SRV_HEAVY_BYTES. Input never holds parsing back: parsing is what frees
      * it. */
     uint64_t owed = conn_out_weight(c) + c->short_by;
     /* Before AUTH, as its input is: a client without a password that never reads makes idemd
      * hold SRV_UNAUTH_OUT_MAX of -NOAUTH replies, not --client-output-max. */
     if (c->role == ROLE_NONE && owed >= SRV_UNAUTH_OUT_MAX) return 0;
     uint64_t pressure = budget_pressure(s);
+    uint64_t limit = s->cfg.client_output_max;
     uint64_t cap = over_budget(s)                          ? SRV_HEAVY_BYTES
                    : pressure > s->cfg.io_budget_bytes / 2 ? SRV_OWED_TIGHT
-                                                           : s->cfg.client_output_max;
-    uint64_t next = owed && cap == s->cfg.client_output_max ? srv_record_reply_now(s) : 0;
-    if (owed >= cap || owed + next > cap) {
+                                                           : limit;
+    if (owed >= cap || owed >= limit) {
         /* Held back by replies made and left unread, not by those still being made: a slow
          * reader, timed from the start in what it holds (big_back_clock). */
         if (conn_unread(c) >= SRV_HEAVY_BYTES / 2) c->read_slow_ms = srv_now_ms();
         return 0;
     }
+    /* Room for the next request's reply within the client's limit (a pipeline is held back
+     * there, not closed): the first one always. */
+    if (owed && owed + srv_next_reply_max(s, c->in + c->in_start, c->in_len - c->in_start) > limit)
+        return 0;
     return engine_room(s);
 }
 

@@ -485,8 +485,12 @@ void metrics_close_all(srv *s);
 /* The largest IDEM.GET reply (cmd_idem.c): the largest result, a 4 KiB note, a 512-byte key and
  * owner, and the framing; --client-output-max may not be smaller. */
 uint64_t srv_record_reply_max(const srv_config *cfg);
-/* The same, or larger once a reply carried a result stored under a larger --result-max:
- * what a reply that may carry a result is reserved at (cmd_idem.c). */
+/* The same, or larger once a reply carried a result stored under a larger --result-max, up to
+ * --client-output-max: what a reply that may carry a result is reserved at (cmd_idem.c). */
 uint64_t srv_record_reply_now(const srv *s);
+/* The largest reply the request at the head of in (n bytes) can make, by its command's name:
+ * srv_record_reply_now for one that may carry a result or whose name is not all in yet,
+ * SRV_REPLY_SMALL for the others (commands.c). */
+uint64_t srv_next_reply_max(const srv *s, const uint8_t *in, size_t n);
 
 #endif /* IDEM_SERVER_SERVER_H */
