@@ -445,6 +445,15 @@ static int holds_result(const redisReply *r, const char *want, size_t len)
     return v && v->type == REDIS_REPLY_STRING && v->len == len && memcmp(v->str, want, len) == 0;
 }
 
+/* Stops idemd (SIGTERM, a clean exit), starts it again on the same store with extra, and
+ * connects over the unix socket. */
+static redisContext *restart_unix(const char *const *extra)
+{
+    cr_assert_eq(stop_and_wait(SIGTERM), 0);
+    start_in(1, extra);
+    return connect_unix();
+}
+
 /* Twenty GETs of key, pipelined, each answered with want (len bytes), and the connection kept. */
 static void expect_pipelined_gets(redisContext *c, const char *key, const char *want, size_t len)
 {
@@ -483,9 +492,7 @@ Test(server, results_kept_under_a_larger_limit_are_served_once_it_is_lowered)
     expect_status(cmd(c, "IDEM.COMMIT big-fp %lld %b", tok, res, (size_t)LEN), "OK");
     cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM big-fp 600000 5000 FP b"), NULL), "mismatch");
     redisFree(c);
-    cr_assert_eq(stop_and_wait(SIGTERM), 0);
-    start_in(1, NULL); /* the default limit, 64 KiB */
-    c = connect_unix();
+    c = restart_unix(NULL); /* the default limit, 64 KiB */
     redisReply *r = cmd(c, "IDEM.CLAIM big 600000 5000");
     cr_assert(holds_result(r, res, LEN), "the claim's done lost its result");
     freeReplyObject(r);
@@ -503,10 +510,8 @@ Test(server, results_kept_under_a_larger_limit_are_served_once_it_is_lowered)
     redisFree(c);
     /* With --client-output-max lowered too, below such a reply: refused by name, where the
      * connection was closed at each read of the record (its worker retrying for ever). */
-    cr_assert_eq(stop_and_wait(SIGTERM), 0);
     static const char *const lower[] = {"--result-max", "4k", "--client-output-max", "64k", NULL};
-    start_in(1, lower);
-    c = connect_unix();
+    c = restart_unix(lower);
     static const struct {
         const char *cmd, *need; /* the result, and the record's other fields or the framing */
     } reads[] = {{"IDEM.CLAIM big 600000 5000", "100064"},
@@ -531,10 +536,8 @@ Test(server, results_kept_under_a_larger_limit_are_served_once_it_is_lowered)
     /* Room for ten such replies: once one was served, pipelined reads are reserved at its
      * size, not at --result-max's, and held back at the limit, not closed past it (twenty
      * pipelined GETs reserved at 12 KiB each made 2 MB of replies at once). */
-    cr_assert_eq(stop_and_wait(SIGTERM), 0);
     static const char *const roomy[] = {"--result-max", "4k", "--client-output-max", "1m", NULL};
-    start_in(1, roomy);
-    c = connect_unix();
+    c = restart_unix(roomy);
     r = cmd(c, "GET big-set");
     cr_assert(holds_result(r, res, LEN), "GET lost the value");
     freeReplyObject(r);

@@ -933,15 +933,18 @@ static int conn_may_parse(srv *s, srv_conn *c)
     uint64_t cap = over_budget(s)                          ? SRV_HEAVY_BYTES
                    : pressure > s->cfg.io_budget_bytes / 2 ? SRV_OWED_TIGHT
                                                            : limit;
-    if (owed >= cap || owed >= limit) {
+    if (cap > limit) cap = limit;
+    if (owed >= cap) {
         /* Held back by replies made and left unread, not by those still being made: a slow
          * reader, timed from the start in what it holds (big_back_clock). */
         if (conn_unread(c) >= SRV_HEAVY_BYTES / 2) c->read_slow_ms = srv_now_ms();
         return 0;
     }
     /* Room for the next request's reply within the client's limit (a pipeline is held back
-     * there, not closed): the first one always. */
-    if (owed && owed + srv_next_reply_max(s, c->in + c->in_start, c->in_len - c->in_start) > limit)
+     * there, not closed): the first one always. The next command is looked at only within one
+     * largest reply of the limit, not at each pipelined request. */
+    if (owed && owed + srv_record_reply_now(s) > limit &&
+        owed + srv_next_reply_max(s, c->in + c->in_start, c->in_len - c->in_start) > limit)
         return 0;
     return engine_room(s);
 }
