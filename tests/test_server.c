@@ -2357,6 +2357,135 @@ Test(server, pipelined_reads_of_the_largest_results_are_held_back_not_closed,
     redisFree(c);
 }
 
+/* Sends what c has queued, then leaves its replies unread a while: idemd makes what it may. */
+static void send_all_unread(redisContext *c)
+{
+    signal(SIGPIPE, SIG_IGN); /* a connection closed meanwhile fails the write, not the test */
+    int done = 0;
+    while (!done)
+        cr_assert_eq(redisBufferWrite(c, &done), REDIS_OK, "%s", c->errstr);
+    usleep(300 * 1000);
+}
+
+/* Replies that carry no result are held back at --client-output-max too: ECHO's and PING's
+ * repeat their message (up to --result-max), and INFO's, COMMAND's, CONFIG's and IDEM.STATS's
+ * pass 512 bytes. Each was owed at 512 bytes, so a pipeline of them was parsed past the limit,
+ * and the connection closed (reason=output_limit). */
+Test(server, pipelined_replies_without_results_are_held_back_not_closed, .init = start_output_100k)
+{
+    enum { ECHOS = 10, LEN = 57000, DOCS = 60 }; /* messages within --result-max */
+    redisContext *c = connect_unix();
+    char *msg = malloc((size_t)ECHOS * LEN);
+    cr_assert(msg);
+    for (int i = 0; i < ECHOS; i++) {
+        memset(msg + (size_t)i * LEN, 'a' + i, LEN);
+        cr_assert_eq(redisAppendCommand(c, "ECHO %b", msg + (size_t)i * LEN, (size_t)LEN),
+                     REDIS_OK);
+    }
+    send_all_unread(c);
+    for (int i = 0; i < ECHOS; i++) {
+        void *r = NULL;
+        cr_assert_eq(redisGetReply(c, &r), REDIS_OK, "pipelined ECHO %d: %s", i, c->errstr);
+        cr_assert(holds_result(r, msg + (size_t)i * LEN, LEN), "pipelined ECHO %d", i);
+        freeReplyObject(r);
+    }
+    expect_status(cmd(c, "PING"), "PONG");
+    free(msg);
+
+    /* COMMAND DOCS: its reply's length, read whole, is within what it is owed at (32 KiB) */
+    int fd = raw_connect_unix();
+    static char raw[65536];
+    static const char docs[] = "*2\r\n$7\r\nCOMMAND\r\n$4\r\nDOCS\r\nPING\r\n";
+    raw_send(fd, docs, sizeof docs - 1);
+    size_t len = 0;
+    int closed = 0;
+    for (int i = 0; i < 50 && !closed && !(len >= 7 && strcmp(raw + len - 7, "+PONG\r\n") == 0);
+         i++)
+        len += raw_read(fd, raw + len, sizeof raw - 1 - len, 1, &closed);
+    close(fd);
+    len -= 7; /* the PONG after it */
+    cr_assert(len > 4096 && len < 32768 && !closed, "COMMAND DOCS reply of %zu bytes", len);
+    redisReply *one = cmd(c, "COMMAND DOCS");
+    cr_assert_eq(one->type, REDIS_REPLY_ARRAY);
+    for (int i = 0; i < DOCS; i++)
+        cr_assert_eq(redisAppendCommand(c, "COMMAND DOCS"), REDIS_OK);
+    send_all_unread(c);
+    for (int i = 0; i < DOCS; i++) {
+        redisReply *r = NULL;
+        cr_assert_eq(redisGetReply(c, (void **)&r), REDIS_OK, "pipelined COMMAND DOCS %d: %s", i,
+                     c->errstr);
+        cr_assert(r->type == REDIS_REPLY_ARRAY && r->elements == one->elements,
+                  "pipelined COMMAND DOCS %d", i);
+        freeReplyObject(r);
+    }
+    freeReplyObject(one);
+    expect_status(cmd(c, "PING"), "PONG");
+    redisFree(c);
+}
+
+static void start_output_4m(void)
+{
+    static const char *const extra[] = {"--client-output-max", "4m", NULL};
+    start_with(extra);
+}
+
+/* A read made off the loop (IDEM.SCAN) behind replies its client has not read yet waits until
+ * they leave its reply room within --client-output-max: appended to them, its reply closed
+ * the connection (reason=output_limit). */
+Test(server, a_scan_behind_unread_replies_waits_for_them_to_be_read, .init = start_output_4m)
+{
+    enum { KEYS = 10000, KEY_LEN = 500, ECHOS = 60, LEN = 60000, COUNT = 7700 };
+    redisContext *a = connect_unix();
+    char key[KEY_LEN + 1];
+    memset(key, 'k', KEY_LEN);
+    key[KEY_LEN] = '\0';
+    for (int i = 0; i < KEYS; i++) {
+        snprintf(key, sizeof key, "%05d", i);
+        key[5] = 'k';
+        cr_assert_eq(redisAppendCommand(a, "SET %s v NX PX 600000", key), REDIS_OK);
+    }
+    for (int i = 0; i < KEYS; i++) {
+        void *r = NULL;
+        cr_assert_eq(redisGetReply(a, &r), REDIS_OK, "%s", a->errstr);
+        cr_assert_str_eq(((redisReply *)r)->str, "OK");
+        freeReplyObject(r);
+    }
+    char *msg = malloc(LEN);
+    cr_assert(msg);
+    for (int i = 0; i < ECHOS; i++) {
+        memset(msg, 'a' + i % 26, LEN);
+        cr_assert_eq(redisAppendCommand(a, "ECHO %b", msg, (size_t)LEN), REDIS_OK);
+    }
+    cr_assert_eq(redisAppendCommand(a, "IDEM.SCAN 0 COUNT %d", COUNT), REDIS_OK);
+    send_all_unread(a);
+    for (int i = 0; i < ECHOS; i++) {
+        void *r = NULL;
+        cr_assert_eq(redisGetReply(a, &r), REDIS_OK, "pipelined ECHO %d: %s", i, a->errstr);
+        memset(msg, 'a' + i % 26, LEN);
+        cr_assert(holds_result(r, msg, LEN), "pipelined ECHO %d", i);
+        freeReplyObject(r);
+    }
+    free(msg);
+    redisReply *r = NULL;
+    cr_assert_eq(redisGetReply(a, (void **)&r), REDIS_OK, "the scan: %s", a->errstr);
+    cr_assert(r->type == REDIS_REPLY_ARRAY && r->elements == 2, "the scan: type %d", r->type);
+    redisReply *keys = r->element[1];
+    /* enough keys that, added to the ECHOs left unread, the reply passed the limit */
+    cr_assert_gt(keys->elements, 1000u);
+    static unsigned char seen[KEYS];
+    memset(seen, 0, sizeof seen);
+    for (size_t i = 0; i < keys->elements; i++) {
+        const redisReply *k = keys->element[i];
+        cr_assert(k->type == REDIS_REPLY_STRING && k->len == KEY_LEN, "key %zu", i);
+        int n = atoi(k->str);
+        cr_assert(n >= 0 && n < KEYS && !seen[n], "key %zu: %.8s", i, k->str);
+        seen[n] = 1;
+    }
+    freeReplyObject(r);
+    expect_status(cmd(a, "PING"), "PONG");
+    redisFree(a);
+}
+
 /* A figure of idemd's /proc status ("VmRSS:", "RssAnon:"), in KiB (-1 if unknown). */
 static long status_kib(pid_t pid, const char *field)
 {

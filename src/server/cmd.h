@@ -10,10 +10,12 @@
 
 #include "server.h"
 
-#define CMD_F_NOAUTH  0x1 /* allowed before AUTH */
-#define CMD_F_LOADING 0x2 /* allowed while the store recovers */
-#define CMD_F_WRITE   0x4 /* for COMMAND's flags */
-#define CMD_F_RESULT  0x8 /* its reply may carry a result or a record (srv_record_reply_max) */
+#define CMD_F_NOAUTH  0x1  /* allowed before AUTH */
+#define CMD_F_LOADING 0x2  /* allowed while the store recovers */
+#define CMD_F_WRITE   0x4  /* for COMMAND's flags */
+#define CMD_F_RESULT  0x8  /* its reply may carry a result or a record (srv_record_reply_max) */
+#define CMD_F_MESSAGE 0x10 /* its reply repeats its message, as long as a result (PING, ECHO) */
+#define CMD_F_LONG    0x20 /* its reply may pass SRV_REPLY_SMALL, never SRV_REPLY_LONG */
 
 #define ROLES_ALL  (ROLE_WORKER | ROLE_READER | ROLE_ADMIN)
 #define ROLES_READ (ROLE_READER | ROLE_ADMIN)

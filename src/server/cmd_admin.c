@@ -156,7 +156,9 @@ static uint64_t read_reply_max(const srv *s, const srv_read_args *a)
 
 /* Makes the read on the reads thread (reads.c), or here when there is none. The batch goes
  * first, so that the read sees every earlier request. The reply is owed at its largest, or at
- * the room memory pressure leaves, which then bounds it (a larger one is refused by name). */
+ * the room memory pressure leaves, which then bounds it (a larger one is refused by name). On
+ * the thread, a read waits until the replies before it, left unread, leave it that room within
+ * --client-output-max: appended to them, its reply closed the connection. */
 static void read_request(cmd_req *r, const srv_read_args *a)
 {
     if (r->c->hung_up) { /* no one reads the reply */
@@ -164,10 +166,10 @@ static void read_request(cmd_req *r, const srv_read_args *a)
         return cmd_fail(r, "ERR the client left");
     }
     srv_flush_ops(r->s);
-    uint64_t most = read_reply_max(r->s, a), line = srv_reads_room(r->s);
-    uint64_t room = srv_reply_room(r->s, most < line ? most : line);
+    uint64_t most = read_reply_max(r->s, a);
+    if (srv_reads_submit(r->s, r->c, r->seq, a, most) == 0) return;
+    uint64_t line = srv_reads_room(r->s), room = srv_reply_room(r->s, most < line ? most : line);
     srv_reply_owe(r->s, r->c, r->seq, room);
-    if (srv_reads_submit(r->s, r->c, r->seq, a, room) == 0) return;
     srv_reads_test_delay(r->s);
     srv_read_run(r->s->q_sync, a, cmd_out(r));
     cmd_done(r);

@@ -487,7 +487,7 @@ const cmd_def cmd_table[] = {
              {.name = "state", .type = "oneof", .token = "STATE", .flags = DOC_OPTIONAL,
               .sub = ARGS(PURE("in_flight"), PURE("committed"), PURE("review"))},
              OPT_INT("OLDER", "ms"), OPT_INT("COUNT", "count"))),
-    CMD("IDEM.STATS", 1, ROLES_READ, 0, cmd_stats, NULL,
+    CMD("IDEM.STATS", 1, ROLES_READ, CMD_F_LONG, cmd_stats, NULL,
         "Returns the store's counters", "idem", NULL),
     CMD("IDEM.RESOLVE", -4, ROLE_ADMIN, CMD_F_WRITE, cmd_resolve, resolve_args,
         "Decides an unfinished record (admin; audited)", "idem",
@@ -526,12 +526,12 @@ const cmd_def cmd_table[] = {
         "Deletes records (admin; audited)", "generic", ARGS(KEYS)),
     CMD("DBSIZE", 1, ROLES_READ, 0, cmd_dbsize, NULL,
         "Returns the number of records", "server", NULL),
-    CMD("PING", -1, ROLES_ALL, 0, cmd_ping, result_args,
+    CMD("PING", -1, ROLES_ALL, CMD_F_MESSAGE, cmd_ping, result_args,
         "Answers PONG, or the message", "connection",
         ARGS({.name = "message", .type = "string", .flags = DOC_OPTIONAL})),
-    CMD("ECHO", 2, ROLES_ALL, 0, cmd_echo, result_args,
+    CMD("ECHO", 2, ROLES_ALL, CMD_F_MESSAGE, cmd_echo, result_args,
         "Answers the message", "connection", ARGS(STR("message"))),
-    CMD("INFO", -1, ROLES_ALL, CMD_F_LOADING, cmd_info, NULL,
+    CMD("INFO", -1, ROLES_ALL, CMD_F_LOADING | CMD_F_LONG, cmd_info, NULL,
         "Returns information about the server and the store", "server", ARGS(MORE("section"))),
     CMD("AUTH", -2, ROLES_ALL, CMD_F_NOAUTH | CMD_F_LOADING, cmd_auth, NULL,
         "Authenticates the connection", "connection",
@@ -548,10 +548,10 @@ const cmd_def cmd_table[] = {
         "connection", ARGS(STR("subcommand"), MORE("argument"))),
     CMD("SELECT", 2, ROLES_ALL, CMD_F_LOADING, cmd_select, NULL,
         "Selects database 0, the only one", "connection", ARGS(INT("index"))),
-    CMD("COMMAND", -1, ROLES_ALL, CMD_F_LOADING, cmd_command, NULL,
+    CMD("COMMAND", -1, ROLES_ALL, CMD_F_LOADING | CMD_F_LONG, cmd_command, NULL,
         "Describes the commands (COUNT, DOCS, INFO)", "server",
         ARGS({.name = "subcommand", .type = "string", .flags = DOC_OPTIONAL}, MORE("argument"))),
-    CMD("CONFIG", -2, ROLES_READ, CMD_F_LOADING, cmd_config, NULL,
+    CMD("CONFIG", -2, ROLES_READ, CMD_F_LOADING | CMD_F_LONG, cmd_config, NULL,
         "Returns the settings that match the patterns (GET only)", "server",
         ARGS(PURE("GET"), {.name = "parameter", .type = "string", .flags = DOC_MULTIPLE})),
     CMD("QUIT", -1, ROLES_ALL, CMD_F_NOAUTH | CMD_F_LOADING, cmd_quit, NULL,
@@ -670,6 +670,9 @@ static int roles_allow(const cmd_def *d, int role)
  * bound is known: srv_reply_owe). */
 static uint32_t reply_max(const cmd_req *r, const cmd_def *d)
 {
+    if (d && (d->flags & CMD_F_MESSAGE))
+        return r->argc > 1 && r->argl[1] > SRV_REPLY_SMALL - 32 ? r->argl[1] + 32 : SRV_REPLY_SMALL;
+    if (d && (d->flags & CMD_F_LONG)) return SRV_REPLY_LONG;
     if (!d || !(d->flags & CMD_F_RESULT)) return SRV_REPLY_SMALL;
     if (d->fn == cmd_set) {
         uint32_t i = 3;
@@ -698,7 +701,8 @@ uint64_t srv_next_reply_max(const srv *s, const uint8_t *in, size_t n)
         if (p == end) return srv_record_reply_now(s);
     }
     const cmd_def *d = len <= 64 ? cmd_find(name, (uint32_t)len) : NULL;
-    return d && !(d->flags & CMD_F_RESULT) ? SRV_REPLY_SMALL : srv_record_reply_now(s);
+    if (!d || (d->flags & (CMD_F_RESULT | CMD_F_MESSAGE))) return srv_record_reply_now(s);
+    return d->flags & CMD_F_LONG ? SRV_REPLY_LONG : SRV_REPLY_SMALL;
 }
 
 void cmd_dispatch(srv *s, srv_conn *c, uint32_t seq, uint32_t argc, const uint8_t *const *argv,

@@ -723,6 +723,13 @@ static uint64_t conn_out_weight(const srv_conn *c)
     return conn_unread(c) + c->owed;
 }
 
+uint64_t srv_out_room(const srv *s, srv_conn *c, uint32_t seq)
+{
+    const srv_slot *sl = srv_slot_of(c, seq);
+    uint64_t others = conn_out_weight(c) + c->short_by - sl->owed - sl->short_by;
+    return others < s->cfg.client_output_max ? s->cfg.client_output_max - others : 0;
+}
+
 /* Input not parsed yet: past SRV_IN_HEAVY_BYTES, a large request on its way in, or a pipeline
  * held back (see conn_update_events). */
 static size_t conn_in_pending(const srv_conn *c)
@@ -942,8 +949,11 @@ static int conn_may_parse(srv *s, srv_conn *c)
     }
     /* Room for the next request's reply within the client's limit (a pipeline is held back
      * there, not closed): the first one always. The next command is looked at only within one
-     * largest reply of the limit, not at each pipelined request. */
-    if (owed && owed + srv_record_reply_now(s) > limit &&
+     * largest reply of the limit (a record's, or SRV_REPLY_LONG), not at each pipelined
+     * request. */
+    uint64_t window = srv_record_reply_now(s);
+    if (window < SRV_REPLY_LONG) window = SRV_REPLY_LONG;
+    if (owed && owed + window > limit &&
         owed + srv_next_reply_max(s, c->in + c->in_start, c->in_len - c->in_start) > limit)
         return 0;
     return engine_room(s);
@@ -1100,6 +1110,7 @@ static void conn_write(srv *s, srv_conn *c)
     if (c->paused == PAUSE_OUTPUT && conn_out_weight(c) < SRV_HEAVY_BYTES / 2)
         conn_unpause(s, c); /* it reads its replies: read it again */
     conn_update_events(s, c);
+    srv_reads_unpark(s, c); /* its read may have room now */
 }
 
 /* Connections held back by the full engine queue go on as soon as there is room again. */

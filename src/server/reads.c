@@ -24,7 +24,16 @@
  *     buffer is made when its turn comes). Made on the loop past 64 out, as they were, 65
  *     connections with a slow query each stalled everyone. Memory: one reply at a time is being
  *     made; at most SRV_READS_KEEP reads that came back are kept for reuse (reads_free).
- *   - Reads are made on the loop (q_sync) only when the thread could not be started.
+ *   - A read whose reply, at its largest, would not fit what the client's earlier replies, unread
+ *     or owed, leave of --client-output-max is parked on its connection (read_parked, still
+ *     read_due) and handed over once the client has read enough of them (srv_reads_unpark, at
+ *     each write): appended to them, its reply closed the connection (output_limit). A parked
+ *     read holds no slot of the thread's line (reads_owed, reads_out) and no engine_due; it is
+ *     owed against the budget; a connection that closes or hangs up withdraws it as it would
+ *     a read not begun. Nothing after it is parsed, and a client that reads nothing is timed
+ *     as any slow reader, so it waits for that client alone.
+ *   - Reads are made on the loop (q_sync) only when the thread could not be started (there they
+ *     are not parked: a reply past the limit closes the connection).
  * Tests only: with --test-clock, IDEM_TEST_READS_DELAY_MS makes every read wait that long first,
  * on the thread or on the loop (srv_reads_test_delay), so that a test can show which one.
  */
@@ -91,47 +100,6 @@ int srv_reads_start(srv *s)
     return 0;
 }
 
-int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a, uint64_t limit)
-{
-    if (!s->reads_started) return -1;
-    srv_read *r = s->reads_free;
-    if (r) {
-        s->reads_free = r->next;
-        s->reads_kept--;
-    } else {
-        r = calloc(1, sizeof *r);
-        if (!r) return -1;
-    }
-    r->reply.limit = limit; /* empty: new, or emptied when it came back */
-    r->room = limit;
-    s->reads_owed += limit;
-    r->conn = c->index;
-    r->seq = seq;
-    r->a = *a;
-    r->next = NULL;
-    s->reads_out++;
-    c->read_due = 1;
-    c->engine_due++;
-    s->engine_due++;
-    pthread_mutex_lock(&s->reads_mu);
-    if (s->reads_todo_tail)
-        s->reads_todo_tail->next = r;
-    else
-        s->reads_todo = r;
-    s->reads_todo_tail = r;
-    pthread_cond_signal(&s->reads_cond);
-    pthread_mutex_unlock(&s->reads_mu);
-    return 0;
-}
-
-uint64_t srv_reads_room(const srv *s)
-{
-    uint64_t budget = s->cfg.io_budget_bytes;
-    if (!s->reads_started) return UINT64_MAX;
-    uint64_t cap = budget / SRV_READS_DIV, left = cap > s->reads_owed ? cap - s->reads_owed : 0;
-    return left > SRV_OWED_TIGHT ? left : SRV_OWED_TIGHT;
-}
-
 /* A read that came back (or was withdrawn) is kept for reuse, SRV_READS_KEEP at most. */
 static void read_recycle(srv *s, srv_read *r)
 {
@@ -146,6 +114,89 @@ static void read_recycle(srv *s, srv_read *r)
     r->next = s->reads_free;
     s->reads_free = r;
     s->reads_kept++;
+}
+
+/* Hands r to the thread, its reply bounded by room. */
+static void reads_enqueue(srv *s, srv_conn *c, srv_read *r, uint64_t room)
+{
+    r->reply.limit = room; /* empty: new, or emptied when it came back */
+    r->room = room;
+    s->reads_owed += room;
+    r->next = NULL;
+    s->reads_out++;
+    c->engine_due++;
+    s->engine_due++;
+    pthread_mutex_lock(&s->reads_mu);
+    if (s->reads_todo_tail)
+        s->reads_todo_tail->next = r;
+    else
+        s->reads_todo = r;
+    s->reads_todo_tail = r;
+    pthread_cond_signal(&s->reads_cond);
+    pthread_mutex_unlock(&s->reads_mu);
+}
+
+/* The room r's reply may have now (srv_reply_room, srv_reads_room), or 0 while the replies
+ * before it leave it less of --client-output-max (srv_out_room). */
+static uint64_t read_room_now(srv *s, srv_conn *c, const srv_read *r)
+{
+    uint64_t line = srv_reads_room(s);
+    uint64_t room = srv_reply_room(s, r->want < line ? r->want : line);
+    return room <= srv_out_room(s, c, r->seq) ? room : 0;
+}
+
+int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a, uint64_t want)
+{
+    if (!s->reads_started) return -1;
+    srv_read *r = s->reads_free;
+    if (r) {
+        s->reads_free = r->next;
+        s->reads_kept--;
+    } else {
+        r = calloc(1, sizeof *r);
+        if (!r) return -1;
+    }
+    r->conn = c->index;
+    r->seq = seq;
+    r->a = *a;
+    r->want = want;
+    c->read_due = 1;
+    uint64_t room = read_room_now(s, c, r);
+    if (room == 0) {
+        uint64_t line = srv_reads_room(s); /* owed meanwhile at what it would be handed now */
+        srv_reply_owe(s, c, seq, srv_reply_room(s, want < line ? want : line));
+        c->read_parked = r;
+        return 0;
+    }
+    srv_reply_owe(s, c, seq, room);
+    reads_enqueue(s, c, r, room);
+    return 0;
+}
+
+void srv_reads_unpark(srv *s, srv_conn *c)
+{
+    srv_read *r = c->read_parked;
+    if (!r || c->fd < 0) return;
+    uint64_t room = s->draining ? 0 : read_room_now(s, c, r);
+    if (room == 0 && !s->draining) return;
+    c->read_parked = NULL;
+    if (s->draining) { /* nothing new is begun; the client hears why */
+        c->read_due = 0;
+        resp_error(srv_reply_buf(c, r->seq), "ERR server is shutting down");
+        srv_reply_done(s, c, r->seq);
+        read_recycle(s, r);
+        return;
+    }
+    srv_reply_owe(s, c, r->seq, room);
+    reads_enqueue(s, c, r, room);
+}
+
+uint64_t srv_reads_room(const srv *s)
+{
+    uint64_t budget = s->cfg.io_budget_bytes;
+    if (!s->reads_started) return UINT64_MAX;
+    uint64_t cap = budget / SRV_READS_DIV, left = cap > s->reads_owed ? cap - s->reads_owed : 0;
+    return left > SRV_OWED_TIGHT ? left : SRV_OWED_TIGHT;
 }
 
 void srv_reads_done(srv *s)
@@ -182,6 +233,15 @@ void srv_reads_done(srv *s)
 
 int srv_reads_cancel(srv *s, srv_conn *c, uint32_t *seq)
 {
+    if (c->read_parked) { /* never handed over */
+        srv_read *r = c->read_parked;
+        c->read_parked = NULL;
+        c->read_due = 0;
+        s->reads_withdrawn++;
+        *seq = r->seq;
+        read_recycle(s, r);
+        return 1;
+    }
     if (!c->read_due || !s->reads_started) return 0;
     srv_read *found = NULL;
     pthread_mutex_lock(&s->reads_mu);

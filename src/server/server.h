@@ -60,6 +60,7 @@
 #define SRV_OWED_TIGHT        (1u << 20)    /* replies a client may be owed under memory pressure */
 #define SRV_SLOTS_KEEP        64     /* a slot ring this small is kept while idle, uncounted */
 #define SRV_REPLY_SMALL       512u   /* owed for a reply without a result (cmd_dispatch) */
+#define SRV_REPLY_LONG        32768u /* owed for INFO, COMMAND, CONFIG, IDEM.STATS (cmd_dispatch) */
 #define SRV_SHORT_DIV         4u     /* owed short of largest replies: --io-budget / this at most */
 #define SRV_READS_DIV         8u     /* reads in line may be owed --io-budget / this */
 #define SRV_STALL_BYTES       65536u /* unread replies that make a stalled client a slow reader */
@@ -160,6 +161,8 @@ typedef struct srv_slot {
     size_t buf_counted; /* buf.cap as counted in the connection's slot_bytes */
 } srv_slot;
 
+typedef struct srv_read srv_read; /* below */
+
 typedef struct srv_conn {
     uint64_t id;
     uint32_t index; /* in srv.conns */
@@ -198,8 +201,10 @@ typedef struct srv_conn {
     int deferred;                /* unparsed input waits for pipeline room */
     int in_held;                 /* on srv.held */
     int in_dirty;                /* on the list of connections to write (loop.c) */
-    int read_due;                /* a read is under way on the reads thread (reads.c): nothing
-                                    after it is parsed until it is answered */
+    int read_due;                /* a read is under way on the reads thread, or parked (reads.c):
+                                    nothing after it is parsed until it is answered */
+    srv_read *read_parked;       /* its read, while the replies before it leave its reply no
+                                    room within --client-output-max (reads.c) */
     int64_t partial_since_ms;    /* a request is begun but not whole since then (0: none) */
     uint32_t waits_due;          /* its claims with WAIT the engine has not answered: nothing
                                     after one is parsed until it is (a claim behind it could
@@ -244,6 +249,7 @@ typedef struct srv_read {
     struct srv_read *next;
     uint32_t conn, seq; /* the request: connection index and sequence */
     srv_read_args a;
+    uint64_t want;  /* the largest reply it can make (read_reply_max) */
     uint64_t room;  /* what its reply may hold, counted in srv.reads_owed until it is back */
     resp_buf reply; /* made by the thread */
 } srv_read;
@@ -382,6 +388,9 @@ void srv_reply_owe(srv *s, srv_conn *c, uint32_t seq, uint64_t bytes);
 /* Room for a reply of up to `want` bytes: want, or less under memory pressure (what is left of
  * the budget, at least SRV_OWED_TIGHT), at most --client-output-max. */
 uint64_t srv_reply_room(const srv *s, uint64_t want);
+/* What c's replies other than request seq's, unread or owed at their largest, leave of
+ * --client-output-max. */
+uint64_t srv_out_room(const srv *s, srv_conn *c, uint32_t seq);
 /* Queues an engine op for request `seq`, whose completion is formatted as `kind` (enum
  * reply_kind). The op's user_data is set here; its pointers must stay valid until the batch is
  * submitted (they point into the connection's input buffer). */
@@ -405,9 +414,14 @@ void srv_backup_join(srv *s);
 /* ---- reads.c ---- */
 /* Starts the reads thread with its own queue (after the store is open). Returns 0 or -1. */
 int srv_reads_start(srv *s);
-/* Hands the read of request `seq` of c to the thread, or returns -1 when there is no thread or
- * no memory (the caller makes it on the loop). */
-int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a, uint64_t limit);
+/* Hands the read of request `seq` of c, whose reply can be up to `want` bytes, to the thread,
+ * or parks it on c while the replies before it leave it too little room (srv_out_room): it is
+ * handed over once c has read them (srv_reads_unpark). Returns -1 when there is no thread or no
+ * memory (the caller makes it on the loop). */
+int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a, uint64_t want);
+/* c wrote replies: its parked read is handed over if its reply has room now (while idemd
+ * drains, it is answered with an error instead). */
+void srv_reads_unpark(srv *s, srv_conn *c);
 /* What a read handed to the reads thread may still be owed: reads waiting in line together are
  * owed at most --io-budget / SRV_READS_DIV (each at least SRV_OWED_TIGHT). */
 uint64_t srv_reads_room(const srv *s);
@@ -489,8 +503,8 @@ uint64_t srv_record_reply_max(const srv_config *cfg);
  * --client-output-max: what a reply that may carry a result is reserved at (cmd_idem.c). */
 uint64_t srv_record_reply_now(const srv *s);
 /* The largest reply the request at the head of in (n bytes) can make, by its command's name:
- * srv_record_reply_now for one that may carry a result or whose name is not all in yet,
- * SRV_REPLY_SMALL for the others (commands.c). */
+ * srv_record_reply_now for one that may carry a result or its message, or whose name is not all
+ * in yet, SRV_REPLY_LONG for those flagged long, SRV_REPLY_SMALL for the others (commands.c). */
 uint64_t srv_next_reply_max(const srv *s, const uint8_t *in, size_t n);
 
 #endif /* IDEM_SERVER_SERVER_H */
