@@ -2407,6 +2407,16 @@ Test(server, pipelined_replies_without_results_are_held_back_not_closed, .init =
     cr_assert(len > 4096 && len < 32768 && !closed, "COMMAND DOCS reply of %zu bytes", len);
     redisReply *one = cmd(c, "COMMAND DOCS");
     cr_assert_eq(one->type, REDIS_REPLY_ARRAY);
+    /* a command named again and again is listed once: no reply is longer than the whole table */
+    const char *argv[64];
+    argv[0] = "COMMAND";
+    argv[1] = "DOCS";
+    for (int i = 2; i < 64; i++)
+        argv[i] = i % 2 ? "idem.resolve" : "IDEM.RESOLVE";
+    redisReply *dup = redisCommandArgv(c, 64, argv, NULL);
+    cr_assert(dup && dup->type == REDIS_REPLY_ARRAY && dup->elements == 2, "COMMAND DOCS named");
+    cr_assert_str_eq(dup->element[0]->str, "idem.resolve");
+    freeReplyObject(dup);
     for (int i = 0; i < DOCS; i++)
         cr_assert_eq(redisAppendCommand(c, "COMMAND DOCS"), REDIS_OK);
     send_all_unread(c);
@@ -2434,7 +2444,9 @@ static void start_output_4m(void)
  * the connection (reason=output_limit). */
 Test(server, a_scan_behind_unread_replies_waits_for_them_to_be_read, .init = start_output_4m)
 {
-    enum { KEYS = 10000, KEY_LEN = 500, ECHOS = 60, LEN = 60000, COUNT = 7700 };
+    /* Every ECHO is parsed at once (what they leave unread stays below 4 MiB less a largest
+     * reply), and the scan's reply, 64 + 7,700 x 528 bytes at most, is owed within the limit. */
+    enum { KEYS = 20000, KEY_LEN = 500, ECHOS = 68, LEN = 60000, COUNT = 7700 };
     redisContext *a = connect_unix();
     char key[KEY_LEN + 1];
     memset(key, 'k', KEY_LEN);
@@ -2470,8 +2482,14 @@ Test(server, a_scan_behind_unread_replies_waits_for_them_to_be_read, .init = sta
     cr_assert_eq(redisGetReply(a, (void **)&r), REDIS_OK, "the scan: %s", a->errstr);
     cr_assert(r->type == REDIS_REPLY_ARRAY && r->elements == 2, "the scan: type %d", r->type);
     redisReply *keys = r->element[1];
-    /* enough keys that, added to the ECHOs left unread, the reply passed the limit */
-    cr_assert_gt(keys->elements, 1000u);
+    /* The reply is large enough that, added to the ECHOs left unread, it passed the limit
+     * (4 MiB) without the fix, were the kernel to hold up to 1 MiB of them (it holds about
+     * 200 KiB of a unix socket's). */
+    size_t reply_bytes = keys->elements * (KEY_LEN + 8);
+    fprintf(stderr, "scan behind unread replies: %zu keys listed, about %zu bytes\n",
+            keys->elements, reply_bytes);
+    cr_assert_gt(reply_bytes + (size_t)ECHOS * LEN - (1u << 20), 4u << 20, "%zu keys listed",
+                 keys->elements);
     static unsigned char seen[KEYS];
     memset(seen, 0, sizeof seen);
     for (size_t i = 0; i < keys->elements; i++) {

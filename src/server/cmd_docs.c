@@ -69,13 +69,19 @@ void cmd_docs_reply(resp_buf *b, const cmd_req *r)
             doc_entry(b, &cmd_table[i]);
         return;
     }
-    /* The commands named, each once per naming, those unknown left out (as Redis does). */
-    int64_t found = 0;
-    for (uint32_t i = 2; i < r->argc; i++)
-        found += cmd_find(r->argv[i], r->argl[i]) != NULL;
-    resp_array(b, 2 * found);
-    for (uint32_t i = 2; i < r->argc; i++) {
+    /* The commands named, those unknown left out (as Redis does), each once however often it
+     * is named (Redis repeats it): the reply is never longer than the whole table's, which
+     * SRV_REPLY_LONG bounds (cmd_dispatch owes COMMAND that). */
+    const cmd_def *named[RESP_ARGV_MAX];
+    uint32_t found = 0;
+    for (uint32_t i = 2; i < r->argc && found < RESP_ARGV_MAX; i++) {
         const cmd_def *d = cmd_find(r->argv[i], r->argl[i]);
-        if (d) doc_entry(b, d);
+        uint32_t j = 0;
+        while (j < found && named[j] != d)
+            j++;
+        if (d && j == found) named[found++] = d;
     }
+    resp_array(b, 2 * (int64_t)found);
+    for (uint32_t i = 0; i < found; i++)
+        doc_entry(b, named[i]);
 }

@@ -28,10 +28,10 @@
  *     or owed, leave of --client-output-max is parked on its connection (read_parked, still
  *     read_due) and handed over once the client has read enough of them (srv_reads_unpark, at
  *     each write): appended to them, its reply closed the connection (output_limit). A parked
- *     read holds no slot of the thread's line (reads_owed, reads_out) and no engine_due; it is
- *     owed against the budget; a connection that closes or hangs up withdraws it as it would
- *     a read not begun. Nothing after it is parsed, and a client that reads nothing is timed
- *     as any slow reader, so it waits for that client alone.
+ *     read holds no slot of the thread's line (reads_owed, reads_out) and no engine_due, and is
+ *     owed SRV_REPLY_SMALL (its room is owed when it is handed over); a connection that closes
+ *     or hangs up withdraws it as it would a read not begun. Nothing after it is parsed, and a
+ * client that reads nothing is timed as any slow reader, so it waits for that client alone.
  *   - Reads are made on the loop (q_sync) only when the thread could not be started (there they
  *     are not parked: a reply past the limit closes the connection).
  * Tests only: with --test-clock, IDEM_TEST_READS_DELAY_MS makes every read wait that long first,
@@ -163,8 +163,9 @@ int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a, 
     c->read_due = 1;
     uint64_t room = read_room_now(s, c, r);
     if (room == 0) {
-        uint64_t line = srv_reads_room(s); /* owed meanwhile at what it would be handed now */
-        srv_reply_owe(s, c, seq, srv_reply_room(s, want < line ? want : line));
+        /* Owed little while parked: reads parked on many connections would each owe their
+         * largest reply outside the reads' share of the budget (srv_reads_room). */
+        srv_reply_owe(s, c, seq, SRV_REPLY_SMALL);
         c->read_parked = r;
         return 0;
     }
@@ -177,6 +178,12 @@ void srv_reads_unpark(srv *s, srv_conn *c)
 {
     srv_read *r = c->read_parked;
     if (!r || c->fd < 0) return;
+    if (!srv_reply_pending(c, r->seq)) { /* answered already (a fatal store error) */
+        c->read_parked = NULL;
+        c->read_due = 0;
+        read_recycle(s, r);
+        return;
+    }
     uint64_t room = s->draining ? 0 : read_room_now(s, c, r);
     if (room == 0 && !s->draining) return;
     c->read_parked = NULL;
@@ -235,12 +242,13 @@ int srv_reads_cancel(srv *s, srv_conn *c, uint32_t *seq)
 {
     if (c->read_parked) { /* never handed over */
         srv_read *r = c->read_parked;
+        int pending = srv_reply_pending(c, r->seq); /* not if a fatal error answered it */
         c->read_parked = NULL;
         c->read_due = 0;
-        s->reads_withdrawn++;
+        s->reads_withdrawn += (uint64_t)pending;
         *seq = r->seq;
         read_recycle(s, r);
-        return 1;
+        return pending;
     }
     if (!c->read_due || !s->reads_started) return 0;
     srv_read *found = NULL;
