@@ -4,7 +4,7 @@
  *
  * Scans, the attention list and the audit trail are reads made by the reads thread (reads.c),
  * after the pending batch is submitted so that they see every earlier request; srv_read_run
- * makes one and writes its reply (also on the loop, with q_sync, when that thread has too many).
+ * makes one and writes its reply.
  * DEL of several keys goes to the engine as one group of deletes, which deletes none if any is
  * unfinished.
  */
@@ -154,11 +154,11 @@ static uint64_t read_reply_max(const srv *s, const srv_read_args *a)
     }
 }
 
-/* Makes the read on the reads thread (reads.c), or here when there is none. The batch goes
- * first, so that the read sees every earlier request. The reply is owed at its largest, or at
- * the room memory pressure leaves, which then bounds it (a larger one is refused by name). On
- * the thread, a read waits until the replies before it, left unread, leave it that room within
- * --client-output-max: appended to them, its reply closed the connection. */
+/* Hands the read to the reads thread (reads.c). The batch goes first, so that the read sees
+ * every earlier request. The reply is owed at its largest, or at the room memory pressure leaves,
+ * which then bounds it (a larger one is refused by name). A read waits until the replies before
+ * it, left unread, leave it that room within --client-output-max: appended to them, its reply
+ * closed the connection. */
 static void read_request(cmd_req *r, const srv_read_args *a)
 {
     if (r->c->hung_up) { /* no one reads the reply */
@@ -167,12 +167,8 @@ static void read_request(cmd_req *r, const srv_read_args *a)
     }
     srv_flush_ops(r->s);
     uint64_t most = read_reply_max(r->s, a);
-    if (srv_reads_submit(r->s, r->c, r->seq, a, most) == 0) return;
-    uint64_t line = srv_reads_room(r->s), room = srv_reply_room(r->s, most < line ? most : line);
-    srv_reply_owe(r->s, r->c, r->seq, room);
-    srv_reads_test_delay(r->s);
-    srv_read_run(r->s->q_sync, a, cmd_out(r));
-    cmd_done(r);
+    if (srv_reads_submit(r->s, r->c, r->seq, a, most) < 0)
+        cmd_fail(r, "ERR out of memory for the read: try again");
 }
 
 /* IDEM.SCAN cursor [STATE s] [OLDER ms] [COUNT n] */

@@ -72,9 +72,9 @@ void cmd_docs_reply(resp_buf *b, const cmd_req *r)
     /* The commands named, those unknown left out (as Redis does), each once however often it
      * is named (Redis repeats it): the reply is never longer than the whole table's, which
      * SRV_REPLY_LONG bounds (cmd_dispatch owes COMMAND that). */
-    const cmd_def *named[RESP_ARGV_MAX];
+    const cmd_def *named[RESP_ARGV_MAX]; /* at most argc - 2, and argc <= RESP_ARGV_MAX */
     uint32_t found = 0;
-    for (uint32_t i = 2; i < r->argc && found < RESP_ARGV_MAX; i++) {
+    for (uint32_t i = 2; i < r->argc; i++) {
         const cmd_def *d = cmd_find(r->argv[i], r->argl[i]);
         uint32_t j = 0;
         while (j < found && named[j] != d)

@@ -687,9 +687,11 @@ uint64_t srv_next_reply_max(const srv *s, const uint8_t *in, size_t n)
 {
     const uint8_t *p = in, *end = in + n, *name;
     size_t len = 0;
+    int bare;                   /* the name alone: no message to repeat */
     if (p < end && *p == '*') { /* *argc CRLF $len CRLF name CRLF */
         const uint8_t *nl = memchr(p, '\n', n);
         if (!nl || end - nl < 2 || nl[1] != '$') return srv_record_reply_now(s);
+        bare = nl - p == 3 && p[1] == '1';
         for (p = nl + 2; p < end && *p >= '0' && *p <= '9' && len <= 64; p++)
             len = len * 10 + (size_t)(*p - '0');
         if (end - p < 2 || p[0] != '\r' || (size_t)(end - p - 2) < len)
@@ -699,9 +701,11 @@ uint64_t srv_next_reply_max(const srv *s, const uint8_t *in, size_t n)
         for (name = p; p < end && *p != ' ' && *p != '\r' && *p != '\n'; p++)
             len++;
         if (p == end) return srv_record_reply_now(s);
+        bare = *p != ' ';
     }
     const cmd_def *d = len <= 64 ? cmd_find(name, (uint32_t)len) : NULL;
-    if (!d || (d->flags & (CMD_F_RESULT | CMD_F_MESSAGE))) return srv_record_reply_now(s);
+    if (!d || (d->flags & CMD_F_RESULT)) return srv_record_reply_now(s);
+    if (d->flags & CMD_F_MESSAGE) return bare ? SRV_REPLY_SMALL : srv_record_reply_now(s);
     return d->flags & CMD_F_LONG ? SRV_REPLY_LONG : SRV_REPLY_SMALL;
 }
 

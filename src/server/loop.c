@@ -1511,14 +1511,20 @@ static int load_finish(srv *s)
     s->load_started = 0;
     if (s->load_err != IDEM_OK) return -1;
     s->store = s->loaded;
-    if (idem_queue_open(s->store, s->cfg.queue_depth, &s->q) != IDEM_OK ||
-        idem_queue_open(s->store, 16, &s->q_sync) != IDEM_OK) {
+    if (idem_queue_open(s->store, s->cfg.queue_depth, &s->q) != IDEM_OK) {
         srv_log("error", "queue_open_failed", "depth=%u", s->cfg.queue_depth);
         return -1;
     }
     ep_add(s, idem_queue_fd(s->q), TAG_QUEUE, EPOLLIN);
-    if (srv_reads_start(s) < 0) /* reads are then made on the loop */
-        srv_log("warn", "reads_thread_failed", "msg=\"scans and audit queries run on the loop\"");
+    /* Reads made on the loop would leave every other client unanswered meanwhile (reads.c). */
+    int rc = srv_reads_start(s);
+    if (rc != 0) {
+        srv_log("error", "reads_thread_failed",
+                "msg=\"could not start the thread that makes scans and audit queries\" "
+                "error=\"%s\"",
+                strerror(rc));
+        return -1;
+    }
     s->loading = 0;
     idem_stats st;
     idem_get_stats(s->store, &st);
@@ -1771,7 +1777,6 @@ static int finish(srv *s, int rc)
         if (s->conns[i] && s->conns[i]->fd >= 0) conn_close(s, s->conns[i], "shutdown");
     srv_reads_stop(s); /* before the store closes: it reads the store */
     if (s->q) idem_queue_close(s->q);
-    if (s->q_sync) idem_queue_close(s->q_sync);
     if (s->load_started) { /* stopped while loading: the store it opened is closed below */
         pthread_join(s->load_thread, NULL);
         s->store = s->loaded;

@@ -31,12 +31,12 @@
  *     read holds no slot of the thread's line (reads_owed, reads_out) and no engine_due, and is
  *     owed SRV_REPLY_SMALL (its room is owed when it is handed over); a connection that closes
  *     or hangs up withdraws it as it would a read not begun. Nothing after it is parsed, and a
- * client that reads nothing is timed as any slow reader, so it waits for that client alone.
- *   - Reads are made on the loop (q_sync) only when the thread could not be started (there they
- *     are not parked: a reply past the limit closes the connection).
- * Tests only: with --test-clock, IDEM_TEST_READS_DELAY_MS makes every read wait that long first,
- * on the thread or on the loop (srv_reads_test_delay), so that a test can show which one.
+ *     client that reads nothing is timed as any slow reader, so it waits for that client alone.
+ *   - Reads are never made on the loop: idemd does not start without this thread.
+ * Tests only: with --test-clock, IDEM_TEST_READS_DELAY_MS makes every read wait that long first
+ * (reads_test_delay), so that a test can show the loop answers others meanwhile.
  */
+#include <errno.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -45,7 +45,8 @@
 
 #include "server.h"
 
-void srv_reads_test_delay(const srv *s)
+/* Tests (IDEM_TEST_READS_DELAY_MS under --test-clock): waits that long before a read. */
+static void reads_test_delay(const srv *s)
 {
     if (s->reads_delay_ms) {
         struct timespec ts = {s->reads_delay_ms / 1000, (long)(s->reads_delay_ms % 1000) * 1000000};
@@ -65,7 +66,7 @@ static void *reads_main(void *arg)
         s->reads_todo = r->next;
         if (!s->reads_todo) s->reads_todo_tail = NULL;
         pthread_mutex_unlock(&s->reads_mu);
-        srv_reads_test_delay(s);
+        reads_test_delay(s);
         srv_read_run(s->q_reads, &r->a, &r->reply);
         pthread_mutex_lock(&s->reads_mu);
         r->next = s->reads_done;
@@ -80,21 +81,22 @@ static void *reads_main(void *arg)
 
 int srv_reads_start(srv *s)
 {
-    if (idem_queue_open(s->store, 16, &s->q_reads) != IDEM_OK) return -1;
+    if (idem_queue_open(s->store, 16, &s->q_reads) != IDEM_OK) return ENOMEM;
     const char *delay = getenv("IDEM_TEST_READS_DELAY_MS");
     if (s->cfg.test_clock && delay) {
         unsigned long ms = strtoul(delay, NULL, 10);
         s->reads_delay_ms = ms < 60000 ? (uint32_t)ms : 60000;
     }
-    if (pthread_mutex_init(&s->reads_mu, NULL) != 0) return -1;
-    if (pthread_cond_init(&s->reads_cond, NULL) != 0) {
+    int rc = pthread_mutex_init(&s->reads_mu, NULL);
+    if (rc != 0) return rc;
+    if ((rc = pthread_cond_init(&s->reads_cond, NULL)) != 0) {
         pthread_mutex_destroy(&s->reads_mu);
-        return -1;
+        return rc;
     }
-    if (pthread_create(&s->reads_thread, NULL, reads_main, s) != 0) {
+    if ((rc = pthread_create(&s->reads_thread, NULL, reads_main, s)) != 0) {
         pthread_cond_destroy(&s->reads_cond);
         pthread_mutex_destroy(&s->reads_mu);
-        return -1;
+        return rc;
     }
     s->reads_started = 1;
     return 0;
@@ -147,7 +149,6 @@ static uint64_t read_room_now(srv *s, srv_conn *c, const srv_read *r)
 
 int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a, uint64_t want)
 {
-    if (!s->reads_started) return -1;
     srv_read *r = s->reads_free;
     if (r) {
         s->reads_free = r->next;
@@ -174,26 +175,35 @@ int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a, 
     return 0;
 }
 
+/* Takes c's parked read off its connection, never handed over, and keeps it for reuse; returns
+ * the seq of its reply. */
+static uint32_t parked_drop(srv *s, srv_conn *c)
+{
+    srv_read *r = c->read_parked;
+    uint32_t seq = r->seq;
+    c->read_parked = NULL;
+    c->read_due = 0;
+    read_recycle(s, r);
+    return seq;
+}
+
 void srv_reads_unpark(srv *s, srv_conn *c)
 {
     srv_read *r = c->read_parked;
     if (!r || c->fd < 0) return;
     if (!srv_reply_pending(c, r->seq)) { /* answered already (a fatal store error) */
-        c->read_parked = NULL;
-        c->read_due = 0;
-        read_recycle(s, r);
+        parked_drop(s, c);
         return;
     }
-    uint64_t room = s->draining ? 0 : read_room_now(s, c, r);
-    if (room == 0 && !s->draining) return;
-    c->read_parked = NULL;
     if (s->draining) { /* nothing new is begun; the client hears why */
-        c->read_due = 0;
-        resp_error(srv_reply_buf(c, r->seq), "ERR server is shutting down");
-        srv_reply_done(s, c, r->seq);
-        read_recycle(s, r);
+        uint32_t seq = parked_drop(s, c);
+        resp_error(srv_reply_buf(c, seq), "ERR server is shutting down");
+        srv_reply_done(s, c, seq);
         return;
     }
+    uint64_t room = read_room_now(s, c, r);
+    if (room == 0) return;
+    c->read_parked = NULL;
     srv_reply_owe(s, c, r->seq, room);
     reads_enqueue(s, c, r, room);
 }
@@ -201,7 +211,6 @@ void srv_reads_unpark(srv *s, srv_conn *c)
 uint64_t srv_reads_room(const srv *s)
 {
     uint64_t budget = s->cfg.io_budget_bytes;
-    if (!s->reads_started) return UINT64_MAX;
     uint64_t cap = budget / SRV_READS_DIV, left = cap > s->reads_owed ? cap - s->reads_owed : 0;
     return left > SRV_OWED_TIGHT ? left : SRV_OWED_TIGHT;
 }
@@ -241,16 +250,13 @@ void srv_reads_done(srv *s)
 int srv_reads_cancel(srv *s, srv_conn *c, uint32_t *seq)
 {
     if (c->read_parked) { /* never handed over */
-        srv_read *r = c->read_parked;
-        int pending = srv_reply_pending(c, r->seq); /* not if a fatal error answered it */
-        c->read_parked = NULL;
-        c->read_due = 0;
+        /* not pending if a fatal error answered it */
+        int pending = srv_reply_pending(c, c->read_parked->seq);
         s->reads_withdrawn += (uint64_t)pending;
-        *seq = r->seq;
-        read_recycle(s, r);
+        *seq = parked_drop(s, c);
         return pending;
     }
-    if (!c->read_due || !s->reads_started) return 0;
+    if (!c->read_due) return 0;
     srv_read *found = NULL;
     pthread_mutex_lock(&s->reads_mu);
     for (srv_read **pp = &s->reads_todo, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next) {

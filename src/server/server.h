@@ -3,10 +3,9 @@
  * loop thread, and connections with their FIFO of outstanding replies.
  *
  * Ownership: one thread (the event loop, loop.c) owns everything here. The engine is used only
- * through `q` (the asynchronous form: idem_submit / idem_poll) and `q_sync` (blocking reads made
- * on the loop when the reads thread is busy), so nothing is shared with other threads except the
- * store handle, which is thread-safe, and what the backup and reads threads are handed (backup.c,
- * reads.c: each names what it shares and how).
+ * through `q` (the asynchronous form: idem_submit / idem_poll), so nothing is shared with other
+ * threads except the store handle, which is thread-safe, and what the backup and reads threads are
+ * handed (backup.c, reads.c: each names what it shares and how).
  *
  * Reply order: every request takes the next sequence number of its connection and a slot in the
  * connection's ring. Replies leave in sequence order: a reply for the head slot is written to
@@ -266,7 +265,7 @@ typedef struct srv_log_gate {
 typedef struct srv {
     srv_config cfg;
     idem_store *store;
-    idem_queue *q, *q_sync;
+    idem_queue *q;
     int epfd, unix_fd, tcp_fd, metrics_fd, sig_fd, load_fd;
     srv_metrics_conn mconns[SRV_METRICS_CONNS];
     int64_t metrics_wait_ms, metrics_max_ms; /* SRV_METRICS_WAIT_MS and _MAX_MS (metrics_init) */
@@ -395,7 +394,8 @@ uint64_t srv_out_room(const srv *s, srv_conn *c, uint32_t seq);
  * reply_kind). The op's user_data is set here; its pointers must stay valid until the batch is
  * submitted (they point into the connection's input buffer). */
 void srv_submit_op(srv *s, srv_conn *c, uint32_t seq, int kind, idem_op *op);
-/* Submits the batch now: before a blocking call on q_sync, so that it sees earlier requests. */
+/* Submits the batch now: before a read is handed to the reads thread, so that it sees earlier
+ * requests. */
 void srv_flush_ops(srv *s);
 
 /* Whether request `seq` of c still waits for its reply. */
@@ -412,12 +412,12 @@ void srv_backup_done(srv *s);
 void srv_backup_join(srv *s);
 
 /* ---- reads.c ---- */
-/* Starts the reads thread with its own queue (after the store is open). Returns 0 or -1. */
+/* Starts the reads thread with its own queue (after the store is open). Returns 0, or an errno
+ * value (idemd does not start without it). */
 int srv_reads_start(srv *s);
 /* Hands the read of request `seq` of c, whose reply can be up to `want` bytes, to the thread,
  * or parks it on c while the replies before it leave it too little room (srv_out_room): it is
- * handed over once c has read them (srv_reads_unpark). Returns -1 when there is no thread or no
- * memory (the caller makes it on the loop). */
+ * handed over once c has read them (srv_reads_unpark). Returns 0, or -1 without memory for it. */
 int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a, uint64_t want);
 /* c wrote replies: its parked read is handed over if its reply has room now (while idemd
  * drains, it is answered with an error instead). */
@@ -425,8 +425,6 @@ void srv_reads_unpark(srv *s, srv_conn *c);
 /* What a read handed to the reads thread may still be owed: reads waiting in line together are
  * owed at most --io-budget / SRV_READS_DIV (each at least SRV_OWED_TIGHT). */
 uint64_t srv_reads_room(const srv *s);
-/* Tests (IDEM_TEST_READS_DELAY_MS under --test-clock): waits that long before a read. */
-void srv_reads_test_delay(const srv *s);
 /* The loop saw reads_fd readable: answers the reads that are done. */
 void srv_reads_done(srv *s);
 /* c is closing, or hung up: its read, if the thread has not begun it, is withdrawn (and counted
@@ -503,8 +501,9 @@ uint64_t srv_record_reply_max(const srv_config *cfg);
  * --client-output-max: what a reply that may carry a result is reserved at (cmd_idem.c). */
 uint64_t srv_record_reply_now(const srv *s);
 /* The largest reply the request at the head of in (n bytes) can make, by its command's name:
- * srv_record_reply_now for one that may carry a result or its message, or whose name is not all
- * in yet, SRV_REPLY_LONG for those flagged long, SRV_REPLY_SMALL for the others (commands.c). */
+ * srv_record_reply_now for one that may carry a result or a message (PING without one is small),
+ * or whose name is not all in yet, SRV_REPLY_LONG for those flagged long, SRV_REPLY_SMALL for the
+ * others (commands.c). */
 uint64_t srv_next_reply_max(const srv *s, const uint8_t *in, size_t n);
 
 #endif /* IDEM_SERVER_SERVER_H */
