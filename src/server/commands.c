@@ -691,7 +691,7 @@ uint64_t srv_next_reply_max(const srv *s, const uint8_t *in, size_t n)
     if (p < end && *p == '*') { /* *argc CRLF $len CRLF name CRLF */
         const uint8_t *nl = memchr(p, '\n', n);
         if (!nl || end - nl < 2 || nl[1] != '$') return srv_record_reply_now(s);
-        bare = nl - p == 3 && p[1] == '1';
+        bare = nl - p == 3 && p[1] == '1' && p[2] == '\r';
         for (p = nl + 2; p < end && *p >= '0' && *p <= '9' && len <= 64; p++)
             len = len * 10 + (size_t)(*p - '0');
         if (end - p < 2 || p[0] != '\r' || (size_t)(end - p - 2) < len)
@@ -701,7 +701,8 @@ uint64_t srv_next_reply_max(const srv *s, const uint8_t *in, size_t n)
         for (name = p; p < end && *p != ' ' && *p != '\r' && *p != '\n'; p++)
             len++;
         if (p == end) return srv_record_reply_now(s);
-        bare = *p != ' ';
+        /* the parser splits words at \r, \t, \v and \f too: bare only before the line's end */
+        bare = *p == '\n' || (*p == '\r' && end - p >= 2 && p[1] == '\n');
     }
     const cmd_def *d = len <= 64 ? cmd_find(name, (uint32_t)len) : NULL;
     if (!d || (d->flags & CMD_F_RESULT)) return srv_record_reply_now(s);

@@ -34,7 +34,8 @@
  *     client that reads nothing is timed as any slow reader, so it waits for that client alone.
  *   - Reads are never made on the loop: idemd does not start without this thread.
  * Tests only: with --test-clock, IDEM_TEST_READS_DELAY_MS makes every read wait that long first
- * (reads_test_delay), so that a test can show the loop answers others meanwhile.
+ * (reads_test_delay), so that a test can show the loop answers others meanwhile, and
+ * IDEM_TEST_READS_THREAD_FAIL makes the thread's start fail (EAGAIN).
  */
 #include <errno.h>
 #include <stdint.h>
@@ -87,6 +88,7 @@ int srv_reads_start(srv *s)
         unsigned long ms = strtoul(delay, NULL, 10);
         s->reads_delay_ms = ms < 60000 ? (uint32_t)ms : 60000;
     }
+    if (s->cfg.test_clock && getenv("IDEM_TEST_READS_THREAD_FAIL")) return EAGAIN;
     int rc = pthread_mutex_init(&s->reads_mu, NULL);
     if (rc != 0) return rc;
     if ((rc = pthread_cond_init(&s->reads_cond, NULL)) != 0) {

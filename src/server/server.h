@@ -394,8 +394,8 @@ uint64_t srv_out_room(const srv *s, srv_conn *c, uint32_t seq);
  * reply_kind). The op's user_data is set here; its pointers must stay valid until the batch is
  * submitted (they point into the connection's input buffer). */
 void srv_submit_op(srv *s, srv_conn *c, uint32_t seq, int kind, idem_op *op);
-/* Submits the batch now: before a read is handed to the reads thread, so that it sees earlier
- * requests. */
+/* Submits the batch now: before what must see the requests before it (a read handed to the
+ * reads thread, a backup, a blocking call), or before their buffers change. */
 void srv_flush_ops(srv *s);
 
 /* Whether request `seq` of c still waits for its reply. */

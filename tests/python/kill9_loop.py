@@ -42,7 +42,8 @@ SIGNIFICANT = ("key", "state", "first_seen_ms", "expires_at_ms", "fingerprint", 
                "version")
 # batch/none mode: the contract allows losing the last 10 ms of acknowledged changes. Losses are
 # always reported (the oldest, in ms before the kill); they fail the run only when
-# KILL_LOSS_WINDOW_MS is set (e.g. 10 plus scheduling slack), as the window depends on the disk.
+# KILL_LOSS_WINDOW_MS is set (the interval, a flush and scheduling slack: test_kill9.sh sets 250),
+# as the window depends on the disk.
 LOSS_WINDOW_S = float(os.environ.get("KILL_LOSS_WINDOW_MS", "inf")) / 1000
 # rule 9 for resolves that were never acknowledged but took effect: a resolve durable without
 # its audit entry fails the run (KILL_STRICT_AUDIT=0 only reports it)

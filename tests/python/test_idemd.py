@@ -839,7 +839,7 @@ class Idle(Base):
 
 class SlowReads(Base):
     """A server whose reads each wait DELAY first (under --test-clock,
-    IDEM_TEST_READS_DELAY_MS), wherever they are made."""
+    IDEM_TEST_READS_DELAY_MS), on idemd's reads thread."""
 
     DELAY = 1.5
 
