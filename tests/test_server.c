@@ -141,11 +141,10 @@ static void start(void)
     start_with(NULL);
 }
 
-static int stop_and_wait(int sig)
+/* idemd's exit status once it exits by itself, within 10 s (or -1). */
+static int exit_status(void)
 {
     int status = 0;
-    if (srv.pid <= 0) return -1;
-    kill(srv.pid, sig);
     for (int i = 0; i < 1000; i++) {
         if (waitpid(srv.pid, &status, WNOHANG) == srv.pid) {
             srv.pid = 0;
@@ -153,6 +152,15 @@ static int stop_and_wait(int sig)
         }
         usleep(10000);
     }
+    return -1;
+}
+
+static int stop_and_wait(int sig)
+{
+    int status = 0;
+    if (srv.pid <= 0) return -1;
+    kill(srv.pid, sig);
+    if ((status = exit_status()) != -1) return status;
     kill(srv.pid, SIGKILL);
     waitpid(srv.pid, &status, 0);
     srv.pid = 0;
@@ -3549,20 +3557,6 @@ static void fail_sync_now(void)
     FILE *f = fopen(fail_sync_trigger, "w");
     cr_assert_not_null(f);
     fclose(f);
-}
-
-/* idemd's exit status once it exits by itself, within 10 s (or -1). */
-static int exit_status(void)
-{
-    int status = 0;
-    for (int i = 0; i < 1000; i++) {
-        if (waitpid(srv.pid, &status, WNOHANG) == srv.pid) {
-            srv.pid = 0;
-            return status;
-        }
-        usleep(10000);
-    }
-    return -1;
 }
 
 /* A failed flush is fatal for the store (issue 3): idemd answers what waits for the engine
