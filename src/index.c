@@ -158,6 +158,8 @@ static inline const struct index_dirent *dir_of(const struct index *ix, uint32_t
     return dir_at(ix, dir_pos(ix, top24));
 }
 
+static size_t dir_bytes(const struct index *ix);
+
 /* Ladder step k (0 = SEG_CAP_MAX): SEG_CAP_MAX * 2^(-k/3), rounded. */
 static uint32_t ladder_cap(uint32_t k)
 {
@@ -390,10 +392,26 @@ static inline struct index_seg *seg_make_room(struct index *ix, uint32_t top24)
     return seg->count + 1 <= seg_limit(seg->cap) ? seg : seg_make_room_slow(ix, top24);
 }
 
-bool index_insert_grows(const struct index *ix, uint64_t h)
+size_t index_insert_growth(const struct index *ix, uint64_t h)
 {
     const struct index_seg *seg = dir_of(ix, hash_top24(h))->seg;
-    return seg->count + 1 > seg_limit(seg->cap);
+    if (seg->count + 1 <= seg_limit(seg->cap)) return 0;
+    if (seg->cap == SEG_CAP_MAX && seg->local_depth == INDEX_DEPTH_MAX) return 0; /* no rebuild */
+    if (seg->cap < SEG_CAP_MAX) { /* seg_grow: the next step's block, the old one freed */
+        uint32_t cap = seg_cap_for(seg->count + 1);
+        if (cap <= seg->cap) cap = seg->cap + 1;
+        return seg_bytes(cap) - seg_bytes(seg->cap);
+    }
+    /* seg_split: two halves, each at most the block it leaves (the split of the entries is not
+     * known without reading them), and a directory doubled when the segment spans one entry:
+     * 2n new entries beside the n old ones until they are moved (a doubling under way is
+     * finished first, freeing its old half). */
+    size_t bytes = seg_bytes(seg->cap);
+    if (seg->local_depth == ix->global_depth) {
+        size_t n = (size_t)1 << ix->global_depth;
+        bytes += 3 * n * sizeof(*ix->dir) - dir_bytes(ix);
+    }
+    return bytes;
 }
 
 /* Presizing: the fewest segments (2^depth) whose expected share, plus `sigmas` standard

@@ -78,9 +78,11 @@ size_t index_slots_like(const struct index *ix, uint64_t h, const struct index_s
  * the slot, or NULL when memory for a split cannot be had or a segment at the deepest local
  * depth (24) is full (nothing changed then). */
 struct index_slot *index_insert(struct index *ix, uint64_t h, uint64_t addr, uint32_t aux);
-/* Whether inserting hash h would grow or split its segment (take more memory) first: an insert
- * into a segment with room uses a slot that is there, one a removal may have freed. */
-bool index_insert_grows(const struct index *ix, uint64_t h);
+/* The bytes index_live_bytes may rise by when hash h is inserted: 0 when its segment has room
+ * (the insert uses a slot that is there, one a removal may have freed); else at most what the
+ * rebuild of its segment, and the doubling of the directory a split may need, add. A bound from
+ * above for one rebuild (a split whose half is still full splits again: rare, uniform hashes). */
+size_t index_insert_growth(const struct index *ix, uint64_t h);
 /* index_insert (aux 0) for entries that arrive in ascending order of position within their
  * segment, as a checkpoint lists them: each insert starts probing where the run of slots it
  * joins ends, instead of at its home (sorted inserts into linear probing otherwise walk the

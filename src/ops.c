@@ -459,9 +459,15 @@ static int owner_same(const struct rec *r, const idem_op *op)
 /* Whether a new version of key is refused by a capacity limit. One that replaces an expired
  * record (replaces: its slot) adds no key and no index memory: only the disk limit applies to
  * it, so a store full of expired keys still takes their re-issue. The memory limit refuses a new
- * key only when its insert would grow the index: the index's blocks stay when keys leave, and a
- * slot a removal freed is used again. A new key refused by the key or memory limit presses
- * compaction (compact.c) to take the expired keys out of the index. */
+ * key only when its insert would grow the index past the limit: the index's blocks stay when
+ * keys leave, and a slot a removal freed is used again. A new key refused by the key or memory
+ * limit presses compaction (compact.c) to take the expired keys out of the index. */
+static int memory_full(const struct index *ix, uint64_t h, uint64_t max)
+{
+    size_t growth = index_insert_growth(ix, h);
+    return growth && index_live_bytes(ix) + growth > max;
+}
+
 static int capacity_full(idem_store *s, const struct index_slot *replaces, const void *key,
                          uint32_t key_len, int64_t now)
 {
@@ -470,8 +476,8 @@ static int capacity_full(idem_store *s, const struct index_slot *replaces, const
     /* The index's blocks: not the memory its thread faults in ahead of growth, which comes as
      * that thread runs, so the answer does not depend on the thread's timing. */
     if ((s->opt.max_keys && index_count(s->ix) >= s->opt.max_keys) ||
-        (s->opt.max_memory_bytes && index_live_bytes(s->ix) >= s->opt.max_memory_bytes &&
-         index_insert_grows(s->ix, ops_hash(s, key, key_len)))) {
+        (s->opt.max_memory_bytes &&
+         memory_full(s->ix, ops_hash(s, key, key_len), s->opt.max_memory_bytes))) {
         if (!s->cap_full_seen || now - s->cap_full_ms >= 1000) store_kick(s);
         s->cap_full_seen = 1;
         s->cap_full_ms = now;

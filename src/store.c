@@ -204,12 +204,14 @@ int idem_clock_advance(idem_store *s, int64_t delta_ms)
 /* ---- Tokens ---- */
 
 /* Tokens are reserved ahead by the flusher (reserve_tokens): the superblock says no token below
- * token_reserved may be handed out again, so no crash or durability mode repeats one. */
+ * token_reserved may be handed out again, so no crash or durability mode repeats one. Past the
+ * reservation: FULL. store_room waits for headroom unless the reservation was put off for want
+ * of descriptors or memory (superblock_save), or an import took the next token past it; then a
+ * claim that needs a token is refused as for a full disk, and repeats and reads go on. */
 int store_next_token(idem_store *s, int64_t *out)
 {
-    if (s->token_next >= IDEM_TOKEN_MAX) return IDEM_EFULL;
-    if ((uint64_t)s->token_next >= s->sb.token_reserved)
-        return IDEM_EBUSY; /* store_room waits for headroom first; not reached normally */
+    if (s->token_next >= IDEM_TOKEN_MAX || (uint64_t)s->token_next >= s->sb.token_reserved)
+        return IDEM_EFULL;
     *out = s->token_next++;
     return 0;
 }
@@ -1679,22 +1681,38 @@ int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
 {
     if (!s || !out || depth == 0 || depth > 65536) return IDEM_EINVAL;
     struct idem_queue *q = calloc(1, sizeof *q);
-    if (!q) return IDEM_ENOMEM;
+    if (!q) {
+        store_set_error("no memory for a queue of depth %u", (unsigned)depth);
+        errno = ENOMEM;
+        return IDEM_ENOMEM;
+    }
     q->slots = aligned_alloc(_Alignof(struct qslot), depth * sizeof *q->slots);
     if (q->slots) memset(q->slots, 0, depth * sizeof *q->slots);
     q->ext = calloc(depth, sizeof *q->ext);
     q->returned = calloc(depth, sizeof *q->returned);
     q->free_stack = calloc(depth, sizeof *q->free_stack);
-    q->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    int cond_ok = cond_init_monotonic(&q->cond) == 0;
-    if (!q->slots || !q->ext || !q->returned || !q->free_stack || q->efd < 0 || !cond_ok) {
-        if (cond_ok) pthread_cond_destroy(&q->cond);
+    int memory_ok = q->slots && q->ext && q->returned && q->free_stack;
+    q->efd = memory_ok ? eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC) : -1;
+    int efd_errno = q->efd < 0 ? errno : 0;
+    int cond_rc = q->efd >= 0 ? cond_init_monotonic(&q->cond) : -1;
+    if (cond_rc != 0) {
+        /* The caller is told which resource ran out: a process out of descriptors is not out
+         * of memory, and its operator looks in another place. */
+        if (!memory_ok)
+            store_set_error("no memory for a queue of depth %u", (unsigned)depth);
+        else if (q->efd < 0)
+            store_set_error("cannot make the queue's eventfd: %s", strerror(efd_errno));
+        else
+            store_set_error("cannot make the queue's condition variable: %s", strerror(cond_rc));
+        errno = !memory_ok ? ENOMEM : q->efd < 0 ? efd_errno : cond_rc;
+        int saved = errno;
         if (q->efd >= 0) close(q->efd);
         free(q->slots);
         free(q->ext);
         free(q->returned);
         free(q->free_stack);
         free(q);
+        errno = saved;
         return IDEM_ENOMEM;
     }
     q->s = s;

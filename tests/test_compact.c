@@ -1253,6 +1253,76 @@ Test(compact, a_clock_save_out_of_descriptors_is_tried_again, .timeout = 60)
     io_sim_destroy(sim);
 }
 
+/* Out of descriptors when the flusher reserves tokens ahead (an import took the next token far
+ * past the reservation): a claim that needs a token answers FULL at once, not after a wait as
+ * long as the shortage; repeats and reads go on; a second later the reservation is made and
+ * claims are granted again, with tokens above every one handed out or imported, also after a
+ * reopen. */
+Test(compact, a_token_reservation_out_of_descriptors_answers_full_until_it_is_made, .timeout = 60)
+{
+    struct io_sim *sim;
+    cr_assert_eq(io_sim_create(15, &sim), 0);
+    idem_store *s = open_sim(sim);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    int64_t before;
+    claim_commit(q, "before", 3600000, &before);
+    cr_assert_eq(idem_sync(s), IDEM_OK);
+    const int64_t imported = 1ll << 40;
+    idem_record in;
+    memset(&in, 0, sizeof in);
+    in.key = "imp";
+    in.key_len = 3;
+    in.state = IDEM_STATE_COMMITTED;
+    in.first_seen_ms = in.last_seen_ms = in.last_grant_ms = idem_clock_now(s);
+    in.expires_at_ms = in.first_seen_ms + 3600000;
+    in.seen_count = 1;
+    in.attempts = 1;
+    in.token = imported;
+    io_sim_fail_open(sim, "/super", -EMFILE);
+    cr_assert_eq(idem_import_record(q, &in), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
+    idem_completion c;
+    int64_t t0 = util_monotonic_us();
+    int rc = idem_claim(q, "new", 3, &a, &c);
+    cr_assert_eq(rc, IDEM_EFULL, "a claim without a token reserved: %s", idem_strerror(rc));
+    cr_assert_lt(util_monotonic_us() - t0, 500 * 1000, "FULL came after a wait");
+    cr_assert_eq(idem_claim(q, "before", 6, &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_DONE);
+    cr_assert(c.data_len == 16 && memcmp(c.data, "result-of-before", 16) == 0);
+    cr_assert_eq(idem_get(q, "before", 6, &c), IDEM_OK);
+    cr_assert(c.found && c.record.state == IDEM_STATE_COMMITTED);
+    cr_assert_eq(idem_get(q, "imp", 3, &c), IDEM_OK);
+    cr_assert(c.found && c.record.state == IDEM_STATE_COMMITTED);
+    idem_stats st;
+    idem_get_stats(s, &st);
+    cr_assert_eq(st.fatal, 0);
+    /* The flusher tries again a second (of the store's monotonic clock) later. */
+    cr_assert_eq(idem_clock_advance(s, 1000), IDEM_OK);
+    for (int i = 0;; i++) {
+        rc = idem_claim(q, "new", 3, &a, &c);
+        if (rc != IDEM_EFULL) break;
+        cr_assert_lt(i, 2500, "still FULL 5 s after the reservation could be made");
+        usleep(2000);
+    }
+    cr_assert_eq(rc, IDEM_OK, "%s", idem_strerror(rc));
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    cr_assert_gt(c.token, before);
+    cr_assert_gt(c.token, imported, "token %lld not above the imported %lld", (long long)c.token,
+                 (long long)imported);
+    int64_t granted = c.token;
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    s = open_sim(sim);
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    cr_assert_eq(idem_claim(q, "after", 5, &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    cr_assert_gt(c.token, granted);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    io_sim_destroy(sim);
+}
+
 /* Puts a file of 4 KiB at path on the simulated disk, durably, as a crash would leave one. */
 static void sim_put(struct io_sim *sim, const char *path)
 {

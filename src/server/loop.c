@@ -1512,7 +1512,8 @@ static int load_finish(srv *s)
     if (s->load_err != IDEM_OK) return -1;
     s->store = s->loaded;
     if (idem_queue_open(s->store, s->cfg.queue_depth, &s->q) != IDEM_OK) {
-        srv_log("error", "queue_open_failed", "depth=%u", s->cfg.queue_depth);
+        srv_log("error", "queue_open_failed", "depth=%u error=\"%s\"", s->cfg.queue_depth,
+                idem_last_error());
         return -1;
     }
     ep_add(s, idem_queue_fd(s->q), TAG_QUEUE, EPOLLIN);

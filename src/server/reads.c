@@ -82,7 +82,7 @@ static void *reads_main(void *arg)
 
 int srv_reads_start(srv *s)
 {
-    if (idem_queue_open(s->store, 16, &s->q_reads) != IDEM_OK) return ENOMEM;
+    if (idem_queue_open(s->store, 16, &s->q_reads) != IDEM_OK) return errno ? errno : ENOMEM;
     const char *delay = getenv("IDEM_TEST_READS_DELAY_MS");
     if (s->cfg.test_clock && delay) {
         unsigned long ms = strtoul(delay, NULL, 10);
