@@ -23,6 +23,8 @@
 #   kill9_idemd tests/scripts/test_kill9.sh with KILL_CYCLES=10000, when it exists      12 h
 #               (2.4-3.1 s a cycle with the checks the loop has grown, a model of 50,000
 #               keys and restarts of 0.5-1.5 s; 0.8 s in the sixteenth session)
+#   cmd_fuzz    tests/scripts/test_cmd_fuzz.sh: random commands against idemd, two runs of
+#               30 min (CMD_FUZZ_SECONDS=1800), when it exists                         1 h 10 min
 #   fuzz        tests/fuzz/run.sh, one hour per target, when it exists      targets h + 30 min
 # The seeded crash suites (power_loss, kill9, compact, crashstates) run as chunks of the CI count
 # each: chunk k is the test binary with IDEM_SEED=<base>+k*<CI count>, so the chunks together run
@@ -233,6 +235,33 @@ run_kill9_idemd() {
   echo "   kill9_idemd: exit $rc, $(hms "$dur")"
 }
 
+# tests/scripts/test_cmd_fuzz.sh: random commands against idemd, when it exists.
+run_cmd_fuzz() {
+  want cmd_fuzz || return 0
+  local script=$root/tests/scripts/test_cmd_fuzz.sh
+  if [ ! -f "$script" ]; then
+    rows+=("| cmd_fuzz | not in this tree (tests/scripts/test_cmd_fuzz.sh) | - | - | - | - | - | - | not run |")
+    return 0
+  fi
+  local secs limit log=$logs/cmd_fuzz.log start rc requests
+  secs=$(awk -v s="$scale" 'BEGIN { c = int(1800 * s + 0.5); print c < 10 ? 10 : c }')
+  limit=$(( 2 * (secs + 150) + 60 ))
+  echo "== cmd_fuzz: two runs of ${secs}s, limit $(hms "$limit")"
+  start=$(date +%s)
+  CMD_FUZZ_SECONDS=$secs timeout -k 10 "$limit" bash "$script" >"$log" 2>&1
+  rc=$?
+  local dur=$(( $(date +%s) - start )) verdict=pass
+  requests=$(sed -nE 's/^cmd_fuzz: ([0-9]+) requests.*/\1/p' "$log" | awk '{ s += $1 } END { print s + 0 }')
+  if [ $rc -ne 0 ]; then
+    status=1
+    verdict="FAIL (exit $rc)"
+    notes+=("cmd_fuzz (exit $rc): replay with the seed it printed (CMD_FUZZ_SEED); log $log:" \
+            "$(grep -E 'seed|FAIL' "$log" | head -8 | sed 's/^/      /')")
+  fi
+  rows+=("| cmd_fuzz | random commands against idemd, 2 x ${secs}s | 2 runs | $requests requests | - | $([ $rc = 0 ] && echo 0 || echo "see notes") | - | $(hms "$dur") | $verdict |")
+  echo "   cmd_fuzz: $requests requests, exit $rc, $(hms "$dur")"
+}
+
 # tests/fuzz/run.sh: every libFuzzer target for an hour (scaled), when it exists.
 run_fuzz() {
   want fuzz || return 0
@@ -290,6 +319,7 @@ run_binary arena test_index_arena 3600 \
   "CI counts: 200,000 random allocs and frees"
 run_binary abuse test_abuse 7200 "IDEM_LONG=1" "CI counts"
 run_kill9_idemd
+run_cmd_fuzz
 run_fuzz
 
 total=$(( $(date +%s) - t_all ))

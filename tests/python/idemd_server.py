@@ -61,7 +61,9 @@ def free_port():
 class Idemd:
     """One idemd process on its own store directory."""
 
-    def __init__(self, *flags, tmp=None, port=None, name="idemd"):
+    def __init__(self, *flags, tmp=None, port=None, name="idemd", auth=None):
+        """auth: (user, password) of an admin, where flags configure users."""
+        self.auth = auth
         self.own_tmp = tmp is None
         self.tmp = tmp or tempfile.mkdtemp(prefix="idem-py.")
         if self.own_tmp:
@@ -105,7 +107,7 @@ class Idemd:
             if self.proc.poll() is not None:
                 return False
             try:
-                c = redis.Redis(unix_socket_path=self.sock, socket_timeout=5)
+                c = self.admin(socket_timeout=5)
                 try:
                     if c.info("persistence").get("loading") == 0:
                         c.execute_command("DBSIZE")  # a command that needs the store
@@ -126,6 +128,9 @@ class Idemd:
     def admin(self, **kw):
         """A client on the unix socket: role admin (no users configured)."""
         kw.setdefault("socket_timeout", 70)
+        if self.auth:
+            kw.setdefault("username", self.auth[0])
+            kw.setdefault("password", self.auth[1])
         return redis.Redis(unix_socket_path=self.sock, **kw)
 
     def kill(self, sig=9):
