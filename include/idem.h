@@ -282,8 +282,9 @@ typedef struct idem_completion {
 } idem_completion;
 
 /* Opens a queue of `depth` outstanding operations (1..65536). Returns IDEM_OK, IDEM_EINVAL, or
- * IDEM_ENOMEM with errno naming what ran out (ENOMEM; EMFILE or ENFILE for the queue's eventfd)
- * and idem_last_error saying it in a sentence. */
+ * IDEM_ENOMEM with errno set by the call that failed (ENOMEM; EMFILE or ENFILE from the queue's
+ * eventfd, or another of its errors; one of pthread_cond_init's) and idem_last_error saying
+ * which in a sentence. */
 int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
     __attribute__((warn_unused_result));
 /* Frees the queue; outstanding operations still take effect but are not reported. */

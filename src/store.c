@@ -883,10 +883,12 @@ static void store_appended(idem_store *s)
 static int room_ok_for(idem_store *s, uint32_t bytes)
 {
     if (s->ckpt_quiesce) return IDEM_EBUSY; /* a checkpoint is being taken at this log position */
-    if (token_headroom(s) < 64 && !token_reserved_all(s))
-        /* A reservation put off for want of descriptors or memory: FULL until it is made, as
-         * for the next segment, rather than a wait as long as the shortage. */
-        return s->super_failed_mono_ms ? IDEM_EFULL : IDEM_EBUSY;
+    /* Tokens run low: wait for the flusher's reservation, unless it was put off for want of
+     * descriptors or memory. Then changes that need no token go on (the log's room still
+     * checked), and a claim past the last token reserved answers FULL (store_next_token),
+     * rather than waiting as long as the shortage. */
+    if (token_headroom(s) < 64 && !token_reserved_all(s) && !s->super_failed_mono_ms)
+        return IDEM_EBUSY;
     return wal_room(s->wal, bytes);
 }
 

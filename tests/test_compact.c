@@ -1255,9 +1255,9 @@ Test(compact, a_clock_save_out_of_descriptors_is_tried_again, .timeout = 60)
 
 /* Out of descriptors when the flusher reserves tokens ahead (an import took the next token far
  * past the reservation): a claim that needs a token answers FULL at once, not after a wait as
- * long as the shortage; repeats and reads go on; a second later the reservation is made and
- * claims are granted again, with tokens above every one handed out or imported, also after a
- * reopen. */
+ * long as the shortage; repeats, reads and changes that need no token go on; a second later the
+ * reservation is made and claims are granted again, with tokens above every one handed out or
+ * imported, also after a reopen. */
 Test(compact, a_token_reservation_out_of_descriptors_answers_full_until_it_is_made, .timeout = 60)
 {
     struct io_sim *sim;
@@ -1265,8 +1265,16 @@ Test(compact, a_token_reservation_out_of_descriptors_answers_full_until_it_is_ma
     idem_store *s = open_sim(sim);
     idem_queue *q;
     cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
-    int64_t before;
+    int64_t before, gone, pair[2];
     claim_commit(q, "before", 3600000, &before);
+    claim_commit(q, "gone", 3600000, &gone);
+    claim_commit(q, "pair-0", 3600000, &pair[0]);
+    claim_commit(q, "pair-1", 3600000, &pair[1]);
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
+    idem_completion c;
+    cr_assert_eq(idem_claim(q, "held", 4, &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    int64_t held = c.token;
     cr_assert_eq(idem_sync(s), IDEM_OK);
     const int64_t imported = 1ll << 40;
     idem_record in;
@@ -1281,8 +1289,6 @@ Test(compact, a_token_reservation_out_of_descriptors_answers_full_until_it_is_ma
     in.token = imported;
     io_sim_fail_open(sim, "/super", -EMFILE);
     cr_assert_eq(idem_import_record(q, &in), IDEM_OK);
-    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
-    idem_completion c;
     int64_t t0 = util_monotonic_us();
     int rc = idem_claim(q, "new", 3, &a, &c);
     cr_assert_eq(rc, IDEM_EFULL, "a claim without a token reserved: %s", idem_strerror(rc));
@@ -1294,6 +1300,32 @@ Test(compact, a_token_reservation_out_of_descriptors_answers_full_until_it_is_ma
     cr_assert(c.found && c.record.state == IDEM_STATE_COMMITTED);
     cr_assert_eq(idem_get(q, "imp", 3, &c), IDEM_OK);
     cr_assert(c.found && c.record.state == IDEM_STATE_COMMITTED);
+    /* Changes that need no token go on: an owner's commit, an operator's delete (which took
+     * FULL, or went ahead without the log's room checked, before the forty-ninth session). */
+    rc = idem_commit(q, "held", 4, held, "r", 1);
+    cr_assert_eq(rc, IDEM_OK, "a commit while the reservation waits: %s", idem_strerror(rc));
+    rc = idem_del(q, "gone", 4, "test");
+    cr_assert_eq(rc, IDEM_OK, "a delete while the reservation waits: %s", idem_strerror(rc));
+    cr_assert_eq(idem_get(q, "gone", 4, &c), IDEM_OK);
+    cr_assert(!c.found);
+    idem_op group[2] = {
+        {.kind = IDEM_OP_DEL,
+         .flags = IDEM_F_WITH_NEXT,
+         .key = "pair-0",
+         .key_len = 6,
+         .actor = "test"},
+        {.kind = IDEM_OP_DEL, .key = "pair-1", .key_len = 6, .actor = "test"},
+    };
+    cr_assert_eq(idem_submit(q, group, 2), 2);
+    idem_completion gc[2];
+    for (int got = 0; got < 2;) {
+        int k = idem_poll(q, gc + got, (size_t)(2 - got), 10000);
+        cr_assert_gt(k, 0, "the group's deletes were not answered");
+        got += k;
+    }
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(gc[i].err, IDEM_OK, "a group delete while the reservation waits: %s",
+                     idem_strerror(gc[i].err));
     idem_stats st;
     idem_get_stats(s, &st);
     cr_assert_eq(st.fatal, 0);
@@ -1308,6 +1340,7 @@ Test(compact, a_token_reservation_out_of_descriptors_answers_full_until_it_is_ma
     cr_assert_eq(rc, IDEM_OK, "%s", idem_strerror(rc));
     cr_assert_eq(c.outcome, IDEM_NEW);
     cr_assert_gt(c.token, before);
+    cr_assert_gt(c.token, gone);
     cr_assert_gt(c.token, imported, "token %lld not above the imported %lld", (long long)c.token,
                  (long long)imported);
     int64_t granted = c.token;
@@ -1318,6 +1351,12 @@ Test(compact, a_token_reservation_out_of_descriptors_answers_full_until_it_is_ma
     cr_assert_eq(idem_claim(q, "after", 5, &a, &c), IDEM_OK);
     cr_assert_eq(c.outcome, IDEM_NEW);
     cr_assert_gt(c.token, granted);
+    cr_assert_eq(idem_get(q, "held", 4, &c), IDEM_OK);
+    cr_assert(c.found && c.record.state == IDEM_STATE_COMMITTED && c.record.result_len == 1);
+    cr_assert_eq(idem_get(q, "gone", 4, &c), IDEM_OK);
+    cr_assert(!c.found, "a delete made while the reservation waited came back");
+    cr_assert_eq(idem_get(q, "pair-1", 6, &c), IDEM_OK);
+    cr_assert(!c.found, "a group delete made while the reservation waited came back");
     idem_queue_close(q);
     cr_assert_eq(idem_close(s), IDEM_OK);
     io_sim_destroy(sim);

@@ -32,7 +32,7 @@ void cmd_reply_err(resp_buf *b, int err)
         break;
     case IDEM_EFULL:
         resp_error(b, "FULL capacity limit or full disk (or no file descriptor or memory for the "
-                      "log): nothing was stored or evicted");
+                      "log or its token reservation): nothing was stored or evicted");
         break;
     case IDEM_ESTATE:
         resp_error(b, "ERR the record is in_flight or in review: it has no outcome yet "

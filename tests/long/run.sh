@@ -241,14 +241,16 @@ run_cmd_fuzz() {
   local script=$root/tests/scripts/test_cmd_fuzz.sh
   if [ ! -f "$script" ]; then
     rows+=("| cmd_fuzz | not in this tree (tests/scripts/test_cmd_fuzz.sh) | - | - | - | - | - | - | not run |")
+    echo "== cmd_fuzz: tests/scripts/test_cmd_fuzz.sh not in this tree, skipped"
     return 0
   fi
-  local secs limit log=$logs/cmd_fuzz.log start rc requests
+  local secs limit log=$logs/cmd_fuzz.log start rc requests seed
+  seed=$(( seed_base + ${#rows[@]} * 1000000 ))
   secs=$(awk -v s="$scale" 'BEGIN { c = int(1800 * s + 0.5); print c < 10 ? 10 : c }')
   limit=$(( 2 * (secs + 150) + 60 ))
-  echo "== cmd_fuzz: two runs of ${secs}s, limit $(hms "$limit")"
+  echo "== cmd_fuzz: two runs of ${secs}s, seeds $seed and $((seed + 1)), limit $(hms "$limit")"
   start=$(date +%s)
-  CMD_FUZZ_SECONDS=$secs timeout -k 10 "$limit" bash "$script" >"$log" 2>&1
+  CMD_FUZZ_SECONDS=$secs CMD_FUZZ_SEED=$seed timeout -k 10 "$limit" bash "$script" >"$log" 2>&1
   rc=$?
   local dur=$(( $(date +%s) - start )) verdict=pass
   requests=$(sed -nE 's/^cmd_fuzz: ([0-9]+) requests.*/\1/p' "$log" | awk '{ s += $1 } END { print s + 0 }')

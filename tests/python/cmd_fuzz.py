@@ -5,13 +5,17 @@ drawn at random: every command of the table and the refused ones, options in any
 misspelt, numbers at and past every bound (0, -1, 2^63, "1e3", " 5"), keys from empty to past
 512 bytes with CR, LF and NUL in them, results past --result-max, tokens that are and are not the
 owner's, inline requests. Checked, for every request:
-  - exactly one reply comes, in order, within a deadline (WAIT is drawn at most 100 ms);
+  - exactly one reply comes, in order, within 30 s and what a WAIT the request makes allows
+    (WAIT is drawn at most 100 ms, but a mutation may make a longer one); every pipeline ends
+    with an ECHO of a fresh nonce, which must come back last with nothing after it;
   - it is well-formed RESP2; an error reply is `-CODE message` with an upper-case code and a
-    message that says something;
+    message that says something; PING and ECHO answer their message;
+  - a token granted is above every one granted before, or its key's own (an OWNER resuming);
   - the connection stays open, but after QUIT;
-and at the end: idemd is still running and its log holds no sanitizer report, failed assertion
-or fatal store error; SIGTERM makes it exit 0; `idemctl verify` passes the store; it opens again
-and answers.
+and at the end: idemd is still running and its log holds no sanitizer report, failed assertion,
+fatal store error or error-level event; SIGTERM makes it exit 0; `idemctl verify` passes the
+store; it opens again with every key's record as it was (or expired), a new claim's token above
+every one granted, and exits 0 again with a clean log.
 
 Run: IDEM_BUILD_DIR=build /usr/bin/python3 tests/python/cmd_fuzz.py [--seconds S] [--seed N]
 Prints the seed, the counts and `N passed, M failed` (N, M: checks). On a failure the batch
@@ -129,7 +133,7 @@ class Fuzzer:
     def __init__(self, rnd):
         self.rnd = rnd
         self.tokens = {}  # key -> tokens seen granted on it (recent first)
-        self.granted = {}  # token -> the key it was granted on
+        self.max_token = 0  # the highest token granted so far
 
     def key(self):
         r = self.rnd.random()
@@ -176,7 +180,7 @@ class Fuzzer:
         if kind == "$lease":
             return self.number([1, 20, 1000, 30000])
         if kind == "$wait":
-            return self.number([1, 10, 50, 100]) if self.rnd.random() < 0.9 else b"60001"
+            return self.rnd.choice([b"1", b"10", b"50", b"100", b"60001", b"0", b"-1", b"x"])
         if kind == "$clock":
             return self.number([1, 10, 1000, 100000])
         if kind == "$token":
@@ -241,9 +245,11 @@ class Fuzzer:
             token = reply[1]
             if not isinstance(token, int) or token <= 0:
                 raise Failure("a claim granted token %r" % (token,))
-            holder = self.granted.setdefault(token, argv[1])
-            if holder != argv[1]:
-                raise Failure("token %d granted to %r and again to %r" % (token, holder, argv[1]))
+            own = self.tokens.get(argv[1])
+            if token <= self.max_token and not (own and token == own[0]):
+                raise Failure("token %d granted on %r after %d (tokens never repeat or go back)"
+                              % (token, argv[1], self.max_token))
+            self.max_token = max(self.max_token, token)
             self.tokens.setdefault(argv[1], []).insert(0, token)
             del self.tokens[argv[1]][5:]
 
@@ -378,8 +384,40 @@ def log_faults(path):
     with open(path, "rb") as f:
         text = f.read().decode(errors="replace")
     bad = [m for m in ("AddressSanitizer", "runtime error", "LeakSanitizer", "Assertion",
-                       "assertion", "event=fatal", "Segmentation") if m in text]
+                       "assertion", "event=fatal", "Segmentation", "level=error",
+                       "event=compaction_stopped", "event=delete_failed", "event=fill_failed",
+                       "event=recovery_dropped_tail") if m in text]
     return bad, text
+
+
+def snapshot(srv):
+    """Every key's record (IDEM.GET, which changes nothing) and the store clock."""
+    a = srv.admin(socket_timeout=30)
+    try:
+        recs = {k: record_of(a.execute_command("IDEM.GET", k)) for k in KEYS}
+        return recs, int(a.execute_command("DEBUG", "CLOCK", "GET"))
+    finally:
+        a.close()
+
+
+def record_of(reply):
+    return None if reply is None else {reply[i]: reply[i + 1] for i in range(0, len(reply), 2)}
+
+
+def same_after_reopen(before, after):
+    """What a clean stop and a reopen may change: a committed record past its expiry by the
+    reopened clock reads as absent. Returns the differences."""
+    (recs, _), (recs2, clock2) = before, after
+    diffs = []
+    for k in KEYS:
+        r1, r2 = recs[k], recs2[k]
+        if r1 == r2:
+            continue
+        if (r1 is not None and r2 is None and r1.get(b"state") == b"committed"
+                and int(r1[b"expires_at_ms"]) <= clock2):
+            continue
+        diffs.append("%r: %r then %r" % (k, r1, r2))
+    return diffs
 
 
 def main():
@@ -408,10 +446,13 @@ def main():
     passed = failed = 0
     counts = {"requests": 0, "batches": 0, "errors": 0, "quits": 0}
     codes = {}
-    conns = [Conn(srv, tcp=(i == 0), users=users) for i in range(args.conns)]
+    conns = []
     end = time.monotonic() + args.seconds
-    batch, ci, c, got = [], 0, conns[0], 0
+    batch, ci, c, got = [], 0, None, 0
+    before = None
     try:
+        conns = [Conn(srv, tcp=(i == 0), users=users) for i in range(args.conns)]
+        c = conns[0]
         while time.monotonic() < end:
             ci = rnd.randrange(len(conns))
             c = conns[ci]
@@ -420,6 +461,10 @@ def main():
                 batch.append(fz.request())
                 if request_name(*batch[-1]) == b"QUIT":
                     break  # idemd closes with what follows unread: a send could meet EPIPE
+            else:
+                batch.append(([b"ECHO", b"nonce-%d" % counts["batches"]], None))
+            got = 0
+            c.sock.settimeout(30)
             c.sock.sendall(b"".join(encode(a, i) for a, i in batch))
             counts["batches"] += 1
             deadline = time.monotonic() + 30
@@ -438,8 +483,11 @@ def main():
                         raise Failure("the connection stayed open after QUIT")
                     c.close()
                     conns[ci] = c = Conn(srv, tcp=c.tcp, users=users)
+            if c.buf:
+                raise Failure("bytes after the last reply of a pipeline: %r" % c.buf[:200])
             if srv.proc.poll() is not None:
                 raise Failure("idemd exited with %s" % srv.proc.returncode)
+        before = snapshot(srv)
         passed += 1
         print("cmd_fuzz: %(requests)d requests in %(batches)d pipelines, %(errors)d error "
               "replies, %(quits)d QUITs" % counts)
@@ -447,7 +495,7 @@ def main():
             "%s %d" % kv for kv in sorted(codes.items(), key=lambda kv: -kv[1])))
     except (Failure, OSError) as e:
         failed += 1
-        print("FAIL: %s (connection %d, %s)" % (e, ci, "TCP" if c.tcp else "unix"))
+        print("FAIL: %s (connection %d, %s)" % (e, ci, "TCP" if c and c.tcp else "unix"))
         print("  the batch (%d requests, %d answered):" % (len(batch), got))
         for n, (argv, inline) in enumerate(batch):
             print("   ", "*" if n == got else " ", repr(inline) if inline is not None else
@@ -484,13 +532,34 @@ def main():
         print("FAIL: idemctl verify exit %d: %s %s" % (v.returncode, v.stdout[-2000:],
                                                         v.stderr[-2000:]))
     try:
+        srv.port = None  # a free port again: another process may have taken the last one
         srv.start()
-        n = srv.admin().dbsize()
-        passed += 1
-        print("cmd_fuzz: reopened, %d records" % n)
+        after = snapshot(srv)
+        diffs = same_after_reopen(before, after) if before else []
+        a = srv.admin(socket_timeout=30)
+        claim = a.execute_command("IDEM.CLAIM", "after-reopen", 60000, 60000)
+        a.close()
+        if diffs:
+            failed += 1
+            print("FAIL: records changed by the stop and reopen:\n  " + "\n  ".join(diffs))
+        elif claim[0] != b"new" or claim[1] <= fz.max_token:
+            failed += 1
+            print("FAIL: a claim after the reopen answered %r (highest token before: %d)"
+                  % (claim, fz.max_token))
+        else:
+            passed += 1
+            print("cmd_fuzz: reopened, %d keys as they were, next token %d" % (len(KEYS),
+                                                                                 claim[1]))
     except Exception as e:  # noqa: BLE001
         failed += 1
         print("FAIL: idemd did not open the store again: %s" % e)
+    rc = srv.kill(15)
+    bad, text = log_faults(srv.log_path)
+    if rc == 0 and not bad:
+        passed += 1
+    else:
+        failed += 1
+        print("FAIL: the reopened idemd exited %s at SIGTERM, log faults %s" % (rc, bad))
     srv.stop()
     print("%d passed, %d failed" % (passed, failed))
     return 1 if failed else 0
