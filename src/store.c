@@ -205,9 +205,9 @@ int idem_clock_advance(idem_store *s, int64_t delta_ms)
 
 /* Tokens are reserved ahead by the flusher (reserve_tokens): the superblock says no token below
  * token_reserved may be handed out again, so no crash or durability mode repeats one. Past the
- * reservation: FULL. store_room waits for headroom unless the reservation was put off for want
- * of descriptors or memory (superblock_save), or an import took the next token past it; then a
- * claim that needs a token is refused as for a full disk, and repeats and reads go on. */
+ * reservation: FULL. store_room waits for the flusher's reservation unless it was put off for
+ * want of descriptors or memory (superblock_save); then a claim that needs a token is refused
+ * as for a full disk, and other changes, repeats and reads go on. */
 int store_next_token(idem_store *s, int64_t *out)
 {
     if (s->token_next >= IDEM_TOKEN_MAX || (uint64_t)s->token_next >= s->sb.token_reserved)
@@ -1684,7 +1684,7 @@ int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
     if (!s || !out || depth == 0 || depth > 65536) return IDEM_EINVAL;
     struct idem_queue *q = calloc(1, sizeof *q);
     if (!q) {
-        store_set_error("no memory for a queue of depth %u", (unsigned)depth);
+        store_set_error("cannot make a queue of depth %u: %s", (unsigned)depth, strerror(ENOMEM));
         errno = ENOMEM;
         return IDEM_ENOMEM;
     }
@@ -1693,28 +1693,27 @@ int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
     q->ext = calloc(depth, sizeof *q->ext);
     q->returned = calloc(depth, sizeof *q->returned);
     q->free_stack = calloc(depth, sizeof *q->free_stack);
-    int memory_ok = q->slots && q->ext && q->returned && q->free_stack;
-    q->efd = memory_ok ? eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC) : -1;
-    int efd_errno = q->efd < 0 ? errno : 0;
-    int cond_rc = q->efd >= 0 ? cond_init_monotonic(&q->cond) : -1;
-    if (cond_rc != 0) {
-        /* The caller is told which resource ran out: a process out of descriptors is not out
-         * of memory, and its operator looks in another place. */
-        if (!memory_ok)
-            store_set_error("no memory for a queue of depth %u", (unsigned)depth);
-        else if (q->efd < 0)
-            store_set_error("cannot make the queue's eventfd: %s", strerror(efd_errno));
-        else
-            store_set_error("cannot make the queue's condition variable: %s", strerror(cond_rc));
-        errno = !memory_ok ? ENOMEM : q->efd < 0 ? efd_errno : cond_rc;
-        int saved = errno;
+    /* The caller is told which resource ran out: a process out of descriptors is not out of
+     * memory, and its operator looks in another place. */
+    int err = 0;
+    const char *what = "its arrays";
+    q->efd = -1;
+    if (!q->slots || !q->ext || !q->returned || !q->free_stack)
+        err = ENOMEM;
+    else if ((q->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0)
+        err = errno, what = "its eventfd";
+    else if ((err = cond_init_monotonic(&q->cond)) != 0)
+        what = "its condition variable";
+    if (err) {
+        store_set_error("cannot make a queue of depth %u: %s: %s", (unsigned)depth, what,
+                        strerror(err));
         if (q->efd >= 0) close(q->efd);
         free(q->slots);
         free(q->ext);
         free(q->returned);
         free(q->free_stack);
         free(q);
-        errno = saved;
+        errno = err;
         return IDEM_ENOMEM;
     }
     q->s = s;

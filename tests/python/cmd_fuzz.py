@@ -134,7 +134,7 @@ class Failure(Exception):
 class Fuzzer:
     def __init__(self, rnd):
         self.rnd = rnd
-        self.tokens = {}  # key -> tokens seen granted on it (recent first)
+        self.tokens = {}  # key -> tokens granted on it (recent first)
         self.max_token = 0  # the highest token granted so far
 
     def key(self):
@@ -234,7 +234,8 @@ class Fuzzer:
 
     def note_reply(self, argv, reply):
         """Checks what a reply can be held to without a model (a PING's PONG, an ECHO's
-        message, a token granted to no other key: tokens never repeat), and keeps the tokens
+        message, a token above every one before it but its key's own: tokens never repeat or go
+        back), and keeps the tokens
         granted, so that owner calls are sometimes the owner's."""
         name = argv[0].upper() if argv else b""
         if name == b"PING" and len(argv) == 1 and reply != b"PONG":
@@ -291,7 +292,6 @@ def request_name(argv, inline):
 class Conn:
     def __init__(self, idemd, tcp, users):
         self.tcp = tcp
-        self.users = users
         if tcp:
             self.sock = socket.create_connection(("127.0.0.1", idemd.port), timeout=30)
         else:
