@@ -3288,9 +3288,13 @@ Test(server, config_file_settings_apply, .init = start_from_config)
 }
 
 /* Until it authenticates, a connection to an idemd with users cannot make it buffer large
- * requests: arguments of at most 16 KiB, 16 of them; after AUTH the usual limits. */
+ * requests: arguments of at most 16 KiB, 16 of them; after AUTH the usual limits. A request
+ * refused for them answers -NOAUTH, as it would within them (a limit's message would send the
+ * client after the wrong cause), but AUTH, HELLO and QUIT, which run before AUTH: their own
+ * refusal. The connection stays usable. */
 Test(server, requests_before_auth_are_held_to_small_arguments, .init = start_from_config)
 {
+    static const char NOAUTH[] = "-NOAUTH Authentication required.\r\n";
     int fd = raw_connect();
     static char req[40000], got[4096];
     const char head[] =
@@ -3304,20 +3308,33 @@ Test(server, requests_before_auth_are_held_to_small_arguments, .init = start_fro
     n += 2;
     raw_send(fd, req, n);
     int closed = 0;
-    raw_read(fd, got, sizeof got - 1, 1, &closed);
-    cr_assert(strstr(got, "argument 6 is too long (20000 bytes, at most 16384)"), "%s", got);
-    /* A named field held to the smaller limit is named by its place alone: the limit is not
-     * the field's (an ECHO message may be as long as a result after AUTH). */
+    raw_read(fd, got, sizeof got - 1, sizeof NOAUTH - 1, &closed);
+    cr_assert_str_eq(got, NOAUTH);
     static char echo[24000];
     size_t e = (size_t)snprintf(echo, sizeof echo, "*2\r\n$4\r\nECHO\r\n$20000\r\n");
     memset(echo + e, 'm', 20000);
     e += 20000;
     memcpy(echo + e, "\r\n", 2);
     raw_send(fd, echo, e + 2);
+    raw_read(fd, got, sizeof got - 1, sizeof NOAUTH - 1, &closed);
+    cr_assert_str_eq(got, NOAUTH);
+    /* so does one whose name is past the longest command's, or unknown */
+    static char name[101], named[200];
+    memset(name, 'Z', 100);
+    size_t nl = (size_t)snprintf(named, sizeof named, "*2\r\n$100\r\n%s\r\n$1\r\nx\r\n", name);
+    raw_send(fd, named, nl);
+    raw_read(fd, got, sizeof got - 1, sizeof NOAUTH - 1, &closed);
+    cr_assert_str_eq(got, NOAUTH);
+    /* AUTH's own refusal, by the field's limit (4 KiB, as after AUTH), then a good AUTH */
+    e = (size_t)snprintf(echo, sizeof echo, "*3\r\n$4\r\nAUTH\r\n$3\r\nops\r\n$5000\r\n");
+    memset(echo + e, 'p', 5000);
+    e += 5000;
+    memcpy(echo + e, "\r\n", 2);
+    raw_send(fd, echo, e + 2);
     raw_read(fd, got, sizeof got - 1, 1, &closed);
-    cr_assert(strstr(got, "ERR ECHO: argument 2 is too long (20000 bytes, at most 16384)") &&
-                  !strstr(got, "message"),
-              "%s", got);
+    cr_assert(strstr(got, "-ERR AUTH: ") && strstr(got, "argument 3 is too long (5000 bytes"), "%s",
+              got);
+    cr_assert(!closed);
     const char auth[] = "*3\r\n$4\r\nAUTH\r\n$3\r\nops\r\n$6\r\npw-ops\r\n";
     raw_send(fd, auth, sizeof auth - 1);
     raw_read(fd, got, sizeof got - 1, 5, &closed);
@@ -3332,8 +3349,14 @@ Test(server, requests_before_auth_are_held_to_small_arguments, .init = start_fro
     for (int i = 0; i < 16; i++)
         n += (size_t)snprintf(req + n, sizeof req - n, "$1\r\nx\r\n");
     raw_send(fd, req, n);
+    raw_read(fd, got, sizeof got - 1, sizeof NOAUTH - 1, &closed);
+    cr_assert_str_eq(got, NOAUTH);
+    n = (size_t)snprintf(req, sizeof req, "*17\r\n$5\r\nHELLO\r\n");
+    for (int i = 0; i < 16; i++)
+        n += (size_t)snprintf(req + n, sizeof req - n, "$1\r\nx\r\n");
+    raw_send(fd, req, n);
     raw_read(fd, got, sizeof got - 1, 1, &closed);
-    cr_assert(strstr(got, "-ERR ECHO: too many arguments (17, at most 16)"), "%s", got);
+    cr_assert(strstr(got, "-ERR HELLO: too many arguments (17, at most 16)"), "%s", got);
     close(fd);
 
     /* A request begun before AUTH must end within 5 s: one left unfinished holds buffers, and

@@ -761,6 +761,14 @@ uint32_t cmd_arg_max_unauth(void *ctx, const uint8_t *const *argv, const uint32_
     return SRV_UNAUTH_ARG_MAX;
 }
 
+const char *cmd_refusal(const srv_conn *c)
+{
+    const resp_parser *p = &c->parser;
+    if (c->role != ROLE_NONE) return p->err;
+    const cmd_def *d = p->refused_name_len ? cmd_find(p->refused_name, p->refused_name_len) : NULL;
+    return d && (d->flags & CMD_F_NOAUTH) ? p->err : "NOAUTH Authentication required.";
+}
+
 void cmd_parser_limits(srv *s, srv_conn *c)
 {
     int unauth = c->role == ROLE_NONE;

@@ -1023,7 +1023,7 @@ static void conn_parse_requests(srv *s, srv_conn *c)
         c->partial_since_ms = 0;
         if (used >= SRV_IN_HEAVY_BYTES) c->big_request_ms = srv_now_ms(); /* big_back_clock */
         if (r == RESP_REFUSED) {
-            conn_refuse(s, c, c->parser.err);
+            conn_refuse(s, c, cmd_refusal(c));
         } else if (r == RESP_CLOSE) {
             srv_log_gated(&s->log_protocol, "warn", "protocol_error", "id=%llu peer=%s msg=\"%s\"",
                           (unsigned long long)c->id, c->peer, c->parser.err);

@@ -70,9 +70,12 @@ static int fail(resp_parser *p, int status, const char *msg)
     return status;
 }
 
-/* p->err = "ERR <name>: why", with the command's name (when short) made printable. */
+/* p->err = "ERR <name>: why", with the command's name (when short) made printable; the name
+ * itself is kept in p->refused_name. */
 static void refusal(resp_parser *p, const uint8_t *cmd, size_t cmd_len, const char *why)
 {
+    p->refused_name_len = cmd && cmd_len <= sizeof p->refused_name ? (uint32_t)cmd_len : 0;
+    if (p->refused_name_len) memcpy(p->refused_name, cmd, cmd_len);
     char name[32] = "";
     if (cmd && cmd_len < sizeof name) {
         memcpy(name, cmd, cmd_len);

@@ -83,6 +83,10 @@ struct resp_parser {
     const uint8_t *argv[RESP_ARGV_MAX];
     uint32_t argl[RESP_ARGV_MAX];
     char err[RESP_ERR_MAX];
+    /* after RESP_REFUSED: the request's name, when it was read and is at most 64 bytes (else
+     * refused_name_len is 0), so that the caller can answer as the command's rules say */
+    uint8_t refused_name[64];
+    uint32_t refused_name_len;
 };
 
 /* Resets p for a new connection. argc_max is capped at RESP_ARGV_MAX; arg_max may be NULL. */
@@ -93,7 +97,8 @@ void resp_parser_init(resp_parser *p, uint32_t argc_max, resp_arg_max_fn arg_max
  * drop (the whole request for RESP_REQUEST and RESP_REFUSED; discarded bytes while NEED_MORE).
  * After RESP_REQUEST, p->nargs/argv/argl describe it (argv points into buf, which must stay
  * unmoved until the caller is done with them). After RESP_REFUSED or RESP_CLOSE, p->err holds
- * the message. buf is written to only by the unquoting of inline arguments.
+ * the message (after RESP_REFUSED, p->refused_name the request's name). buf is written to only by
+ * the unquoting of inline arguments.
  */
 int resp_parse(resp_parser *p, uint8_t *buf, size_t len, size_t *consumed);
 

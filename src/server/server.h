@@ -452,6 +452,9 @@ uint32_t cmd_arg_max_unauth(void *ctx, const uint8_t *const *argv, const uint32_
                             uint32_t index, const char **field);
 /* Sets up c's parser with the limits of its role (before AUTH: SRV_UNAUTH_*). */
 void cmd_parser_limits(srv *s, srv_conn *c);
+/* The error reply to a request c's parser refused (RESP_REFUSED): its message, or NOAUTH before
+ * AUTH where cmd_dispatch would answer the request so. */
+const char *cmd_refusal(const srv_conn *c);
 /* Writes the reply of an error code (-STALE, -NOTFOUND, ...). */
 void cmd_reply_err(resp_buf *b, int err);
 /* Makes a read with the blocking calls of q (one thread at a time per queue) and writes its

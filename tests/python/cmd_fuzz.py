@@ -4,7 +4,8 @@ unix socket, worker on TCP) send pipelines of well-framed requests whose names a
 drawn at random: every command of the table and the refused ones, options in any order, twice or
 misspelt, numbers at and past every bound (0, -1, 2^63, "1e3", " 5"), keys from empty to past
 512 bytes with CR, LF and NUL in them, results past --result-max, tokens that are and are not the
-owner's, inline requests. Checked, for every request:
+owner's, inline requests, and now and then IDEM.BACKUP into a new directory, one that exists
+or one idemd refuses. Checked, for every request:
   - exactly one reply comes, in order, within 30 s and what a WAIT the request makes allows
     (WAIT is drawn at most 100 ms, but a mutation may make a longer one); every pipeline ends
     with an ECHO of a fresh nonce, which must come back last with nothing after it;
@@ -12,10 +13,14 @@ owner's, inline requests. Checked, for every request:
     message that says something; PING and ECHO answer their message;
   - a token granted is above every one granted before, or its key's own (an OWNER resuming);
   - the connection stays open, but after QUIT;
+  - each backup answered +OK passes `idemctl verify` (it is then removed); a refused or failed
+    one leaves nothing;
 and at the end: idemd is still running and its log holds no sanitizer report, failed assertion,
-fatal store error or error-level event; SIGTERM makes it exit 0; `idemctl verify` passes the
-store; it opens again with every key's record as it was (or expired), a new claim's token above
-every one granted, and exits 0 again with a clean log.
+fatal store error or error-level event; a backup of the store at rest is made; SIGTERM makes
+idemd exit 0 (in sync mode half the runs SIGKILL it instead, so the reopen replays the log);
+`idemctl verify` passes the store; it opens again with every key's record as it was (or
+expired), a new claim's token above every one granted, and exits 0 again with a clean log; the
+backup at rest passes `idemctl verify` and opens with every record as the store had it.
 
 Run: IDEM_BUILD_DIR=build /usr/bin/python3 tests/python/cmd_fuzz.py [--seconds S] [--seed N]
 Prints the seed, the counts and `N passed, M failed` (N, M: checks). On a failure the batch
@@ -24,9 +29,11 @@ that broke it is printed (repr, cut)."""
 import argparse
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -37,6 +44,7 @@ from idemd_server import BUILD_DIR, Idemd  # noqa: E402
 
 RESULT_MAX = 4096  # idemd's --result-max here: arguments past it are drawn cheaply
 KEYS = [b"k%d" % i for i in range(12)]
+BACKUP_ODDS = 0.001  # of a request being IDEM.BACKUP (drawn whole: it writes where it is told)
 NAMES = [
     "IDEM.CLAIM", "IDEM.COMMIT", "IDEM.RELEASE", "IDEM.HOLD", "IDEM.EXTEND", "IDEM.GET",
     "IDEM.SCAN", "IDEM.STATS", "IDEM.RESOLVE", "IDEM.AUDIT", "IDEM.ATTENTION", "SET", "GET",
@@ -132,8 +140,12 @@ class Failure(Exception):
 
 
 class Fuzzer:
-    def __init__(self, rnd):
+    def __init__(self, rnd, store_dir, backup_root):
         self.rnd = rnd
+        self.store_dir = store_dir  # bytes, as are the paths below
+        self.backup_root = backup_root  # where IDEM.BACKUP is sent: one new directory each
+        self.dests = []  # the new paths drawn for IDEM.BACKUP (drawn again: it exists)
+        self.backups = []  # those answered +OK, not yet verified and removed
         self.tokens = {}  # key -> tokens granted on it (recent first)
         self.max_token = 0  # the highest token granted so far
 
@@ -199,10 +211,33 @@ class Fuzzer:
             return self.rnd.choice(WORDS).encode()
         return kind.encode()
 
+    def dest(self):
+        """IDEM.BACKUP's directory: mostly a new one under backup_root; else one drawn before
+        (it exists, or a copy into it is running), or one idemd refuses (relative, empty, in the
+        store, with a control character or a quote, under a missing directory)."""
+        r = self.rnd.random()
+        if r < 0.6 or not self.dests:
+            self.dests.append(os.path.join(self.backup_root, b"b%d" % len(self.dests)))
+            return self.dests[-1]
+        if r < 0.8:
+            return self.rnd.choice(self.dests)
+        return self.rnd.choice([b"rel/b", b"", os.path.join(self.store_dir, b"inner"),
+                                os.path.join(self.backup_root, b"b\x01"),
+                                os.path.join(self.backup_root, b'q"b'),
+                                os.path.join(self.backup_root, b"missing", b"b")])
+
     def request(self):
         """One request: (argv, inline line or None)."""
         if self.rnd.random() < 0.03:
             return None, self.rnd.choice(INLINE)
+        if self.rnd.random() < BACKUP_ODDS:
+            argv = [b"IDEM.BACKUP", self.dest()]
+            r = self.rnd.random()
+            if r < 0.1:
+                argv[0] = argv[0].lower()
+            elif r < 0.2:
+                argv.append(self.rnd.choice([self.dest(), b"NOW"]))  # one too many
+            return argv, None
         if self.rnd.random() < 0.08:
             name = self.rnd.choice(NAMES)
             argv = [name.encode()] + [self.rnd.choice([self.key(), self.bytes_arg(),
@@ -228,8 +263,6 @@ class Fuzzer:
                     [self.number(), self.rnd.choice(WORDS).encode(), self.key(), self.bytes_arg()])
             else:
                 argv[0] = argv[0].lower()
-        if argv[0].upper() == b"IDEM.BACKUP":  # never drawn: it writes where it is told
-            argv[0] = b"PING"
         return argv, None
 
     def note_reply(self, argv, reply):
@@ -238,6 +271,11 @@ class Fuzzer:
         back), and keeps the tokens
         granted, so that owner calls are sometimes the owner's."""
         name = argv[0].upper() if argv else b""
+        if name == b"IDEM.BACKUP" and reply == b"OK":
+            if argv[1] not in self.dests:
+                raise Failure("IDEM.BACKUP into %r answered +OK" % (argv[1],))
+            self.backups.append(argv[1])
+            return
         if name == b"PING" and len(argv) == 1 and reply != b"PONG":
             raise Failure("PING answered %r" % (reply,))
         if name in (b"PING", b"ECHO") and len(argv) == 2 and reply != argv[1]:
@@ -382,14 +420,44 @@ class Conn:
         self.sock.close()
 
 
-def log_faults(path):
+# IDEM.BACKUP's refusals the fuzzer provokes, which idemd logs as event=backup_failed
+BACKUP_REFUSALS = (": it exists", "the copy would lie within the directory it copies",
+                   "/missing/b.partial: No such file or directory")
+
+
+def log_faults(path, allow=()):
+    """The faults idemd's log shows, but those in allow and the backups refused as drawn."""
     with open(path, "rb") as f:
         text = f.read().decode(errors="replace")
+    lines = [ln for ln in text.splitlines() if not (
+        "event=backup_failed" in ln and any(r in ln for r in BACKUP_REFUSALS))]
+    text = "\n".join(lines)
     bad = [m for m in ("AddressSanitizer", "runtime error", "LeakSanitizer", "Assertion",
                        "assertion", "event=fatal", "Segmentation", "level=error",
                        "event=compaction_stopped", "event=delete_failed", "event=fill_failed",
-                       "event=recovery_dropped_tail") if m in text]
+                       "event=recovery_dropped_tail") if m in text and m not in allow]
     return bad, text
+
+
+def verify(path):
+    """idemctl verify of a store directory: None, or what it said."""
+    v = subprocess.run([os.path.join(BUILD_DIR, "idemctl"), "verify", path],
+                       capture_output=True, text=True, timeout=120)
+    return None if v.returncode == 0 else "exit %d: %s %s" % (
+        v.returncode, v.stdout[-2000:], v.stderr[-2000:])
+
+
+def check_backups(fz):
+    """Each backup answered +OK passes idemctl verify; it is then removed (they are 64 MiB and
+    up), and its path may be drawn again as a new one."""
+    for path in fz.backups:
+        err = verify(path)
+        if err:
+            raise Failure("the backup into %r fails idemctl verify: %s" % (path, err))
+        shutil.rmtree(path)
+    n = len(fz.backups)
+    del fz.backups[:]
+    return n
 
 
 def snapshot(srv):
@@ -406,20 +474,57 @@ def record_of(reply):
     return None if reply is None else {reply[i]: reply[i + 1] for i in range(0, len(reply), 2)}
 
 
-def same_after_reopen(before, after):
-    """What a clean stop and a reopen may change: a committed record past its expiry by the
-    reopened clock reads as absent. Returns the differences."""
+def fewer_repeats(r1, r2):
+    """r2 is r1 but for repeats its log holds no trace of: seen_count and last_seen_ms of plain
+    repeats since the key's last logged version reach the disk only with a checkpoint, so a kill
+    or a backup (which opens as the store would after a crash) may count fewer, never more
+    (design.md section 20)."""
+    if r1 is None or r2 is None:
+        return False
+    c1, c2 = dict(r1), dict(r2)
+    n1, n2 = int(c1.pop(b"seen_count")), int(c2.pop(b"seen_count"))
+    t1, t2 = int(c1.pop(b"last_seen_ms")), int(c2.pop(b"last_seen_ms"))
+    return c1 == c2 and 1 <= n2 <= n1 and int(r1[b"first_seen_ms"]) <= t2 <= t1
+
+
+def same_after_reopen(before, after, crash):
+    """What a stop and a reopen may change: a committed record past its expiry by the clock
+    after reads as absent; after a crash (a kill, or a backup, which opens as the store would
+    after a crash) repeats may be undercounted. Returns the differences."""
     (recs, _), (recs2, clock2) = before, after
     diffs = []
     for k in KEYS:
         r1, r2 = recs[k], recs2[k]
-        if r1 == r2:
+        if r1 == r2 or (crash and fewer_repeats(r1, r2)):
             continue
         if (r1 is not None and r2 is None and r1.get(b"state") == b"committed"
                 and int(r1[b"expires_at_ms"]) <= clock2):
             continue
         diffs.append("%r: %r then %r" % (k, r1, r2))
     return diffs
+
+
+def check_final_backup(flags, auth, tmp, before):
+    """The backup taken at rest passes idemctl verify, opens with every record as the snapshot
+    read it (or expired), and its idemd exits 0 with a clean log. Returns (ok, what)."""
+    path = os.path.join(tmp, "d")
+    err = verify(path)
+    if err:
+        return False, "the backup at rest fails idemctl verify: %s" % err
+    bk = Idemd(*flags, tmp=tmp, name="idemd-backup", auth=auth)
+    try:
+        bk.start()
+        diffs = same_after_reopen(before, snapshot(bk), crash=True)
+    except Exception as e:  # noqa: BLE001
+        bk.kill(9)
+        return False, "idemd did not open the backup at rest: %s" % e
+    rc = bk.kill(15)
+    bad, _ = log_faults(bk.log_path)
+    if diffs:
+        return False, "the backup at rest differs from the store:\n  " + "\n  ".join(diffs)
+    if rc != 0 or bad:
+        return False, "idemd on the backup exited %s, log faults %s" % (rc, bad)
+    return True, "the backup at rest opened with %d keys as they were" % len(KEYS)
 
 
 def main():
@@ -432,9 +537,8 @@ def main():
     print("cmd_fuzz: seed %d (--seed %d replays the requests; replies also depend on timing)"
           % (seed, seed))
     rnd = random.Random(seed)
-    fz = Fuzzer(rnd)
-    flags = ["--test-clock", "--result-max", str(RESULT_MAX), "--durability",
-             rnd.choice(["sync", "batch", "none"])]
+    durability = rnd.choice(["sync", "batch", "none"])
+    flags = ["--test-clock", "--result-max", str(RESULT_MAX), "--durability", durability]
     if rnd.random() < 0.3:
         flags += ["--on-lease-expiry", "review"]
     if rnd.random() < 0.3:
@@ -442,16 +546,21 @@ def main():
     users = rnd.random() < 0.3
     for name, role, password in USERS if users else []:
         flags += ["--user", b":".join([name, role, password]).decode()]
-    print("cmd_fuzz: idemd %s" % " ".join(flags))
+    # the stop before the reopen: SIGKILL in sync mode, where every answer was durable
+    kill9 = durability == "sync" and rnd.random() < 0.5
+    print("cmd_fuzz: idemd %s; stopped by %s" % (" ".join(flags), "SIGKILL" if kill9 else "SIGTERM"))
     auth = (USERS[0][0].decode(), USERS[0][2].decode()) if users else None
     srv = Idemd(*flags, name="idemd-cmdfuzz", auth=auth).start()
+    backup_root = tempfile.mkdtemp(prefix="idem-cmdfuzz-backups.")
+    final_tmp = tempfile.mkdtemp(prefix="idem-cmdfuzz-final.")  # the last backup, opened
+    fz = Fuzzer(rnd, srv.dir.encode(), backup_root.encode())
     passed = failed = 0
-    counts = {"requests": 0, "batches": 0, "errors": 0, "quits": 0}
+    counts = {"requests": 0, "batches": 0, "errors": 0, "quits": 0, "backups": 0}
     codes = {}
     conns = []
     end = time.monotonic() + args.seconds
     batch, ci, c, got = [], 0, None, 0
-    before = None
+    before, final_backup = None, False
     try:
         conns = [Conn(srv, tcp=(i == 0), users=users) for i in range(args.conns)]
         c = conns[0]
@@ -489,10 +598,24 @@ def main():
                 raise Failure("bytes after the last reply of a pipeline: %r" % c.buf[:200])
             if srv.proc.poll() is not None:
                 raise Failure("idemd exited with %s" % srv.proc.returncode)
+            counts["backups"] += check_backups(fz)
+        batch = []
+        left = os.listdir(backup_root)  # a refused or failed backup leaves nothing
+        if left:
+            raise Failure("backups refused or failed left %r" % left)
         before = snapshot(srv)
+        # a backup of the store at rest holds every record as the snapshot read it
+        a = srv.admin(socket_timeout=120)
+        try:
+            a.execute_command("IDEM.BACKUP", os.path.join(final_tmp, "d"))
+        except redis.RedisError as e:
+            raise Failure("IDEM.BACKUP of the store at rest: %s" % e)
+        finally:
+            a.close()
+        final_backup = True
         passed += 1
         print("cmd_fuzz: %(requests)d requests in %(batches)d pipelines, %(errors)d error "
-              "replies, %(quits)d QUITs" % counts)
+              "replies, %(quits)d QUITs, %(backups)d backups verified" % counts)
         print("cmd_fuzz: error codes: %s" % ", ".join(
             "%s %d" % kv for kv in sorted(codes.items(), key=lambda kv: -kv[1])))
     except (Failure, OSError) as e:
@@ -517,27 +640,26 @@ def main():
     for c in conns:
         c.close()
     alive = srv.proc is not None and srv.proc.poll() is None
-    rc = srv.kill(15) if alive else (srv.proc.returncode if srv.proc else None)
+    rc = srv.kill(9 if kill9 else 15) if alive else (srv.proc.returncode if srv.proc else None)
     bad, text = log_faults(srv.log_path)
-    if alive and rc == 0 and not bad:
+    if alive and (rc == 0 or kill9) and not bad:
         passed += 1
     else:
         failed += 1
-        print("FAIL: idemd %s, exit %s at SIGTERM, log faults %s\n%s" % (
-            "running" if alive else "had exited", rc, bad, text[-3000:]))
-    v = subprocess.run([os.path.join(BUILD_DIR, "idemctl"), "verify", srv.dir],
-                       capture_output=True, text=True, timeout=120)
-    if v.returncode == 0:
+        print("FAIL: idemd %s, exit %s at %s, log faults %s\n%s" % (
+            "running" if alive else "had exited", rc, "SIGKILL" if kill9 else "SIGTERM", bad,
+            text[-3000:]))
+    err = verify(srv.dir)
+    if err is None:
         passed += 1
     else:
         failed += 1
-        print("FAIL: idemctl verify exit %d: %s %s" % (v.returncode, v.stdout[-2000:],
-                                                        v.stderr[-2000:]))
+        print("FAIL: idemctl verify %s" % err)
     try:
         srv.port = None  # a free port again: another process may have taken the last one
         srv.start()
         after = snapshot(srv)
-        diffs = same_after_reopen(before, after) if before else []
+        diffs = same_after_reopen(before, after, crash=kill9) if before else []
         a = srv.admin(socket_timeout=30)
         # A fresh key; at --max-keys, where the store may hold all it may, a key of the run
         # that a claim finds absent or expired (FULL answers the others).
@@ -555,7 +677,8 @@ def main():
         a.close()
         if diffs:
             failed += 1
-            print("FAIL: records changed by the stop and reopen:\n  " + "\n  ".join(diffs))
+            print("FAIL: records changed by the %s and reopen:\n  " % (
+                "kill" if kill9 else "stop") + "\n  ".join(diffs))
         elif claim is not None and claim[1] <= fz.max_token:
             failed += 1
             print("FAIL: a claim after the reopen answered %r (highest token before: %d)"
@@ -569,13 +692,20 @@ def main():
         failed += 1
         print("FAIL: idemd did not open the store again: %s" % e)
     rc = srv.kill(15)
-    bad, text = log_faults(srv.log_path)
+    # a kill may leave a write in flight that no answer waited for (the wheel's deletes)
+    bad, text = log_faults(srv.log_path, ("event=recovery_dropped_tail",) if kill9 else ())
     if rc == 0 and not bad:
         passed += 1
     else:
         failed += 1
         print("FAIL: the reopened idemd exited %s at SIGTERM, log faults %s" % (rc, bad))
     srv.stop()
+    if final_backup:
+        ok, what = check_final_backup(flags, auth, final_tmp, before)
+        passed, failed = passed + ok, failed + (not ok)
+        print(("cmd_fuzz: " if ok else "FAIL: ") + what)
+    shutil.rmtree(backup_root, ignore_errors=True)
+    shutil.rmtree(final_tmp, ignore_errors=True)
     print("%d passed, %d failed" % (passed, failed))
     return 1 if failed else 0
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # test_cmd_fuzz.sh: random commands against a live idemd (tests/python/cmd_fuzz.py, with
 # /usr/bin/python3): pipelines of well-framed requests with names and arguments drawn at random,
-# each answered once, in order, well-formed, the connection kept; idemd alive, its log clean,
-# exit 0 at SIGTERM, the store verified and opened again. Two runs of CMD_FUZZ_SECONDS (default
+# each answered once, in order, well-formed, the connection kept; backups made meanwhile
+# verified; idemd alive, its log clean, exit 0 at SIGTERM (or SIGKILL in sync mode), the store
+# verified and opened again with its records, and so is a backup of it at rest. Two runs of CMD_FUZZ_SECONDS (default
 # 15) with different seeds, so two of idemd's drawn settings; CMD_FUZZ_SEED picks the first
 # (the second is one more). The long tier runs it for longer (tests/long/run.sh, cmd_fuzz).
 set -u
