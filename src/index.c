@@ -321,17 +321,25 @@ static int seg_grow(struct index *ix, struct index_seg *seg, uint32_t top24)
     return 0;
 }
 
+/* The entries of seg whose hash has the bit at bit_shift (within top24) set: those a split puts
+ * in its upper half. */
+static uint32_t seg_count_high(const struct index_seg *seg, uint32_t bit_shift)
+{
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < seg->cap; i++) {
+        const struct index_slot *s = &seg->slots[i];
+        if (s->addr_tag != 0) n += (hash_top24(s->addr_tag) >> bit_shift) & 1;
+    }
+    return n;
+}
+
 /* Splits seg (local depth < 24) into two halves on the next hash bit. Returns 0 or -ENOMEM. */
 static int seg_split(struct index *ix, struct index_seg *seg, uint32_t top24)
 {
     IDEM_ASSERT(seg->local_depth < INDEX_DEPTH_MAX);
     if (seg->local_depth == ix->global_depth && dir_double(ix) != 0) return -ENOMEM;
     uint32_t bit_shift = INDEX_DEPTH_MAX - 1 - seg->local_depth; /* within top24 */
-    uint32_t n1 = 0;
-    for (uint32_t i = 0; i < seg->cap; i++) {
-        const struct index_slot *s = &seg->slots[i];
-        if (s->addr_tag != 0) n1 += (hash_top24(s->addr_tag) >> bit_shift) & 1;
-    }
+    uint32_t n1 = seg_count_high(seg, bit_shift);
     struct index_seg *half[2];
     half[0] = seg_new(ix, seg_cap_for(seg->count - n1), seg->local_depth + 1);
     half[1] = seg_new(ix, seg_cap_for(n1), seg->local_depth + 1);
@@ -394,7 +402,8 @@ static inline struct index_seg *seg_make_room(struct index *ix, uint32_t top24)
 
 size_t index_insert_growth(const struct index *ix, uint64_t h)
 {
-    const struct index_seg *seg = dir_of(ix, hash_top24(h))->seg;
+    uint32_t top24 = hash_top24(h);
+    const struct index_seg *seg = dir_of(ix, top24)->seg;
     if (seg->count + 1 <= seg_limit(seg->cap)) return 0;
     if (seg->cap == SEG_CAP_MAX && seg->local_depth == INDEX_DEPTH_MAX) return 0; /* no rebuild */
     if (seg->cap < SEG_CAP_MAX) { /* seg_grow: the next step's block, the old one freed */
@@ -402,11 +411,18 @@ size_t index_insert_growth(const struct index *ix, uint64_t h)
         if (cap <= seg->cap) cap = seg->cap + 1;
         return seg_bytes(cap) - seg_bytes(seg->cap);
     }
-    /* seg_split: two halves, each at most the block it leaves (the split of the entries is not
-     * known without reading them), and a directory doubled when the segment spans one entry:
-     * 2n new entries beside the n old ones until they are moved (a doubling under way is
-     * finished first, freeing its old half). */
-    size_t bytes = seg_bytes(seg->cap);
+    /* seg_split: the halves' blocks as it sizes them (their entries counted as it counts
+     * them), the old block freed, and a directory doubled when the segment spans one entry: 2n
+     * new entries beside the n old ones until they are moved (a doubling under way is finished
+     * first, freeing its old half). */
+    uint32_t bit_shift = INDEX_DEPTH_MAX - 1 - seg->local_depth;
+    uint32_t n1 = seg_count_high(seg, bit_shift);
+    uint32_t cap0 = seg_cap_for(seg->count - n1), cap1 = seg_cap_for(n1);
+    size_t bytes = seg_bytes(cap0) + seg_bytes(cap1) - seg_bytes(seg->cap);
+    /* seg_cap_for leaves a half room for the key (at most 68% full, where a rebuild comes past
+     * 85%) unless it is at SEG_CAP_MAX: a half that took almost all the entries is split again,
+     * which is not counted (uniform hashes make it vanishingly rare: the function is then no
+     * bound). */
     if (seg->local_depth == ix->global_depth) {
         size_t n = (size_t)1 << ix->global_depth;
         bytes += 3 * n * sizeof(*ix->dir) - dir_bytes(ix);

@@ -78,10 +78,12 @@ size_t index_slots_like(const struct index *ix, uint64_t h, const struct index_s
  * the slot, or NULL when memory for a split cannot be had or a segment at the deepest local
  * depth (24) is full (nothing changed then). */
 struct index_slot *index_insert(struct index *ix, uint64_t h, uint64_t addr, uint32_t aux);
-/* The bytes index_live_bytes may rise by when hash h is inserted: 0 when its segment has room
- * (the insert uses a slot that is there, one a removal may have freed); else at most what the
- * rebuild of its segment, and the doubling of the directory a split may need, add. A bound from
- * above for one rebuild (a split whose half is still full splits again: rare, uniform hashes). */
+/* The bytes index_live_bytes rises by when hash h is inserted: 0 when its segment has room
+ * (the insert uses a slot that is there, one a removal may have freed); else what the rebuild
+ * of its segment, and the doubling of the directory a split may need, add (less, where the
+ * rebuild's step of a doubling under way ends it and frees the old directory). Not counted: a
+ * split whose half is still full splits again (rare: uniform hashes). A split's count reads
+ * the segment's entries (at most 1024 slots). */
 size_t index_insert_growth(const struct index *ix, uint64_t h);
 /* index_insert (aux 0) for entries that arrive in ascending order of position within their
  * segment, as a checkpoint lists them: each insert starts probing where the run of slots it

@@ -241,6 +241,62 @@ Test(index, growth_to_1m_keeps_every_entry)
     index_destroy(ix);
 }
 
+/* index_insert_growth says what an insert adds to index_live_bytes, which a memory limit is held
+ * to (ops.c): exactly, for a grow and for a split (with the directory it doubles), unless the
+ * rebuild's step of a doubling under way ends it (the old directory freed: less). It used to
+ * count each half of a split as large as the segment it replaces, refusing keys up to about
+ * 12 KiB early. Removals leave freed slots the next inserts take (0 added). */
+Test(index, insert_growth_is_what_the_insert_adds)
+{
+    uint64_t n = tu_count(300000, 2000000);
+    uint64_t seed = tu_seed("index.insert_growth_is_what_the_insert_adds");
+    struct index *ix;
+    cr_assert_eq(index_create(0, &ix), 0);
+    index_set_dir_move_step(ix, 64);
+    uint64_t grows = 0, splits = 0, doublings = 0, less = 0;
+    for (uint64_t i = 0; i < n; i++) {
+        uint64_t h = mix(seed + i);
+        size_t g = index_insert_growth(ix, h), before = index_live_bytes(ix);
+        uint64_t segs = index_segments(ix);
+        int doubling = index_dir_unmoved(ix) > 0;
+        cr_assert_not_null(index_insert(ix, h, i + 1, 0));
+        size_t after = index_live_bytes(ix);
+        uint64_t new_segs = index_segments(ix) - segs;
+        cr_assert(new_segs <= 1, "a second split at insert %llu (seed %llu)", (unsigned long long)i,
+                  (unsigned long long)seed);
+        if (after - before == g) {
+            grows += g && !new_segs;
+            splits += new_segs;
+            doublings += new_segs && index_dir_unmoved(ix) > 0 && !doubling;
+        } else {
+            cr_assert(doubling && after < before + g,
+                      "insert %llu added %zu bytes, %zu said (seed %llu)", (unsigned long long)i,
+                      after - before, g, (unsigned long long)seed);
+            less++;
+        }
+        if (i % 5 == 4) { /* a removal: its slot is taken again, with nothing added */
+            struct index_slot *s = find_addr(ix, mix(seed + i - 2), i - 1);
+            cr_assert_not_null(s);
+            index_remove(ix, s);
+            uint64_t h2 = mix(seed + i - 2);
+            cr_assert_eq(index_insert_growth(ix, h2), 0);
+            before = index_live_bytes(ix);
+            cr_assert_not_null(index_insert(ix, h2, i - 1, 0));
+            cr_assert_eq(index_live_bytes(ix), before);
+        }
+    }
+    fprintf(stderr,
+            "index: %llu inserts: %llu grows and %llu splits (%llu doubling) as said, "
+            "%llu less (a doubling ended)\n",
+            (unsigned long long)n, (unsigned long long)grows, (unsigned long long)splits,
+            (unsigned long long)doublings, (unsigned long long)less);
+    cr_assert_gt(splits, 100);
+    cr_assert_gt(doublings, 3);
+    cr_assert_gt(grows, 1000);
+    cr_assert(index_check(ix));
+    index_destroy(ix);
+}
+
 Test(index, removing_everything_leaves_count_zero_and_memory_bounded)
 {
     uint64_t n = 200000;
