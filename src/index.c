@@ -400,7 +400,7 @@ static inline struct index_seg *seg_make_room(struct index *ix, uint32_t top24)
     return seg->count + 1 <= seg_limit(seg->cap) ? seg : seg_make_room_slow(ix, top24);
 }
 
-size_t index_insert_growth(const struct index *ix, uint64_t h)
+size_t index_insert_growth(const struct index *ix, uint64_t h, size_t room)
 {
     uint32_t top24 = hash_top24(h);
     const struct index_seg *seg = dir_of(ix, top24)->seg;
@@ -414,19 +414,20 @@ size_t index_insert_growth(const struct index *ix, uint64_t h)
     /* seg_split: the halves' blocks as it sizes them (their entries counted as it counts
      * them), the old block freed, and a directory doubled when the segment spans one entry: 2n
      * new entries beside the n old ones until they are moved (a doubling under way is finished
-     * first, freeing its old half). */
+     * first, freeing its old half). Each half is at most the block it leaves: where that bound
+     * is within room, the entries are not counted. */
+    size_t dir = 0;
+    if (seg->local_depth == ix->global_depth)
+        dir = 3 * ((size_t)1 << ix->global_depth) * sizeof(*ix->dir) - dir_bytes(ix);
+    if (seg_bytes(seg->cap) + dir <= room) return seg_bytes(seg->cap) + dir;
     uint32_t bit_shift = INDEX_DEPTH_MAX - 1 - seg->local_depth;
     uint32_t n1 = seg_count_high(seg, bit_shift);
     uint32_t cap0 = seg_cap_for(seg->count - n1), cap1 = seg_cap_for(n1);
-    size_t bytes = seg_bytes(cap0) + seg_bytes(cap1) - seg_bytes(seg->cap);
+    size_t bytes = seg_bytes(cap0) + seg_bytes(cap1) - seg_bytes(seg->cap) + dir;
     /* seg_cap_for leaves a half room for the key (at most 68% full, where a rebuild comes past
      * 85%) unless it is at SEG_CAP_MAX: a half that took almost all the entries is split again,
      * which is not counted (uniform hashes make it vanishingly rare: the function is then no
      * bound). */
-    if (seg->local_depth == ix->global_depth) {
-        size_t n = (size_t)1 << ix->global_depth;
-        bytes += 3 * n * sizeof(*ix->dir) - dir_bytes(ix);
-    }
     return bytes;
 }
 

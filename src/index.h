@@ -82,9 +82,10 @@ struct index_slot *index_insert(struct index *ix, uint64_t h, uint64_t addr, uin
  * (the insert uses a slot that is there, one a removal may have freed); else what the rebuild
  * of its segment, and the doubling of the directory a split may need, add (less, where the
  * rebuild's step of a doubling under way ends it and frees the old directory). Not counted: a
- * split whose half is still full splits again (rare: uniform hashes). A split's count reads
- * the segment's entries (at most 1024 slots). */
-size_t index_insert_growth(const struct index *ix, uint64_t h);
+ * split whose half is still full splits again (rare: uniform hashes). A split's exact figure
+ * reads the segment's entries (at most 1024 slots): where a bound from above (each half as
+ * large as the segment) is within room, that bound is returned instead. */
+size_t index_insert_growth(const struct index *ix, uint64_t h, size_t room);
 /* index_insert (aux 0) for entries that arrive in ascending order of position within their
  * segment, as a checkpoint lists them: each insert starts probing where the run of slots it
  * joins ends, instead of at its home (sorted inserts into linear probing otherwise walk the

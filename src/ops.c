@@ -464,8 +464,8 @@ static int owner_same(const struct rec *r, const idem_op *op)
  * limit presses compaction (compact.c) to take the expired keys out of the index. */
 static int memory_full(const struct index *ix, uint64_t h, uint64_t max)
 {
-    size_t growth = index_insert_growth(ix, h);
-    return growth && index_live_bytes(ix) + growth > max;
+    size_t live = index_live_bytes(ix), room = max > live ? (size_t)(max - live) : 0;
+    return index_insert_growth(ix, h, room) > room;
 }
 
 static int capacity_full(idem_store *s, const struct index_slot *replaces, const void *key,

@@ -3159,6 +3159,11 @@ int idem_backup(idem_store *s, const char *dest_dir)
              : s->opt.read_only ? 0
                                 : quiesce_durable(s);
     struct super sb = s->sb; /* names the log's first segment, as every open and retirement */
+    /* The clock of this moment, which answers given may rest on (a key answered expired), where
+     * the last one saved is older: in batch and none modes such answers do not wait for it,
+     * and an idle store writes no END frame. The copy opens at it, as it would have reopened. */
+    int64_t now = store_now(s);
+    if (now > sb.store_clock_ms) sb.store_clock_ms = now;
     uint64_t end_seq;
     uint32_t end_off;
     wal_position(s->wal, &end_seq, &end_off);

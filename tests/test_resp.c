@@ -312,6 +312,37 @@ Test(resp, oversized_inline_field_is_refused)
     cr_assert_str_eq(p.err, "ERR SET: argument 2 is too long (19 bytes, at most 16)");
 }
 
+/* A refusal keeps the request's name (idemd answers one before AUTH by it), and one refused
+ * before its name was read keeps none, not the name of the request refused before it. */
+Test(resp, a_refusal_keeps_its_request_name_and_a_nameless_one_none)
+{
+    resp_parser p = parser();
+    size_t c;
+    const char *s = "*2\r\n$3\r\nGET\r\n$20\r\n01234567890123456789\r\n";
+    cr_assert_eq(parse_once(&p, s, strlen(s), &c), RESP_REFUSED);
+    cr_assert_eq(p.refused_name_len, 3);
+    cr_assert(memcmp(p.refused_name, "GET", 3) == 0);
+    p.req_max = 64; /* the next request passes it with its first bulk: no name read */
+    char big[160];
+    int n = snprintf(big, sizeof big, "*1\r\n$100\r\n%0100d\r\n", 7);
+    cr_assert_eq(parse_once(&p, big, (size_t)n, &c), RESP_REFUSED);
+    cr_assert(strstr(p.err, "request too large"), "%s", p.err);
+    cr_assert_eq(p.refused_name_len, 0);
+    s = "SET 0123456789abcdefXYZ v\r\n"; /* inline */
+    cr_assert_eq(parse_once(&p, s, strlen(s), &c), RESP_REFUSED);
+    cr_assert_eq(p.refused_name_len, 3);
+    cr_assert(memcmp(p.refused_name, "SET", 3) == 0);
+    /* a name past 64 bytes is not kept */
+    n = snprintf(big, sizeof big, "*9\r\n$65\r\n%065d\r\n", 1);
+    p.req_max = 0;
+    cr_assert_eq(parse_once(&p, big, (size_t)n, &c), RESP_NEED_MORE); /* 9 > argc_max 8 */
+    const char *rest = "$1\r\na\r\n$1\r\na\r\n$1\r\na\r\n$1\r\na\r\n$1\r\na\r\n$1\r\na\r\n"
+                       "$1\r\na\r\n$1\r\na\r\n";
+    cr_assert_eq(parse_once(&p, rest, strlen(rest), &c), RESP_REFUSED);
+    cr_assert(strstr(p.err, "too many arguments"), "%s", p.err);
+    cr_assert_eq(p.refused_name_len, 0);
+}
+
 Test(resp, inline_line_over_limit_closes)
 {
     size_t n = RESP_INLINE_MAX + 10;

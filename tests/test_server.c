@@ -3295,6 +3295,12 @@ Test(server, config_file_settings_apply, .init = start_from_config)
 Test(server, requests_before_auth_are_held_to_small_arguments, .init = start_from_config)
 {
     static const char NOAUTH[] = "-NOAUTH Authentication required.\r\n";
+    /* Requests the parser refused are not run (total_commands, which counts requests run,
+     * stays), whereas a whole request before AUTH is run and answered NOAUTH: so these
+     * NOAUTHs come from the limits, not from a request buffered whole. */
+    redisContext *admin = connect_unix();
+    expect_status(cmd(admin, "AUTH ops pw-ops"), "OK");
+    long long ran = stat_value(admin, "total_commands");
     int fd = raw_connect();
     static char req[40000], got[4096];
     const char head[] =
@@ -3318,13 +3324,6 @@ Test(server, requests_before_auth_are_held_to_small_arguments, .init = start_fro
     raw_send(fd, echo, e + 2);
     raw_read(fd, got, sizeof got - 1, sizeof NOAUTH - 1, &closed);
     cr_assert_str_eq(got, NOAUTH);
-    /* so does one whose name is past the longest command's, or unknown */
-    static char name[101], named[200];
-    memset(name, 'Z', 100);
-    size_t nl = (size_t)snprintf(named, sizeof named, "*2\r\n$100\r\n%s\r\n$1\r\nx\r\n", name);
-    raw_send(fd, named, nl);
-    raw_read(fd, got, sizeof got - 1, sizeof NOAUTH - 1, &closed);
-    cr_assert_str_eq(got, NOAUTH);
     /* AUTH's own refusal, by the field's limit (4 KiB, as after AUTH), then a good AUTH */
     e = (size_t)snprintf(echo, sizeof echo, "*3\r\n$4\r\nAUTH\r\n$3\r\nops\r\n$5000\r\n");
     memset(echo + e, 'p', 5000);
@@ -3335,6 +3334,21 @@ Test(server, requests_before_auth_are_held_to_small_arguments, .init = start_fro
     cr_assert(strstr(got, "-ERR AUTH: ") && strstr(got, "argument 3 is too long (5000 bytes"), "%s",
               got);
     cr_assert(!closed);
+    /* One refused before its name is read (a name past the longest command's) answers NOAUTH,
+     * not by the name of the AUTH refused before it. */
+    static char name[101], named[200];
+    memset(name, 'Z', 100);
+    size_t nl = (size_t)snprintf(named, sizeof named, "*2\r\n$100\r\n%s\r\n$1\r\nx\r\n", name);
+    raw_send(fd, named, nl);
+    raw_read(fd, got, sizeof got - 1, sizeof NOAUTH - 1, &closed);
+    cr_assert_str_eq(got, NOAUTH);
+    long long now_ran = stat_value(admin, "total_commands");
+    cr_assert_eq(now_ran, ran + 1, "%lld requests refused by their limits were run",
+                 now_ran - ran - 1);
+    raw_send(fd, "GET k\r\n", 7);
+    raw_read(fd, got, sizeof got - 1, sizeof NOAUTH - 1, &closed);
+    cr_assert_str_eq(got, NOAUTH);
+    cr_assert_eq(stat_value(admin, "total_commands"), now_ran + 2, "a whole request is run");
     const char auth[] = "*3\r\n$4\r\nAUTH\r\n$3\r\nops\r\n$6\r\npw-ops\r\n";
     raw_send(fd, auth, sizeof auth - 1);
     raw_read(fd, got, sizeof got - 1, 5, &closed);
@@ -3358,6 +3372,7 @@ Test(server, requests_before_auth_are_held_to_small_arguments, .init = start_fro
     raw_read(fd, got, sizeof got - 1, 1, &closed);
     cr_assert(strstr(got, "-ERR HELLO: too many arguments (17, at most 16)"), "%s", got);
     close(fd);
+    redisFree(admin);
 
     /* A request begun before AUTH must end within 5 s: one left unfinished holds buffers, and
      * many such connections would add up past the budget. One that completes stays open. */
@@ -3545,41 +3560,54 @@ Test(server, a_flood_of_connections_is_logged_at_a_bounded_rate, .init = start)
     EXPECT_LOG("event=connect ", "suppressed=");
 }
 
-static char fail_sync_trigger[700], *fail_sync_dir;
+static char fail_trigger[700], *fail_dir;
 
-/* Starts idemd (with extra) on the thread backend, its fdatasync preloaded from
- * tests/preload/: it fails once fail_sync_now() has made the trigger file. */
-static void start_failing_sync(const char *const *extra)
+/* Starts idemd (with extra) with lib of tests/preload/ preloaded: it fails what it fails once
+ * fail_now() has made the trigger file (named to it by env), and until fail_end() removes it. */
+static void start_preloaded(const char *lib, const char *env, const char *const *extra)
 {
     const char *build = getenv("IDEM_BUILD_DIR"), *asan = getenv("ASAN_OPTIONS");
     char preload[600], asan_opts[600];
-    snprintf(preload, sizeof preload, "%s/libidem-test-fail-sync.so",
-             build && *build ? build : "build");
+    snprintf(preload, sizeof preload, "%s/%s", build && *build ? build : "build", lib);
     cr_assert_eq(access(preload, R_OK), 0, "%s is not built", preload);
-    fail_sync_dir = tu_mkdtemp("fail-sync");
-    snprintf(fail_sync_trigger, sizeof fail_sync_trigger, "%s/fail-now", fail_sync_dir);
+    fail_dir = tu_mkdtemp("preload");
+    snprintf(fail_trigger, sizeof fail_trigger, "%s/fail-now", fail_dir);
     /* The preloaded library comes before the sanitizers' runtime in an Asan build. */
     snprintf(asan_opts, sizeof asan_opts, "%s%sverify_asan_link_order=0", asan ? asan : "",
              asan && *asan ? ":" : "");
     setenv("LD_PRELOAD", preload, 1);
-    setenv("IDEM_IO_BACKEND", "thread", 1);
-    setenv("IDEM_TEST_FAIL_SYNC_FILE", fail_sync_trigger, 1);
+    setenv(env, fail_trigger, 1);
     setenv("ASAN_OPTIONS", asan_opts, 1);
     start_with(extra);
     unsetenv("LD_PRELOAD");
-    unsetenv("IDEM_IO_BACKEND");
-    unsetenv("IDEM_TEST_FAIL_SYNC_FILE");
+    unsetenv(env);
     if (asan)
         setenv("ASAN_OPTIONS", asan, 1);
     else
         unsetenv("ASAN_OPTIONS");
 }
 
-static void fail_sync_now(void)
+/* idemd on the thread backend, its fdatasync failing from fail_now() on (fail_sync.c: io_uring's
+ * flushes make no such call). */
+static void start_failing_sync(const char *const *extra)
 {
-    FILE *f = fopen(fail_sync_trigger, "w");
+    setenv("IDEM_IO_BACKEND", "thread", 1);
+    start_preloaded("libidem-test-fail-sync.so", "IDEM_TEST_FAIL_SYNC_FILE", extra);
+    unsetenv("IDEM_IO_BACKEND");
+}
+
+static void fail_now(void)
+{
+    FILE *f = fopen(fail_trigger, "w");
     cr_assert_not_null(f);
     fclose(f);
+    usleep(20 * 1000); /* fail_alloc.c looks for the file once a millisecond */
+}
+
+static void fail_end(void)
+{
+    cr_assert_eq(unlink(fail_trigger), 0);
+    usleep(20 * 1000);
 }
 
 /* A failed flush is fatal for the store (issue 3): idemd answers what waits for the engine
@@ -3596,7 +3624,7 @@ Test(server, a_failed_flush_answers_outcome_unknown_and_exits_non_zero)
     long long tok;
     cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM kept 600000 60000"), &tok), "new");
     expect_status(cmd(c, "IDEM.COMMIT kept %lld done", tok), "OK");
-    fail_sync_now();
+    fail_now();
     redisAppendCommand(c, "IDEM.CLAIM lost-1 600000 60000");
     redisAppendCommand(c, "IDEM.CLAIM lost-2 600000 60000");
     for (int i = 0; i < 2; i++) {
@@ -3618,7 +3646,7 @@ Test(server, a_failed_flush_answers_outcome_unknown_and_exits_non_zero)
     cr_assert_str_eq(field_of(r, "result"), "done");
     freeReplyObject(r);
     redisFree(c);
-    tu_rmtree(fail_sync_dir);
+    tu_rmtree(fail_dir);
 }
 
 /* A read parked behind unread replies (reads.c) when the store fails is answered as every
@@ -3635,7 +3663,7 @@ Test(server, a_parked_read_is_answered_outcome_unknown_when_the_store_fails)
     long long base = stat_value(b, "total_commands");
     send_scan_behind_echos(a, ECHOS, "PING");
     wait_others_ran(b, base, ECHOS + 1); /* the scan is parked */
-    fail_sync_now();
+    fail_now();
     expect_error(cmd(b, "IDEM.CLAIM lost 600000 60000"),
                  "ERR fatal store error: the outcome of this request is unknown");
     expect_park_echos(a, ECHOS);
@@ -3649,7 +3677,77 @@ Test(server, a_parked_read_is_answered_outcome_unknown_when_the_store_fails)
     redisFree(b);
     int status = exit_status();
     cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 1, "status %d", status);
-    tu_rmtree(fail_sync_dir);
+    tu_rmtree(fail_dir);
+}
+
+/* Out of memory, idemd refuses what needs memory and goes on (tests/preload/fail_alloc.c makes
+ * every allocation fail meanwhile): a new connection is answered "out of memory" and closed, and
+ * so logged (it used to be told "max number of clients reached", unlogged). A connection made
+ * before gets its replies or, where a reply or its request finds no memory, is closed with
+ * nothing cut short, logged as out of memory (it used to be closed as "output_limit" or
+ * "request_too_large"); a claim answered `new` is there. Once memory is back every
+ * acknowledged change is there, new connections are served, and SIGTERM exits 0. */
+Test(server, out_of_memory_refuses_what_needs_memory_and_idemd_goes_on)
+{
+#if defined(__SANITIZE_ADDRESS__)
+    cr_skip_test("a preloaded malloc does not mix with the sanitizers' own (Debug and Release "
+                 "builds run it)");
+#endif
+    start_preloaded("libidem-test-fail-alloc.so", "IDEM_TEST_FAIL_ALLOC_FILE", NULL);
+    redisContext *c = connect_unix();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM before 600000 60000"), &tok), "new");
+    expect_status(cmd(c, "IDEM.COMMIT before %lld done", tok), "OK");
+    int fd = raw_connect_unix(), closed = 0;
+    char got[256];
+    raw_send(fd, "CLIENT ID\r\n", 11); /* accepted before */
+    raw_read(fd, got, sizeof got - 1, 4, &closed);
+    char id[64], disconnect[96];
+    cr_assert_eq(sscanf(got, ":%50[0-9]\r\n", id + 3), 1, "%s", got);
+    memcpy(id, "id=", 3);
+    strcat(id, " ");
+    snprintf(disconnect, sizeof disconnect, "event=disconnect %s", id);
+    fail_now();
+    static const char OOM[] = "-ERR out of memory for a new connection: try again\r\n";
+    for (int i = 0; i < 3; i++) {
+        int n = raw_connect_unix();
+        raw_read(n, got, sizeof got - 1, sizeof OOM - 1, &closed);
+        cr_assert_str_eq(got, OOM);
+        raw_read(n, got, sizeof got - 1, 1, &closed);
+        cr_assert(closed, "a connection refused for memory stayed open");
+        close(n);
+    }
+    /* A connection made before: what it sends may be answered, else it is closed (EOF, no
+     * partial reply); idemd runs on. */
+    raw_send(fd, "IDEM.CLAIM during 600000 60000\r\nPING\r\n", 38);
+    size_t len = raw_read(fd, got, sizeof got - 1, 64, &closed);
+    int during = strstr(got, "new") != NULL;
+    cr_assert(closed || (during && strstr(got, "+PONG\r\n")), "%zu bytes: %s", len, got);
+    cr_assert(len == 0 || strncmp(got, "*2\r\n$3\r\nnew\r\n:", 16) == 0, "%s", got);
+    close(fd);
+    cr_assert_eq(waitpid(srv.pid, NULL, WNOHANG), 0, "idemd exited out of memory");
+    fail_end();
+    redisFree(c);
+    c = connect_unix();
+    expect_status(cmd(c, "PING"), "PONG");
+    redisReply *r = cmd(c, "IDEM.GET before");
+    cr_assert_str_eq(field_of(r, "state"), "committed");
+    cr_assert_str_eq(field_of(r, "result"), "done");
+    freeReplyObject(r);
+    r = cmd(c, "IDEM.GET during");
+    if (during) /* else unknown: made, its reply lost, or not run */
+        cr_assert_str_eq(field_of(r, "state"), "in_flight");
+    freeReplyObject(r);
+    if (closed) {
+        EXPECT_LOG("level=warn event=out_of_memory what=", id);
+        EXPECT_LOG(disconnect, "reason=out_of_memory");
+    }
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM after 600000 60000"), &tok), "new");
+    redisFree(c);
+    EXPECT_LOG("level=warn event=out_of_memory what=connection peer=unix");
+    int status = stop_and_wait(SIGTERM);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "status %d", status);
+    tu_rmtree(fail_dir);
 }
 
 static void start_max_keys_3(void)

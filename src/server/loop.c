@@ -287,13 +287,18 @@ static int conn_slot_index(srv *s, srv_conn *c)
 static void conn_new(srv *s, int fd, int is_unix, const char *peer)
 {
     int idx = conn_slot_index(s, NULL);
-    srv_conn *c = idx < 0 || s->nlive >= s->cfg.max_clients ? NULL : calloc(1, sizeof *c);
+    int full = idx < 0 || s->nlive >= s->cfg.max_clients;
+    srv_conn *c = full ? NULL : calloc(1, sizeof *c);
     if (!c) {
-        static const char msg[] = "-ERR max number of clients reached\r\n";
-        ssize_t w = write(fd, msg, sizeof msg - 1);
+        static const char full_msg[] = "-ERR max number of clients reached\r\n";
+        static const char oom_msg[] = "-ERR out of memory for a new connection: try again\r\n";
+        ssize_t w = full ? write(fd, full_msg, sizeof full_msg - 1)
+                         : write(fd, oom_msg, sizeof oom_msg - 1);
         (void)w;
         close(fd);
         s->rejected_connections++;
+        if (!full)
+            srv_log_gated(&s->log_oom, "warn", "out_of_memory", "what=connection peer=%s", peer);
         return;
     }
     c->id = ++s->next_id;
@@ -443,7 +448,7 @@ static int slot_alloc(srv_conn *c, uint32_t *seq)
     sl->buf = keep;
     sl->buf_counted = counted;
     sl->buf.len = 0;
-    sl->buf.overflow = 0;
+    sl->buf.overflow = sl->buf.no_memory = 0;
     sl->buf.limit = c->out.limit;
     sl->state = SLOT_PENDING;
     return 0;
@@ -528,8 +533,10 @@ void srv_reply_done(srv *s, srv_conn *c, uint32_t seq)
         /* A reply that did not fit its slot is not sent cut short: the connection is closed
          * (conn_write: output_limit), as when the reply goes to `out` at once. */
         if (h->buf.overflow ||
-            (h->buf.len && resp_buf_append(&c->out, h->buf.data, h->buf.len) < 0))
+            (h->buf.len && resp_buf_append(&c->out, h->buf.data, h->buf.len) < 0)) {
             c->out.overflow = 1;
+            c->out.no_memory |= h->buf.no_memory;
+        }
         /* Only small buffers are kept, SRV_SLOT_KEEP bytes of them at most. */
         if (h->buf.cap > SRV_SLOT_KEEP / 4 || c->slot_bytes > SRV_SLOT_KEEP) resp_buf_free(&h->buf);
         slot_recount(c, h);
@@ -646,6 +653,24 @@ static void conn_compact_in(srv_conn *c)
     }
 }
 
+/* No memory for what c sent (what: input_buffer, reply_slot): logged, and c is closed once the
+ * replies it is owed are written (at once if none is: no write would come to close it); it is
+ * not read any more (EPOLLIN would spin the loop). Its earlier requests keep their answers. */
+static void conn_out_of_memory(srv *s, srv_conn *c, const char *what)
+{
+    srv_log_gated(&s->log_oom, "warn", "out_of_memory", "what=%s id=%llu peer=%s", what,
+                  (unsigned long long)c->id, c->peer);
+    if (c->head_seq == c->tail_seq && c->out.sent == c->out.len) {
+        conn_close(s, c, "out_of_memory");
+    } else {
+        c->close_after_write = 1;
+        conn_update_events(s, c);
+    }
+}
+
+/* Makes room in c's input buffer for a read. Returns 0; -1 when a request would pass
+ * SRV_IN_BUF_MAX; -2 when the buffer is full and cannot grow for want of memory (without memory
+ * a read goes into whatever room is left). */
 static int conn_grow_in(srv_conn *c)
 {
     conn_compact_in(c);
@@ -657,17 +682,23 @@ static int conn_grow_in(srv_conn *c)
     size_t cap = c->in_cap ? c->in_cap * 2 : 16384;
     if (cap > SRV_IN_BUF_MAX) cap = SRV_IN_BUF_MAX;
     uint8_t *n = realloc(c->in, cap);
-    if (!n) return -1;
+    if (!n) return room > 0 ? 0 : -2;
     c->in = n;
     c->in_cap = cap;
     return 0;
 }
 
-/* Reads what the socket holds (up to the buffer's room). Returns 0, or -1 when c was closed. */
+/* Reads what the socket holds (up to the buffer's room). Returns 0, or -1 when c was closed or
+ * is to be closed once its replies are written (no memory to read into). */
 static int conn_read(srv *s, srv_conn *c)
 {
-    if (conn_grow_in(c) < 0) {
+    int grown = conn_grow_in(c);
+    if (grown == -1) {
         conn_close(s, c, "request_too_large");
+        return -1;
+    }
+    if (grown == -2) {
+        conn_out_of_memory(s, c, "input_buffer");
         return -1;
     }
     ssize_t n = read(c->fd, c->in + c->in_len, c->in_cap - c->in_len);
@@ -963,14 +994,7 @@ static void conn_refuse(srv *s, srv_conn *c, const char *err)
 {
     uint32_t seq;
     if (slot_alloc(c, &seq) < 0) {
-        /* Closed once what it is owed is written; at once if nothing is (no write would come
-         * to close it). */
-        if (c->head_seq == c->tail_seq && c->out.sent == c->out.len) {
-            conn_close(s, c, "out_of_memory");
-        } else {
-            c->close_after_write = 1;
-            conn_update_events(s, c); /* not read any more: EPOLLIN would spin the loop */
-        }
+        conn_out_of_memory(s, c, "reply_slot");
         return;
     }
     resp_error(srv_reply_buf(c, seq), err);
@@ -1035,7 +1059,7 @@ static void conn_parse_requests(srv *s, srv_conn *c)
         } else {
             uint32_t seq;
             if (slot_alloc(c, &seq) < 0) {
-                conn_close(s, c, "out_of_memory");
+                conn_out_of_memory(s, c, "reply_slot");
                 return;
             }
             s->total_commands++;
@@ -1073,10 +1097,13 @@ static void conn_write(srv *s, srv_conn *c)
     if (c->fd < 0) return;
     if (c->hung_up) { /* its replies go nowhere: none is too large */
         c->out.sent = c->out.len;
-        c->out.overflow = 0;
+        c->out.overflow = c->out.no_memory = 0;
     }
-    if (c->out.overflow) {
-        conn_close(s, c, "output_limit");
+    if (c->out.overflow) { /* a reply cut short is not sent: the rest would be read as replies */
+        if (c->out.no_memory)
+            srv_log_gated(&s->log_oom, "warn", "out_of_memory", "what=reply id=%llu peer=%s",
+                          (unsigned long long)c->id, c->peer);
+        conn_close(s, c, c->out.no_memory ? "out_of_memory" : "output_limit");
         return;
     }
     if (c->out.sent < c->out.len && c->out_progress_ms == 0)

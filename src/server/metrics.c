@@ -73,7 +73,7 @@ static const struct metric_info {
     {"connected_clients", 0, "Client connections open."},
     {"total_connections", 1, "Client connections accepted."},
     {"total_commands", 1, "Commands run."},
-    {"rejected_connections", 1, "Connections refused at --max-clients."},
+    {"rejected_connections", 1, "Connections refused at --max-clients or for want of memory."},
     {"clients_closed_input_stalled", 1, "Clients closed by the I/O budget for input not read."},
     {"clients_closed_output_stalled", 1, "Clients closed by the I/O budget for replies not read."},
     {"reads_withdrawn", 1, "Scans, audit and attention queries not made: their client left."},

@@ -114,7 +114,7 @@ static void read_recycle(srv *s, srv_read *r)
     }
     if (r->reply.cap > 65536) resp_buf_free(&r->reply);
     r->reply.len = 0;
-    r->reply.overflow = 0;
+    r->reply.overflow = r->reply.no_memory = 0;
     r->next = s->reads_free;
     s->reads_free = r;
     s->reads_kept++;
@@ -241,8 +241,10 @@ void srv_reads_done(srv *s)
                 resp_error(b, "ERR the reply would pass --client-output-max (or the memory left "
                               "under load): ask for fewer "
                               "(a lower COUNT)");
-            else if (resp_buf_append(b, r->reply.data, r->reply.len) < 0)
+            else if (resp_buf_append(b, r->reply.data, r->reply.len) < 0) {
                 c->out.overflow = 1; /* closed as too slow a reader, as on the loop */
+                c->out.no_memory |= b->no_memory;
+            }
             srv_reply_done(s, c, r->seq);
         }
         read_recycle(s, r);

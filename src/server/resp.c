@@ -425,7 +425,7 @@ int resp_buf_append(resp_buf *b, const void *p, size_t n)
             cap *= 2;
         uint8_t *d = realloc(b->data, cap);
         if (!d) {
-            b->overflow = 1;
+            b->overflow = b->no_memory = 1;
             return -1;
         }
         b->data = d;

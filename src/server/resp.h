@@ -112,6 +112,7 @@ typedef struct resp_buf {
     size_t sent;  /* leading bytes already written out (a connection's output): not counted
                    * against limit, which bounds what the client has not read */
     int overflow;
+    int no_memory; /* the overflow was a failed allocation, not the limit */
 } resp_buf;
 
 void resp_buf_init(resp_buf *b, size_t limit);

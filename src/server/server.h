@@ -311,7 +311,7 @@ typedef struct srv {
     int spare_fd;
     int64_t accept_paused_until_ms;
     srv_log_gate log_accept, log_protocol, log_auth, log_auth_ok, log_full;
-    srv_log_gate log_connect, log_disconnect, log_half_close, log_budget_pause;
+    srv_log_gate log_connect, log_disconnect, log_half_close, log_budget_pause, log_oom;
     pthread_t load_thread;
     int load_started;
     int load_err;

@@ -27,6 +27,7 @@ Prints the seed, the counts and `N passed, M failed` (N, M: checks). On a failur
 that broke it is printed (repr, cut)."""
 
 import argparse
+import atexit
 import os
 import random
 import shutil
@@ -553,6 +554,8 @@ def main():
     srv = Idemd(*flags, name="idemd-cmdfuzz", auth=auth).start()
     backup_root = tempfile.mkdtemp(prefix="idem-cmdfuzz-backups.")
     final_tmp = tempfile.mkdtemp(prefix="idem-cmdfuzz-final.")  # the last backup, opened
+    for d in (backup_root, final_tmp) if os.environ.get("KEEP_TMP") != "1" else ():
+        atexit.register(shutil.rmtree, d, True)  # at any exit, SIGTERM's too (idemd_server)
     fz = Fuzzer(rnd, srv.dir.encode(), backup_root.encode())
     passed = failed = 0
     counts = {"requests": 0, "batches": 0, "errors": 0, "quits": 0, "backups": 0}
@@ -704,8 +707,6 @@ def main():
         ok, what = check_final_backup(flags, auth, final_tmp, before)
         passed, failed = passed + ok, failed + (not ok)
         print(("cmd_fuzz: " if ok else "FAIL: ") + what)
-    shutil.rmtree(backup_root, ignore_errors=True)
-    shutil.rmtree(final_tmp, ignore_errors=True)
     print("%d passed, %d failed" % (passed, failed))
     return 1 if failed else 0
 
