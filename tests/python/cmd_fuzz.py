@@ -146,6 +146,7 @@ class Fuzzer:
         self.store_dir = store_dir  # bytes, as are the paths below
         self.backup_root = backup_root  # where IDEM.BACKUP is sent: one new directory each
         self.dests = []  # the new paths drawn for IDEM.BACKUP (drawn again: it exists)
+        self.unsent = set()  # those not yet sent: on an admin connection, the first send is made
         self.backups = []  # those answered +OK, not yet verified and removed
         self.tokens = {}  # key -> tokens granted on it (recent first)
         self.max_token = 0  # the highest token granted so far
@@ -219,6 +220,7 @@ class Fuzzer:
         r = self.rnd.random()
         if r < 0.6 or not self.dests:
             self.dests.append(os.path.join(self.backup_root, b"b%d" % len(self.dests)))
+            self.unsent.add(self.dests[-1])
             return self.dests[-1]
         if r < 0.8:
             return self.rnd.choice(self.dests)
@@ -266,17 +268,25 @@ class Fuzzer:
                 argv[0] = argv[0].lower()
         return argv, None
 
+    def note_backup(self, argv, reply, admin):
+        """IDEM.BACKUP: +OK only into a path drawn as new, and always for the first send of one
+        on an admin connection (a backup may be running already, from the same pipeline)."""
+        first = len(argv) == 2 and argv[1] in self.unsent
+        self.unsent.discard(argv[1] if len(argv) > 1 else None)
+        if reply == b"OK":
+            if len(argv) != 2 or argv[1] not in self.dests:
+                raise Failure("IDEM.BACKUP into %r answered +OK" % (argv[1:],))
+            self.backups.append(argv[1])
+        elif first and admin and not (isinstance(reply, tuple) and
+                                      "a backup is running already" in reply[2]):
+            raise Failure("IDEM.BACKUP into %r, new, answered %r" % (argv[1], reply))
+
     def note_reply(self, argv, reply):
         """Checks what a reply can be held to without a model (a PING's PONG, an ECHO's
         message, a token above every one before it but its key's own: tokens never repeat or go
         back), and keeps the tokens
         granted, so that owner calls are sometimes the owner's."""
         name = argv[0].upper() if argv else b""
-        if name == b"IDEM.BACKUP" and reply == b"OK":
-            if argv[1] not in self.dests:
-                raise Failure("IDEM.BACKUP into %r answered +OK" % (argv[1],))
-            self.backups.append(argv[1])
-            return
         if name == b"PING" and len(argv) == 1 and reply != b"PONG":
             raise Failure("PING answered %r" % (reply,))
         if name in (b"PING", b"ECHO") and len(argv) == 2 and reply != argv[1]:
@@ -586,6 +596,8 @@ def main():
                 deadline += wait_allowance(argv)  # replies come in order: after the wait
                 reply = c.reply(deadline)
                 counts["requests"] += 1
+                if argv and argv[0].upper() == b"IDEM.BACKUP":  # unix is admin without users
+                    fz.note_backup(argv, reply, admin=not users and not c.tcp)
                 if isinstance(reply, tuple):
                     counts["errors"] += 1
                     codes[reply[1]] = codes.get(reply[1], 0) + 1
@@ -603,9 +615,10 @@ def main():
                 raise Failure("idemd exited with %s" % srv.proc.returncode)
             counts["backups"] += check_backups(fz)
         batch = []
-        left = os.listdir(backup_root)  # a refused or failed backup leaves nothing
-        if left:
-            raise Failure("backups refused or failed left %r" % left)
+        # a refused or failed backup leaves nothing, nor does one refused for its place
+        left = os.listdir(backup_root) + [p for p in os.listdir(srv.dir) if p.startswith("inner")]
+        if left or os.path.exists("rel"):
+            raise Failure("backups refused or failed left %r" % (left or "rel",))
         before = snapshot(srv)
         # a backup of the store at rest holds every record as the snapshot read it
         a = srv.admin(socket_timeout=120)
