@@ -3680,13 +3680,54 @@ Test(server, a_parked_read_is_answered_outcome_unknown_when_the_store_fails)
     tu_rmtree(fail_dir);
 }
 
+/* Reads from fd until `pongs` PONGs came after a claim's reply (5 s at most). Returns what was
+ * read; *closed as raw_read. */
+static size_t read_through_pongs(int fd, char *buf, size_t cap, int pongs, int *closed)
+{
+    size_t len = 0;
+    buf[0] = '\0';
+    for (int64_t end = now_ms() + 5000; now_ms() < end && len + 1 < cap;) {
+        int n = 0;
+        for (const char *p = buf; (p = strstr(p, "+PONG\r\n")); p++)
+            n++;
+        if (n >= pongs) break;
+        len += raw_read(fd, buf + len, cap - 1 - len, 1, closed);
+        if (*closed) break;
+    }
+    return len;
+}
+
+/* A raw unix connection whose reply ring and slot buffers are in use: a claim the engine
+ * answers, with seven PINGs answered behind it into their slots. Sets id ("id=N ") and key's
+ * claim is left in flight. */
+static int warm_connection(const char *key, char id[32])
+{
+    int fd = raw_connect_unix(), closed = 0;
+    char req[256], got[512];
+    int n = snprintf(req, sizeof req, "CLIENT ID\r\nIDEM.CLAIM %s 600000 60000\r\n", key);
+    for (int i = 0; i < 7; i++)
+        n += snprintf(req + n, sizeof req - (size_t)n, "PING\r\n");
+    raw_send(fd, req, (size_t)n);
+    read_through_pongs(fd, got, sizeof got, 7, &closed);
+    char digits[24];
+    cr_assert(!closed && sscanf(got, ":%20[0-9]\r\n", digits) == 1 && strstr(got, "new"), "%s",
+              got);
+    snprintf(id, 32, "id=%s ", digits);
+    return fd;
+}
+
 /* Out of memory, idemd refuses what needs memory and goes on (tests/preload/fail_alloc.c makes
- * every allocation fail meanwhile): a new connection is answered "out of memory" and closed, and
- * so logged (it used to be told "max number of clients reached", unlogged). A connection made
- * before gets its replies or, where a reply or its request finds no memory, is closed with
- * nothing cut short, logged as out of memory (it used to be closed as "output_limit" or
- * "request_too_large"); a claim answered `new` is there. Once memory is back every
- * acknowledged change is there, new connections are served, and SIGTERM exits 0. */
+ * every allocation fail meanwhile):
+ *   - a new connection is answered "out of memory" and closed, and so logged (it used to be told
+ *     "max number of clients reached", unlogged);
+ *   - a connection whose reply finds no memory gets the whole replies before it, then EOF (it
+ *     used to be closed at once as "output_limit", the replies made before it lost: a client
+ *     that was granted a lease never heard of it);
+ *   - a connection whose request finds no reply slot gets the replies owed before it, then EOF
+ *     (it used to be closed at once);
+ *   - what needs no new memory is answered (a claim, PINGs into slot buffers at hand).
+ * Each is logged as event=out_of_memory. Once memory is back every acknowledged change is there,
+ * new connections are served, and SIGTERM exits 0. */
 Test(server, out_of_memory_refuses_what_needs_memory_and_idemd_goes_on)
 {
 #if defined(__SANITIZE_ADDRESS__)
@@ -3698,15 +3739,12 @@ Test(server, out_of_memory_refuses_what_needs_memory_and_idemd_goes_on)
     long long tok;
     cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM before 600000 60000"), &tok), "new");
     expect_status(cmd(c, "IDEM.COMMIT before %lld done", tok), "OK");
-    int fd = raw_connect_unix(), closed = 0;
-    char got[256];
-    raw_send(fd, "CLIENT ID\r\n", 11); /* accepted before */
-    raw_read(fd, got, sizeof got - 1, 4, &closed);
-    char id[64], disconnect[96];
-    cr_assert_eq(sscanf(got, ":%50[0-9]\r\n", id + 3), 1, "%s", got);
-    memcpy(id, "id=", 3);
-    strcat(id, " ");
-    snprintf(disconnect, sizeof disconnect, "event=disconnect %s", id);
+    char id1[32], id2[32], got[1024];
+    int fd1 = warm_connection("warm-1", id1), fd2 = warm_connection("warm-2", id2), closed = 0;
+    /* a request begun on each, so that no input buffer is shed as idle before the rest comes */
+    raw_send(fd1, "IDEM.CLAIM during-1 600000 6", 28);
+    raw_send(fd2, "IDEM.CLAIM during-2 600000 6", 28);
+    usleep(100 * 1000);
     fail_now();
     static const char OOM[] = "-ERR out of memory for a new connection: try again\r\n";
     for (int i = 0; i < 3; i++) {
@@ -3717,14 +3755,32 @@ Test(server, out_of_memory_refuses_what_needs_memory_and_idemd_goes_on)
         cr_assert(closed, "a connection refused for memory stayed open");
         close(n);
     }
-    /* A connection made before: what it sends may be answered, else it is closed (EOF, no
-     * partial reply); idemd runs on. */
-    raw_send(fd, "IDEM.CLAIM during 600000 60000\r\nPING\r\n", 38);
-    size_t len = raw_read(fd, got, sizeof got - 1, 64, &closed);
-    int during = strstr(got, "new") != NULL;
-    cr_assert(closed || (during && strstr(got, "+PONG\r\n")), "%zu bytes: %s", len, got);
-    cr_assert(len == 0 || strncmp(got, "*2\r\n$3\r\nnew\r\n:", 16) == 0, "%s", got);
-    close(fd);
+    /* fd1: the claim and a PING are answered; an ECHO of 1000 bytes needs a larger slot buffer */
+    static char rest[1200];
+    int n = snprintf(rest, sizeof rest, "0000\r\nPING\r\nECHO %01000d\r\nPING\r\n", 0);
+    raw_send(fd1, rest, (size_t)n);
+    static const char NEW[] = "*2\r\n$3\r\nnew\r\n:";
+    size_t len = read_through_pongs(fd1, got, sizeof got, 2, &closed);
+    cr_assert(strncmp(got, NEW, sizeof NEW - 1) == 0, "%zu bytes: %s", len, got);
+    const char *after = strchr(got + sizeof NEW - 1, '\n');
+    cr_assert(after && strcmp(after + 1, "+PONG\r\n") == 0, "%zu bytes: %s", len, got);
+    if (!closed) raw_read(fd1, got, sizeof got - 1, 1, &closed);
+    cr_assert(closed, "more came after the replies before the one without memory: %s", got);
+    /* fd2: a claim and eight PINGs: the ninth request finds no slot (a ring of 8) */
+    n = snprintf(rest, sizeof rest, "0000\r\n");
+    for (int i = 0; i < 8; i++)
+        n += snprintf(rest + n, sizeof rest - (size_t)n, "PING\r\n");
+    raw_send(fd2, rest, (size_t)n);
+    len = read_through_pongs(fd2, got, sizeof got, 8, &closed);
+    cr_assert(strncmp(got, NEW, sizeof NEW - 1) == 0, "%zu bytes: %s", len, got);
+    int pongs = 0;
+    for (const char *p = got; (p = strstr(p, "+PONG\r\n")); p++)
+        pongs++;
+    cr_assert_eq(pongs, 7, "%s", got);
+    if (!closed) raw_read(fd2, got, sizeof got - 1, 1, &closed);
+    cr_assert(closed, "the connection whose request found no slot stayed open");
+    close(fd1);
+    close(fd2);
     cr_assert_eq(waitpid(srv.pid, NULL, WNOHANG), 0, "idemd exited out of memory");
     fail_end();
     redisFree(c);
@@ -3734,17 +3790,22 @@ Test(server, out_of_memory_refuses_what_needs_memory_and_idemd_goes_on)
     cr_assert_str_eq(field_of(r, "state"), "committed");
     cr_assert_str_eq(field_of(r, "result"), "done");
     freeReplyObject(r);
-    r = cmd(c, "IDEM.GET during");
-    if (during) /* else unknown: made, its reply lost, or not run */
-        cr_assert_str_eq(field_of(r, "state"), "in_flight");
-    freeReplyObject(r);
-    if (closed) {
-        EXPECT_LOG("level=warn event=out_of_memory what=", id);
-        EXPECT_LOG(disconnect, "reason=out_of_memory");
+    const char *const granted[] = {"during-1", "during-2"};
+    for (int i = 0; i < 2; i++) {
+        r = cmd(c, "IDEM.GET %s", granted[i]);
+        cr_assert_str_eq(field_of(r, "state"), "in_flight", "%s", granted[i]);
+        freeReplyObject(r);
     }
     cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM after 600000 60000"), &tok), "new");
     redisFree(c);
     EXPECT_LOG("level=warn event=out_of_memory what=connection peer=unix");
+    EXPECT_LOG("level=warn event=out_of_memory what=reply", id1);
+    char line[96];
+    snprintf(line, sizeof line, "event=disconnect %s", id1);
+    EXPECT_LOG(line, "reason=out_of_memory");
+    EXPECT_LOG("level=warn event=out_of_memory what=reply_slot", id2);
+    snprintf(line, sizeof line, "event=disconnect %s", id2);
+    EXPECT_LOG(line, "reason=closed");
     int status = stop_and_wait(SIGTERM);
     cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "status %d", status);
     tu_rmtree(fail_dir);

@@ -37,8 +37,10 @@ int srv_backup_start(srv *s, srv_conn *c, uint32_t seq, const char *dest, char *
     s->backup_msg[0] = 0;
     s->backup_conn = c->index;
     s->backup_seq = seq;
-    if (pthread_create(&s->backup_thread, NULL, backup_main, s) != 0) {
-        snprintf(err, err_len, "ERR backup into %s failed: cannot start its thread", dest);
+    int rc = pthread_create(&s->backup_thread, NULL, backup_main, s);
+    if (rc != 0) {
+        snprintf(err, err_len, "ERR backup into %s failed: cannot start its thread: %s", dest,
+                 strerror(rc));
         return -1;
     }
     s->backup_running = 1;

@@ -91,11 +91,12 @@ static void clock_tick(srv *s)
     s->now_us = (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
-static void ep_add(srv *s, int fd, uint64_t tag, uint32_t events)
+static int ep_add(srv *s, int fd, uint64_t tag, uint32_t events)
 {
     struct epoll_event ev = {.events = events, .data.u64 = tag};
-    if (epoll_ctl(s->epfd, EPOLL_CTL_ADD, fd, &ev) != 0)
-        srv_log("error", "epoll_add", "fd=%d errno=%d", fd, errno);
+    if (epoll_ctl(s->epfd, EPOLL_CTL_ADD, fd, &ev) == 0) return 0;
+    srv_log("error", "epoll_add", "fd=%d errno=%d", fd, errno);
+    return -1;
 }
 
 /* ---- connections ---- */
@@ -163,7 +164,7 @@ static void conn_update_events(srv *s, srv_conn *c)
      * no input buffer grows without bound. Such a client needs no admission (budget_check):
      * one would do it no good while it cannot parse, and would keep others waiting. */
     size_t held_max = over_budget(s) ? SRV_IN_HEAVY_BYTES : SRV_IN_HELD_MAX;
-    int held_full = c->deferred && c->in_len - c->in_start >= held_max;
+    int held_full = c->deferred && (c->in_len - c->in_start >= held_max || c->in_no_room);
     if (!c->paused && !s->draining && !c->close_after_write && !c->in_ended && !held_full)
         ev |= EPOLLIN;
     if (c->out.sent < c->out.len) ev |= EPOLLOUT;
@@ -289,6 +290,11 @@ static void conn_new(srv *s, int fd, int is_unix, const char *peer)
     int idx = conn_slot_index(s, NULL);
     int full = idx < 0 || s->nlive >= s->cfg.max_clients;
     srv_conn *c = full ? NULL : calloc(1, sizeof *c);
+    /* Watched first: one the kernel would not watch (no memory for it) would never be served. */
+    if (c && ep_add(s, fd, TAG_CONN + (uint64_t)idx, EPOLLIN | EPOLLRDHUP) != 0) {
+        free(c);
+        c = NULL;
+    }
     if (!c) {
         static const char full_msg[] = "-ERR max number of clients reached\r\n";
         static const char oom_msg[] = "-ERR out of memory for a new connection: try again\r\n";
@@ -327,7 +333,6 @@ static void conn_new(srv *s, int fd, int is_unix, const char *peer)
     s->nlive++;
     s->total_connections++;
     c->epoll_events = EPOLLIN | EPOLLRDHUP;
-    ep_add(s, fd, TAG_CONN + (uint64_t)idx, EPOLLIN | EPOLLRDHUP);
     srv_log_gated(&s->log_connect, "info", "connect", "id=%llu peer=%s role=%s",
                   (unsigned long long)c->id, peer, auth_role_name(c->role));
 }
@@ -462,7 +467,8 @@ int srv_reply_pending(srv_conn *c, uint32_t seq)
 
 resp_buf *srv_reply_buf(srv_conn *c, uint32_t seq)
 {
-    return seq == c->head_seq ? &c->out : &srv_slot_of(c, seq)->buf;
+    /* after out_cut the slot's buffer, which srv_reply_done drops: nothing more is sent */
+    return seq == c->head_seq && !c->out_cut ? &c->out : &srv_slot_of(c, seq)->buf;
 }
 
 /* The slot's buffer capacity as the budget counts it (c->slot_bytes), after it changed. */
@@ -532,10 +538,14 @@ void srv_reply_done(srv *s, srv_conn *c, uint32_t seq)
         c->slot_ready -= h->buf.len;
         /* A reply that did not fit its slot is not sent cut short: the connection is closed
          * (conn_write: output_limit), as when the reply goes to `out` at once. */
-        if (h->buf.overflow ||
-            (h->buf.len && resp_buf_append(&c->out, h->buf.data, h->buf.len) < 0)) {
+        if (c->out_cut) {
+            /* after a reply that found no memory: none is sent (they would be taken for it) */
+        } else if (h->buf.overflow ||
+                   (h->buf.len && resp_buf_append(&c->out, h->buf.data, h->buf.len) < 0)) {
             c->out.overflow = 1;
             c->out.no_memory |= h->buf.no_memory;
+        } else if (!c->out.overflow) {
+            c->out_whole = c->out.len; /* this reply is whole in out (the head's went there) */
         }
         /* Only small buffers are kept, SRV_SLOT_KEEP bytes of them at most. */
         if (h->buf.cap > SRV_SLOT_KEEP / 4 || c->slot_bytes > SRV_SLOT_KEEP) resp_buf_free(&h->buf);
@@ -688,13 +698,21 @@ static int conn_grow_in(srv_conn *c)
     return 0;
 }
 
-/* Reads what the socket holds (up to the buffer's room). Returns 0, or -1 when c was closed or
- * is to be closed once its replies are written (no memory to read into). */
+/* Reads what the socket holds (up to the buffer's room). Returns 0, or -1 when nothing was read
+ * for want of room: c was closed, is to be closed once its replies are written (no memory to
+ * read into), or, holding requests that wait to be parsed, is read again once they are. */
 static int conn_read(srv *s, srv_conn *c)
 {
     int grown = conn_grow_in(c);
     if (grown == -1) {
         conn_close(s, c, "request_too_large");
+        return -1;
+    }
+    c->in_no_room = 0;
+    if (grown == -2 && c->deferred && c->in_len > c->in_start) {
+        /* It holds requests that wait to be parsed: it is read again once they are. */
+        c->in_no_room = 1;
+        conn_update_events(s, c);
         return -1;
     }
     if (grown == -2) {
@@ -1099,11 +1117,18 @@ static void conn_write(srv *s, srv_conn *c)
         c->out.sent = c->out.len;
         c->out.overflow = c->out.no_memory = 0;
     }
+    if (c->out.overflow && c->out.no_memory) {
+        /* A reply found no memory: the whole replies before it are written (the requests they
+         * answer took effect), the rest of out is dropped (a reply cut short would be read as
+         * the next ones), no later reply is added, and nothing more is read. */
+        srv_log_gated(&s->log_oom, "warn", "out_of_memory", "what=reply id=%llu peer=%s",
+                      (unsigned long long)c->id, c->peer);
+        c->out.len = c->out_whole;
+        c->out.overflow = c->out.no_memory = 0;
+        c->out_cut = c->close_after_write = 1;
+    }
     if (c->out.overflow) { /* a reply cut short is not sent: the rest would be read as replies */
-        if (c->out.no_memory)
-            srv_log_gated(&s->log_oom, "warn", "out_of_memory", "what=reply id=%llu peer=%s",
-                          (unsigned long long)c->id, c->peer);
-        conn_close(s, c, c->out.no_memory ? "out_of_memory" : "output_limit");
+        conn_close(s, c, "output_limit");
         return;
     }
     if (c->out.sent < c->out.len && c->out_progress_ms == 0)
@@ -1127,12 +1152,13 @@ static void conn_write(srv *s, srv_conn *c)
         c->out_progress_ms = 0;
         if (c->out.cap > 65536) resp_buf_free(&c->out); /* keep idle connections light */
         if (c->close_after_write && c->head_seq == c->tail_seq) {
-            conn_close(s, c, "closed");
+            conn_close(s, c, c->out_cut ? "out_of_memory" : "closed");
             return;
         }
     } else if (c->out.sent > c->out.len / 2) {
         resp_buf_consume(&c->out, c->out.sent); /* sent is 0 after */
     }
+    c->out_whole = c->out.len; /* out holds whole replies between turns */
     conn_account(s, c);
     if (c->paused == PAUSE_OUTPUT && conn_out_weight(c) < SRV_HEAVY_BYTES / 2)
         conn_unpause(s, c); /* it reads its replies: read it again */

@@ -237,11 +237,16 @@ void srv_reads_done(srv *s)
         s->reads_owed -= r->room;
         if (!c->dead && srv_reply_pending(c, r->seq)) {
             resp_buf *b = srv_reply_buf(c, r->seq);
-            if (r->reply.overflow) /* the request asked too much, whatever the client read */
+            if (r->reply.no_memory) {
+                srv_log_gated(&s->log_oom, "warn", "out_of_memory",
+                              "what=read_reply id=%llu peer=%s", (unsigned long long)c->id,
+                              c->peer);
+                resp_error(b, "ERR out of memory for the reply: try again");
+            } else if (r->reply.overflow) { /* the request asked too much, whatever was read */
                 resp_error(b, "ERR the reply would pass --client-output-max (or the memory left "
                               "under load): ask for fewer "
                               "(a lower COUNT)");
-            else if (resp_buf_append(b, r->reply.data, r->reply.len) < 0) {
+            } else if (resp_buf_append(b, r->reply.data, r->reply.len) < 0) {
                 c->out.overflow = 1; /* closed as too slow a reader, as on the loop */
                 c->out.no_memory |= b->no_memory;
             }

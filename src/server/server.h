@@ -181,6 +181,9 @@ typedef struct srv_conn {
     uint32_t head_seq, tail_seq; /* outstanding requests: [head_seq, tail_seq) */
     uint32_t engine_due;         /* completions the engine still owes this connection */
     int close_after_write;       /* QUIT or a protocol error: close once out is written */
+    size_t out_whole;            /* out's bytes up to the end of its last whole reply */
+    int out_cut;                 /* a reply found no memory: the whole replies before it are
+                                    written, none after it, then the connection is closed */
     int peer_eof;                /* its end was seen (EPOLLRDHUP): WAIT claims answer at once */
     int in_ended;                /* read gave 0: what the buffer holds whole runs, then close */
     int hung_up;                 /* gone both ways (EPOLLHUP): out of epoll, read as parsed on,
@@ -198,6 +201,8 @@ typedef struct srv_conn {
     int64_t big_request_ms;      /* when a large request of it was last parsed whole */
     int64_t read_slow_ms;        /* when its parse last waited for replies it left unread */
     int deferred;                /* unparsed input waits for pipeline room */
+    int in_no_room;              /* deferred, its input buffer full and without memory to grow:
+                                    not read until it is parsed on */
     int in_held;                 /* on srv.held */
     int in_dirty;                /* on the list of connections to write (loop.c) */
     int read_due;                /* a read is under way on the reads thread, or parked (reads.c):

@@ -4,8 +4,9 @@
  * realloc (to a new size), posix_memalign and aligned_alloc fail with ENOMEM in every thread;
  * before and after, they are the system's. The file is looked for at most once a millisecond.
  *
- * The system's functions are found with dlsym, which may itself call calloc: calls made while
- * they are being found are served from a small static arena, whose blocks free ignores.
+ * The system's functions are found with dlsym when the library is loaded (before the program's
+ * threads), and dlsym may itself allocate: calls made while they are being found are served from
+ * a small static arena, whose blocks free ignores (aligned ones fail then).
  */
 #include <dlfcn.h>
 #include <errno.h>
@@ -41,9 +42,9 @@ static int in_boot(const void *p)
     return (const unsigned char *)p >= boot && (const unsigned char *)p < boot + sizeof boot;
 }
 
-static void resolve(void)
+__attribute__((constructor)) static void resolve(void)
 {
-    if (real_free) return;
+    if (real_free || resolving) return;
     resolving = 1;
     real_malloc = (void *(*)(size_t))dlsym(RTLD_NEXT, "malloc");
     real_calloc = (void *(*)(size_t, size_t))dlsym(RTLD_NEXT, "calloc");
@@ -54,9 +55,11 @@ static void resolve(void)
     resolving = 0;
 }
 
-/* Whether allocations fail now: the trigger file exists (looked at once a millisecond). */
+/* Whether allocations fail now: the trigger file exists (looked at once a millisecond; errno
+ * is left as it was). */
 static int failing(void)
 {
+    int saved = errno;
     static _Atomic int64_t next_look_ns;
     static _Atomic int state;
     struct timespec ts;
@@ -67,6 +70,7 @@ static int failing(void)
         state = f && access(f, F_OK) == 0;
         next_look_ns = now + 1000000;
     }
+    errno = saved;
     return state;
 }
 
@@ -94,6 +98,7 @@ void *calloc(size_t k, size_t n)
 
 void *realloc(void *p, size_t n)
 {
+    if (resolving && !in_boot(p)) return p ? NULL : boot_alloc(n);
     resolve();
     if (in_boot(p)) { /* copied out: its size is not kept, so up to n or the arena's end */
         size_t room = (size_t)(boot + sizeof boot - (unsigned char *)p);
@@ -110,13 +115,14 @@ void *realloc(void *p, size_t n)
 
 void free(void *p)
 {
-    if (!p || in_boot(p)) return;
+    if (!p || in_boot(p) || resolving) return;
     resolve();
     real_free(p);
 }
 
 int posix_memalign(void **out, size_t align, size_t n)
 {
+    if (resolving) return ENOMEM;
     resolve();
     if (failing()) return ENOMEM;
     return real_posix_memalign(out, align, n);
@@ -124,6 +130,7 @@ int posix_memalign(void **out, size_t align, size_t n)
 
 void *aligned_alloc(size_t align, size_t n)
 {
+    if (resolving) return NULL;
     resolve();
     if (failing()) {
         errno = ENOMEM;
