@@ -531,8 +531,8 @@ void srv_reply_done(srv *s, srv_conn *c, uint32_t seq)
     c->slot_ready += sl->buf.len; /* 0 for the head: its reply went to `out` */
     /* Replies waiting in slots are the client's output as much as `out` is: past
      * --client-output-max the connection is closed (conn_write: output_limit). */
-    if (c->out.limit && c->out.len - c->out.sent + c->slot_ready > c->out.limit)
-        c->out.overflow = 1;
+    if (c->out.limit && !c->out_cut && c->out.len - c->out.sent + c->slot_ready > c->out.limit)
+        c->out.overflow = 1; /* (after a cut, the replies in slots are dropped: not output) */
     while (c->head_seq != c->tail_seq && srv_slot_of(c, c->head_seq)->state == SLOT_READY) {
         srv_slot *h = srv_slot_of(c, c->head_seq);
         c->slot_ready -= h->buf.len;
@@ -711,6 +711,9 @@ static int conn_read(srv *s, srv_conn *c)
     c->in_no_room = 0;
     if (grown == -2 && c->deferred && c->in_len > c->in_start) {
         /* It holds requests that wait to be parsed: it is read again once they are. */
+        srv_log_gated(&s->log_oom, "warn", "out_of_memory",
+                      "what=input_buffer id=%llu peer=%s held=1", (unsigned long long)c->id,
+                      c->peer);
         c->in_no_room = 1;
         conn_update_events(s, c);
         return -1;
@@ -1126,6 +1129,7 @@ static void conn_write(srv *s, srv_conn *c)
         c->out.len = c->out_whole;
         c->out.overflow = c->out.no_memory = 0;
         c->out_cut = c->close_after_write = 1;
+        cancel_waits(s, c); /* a claim parked behind it would get a lease nobody hears of */
     }
     if (c->out.overflow) { /* a reply cut short is not sent: the rest would be read as replies */
         conn_close(s, c, "output_limit");

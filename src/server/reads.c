@@ -246,9 +246,11 @@ void srv_reads_done(srv *s)
                 resp_error(b, "ERR the reply would pass --client-output-max (or the memory left "
                               "under load): ask for fewer "
                               "(a lower COUNT)");
-            } else if (resp_buf_append(b, r->reply.data, r->reply.len) < 0) {
-                c->out.overflow = 1; /* closed as too slow a reader, as on the loop */
-                c->out.no_memory |= b->no_memory;
+            } else {
+                /* A failure stays in b (out's or the slot's), which srv_reply_done hands on in
+                 * order: past the limit the connection is closed as too slow a reader; without
+                 * memory the replies before this one are still written. */
+                (void)resp_buf_append(b, r->reply.data, r->reply.len);
             }
             srv_reply_done(s, c, r->seq);
         }
