@@ -428,9 +428,13 @@ typedef struct idem_stats {
                             checkpoint while it is written (one more, until it is installed
                             and the oldest goes) */
     uint64_t disk_free_bytes;
-    uint64_t memory_bytes; /* anonymous memory: index, repeat counters, age heaps, the audit
-                              trail's map (about 8 KiB a MiB of trail), buffers (the
-                              limit, max_memory_bytes, counts index_bytes only) */
+    uint64_t disk_reserve_bytes; /* room kept for compaction and checkpoints on a full disk, a
+                                    file of its own, not in disk_bytes (0: none is kept) */
+    int disk_reserve_released;   /* let go at a full disk: new keys answer FULL until twice
+                                    disk_reserve_bytes is free */
+    uint64_t memory_bytes;       /* anonymous memory: index, repeat counters, age heaps, the audit
+                                    trail's map (about 8 KiB a MiB of trail), buffers (the
+                                    limit, max_memory_bytes, counts index_bytes only) */
     uint64_t max_keys, max_memory_bytes, max_disk_bytes;
     uint64_t flushes;
     uint64_t flush_records; /* records covered by all flushes (batch size = / flushes) */

@@ -468,21 +468,29 @@ static int memory_full(const struct index *ix, uint64_t h, uint64_t max)
     return index_insert_growth(ix, h, room) > room;
 }
 
+/* A new key refused: compaction is pressed to take expired keys out (compact.c). */
+static int capacity_press(idem_store *s, int64_t now)
+{
+    if (!s->cap_full_seen || now - s->cap_full_ms >= 1000) store_kick(s);
+    s->cap_full_seen = 1;
+    s->cap_full_ms = now;
+    return 1;
+}
+
 static int capacity_full(idem_store *s, const struct index_slot *replaces, const void *key,
                          uint32_t key_len, int64_t now)
 {
+    /* The log reached the end of a full disk, and the room kept for compaction and checkpoints
+     * was let go for them (store.c, spare_make_kept) */
+    if (s->reserve.released) return capacity_press(s, now);
     if (s->opt.max_disk_bytes && store_disk_bytes(s) >= s->opt.max_disk_bytes) return 1;
     if (replaces) return 0;
     /* The index's blocks: not the memory its thread faults in ahead of growth, which comes as
      * that thread runs, so the answer does not depend on the thread's timing. */
     if ((s->opt.max_keys && index_count(s->ix) >= s->opt.max_keys) ||
         (s->opt.max_memory_bytes &&
-         memory_full(s->ix, ops_hash(s, key, key_len), s->opt.max_memory_bytes))) {
-        if (!s->cap_full_seen || now - s->cap_full_ms >= 1000) store_kick(s);
-        s->cap_full_seen = 1;
-        s->cap_full_ms = now;
-        return 1;
-    }
+         memory_full(s->ix, ops_hash(s, key, key_len), s->opt.max_memory_bytes)))
+        return capacity_press(s, now);
     return 0;
 }
 

@@ -644,6 +644,126 @@ static int superblock_save(idem_store *s, const char *deferred, const char *why)
     return 1;
 }
 
+/* ---- The disk reserve (disk_reserve.h) ---- */
+
+/* The room a checkpoint needs: every key's entry at its largest, and 1 MiB for the file
+ * system's own blocks. mu held. */
+static uint64_t reserve_ckpt_room(const idem_store *s)
+{
+    return ckpt_bytes_max(index_count(s->ix)) + (1u << 20);
+}
+
+/* What the reserve holds: a checkpoint's room and a segment for a walk's copies and DELETEs, in
+ * whole MiB so that it grows in steps. mu held. */
+static uint64_t reserve_want(const idem_store *s)
+{
+    return IDEM_ALIGN_UP(reserve_ckpt_room(s) + s->opt.segment_bytes, 1u << 20);
+}
+
+/* An open or allocation of the reserve failed (rc, -errno; why: what was tried), with mu held
+ * or the store not yet started. It is tried again once a second (reserve_maintain), and the
+ * first failure of a streak is logged; a file system that cannot allocate ahead keeps none. */
+static void reserve_short(idem_store *s, int rc, const char *why)
+{
+    struct disk_reserve *r = &s->reserve;
+    if (rc == -EOPNOTSUPP || rc == -ENOSYS) {
+        fprintf(stderr, "idem: event=disk_reserve_off dir=%s error=\"%s: %s\"\n", s->dir, why,
+                strerror(-rc));
+        disk_reserve_close(r);
+        r->off = 1;
+    } else if (!r->short_said) {
+        fprintf(stderr,
+                "idem: event=disk_reserve_short dir=%s want=%llu held=%llu error=\"%s: %s\": "
+                "tried again each second\n",
+                s->dir, (unsigned long long)reserve_want(s), (unsigned long long)r->held, why,
+                strerror(-rc));
+        r->short_said = 1;
+    }
+}
+
+/* The reserve is let go (why: at the log's end, or found so at open): new keys answer FULL.
+ * mu held, or the store not yet started. */
+static void reserve_released(idem_store *s, const char *why)
+{
+    s->reserve.released = 1;
+    fprintf(stderr,
+            "idem: event=disk_reserve_released dir=%s free_bytes=%llu reason=\"%s\": new keys "
+            "answer FULL until the reserve (%llu bytes) and a segment more are free\n",
+            s->dir, (unsigned long long)disk_free_bytes(s->dir, s->reserve.root_blocks), why,
+            (unsigned long long)reserve_want(s));
+}
+
+/* At open, after the spare segment: the reserve is made or taken back (not on the simulated
+ * disk, nor read-only). */
+static void reserve_start(idem_store *s)
+{
+    int rc = disk_reserve_open(&s->reserve, s->dir);
+    if (rc < 0) {
+        reserve_short(s, rc, "opening the reserve");
+        return;
+    }
+    rc = disk_reserve_hold(&s->reserve, reserve_want(s));
+    if (rc == 0 || rc == -EOPNOTSUPP || rc == -ENOSYS || !UTIL_NO_SPACE(rc) || s->reserve.made ||
+        s->reserve.held) {
+        if (rc < 0) reserve_short(s, rc, "allocating the reserve");
+        return;
+    }
+    /* Found empty, as a release leaves it, with no room to allocate it: the store went on in
+     * the reserve's room before, and new keys must not take that room now either. */
+    reserve_released(s, "the reserve was let go before and finds no room");
+}
+
+/* Makes the spare segment seq, mu released. While the reserve is let go, only where a
+ * checkpoint's room (ckpt_room) is left beside it. When the disk refuses it and the log is at its
+ * end (cur_full: the current segment cannot take a largest frame), the reserve is let go
+ * (*let_go) and the making tried once more: until then the log's own space takes new keys. */
+static int spare_make_kept(idem_store *s, uint64_t seq, uint64_t ckpt_room, int cur_full,
+                           int *let_go, struct wal_segment **made)
+{
+    struct disk_reserve *r = &s->reserve;
+    for (;;) {
+        int rc = (r->released || *let_go) &&
+                         disk_free_bytes(s->dir, r->root_blocks) < ckpt_room + s->opt.segment_bytes
+                     ? IDEM_EFULL
+                     : wal_spare_make(s->wal, seq, made);
+        if (rc != IDEM_EFULL || r->fd < 0 || r->released || *let_go || !cur_full) return rc;
+        disk_reserve_release(r);
+        *let_go = 1;
+    }
+}
+
+/* Once a second, mu held and let go for the file calls: a reserve let go is taken back once it
+ * and a segment more are free; one that an open or allocation left short is tried again, and
+ * grown as keys come. Returns 1 when mu was released. */
+static int reserve_maintain(idem_store *s, int64_t mono)
+{
+    struct disk_reserve *r = &s->reserve;
+    if (r->off || s->test_sim || mono - s->reserve_mono_ms < 1000) return 0;
+    s->reserve_mono_ms = mono;
+    uint64_t want = reserve_want(s);
+    if (r->fd >= 0 && !r->released && r->held >= want) return 0;
+    const char *why = r->fd < 0 ? "opening the reserve" : "allocating the reserve";
+    store_flusher_unlock(s);
+    int rc = 0, back = 0;
+    if (r->fd < 0) rc = disk_reserve_open(r, s->dir);
+    if (rc == 0 && r->released)
+        back = disk_free_bytes(s->dir, r->root_blocks) >= want + s->opt.segment_bytes;
+    if (rc == 0 && (!r->released || back)) rc = disk_reserve_hold(r, want);
+    store_flusher_relock(s);
+    if (rc < 0) {
+        reserve_short(s, rc, why);
+    } else if (r->released && back) {
+        r->released = 0;
+        r->short_said = 0;
+        fprintf(stderr,
+                "idem: event=disk_reserve_taken dir=%s bytes=%llu: new keys are taken again\n",
+                s->dir, (unsigned long long)want);
+    } else if (!r->released) {
+        r->short_said = 0;
+    }
+    return 1;
+}
+
 /* Between batches (mu held, nothing in flight): the spare segment and token headroom, so
  * callers never do file I/O of their own; the I/O runs with mu released. A failure other than
  * a full disk is fatal. Returns 1 when mu was released meanwhile. */
@@ -666,9 +786,12 @@ static int flusher_maintain(idem_store *s)
         uint64_t seq = wal_spare_begin(s->wal, &rc);
         struct wal_segment *made = NULL;
         if (seq) {
+            uint64_t ckpt_room = reserve_ckpt_room(s);
+            int let_go = 0, cur_full = !wal_cur_fits(s->wal, s->frame_max);
             store_flusher_unlock(s);
-            rc = wal_spare_make(s->wal, seq, &made);
+            rc = spare_make_kept(s, seq, ckpt_room, cur_full, &let_go, &made);
             store_flusher_relock(s);
+            if (let_go) reserve_released(s, "the log is at the end of a full disk");
             released = 1;
         }
         rc = wal_spare_end(s->wal, made, rc);
@@ -695,6 +818,7 @@ static int flusher_maintain(idem_store *s)
         }
         pthread_cond_broadcast(&s->cond_ready);
     }
+    if (reserve_maintain(s, mono)) released = 1;
     if (token_headroom_low(s)) {
         int rc =
             superblock_save(s, "token_reservation_deferred", "reserving tokens in the superblock");
@@ -1242,6 +1366,7 @@ static void store_free(idem_store *s)
     if (s->wal) wal_destroy(s->wal);
     if (s->ix) index_destroy(s->ix);
     audit_close(s);
+    disk_reserve_close(&s->reserve);
     if (s->io) io_destroy(s->io);
     lock_release(s->lock_fd);
     pthread_mutex_destroy(&s->mu);
@@ -1390,6 +1515,7 @@ static int store_start(idem_store *s)
     if (rc == 0) s->seg_max_exp[(wal_cur_seq(s->wal) + 1) % WAL_SEG_SLOTS] = SEG_EXP_EMPTY;
     if (rc < 0) return rc;
     remove_leftovers(s);
+    if (!s->test_sim) reserve_start(s);
     if (remover_create(s->io, s->dir, &s->remover) < 0) return IDEM_ENOMEM;
     /* Zeros ahead of the log shorten flushes that callers wait for: in sync mode only (batch and
      * none answer before the flush, and the zeros would cost them CPU and disk), and only where
@@ -1467,6 +1593,7 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     cond_init_monotonic(&s->cond_ready);
     cond_init_monotonic(&s->cond_flush);
     s->lock_fd = -1;
+    s->reserve.fd = -1;
     s->io = io;
     s->test_sim = simulated;
     s->opt = o ? *o : (idem_options){0};
@@ -2517,6 +2644,9 @@ void idem_get_stats(idem_store *s, idem_stats *out)
     out->max_keys = s->opt.max_keys;
     out->max_memory_bytes = s->opt.max_memory_bytes;
     out->max_disk_bytes = s->opt.max_disk_bytes;
+    out->disk_reserve_bytes =
+        s->reserve.off || s->test_sim || s->opt.read_only ? 0 : reserve_want(s);
+    out->disk_reserve_released = s->reserve.released;
     out->fatal = s->fatal;
     int64_t sec = mono_now(s) / 1000;
     for (int i = 0; i < 60; i++) {

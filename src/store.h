@@ -17,6 +17,7 @@
 #include <pthread.h>
 #include <stdint.h>
 
+#include "disk_reserve.h"
 #include "idem.h"
 #include "index.h"
 #include "io.h"
@@ -300,6 +301,11 @@ struct idem_store {
     int flushing;
     uint32_t frame_max;           /* the largest frame one change can append */
     int64_t spare_failed_mono_ms; /* last failed attempt at the spare segment (disk full) */
+    /* Room kept for compaction and checkpoints (disk_reserve.h): let go when the log is at its
+     * end on a full disk, looked after once a second (reserve_mono_ms). reserve.released refuses
+     * new keys (ops.c, capacity_full). */
+    struct disk_reserve reserve;
+    int64_t reserve_mono_ms;
     int64_t super_failed_mono_ms; /* last token reservation that found no descriptor or memory */
     int sync_waiters;
     /* The flusher sleeps with nothing pending (up to a second): in batch and none modes the next

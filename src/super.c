@@ -442,6 +442,15 @@ int ckpt_add(struct ckpt_writer *cw, const struct ckpt_entry *e)
     return 0;
 }
 
+uint64_t ckpt_bytes_max(uint64_t entries)
+{
+    /* the header block, the entries, a chunk header for each buffer written out (the store
+     * writes it out once less than a quarter is free: store.c, ckpt_run_step; a chunk of fewer
+     * bytes than a quarter of the buffer comes only last), the trailer and its padding */
+    uint64_t body = entries * 2 * CKPT_SLOT;
+    return SUPER_BLOCK + body + (body / (CKPT_BUF / 4) + 1) * CKPT_ENTRY + CKPT_ENTRY + SUPER_BLOCK;
+}
+
 uint32_t ckpt_room(const struct ckpt_writer *cw)
 {
     uint32_t free_bytes = CKPT_BUF - cw->used; /* a chunk header, then entries at their largest */

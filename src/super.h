@@ -159,6 +159,8 @@ int ckpt_write_out(struct ckpt_writer *cw);
 /* Writes the trailer, flushes the file and syncs the directory; frees cw either way. */
 int ckpt_end(struct ckpt_writer *cw);
 void ckpt_abort(struct ckpt_writer *cw);
+/* The largest file a checkpoint of this many entries can be (every entry with its counters). */
+uint64_t ckpt_bytes_max(uint64_t entries);
 /* The size of checkpoint id's file: 0 when there is none. */
 uint64_t ckpt_file_bytes(struct io *io, const char *dir, uint64_t id);
 

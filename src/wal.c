@@ -433,11 +433,15 @@ static int append_reserved(struct wal *w, uint32_t type, const void *const *part
     return rc;
 }
 
+int wal_cur_fits(const struct wal *w, uint32_t frame_bytes)
+{
+    return IDEM_ALIGN_UP(w->cur_off, WAL_BLOCK) + frame_bytes + WAL_FRAME_HDR + WAL_TAIL_RESERVE <=
+           w->seg_bytes;
+}
+
 int wal_room(const struct wal *w, uint32_t frame_bytes)
 {
-    int rolls =
-        IDEM_ALIGN_UP(w->cur_off, WAL_BLOCK) + frame_bytes + WAL_FRAME_HDR + WAL_TAIL_RESERVE >
-        w->seg_bytes;
+    int rolls = !wal_cur_fits(w, frame_bytes);
     /* Two chunks stay free for a flush's END and SEGEND (append_frame's reserve); a frame may
      * take one more, and a roll may take one for its SEGEND before it. */
     if (w->nfree < (rolls ? 4 : 3)) return IDEM_EBUSY;

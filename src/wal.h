@@ -167,6 +167,8 @@ int wal_roll(struct wal *w);
  * (wait for the flusher: chunk buffers or the spare segment), or the error that creating the
  * spare segment met (IDEM_EFULL when the disk is full). */
 int wal_room(const struct wal *w, uint32_t frame_bytes);
+/* Whether a frame of frame_bytes still fits in the current segment, with no roll. */
+int wal_cur_fits(const struct wal *w, uint32_t frame_bytes);
 /* The flusher keeps one spare segment created ahead of need (file creation, allocation and its
  * header flush happen there, never on a caller's path). Call with no batch in flight. */
 int wal_spare_needed(const struct wal *w);

@@ -4505,3 +4505,78 @@ Test(recovery_disk, a_cut_segment_is_corruption_and_a_cut_spare_is_made_again)
         tu_rmtree(dir);
     }
 }
+
+/* The store holds room for the work that frees space on a full disk (disk_reserve.h): a file
+ * allocated to a checkpoint at its largest, a segment and 1 MiB, in whole MiB, which stats
+ * report. A checkpoint of keys that all carry repeat counters (its largest entries) fits the
+ * room kept for it, and the file grows with the keys. An open that finds the file emptied (as
+ * a release leaves it) allocates it again; a read-only open makes none. */
+Test(recovery, a_store_holds_a_disk_reserve_as_large_as_a_checkpoint_and_a_segment)
+{
+    char *dir = tu_mkdtemp("reserve");
+    char path[4200], ckpt[4200];
+    snprintf(path, sizeof path, "%s/reserve", dir);
+    idem_options o;
+    idem_options_init(&o);
+    o.segment_bytes = 1u << 20;
+    o.durability = IDEM_DURABILITY_NONE;
+    idem_store *s;
+    cr_assert_eq(idem_open(dir, &o, &s), IDEM_OK, "%s", idem_last_error());
+    idem_stats st;
+    idem_get_stats(s, &st);
+    cr_assert_eq(st.disk_reserve_bytes, 3u << 20, "an empty checkpoint, a segment and 1 MiB: %llu",
+                 (unsigned long long)st.disk_reserve_bytes);
+    cr_assert_eq(st.disk_reserve_released, 0);
+    struct stat fs;
+    cr_assert_eq(stat(path, &fs), 0, "no reserve file: %s", strerror(errno));
+    cr_assert_eq((uint64_t)fs.st_size, st.disk_reserve_bytes);
+    cr_assert_geq((uint64_t)fs.st_blocks * 512, st.disk_reserve_bytes, "its blocks are allocated");
+
+    enum { KEYS = 40000 };
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000};
+    for (int i = 0; i < KEYS; i++) {
+        char key[32];
+        int n = snprintf(key, sizeof key, "reserve:%d", i);
+        idem_completion c;
+        cr_assert_eq(idem_claim(q, key, (size_t)n, &a, &c), IDEM_OK);
+        cr_assert_eq(c.outcome, IDEM_NEW);
+        cr_assert_eq(idem_commit(q, key, (size_t)n, c.token, "r", 1), IDEM_OK);
+        cr_assert_eq(idem_claim(q, key, (size_t)n, &a, &c), IDEM_OK);
+        cr_assert_eq(c.outcome, IDEM_DONE); /* a repeat: the key has counters now */
+    }
+    idem_queue_close(q);
+    cr_assert_eq(idem_checkpoint(s), IDEM_OK, "%s", idem_last_error());
+    ckpt_path(dir, s->sb.ckpt_id, ckpt, sizeof ckpt);
+    cr_assert_eq(stat(ckpt, &fs), 0, "%s: %s", ckpt, strerror(errno));
+    cr_assert_geq((uint64_t)fs.st_size, (uint64_t)KEYS * 32, "entries without counters");
+    cr_assert_leq((uint64_t)fs.st_size, ckpt_bytes_max(KEYS), "a checkpoint past its bound");
+    idem_get_stats(s, &st);
+    uint64_t want = IDEM_ALIGN_UP(ckpt_bytes_max(KEYS) + (2u << 20), 1u << 20);
+    cr_assert_eq(st.disk_reserve_bytes, want);
+    cr_assert_gt(want, 3u << 20, "the keys need a larger reserve");
+    for (int i = 0; i < 500 && stat(path, &fs) == 0 && (uint64_t)fs.st_size != want; i++)
+        usleep(10000); /* the flusher grows it once a second */
+    cr_assert_eq((uint64_t)fs.st_size, want, "the reserve did not grow with the keys");
+    cr_assert_geq((uint64_t)fs.st_blocks * 512, want);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+
+    cr_assert_eq(truncate(path, 0), 0);
+    cr_assert_eq(idem_open(dir, &o, &s), IDEM_OK, "%s", idem_last_error());
+    idem_get_stats(s, &st);
+    cr_assert_eq(st.disk_reserve_released, 0);
+    cr_assert_eq(stat(path, &fs), 0);
+    cr_assert_eq((uint64_t)fs.st_size, st.disk_reserve_bytes, "not made again at the open");
+    cr_assert_geq((uint64_t)fs.st_blocks * 512, st.disk_reserve_bytes);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+
+    cr_assert_eq(unlink(path), 0);
+    o.read_only = 1;
+    cr_assert_eq(idem_open(dir, &o, &s), IDEM_OK, "%s", idem_last_error());
+    idem_get_stats(s, &st);
+    cr_assert_eq(st.disk_reserve_bytes, 0, "a read-only open keeps no reserve");
+    cr_assert(stat(path, &fs) < 0 && errno == ENOENT, "a read-only open made a reserve");
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    tu_rmtree(dir);
+}

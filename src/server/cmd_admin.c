@@ -50,6 +50,8 @@ int cmd_stats_read(const srv *s, idem_stats *engine, cmd_stat *out)
     STAT("wal_bytes", st->wal_bytes);
     STAT("disk_bytes", st->disk_bytes);
     STAT("disk_free_bytes", st->disk_free_bytes);
+    STAT("disk_reserve_bytes", st->disk_reserve_bytes);
+    STAT("disk_reserve_released", st->disk_reserve_released);
     STAT("memory_bytes", st->memory_bytes);
     STAT("index_bytes", st->index_bytes);
     STAT("max_keys", st->max_keys);

@@ -52,6 +52,12 @@ static const struct metric_info {
     {"wal_bytes", 0, "Bytes of the log's segment files."},
     {"disk_bytes", 0, "Bytes of the store's files, as --max-disk counts them."},
     {"disk_free_bytes", 0, "Free bytes of the store's file system (0: unknown)."},
+    {"disk_reserve_bytes", 0,
+     "Bytes the store keeps in its reserve file for compaction and checkpoints on a full disk "
+     "(held unless let go or short of room; 0: none is kept)."},
+    {"disk_reserve_released", 0,
+     "1 while the reserve is let go at the end of a full disk: new keys answer FULL until it and "
+     "a segment more are free."},
     {"memory_bytes", 0, "Anonymous memory of the store: index, counters, age heaps, buffers."},
     {"index_bytes", 0, "Bytes of the index's blocks in use, as --max-memory counts them."},
     {"max_keys", 0, "The --max-keys limit (0: none)."},

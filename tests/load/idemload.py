@@ -12,6 +12,7 @@ It proves nothing by itself; it drives idemd and checks answers for the script:
 Everything talks to 127.0.0.1 (or a unix socket), with socket timeouts and bounded loops.
 """
 import argparse
+import hashlib
 import socket
 import sys
 import threading
@@ -97,7 +98,14 @@ def show(r):
     return " ".join(show(x) for x in r)
 
 
+INCOMPRESSIBLE = False  # --incompressible: results lz4 cannot shrink (the disk fills sooner)
+
+
 def result_of(key, size):
+    if INCOMPRESSIBLE:
+        out = b"".join(hashlib.sha256(b"%s:%d" % (key.encode(), i)).digest()
+                       for i in range(size // 32 + 1))
+        return out[:size]
     base = ("r:" + key + ":").encode()
     return (base * (size // len(base) + 1))[:size]
 
@@ -263,11 +271,13 @@ def main():
     f.add_argument("--max-keys", type=int, default=100000)
     f.add_argument("--full-stop", type=int, default=20)
     f.add_argument("--timeout", type=float, default=120)
+    f.add_argument("--incompressible", action="store_true")
     c = sub.add_parser("check")
     c.add_argument("--port", type=int, required=True)
     c.add_argument("--ack", required=True)
     c.add_argument("--result-bytes", type=int, default=512)
     c.add_argument("--no-repeat", action="store_true")
+    c.add_argument("--incompressible", action="store_true")
     k = sub.add_parser("claimcommit")
     k.add_argument("--port", type=int, required=True)
     k.add_argument("--key", required=True)
@@ -279,6 +289,8 @@ def main():
     m.add_argument("--timeout", type=float, default=10)
     m.add_argument("args", nargs="+")
     a = p.parse_args()
+    global INCOMPRESSIBLE
+    INCOMPRESSIBLE = getattr(a, "incompressible", False)
     return {"fill": fill, "check": check, "claimcommit": claim_commit, "cmd": cmd}[a.sub](a)
 
 

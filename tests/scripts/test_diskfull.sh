@@ -18,6 +18,8 @@
 # Scenario C: a new store, whose segments have room left when others take the last blocks:
 # claims go on into the log's own space, idemd is killed under load, and claims after the
 # restart go on into the spare the filler zero-filled, until FULL; nothing is fatal or lost.
+# Scenario E: the store fills the disk itself with keys that then expire: the reserve it let go
+# at the full disk gives compaction and a checkpoint room, and new claims are taken again.
 # Scenario D (btrfs only): on a btrfs with two copies of the data no file is made NOCOW.
 # Needs root, /dev/loop-control, losetup, mkfs.ext4 (mkfs.btrfs) and mount; without them it prints why and
 # `0 passed, 0 failed, 1 skipped` (exit 77: ctest reports it skipped). Everything runs on
@@ -212,11 +214,12 @@ check "A: zeros are written ahead of the log (no fill_off, no fill_skipped)" \
 if [ "$FS" = btrfs ] && command -v lsattr >/dev/null 2>&1; then
     # Every file written over in place: not LOCK (a line of text, written over at each open;
     # btrfs keeps it inline), nor a checkpoint, written once from its start: one made while the
-    # disk is full may have its mark refused (event=nocow_refused), which costs nothing. A file
+    # disk is full may have its mark refused (event=nocow_refused), which costs nothing; nor the
+    # reserve, whose blocks are never written. A file
     # gone between the listing and lsattr (a segment whose making the full disk refused, tried
     # again each second) is not counted.
     total=0 nocow=0 listing=
-    for f in $(find "$A" -maxdepth 1 -type f ! -name LOCK ! -name '*.ckpt' | sort); do
+    for f in $(find "$A" -maxdepth 1 -type f ! -name LOCK ! -name '*.ckpt' ! -name reserve | sort); do
         a=$(lsattr "$f" 2>/dev/null) || continue
         total=$((total + 1)); listing+="# $a"$'\n'
         [[ "${a%% *}" == *C* ]] && nocow=$((nocow + 1))
@@ -366,6 +369,87 @@ stop_term
 check "C: SIGTERM exits 0 (exit $RC)" test "$RC" = 0
 rm -f "$MNT"/filler-c*
 
+# ======== Scenario E: the store fills the disk itself, and frees it once keys expire ========
+# No filler: the log takes the file system until the next segment finds no room. The reserve
+# (disk_reserve.h) is let go then, so that compaction and a checkpoint can free the expired
+# keys' segments: before it, the store answered FULL for good, whatever expired. On ext4 the
+# file system is made again as most are, with 5% of its blocks kept for root, which idemd, run
+# as root here, fills too (df shows 0 bytes free while it still writes).
+if [ "$FS" = ext4 ]; then
+    umount "$MNT" && mkfs.ext4 -q -F "$LOOPDEV" >/dev/null 2>&1 && mount "$LOOPDEV" "$MNT" ||
+        not_ok "E: the file system is made again"
+else
+    rm -rf "$A" "$B" "$C" "$MNT"/filler*
+fi
+E=$MNT/e
+ACK_E=$WORK/ack-e
+LOG_E=$WORK/idemd-e.log
+: >"$ACK_E"
+check "E: store created with 1 MiB segments" "$WORK/mkstore" "$E" 1048576
+check "E: idemd starts with a test clock" start_idemd "$E" "$LOG_E" --test-clock
+check "E: the reserve is held, as IDEM.STATS says" \
+    test "$(stat -c %s "$E/reserve")" = "$(stat_of disk_reserve_bytes)" -a -s "$E/reserve"
+# Results of 4 KiB that lz4 cannot shrink fill the disk in about 10,000 keys, not 100,000
+fille() { $LOAD fill --port "$PORT" --prefix "$1" --ack "$2" --conns 4 --max-keys "$3" \
+    --result-bytes 4096 --incompressible --full-stop 10 --timeout 120; }
+# A fill ends at its first -FULL answers, which may come while compaction still frees space
+# (the log outran it): fill again until the store has let its reserve go.
+other=0 fills=0
+while [ "$fills" -lt 10 ]; do
+    fills=$((fills + 1))
+    out=$(fille "loade$fills" "$ACK_E" 100000)
+    echo "# fill $fills by the store itself: $out, free $(avail_bytes) bytes"
+    other=$((other + $(field_of other "$out")))
+    for _ in $(seq 1 30); do # the flusher tries the next segment again once a second
+        [ "$(stat_of disk_reserve_released)" = 1 ] && break
+        sleep 0.1
+    done
+    [ "$(stat_of disk_reserve_released)" = 1 ] && break
+done
+check "E: no answer other than new/+OK/-FULL" test "$other" = 0
+check "E: the reserve was let go once the store filled the disk ($fills fills)" \
+    test "$(stat_of disk_reserve_released)" = 1
+check "E: and that was logged" grep -q 'event=disk_reserve_released' "$LOG_E"
+r=$(cmd IDEM.CLAIM fresh:e 86400000 60000)
+check "E: a new claim answers -FULL ($r)" grep -q '^-FULL' <<<"$r"
+# Every key's ttl (a day) passes; the clock goes on in steps of 10 s, as compaction and the
+# checkpoint that retires its segments count store time.
+admin DEBUG CLOCK ADVANCE 172800000 >/dev/null
+got=""
+for i in $(seq 1 120); do # at most 120 tries, a minute or more
+    admin DEBUG CLOCK ADVANCE 10000 >/dev/null
+    r=$(cmd IDEM.CLAIM "after:e:$i" 86400000 60000)
+    if grep -q '^new :' <<<"$r"; then got=$i; break; fi
+    sleep 0.25
+done
+check "E: new claims are taken again once the keys expired, without a restart (try ${got:-none})" \
+    test -n "$got"
+# The live keys took about 18 MB before they expired: only their expiry frees more than that.
+for _ in $(seq 1 150); do # at most 150 tries, about a minute
+    [ "$(avail_bytes)" -ge $((25 << 20)) ] && break
+    admin DEBUG CLOCK ADVANCE 10000 >/dev/null
+    sleep 0.25
+done
+check "E: the expired keys' space is freed ($(avail_bytes) bytes free, at least 25 MiB)" \
+    test "$(avail_bytes)" -ge $((25 << 20))
+check "E: the reserve was taken back" grep -q 'event=disk_reserve_taken' "$LOG_E"
+check "E: IDEM.STATS says so" test "$(stat_of disk_reserve_released)" = 0
+out=$(fille againe "$WORK/ack-e2" 250)
+echo "# claims once the space came back: $out"
+check "E: the freed space takes 1000 new keys ($(field_of committed "$out") committed)" \
+    test "$(field_of committed "$out")" = 1000
+r=$(admin IDEM.STATS)
+check "E: no fatal error" grep -q 'fatal :0' <<<"$r"
+res=$($LOAD check --port "$PORT" --ack "$WORK/ack-e2" --result-bytes 4096 --incompressible)
+echo "# $(head -1 <<<"$res")"
+check "E: every key acknowledged after the space came back reads back" \
+    grep -q ' bad=0$' <<<"$(head -1 <<<"$res")"
+stop_term
+check "E: SIGTERM exits 0 (exit $RC)" test "$RC" = 0
+"$IDEMCTL" verify "$E" >"$WORK/verify-e" 2>&1
+vrc=$?
+check "E: idemctl verify finds the store sound (exit $vrc)" test "$vrc" = 0
+
 # ====== Scenario D (btrfs): two copies of the data, where the files stay copy on write ======
 # NOCOW would take away btrfs's checksums, with which it picks and repairs the good copy; so
 # there nothing is marked, and no zeros are written ahead of the log.
@@ -393,7 +477,7 @@ fi
 
 if [ "$failed" -gt 0 ]; then
     echo "# idemd logs (last lines):"
-    tail -n 15 "$LOG_A" "$LOG_B" "$LOG_C" 2>/dev/null | sed 's/^/#   /'
+    tail -n 15 "$LOG_A" "$LOG_B" "$LOG_C" "$LOG_E" 2>/dev/null | sed 's/^/#   /'
 fi
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]

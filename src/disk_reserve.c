@@ -1,0 +1,88 @@
+/*
+ * disk_reserve.c: the reserve file that keeps room for compaction and checkpoints on a full
+ * disk (disk_reserve.h says why and when it is let go). Invariant: the file's first held bytes
+ * are allocated; a failed allocation leaves it as it was, a release empty.
+ */
+#include "disk_reserve.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/capability.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+/* Whether the file system lets this process into the blocks it keeps for root: ext4 does for
+ * CAP_SYS_RESOURCE, so the log of a store run as root fills those too, and the free bytes that
+ * count for it are f_bfree, not f_bavail (root in a container without the capability may not). */
+static int may_use_root_blocks(void)
+{
+    struct __user_cap_header_struct h = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
+    struct __user_cap_data_struct d[2];
+    if (syscall(SYS_capget, &h, d) != 0) return geteuid() == 0;
+    return (d[CAP_SYS_RESOURCE / 32].effective >> (CAP_SYS_RESOURCE % 32)) & 1;
+}
+
+int disk_reserve_open(struct disk_reserve *r, const char *dir)
+{
+    char path[4096];
+    r->fd = -1;
+    r->root_blocks = may_use_root_blocks();
+    if (snprintf(path, sizeof path, "%s/%s", dir, DISK_RESERVE_NAME) >= (int)sizeof path)
+        return -ENAMETOOLONG;
+    int fd = open(path, O_RDWR | O_CLOEXEC);
+    r->made = fd < 0 && errno == ENOENT;
+    if (r->made) fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    struct stat st;
+    if (fd < 0 || fstat(fd, &st) != 0) {
+        int err = errno;
+        if (fd >= 0) close(fd);
+        return -err;
+    }
+    r->fd = fd;
+    r->held = (uint64_t)st.st_size; /* allocated in full by the hold that gave it that size */
+    return 0;
+}
+
+int disk_reserve_hold(struct disk_reserve *r, uint64_t bytes)
+{
+    if (r->held > bytes && ftruncate(r->fd, (off_t)bytes) == 0) r->held = bytes;
+    if (r->held == bytes) return 0;
+    int rc;
+    while ((rc = fallocate(r->fd, 0, 0, (off_t)bytes)) != 0 && errno == EINTR) {
+    }
+    if (rc == 0) {
+        r->held = bytes;
+        return 0;
+    }
+    int err = errno;
+    /* A refused allocation may have kept part of the range: what it added is given back. */
+    int cut = ftruncate(r->fd, (off_t)r->held);
+    (void)cut; /* else the file keeps it, counted as not held */
+    return -err;
+}
+
+void disk_reserve_release(struct disk_reserve *r)
+{
+    r->held = 0;
+    /* The blocks a truncate frees are handed out again only once the file system commits: the
+     * journal on ext4, the transaction on btrfs (which an fsync does not commit, and which may
+     * wait up to 30 s), so the whole file system is synced. A failure leaves blocks held that
+     * the next hold allocates over, and costs nothing else. */
+    if (ftruncate(r->fd, 0) == 0) syncfs(r->fd);
+}
+
+void disk_reserve_close(struct disk_reserve *r)
+{
+    if (r->fd >= 0) close(r->fd);
+    r->fd = -1;
+}
+
+uint64_t disk_free_bytes(const char *dir, int root_blocks)
+{
+    struct statvfs vfs;
+    if (statvfs(dir, &vfs) != 0) return UINT64_MAX;
+    return (uint64_t)(root_blocks ? vfs.f_bfree : vfs.f_bavail) * vfs.f_frsize;
+}
