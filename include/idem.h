@@ -429,9 +429,11 @@ typedef struct idem_stats {
                             and the oldest goes) */
     uint64_t disk_free_bytes;
     uint64_t disk_reserve_bytes; /* room kept for compaction and checkpoints on a full disk, a
-                                    file of its own, not in disk_bytes (0: none is kept) */
-    int disk_reserve_released;   /* let go at a full disk: new keys answer FULL until twice
-                                    disk_reserve_bytes is free */
+                                    file of its own, not in disk_bytes: held unless let go or
+                                    short of room (logged); 0: none is kept (read-only, no
+                                    fallocate) */
+    int disk_reserve_released;   /* let go at the end of a full disk: new keys answer FULL
+                                    until disk_reserve_bytes and a segment more are free */
     uint64_t memory_bytes;       /* anonymous memory: index, repeat counters, age heaps, the audit
                                     trail's map (about 8 KiB a MiB of trail), buffers (the
                                     limit, max_memory_bytes, counts index_bytes only) */

@@ -47,8 +47,7 @@
 
 #define HORIZON_STEPS 16              /* compact_learn_horizon reads a segment in this many calls */
 #define WALK_WINDOW   STORE_CMP_AHEAD /* segments whose expired bytes together start a walk */
-/* A new key refused by the key or memory limit, or at the end of a full disk (the reserve let
- * go), this recently (store time) presses compaction:
+/* A new key refused by the key or memory limit this recently (store time) presses compaction:
  * a walk starts once an eighth of the bytes are expired instead of half, and the current
  * segment is ended for it, at most once a second. (The memory limit refuses only a key whose
  * insert would grow the index: slots that expired keys leave are used again.) */

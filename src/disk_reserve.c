@@ -8,20 +8,26 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <linux/capability.h>
+#include <linux/magic.h>
 #include <stdio.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <sys/statvfs.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-/* Whether the file system lets this process into the blocks it keeps for root: ext4 does for
- * CAP_SYS_RESOURCE, so the log of a store run as root fills those too, and the free bytes that
- * count for it are f_bfree, not f_bavail (root in a container without the capability may not). */
-static int may_use_root_blocks(void)
+/* Whether the file system lets this process into the blocks it keeps for root, so that the log
+ * of a store run as root fills those too and the free bytes that count for it are f_bfree, not
+ * f_bavail: ext2/3/4 do for CAP_SYS_RESOURCE and for the user they are kept for (root unless
+ * tune2fs changed it). Elsewhere f_bfree may count space no file can use (btrfs). */
+static int may_use_root_blocks(const char *dir)
 {
+    struct statfs fs;
+    if (statfs(dir, &fs) != 0 || fs.f_type != EXT4_SUPER_MAGIC) return 0;
+    if (geteuid() == 0) return 1;
     struct __user_cap_header_struct h = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
     struct __user_cap_data_struct d[2];
-    if (syscall(SYS_capget, &h, d) != 0) return geteuid() == 0;
+    if (syscall(SYS_capget, &h, d) != 0) return 0;
     return (d[CAP_SYS_RESOURCE / 32].effective >> (CAP_SYS_RESOURCE % 32)) & 1;
 }
 
@@ -29,7 +35,7 @@ int disk_reserve_open(struct disk_reserve *r, const char *dir)
 {
     char path[4096];
     r->fd = -1;
-    r->root_blocks = may_use_root_blocks();
+    r->root_blocks = may_use_root_blocks(dir);
     if (snprintf(path, sizeof path, "%s/%s", dir, DISK_RESERVE_NAME) >= (int)sizeof path)
         return -ENAMETOOLONG;
     int fd = open(path, O_RDWR | O_CLOEXEC);
@@ -42,7 +48,9 @@ int disk_reserve_open(struct disk_reserve *r, const char *dir)
         return -err;
     }
     r->fd = fd;
-    r->held = (uint64_t)st.st_size; /* allocated in full by the hold that gave it that size */
+    /* allocated by the hold that gave it that size, unless a copy made it sparse */
+    uint64_t blocks = (uint64_t)st.st_blocks * 512;
+    r->held = blocks < (uint64_t)st.st_size ? blocks : (uint64_t)st.st_size;
     return 0;
 }
 
@@ -55,6 +63,7 @@ int disk_reserve_hold(struct disk_reserve *r, uint64_t bytes)
     }
     if (rc == 0) {
         r->held = bytes;
+        r->made = 0; /* allocated once: an empty file found later was let go */
         return 0;
     }
     int err = errno;
@@ -78,6 +87,15 @@ void disk_reserve_close(struct disk_reserve *r)
 {
     if (r->fd >= 0) close(r->fd);
     r->fd = -1;
+}
+
+void disk_reserve_unmake(struct disk_reserve *r, const char *dir)
+{
+    char path[4096];
+    disk_reserve_close(r);
+    r->held = 0;
+    if (snprintf(path, sizeof path, "%s/%s", dir, DISK_RESERVE_NAME) < (int)sizeof path)
+        unlink(path);
 }
 
 uint64_t disk_free_bytes(const char *dir, int root_blocks)

@@ -30,7 +30,7 @@ struct disk_reserve {
     int released;    /* let go at the log's end on a full disk: new keys answer FULL */
     int short_said;  /* a failed open or allocation was logged (cleared by one that works) */
     int root_blocks; /* the process may use blocks a file system keeps for root (ext4: 5%) */
-    int made;        /* the last open made the file: none was there */
+    int made;        /* the last open made the file, and it was never allocated since */
     uint64_t held;   /* bytes allocated to the file */
 };
 
@@ -45,6 +45,9 @@ int disk_reserve_hold(struct disk_reserve *r, uint64_t bytes);
 /* Frees the file's blocks and syncs its file system, so that they can be handed out at once. */
 void disk_reserve_release(struct disk_reserve *r);
 void disk_reserve_close(struct disk_reserve *r);
+/* Closes and deletes the file, which made says was never allocated: left empty, the next open
+ * would read it as let go. */
+void disk_reserve_unmake(struct disk_reserve *r, const char *dir);
 /* The bytes free to this process on dir's file system (with the blocks kept for root where it
  * may use them: root_blocks); UINT64_MAX when it cannot be read. */
 uint64_t disk_free_bytes(const char *dir, int root_blocks);

@@ -481,8 +481,10 @@ static int capacity_full(idem_store *s, const struct index_slot *replaces, const
                          uint32_t key_len, int64_t now)
 {
     /* The log reached the end of a full disk, and the room kept for compaction and checkpoints
-     * was let go for them (store.c, spare_make_kept) */
-    if (s->reserve.released) return capacity_press(s, now);
+     * was let go for them (store.c, spare_make_kept). Compaction is not pressed: a walk of a
+     * segment an eighth expired would copy the rest into room it cannot give back, and the
+     * roll that presses ends the current segment early. */
+    if (s->reserve.released) return 1;
     if (s->opt.max_disk_bytes && store_disk_bytes(s) >= s->opt.max_disk_bytes) return 1;
     if (replaces) return 0;
     /* The index's blocks: not the memory its thread faults in ahead of growth, which comes as

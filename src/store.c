@@ -671,6 +671,7 @@ static void reserve_short(idem_store *s, int rc, const char *why)
                 strerror(-rc));
         disk_reserve_close(r);
         r->off = 1;
+        r->released = 0; /* as a store with none: the log's end answers FULL by itself */
     } else if (!r->short_said) {
         fprintf(stderr,
                 "idem: event=disk_reserve_short dir=%s want=%llu held=%llu error=\"%s: %s\": "
@@ -693,7 +694,7 @@ static void reserve_released(idem_store *s, const char *why)
             (unsigned long long)reserve_want(s));
 }
 
-/* At open, after the spare segment: the reserve is made or taken back (not on the simulated
+/* At open, before the spare segment: the reserve is made or taken back (not on the simulated
  * disk, nor read-only). */
 static void reserve_start(idem_store *s)
 {
@@ -703,6 +704,7 @@ static void reserve_start(idem_store *s)
         return;
     }
     rc = disk_reserve_hold(&s->reserve, reserve_want(s));
+    if (rc < 0 && s->reserve.made) disk_reserve_unmake(&s->reserve, s->dir);
     if (rc == 0 || rc == -EOPNOTSUPP || rc == -ENOSYS || !UTIL_NO_SPACE(rc) || s->reserve.made ||
         s->reserve.held) {
         if (rc < 0) reserve_short(s, rc, "allocating the reserve");
@@ -716,7 +718,9 @@ static void reserve_start(idem_store *s)
 /* Makes the spare segment seq, mu released. While the reserve is let go, only where a
  * checkpoint's room (ckpt_room) is left beside it. When the disk refuses it and the log is at its
  * end (cur_full: the current segment cannot take a largest frame), the reserve is let go
- * (*let_go) and the making tried once more: until then the log's own space takes new keys. */
+ * (*let_go) and the making tried once more: until then the log's own space takes new keys. A
+ * reserve left short is let go only where it and the free bytes give a segment and a
+ * checkpoint's room: else the store answers FULL as one without it did. */
 static int spare_make_kept(idem_store *s, uint64_t seq, uint64_t ckpt_room, int cur_full,
                            int *let_go, struct wal_segment **made)
 {
@@ -727,6 +731,9 @@ static int spare_make_kept(idem_store *s, uint64_t seq, uint64_t ckpt_room, int 
                      ? IDEM_EFULL
                      : wal_spare_make(s->wal, seq, made);
         if (rc != IDEM_EFULL || r->fd < 0 || r->released || *let_go || !cur_full) return rc;
+        uint64_t free_bytes = disk_free_bytes(s->dir, r->root_blocks);
+        if (free_bytes == UINT64_MAX || r->held + free_bytes < ckpt_room + s->opt.segment_bytes)
+            return rc;
         disk_reserve_release(r);
         *let_go = 1;
     }
@@ -742,13 +749,15 @@ static int reserve_maintain(idem_store *s, int64_t mono)
     s->reserve_mono_ms = mono;
     uint64_t want = reserve_want(s);
     if (r->fd >= 0 && !r->released && r->held >= want) return 0;
-    const char *why = r->fd < 0 ? "opening the reserve" : "allocating the reserve";
+    const char *why = "opening the reserve";
     store_flusher_unlock(s);
     int rc = 0, back = 0;
     if (r->fd < 0) rc = disk_reserve_open(r, s->dir);
+    if (rc == 0) why = "allocating the reserve";
     if (rc == 0 && r->released)
         back = disk_free_bytes(s->dir, r->root_blocks) >= want + s->opt.segment_bytes;
     if (rc == 0 && (!r->released || back)) rc = disk_reserve_hold(r, want);
+    if (rc < 0 && r->made) disk_reserve_unmake(r, s->dir);
     store_flusher_relock(s);
     if (rc < 0) {
         reserve_short(s, rc, why);
@@ -1511,11 +1520,16 @@ static int store_start(idem_store *s)
     store_lock(s);       /* reserve_tokens lets go of it for its write */
     rc = reserve_tokens(s);
     store_unlock(s);
-    if (rc == 0 && wal_spare_create(s->wal) == IDEM_EFATAL) rc = IDEM_EFATAL;
-    if (rc == 0) s->seg_max_exp[(wal_cur_seq(s->wal) + 1) % WAL_SEG_SLOTS] = SEG_EXP_EMPTY;
     if (rc < 0) return rc;
     remove_leftovers(s);
     if (!s->test_sim) reserve_start(s);
+    /* A reserve let go before: the flusher makes the spare, where a checkpoint's room is left
+     * beside it (spare_make_kept) */
+    if (!s->reserve.released) {
+        rc = wal_spare_create(s->wal);
+        if (rc == IDEM_EFATAL) return rc;
+        if (rc == 0) s->seg_max_exp[(wal_cur_seq(s->wal) + 1) % WAL_SEG_SLOTS] = SEG_EXP_EMPTY;
+    }
     if (remover_create(s->io, s->dir, &s->remover) < 0) return IDEM_ENOMEM;
     /* Zeros ahead of the log shorten flushes that callers wait for: in sync mode only (batch and
      * none answer before the flush, and the zeros would cost them CPU and disk), and only where
