@@ -10,6 +10,7 @@
 #include <linux/capability.h>
 #include <linux/magic.h>
 #include <stdio.h>
+#include <string.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/statvfs.h>
@@ -24,6 +25,14 @@ static int may_use_root_blocks(const char *dir)
 {
     struct statfs fs;
     if (statfs(dir, &fs) != 0 || fs.f_type != EXT4_SUPER_MAGIC) return 0;
+    /* The kernel asks for the capability, or root's uid, in the first user namespace: not
+     * what root in a namespace of its own (a rootless container) has. */
+    char map[128] = "";
+    FILE *f = fopen("/proc/self/uid_map", "re");
+    int first_ns = f && fgets(map, sizeof map, f) && strstr(map, " 4294967295") != NULL;
+    if (f) fclose(f);
+    unsigned a = 1, b = 1;
+    if (!first_ns || sscanf(map, "%u %u", &a, &b) != 2 || a != 0 || b != 0) return 0;
     if (geteuid() == 0) return 1;
     struct __user_cap_header_struct h = {.version = _LINUX_CAPABILITY_VERSION_3, .pid = 0};
     struct __user_cap_data_struct d[2];
@@ -45,6 +54,7 @@ int disk_reserve_open(struct disk_reserve *r, const char *dir)
     if (fd < 0 || fstat(fd, &st) != 0) {
         int err = errno;
         if (fd >= 0) close(fd);
+        if (fd >= 0 && r->made) unlink(path); /* an empty file left means a release */
         return -err;
     }
     r->fd = fd;
@@ -58,6 +68,8 @@ int disk_reserve_hold(struct disk_reserve *r, uint64_t bytes)
 {
     if (r->held > bytes && ftruncate(r->fd, (off_t)bytes) == 0) r->held = bytes;
     if (r->held == bytes) return 0;
+    struct stat st;
+    off_t size = fstat(r->fd, &st) == 0 ? st.st_size : (off_t)r->held;
     int rc;
     while ((rc = fallocate(r->fd, 0, 0, (off_t)bytes)) != 0 && errno == EINTR) {
     }
@@ -68,7 +80,7 @@ int disk_reserve_hold(struct disk_reserve *r, uint64_t bytes)
     }
     int err = errno;
     /* A refused allocation may have kept part of the range: what it added is given back. */
-    int cut = ftruncate(r->fd, (off_t)r->held);
+    int cut = ftruncate(r->fd, size);
     (void)cut; /* else the file keeps it, counted as not held */
     return -err;
 }

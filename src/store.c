@@ -725,8 +725,13 @@ static int spare_make_kept(idem_store *s, uint64_t seq, uint64_t ckpt_room, int 
                            int *let_go, struct wal_segment **made)
 {
     struct disk_reserve *r = &s->reserve;
+    char path[4096];
+    struct stat st;
+    wal_seg_path(s->dir, seq, path, sizeof path);
+    /* a whole file of seq (made before a restart) is used again, taking no new space */
+    int whole = stat(path, &st) == 0 && (uint64_t)st.st_blocks * 512 >= s->opt.segment_bytes;
     for (;;) {
-        int rc = (r->released || *let_go) &&
+        int rc = (r->released || *let_go) && !whole &&
                          disk_free_bytes(s->dir, r->root_blocks) < ckpt_room + s->opt.segment_bytes
                      ? IDEM_EFULL
                      : wal_spare_make(s->wal, seq, made);
