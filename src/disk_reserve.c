@@ -40,13 +40,18 @@ static int may_use_root_blocks(const char *dir)
     return (d[CAP_SYS_RESOURCE / 32].effective >> (CAP_SYS_RESOURCE % 32)) & 1;
 }
 
+/* The reserve file's path in dir; 0, or -ENAMETOOLONG. */
+static int reserve_path(const char *dir, char path[4096])
+{
+    return snprintf(path, 4096, "%s/%s", dir, DISK_RESERVE_NAME) < 4096 ? 0 : -ENAMETOOLONG;
+}
+
 int disk_reserve_open(struct disk_reserve *r, const char *dir)
 {
     char path[4096];
     r->fd = -1;
     r->root_blocks = may_use_root_blocks(dir);
-    if (snprintf(path, sizeof path, "%s/%s", dir, DISK_RESERVE_NAME) >= (int)sizeof path)
-        return -ENAMETOOLONG;
+    if (reserve_path(dir, path) < 0) return -ENAMETOOLONG;
     int fd = open(path, O_RDWR | O_CLOEXEC);
     r->made = fd < 0 && errno == ENOENT;
     if (r->made) fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
@@ -106,8 +111,7 @@ void disk_reserve_unmake(struct disk_reserve *r, const char *dir)
     char path[4096];
     disk_reserve_close(r);
     r->held = 0;
-    if (snprintf(path, sizeof path, "%s/%s", dir, DISK_RESERVE_NAME) < (int)sizeof path)
-        unlink(path);
+    if (reserve_path(dir, path) == 0) unlink(path);
 }
 
 uint64_t disk_free_bytes(const char *dir, int root_blocks)

@@ -468,15 +468,6 @@ static int memory_full(const struct index *ix, uint64_t h, uint64_t max)
     return index_insert_growth(ix, h, room) > room;
 }
 
-/* A new key refused: compaction is pressed to take expired keys out (compact.c). */
-static int capacity_press(idem_store *s, int64_t now)
-{
-    if (!s->cap_full_seen || now - s->cap_full_ms >= 1000) store_kick(s);
-    s->cap_full_seen = 1;
-    s->cap_full_ms = now;
-    return 1;
-}
-
 static int capacity_full(idem_store *s, const struct index_slot *replaces, const void *key,
                          uint32_t key_len, int64_t now)
 {
@@ -489,11 +480,15 @@ static int capacity_full(idem_store *s, const struct index_slot *replaces, const
     if (replaces) return 0;
     /* The index's blocks: not the memory its thread faults in ahead of growth, which comes as
      * that thread runs, so the answer does not depend on the thread's timing. */
-    if ((s->opt.max_keys && index_count(s->ix) >= s->opt.max_keys) ||
-        (s->opt.max_memory_bytes &&
-         memory_full(s->ix, ops_hash(s, key, key_len), s->opt.max_memory_bytes)))
-        return capacity_press(s, now);
-    return 0;
+    if (!(s->opt.max_keys && index_count(s->ix) >= s->opt.max_keys) &&
+        !(s->opt.max_memory_bytes &&
+          memory_full(s->ix, ops_hash(s, key, key_len), s->opt.max_memory_bytes)))
+        return 0;
+    /* Refused: compaction is pressed to take expired keys out (compact.c), once a second. */
+    if (!s->cap_full_seen || now - s->cap_full_ms >= 1000) store_kick(s);
+    s->cap_full_seen = 1;
+    s->cap_full_ms = now;
+    return 1;
 }
 
 static void claim_new(idem_store *s, struct qslot *sl, const idem_op *op, const uint8_t fp[16],

@@ -705,8 +705,7 @@ static void reserve_start(idem_store *s)
     }
     rc = disk_reserve_hold(&s->reserve, reserve_want(s));
     if (rc < 0 && s->reserve.made) disk_reserve_unmake(&s->reserve, s->dir);
-    if (rc == 0 || rc == -EOPNOTSUPP || rc == -ENOSYS || !UTIL_NO_SPACE(rc) || s->reserve.made ||
-        s->reserve.held) {
+    if (!UTIL_NO_SPACE(rc) || s->reserve.made || s->reserve.held) {
         if (rc < 0) reserve_short(s, rc, "allocating the reserve");
         return;
     }
@@ -2684,9 +2683,8 @@ void idem_get_stats(idem_store *s, idem_stats *out)
     out->store_generation = s->sb.store_generation;
     out->token_next = s->token_next;
     store_unlock(s);
-    struct statvfs vfs;
-    if (!s->test_sim && statvfs(s->dir, &vfs) == 0)
-        out->disk_free_bytes = (uint64_t)vfs.f_bavail * vfs.f_frsize;
+    uint64_t free_bytes = s->test_sim ? UINT64_MAX : disk_free_bytes(s->dir, 0);
+    if (free_bytes != UINT64_MAX) out->disk_free_bytes = free_bytes;
 }
 
 uint64_t store_disk_bytes(const idem_store *s)

@@ -1,0 +1,254 @@
+/*
+ * test_disk_reserve.c: a store that fills its own file system (a small tmpfs mounted for each
+ * test), through the engine's API with the test clock: the reserve (disk_reserve.h) is let go at
+ * the log's end, new keys answer FULL while owner calls and reads go on, a restart finds it let
+ * go, and once the keys expire the space comes back and new keys are taken without a restart.
+ * Mounting needs root (CAP_SYS_ADMIN): elsewhere each test is skipped, and says why.
+ */
+#include <criterion/criterion.h>
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include "idem.h"
+#include "testutil.h"
+
+enum { FS_MIB = 24, RESULT = 4096, DAY_MS = 86400000, BALLAST_LEFT = 5u << 19 };
+
+/* A fresh directory with a tmpfs of FS_MIB mounted on it, or the test is skipped. */
+static char *mount_small(void)
+{
+    char *dir = tu_mkdtemp("reserve-fs");
+    char opts[64];
+    snprintf(opts, sizeof opts, "size=%dm,mode=0700", FS_MIB);
+    if (mount("idem-test", dir, "tmpfs", 0, opts) != 0) {
+        int err = errno;
+        tu_rmtree(dir);
+        cr_skip_test("a tmpfs cannot be mounted here (%s): the test needs root", strerror(err));
+    }
+    return dir;
+}
+
+static void unmount_small(char *dir)
+{
+    cr_assert_eq(umount2(dir, MNT_DETACH), 0, "umount: %s", strerror(errno));
+    tu_rmtree(dir);
+}
+
+static uint64_t free_bytes(const char *dir)
+{
+    struct statvfs v;
+    cr_assert_eq(statvfs(dir, &v), 0);
+    return (uint64_t)v.f_bavail * v.f_frsize;
+}
+
+static idem_store *open_small(const char *dir)
+{
+    idem_options o;
+    idem_options_init(&o);
+    o.segment_bytes = 1u << 20;
+    o.test_clock = 1;
+    idem_store *s;
+    cr_assert_eq(idem_open(dir, &o, &s), IDEM_OK, "%s", idem_last_error());
+    return s;
+}
+
+static idem_stats stats_of(idem_store *s)
+{
+    idem_stats st;
+    idem_get_stats(s, &st);
+    return st;
+}
+
+/* The result key i commits: RESULT bytes lz4 cannot shrink, its own for each key. */
+static uint8_t *result_of(int i)
+{
+    return tu_random_bytes(RESULT, 1000u + (uint64_t)i);
+}
+
+/* Claims key with a day's ttl: its outcome, or -1 for FULL (as either the call or the completion
+ * says it). *tok: the token of a new claim. */
+static int claim_of(idem_queue *q, const char *key, int64_t *tok)
+{
+    idem_claim_args a = {.ttl_ms = DAY_MS, .lease_ms = DAY_MS};
+    idem_completion c;
+    int rc = idem_claim(q, key, strlen(key), &a, &c);
+    if (rc == IDEM_OK) rc = c.err;
+    if (rc == IDEM_EFULL) return -1;
+    cr_assert_eq(rc, IDEM_OK, "claim %s: %s", key, idem_strerror(rc));
+    *tok = c.token;
+    return c.outcome;
+}
+
+/* Commits key; an owner call the log's end answers FULL (before the reserve is let go) is made
+ * again, for at most 10 s. */
+static void commit_of(idem_store *s, idem_queue *q, const char *key, int64_t tok, const void *r)
+{
+    int rc = IDEM_EFULL;
+    for (int i = 0; i < 1000 && rc == IDEM_EFULL; i++) {
+        rc = idem_commit(q, key, strlen(key), tok, r, RESULT);
+        if (rc == IDEM_EFULL) {
+            cr_assert_eq(idem_clock_advance(s, 10), IDEM_OK);
+            usleep(10000);
+        }
+    }
+    cr_assert_eq(rc, IDEM_OK, "commit %s: %s", key, idem_strerror(rc));
+}
+
+/* Key i reads back committed with its own result. */
+static void assert_committed(idem_queue *q, int i)
+{
+    char key[32];
+    snprintf(key, sizeof key, "fill-%d", i);
+    idem_completion c;
+    cr_assert_eq(idem_get(q, key, strlen(key), &c), IDEM_OK);
+    cr_assert(c.found, "%s is gone", key);
+    cr_assert_eq(c.record.state, IDEM_STATE_COMMITTED, "%s", key);
+    uint8_t *want = result_of(i);
+    cr_assert(c.record.result_len == RESULT && memcmp(c.record.result, want, RESULT) == 0,
+              "%s holds another result", key);
+    free(want);
+}
+
+/* Fills the file system with committed keys until the reserve is let go (new keys answer FULL
+ * with disk_reserve_released set). Returns how many keys were committed. */
+static int fill_until_released(idem_store *s, idem_queue *q)
+{
+    int keys = 0;
+    for (int fulls = 0; stats_of(s).disk_reserve_released == 0;) {
+        cr_assert_lt(fulls, 1000, "%d keys and no release of the reserve after 10 s of FULL", keys);
+        char key[32];
+        snprintf(key, sizeof key, "fill-%d", keys);
+        int64_t tok;
+        int out = claim_of(q, key, &tok);
+        if (out < 0) { /* the flusher lets the reserve go at its next round */
+            fulls++;
+            cr_assert_eq(idem_clock_advance(s, 10), IDEM_OK);
+            usleep(10000);
+            continue;
+        }
+        cr_assert_eq(out, IDEM_NEW, "%s", key);
+        uint8_t *r = result_of(keys);
+        commit_of(s, q, key, tok, r);
+        free(r);
+        keys++;
+        cr_assert_lt(keys, FS_MIB * 256, "the file system never filled");
+    }
+    return keys;
+}
+
+/* The whole course: fill, FULL with owner calls going on, restart, expiry, space back, new keys
+ * without a restart, and a sound store after. */
+Test(disk_reserve, a_store_that_filled_its_disk_takes_new_keys_again_once_they_expire,
+     .timeout = 300)
+{
+    char *dir = mount_small();
+    idem_store *s = open_small(dir);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_stats st = stats_of(s);
+    cr_assert_eq(st.disk_reserve_bytes, 3u << 20, "%llu",
+                 (unsigned long long)st.disk_reserve_bytes);
+
+    /* An owner whose work is under way while the disk fills. */
+    int64_t pending_tok;
+    cr_assert_eq(claim_of(q, "pending", &pending_tok), IDEM_NEW);
+    int keys = fill_until_released(s, q);
+    /* (A flush of one key takes whole 4 KiB blocks, and compaction's copies are counted too.) */
+    cr_assert_gt(keys, FS_MIB * 64, "only %d keys of %d KiB filled %d MiB", keys, RESULT / 1024,
+                 FS_MIB);
+    uint64_t free_full = free_bytes(dir);
+    cr_assert_lt(free_full, st.disk_reserve_bytes + (1u << 20), "FULL with %llu bytes free",
+                 (unsigned long long)free_full);
+    /* New keys answer FULL until the reserve is taken back: not before a second has passed on
+     * the store's clock, and only once compaction has freed its room and a segment's. */
+    int64_t tok;
+    if (claim_of(q, "new-while-full", &tok) != -1)
+        cr_assert_eq(stats_of(s).disk_reserve_released, 0, "a new key while the reserve is let go");
+    uint8_t *pending_result = result_of(-1);
+    cr_assert_eq(idem_commit(q, "pending", 7, pending_tok, pending_result, RESULT), IDEM_OK,
+                 "the owner's commit on the full disk");
+    cr_assert_eq(claim_of(q, "fill-0", &tok), IDEM_DONE, "a repeat on the full disk");
+    assert_committed(q, keys - 1);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK, "the close's checkpoint: %s", idem_last_error());
+
+    /* The close's checkpoint let compaction's work go (the fill's claims and padding were dead):
+     * the reserve would fit again. Another file takes that room, as one might on a shared disk,
+     * and leaves less than the reserve: a restart finds it let go, and new keys still answer
+     * FULL. */
+    uint64_t spare_room = free_bytes(dir);
+    cr_assert_gt(spare_room, BALLAST_LEFT);
+    char ballast[4200];
+    snprintf(ballast, sizeof ballast, "%s/ballast", dir);
+    int bfd = open(ballast, O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+    cr_assert_geq(bfd, 0);
+    cr_assert_eq(fallocate(bfd, 0, 0, (off_t)(spare_room - BALLAST_LEFT)), 0, "%s",
+                 strerror(errno));
+    close(bfd);
+    s = open_small(dir);
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    cr_assert_eq(stats_of(s).disk_reserve_released, 1, "the restart forgot the release");
+    cr_assert_eq(claim_of(q, "new-after-restart", &tok), -1, "a new key took the reserve's room");
+    assert_committed(q, 0);
+    assert_committed(q, keys - 1);
+    idem_completion c;
+    cr_assert_eq(idem_get(q, "pending", 7, &c), IDEM_OK);
+    cr_assert(c.found && c.record.state == IDEM_STATE_COMMITTED && c.record.result_len == RESULT &&
+                  memcmp(c.record.result, pending_result, RESULT) == 0,
+              "the commit made on the full disk is lost");
+    free(pending_result);
+
+    /* Two days on every key has expired: compaction and a checkpoint free the log, the reserve
+     * is taken back and a new key is taken, with no restart. */
+    cr_assert_eq(idem_clock_advance(s, 2 * (int64_t)DAY_MS), IDEM_OK);
+    int out = -1;
+    for (int i = 0; i < 3000 && out < 0; i++) {
+        out = claim_of(q, "after-expiry", &tok);
+        if (out < 0) {
+            cr_assert_eq(idem_clock_advance(s, 100), IDEM_OK);
+            usleep(10000);
+        }
+    }
+    cr_assert_eq(out, IDEM_NEW, "still FULL 30 s after every key expired");
+    st = stats_of(s);
+    cr_assert_eq(st.disk_reserve_released, 0);
+    cr_assert_eq(st.fatal, 0);
+    uint64_t free_back = free_bytes(dir);
+    fprintf(stderr, "disk_reserve: %d keys filled %d MiB; free %llu bytes full, %llu after\n", keys,
+            FS_MIB, (unsigned long long)free_full, (unsigned long long)free_back);
+    cr_assert_geq(free_back, free_full + (FS_MIB / 3) * (1u << 20), "%llu bytes free, %llu full",
+                  (unsigned long long)free_back, (unsigned long long)free_full);
+    struct stat fs;
+    char path[4200];
+    snprintf(path, sizeof path, "%s/reserve", dir);
+    cr_assert_eq(stat(path, &fs), 0);
+    cr_assert_geq((uint64_t)fs.st_blocks * 512, st.disk_reserve_bytes, "the reserve is not held");
+
+    /* The room is the keys' again: as many as a third of the first fill commit and read back. */
+    for (int i = keys; i < keys + keys / 3; i++) {
+        char key[32];
+        snprintf(key, sizeof key, "fill-%d", i);
+        cr_assert_eq(claim_of(q, key, &tok), IDEM_NEW, "%s", key);
+        uint8_t *r = result_of(i);
+        commit_of(s, q, key, tok, r);
+        free(r);
+    }
+    for (int i = keys; i < keys + keys / 3; i++)
+        assert_committed(q, i);
+    cr_assert_eq(idem_get(q, "fill-0", 6, &c), IDEM_OK);
+    cr_assert(!c.found, "an expired key came back");
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    idem_verify_report vr;
+    cr_assert_eq(idem_verify(dir, &vr, NULL, NULL), IDEM_OK);
+    cr_assert_eq(vr.errors, 0, "%s", vr.first_error);
+    unmount_small(dir);
+}
