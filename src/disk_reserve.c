@@ -1,7 +1,8 @@
 /*
  * disk_reserve.c: the reserve file that keeps room for compaction and checkpoints on a full
- * disk (disk_reserve.h says why and when it is let go). Invariant: the file's first held bytes
- * are allocated; a failed allocation leaves it as it was, a release empty.
+ * disk (disk_reserve.h says why and when it is let go). Invariants: the file's first held bytes
+ * are allocated; a failed allocation leaves it as it was, a release empty; a file is named
+ * `reserve` only once it was allocated, so an empty one was let go.
  */
 #include "disk_reserve.h"
 
@@ -40,26 +41,33 @@ static int may_use_root_blocks(const char *dir)
     return (d[CAP_SYS_RESOURCE / 32].effective >> (CAP_SYS_RESOURCE % 32)) & 1;
 }
 
-/* The reserve file's path in dir; 0, or -ENAMETOOLONG. */
-static int reserve_path(const char *dir, char path[4096])
+/* The path of dir's file name; 0, or -ENAMETOOLONG. */
+static int reserve_path(const char *dir, const char *name, char path[4096])
 {
-    return snprintf(path, 4096, "%s/%s", dir, DISK_RESERVE_NAME) < 4096 ? 0 : -ENAMETOOLONG;
+    return snprintf(path, 4096, "%s/%s", dir, name) < 4096 ? 0 : -ENAMETOOLONG;
 }
 
 int disk_reserve_open(struct disk_reserve *r, const char *dir)
 {
     char path[4096];
     r->fd = -1;
+    r->dir = dir;
     r->root_blocks = may_use_root_blocks(dir);
-    if (reserve_path(dir, path) < 0) return -ENAMETOOLONG;
+    if (reserve_path(dir, DISK_RESERVE_NAME, path) < 0) return -ENAMETOOLONG;
     int fd = open(path, O_RDWR | O_CLOEXEC);
     r->made = fd < 0 && errno == ENOENT;
-    if (r->made) fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+    /* A new file is allocated under another name, and named once it is (disk_reserve_hold): an
+     * empty `reserve` always means a release, also after a crash between the two. A file of
+     * that other name a crash left is taken over and cut to nothing. */
+    if (r->made) {
+        if (reserve_path(dir, DISK_RESERVE_MAKING, path) < 0) return -ENAMETOOLONG;
+        fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    }
     struct stat st;
     if (fd < 0 || fstat(fd, &st) != 0) {
         int err = errno;
         if (fd >= 0) close(fd);
-        if (fd >= 0 && r->made) unlink(path); /* an empty file left means a release */
+        if (fd >= 0 && r->made) unlink(path);
         return -err;
     }
     r->fd = fd;
@@ -78,9 +86,15 @@ int disk_reserve_hold(struct disk_reserve *r, uint64_t bytes)
     int rc;
     while ((rc = fallocate(r->fd, 0, 0, (off_t)bytes)) != 0 && errno == EINTR) {
     }
+    char from[4096], to[4096];
+    if (rc == 0 && r->made) { /* the open made both paths before */
+        (void)reserve_path(r->dir, DISK_RESERVE_MAKING, from);
+        (void)reserve_path(r->dir, DISK_RESERVE_NAME, to);
+        if (rename(from, to) != 0) return -errno; /* still the making name: the caller unmakes */
+    }
     if (rc == 0) {
         r->held = bytes;
-        r->made = 0; /* allocated once: an empty file found later was let go */
+        r->made = 0; /* allocated and named: an empty file found later was let go */
         return 0;
     }
     int err = errno;
@@ -111,7 +125,7 @@ void disk_reserve_unmake(struct disk_reserve *r, const char *dir)
     char path[4096];
     disk_reserve_close(r);
     r->held = 0;
-    if (reserve_path(dir, path) == 0) unlink(path);
+    if (reserve_path(dir, DISK_RESERVE_MAKING, path) == 0) unlink(path);
 }
 
 uint64_t disk_free_bytes(const char *dir, int root_blocks)

@@ -16,8 +16,8 @@
  *
  * The file's content is never read: its blocks are what it is for. It is not synced but at its
  * release (blocks a truncate freed are reused only once the file system commits), and a crash
- * leaves it as it was; a store that finds no file makes one. Not thread-safe: the store calls it
- * from its open and from the flusher.
+ * leaves it as it was; a store that finds no file makes one, named `reserve` only once it is
+ * allocated. Not thread-safe: the store calls it from its open and from the flusher.
  */
 #ifndef IDEM_DISK_RESERVE_H
 #define IDEM_DISK_RESERVE_H
@@ -30,23 +30,25 @@ struct disk_reserve {
     int released;    /* let go at the log's end on a full disk: new keys answer FULL */
     int short_said;  /* a failed open or allocation was logged (cleared by one that works) */
     int root_blocks; /* the process may use blocks a file system keeps for root (ext4: 5%) */
-    int made;        /* the last open made the file, and it was never allocated since */
+    int made;        /* the last open made the file (as DISK_RESERVE_MAKING), not yet allocated */
     uint64_t held;   /* bytes allocated to the file */
+    const char *dir; /* the store's directory (the open's; it outlives the reserve) */
 };
 
-#define DISK_RESERVE_NAME "reserve"
+#define DISK_RESERVE_NAME   "reserve"
+#define DISK_RESERVE_MAKING "reserve.new" /* a new file until its first allocation */
 
 /* Opens or makes dir's reserve file (held: its size; made: it was not there). Returns 0 or
  * -errno (r->fd -1). An empty file found is one let go before (or never allocated). */
 int disk_reserve_open(struct disk_reserve *r, const char *dir);
-/* Allocates the file to exactly bytes (shrinks it when larger). Returns 0 or -errno: then the
- * file holds what it held before, and -EOPNOTSUPP or -ENOSYS means it never can. */
+/* Allocates the file to exactly bytes (shrinks it when larger), and names a file the open made
+ * `reserve`. Returns 0 or -errno: then the file holds what it held before (a made one may hold
+ * blocks: unmake it), and -EOPNOTSUPP or -ENOSYS means it never can. */
 int disk_reserve_hold(struct disk_reserve *r, uint64_t bytes);
 /* Frees the file's blocks and syncs its file system, so that they can be handed out at once. */
 void disk_reserve_release(struct disk_reserve *r);
 void disk_reserve_close(struct disk_reserve *r);
-/* Closes and deletes the file, which made says was never allocated: left empty, the next open
- * would read it as let go. */
+/* Closes and deletes the file, which made says was never allocated (DISK_RESERVE_MAKING). */
 void disk_reserve_unmake(struct disk_reserve *r, const char *dir);
 /* The bytes free to this process on dir's file system (with the blocks kept for root where it
  * may use them: root_blocks); UINT64_MAX when it cannot be read. */

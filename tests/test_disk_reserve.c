@@ -20,7 +20,7 @@
 #include "idem.h"
 #include "testutil.h"
 
-enum { FS_MIB = 24, RESULT = 4096, DAY_MS = 86400000, BALLAST_LEFT = 5u << 19 };
+enum { FS_MIB = 24, RESULT = 4096, DAY_MS = 86400000 };
 
 /* A fresh directory with a tmpfs of FS_MIB mounted on it, or the test is skipped. */
 static char *mount_small(void)
@@ -47,6 +47,22 @@ static uint64_t free_bytes(const char *dir)
     struct statvfs v;
     cr_assert_eq(statvfs(dir, &v), 0);
     return (uint64_t)v.f_bavail * v.f_frsize;
+}
+
+/* Takes all but left bytes of dir's free space with a file of its own (as another program on a
+ * shared disk might); returns its path, malloc'd. */
+static char *ballast_leaving(const char *dir, uint64_t left)
+{
+    char *path = malloc(4200);
+    cr_assert(path);
+    snprintf(path, 4200, "%s/ballast", dir);
+    uint64_t room = free_bytes(dir);
+    cr_assert_gt(room, left);
+    int fd = open(path, O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(fallocate(fd, 0, 0, (off_t)(room - left)), 0, "%s", strerror(errno));
+    close(fd);
+    return path;
 }
 
 static idem_store *open_small(const char *dir)
@@ -184,15 +200,7 @@ Test(disk_reserve, a_store_that_filled_its_disk_takes_new_keys_again_once_they_e
      * the reserve would fit again. Another file takes that room, as one might on a shared disk,
      * and leaves less than the reserve: a restart finds it let go, and new keys still answer
      * FULL. */
-    uint64_t spare_room = free_bytes(dir);
-    cr_assert_gt(spare_room, BALLAST_LEFT);
-    char ballast[4200];
-    snprintf(ballast, sizeof ballast, "%s/ballast", dir);
-    int bfd = open(ballast, O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
-    cr_assert_geq(bfd, 0);
-    cr_assert_eq(fallocate(bfd, 0, 0, (off_t)(spare_room - BALLAST_LEFT)), 0, "%s",
-                 strerror(errno));
-    close(bfd);
+    free(ballast_leaving(dir, 5u << 19));
     s = open_small(dir);
     cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
     cr_assert_eq(stats_of(s).disk_reserve_released, 1, "the restart forgot the release");
@@ -250,5 +258,59 @@ Test(disk_reserve, a_store_that_filled_its_disk_takes_new_keys_again_once_they_e
     idem_verify_report vr;
     cr_assert_eq(idem_verify(dir, &vr, NULL, NULL), IDEM_OK);
     cr_assert_eq(vr.errors, 0, "%s", vr.first_error);
+    unmount_small(dir);
+}
+
+/* A new reserve file is named `reserve` only once it is allocated, so that an empty one always
+ * means a release: a crash between its making and its allocation leaves `reserve.new`, which the
+ * next open takes over. Found with too little room for the reserve, it is deleted and the store
+ * takes new keys (its reserve short); once room comes, the reserve is made and named. */
+Test(disk_reserve, a_reserve_file_a_crash_left_before_its_allocation_is_not_a_release,
+     .timeout = 120)
+{
+    char *dir = mount_small();
+    char path[4200], making[4200];
+    snprintf(path, sizeof path, "%s/reserve", dir);
+    snprintf(making, sizeof making, "%s/reserve.new", dir);
+    idem_store *s = open_small(dir);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    struct stat fs;
+    cr_assert_eq(stat(path, &fs), 0, "no reserve: %s", strerror(errno));
+    cr_assert(stat(making, &fs) < 0 && errno == ENOENT, "the making name is left");
+
+    /* The state a crash leaves while an open makes the reserve (with a block it had). */
+    cr_assert_eq(unlink(path), 0);
+    int fd = open(making, O_CREAT | O_WRONLY | O_CLOEXEC, 0600);
+    cr_assert_geq(fd, 0);
+    static const char block[4096];
+    cr_assert_eq(write(fd, block, sizeof block), (ssize_t)sizeof block);
+    close(fd);
+    char *ballast = ballast_leaving(dir, 3u << 19);
+
+    s = open_small(dir);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_stats st = stats_of(s);
+    cr_assert_eq(st.disk_reserve_released, 0, "a reserve never allocated was taken for a release");
+    int64_t tok;
+    cr_assert_eq(claim_of(q, "taken", &tok), IDEM_NEW, "a new key with the reserve short");
+    cr_assert_eq(idem_commit(q, "taken", 5, tok, "r", 1), IDEM_OK);
+    cr_assert(stat(making, &fs) < 0 && errno == ENOENT, "the file a crash left is still there");
+    cr_assert(stat(path, &fs) < 0 && errno == ENOENT, "a reserve named without its blocks");
+
+    /* Room comes: the flusher makes the reserve within a second of the store's clock. */
+    cr_assert_eq(unlink(ballast), 0);
+    free(ballast);
+    int held = 0;
+    for (int i = 0; i < 500 && !held; i++) {
+        cr_assert_eq(idem_clock_advance(s, 100), IDEM_OK);
+        usleep(10000);
+        held = stat(path, &fs) == 0 && (uint64_t)fs.st_blocks * 512 >= st.disk_reserve_bytes;
+    }
+    cr_assert(held, "the reserve was not made once room came");
+    cr_assert_eq((uint64_t)fs.st_size, st.disk_reserve_bytes);
+    cr_assert(stat(making, &fs) < 0 && errno == ENOENT, "the making name is left");
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
     unmount_small(dir);
 }
