@@ -744,15 +744,17 @@ static int spare_make_kept(idem_store *s, uint64_t seq, uint64_t ckpt_room, int 
 }
 
 /* Once a second, mu held and let go for the file calls: a reserve let go is taken back once it
- * and a segment more are free; one that an open or allocation left short is tried again, and
- * grown as keys come. Returns 1 when mu was released. */
+ * and a segment more are free; one that an open or allocation left short is tried again, grown
+ * as keys come, and cut back once it holds a quarter more than the keys need (not less, so that
+ * a count near a MiB step does not cut and grow the file each second). Returns 1 when mu was
+ * released. */
 static int reserve_maintain(idem_store *s, int64_t mono)
 {
     struct disk_reserve *r = &s->reserve;
     if (r->off || s->test_sim || mono - s->reserve_mono_ms < 1000) return 0;
     s->reserve_mono_ms = mono;
     uint64_t want = reserve_want(s);
-    if (r->fd >= 0 && !r->released && r->held >= want) return 0;
+    if (r->fd >= 0 && !r->released && r->held >= want && r->held <= want + want / 4) return 0;
     const char *why = "opening the reserve";
     store_flusher_unlock(s);
     int rc = 0, back = 0;

@@ -314,3 +314,88 @@ Test(disk_reserve, a_reserve_file_a_crash_left_before_its_allocation_is_not_a_re
     cr_assert_eq(idem_close(s), IDEM_OK);
     unmount_small(dir);
 }
+
+/* Waits (the store's clock moving 100 ms a step) until dir's reserve file is bytes long and
+ * holds its blocks; fails after 500 steps. */
+static void await_reserve(idem_store *s, const char *dir, uint64_t bytes, const char *what)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/reserve", dir);
+    struct stat fs;
+    int ok = 0;
+    for (int i = 0; i < 500 && !ok; i++) {
+        ok = stat(path, &fs) == 0 && (uint64_t)fs.st_size == bytes &&
+             (uint64_t)fs.st_blocks * 512 >= bytes;
+        if (!ok) {
+            cr_assert_eq(idem_clock_advance(s, 100), IDEM_OK);
+            usleep(10000);
+        }
+    }
+    cr_assert(ok, "%s: the reserve is %lld bytes (%lld allocated), not %llu", what,
+              (long long)fs.st_size, (long long)fs.st_blocks * 512, (unsigned long long)bytes);
+}
+
+/* Waits (the store's clock moving 100 ms a step, for at most 1000) until what the store's keys
+ * need of a reserve is below bytes. */
+static uint64_t await_need_below(idem_store *s, uint64_t bytes)
+{
+    uint64_t need = 0;
+    for (int i = 0; i < 1000 && (need = stats_of(s).disk_reserve_bytes) >= bytes; i++) {
+        cr_assert_eq(idem_clock_advance(s, 100), IDEM_OK);
+        cr_assert_eq(idem_sync(s), IDEM_OK); /* a round of the flusher: a step of compaction */
+        usleep(5000);
+    }
+    cr_assert_lt(need, bytes, "the expired keys were not reclaimed: %llu keys left",
+                 (unsigned long long)stats_of(s).keys);
+    return need;
+}
+
+/* The reserve follows the key count: grown as keys come, kept while a few of them leave, and cut
+ * back once they are gone to what the keys left need, so that room their checkpoint no longer
+ * needs goes back to the log without a restart (it was cut back only at an open). */
+Test(disk_reserve, a_reserve_grows_with_the_keys_and_gives_back_what_expired_keys_left,
+     .timeout = 120)
+{
+    enum { STAY = 256, MOST = 256 * 680, FEW = 256 * 120 };
+    char *dir = tu_mkdtemp("reserve-follow");
+    idem_store *s = open_small(dir);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 256, &q), IDEM_OK);
+    uint64_t empty = stats_of(s).disk_reserve_bytes;
+    cr_assert_eq(empty, 3u << 20);
+    /* In the order they expire in: compaction walks the log from its oldest segment. */
+    tu_set_nx(q, "small", 0, FEW, "v", 1, 3600000ull);
+    tu_set_nx(q, "small", FEW, MOST, "v", 1, 2 * 3600000ull);
+    tu_set_nx(q, "small", FEW + MOST, STAY, "v", 1, 10 * 3600000ull);
+    uint64_t grown = stats_of(s).disk_reserve_bytes;
+    cr_assert_geq(grown, empty + (uint64_t)(MOST + FEW) * 16, "%llu bytes for %d keys",
+                  (unsigned long long)grown, MOST + FEW);
+    await_reserve(s, dir, grown, "after the keys came");
+
+    /* The few expire: what the keys need drops by less than a quarter, and the file stays. */
+    cr_assert_eq(idem_clock_advance(s, 3600000), IDEM_OK);
+    uint64_t need = await_need_below(s, grown);
+    cr_assert_geq(stats_of(s).keys, STAY + MOST, "live keys are gone");
+    usleep(2500 * 1000); /* two rounds of the flusher's once a second */
+    struct stat fs;
+    char path[4200];
+    snprintf(path, sizeof path, "%s/reserve", dir);
+    cr_assert_eq(stat(path, &fs), 0);
+    cr_assert_eq((uint64_t)fs.st_size, grown, "cut back from %llu to %lld for %llu",
+                 (unsigned long long)grown, (long long)fs.st_size, (unsigned long long)need);
+
+    /* The most expire: the file is cut back to what an empty store needs. */
+    cr_assert_eq(idem_clock_advance(s, 3600000), IDEM_OK);
+    cr_assert_eq(await_need_below(s, empty + 1), empty);
+    await_reserve(s, dir, empty, "after the keys expired");
+    for (int i = 0; i < STAY; i++) {
+        char key[32];
+        snprintf(key, sizeof key, "small-%d", FEW + MOST + i);
+        idem_completion c;
+        cr_assert_eq(idem_get(q, key, strlen(key), &c), IDEM_OK);
+        cr_assert(c.found, "%s is gone", key);
+    }
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    tu_rmtree(dir);
+}

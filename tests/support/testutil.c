@@ -92,35 +92,41 @@ uint64_t tu_count(uint64_t ci_count, uint64_t long_count)
     return env && *env == '1' ? long_count : ci_count;
 }
 
-void tu_fill_incompressible(struct idem_queue *q, int keys)
+void tu_set_nx(struct idem_queue *q, const char *prefix, int base, int keys, const void *val,
+               uint32_t len, uint64_t ttl_ms)
 {
-    static char val[4096];
-    uint64_t rng = 42;
-    for (size_t i = 0; i < sizeof val; i++)
-        val[i] = (char)tu_rand(&rng);
-    static char keyv[256][32];
+    static char keyv[256][48];
     static idem_op ops[256];
     static idem_completion out[256];
-    for (int base = 0; base < keys; base += 256) {
+    for (int at = base; at < base + keys; at += 256) {
         memset(ops, 0, sizeof ops);
         for (int i = 0; i < 256; i++) {
-            snprintf(keyv[i], sizeof keyv[i], "fill-%d", base + i);
+            snprintf(keyv[i], sizeof keyv[i], "%s-%d", prefix, at + i);
             ops[i] = (idem_op){.kind = IDEM_OP_SET_IF_ABSENT,
                                .user_data = (uint64_t)i,
                                .key = keyv[i],
                                .key_len = (uint32_t)strlen(keyv[i]),
-                               .ttl_ms = 3600000,
+                               .ttl_ms = ttl_ms,
                                .data = val,
-                               .data_len = sizeof val};
+                               .data_len = len};
         }
         cr_assert_eq(idem_submit(q, ops, 256), 256, "submit of 256 operations");
         for (int got = 0; got < 256;) {
             int n = idem_poll(q, out, 256, 30000);
             cr_assert_gt(n, 0, "no completion within 30 s");
             for (int i = 0; i < n; i++)
-                cr_assert_eq(out[i].err, IDEM_OK, "%s: %s", keyv[out[i].user_data],
-                             idem_strerror(out[i].err));
+                cr_assert(out[i].err == IDEM_OK && out[i].outcome == IDEM_NEW, "%s: %s",
+                          keyv[out[i].user_data], idem_strerror(out[i].err));
             got += n;
         }
     }
+}
+
+void tu_fill_incompressible(struct idem_queue *q, int keys)
+{
+    static char val[4096];
+    uint64_t rng = 42;
+    for (size_t i = 0; i < sizeof val; i++)
+        val[i] = (char)tu_rand(&rng);
+    tu_set_nx(q, "fill", 0, keys, val, sizeof val, 3600000);
 }

@@ -25,9 +25,14 @@ uint8_t *tu_random_bytes(size_t n, uint64_t seed);
  * Aborts on ENOMEM (a test cannot go on without its record). */
 void *tu_grow(void *v, size_t *cap, size_t need, size_t elem);
 
-/* SET NX of keys fill-0 .. fill-(keys-1) (keys a multiple of 256) with the same 4 KiB of
- * incompressible bytes, through q (depth >= 256): a log of keys x 4 KiB. Asserts each succeeds. */
+/* SET NX of keys <prefix>-<base> .. <prefix>-<base+keys-1> (keys a multiple of 256) to the
+ * value val (len bytes) with ttl_ms, through q (depth >= 256), 256 at a time. Asserts each sets
+ * its key. */
 struct idem_queue;
+void tu_set_nx(struct idem_queue *q, const char *prefix, int base, int keys, const void *val,
+               uint32_t len, uint64_t ttl_ms);
+/* tu_set_nx of keys fill-0 .. fill-(keys-1) to the same 4 KiB of incompressible bytes for an
+ * hour: a log of keys x 4 KiB. */
 void tu_fill_incompressible(struct idem_queue *q, int keys);
 
 #endif
