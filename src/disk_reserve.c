@@ -61,7 +61,7 @@ int disk_reserve_open(struct disk_reserve *r, const char *dir)
      * that other name a crash left is taken over and cut to nothing. */
     if (r->made) {
         if (reserve_path(dir, DISK_RESERVE_MAKING, path) < 0) return -ENAMETOOLONG;
-        fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+        fd = open(path, O_RDWR | O_CREAT | O_TRUNC | O_NOFOLLOW | O_CLOEXEC, 0600);
     }
     struct stat st;
     if (fd < 0 || fstat(fd, &st) != 0) {

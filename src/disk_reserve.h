@@ -39,7 +39,7 @@ struct disk_reserve {
 #define DISK_RESERVE_MAKING "reserve.new" /* a new file until its first allocation */
 
 /* Opens or makes dir's reserve file (held: its size; made: it was not there). Returns 0 or
- * -errno (r->fd -1). An empty file found is one let go before (or never allocated). */
+ * -errno (r->fd -1). An empty file found is one let go before. */
 int disk_reserve_open(struct disk_reserve *r, const char *dir);
 /* Allocates the file to exactly bytes (shrinks it when larger), and names a file the open made
  * `reserve`. Returns 0 or -errno: then the file holds what it held before (a made one may hold
