@@ -215,11 +215,12 @@ if [ "$FS" = btrfs ] && command -v lsattr >/dev/null 2>&1; then
     # Every file written over in place: not LOCK (a line of text, written over at each open;
     # btrfs keeps it inline), nor a checkpoint, written once from its start: one made while the
     # disk is full may have its mark refused (event=nocow_refused), which costs nothing; nor the
-    # reserve, whose blocks are never written. A file
+    # reserve (nor reserve.new, made and deleted each second while it is short), whose blocks
+    # are never written. A file
     # gone between the listing and lsattr (a segment whose making the full disk refused, tried
     # again each second) is not counted.
     total=0 nocow=0 listing=
-    for f in $(find "$A" -maxdepth 1 -type f ! -name LOCK ! -name '*.ckpt' ! -name reserve | sort); do
+    for f in $(find "$A" -maxdepth 1 -type f ! -name LOCK ! -name '*.ckpt' ! -name 'reserve*' | sort); do
         a=$(lsattr "$f" 2>/dev/null) || continue
         total=$((total + 1)); listing+="# $a"$'\n'
         [[ "${a%% *}" == *C* ]] && nocow=$((nocow + 1))
