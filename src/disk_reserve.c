@@ -90,7 +90,7 @@ int disk_reserve_hold(struct disk_reserve *r, uint64_t bytes)
     if (rc == 0 && r->made) { /* the open made both paths before */
         (void)reserve_path(r->dir, DISK_RESERVE_MAKING, from);
         (void)reserve_path(r->dir, DISK_RESERVE_NAME, to);
-        if (rename(from, to) != 0) return -errno; /* still the making name: the caller unmakes */
+        if (rename(from, to) != 0) return -errno; /* still the making name: tried again */
     }
     if (rc == 0) {
         r->held = bytes;
@@ -118,14 +118,6 @@ void disk_reserve_close(struct disk_reserve *r)
 {
     if (r->fd >= 0) close(r->fd);
     r->fd = -1;
-}
-
-void disk_reserve_unmake(struct disk_reserve *r, const char *dir)
-{
-    char path[4096];
-    disk_reserve_close(r);
-    r->held = 0;
-    if (reserve_path(dir, DISK_RESERVE_MAKING, path) == 0) unlink(path);
 }
 
 uint64_t disk_free_bytes(const char *dir, int root_blocks)

@@ -42,14 +42,12 @@ struct disk_reserve {
  * -errno (r->fd -1). An empty file found is one let go before. */
 int disk_reserve_open(struct disk_reserve *r, const char *dir);
 /* Allocates the file to exactly bytes (shrinks it when larger), and names a file the open made
- * `reserve`. Returns 0 or -errno: then the file holds what it held before (a made one may hold
- * blocks: unmake it), and -EOPNOTSUPP or -ENOSYS means it never can. */
+ * `reserve`. Returns 0 or -errno: then the file holds what it held before (a made one keeps its
+ * making name until a hold succeeds), and -EOPNOTSUPP or -ENOSYS means it never can. */
 int disk_reserve_hold(struct disk_reserve *r, uint64_t bytes);
 /* Frees the file's blocks and syncs its file system, so that they can be handed out at once. */
 void disk_reserve_release(struct disk_reserve *r);
 void disk_reserve_close(struct disk_reserve *r);
-/* Closes and deletes the file, which made says was never allocated (DISK_RESERVE_MAKING). */
-void disk_reserve_unmake(struct disk_reserve *r, const char *dir);
 /* The bytes free to this process on dir's file system (with the blocks kept for root where it
  * may use them: root_blocks); UINT64_MAX when it cannot be read. */
 uint64_t disk_free_bytes(const char *dir, int root_blocks);

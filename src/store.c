@@ -704,7 +704,6 @@ static void reserve_start(idem_store *s)
         return;
     }
     rc = disk_reserve_hold(&s->reserve, reserve_want(s));
-    if (rc < 0 && s->reserve.made) disk_reserve_unmake(&s->reserve, s->dir);
     if (!UTIL_NO_SPACE(rc) || s->reserve.made || s->reserve.held) {
         if (rc < 0) reserve_short(s, rc, "allocating the reserve");
         return;
@@ -763,7 +762,6 @@ static int reserve_maintain(idem_store *s, int64_t mono)
     if (rc == 0 && r->released)
         back = disk_free_bytes(s->dir, r->root_blocks) >= want + s->opt.segment_bytes;
     if (rc == 0 && (!r->released || back)) rc = disk_reserve_hold(r, want);
-    if (rc < 0 && r->made) disk_reserve_unmake(r, s->dir);
     store_flusher_relock(s);
     if (rc < 0) {
         reserve_short(s, rc, why);

@@ -215,7 +215,7 @@ if [ "$FS" = btrfs ] && command -v lsattr >/dev/null 2>&1; then
     # Every file written over in place: not LOCK (a line of text, written over at each open;
     # btrfs keeps it inline), nor a checkpoint, written once from its start: one made while the
     # disk is full may have its mark refused (event=nocow_refused), which costs nothing; nor the
-    # reserve (nor reserve.new, made and deleted each second while it is short), whose blocks
+    # reserve (nor reserve.new, a new reserve while no room allows it), whose blocks
     # are never written. A file
     # gone between the listing and lsattr (a segment whose making the full disk refused, tried
     # again each second) is not counted.
