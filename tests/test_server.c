@@ -3737,16 +3737,22 @@ Test(server, out_of_memory_refuses_what_needs_memory_and_idemd_goes_on)
     cr_skip_test("a preloaded malloc does not mix with the sanitizers' own (Debug and Release "
                  "builds run it)");
 #endif
-    start_preloaded("libidem-test-fail-alloc.so", "IDEM_TEST_FAIL_ALLOC_FILE", NULL);
+    static char listen[32];
+    metrics_port = free_port();
+    snprintf(listen, sizeof listen, "127.0.0.1:%d", metrics_port);
+    const char *extra[] = {"--metrics-listen", listen, NULL};
+    start_preloaded("libidem-test-fail-alloc.so", "IDEM_TEST_FAIL_ALLOC_FILE", extra);
     redisContext *c = connect_unix();
     long long tok;
     cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM before 600000 60000"), &tok), "new");
     expect_status(cmd(c, "IDEM.COMMIT before %lld done", tok), "OK");
-    char id1[32], id2[32], got[1024];
+    char id1[32], id2[32], id3[32], got[1024];
     int fd1 = warm_connection("warm-1", id1), fd2 = warm_connection("warm-2", id2), closed = 0;
+    int fd3 = warm_connection("warm-3", id3);
     /* a request begun on each, so that no input buffer is shed as idle before the rest comes */
     raw_send(fd1, "IDEM.CLAIM during-1 600000 6", 28);
     raw_send(fd2, "IDEM.CLAIM during-2 600000 6", 28);
+    raw_send(fd3, "INFO id", 7);
     usleep(100 * 1000);
     fail_now();
     static const char OOM[] = "-ERR out of memory for a new connection: try again\r\n";
@@ -3782,6 +3788,18 @@ Test(server, out_of_memory_refuses_what_needs_memory_and_idemd_goes_on)
     cr_assert_eq(pongs, 7, "%s", got);
     if (!closed) raw_read(fd2, got, sizeof got - 1, 1, &closed);
     cr_assert(closed, "the connection whose request found no slot stayed open");
+    /* fd3: INFO and a scrape find no memory for their text and say so, rather than answer a
+     * part of it (they did). A second on, so that the log's gate lets their lines through. */
+    usleep(1100 * 1000);
+    raw_send(fd3, "em\r\n", 4);
+    static const char INFO_OOM[] = "-ERR out of memory for the INFO reply: try again\r\n";
+    raw_read(fd3, got, sizeof got - 1, sizeof INFO_OOM - 1, &closed);
+    cr_assert_str_eq(got, INFO_OOM);
+    static char body[4096];
+    scrape(body, sizeof body);
+    cr_assert(strncmp(body, "HTTP/1.0 503 ", 13) == 0 &&
+                  strstr(body, "\r\n\r\nout of memory for the metrics: try again\n"),
+              "%s", body);
     close(fd1);
     close(fd2);
     cr_assert_eq(waitpid(srv.pid, NULL, WNOHANG), 0, "idemd exited out of memory");
@@ -3800,7 +3818,18 @@ Test(server, out_of_memory_refuses_what_needs_memory_and_idemd_goes_on)
         freeReplyObject(r);
     }
     cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM after 600000 60000"), &tok), "new");
+    r = cmd(c, "INFO idem");
+    cr_assert(r->type == REDIS_REPLY_STRING && strstr(r->str, "# Idem\r\n"), "%s", r->str);
+    freeReplyObject(r);
     redisFree(c);
+    raw_send(fd3, "PING\r\n", 6);
+    raw_read(fd3, got, sizeof got - 1, 7, &closed);
+    cr_assert_str_eq(got, "+PONG\r\n", "the connection INFO found no memory on");
+    close(fd3);
+    scrape(body, sizeof body);
+    cr_assert(strstr(body, "200 OK") && strstr(body, "\nidem_keys_committed 1\n"), "%s", body);
+    EXPECT_LOG("level=warn event=out_of_memory what=info");
+    EXPECT_LOG("level=warn event=out_of_memory what=metrics");
     EXPECT_LOG("level=warn event=out_of_memory what=connection peer=unix");
     EXPECT_LOG("level=warn event=out_of_memory what=reply", id1);
     char line[96];

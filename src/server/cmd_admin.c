@@ -453,6 +453,11 @@ void cmd_info(cmd_req *r)
     resp_buf t;
     resp_buf_init(&t, 1 << 20);
     info_text(r->s, &t, sections);
+    if (t.overflow) { /* no memory for the text (it is far below its limit): not a part of it */
+        resp_buf_free(&t);
+        srv_log_gated(&r->s->log_oom, "warn", "out_of_memory", "what=info");
+        return cmd_fail(r, "ERR out of memory for the INFO reply: try again");
+    }
     resp_bulk(cmd_out(r), t.data ? (const void *)t.data : "", t.len);
     resp_buf_free(&t);
     cmd_done(r);

@@ -233,7 +233,21 @@ static void mconn_answer(srv *s, srv_metrics_conn *m, uint32_t index)
                      body.len);
     resp_buf_append(&m->out, h, (size_t)k);
     resp_buf_append(&m->out, body.data, body.len);
+    int cut = body.overflow || m->out.overflow;
     resp_buf_free(&body);
+    if (cut) { /* no memory for the text: a scrape that read part of it would take it whole */
+        static const char text[] = "out of memory for the metrics: try again\n";
+        char busy[256];
+        int n = snprintf(busy, sizeof busy,
+                         "HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
+                         "Content-Length: %zu\r\nConnection: close\r\n\r\n%s",
+                         sizeof text - 1, text);
+        srv_log_gated(&s->log_oom, "warn", "out_of_memory", "what=metrics");
+        ssize_t w = send(m->fd, busy, (size_t)n, MSG_NOSIGNAL | MSG_DONTWAIT);
+        (void)w; /* a fresh socket's buffer takes it; else the close says enough */
+        mconn_close(s, m);
+        return;
+    }
     m->answering = MCONN_WRITING;
     m->off = 0;
     struct epoll_event e = {.events = EPOLLOUT, .data.u64 = SRV_TAG_METRICS_CONN + index};
