@@ -194,23 +194,20 @@ static void conn_free(srv *s, srv_conn *c)
     free(c);
 }
 
-static void submit_batch(srv *s);
-
-/* Whether the op named ud is in this turn's batch, not yet handed to the engine. */
-static int op_unsubmitted(const srv *s, uint64_t ud)
+/* The op named ud in this turn's batch, not yet handed to the engine; NULL when there is none. */
+static idem_op *op_unsubmitted(srv *s, uint64_t ud)
 {
     for (uint32_t i = 0; i < s->nops; i++)
-        if (s->ops[i].user_data == ud) return 1;
-    return 0;
+        if (s->ops[i].user_data == ud) return &s->ops[i];
+    return NULL;
 }
 
 /* Claims of c parked by WAIT in the engine complete now (busy), for a client that is gone, each
- * found once. Those parked already go first: the batch of this turn, once submitted, may hold a
- * release by another client that would grant one of them the key. One still in the batch is
- * submitted with it, then cancelled, so that it does not park after the cancel and get the key
- * later; c's ops reach the engine in order, so those parked come before it. The batch goes
- * early only for that: another connection's close does not hand a release queued this turn to
- * a waiter whose own close comes later in the turn. */
+ * found once. One still in this turn's batch loses its WAIT there and answers at once, as a
+ * claim from a client whose end was seen does (srv_submit_op). The batch is not sent early for
+ * it: it may hold a release by another client that would then grant the key to a waiter whose
+ * own close comes later in this turn (it did), leaving the key to no one until its lease ran
+ * out. */
 static void cancel_waits(srv *s, srv_conn *c)
 {
     if (!s->q) return;
@@ -218,8 +215,15 @@ static void cancel_waits(srv *s, srv_conn *c)
         srv_slot *sl = srv_slot_of(c, q);
         if (sl->state != SLOT_PENDING || !sl->is_wait) continue;
         uint64_t ud = ((uint64_t)c->index << 32) | q;
-        if (op_unsubmitted(s, ud)) submit_batch(s);
-        (void)idem_cancel_wait(s->q, ud);
+        idem_op *op = op_unsubmitted(s, ud);
+        if (op) {
+            op->wait_ms = 0;
+            sl->is_wait = 0;
+            s->wait_due--;
+            c->waits_due--;
+        } else {
+            (void)idem_cancel_wait(s->q, ud);
+        }
     }
 }
 
