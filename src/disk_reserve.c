@@ -90,7 +90,12 @@ int disk_reserve_hold(struct disk_reserve *r, uint64_t bytes)
     if (rc == 0 && r->made) { /* the open made both paths before */
         (void)reserve_path(r->dir, DISK_RESERVE_MAKING, from);
         (void)reserve_path(r->dir, DISK_RESERVE_NAME, to);
-        if (rename(from, to) != 0) return -errno; /* still the making name: tried again */
+        if (rename(from, to) != 0) { /* still the making name: given back, tried again */
+            int err = errno;
+            int cut = ftruncate(r->fd, size);
+            (void)cut;
+            return -err;
+        }
     }
     if (rc == 0) {
         r->held = bytes;
@@ -116,6 +121,9 @@ void disk_reserve_release(struct disk_reserve *r)
 
 void disk_reserve_close(struct disk_reserve *r)
 {
+    char path[4096];
+    if (r->fd >= 0 && r->made && reserve_path(r->dir, DISK_RESERVE_MAKING, path) == 0)
+        unlink(path); /* never allocated: it holds nothing, and the next open makes it again */
     if (r->fd >= 0) close(r->fd);
     r->fd = -1;
 }

@@ -47,6 +47,7 @@ int disk_reserve_open(struct disk_reserve *r, const char *dir);
 int disk_reserve_hold(struct disk_reserve *r, uint64_t bytes);
 /* Frees the file's blocks and syncs its file system, so that they can be handed out at once. */
 void disk_reserve_release(struct disk_reserve *r);
+/* Closes the file; one made and never allocated (still DISK_RESERVE_MAKING) is deleted. */
 void disk_reserve_close(struct disk_reserve *r);
 /* The bytes free to this process on dir's file system (with the blocks kept for root where it
  * may use them: root_blocks); UINT64_MAX when it cannot be read. */

@@ -718,7 +718,9 @@ static void reserve_start(idem_store *s)
  * end (cur_full: the current segment cannot take a largest frame), the reserve is let go
  * (*let_go) and the making tried once more: until then the log's own space takes new keys. A
  * reserve left short is let go only where it and the free bytes give a segment and a
- * checkpoint's room: else the store answers FULL as one without it did. */
+ * checkpoint's room: else the store answers FULL as one without it did. A new file never
+ * allocated yet (still DISK_RESERVE_MAKING) holds nothing and is not let go: as a store without
+ * a reserve, which a restart would read it as. */
 static int spare_make_kept(idem_store *s, uint64_t seq, uint64_t ckpt_room, int cur_full,
                            int *let_go, struct wal_segment **made)
 {
@@ -733,7 +735,8 @@ static int spare_make_kept(idem_store *s, uint64_t seq, uint64_t ckpt_room, int 
                          disk_free_bytes(s->dir, r->root_blocks) < ckpt_room + s->opt.segment_bytes
                      ? IDEM_EFULL
                      : wal_spare_make(s->wal, seq, made);
-        if (rc != IDEM_EFULL || r->fd < 0 || r->released || *let_go || !cur_full) return rc;
+        if (rc != IDEM_EFULL || r->fd < 0 || r->made || r->released || *let_go || !cur_full)
+            return rc;
         uint64_t free_bytes = disk_free_bytes(s->dir, r->root_blocks);
         if (free_bytes == UINT64_MAX || r->held + free_bytes < ckpt_room + s->opt.segment_bytes)
             return rc;
@@ -744,16 +747,18 @@ static int spare_make_kept(idem_store *s, uint64_t seq, uint64_t ckpt_room, int 
 
 /* Once a second, mu held and let go for the file calls: a reserve let go is taken back once it
  * and a segment more are free; one that an open or allocation left short is tried again, grown
- * as keys come, and cut back once it holds a quarter more than the keys need (not less, so that
- * a count near a MiB step does not cut and grow the file each second). Returns 1 when mu was
- * released. */
+ * as keys come, and cut back once what it holds past the keys' need is over a quarter of that
+ * need and over 2 MiB (not sooner: a count near a MiB step would cut and grow it each second). Room
+ * cut back goes to the log: keys that come back later grow the reserve only where room is left, as
+ * any growth. Returns 1 when mu was released. */
 static int reserve_maintain(idem_store *s, int64_t mono)
 {
     struct disk_reserve *r = &s->reserve;
     if (r->off || s->test_sim || mono - s->reserve_mono_ms < 1000) return 0;
     s->reserve_mono_ms = mono;
     uint64_t want = reserve_want(s);
-    if (r->fd >= 0 && !r->released && r->held >= want && r->held <= want + want / 4) return 0;
+    uint64_t slack = want / 4 > (2u << 20) ? want / 4 : (2u << 20);
+    if (r->fd >= 0 && !r->released && r->held >= want && r->held <= want + slack) return 0;
     const char *why = "opening the reserve";
     store_flusher_unlock(s);
     int rc = 0, back = 0;

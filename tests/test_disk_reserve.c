@@ -279,8 +279,8 @@ Test(disk_reserve, a_store_that_filled_its_disk_takes_new_keys_again_once_they_e
 
 /* A new reserve file is named `reserve` only once it is allocated, so that an empty one always
  * means a release: a crash between its making and its allocation leaves `reserve.new`, which the
- * next open takes over. Found with too little room for the reserve, it is deleted and the store
- * takes new keys (its reserve short); once room comes, the reserve is made and named. */
+ * next open takes over. With too little room for the reserve, the store takes new keys (its
+ * reserve short); once room comes, the reserve is allocated and named. */
 Test(disk_reserve, a_reserve_file_a_crash_left_before_its_allocation_is_not_a_release,
      .timeout = 120)
 {
@@ -314,6 +314,7 @@ Test(disk_reserve, a_reserve_file_a_crash_left_before_its_allocation_is_not_a_re
     cr_assert(WIFSIGNALED(status) && WTERMSIG(status) == SIGXFSZ,
               "the child was not stopped at the reserve's allocation: status %#x", status);
     cr_assert(stat(path, &fs) < 0 && errno == ENOENT, "a reserve named without its blocks");
+    cr_assert_eq(stat(making, &fs), 0, "the child died before it made the reserve");
     char *ballast = ballast_leaving(dir, 3u << 19);
 
     s = open_small(dir);

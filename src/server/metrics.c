@@ -179,8 +179,22 @@ static void mconn_close(srv *s, srv_metrics_conn *m)
     resp_buf_free(&m->out);
 }
 
-/* Writes what the socket takes; once the whole reply is out, shuts the write side and waits
- * for the peer's close (MCONN_DRAINING). Closes m on an error. */
+/* The whole answer is out: shuts the write side and waits for the peer's close
+ * (MCONN_DRAINING), so that request bytes left unread do not turn the close into a reset that
+ * loses the answer. Closes m on an error. */
+static void mconn_answered(srv *s, srv_metrics_conn *m, uint32_t index)
+{
+    struct epoll_event e = {.events = EPOLLIN | EPOLLRDHUP,
+                            .data.u64 = SRV_TAG_METRICS_CONN + index};
+    if (shutdown(m->fd, SHUT_WR) != 0 || epoll_ctl(s->epfd, EPOLL_CTL_MOD, m->fd, &e) != 0) {
+        mconn_close(s, m);
+        return;
+    }
+    m->answering = MCONN_DRAINING;
+}
+
+/* Writes what the socket takes; once the whole reply is out, mconn_answered. Closes m on an
+ * error. */
 static void mconn_write(srv *s, srv_metrics_conn *m, uint32_t index)
 {
     while (m->off < m->out.len) {
@@ -196,13 +210,7 @@ static void mconn_write(srv *s, srv_metrics_conn *m, uint32_t index)
         }
     }
     resp_buf_free(&m->out);
-    struct epoll_event e = {.events = EPOLLIN | EPOLLRDHUP,
-                            .data.u64 = SRV_TAG_METRICS_CONN + index};
-    if (shutdown(m->fd, SHUT_WR) != 0 || epoll_ctl(s->epfd, EPOLL_CTL_MOD, m->fd, &e) != 0) {
-        mconn_close(s, m);
-        return;
-    }
-    m->answering = MCONN_DRAINING;
+    mconn_answered(s, m, index);
 }
 
 /* Reads and drops what the peer sends (64 KiB a wake-up; the rest at the next); closes m at its
@@ -245,7 +253,7 @@ static void mconn_answer(srv *s, srv_metrics_conn *m, uint32_t index)
         srv_log_gated(&s->log_oom, "warn", "out_of_memory", "what=metrics");
         ssize_t w = send(m->fd, busy, (size_t)n, MSG_NOSIGNAL | MSG_DONTWAIT);
         (void)w; /* a fresh socket's buffer takes it; else the close says enough */
-        mconn_close(s, m);
+        mconn_answered(s, m, index);
         return;
     }
     m->answering = MCONN_WRITING;
