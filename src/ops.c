@@ -1233,8 +1233,28 @@ static void answer_busy(idem_store *s, struct qslot *sl)
     sl->need_lsn = slot ? lsn : wal_last_lsn(s->wal);
 }
 
+/* Whether a parked claim's re-run would write nothing: its key committed (with its fingerprint
+ * or none), in review, or leased to another owner; or a corrupt record that answers an error.
+ * Such a re-run needs no room in the log. Anything else (a new key, a recovery, a lease expiry
+ * that review records, a mismatch, the same owner's resume) writes a version. */
+static int claim_reads_only(idem_store *s, const idem_op *op)
+{
+    struct rec r;
+    uint64_t lsn;
+    struct index_slot *slot = ops_find(s, op->key, op->key_len, &r, &lsn);
+    int64_t now = store_now(s);
+    if (!slot) return s->find_corrupt;
+    if (ops_rec_expired(&r, now)) return 0;
+    if (r.state == IDEM_STATE_REVIEW) return 1;
+    if (fp_differs(&r, op, op->fp)) return 0; /* parked with its digest (park) */
+    if (r.state == IDEM_STATE_COMMITTED) return 1;
+    return now < r.lease_until_ms && !owner_same(&r, op);
+}
+
 /* Re-runs one parked claim; returns 1 when it completed (and must leave the waiter list). A
- * cancelled claim (deadline 0: its caller is gone) answers busy and is never granted. */
+ * cancelled claim (deadline 0: its caller is gone) answers busy and is never granted. A re-run
+ * that would write waits for room in the log, up to its deadline; one that writes nothing (the
+ * key committed while the log was full) answers without it. */
 static int wake_one(idem_store *s, struct qslot *sl, int64_t mono)
 {
     uint32_t keep = sl->buf_used;
@@ -1250,7 +1270,7 @@ static int wake_one(idem_store *s, struct qslot *sl, int64_t mono)
         answer_busy(s, sl);
         return 1;
     }
-    if (store_room_ok(s) == IDEM_EBUSY) {
+    if (store_room_ok(s) == IDEM_EBUSY && !claim_reads_only(s, &sl->ext->op)) {
         if (mono >= sl->ext->deadline_mono_ms) {
             answer_busy(s, sl);
             return 1;

@@ -3292,6 +3292,42 @@ static void *del_pair_main(void *arg)
     return NULL;
 }
 
+/* Opens a store on the simulated disk with results up to 32 KiB, so that room for a largest
+ * frame is far more than a small change needs; no durability (answers do not wait for flushes
+ * the tests hold). */
+static void open_sim_large_frames(idem_store **s)
+{
+    idem_options o;
+    idem_options_init(&o);
+    o.test_clock = 1;
+    o.segment_bytes = 256 * 1024;
+    o.result_bytes_max = 32 * 1024;
+    o.durability = IDEM_DURABILITY_NONE;
+    cr_assert_eq(store_open_io(SIM_DIR, &o, io_sim_io(sim), 1, s), IDEM_OK, "%s",
+                 idem_last_error());
+}
+
+/* Holds every flush's end (no spare segment is made after the next roll) and sets new keys
+ * until the log, past its first segment, has no room for a largest frame and slack bytes more;
+ * it still has room for a largest frame. The caller lets the flushes end (io_sim_hold 0). */
+static void fill_to_segment_end(idem_store *s, idem_queue *q, uint32_t slack)
+{
+    idem_completion c;
+    cr_assert_eq(idem_sync(s), IDEM_OK);
+    io_sim_hold(sim, 1);
+    char key[32];
+    int near = 0;
+    for (int i = 0; i < 20000 && !near; i++) {
+        store_lock(s);
+        near = wal_cur_seq(s->wal) > 1 && wal_room(s->wal, s->frame_max + slack) != 0;
+        store_unlock(s);
+        if (near) break;
+        key_of(i, key);
+        cr_assert_eq(idem_set_if_absent(q, key, strlen(key), "v", 1, 3600000, 0, &c), IDEM_OK);
+    }
+    cr_assert(near, "the log never came near a segment's end without a spare");
+}
+
 /* A group of deletes makes room in the log for all its frames before it checks its keys, and
  * none of its deletes waits for room again: such a wait let go of the lock, and a key the group
  * found absent could be claimed meanwhile, so that DEL k1 k2 deleted k1 and answered that
@@ -3301,33 +3337,14 @@ static void *del_pair_main(void *arg)
 Test(recovery, a_group_of_deletes_does_not_wait_again_for_the_room_it_made, .timeout = 60)
 {
     idem_store *s;
-    idem_options o; /* results up to 32 KiB: room for a largest frame is far more than the
-                     * group's, and the two blocks more it counts */
-    idem_options_init(&o);
-    o.test_clock = 1;
-    o.segment_bytes = 256 * 1024;
-    o.result_bytes_max = 32 * 1024;
-    o.durability = IDEM_DURABILITY_NONE;
-    cr_assert_eq(store_open_io(SIM_DIR, &o, io_sim_io(sim), 1, &s), IDEM_OK, "%s",
-                 idem_last_error());
+    open_sim_large_frames(&s); /* room for a largest frame is far more than the group's, and
+                                * the two blocks more it counts */
     idem_queue *q, *dq;
     cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
     cr_assert_eq(idem_queue_open(s, 8, &dq), IDEM_OK);
     idem_completion c;
     cr_assert_eq(idem_set_if_absent(q, "k1", 2, "v", 1, 3600000, 0, &c), IDEM_OK);
-    cr_assert_eq(idem_sync(s), IDEM_OK);
-    io_sim_hold(sim, 1); /* no flush ends: no spare segment is made after the next roll */
-    char key[32];
-    int near = 0;
-    for (int i = 0; i < 20000 && !near; i++) {
-        store_lock(s);
-        near = wal_cur_seq(s->wal) > 1 && wal_room(s->wal, s->frame_max) != 0;
-        store_unlock(s);
-        if (near) break;
-        key_of(i, key);
-        cr_assert_eq(idem_set_if_absent(q, key, strlen(key), "v", 1, 3600000, 0, &c), IDEM_OK);
-    }
-    cr_assert(near, "the log never came near a segment's end without a spare");
+    fill_to_segment_end(s, q, 0);
     store_lock(s);
     cr_assert_eq(wal_room(s->wal, 2 * WAL_BLOCK + 1024), 0, "no room left for the group");
     store_unlock(s);
@@ -3345,6 +3362,57 @@ Test(recovery, a_group_of_deletes_does_not_wait_again_for_the_room_it_made, .tim
     cr_assert_eq(idem_get(q, "k1", 2, &c), IDEM_OK);
     cr_assert(!c.found, "k1 was not deleted");
     idem_queue_close(dq);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+/* A parked claim whose key is committed while the log has no room for a largest frame answers
+ * done at once: its re-run writes nothing, so it needs no room. It used to stay parked until the
+ * next wake-up of any kind, and at its deadline to answer busy with no lease left for a key that
+ * was done. Here the commit takes the last room before the end of a segment whose spare cannot
+ * be made (every completion held). */
+Test(recovery, a_waiting_claim_answers_done_when_the_commit_took_the_last_room_in_the_log,
+     .timeout = 60)
+{
+    enum { RESULT = 16 * 1024 };
+    idem_store *s;
+    open_sim_large_frames(&s);
+    idem_queue *q, *wq;
+    cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
+    cr_assert_eq(idem_queue_open(s, 8, &wq), IDEM_OK);
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 60000, .owner = "ownerA", .owner_len = 6};
+    idem_completion c;
+    cr_assert_eq(idem_claim(q, "wk", 2, &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    int64_t token = c.token;
+    idem_op op = {.kind = IDEM_OP_CLAIM,
+                  .key = "wk",
+                  .key_len = 2,
+                  .ttl_ms = 3600000,
+                  .lease_ms = 60000,
+                  .wait_ms = 30000,
+                  .owner = "ownerB",
+                  .owner_len = 6,
+                  .user_data = 9};
+    cr_assert_eq(idem_submit(wq, &op, 1), 1);
+    cr_assert_eq(idem_poll(wq, &c, 1, 50), 0, "the waiting claim should be parked");
+    fill_to_segment_end(s, q, 8 * 1024);          /* the commit's frame takes more than the slack */
+    uint8_t *result = tu_random_bytes(RESULT, 7); /* nothing for lz4 to save */
+    cr_assert_eq(idem_commit(q, "wk", 2, token, result, RESULT), IDEM_OK);
+    store_lock(s);
+    int room = wal_room(s->wal, s->frame_max);
+    store_unlock(s);
+    cr_assert_neq(room, 0, "the commit left room for a largest frame: nothing is tested");
+    int got = idem_poll(wq, &c, 1, 2000);
+    io_sim_hold(sim, 0);
+    cr_assert_eq(got, 1, "the waiting claim was not answered while the log had no room");
+    cr_assert_eq(c.user_data, 9);
+    cr_assert_eq(c.err, IDEM_OK, "%s", idem_strerror(c.err));
+    cr_assert_eq(c.outcome, IDEM_DONE, "outcome %s", idem_outcome_name(c.outcome));
+    cr_assert_eq(c.data_len, RESULT);
+    cr_assert(memcmp(c.data, result, RESULT) == 0, "done with another result");
+    free(result);
+    idem_queue_close(wq);
     idem_queue_close(q);
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
