@@ -646,15 +646,14 @@ out:
     }
 }
 
-/* Returns 1 when the claim should be parked (busy with WAIT). */
-static int op_claim(idem_store *s, struct qslot *sl, const idem_op *op, int waking)
+/* Returns 1 when the claim should be parked (busy with WAIT). now: the store clock's reading. */
+static int op_claim(idem_store *s, struct qslot *sl, const idem_op *op, int waking, int64_t now)
 {
     uint8_t fp[16] = {0};
     if (op->fp && waking)
         memcpy(fp, op->fp, 16); /* parked with its digest (park) */
     else if (op->fp)
         idem_fingerprint(op->fp, op->fp_len, fp);
-    int64_t now = store_now(s);
     struct rec r;
     uint64_t lsn;
     struct index_slot *slot = ops_find(s, op->key, op->key_len, &r, &lsn);
@@ -1167,7 +1166,7 @@ void ops_apply(idem_store *s, struct qslot *sl, const idem_op *op, const uint64_
     }
     switch (op->kind) {
     case IDEM_OP_CLAIM:
-        if (op_claim(s, sl, op, 0)) {
+        if (op_claim(s, sl, op, 0, store_now(s))) {
             s->st.claims_busy--; /* not answered yet: counted by its outcome (waiter_done) */
             park(s, sl, op);
         } else if (sl->c.err == 0) {
@@ -1235,14 +1234,14 @@ static void answer_busy(idem_store *s, struct qslot *sl)
 
 /* Whether a parked claim's re-run would write nothing: its key committed (with its fingerprint
  * or none), in review, or leased to another owner; or a corrupt record that answers an error.
- * Such a re-run needs no room in the log. Anything else (a new key, a recovery, a lease expiry
+ * Such a re-run needs no room in the log, if it runs at the same reading of the clock (a lease
+ * or a ttl may end at the next). Anything else (a new key, a recovery, a lease expiry
  * that review records, a mismatch, the same owner's resume) writes a version. */
-static int claim_reads_only(idem_store *s, const idem_op *op)
+static int claim_reads_only(idem_store *s, const idem_op *op, int64_t now)
 {
     struct rec r;
     uint64_t lsn;
     struct index_slot *slot = ops_find(s, op->key, op->key_len, &r, &lsn);
-    int64_t now = store_now(s);
     if (!slot) return s->find_corrupt;
     if (ops_rec_expired(&r, now)) return 0;
     if (r.state == IDEM_STATE_REVIEW) return 1;
@@ -1270,7 +1269,8 @@ static int wake_one(idem_store *s, struct qslot *sl, int64_t mono)
         answer_busy(s, sl);
         return 1;
     }
-    if (store_room_ok(s) == IDEM_EBUSY && !claim_reads_only(s, &sl->ext->op)) {
+    int64_t now = store_now(s);
+    if (store_room_ok(s) == IDEM_EBUSY && !claim_reads_only(s, &sl->ext->op, now)) {
         if (mono >= sl->ext->deadline_mono_ms) {
             answer_busy(s, sl);
             return 1;
@@ -1279,7 +1279,7 @@ static int wake_one(idem_store *s, struct qslot *sl, int64_t mono)
         return 0;
     }
     sl->buf_used = keep;
-    int park_again = op_claim(s, sl, &sl->ext->op, 1);
+    int park_again = op_claim(s, sl, &sl->ext->op, 1, now);
     if (park_again && mono < sl->ext->deadline_mono_ms) return 0;
     return 1;
 }
