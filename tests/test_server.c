@@ -1180,6 +1180,20 @@ Test(server, connection_commands, .init = start)
 {
     redisContext *c = connect_tcp();
     expect_bulk(cmd(c, "ECHO hi"), "hi");
+    expect_status(cmd(c, "PING"), "PONG");
+    expect_bulk(cmd(c, "PING hello"), "hello");
+    expect_error(cmd(c, "PING a b"), "ERR");
+    /* Inline, as telnet or nc send them: PING with a message answers it as a bulk string, as
+     * Redis does; a quoted argument keeps its space. */
+    static const char INLINE[] = "PING hello\r\nPING\r\nECHO \"a b\"\r\n";
+    static const char ANSWERS[] = "$5\r\nhello\r\n+PONG\r\n$3\r\na b\r\n";
+    char got[64];
+    int fd = raw_connect_unix(), closed = 0;
+    raw_send(fd, INLINE, sizeof INLINE - 1);
+    raw_read(fd, got, sizeof got - 1, sizeof ANSWERS - 1, &closed);
+    cr_assert_str_eq(got, ANSWERS);
+    cr_assert(!closed);
+    close(fd);
     expect_status(cmd(c, "SELECT 0"), "OK");
     expect_error(cmd(c, "SELECT 1"), "ERR");
     expect_status(cmd(c, "CLIENT SETNAME me"), "OK");
