@@ -25,6 +25,8 @@
 #               keys and restarts of 0.5-1.5 s; 0.8 s in the sixteenth session)
 #   cmd_fuzz    tests/scripts/test_cmd_fuzz.sh: random commands against idemd, two runs of
 #               30 min (CMD_FUZZ_SECONDS=1800), when it exists                         1 h 10 min
+#   wire_model  tests/scripts/test_wire_model.sh: the contract's model over the wire, three
+#               settings of 300,000 steps (WIRE_MODEL_STEPS), when it exists          35 min
 #   fuzz        tests/fuzz/run.sh, one hour per target, when it exists      targets h + 30 min
 # The seeded crash suites (power_loss, kill9, compact, crashstates) run as chunks of the CI count
 # each: chunk k is the test binary with IDEM_SEED=<base>+k*<CI count>, so the chunks together run
@@ -235,15 +237,28 @@ run_kill9_idemd() {
   echo "   kill9_idemd: exit $rc, $(hms "$dur")"
 }
 
+# A suite's script, when this tree has it; else its row says so (returns 1).
+suite_script() { # name path
+  [ -f "$2" ] && return 0
+  rows+=("| $1 | not in this tree (${2#"$root"/}) | - | - | - | - | - | - | not run |")
+  echo "== $1: ${2#"$root"/} not in this tree, skipped"
+  return 1
+}
+
+# A seeded script that failed: the run's status, the caller's verdict, and notes with the seeds
+# its log printed.
+seeded_failure() { # name rc log how-to-replay
+  status=1
+  verdict="FAIL (exit $2)"
+  notes+=("$1 (exit $2): replay with the seed it printed ($4); log $3:" \
+          "$(grep -E 'seed|FAIL' "$3" | head -8 | sed 's/^/      /')")
+}
+
 # tests/scripts/test_cmd_fuzz.sh: random commands against idemd, when it exists.
 run_cmd_fuzz() {
   want cmd_fuzz || return 0
   local script=$root/tests/scripts/test_cmd_fuzz.sh
-  if [ ! -f "$script" ]; then
-    rows+=("| cmd_fuzz | not in this tree (tests/scripts/test_cmd_fuzz.sh) | - | - | - | - | - | - | not run |")
-    echo "== cmd_fuzz: tests/scripts/test_cmd_fuzz.sh not in this tree, skipped"
-    return 0
-  fi
+  suite_script cmd_fuzz "$script" || return 0
   local secs limit log=$logs/cmd_fuzz.log start rc requests seed
   seed=$(( seed_base + ${#rows[@]} * 1000000 ))
   secs=$(awk -v s="$scale" 'BEGIN { c = int(1800 * s + 0.5); print c < 10 ? 10 : c }')
@@ -254,14 +269,29 @@ run_cmd_fuzz() {
   rc=$?
   local dur=$(( $(date +%s) - start )) verdict=pass
   requests=$(sed -nE 's/^cmd_fuzz: ([0-9]+) requests.*/\1/p' "$log" | awk '{ s += $1 } END { print s + 0 }')
-  if [ $rc -ne 0 ]; then
-    status=1
-    verdict="FAIL (exit $rc)"
-    notes+=("cmd_fuzz (exit $rc): replay with the seed it printed (CMD_FUZZ_SEED); log $log:" \
-            "$(grep -E 'seed|FAIL' "$log" | head -8 | sed 's/^/      /')")
-  fi
+  [ $rc -eq 0 ] || seeded_failure cmd_fuzz $rc "$log" CMD_FUZZ_SEED
   rows+=("| cmd_fuzz | random commands against idemd, 2 x ${secs}s | 2 runs | $requests requests | - | $([ $rc = 0 ] && echo 0 || echo "see notes") | - | $(hms "$dur") | $verdict |")
   echo "   cmd_fuzz: $requests requests, exit $rc, $(hms "$dur")"
+}
+
+# tests/scripts/test_wire_model.sh: the contract's model over the wire, when it exists.
+run_wire_model() {
+  want wire_model || return 0
+  local script=$root/tests/scripts/test_wire_model.sh
+  suite_script wire_model "$script" || return 0
+  local steps limit log=$logs/wire_model.log start rc seed restarts
+  seed=$(( seed_base + ${#rows[@]} * 1000000 ))
+  steps=$(scaled 300000)
+  limit=$(( 3 * (120 + steps / 20) + 60 ))
+  echo "== wire_model: three settings of $steps steps, seeds from $seed, limit $(hms "$limit")"
+  start=$(date +%s)
+  WIRE_MODEL_STEPS=$steps WIRE_MODEL_SEED=$seed timeout -k 10 "$limit" bash "$script" >"$log" 2>&1
+  rc=$?
+  local dur=$(( $(date +%s) - start )) verdict=pass
+  restarts=$(sed -nE 's/^wire_model: [0-9]+ steps, ([0-9]+) restarts.*/\1/p' "$log" | awk '{ s += $1 } END { print s + 0 }')
+  [ $rc -eq 0 ] || seeded_failure wire_model $rc "$log" "wire_model.py --seed"
+  rows+=("| wire_model | the contract's model over the wire, 3 settings x $steps steps | 3 runs | $((3 * steps)) steps, $restarts restarts | - | $([ $rc = 0 ] && echo 0 || echo "see notes") | - | $(hms "$dur") | $verdict |")
+  echo "   wire_model: $((3 * steps)) steps, $restarts restarts, exit $rc, $(hms "$dur")"
 }
 
 # tests/fuzz/run.sh: every libFuzzer target for an hour (scaled), when it exists.
@@ -322,6 +352,7 @@ run_binary arena test_index_arena 3600 \
 run_binary abuse test_abuse 7200 "IDEM_LONG=1" "CI counts"
 run_kill9_idemd
 run_cmd_fuzz
+run_wire_model
 run_fuzz
 
 total=$(( $(date +%s) - t_all ))

@@ -7,23 +7,11 @@
 # 15) with different seeds, so two of idemd's drawn settings; CMD_FUZZ_SEED picks the first
 # (the second is one more). The long tier runs it for longer (tests/long/run.sh, cmd_fuzz).
 set -u
-IDEM_SOURCE_DIR=${IDEM_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
-IDEM_BUILD_DIR=${IDEM_BUILD_DIR:-$IDEM_SOURCE_DIR/build}
-export IDEM_SOURCE_DIR IDEM_BUILD_DIR
-PY=/usr/bin/python3
+source "$(dirname "$0")/python_lib.sh"
 SECONDS_EACH=${CMD_FUZZ_SECONDS:-15}
 SEED=${CMD_FUZZ_SEED:-$(( $(od -An -N4 -tu4 /dev/urandom) + 1 ))}
 
-if ! "$PY" -c 'import redis' 2>/dev/null; then
-    echo "python3-redis is missing for $PY (apt-get install python3-redis)"
-    echo "0 passed, 1 failed"
-    exit 1
-fi
-if [ ! -x "$IDEM_BUILD_DIR/idemd" ] || [ ! -x "$IDEM_BUILD_DIR/idemctl" ]; then
-    echo "no idemd or idemctl in IDEM_BUILD_DIR ($IDEM_BUILD_DIR)"
-    echo "0 passed, 1 failed"
-    exit 1
-fi
+python_preflight idemd idemctl
 status=0
 for run in 0 1; do
     # the time limit: the run, a claim's WAIT of up to 60 s that a draw may make, restarts

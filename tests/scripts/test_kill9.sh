@@ -17,25 +17,13 @@
 # KILL_CYCLES (sync cycles, default 20; the long tier runs 10000), KILL_BATCH_CYCLES (default
 # 5; 0: none), KILL_NONE_CYCLES (default 3; 0: none) and KILL_SEED choose the run.
 set -u
-IDEM_SOURCE_DIR=${IDEM_SOURCE_DIR:-$(cd "$(dirname "$0")/../.." && pwd)}
-IDEM_BUILD_DIR=${IDEM_BUILD_DIR:-$IDEM_SOURCE_DIR/build}
-export IDEM_SOURCE_DIR IDEM_BUILD_DIR
-PY=/usr/bin/python3
+source "$(dirname "$0")/python_lib.sh"
 CYCLES=${KILL_CYCLES:-20}
 BATCH_CYCLES=${KILL_BATCH_CYCLES:-5}
 NONE_CYCLES=${KILL_NONE_CYCLES:-3}
 LOOP=$IDEM_SOURCE_DIR/tests/python/kill9_loop.py
 
-if ! "$PY" -c 'import redis' 2>/dev/null; then
-    echo "python3-redis is missing for $PY (apt-get install python3-redis)"
-    echo "0 passed, 1 failed"
-    exit 1
-fi
-if [ ! -x "$IDEM_BUILD_DIR/idemd" ]; then
-    echo "no idemd in IDEM_BUILD_DIR ($IDEM_BUILD_DIR)"
-    echo "0 passed, 1 failed"
-    exit 1
-fi
+python_preflight idemd
 OUT=$(mktemp /tmp/idem-kill9-out.XXXXXX)
 LOOP_PID=
 # the loop removes its own idemd and temp dir when it gets SIGTERM
