@@ -8,6 +8,7 @@
  * with their bytes owned by the caller.
  */
 #include <errno.h>
+#include <pwd.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -176,6 +177,21 @@ void ctl_open_error(const char *dir, int rc)
         ctl_err("cannot open store %s: %s (%s)", dir, idem_last_error(), idem_strerror(rc));
 }
 
+/* Who acts offline, as the audit trail names it: the effective uid and its name (not $USER,
+ * which any caller sets), the sudo caller where root runs it by sudo, and the host:
+ * offline:uid=0(root),sudo=alice@host. Returns snprintf's count. */
+static int offline_actor(char *buf, size_t cap)
+{
+    char host[128] = "";
+    gethostname(host, sizeof host - 1);
+    uid_t uid = geteuid();
+    const struct passwd *pw = getpwuid(uid);
+    const char *sudo = uid == 0 ? getenv("SUDO_USER") : NULL;
+    return snprintf(buf, cap, "offline:uid=%u%s%s%s%s%s@%s", (unsigned)uid, pw ? "(" : "",
+                    pw ? pw->pw_name : "", pw ? ")" : "", sudo && *sudo ? ",sudo=" : "",
+                    sudo && *sudo ? sudo : "", host);
+}
+
 static int offline_open(struct ctl *c, const struct ctl_opts *o, int access)
 {
     const char *dir = o->dir ? o->dir : CTL_DEFAULT_DIR;
@@ -193,14 +209,10 @@ static int offline_open(struct ctl *c, const struct ctl_opts *o, int access)
         ctl_err("%s holds no store (no superblock file 'super': %s)", dir, strerror(errno));
         return CTL_FAIL;
     }
-    char host[128] = "";
-    gethostname(host, sizeof host - 1);
-    const char *user = getenv("USER");
-    int n = snprintf(c->actor, sizeof c->actor, "offline:%s@%s", user ? user : "unknown", host);
+    int n = offline_actor(c->actor, sizeof c->actor);
     if (access == CTL_WRITE && (n < 0 || (unsigned)n > IDEM_ACTOR_BYTES_MAX)) {
-        ctl_err("the audit trail names who acts as offline:$USER@HOST, here %d bytes, over the "
-                "limit of %u: run it with a shorter USER",
-                n, (unsigned)IDEM_ACTOR_BYTES_MAX);
+        ctl_err("the audit trail names who acts (%s), here %d bytes, over the limit of %u",
+                c->actor, n, (unsigned)IDEM_ACTOR_BYTES_MAX);
         return CTL_FAIL;
     }
     idem_options opt;
@@ -216,6 +228,8 @@ static int offline_open(struct ctl *c, const struct ctl_opts *o, int access)
     }
     if (idem_queue_open(c->s, 8, &c->q) != IDEM_OK) {
         ctl_err("cannot open a queue on %s", dir);
+        idem_close(c->s); /* the caller has no store to close (ctl_disconnect is not run) */
+        c->s = NULL;
         return CTL_FAIL;
     }
     return 0;
@@ -479,7 +493,12 @@ static int stats_get(struct ctl *c, struct ctl_stats *st, int loading_ok)
         resp_free(v);
         return CTL_FAIL;
     }
-    for (size_t i = 0; v->type == RESP_ARRAY && i + 1 < v->n; i += 2)
+    if (v->type != RESP_ARRAY) { /* not all-zero counts */
+        ctl_err("IDEM.STATS: unexpected reply (not a list)");
+        resp_free(v);
+        return CTL_FAIL;
+    }
+    for (size_t i = 0; i + 1 < v->n; i += 2)
         if (v->elems[i].str) stat_set(st, v->elems[i].str, val_i64(&v->elems[i + 1]));
     resp_free(v);
     return 0;
@@ -654,10 +673,13 @@ static int audit_online(struct ctl *c, const void *key, size_t klen, uint32_t co
         e.version_before = val_u64(resp_field(a, "version_before"));
         e.version_after = val_u64(resp_field(a, "version_after"));
         if (!e.key) e.key = "";
-        if (audit_own(&(*out)[(*n)++], &e) < 0) break;
+        if (audit_own(&(*out)[*n], &e) < 0) break;
+        ++*n;
     }
+    int whole = *out && *n == v->n;
     resp_free(v);
-    return *out ? 0 : CTL_FAIL;
+    if (!whole) ctl_err("out of memory for the audit entries"); /* not a list cut unseen */
+    return whole ? 0 : CTL_FAIL;
 }
 
 int ctl_audit(struct ctl *c, const void *key, size_t klen, uint32_t count, struct ctl_audit **out,
@@ -770,9 +792,15 @@ int ctl_backup(struct ctl *c, const char *dest)
         return CTL_OK;
     }
     /* idemd makes the copy itself, on its host: dest is a path there, absolute (idemd refuses
-     * a relative one, which would name a place under its own working directory). A relative
-     * dest is taken from here, as offline. */
+     * a relative one, which would name a place under its own working directory). On the unix
+     * socket idemd runs on this host, and a relative dest is taken from here, as offline; over
+     * TCP it may run on another, where this directory means nothing. */
     char abs[4096];
+    if (dest[0] != '/' && c->o->host) {
+        ctl_err("backup into %s: over --host, DEST is a path on idemd's host: give it absolute",
+                dest);
+        return CTL_USAGE;
+    }
     if (dest[0] != '/') {
         char cwd[4096];
         if (!getcwd(cwd, sizeof cwd) ||

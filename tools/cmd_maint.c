@@ -715,14 +715,21 @@ static int read_line(FILE *in, char **buf, size_t *cap, size_t *len)
     return 1;
 }
 
-/* Whether path is a directory with no entries. */
+/* An entry of a directory that an import takes as empty: a new file system's lost+found is left
+ * where it is. */
+static int entry_ignored(const char *name)
+{
+    return !strcmp(name, ".") || !strcmp(name, "..") || !strcmp(name, "lost+found");
+}
+
+/* Whether path is a directory with no entries (but lost+found). */
 static int dir_empty(const char *path)
 {
     DIR *d = opendir(path);
     if (!d) return 0;
     int empty = 1;
     for (struct dirent *de; empty && (de = readdir(d));)
-        empty = !strcmp(de->d_name, ".") || !strcmp(de->d_name, "..");
+        empty = entry_ignored(de->d_name);
     closedir(d);
     return empty;
 }
@@ -764,6 +771,45 @@ static int rm_one(const char *path, const struct stat *st, int flag, struct FTW 
     return remove(path) < 0 ? -1 : 0;
 }
 
+/* Empties a directory that was empty before an import into it failed (the import made all it
+ * holds but lost+found); the directory itself stays, with its owner and mode. */
+static int dir_clear(const char *dir)
+{
+    DIR *d = opendir(dir);
+    if (!d) return -1;
+    int rc = 0;
+    for (struct dirent *de; (de = readdir(d));) {
+        if (entry_ignored(de->d_name)) continue;
+        char path[8200];
+        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
+        if (nftw(path, rm_one, 16, FTW_DEPTH | FTW_PHYS) != 0) rc = -1;
+    }
+    closedir(d);
+    return rc;
+}
+
+/* Without --force, a store that exists is looked at read-only first: an import it refuses
+ * writes nothing into it (an open to write runs recovery, and a checkpoint at its close). */
+static int import_look_first(const struct ctl_opts *oo, const char *dest)
+{
+    int marked = idem_import_marked(dest);
+    if (marked < 0) {
+        ctl_err("cannot import into %s: %s", dest, idem_last_error());
+        return CTL_FAIL;
+    }
+    if (marked) {
+        ctl_err("%s holds %s: an import into it was cut short; run the import again with --force "
+                "to finish it (it writes over the records of the same keys)",
+                dest, IDEM_IMPORT_MARKER);
+        return CTL_FAIL;
+    }
+    struct ctl c;
+    int rc = ctl_connect(&c, oo, CTL_OFFLINE_READ);
+    if (rc == 0) rc = import_target_empty(&c, dest, 0);
+    if (c.s) rc = ctl_disconnect(&c, rc);
+    return rc;
+}
+
 /* Marks the store in dir, opened for an import in place, before the import's first write
  * (marked: it holds the marker of an import cut short already, which stays as it is). */
 static int import_mark(struct import_state *ist, const char *dir, int marked)
@@ -798,41 +844,59 @@ static int import_unmark(const char *dir, int rc, const struct import_state *ist
     return CTL_FAIL;
 }
 
+/* What an import finds at dest: nothing (absent), an empty directory, or a store; anything else
+ * is refused, and nothing is made there. */
+static int import_dest_look(const char *dest, int *absent, int *empty_dir)
+{
+    struct stat st;
+    *absent = stat(dest, &st) < 0;
+    *empty_dir = 0;
+    if (*absent) {
+        if (errno == ENOENT) return 0;
+        ctl_err("cannot import into %s: %s", dest, strerror(errno));
+        return CTL_FAIL;
+    }
+    if (!S_ISDIR(st.st_mode)) {
+        ctl_err("cannot import into %s: not a directory", dest);
+        return CTL_FAIL;
+    }
+    if ((*empty_dir = dir_empty(dest))) return 0;
+    char super[4200];
+    snprintf(super, sizeof super, "%s/super", dest);
+    if (stat(super, &st) == 0) return 0;
+    /* Files but no store (a mistyped --dir): a store is made in no such place. */
+    ctl_err("%s holds files but no store (no superblock file 'super'): give a new or empty "
+            "directory, or a store's",
+            dest);
+    return CTL_FAIL;
+}
+
 /* Into a directory that does not exist, the store is made in DIR.partial and renamed to DIR
  * once the whole file is in and the store is closed: DIR never holds an import cut short. An
  * existing directory (empty, or a store with --force) is written in place, marked
- * (IDEM_IMPORT_MARKER) from before the first write until the store is closed after the last. */
+ * (IDEM_IMPORT_MARKER) from before the first write until the store is closed after the last;
+ * one that was empty (a mount point, a directory made for the service's user) keeps its inode,
+ * owner and mode, and is emptied again if the import fails. */
 int cmd_import(const struct ctl_opts *o)
 {
     struct ctl_opts oo;
     int rc = offline_opts(o, &oo, "import");
     if (rc) return rc;
     const char *file = o->pos[0];
-    FILE *in = strcmp(file, "-") == 0 ? stdin : fopen(file, "r");
-    if (!in) {
-        ctl_err("cannot read %s: %s", file, strerror(errno));
-        return CTL_FAIL;
-    }
     char dest[4096], partial[4200];
     snprintf(dest, sizeof dest, "%s", oo.dir);
     for (size_t n = strlen(dest); n > 1 && dest[n - 1] == '/'; n--)
         dest[n - 1] = 0;
     snprintf(partial, sizeof partial, "%s.partial", dest);
-    /* A DIR that is absent, or an empty directory, is made as DIR.partial: a file found bad
-     * part-way leaves nothing. Into a store that exists (empty, or holding keys with --force),
+    /* A DIR that is absent is made as DIR.partial: a file found bad part-way leaves nothing.
+     * Into an empty directory or a store that exists (empty, or holding keys with --force),
      * records are written as they are read. */
-    struct stat st;
-    int absent = stat(dest, &st) < 0 && errno == ENOENT;
-    int empty_dir = !absent && S_ISDIR(st.st_mode) && dir_empty(dest);
-    int staged = absent || empty_dir;
-    char super[4200];
-    snprintf(super, sizeof super, "%s/super", dest);
-    if (!staged && stat(super, &st) < 0) {
-        /* Files but no store (a mistyped --dir): a store is made in no such place. */
-        ctl_err("%s holds files but no store (no superblock file 'super'): give a new or empty "
-                "directory, or a store's",
-                dest);
-        if (in != stdin) fclose(in);
+    int absent, empty_dir;
+    if (import_dest_look(dest, &absent, &empty_dir) != 0) return CTL_FAIL;
+    int staged = absent;
+    FILE *in = strcmp(file, "-") == 0 ? stdin : fopen(file, "r");
+    if (!in) {
+        ctl_err("cannot read %s: %s", file, strerror(errno));
         return CTL_FAIL;
     }
     if (staged && mkdir(partial, 0700) < 0) {
@@ -849,8 +913,9 @@ int cmd_import(const struct ctl_opts *o)
     struct ctl c;
     struct import_state ist = {.result_max = o->result_max ? (uint32_t)o->result_max
                                                            : IDEM_RESULT_BYTES_DEFAULT};
-    rc = ctl_connect(&c, &oo, CTL_CREATE);
-    /* In place, from here on the store is open: its lock is held. */
+    rc = !staged && !empty_dir && !o->force ? import_look_first(&oo, dest) : 0;
+    if (rc == 0) rc = ctl_connect(&c, &oo, CTL_CREATE);
+    int opened = rc == 0; /* in place, from here on the store is open: its lock is held */
     int marked = rc == 0 && !staged ? idem_import_marked(dest) : 0, marking = 0;
     if (marked < 0) {
         ctl_err("cannot import into %s: %s", dest, idem_last_error());
@@ -895,9 +960,7 @@ int cmd_import(const struct ctl_opts *o)
     free(text);
     if (in != stdin) fclose(in);
     if (c.s || c.online) rc = ctl_disconnect(&c, rc);
-    /* An empty DIR is replaced as one step (rename refuses it if anything came into it). */
-    if (staged && rc == 0 &&
-        renameat2(AT_FDCWD, partial, AT_FDCWD, dest, empty_dir ? 0 : RENAME_NOREPLACE) < 0) {
+    if (staged && rc == 0 && renameat2(AT_FDCWD, partial, AT_FDCWD, dest, RENAME_NOREPLACE) < 0) {
         ctl_err("cannot rename %s to %s: %s", partial, dest, strerror(errno));
         rc = CTL_FAIL;
     }
@@ -917,7 +980,15 @@ int cmd_import(const struct ctl_opts *o)
         if (fd >= 0) close(fd);
     }
     if (staged && rc != 0) nftw(partial, rm_one, 16, FTW_DEPTH | FTW_PHYS);
-    if (!staged && rc != 0 && ist.nrec + ist.naud > 0)
+    if (empty_dir && rc != 0 && opened) {
+        /* The import made all the directory holds (the store's lock kept others out): emptied,
+         * marker and all. */
+        if (dir_clear(dest) != 0) {
+            ctl_err("cannot empty %s again after the failed import: %s; remove what it holds", dest,
+                    strerror(errno));
+        }
+        marking = 0;
+    } else if (!staged && rc != 0 && ist.nrec + ist.naud > 0)
         ctl_err("%llu records and %llu audit entries read before that were written into the "
                 "store %s, which existed (it is written in place), and stay there",
                 (unsigned long long)ist.nrec, (unsigned long long)ist.naud, dest);

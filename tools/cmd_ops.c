@@ -292,7 +292,7 @@ static void resolve_report(const struct ctl_opts *o, const idem_record *before,
         jw_init(&j, stdout);
         jw_obj(&j);
         jw_kstr(&j, "action", o->pos[1]);
-        jw_kstr(&j, "reason", o->reason);
+        jw_kblob_pub(&j, "reason", o->reason, strlen(o->reason)); /* any bytes, as audit's */
         jw_key(&j, "before");
         print_record_json(&j, before, now);
         jw_key(&j, "after");
@@ -325,7 +325,11 @@ static int resolve_run(struct ctl *c, const struct ctl_opts *o, int action)
     struct ctl_record seen, now_rec;
     int found = 0, changed = 0;
     int64_t now = 0;
-    if (ctl_get(c, key, klen, &seen, &found) || ctl_now(c, &now)) return CTL_FAIL;
+    if (ctl_get(c, key, klen, &seen, &found)) return CTL_FAIL;
+    if (ctl_now(c, &now)) {
+        if (found) ctl_record_free(&seen);
+        return CTL_FAIL;
+    }
     if (!found) {
         ctl_err("%s: no record (absent, or expired): nothing to resolve", shown);
         return CTL_FAIL;
@@ -409,6 +413,15 @@ static const char *state_or_absent(int s)
     return s ? idem_state_name(s) : "absent";
 }
 
+/* A state and its version as the audit table shows them: an absent record has no version. */
+static void state_at(int s, uint64_t version, char *buf, size_t cap)
+{
+    if (s == 0)
+        snprintf(buf, cap, "absent");
+    else
+        snprintf(buf, cap, "%s v%llu", state_or_absent(s), (unsigned long long)version);
+}
+
 static void audit_json(const struct ctl_audit *a, size_t n)
 {
     struct jw j;
@@ -446,13 +459,14 @@ static void audit_human(const struct ctl_audit *a, size_t n, const struct ctl_op
     table_add(tb, "SEQ", "WHEN", "WHO", "ACTION", "KEY", "BEFORE -> AFTER", "REASON");
     for (size_t i = 0; i < n; i++) {
         const idem_audit_entry *e = &a[i].e;
-        char seq[24], when[40], key[CTL_KEY_TEXT_CAP], ch[96], reason[256], who[320], what[96];
+        char seq[24], when[40], key[CTL_KEY_TEXT_CAP], ch[104], reason[256], who[320], what[96];
+        char before[48], after[48];
         snprintf(seq, sizeof seq, "%llu", (unsigned long long)e->seq);
         fmt_iso(e->at_ms, when, sizeof when);
         bytes_escape(e->key, e->key_len, key, sizeof key);
-        snprintf(ch, sizeof ch, "%s v%llu -> %s v%llu", state_or_absent(e->state_before),
-                 (unsigned long long)e->version_before, state_or_absent(e->state_after),
-                 (unsigned long long)e->version_after);
+        state_at(e->state_before, e->version_before, before, sizeof before);
+        state_at(e->state_after, e->version_after, after, sizeof after);
+        snprintf(ch, sizeof ch, "%s -> %s", before, after);
         bytes_escape(e->reason, strlen(e->reason), reason, sizeof reason);
         /* Escaped as the key and reason are: an actor comes from a name a client or $USER
          * gave, and control bytes would reach the terminal. */

@@ -14,6 +14,9 @@
 #define STATUS_MIN_FREE_DEFAULT (1ull << 30)
 #define STATUS_FLUSH_P99_US     100000u
 #define STATUS_CAPACITY_PCT     90u
+/* Leases that ran out are counted from the attention list up to this many, and only where the
+ * review records listed ahead of them are no more than this (they make the verdict already). */
+#define STATUS_LEASES_LISTED 1000u
 
 static void sleep_ms(int64_t ms)
 {
@@ -66,6 +69,7 @@ struct status {
     int64_t now_ms, window_ms;
     uint64_t w_claims, w_dups;
     uint64_t p50_us, p99_us, mean_us;
+    int64_t leases_out; /* in_flight records whose lease ran out (-1: not counted) */
     char reasons[1024];
 };
 
@@ -104,6 +108,10 @@ static void status_verdict(struct status *s, const struct ctl_opts *o)
     }
     if (t->keys_review)
         reason_add(s, "%llu record(s) held for review", (unsigned long long)t->keys_review);
+    if (s->leases_out > 0)
+        reason_add(s, "%s%lld in_flight record(s) whose lease ran out (idemctl attention)",
+                   s->leases_out >= STATUS_LEASES_LISTED ? "at least " : "",
+                   (long long)s->leases_out);
     if (t->oldest_in_flight_ms && s->now_ms - t->oldest_in_flight_ms >= older) {
         fmt_duration(s->now_ms - t->oldest_in_flight_ms, d, sizeof d);
         reason_add(s, "an in_flight record is %s old", d);
@@ -133,6 +141,34 @@ static void status_verdict(struct status *s, const struct ctl_opts *o)
     }
 }
 
+/* Counts the in_flight records whose lease ran out: a worker died or hung with the key, and its
+ * redelivery waits for a recover (none comes if the sender gave up). Found through the
+ * attention list (no scan of all keys), which puts the review records first. */
+static int status_leases(struct ctl *c, struct status *s)
+{
+    const idem_stats *t = &s->st.s;
+    s->leases_out = -1;
+    if (t->keys_in_flight == 0) {
+        s->leases_out = 0;
+        return 0;
+    }
+    if (t->keys_review > STATUS_LEASES_LISTED) return 0;
+    struct ctl_record *recs = NULL;
+    size_t n = 0;
+    if (ctl_attention(c, 0, (uint32_t)t->keys_review + STATUS_LEASES_LISTED, &recs, &n)) {
+        free(recs);
+        return CTL_FAIL;
+    }
+    s->leases_out = 0;
+    for (size_t i = 0; i < n; i++) {
+        s->leases_out += recs[i].r.state == IDEM_STATE_IN_FLIGHT &&
+                         recs[i].r.lease_until_ms <= t->store_clock_ms;
+        ctl_record_free(&recs[i]);
+    }
+    free(recs);
+    return 0;
+}
+
 static int status_collect(struct ctl *c, const struct ctl_opts *o, struct status *s)
 {
     memset(s, 0, sizeof *s);
@@ -155,6 +191,7 @@ static int status_collect(struct ctl *c, const struct ctl_opts *o, struct status
             s->p99_us = flush_quantile_us(&first.s, NULL, 0.99);
         }
         s->mean_us = first.s.flushes ? first.s.flush_latency_us_sum / first.s.flushes : 0;
+        if (status_leases(c, s)) return CTL_FAIL;
         status_verdict(s, o);
         return 0;
     }
@@ -171,6 +208,7 @@ static int status_collect(struct ctl *c, const struct ctl_opts *o, struct status
         s->p99_us = flush_quantile_us(t, NULL, 0.99);
     }
     s->mean_us = t->flushes ? t->flush_latency_us_sum / t->flushes : 0;
+    if (status_leases(c, s)) return CTL_FAIL;
     status_verdict(s, o);
     return 0;
 }
@@ -204,6 +242,11 @@ static void status_json(const struct status *s)
     jw_kint(&j, "oldest_in_flight_age_ms",
             t->oldest_in_flight_ms ? s->now_ms - t->oldest_in_flight_ms : 0);
     jw_kint(&j, "oldest_review_age_ms", t->oldest_review_ms ? s->now_ms - t->oldest_review_ms : 0);
+    jw_key(&j, "leases_run_out"); /* null: not counted (over a thousand review records) */
+    if (s->leases_out >= 0)
+        jw_int(&j, s->leases_out);
+    else
+        jw_null(&j);
     jw_kuint(&j, "mismatches", t->mismatches);
     if (s->st.has_keys_with_mismatch) jw_kuint(&j, "keys_with_mismatch", t->keys_with_mismatch);
     jw_kuint(&j, "conflicting_commits", t->conflicting_commits);
@@ -285,6 +328,14 @@ static void status_human(const struct status *s, const struct ctl_opts *o)
     table_add(tb, "duplicate ratio", a, c);
     row_age(tb, "oldest in_flight", t->oldest_in_flight_ms, s->now_ms);
     row_age(tb, "oldest review", t->oldest_review_ms, s->now_ms);
+    if (s->leases_out >= 0)
+        snprintf(a, sizeof a, "%s%lld", s->leases_out >= STATUS_LEASES_LISTED ? ">= " : "",
+                 (long long)s->leases_out);
+    else
+        snprintf(a, sizeof a, "-");
+    table_add(tb, "leases run out", a,
+              s->leases_out >= 0 ? "in_flight: the next claim recovers the key"
+                                 : "not counted: over a thousand records in review");
     snprintf(a, sizeof a, "%llu", (unsigned long long)t->mismatches);
     snprintf(c, sizeof c, s->st.has_keys_with_mismatch ? "%llu keys" : "recorded since open",
              (unsigned long long)t->keys_with_mismatch);
@@ -324,8 +375,9 @@ int cmd_status(const struct ctl_opts *o)
 
 /* ---- watch ---- */
 
-static void watch_line(const struct ctl_opts *o, const idem_stats *cur, const idem_stats *prev,
-                       int64_t dt_ms, int has_buckets, int n)
+/* One line of the watch; CTL_FAIL when it did not reach stdout. */
+static int watch_line(const struct ctl_opts *o, const idem_stats *cur, const idem_stats *prev,
+                      int64_t dt_ms, int has_buckets, int n)
 {
     double secs = dt_ms > 0 ? (double)dt_ms / 1000.0 : 1.0;
     uint64_t claims = claims_total(cur) - claims_total(prev);
@@ -353,8 +405,7 @@ static void watch_line(const struct ctl_opts *o, const idem_stats *cur, const id
         jw_kuint(&j, "flush_p99_us", p99);
         jw_obj_end(&j);
         fputc('\n', stdout);
-        fflush(stdout);
-        return;
+        return fflush(stdout) != 0 || ferror(stdout) ? CTL_FAIL : 0;
     }
     if (n % 20 == 0)
         printf("%s%-24s %10s %10s %7s %9s %12s %10s %10s%s\n", col(o, CTL_C_BOLD), "time",
@@ -374,7 +425,7 @@ static void watch_line(const struct ctl_opts *o, const idem_stats *cur, const id
     fmt_us(p99, f99, sizeof f99);
     printf("%-24s %10.1f %10.1f %7s %9llu %12s %10s %10s\n", t, (double)claims / secs,
            (double)dups / secs, r, (unsigned long long)cur->keys_in_flight, a, f50, f99);
-    fflush(stdout);
+    return fflush(stdout) != 0 || ferror(stdout) ? CTL_FAIL : 0;
 }
 
 int cmd_watch(const struct ctl_opts *o)
@@ -382,7 +433,7 @@ int cmd_watch(const struct ctl_opts *o)
     struct ctl c;
     int rc = ctl_connect(&c, o, CTL_READ);
     if (rc) return rc;
-    int64_t interval = o->interval_ms > 0 ? o->interval_ms : 1000;
+    int64_t interval = o->interval_ms ? o->interval_ms : 1000;
     struct ctl_stats prev, cur;
     rc = ctl_stats(&c, &prev);
     int64_t t0 = mono_ms();
@@ -391,7 +442,9 @@ int cmd_watch(const struct ctl_opts *o)
         rc = ctl_stats(&c, &cur);
         if (rc) break;
         int64_t t1 = mono_ms();
-        watch_line(o, &cur.s, &prev.s, t1 - t0, cur.has_buckets, (int)n);
+        /* Output that does not reach its file ends the watch (main names the error): it ran
+         * on unseen, for ever. */
+        rc = watch_line(o, &cur.s, &prev.s, t1 - t0, cur.has_buckets, (int)n);
         prev = cur;
         t0 = t1;
     }
@@ -476,7 +529,10 @@ int cmd_get(const struct ctl_opts *o)
     rc = ctl_get(&c, o->key, o->key_len, &r, &found);
     if (rc == 0) rc = ctl_now(&c, &now);
     rc = ctl_disconnect(&c, rc);
-    if (rc) return rc;
+    if (rc) {
+        if (found) ctl_record_free(&r);
+        return rc;
+    }
     if (!found) {
         char shown[CTL_KEY_TEXT_CAP];
         bytes_escape(o->key, o->key_len, shown, sizeof shown);

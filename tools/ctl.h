@@ -29,6 +29,7 @@
 #define CTL_DEFAULT_DIR    "./idem-data"
 #define CTL_POS_MAX        8
 #define CTL_TIMEOUT_MAX_MS (24 * 3600 * 1000)
+#define CTL_VIEW_MS_MAX    (3600 * 1000) /* --interval and --window at most an hour */
 
 struct ctl_opts {
     const char *socket, *host, *user, *password, *password_file, *dir;

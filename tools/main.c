@@ -91,13 +91,16 @@ static const struct subcmd cmds[] = {
     {"import", cmd_import, 1, 1, O_FORCE | O_RESULTMAX,
      "import FILE --dir DIR [--force] [--result-max SIZE]",
      "Reads an export (JSON Lines; - for stdin) into the stopped store DIR, made if absent:\n"
-     "records as they were (state, times, counters, token, version), audit entries as they\n"
-     "were. For a store no worker uses yet: a store that holds keys or decisions is refused\n"
-     "unless --force (import writes over records of the same keys, without audit entries).\n"
-     "A DIR that is absent or empty is made as DIR.partial and named DIR once the whole file is\n"
-     "in; an export cut short (no end line) is refused. A store that exists is written in\n"
-     "place and holds DIR/IMPORTING until the import has finished: a store an import was cut\n"
-     "short in is refused by idemd; run the same import again with --force to finish it.\n"
+     "records as they were (state, times, counters, token; a version not ahead of this log is\n"
+     "made the next one: versions only grow), audit entries as they were. For a store no\n"
+     "worker uses yet: a store that holds keys or decisions is refused unless --force (import\n"
+     "writes over records of the same keys, without audit entries), and is only read then.\n"
+     "A DIR that is absent is made as DIR.partial and named DIR once the whole file is in; an\n"
+     "export cut short (no end line) is refused. An empty DIR (lost+found aside) keeps its\n"
+     "owner and mode: it is written in place, and emptied again if the import fails. A store\n"
+     "that exists is written in place. Either holds DIR/IMPORTING until the import has\n"
+     "finished: a store an import was cut short in is refused by idemd; run the same import\n"
+     "again with --force to finish it.\n"
      "--result-max: the store's result limit, as idemd's (default 64KiB)."},
     {"checkpoint", cmd_checkpoint, 0, 0, 0, "checkpoint --dir DIR",
      "Writes a checkpoint of the stopped store's index, so the next open need not replay the log."},
@@ -188,6 +191,9 @@ static const struct {
     {"key-base64", 0, O_KEY},
 };
 
+_Static_assert(sizeof options / sizeof options[0] <= 64,
+               "parse_one keeps the options given in 64 bits");
+
 static int bad_value(const char *name, const char *v, const char *what)
 {
     ctl_err("--%s %s: %s", name, v, what);
@@ -196,20 +202,19 @@ static int bad_value(const char *name, const char *v, const char *what)
 
 static int set_state(struct ctl_opts *o, const char *v)
 {
-    if (o->state) return bad_value("state", v, "--state is given once");
     for (int s = IDEM_STATE_IN_FLIGHT; s <= IDEM_STATE_REVIEW; s++)
         if (strcmp(v, idem_state_name(s)) == 0) o->state = s;
     return o->state ? 0 : bad_value("state", v, "not in_flight, committed or review");
 }
 
-static int set_number(const char *name, const char *v, uint64_t max, uint64_t *out)
+static int set_number(const char *name, const char *v, uint64_t max, const char *what,
+                      uint64_t *out)
 {
     char *end;
     errno = 0;
     /* Digits alone: strtoull would take a sign or leading blanks, and saturate out of range. */
     unsigned long long n = *v >= '0' && *v <= '9' ? strtoull(v, &end, 10) : 0;
-    if (n == 0 || *end || errno == ERANGE || n > max)
-        return bad_value(name, v, "not a count in range");
+    if (n == 0 || *end || errno == ERANGE || n > max) return bad_value(name, v, what);
     *out = n;
     return 0;
 }
@@ -224,7 +229,7 @@ static int set_option(struct ctl_opts *o, const char *name, const char *v, int *
     else if (!strcmp(name, "host"))
         o->host = v;
     else if (!strcmp(name, "port")) {
-        if (set_number(name, v, 65535, &n)) return CTL_USAGE;
+        if (set_number(name, v, 65535, "not a port (1 to 65535)", &n)) return CTL_USAGE;
         o->port = (int)n;
     } else if (!strcmp(name, "user"))
         o->user = v;
@@ -245,7 +250,7 @@ static int set_option(struct ctl_opts *o, const char *name, const char *v, int *
     else if (!strcmp(name, "state"))
         return set_state(o, v);
     else if (!strcmp(name, "count")) {
-        if (set_number(name, v, 1000000, &o->count)) return CTL_USAGE;
+        if (set_number(name, v, 1000000, "not a count (1 to 1000000)", &o->count)) return CTL_USAGE;
         o->has_count = 1;
     } else if (!strcmp(name, "reason"))
         o->reason = v;
@@ -255,7 +260,9 @@ static int set_option(struct ctl_opts *o, const char *name, const char *v, int *
     } else if (!strcmp(name, "force"))
         o->force = 1;
     else if (!strcmp(name, "expect")) {
-        if (set_number(name, v, UINT64_MAX, &o->expect_version)) return CTL_USAGE;
+        if (set_number(name, v, UINT64_MAX, "not a record version (as get shows it: 1 or more)",
+                       &o->expect_version))
+            return CTL_USAGE;
         o->has_expect = 1;
     } else if (!strcmp(name, "key-escaped") || !strcmp(name, "key-base64")) {
         int form = name[4] == 'e' ? CTL_KEY_ESCAPED : CTL_KEY_BASE64;
@@ -274,7 +281,9 @@ static int set_option(struct ctl_opts *o, const char *name, const char *v, int *
         o->has_min_free = 1;
     } else {
         if (parse_duration_ms(v, &ms) < 0)
-            return bad_value(name, v, "not a duration (e.g. 90s, 15m, 72h, 4d)");
+            return bad_value(name, v,
+                             "not a duration (e.g. 90s, 15m, 1h30m, 4d: units in lower case, the "
+                             "largest first, each once)");
         if (!strcmp(name, "timeout")) {
             if (ms <= 0 || ms > CTL_TIMEOUT_MAX_MS)
                 return bad_value(name, v, "not between 1ms and 24h");
@@ -283,21 +292,34 @@ static int set_option(struct ctl_opts *o, const char *name, const char *v, int *
         } else if (!strcmp(name, "older")) {
             o->older_ms = ms;
             o->has_older = 1;
-        } else if (!strcmp(name, "interval"))
+        } else if (!strcmp(name, "interval")) {
+            if (ms < 100 || ms > CTL_VIEW_MS_MAX)
+                return bad_value(name, v, "not between 100ms and 1h");
             o->interval_ms = ms;
-        else if (!strcmp(name, "window"))
+        } else if (!strcmp(name, "window")) {
+            if (ms <= 0 || ms > CTL_VIEW_MS_MAX)
+                return bad_value(name, v, "not between 1ms and 1h");
             o->window_ms = ms;
+        }
     }
     return 0;
 }
 
-/* Splits "--name[=value]"; finds the option; takes its value from the next argument. */
-static int parse_one(struct ctl_opts *o, int argc, char **argv, int *i, unsigned *used, int *help)
+/* Splits "--name[=value]"; finds the option; takes its value from the next argument. given:
+ * the options seen so far, by their place in the table (one given twice is refused: the second
+ * would silently win). */
+static int parse_one(struct ctl_opts *o, int argc, char **argv, int *i, unsigned *used,
+                     uint64_t *given, int *help)
 {
     const char *arg = argv[*i] + 2, *eq = strchr(arg, '=');
     size_t nl = eq ? (size_t)(eq - arg) : strlen(arg);
     for (size_t k = 0; k < sizeof options / sizeof options[0]; k++) {
         if (strlen(options[k].name) != nl || strncmp(options[k].name, arg, nl)) continue;
+        if (*given >> k & 1) {
+            ctl_err("--%s is given twice", options[k].name);
+            return CTL_USAGE;
+        }
+        *given |= 1ull << k;
         const char *v = NULL;
         if (options[k].has_arg) {
             v = eq ? eq + 1 : (*i + 1 < argc ? argv[++*i] : NULL);
@@ -326,13 +348,14 @@ static int parse_args(struct ctl_opts *o, int argc, char **argv, const char **cm
                       int *help)
 {
     int only_pos = 0;
+    uint64_t given = 0;
     for (int i = 1; i < argc; i++) {
         if (!only_pos && strcmp(argv[i], "--") == 0) {
             only_pos = 1;
         } else if (!only_pos && (strcmp(argv[i], "-h") == 0)) {
             *help = 1;
         } else if (!only_pos && strncmp(argv[i], "--", 2) == 0) {
-            int rc = parse_one(o, argc, argv, &i, used, help);
+            int rc = parse_one(o, argc, argv, &i, used, &given, help);
             if (rc) return rc;
         } else if (!*cmd) {
             *cmd = argv[i];
@@ -413,6 +436,14 @@ int main(int argc, char **argv)
         return CTL_USAGE;
     }
     if (o.npos < c->pos_min || o.npos > c->pos_max) {
+        if (o.npos > c->pos_max)
+            ctl_err("%s: unexpected argument '%s'%s", c->name, o.pos[c->pos_max],
+                    strncmp(o.pos[c->pos_max], "--", 2) == 0 ? " (after --, all are arguments)"
+                    : o.pos[c->pos_max][0] == '-'            ? " (options begin with --)"
+                                                             : "");
+        else
+            ctl_err("%s: %s missing", c->name,
+                    c->pos_min - o.npos > 1 ? "arguments" : "an argument");
         fprintf(stderr, "usage: idemctl %s\n", c->usage);
         return CTL_USAGE;
     }

@@ -195,7 +195,9 @@ static void jw_raw_string(FILE *f, const uint8_t *p, size_t n)
             fputs("\\n", f);
         else if (c == '\t')
             fputs("\\t", f);
-        else if (c < 0x20 || c >= 0x7f)
+        else if (c >= 0x80) /* no UTF-8: \u00XX would read as another character */
+            fputs("\\ufffd", f);
+        else if (c < 0x20 || c == 0x7f)
             fprintf(f, "\\u%04x", c);
         else
             fputc(c, f);

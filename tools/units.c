@@ -1,6 +1,7 @@
 /*
  * units.c: durations and sizes with human units, both ways: "90s", "72h", "4d", "1h30m",
- * "250ms" (a bare number other than 0 is refused: the unit is never guessed); "64KiB", "10MB",
+ * "250ms" (a bare number other than 0 is refused: the unit is never guessed; parts from the
+ * largest unit down, each once, in lower case); "64KiB", "10MB",
  * "1G" (powers of 1024 for KiB/MiB/GiB/TiB and the one-letter forms, of 1000 for KB/MB/GB/TB;
  * a bare number is bytes).
  */
@@ -20,6 +21,8 @@ static const struct {
     {"min", 60000}, {"h", 3600000}, {"d", 86400000}, {"w", 604800000},
 };
 
+/* Durations: parts from the largest unit down, each unit once ("1h30m", not "30m1h" or
+ * "1h1h"), in lower case (an upper-case M would read as MiB beside the sizes). */
 int parse_duration_ms(const char *s, int64_t *out)
 {
     if (!s || !*s) return -1;
@@ -27,7 +30,7 @@ int parse_duration_ms(const char *s, int64_t *out)
         *out = 0;
         return 0;
     }
-    int64_t total = 0;
+    int64_t total = 0, last = INT64_MAX;
     const char *p = s;
     for (int parts = 0; *p; parts++) {
         if (!isdigit((unsigned char)*p) || parts > 8) return -1;
@@ -41,9 +44,11 @@ int parse_duration_ms(const char *s, int64_t *out)
             ul++;
         int64_t mult = 0;
         for (size_t i = 0; i < sizeof dur_units / sizeof dur_units[0]; i++)
-            if (strlen(dur_units[i].name) == ul && strncasecmp(p, dur_units[i].name, ul) == 0)
+            if (strlen(dur_units[i].name) == ul && strncmp(p, dur_units[i].name, ul) == 0)
                 mult = dur_units[i].ms;
-        if (!mult || v > INT64_MAX / mult || total > INT64_MAX - v * mult) return -1;
+        if (!mult || mult >= last || v > INT64_MAX / mult || total > INT64_MAX - v * mult)
+            return -1;
+        last = mult;
         total += v * mult;
         p += ul;
     }
