@@ -903,7 +903,17 @@ static void op_hold(idem_store *s, struct qslot *sl, const idem_op *op)
         sl->c.err = IDEM_ESTALE;
         return;
     }
-    if (r.state == IDEM_STATE_REVIEW) return; /* a repeated hold by the holder answers OK */
+    if (r.state == IDEM_STATE_REVIEW) {
+        /* A repeated hold by the holder answers OK. The note is the last reason a hold gave: a
+         * new one is recorded (a new version), the same one changes nothing. */
+        if (r.note_len == op->data_len &&
+            (op->data_len == 0 || memcmp(r.note, op->data, op->data_len) == 0))
+            return;
+        r.note_len = (uint16_t)op->data_len;
+        sl->c.err = write_version(s, slot, IDEM_STATE_REVIEW, &r, r.key, NULL, op->data, NULL, 0,
+                                  &sl->need_lsn);
+        return;
+    }
     r.state = IDEM_STATE_REVIEW;
     r.note_len = (uint16_t)op->data_len;
     r.owner_len = 0;

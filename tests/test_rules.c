@@ -1207,6 +1207,28 @@ Test(fencing, holder_token_is_stale_after_hold_but_repeated_hold_is_ok)
     expect_note(r, "unsure");
 }
 
+/* The note is the last reason a hold gave: the holder's repeated hold with a new reason records
+ * it, as a new version (it answered OK and kept the first); the same reason changes nothing. The
+ * record stays in review, and the token stale for everything else. */
+Test(fencing, a_repeated_hold_with_a_new_reason_records_it)
+{
+    int64_t tok = claim_new("k");
+    expect_rc(hold("k", tok, "unsure"), IDEM_OK);
+    uint64_t v = get("k").version;
+    expect_rc(hold("k", tok, "the gateway answered 502 twice"), IDEM_OK);
+    idem_record r = get("k");
+    cr_assert_eq(r.state, IDEM_STATE_REVIEW);
+    cr_assert_gt(r.version, v, "a new note without a new version");
+    expect_note(r, "the gateway answered 502 twice");
+    expect_data(claim("k"), "the gateway answered 502 twice");
+    v = r.version;
+    expect_rc(hold("k", tok, "the gateway answered 502 twice"), IDEM_OK);
+    cr_assert_eq(get("k").version, v);
+    expect_rc(commit("k", tok, "r"), IDEM_ESTALE);
+    reopen();
+    expect_note(get("k"), "the gateway answered 502 twice");
+}
+
 Test(fencing, hold_with_an_earlier_owners_token_on_a_review_record_is_estale)
 {
     int64_t t1 = claim_new("k");

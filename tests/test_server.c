@@ -321,6 +321,7 @@ Test(server, claim_outcomes_and_owner_calls, .init = start)
     cr_assert_str_eq(r->element[1]->str, "inv-1");
     freeReplyObject(r);
     expect_error(cmd(c, "IDEM.COMMIT nokey 5 x"), "NOTFOUND");
+    long long tok_k1 = tok;
 
     /* release: the next claim gets new; hold: review */
     cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM k2 60000 5000"), &tok), "new");
@@ -334,6 +335,15 @@ Test(server, claim_outcomes_and_owner_calls, .init = start)
     cr_assert_str_eq(r->element[1]->str, "charged twice?");
     freeReplyObject(r);
     expect_error(cmd(c, "IDEM.COMMIT k2 %lld x", tok2), "STALE");
+    /* the holder's repeated hold: +OK, and another reason is the note now */
+    expect_status(cmd(c, "IDEM.HOLD k2 %lld %s", tok2, "the gateway answered 502"), "OK");
+    r = cmd(c, "IDEM.CLAIM k2 60000 5000");
+    cr_assert_str_eq(r->element[1]->str, "the gateway answered 502");
+    freeReplyObject(r);
+    /* after its own commit the owner's other calls are stale, and the message says why */
+    expect_error(cmd(c, "IDEM.RELEASE k1 %lld", tok_k1),
+                 "STALE token is not the current owner's (the "
+                 "record was committed");
 
     /* OWNER: a repeat by the same owner resumes with the same token */
     cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM k3 60000 5000 OWNER w1"), &tok), "new");
@@ -1195,7 +1205,8 @@ Test(server, connection_commands, .init = start)
     cr_assert(!closed);
     close(fd);
     expect_status(cmd(c, "SELECT 0"), "OK");
-    expect_error(cmd(c, "SELECT 1"), "ERR");
+    expect_error(cmd(c, "SELECT 1"), "ERR DB index is out of range");
+    expect_error(cmd(c, "SELECT x"), "ERR value is not an integer or out of range");
     expect_status(cmd(c, "CLIENT SETNAME me"), "OK");
     expect_bulk(cmd(c, "CLIENT GETNAME"), "me");
     redisReply *r = cmd(c, "HELLO 2");
@@ -1617,6 +1628,17 @@ Test(server, command_info_gives_the_key_positions, .init = start)
                          e->element[0]->str, k);
     }
     freeReplyObject(r);
+    /* COMMAND INFO without names lists every command, as Redis 7 does (it answered none);
+     * COMMAND COUNT takes no argument. */
+    r = cmd(c, "COMMAND COUNT");
+    cr_assert_eq(r->type, REDIS_REPLY_INTEGER);
+    long long count = r->integer;
+    freeReplyObject(r);
+    r = cmd(c, "COMMAND INFO");
+    cr_assert(r->type == REDIS_REPLY_ARRAY && (long long)r->elements == count && count > 20,
+              "%zu entries, COMMAND COUNT %lld", r->elements, count);
+    freeReplyObject(r);
+    expect_error(cmd(c, "COMMAND COUNT extra"), "ERR wrong number of arguments");
     redisFree(c);
 }
 
@@ -1839,6 +1861,14 @@ Test(server, bad_arguments_get_errors_and_keep_the_connection, .init = start)
     free(val);
     expect_status(cmd(c, "PING"), "PONG");
     expect_nil(cmd(c, "GET bigv"));
+    redisFree(c);
+    /* An option at the end without its value is named so, as the other commands name it. */
+    c = connect_unix();
+    expect_error(cmd(c, "IDEM.RESOLVE k commit why RESULT"),
+                 "ERR syntax error: option without a value");
+    expect_error(cmd(c, "IDEM.RESOLVE k commit why EXPECT"),
+                 "ERR syntax error: option without a value");
+    expect_error(cmd(c, "IDEM.RESOLVE k commit why BOGUS"), "ERR syntax error (RESULT bytes");
     redisFree(c);
 }
 

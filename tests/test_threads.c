@@ -2302,7 +2302,7 @@ static void mop_owner(int k, int kind)
     char key[16], res[24], note[24];
     mkey_name(key, sizeof key, k);
     snprintf(res, sizeof res, "res-%d", (int)rnd(3));
-    snprintf(note, sizeof note, "hold-%d", k); /* one note per key: repeats carry the same */
+    snprintf(note, sizeof note, "hold-%d-%d", k, (int)rnd(2)); /* a repeat may bring another */
     uint64_t lease = 100 + rnd(5000);
     int rc;
     switch (kind) {
@@ -2360,6 +2360,7 @@ static void mop_owner(int k, int kind)
     }
     if (eff == IDEM_STATE_REVIEW && kind == 2 && tok == m->finisher && m->finisher) {
         MCHECK(rc == IDEM_OK, "repeated hold on key %d: %s", k, idem_strerror(rc));
+        snprintf(m->note, sizeof m->note, "%s", note); /* the last reason a hold gave */
         return;
     }
     MCHECK(rc == IDEM_ESTALE, "%s with a token that is not current on key %d (state %d): %s", nm, k,

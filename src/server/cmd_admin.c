@@ -544,12 +544,16 @@ static void command_entry(resp_buf *b, const cmd_def *d)
 void cmd_command(cmd_req *r)
 {
     resp_buf *b = cmd_out(r);
-    if (r->argc == 1) {
+    /* COMMAND, and COMMAND INFO without names (Redis 7 answers it so): every command. */
+    if (r->argc == 1 || (r->argc == 2 && cmd_is(r, 1, "INFO"))) {
         resp_array(b, (int64_t)cmd_table_len);
         for (size_t i = 0; i < cmd_table_len; i++)
             command_entry(b, &cmd_table[i]);
     } else if (cmd_is(r, 1, "COUNT")) {
-        resp_integer(b, (int64_t)cmd_table_len);
+        if (r->argc == 2)
+            resp_integer(b, (int64_t)cmd_table_len);
+        else
+            resp_error(b, "ERR wrong number of arguments for 'command|count' command");
     } else if (cmd_is(r, 1, "DOCS")) {
         cmd_docs_reply(b, r);
     } else if (cmd_is(r, 1, "INFO")) {

@@ -17,8 +17,8 @@ void cmd_reply_err(resp_buf *b, int err)
 {
     switch (err) {
     case IDEM_ESTALE:
-        resp_error(b, "STALE token is not the current owner's (recovered, resolved, held or "
-                      "re-claimed)");
+        resp_error(b, "STALE token is not the current owner's (the record was committed, "
+                      "recovered, resolved, held or re-claimed)");
         break;
     case IDEM_ENOTFOUND:
         resp_error(b, "NOTFOUND no such key (absent, expired or released)");
@@ -243,6 +243,8 @@ void cmd_resolve(cmd_req *r)
                 return cmd_fail(r, "ERR EXPECT version is not an integer");
             op.flags |= IDEM_F_EXPECT;
             i++;
+        } else if (cmd_is(r, i, "RESULT") || cmd_is(r, i, "EXPECT")) {
+            return cmd_fail(r, "ERR syntax error: option without a value");
         } else {
             return cmd_fail(r, "ERR syntax error (RESULT bytes, EXPECT version, FORCE)");
         }

@@ -166,6 +166,9 @@ static void cmd_quit(cmd_req *r)
 static void cmd_select(cmd_req *r)
 {
     if (r->argl[1] == 1 && r->argv[1][0] == '0') return cmd_ok(r);
+    int64_t n;
+    if (cmd_i64(r->argv[1], r->argl[1], &n) < 0)
+        return cmd_fail(r, "ERR value is not an integer or out of range");
     cmd_fail(r, "ERR DB index is out of range (idemd has one keyspace: SELECT 0)");
 }
 
@@ -582,7 +585,8 @@ static const struct {
     const char *name;
     const char *why;
 } refused[] = {
-    {"GETSET", "it would replace a record; records are insert-only (use SET key value NX)"},
+    {"GETSET", "it would replace a record; records are insert-only (use SET key value NX PX ms "
+               "GET)"},
     {"EXPIRE", "records keep the ttl of their first claim; expiry is never extended or changed"},
     {"PEXPIRE", "records keep the ttl of their first claim; expiry is never extended or changed"},
     {"EXPIREAT", "records keep the ttl of their first claim; expiry is never changed"},

@@ -307,7 +307,7 @@ class Model:
         tok = self.pick_token(m)
         key = KEYS[k]
         res = b"res-%d" % self.rng.randrange(3)
-        note = b"hold-%d" % k  # one note per key: repeats carry the same
+        note = b"hold-%d-%d" % (k, self.rng.randrange(2))  # a repeat may bring another
         lease = 100 + self.rng.randrange(5000)
         if kind == "commit":
             r = self.call("IDEM.COMMIT", key, tok, res)
@@ -348,6 +348,7 @@ class Model:
             return
         if eff == REVIEW and kind == "hold" and m.finisher and tok == m.finisher:
             self.check(r == b"OK", "repeated hold on key %d: %r" % (k, r))
+            m.note = note  # the last reason a hold gave
             return
         self.expect_error(r, "STALE", "%s with a token not current on key %d (%s)"
                           % (kind, k, eff))
