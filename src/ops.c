@@ -910,6 +910,7 @@ static void op_hold(idem_store *s, struct qslot *sl, const idem_op *op)
             (op->data_len == 0 || memcmp(r.note, op->data, op->data_len) == 0))
             return;
         r.note_len = (uint16_t)op->data_len;
+        r.owner_len = 0;
         sl->c.err = write_version(s, slot, IDEM_STATE_REVIEW, &r, r.key, NULL, op->data, NULL, 0,
                                   &sl->need_lsn);
         return;

@@ -16,6 +16,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -737,28 +738,48 @@ static int dir_empty(const char *path)
 /* Import writes records as they were, over any record of the same key, and no audit entry for
  * that: into a store that holds keys or decisions it would roll them back unseen. Such a store
  * takes an import only with --force. */
-static int import_target_empty(struct ctl *c, const char *dir, int marked)
+/* Whether the store c has opened holds no key and no operator decision: 1, 0, or -1 when its
+ * audit trail could not be read (the error in *err). */
+static int store_empty_n(struct ctl *c, uint64_t *keys, size_t *decisions, int *err)
 {
     idem_stats st;
     const idem_audit_entry *e = NULL;
-    size_t n = 0;
     idem_get_stats(c->s, &st);
-    int rc = idem_audit(c->q, NULL, 0, 1, &e, &n);
-    if (rc != IDEM_OK) {
-        ctl_err("cannot read %s: %s", dir, idem_strerror(rc));
+    *keys = st.keys;
+    *decisions = 0;
+    *err = idem_audit(c->q, NULL, 0, 1, &e, decisions);
+    if (*err != IDEM_OK) return -1;
+    return st.keys == 0 && *decisions == 0;
+}
+
+static int store_empty(struct ctl *c)
+{
+    uint64_t keys;
+    size_t n;
+    int err;
+    return store_empty_n(c, &keys, &n, &err);
+}
+
+static int import_target_empty(struct ctl *c, const char *dir, int marked)
+{
+    uint64_t keys;
+    size_t n;
+    int err, empty = store_empty_n(c, &keys, &n, &err);
+    if (empty < 0) {
+        ctl_err("cannot read %s: %s", dir, idem_strerror(err));
         return CTL_FAIL;
     }
-    if (st.keys == 0 && n == 0) return 0;
+    if (empty) return 0;
     if (marked) {
         ctl_err("%s holds %s and %llu keys%s: an import into it was cut short; run the import "
                 "again with --force to finish it (it writes over the records of the same keys)",
-                dir, IDEM_IMPORT_MARKER, (unsigned long long)st.keys,
+                dir, IDEM_IMPORT_MARKER, (unsigned long long)keys,
                 n ? " and operator decisions" : "");
         return CTL_FAIL;
     }
     ctl_err("%s already holds %llu keys%s: import writes over records without an audit entry; "
             "import into a new directory, or pass --force",
-            dir, (unsigned long long)st.keys, n ? " and operator decisions" : "");
+            dir, (unsigned long long)keys, n ? " and operator decisions" : "");
     return CTL_FAIL;
 }
 
@@ -771,20 +792,50 @@ static int rm_one(const char *path, const struct stat *st, int flag, struct FTW 
     return remove(path) < 0 ? -1 : 0;
 }
 
-/* Empties a directory that was empty before an import into it failed (the import made all it
- * holds but lost+found); the directory itself stays, with its owner and mode. */
+/* Removes dir/name and makes that durable. */
+static int unlink_synced(const char *dir, const char *name)
+{
+    char path[8200];
+    snprintf(path, sizeof path, "%s/%s", dir, name);
+    if (unlink(path) < 0 && errno != ENOENT) return -1;
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int rc = fd >= 0 && fsync(fd) == 0 ? 0 : -1;
+    if (fd >= 0) close(fd);
+    return rc;
+}
+
+/* Empties a directory that was empty before an import into it failed, the store closed: the
+ * import made all it holds but lost+found, and the directory itself stays, with its owner and
+ * mode. The store's lock is taken again for it (an idemd started meanwhile is refused, and one
+ * that holds it keeps its store), and the marker goes only after every other file, so that no
+ * part of an export is ever left unmarked. Returns 0, or -1 with errno (the marker stays). */
 static int dir_clear(const char *dir)
 {
+    char lock[8200];
+    snprintf(lock, sizeof lock, "%s/LOCK", dir);
+    int lfd = open(lock, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    if (lfd < 0) return -1;
+    if (flock(lfd, LOCK_EX | LOCK_NB) < 0) {
+        close(lfd);
+        return -1;
+    }
     DIR *d = opendir(dir);
-    if (!d) return -1;
-    int rc = 0;
-    for (struct dirent *de; (de = readdir(d));) {
-        if (entry_ignored(de->d_name)) continue;
+    int rc = d ? 0 : -1;
+    for (struct dirent *de; d && (de = readdir(d));) {
+        if (entry_ignored(de->d_name) || !strcmp(de->d_name, "LOCK") ||
+            !strcmp(de->d_name, IDEM_IMPORT_MARKER))
+            continue;
         char path[8200];
         snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
         if (nftw(path, rm_one, 16, FTW_DEPTH | FTW_PHYS) != 0) rc = -1;
     }
-    closedir(d);
+    if (d) closedir(d);
+    int e = errno;
+    if (rc == 0) rc = unlink_synced(dir, IDEM_IMPORT_MARKER);
+    if (rc == 0) rc = unlink_synced(dir, "LOCK");
+    if (rc != 0) e = errno;
+    close(lfd);
+    errno = e;
     return rc;
 }
 
@@ -910,13 +961,16 @@ int cmd_import(const struct ctl_opts *o)
         return CTL_FAIL;
     }
     if (staged) oo.dir = partial;
-    struct ctl c;
+    struct ctl c = {0}; /* ctl_connect is not run when the look first refuses */
     struct import_state ist = {.result_max = o->result_max ? (uint32_t)o->result_max
                                                            : IDEM_RESULT_BYTES_DEFAULT};
     rc = !staged && !empty_dir && !o->force ? import_look_first(&oo, dest) : 0;
     if (rc == 0) rc = ctl_connect(&c, &oo, CTL_CREATE);
-    int opened = rc == 0; /* in place, from here on the store is open: its lock is held */
+    /* In place, from here on the store is open: its lock is held. Into an empty directory the
+     * store is this run's own if the open found it empty: only such a store is taken out again
+     * when the import fails (one made there meanwhile, by idemd or another import, is not). */
     int marked = rc == 0 && !staged ? idem_import_marked(dest) : 0, marking = 0;
+    int own = rc == 0 && empty_dir && marked == 0 && store_empty(&c) == 1;
     if (marked < 0) {
         ctl_err("cannot import into %s: %s", dest, idem_last_error());
         rc = CTL_FAIL;
@@ -980,13 +1034,11 @@ int cmd_import(const struct ctl_opts *o)
         if (fd >= 0) close(fd);
     }
     if (staged && rc != 0) nftw(partial, rm_one, 16, FTW_DEPTH | FTW_PHYS);
-    if (empty_dir && rc != 0 && opened) {
-        /* The import made all the directory holds (the store's lock kept others out): emptied,
-         * marker and all. */
-        if (dir_clear(dest) != 0) {
-            ctl_err("cannot empty %s again after the failed import: %s; remove what it holds", dest,
-                    strerror(errno));
-        }
+    if (own && marking && rc != 0) {
+        if (dir_clear(dest) != 0)
+            ctl_err("cannot empty %s again after the failed import: %s; it keeps its marker %s "
+                    "(idemd refuses it): remove what it holds but lost+found",
+                    dest, strerror(errno), IDEM_IMPORT_MARKER);
         marking = 0;
     } else if (!staged && rc != 0 && ist.nrec + ist.naud > 0)
         ctl_err("%llu records and %llu audit entries read before that were written into the "

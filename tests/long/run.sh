@@ -282,7 +282,7 @@ run_wire_model() {
   local steps limit log=$logs/wire_model.log start rc seed restarts
   seed=$(( seed_base + ${#rows[@]} * 1000000 ))
   steps=$(scaled 300000)
-  limit=$(( 3 * (120 + steps / 20) + 60 ))
+  limit=$(( 3 * (60 + steps / 40) + 60 ))
   echo "== wire_model: three settings of $steps steps, seeds from $seed, limit $(hms "$limit")"
   start=$(date +%s)
   WIRE_MODEL_STEPS=$steps WIRE_MODEL_SEED=$seed timeout -k 10 "$limit" bash "$script" >"$log" 2>&1

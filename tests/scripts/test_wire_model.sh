@@ -14,8 +14,9 @@ status=0
 run=0
 for cfg in "sync recover" "batch review" "none recover"; do
     set -- $cfg
-    # a step takes about a millisecond, a restart a few hundred: ample
-    timeout -k 10 $(( 120 + STEPS / 20 )) "$PY" -u "$IDEM_SOURCE_DIR/tests/python/wire_model.py" \
+    # a step takes about a millisecond, a restart a few hundred: ample, and the three settings
+    # at the CI count within ctest's 600 s
+    timeout -k 10 $(( 60 + STEPS / 40 )) "$PY" -u "$IDEM_SOURCE_DIR/tests/python/wire_model.py" \
         --steps "$STEPS" --seed $(( SEED + run )) --durability "$1" --policy "$2" || status=1
     run=$((run + 1))
 done
