@@ -464,8 +464,13 @@ typedef struct idem_stats {
                              memory_bytes) */
 } idem_stats;
 
-/* Counters in O(1): no scan of keys. Thread-safe. */
+/* Counters in O(1): no scan of keys. Thread-safe. After a burst of claims it first filters the
+ * age heaps of records finished since (in steps, letting other callers in between): a call may
+ * then take tens of milliseconds (docs/benchmarks.md). */
 void idem_get_stats(idem_store *s, idem_stats *out);
+/* The number of keys held (idem_stats.keys), at once: no filtering of the age heaps. For a
+ * caller that needs only the count (DBSIZE) on a path that must not wait. Thread-safe. */
+uint64_t idem_key_count(idem_store *s);
 
 /* ---- Operator views ---- */
 

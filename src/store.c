@@ -2692,6 +2692,14 @@ void idem_get_stats(idem_store *s, idem_stats *out)
     if (free_bytes != UINT64_MAX) out->disk_free_bytes = free_bytes;
 }
 
+uint64_t idem_key_count(idem_store *s)
+{
+    store_lock(s);
+    uint64_t n = index_count(s->ix);
+    store_unlock(s);
+    return n;
+}
+
 uint64_t store_disk_bytes(const idem_store *s)
 {
     /* audit_alloc is UINT64_MAX where the file system cannot reserve space (audit.c) */

@@ -302,6 +302,7 @@ static idem_stats stats(void)
     idem_stats st;
     memset(&st, 0, sizeof st);
     idem_get_stats(g_s, &st);
+    cr_assert_eq(idem_key_count(g_s), st.keys, "idem_key_count and idem_stats.keys differ");
     return st;
 }
 

@@ -3673,6 +3673,16 @@ static void start_failing_sync(const char *const *extra)
     unsetenv("IDEM_IO_BACKEND");
 }
 
+/* start_preloaded with the metrics endpoint on a free port (metrics_port). */
+static void start_preloaded_metrics(const char *lib, const char *env)
+{
+    static char listen[32];
+    metrics_port = free_port();
+    snprintf(listen, sizeof listen, "127.0.0.1:%d", metrics_port);
+    const char *extra[] = {"--metrics-listen", listen, NULL};
+    start_preloaded(lib, env, extra);
+}
+
 static void fail_now(void)
 {
     FILE *f = fopen(fail_trigger, "w");
@@ -3811,11 +3821,7 @@ Test(server, out_of_memory_refuses_what_needs_memory_and_idemd_goes_on)
     cr_skip_test("a preloaded malloc does not mix with the sanitizers' own (Debug and Release "
                  "builds run it)");
 #endif
-    static char listen[32];
-    metrics_port = free_port();
-    snprintf(listen, sizeof listen, "127.0.0.1:%d", metrics_port);
-    const char *extra[] = {"--metrics-listen", listen, NULL};
-    start_preloaded("libidem-test-fail-alloc.so", "IDEM_TEST_FAIL_ALLOC_FILE", extra);
+    start_preloaded_metrics("libidem-test-fail-alloc.so", "IDEM_TEST_FAIL_ALLOC_FILE");
     redisContext *c = connect_unix();
     long long tok;
     cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM before 600000 60000"), &tok), "new");
@@ -3912,6 +3918,62 @@ Test(server, out_of_memory_refuses_what_needs_memory_and_idemd_goes_on)
     EXPECT_LOG("level=warn event=out_of_memory what=reply_slot", id2);
     snprintf(line, sizeof line, "event=disconnect %s", id2);
     EXPECT_LOG(line, "reason=closed");
+    int status = stop_and_wait(SIGTERM);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "status %d", status);
+    tu_rmtree(fail_dir);
+}
+
+/* The kernel may refuse to watch one more descriptor (no memory for the watch:
+ * tests/preload/fail_epoll.c makes epoll_ctl's ADD fail meanwhile). A new connection is then
+ * answered "out of memory" and closed, as a refused allocation is, logged at the gate's rate
+ * (each refusal was also logged at error level, unbounded); a metrics connection is closed and
+ * logged (it was closed unseen); the connections already watched go on, and once watches are
+ * given again new ones are served. */
+Test(server, a_connection_the_kernel_will_not_watch_is_refused_and_idemd_goes_on)
+{
+    enum { LOG_BURST = 10 }; /* lines a second through one of idemd's log gates (server.h) */
+    start_preloaded_metrics("libidem-test-fail-epoll.so", "IDEM_TEST_FAIL_EPOLL_FILE");
+    redisContext *c = connect_unix();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM before 600000 60000"), &tok), "new");
+    fail_now();
+    static const char OOM[] = "-ERR out of memory for a new connection: try again\r\n";
+    char got[256];
+    int closed = 0;
+    for (int i = 0; i < 4 * LOG_BURST; i++) {
+        int n = raw_connect_unix();
+        raw_read(n, got, sizeof got - 1, sizeof OOM - 1, &closed);
+        cr_assert_str_eq(got, OOM);
+        raw_read(n, got, sizeof got - 1, 1, &closed);
+        cr_assert(closed, "a connection the kernel would not watch stayed open");
+        close(n);
+    }
+    usleep(1100 * 1000); /* a second on: the log's gate lets the next out_of_memory through */
+    int m = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)metrics_port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(connect(m, (struct sockaddr *)&a, sizeof a), 0);
+    raw_read(m, got, sizeof got - 1, 1, &closed);
+    cr_assert(closed, "a metrics connection the kernel would not watch stayed open");
+    close(m);
+    /* the connection watched before goes on */
+    expect_status(cmd(c, "IDEM.COMMIT before %lld done", tok), "OK");
+    fail_end();
+    redisContext *c2 = connect_unix();
+    expect_status(cmd(c2, "PING"), "PONG");
+    redisReply *r = cmd(c2, "IDEM.GET before");
+    cr_assert_str_eq(field_of(r, "state"), "committed");
+    freeReplyObject(r);
+    static char body[4096];
+    scrape(body, sizeof body);
+    cr_assert(strstr(body, "200 OK") && strstr(body, "\nidem_keys_committed 1\n"), "%s", body);
+    redisFree(c2);
+    redisFree(c);
+    EXPECT_LOG("level=warn event=out_of_memory what=connection peer=unix");
+    EXPECT_LOG("level=warn event=out_of_memory what=metrics_connection");
+    cr_assert_leq(log_lines_with("what=connection peer=unix"), 2 * LOG_BURST,
+                  "every refusal was logged");
+    cr_assert_eq(log_lines_with("event=epoll_add"), 0, "a refused connection logged as an error");
     int status = stop_and_wait(SIGTERM);
     cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "status %d", status);
     tu_rmtree(fail_dir);

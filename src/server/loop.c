@@ -91,11 +91,19 @@ static void clock_tick(srv *s)
     s->now_us = (int64_t)ts.tv_sec * 1000000 + ts.tv_nsec / 1000;
 }
 
-static int ep_add(srv *s, int fd, uint64_t tag, uint32_t events)
+/* Watches fd; -1 with errno where the kernel will not (no memory for one more watch). */
+static int ep_watch(srv *s, int fd, uint64_t tag, uint32_t events)
 {
     struct epoll_event ev = {.events = events, .data.u64 = tag};
-    if (epoll_ctl(s->epfd, EPOLL_CTL_ADD, fd, &ev) == 0) return 0;
-    srv_log("error", "epoll_add", "fd=%d errno=%d", fd, errno);
+    return epoll_ctl(s->epfd, EPOLL_CTL_ADD, fd, &ev);
+}
+
+/* ep_watch for what idemd cannot run without (its listeners, signals, queues): a refusal is
+ * logged, and fails the start. */
+static int ep_add(srv *s, int fd, uint64_t tag, uint32_t events, const char *what)
+{
+    if (ep_watch(s, fd, tag, events) == 0) return 0;
+    srv_log("error", "epoll_add", "what=%s error=\"%s\"", what, strerror(errno));
     return -1;
 }
 
@@ -294,8 +302,10 @@ static void conn_new(srv *s, int fd, int is_unix, const char *peer)
     int idx = conn_slot_index(s, NULL);
     int full = idx < 0 || s->nlive >= s->cfg.max_clients;
     srv_conn *c = full ? NULL : calloc(1, sizeof *c);
-    /* Watched first: one the kernel would not watch (no memory for it) would never be served. */
-    if (c && ep_add(s, fd, TAG_CONN + (uint64_t)idx, EPOLLIN | EPOLLRDHUP) != 0) {
+    /* Watched first: one the kernel would not watch (no memory for it) would never be served.
+     * Said once a second at most (out_of_memory, below): a flood of connections must not flood
+     * the log. */
+    if (c && ep_watch(s, fd, TAG_CONN + (uint64_t)idx, EPOLLIN | EPOLLRDHUP) != 0) {
         free(c);
         c = NULL;
     }
@@ -1453,7 +1463,7 @@ static int listen_unix(srv *s)
         return -1;
     }
     s->unix_fd = fd;
-    ep_add(s, fd, TAG_UNIX, EPOLLIN);
+    if (ep_add(s, fd, TAG_UNIX, EPOLLIN, "unix_socket") != 0) return -1;
     srv_log("info", "listening", "socket=%s mode=%04o", s->cfg.socket_path, s->cfg.socket_mode);
     return 0;
 }
@@ -1494,7 +1504,7 @@ static int listen_all(srv *s)
             srv_log("error", "listen_failed", "addr=%s error=\"%s\"", where, strerror(errno));
             return -1;
         }
-        ep_add(s, s->tcp_fd, TAG_TCP, EPOLLIN);
+        if (ep_add(s, s->tcp_fd, TAG_TCP, EPOLLIN, "tcp_socket") != 0) return -1;
         srv_log("info", "listening", "addr=%s", where);
     }
     if (s->cfg.metrics_listen[0]) {
@@ -1508,7 +1518,7 @@ static int listen_all(srv *s)
             return -1;
         }
         metrics_init(s);
-        ep_add(s, s->metrics_fd, TAG_METRICS, EPOLLIN);
+        if (ep_add(s, s->metrics_fd, TAG_METRICS, EPOLLIN, "metrics_socket") != 0) return -1;
         srv_log("info", "listening", "metrics=%s", s->cfg.metrics_listen);
     }
     return 0;
@@ -1577,7 +1587,7 @@ static int load_finish(srv *s)
                 idem_last_error());
         return -1;
     }
-    ep_add(s, idem_queue_fd(s->q), TAG_QUEUE, EPOLLIN);
+    if (ep_add(s, idem_queue_fd(s->q), TAG_QUEUE, EPOLLIN, "queue") != 0) return -1;
     /* Reads made on the loop would leave every other client unanswered meanwhile (reads.c). */
     int rc = srv_reads_start(s);
     if (rc != 0) {
@@ -1662,10 +1672,15 @@ static int drain_step(srv *s)
     /* Every operation the engine took is answered by it: claims that waited (cancelled at the
      * drain's start) answer busy with the lease they waited on, and one granted just before
      * keeps its grant (answered busy here, its grant would leave a lease no one holds). Only
-     * past 30 s are the claims still waiting answered here. */
+     * past 30 s are the claims still waiting answered here, and then every other request still
+     * unanswered (behind a flush that stalls, or a long read) is told that its outcome is not
+     * known, rather than left without a reply at the close. */
     if (s->engine_due > 0) {
         if (srv_now_ms() - s->drain_started_ms < 30000) return 0;
         answer_pending(s, 1, NULL);
+        answer_pending(s, 0,
+                       "ERR server is shutting down and this request had no answer within 30 s: "
+                       "its outcome is unknown (made durable at the close if it was carried out)");
     }
     flush_all(s, DRAIN_WRITE_MS);
     return 1;
@@ -1817,10 +1832,11 @@ static int setup_fds(srv *s)
     s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (s->epfd < 0 || s->sig_fd < 0 || s->load_fd < 0 || s->backup_fd < 0 || s->reads_fd < 0)
         return -1;
-    ep_add(s, s->sig_fd, TAG_SIG, EPOLLIN);
-    ep_add(s, s->load_fd, TAG_LOAD, EPOLLIN);
-    ep_add(s, s->backup_fd, TAG_BACKUP, EPOLLIN);
-    ep_add(s, s->reads_fd, TAG_READS, EPOLLIN);
+    if (ep_add(s, s->sig_fd, TAG_SIG, EPOLLIN, "signals") != 0 ||
+        ep_add(s, s->load_fd, TAG_LOAD, EPOLLIN, "load") != 0 ||
+        ep_add(s, s->backup_fd, TAG_BACKUP, EPOLLIN, "backup") != 0 ||
+        ep_add(s, s->reads_fd, TAG_READS, EPOLLIN, "reads") != 0)
+        return -1;
     s->conns_cap = s->cfg.max_clients + s->cfg.max_clients / 4 + 16;
     s->conns = calloc(s->conns_cap, sizeof *s->conns);
     s->dirty = calloc(2 * (size_t)s->conns_cap, sizeof *s->dirty); /* see write_dirty */

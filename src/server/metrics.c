@@ -308,6 +308,9 @@ void metrics_accept(srv *s)
         struct epoll_event e = {.events = EPOLLIN | EPOLLRDHUP,
                                 .data.u64 = SRV_TAG_METRICS_CONN + i};
         if (epoll_ctl(s->epfd, EPOLL_CTL_ADD, fd, &e) != 0) {
+            /* The kernel would not watch it (no memory): never served, so closed, and said. */
+            srv_log_gated(&s->log_oom, "warn", "out_of_memory", "what=metrics_connection errno=%d",
+                          errno);
             close(fd);
             m->fd = -1;
         }
