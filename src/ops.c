@@ -549,6 +549,21 @@ static void waiters_lease_moved(idem_store *s, const void *key, uint32_t key_len
     }
 }
 
+/* What a claim does with an unexpired record it finds. The one place that decides: the claim
+ * itself (claim_existing) and the check that a parked claim's re-run writes nothing
+ * (claim_reads_only) both ask it. A mismatch, a resume and a lease run out write a version. */
+enum claim_path { CP_MISMATCH, CP_DONE, CP_REVIEW, CP_RESUME, CP_BUSY, CP_LEASE_OUT };
+
+static enum claim_path claim_path_of(const struct rec *r, const idem_op *op, const uint8_t fp[16],
+                                     int64_t now)
+{
+    if (r->state != IDEM_STATE_REVIEW && fp_differs(r, op, fp)) return CP_MISMATCH;
+    if (r->state == IDEM_STATE_COMMITTED) return CP_DONE;
+    if (r->state == IDEM_STATE_REVIEW) return CP_REVIEW;
+    if (now < r->lease_until_ms) return owner_same(r, op) ? CP_RESUME : CP_BUSY;
+    return CP_LEASE_OUT;
+}
+
 /* A claim that meets an unfinished or committed record. Returns the outcome written. */
 static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, const uint8_t fp[16],
                            struct index_slot *slot, struct rec *r, uint64_t lsn, int64_t now,
@@ -557,7 +572,8 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, c
     const void *owner = r->owner, *note = r->note;
     int rc = 0;
     sl->need_lsn = lsn;
-    if (r->state != IDEM_STATE_REVIEW && fp_differs(r, op, fp)) {
+    enum claim_path path = claim_path_of(r, op, fp, now);
+    if (path == CP_MISMATCH) {
         /* Rule 3: recorded, nothing else changes. */
         r->mismatch_count++;
         r->last_mismatch_ms = now;
@@ -575,14 +591,14 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, c
         s->st.mismatches++;
         goto out;
     }
-    if (r->state == IDEM_STATE_COMMITTED) {
+    if (path == CP_DONE) {
         if (!waking) seen_bump(s, slot, r, now);
         rc = copy_result(sl, r, &sl->c.data, &sl->c.data_len);
         sl->c.outcome = IDEM_DONE;
         s->st.claims_done++;
         goto out;
     }
-    if (r->state == IDEM_STATE_REVIEW) {
+    if (path == CP_REVIEW) {
         if (!waking) seen_bump(s, slot, r, now);
         sl->c.data = qslot_copy(sl, r->note, r->note_len);
         sl->c.data_len = r->note_len;
@@ -590,8 +606,8 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, c
         s->st.claims_review++;
         goto out;
     }
-    if (now < r->lease_until_ms) {
-        if (owner_same(r, op)) {
+    if (path == CP_RESUME || path == CP_BUSY) {
+        if (path == CP_RESUME) {
             /* The same worker again: resume with the same token, the lease runs on. */
             r->lease_until_ms = now + (int64_t)op->lease_ms;
             if (!waking) seen_bump(s, slot, r, now);
@@ -1255,10 +1271,8 @@ static int claim_reads_only(idem_store *s, const idem_op *op, int64_t now)
     struct index_slot *slot = ops_find(s, op->key, op->key_len, &r, &lsn);
     if (!slot) return s->find_corrupt;
     if (ops_rec_expired(&r, now)) return 0;
-    if (r.state == IDEM_STATE_REVIEW) return 1;
-    if (fp_differs(&r, op, op->fp)) return 0; /* parked with its digest (park) */
-    if (r.state == IDEM_STATE_COMMITTED) return 1;
-    return now < r.lease_until_ms && !owner_same(&r, op);
+    enum claim_path path = claim_path_of(&r, op, op->fp, now); /* parked with its digest (park) */
+    return path == CP_DONE || path == CP_REVIEW || path == CP_BUSY;
 }
 
 /* Re-runs one parked claim; returns 1 when it completed (and must leave the waiter list). A

@@ -44,7 +44,7 @@ struct item {
 static enum why why_of(const idem_record *r, int64_t now, int64_t older_ms)
 {
     if (r->state == IDEM_STATE_REVIEW) return WHY_REVIEW;
-    if (r->state == IDEM_STATE_IN_FLIGHT && r->lease_until_ms <= now) return WHY_EXPIRED;
+    if (ctl_lease_ran_out(r, now)) return WHY_EXPIRED;
     if (r->state == IDEM_STATE_IN_FLIGHT && older_ms > 0 && now - r->first_seen_ms >= older_ms)
         return WHY_OLD;
     return WHY_MISMATCH;

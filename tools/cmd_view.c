@@ -166,8 +166,7 @@ static void status_leases(struct ctl *c, struct status *s)
     int64_t out = 0;
     uint64_t review = 0;
     for (size_t i = 0; i < n; i++) {
-        out += recs[i].r.state == IDEM_STATE_IN_FLIGHT &&
-               recs[i].r.lease_until_ms <= t->store_clock_ms;
+        out += ctl_lease_ran_out(&recs[i].r, t->store_clock_ms);
         review += recs[i].r.state == IDEM_STATE_REVIEW;
         ctl_record_free(&recs[i]);
     }

@@ -115,6 +115,12 @@ int ctl_stats(struct ctl *c, struct ctl_stats *st);
 int ctl_stats_or_loading(struct ctl *c, struct ctl_stats *st);
 /* Store clock now (ms). */
 int ctl_now(struct ctl *c, int64_t *now_ms);
+/* An in_flight record whose lease ran out (rule 6): its worker died or hung with the key. The
+ * one rule for the attention list's reasons (attention) and status's count (status). */
+static inline int ctl_lease_ran_out(const idem_record *r, int64_t now)
+{
+    return r->state == IDEM_STATE_IN_FLIGHT && r->lease_until_ms <= now;
+}
 int ctl_attention(struct ctl *c, int64_t older_ms, uint32_t max, struct ctl_record **recs,
                   size_t *n);
 void ctl_records_free(struct ctl_record *recs, size_t n);

@@ -303,8 +303,8 @@ static void conn_new(srv *s, int fd, int is_unix, const char *peer)
     int full = idx < 0 || s->nlive >= s->cfg.max_clients;
     srv_conn *c = full ? NULL : calloc(1, sizeof *c);
     /* Watched first: one the kernel would not watch (no memory for it) would never be served.
-     * Said once a second at most (out_of_memory, below): a flood of connections must not flood
-     * the log. */
+     * Logged through the out-of-memory gate (below, SRV_LOG_BURST lines a second at most): a
+     * flood of connections must not flood the log. */
     if (c && ep_watch(s, fd, TAG_CONN + (uint64_t)idx, EPOLLIN | EPOLLRDHUP) != 0) {
         free(c);
         c = NULL;
