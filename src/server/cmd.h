@@ -108,9 +108,9 @@ typedef struct cmd_stat {
     int64_t value;
 } cmd_stat;
 #define CMD_STATS_MAX 96
-/* IDEM.STATS's figures: reads the engine's into *engine (one reading) and lists them with the
- * server's into out (CMD_STATS_MAX entries). Returns how many. */
-int cmd_stats_read(const srv *s, idem_stats *engine, cmd_stat *out);
+/* IDEM.STATS's figures: lists the engine's (one reading, made on the stats line: reads.c) with
+ * the server's into out (CMD_STATS_MAX entries). Returns how many. */
+int cmd_stats_list(const srv *s, const idem_stats *engine, cmd_stat *out);
 
 /* Handlers, by module. */
 void cmd_claim(cmd_req *r);

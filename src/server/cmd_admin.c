@@ -2,9 +2,10 @@
  * cmd_admin.c: operator and introspection commands: IDEM.SCAN, IDEM.STATS, IDEM.AUDIT, DEL,
  * DBSIZE, INFO, CONFIG GET, COMMAND, DEBUG CLOCK.
  *
- * Scans, the attention list and the audit trail are reads made by the reads thread (reads.c),
- * after the pending batch is submitted so that they see every earlier request; srv_read_run
- * makes one and writes its reply.
+ * Scans, the attention list and the audit trail are reads made by the reads' queries thread
+ * (reads.c), after the pending batch is submitted so that they see every earlier request;
+ * srv_read_run makes one and writes its reply. IDEM.STATS and INFO's idem section read the
+ * store's figures the same way, on the stats thread, and cmd_stats_reply writes the reply.
  * DEL of several keys goes to the engine as one group of deletes, which deletes none if any is
  * unfinished.
  */
@@ -16,9 +17,8 @@
 #include <string.h>
 #include <unistd.h>
 
-int cmd_stats_read(const srv *s, idem_stats *engine, cmd_stat *out)
+int cmd_stats_list(const srv *s, const idem_stats *engine, cmd_stat *out)
 {
-    idem_get_stats(s->store, engine);
     const idem_stats *st = engine;
     int n = 0;
 #define STAT(name_, v_)                                                                            \
@@ -102,18 +102,26 @@ int cmd_stats_read(const srv *s, idem_stats *engine, cmd_stat *out)
     return n;
 }
 
+static void read_request(cmd_req *r, const srv_read_args *a);
+
+/* IDEM.STATS: the store's figures are read on the stats line (reads.c), off the loop: the call
+ * may filter the age heaps first (idem.h), and a scan or an audit query may be under way on
+ * the queries' line. cmd_stats_reply makes the reply when they come back. */
 void cmd_stats(cmd_req *r)
 {
-    idem_stats engine;
+    srv_read_args a = {.kind = READ_STATS};
+    read_request(r, &a);
+}
+
+static void stats_array(const srv *s, const idem_stats *engine, resp_buf *b)
+{
     cmd_stat st[CMD_STATS_MAX];
-    int n = cmd_stats_read(r->s, &engine, st);
-    resp_buf *b = cmd_out(r);
+    int n = cmd_stats_list(s, engine, st);
     resp_array(b, 2 * n);
     for (int i = 0; i < n; i++) {
         resp_bulk_str(b, st[i].name);
         resp_integer(b, st[i].value);
     }
-    cmd_done(r);
 }
 
 /* The count covers every request before it (this client's pipelined writes too: the batch goes
@@ -143,10 +151,15 @@ static int state_parse(cmd_req *r, uint32_t i)
 #define AUDIT_ENTRY_REPLY_MAX                                                                      \
     (IDEM_KEY_BYTES_MAX + IDEM_NOTE_BYTES_MAX + IDEM_ACTOR_BYTES_MAX + 1024)
 
+/* The largest reply of IDEM.STATS or INFO: some 8 KiB of text now, with room to grow. */
+#define STATS_REPLY_MAX 65536
+
 /* The largest reply read a can make. */
 static uint64_t read_reply_max(const srv *s, const srv_read_args *a)
 {
     switch (a->kind) {
+    case READ_STATS:
+        return STATS_REPLY_MAX;
     case READ_SCAN: /* the cursor, then a key per slot visited at most */
         return 64 + (uint64_t)(a->scan.count ? a->scan.count : 100) * (IDEM_KEY_BYTES_MAX + 16);
     case READ_AUDIT:
@@ -170,8 +183,11 @@ static void read_request(cmd_req *r, const srv_read_args *a)
     }
     srv_flush_ops(r->s);
     uint64_t most = read_reply_max(r->s, a);
-    if (srv_reads_submit(r->s, r->c, r->seq, a, most) < 0)
+    if (srv_reads_submit(r->s, r->c, r->seq, a, most) < 0) {
+        srv_log_gated(&r->s->log_oom, "warn", "out_of_memory", "what=read id=%llu peer=%s",
+                      (unsigned long long)r->c->id, r->c->peer);
         cmd_fail(r, "ERR out of memory for the read: try again");
+    }
 }
 
 /* IDEM.SCAN cursor [STATE s] [OLDER ms] [COUNT n] */
@@ -401,7 +417,8 @@ void cmd_del(cmd_req *r)
 
 enum { INFO_SERVER = 1, INFO_CLIENTS = 2, INFO_PERSISTENCE = 4, INFO_IDEM = 8, INFO_ALL = 15 };
 
-static void info_text(srv *s, resp_buf *t, int sections)
+/* INFO's text; engine (the store's figures) only with the idem section, when not loading. */
+static void info_text(const srv *s, resp_buf *t, int sections, const idem_stats *engine)
 {
     char line[256];
     int64_t up = (srv_now_ms() - s->started_ms) / 1000;
@@ -425,15 +442,29 @@ static void info_text(srv *s, resp_buf *t, int sections)
         LINE("# Persistence\r\nloading:%d\r\ndurability:%s\r\n\r\n", s->loading ? 1 : 0,
              srv_durability_name(s->cfg.durability));
     }
-    if ((sections & INFO_IDEM) && !s->loading) {
-        idem_stats engine;
+    if (engine) {
         cmd_stat st[CMD_STATS_MAX];
-        int n = cmd_stats_read(s, &engine, st);
+        int n = cmd_stats_list(s, engine, st);
         LINE("# Idem\r\n");
         for (int i = 0; i < n; i++)
             LINE("%s:%lld\r\n", st[i].name, (long long)st[i].value);
     }
 #undef LINE
+}
+
+static void info_reply(srv *s, int sections, const idem_stats *engine, resp_buf *b)
+{
+    resp_buf t;
+    resp_buf_init(&t, 1 << 20);
+    info_text(s, &t, sections, engine);
+    if (t.overflow) { /* no memory for the text (it is far below its limit): not a part of it */
+        resp_buf_free(&t);
+        srv_log_gated(&s->log_oom, "warn", "out_of_memory", "what=info");
+        resp_error(b, "ERR out of memory for the INFO reply: try again");
+        return;
+    }
+    resp_bulk(b, t.data ? (const void *)t.data : "", t.len);
+    resp_buf_free(&t);
 }
 
 /* INFO [section ...]: every section named (as Redis 7), all of them without a name; a name it
@@ -451,17 +482,20 @@ void cmd_info(cmd_req *r)
     for (uint32_t i = 1; i < r->argc; i++)
         for (size_t k = 0; k < sizeof names / sizeof names[0]; k++)
             if (cmd_is(r, i, names[k].name)) sections |= names[k].sections;
-    resp_buf t;
-    resp_buf_init(&t, 1 << 20);
-    info_text(r->s, &t, sections);
-    if (t.overflow) { /* no memory for the text (it is far below its limit): not a part of it */
-        resp_buf_free(&t);
-        srv_log_gated(&r->s->log_oom, "warn", "out_of_memory", "what=info");
-        return cmd_fail(r, "ERR out of memory for the INFO reply: try again");
+    if ((sections & INFO_IDEM) && !r->s->loading) { /* the figures first, as IDEM.STATS */
+        srv_read_args a = {.kind = READ_STATS, .info_sections = sections};
+        return read_request(r, &a);
     }
-    resp_bulk(cmd_out(r), t.data ? (const void *)t.data : "", t.len);
-    resp_buf_free(&t);
+    info_reply(r->s, sections, NULL, cmd_out(r));
     cmd_done(r);
+}
+
+void cmd_stats_reply(srv *s, const srv_read_args *a, const idem_stats *engine, resp_buf *b)
+{
+    if (a->info_sections)
+        info_reply(s, a->info_sections, engine, b);
+    else
+        stats_array(s, engine, b);
 }
 
 /* ---- CONFIG GET ---- */

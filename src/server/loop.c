@@ -1592,7 +1592,8 @@ static int load_finish(srv *s)
     int rc = srv_reads_start(s);
     if (rc != 0) {
         srv_log("error", "reads_thread_failed",
-                "msg=\"could not start the thread that makes scans and audit queries\" "
+                "msg=\"could not start the threads that make scans, audit queries and stats "
+                "readings\" "
                 "error=\"%s\"",
                 strerror(rc));
         return -1;

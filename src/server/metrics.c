@@ -3,9 +3,10 @@
  * the loop thread without blocking it: each connection (SRV_METRICS_CONNS at once) sits in the
  * loop's epoll set; its request head is read to its blank line and ignored (any path answers),
  * or answered anyway once SRV_METRICS_WAIT_MS pass or SRV_METRICS_ASK_MAX bytes come without
- * one; the exposition is written as the socket takes it, then
- * the write side is shut and what the peer still sends is read until it closes (a close with
- * unread bytes would reset the connection and could drop the reply's end). One that is still
+ * one; the store's figures are read on the stats line (reads.c: the call may filter the age
+ * heaps first), the exposition is made from them on the loop and written as the socket takes
+ * it, then the write side is shut and what the peer still sends is read until it closes (a close
+ * with unread bytes would reset the connection and could drop the reply's end). One that is still
  * open after SRV_METRICS_MAX_MS is closed. With every slot taken, a new connection takes the
  * slot of the oldest one not writing a reply (silent, or done): connections that send nothing
  * cannot keep scrapes out. Counters end in _total; the flush latency (the
@@ -142,18 +143,19 @@ static void render_histograms(const srv *s, const idem_stats *st, resp_buf *b)
                      s->claim_latencies);
 }
 
-void metrics_render(srv *s, resp_buf *b)
+/* The exposition of engine, the store's figures (one reading for the whole scrape), and the
+ * server's; NULL while the store loads. */
+static void metrics_render(const srv *s, const idem_stats *engine, resp_buf *b)
 {
     char line[200];
     int k;
-    if (!s->store || s->loading) {
+    if (!engine) {
         render_head(b, "loading", "", "gauge");
         resp_buf_append(b, "idem_loading 1\n", 15);
         return;
     }
-    idem_stats engine; /* one reading for the whole scrape */
     cmd_stat st[CMD_STATS_MAX];
-    int n = cmd_stats_read(s, &engine, st);
+    int n = cmd_stats_list(s, engine, st);
     for (int i = 0; i < n; i++) {
         if (strncmp(st[i].name, "flush_latency_us_", 17) == 0 ||
             strncmp(st[i].name, "claim_latency_us_", 17) == 0)
@@ -166,13 +168,14 @@ void metrics_render(srv *s, resp_buf *b)
                      (long long)st[i].value);
         resp_buf_append(b, line, (size_t)k);
     }
-    render_histograms(s, &engine, b);
+    render_histograms(s, engine, b);
 }
 
 /* ---- scrape connections: non-blocking, in the loop's epoll set ---- */
 
 static void mconn_close(srv *s, srv_metrics_conn *m)
 {
+    if (m->answering == MCONN_READING) srv_reads_cancel_metrics(s, (uint32_t)(m - s->mconns));
     epoll_ctl(s->epfd, EPOLL_CTL_DEL, m->fd, NULL);
     close(m->fd);
     m->fd = -1;
@@ -227,12 +230,28 @@ static void mconn_drain(srv *s, srv_metrics_conn *m)
     }
 }
 
-/* Makes the reply (the request is not looked at: any path answers) and starts writing it. */
-static void mconn_answer(srv *s, srv_metrics_conn *m, uint32_t index)
+/* No memory for the reply, or for the reading it needs: 503, and the connection is done (a
+ * scrape that read part of the text would take it whole). */
+static void mconn_busy(srv *s, srv_metrics_conn *m, uint32_t index)
+{
+    static const char text[] = "out of memory for the metrics: try again\n";
+    char busy[256];
+    int n = snprintf(busy, sizeof busy,
+                     "HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
+                     "Content-Length: %zu\r\nConnection: close\r\n\r\n%s",
+                     sizeof text - 1, text);
+    srv_log_gated(&s->log_oom, "warn", "out_of_memory", "what=metrics");
+    ssize_t w = send(m->fd, busy, (size_t)n, MSG_NOSIGNAL | MSG_DONTWAIT);
+    (void)w; /* a fresh socket's buffer takes it; else the close says enough */
+    mconn_answered(s, m, index);
+}
+
+/* Makes the reply from engine (NULL: loading) and starts writing it. */
+static void mconn_reply(srv *s, srv_metrics_conn *m, uint32_t index, const idem_stats *engine)
 {
     resp_buf body;
     resp_buf_init(&body, 1 << 20);
-    metrics_render(s, &body);
+    metrics_render(s, engine, &body);
     resp_buf_init(&m->out, body.len + 4096); /* the headers, then the body */
     char h[200];
     int k = snprintf(h, sizeof h,
@@ -243,17 +262,8 @@ static void mconn_answer(srv *s, srv_metrics_conn *m, uint32_t index)
     resp_buf_append(&m->out, body.data, body.len);
     int cut = body.overflow || m->out.overflow;
     resp_buf_free(&body);
-    if (cut) { /* no memory for the text: a scrape that read part of it would take it whole */
-        static const char text[] = "out of memory for the metrics: try again\n";
-        char busy[256];
-        int n = snprintf(busy, sizeof busy,
-                         "HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
-                         "Content-Length: %zu\r\nConnection: close\r\n\r\n%s",
-                         sizeof text - 1, text);
-        srv_log_gated(&s->log_oom, "warn", "out_of_memory", "what=metrics");
-        ssize_t w = send(m->fd, busy, (size_t)n, MSG_NOSIGNAL | MSG_DONTWAIT);
-        (void)w; /* a fresh socket's buffer takes it; else the close says enough */
-        mconn_answered(s, m, index);
+    if (cut) {
+        mconn_busy(s, m, index);
         return;
     }
     m->answering = MCONN_WRITING;
@@ -263,6 +273,31 @@ static void mconn_answer(srv *s, srv_metrics_conn *m, uint32_t index)
     mconn_write(s, m, index);
 }
 
+/* Asked (the request is not looked at: any path answers): the store's figures are read on the
+ * stats line (reads.c) and metrics_answer makes the reply; while the store loads there are
+ * none, and the reply is made now. Meanwhile the connection is watched for errors alone (what
+ * the peer sends, or its close, would wake the loop again and again). */
+static void mconn_answer(srv *s, srv_metrics_conn *m, uint32_t index)
+{
+    if (!s->store || s->loading) {
+        mconn_reply(s, m, index, NULL);
+        return;
+    }
+    struct epoll_event e = {.events = 0, .data.u64 = SRV_TAG_METRICS_CONN + index};
+    if (srv_reads_submit_metrics(s, index) < 0 || epoll_ctl(s->epfd, EPOLL_CTL_MOD, m->fd, &e)) {
+        srv_reads_cancel_metrics(s, index);
+        mconn_busy(s, m, index);
+        return;
+    }
+    m->answering = MCONN_READING;
+}
+
+void metrics_answer(srv *s, uint32_t index, uint64_t id, const idem_stats *engine)
+{
+    srv_metrics_conn *m = &s->mconns[index];
+    if (m->fd >= 0 && m->id == id && m->answering == MCONN_READING)
+        mconn_reply(s, m, index, engine);
+}
 /* A free slot for a new connection: a free one, else that of the oldest connection not writing a
  * reply (which is closed). Returns SRV_METRICS_CONNS when every one is writing. */
 static uint32_t mconn_slot(srv *s)
@@ -304,6 +339,7 @@ void metrics_accept(srv *s)
         srv_metrics_conn *m = &s->mconns[i];
         memset(m, 0, sizeof *m);
         m->fd = fd;
+        m->id = ++s->mconn_ids;
         m->since_ms = srv_now_ms();
         struct epoll_event e = {.events = EPOLLIN | EPOLLRDHUP,
                                 .data.u64 = SRV_TAG_METRICS_CONN + i};
@@ -340,6 +376,10 @@ void metrics_event(srv *s, uint32_t index, uint32_t events)
     }
     if (m->answering == MCONN_DRAINING) {
         mconn_drain(s, m);
+        return;
+    }
+    if (m->answering == MCONN_READING) { /* watched for errors alone (mconn_answer) */
+        if (events & (EPOLLERR | EPOLLHUP)) mconn_close(s, m);
         return;
     }
     char req[2048]; /* a bounded part of the request a wake-up (the rest when draining) */

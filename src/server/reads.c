@@ -5,6 +5,13 @@
  * A thread of its own makes them, one at a time in arrival order, with a queue of its own
  * (q_reads), each reply into its read's buffer; the loop, told through reads_fd, copies the reply
  * into the request's place.
+ * The store's figures (IDEM.STATS, INFO's idem section, a metrics scrape: READ_STATS) are read
+ * the same way on a second line with a thread of its own (READS_STATS): idem_get_stats may
+ * filter the age heaps first (34-37 ms after a burst of 262,144 claims, docs/benchmarks.md),
+ * and behind a slow query a scrape would wait for it. The loop makes their reply from the
+ * figures when they come back, with the server's own counters, which are the loop's. A
+ * metrics connection's reading (metrics_id) holds no reply room and no connection: it comes
+ * back to metrics_answer, which drops it if that connection has gone meanwhile.
  *
  * Invariants:
  *   - A connection has at most one read out (read_due): nothing after it is parsed until it is
@@ -17,10 +24,12 @@
  *     withdrawn, or not handed over because its client had left (read_request), counts in
  *     reads_withdrawn (IDEM.STATS).
  *     Reads hold no slot of the engine's queue q: engine_room leaves reads_out out.
- *   - The thread touches only the reads on reads_todo and reads_done (under reads_mu), the read
- *     it is making, q_reads and the store; everything else is the loop's.
- *   - Every read goes to the thread, however many are out: one a connection at most, so they
- *     are bounded by max-clients, and a waiting read holds only its arguments (its reply
+ *   - A thread touches only the reads on its line's reads_todo and on reads_done (under
+ *     reads_mu), the read it is making (the queries': q_reads) and the store; everything else
+ *     is the loop's.
+ *   - Every read goes to its thread, however many are out: one a connection at most, so they
+ *     are bounded by max-clients (and a reading a metrics connection, SRV_METRICS_CONNS, one
+ *     withdrawn as its connection closes), and a waiting read holds only its arguments (its reply
  *     buffer is made when its turn comes). Made on the loop past 64 out, as they were, 65
  *     connections with a slow query each stalled everyone. Memory: one reply at a time is being
  *     made; at most SRV_READS_KEEP reads that came back are kept for reuse (reads_free).
@@ -32,10 +41,11 @@
  *     owed SRV_REPLY_SMALL (its room is owed when it is handed over); a connection that closes
  *     or hangs up withdraws it as it would a read not begun. Nothing after it is parsed, and a
  *     client that reads nothing is timed as any slow reader, so it waits for that client alone.
- *   - Reads are never made on the loop: idemd does not start without this thread.
- * Tests only: with --test-clock, IDEM_TEST_READS_DELAY_MS makes every read wait that long first
- * (reads_test_delay), so that a test can show the loop answers others meanwhile, and
- * IDEM_TEST_READS_THREAD_FAIL makes the thread's start fail (EAGAIN).
+ *   - Reads are never made on the loop: idemd does not start without these threads.
+ * Tests only: with --test-clock, IDEM_TEST_READS_DELAY_MS makes every query wait that long first
+ * (reads_test_delay) and IDEM_TEST_STATS_DELAY_MS every reading of the figures, so that a test
+ * can show the loop answers others meanwhile, and IDEM_TEST_READS_THREAD_FAIL makes the
+ * threads' start fail (EAGAIN).
  */
 #include <errno.h>
 #include <stdint.h>
@@ -55,20 +65,41 @@ static void reads_test_delay(const srv *s)
     }
 }
 
+/* Tests (IDEM_TEST_STATS_DELAY_MS under --test-clock): waits that long before a reading. */
+static void stats_test_delay(const srv *s)
+{
+    if (s->stats_delay_ms) {
+        struct timespec ts = {s->stats_delay_ms / 1000, (long)(s->stats_delay_ms % 1000) * 1000000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+struct line_arg {
+    srv *s;
+    int line;
+};
+
 static void *reads_main(void *arg)
 {
-    srv *s = arg;
+    srv *s = ((struct line_arg *)arg)->s;
+    int line = ((struct line_arg *)arg)->line;
+    free(arg);
     pthread_mutex_lock(&s->reads_mu);
     for (;;) {
-        while (!s->reads_todo && !s->reads_stop)
-            pthread_cond_wait(&s->reads_cond, &s->reads_mu);
+        while (!s->reads_todo[line] && !s->reads_stop)
+            pthread_cond_wait(&s->reads_cond[line], &s->reads_mu);
         if (s->reads_stop) break;
-        srv_read *r = s->reads_todo;
-        s->reads_todo = r->next;
-        if (!s->reads_todo) s->reads_todo_tail = NULL;
+        srv_read *r = s->reads_todo[line];
+        s->reads_todo[line] = r->next;
+        if (!s->reads_todo[line]) s->reads_todo_tail[line] = NULL;
         pthread_mutex_unlock(&s->reads_mu);
-        reads_test_delay(s);
-        srv_read_run(s->q_reads, &r->a, &r->reply);
+        if (line == READS_STATS) {
+            stats_test_delay(s);
+            idem_get_stats(s->store, &r->engine);
+        } else {
+            reads_test_delay(s);
+            srv_read_run(s->q_reads, &r->a, &r->reply);
+        }
         pthread_mutex_lock(&s->reads_mu);
         r->next = s->reads_done;
         s->reads_done = r;
@@ -80,27 +111,42 @@ static void *reads_main(void *arg)
     return NULL;
 }
 
+/* Tests (--test-clock): the delay an environment variable names, in ms (at most a minute). */
+static uint32_t test_delay_ms(const srv *s, const char *name)
+{
+    const char *v = getenv(name);
+    if (!s->cfg.test_clock || !v) return 0;
+    unsigned long ms = strtoul(v, NULL, 10);
+    return ms < 60000 ? (uint32_t)ms : 60000;
+}
+
+static int line_start(srv *s, int line)
+{
+    int rc = pthread_cond_init(&s->reads_cond[line], NULL);
+    if (rc != 0) return rc;
+    struct line_arg *arg = malloc(sizeof *arg);
+    if (!arg) rc = ENOMEM;
+    if (arg) *arg = (struct line_arg){s, line};
+    if (arg && (rc = pthread_create(&s->reads_thread[line], NULL, reads_main, arg)) != 0) free(arg);
+    if (rc != 0) {
+        pthread_cond_destroy(&s->reads_cond[line]);
+        return rc;
+    }
+    s->reads_started++;
+    return 0;
+}
+
 int srv_reads_start(srv *s)
 {
     if (idem_queue_open(s->store, 16, &s->q_reads) != IDEM_OK) return errno ? errno : ENOMEM;
-    const char *delay = getenv("IDEM_TEST_READS_DELAY_MS");
-    if (s->cfg.test_clock && delay) {
-        unsigned long ms = strtoul(delay, NULL, 10);
-        s->reads_delay_ms = ms < 60000 ? (uint32_t)ms : 60000;
-    }
+    s->reads_delay_ms = test_delay_ms(s, "IDEM_TEST_READS_DELAY_MS");
+    s->stats_delay_ms = test_delay_ms(s, "IDEM_TEST_STATS_DELAY_MS");
     if (s->cfg.test_clock && getenv("IDEM_TEST_READS_THREAD_FAIL")) return EAGAIN;
     int rc = pthread_mutex_init(&s->reads_mu, NULL);
     if (rc != 0) return rc;
-    if ((rc = pthread_cond_init(&s->reads_cond, NULL)) != 0) {
-        pthread_mutex_destroy(&s->reads_mu);
-        return rc;
-    }
-    if ((rc = pthread_create(&s->reads_thread, NULL, reads_main, s)) != 0) {
-        pthread_cond_destroy(&s->reads_cond);
-        pthread_mutex_destroy(&s->reads_mu);
-        return rc;
-    }
-    s->reads_started = 1;
+    s->reads_mu_made = 1;
+    for (int line = 0; line < READS_LINES; line++)
+        if ((rc = line_start(s, line)) != 0) return rc; /* srv_reads_stop stops those begun */
     return 0;
 }
 
@@ -120,24 +166,59 @@ static void read_recycle(srv *s, srv_read *r)
     s->reads_kept++;
 }
 
-/* Hands r to the thread, its reply bounded by room. */
+static int line_of(const srv_read *r)
+{
+    return r->a.kind == READ_STATS ? READS_STATS : READS_QUERIES;
+}
+
+/* Puts r at the end of its line, and wakes its thread. */
+static void line_append(srv *s, srv_read *r)
+{
+    int line = line_of(r);
+    r->next = NULL;
+    pthread_mutex_lock(&s->reads_mu);
+    if (s->reads_todo_tail[line])
+        s->reads_todo_tail[line]->next = r;
+    else
+        s->reads_todo[line] = r;
+    s->reads_todo_tail[line] = r;
+    pthread_cond_signal(&s->reads_cond[line]);
+    pthread_mutex_unlock(&s->reads_mu);
+}
+
+/* Hands r to its thread, its reply bounded by room. */
 static void reads_enqueue(srv *s, srv_conn *c, srv_read *r, uint64_t room)
 {
     r->reply.limit = room; /* empty: new, or emptied when it came back */
     r->room = room;
     s->reads_owed += room;
-    r->next = NULL;
     s->reads_out++;
     c->engine_due++;
     s->engine_due++;
-    pthread_mutex_lock(&s->reads_mu);
-    if (s->reads_todo_tail)
-        s->reads_todo_tail->next = r;
-    else
-        s->reads_todo = r;
-    s->reads_todo_tail = r;
-    pthread_cond_signal(&s->reads_cond);
-    pthread_mutex_unlock(&s->reads_mu);
+    line_append(s, r);
+}
+
+/* A read kept for reuse, or a new one; NULL without memory. */
+static srv_read *read_take(srv *s)
+{
+    srv_read *r = s->reads_free;
+    if (!r) return calloc(1, sizeof *r);
+    s->reads_free = r->next;
+    s->reads_kept--;
+    r->metrics_id = 0;
+    return r;
+}
+
+int srv_reads_submit_metrics(srv *s, uint32_t index)
+{
+    srv_read *r = read_take(s);
+    if (!r) return -1;
+    r->conn = index;
+    r->metrics_id = s->mconns[index].id;
+    r->a = (srv_read_args){.kind = READ_STATS};
+    r->room = 0; /* its text is the metrics connection's own (metrics_answer) */
+    line_append(s, r);
+    return 0;
 }
 
 /* The room r's reply may have now (srv_reply_room, srv_reads_room), or 0 while the replies
@@ -151,14 +232,8 @@ static uint64_t read_room_now(srv *s, srv_conn *c, const srv_read *r)
 
 int srv_reads_submit(srv *s, srv_conn *c, uint32_t seq, const srv_read_args *a, uint64_t want)
 {
-    srv_read *r = s->reads_free;
-    if (r) {
-        s->reads_free = r->next;
-        s->reads_kept--;
-    } else {
-        r = calloc(1, sizeof *r);
-        if (!r) return -1;
-    }
+    srv_read *r = read_take(s);
+    if (!r) return -1;
     r->conn = c->index;
     r->seq = seq;
     r->a = *a;
@@ -229,6 +304,11 @@ void srv_reads_done(srv *s)
     while (done) {
         srv_read *r = done;
         done = r->next;
+        if (r->metrics_id) {
+            metrics_answer(s, r->conn, r->metrics_id, &r->engine);
+            read_recycle(s, r);
+            continue;
+        }
         srv_conn *c = s->conns[r->conn];
         c->read_due = 0;
         c->engine_due--;
@@ -237,6 +317,7 @@ void srv_reads_done(srv *s)
         s->reads_owed -= r->room;
         if (!c->dead && srv_reply_pending(c, r->seq)) {
             resp_buf *b = srv_reply_buf(c, r->seq);
+            if (r->a.kind == READ_STATS) cmd_stats_reply(s, &r->a, &r->engine, &r->reply);
             if (r->reply.no_memory) {
                 srv_log_gated(&s->log_oom, "warn", "out_of_memory",
                               "what=read_reply id=%llu peer=%s", (unsigned long long)c->id,
@@ -258,6 +339,34 @@ void srv_reads_done(srv *s)
     }
 }
 
+/* Takes the read of connection conn (metrics_id: of that metrics connection; 0, a client's) off
+ * its line if its thread has not begun it. Returns it, or NULL. */
+static srv_read *todo_withdraw(srv *s, uint32_t conn, uint64_t metrics_id)
+{
+    srv_read *found = NULL;
+    if (!s->reads_mu_made) return NULL; /* nothing was handed over */
+    pthread_mutex_lock(&s->reads_mu);
+    for (int line = 0; line < READS_LINES && !found; line++) {
+        for (srv_read **pp = &s->reads_todo[line], *prev = NULL; *pp;
+             prev = *pp, pp = &(*pp)->next) {
+            if ((*pp)->conn == conn && (*pp)->metrics_id == metrics_id) {
+                found = *pp;
+                *pp = found->next;
+                if (s->reads_todo_tail[line] == found) s->reads_todo_tail[line] = prev;
+                break;
+            }
+        }
+    }
+    pthread_mutex_unlock(&s->reads_mu);
+    return found;
+}
+
+void srv_reads_cancel_metrics(srv *s, uint32_t index)
+{
+    srv_read *r = todo_withdraw(s, index, s->mconns[index].id);
+    if (r) read_recycle(s, r);
+}
+
 int srv_reads_cancel(srv *s, srv_conn *c, uint32_t *seq)
 {
     if (c->read_parked) { /* never handed over */
@@ -268,17 +377,7 @@ int srv_reads_cancel(srv *s, srv_conn *c, uint32_t *seq)
         return pending;
     }
     if (!c->read_due) return 0;
-    srv_read *found = NULL;
-    pthread_mutex_lock(&s->reads_mu);
-    for (srv_read **pp = &s->reads_todo, *prev = NULL; *pp; prev = *pp, pp = &(*pp)->next) {
-        if ((*pp)->conn == c->index) {
-            found = *pp;
-            *pp = found->next;
-            if (s->reads_todo_tail == found) s->reads_todo_tail = prev;
-            break;
-        }
-    }
-    pthread_mutex_unlock(&s->reads_mu);
+    srv_read *found = todo_withdraw(s, c->index, 0);
     if (!found) return 0; /* being made: it comes back, and its reply is dropped */
     c->read_due = 0;
     c->engine_due--;
@@ -303,18 +402,23 @@ static void reads_free_list(srv_read *r)
 
 void srv_reads_stop(srv *s)
 {
-    if (s->reads_started) {
+    if (s->reads_mu_made) {
         pthread_mutex_lock(&s->reads_mu);
         s->reads_stop = 1;
-        pthread_cond_signal(&s->reads_cond);
+        for (int line = 0; line < s->reads_started; line++)
+            pthread_cond_signal(&s->reads_cond[line]);
         pthread_mutex_unlock(&s->reads_mu);
-        pthread_join(s->reads_thread, NULL);
+        for (int line = 0; line < s->reads_started; line++) {
+            pthread_join(s->reads_thread[line], NULL);
+            pthread_cond_destroy(&s->reads_cond[line]);
+            reads_free_list(s->reads_todo[line]);
+            s->reads_todo[line] = s->reads_todo_tail[line] = NULL;
+        }
         s->reads_started = 0;
-        reads_free_list(s->reads_todo);
         reads_free_list(s->reads_done);
-        s->reads_todo = s->reads_todo_tail = s->reads_done = NULL;
-        pthread_cond_destroy(&s->reads_cond);
+        s->reads_done = NULL;
         pthread_mutex_destroy(&s->reads_mu);
+        s->reads_mu_made = 0;
     }
     reads_free_list(s->reads_free);
     s->reads_free = NULL;

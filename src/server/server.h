@@ -76,9 +76,11 @@
 /* A connection to the metrics endpoint (metrics.c). */
 #define MCONN_WRITING  1 /* the reply is made: it is being written */
 #define MCONN_DRAINING 2 /* reply out, write side shut: reading until the peer closes */
+#define MCONN_READING  3 /* asked: the store's figures are being read (the stats line) */
 typedef struct srv_metrics_conn {
     int fd;           /* -1: free */
-    int answering;    /* 0: waiting for the request; MCONN_WRITING; MCONN_DRAINING */
+    int answering;    /* 0: waiting for the request; MCONN_READING, _WRITING, _DRAINING */
+    uint64_t id;      /* unique for idemd's life: a reading that comes back finds its own */
     int64_t since_ms; /* accepted then (srv_now_ms) */
     size_t off;       /* bytes of out written */
     uint32_t tail;    /* the request's last four bytes, to see its blank line */
@@ -235,10 +237,12 @@ static inline srv_slot *srv_slot_of(srv_conn *c, uint32_t seq)
 }
 
 /* What IDEM.SCAN, IDEM.AUDIT and IDEM.ATTENTION read (cmd_admin.c parses it, srv_read_run
- * makes the read). */
-enum srv_read_kind { READ_SCAN = 1, READ_AUDIT = 2, READ_ATTENTION = 3 };
+ * makes the read), and the store's figures that IDEM.STATS, INFO and a metrics scrape report
+ * (READ_STATS: idem_get_stats on a line of its own, the reply made on the loop). */
+enum srv_read_kind { READ_SCAN = 1, READ_AUDIT = 2, READ_ATTENTION = 3, READ_STATS = 4 };
 typedef struct srv_read_args {
     int kind;
+    int info_sections;       /* READ_STATS: INFO's sections; 0, IDEM.STATS's reply */
     idem_scan_args scan;     /* READ_SCAN */
     idem_attention_args att; /* READ_ATTENTION */
     uint8_t key[IDEM_KEY_BYTES_MAX];
@@ -255,8 +259,16 @@ typedef struct srv_read {
     srv_read_args a;
     uint64_t want;  /* the largest reply it can make (read_reply_max) */
     uint64_t room;  /* what its reply may hold, counted in srv.reads_owed until it is back */
-    resp_buf reply; /* made by the thread */
+    resp_buf reply; /* made by the thread (READ_STATS: by the loop, from engine) */
+    /* A metrics scrape's read: its connection's id (conn is its index in srv.mconns); 0 for a
+     * client's. It holds no reply room and no engine_due, and is not in reads_out. */
+    uint64_t metrics_id;
+    idem_stats engine; /* READ_STATS: the store's figures, read on the stats line */
 } srv_read;
+
+/* The reads' lines, a thread each: the queries (scans, the attention list, the audit trail),
+ * and the store's figures, which a slow query must not hold up. */
+enum { READS_QUERIES = 0, READS_STATS = 1, READS_LINES = 2 };
 
 #define SRV_READS_KEEP 64 /* reads that came back kept for reuse (reads.c) */
 
@@ -333,22 +345,27 @@ typedef struct srv {
     int backup_err;
     char backup_dest[4096];
     char backup_msg[512];
-    /* Reads (IDEM.SCAN, IDEM.AUDIT, IDEM.ATTENTION) are made on a thread of their own (reads.c)
-     * with q_reads, in arrival order; reads_fd (an eventfd in the loop's epoll set) says some
-     * are done. Their requests are held open like engine completions (engine_due). */
+    /* Reads (IDEM.SCAN, IDEM.AUDIT, IDEM.ATTENTION with q_reads; the store's figures) are made
+     * off the loop (reads.c), on two lines of a thread each, each in arrival order; reads_fd (an
+     * eventfd in the loop's epoll set) says some are done. Their requests are held open like
+     * engine completions (engine_due). */
     idem_queue *q_reads;
     int reads_fd;
-    int reads_started;
-    pthread_t reads_thread;
+    int reads_mu_made; /* reads_mu is made (srv_reads_start) */
+    int reads_started; /* lines whose thread runs: the first ones */
+    pthread_t reads_thread[READS_LINES];
     pthread_mutex_t reads_mu;
-    pthread_cond_t reads_cond;
-    srv_read *reads_todo, *reads_todo_tail, *reads_done; /* reads_mu */
-    int reads_stop;                                      /* reads_mu */
-    srv_read *reads_free;                                /* the loop's */
-    uint32_t reads_kept;                                 /* on reads_free */
-    uint32_t reads_out;                                  /* handed to the thread, not back */
+    pthread_cond_t reads_cond[READS_LINES];
+    srv_read *reads_todo[READS_LINES], *reads_todo_tail[READS_LINES]; /* reads_mu */
+    srv_read *reads_done;                                             /* reads_mu */
+    int reads_stop;                                                   /* reads_mu */
+    srv_read *reads_free;                                             /* the loop's */
+    uint32_t reads_kept;                                              /* on reads_free */
+    uint32_t reads_out;       /* handed to the thread, not back */
     uint64_t reads_withdrawn; /* reads not made because their client left (IDEM.STATS) */
-    uint32_t reads_delay_ms;  /* tests (--test-clock): each read waits this long first */
+    uint32_t reads_delay_ms;  /* tests (--test-clock): each query waits this long first */
+    uint32_t stats_delay_ms;  /* tests (--test-clock): each reading of the figures, as much */
+    uint64_t mconn_ids;       /* the last metrics connection's id */
     int64_t unauth_ms;        /* SRV_UNAUTH_MS, or IDEM_TEST_AUTH_WITHIN_MS under --test-clock */
 } srv;
 
@@ -417,8 +434,8 @@ void srv_backup_done(srv *s);
 void srv_backup_join(srv *s);
 
 /* ---- reads.c ---- */
-/* Starts the reads thread with its own queue (after the store is open). Returns 0, or an errno
- * value (idemd does not start without it). */
+/* Starts the reads' threads, the queries' with its own queue (after the store is open).
+ * Returns 0, or an errno value (idemd does not start without them). */
 int srv_reads_start(srv *s);
 /* Hands the read of request `seq` of c, whose reply can be up to `want` bytes, to the thread,
  * or parks it on c while the replies before it leave it too little room (srv_out_room): it is
@@ -432,6 +449,13 @@ void srv_reads_unpark(srv *s, srv_conn *c);
 uint64_t srv_reads_room(const srv *s);
 /* The loop saw reads_fd readable: answers the reads that are done. */
 void srv_reads_done(srv *s);
+/* Hands a reading of the store's figures for metrics connection `index` to the stats line;
+ * metrics_answer gets it back. Returns 0, or -1 without memory for it. */
+int srv_reads_submit_metrics(srv *s, uint32_t index);
+/* Metrics connection `index` closes while its reading is out: withdrawn if not begun (one that
+ * is being made comes back to metrics_answer, which drops it), so that the stats line holds a
+ * reading a metrics connection at most. */
+void srv_reads_cancel_metrics(srv *s, uint32_t index);
 /* c is closing, or hung up: its read, if the thread has not begun it, is withdrawn (and counted
  * done). Returns 1 with *seq its request's sequence (the slot is left unanswered), else 0. */
 int srv_reads_cancel(srv *s, srv_conn *c, uint32_t *seq);
@@ -465,6 +489,9 @@ void cmd_reply_err(resp_buf *b, int err);
 /* Makes a read with the blocking calls of q (one thread at a time per queue) and writes its
  * reply into b (cmd_admin.c). */
 void srv_read_run(idem_queue *q, const srv_read_args *a, resp_buf *b);
+/* Writes the reply of IDEM.STATS or INFO (a READ_STATS read) from engine, the store's figures
+ * read for it, and the server's own (cmd_admin.c; on the loop). */
+void cmd_stats_reply(srv *s, const srv_read_args *a, const idem_stats *engine, resp_buf *b);
 
 /* ---- auth.c ---- */
 int auth_role_parse(const char *s);
@@ -487,8 +514,9 @@ void srv_log_gated(srv_log_gate *g, const char *level, const char *event, const 
     __attribute__((format(printf, 4, 5)));
 
 /* ---- metrics.c ---- */
-/* Writes the Prometheus text exposition of the store's stats into b. */
-void metrics_render(srv *s, resp_buf *b);
+/* The reading of the store's figures asked for metrics connection `index` came back: if that
+ * connection still waits for it (its id), its reply is made from engine and written. */
+void metrics_answer(srv *s, uint32_t index, uint64_t id, const idem_stats *engine);
 /* The scrape timers: SRV_METRICS_WAIT_MS and SRV_METRICS_MAX_MS; tests only, with
  * --test-clock, IDEM_TEST_METRICS_WAIT_MS sets the first (the second follows it), so that
  * their bounds on how long a scrape or a PING may take need not sit close to 200 ms. */
