@@ -10,7 +10,8 @@
  * Walked segments wait (up to STORE_CMP_AHEAD of them) and are retired oldest first, superblock
  * first, then the files, once (a) the copies and deletes their walk caused are durable and (b)
  * the installed checkpoint was begun after their walk ended, so neither its image nor a run
- * begun since points at a frame of them, and replay starts after them. The next segment is
+ * begun since points at a frame of them, and replay starts after them, and (c) no backup is
+ * copying (s->backups: the copy reads the segments from its superblock's on). The next segment is
  * walked meanwhile, so one checkpoint retires every segment walked before it began. A checkpoint
  * (a scan of the whole index) is asked for once STORE_CKPT_RETIRE_BATCH segments wait, or once
  * no walk has ended for STORE_CKPT_QUIET_MS of store time (compact_wants_checkpoint).
@@ -388,8 +389,9 @@ static int retire(idem_store *s, int off_lock)
     /* The superblock write runs with the lock let go, and the unmaps and deletes on the
      * remover's thread (remover.h): under the lock they held every caller 16-84 ms a
      * retirement (docs/benchmarks.md). Callers cannot reach the segments meanwhile: nothing in
-     * the index or the age heaps points into them, and a backup waits for the flusher before it
-     * takes its copy of the superblock. */
+     * the index points into them, the age heaps' entries that still do are checked against the
+     * index before any use (ages.c), and a backup waits for the flusher before it takes its copy
+     * of the superblock. */
     struct super sb = s->sb;
     sb.wal_first_seq = upto + 1;
     store_super_marks(s, &sb);

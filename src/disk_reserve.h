@@ -12,7 +12,10 @@
  * and checkpoints go on in that room and free what they can. Once the reserve and a segment more
  * are free again the file is taken back and new keys are taken. An open or allocation that finds
  * no room leaves the reserve short (new keys are taken, as before it existed) and is tried again
- * each second.
+ * each second; but an open that finds the file empty, as a release leaves it, and no room to
+ * allocate it keeps it let go (reserve_start). The room is for one segment of a walk's copies:
+ * a walk of segments that are nearly all live may need more, and then ends nothing (design.md
+ * section 21).
  *
  * The file's content is never read: its blocks are what it is for. It is not synced but at its
  * release (blocks a truncate freed are reused only once the file system commits), and a crash

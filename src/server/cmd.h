@@ -1,9 +1,9 @@
 /*
  * cmd.h: private to the command modules (commands.c: table, dispatch and connection commands;
- * cmd_idem.c: the key commands that go to the engine; cmd_admin.c: stats, scans, audit, DEL,
- * INFO, CONFIG, COMMAND, DEBUG; cmd_docs.c: COMMAND DOCS, from the table's descriptions). A handler
- * answers its request now (reply + done) or queues engine ops with srv_submit_op; it never keeps
- * argv past its return.
+ * cmd_idem.c: the key commands that go to the engine; cmd_admin.c: stats, scans, the attention
+ * list, audit, backup, DEL, DBSIZE, INFO, CONFIG, COMMAND, DEBUG CLOCK; cmd_docs.c: COMMAND DOCS,
+ * from the table's descriptions). A handler answers its request now (reply + done) or queues engine
+ * ops with srv_submit_op; it never keeps argv past its return.
  */
 #ifndef IDEM_SERVER_CMD_H
 #define IDEM_SERVER_CMD_H
@@ -87,7 +87,8 @@ void cmd_docs_reply(resp_buf *b, const cmd_req *r);
  * names, which `usage` lists, or one given twice). */
 int cmd_option(cmd_req *r, uint32_t i, const char *const *names, unsigned n, unsigned *seen,
                const char *usage);
-/* Strict decimal parsing. Return 0 or -1. */
+/* Strict decimal parsing, as Redis's: digits only (cmd_i64: after one '-'), no leading zero,
+ * no "-0". Return 0 or -1. */
 int cmd_u64(const uint8_t *p, uint32_t n, uint64_t *out);
 int cmd_i64(const uint8_t *p, uint32_t n, int64_t *out);
 /* Checks a key's length; on failure answers the request and returns -1. */

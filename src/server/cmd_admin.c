@@ -1,6 +1,6 @@
 /*
- * cmd_admin.c: operator and introspection commands: IDEM.SCAN, IDEM.STATS, IDEM.AUDIT, DEL,
- * DBSIZE, INFO, CONFIG GET, COMMAND, DEBUG CLOCK.
+ * cmd_admin.c: operator and introspection commands: IDEM.STATS, IDEM.SCAN, IDEM.AUDIT,
+ * IDEM.ATTENTION, IDEM.BACKUP, DEL, DBSIZE, INFO, CONFIG GET, COMMAND, DEBUG CLOCK.
  *
  * Scans, the attention list and the audit trail are reads made by the reads' queries thread
  * (reads.c), after the pending batch is submitted so that they see every earlier request;
@@ -151,15 +151,12 @@ static int state_parse(cmd_req *r, uint32_t i)
 #define AUDIT_ENTRY_REPLY_MAX                                                                      \
     (IDEM_KEY_BYTES_MAX + IDEM_NOTE_BYTES_MAX + IDEM_ACTOR_BYTES_MAX + 1024)
 
-/* The largest reply of IDEM.STATS or INFO: some 8 KiB of text now, with room to grow. */
-#define STATS_REPLY_MAX 65536
-
 /* The largest reply read a can make. */
 static uint64_t read_reply_max(const srv *s, const srv_read_args *a)
 {
     switch (a->kind) {
-    case READ_STATS:
-        return STATS_REPLY_MAX;
+    case READ_STATS: /* IDEM.STATS or INFO: some 8 KiB of text, owed as every long reply */
+        return SRV_REPLY_LONG;
     case READ_SCAN: /* the cursor, then a key per slot visited at most */
         return 64 + (uint64_t)(a->scan.count ? a->scan.count : 100) * (IDEM_KEY_BYTES_MAX + 16);
     case READ_AUDIT:

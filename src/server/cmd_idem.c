@@ -279,8 +279,13 @@ static int set_options(cmd_req *r, uint64_t *ttl_ms, int *nx, int *get)
                 cmd_fail(r, "ERR syntax error: one expire time per SET (PX ms or EX s)");
                 return -1;
             }
-            if (cmd_u64(r->argv[i + 1], r->argl[i + 1], &v) < 0 || v == 0 ||
-                v > IDEM_TTL_MS_MAX / mult) {
+            int64_t sv;
+            if (cmd_i64(r->argv[i + 1], r->argl[i + 1], &sv) < 0) { /* as Redis answers it */
+                cmd_fail(r, "ERR value is not an integer or out of range");
+                return -1;
+            }
+            v = sv > 0 ? (uint64_t)sv : 0;
+            if (v == 0 || v > IDEM_TTL_MS_MAX / mult) {
                 cmd_fail(r, "ERR invalid expire time in 'set' command");
                 return -1;
             }

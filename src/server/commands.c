@@ -80,7 +80,7 @@ int cmd_option(cmd_req *r, uint32_t i, const char *const *names, unsigned n, uns
 int cmd_u64(const uint8_t *p, uint32_t n, uint64_t *out)
 {
     uint64_t v = 0;
-    if (n == 0 || n > 20) return -1;
+    if (n == 0 || n > 20 || (n > 1 && p[0] == '0')) return -1; /* "007" is not one (Redis) */
     for (uint32_t i = 0; i < n; i++) {
         if (p[i] < '0' || p[i] > '9' || v > (UINT64_MAX - 9) / 10) return -1;
         v = v * 10 + (uint64_t)(p[i] - '0');
@@ -93,7 +93,8 @@ int cmd_i64(const uint8_t *p, uint32_t n, int64_t *out)
 {
     uint64_t v;
     int neg = n > 0 && p[0] == '-';
-    if (cmd_u64(p + neg, n - (uint32_t)neg, &v) < 0 || v > (uint64_t)INT64_MAX) return -1;
+    if (cmd_u64(p + neg, n - (uint32_t)neg, &v) < 0 || v > (uint64_t)INT64_MAX || (neg && !v))
+        return -1;
     *out = neg ? -(int64_t)v : (int64_t)v;
     return 0;
 }
@@ -726,14 +727,16 @@ void cmd_dispatch(srv *s, srv_conn *c, uint32_t seq, uint32_t argc, const uint8_
     }
     if (c->role == ROLE_NONE && !(d->flags & CMD_F_NOAUTH))
         return cmd_fail(&r, "NOAUTH Authentication required.");
+    char name[32]; /* as Redis names a command in an error: lower case */
+    cmd_name_lower(d->name, name, sizeof name);
     if ((d->arity > 0 && argc != (uint32_t)d->arity) ||
         (d->arity < 0 && argc < (uint32_t)-d->arity))
-        return cmd_fail(&r, "ERR wrong number of arguments for '%s' command", d->name);
+        return cmd_fail(&r, "ERR wrong number of arguments for '%s' command", name);
     if (c->role != ROLE_NONE && !roles_allow(d, c->role))
         return cmd_fail(&r,
                         "NOPERM this user (role %s) has no permissions to run the '%s' "
                         "command",
-                        auth_role_name(c->role), d->name);
+                        auth_role_name(c->role), name);
     if (s->loading && !(d->flags & CMD_F_LOADING))
         return cmd_fail(&r, "LOADING idemd is recovering the store; try again shortly");
     if (s->draining && (d->flags & CMD_F_WRITE)) return cmd_fail(&r, "ERR server is shutting down");

@@ -10,7 +10,8 @@
  *
  * Invariants: replies leave a connection in request order (server.h); a connection's struct
  * lives until the engine has delivered every completion it owes it (engine_due), even after its
- * socket is closed; the total of input and output buffers (io_used) is bounded by the budget.
+ * socket is closed; the total of input and output buffers (io_used) is held near the budget
+ * (past it, clients are held back: below).
  *
  * Past the budget (buffers plus the replies still owed), each client is held back for what it
  * holds itself, so that slow readers holding the budget starve nobody else:
@@ -74,6 +75,7 @@
 #define ACCEPT_PAUSE_MS 100 /* listeners unwatched after an accept error (srv_accept) */
 #define COMPLETIONS_MAX 256
 #define DRAIN_WRITE_MS  2000
+#define DRAIN_ANSWER_MS 30000 /* a drain answers what is still unanswered after this */
 
 int64_t srv_now_ms(void)
 {
@@ -1409,8 +1411,11 @@ static void housekeeping(srv *s, int64_t now)
         /* Connections that hold a slot without a password cannot fill --max-clients for good. */
         if (c->fd >= 0 && c->role == ROLE_NONE && now - c->accepted_ms >= s->unauth_ms)
             conn_close(s, c, "auth_timeout");
-        if (c->fd >= 0 && !c->hung_up && s->cfg.idle_timeout_ms && c->head_seq == c->tail_seq &&
-            c->out.len == 0 && now - c->last_active_ms > (int64_t)s->cfg.idle_timeout_ms)
+        /* Not one idemd stopped reading (paused): its silence is idemd's; the budget's rules
+         * time it. */
+        if (c->fd >= 0 && !c->hung_up && !c->paused && s->cfg.idle_timeout_ms &&
+            c->head_seq == c->tail_seq && c->out.len == 0 &&
+            now - c->last_active_ms > (int64_t)s->cfg.idle_timeout_ms)
             conn_close(s, c, "idle_timeout");
     }
     /* After the deferred clients' parses: a whole large request that waited for room, parsed
@@ -1673,15 +1678,18 @@ static int drain_step(srv *s)
     /* Every operation the engine took is answered by it: claims that waited (cancelled at the
      * drain's start) answer busy with the lease they waited on, and one granted just before
      * keeps its grant (answered busy here, its grant would leave a lease no one holds). Only
-     * past 30 s are the claims still waiting answered here, and then every other request still
-     * unanswered (behind a flush that stalls, or a long read) is told that its outcome is not
-     * known, rather than left without a reply at the close. */
+     * past DRAIN_ANSWER_MS (30 s) are the claims still waiting answered here, and then every
+     * other request still unanswered (behind a flush that stalls, or a long read) is told that
+     * its outcome is not known, rather than left without a reply at the close. */
     if (s->engine_due > 0) {
-        if (srv_now_ms() - s->drain_started_ms < 30000) return 0;
+        if (srv_now_ms() - s->drain_started_ms < s->drain_answer_ms) return 0;
+        char msg[200];
+        snprintf(msg, sizeof msg,
+                 "ERR server is shutting down and this request had no answer within %lld s: its "
+                 "outcome is unknown (made durable at the close if it was carried out)",
+                 (long long)(s->drain_answer_ms / 1000));
         answer_pending(s, 1, NULL);
-        answer_pending(s, 0,
-                       "ERR server is shutting down and this request had no answer within 30 s: "
-                       "its outcome is unknown (made durable at the close if it was carried out)");
+        answer_pending(s, 0, msg);
     }
     flush_all(s, DRAIN_WRITE_MS);
     return 1;
@@ -1799,6 +1807,17 @@ static int loop_turn(srv *s, int64_t *last_house)
         return -1;
     }
     clock_tick(s);
+    /* Ends first: a client gone in this turn has its WAIT claims cancelled before any request of
+     * the turn sends the batch early (a read, DBSIZE, AUTH, ...), whose release by another
+     * client would grant it the key (cancel_waits). */
+    for (int i = 0; i < n; i++) {
+        uint64_t tag = evs[i].data.u64;
+        if (tag >= TAG_CONN && tag < SRV_TAG_METRICS_CONN &&
+            (evs[i].events & (EPOLLHUP | EPOLLERR | EPOLLRDHUP))) {
+            srv_conn *c = s->conns[tag - TAG_CONN];
+            if (c && c->fd >= 0) conn_peer_eof(s, c);
+        }
+    }
     for (int i = 0; i < n; i++)
         if (on_event(s, &evs[i]) < 0) return -1;
     submit_batch(s);
@@ -1903,6 +1922,9 @@ int srv_run(srv *s)
     s->unauth_ms = SRV_UNAUTH_MS;
     const char *within = getenv("IDEM_TEST_AUTH_WITHIN_MS"); /* tests, with --test-clock only */
     if (s->cfg.test_clock && within) s->unauth_ms = (int64_t)strtoul(within, NULL, 10);
+    s->drain_answer_ms = DRAIN_ANSWER_MS;
+    const char *drain = getenv("IDEM_TEST_DRAIN_ANSWER_MS"); /* the same */
+    if (s->cfg.test_clock && drain) s->drain_answer_ms = (int64_t)strtoul(drain, NULL, 10);
     clock_tick(s);
     if (setup_fds(s) < 0 || listen_all(s) < 0) return finish(s, 1);
     s->loading = 1;

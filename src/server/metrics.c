@@ -8,10 +8,11 @@
  * it, then the write side is shut and what the peer still sends is read until it closes (a close
  * with unread bytes would reset the connection and could drop the reply's end). One that is still
  * open after SRV_METRICS_MAX_MS is closed. With every slot taken, a new connection takes the
- * slot of the oldest one not writing a reply (silent, or done): connections that send nothing
- * cannot keep scrapes out. Counters end in _total; the flush latency (the
- * engine's) and the claim latency (the server's) are histograms over the same power-of-two
- * buckets. Nothing here scans keys.
+ * slot of the oldest one not answering (silent, even while answered for it, or done):
+ * connections that send nothing cannot keep scrapes out. While its figures are read a connection is
+ * watched for errors alone: one reset then withdraws its reading; one closed is seen once its reply
+ * is written. Counters end in _total; the flush latency (the engine's) and the claim latency (the
+ * server's) are histograms over the same power-of-two buckets. Nothing here scans keys.
  */
 #include "cmd.h"
 
@@ -298,15 +299,18 @@ void metrics_answer(srv *s, uint32_t index, uint64_t id, const idem_stats *engin
     if (m->fd >= 0 && m->id == id && m->answering == MCONN_READING)
         mconn_reply(s, m, index, engine);
 }
-/* A free slot for a new connection: a free one, else that of the oldest connection not writing a
- * reply (which is closed). Returns SRV_METRICS_CONNS when every one is writing. */
+/* A free slot for a new connection: a free one, else that of the oldest connection that has not
+ * asked yet or is done (which is closed). Returns SRV_METRICS_CONNS when every one is answering
+ * (its figures being read, or its reply written). */
 static uint32_t mconn_slot(srv *s)
 {
     uint32_t oldest = SRV_METRICS_CONNS;
     for (uint32_t i = 0; i < SRV_METRICS_CONNS; i++) {
         const srv_metrics_conn *m = &s->mconns[i];
         if (m->fd < 0) return i;
-        if (m->answering != MCONN_WRITING &&
+        /* one answered for its silence (metrics_tick) stays one that sent nothing */
+        int silent = m->answering == MCONN_READING && !m->asked && !m->tail;
+        if ((m->answering == 0 || m->answering == MCONN_DRAINING || silent) &&
             (oldest == SRV_METRICS_CONNS || m->since_ms < s->mconns[oldest].since_ms))
             oldest = i;
     }

@@ -2,7 +2,7 @@
  * resp.c: the RESP2 request parser and reply writers (see resp.h for the contract).
  *
  * Parser state between calls: `pos` is how far into the current request the parser has read;
- * for an array request, `argi` arguments are complete and `bulk_len` >= 0 means the header of
+ * for an array request, `argi` arguments are complete and `bulk_left` >= 0 means the header of
  * the next bulk was read and its data is awaited. Nothing is consumed before a request is whole,
  * except in discard mode, where every byte read is consumed at once and `pos` restarts at 0.
  */

@@ -74,7 +74,8 @@ struct resp_parser {
     int too_many;        /* more arguments than argc_max: refused once the name is read */
     uint32_t argc;       /* announced by the array header */
     uint32_t argi;       /* arguments complete so far */
-    int64_t bulk_left;   /* discard mode: bytes of the current bulk (with CRLF) still to drop */
+    int64_t bulk_left;   /* the current bulk's data bytes still awaited (in discard mode, to drop;
+                          * its CRLF follows), -1 before its header */
     size_t pos;          /* bytes of the current request scanned so far */
     size_t arg_off[RESP_ARGV_MAX];
     uint32_t arg_len[RESP_ARGV_MAX];

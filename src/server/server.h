@@ -2,10 +2,11 @@
  * server.h: the shared state of idemd: its configuration, the server handle owned by the event
  * loop thread, and connections with their FIFO of outstanding replies.
  *
- * Ownership: one thread (the event loop, loop.c) owns everything here. The engine is used only
- * through `q` (the asynchronous form: idem_submit / idem_poll), so nothing is shared with other
- * threads except the store handle, which is thread-safe, and what the backup and reads threads are
- * handed (backup.c, reads.c: each names what it shares and how).
+ * Ownership: one thread (the event loop, loop.c) owns everything here. The engine's changes go
+ * through `q` (the asynchronous form: idem_submit / idem_poll); the loop calls the store
+ * directly only for calls that wait on nothing (a key count, the clock, cancelling a WAIT). Nothing
+ * is shared with other threads except the store handle, which is thread-safe, and what the
+ * backup and reads threads are handed (backup.c, reads.c: each names what it shares and how).
  *
  * Reply order: every request takes the next sequence number of its connection and a slot in the
  * connection's ring. Replies leave in sequence order: a reply for the head slot is written to
@@ -290,6 +291,7 @@ typedef struct srv {
     int draining;
     int fatal;
     int64_t drain_started_ms;
+    int64_t drain_answer_ms; /* DRAIN_ANSWER_MS; tests: IDEM_TEST_DRAIN_ANSWER_MS */
     srv_conn **conns;
     uint32_t conns_cap, nconns, nlive;
     uint64_t next_id;
@@ -302,7 +304,6 @@ typedef struct srv {
     int queue_signalled; /* the engine queue's eventfd was readable this turn: poll drains it */
     uint32_t wait_due;   /* of which claims parked with WAIT */
     idem_op *ops;        /* this turn's batch */
-    uint64_t *op_slots;  /* user_data of each op, to fail them if not accepted */
     uint32_t nops;
     idem_completion *comps;
     srv_conn **dirty;
@@ -323,7 +324,7 @@ typedef struct srv {
     uint64_t closed_input_stalled, closed_output_stalled; /* closes by the io budget's rules */
     uint32_t result_seen_max; /* the longest result a reply carried (cmd_complete) */
     /* Out of file descriptors, a connection is taken on this one (/dev/null until then), answered
-     * and closed, so that the listener does not stay readable (accept_one). Listeners stop
+     * and closed, so that the listener does not stay readable (srv_accept). Listeners stop
      * being watched until accept_paused_until_ms after any other accept error. */
     int spare_fd;
     int64_t accept_paused_until_ms;

@@ -241,7 +241,7 @@ expect_re "wrong password: WRONGPASS" '^\(error\) WRONGPASS' "$(printf 'AUTH app
 expect "AUTH password alone: user default" $'OK\nPONG' "$(printf 'AUTH dpw\nPING\n' | U)"
 expect_re "HELLO 2 AUTH" '"proto"' "$(printf 'HELLO 2 AUTH app wpw\n' | U)"
 expect_re "worker claims" '^1\) "new"' "$(U --user app --pass wpw IDEM.CLAIM r:1 100000 1000)"
-expect_re "worker: DBSIZE NOPERM" "^\\(error\\) NOPERM this user \\(role worker\\) has no permissions to run the 'DBSIZE' command" "$(U --user app --pass wpw DBSIZE)"
+expect_re "worker: DBSIZE NOPERM" "^\\(error\\) NOPERM this user \\(role worker\\) has no permissions to run the 'dbsize' command" "$(U --user app --pass wpw DBSIZE)"
 expect_re "worker: IDEM.STATS NOPERM" '^\(error\) NOPERM' "$(U --user app --pass wpw IDEM.STATS)"
 expect_re "worker: IDEM.RESOLVE NOPERM" '^\(error\) NOPERM' "$(U --user app --pass wpw IDEM.RESOLVE r:1 release why FORCE)"
 expect_re "reader: claim NOPERM" '^\(error\) NOPERM' "$(U --user rd --pass rpw IDEM.CLAIM r:2 100000 1000)"
