@@ -3219,6 +3219,21 @@ Test(server, a_claim_with_wait_from_a_client_gone_sends_no_release_early, .init 
     close(gone);
 }
 
+/* The same, with a third client's DBSIZE between the release and the waiter's end: a request
+ * that sends the batch early (DBSIZE, INFO, a read, AUTH, ...) sent the release before the
+ * waiter's end was handled, so the release granted it the key (a review found it). Every end
+ * in a turn's events is now seen first. */
+Test(server, a_request_that_sends_the_batch_early_grants_no_key_to_a_waiter_gone, .init = start)
+{
+    int early = raw_connect_unix();
+    waiter_gone_in_the_release_turn(early, "DBSIZE\r\n");
+    char got[64];
+    int closed = 0;
+    raw_read(early, got, sizeof got - 1, 4, &closed);
+    cr_assert(got[0] == ':', "%s", got);
+    close(early);
+}
+
 Test(server, second_server_on_the_same_socket_refuses_to_start, .init = start)
 {
     const char *build = getenv("IDEM_BUILD_DIR");

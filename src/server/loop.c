@@ -217,7 +217,7 @@ static idem_op *op_unsubmitted(srv *s, uint64_t ud)
  * claim from a client whose end was seen does (srv_submit_op). The batch is not sent early for
  * it: it may hold a release by another client that would then grant the key to a waiter whose
  * own close comes later in this turn (it did), leaving the key to no one until its lease ran
- * out. */
+ * out; for the requests that do send it early, loop_turn sees every end in the turn first. */
 static void cancel_waits(srv *s, srv_conn *c)
 {
     if (!s->q) return;
