@@ -268,10 +268,9 @@ static void cmd_hello(cmd_req *r)
     uint32_t i = 1, auth = 0, name = 0;
     if (r->argc > 1) {
         /* As Redis: a version that is not a number is a plain error, another number NOPROTO. */
-        int digits = r->argl[1] > 0 && r->argl[1] < 20;
-        for (uint32_t k = 0; digits && k < r->argl[1]; k++)
-            digits = r->argv[1][k] >= '0' && r->argv[1][k] <= '9';
-        if (!digits) return cmd_fail(r, "ERR Protocol version is not an integer or out of range");
+        int64_t version;
+        if (cmd_i64(r->argv[1], r->argl[1], &version) < 0)
+            return cmd_fail(r, "ERR Protocol version is not an integer or out of range");
         if (!cmd_is(r, 1, "2"))
             return cmd_fail(r, "NOPROTO sorry, this protocol version is not supported "
                                "(idemd speaks RESP2: HELLO 2)");

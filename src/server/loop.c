@@ -899,6 +899,7 @@ static void conn_unpause(srv *s, srv_conn *c)
 {
     if (c->paused == PAUSE_INPUT) s->big_waiting--;
     c->paused = PAUSE_NONE;
+    c->last_active_ms = srv_now_ms(); /* its silence while paused was idemd's (idle timeout) */
     conn_update_events(s, c);
 }
 
