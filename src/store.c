@@ -653,11 +653,18 @@ static uint64_t reserve_ckpt_room(const idem_store *s)
     return ckpt_bytes_max(index_count(s->ix)) + (1u << 20);
 }
 
-/* What the reserve holds: a checkpoint's room and a segment for a walk's copies and DELETEs, in
- * whole MiB so that it grows in steps. mu held. */
+/* What the reserve holds: a checkpoint's room and RESERVE_SEGS segments, in whole MiB so that it
+ * grows in steps. One segment takes the copies and DELETEs of a walk of one segment (no more than
+ * its frames, with their batches' padding); the other the owner calls and padding written in the
+ * same segments meanwhile. With one, a walk of a segment nearly all live, begun at the release,
+ * could find its room filled before it ended: nothing walked, no checkpoint to retire anything,
+ * and the store FULL for good. Once one segment's walk ends, the quiet rule asks for the
+ * checkpoint that retires it (compact_wants_checkpoint), and its room comes back. mu held. */
+#define RESERVE_SEGS 2
 static uint64_t reserve_want(const idem_store *s)
 {
-    return IDEM_ALIGN_UP(reserve_ckpt_room(s) + s->opt.segment_bytes, 1u << 20);
+    return IDEM_ALIGN_UP(reserve_ckpt_room(s) + RESERVE_SEGS * (uint64_t)s->opt.segment_bytes,
+                         1u << 20);
 }
 
 /* An open or allocation of the reserve failed (rc, -errno; why: what was tried), with mu held

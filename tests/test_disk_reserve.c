@@ -24,7 +24,10 @@
 #include "idem.h"
 #include "testutil.h"
 
-enum { FS_MIB = 24, RESULT = 4096, DAY_MS = 86400000 };
+enum { FS_MIB = 24, DAY_MS = 86400000 };
+
+/* The bytes of each key's result: 4 KiB, but a test may take more (before its first key). */
+static size_t result_len = 4096;
 
 /* A fresh directory with a tmpfs of FS_MIB mounted on it, or the test is skipped. */
 static char *mount_small(void)
@@ -90,17 +93,18 @@ static idem_stats stats_of(idem_store *s)
     return st;
 }
 
-/* The result key i commits: RESULT bytes lz4 cannot shrink, its own for each key. */
+/* The result key i commits: result_len bytes lz4 cannot shrink, its own for each key. */
 static uint8_t *result_of(int i)
 {
-    return tu_random_bytes(RESULT, 1000u + (uint64_t)i);
+    return tu_random_bytes(result_len, 1000u + (uint64_t)i);
 }
 
-/* Claims key with a day's ttl: its outcome, or -1 for FULL (as either the call or the completion
- * says it). *tok: the token of a new claim. */
-static int claim_of(idem_queue *q, const char *key, int64_t *tok)
+/* Claims key with a ttl of days (and a lease as long, a week at most): its outcome, or -1 for FULL
+ * (as either the call or the completion says it). *tok: the token of a new claim. */
+static int claim_for(idem_queue *q, const char *key, int days, int64_t *tok)
 {
-    idem_claim_args a = {.ttl_ms = DAY_MS, .lease_ms = DAY_MS};
+    idem_claim_args a = {.ttl_ms = (uint64_t)days * DAY_MS,
+                         .lease_ms = (uint64_t)(days < 7 ? days : 7) * DAY_MS};
     idem_completion c;
     int rc = idem_claim(q, key, strlen(key), &a, &c);
     if (rc == IDEM_OK) rc = c.err;
@@ -110,13 +114,19 @@ static int claim_of(idem_queue *q, const char *key, int64_t *tok)
     return c.outcome;
 }
 
+/* Claims key with a day's ttl and lease (claim_for). */
+static int claim_of(idem_queue *q, const char *key, int64_t *tok)
+{
+    return claim_for(q, key, 1, tok);
+}
+
 /* Commits key; an owner call the log's end answers FULL (before the reserve is let go) is made
  * again, for at most 10 s. */
 static void commit_of(idem_store *s, idem_queue *q, const char *key, int64_t tok, const void *r)
 {
     int rc = IDEM_EFULL;
     for (int i = 0; i < 1000 && rc == IDEM_EFULL; i++) {
-        rc = idem_commit(q, key, strlen(key), tok, r, RESULT);
+        rc = idem_commit(q, key, strlen(key), tok, r, result_len);
         if (rc == IDEM_EFULL) {
             cr_assert_eq(idem_clock_advance(s, 10), IDEM_OK);
             usleep(10000);
@@ -125,19 +135,25 @@ static void commit_of(idem_store *s, idem_queue *q, const char *key, int64_t tok
     cr_assert_eq(rc, IDEM_OK, "commit %s: %s", key, idem_strerror(rc));
 }
 
-/* Key i reads back committed with its own result. */
-static void assert_committed(idem_queue *q, int i)
+/* key reads back committed with its own result (result_of(seed)). */
+static void assert_result(idem_queue *q, const char *key, int seed)
 {
-    char key[32];
-    snprintf(key, sizeof key, "fill-%d", i);
     idem_completion c;
     cr_assert_eq(idem_get(q, key, strlen(key), &c), IDEM_OK);
     cr_assert(c.found, "%s is gone", key);
     cr_assert_eq(c.record.state, IDEM_STATE_COMMITTED, "%s", key);
-    uint8_t *want = result_of(i);
-    cr_assert(c.record.result_len == RESULT && memcmp(c.record.result, want, RESULT) == 0,
+    uint8_t *want = result_of(seed);
+    cr_assert(c.record.result_len == result_len && memcmp(c.record.result, want, result_len) == 0,
               "%s holds another result", key);
     free(want);
+}
+
+/* Key fill-i reads back committed with its own result. */
+static void assert_committed(idem_queue *q, int i)
+{
+    char key[32];
+    snprintf(key, sizeof key, "fill-%d", i);
+    assert_result(q, key, i);
 }
 
 /* Fills the file system with committed keys until the reserve is let go (new keys answer FULL
@@ -167,6 +183,39 @@ static int fill_until_released(idem_store *s, idem_queue *q)
     return keys;
 }
 
+/* Passes two days of the store clock, then claims key until it is taken (the clock moving 100 ms
+ * each 10 ms between tries): the reserve is taken back once compaction and a checkpoint have
+ * freed its room and a segment's. Fails after 3000 tries. */
+static void await_taken_after_two_days(idem_store *s, idem_queue *q, const char *key)
+{
+    cr_assert_eq(idem_clock_advance(s, 2 * (int64_t)DAY_MS), IDEM_OK);
+    int64_t tok;
+    int out = -1;
+    for (int i = 0; i < 3000 && out < 0; i++) {
+        out = claim_of(q, key, &tok);
+        if (out < 0) {
+            cr_assert_eq(idem_clock_advance(s, 100), IDEM_OK);
+            usleep(10000);
+        }
+    }
+    cr_assert_eq(out, IDEM_NEW, "still FULL 30 s after the keys of a day expired");
+}
+
+/* The first key of the fill has expired; the store closes, `idem_verify` finds it sound, and dir
+ * is unmounted. */
+static void close_expired_and_sound(idem_store *s, idem_queue *q, char *dir)
+{
+    idem_completion c;
+    cr_assert_eq(idem_get(q, "fill-0", 6, &c), IDEM_OK);
+    cr_assert(!c.found, "an expired key came back");
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    idem_verify_report vr;
+    cr_assert_eq(idem_verify(dir, &vr, NULL, NULL), IDEM_OK);
+    cr_assert_eq(vr.errors, 0, "%s", vr.first_error);
+    unmount_small(dir);
+}
+
 /* The whole course: fill, FULL with owner calls going on, restart, expiry, space back, new keys
  * without a restart, and a sound store after. */
 Test(disk_reserve, a_store_that_filled_its_disk_takes_new_keys_again_once_they_expire,
@@ -177,7 +226,7 @@ Test(disk_reserve, a_store_that_filled_its_disk_takes_new_keys_again_once_they_e
     idem_queue *q;
     cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
     idem_stats st = stats_of(s);
-    cr_assert_eq(st.disk_reserve_bytes, 3u << 20, "%llu",
+    cr_assert_eq(st.disk_reserve_bytes, 4u << 20, "%llu",
                  (unsigned long long)st.disk_reserve_bytes);
 
     /* An owner whose work is under way while the disk fills. */
@@ -185,8 +234,8 @@ Test(disk_reserve, a_store_that_filled_its_disk_takes_new_keys_again_once_they_e
     cr_assert_eq(claim_of(q, "pending", &pending_tok), IDEM_NEW);
     int keys = fill_until_released(s, q);
     /* (A flush of one key takes whole 4 KiB blocks, and compaction's copies are counted too.) */
-    cr_assert_gt(keys, FS_MIB * 64, "only %d keys of %d KiB filled %d MiB", keys, RESULT / 1024,
-                 FS_MIB);
+    cr_assert_gt(keys, FS_MIB * 64, "only %d keys of %d KiB filled %d MiB", keys,
+                 (int)(result_len / 1024), FS_MIB);
     uint64_t free_full = free_bytes(dir);
     cr_assert_lt(free_full, st.disk_reserve_bytes + (1u << 20), "FULL with %llu bytes free",
                  (unsigned long long)free_full);
@@ -196,7 +245,7 @@ Test(disk_reserve, a_store_that_filled_its_disk_takes_new_keys_again_once_they_e
     if (claim_of(q, "new-while-full", &tok) != -1)
         cr_assert_eq(stats_of(s).disk_reserve_released, 0, "a new key while the reserve is let go");
     uint8_t *pending_result = result_of(-1);
-    cr_assert_eq(idem_commit(q, "pending", 7, pending_tok, pending_result, RESULT), IDEM_OK,
+    cr_assert_eq(idem_commit(q, "pending", 7, pending_tok, pending_result, result_len), IDEM_OK,
                  "the owner's commit on the full disk");
     cr_assert_eq(claim_of(q, "fill-0", &tok), IDEM_DONE, "a repeat on the full disk");
     assert_committed(q, keys - 1);
@@ -216,23 +265,15 @@ Test(disk_reserve, a_store_that_filled_its_disk_takes_new_keys_again_once_they_e
     assert_committed(q, keys - 1);
     idem_completion c;
     cr_assert_eq(idem_get(q, "pending", 7, &c), IDEM_OK);
-    cr_assert(c.found && c.record.state == IDEM_STATE_COMMITTED && c.record.result_len == RESULT &&
-                  memcmp(c.record.result, pending_result, RESULT) == 0,
+    cr_assert(c.found && c.record.state == IDEM_STATE_COMMITTED &&
+                  c.record.result_len == result_len &&
+                  memcmp(c.record.result, pending_result, result_len) == 0,
               "the commit made on the full disk is lost");
     free(pending_result);
 
     /* Two days on every key has expired: compaction and a checkpoint free the log, the reserve
      * is taken back and a new key is taken, with no restart. */
-    cr_assert_eq(idem_clock_advance(s, 2 * (int64_t)DAY_MS), IDEM_OK);
-    int out = -1;
-    for (int i = 0; i < 3000 && out < 0; i++) {
-        out = claim_of(q, "after-expiry", &tok);
-        if (out < 0) {
-            cr_assert_eq(idem_clock_advance(s, 100), IDEM_OK);
-            usleep(10000);
-        }
-    }
-    cr_assert_eq(out, IDEM_NEW, "still FULL 30 s after every key expired");
+    await_taken_after_two_days(s, q, "after-expiry");
     st = stats_of(s);
     cr_assert_eq(st.disk_reserve_released, 0);
     cr_assert_eq(st.fatal, 0);
@@ -267,14 +308,68 @@ Test(disk_reserve, a_store_that_filled_its_disk_takes_new_keys_again_once_they_e
     }
     for (int i = keys; i < keys + keys / 3; i++)
         assert_committed(q, i);
-    cr_assert_eq(idem_get(q, "fill-0", 6, &c), IDEM_OK);
-    cr_assert(!c.found, "an expired key came back");
-    idem_queue_close(q);
-    cr_assert_eq(idem_close(s), IDEM_OK);
-    idem_verify_report vr;
-    cr_assert_eq(idem_verify(dir, &vr, NULL, NULL), IDEM_OK);
-    cr_assert_eq(vr.errors, 0, "%s", vr.first_error);
-    unmount_small(dir);
+    close_expired_and_sound(s, q, dir);
+}
+
+/* The reserve holds two segments beside a checkpoint's room. The oldest segment holds keys of a
+ * month, so the walk that starts once the keys of a day expire copies it whole, while commits of
+ * owners whose work was under way when the disk filled took part of the room first. With one
+ * segment (the build before), the copies found that room filled before the walk of that segment
+ * ended: no segment walked, no checkpoint retired anything, and every new key answered FULL for
+ * good, with all but a few keys expired. Results of 48 KiB keep the log near the live bytes (a
+ * flush's padding is small beside them), so that no walk starts before the keys of a day expire. */
+Test(disk_reserve, a_walk_of_a_segment_all_live_on_a_full_disk_has_room_to_end, .timeout = 300)
+{
+    enum { KEEP = 30, OWED = 12, MONTH = 30, SEED_KEEP = 100000, SEED_OWED = 200000 };
+    result_len = 48u << 10;
+    char *dir = mount_small();
+    idem_store *s = open_small(dir);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    char key[32];
+    int64_t tok;
+    for (int i = 0; i < KEEP; i++) { /* about 1.6 segments */
+        snprintf(key, sizeof key, "keep-%d", i);
+        cr_assert_eq(claim_for(q, key, MONTH, &tok), IDEM_NEW, "%s", key);
+        uint8_t *r = result_of(SEED_KEEP + i);
+        commit_of(s, q, key, tok, r);
+        free(r);
+    }
+    int64_t owed_tok[OWED];
+    for (int i = 0; i < OWED; i++) {
+        snprintf(key, sizeof key, "owed-%d", i);
+        cr_assert_eq(claim_for(q, key, MONTH, &owed_tok[i]), IDEM_NEW, "%s", key);
+    }
+    int keys = fill_until_released(s, q);
+
+    /* The release made the next segment in the reserve's room. Another file takes what the disk
+     * had free beside the reserve, so that the room left is the reserve's alone, less that
+     * segment, whatever the disk's last bytes were. */
+    uint64_t left = stats_of(s).disk_reserve_bytes - (1u << 20);
+    if (free_bytes(dir) > left) free(ballast_leaving(dir, left));
+    for (int i = 0; i < OWED; i++) { /* about 0.6 segments: owner calls on the full disk */
+        snprintf(key, sizeof key, "owed-%d", i);
+        uint8_t *r = result_of(SEED_OWED + i);
+        commit_of(s, q, key, owed_tok[i], r);
+        free(r);
+    }
+    await_taken_after_two_days(s, q, "after-expiry");
+    idem_stats st = stats_of(s);
+    cr_assert_eq(st.disk_reserve_released, 0);
+    cr_assert_eq(st.fatal, 0);
+    fprintf(stderr, "disk_reserve: %d keys of a day behind %d of a month, %llu bytes free after\n",
+            keys, KEEP + OWED, (unsigned long long)free_bytes(dir));
+
+    /* Nothing the walk copied is lost, and the keys of a day are gone. */
+    for (int i = 0; i < KEEP; i++) {
+        snprintf(key, sizeof key, "keep-%d", i);
+        assert_result(q, key, SEED_KEEP + i);
+    }
+    for (int i = 0; i < OWED; i++) {
+        snprintf(key, sizeof key, "owed-%d", i);
+        assert_result(q, key, SEED_OWED + i);
+    }
+    close_expired_and_sound(s, q, dir);
 }
 
 /* A new reserve file is named `reserve` only once it is allocated, so that an empty one always
@@ -295,7 +390,7 @@ Test(disk_reserve, a_reserve_file_a_crash_left_before_its_allocation_is_not_a_re
     cr_assert(stat(making, &fs) < 0 && errno == ENOENT, "the making name is left");
 
     /* A crash while an open makes the reserve: a child whose file size limit (2 MiB) kills it
-     * (SIGXFSZ) at the allocation of the 3 MiB reserve, after the file was made. Before the
+     * (SIGXFSZ) at the allocation of the 4 MiB reserve, after the file was made. Before the
      * making name, that left an empty `reserve`, which reads as a release. */
     cr_assert_eq(unlink(path), 0);
     pid_t pid = fork();
@@ -391,7 +486,7 @@ Test(disk_reserve, a_reserve_grows_with_the_keys_and_gives_back_what_expired_key
     idem_queue *q;
     cr_assert_eq(idem_queue_open(s, 256, &q), IDEM_OK);
     uint64_t empty = stats_of(s).disk_reserve_bytes;
-    cr_assert_eq(empty, 3u << 20);
+    cr_assert_eq(empty, 4u << 20);
     /* In the order they expire in: compaction walks the log from its oldest segment. */
     tu_set_nx(q, "small", 0, FEW, "v", 1, 3600000ull);
     tu_set_nx(q, "small", FEW, MOST, "v", 1, 2 * 3600000ull);
