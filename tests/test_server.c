@@ -3810,6 +3810,141 @@ Test(server, a_flood_of_connections_is_logged_at_a_bounded_rate, .init = start)
     EXPECT_LOG("event=connect ", "suppressed=");
 }
 
+enum {
+    HELD_IDLE_MS = 500,       /* --idle-timeout-ms of start_held_idle */
+    HELD_FP = 4000000,        /* the large request that holds the admission: a claim's FP */
+    HELD_FP_FIRST = 1200000,  /* sent at once: its buffer (2 MiB) passes the budget */
+    HELD_FP_RATE = 800,       /* bytes a ms after that: SRV_ADMIT_GOING_BYTES in 2 s, and more */
+    HELD_VALUE = 60000,       /* the waiting client's SET value */
+    HELD_VALUE_FIRST = 45000, /* sent before its pause: more than idemd reads first (32 KiB) */
+};
+
+static void start_held_idle(void)
+{
+    /* The smallest io budget: one large request is read at a time over it (big_slots). */
+    static const char *const extra[] = {"--io-budget", "1m", "--idle-timeout-ms", "500", NULL};
+    start_with(extra);
+}
+
+/* Sends p[*sent..upto) as far as the socket takes it now; 0 once the peer is gone. */
+static int send_upto(int fd, const char *p, size_t *sent, size_t upto)
+{
+    while (*sent < upto) {
+        ssize_t k = send(fd, p + *sent, upto - *sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (k > 0)
+            *sent += (size_t)k;
+        else
+            return k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR);
+    }
+    return 1;
+}
+
+/* The client holding the admission: its large request goes on at HELD_FP_RATE from `from`, its
+ * last bytes kept back, so that it keeps its admission while others wait and is never idle. */
+struct holder {
+    int fd;
+    const char *req;
+    size_t len, sent;
+    int64_t from;
+};
+
+/* Sends what is due; 0 once idemd answered or closed the connection (it owes no reply yet). */
+static int holder_send(struct holder *a)
+{
+    size_t upto = HELD_FP_FIRST + (size_t)(now_ms() - a->from) * HELD_FP_RATE;
+    if (upto > a->len - 64) upto = a->len - 64;
+    char b;
+    return send_upto(a->fd, a->req, &a->sent, upto) && recv(a->fd, &b, 1, MSG_DONTWAIT) < 0 &&
+           (errno == EAGAIN || errno == EWOULDBLOCK);
+}
+
+/* Over the budget a client with part of a large request waits for an admission, paused: idemd
+ * does not read it, so its silence is idemd's. Paused past the idle timeout while another
+ * client's large request holds the admission, it is not closed as idle (it was); let go on
+ * once that request is parsed (the pressure falls), it is not closed as idle either, for the
+ * time it was paused (the pass that let it go on closed it). It sends the rest of its request,
+ * which stores what it sent, and is answered on the same connection. */
+Test(server, a_client_paused_for_its_large_request_is_not_closed_as_idle, .init = start_held_idle,
+     .timeout = 60)
+{
+    char *a_req = malloc(HELD_FP + 256), *b_req = malloc(HELD_VALUE + 256);
+    char *got = malloc(HELD_VALUE + 64);
+    cr_assert(a_req && b_req && got);
+    int n = snprintf(a_req, 256,
+                     "*6\r\n$10\r\nIDEM.CLAIM\r\n$6\r\nheld:a\r\n$6\r\n600000\r\n$6\r\n600000\r\n"
+                     "$2\r\nFP\r\n$%d\r\n",
+                     HELD_FP);
+    memset(a_req + n, 'f', HELD_FP);
+    memcpy(a_req + n + HELD_FP, "\r\n", 2);
+    struct holder a = {.fd = raw_connect_unix(), .req = a_req, .len = (size_t)n + HELD_FP + 2};
+    /* The waiting client b: SET held:b, a value of its own (no byte repeats at a short period). */
+    n = snprintf(b_req, 256, "*6\r\n$3\r\nSET\r\n$6\r\nheld:b\r\n$%d\r\n", HELD_VALUE);
+    char *value = b_req + n;
+    for (int i = 0; i < HELD_VALUE; i++)
+        value[i] = (char)('a' + (i * 7 + i / 26) % 26);
+    static const char tail[] = "\r\n$2\r\nNX\r\n$2\r\nPX\r\n$6\r\n600000\r\n";
+    memcpy(value + HELD_VALUE, tail, sizeof tail - 1);
+    size_t b_len = (size_t)n + HELD_VALUE + sizeof tail - 1, b_sent = 0;
+    int b = raw_connect_unix(), closed = 0;
+    char head[64], id[40], line[2048];
+    raw_send(b, "CLIENT ID\r\n", 11);
+    raw_read(b, head, sizeof head - 1, 4, &closed);
+    long long bid = 0;
+    cr_assert(!closed && sscanf(head, ":%lld\r\n", &bid) == 1, "%s", head);
+    snprintf(id, sizeof id, " id=%lld ", bid);
+    const char *const paused[] = {"event=budget_pause", id, "why=large_request", NULL};
+    const char *const gone[] = {"event=disconnect", id, NULL};
+    /* a passes the budget and takes the admission (a read of it over the budget), and goes on. */
+    for (int64_t end = now_ms() + 10000; a.sent < HELD_FP_FIRST && now_ms() < end; usleep(1000))
+        cr_assert(send_upto(a.fd, a.req, &a.sent, HELD_FP_FIRST), "a closed: %s", strerror(errno));
+    cr_assert_eq(a.sent, HELD_FP_FIRST, "idemd read %zu bytes of a's first part", a.sent);
+    a.from = now_ms();
+    for (int64_t end = now_ms() + 200; now_ms() < end; usleep(5000))
+        cr_assert(holder_send(&a), "a was closed or answered before its request ended");
+    /* b sends part of its large request and waits, paused, for the admission a holds. */
+    size_t b_first = (size_t)(value - b_req) + HELD_VALUE_FIRST;
+    cr_assert(send_upto(b, b_req, &b_sent, b_first) && b_sent == b_first);
+    int is_paused = 0;
+    for (int64_t end = now_ms() + 5000; !is_paused && now_ms() < end; usleep(5000)) {
+        cr_assert(holder_send(&a), "a was closed or answered before its request ended");
+        is_paused = log_line_with(paused, line, sizeof line);
+    }
+    cr_assert(is_paused, "b was not paused for its large request");
+    /* Three idle timeouts and more while paused (housekeeping passes 10 ms apart meanwhile). */
+    for (int64_t end = now_ms() + 3 * HELD_IDLE_MS; now_ms() < end; usleep(5000)) {
+        cr_assert(holder_send(&a), "a was closed or answered before its request ended");
+        cr_assert(!log_line_with(gone, line, sizeof line), "b was closed while paused: %s", line);
+    }
+    /* a ends its request: parsed, its buffer is let go of and b goes on. */
+    for (int64_t end = now_ms() + 10000; a.sent < a.len && now_ms() < end; usleep(1000))
+        cr_assert(send_upto(a.fd, a.req, &a.sent, a.len), "a closed: %s", strerror(errno));
+    static const char NEW[] = "*2\r\n$3\r\nnew\r\n:";
+    raw_read(a.fd, head, sizeof head - 1, sizeof NEW - 1, &closed);
+    cr_assert(memcmp(head, NEW, sizeof NEW - 1) == 0, "a's claim: %s", head);
+    /* b sends the rest; what it sent in two parts, a pause between them, is what is stored. */
+    int open = 1;
+    for (int64_t end = now_ms() + 5000; open && b_sent < b_len && now_ms() < end; usleep(1000))
+        open = send_upto(b, b_req, &b_sent, b_len);
+    head[0] = '\0';
+    if (open && b_sent == b_len) raw_read(b, head, sizeof head - 1, 5, &closed);
+    if (!log_line_with(gone, line, sizeof line)) line[0] = '\0';
+    cr_assert_str_eq(head, "+OK\r\n", "b's SET, %zu of %zu bytes sent (%s): %s", b_sent, b_len,
+                     !open || closed ? "closed" : "open", line);
+    raw_send(b, "GET held:b\r\n", 12);
+    n = snprintf(head, sizeof head, "$%d\r\n", HELD_VALUE);
+    size_t want = (size_t)n + HELD_VALUE + 2;
+    size_t have = raw_read(b, got, HELD_VALUE + 64, want, &closed);
+    cr_assert_eq(have, want, "GET held:b: %zu of %zu bytes: %.16s", have, want, got);
+    cr_assert(memcmp(got, head, (size_t)n) == 0, "GET held:b: %.16s", got);
+    cr_assert(memcmp(got + n, value, HELD_VALUE) == 0 && memcmp(got + want - 2, "\r\n", 2) == 0,
+              "held:b is not the value b sent");
+    close(a.fd);
+    close(b);
+    free(a_req);
+    free(b_req);
+    free(got);
+}
+
 static char fail_trigger[700], *fail_dir;
 
 /* Starts idemd (with extra) with lib of tests/preload/ preloaded: it fails what it fails once
@@ -3976,6 +4111,23 @@ static int warm_connection(const char *key, char id[32])
     return fd;
 }
 
+/* n new unix connections, made while idemd can take none (no memory, no watch: what says why in
+ * a failure): each is answered "out of memory" and closed. */
+static void expect_connections_refused(int n, const char *what)
+{
+    static const char OOM[] = "-ERR out of memory for a new connection: try again\r\n";
+    char got[256];
+    int closed = 0;
+    for (int i = 0; i < n; i++) {
+        int fd = raw_connect_unix();
+        raw_read(fd, got, sizeof got - 1, sizeof OOM - 1, &closed);
+        cr_assert_str_eq(got, OOM);
+        raw_read(fd, got, sizeof got - 1, 1, &closed);
+        cr_assert(closed, "a connection %s stayed open", what);
+        close(fd);
+    }
+}
+
 /* Out of memory, idemd refuses what needs memory and goes on (tests/preload/fail_alloc.c makes
  * every allocation fail meanwhile):
  *   - a new connection is answered "out of memory" and closed, and so logged (it used to be told
@@ -4013,15 +4165,7 @@ Test(server, out_of_memory_refuses_what_needs_memory_and_idemd_goes_on)
     freeReplyObject(primed);
     usleep(100 * 1000);
     fail_now();
-    static const char OOM[] = "-ERR out of memory for a new connection: try again\r\n";
-    for (int i = 0; i < 3; i++) {
-        int n = raw_connect_unix();
-        raw_read(n, got, sizeof got - 1, sizeof OOM - 1, &closed);
-        cr_assert_str_eq(got, OOM);
-        raw_read(n, got, sizeof got - 1, 1, &closed);
-        cr_assert(closed, "a connection refused for memory stayed open");
-        close(n);
-    }
+    expect_connections_refused(3, "refused for memory");
     /* fd1: the claim and a PING are answered; an ECHO of 1000 bytes needs a larger slot buffer */
     static char rest[1200];
     int n = snprintf(rest, sizeof rest, "0000\r\nPING\r\nECHO %01000d\r\nPING\r\n", 0);
@@ -4115,17 +4259,9 @@ Test(server, a_connection_the_kernel_will_not_watch_is_refused_and_idemd_goes_on
     long long tok;
     cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM before 600000 60000"), &tok), "new");
     fail_now();
-    static const char OOM[] = "-ERR out of memory for a new connection: try again\r\n";
+    expect_connections_refused(4 * LOG_BURST, "the kernel would not watch");
     char got[256];
     int closed = 0;
-    for (int i = 0; i < 4 * LOG_BURST; i++) {
-        int n = raw_connect_unix();
-        raw_read(n, got, sizeof got - 1, sizeof OOM - 1, &closed);
-        cr_assert_str_eq(got, OOM);
-        raw_read(n, got, sizeof got - 1, 1, &closed);
-        cr_assert(closed, "a connection the kernel would not watch stayed open");
-        close(n);
-    }
     usleep(1100 * 1000); /* a second on: the log's gate lets the next out_of_memory through */
     int m = socket(AF_INET, SOCK_STREAM, 0);
     struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)metrics_port)};

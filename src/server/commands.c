@@ -271,7 +271,7 @@ static void cmd_hello(cmd_req *r)
         int64_t version;
         if (cmd_i64(r->argv[1], r->argl[1], &version) < 0)
             return cmd_fail(r, "ERR Protocol version is not an integer or out of range");
-        if (!cmd_is(r, 1, "2"))
+        if (version != 2)
             return cmd_fail(r, "NOPROTO sorry, this protocol version is not supported "
                                "(idemd speaks RESP2: HELLO 2)");
         i = 2;

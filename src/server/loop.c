@@ -1913,6 +1913,14 @@ static int finish(srv *s, int rc)
     return rc;
 }
 
+int64_t srv_test_ms(const srv *s, const char *name, int64_t dflt)
+{
+    const char *v = getenv(name);
+    if (!s->cfg.test_clock || !v) return dflt;
+    unsigned long ms = strtoul(v, NULL, 10);
+    return ms < 60000 ? (int64_t)ms : 60000;
+}
+
 int srv_run(srv *s)
 {
     s->unix_fd = s->tcp_fd = s->metrics_fd = -1;
@@ -1920,12 +1928,8 @@ int srv_run(srv *s)
         s->mconns[i].fd = -1;
     s->epfd = s->sig_fd = s->load_fd = s->backup_fd = s->reads_fd = s->spare_fd = -1;
     s->started_ms = srv_now_ms();
-    s->unauth_ms = SRV_UNAUTH_MS;
-    const char *within = getenv("IDEM_TEST_AUTH_WITHIN_MS"); /* tests, with --test-clock only */
-    if (s->cfg.test_clock && within) s->unauth_ms = (int64_t)strtoul(within, NULL, 10);
-    s->drain_answer_ms = DRAIN_ANSWER_MS;
-    const char *drain = getenv("IDEM_TEST_DRAIN_ANSWER_MS"); /* the same */
-    if (s->cfg.test_clock && drain) s->drain_answer_ms = (int64_t)strtoul(drain, NULL, 10);
+    s->unauth_ms = srv_test_ms(s, "IDEM_TEST_AUTH_WITHIN_MS", SRV_UNAUTH_MS);
+    s->drain_answer_ms = srv_test_ms(s, "IDEM_TEST_DRAIN_ANSWER_MS", DRAIN_ANSWER_MS);
     clock_tick(s);
     if (setup_fds(s) < 0 || listen_all(s) < 0) return finish(s, 1);
     s->loading = 1;

@@ -320,14 +320,9 @@ static uint32_t mconn_slot(srv *s)
 
 void metrics_init(srv *s)
 {
-    s->metrics_wait_ms = SRV_METRICS_WAIT_MS;
-    s->metrics_max_ms = SRV_METRICS_MAX_MS;
-    const char *wait = getenv("IDEM_TEST_METRICS_WAIT_MS");
-    if (s->cfg.test_clock && wait) {
-        unsigned long ms = strtoul(wait, NULL, 10);
-        s->metrics_wait_ms = ms < 60000 ? (int64_t)ms : 60000;
-        s->metrics_max_ms = s->metrics_wait_ms + SRV_METRICS_MAX_MS;
-    }
+    int64_t wait = srv_test_ms(s, "IDEM_TEST_METRICS_WAIT_MS", -1);
+    s->metrics_wait_ms = wait < 0 ? SRV_METRICS_WAIT_MS : wait;
+    s->metrics_max_ms = wait < 0 ? SRV_METRICS_MAX_MS : wait + SRV_METRICS_MAX_MS;
 }
 
 void metrics_accept(srv *s)

@@ -43,9 +43,9 @@
  *     client that reads nothing is timed as any slow reader, so it waits for that client alone.
  *   - Reads are never made on the loop: idemd does not start without these threads.
  * Tests only: with --test-clock, IDEM_TEST_READS_DELAY_MS makes every query wait that long first
- * (reads_test_delay) and IDEM_TEST_STATS_DELAY_MS every reading of the figures, so that a test
- * can show the loop answers others meanwhile, and IDEM_TEST_READS_THREAD_FAIL makes the
- * threads' start fail (EAGAIN).
+ * and IDEM_TEST_STATS_DELAY_MS every reading of the figures (test_delay), so that a test can
+ * show the loop answers others meanwhile, and IDEM_TEST_READS_THREAD_FAIL makes the threads'
+ * start fail (EAGAIN).
  */
 #include <errno.h>
 #include <stdint.h>
@@ -56,20 +56,12 @@
 
 #include "server.h"
 
-/* Tests (IDEM_TEST_READS_DELAY_MS under --test-clock): waits that long before a read. */
-static void reads_test_delay(const srv *s)
+/* Tests (IDEM_TEST_READS_DELAY_MS, IDEM_TEST_STATS_DELAY_MS under --test-clock): waits ms
+ * before a read or a reading; 0 does not wait. */
+static void test_delay(uint32_t ms)
 {
-    if (s->reads_delay_ms) {
-        struct timespec ts = {s->reads_delay_ms / 1000, (long)(s->reads_delay_ms % 1000) * 1000000};
-        nanosleep(&ts, NULL);
-    }
-}
-
-/* Tests (IDEM_TEST_STATS_DELAY_MS under --test-clock): waits that long before a reading. */
-static void stats_test_delay(const srv *s)
-{
-    if (s->stats_delay_ms) {
-        struct timespec ts = {s->stats_delay_ms / 1000, (long)(s->stats_delay_ms % 1000) * 1000000};
+    if (ms) {
+        struct timespec ts = {ms / 1000, (long)(ms % 1000) * 1000000};
         nanosleep(&ts, NULL);
     }
 }
@@ -94,10 +86,10 @@ static void *reads_main(void *arg)
         if (!s->reads_todo[line]) s->reads_todo_tail[line] = NULL;
         pthread_mutex_unlock(&s->reads_mu);
         if (line == READS_STATS) {
-            stats_test_delay(s);
+            test_delay(s->stats_delay_ms);
             idem_get_stats(s->store, &r->engine);
         } else {
-            reads_test_delay(s);
+            test_delay(s->reads_delay_ms);
             srv_read_run(s->q_reads, &r->a, &r->reply);
         }
         pthread_mutex_lock(&s->reads_mu);
@@ -109,15 +101,6 @@ static void *reads_main(void *arg)
     }
     pthread_mutex_unlock(&s->reads_mu);
     return NULL;
-}
-
-/* Tests (--test-clock): the delay an environment variable names, in ms (at most a minute). */
-static uint32_t test_delay_ms(const srv *s, const char *name)
-{
-    const char *v = getenv(name);
-    if (!s->cfg.test_clock || !v) return 0;
-    unsigned long ms = strtoul(v, NULL, 10);
-    return ms < 60000 ? (uint32_t)ms : 60000;
 }
 
 static int line_start(srv *s, int line)
@@ -139,8 +122,8 @@ static int line_start(srv *s, int line)
 int srv_reads_start(srv *s)
 {
     if (idem_queue_open(s->store, 16, &s->q_reads) != IDEM_OK) return errno ? errno : ENOMEM;
-    s->reads_delay_ms = test_delay_ms(s, "IDEM_TEST_READS_DELAY_MS");
-    s->stats_delay_ms = test_delay_ms(s, "IDEM_TEST_STATS_DELAY_MS");
+    s->reads_delay_ms = (uint32_t)srv_test_ms(s, "IDEM_TEST_READS_DELAY_MS", 0);
+    s->stats_delay_ms = (uint32_t)srv_test_ms(s, "IDEM_TEST_STATS_DELAY_MS", 0);
     if (s->cfg.test_clock && getenv("IDEM_TEST_READS_THREAD_FAIL")) return EAGAIN;
     int rc = pthread_mutex_init(&s->reads_mu, NULL);
     if (rc != 0) return rc;

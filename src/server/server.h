@@ -393,6 +393,9 @@ void srv_addr_format(const struct sockaddr *sa, char *out, size_t cap);
 /* ---- loop.c ---- */
 int srv_run(srv *s);
 int64_t srv_now_ms(void); /* monotonic, for timers */
+/* Tests (with --test-clock only): the ms an environment variable names (at most a minute), or
+ * dflt without it. */
+int64_t srv_test_ms(const srv *s, const char *name, int64_t dflt);
 /* accept4 on a listener that does not spin the loop when it fails (loop.c): the new fd, or -1
  * when there is none to take now. */
 int srv_accept(srv *s, int lfd, struct sockaddr *sa, socklen_t *sl);
