@@ -3972,13 +3972,20 @@ static void start_preloaded(const char *lib, const char *env, const char *const 
         unsetenv("ASAN_OPTIONS");
 }
 
+/* idemd on the thread backend with fail_sync.c preloaded, env naming its trigger file (io_uring's
+ * flushes make no fdatasync call). */
+static void start_sync_preloaded(const char *env, const char *const *extra)
+{
+    setenv("IDEM_IO_BACKEND", "thread", 1);
+    start_preloaded("libidem-test-fail-sync.so", env, extra);
+    unsetenv("IDEM_IO_BACKEND");
+}
+
 /* idemd on the thread backend, its fdatasync failing from fail_now() on (fail_sync.c: io_uring's
  * flushes make no such call). */
 static void start_failing_sync(const char *const *extra)
 {
-    setenv("IDEM_IO_BACKEND", "thread", 1);
-    start_preloaded("libidem-test-fail-sync.so", "IDEM_TEST_FAIL_SYNC_FILE", extra);
-    unsetenv("IDEM_IO_BACKEND");
+    start_sync_preloaded("IDEM_TEST_FAIL_SYNC_FILE", extra);
 }
 
 /* start_preloaded with the metrics endpoint on a free port (metrics_port). */
@@ -4072,6 +4079,49 @@ Test(server, a_parked_read_is_answered_outcome_unknown_when_the_store_fails)
     redisFree(b);
     int status = exit_status();
     cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 1, "status %d", status);
+    tu_rmtree(fail_dir);
+}
+
+/* In sync mode IDEM.STATS and INFO's idem section are answered once every change they count is
+ * durable (rule 8), as DBSIZE is. With the disk's flushes held (fail_sync.c), a claim waits
+ * unanswered, and so do the figures read on other connections, which count it; all come once the
+ * flushes go on. On the build before, the figures came at once, counting a key not yet durable. */
+Test(server, the_figures_wait_until_the_changes_they_count_are_durable, .timeout = 60)
+{
+    start_sync_preloaded("IDEM_TEST_HOLD_SYNC_FILE", NULL);
+    redisContext *a = connect_tcp(), *b = connect_unix(), *i = connect_unix();
+    expect_status(cmd(b, "PING"), "PONG");
+    expect_status(cmd(i, "PING"), "PONG");
+    fail_now(); /* flushes wait from here on */
+    cr_assert_eq(redisAppendCommand(a, "IDEM.CLAIM held 600000 60000"), REDIS_OK);
+    cr_assert_eq(redisBufferWrite(a, &(int){0}), REDIS_OK);
+    usleep(200 * 1000); /* the claim is made, and its flush held */
+    cr_assert_eq(redisAppendCommand(b, "IDEM.STATS"), REDIS_OK);
+    cr_assert_eq(redisBufferWrite(b, &(int){0}), REDIS_OK);
+    cr_assert_eq(redisAppendCommand(i, "INFO idem"), REDIS_OK);
+    cr_assert_eq(redisBufferWrite(i, &(int){0}), REDIS_OK);
+    struct pollfd p[3] = {{a->fd, POLLIN, 0}, {b->fd, POLLIN, 0}, {i->fd, POLLIN, 0}};
+    cr_assert_eq(poll(p, 3, 1000), 0,
+                 "answered while the flush is held: claim %d, stats %d, info %d", p[0].revents,
+                 p[1].revents, p[2].revents);
+    fail_end();
+    redisReply *r = NULL;
+    cr_assert_eq(redisGetReply(a, (void **)&r), REDIS_OK);
+    cr_assert_str_eq(outcome(r, NULL), "new");
+    cr_assert_eq(redisGetReply(b, (void **)&r), REDIS_OK);
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY, "%s", r->str ? r->str : "");
+    long long made = -1;
+    for (size_t k = 0; k + 1 < r->elements; k += 2)
+        if (strcmp(r->element[k]->str, "claims_new") == 0) made = r->element[k + 1]->integer;
+    cr_assert_eq(made, 1, "the figures do not count the claim");
+    freeReplyObject(r);
+    cr_assert_eq(redisGetReply(i, (void **)&r), REDIS_OK);
+    cr_assert(r->type == REDIS_REPLY_STRING && strstr(r->str, "\r\nkeys_in_flight:1\r\n"), "%s",
+              r->str ? r->str : "");
+    freeReplyObject(r);
+    redisFree(a);
+    redisFree(b);
+    redisFree(i);
     tu_rmtree(fail_dir);
 }
 

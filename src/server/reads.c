@@ -9,7 +9,8 @@
  * the same way on a second line with a thread of its own (READS_STATS): idem_get_stats may
  * filter the age heaps first (34-37 ms after a burst of 262,144 claims, docs/benchmarks.md),
  * and behind a slow query a scrape would wait for it. The loop makes their reply from the
- * figures when they come back, with the server's own counters, which are the loop's. A
+ * figures when they come back, with the server's own counters, which are the loop's; in sync
+ * mode the thread waits (idem_sync) until every change they count is durable, as DBSIZE does. A
  * metrics connection's reading (metrics_id) holds no reply room and no connection: it comes
  * back to metrics_answer, which drops it if that connection has gone meanwhile.
  *
@@ -88,6 +89,12 @@ static void *reads_main(void *arg)
         if (line == READS_STATS) {
             test_delay(s->stats_delay_ms);
             idem_get_stats(s->store, &r->engine);
+            /* In sync mode the figures are answered once every change they count is durable
+             * (rule 8), as DBSIZE is: a wait for the flush under way at most. */
+            if (s->cfg.durability == IDEM_DURABILITY_SYNC && idem_sync(s->store) != IDEM_OK) {
+                r->unsure = 1;
+                r->engine.fatal = 1;
+            }
         } else {
             test_delay(s->reads_delay_ms);
             srv_read_run(s->q_reads, &r->a, &r->reply);
@@ -189,6 +196,7 @@ static srv_read *read_take(srv *s)
     s->reads_free = r->next;
     s->reads_kept--;
     r->metrics_id = 0;
+    r->unsure = 0;
     return r;
 }
 
@@ -300,8 +308,12 @@ void srv_reads_done(srv *s)
         s->reads_owed -= r->room;
         if (!c->dead && srv_reply_pending(c, r->seq)) {
             resp_buf *b = srv_reply_buf(c, r->seq);
-            if (r->a.kind == READ_STATS) cmd_stats_reply(s, &r->a, &r->engine, &r->reply);
-            if (r->reply.no_memory) {
+            if (r->a.kind == READ_STATS && !r->unsure)
+                cmd_stats_reply(s, &r->a, &r->engine, &r->reply);
+            if (r->unsure) {
+                resp_error(b, "ERR fatal store error: the figures count changes that are not "
+                              "durable");
+            } else if (r->reply.no_memory) {
                 srv_log_gated(&s->log_oom, "warn", "out_of_memory",
                               "what=read_reply id=%llu peer=%s", (unsigned long long)c->id,
                               c->peer);

@@ -265,6 +265,8 @@ typedef struct srv_read {
      * client's. It holds no reply room and no engine_due, and is not in reads_out. */
     uint64_t metrics_id;
     idem_stats engine; /* READ_STATS: the store's figures, read on the stats line */
+    int unsure;        /* READ_STATS in sync mode: the changes they count could not be made
+                          durable (the store failed; engine.fatal is set) */
 } srv_read;
 
 /* The reads' lines, a thread each: the queries (scans, the attention list, the audit trail),
