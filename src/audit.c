@@ -372,6 +372,8 @@ int audit_reserve_n(idem_store *s, uint32_t n)
     uint64_t end = s->audit_off + s->audit_out.len + need;
     if (end > s->audit_alloc) {
         uint64_t to = IDEM_ALIGN_UP(end + AUDIT_ROOM_STEP, AUDIT_ROOM_STEP);
+        /* nor, with the disk reserve let go, the room that frees space (disk_reserve.h) */
+        if (!store_released_room_ok(s, to - s->audit_alloc)) return IDEM_EFULL;
         int rc = io_reserve(s->io, s->audit_f, s->audit_alloc, to - s->audit_alloc);
         if (UTIL_NO_SPACE(rc)) return IDEM_EFULL;
         if (rc < 0 && rc != -EOPNOTSUPP) return IDEM_EIO;

@@ -367,6 +367,10 @@ int compact_wants_checkpoint(idem_store *s)
                     first < s->cmp_force_until || s->cmp_walked - first + 1 >= STORE_CMP_AHEAD ||
                     store_now(s) - s->cmp_walked_ms >= STORE_CKPT_QUIET_MS))
         return 1;
+    /* With the disk reserve let go, one that retires nothing only takes room (a larger
+     * checkpoint in place of the older kept one) from the walk that frees it; but idem_compact
+     * waiting hears its outcome (FULL where no room is left), else it could wait for good. */
+    if (s->reserve.released && first >= s->cmp_force_until) return 0;
     return wal_cur_seq(s->wal) - s->sb.ckpt_seq >= STORE_CKPT_EVERY_SEGS;
 }
 

@@ -5,16 +5,18 @@
  * into the log, and its segments are deleted only under a checkpoint begun after it, which is a
  * new file. On a file system the log has filled, neither could start, and a store whose keys had
  * all expired answered FULL for good. So the store holds a file, `reserve`, allocated to the size
- * that work needs (store.c, reserve_want: a checkpoint at its largest, two segments, 1 MiB). When
+ * that work needs (store.c, reserve_want: three checkpoints at their largest, two segments,
+ * 1 MiB). When
  * the log reaches the end of its last segment and the next cannot be made for want of space, the
  * file is let go: new keys answer FULL from then on (as they would have without it), the next
- * segment is made only where a checkpoint's room is left beside it, and owner calls, compaction
+ * segment is made only where the checkpoints' room is left beside it, and owner calls, compaction
  * and checkpoints go on in that room and free what they can. Once the reserve and a segment more
  * are free again the file is taken back and new keys are taken. An open or allocation that finds
  * no room leaves the reserve short (new keys are taken, as before it existed) and is tried again
  * each second; but an open that finds the file empty, as a release leaves it, and no room to
- * allocate it keeps it let go (reserve_start). Of the two segments, one is for a walk's copies
- * of one segment, the other for owner calls written meanwhile (design.md section 16).
+ * allocate it, and a segment more, keeps it let go (reserve_start). Of the two segments, one is
+ * for a walk's copies of one segment, the other for other writes meanwhile: a bound, not a proof
+ * (design.md sections 16 and 21).
  *
  * The file's content is never read: its blocks are what it is for. It is not synced but at its
  * release (blocks a truncate freed are reused only once the file system commits), and a crash

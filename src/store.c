@@ -646,25 +646,32 @@ static int superblock_save(idem_store *s, const char *deferred, const char *why)
 
 /* ---- The disk reserve (disk_reserve.h) ---- */
 
-/* The room a checkpoint needs: every key's entry at its largest, and 1 MiB for the file
- * system's own blocks. mu held. */
+/* The room checkpoints need beyond what the two kept ones take: one being written with every
+ * key's entry at its largest, and the two kept grown to that size (each install deletes the
+ * older kept one, which may be smaller, taken with fewer keys: it frees less than the new one
+ * takes), and 1 MiB for the file system's own blocks; at least one checkpoint's room. While the
+ * reserve is let go, the next segment and the audit trail's growth leave this free. mu held. */
 static uint64_t reserve_ckpt_room(const idem_store *s)
 {
-    return ckpt_bytes_max(index_count(s->ix)) + (1u << 20);
+    uint64_t one = ckpt_bytes_max(index_count(s->ix)),
+             kept = s->ckpt_file_bytes[0] + s->ckpt_file_bytes[1];
+    return (3 * one > kept + one ? 3 * one - kept : one) + (1u << 20);
 }
 
-/* What the reserve holds: a checkpoint's room and RESERVE_SEGS segments, in whole MiB so that it
- * grows in steps. One segment takes the copies and DELETEs of a walk of one segment (no more than
- * its frames, with their batches' padding); the other the owner calls and padding written in the
- * same segments meanwhile. With one, a walk of a segment nearly all live, begun at the release,
- * could find its room filled before it ended: nothing walked, no checkpoint to retire anything,
- * and the store FULL for good. Once one segment's walk ends, the quiet rule asks for the
- * checkpoint that retires it (compact_wants_checkpoint), and its room comes back. mu held. */
+/* What the reserve holds: the checkpoints' room at its largest (three checkpoints of every key:
+ * it depends on the key count alone, so that it does not shrink and grow as checkpoints are
+ * installed), RESERVE_SEGS segments and 1 MiB, in whole MiB so that it grows in steps. One
+ * segment takes the copies and DELETEs of a walk of one segment (no more than its frames, with
+ * their batches' padding); the other the owner calls and padding written in the same segments
+ * meanwhile. With one, a walk of a segment nearly all live, begun at the release, could find its
+ * room filled before it ended: nothing walked, no checkpoint to retire anything, and the store
+ * FULL for good. Once one segment's walk ends, the quiet rule asks for the checkpoint that
+ * retires it (compact_wants_checkpoint), and its room comes back. mu held. */
 #define RESERVE_SEGS 2
 static uint64_t reserve_want(const idem_store *s)
 {
-    return IDEM_ALIGN_UP(reserve_ckpt_room(s) + RESERVE_SEGS * (uint64_t)s->opt.segment_bytes,
-                         1u << 20);
+    uint64_t ckpts = 3 * ckpt_bytes_max(index_count(s->ix)) + (1u << 20);
+    return IDEM_ALIGN_UP(ckpts + RESERVE_SEGS * (uint64_t)s->opt.segment_bytes, 1u << 20);
 }
 
 /* An open or allocation of the reserve failed (rc, -errno; why: what was tried), with mu held
@@ -710,26 +717,32 @@ static void reserve_start(idem_store *s)
         reserve_short(s, rc, "opening the reserve");
         return;
     }
-    rc = disk_reserve_hold(&s->reserve, reserve_want(s));
-    if (!UTIL_NO_SPACE(rc) || s->reserve.made || s->reserve.held) {
-        if (rc < 0) reserve_short(s, rc, "allocating the reserve");
+    /* Found empty, as a release leaves it: taken back only where it and a segment more are free,
+     * as reserve_maintain does (the store went on in the reserve's room before, and new keys
+     * must not take that room now either). */
+    uint64_t want = reserve_want(s);
+    if (!s->reserve.made && !s->reserve.held &&
+        disk_free_bytes(s->dir, s->reserve.root_blocks) < want + s->opt.segment_bytes) {
+        reserve_released(s, "the reserve was let go before and finds no room");
         return;
     }
-    /* Found empty, as a release leaves it, with no room to allocate it: the store went on in
-     * the reserve's room before, and new keys must not take that room now either. */
-    reserve_released(s, "the reserve was let go before and finds no room");
+    rc = disk_reserve_hold(&s->reserve, want);
+    if (rc < 0) reserve_short(s, rc, "allocating the reserve");
 }
 
-/* Makes the spare segment seq, mu released. While the reserve is let go, only where a
- * checkpoint's room (ckpt_room) is left beside it. When the disk refuses it and the log is at its
- * end (cur_full: the current segment cannot take a largest frame), the reserve is let go
- * (*let_go) and the making tried once more: until then the log's own space takes new keys. A
- * reserve left short is let go only where it and the free bytes give a segment and a
- * checkpoint's room: else the store answers FULL as one without it did. A new file never
- * allocated yet (still DISK_RESERVE_MAKING) holds nothing and is not let go: as a store without
- * a reserve, which a restart would read it as. */
-static int spare_make_kept(idem_store *s, uint64_t seq, uint64_t ckpt_room, int cur_full,
-                           int *let_go, struct wal_segment **made)
+/* Makes the spare segment seq, mu released. A reserve held short of want (it grows once a
+ * second, and keys came since) is grown first where the room is free, so that the log does not
+ * take the room it needs (let go short, it would give a walk one segment; the keys written into
+ * the last segments once less than a segment is free still need more than it holds). While the
+ * reserve is let go, the spare is made only where the checkpoints' room (ckpt_room) is left beside
+ * it. When the disk refuses it and the log is at its end (cur_full: the current segment cannot take
+ * a largest frame), the reserve is let go (*let_go) and the making tried once more: until then the
+ * log's own space takes new keys. A reserve left short (no room to grow it) is let go only where it
+ * and the free bytes give a segment and the checkpoints' room: else the store answers FULL as one
+ * without it did. A new file never allocated yet (still DISK_RESERVE_MAKING) holds nothing and is
+ * not let go: as a store without a reserve, which a restart would read it as. */
+static int spare_make_kept(idem_store *s, uint64_t seq, uint64_t ckpt_room, uint64_t want,
+                           int cur_full, int *let_go, struct wal_segment **made)
 {
     struct disk_reserve *r = &s->reserve;
     char path[4096];
@@ -737,6 +750,9 @@ static int spare_make_kept(idem_store *s, uint64_t seq, uint64_t ckpt_room, int 
     wal_seg_path(s->dir, seq, path, sizeof path);
     /* a whole file of seq (made before a restart) is used again, taking no new space */
     int whole = stat(path, &st) == 0 && (uint64_t)st.st_blocks * 512 >= s->opt.segment_bytes;
+    if (!whole && r->fd >= 0 && !r->released && r->held < want &&
+        disk_free_bytes(s->dir, r->root_blocks) >= want - r->held)
+        (void)disk_reserve_hold(r, want); /* short still: reserve_maintain logs it */
     for (;;) {
         int rc = (r->released || *let_go) && !whole &&
                          disk_free_bytes(s->dir, r->root_blocks) < ckpt_room + s->opt.segment_bytes
@@ -750,6 +766,14 @@ static int spare_make_kept(idem_store *s, uint64_t seq, uint64_t ckpt_room, int 
         disk_reserve_release(r);
         *let_go = 1;
     }
+}
+
+int store_released_room_ok(idem_store *s, uint64_t bytes)
+{
+    if (!s->reserve.released) return 1;
+    uint64_t free_bytes = disk_free_bytes(s->dir, s->reserve.root_blocks);
+    return free_bytes == UINT64_MAX ||
+           free_bytes >= reserve_ckpt_room(s) + s->opt.segment_bytes + bytes;
 }
 
 /* Once a second, mu held and let go for the file calls: a reserve let go is taken back once it
@@ -811,10 +835,10 @@ static int flusher_maintain(idem_store *s)
         uint64_t seq = wal_spare_begin(s->wal, &rc);
         struct wal_segment *made = NULL;
         if (seq) {
-            uint64_t ckpt_room = reserve_ckpt_room(s);
+            uint64_t ckpt_room = reserve_ckpt_room(s), want = reserve_want(s);
             int let_go = 0, cur_full = !wal_cur_fits(s->wal, s->frame_max);
             store_flusher_unlock(s);
-            rc = spare_make_kept(s, seq, ckpt_room, cur_full, &let_go, &made);
+            rc = spare_make_kept(s, seq, ckpt_room, want, cur_full, &let_go, &made);
             store_flusher_relock(s);
             if (let_go) reserve_released(s, "the log is at the end of a full disk");
             released = 1;
@@ -1539,7 +1563,7 @@ static int store_start(idem_store *s)
     if (rc < 0) return rc;
     remove_leftovers(s);
     if (!s->test_sim) reserve_start(s);
-    /* A reserve let go before: the flusher makes the spare, where a checkpoint's room is left
+    /* A reserve let go before: the flusher makes the spare, where the checkpoints' room is left
      * beside it (spare_make_kept) */
     if (!s->reserve.released) {
         rc = wal_spare_create(s->wal);

@@ -471,6 +471,10 @@ void store_set_error(const char *fmt, ...) __attribute__((format(printf, 1, 2)))
  * returns 0 and the append answers IDEM_EFULL, so reads and repeats go on. */
 int store_room(idem_store *s);
 int store_room_ok(idem_store *s);
+/* Whether bytes more of a file beside the log (the audit trail's growth) leave, while the disk
+ * reserve is let go, the checkpoints' room and a segment for the walk that frees space (store.c,
+ * spare_make_kept): 1 when the reserve is held. mu held. */
+int store_released_room_ok(idem_store *s, uint64_t bytes);
 /* Waits (mu held, let go of meanwhile) until `bytes` of frames can be appended: 0, IDEM_EFULL
  * or the next segment's error (then the log cannot take them all), or IDEM_EFATAL. */
 int store_room_for(idem_store *s, uint32_t bytes);

@@ -311,65 +311,106 @@ Test(disk_reserve, a_store_that_filled_its_disk_takes_new_keys_again_once_they_e
     close_expired_and_sound(s, q, dir);
 }
 
-/* The reserve holds two segments beside a checkpoint's room. The oldest segment holds keys of a
- * month, so the walk that starts once the keys of a day expire copies it whole, while commits of
- * owners whose work was under way when the disk filled took part of the room first. With one
- * segment (the build before), the copies found that room filled before the walk of that segment
- * ended: no segment walked, no checkpoint retired anything, and every new key answered FULL for
- * good, with all but a few keys expired. Results of 48 KiB keep the log near the live bytes (a
- * flush's padding is small beside them), so that no walk starts before the keys of a day expire. */
-Test(disk_reserve, a_walk_of_a_segment_all_live_on_a_full_disk_has_room_to_end, .timeout = 300)
-{
-    enum { KEEP = 30, OWED = 12, MONTH = 30, SEED_KEEP = 100000, SEED_OWED = 200000 };
-    result_len = 48u << 10;
-    char *dir = mount_small();
-    idem_store *s = open_small(dir);
+enum { KEEP = 30, OWED = 12, MONTH = 30, SEED_KEEP = 100000, SEED_OWED = 200000 };
+
+/* A store on a full disk whose oldest segment holds keys of a month (KEEP, their walk copies it
+ * whole), with OWED claims of a month still in flight, then keys of a day until the reserve was
+ * let go. Results of 48 KiB keep the log near the live bytes (a flush's padding is small beside
+ * them), so that no walk starts before the keys of a day expire. */
+struct month_store {
+    char *dir;
+    idem_store *s;
     idem_queue *q;
-    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    int keys; /* of a day */
+    int64_t owed_tok[OWED];
+};
+
+static void month_store_fill(struct month_store *m)
+{
+    result_len = 48u << 10;
+    m->dir = mount_small();
+    m->s = open_small(m->dir);
+    cr_assert_eq(idem_queue_open(m->s, 4, &m->q), IDEM_OK);
     char key[32];
     int64_t tok;
     for (int i = 0; i < KEEP; i++) { /* about 1.6 segments */
         snprintf(key, sizeof key, "keep-%d", i);
-        cr_assert_eq(claim_for(q, key, MONTH, &tok), IDEM_NEW, "%s", key);
+        cr_assert_eq(claim_for(m->q, key, MONTH, &tok), IDEM_NEW, "%s", key);
         uint8_t *r = result_of(SEED_KEEP + i);
-        commit_of(s, q, key, tok, r);
+        commit_of(m->s, m->q, key, tok, r);
         free(r);
     }
-    int64_t owed_tok[OWED];
     for (int i = 0; i < OWED; i++) {
         snprintf(key, sizeof key, "owed-%d", i);
-        cr_assert_eq(claim_for(q, key, MONTH, &owed_tok[i]), IDEM_NEW, "%s", key);
+        cr_assert_eq(claim_for(m->q, key, MONTH, &m->owed_tok[i]), IDEM_NEW, "%s", key);
     }
-    int keys = fill_until_released(s, q);
-
+    m->keys = fill_until_released(m->s, m->q);
     /* The release made the next segment in the reserve's room. Another file takes what the disk
      * had free beside the reserve, so that the room left is the reserve's alone, less that
      * segment, whatever the disk's last bytes were. */
-    uint64_t left = stats_of(s).disk_reserve_bytes - (1u << 20);
-    if (free_bytes(dir) > left) free(ballast_leaving(dir, left));
-    for (int i = 0; i < OWED; i++) { /* about 0.6 segments: owner calls on the full disk */
-        snprintf(key, sizeof key, "owed-%d", i);
-        uint8_t *r = result_of(SEED_OWED + i);
-        commit_of(s, q, key, owed_tok[i], r);
-        free(r);
-    }
-    await_taken_after_two_days(s, q, "after-expiry");
-    idem_stats st = stats_of(s);
+    uint64_t left = stats_of(m->s).disk_reserve_bytes - (1u << 20);
+    if (free_bytes(m->dir) > left) free(ballast_leaving(m->dir, left));
+}
+
+/* Two days on, new keys are taken again: the walks ended and freed the expired keys' space.
+ * Every key of a month reads back with its result (the owed ones where committed), and the store
+ * is sound. */
+static void month_store_freed(struct month_store *m, int owed_committed)
+{
+    await_taken_after_two_days(m->s, m->q, "after-expiry");
+    idem_stats st = stats_of(m->s);
     cr_assert_eq(st.disk_reserve_released, 0);
     cr_assert_eq(st.fatal, 0);
     fprintf(stderr, "disk_reserve: %d keys of a day behind %d of a month, %llu bytes free after\n",
-            keys, KEEP + OWED, (unsigned long long)free_bytes(dir));
-
-    /* Nothing the walk copied is lost, and the keys of a day are gone. */
+            m->keys, KEEP + OWED, (unsigned long long)free_bytes(m->dir));
+    char key[32];
     for (int i = 0; i < KEEP; i++) {
         snprintf(key, sizeof key, "keep-%d", i);
-        assert_result(q, key, SEED_KEEP + i);
+        assert_result(m->q, key, SEED_KEEP + i);
     }
-    for (int i = 0; i < OWED; i++) {
+    for (int i = 0; owed_committed && i < OWED; i++) {
         snprintf(key, sizeof key, "owed-%d", i);
-        assert_result(q, key, SEED_OWED + i);
+        assert_result(m->q, key, SEED_OWED + i);
     }
-    close_expired_and_sound(s, q, dir);
+    close_expired_and_sound(m->s, m->q, m->dir);
+}
+
+/* The reserve holds two segments beside the checkpoints' room. The walk that starts once the keys
+ * of a day expire copies the oldest segment whole, while commits of owners whose work was under
+ * way when the disk filled took part of the room first. With one segment (the build before), the
+ * copies found that room filled before the walk of that segment ended: no segment walked, no
+ * checkpoint retired anything, and every new key answered FULL for good, with all but a few keys
+ * expired. */
+Test(disk_reserve, a_walk_of_a_segment_all_live_on_a_full_disk_has_room_to_end, .timeout = 300)
+{
+    struct month_store m;
+    month_store_fill(&m);
+    for (int i = 0; i < OWED; i++) { /* about 0.6 segments: owner calls on the full disk */
+        char key[32];
+        snprintf(key, sizeof key, "owed-%d", i);
+        uint8_t *r = result_of(SEED_OWED + i);
+        commit_of(m.s, m.q, key, m.owed_tok[i], r);
+        free(r);
+    }
+    month_store_freed(&m, 1);
+}
+
+/* An operator's deletes on a full disk grow the audit trail only where the room that frees the
+ * disk stays beside it: with the reserve let go, the first DEL that would grow the trail answers
+ * FULL. Before, it took 2 MiB of that room, the walk of the oldest segment found no second
+ * segment, and the store answered FULL for good. */
+Test(disk_reserve, deletes_on_a_full_disk_leave_the_room_that_frees_it, .timeout = 300)
+{
+    struct month_store m;
+    month_store_fill(&m);
+    int deleted = 0, rc = IDEM_OK;
+    for (; deleted < 100 && rc == IDEM_OK; deleted += rc == IDEM_OK) {
+        char key[32];
+        snprintf(key, sizeof key, "fill-%d", deleted);
+        rc = idem_del(m.q, key, strlen(key), "operator");
+    }
+    cr_assert_eq(rc, IDEM_EFULL, "%d deletes and no FULL: %s", deleted, idem_strerror(rc));
+    month_store_freed(&m, 0);
 }
 
 /* A new reserve file is named `reserve` only once it is allocated, so that an empty one always
@@ -507,6 +548,9 @@ Test(disk_reserve, a_reserve_grows_with_the_keys_and_gives_back_what_expired_key
     cr_assert_eq(stat(path, &fs), 0);
     cr_assert_eq((uint64_t)fs.st_size, grown, "cut back from %llu to %lld for %llu",
                  (unsigned long long)grown, (long long)fs.st_size, (unsigned long long)need);
+    fprintf(stderr, "disk_reserve: %llu bytes empty, %llu for %d keys, %llu needed for %d\n",
+            (unsigned long long)empty, (unsigned long long)grown, STAY + MOST + FEW,
+            (unsigned long long)need, STAY + MOST);
 
     /* The most expire: the file is cut back to what an empty store needs. */
     cr_assert_eq(idem_clock_advance(s, 3600000), IDEM_OK);

@@ -4575,11 +4575,11 @@ Test(recovery_disk, a_cut_segment_is_corruption_and_a_cut_spare_is_made_again)
 }
 
 /* The store holds room for the work that frees space on a full disk (disk_reserve.h): a file
- * allocated to a checkpoint at its largest, two segments and 1 MiB, in whole MiB, which stats
- * report. A checkpoint of keys that all carry repeat counters (its largest entries) fits the
+ * allocated to three checkpoints at their largest, two segments and 1 MiB, in whole MiB, which
+ * stats report. A checkpoint of keys that all carry repeat counters (its largest entries) fits the
  * room kept for it, and the file grows with the keys. An open that finds the file emptied (as
  * a release leaves it) allocates it again; a read-only open makes none. */
-Test(recovery, a_store_holds_a_disk_reserve_as_large_as_a_checkpoint_and_two_segments)
+Test(recovery, a_store_holds_a_disk_reserve_as_large_as_three_checkpoints_and_two_segments)
 {
     char *dir = tu_mkdtemp("reserve");
     char path[4200], ckpt[4200];
@@ -4621,7 +4621,7 @@ Test(recovery, a_store_holds_a_disk_reserve_as_large_as_a_checkpoint_and_two_seg
     cr_assert_geq((uint64_t)fs.st_size, (uint64_t)KEYS * 32, "entries without counters");
     cr_assert_leq((uint64_t)fs.st_size, ckpt_bytes_max(KEYS), "a checkpoint past its bound");
     idem_get_stats(s, &st);
-    uint64_t want = IDEM_ALIGN_UP(ckpt_bytes_max(KEYS) + (3u << 20), 1u << 20);
+    uint64_t want = IDEM_ALIGN_UP(3 * ckpt_bytes_max(KEYS) + (3u << 20), 1u << 20);
     cr_assert_eq(st.disk_reserve_bytes, want);
     cr_assert_gt(want, 4u << 20, "the keys need a larger reserve");
     for (int i = 0; i < 500 && stat(path, &fs) == 0 && (uint64_t)fs.st_size != want; i++)
