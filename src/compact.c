@@ -368,8 +368,9 @@ int compact_wants_checkpoint(idem_store *s)
                     store_now(s) - s->cmp_walked_ms >= STORE_CKPT_QUIET_MS))
         return 1;
     /* With the disk reserve let go, one that retires nothing only takes room (a larger
-     * checkpoint in place of the older kept one) from the walk that frees it; but idem_compact
-     * waiting hears its outcome (FULL where no room is left), else it could wait for good. */
+     * checkpoint in place of the older kept one) from the walk that frees it; an idem_compact
+     * waiting keeps the rule it had (a walk stopped for room ends it only through such a
+     * checkpoint refused FULL, and without a timeout it can wait for good: design.md 21). */
     if (s->reserve.released && first >= s->cmp_force_until) return 0;
     return wal_cur_seq(s->wal) - s->sb.ckpt_seq >= STORE_CKPT_EVERY_SEGS;
 }

@@ -662,7 +662,7 @@ static uint64_t reserve_ckpt_room(const idem_store *s)
  * it depends on the key count alone, so that it does not shrink and grow as checkpoints are
  * installed), RESERVE_SEGS segments and 1 MiB, in whole MiB so that it grows in steps. One
  * segment takes the copies and DELETEs of a walk of one segment (no more than its frames, with
- * their batches' padding); the other the owner calls and padding written in the same segments
+ * their batches' padding); the second the other writes and padding in the same segments
  * meanwhile. With one, a walk of a segment nearly all live, begun at the release, could find its
  * room filled before it ended: nothing walked, no checkpoint to retire anything, and the store
  * FULL for good. Once one segment's walk ends, the quiet rule asks for the checkpoint that

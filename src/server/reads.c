@@ -10,7 +10,7 @@
  * filter the age heaps first (34-37 ms after a burst of 262,144 claims, docs/benchmarks.md),
  * and behind a slow query a scrape would wait for it. The loop makes their reply from the
  * figures when they come back, with the server's own counters, which are the loop's; in sync
- * mode the thread waits (idem_sync) until every change they count is durable, as DBSIZE does. A
+ * mode the thread waits (IDEM_OP_SYNC) until every change they count is durable, as DBSIZE does. A
  * metrics connection's reading (metrics_id) holds no reply room and no connection: it comes
  * back to metrics_answer, which drops it if that connection has gone meanwhile.
  *
@@ -72,6 +72,21 @@ struct line_arg {
     int line;
 };
 
+/* In sync mode the figures r holds are answered once every change they count is durable (rule
+ * 8), as DBSIZE is: an IDEM_OP_SYNC submitted after the reading, which waits for the log's flush
+ * alone (idem_sync waits for any flusher I/O under way as well). A store failing meanwhile makes
+ * them unsure, and fatal. */
+static void stats_made_durable(srv *s, srv_read *r)
+{
+    if (s->cfg.durability != IDEM_DURABILITY_SYNC) return;
+    idem_op op = {.kind = IDEM_OP_SYNC};
+    idem_completion c;
+    if (idem_exec(s->q_stats, &op, &c) != IDEM_OK || c.err != IDEM_OK) {
+        r->unsure = 1;
+        r->engine.fatal = 1;
+    }
+}
+
 static void *reads_main(void *arg)
 {
     srv *s = ((struct line_arg *)arg)->s;
@@ -89,12 +104,7 @@ static void *reads_main(void *arg)
         if (line == READS_STATS) {
             test_delay(s->stats_delay_ms);
             idem_get_stats(s->store, &r->engine);
-            /* In sync mode the figures are answered once every change they count is durable
-             * (rule 8), as DBSIZE is: a wait for the flush under way at most. */
-            if (s->cfg.durability == IDEM_DURABILITY_SYNC && idem_sync(s->store) != IDEM_OK) {
-                r->unsure = 1;
-                r->engine.fatal = 1;
-            }
+            stats_made_durable(s, r);
         } else {
             test_delay(s->reads_delay_ms);
             srv_read_run(s->q_reads, &r->a, &r->reply);
@@ -128,7 +138,9 @@ static int line_start(srv *s, int line)
 
 int srv_reads_start(srv *s)
 {
-    if (idem_queue_open(s->store, 16, &s->q_reads) != IDEM_OK) return errno ? errno : ENOMEM;
+    if (idem_queue_open(s->store, 16, &s->q_reads) != IDEM_OK ||
+        idem_queue_open(s->store, 1, &s->q_stats) != IDEM_OK)
+        return errno ? errno : ENOMEM;
     s->reads_delay_ms = (uint32_t)srv_test_ms(s, "IDEM_TEST_READS_DELAY_MS", 0);
     s->stats_delay_ms = (uint32_t)srv_test_ms(s, "IDEM_TEST_STATS_DELAY_MS", 0);
     if (s->cfg.test_clock && getenv("IDEM_TEST_READS_THREAD_FAIL")) return EAGAIN;
@@ -419,5 +431,6 @@ void srv_reads_stop(srv *s)
     s->reads_free = NULL;
     s->reads_kept = 0;
     if (s->q_reads) idem_queue_close(s->q_reads);
-    s->q_reads = NULL;
+    if (s->q_stats) idem_queue_close(s->q_stats);
+    s->q_reads = s->q_stats = NULL;
 }
