@@ -586,8 +586,9 @@ int idem_checkpoint(idem_store *s);
 /* Compacts every sealed segment now (live records copied forward, expired ones dropped, the
  * segments retired) and returns when that is done (IDEM_OK) or timeout_ms passed (IDEM_EBUSY
  * then; the work goes on in the background; a negative timeout_ms waits without bound), or
- * IDEM_EFULL once a checkpoint the retirement needs finds no room, IDEM_ECORRUPT if a damaged
- * frame stopped compaction, IDEM_EFATAL. */
+ * IDEM_EFULL once a checkpoint the retirement needs finds no room, or the walk has stopped for
+ * want of room with nothing walked waiting for a checkpoint (the work goes on once room is made),
+ * IDEM_ECORRUPT if a damaged frame stopped compaction, IDEM_EFATAL. */
 int idem_compact(idem_store *s, int timeout_ms);
 /* Copies a consistent point-in-time image of the live store into the new directory dest. The
  * copy is made in "<dest>.partial" (which must not exist either) and renamed to dest once it is

@@ -42,7 +42,6 @@
 #define STORE_CMP_BYTES_PER_STEP (1u << 20)
 #define STORE_CMP_LOOKAHEAD      8 /* frames prepared at once: their index misses overlap */
 #define STORE_CMP_SLACK_SEGS     2
-#define STORE_CKPT_EVERY_SEGS    8
 #define STORE_CKPT_RETIRE_BATCH  4    /* walked segments one checkpoint retires under load */
 #define STORE_CKPT_QUIET_MS      5000 /* else the walk has stopped this long */
 
@@ -349,6 +348,22 @@ static uint64_t walk_end_lsn(const idem_store *s, uint64_t seq)
     return s->cmp_walked_lsn[seq % STORE_CMP_AHEAD];
 }
 
+/* The walked segments that wait for a checkpoint begun after their walk ended. */
+static uint64_t walked_waiting(idem_store *s)
+{
+    uint64_t first = wal_first_seq(s->wal), waiting = 0;
+    for (uint64_t seq = s->cmp_walked; seq >= first && seq > 0; seq--) {
+        if (walk_end_lsn(s, seq) <= s->sb.ckpt_lsn) break;
+        waiting++;
+    }
+    return waiting;
+}
+
+int compact_stopped_full(idem_store *s)
+{
+    return s->cmp_room_full && s->cmp_seq && !walked_waiting(s);
+}
+
 int compact_wants_checkpoint(idem_store *s)
 {
     /* Walked segments wait for a checkpoint begun after their walk ended. A checkpoint scans the
@@ -358,11 +373,7 @@ int compact_wants_checkpoint(idem_store *s)
      * to do, or cannot go on: no room for the copies), and at once when idem_compact waits,
      * STORE_CMP_AHEAD segments wait or corruption stopped compaction. With a test clock, the
      * quiet time passes only when the test moves the clock. */
-    uint64_t first = wal_first_seq(s->wal), waiting = 0;
-    for (uint64_t seq = s->cmp_walked; seq >= first && seq > 0; seq--) {
-        if (walk_end_lsn(s, seq) <= s->sb.ckpt_lsn) break;
-        waiting++;
-    }
+    uint64_t first = wal_first_seq(s->wal), waiting = walked_waiting(s);
     if (waiting && (waiting >= STORE_CKPT_RETIRE_BATCH || s->cmp_disabled ||
                     first < s->cmp_force_until || s->cmp_walked - first + 1 >= STORE_CMP_AHEAD ||
                     store_now(s) - s->cmp_walked_ms >= STORE_CKPT_QUIET_MS))
@@ -474,8 +485,12 @@ int compact_step(idem_store *s)
             read_ahead(s, &rd, a);
             ended = a->more != 1;
         }
-        if (store_room_ok(s) != 0)
-            return i > 0; /* no buffer room or segment now: go on at a later step */
+        /* No buffer room or segment now: go on at a later step. */
+        if ((rc = store_room_ok(s)) != 0) {
+            s->cmp_room_full = rc == IDEM_EFULL;
+            return i > 0;
+        }
+        s->cmp_room_full = 0;
         const struct cmp_ahead *a = &ring[head];
         if (a->more == 0) {
             s->cmp_walked = s->cmp_seq;
@@ -486,7 +501,10 @@ int compact_step(idem_store *s)
         }
         rc = a->more < 0 ? a->more : ops_compact_frame(s, &a->cf, now);
         /* No room, buffers or memory for the copy now (nothing was appended): a later step. */
-        if (rc == IDEM_EBUSY || rc == IDEM_EFULL || rc == IDEM_ENOMEM) return i > 0;
+        if (rc == IDEM_EBUSY || rc == IDEM_EFULL || rc == IDEM_ENOMEM) {
+            s->cmp_room_full = rc == IDEM_EFULL;
+            return i > 0;
+        }
         if (rc == IDEM_ECORRUPT) {
             /* Reported, never trusted: compaction stops; the store serves on; verify tells. */
             fprintf(stderr, "idem: event=compaction_stopped segment=%llu offset=%u error=\"%s\"\n",

@@ -730,6 +730,15 @@ static void reserve_start(idem_store *s)
     if (rc < 0) reserve_short(s, rc, "allocating the reserve");
 }
 
+/* Whether the disk has free the checkpoints' room (ckpt_room, reserve_ckpt_room), a segment and
+ * bytes more: what the reserve let go must leave for the work that frees the disk, beside the
+ * next segment or the audit trail's growth. A file system that tells no free count answers yes. */
+static int room_beside_ckpts(const idem_store *s, uint64_t ckpt_room, uint64_t bytes)
+{
+    uint64_t free_bytes = disk_free_bytes(s->dir, s->reserve.root_blocks);
+    return free_bytes == UINT64_MAX || free_bytes >= ckpt_room + s->opt.segment_bytes + bytes;
+}
+
 /* Makes the spare segment seq, mu released. A reserve held short of want (it grows once a
  * second, and keys came since) is grown first where the room is free, so that the log does not
  * take the room it needs (let go short, it would give a walk one segment; the keys written into
@@ -754,8 +763,7 @@ static int spare_make_kept(idem_store *s, uint64_t seq, uint64_t ckpt_room, uint
         disk_free_bytes(s->dir, r->root_blocks) >= want - r->held)
         (void)disk_reserve_hold(r, want); /* short still: reserve_maintain logs it */
     for (;;) {
-        int rc = (r->released || *let_go) && !whole &&
-                         disk_free_bytes(s->dir, r->root_blocks) < ckpt_room + s->opt.segment_bytes
+        int rc = (r->released || *let_go) && !whole && !room_beside_ckpts(s, ckpt_room, 0)
                      ? IDEM_EFULL
                      : wal_spare_make(s->wal, seq, made);
         if (rc != IDEM_EFULL || r->fd < 0 || r->made || r->released || *let_go || !cur_full)
@@ -770,10 +778,7 @@ static int spare_make_kept(idem_store *s, uint64_t seq, uint64_t ckpt_room, uint
 
 int store_released_room_ok(idem_store *s, uint64_t bytes)
 {
-    if (!s->reserve.released) return 1;
-    uint64_t free_bytes = disk_free_bytes(s->dir, s->reserve.root_blocks);
-    return free_bytes == UINT64_MAX ||
-           free_bytes >= reserve_ckpt_room(s) + s->opt.segment_bytes + bytes;
+    return !s->reserve.released || room_beside_ckpts(s, reserve_ckpt_room(s), bytes);
 }
 
 /* Once a second, mu held and let go for the file calls: a reserve let go is taken back once it
@@ -851,6 +856,7 @@ static int flusher_maintain(idem_store *s)
                         "idem: event=full reason=\"no %s for the next log segment\" dir=%s\n",
                         rc == IDEM_EFULL ? "space" : "file descriptor or memory", s->dir);
             s->spare_failed_mono_ms = mono;
+            s->spare_failures++;
             io_fault_clear(); /* handled, as ckpt_run_failed's */
         } else if (rc < 0) {
             char what[64];
@@ -3096,7 +3102,7 @@ int idem_compact(idem_store *s, int timeout_ms)
     /* Every segment sealed now is walked; the flusher does the work between batches. */
     s->cmp_force_until = wal_cur_seq(s->wal);
     int64_t deadline = mono_now(s) + timeout_ms;
-    uint64_t ckpt_failures = s->ckr.failures;
+    uint64_t ckpt_failures = s->ckr.failures, spare_failures = 0;
     int rc = 0;
     while (!s->fatal && !s->cmp_disabled && wal_first_seq(s->wal) < s->cmp_force_until) {
         if (timeout_ms >= 0 && mono_now(s) >= deadline) {
@@ -3106,6 +3112,18 @@ int idem_compact(idem_store *s, int timeout_ms)
         /* Segments are retired only under a newer checkpoint: one refused for want of room
          * means none will be until room is made (waiting would end in EBUSY, or never). */
         if (s->ckr.failures != ckpt_failures && s->ckr.last_err == IDEM_EFULL) {
+            rc = IDEM_EFULL;
+            break;
+        }
+        /* So does a walk stopped for room with nothing walked waiting for a checkpoint, once an
+         * attempt at the next segment made since has failed too (that attempt lets the disk
+         * reserve go where the log is at its end): no checkpoint is asked for, nothing is
+         * retired, and without a timeout the call waited for good. */
+        if (!compact_stopped_full(s)) {
+            spare_failures = 0;
+        } else if (!spare_failures) {
+            spare_failures = s->spare_failures + 1;
+        } else if (s->spare_failures >= spare_failures) {
             rc = IDEM_EFULL;
             break;
         }

@@ -31,8 +31,9 @@
 #define STORE_BUFFERS_KEPT    2    /* log chunk buffers kept through an idle log */
 #define STORE_CLOCK_MS_MAX    IDEM_CLOCK_MS_MAX /* as the superblock and log allow */
 #define STORE_STEPS_PER_FLUSH 8                 /* at most this many more after one flush */
-#define STORE_SLEW_PER_S_MS   100             /* the store clock follows the wall clock by <= 10% */
-#define STORE_CMP_AHEAD       64              /* walked segments awaiting retirement, at most */
+#define STORE_SLEW_PER_S_MS   100 /* the store clock follows the wall clock by <= 10% */
+#define STORE_CMP_AHEAD       64  /* walked segments awaiting retirement, at most */
+#define STORE_CKPT_EVERY_SEGS 8   /* a checkpoint at least every this many segments (compact.c) */
 #define SEG_EXP_UNKNOWN       INT64_MIN       /* segment expiry horizon not known (compact.c) */
 #define SEG_EXP_EMPTY         (INT64_MIN + 1) /* known: no record written there yet */
 
@@ -301,6 +302,7 @@ struct idem_store {
     int flushing;
     uint32_t frame_max;           /* the largest frame one change can append */
     int64_t spare_failed_mono_ms; /* last failed attempt at the spare segment (disk full) */
+    uint64_t spare_failures;      /* attempts at the spare segment that failed (idem_compact) */
     /* Room kept for compaction and checkpoints (disk_reserve.h): let go when the log is at its
      * end on a full disk, looked after once a second (reserve_mono_ms). reserve.released refuses
      * new keys (ops.c, capacity_full). */
@@ -391,6 +393,7 @@ struct idem_store {
     int64_t cmp_walked_ms;                    /* store clock when the last walk ended */
     int cmp_turn;                             /* compaction's turn beside a checkpoint run */
     uint64_t cmp_force_until;                 /* idem_compact: walk every segment below this one */
+    int cmp_room_full; /* the walk's last step stopped for want of disk room (IDEM_EFULL) */
     /* Store clock of the last new key refused by the key or memory limit (ops.c), and of the
      * last segment ended for that (compact.c); each valid once its _seen is set. cap_roll_lsn:
      * that segment's SEGEND, flushed durable at once (flush_asked) in durability none too. */
@@ -672,6 +675,9 @@ int compact_learn_horizon(idem_store *s);
 /* Whether the flusher should write a checkpoint now (log length since the last one, or walked
  * segments waiting to be retired: see the function). */
 int compact_wants_checkpoint(idem_store *s);
+/* Whether the walk stopped for want of disk room with no walked segment waiting for a
+ * checkpoint: nothing the store does frees room then (idem_compact). mu held. */
+int compact_stopped_full(idem_store *s);
 /* Once the closing checkpoint is installed, retires the walked segments it covers (else the
  * next open, which forgets the walk, walks them again). A superblock of its own, after the
  * checkpoint's, as the flusher's retirements: the older copy, used if the newer one rots,

@@ -244,6 +244,94 @@ Test(compact, compact_on_request_retires_every_sealed_segment, .timeout = 60)
     io_sim_destroy(sim);
 }
 
+/* Bytes lz4 cannot shrink, from seed. */
+static void noise(uint8_t *v, size_t len, uint64_t seed)
+{
+    uint64_t x = seed * 0x9e3779b97f4a7c15ull + 1;
+    for (size_t i = 0; i < len; i++) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v[i] = (uint8_t)x;
+    }
+}
+
+/* n keys big-i of 3,000 bytes each: set (one frame each, all live, 16 to a 64 KiB segment), or
+ * checked whole. */
+static void big_keys(idem_queue *q, int n, int set)
+{
+    for (int i = 0; i < n; i++) {
+        char key[32];
+        uint8_t v[3000];
+        snprintf(key, sizeof key, "big-%d", i);
+        noise(v, sizeof v, (uint64_t)i);
+        idem_completion c;
+        if (set) {
+            cr_assert_eq(idem_set_if_absent(q, key, strlen(key), v, sizeof v, 86400000, 0, &c),
+                         IDEM_OK);
+            cr_assert_eq(c.err, IDEM_OK);
+            continue;
+        }
+        cr_assert_eq(idem_get(q, key, strlen(key), &c), IDEM_OK);
+        cr_assert(c.found, "%s lost", key);
+        cr_assert_eq(c.record.result_len, sizeof v, "%s", key);
+        cr_assert(!memcmp(c.record.result, v, sizeof v), "%s changed", key);
+    }
+}
+
+/* A walk idem_compact asks for that stops for want of disk room at the oldest segment (all live:
+ * nothing walked waits for a checkpoint), the log grown fewer than STORE_CKPT_EVERY_SEGS segments
+ * since the last checkpoint, answers FULL: no checkpoint was asked for, nothing was retired, and
+ * without a timeout the call waited for good. Once room is made, the same call compacts every
+ * sealed segment. */
+Test(compact, compact_on_request_on_a_full_disk_answers_full_then_goes_on, .timeout = 60)
+{
+    struct io_sim *sim;
+    cr_assert_eq(io_sim_create(12, &sim), 0);
+    idem_store *s = open_sim(sim);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    big_keys(q, 40, 1);
+    struct io_sim_counts n;
+    io_sim_counts(sim, &n);
+    io_sim_set_capacity(sim, n.used); /* no new segment; the current one and its spare fill */
+    /* Filled with live keys as large, so that the log stays within twice the live bytes and no
+     * walk starts by itself. */
+    int full = 0;
+    for (int i = 0; i < 100 && !full; i++) {
+        char key[32];
+        uint8_t v[3000];
+        snprintf(key, sizeof key, "fill-%d", i);
+        noise(v, sizeof v, 1000 + (uint64_t)i);
+        idem_completion c;
+        int rc = idem_set_if_absent(q, key, strlen(key), v, sizeof v, 86400000, 0, &c);
+        full = rc == IDEM_EFULL || (rc == IDEM_OK && c.err == IDEM_EFULL);
+        cr_assert(full || (rc == IDEM_OK && c.err == IDEM_OK), "fill %d: %s", i,
+                  idem_strerror(rc ? rc : c.err));
+    }
+    cr_assert(full, "the disk never filled");
+    store_lock(s);
+    uint64_t since = wal_cur_seq(s->wal) - s->sb.ckpt_seq;
+    store_unlock(s);
+    cr_assert_lt(since, STORE_CKPT_EVERY_SEGS, "%llu segments since the last checkpoint",
+                 (unsigned long long)since);
+    cr_assert_eq(idem_compact(s, 10000), IDEM_EFULL);
+    cr_assert_eq(idem_compact(s, -1), IDEM_EFULL);
+    cr_assert(!idem_is_fatal(s));
+    big_keys(q, 40, 0);
+    io_sim_set_capacity(sim, 0);
+    cr_assert_eq(idem_compact(s, 20000), IDEM_OK);
+    big_keys(q, 40, 0);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    s = open_sim(sim);
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    big_keys(q, 40, 0);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    io_sim_destroy(sim);
+}
+
 /* Out of descriptors when the superblock is opened to retire segments (or to install the
  * checkpoint they wait for): nothing was written, so the store goes on and retires them at a
  * later step. It used to fail the store, and idemd exited, although nothing had changed. */

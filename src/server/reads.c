@@ -9,8 +9,9 @@
  * the same way on a second line with a thread of its own (READS_STATS): idem_get_stats may
  * filter the age heaps first (34-37 ms after a burst of 262,144 claims, docs/benchmarks.md),
  * and behind a slow query a scrape would wait for it. The loop makes their reply from the
- * figures when they come back, with the server's own counters, which are the loop's; in sync
- * mode the thread waits (IDEM_OP_SYNC) until every change they count is durable, as DBSIZE does. A
+ * figures when they come back, with the server's own counters, which are the loop's; one
+ * reading serves every reading waiting on the line, and in sync mode the thread waits
+ * (IDEM_OP_SYNC) until every change they count is durable, as DBSIZE does. A
  * metrics connection's reading (metrics_id) holds no reply room and no connection: it comes
  * back to metrics_answer, which drops it if that connection has gone meanwhile.
  *
@@ -72,18 +73,28 @@ struct line_arg {
     int line;
 };
 
-/* In sync mode the figures r holds are answered once every change they count is durable (rule
- * 8), as DBSIZE is: an IDEM_OP_SYNC submitted after the reading, which waits for the log's flush
- * alone (idem_sync waits for any flusher I/O under way as well). A store failing meanwhile makes
- * them unsure, and fatal. */
-static void stats_made_durable(srv *s, srv_read *r)
+/* The stats line's turn: one reading of the figures serves every reading waiting on the line
+ * (each was handed over after the requests before it were submitted, so the figures read now
+ * count them all), and in sync mode they are answered once every change they count is durable
+ * (rule 8), as DBSIZE is: one IDEM_OP_SYNC submitted after the reading, which waits for the
+ * log's flush alone (idem_sync waits for any flusher I/O under way as well). N scrapes waiting
+ * cost one reading and one flush, not N of each one after the other. A store failing meanwhile
+ * makes them unsure, and fatal. */
+static void stats_read(srv *s, srv_read *batch)
 {
-    if (s->cfg.durability != IDEM_DURABILITY_SYNC) return;
-    idem_op op = {.kind = IDEM_OP_SYNC};
-    idem_completion c;
-    if (idem_exec(s->q_stats, &op, &c) != IDEM_OK || c.err != IDEM_OK) {
-        r->unsure = 1;
-        r->engine.fatal = 1;
+    test_delay(s->stats_delay_ms);
+    idem_stats st;
+    idem_get_stats(s->store, &st);
+    int unsure = 0;
+    if (s->cfg.durability == IDEM_DURABILITY_SYNC) {
+        idem_op op = {.kind = IDEM_OP_SYNC};
+        idem_completion c;
+        unsure = idem_exec(s->q_stats, &op, &c) != IDEM_OK || c.err != IDEM_OK;
+        if (unsure) st.fatal = 1;
+    }
+    for (srv_read *r = batch; r; r = r->next) {
+        r->engine = st;
+        r->unsure = unsure;
     }
 }
 
@@ -97,21 +108,22 @@ static void *reads_main(void *arg)
         while (!s->reads_todo[line] && !s->reads_stop)
             pthread_cond_wait(&s->reads_cond[line], &s->reads_mu);
         if (s->reads_stop) break;
-        srv_read *r = s->reads_todo[line];
-        s->reads_todo[line] = r->next;
+        /* The queries one at a time; the figures' readings all at once (stats_read). */
+        srv_read *first = s->reads_todo[line], *last = first;
+        if (line == READS_STATS) last = s->reads_todo_tail[line];
+        s->reads_todo[line] = last->next;
         if (!s->reads_todo[line]) s->reads_todo_tail[line] = NULL;
+        last->next = NULL;
         pthread_mutex_unlock(&s->reads_mu);
         if (line == READS_STATS) {
-            test_delay(s->stats_delay_ms);
-            idem_get_stats(s->store, &r->engine);
-            stats_made_durable(s, r);
+            stats_read(s, first);
         } else {
             test_delay(s->reads_delay_ms);
-            srv_read_run(s->q_reads, &r->a, &r->reply);
+            srv_read_run(s->q_reads, &first->a, &first->reply);
         }
         pthread_mutex_lock(&s->reads_mu);
-        r->next = s->reads_done;
-        s->reads_done = r;
+        last->next = s->reads_done;
+        s->reads_done = first;
         uint64_t one = 1;
         ssize_t w = write(s->reads_fd, &one, sizeof one);
         (void)w;
@@ -295,6 +307,25 @@ uint64_t srv_reads_room(const srv *s)
     return left > SRV_OWED_TIGHT ? left : SRV_OWED_TIGHT;
 }
 
+/* r's reply (made by its thread, or from its figures) into b, or the error that says why it
+ * could not be made. */
+static void read_reply_give(srv *s, srv_conn *c, srv_read *r, resp_buf *b)
+{
+    if (r->reply.no_memory) {
+        srv_log_gated(&s->log_oom, "warn", "out_of_memory", "what=read_reply id=%llu peer=%s",
+                      (unsigned long long)c->id, c->peer);
+        resp_error(b, "ERR out of memory for the reply: try again");
+    } else if (r->reply.overflow) { /* the request asked too much, whatever was read */
+        resp_error(b, "ERR the reply would pass --client-output-max (or the memory left under "
+                      "load): ask for fewer (a lower COUNT)");
+    } else {
+        /* A failure stays in b (out's or the slot's), which srv_reply_done hands on in order:
+         * past the limit the connection is closed as too slow a reader; without memory the
+         * replies before this one are still written. */
+        (void)resp_buf_append(b, r->reply.data, r->reply.len);
+    }
+}
+
 void srv_reads_done(srv *s)
 {
     uint64_t v;
@@ -320,25 +351,12 @@ void srv_reads_done(srv *s)
         s->reads_owed -= r->room;
         if (!c->dead && srv_reply_pending(c, r->seq)) {
             resp_buf *b = srv_reply_buf(c, r->seq);
-            if (r->a.kind == READ_STATS && !r->unsure)
-                cmd_stats_reply(s, &r->a, &r->engine, &r->reply);
             if (r->unsure) {
                 resp_error(b, "ERR fatal store error: the figures count changes that are not "
                               "durable");
-            } else if (r->reply.no_memory) {
-                srv_log_gated(&s->log_oom, "warn", "out_of_memory",
-                              "what=read_reply id=%llu peer=%s", (unsigned long long)c->id,
-                              c->peer);
-                resp_error(b, "ERR out of memory for the reply: try again");
-            } else if (r->reply.overflow) { /* the request asked too much, whatever was read */
-                resp_error(b, "ERR the reply would pass --client-output-max (or the memory left "
-                              "under load): ask for fewer "
-                              "(a lower COUNT)");
             } else {
-                /* A failure stays in b (out's or the slot's), which srv_reply_done hands on in
-                 * order: past the limit the connection is closed as too slow a reader; without
-                 * memory the replies before this one are still written. */
-                (void)resp_buf_append(b, r->reply.data, r->reply.len);
+                if (r->a.kind == READ_STATS) cmd_stats_reply(s, &r->a, &r->engine, &r->reply);
+                read_reply_give(s, c, r, b);
             }
             srv_reply_done(s, c, r->seq);
         }
