@@ -537,8 +537,13 @@ int idem_import_begin(idem_queue *q, int64_t token_next);
 int idem_import_record(idem_queue *q, const idem_record *r);
 /* Appends an audit entry as given (seq and times kept; a seq at or below the trail's last one
  * becomes the next one). IDEM_EINVAL for a seq above INT64_MAX: later entries must have room to
- * number on from it. */
+ * number on from it. Returns once the entry is durable. */
 int idem_import_audit(idem_queue *q, const idem_audit_entry *e);
+/* The same for n entries in order (at most IDEM_IMPORT_AUDIT_MAX), written together: they share
+ * the trail's blocks and one flush (one at a time, each took a 4 KiB block and a flush of its
+ * own). IDEM_EINVAL, with nothing written, if any entry is out of range. */
+#define IDEM_IMPORT_AUDIT_MAX 256u
+int idem_import_audit_n(idem_queue *q, const idem_audit_entry *e, size_t n);
 /*
  * The import marker: a file of this name in a store's directory says that an import into the
  * store began and has not finished, so the store may hold only part of an export. idem_open

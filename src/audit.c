@@ -27,8 +27,9 @@
  * recovered log, ends the trail at open: it and what follows are cut off, unless a later unit
  * names changes in the recovered log (then the first was damaged after it was written: the open
  * reports corruption). A group is kept or dropped whole; its changes are all in one batch of the
- * log, which recovery also keeps or drops whole. An imported entry names no change to come: it
- * gets a group of its own, written after every pending one.
+ * log, which recovery also keeps or drops whole. Imported entries name no change to come: they
+ * get groups of their own (idem_import_audit_n: as many as fit one), written after every
+ * pending one.
  */
 #include <errno.h>
 #include <stdbool.h>
@@ -514,32 +515,53 @@ uint64_t audit_memory_bytes(const idem_store *s)
            s->audit_out.cap;
 }
 
-int idem_import_audit(idem_queue *q, const idem_audit_entry *e)
+/* Whether e may be imported; if not, idem_last_error names the field. */
+static int import_entry_valid(const idem_audit_entry *e)
 {
-    if (!q || !e || !e->actor || !e->action || !e->key || e->key_len == 0 ||
-        e->key_len > IDEM_KEY_BYTES_MAX || strlen(e->actor) > IDEM_ACTOR_BYTES_MAX ||
-        strlen(e->action) > 255 || (e->reason && strlen(e->reason) > IDEM_NOTE_BYTES_MAX) ||
-        e->seq > (uint64_t)INT64_MAX) /* room for every later entry's seq to grow */
-        return IDEM_EINVAL;
+    const char *bad = !e->actor || strlen(e->actor) > IDEM_ACTOR_BYTES_MAX            ? "actor"
+                      : !e->action || strlen(e->action) > 255                         ? "action"
+                      : !e->key || e->key_len == 0 || e->key_len > IDEM_KEY_BYTES_MAX ? "key"
+                      : e->reason && strlen(e->reason) > IDEM_NOTE_BYTES_MAX          ? "reason"
+                      : e->seq > (uint64_t)INT64_MAX ? "seq" /* room for later seqs to grow */
+                                                     : NULL;
+    if (bad)
+        store_set_error("audit entry: field %s missing or past its limit (actor %u bytes, action "
+                        "255, key 1 to %u, reason %u, seq 2^63-1)",
+                        bad, (unsigned)IDEM_ACTOR_BYTES_MAX, (unsigned)IDEM_KEY_BYTES_MAX,
+                        (unsigned)IDEM_NOTE_BYTES_MAX);
+    return !bad;
+}
+
+int idem_import_audit_n(idem_queue *q, const idem_audit_entry *e, size_t n)
+{
+    if (!q || (n && !e) || n > IDEM_IMPORT_AUDIT_MAX) return IDEM_EINVAL;
+    for (size_t i = 0; i < n; i++)
+        if (!import_entry_valid(&e[i])) return IDEM_EINVAL;
+    if (n == 0) return IDEM_OK;
     idem_store *s = q->s;
     store_lock(s);
     int rc = store_import_refused(s);
-    /* The entry names no change in a batch to come: it goes in a group of its own, after every
-     * pending group is written and every batch written is durable (in durability none too:
-     * a group before it whose batch a power loss took is cut off at open, and this one after
-     * it would then read as damage). Its LSN is that of the last complete batch on disk, which
-     * every later recovery reaches (one past it, such as a torn batch's, would have the entry
-     * cut off at the next open). */
+    /* The entries name no change in a batch to come: they go in groups of their own (as many
+     * as fit one, AUDIT_GROUP_BYTES), after every pending group is written and every batch
+     * written is durable (in durability none too: a group before them whose batch a power loss
+     * took is cut off at open, and theirs after it would then read as damage). Their LSN is
+     * that of the last complete batch on disk, which every later recovery reaches (one past it,
+     * such as a torn batch's, would have the entries cut off at the next open). */
     while (rc == 0 && (s->audit_pend.n || s->audit_out.n || s->durable_lsn < wal_last_lsn(s->wal)))
         rc = store_wait_durable(s);
-    if (rc == 0) rc = audit_reserve(s);
+    if (rc == 0) rc = audit_reserve_n(s, (uint32_t)n);
     if (rc == 0) {
-        uint64_t next = audit_next_seq(s), seq = e->seq >= next ? e->seq : next;
-        audit_put(s, e->actor, e->action, e->key, e->key_len, e->reason,
-                  e->reason ? (uint32_t)strlen(e->reason) : 0, e->state_before, e->state_after,
-                  e->version_before, e->version_after, wal_complete_lsn(s->wal), seq, e->at_ms);
+        uint64_t seq = 0;
+        for (size_t i = 0; i < n; i++) {
+            uint64_t next = audit_next_seq(s);
+            seq = e[i].seq >= next ? e[i].seq : next;
+            audit_put(s, e[i].actor, e[i].action, e[i].key, e[i].key_len, e[i].reason,
+                      e[i].reason ? (uint32_t)strlen(e[i].reason) : 0, e[i].state_before,
+                      e[i].state_after, e[i].version_before, e[i].version_after,
+                      wal_complete_lsn(s->wal), seq, e[i].at_ms);
+        }
         group_close(&s->audit_pend);
-        /* The flusher writes it (flush_due): wait until it is. */
+        /* The flusher writes them (flush_due): wait until it has. */
         while (!s->fatal && s->audit_seq < seq) {
             pthread_cond_signal(&s->cond_flush);
             store_wait(s, &s->cond_ready);
@@ -548,6 +570,11 @@ int idem_import_audit(idem_queue *q, const idem_audit_entry *e)
     }
     store_unlock(s);
     return rc;
+}
+
+int idem_import_audit(idem_queue *q, const idem_audit_entry *e)
+{
+    return e ? idem_import_audit_n(q, e, 1) : IDEM_EINVAL;
 }
 
 int idem_audit(idem_queue *q, const void *key, size_t key_len, uint32_t count,

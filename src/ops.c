@@ -1624,7 +1624,8 @@ int idem_import_record(idem_queue *q, const idem_record *in)
     if (rc == 0 && in->token >= s->token_next) s->token_next = in->token + 1;
     if (rc == 0) store_kick(s);
     store_unlock(s);
-    return rc == 0 ? idem_sync(s) : rc;
+    /* Durable before it returns in sync mode, as every call; in batch and none as theirs. */
+    return rc == 0 && s->opt.durability == IDEM_DURABILITY_SYNC ? idem_sync(s) : rc;
 }
 
 /* ---- Consistency check (tests, verify) ---- */

@@ -2303,6 +2303,49 @@ Test(audit, imported_seqs_are_kept_and_later_entries_follow_them)
     }
 }
 
+/* Entries imported together share the trail's blocks and keep their order and seqs (one at a
+ * time, each took a 4 KiB block); one out of range refuses them all, with nothing written. */
+Test(audit, entries_imported_together_share_blocks_and_keep_their_seqs)
+{
+    static idem_audit_entry in[IDEM_IMPORT_AUDIT_MAX];
+    static char keys[IDEM_IMPORT_AUDIT_MAX][16];
+    for (uint32_t i = 0; i < IDEM_IMPORT_AUDIT_MAX; i++) {
+        snprintf(keys[i], sizeof keys[i], "imp-%u", i);
+        in[i] = (idem_audit_entry){.seq = 10 + 2 * (uint64_t)i, /* gaps kept */
+                                   .at_ms = 5 + i,
+                                   .actor = "import",
+                                   .action = "del",
+                                   .key = keys[i],
+                                   .key_len = (uint32_t)strlen(keys[i]),
+                                   .reason = "carried over"};
+    }
+    uint64_t before = audit_file_bytes();
+    in[7].seq = UINT64_MAX;
+    expect_rc(idem_import_audit_n(g_q, in, IDEM_IMPORT_AUDIT_MAX), IDEM_EINVAL);
+    in[7].seq = 10 + 2 * 7;
+    expect_rc(idem_import_audit_n(g_q, in, IDEM_IMPORT_AUDIT_MAX + 1), IDEM_EINVAL);
+    const idem_audit_entry *e;
+    size_t n = 0;
+    expect_rc(idem_audit(g_q, NULL, 0, 10, &e, &n), IDEM_OK);
+    cr_assert_eq(n, 0, "a refused group wrote %zu entries", n);
+    expect_rc(idem_import_audit_n(g_q, in, IDEM_IMPORT_AUDIT_MAX), IDEM_OK);
+    uint64_t grew = audit_file_bytes() - before;
+    cr_assert_leq(grew, 64 * 1024, "%u entries took %llu bytes", IDEM_IMPORT_AUDIT_MAX,
+                  (unsigned long long)grew);
+    for (int pass = 0; pass < 2; pass++) {
+        expect_rc(idem_audit(g_q, NULL, 0, 1000, &e, &n), IDEM_OK);
+        cr_assert_eq(n, IDEM_IMPORT_AUDIT_MAX);
+        for (uint32_t i = 0; i < IDEM_IMPORT_AUDIT_MAX; i++) {
+            const idem_audit_entry *x = &e[IDEM_IMPORT_AUDIT_MAX - 1 - i]; /* newest first */
+            cr_assert_eq(x->seq, 10 + 2 * (uint64_t)i);
+            cr_assert_eq(x->at_ms, 5 + (int64_t)i);
+            cr_assert(x->key_len == strlen(keys[i]) && !memcmp(x->key, keys[i], x->key_len));
+            cr_assert_str_eq(x->reason, "carried over");
+        }
+        reopen();
+    }
+}
+
 /* A trail that shrank under the open store (its entries written, then cut off by someone
  * else) answers corruption, named, never a shorter trail. */
 Test(audit, a_trail_cut_short_under_the_store_is_reported)

@@ -169,7 +169,11 @@ static int online_connect(struct ctl *c, const struct ctl_opts *o)
 
 void ctl_open_error(const char *dir, int rc)
 {
-    if (rc == IDEM_ELOCKED)
+    /* Refused for readers alone (inspections that opened it read-only), the engine's sentence
+     * says to wait for them: no idemd holds the store then, and --socket would reach none. */
+    if (rc == IDEM_ELOCKED && strstr(idem_last_error(), "is being read by another process"))
+        ctl_err("%s", idem_last_error());
+    else if (rc == IDEM_ELOCKED)
         ctl_err("%s; idemd (or another program) holds the store: stop it, or reach it with "
                 "--socket PATH",
                 idem_last_error());
@@ -220,6 +224,10 @@ static int offline_open(struct ctl *c, const struct ctl_opts *o, int access)
     opt.read_only = access == CTL_READ || access == CTL_OFFLINE_READ;
     /* Only import may take a store that an import cut short (IDEM_IMPORT_MARKER): to finish. */
     opt.importing = access == CTL_CREATE;
+    /* An import's records need not each wait for a flush of their own (a store of 10 M keys
+     * took 10 M flushes): the marker, or the directory's .partial name, covers a crash part-way,
+     * and the close makes everything durable before the import is called done. */
+    if (access == CTL_CREATE) opt.durability = IDEM_DURABILITY_BATCH;
     if (o->result_max) opt.result_bytes_max = (uint32_t)o->result_max;
     int rc = idem_open(dir, &opt, &c->s);
     if (rc != IDEM_OK) {
@@ -573,7 +581,9 @@ int ctl_attention(struct ctl *c, int64_t older_ms, uint32_t max, struct ctl_reco
     *recs = NULL;
     *n = 0;
     if (c->online) return attention_online(c, older_ms, max, recs, n);
-    idem_attention_args a = {.older_ms = older_ms, .max = max};
+    /* Bounded as idemd bounds its reply (--client-output-max's default): results of up to a
+     * result limit each, listed by the thousand, held twice (the queue's and the copies). */
+    idem_attention_args a = {.older_ms = older_ms, .max = max, .max_bytes = CTL_ATTENTION_BYTES};
     const idem_record *r;
     size_t k;
     int rc = idem_attention(c->q, &a, &r, &k);
@@ -583,8 +593,16 @@ int ctl_attention(struct ctl *c, int64_t older_ms, uint32_t max, struct ctl_reco
     }
     *recs = calloc(k ? k : 1, sizeof **recs);
     if (!*recs) return CTL_FAIL;
-    for (size_t i = 0; i < k; i++)
+    uint64_t bytes = 0;
+    for (size_t i = 0; i < k; i++) {
+        bytes += r[i].key_len + r[i].owner_len + r[i].note_len + r[i].result_len;
         if (record_own(&(*recs)[(*n)++], &r[i]) < 0) return CTL_FAIL;
+    }
+    if (bytes >= a.max_bytes)
+        fprintf(stderr,
+                "idemctl: the list ends at %llu MiB of keys, notes and results: more may need "
+                "attention\n",
+                (unsigned long long)(a.max_bytes >> 20));
     return 0;
 }
 

@@ -290,10 +290,17 @@ static void keylist_add(void *ctx, const void *key, size_t klen)
     k->lens[k->n++] = klen;
 }
 
-static void keylist_free(struct keylist *k)
+/* Frees the keys held; the arrays stay for the next step. */
+static void keylist_clear(struct keylist *k)
 {
     for (size_t i = 0; i < k->n; i++)
         free(k->keys[i]);
+    k->n = 0;
+}
+
+static void keylist_free(struct keylist *k)
+{
+    keylist_clear(k);
     free(k->keys);
     free(k->lens);
 }
@@ -318,15 +325,14 @@ static void export_audit_line(struct jw *j, const idem_audit_entry *e)
     fputc('\n', stdout);
 }
 
-/* Every record (a scan step's keys are copied before they are read), then the audit trail. */
+/* Every record, then the audit trail. A scan step's keys are copied (the reads of their records
+ * reuse the queue's memory they are in), read and written before the next step: memory holds one
+ * step's keys, not every key of the store (about 60 bytes a key, 0.6 GB for 10 M). */
 static int export_run(struct ctl *c)
 {
     struct keylist k = {0};
     uint64_t cursor = 0;
     int rc = 0;
-    do
-        rc = ctl_scan_step(c, &cursor, 0, 0, keylist_add, &k);
-    while (rc == 0 && cursor != 0 && !k.oom);
     struct jw j;
     jw_init(&j, stdout);
     jw_obj(&j);
@@ -339,20 +345,24 @@ static int export_run(struct ctl *c)
     jw_obj_end(&j);
     fputc('\n', stdout);
     uint64_t nrec = 0, naud = 0;
-    for (size_t i = 0; rc == 0 && !k.oom && i < k.n; i++) {
-        struct ctl_record r;
-        int found = 0;
-        rc = ctl_get(c, k.keys[i], k.lens[i], &r, &found);
-        if (rc == 0 && found) {
-            nrec++;
-            jw_obj(&j);
-            jw_kstr(&j, "type", "record");
-            print_record_fields(&j, &r.r, 0);
-            jw_obj_end(&j);
-            fputc('\n', stdout);
-            ctl_record_free(&r);
+    do {
+        rc = ctl_scan_step(c, &cursor, 0, 0, keylist_add, &k);
+        for (size_t i = 0; rc == 0 && !k.oom && i < k.n; i++) {
+            struct ctl_record r;
+            int found = 0;
+            rc = ctl_get(c, k.keys[i], k.lens[i], &r, &found);
+            if (rc == 0 && found) {
+                nrec++;
+                jw_obj(&j);
+                jw_kstr(&j, "type", "record");
+                print_record_fields(&j, &r.r, 0);
+                jw_obj_end(&j);
+                fputc('\n', stdout);
+                ctl_record_free(&r);
+            }
         }
-    }
+        keylist_clear(&k);
+    } while (rc == 0 && cursor != 0 && !k.oom);
     /* The whole trail, page by page from the newest; written oldest first (import appends). */
     struct audit_page {
         struct ctl_audit *a;
@@ -554,7 +564,58 @@ struct import_state {
     int rerun;           /* the store held IDEM_IMPORT_MARKER: an import cut short, run again */
     uint64_t naud_in;    /* audit entries of naud the cut-short import had written already */
     uint64_t writes;     /* records and audit entries handed to the store (some may be in) */
+    /* Audit entries read and not yet handed over (audit_flush): imported together, they share
+     * the trail's blocks and one flush. Each entry's strings and key are a copy (e_mem[i]). */
+    idem_audit_entry e[IDEM_IMPORT_AUDIT_MAX];
+    char *e_mem[IDEM_IMPORT_AUDIT_MAX];
+    uint64_t e_no[IDEM_IMPORT_AUDIT_MAX]; /* their lines */
+    size_t ne;
 };
+
+/* Keeps a copy of e (its strings point into the line) to be imported with the next ones. */
+static int audit_keep(struct import_state *st, const idem_audit_entry *e, uint64_t no)
+{
+    size_t la = strlen(e->actor) + 1, lc = strlen(e->action) + 1, lr = strlen(e->reason) + 1;
+    char *m = malloc(la + lc + lr + e->key_len);
+    if (!m) return -1;
+    idem_audit_entry *k = &st->e[st->ne];
+    *k = *e;
+    k->actor = memcpy(m, e->actor, la);
+    k->action = memcpy(m + la, e->action, lc);
+    k->reason = memcpy(m + la + lc, e->reason, lr);
+    k->key = memcpy(m + la + lc + lr, e->key, e->key_len);
+    st->e_mem[st->ne] = m;
+    st->e_no[st->ne++] = no;
+    return 0;
+}
+
+static void audit_drop(struct import_state *st)
+{
+    for (size_t i = 0; i < st->ne; i++)
+        free(st->e_mem[i]);
+    st->ne = 0;
+}
+
+/* Imports the entries kept: 0, or prints why and returns CTL_FAIL. An entry the store refuses
+ * (IDEM_EINVAL: nothing of the group was written) is found by importing them one at a time, so
+ * that its line is named. */
+static int audit_flush(struct ctl *c, const char *file, struct import_state *st)
+{
+    if (!st->ne) return 0;
+    int rc = idem_import_audit_n(c->q, st->e, st->ne), alone = rc == IDEM_EINVAL;
+    size_t done = rc == IDEM_OK ? st->ne : 0;
+    for (; alone && done < st->ne; done++)
+        if ((rc = idem_import_audit(c->q, &st->e[done])) != IDEM_OK) break;
+    st->naud += done;
+    if (rc != IDEM_OK && alone)
+        ctl_err("%s:%llu: %s", file, (unsigned long long)st->e_no[done],
+                rc == IDEM_EINVAL && *idem_last_error() ? idem_last_error() : idem_strerror(rc));
+    else if (rc != IDEM_OK)
+        ctl_err("%s:%llu-%llu: %s", file, (unsigned long long)st->e_no[0],
+                (unsigned long long)st->e_no[st->ne - 1], idem_strerror(rc));
+    audit_drop(st);
+    return rc == IDEM_OK ? 0 : CTL_FAIL;
+}
 
 /* A re-run of an import cut short: whether the trail holds e as that import wrote it. An entry
  * keeps its seq when the trail had none as high (a store that held no decisions before the
@@ -622,6 +683,11 @@ static int import_line(struct ctl *c, const char *file, uint64_t no, const char 
     struct line l = {.f = f, .n = n};
     const struct jfield *type = jfield_get(f, n, "type");
     int rc = IDEM_OK;
+    /* Audit entries kept go in before any other line: a record, or the end line's counts. */
+    if (!(type && type->str && strcmp(type->str, "audit") == 0) && audit_flush(c, file, ist)) {
+        jfields_free(f, n);
+        return CTL_FAIL;
+    }
     if (ist->ended || (no > 1 && !ist->format)) {
         ctl_err("%s:%llu: %s", file, (unsigned long long)no,
                 ist->ended ? "a line after the end line" : "the file does not begin with a header");
@@ -667,8 +733,13 @@ static int import_line(struct ctl *c, const char *file, uint64_t no, const char 
         int in = !l.err && ist->rerun ? audit_in_already(c, &e) : 0;
         ist->naud_in += in > 0;
         ist->writes += !l.err && !in;
-        rc = l.err ? IDEM_EINVAL : in ? (in < 0 ? in : IDEM_OK) : idem_import_audit(c->q, &e);
-        *naud += rc == IDEM_OK;
+        rc = l.err ? IDEM_EINVAL : in < 0 ? in : IDEM_OK;
+        *naud += in > 0 && rc == IDEM_OK;
+        if (rc == IDEM_OK && !in && audit_keep(ist, &e, no) < 0) rc = IDEM_ENOMEM;
+        if (rc == IDEM_OK && ist->ne == IDEM_IMPORT_AUDIT_MAX && audit_flush(c, file, ist)) {
+            said = 1; /* named by audit_flush */
+            rc = IDEM_EIO;
+        }
     } else {
         l.err = "type";
         rc = IDEM_EINVAL;
@@ -1001,6 +1072,8 @@ int cmd_import(const struct ctl_opts *o)
             rc = import_line(&c, file, no, text, &ist);
         }
     }
+    if (rc == 0 && ist.ne) rc = audit_flush(&c, file, &ist); /* an export of format 1 ends so */
+    audit_drop(&ist);
     if (rc == 0 && !ist.format) {
         ctl_err("%s: no export header (an empty file?)", file);
         rc = CTL_FAIL;

@@ -204,7 +204,8 @@ int cmd_attention(const struct ctl_opts *o)
         else if (review < st.s.keys_review)
             fprintf(stderr,
                     "idemctl: %zu records are listed, but the store holds %llu in review (%llu "
-                    "listed): the list was cut short (idemd's reply room), or they came since; "
+                    "listed): the list was cut short (idemd's reply room, or 64 MiB of records "
+                    "offline), or they came since; "
                     "more may need attention\n",
                     n, (unsigned long long)st.s.keys_review, (unsigned long long)review);
     }
@@ -486,14 +487,20 @@ int cmd_audit(const struct ctl_opts *o)
     if (rc) return rc;
     struct ctl_audit *a = NULL;
     size_t n = 0;
-    rc = ctl_audit(&c, o->key, o->key_len, o->has_count ? (uint32_t)o->count : AUDIT_COUNT_DEFAULT,
-                   &a, &n);
+    uint32_t count = o->has_count ? (uint32_t)o->count : AUDIT_COUNT_DEFAULT;
+    rc = ctl_audit(&c, o->key, o->key_len, count, &a, &n);
     rc = ctl_disconnect(&c, rc);
     if (rc == 0) {
         if (o->json)
             audit_json(a, n);
         else
             audit_human(a, n, o);
+        /* Said on stderr, as attention's cut: older entries went unseen without a word. */
+        if (n >= count)
+            fprintf(stderr,
+                    "idemctl: the newest %zu entries are listed: older ones may exist (--count, "
+                    "at most %u)\n",
+                    n, (unsigned)AUDIT_COUNT_LIMIT);
     }
     ctl_audit_free(a, n);
     return rc;

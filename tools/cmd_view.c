@@ -74,6 +74,7 @@ struct status {
     uint64_t p50_us, p99_us, mean_us;
     int64_t leases_out; /* in_flight records whose lease ran out (-1: not counted) */
     int leases_more;    /* leases_out is a lower bound: the list was cut */
+    int leases_unread;  /* not counted: the attention list could not be read (said on stderr) */
     char reasons[1024];
 };
 
@@ -171,7 +172,10 @@ static void status_leases(struct ctl *c, struct status *s)
         ctl_record_free(&recs[i]);
     }
     free(recs);
-    if (rc) return;
+    if (rc) {
+        s->leases_unread = 1;
+        return;
+    }
     /* A list cut (to max, or by idemd to its reply room: fewer review records than counted,
      * which come first) gives a lower bound, and a 0 then says nothing. */
     s->leases_more = n >= max || review < t->keys_review;
@@ -343,6 +347,7 @@ static void status_human(const struct status *s, const struct ctl_opts *o)
         snprintf(a, sizeof a, "-");
     table_add(tb, "leases run out", a,
               s->leases_out >= 0 ? "in_flight: the next claim recovers the key"
+              : s->leases_unread ? "not counted: the attention list could not be read"
                                  : "not counted (many records in flight or in review)");
     snprintf(a, sizeof a, "%llu", (unsigned long long)t->mismatches);
     snprintf(c, sizeof c, s->st.has_keys_with_mismatch ? "%llu keys" : "recorded since open",
@@ -366,6 +371,10 @@ static void status_human(const struct status *s, const struct ctl_opts *o)
 
 int cmd_status(const struct ctl_opts *o)
 {
+    if (o->dir && o->window_ms) { /* as watch: nothing to measure, and the store held meanwhile */
+        ctl_err("--window measures idemd's traffic, and a stopped store (--dir) has none");
+        return CTL_USAGE;
+    }
     struct ctl c;
     int rc = ctl_connect(&c, o, CTL_READ);
     if (rc) return rc;
@@ -438,6 +447,13 @@ static int watch_line(const struct ctl_opts *o, const idem_stats *cur, const ide
 
 int cmd_watch(const struct ctl_opts *o)
 {
+    /* A stopped store has no traffic to show, and the watch held it (a shared lock) for as
+     * long as it ran: idemd could not start meanwhile. */
+    if (o->dir) {
+        ctl_err("watch shows idemd's traffic, and a stopped store (--dir) has none: use "
+                "status --dir");
+        return CTL_USAGE;
+    }
     struct ctl c;
     int rc = ctl_connect(&c, o, CTL_READ);
     if (rc) return rc;

@@ -30,6 +30,8 @@
 #define CTL_POS_MAX        8
 #define CTL_TIMEOUT_MAX_MS (24 * 3600 * 1000)
 #define CTL_VIEW_MS_MAX    (3600 * 1000) /* --interval and --window at most an hour */
+/* Offline, the attention list ends once its records' bytes reach this (ctl_attention). */
+#define CTL_ATTENTION_BYTES (64ull << 20)
 
 struct ctl_opts {
     const char *socket, *host, *user, *password, *password_file, *dir;

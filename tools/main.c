@@ -43,9 +43,10 @@ static const struct subcmd cmds[] = {
      "Keys by state, duplicate ratio, oldest in_flight and review ages, mismatches, conflicting\n"
      "commits, capacity, flush latency and disk free, with a verdict: healthy, or attention and\n"
      "why. --older: in_flight age that needs attention (default 15m). --window: the duplicate\n"
-     "ratio is measured over this time, between two readings (default: the store's own count\n"
-     "of the last minute).\n"
-     "--min-free: disk free below this needs attention (default 1GiB)."},
+     "ratio is measured over this time, between two readings of idemd's figures (default: the\n"
+     "store's own count of the last minute; not with --dir).\n"
+     "--min-free: disk free below this needs attention (default 1GiB).\n"
+     "Exits 0 whatever the verdict: a script reads it (--json: \"verdict\")."},
     {"get", cmd_get, 1, 1, O_KEY, "get KEY [--key-escaped | --key-base64]",
      "The whole record of KEY, times as ISO 8601 and as age or time remaining."},
     {"attention", cmd_attention, 0, 0, O_OLDER | O_COUNT,
@@ -70,8 +71,9 @@ static const struct subcmd cmds[] = {
      "Keys, one per line, for scripts (OLDER counts from first_seen). A key may appear twice\n"
      "while idemd's index grows (SCAN semantics)."},
     {"watch", cmd_watch, 0, 0, O_COUNT | O_INTERVAL, "watch [--count N] [--interval DURATION]",
-     "A live view, one line per refresh (default every 1s): claims/s, duplicates/s, ratio,\n"
-     "in_flight count, oldest in_flight age, flush p50/p99. --count: stop after N refreshes."},
+     "A live view of idemd, one line per refresh (default every 1s): claims/s, duplicates/s,\n"
+     "ratio, in_flight count, oldest in_flight age, flush p50/p99. --count: stop after N\n"
+     "refreshes. Not with --dir: a stopped store has no traffic (status --dir reads it)."},
     {"verify", cmd_verify, 0, 1, 0, "verify [DIR]",
      "Offline, read-only check of every checksum and invariant of a stopped store (DIR, or\n"
      "--dir): superblock copies, every log frame, the checkpoint, the audit trail, the index.\n"

@@ -286,7 +286,7 @@ static int take_value(const char *buf, size_t len, size_t *pos, resp_value *v, i
  * from *pos, where the values before were found whole, and leaves *pos at the first value not
  * yet whole: a reply arriving in pieces is looked through once, not once per piece (a list of
  * 64 MiB came in a few hundred pieces). */
-static int reply_scan(const char *buf, size_t len, size_t *pos, size_t *need)
+static int reply_scan(const char *buf, size_t len, size_t *pos, size_t *need, size_t *nodes)
 {
     while (*need > 0) {
         size_t at = *pos;
@@ -296,6 +296,8 @@ static int reply_scan(const char *buf, size_t len, size_t *pos, size_t *need)
             *pos = at;
             return rc;
         }
+        /* Each value becomes a node of the tree: bounded as the bytes are. */
+        if (++*nodes > RESP_REPLY_NODES_MAX) return -1;
         *need += v.n;
         --*need;
     }
@@ -309,8 +311,8 @@ struct build_frame {
 
 int resp_parse(const char *buf, size_t len, resp_value **out, size_t *used)
 {
-    size_t end = 0, need = 1;
-    int rc = reply_scan(buf, len, &end, &need);
+    size_t end = 0, need = 1, nodes = 0;
+    int rc = reply_scan(buf, len, &end, &need, &nodes);
     if (rc <= 0) return rc;
     resp_value *root = calloc(1, sizeof *root);
     struct build_frame stack[RESP_DEPTH_MAX];
@@ -386,13 +388,16 @@ const resp_value *resp_field(const resp_value *arr, const char *name)
 /* Reads until a whole reply is buffered; returns it and drops its bytes from the buffer. */
 static int read_reply(resp_conn *c, resp_value **out)
 {
-    size_t scanned = 0, need = 1; /* reply_scan's place in the reply */
+    size_t scanned = 0, need = 1, nodes = 0; /* reply_scan's place in the reply */
     for (;;) {
         size_t used = 0;
-        int rc = c->len ? reply_scan(c->buf, c->len, &scanned, &need) : 0;
+        int rc = c->len ? reply_scan(c->buf, c->len, &scanned, &need, &nodes) : 0;
         if (rc == 1) rc = resp_parse(c->buf, c->len, out, &used);
         if (rc < 0) {
-            snprintf(c->err, sizeof c->err, "idemd sent a malformed reply");
+            snprintf(c->err, sizeof c->err,
+                     "idemd sent a malformed reply (or one of more than %u "
+                     "values)",
+                     RESP_REPLY_NODES_MAX);
             return -1;
         }
         if (rc == 1) {

@@ -15,6 +15,10 @@
 
 #define RESP_DEPTH_MAX       32
 #define RESP_REPLY_BYTES_MAX (256u << 20)
+/* Values in one reply, at most (an attention list of 100,000 records, the largest idemctl asks
+ * for, is up to 3.5 M): its tree (48 bytes a value) stays near the bytes' bound, where 4-byte
+ * values (":0\r\n") made 12 times theirs. */
+#define RESP_REPLY_NODES_MAX (6u << 20)
 #define RESP_ARGS_MAX        64
 
 enum resp_type {

@@ -213,7 +213,9 @@ static idem_op *op_unsubmitted(srv *s, uint64_t ud)
 }
 
 /* Claims of c parked by WAIT in the engine complete now (busy), for a client that is gone, each
- * found once. One still in this turn's batch loses its WAIT there and answers at once, as a
+ * cancelled once (a reset is seen as the peer's end, then closed, in one turn: the second call
+ * walked every claim parked on the queue under the store's lock to find none). One still in this
+ * turn's batch loses its WAIT there and answers at once, as a
  * claim from a client whose end was seen does (srv_submit_op). The batch is not sent early for
  * it: it may hold a release by another client that would then grant the key to a waiter whose
  * own close comes later in this turn (it did), leaving the key to no one until its lease ran
@@ -223,7 +225,7 @@ static void cancel_waits(srv *s, srv_conn *c)
     if (!s->q) return;
     for (uint32_t q = c->head_seq; q != c->tail_seq; q++) {
         srv_slot *sl = srv_slot_of(c, q);
-        if (sl->state != SLOT_PENDING || !sl->is_wait) continue;
+        if (sl->state != SLOT_PENDING || !sl->is_wait || sl->wait_cancelled) continue;
         uint64_t ud = ((uint64_t)c->index << 32) | q;
         idem_op *op = op_unsubmitted(s, ud);
         if (op) {
@@ -233,6 +235,7 @@ static void cancel_waits(srv *s, srv_conn *c)
             c->waits_due--;
         } else {
             (void)idem_cancel_wait(s->q, ud);
+            sl->wait_cancelled = 1;
         }
     }
 }

@@ -149,18 +149,19 @@ typedef struct srv_slot {
     uint8_t state;
     uint8_t kind;
     uint8_t is_wait;
-    uint32_t remaining; /* engine completions still due (EXISTS, DEL with several keys) */
-    int64_t acc;        /* EXISTS: keys found so far; DEL: keys deleted so far */
-    int err;            /* DEL: the first error other than not found; EXISTS: the first error */
-    uint32_t keys_done; /* DEL: completions so far (they come in the keys' order) */
-    uint32_t refused;   /* DEL: the key (from 1) named in a refusal, 0: none yet */
-    int refused_state;  /* its state, when the engine said (0: not known) */
-    uint32_t owed;      /* reply bytes reserved for it against the budget until it is made */
-    uint32_t short_by;  /* what owed falls short of the largest reply its command can make */
-    uint8_t timed;      /* a claim whose latency is measured (not one that waits) */
-    int64_t parsed_us;  /* timed: the loop's clock when it was parsed */
-    resp_buf buf;       /* the reply, when it cannot go to `out` yet */
-    size_t buf_counted; /* buf.cap as counted in the connection's slot_bytes */
+    uint8_t wait_cancelled; /* its parked claim was cancelled (cancel_waits: once) */
+    uint32_t remaining;     /* engine completions still due (EXISTS, DEL with several keys) */
+    int64_t acc;            /* EXISTS: keys found so far; DEL: keys deleted so far */
+    int err;                /* DEL: the first error other than not found; EXISTS: the first error */
+    uint32_t keys_done;     /* DEL: completions so far (they come in the keys' order) */
+    uint32_t refused;       /* DEL: the key (from 1) named in a refusal, 0: none yet */
+    int refused_state;      /* its state, when the engine said (0: not known) */
+    uint32_t owed;          /* reply bytes reserved for it against the budget until it is made */
+    uint32_t short_by;      /* what owed falls short of the largest reply its command can make */
+    uint8_t timed;          /* a claim whose latency is measured (not one that waits) */
+    int64_t parsed_us;      /* timed: the loop's clock when it was parsed */
+    resp_buf buf;           /* the reply, when it cannot go to `out` yet */
+    size_t buf_counted;     /* buf.cap as counted in the connection's slot_bytes */
 } srv_slot;
 
 typedef struct srv_read srv_read; /* below */
