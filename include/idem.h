@@ -540,8 +540,8 @@ int idem_import_record(idem_queue *q, const idem_record *r);
  * number on from it. Returns once the entry is durable. */
 int idem_import_audit(idem_queue *q, const idem_audit_entry *e);
 /* The same for n entries in order (at most IDEM_IMPORT_AUDIT_MAX), written together: they share
- * the trail's blocks and one flush (one at a time, each took a 4 KiB block and a flush of its
- * own). IDEM_EINVAL, with nothing written, if any entry is out of range. */
+ * the trail's blocks, a flush for each 256 KiB group (one at a time, each took a 4 KiB block and
+ * a flush of its own). IDEM_EINVAL, with nothing written, if any entry is out of range. */
 #define IDEM_IMPORT_AUDIT_MAX 256u
 int idem_import_audit_n(idem_queue *q, const idem_audit_entry *e, size_t n);
 /*
@@ -592,7 +592,7 @@ int idem_checkpoint(idem_store *s);
  * segments retired) and returns when that is done (IDEM_OK) or timeout_ms passed (IDEM_EBUSY
  * then; the work goes on in the background; a negative timeout_ms waits without bound), or
  * IDEM_EFULL once a checkpoint the retirement needs finds no room, or the walk has stopped for
- * want of room with nothing walked waiting for a checkpoint (the work goes on once room is made),
+ * want of room with nothing walked left to retire (the work goes on once room is made),
  * IDEM_ECORRUPT if a damaged frame stopped compaction, IDEM_EFATAL. */
 int idem_compact(idem_store *s, int timeout_ms);
 /* Copies a consistent point-in-time image of the live store into the new directory dest. The

@@ -409,6 +409,15 @@ static void group_close(struct audit_buf *b)
     b->grp_n = 0;
 }
 
+/* The bytes an entry takes in its group. */
+static uint32_t entry_padded(const char *actor, const char *action, uint32_t key_len,
+                             uint32_t reason_len)
+{
+    uint32_t len =
+        AUDIT_HDR - 8 + (uint32_t)strlen(action) + (uint32_t)strlen(actor) + key_len + reason_len;
+    return (uint32_t)IDEM_ALIGN_UP(len + 8, 8);
+}
+
 /* Adds one entry to the pending groups, after audit_reserve. */
 static void audit_put(idem_store *s, const char *actor, const char *action, const void *key,
                       uint32_t key_len, const void *reason, uint32_t reason_len, int state_before,
@@ -418,7 +427,7 @@ static void audit_put(idem_store *s, const char *actor, const char *action, cons
     struct audit_buf *b = &s->audit_pend;
     uint32_t alen = (uint32_t)strlen(actor), aclen = (uint32_t)strlen(action);
     uint32_t len = AUDIT_HDR - 8 + aclen + alen + key_len + reason_len;
-    uint32_t padded = (uint32_t)IDEM_ALIGN_UP(len + 8, 8);
+    uint32_t padded = entry_padded(actor, action, key_len, reason_len);
     IDEM_ASSERT(len + 8 <= AUDIT_ENTRY_MAX);
     IDEM_ASSERT(seq >=
                 audit_next_seq(s)); /* seqs grow along the file: idem_audit_page skips by them */
@@ -537,31 +546,40 @@ int idem_import_audit_n(idem_queue *q, const idem_audit_entry *e, size_t n)
     if (!q || (n && !e) || n > IDEM_IMPORT_AUDIT_MAX) return IDEM_EINVAL;
     for (size_t i = 0; i < n; i++)
         if (!import_entry_valid(&e[i])) return IDEM_EINVAL;
-    if (n == 0) return IDEM_OK;
     idem_store *s = q->s;
     store_lock(s);
     int rc = store_import_refused(s);
-    /* The entries name no change in a batch to come: they go in groups of their own (as many
-     * as fit one, AUDIT_GROUP_BYTES), after every pending group is written and every batch
-     * written is durable (in durability none too: a group before them whose batch a power loss
-     * took is cut off at open, and theirs after it would then read as damage). Their LSN is
-     * that of the last complete batch on disk, which every later recovery reaches (one past it,
-     * such as a torn batch's, would have the entries cut off at the next open). */
-    while (rc == 0 && (s->audit_pend.n || s->audit_out.n || s->durable_lsn < wal_last_lsn(s->wal)))
-        rc = store_wait_durable(s);
-    if (rc == 0) rc = audit_reserve_n(s, (uint32_t)n);
-    if (rc == 0) {
+    /* The entries name no change in a batch to come: they go in a group of their own, after every
+     * pending group is written and every batch written is durable (in durability none too: a
+     * group before them whose batch a power loss took is cut off at open, and theirs after it
+     * would then read as damage). Their LSN is that of the last complete batch on disk, which
+     * every later recovery reaches (one past it, such as a torn batch's, would have the entries
+     * cut off at the next open). One group a write, each waited for: a torn group is cut off at
+     * open only where no whole unit follows it, and a later group of imported entries, whose LSN
+     * is durable, would make the open report the torn one as damage. */
+    for (size_t i = 0; rc == 0 && i < n;) {
+        while (rc == 0 &&
+               (s->audit_pend.n || s->audit_out.n || s->durable_lsn < wal_last_lsn(s->wal)))
+            rc = store_wait_durable(s);
+        if (rc == 0) rc = audit_reserve_n(s, (uint32_t)(n - i));
+        if (rc != 0) break;
+        struct audit_buf *b = &s->audit_pend;
         uint64_t seq = 0;
-        for (size_t i = 0; i < n; i++) {
+        for (size_t first = i; i < n; i++) {
+            const char *reason = e[i].reason ? e[i].reason : "";
+            uint32_t reason_len = (uint32_t)strlen(reason);
+            if (i > first &&
+                b->len - b->grp + entry_padded(e[i].actor, e[i].action, e[i].key_len, reason_len) >
+                    AUDIT_GROUP_BYTES)
+                break;
             uint64_t next = audit_next_seq(s);
             seq = e[i].seq >= next ? e[i].seq : next;
-            audit_put(s, e[i].actor, e[i].action, e[i].key, e[i].key_len, e[i].reason,
-                      e[i].reason ? (uint32_t)strlen(e[i].reason) : 0, e[i].state_before,
-                      e[i].state_after, e[i].version_before, e[i].version_after,
+            audit_put(s, e[i].actor, e[i].action, e[i].key, e[i].key_len, reason, reason_len,
+                      e[i].state_before, e[i].state_after, e[i].version_before, e[i].version_after,
                       wal_complete_lsn(s->wal), seq, e[i].at_ms);
         }
         group_close(&s->audit_pend);
-        /* The flusher writes them (flush_due): wait until it has. */
+        /* The flusher writes it (flush_due): wait until it has. */
         while (!s->fatal && s->audit_seq < seq) {
             pthread_cond_signal(&s->cond_flush);
             store_wait(s, &s->cond_ready);

@@ -361,7 +361,10 @@ static uint64_t walked_waiting(idem_store *s)
 
 int compact_stopped_full(idem_store *s)
 {
-    return s->cmp_room_full && s->cmp_seq && !walked_waiting(s);
+    /* Walked segments still in the log (waiting for a checkpoint, for their retirement, or for
+     * a backup to end) give their room back by the store's own work. */
+    int unretired = s->cmp_walked && s->cmp_walked >= wal_first_seq(s->wal);
+    return s->cmp_room_full && s->cmp_seq && !unretired;
 }
 
 int compact_wants_checkpoint(idem_store *s)
@@ -464,6 +467,7 @@ int compact_step(idem_store *s)
 {
     if (s->fatal || s->closing || s->opt.read_only) return 0;
     int rc = retire(s, 1); /* segments walked before a corrupt frame stopped compaction, too */
+    if (rc > 0) s->cmp_room_full = 0; /* room comes back: the walk's next step looks again */
     if (rc != 0 || s->cmp_disabled) return rc;
     if (!s->cmp_seq) {
         uint64_t next = walk_next(s);

@@ -856,8 +856,8 @@ static int flusher_maintain(idem_store *s)
                         "idem: event=full reason=\"no %s for the next log segment\" dir=%s\n",
                         rc == IDEM_EFULL ? "space" : "file descriptor or memory", s->dir);
             s->spare_failed_mono_ms = mono;
-            s->spare_failures++;
-            io_fault_clear(); /* handled, as ckpt_run_failed's */
+            s->spare_failures += rc == IDEM_EFULL; /* no room, not out of descriptors */
+            io_fault_clear();                      /* handled, as ckpt_run_failed's */
         } else if (rc < 0) {
             char what[64];
             snprintf(what, sizeof what, "creating log segment %llu", (unsigned long long)seq);
@@ -3115,14 +3115,15 @@ int idem_compact(idem_store *s, int timeout_ms)
             rc = IDEM_EFULL;
             break;
         }
-        /* So does a walk stopped for room with nothing walked waiting for a checkpoint, once an
-         * attempt at the next segment made since has failed too (that attempt lets the disk
-         * reserve go where the log is at its end): no checkpoint is asked for, nothing is
-         * retired, and without a timeout the call waited for good. */
+        /* So does a walk stopped for room with nothing walked left in the log, once an attempt
+         * at the next segment begun since has found no room either (one a second; the second
+         * failure counted from here began after: that attempt lets the disk reserve go where
+         * the log is at its end, and sees the room of files retired before): no checkpoint is
+         * asked for, nothing is retired, and without a timeout the call waited for good. */
         if (!compact_stopped_full(s)) {
             spare_failures = 0;
         } else if (!spare_failures) {
-            spare_failures = s->spare_failures + 1;
+            spare_failures = s->spare_failures + 2;
         } else if (s->spare_failures >= spare_failures) {
             rc = IDEM_EFULL;
             break;

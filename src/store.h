@@ -302,7 +302,7 @@ struct idem_store {
     int flushing;
     uint32_t frame_max;           /* the largest frame one change can append */
     int64_t spare_failed_mono_ms; /* last failed attempt at the spare segment (disk full) */
-    uint64_t spare_failures;      /* attempts at the spare segment that failed (idem_compact) */
+    uint64_t spare_failures; /* attempts at the spare segment refused for room (idem_compact) */
     /* Room kept for compaction and checkpoints (disk_reserve.h): let go when the log is at its
      * end on a full disk, looked after once a second (reserve_mono_ms). reserve.released refuses
      * new keys (ops.c, capacity_full). */
@@ -675,8 +675,9 @@ int compact_learn_horizon(idem_store *s);
 /* Whether the flusher should write a checkpoint now (log length since the last one, or walked
  * segments waiting to be retired: see the function). */
 int compact_wants_checkpoint(idem_store *s);
-/* Whether the walk stopped for want of disk room with no walked segment waiting for a
- * checkpoint: nothing the store does frees room then (idem_compact). mu held. */
+/* Whether the walk stopped for want of disk room with no walked segment left in the log (none
+ * waits for a checkpoint, its retirement or a backup's end): nothing the store does frees room
+ * then (idem_compact). mu held. */
 int compact_stopped_full(idem_store *s);
 /* Once the closing checkpoint is installed, retires the walked segments it covers (else the
  * next open, which forgets the walk, walks them again). A superblock of its own, after the

@@ -1150,20 +1150,6 @@ static int marked(const char *store)
     return access(p, F_OK) == 0;
 }
 
-/* The keys a read-only open finds in store. */
-static uint64_t keys_in(const char *store)
-{
-    idem_options o;
-    idem_options_init(&o);
-    o.read_only = 1;
-    idem_store *s;
-    cr_assert_eq(idem_open(store, &o, &s), IDEM_OK, "%s", idem_last_error());
-    idem_stats st;
-    idem_get_stats(s, &st);
-    cr_assert_eq(idem_close(s), IDEM_OK);
-    return st.keys;
-}
-
 /* idemctl import reading a FIFO that the test feeds: it imports each line it is given and then
  * waits for more, so a kill lands after the line the test chose. */
 struct feed {
@@ -1309,10 +1295,8 @@ Test(idemctl, an_import_killed_part_way_leaves_a_store_no_writer_opens, .init = 
     feed_wait_reading(&f);
     feed_kill(&f);
 
-    /* The import writes in batch mode (each record waited for a flush of its own): those of
-     * the 6 records a flush took before the kill are in. */
-    uint64_t in = keys_in(target);
-    cr_assert_leq(in, 6, "%llu records of the 6 sent", (unsigned long long)in);
+    /* The import writes in batch mode: the records a flush took before the kill are in (each
+     * waited for a flush of its own before), and the store is marked whatever they are. */
     idem_store *s;
     cr_assert_eq(idem_open(target, NULL, &s), IDEM_ECORRUPT,
                  "a store that holds part of an import was opened");

@@ -2344,6 +2344,24 @@ Test(audit, entries_imported_together_share_blocks_and_keep_their_seqs)
         }
         reopen();
     }
+    /* Entries of 4 KiB reasons fill more than a group (256 KiB): one group a write, each waited
+     * for (a whole group written behind a torn one of imported entries reads as damage). */
+    static char reason[4001];
+    memset(reason, 'r', 4000);
+    for (uint32_t i = 0; i < 100; i++) {
+        in[i].seq = 10000 + i;
+        in[i].reason = reason;
+    }
+    expect_rc(idem_import_audit_n(g_q, in, 100), IDEM_OK);
+    for (int pass = 0; pass < 2; pass++) {
+        expect_rc(idem_audit(g_q, NULL, 0, 100, &e, &n), IDEM_OK);
+        cr_assert_eq(n, 100);
+        for (uint32_t i = 0; i < 100; i++) {
+            cr_assert_eq(e[99 - i].seq, 10000 + (uint64_t)i);
+            cr_assert_eq(strlen(e[99 - i].reason), 4000);
+        }
+        reopen();
+    }
 }
 
 /* A trail that shrank under the open store (its entries written, then cut off by someone

@@ -903,7 +903,7 @@ static void scrape_finish(int fd, char *buf, size_t cap)
  * clients are answered at once while three readings are out, the readings that wait while one
  * is made share the next (one reading, not one each after the other), and each reply counts
  * what came before it. A scraper that resets its connection while its reading waits has it
- * withdrawn, and idemd goes on. */
+ * withdrawn (counted in reads_withdrawn). */
 Test(server, stats_info_and_scrapes_read_the_figures_off_the_loop, .init = start_slow_stats,
      .timeout = 60)
 {
@@ -960,6 +960,7 @@ Test(server, stats_info_and_scrapes_read_the_figures_off_the_loop, .init = start
     cr_assert(scrape_ms >= 2 * STATS_DELAY_MS * 9 / 10 && scrape_ms < 3 * STATS_DELAY_MS - 50,
               "the scrape took %lld ms: it did not share INFO's reading", (long long)scrape_ms);
     cr_assert(strstr(body, "\nidem_keys_in_flight 2\n"), "%s", body);
+    cr_assert(strstr(body, "\nidem_reads_withdrawn_total 1\n"), "the leaver's reading: %s", body);
     /* The line is free again: a scrape, and the stats call, answer after one delay. */
     t0 = now_ms();
     scrape(body, sizeof body);

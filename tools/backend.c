@@ -598,7 +598,8 @@ int ctl_attention(struct ctl *c, int64_t older_ms, uint32_t max, struct ctl_reco
         bytes += r[i].key_len + r[i].owner_len + r[i].note_len + r[i].result_len;
         if (record_own(&(*recs)[(*n)++], &r[i]) < 0) return CTL_FAIL;
     }
-    if (bytes >= a.max_bytes)
+    c->attention_cut = bytes >= a.max_bytes;
+    if (c->attention_cut)
         fprintf(stderr,
                 "idemctl: the list ends at %llu MiB of keys, notes and results: more may need "
                 "attention\n",

@@ -177,8 +177,9 @@ static void status_leases(struct ctl *c, struct status *s)
         return;
     }
     /* A list cut (to max, or by idemd to its reply room: fewer review records than counted,
-     * which come first) gives a lower bound, and a 0 then says nothing. */
-    s->leases_more = n >= max || review < t->keys_review;
+     * which come first; offline, to CTL_ATTENTION_BYTES) gives a lower bound, and a 0 then says
+     * nothing. */
+    s->leases_more = n >= max || review < t->keys_review || c->attention_cut;
     if (out > 0 || !s->leases_more) s->leases_out = out;
 }
 

@@ -79,7 +79,8 @@ struct ctl {
     resp_conn conn;
     idem_store *s;
     idem_queue *q;
-    char actor[320]; /* offline decisions: who acts */
+    char actor[320];   /* offline decisions: who acts */
+    int attention_cut; /* the last offline ctl_attention ended at CTL_ATTENTION_BYTES */
 };
 
 /* A record with its bytes owned (ctl_record_free). */

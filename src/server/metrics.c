@@ -84,7 +84,7 @@ static const struct metric_info {
     {"rejected_connections", 1, "Connections refused at --max-clients or for want of memory."},
     {"clients_closed_input_stalled", 1, "Clients closed by the I/O budget for input not read."},
     {"clients_closed_output_stalled", 1, "Clients closed by the I/O budget for replies not read."},
-    {"reads_withdrawn", 1, "Scans, audit and attention queries not made: their client left."},
+    {"reads_withdrawn", 1, "Queries, figures and scrapes not made: their client left."},
     {"io_buffer_bytes", 0, "Bytes of client buffers, as --io-budget bounds them."},
     {"flush_latency_us", 0, "Group commit latency in microseconds (write and flush)."},
     {"claim_latency_us", 0, "IDEM.CLAIM latency in microseconds, parse to reply (WAIT left out)."},

@@ -22,9 +22,9 @@
  *   - While a read is out its connection is held open like one the engine owes a completion
  *     (engine_due): its struct lives until the read comes back, even if its socket is closed.
  *     A connection that closes withdraws its read if the thread has not begun it
- *     (srv_reads_cancel): reads of clients that are gone make no one else wait. Each read
- *     withdrawn, or not handed over because its client had left (read_request), counts in
- *     reads_withdrawn (IDEM.STATS).
+ *     (srv_reads_cancel, srv_reads_cancel_metrics): reads of clients that are gone make no one
+ *     else wait. Each read withdrawn, or not handed over because its client had left
+ *     (read_request), counts in reads_withdrawn (IDEM.STATS).
  *     Reads hold no slot of the engine's queue q: engine_room leaves reads_out out.
  *   - A thread touches only the reads on its line's reads_todo and on reads_done (under
  *     reads_mu), the read it is making (the queries': q_reads) and the store; everything else
@@ -389,7 +389,9 @@ static srv_read *todo_withdraw(srv *s, uint32_t conn, uint64_t metrics_id)
 void srv_reads_cancel_metrics(srv *s, uint32_t index)
 {
     srv_read *r = todo_withdraw(s, index, s->mconns[index].id);
-    if (r) read_recycle(s, r);
+    if (!r) return;
+    s->reads_withdrawn++;
+    read_recycle(s, r);
 }
 
 int srv_reads_cancel(srv *s, srv_conn *c, uint32_t *seq)
