@@ -559,8 +559,19 @@ int idem_import_audit_n(idem_queue *q, const idem_audit_entry *e, size_t n)
      * is durable, would make the open report the torn one as damage. */
     for (size_t i = 0; rc == 0 && i < n;) {
         while (rc == 0 &&
-               (s->audit_pend.n || s->audit_out.n || s->durable_lsn < wal_last_lsn(s->wal)))
-            rc = store_wait_durable(s);
+               (s->audit_pend.n || s->audit_out.n || s->durable_lsn < wal_last_lsn(s->wal))) {
+            if (s->durable_lsn < wal_last_lsn(s->wal)) {
+                rc = store_wait_durable(s);
+                continue;
+            }
+            /* Groups only (another thread's import): store_wait_durable would not wait for
+             * them, and this loop held mu while the flusher waited for it to write them. */
+            s->sync_waiters++;
+            pthread_cond_signal(&s->cond_flush);
+            store_wait(s, &s->cond_ready);
+            s->sync_waiters--;
+            rc = s->fatal ? IDEM_EFATAL : 0;
+        }
         if (rc == 0) rc = audit_reserve_n(s, (uint32_t)(n - i));
         if (rc != 0) break;
         struct audit_buf *b = &s->audit_pend;

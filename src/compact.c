@@ -33,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "remover.h"
 #include "store.h"
 #include "util.h"
 
@@ -362,9 +363,11 @@ static uint64_t walked_waiting(idem_store *s)
 int compact_stopped_full(idem_store *s)
 {
     /* Walked segments still in the log (waiting for a checkpoint, for their retirement, or for
-     * a backup to end) give their room back by the store's own work. */
+     * a backup to end), and retired files not yet deleted, give their room back by the store's
+     * own work. */
     int unretired = s->cmp_walked && s->cmp_walked >= wal_first_seq(s->wal);
-    return s->cmp_room_full && s->cmp_seq && !unretired;
+    return s->cmp_room_full && s->cmp_seq && !unretired &&
+           !(s->remover && remover_pending(s->remover));
 }
 
 int compact_wants_checkpoint(idem_store *s)

@@ -134,6 +134,14 @@ void remover_add(struct remover *r, const char *path)
     remover_add_open(r, path, NULL, NULL, 0);
 }
 
+int remover_pending(struct remover *r)
+{
+    pthread_mutex_lock(&r->mu);
+    int pending = r->head || r->busy;
+    pthread_mutex_unlock(&r->mu);
+    return pending;
+}
+
 void remover_drain(struct remover *r)
 {
     pthread_mutex_lock(&r->mu);

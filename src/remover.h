@@ -30,6 +30,8 @@ void remover_add(struct remover *r, const char *path);
  * the file closed first (0.6-1 ms for a 64 MiB segment), on the remover's thread too. */
 void remover_add_open(struct remover *r, const char *path, struct io_file *f, const void *map,
                       size_t map_len);
+/* Whether files are queued or being deleted (their room is not free yet). */
+int remover_pending(struct remover *r);
 /* Waits until every file queued so far is deleted and the directory synced. */
 void remover_drain(struct remover *r);
 /* Drains, stops the thread and frees r (NULL: nothing). */

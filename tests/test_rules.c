@@ -10,6 +10,7 @@
  * open: at(ms) sets the clock to t0 + ms. Tests never sleep.
  */
 #include <criterion/criterion.h>
+#include <pthread.h>
 
 #include <errno.h>
 #include <fcntl.h>
@@ -2362,6 +2363,54 @@ Test(audit, entries_imported_together_share_blocks_and_keep_their_seqs)
         }
         reopen();
     }
+}
+
+struct importer {
+    int id;
+    int rc;
+};
+
+static void *import_rounds(void *arg)
+{
+    struct importer *im = arg;
+    idem_queue *q;
+    im->rc = idem_queue_open(g_s, 8, &q);
+    char keys[16][16];
+    idem_audit_entry in[16];
+    for (int round = 0; round < 20 && im->rc == IDEM_OK; round++) {
+        for (int i = 0; i < 16; i++) {
+            snprintf(keys[i], sizeof keys[i], "t%d-%d-%d", im->id, round, i);
+            in[i] = (idem_audit_entry){.at_ms = 1,
+                                       .actor = "import",
+                                       .action = "del",
+                                       .key = keys[i],
+                                       .key_len = (uint32_t)strlen(keys[i]),
+                                       .reason = "r"};
+        }
+        im->rc = idem_import_audit_n(q, in, 16);
+    }
+    if (q) idem_queue_close(q);
+    return NULL;
+}
+
+/* Two threads importing at once: one found the other's group pending with the log durable, and
+ * waited for it holding the lock the flusher needed to write it (the store hung). */
+Test(audit, two_threads_import_audit_entries_at_once, .timeout = 60)
+{
+    pthread_t th[2];
+    struct importer im[2] = {{.id = 0}, {.id = 1}};
+    for (int i = 0; i < 2; i++)
+        cr_assert_eq(pthread_create(&th[i], NULL, import_rounds, &im[i]), 0);
+    for (int i = 0; i < 2; i++) {
+        pthread_join(th[i], NULL);
+        cr_assert_eq(im[i].rc, IDEM_OK, "importer %d: %s", i, idem_strerror(im[i].rc));
+    }
+    const idem_audit_entry *e;
+    size_t n = 0;
+    expect_rc(idem_audit(g_q, NULL, 0, 1000, &e, &n), IDEM_OK);
+    cr_assert_eq(n, 2 * 20 * 16);
+    for (size_t i = 1; i < n; i++)
+        cr_assert_lt(e[i].seq, e[i - 1].seq, "seqs grow along the trail");
 }
 
 /* A trail that shrank under the open store (its entries written, then cut off by someone
