@@ -200,20 +200,27 @@ Test(idemctl, status_offline_reports_attention, .init = setup, .fini = teardown)
     cr_assert(strstr(out, "1 in_flight record(s) whose lease ran out"), "%s", out);
 }
 
+/* Opens the store in dir with a queue, in durability none: a test's fill, made durable by the
+ * close. */
+static void open_to_fill(idem_store **s, idem_queue **q)
+{
+    idem_options opt;
+    idem_options_init(&opt);
+    opt.durability = IDEM_DURABILITY_NONE;
+    cr_assert_eq(idem_open(dir, &opt, s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(*s, 8, q), IDEM_OK);
+}
+
 /* Offline, the attention list is bounded as idemd's reply is: records with recorded mismatches
  * keep their results (64 KiB each here) until they expire, and 1,100 of them took 70 MB,
  * held twice (the queue's and idemctl's copies), where a --count of 100,000 could take GBs. The
  * list ends at 64 MiB, and says so. */
 Test(idemctl, an_offline_attention_list_is_bounded_in_bytes, .init = setup, .fini = teardown)
 {
-    idem_options opt;
-    idem_options_init(&opt);
-    opt.durability = IDEM_DURABILITY_NONE;
     idem_store *s;
     idem_queue *q;
     idem_completion c;
-    cr_assert_eq(idem_open(dir, &opt, &s), IDEM_OK, "%s", idem_last_error());
-    cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
+    open_to_fill(&s, &q);
     static uint8_t v[IDEM_RESULT_BYTES_DEFAULT];
     uint64_t x = 88172645463325252ull;
     for (int i = 0; i < 1100; i++) {
@@ -1339,6 +1346,51 @@ Test(idemctl, an_import_in_place_marks_the_store_until_it_has_finished, .init = 
     cr_assert_eq(st.keys, 12);
     idem_queue_close(q);
     cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+/* An export writes the trail oldest first though it reads it a page (10,000 entries) at a time
+ * from the newest, through a temporary file: memory holds one page (the whole trail was held,
+ * and a trail is never trimmed). 25,000 entries come out in order, each once, and counted. */
+Test(idemctl, an_export_writes_a_long_trail_oldest_first, .init = setup, .fini = teardown)
+{
+    idem_store *s;
+    idem_queue *q;
+    open_to_fill(&s, &q);
+    static char keys[250][16];
+    idem_audit_entry in[250];
+    for (int call = 0; call < 100; call++) {
+        for (int i = 0; i < 250; i++) {
+            snprintf(keys[i], sizeof keys[i], "k-%d", call * 250 + i);
+            in[i] = (idem_audit_entry){.seq = (uint64_t)(call * 250 + i + 1),
+                                       .at_ms = 1,
+                                       .actor = "alice",
+                                       .action = "del",
+                                       .key = keys[i],
+                                       .key_len = (uint32_t)strlen(keys[i]),
+                                       .reason = "old"};
+        }
+        cr_assert_eq(idem_import_audit_n(q, in, 250), IDEM_OK, "%s", idem_last_error());
+    }
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    cr_assert_eq(ctl("export --dir %s", dir), 0, "%s", err);
+    char path[4200];
+    snprintf(path, sizeof path, "%s/out", scratch);
+    FILE *f = fopen(path, "r");
+    cr_assert_not_null(f);
+    static char line[4096];
+    long long want = 1, ended = 0;
+    while (fgets(line, sizeof line, f)) {
+        long long seq;
+        if (sscanf(line, "{\"type\":\"audit\",\"seq\":%lld,", &seq) == 1) {
+            cr_assert_eq(seq, want, "entry %lld comes where %lld was due", seq, want);
+            want++;
+        }
+        if (strstr(line, "{\"type\":\"end\",\"records\":0,\"audit_entries\":25000}")) ended = 1;
+    }
+    fclose(f);
+    cr_assert_eq(want - 1, 25000, "%lld entries", want - 1);
+    cr_assert(ended, "no end line counting 25,000 entries");
 }
 
 /* An export's audit entries are imported 256 at a time: they share the trail's blocks (one at a

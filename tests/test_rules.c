@@ -2375,7 +2375,7 @@ static void *import_rounds(void *arg)
     struct importer *im = arg;
     idem_queue *q;
     im->rc = idem_queue_open(g_s, 8, &q);
-    char keys[16][16];
+    char keys[16][40];
     idem_audit_entry in[16];
     for (int round = 0; round < 20 && im->rc == IDEM_OK; round++) {
         for (int i = 0; i < 16; i++) {

@@ -322,7 +322,68 @@ static void export_audit_line(struct jw *j, const idem_audit_entry *e)
     jw_kuint(j, "version_before", e->version_before);
     jw_kuint(j, "version_after", e->version_after);
     jw_obj_end(j);
-    fputc('\n', stdout);
+    fputc('\n', j->f);
+}
+
+/* The whole trail, written oldest first (import appends) though it is read a page at a time from
+ * the newest: each page's lines go, oldest first, to a temporary file as the page is read, and
+ * the pages are then copied out from the last spooled (the oldest) to the first. Memory holds
+ * one page; the trail (never trimmed: a million decisions took some 300 MB) was held whole.
+ * Adds the entries to *naud. 0, or prints why and returns CTL_FAIL. */
+static int export_audit(struct ctl *c, uint64_t *naud)
+{
+    FILE *spool = tmpfile();
+    if (!spool) {
+        ctl_err("cannot make a temporary file for the audit trail: %s", strerror(errno));
+        return CTL_FAIL;
+    }
+    struct jw js;
+    jw_init(&js, spool);
+    off_t *starts = NULL; /* where each page's lines begin in the spool, newest page first */
+    size_t npages = 0;
+    uint64_t before = 0;
+    int rc = 0;
+    for (;;) {
+        struct ctl_audit *a = NULL;
+        size_t n = 0;
+        rc = ctl_audit_page(c, NULL, 0, before, EXPORT_AUDIT_PAGE, &a, &n);
+        off_t *grown = rc == 0 && n ? realloc(starts, (npages + 1) * sizeof *starts) : starts;
+        if (rc == 0 && n && !grown) {
+            ctl_err("out of memory for the audit trail");
+            rc = CTL_FAIL;
+        }
+        if (rc != 0 || n == 0) {
+            ctl_audit_free(a, n);
+            break;
+        }
+        starts = grown;
+        starts[npages++] = ftello(spool);
+        for (size_t i = n; i > 0; i--)
+            export_audit_line(&js, &a[i - 1].e);
+        *naud += n;
+        before = a[n - 1].e.seq;
+        ctl_audit_free(a, n);
+    }
+    off_t end = ftello(spool);
+    if (rc == 0 && (fflush(spool) != 0 || ferror(spool) || end < 0)) {
+        ctl_err("writing the audit trail to a temporary file: %s", strerror(errno));
+        rc = CTL_FAIL;
+    }
+    static char buf[1 << 16];
+    for (size_t p = npages; rc == 0 && p > 0; p--) {
+        off_t from = starts[p - 1], to = p == npages ? end : starts[p];
+        if (fseeko(spool, from, SEEK_SET) != 0) rc = CTL_FAIL;
+        for (off_t left = to - from; rc == 0 && left > 0;) {
+            size_t got = fread(buf, 1, left < (off_t)sizeof buf ? (size_t)left : sizeof buf, spool);
+            if (got == 0 || fwrite(buf, 1, got, stdout) != got) rc = CTL_FAIL;
+            left -= (off_t)got;
+        }
+        if (rc != 0)
+            ctl_err("copying the audit trail from its temporary file: %s", strerror(errno));
+    }
+    free(starts);
+    fclose(spool);
+    return rc;
 }
 
 /* Every record, then the audit trail. A scan step's keys are copied (the reads of their records
@@ -363,37 +424,7 @@ static int export_run(struct ctl *c)
         }
         keylist_clear(&k);
     } while (rc == 0 && cursor != 0 && !k.oom);
-    /* The whole trail, page by page from the newest; written oldest first (import appends). */
-    struct audit_page {
-        struct ctl_audit *a;
-        size_t n;
-    } *pages = NULL;
-    size_t npages = 0;
-    uint64_t before = 0;
-    while (rc == 0 && !k.oom) {
-        struct ctl_audit *a = NULL;
-        size_t n = 0;
-        rc = ctl_audit_page(c, NULL, 0, before, EXPORT_AUDIT_PAGE, &a, &n);
-        if (rc != 0 || n == 0) {
-            ctl_audit_free(a, n);
-            break;
-        }
-        struct audit_page *grown = realloc(pages, (npages + 1) * sizeof *pages);
-        if (!grown) {
-            ctl_audit_free(a, n);
-            k.oom = 1;
-            break;
-        }
-        pages = grown;
-        pages[npages++] = (struct audit_page){a, n};
-        before = a[n - 1].e.seq;
-    }
-    for (size_t p = npages; p > 0; p--) {
-        for (size_t i = pages[p - 1].n; rc == 0 && i > 0; i--, naud++)
-            export_audit_line(&j, &pages[p - 1].a[i - 1].e);
-        ctl_audit_free(pages[p - 1].a, pages[p - 1].n);
-    }
-    free(pages);
+    if (rc == 0 && !k.oom) rc = export_audit(c, &naud);
     if (k.oom) {
         ctl_err("out of memory listing the keys");
         rc = CTL_FAIL;
