@@ -349,17 +349,6 @@ static uint64_t walk_end_lsn(const idem_store *s, uint64_t seq)
     return s->cmp_walked_lsn[seq % STORE_CMP_AHEAD];
 }
 
-/* The walked segments that wait for a checkpoint begun after their walk ended. */
-static uint64_t walked_waiting(idem_store *s)
-{
-    uint64_t first = wal_first_seq(s->wal), waiting = 0;
-    for (uint64_t seq = s->cmp_walked; seq >= first && seq > 0; seq--) {
-        if (walk_end_lsn(s, seq) <= s->sb.ckpt_lsn) break;
-        waiting++;
-    }
-    return waiting;
-}
-
 int compact_stopped_full(idem_store *s)
 {
     /* Walked segments still in the log (waiting for a checkpoint, for their retirement, or for
@@ -379,15 +368,19 @@ int compact_wants_checkpoint(idem_store *s)
      * to do, or cannot go on: no room for the copies), and at once when idem_compact waits,
      * STORE_CMP_AHEAD segments wait or corruption stopped compaction. With a test clock, the
      * quiet time passes only when the test moves the clock. */
-    uint64_t first = wal_first_seq(s->wal), waiting = walked_waiting(s);
+    uint64_t first = wal_first_seq(s->wal), waiting = 0;
+    for (uint64_t seq = s->cmp_walked; seq >= first && seq > 0; seq--) {
+        if (walk_end_lsn(s, seq) <= s->sb.ckpt_lsn) break;
+        waiting++;
+    }
     if (waiting && (waiting >= STORE_CKPT_RETIRE_BATCH || s->cmp_disabled ||
                     first < s->cmp_force_until || s->cmp_walked - first + 1 >= STORE_CMP_AHEAD ||
                     store_now(s) - s->cmp_walked_ms >= STORE_CKPT_QUIET_MS))
         return 1;
     /* With the disk reserve let go, one that retires nothing only takes room (a larger
      * checkpoint in place of the older kept one) from the walk that frees it; an idem_compact
-     * waiting keeps the rule it had (a walk stopped for room ends it only through such a
-     * checkpoint refused FULL, and without a timeout it can wait for good: design.md 21). */
+     * waiting keeps the rule it had (its walk stopped for room ends it through such a checkpoint
+     * refused FULL, or through compact_stopped_full). */
     if (s->reserve.released && first >= s->cmp_force_until) return 0;
     return wal_cur_seq(s->wal) - s->sb.ckpt_seq >= STORE_CKPT_EVERY_SEGS;
 }

@@ -676,8 +676,8 @@ int compact_learn_horizon(idem_store *s);
  * segments waiting to be retired: see the function). */
 int compact_wants_checkpoint(idem_store *s);
 /* Whether the walk stopped for want of disk room with no walked segment left in the log (none
- * waits for a checkpoint, its retirement or a backup's end): nothing the store does frees room
- * then (idem_compact). mu held. */
+ * waits for a checkpoint, its retirement or a backup's end) and no retired file waiting for the
+ * remover: nothing the store does frees room then (idem_compact). mu held. */
 int compact_stopped_full(idem_store *s);
 /* Once the closing checkpoint is installed, retires the walked segments it covers (else the
  * next open, which forgets the walk, walks them again). A superblock of its own, after the

@@ -354,7 +354,7 @@ typedef struct srv {
      * eventfd in the loop's epoll set) says some are done. Their requests are held open like
      * engine completions (engine_due). */
     idem_queue *q_reads;
-    idem_queue *q_stats; /* the figures' line: its IDEM_OP_SYNC (stats_made_durable) */
+    idem_queue *q_stats; /* the figures' line: its IDEM_OP_SYNC (reads.c, stats_read) */
     int reads_fd;
     int reads_mu_made; /* reads_mu is made (srv_reads_start) */
     int reads_started; /* lines whose thread runs: the first ones */
