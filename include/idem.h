@@ -314,7 +314,8 @@ int idem_submit(idem_queue *q, const idem_op *ops, size_t n) __attribute__((warn
 
 /*
  * Moves up to `max` completions that are ready (durable, in sync mode) into out[], in
- * submission order per key. Waits up to timeout_ms (-1: forever, 0: not at all) for the first.
+ * submission order per key, but for a claim parked by WAIT: it comes when it is answered, after
+ * what was answered before it. Waits up to timeout_ms (-1: forever, 0: not at all) for the first.
  * Returns the count (0 on timeout) or a negative idem_err. Bytes referenced by the completions
  * stay valid until the next call on this queue.
  */
@@ -361,7 +362,8 @@ int idem_exec(idem_queue *q, const idem_op *op, idem_completion *c);
  * and later claims no longer wait. Poll the queues to collect them, then close. */
 void idem_cancel_waits(idem_store *s);
 /* A claim of q parked by WAIT, named by its user_data, completes now with busy (for a server
- * whose client went away). IDEM_OK, or IDEM_ENOTFOUND if no such claim waits. */
+ * whose client went away); of several with one user_data, the first submitted. IDEM_OK, or
+ * IDEM_ENOTFOUND if no such claim waits. Its cost does not grow with the claims parked. */
 int idem_cancel_wait(idem_queue *q, uint64_t user_data);
 /* Returns when everything acknowledged so far is durable (all modes). */
 int idem_sync(idem_store *s);

@@ -564,7 +564,8 @@ static enum claim_path claim_path_of(const struct rec *r, const idem_op *op, con
     return CP_LEASE_OUT;
 }
 
-/* A claim that meets an unfinished or committed record. Returns the outcome written. */
+/* A claim that meets an unfinished or committed record: sl gets the outcome, counted only once
+ * its change is made (a claim answered FULL recorded no mismatch and no recovery). */
 static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, const uint8_t fp[16],
                            struct index_slot *slot, struct rec *r, uint64_t lsn, int64_t now,
                            int waking)
@@ -587,15 +588,12 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, c
             rc = write_version(s, slot, r->state, r, r->key, owner, note, result, result_len,
                                &sl->need_lsn);
         sl->c.outcome = IDEM_MISMATCH;
-        s->st.claims_mismatch++;
-        s->st.mismatches++;
         goto out;
     }
     if (path == CP_DONE) {
         if (!waking) seen_bump(s, slot, r, now);
         rc = copy_result(sl, r, &sl->c.data, &sl->c.data_len);
         sl->c.outcome = IDEM_DONE;
-        s->st.claims_done++;
         goto out;
     }
     if (path == CP_REVIEW) {
@@ -603,7 +601,6 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, c
         sl->c.data = qslot_copy(sl, r->note, r->note_len);
         sl->c.data_len = r->note_len;
         sl->c.outcome = IDEM_REVIEW;
-        s->st.claims_review++;
         goto out;
     }
     if (path == CP_RESUME || path == CP_BUSY) {
@@ -614,7 +611,6 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, c
             rc = write_version(s, slot, r->state, r, r->key, owner, note, NULL, 0, &sl->need_lsn);
             sl->c.outcome = IDEM_NEW;
             sl->c.token = r->token;
-            s->st.claims_new++;
             if (rc == 0 && !waking) ops_wake(s, op->key, op->key_len); /* the lease moved */
             if (rc == 0 && waking)
                 waiters_lease_moved(s, op->key, op->key_len, r->lease_until_ms, now);
@@ -623,7 +619,6 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, c
         if (!waking) seen_bump(s, slot, r, now);
         sl->c.outcome = IDEM_BUSY;
         sl->c.lease_left_ms = r->lease_until_ms - now;
-        if (!waking) s->st.claims_busy++; /* a parked claim's re-runs are not claims */
         goto out;
     }
     /* Rule 6: the lease ran out; the transition is made and logged now. */
@@ -638,7 +633,6 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, c
         sl->c.outcome = IDEM_REVIEW;
         sl->c.data = why;
         sl->c.data_len = sizeof why - 1;
-        s->st.claims_review++;
         goto out;
     }
     int64_t prev_grant = r->last_grant_ms;
@@ -653,12 +647,33 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, c
     sl->c.token = r->token;
     sl->c.attempts = r->attempts;
     sl->c.last_grant_ms = prev_grant;
-    s->st.claims_recover++;
-    s->st.recoveries++;
 out:
     if (rc < 0) {
         sl->c.err = rc;
         sl->c.outcome = 0;
+        return; /* counted as nothing: no mismatch or recovery was recorded */
+    }
+    switch (sl->c.outcome) {
+    case IDEM_MISMATCH:
+        s->st.claims_mismatch++;
+        s->st.mismatches++;
+        break;
+    case IDEM_DONE:
+        s->st.claims_done++;
+        break;
+    case IDEM_REVIEW:
+        s->st.claims_review++;
+        break;
+    case IDEM_NEW:
+        s->st.claims_new++;
+        break; /* the same owner resumed */
+    case IDEM_BUSY:
+        if (!waking) s->st.claims_busy++; /* a parked claim's re-runs are not claims */
+        break;
+    case IDEM_RECOVER:
+        s->st.claims_recover++;
+        s->st.recoveries++;
+        break;
     }
 }
 
@@ -1341,15 +1356,13 @@ int idem_cancel_wait(idem_queue *q, uint64_t user_data)
     idem_store *s = q->s;
     store_lock(s);
     int rc = IDEM_ENOTFOUND;
-    for (struct qslot *w = q->parked_head; w; w = w->lnext) {
-        if (w->c.user_data == user_data) {
-            /* Answered now, alone: the other waiters do not run again for it. */
-            w->ext->deadline_mono_ms = 0;
-            wake_one(s, w, 0);
-            waiter_done(s, w);
-            rc = IDEM_OK;
-            break;
-        }
+    struct qslot *w = queue_parked_of(q, user_data);
+    if (w) {
+        /* Answered now, alone: the other waiters do not run again for it. */
+        w->ext->deadline_mono_ms = 0;
+        wake_one(s, w, 0);
+        waiter_done(s, w);
+        rc = IDEM_OK;
     }
     store_unlock(s);
     return rc;

@@ -360,10 +360,14 @@ void queue_signal(struct idem_queue *q)
     if (q->fd_used) efd_signal(q->efd);
 }
 
+static void queue_merge_woken(idem_queue *q);
+
 /* Whether the queue has a completion to deliver: the first outstanding one in submission order,
- * as collect_ready delivers them (parked claims are not on that list). */
-static int queue_ready(const idem_store *s, const struct idem_queue *q)
+ * as collect_ready delivers them (parked claims are not on that list; answered ones are, once
+ * merged). */
+static int queue_ready(const idem_store *s, struct idem_queue *q)
 {
+    queue_merge_woken(q);
     return q->head && slot_ready(s, q->head);
 }
 
@@ -1880,12 +1884,19 @@ int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
     q->ext = calloc(depth, sizeof *q->ext);
     q->returned = calloc(depth, sizeof *q->returned);
     q->free_stack = calloc(depth, sizeof *q->free_stack);
+    uint32_t chains = 1;
+    while (chains < depth)
+        chains <<= 1;
+    q->by_user_data = calloc(chains, sizeof *q->by_user_data);
+    q->by_user_data_mask = chains - 1;
+    q->woken_sort = calloc(depth, sizeof *q->woken_sort);
     /* The caller is told which resource ran out: a process out of descriptors is not out of
      * memory, and its operator looks in another place. */
     int err = 0;
     const char *what = "its arrays";
     q->efd = -1;
-    if (!q->slots || !q->ext || !q->returned || !q->free_stack)
+    if (!q->slots || !q->ext || !q->returned || !q->free_stack || !q->by_user_data ||
+        !q->woken_sort)
         err = ENOMEM;
     else if ((q->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0)
         err = errno, what = "its eventfd";
@@ -1899,6 +1910,8 @@ int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
         free(q->ext);
         free(q->returned);
         free(q->free_stack);
+        free(q->by_user_data);
+        free(q->woken_sort);
         free(q);
         errno = err;
         return IDEM_ENOMEM;
@@ -1950,6 +1963,7 @@ void idem_queue_close(idem_queue *q)
         nanosleep(&pause, NULL);
         store_lock(s);
     }
+    queue_merge_woken(q);
     for (struct qslot *sl = q->head; sl; sl = sl->lnext)
         slot_durable_done(s, sl);
     for (struct qslot *sl = q->parked_head; sl; sl = sl->lnext) /* drop its parked claims */
@@ -1967,6 +1981,8 @@ void idem_queue_close(idem_queue *q)
     free(q->ext);
     free(q->returned);
     free(q->free_stack);
+    free(q->by_user_data);
+    free(q->woken_sort);
     idem_queue_trim(q);
     close(q->efd);
     pthread_cond_destroy(&q->cond);
@@ -2081,20 +2097,69 @@ static struct qslot *slot_take(idem_queue *q)
     return sl;
 }
 
+static uint32_t *by_user_data_chain(const idem_queue *q, uint64_t user_data)
+{
+    return &q->by_user_data[(user_data * 0x9E3779B97F4A7C15ull >> 32) & q->by_user_data_mask];
+}
+
 void queue_park(idem_queue *q, struct qslot *sl)
 {
     slot_list_unlink(&q->head, &q->tail, sl);
     slot_list_insert(&q->parked_head, &q->parked_tail, q->parked_tail, sl);
+    uint32_t *chain = by_user_data_chain(q, sl->c.user_data);
+    sl->ext->park_next = *chain;
+    *chain = (uint32_t)(sl - q->slots) + 1;
 }
 
-/* The walk back from the tail passes only what was submitted after sl and is not yet polled. */
+struct qslot *queue_parked_of(const idem_queue *q, uint64_t user_data)
+{
+    struct qslot *first = NULL;
+    for (uint32_t i = *by_user_data_chain(q, user_data); i; i = q->ext[i - 1].park_next) {
+        struct qslot *sl = &q->slots[i - 1];
+        if (sl->c.user_data == user_data && (!first || sl->seq < first->seq)) first = sl;
+    }
+    return first;
+}
+
+/* Each answered parked claim put back in its place by a walk from the tail passed every one
+ * answered since and not yet polled: a server whose parked clients all hung up at once paid
+ * N^2/2 steps for their cancels. They wait on the woken list for one merge instead. */
 void queue_unpark(idem_queue *q, struct qslot *sl)
 {
     slot_list_unlink(&q->parked_head, &q->parked_tail, sl);
-    struct qslot *after = q->tail;
-    while (after && after->seq > sl->seq)
-        after = after->lprev;
-    slot_list_insert(&q->head, &q->tail, after, sl);
+    uint32_t *link = by_user_data_chain(q, sl->c.user_data), me = (uint32_t)(sl - q->slots) + 1;
+    while (*link != me)
+        link = &q->ext[*link - 1].park_next;
+    *link = sl->ext->park_next;
+    sl->lnext = q->woken;
+    q->woken = sl;
+    q->nwoken++;
+}
+
+static int by_seq(const void *a, const void *b)
+{
+    uint64_t x = (*(struct qslot *const *)a)->seq, y = (*(struct qslot *const *)b)->seq;
+    return x < y ? -1 : x > y;
+}
+
+/* Puts the woken claims back on the outstanding list in their places by seq: sorted, then one
+ * walk from the head (a claim that waited is older than most of what is outstanding). */
+static void queue_merge_woken(idem_queue *q)
+{
+    if (!q->nwoken) return;
+    uint32_t n = 0;
+    for (struct qslot *sl = q->woken; sl; sl = sl->lnext)
+        q->woken_sort[n++] = sl;
+    if (n > 1) qsort(q->woken_sort, n, sizeof *q->woken_sort, by_seq);
+    struct qslot *at = q->head;
+    for (uint32_t i = 0; i < n; i++) {
+        struct qslot *w = q->woken_sort[i];
+        while (at && at->seq < w->seq)
+            at = at->lnext;
+        slot_list_insert(&q->head, &q->tail, at ? at->lprev : q->tail, w);
+    }
+    q->woken = NULL;
+    q->nwoken = 0;
 }
 
 static void release_returned(idem_queue *q)
@@ -2294,6 +2359,7 @@ static size_t collect_ready(idem_queue *q, idem_completion *out, size_t max)
 {
     idem_store *s = q->s;
     size_t n = 0;
+    queue_merge_woken(q);
     struct qslot *sl = q->head;
     while (sl && n < max) {
         struct qslot *next = sl->lnext;

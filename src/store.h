@@ -80,6 +80,8 @@ struct qslot_ext {
     uint64_t whash;              /* its key's hash: the waiter bucket it is on (waiters.c) */
     struct qslot *wprev, *wnext; /* the store's parked claims, oldest first */
     struct qslot *bprev, *bnext; /* its bucket's parked claims, oldest first */
+    uint32_t park_next;          /* the next parked slot (index + 1, 0: none) of its chain in
+                                    the queue's by_user_data table */
 };
 
 /* One submitted operation and its completion, owned by a queue. A queue keeps up to 64 Ki in
@@ -112,10 +114,20 @@ struct idem_queue {
     uint32_t kept_big; /* free slots keeping a buffer over QSLOT_BUF_SMALL (store.c) */
     /* Outstanding slots (submitted, not yet polled) in submission order, but for parked WAIT
      * claims: those are on parked_head..parked_tail (in the order they parked) until they
-     * complete, and then go back in their place by seq (queue_park, queue_unpark), so that
-     * neither a poll nor a flush's end walks thousands of them. */
+     * complete, and then wait on `woken` (linked through lnext, newest first) until the next
+     * look at the list puts them all back in their places by seq in one pass (queue_park,
+     * queue_unpark, queue_merge_woken), so that neither a poll nor a flush's end walks
+     * thousands of parked claims, nor does each answer of one walk those answered before it. */
     struct qslot *head, *tail;
     struct qslot *parked_head, *parked_tail;
+    struct qslot *woken;
+    uint32_t nwoken;
+    struct qslot **woken_sort; /* depth entries: the merge's scratch */
+    /* The parked claims by user_data (idem_cancel_wait): chains of slot index + 1 (0 ends one)
+     * through ext[].park_next, by_user_data_mask + 1 of them (a power of two, at least depth),
+     * so that a server's cancel of one of thousands parked does not walk them all. */
+    uint32_t *by_user_data;
+    uint32_t by_user_data_mask;
     uint32_t active; /* outstanding slots, parked ones included */
     uint64_t seq_next;
     int efd;
@@ -506,7 +518,9 @@ void store_flusher_relock(idem_store *s);
 void store_kick(idem_store *s);
 /* A WAIT claim of q parks: sl leaves the outstanding list for the parked one. mu held. */
 void queue_park(idem_queue *q, struct qslot *sl);
-/* A parked claim completed: back on the outstanding list, in its place by seq. mu held. */
+/* The parked claim of q with user_data (the first submitted of several), or NULL. mu held. */
+struct qslot *queue_parked_of(const idem_queue *q, uint64_t user_data);
+/* A parked claim completed: on the queue's woken list, for the next merge. mu held. */
 void queue_unpark(idem_queue *q, struct qslot *sl);
 /* Waits (mu held, letting it go) until everything appended so far is durable, and with it the
  * audit entries of those changes written. Returns 0 or IDEM_EFATAL. */

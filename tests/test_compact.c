@@ -279,6 +279,24 @@ static void big_keys(idem_queue *q, int n, int set)
     }
 }
 
+/* Sets keys prefix-i of len incompressible bytes until the disk answers FULL (at most n). */
+static void fill_until_full(idem_queue *q, const char *prefix, size_t len, int n)
+{
+    static uint8_t v[3000];
+    cr_assert_leq(len, sizeof v);
+    for (int i = 0; i < n; i++) {
+        char key[32];
+        snprintf(key, sizeof key, "%s-%d", prefix, i);
+        noise(v, len, 1000 + (uint64_t)i);
+        idem_completion c;
+        int rc = idem_set_if_absent(q, key, strlen(key), v, len, 86400000, 0, &c);
+        if (rc == IDEM_EFULL || (rc == IDEM_OK && c.err == IDEM_EFULL)) return;
+        cr_assert(rc == IDEM_OK && c.err == IDEM_OK, "fill %s: %s", key,
+                  idem_strerror(rc ? rc : c.err));
+    }
+    cr_assert_fail("the disk never filled with %s", prefix);
+}
+
 /* A walk idem_compact asks for that stops for want of disk room at the oldest segment (all live:
  * nothing walked waits for a checkpoint), the log grown fewer than STORE_CKPT_EVERY_SEGS segments
  * since the last checkpoint, answers FULL: no checkpoint was asked for, nothing was retired, and
@@ -297,19 +315,7 @@ Test(compact, compact_on_request_on_a_full_disk_answers_full_then_goes_on, .time
     io_sim_set_capacity(sim, n.used); /* no new segment; the current one and its spare fill */
     /* Filled with live keys as large, so that the log stays within twice the live bytes and no
      * walk starts by itself. */
-    int full = 0;
-    for (int i = 0; i < 100 && !full; i++) {
-        char key[32];
-        uint8_t v[3000];
-        snprintf(key, sizeof key, "fill-%d", i);
-        noise(v, sizeof v, 1000 + (uint64_t)i);
-        idem_completion c;
-        int rc = idem_set_if_absent(q, key, strlen(key), v, sizeof v, 86400000, 0, &c);
-        full = rc == IDEM_EFULL || (rc == IDEM_OK && c.err == IDEM_EFULL);
-        cr_assert(full || (rc == IDEM_OK && c.err == IDEM_OK), "fill %d: %s", i,
-                  idem_strerror(rc ? rc : c.err));
-    }
-    cr_assert(full, "the disk never filled");
+    fill_until_full(q, "fill", 3000, 100);
     store_lock(s);
     uint64_t since = wal_cur_seq(s->wal) - s->sb.ckpt_seq;
     store_unlock(s);
@@ -327,6 +333,73 @@ Test(compact, compact_on_request_on_a_full_disk_answers_full_then_goes_on, .time
     s = open_sim(sim);
     cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
     big_keys(q, 40, 0);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    io_sim_destroy(sim);
+}
+
+/* The claim's answer on a full disk: FULL, or an outcome. */
+static int claim_on(idem_queue *q, const char *key, const char *fp, idem_completion *c)
+{
+    idem_claim_args a = {.ttl_ms = 86400000, .lease_ms = 1000, .fp = fp, .fp_len = 1};
+    int rc = idem_claim(q, key, strlen(key), &a, c);
+    return rc ? rc : c->err ? c->err : c->outcome;
+}
+
+/* Found by a review of the lease rules: a claim that met a record counted its outcome before
+ * the write that records it, so one answered FULL counted as a mismatch or a recovery that
+ * no record shows (an alert on either fired through a disk-full incident, once a retry). */
+Test(compact, claims_refused_for_room_count_no_mismatch_or_recovery, .timeout = 60)
+{
+    struct io_sim *sim;
+    cr_assert_eq(io_sim_create(13, &sim), 0);
+    idem_store *s = open_sim(sim);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    idem_completion c;
+    char lapsed[401]; /* a long key: its recovery's record is larger than the last fills */
+    memset(lapsed, 'r', sizeof lapsed - 1);
+    lapsed[sizeof lapsed - 1] = 0;
+    cr_assert_eq(claim_on(q, "m", "a", &c), IDEM_NEW);
+    uint8_t result[3000];
+    noise(result, sizeof result, 7);
+    cr_assert_eq(idem_commit(q, "m", 1, c.token, result, sizeof result), IDEM_OK);
+    cr_assert_eq(claim_on(q, lapsed, "a", &c), IDEM_NEW);
+    big_keys(q, 40, 1);
+    struct io_sim_counts n;
+    io_sim_counts(sim, &n);
+    io_sim_set_capacity(sim, n.used);
+    fill_until_full(q, "fill", 3000, 100);
+    fill_until_full(q, "small", 300, 100);
+    fill_until_full(q, "tiny", 1, 1000);
+    cr_assert_eq(idem_clock_advance(s, 2000), IDEM_OK); /* the lapsed key's lease runs out */
+    idem_stats before, after;
+    idem_get_stats(s, &before);
+    for (int i = 0; i < 3; i++) {
+        cr_assert_eq(claim_on(q, "m", "b", &c), IDEM_EFULL, "a mismatch recorded on a full disk");
+        cr_assert_eq(claim_on(q, lapsed, "a", &c), IDEM_EFULL, "a recovery made on a full disk");
+    }
+    idem_get_stats(s, &after);
+    cr_assert_eq(after.mismatches, before.mismatches);
+    cr_assert_eq(after.claims_mismatch, before.claims_mismatch);
+    cr_assert_eq(after.recoveries, before.recoveries);
+    cr_assert_eq(after.claims_recover, before.claims_recover);
+    cr_assert_eq(idem_get(q, "m", 1, &c), IDEM_OK);
+    cr_assert_eq(c.record.mismatch_count, 0);
+    cr_assert_eq(idem_get(q, lapsed, strlen(lapsed), &c), IDEM_OK);
+    cr_assert_eq(c.record.attempts, 1);
+    /* Room again: each counted once, as recorded. */
+    io_sim_set_capacity(sim, 0);
+    int rc;
+    for (int tries = 0; (rc = claim_on(q, "m", "b", &c)) == IDEM_EFULL && tries < 500; tries++)
+        usleep(10000); /* the next segment is made in the background */
+    cr_assert_eq(rc, IDEM_MISMATCH, "%d", rc);
+    cr_assert_eq(claim_on(q, lapsed, "a", &c), IDEM_RECOVER);
+    idem_get_stats(s, &after);
+    cr_assert_eq(after.mismatches, before.mismatches + 1);
+    cr_assert_eq(after.claims_mismatch, before.claims_mismatch + 1);
+    cr_assert_eq(after.recoveries, before.recoveries + 1);
+    cr_assert_eq(after.claims_recover, before.claims_recover + 1);
     idem_queue_close(q);
     cr_assert_eq(idem_close(s), IDEM_OK);
     io_sim_destroy(sim);

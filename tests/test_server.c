@@ -4130,6 +4130,82 @@ Test(server, the_figures_wait_until_the_changes_they_count_are_durable, .timeout
     tu_rmtree(fail_dir);
 }
 
+/* Sends a claim with WAIT on a new raw TCP connection; returns it. */
+static int wait_claim_raw(const char *key, const char *owner)
+{
+    int fd = raw_connect();
+    char req[256];
+    int n = owner ? snprintf(req, sizeof req,
+                             "*8\r\n$10\r\nIDEM.CLAIM\r\n$%zu\r\n%s\r\n$6\r\n600000\r\n"
+                             "$5\r\n60000\r\n$5\r\nOWNER\r\n$%zu\r\n%s\r\n$4\r\nWAIT\r\n$5\r\n"
+                             "20000\r\n",
+                             strlen(key), key, strlen(owner), owner)
+                  : snprintf(req, sizeof req,
+                             "*6\r\n$10\r\nIDEM.CLAIM\r\n$%zu\r\n%s\r\n$6\r\n600000\r\n"
+                             "$5\r\n60000\r\n$4\r\nWAIT\r\n$5\r\n20000\r\n",
+                             strlen(key), key);
+    cr_assert(n > 0 && (size_t)n < sizeof req);
+    raw_send(fd, req, (size_t)n);
+    return fd;
+}
+
+/* A WAIT claim granted `new` by a release whose reply waits for its flush, for a client that
+ * resets meanwhile: no one ever hears of that `new`. It is released (the side effect certainly
+ * did not happen), so the next claim gets `new` at once; on the build before, the key was held
+ * for its whole lease and the claim after that got `recover`, a false alarm (under
+ * `--on-lease-expiry review`, a key for a person). Not with OWNER: that worker may resume the
+ * claim through another connection, and the key stays held. */
+Test(server, a_wait_claim_granted_new_after_its_client_left_is_released, .timeout = 60)
+{
+    start_sync_preloaded("IDEM_TEST_HOLD_SYNC_FILE", NULL);
+    redisContext *o = connect_tcp();
+    long long tok1 = 0, tok2 = 0, left = 0;
+    cr_assert_str_eq(outcome(cmd(o, "IDEM.CLAIM plain 600000 60000"), &tok1), "new");
+    cr_assert_str_eq(outcome(cmd(o, "IDEM.CLAIM owned 600000 60000"), &tok2), "new");
+    int plain = wait_claim_raw("plain", NULL), owned = wait_claim_raw("owned", "w1");
+    usleep(200 * 1000); /* both parked */
+    struct pollfd p[2] = {{plain, POLLIN, 0}, {owned, POLLIN, 0}};
+    cr_assert_eq(poll(p, 2, 0), 0, "a WAIT claim answered before the release");
+    fail_now(); /* flushes held from here on: the grants wait for theirs */
+    cr_assert_eq(redisAppendCommand(o, "IDEM.RELEASE plain %lld", tok1), REDIS_OK);
+    cr_assert_eq(redisAppendCommand(o, "IDEM.RELEASE owned %lld", tok2), REDIS_OK);
+    cr_assert_eq(redisBufferWrite(o, &(int){0}), REDIS_OK);
+    usleep(200 * 1000); /* the releases made, the waiters granted `new`, unanswered */
+    cr_assert_eq(poll(p, 2, 0), 0, "a grant answered while its flush is held");
+    struct linger reset = {1, 0};
+    for (int i = 0; i < 2; i++) {
+        cr_assert_eq(setsockopt(p[i].fd, SOL_SOCKET, SO_LINGER, &reset, sizeof reset), 0);
+        close(p[i].fd);
+    }
+    usleep(200 * 1000); /* the resets seen */
+    fail_end();
+    for (int i = 0; i < 2; i++) {
+        redisReply *r = NULL;
+        cr_assert_eq(redisGetReply(o, (void **)&r), REDIS_OK);
+        expect_status(r, "OK");
+    }
+    redisContext *n = connect_tcp();
+    long long tok3 = 0;
+    for (int64_t end = now_ms() + 5000;; usleep(10000)) {
+        const char *got = outcome(cmd(n, "IDEM.CLAIM plain 600000 60000"), &tok3);
+        if (strcmp(got, "new") == 0) break;
+        cr_assert_str_eq(got, "busy", "plain");
+        cr_assert_lt(now_ms(), end, "the unheard grant of plain is still held");
+    }
+    cr_assert(tok3 != tok1);
+    const char *got = outcome(cmd(n, "IDEM.CLAIM owned 600000 60000"), &left);
+    cr_assert_str_eq(got, "busy", "owned answered %s: its owner may still hold it", got);
+    cr_assert_gt(left, 50000);
+    redisContext *adm = connect_unix();
+    long long unheard = stat_value(adm, "claims_released_unheard");
+    redisFree(adm);
+    cr_assert_eq(unheard, 1, "claims_released_unheard %lld", unheard);
+    cr_assert_eq(log_lines_with("event=claim_released"), 1);
+    redisFree(o);
+    redisFree(n);
+    tu_rmtree(fail_dir);
+}
+
 /* Reads from fd until `pongs` PONGs came after a claim's reply (5 s at most). Returns what was
  * read; *closed as raw_read. */
 static size_t read_through_pongs(int fd, char *buf, size_t cap, int pongs, int *closed)

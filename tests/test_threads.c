@@ -1623,6 +1623,42 @@ Test(wait, claims_of_one_user_data_are_cancelled_oldest_first)
     expect_rc(idem_cancel_wait(g_wq[0], 7), IDEM_ENOTFOUND);
 }
 
+/* A cancel finds the claim parked with its user_data, whatever else of the queue was parked,
+ * answered or parked again since: not one answered already (its slot may be reused), and not
+ * one whose slot once had that user_data. */
+Test(wait, a_cancel_finds_its_claim_among_those_answered_and_parked_again)
+{
+    idem_queue *q;
+    expect_rc(idem_queue_open(g_s, 6, &q), IDEM_OK); /* polled slots are freed a poll late */
+    int64_t tok[4];
+    char key[4][2] = {"a", "b", "c", "d"};
+    for (int i = 0; i < 4; i++) {
+        tok[i] = claim_new_on(g_q, key[i]);
+        submit_wait_claim(q, key[i], 20000, (uint64_t)(10 + i));
+    }
+    idem_completion c;
+    for (int i = 1; i <= 2; i++) { /* the middle two answered by their keys' commits */
+        expect_rc(idem_commit(g_q, key[i], 1, tok[i], "r", 1), IDEM_OK);
+        cr_assert_eq(idem_poll(q, &c, 1, 5000), 1);
+        cr_assert_eq(c.user_data, (uint64_t)(10 + i));
+        cr_assert_eq(c.outcome, IDEM_DONE, "%s", idem_outcome_name(c.outcome));
+    }
+    expect_rc(idem_cancel_wait(q, 11), IDEM_ENOTFOUND);
+    expect_rc(idem_cancel_wait(q, 12), IDEM_ENOTFOUND);
+    submit_wait_claim(q, "a", 20000, 12); /* a freed slot, parked again under 12 */
+    submit_wait_claim(q, "d", 20000, 20);
+    const uint64_t order[4] = {13, 12, 10, 20};
+    for (int i = 0; i < 4; i++) {
+        expect_rc(idem_cancel_wait(q, order[i]), IDEM_OK);
+        cr_assert_eq(idem_poll(q, &c, 1, 5000), 1);
+        cr_assert_eq(c.user_data, order[i]);
+        cr_assert_eq(c.outcome, IDEM_BUSY, "%s", idem_outcome_name(c.outcome));
+        expect_rc(idem_cancel_wait(q, order[i]), IDEM_ENOTFOUND);
+    }
+    cr_assert_eq(poll_now(q, &c), 0);
+    idem_queue_close(q);
+}
+
 static _Atomic int64_t g_wait_mono = 5000000;
 
 static int64_t wait_mono_ms(void *ctx)
@@ -2002,13 +2038,26 @@ Test(wait, polls_on_a_queue_of_thousands_of_parked_claims_do_not_walk_them)
     cr_assert_lt(t_parked, 3 * t_base + 500000,
                  "%d polls behind %d parked claims took %lld us, on a queue with none %lld us", M,
                  P, (long long)t_parked, (long long)t_base);
-    for (int i = P - 1; i >= P - 5000; i--)
+    /* Every one cancelled, the newest first, as a server whose clients all hang up at once
+     * does: each cancel found its claim by a walk of the parked ones from the oldest (N^2/2
+     * steps) until the fifty-seventh session. The same bound as the polls. */
+    int64_t t_polls = gets_polled(base, P), t0 = mono_us();
+    for (int i = P - 1; i >= 0; i--)
         expect_rc(idem_cancel_wait(q, (uint64_t)i), IDEM_OK);
-    for (int i = P - 5000; i < P; i++) {
+    int64_t t_cancels = mono_us() - t0;
+    cr_assert_lt(t_cancels, 3 * t_polls + 500000,
+                 "%d cancels of parked claims took %lld us, as many polls %lld us", P,
+                 (long long)t_cancels, (long long)t_polls);
+    static uint8_t answered[P];
+    for (int i = 0; i < P; i++) {
         cr_assert_eq(idem_poll(q, &c, 1, 20000), 1);
         cr_assert_eq(c.outcome, IDEM_BUSY, "cancelled claim %llu: %s",
                      (unsigned long long)c.user_data, idem_outcome_name(c.outcome));
+        cr_assert(c.user_data < P && !answered[c.user_data], "claim %llu answered twice",
+                  (unsigned long long)c.user_data);
+        answered[c.user_data] = 1;
     }
+    expect_rc(idem_cancel_wait(q, 0), IDEM_ENOTFOUND);
     idem_queue_close(base);
     idem_queue_close(q);
 }

@@ -86,6 +86,7 @@ int cmd_stats_list(const srv *s, const idem_stats *engine, cmd_stat *out)
     STAT("clients_closed_input_stalled", s->closed_input_stalled);
     STAT("clients_closed_output_stalled", s->closed_output_stalled);
     STAT("reads_withdrawn", s->reads_withdrawn);
+    STAT("claims_released_unheard", s->claims_released_unheard);
     STAT("io_buffer_bytes", s->io_used);
     STAT("claim_latency_us_count", s->claim_latencies);
     STAT("claim_latency_us_sum", s->claim_latency_us_sum);

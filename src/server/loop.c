@@ -189,8 +189,10 @@ static void conn_free(srv *s, srv_conn *c)
     s->owed_total -= c->owed; /* replies it was owed will never be made */
     s->short_by -= c->short_by;
     c->owed = c->short_by = 0;
-    for (uint32_t i = 0; i < c->slot_cap; i++)
+    for (uint32_t i = 0; i < c->slot_cap; i++) {
         resp_buf_free(&c->slots[i].buf);
+        free(c->slots[i].wait_key);
+    }
     free(c->slots);
     c->slots = NULL;
     c->slot_cap = 0; /* a ring grown past SRV_SLOTS_KEEP is counted: counted out now */
@@ -607,6 +609,8 @@ static void submit_batch(srv *s)
             c->waits_due--;
         }
         if (srv_slot_of(c, seq)->kind == RK_RESOLVE) log_resolve_result(c, seq, IDEM_EBUSY);
+        free(srv_slot_of(c, seq)->wait_key);
+        srv_slot_of(c, seq)->wait_key = NULL;
         if (c->dead || srv_slot_of(c, seq)->state != SLOT_PENDING) continue;
         resp_error(srv_reply_buf(c, seq), "ERR server busy: engine queue full, retry");
         srv_reply_done(s, c, seq);
@@ -631,9 +635,16 @@ void srv_submit_op(srv *s, srv_conn *c, uint32_t seq, int kind, idem_op *op)
         if (s->wait_due >= s->cfg.queue_depth / 2 || c->peer_eof) {
             s->ops[s->nops - 1].wait_ms = 0;
         } else {
-            srv_slot_of(c, seq)->is_wait = 1;
+            srv_slot *sl = srv_slot_of(c, seq);
+            sl->is_wait = 1;
             s->wait_due++;
             c->waits_due++;
+            /* Without memory for the copy, a `new` nobody hears holds the key for its lease, as
+             * it did before (complete_one). At most queue_depth / 2 such copies at once. */
+            if (!op->owner_len && (sl->wait_key = malloc(op->key_len)) != NULL) {
+                memcpy(sl->wait_key, op->key, op->key_len);
+                sl->wait_key_len = (uint16_t)op->key_len;
+            }
         }
     }
     /* Claim latency: from this turn's clock; a WAIT's time is mostly its wait, left out. */
@@ -1223,6 +1234,28 @@ static void write_dirty(srv *s)
 
 /* ---- completions ---- */
 
+/* A WAIT claim answered `new` for a client that will never read it: its connection closed, or
+ * the drain answered it already. It is released with its token, as the side effect certainly
+ * did not happen (no one was told to do it), so that the next claim gets `new` at once, not
+ * `recover` (or `review`, for a person) once a lease nobody held ran out. Not for a claim with
+ * OWNER: that worker may resume it through another connection. The key stays with the slot
+ * until the release completes. */
+static void release_unheard(srv *s, srv_conn *c, uint32_t seq, srv_slot *sl, int64_t token)
+{
+    idem_op op;
+    memset(&op, 0, sizeof op);
+    op.kind = IDEM_OP_RELEASE;
+    op.key = sl->wait_key;
+    op.key_len = sl->wait_key_len;
+    op.token = token;
+    srv_submit_op(s, c, seq, RK_OWNER, &op);
+    s->claims_released_unheard++;
+    srv_log_gated(&s->log_unheard, "info", "claim_released",
+                  "id=%llu peer=%s token=%lld msg=\"a WAIT claim's new came after its client "
+                  "was gone: released\"",
+                  (unsigned long long)c->id, c->peer, (long long)token);
+}
+
 static void complete_one(srv *s, const idem_completion *cp)
 {
     srv_conn *c = s->conns[cp->user_data >> 32];
@@ -1246,6 +1279,16 @@ static void complete_one(srv *s, const idem_completion *cp)
         sl->is_wait = 0;
         s->wait_due--;
         c->waits_due--;
+    }
+    if (sl->wait_key) {
+        if (sl->kind == RK_CLAIM && cp->err == IDEM_OK && cp->outcome == IDEM_NEW &&
+            (c->dead || sl->state != SLOT_PENDING)) {
+            if (sl->state == SLOT_PENDING) sl->remaining--; /* the release is due instead */
+            release_unheard(s, c, seq, sl, cp->token);
+            return;
+        }
+        free(sl->wait_key);
+        sl->wait_key = NULL;
     }
     if (sl->state != SLOT_PENDING) return; /* answered already (drain) */
     sl->remaining--;

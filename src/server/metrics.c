@@ -85,6 +85,7 @@ static const struct metric_info {
     {"clients_closed_input_stalled", 1, "Clients closed by the I/O budget for input not read."},
     {"clients_closed_output_stalled", 1, "Clients closed by the I/O budget for replies not read."},
     {"reads_withdrawn", 1, "Queries, figures and scrapes not made: their client left."},
+    {"claims_released_unheard", 1, "WAIT claims answered new after their client left: released."},
     {"io_buffer_bytes", 0, "Bytes of client buffers, as --io-budget bounds them."},
     {"flush_latency_us", 0, "Group commit latency in microseconds (write and flush)."},
     {"claim_latency_us", 0, "IDEM.CLAIM latency in microseconds, parse to reply (WAIT left out)."},
