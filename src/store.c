@@ -528,6 +528,19 @@ void store_fail(idem_store *s, int err, const char *during)
 static int ckpt_run_wanted(idem_store *s, int now);
 static int ckpt_run_begin(idem_store *s);
 static void ckpt_run_failed(idem_store *s, int rc);
+static int superblock_save(idem_store *s, const char *deferred, const char *why);
+
+/* Durability none: a flush someone asked for (a sync) is answered once the superblock records
+ * it (store_super_marks), since recovery in that mode takes valid frames past a bad one for
+ * unflushed batches and drops them: with the mark, a log that ends before it is reported, not
+ * cut. A write of it put off for want of a descriptor answers without it. Flusher, mu held (let
+ * go of for the write). Returns -1 once the store is failed. */
+static int sync_mark_save(idem_store *s)
+{
+    if (s->opt.durability != IDEM_DURABILITY_NONE || s->closing) return 0;
+    return superblock_save(s, "sync_mark_deferred", "recording a flush in the superblock") < 0 ? -1
+                                                                                               : 0;
+}
 
 static void flush_once(idem_store *s)
 {
@@ -567,11 +580,13 @@ static void flush_once(idem_store *s)
         notify_ready_unlocked(s); /* an imported entry is kept */
         return;
     }
-    s->durable_lsn = wal_flush_end(s->wal, durable);
+    uint64_t durable_lsn = wal_flush_end(s->wal, durable);
     if (durable) {
         s->audit_durable_off = s->audit_off; /* the changes of every unit written */
         s->clk_durable_ms = now;             /* the clock its END frame carries */
+        if (sync_mark_save(s) < 0) return;
     }
+    s->durable_lsn = durable_lsn;
     s->last_flush_mono_ms = mono_now(s);
     s->st.flushes++;
     s->st.flush_records += records;
@@ -600,7 +615,7 @@ static int flush_due(idem_store *s)
             int rc = wal_sync(s->wal);
             if (rc < 0)
                 store_fail(s, rc, "flushing the log");
-            else
+            else if (sync_mark_save(s) == 0)
                 s->durable_lsn = wal_durable_lsn(s->wal);
             notify_ready(s);
         }
@@ -1133,6 +1148,24 @@ static int store_files_left(struct io *io, const char *dir)
     return IDEM_ECORRUPT;
 }
 
+/* Syncs the directory that holds path (a directory just made there). Returns 0 or -errno. */
+static int sync_parent(struct io *io, const char *path)
+{
+    char parent[4096];
+    snprintf(parent, sizeof parent, "%s", path);
+    size_t n = strlen(parent);
+    while (n > 1 && parent[n - 1] == '/')
+        parent[--n] = 0;
+    char *slash = strrchr(parent, '/');
+    if (!slash)
+        snprintf(parent, sizeof parent, ".");
+    else if (slash == parent)
+        parent[1] = 0;
+    else
+        *slash = 0;
+    return io_sync_dir(io, parent);
+}
+
 static int store_init_new(idem_store *s)
 {
     struct super *sb = &s->sb;
@@ -1164,7 +1197,14 @@ static int store_init_new(idem_store *s)
     sb->created_ms = s->clock.wall_ms(s->clock.ctx);
     sb->store_clock_ms = sb->created_ms;
     sb->store_generation = 1;
-    int rc = wal_init_new(s->wal);
+    /* The store's name must survive a power loss, whoever made the directory (an installer's
+     * mkdir, or an open killed before this sync): only its creator synced it before. */
+    int rc = sync_parent(s->io, s->dir);
+    if (rc < 0) {
+        store_set_error("cannot make the name of %s durable: %s", s->dir, strerror(-rc));
+        return UTIL_NO_SPACE(rc) ? IDEM_EFULL : IDEM_EIO;
+    }
+    rc = wal_init_new(s->wal);
     if (rc < 0) return rc;
     s->seg_max_exp[1] = SEG_EXP_EMPTY;
     return super_store(s->io, s->dir, sb);
@@ -1603,24 +1643,6 @@ static int store_start(idem_store *s)
     return 0;
 }
 
-/* Syncs the directory that holds path (a directory just made there). Returns 0 or -errno. */
-static int sync_parent(struct io *io, const char *path)
-{
-    char parent[4096];
-    snprintf(parent, sizeof parent, "%s", path);
-    size_t n = strlen(parent);
-    while (n > 1 && parent[n - 1] == '/')
-        parent[--n] = 0;
-    char *slash = strrchr(parent, '/');
-    if (!slash)
-        snprintf(parent, sizeof parent, ".");
-    else if (slash == parent)
-        parent[1] = 0;
-    else
-        *slash = 0;
-    return io_sync_dir(io, parent);
-}
-
 int store_open_io(const char *dir, const idem_options *o, struct io *io, int simulated,
                   idem_store **out)
 {
@@ -1675,8 +1697,7 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     }
     /* A read-only open makes nothing: not the directory (below, not the lock file either when
      * it cannot be written) nor a store. */
-    rc = s->opt.read_only ? -EEXIST : io_mkdir(io, dir);
-    if (rc == 0) rc = sync_parent(io, dir); /* the store's name must survive a power loss */
+    rc = s->opt.read_only ? -EEXIST : io_mkdir(io, dir); /* its name synced as a store is made */
     if (rc < 0 && rc != -EEXIST) {
         store_set_error("cannot create %s: %s", dir, strerror(-rc));
         rc = s->opt.read_only ? IDEM_EIO : (UTIL_NO_SPACE(rc) ? IDEM_EFULL : IDEM_EIO);
@@ -3257,7 +3278,7 @@ static int copy_file(struct io *rd, struct io *wr, const char *from, const char 
         if (a < 0) rc = UTIL_NO_SPACE(a) ? IDEM_EFULL : IDEM_EIO, err = -a, what = "allocating";
     }
     int f = rc == 0 ? io_flush_sync(wr, out) : 0;
-    if (f < 0) rc = IDEM_EIO, err = -f, what = "flushing";
+    if (f < 0) rc = UTIL_NO_SPACE(f) ? IDEM_EFULL : IDEM_EIO, err = -f, what = "flushing";
     if (rc == IDEM_ENOMEM) store_set_error("out of memory copying %s", from);
     if (rc < 0 && err) store_set_error("%s %s into %s failed: %s", what, from, to, strerror(err));
     free(buf);
