@@ -314,8 +314,7 @@ int idem_submit(idem_queue *q, const idem_op *ops, size_t n) __attribute__((warn
 
 /*
  * Moves up to `max` completions that are ready (durable, in sync mode) into out[], in
- * submission order per key, but for a claim parked by WAIT: it comes when it is answered, after
- * what was answered before it. Waits up to timeout_ms (-1: forever, 0: not at all) for the first.
+ * submission order per key. Waits up to timeout_ms (-1: forever, 0: not at all) for the first.
  * Returns the count (0 on timeout) or a negative idem_err. Bytes referenced by the completions
  * stay valid until the next call on this queue.
  */

@@ -847,7 +847,7 @@ void ops_read_answer(idem_store *s, struct qslot *sl, const struct read_hit *hit
 void ops_read_end(idem_store *s, const struct read_run *run)
 {
     if (run->done == 0) return;
-    __atomic_fetch_add(&s->st.claims_done, run->done, __ATOMIC_RELAXED);
+    __atomic_fetch_add(&s->st.claims_done, run->counted, __ATOMIC_RELAXED); /* answered done */
     __atomic_fetch_add(&s->minute[run->minute].claims, run->counted, __ATOMIC_RELAXED);
     __atomic_fetch_add(&s->minute[run->minute].duplicates, run->counted, __ATOMIC_RELAXED);
     __atomic_fetch_add(&s->reads_answered, run->done, __ATOMIC_RELAXED);
@@ -1004,9 +1004,9 @@ static void op_set(idem_store *s, struct qslot *sl, const idem_op *op)
         }
         seen_bump(s, slot, &r, now);
         sl->c.outcome = IDEM_DONE;
-        s->st.claims_done++;
         if (op->flags & IDEM_F_GET_OLD)
             sl->c.err = copy_result(sl, &r, &sl->c.data, &sl->c.data_len);
+        if (!sl->c.err) s->st.claims_done++; /* not one answered out of memory */
         return;
     }
     if (capacity_full(s, slot, op->key, op->key_len, now)) {

@@ -1198,8 +1198,18 @@ static int store_init_new(idem_store *s)
     sb->store_clock_ms = sb->created_ms;
     sb->store_generation = 1;
     /* The store's name must survive a power loss, whoever made the directory (an installer's
-     * mkdir, or an open killed before this sync): only its creator synced it before. */
+     * mkdir, or an open killed before this sync): only its creator synced it before. A parent
+     * this process may not read (mode 0711), or a file system that syncs no directory, is
+     * said and left to the file system, as it was before for a directory made by another. */
     int rc = sync_parent(s->io, s->dir);
+    if (rc == -EACCES || rc == -EPERM || rc == -EINVAL) {
+        fprintf(stderr,
+                "idem: event=dir_sync_skipped dir=%s error=\"%s\" reason=\"the directory that "
+                "holds the store cannot be synced: its name's durability rests on the file "
+                "system\"\n",
+                s->dir, strerror(-rc));
+        rc = 0;
+    }
     if (rc < 0) {
         store_set_error("cannot make the name of %s durable: %s", s->dir, strerror(-rc));
         return UTIL_NO_SPACE(rc) ? IDEM_EFULL : IDEM_EIO;

@@ -1234,21 +1234,39 @@ static void write_dirty(srv *s)
 
 /* ---- completions ---- */
 
-/* A WAIT claim answered `new` for a client that will never read it: its connection closed, or
- * the drain answered it already. It is released with its token, as the side effect certainly
- * did not happen (no one was told to do it), so that the next claim gets `new` at once, not
- * `recover` (or `review`, for a person) once a lease nobody held ran out. Not for a claim with
- * OWNER: that worker may resume it through another connection. The key stays with the slot
- * until the release completes. */
-static void release_unheard(srv *s, srv_conn *c, uint32_t seq, srv_slot *sl, int64_t token)
+/* A WAIT claim answered `new` once its connection was closed: no one will read it. It is
+ * released with its token, as the side effect certainly did not happen (no one was told to do
+ * it), so that the next claim gets `new` at once, not `recover` (or `review`, for a person) once
+ * a lease nobody held ran out. Not for a claim with OWNER: that worker may resume it through
+ * another connection. The releases are submitted once the round's completions are read
+ * (submit_unheard): a batch sent among them would reuse the slots whose bytes they point into.
+ * The key stays with the slot until the release completes. */
+static void unheard_add(srv *s, srv_conn *c, uint32_t seq, int64_t token)
 {
-    idem_op op;
-    memset(&op, 0, sizeof op);
-    op.kind = IDEM_OP_RELEASE;
-    op.key = sl->wait_key;
-    op.key_len = sl->wait_key_len;
-    op.token = token;
-    srv_submit_op(s, c, seq, RK_OWNER, &op);
+    s->unheard[s->nunheard++] = (struct srv_unheard){.conn = c->index, .seq = seq, .token = token};
+}
+
+static void submit_unheard(srv *s)
+{
+    for (uint32_t i = 0; i < s->nunheard; i++) {
+        srv_conn *c = s->conns[s->unheard[i].conn]; /* dead, kept: its release is due */
+        srv_slot *sl = srv_slot_of(c, s->unheard[i].seq);
+        idem_op op;
+        memset(&op, 0, sizeof op);
+        op.kind = IDEM_OP_RELEASE;
+        op.key = sl->wait_key;
+        op.key_len = sl->wait_key_len;
+        op.token = s->unheard[i].token;
+        sl->unheard_token = op.token;
+        srv_submit_op(s, c, s->unheard[i].seq, RK_OWNER, &op);
+    }
+    s->nunheard = 0;
+}
+
+/* The completion of submit_unheard's release of the claim token names. */
+static void unheard_released(srv *s, srv_conn *c, int err, int64_t token)
+{
+    if (err != IDEM_OK) return; /* the lease ran out and the key went on, or the store failed */
     s->claims_released_unheard++;
     srv_log_gated(&s->log_unheard, "info", "claim_released",
                   "id=%llu peer=%s token=%lld msg=\"a WAIT claim's new came after its client "
@@ -1281,12 +1299,12 @@ static void complete_one(srv *s, const idem_completion *cp)
         c->waits_due--;
     }
     if (sl->wait_key) {
-        if (sl->kind == RK_CLAIM && cp->err == IDEM_OK && cp->outcome == IDEM_NEW &&
-            (c->dead || sl->state != SLOT_PENDING)) {
-            if (sl->state == SLOT_PENDING) sl->remaining--; /* the release is due instead */
-            release_unheard(s, c, seq, sl, cp->token);
+        if (sl->kind == RK_CLAIM && c->dead && cp->err == IDEM_OK && cp->outcome == IDEM_NEW) {
+            sl->remaining--;
+            unheard_add(s, c, seq, cp->token); /* c is freed after this turn's polls at best */
             return;
         }
+        if (sl->kind == RK_OWNER) unheard_released(s, c, cp->err, sl->unheard_token);
         free(sl->wait_key);
         sl->wait_key = NULL;
     }
@@ -1329,6 +1347,7 @@ static void poll_completions(srv *s)
         if (n <= 0) return;
         for (int i = 0; i < n; i++)
             complete_one(s, &s->comps[i]);
+        submit_unheard(s);
         if (n < COMPLETIONS_MAX) return;
     }
 }
@@ -1911,7 +1930,8 @@ static int setup_fds(srv *s)
     s->dead = calloc(s->conns_cap, sizeof *s->dead);
     s->ops = calloc(IDEM_BATCH_MAX, sizeof *s->ops);
     s->comps = calloc(COMPLETIONS_MAX, sizeof *s->comps);
-    return s->conns && s->dirty && s->held && s->dead && s->ops && s->comps ? 0 : -1;
+    s->unheard = calloc(COMPLETIONS_MAX, sizeof *s->unheard);
+    return s->conns && s->dirty && s->held && s->dead && s->ops && s->comps && s->unheard ? 0 : -1;
 }
 
 static int finish(srv *s, int rc)
@@ -1938,6 +1958,7 @@ static int finish(srv *s, int rc)
     free(s->dead);
     free(s->ops);
     free(s->comps);
+    free(s->unheard);
     s->conns = NULL;
     int fds[] = {s->epfd, s->sig_fd, s->load_fd, s->backup_fd, s->reads_fd, s->spare_fd};
     for (size_t i = 0; i < sizeof fds / sizeof fds[0]; i++)

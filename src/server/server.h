@@ -151,20 +151,21 @@ typedef struct srv_slot {
     uint8_t is_wait;
     uint8_t wait_cancelled; /* its parked claim was cancelled (cancel_waits: once) */
     uint16_t wait_key_len;
-    uint8_t *wait_key;  /* a WAIT claim without OWNER: its key, to release a `new` nobody hears
-                           (complete_one), then kept by that release until it completes */
-    uint32_t remaining; /* engine completions still due (EXISTS, DEL with several keys) */
-    int64_t acc;        /* EXISTS: keys found so far; DEL: keys deleted so far */
-    int err;            /* DEL: the first error other than not found; EXISTS: the first error */
-    uint32_t keys_done; /* DEL: completions so far (they come in the keys' order) */
-    uint32_t refused;   /* DEL: the key (from 1) named in a refusal, 0: none yet */
-    int refused_state;  /* its state, when the engine said (0: not known) */
-    uint32_t owed;      /* reply bytes reserved for it against the budget until it is made */
-    uint32_t short_by;  /* what owed falls short of the largest reply its command can make */
-    uint8_t timed;      /* a claim whose latency is measured (not one that waits) */
-    int64_t parsed_us;  /* timed: the loop's clock when it was parsed */
-    resp_buf buf;       /* the reply, when it cannot go to `out` yet */
-    size_t buf_counted; /* buf.cap as counted in the connection's slot_bytes */
+    uint8_t *wait_key;     /* a WAIT claim without OWNER: its key, to release a `new` nobody hears
+                              (complete_one), then kept by that release until it completes */
+    int64_t unheard_token; /* that release's token (its log line) */
+    uint32_t remaining;    /* engine completions still due (EXISTS, DEL with several keys) */
+    int64_t acc;           /* EXISTS: keys found so far; DEL: keys deleted so far */
+    int err;               /* DEL: the first error other than not found; EXISTS: the first error */
+    uint32_t keys_done;    /* DEL: completions so far (they come in the keys' order) */
+    uint32_t refused;      /* DEL: the key (from 1) named in a refusal, 0: none yet */
+    int refused_state;     /* its state, when the engine said (0: not known) */
+    uint32_t owed;         /* reply bytes reserved for it against the budget until it is made */
+    uint32_t short_by;     /* what owed falls short of the largest reply its command can make */
+    uint8_t timed;         /* a claim whose latency is measured (not one that waits) */
+    int64_t parsed_us;     /* timed: the loop's clock when it was parsed */
+    resp_buf buf;          /* the reply, when it cannot go to `out` yet */
+    size_t buf_counted;    /* buf.cap as counted in the connection's slot_bytes */
 } srv_slot;
 
 typedef struct srv_read srv_read; /* below */
@@ -338,6 +339,11 @@ typedef struct srv {
     srv_log_gate log_connect, log_disconnect, log_half_close, log_budget_pause, log_oom;
     srv_log_gate log_unheard;
     uint64_t claims_released_unheard; /* WAIT claims' `new` released: nobody heard it */
+    struct srv_unheard {
+        uint32_t conn, seq;
+        int64_t token;
+    } * unheard; /* releases due once the round's completions are read (submit_unheard) */
+    uint32_t nunheard;
     pthread_t load_thread;
     int load_started;
     int load_err;
