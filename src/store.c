@@ -1148,7 +1148,7 @@ static int store_files_left(struct io *io, const char *dir)
     return IDEM_ECORRUPT;
 }
 
-/* Syncs the directory that holds path (a directory just made there). Returns 0 or -errno. */
+/* Syncs the directory that holds path (its entry made durable). Returns 0 or -errno. */
 static int sync_parent(struct io *io, const char *path)
 {
     char parent[4096];
@@ -2164,7 +2164,6 @@ void queue_unpark(idem_queue *q, struct qslot *sl)
     *link = sl->ext->park_next;
     sl->lnext = q->woken;
     q->woken = sl;
-    q->nwoken++;
 }
 
 static int by_seq(const void *a, const void *b)
@@ -2177,7 +2176,7 @@ static int by_seq(const void *a, const void *b)
  * walk from the head (a claim that waited is older than most of what is outstanding). */
 static void queue_merge_woken(idem_queue *q)
 {
-    if (!q->nwoken) return;
+    if (!q->woken) return;
     uint32_t n = 0;
     for (struct qslot *sl = q->woken; sl; sl = sl->lnext)
         q->woken_sort[n++] = sl;
@@ -2190,7 +2189,6 @@ static void queue_merge_woken(idem_queue *q)
         slot_list_insert(&q->head, &q->tail, at ? at->lprev : q->tail, w);
     }
     q->woken = NULL;
-    q->nwoken = 0;
 }
 
 static void release_returned(idem_queue *q)

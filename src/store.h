@@ -121,7 +121,6 @@ struct idem_queue {
     struct qslot *head, *tail;
     struct qslot *parked_head, *parked_tail;
     struct qslot *woken;
-    uint32_t nwoken;
     struct qslot **woken_sort; /* depth entries: the merge's scratch */
     /* The parked claims by user_data (idem_cancel_wait): chains of slot index + 1 (0 ends one)
      * through ext[].park_next, by_user_data_mask + 1 of them (a power of two, at least depth),

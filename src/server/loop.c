@@ -1243,7 +1243,8 @@ static void write_dirty(srv *s)
  * The key stays with the slot until the release completes. */
 static void unheard_add(srv *s, srv_conn *c, uint32_t seq, int64_t token)
 {
-    s->unheard[s->nunheard++] = (struct srv_unheard){.conn = c->index, .seq = seq, .token = token};
+    srv_slot_of(c, seq)->unheard_token = token;
+    s->unheard[s->nunheard++] = (struct srv_unheard){.conn = c->index, .seq = seq};
 }
 
 static void submit_unheard(srv *s)
@@ -1256,8 +1257,7 @@ static void submit_unheard(srv *s)
         op.kind = IDEM_OP_RELEASE;
         op.key = sl->wait_key;
         op.key_len = sl->wait_key_len;
-        op.token = s->unheard[i].token;
-        sl->unheard_token = op.token;
+        op.token = sl->unheard_token;
         srv_submit_op(s, c, s->unheard[i].seq, RK_OWNER, &op);
     }
     s->nunheard = 0;

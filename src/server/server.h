@@ -153,7 +153,7 @@ typedef struct srv_slot {
     uint16_t wait_key_len;
     uint8_t *wait_key;     /* a WAIT claim without OWNER: its key, to release a `new` nobody hears
                               (complete_one), then kept by that release until it completes */
-    int64_t unheard_token; /* that release's token (its log line) */
+    int64_t unheard_token; /* the token that release names */
     uint32_t remaining;    /* engine completions still due (EXISTS, DEL with several keys) */
     int64_t acc;           /* EXISTS: keys found so far; DEL: keys deleted so far */
     int err;               /* DEL: the first error other than not found; EXISTS: the first error */
@@ -341,7 +341,6 @@ typedef struct srv {
     uint64_t claims_released_unheard; /* WAIT claims' `new` released: nobody heard it */
     struct srv_unheard {
         uint32_t conn, seq;
-        int64_t token;
     } * unheard; /* releases due once the round's completions are read (submit_unheard) */
     uint32_t nunheard;
     pthread_t load_thread;
