@@ -129,7 +129,8 @@ typedef struct idem_options {
                                   (only a new store starts at the wall clock); idem_clock_set */
     uint64_t max_keys;         /* 0: no limit beyond memory */
     uint64_t max_memory_bytes; /* 0: no limit; the index's memory (segments and directory) */
-    uint64_t max_disk_bytes;   /* 0: no limit; bytes of the store's files (stats disk_bytes) */
+    uint64_t max_disk_bytes;   /* 0: no limit; bytes of the store's files (stats disk_bytes);
+                                  at least three of the store's log segments */
     uint32_t result_bytes_max; /* 0: IDEM_RESULT_BYTES_DEFAULT; at most IDEM_RESULT_BYTES_LIMIT */
     uint32_t segment_bytes;    /* 0: 64 MiB; WAL segment size, a multiple of 4096, >= 1 MiB */
     const idem_clock_source *clock; /* NULL: system clocks; copied at open */

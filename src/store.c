@@ -605,6 +605,20 @@ static int flush_wanted(idem_store *s)
     return mono_now(s) - s->last_flush_mono_ms >= STORE_BATCH_FLUSH_MS;
 }
 
+/* Durability none: flushes what was written without a flush (nothing pending), with mu let go:
+ * an fdatasync of up to a segment of such writes held every caller, repeats too, for as long.
+ * Flusher, mu held. Returns 0 or -errno. */
+static int sync_written(idem_store *s)
+{
+    struct wal_sync_point p;
+    if (!wal_sync_point(s->wal, &p)) return 0;
+    store_flusher_unlock(s);
+    int rc = wal_sync_io(s->wal, &p);
+    store_flusher_relock(s);
+    if (rc == 0) wal_sync_done(s->wal, &p);
+    return rc;
+}
+
 static int flush_due(idem_store *s)
 {
     if (s->fatal) return 0;
@@ -612,12 +626,14 @@ static int flush_due(idem_store *s)
     if (!wal_pending(s->wal)) {
         /* Durability none: a caller waits for what was written without a flush. */
         if (flush_asked(s) && s->durable_lsn < wal_written_lsn(s->wal)) {
-            int rc = wal_sync(s->wal);
+            int rc = sync_written(s);
             if (rc < 0)
                 store_fail(s, rc, "flushing the log");
             else if (sync_mark_save(s) == 0)
                 s->durable_lsn = wal_durable_lsn(s->wal);
             notify_ready(s);
+            /* Appends made while mu was let go found nobody to wake (store_appended). */
+            return !s->fatal && wal_pending(s->wal) && flush_wanted(s);
         }
         return 0;
     }
@@ -1737,6 +1753,17 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     }
     if (fresh && (rc = store_files_left(io, dir)) < 0) goto fail;
     if (!fresh) s->opt.segment_bytes = s->sb.seg_bytes;
+    /* The log takes two segments from the start (the current one and the one made ahead), and
+     * a third as it goes on: a disk limit below three would answer FULL to every new claim
+     * from the first, or from the first segment's end, and say nothing at the open. */
+    if (s->opt.max_disk_bytes && s->opt.max_disk_bytes < 3 * (uint64_t)s->opt.segment_bytes) {
+        store_set_error("invalid options: max_disk_bytes %llu is less than three log segments "
+                        "of the store (%llu bytes): every new claim would be FULL",
+                        (unsigned long long)s->opt.max_disk_bytes,
+                        3 * (unsigned long long)s->opt.segment_bytes);
+        rc = IDEM_EINVAL;
+        goto fail;
+    }
     s->seg_max_exp = malloc(WAL_SEG_SLOTS * sizeof *s->seg_max_exp);
     s->seg_exp = calloc(WAL_SEG_SLOTS, sizeof *s->seg_exp);
     if (!s->seg_max_exp || !s->seg_exp) {
@@ -3090,7 +3117,7 @@ static int ckpt_run_step(idem_store *s, int now)
     if (s->durable_lsn < s->ckr.end_lsn) {
         if (wal_pending(s->wal)) return 0; /* the flusher's next flush gets there */
         /* Nothing pending, but written without a flush (durability none). */
-        if (wal_sync(s->wal) < 0) return IDEM_EFATAL;
+        if (sync_written(s) < 0) return IDEM_EFATAL;
         s->durable_lsn = wal_durable_lsn(s->wal);
         notify_ready(s);
         if (s->durable_lsn < s->ckr.end_lsn) return IDEM_EFATAL;

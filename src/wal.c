@@ -705,13 +705,25 @@ uint64_t wal_flush_end(struct wal *w, int durable)
     return w->lsn_durable;
 }
 
-int wal_sync(struct wal *w)
+int wal_sync_point(struct wal *w, struct wal_sync_point *p)
 {
     if (w->lsn_durable == w->lsn_written) return 0;
-    int rc = io_flush_sync(w->io, seg_of(w, w->cur_seq)->f);
-    if (rc < 0) return rc;
-    w->lsn_durable = w->lsn_written;
-    return 0;
+    /* A roll leaves the end of the segment before it pending, and the flush of that batch
+     * flushes the whole file: with nothing pending, what is not flushed is in this one. */
+    p->f = seg_of(w, w->cur_seq)->f;
+    p->lsn = w->lsn_written;
+    return 1;
+}
+
+int wal_sync_io(struct wal *w, const struct wal_sync_point *p)
+{
+    /* The segment stays open: only segments before the current one are retired. */
+    return io_flush_sync(w->io, p->f);
+}
+
+void wal_sync_done(struct wal *w, const struct wal_sync_point *p)
+{
+    if (p->lsn > w->lsn_durable) w->lsn_durable = p->lsn;
 }
 
 uint64_t wal_written_lsn(const struct wal *w)

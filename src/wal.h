@@ -217,8 +217,17 @@ int wal_flush_begin(struct wal *w, int64_t clock_ms);
 int wal_flush_io(struct wal *w, int durable);
 uint64_t wal_flush_end(struct wal *w, int durable);
 /* Durability none writes batches without flushing them (a sealed segment is flushed all the
- * same): wal_sync flushes what was written (flusher thread, nothing in flight). */
-int wal_sync(struct wal *w);
+ * same): a sync flushes what was written (flusher thread, nothing in flight), the lock let go
+ * for the flush. wal_sync_point (lock held) names it: 0 when nothing waits for one, else 1 and
+ * *p; wal_sync_io (lock let go; appends may go on, nothing is flushed meanwhile) flushes it and
+ * returns 0 or a negative errno (fatal); wal_sync_done (lock held) records it durable. */
+struct wal_sync_point {
+    struct io_file *f; /* the current segment's file: every write not flushed is in it */
+    uint64_t lsn;      /* the last LSN written */
+};
+int wal_sync_point(struct wal *w, struct wal_sync_point *p);
+int wal_sync_io(struct wal *w, const struct wal_sync_point *p);
+void wal_sync_done(struct wal *w, const struct wal_sync_point *p);
 uint64_t wal_written_lsn(const struct wal *w);
 
 uint64_t wal_last_lsn(const struct wal *w);     /* last LSN appended */

@@ -1886,6 +1886,19 @@ Test(abuse, a_fast_reader_of_immediate_replies_under_pressure_is_served_in_turn,
 /* An idle connection keeps no input buffer (with 10,000 of them, 16 KiB each would hold a
  * large part of the budget): 1000 connections that sent a PING each shed theirs, and answer the
  * next PING; a request cut in two across the shedding is still answered. */
+/* Waits up to 3 s for io_buffer_bytes to fall below bound; returns how long it took, with the
+ * last figure read in *io. */
+static int64_t buffers_fall_below(long long bound, long long *io)
+{
+    int64_t t0 = now_ms();
+    while (now_ms() - t0 < 3000) {
+        *io = stat_fresh("io_buffer_bytes");
+        if (*io < bound) break;
+        sleep_ms(20);
+    }
+    return now_ms() - t0;
+}
+
 Test(abuse, idle_connections_shed_their_input_buffers, .timeout = 60)
 {
     enum { N = 1000 };
@@ -1906,13 +1919,7 @@ Test(abuse, idle_connections_shed_their_input_buffers, .timeout = 60)
     cr_assert(half >= 0);
     send_all(half, "*2\r\n$4\r\nECHO\r\n$5\r\nhel", 21); /* a request cut in two */
     long long io = -1;
-    int64_t t0 = now_ms();
-    while (now_ms() - t0 < 3000) {
-        io = stat_fresh("io_buffer_bytes");
-        if (io - before < N * 1024ll) break;
-        sleep_ms(20);
-    }
-    int64_t shed_ms = now_ms() - t0;
+    int64_t shed_ms = buffers_fall_below(before + N * 1024ll, &io);
     char echo[64];
     send_all(half, "lo\r\n", 4);
     size_t got = read_some(half, echo, sizeof echo, 11, 5000, &eof);
@@ -1935,6 +1942,67 @@ Test(abuse, idle_connections_shed_their_input_buffers, .timeout = 60)
               "the request cut in two was not answered: %s", echo);
     cr_expect_eq(pong, N / 10, "%d of %d idle connections answer PING after shedding", pong,
                  N / 10);
+}
+
+/* Found by a review of the server: a connection kept its output buffer (up to 64 KiB) once a
+ * large reply was sent, and the reply buffers of its slots (up to 16 KiB), for its life: 200
+ * clients that each read one PING of 40 KB and three of 3 KB and went idle held 15 MB, past an
+ * --io-budget of a few, and every client's output allowance fell with it. An idle connection
+ * now keeps only buffers of 1 KiB or less (4 KiB of them in its slots), and a large reply after
+ * that is whole. */
+Test(abuse, idle_connections_shed_their_output_buffers, .timeout = 60)
+{
+    enum { N = 200, BIG = 40000, SMALL = 3000 };
+    start_idemd(2048);
+    long long before = stat_fresh("io_buffer_bytes");
+    static char req[BIG + 64], big_reply[BIG + 64], small_reply[4 * (SMALL + 16) + 64];
+    int big_len = snprintf(req, sizeof req, "*2\r\n$4\r\nPING\r\n$%d\r\n", BIG);
+    memset(req + big_len, 'p', BIG);
+    memcpy(req + big_len + BIG, "\r\n", 2);
+    big_len += BIG + 2;
+    /* A GET the engine answers, with three PINGs whose replies wait in slots behind it. */
+    static char pipe_req[4 * (SMALL + 64)];
+    int pipe_len = snprintf(pipe_req, sizeof pipe_req, "*2\r\n$3\r\nGET\r\n$1\r\nx\r\n");
+    for (int k = 0; k < 3; k++) {
+        pipe_len += snprintf(pipe_req + pipe_len, sizeof pipe_req - (size_t)pipe_len,
+                             "*2\r\n$4\r\nPING\r\n$%d\r\n", SMALL);
+        memset(pipe_req + pipe_len, 's', SMALL);
+        memcpy(pipe_req + pipe_len + SMALL, "\r\n", 2);
+        pipe_len += SMALL + 2;
+    }
+    size_t big_want = (size_t)snprintf(big_reply, sizeof big_reply, "$%d\r\n", BIG) + BIG + 2;
+    size_t small_want = 5 + 3 * ((size_t)snprintf(small_reply, 16, "$%d\r\n", SMALL) + SMALL + 2);
+    int fds[N], answered = 0, eof;
+    for (int i = 0; i < N; i++) {
+        fds[i] = raw_connect(0, 5000);
+        cr_assert(fds[i] >= 0, "connection %d", i);
+        send_all(fds[i], req, (size_t)big_len);
+        answered +=
+            read_some(fds[i], big_reply, sizeof big_reply, big_want, 5000, &eof) == big_want;
+        send_all(fds[i], pipe_req, (size_t)pipe_len);
+        answered += read_some(fds[i], small_reply, sizeof small_reply, small_want, 5000, &eof) ==
+                    small_want;
+    }
+    cr_assert_eq(answered, 2 * N, "%d of %d replies whole", answered, 2 * N);
+    long long io = -1;
+    int64_t shed_ms = buffers_fall_below(before + N * 1024ll, &io);
+    int again = 0;
+    for (int i = 0; i < N; i += 20) {
+        send_all(fds[i], req, (size_t)big_len);
+        again += read_some(fds[i], big_reply, sizeof big_reply, big_want, 5000, &eof) == big_want &&
+                 big_reply[big_want - 3] == 'p';
+    }
+    for (int i = 0; i < N; i++)
+        close(fds[i]);
+    fprintf(stderr,
+            "abuse: %d idle connections after large replies: io_buffer_bytes %lld before, "
+            "%lld after %lld ms\n",
+            N, before, io, (long long)shed_ms);
+    cr_expect_lt(io - before, N * 1024ll,
+                 "%d idle connections still hold %lld bytes of reply buffers after %lld ms", N,
+                 io - before, (long long)shed_ms);
+    cr_expect_eq(again, N / 20, "%d of %d connections answer a large PING after shedding", again,
+                 N / 20);
 }
 
 struct trickle_state {

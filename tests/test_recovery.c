@@ -2000,6 +2000,68 @@ Test(recovery, damage_among_batches_synced_in_durability_none_is_reported)
     cr_assert(strstr(idem_last_error(), "recorded durable"), "%s", idem_last_error());
 }
 
+struct none_sync {
+    idem_store *s;
+    idem_queue *q; /* the get's */
+    int rc;
+    idem_completion c;
+    int done; /* atomic */
+};
+
+static void *none_sync_main(void *arg)
+{
+    struct none_sync *t = arg;
+    t->rc = idem_sync(t->s);
+    __atomic_store_n(&t->done, 1, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+static void *none_get_main(void *arg)
+{
+    struct none_sync *t = arg;
+    char key[32];
+    key_of(0, key);
+    t->rc = idem_get(t->q, key, strlen(key), &t->c);
+    __atomic_store_n(&t->done, 1, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+/* Found by a review of compaction: in durability none a sync of what was written without a
+ * flush ran its fdatasync with the store's lock held, so every caller, a repeat or a get too,
+ * waited out the write-back of up to a segment of such writes. The flush now runs with the
+ * lock let go: a get is answered while the sync's flush is held. */
+Test(recovery, a_sync_in_durability_none_holds_no_reader_up_while_it_flushes, .timeout = 60)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim_with(&s, 1 << 20, IDEM_DURABILITY_NONE), IDEM_OK);
+    fill(s, 0, 20);
+    await_written_unflushed(s);
+    idem_queue *q;
+    cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+    io_sim_hold(sim, 1); /* the sync's flush does not finish */
+    struct none_sync sync = {.s = s}, get = {.s = s, .q = q};
+    pthread_t ts, tg;
+    cr_assert_eq(pthread_create(&ts, NULL, none_sync_main, &sync), 0);
+    usleep(100 * 1000); /* the flusher in the sync's flush */
+    int sync_early = __atomic_load_n(&sync.done, __ATOMIC_ACQUIRE);
+    cr_assert_eq(pthread_create(&tg, NULL, none_get_main, &get), 0);
+    int answered = 0;
+    for (int i = 0; i < 200 && !answered; i++) {
+        answered = __atomic_load_n(&get.done, __ATOMIC_ACQUIRE);
+        if (!answered) usleep(10 * 1000);
+    }
+    io_sim_hold(sim, 0);
+    cr_assert_eq(pthread_join(tg, NULL), 0);
+    cr_assert_eq(pthread_join(ts, NULL), 0);
+    cr_assert(!sync_early, "the sync was answered while its flush was held");
+    cr_assert(answered, "a get waited 2 s for the flush of a sync");
+    cr_assert_eq(get.rc, IDEM_OK);
+    cr_assert(get.c.found && get.c.record.state == IDEM_STATE_COMMITTED);
+    cr_assert_eq(sync.rc, IDEM_OK);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
 /* Found by a review of the rule above: the salt a stale SEGEND names can be older than the one
  * the segment had at the opens since. A run in durability none rolls into segment 2 and writes
  * batches there; a power loss keeps the later ones and loses the first block (none mode writes

@@ -71,6 +71,15 @@ static void store_close(void)
     }
 }
 
+/* Closes the store and removes it: the next store_open makes a new one. */
+static void store_gone(void)
+{
+    store_close();
+    tu_rmtree(g_dir);
+    g_dir = tu_mkdtemp("rules");
+    cr_assert_not_null(g_dir);
+}
+
 static void reopen(void)
 {
     store_close();
@@ -4373,10 +4382,7 @@ Test(capacity, at_max_keys_expired_keys_make_room_in_durability_none)
  * for the walk. */
 static void expired_keys_behind_a_segment_of_live_ones_make_room(int durability, int reopened)
 {
-    store_close(); /* a new store: the segment size is set when a store is made */
-    tu_rmtree(g_dir);
-    g_dir = tu_mkdtemp("rules");
-    cr_assert_not_null(g_dir);
+    store_gone(); /* a new store: the segment size is set when a store is made */
     g_opts.segment_bytes = 1 << 20;
     g_opts.durability = durability;
     store_open();
@@ -4609,8 +4615,14 @@ static uint64_t ckpt_files_bytes(const char *dir)
  * it. disk_bytes is the log's segments plus the checkpoint files found in the directory. */
 Test(capacity, past_max_disk_counting_the_checkpoints_a_new_claim_is_full)
 {
-    store_close();
+    store_gone(); /* a new store of small segments, so that a limit short of the checkpoints
+                   * is still past the three segments the open asks for */
+    g_opts.segment_bytes = 64 * 1024;
+    g_opts.result_bytes_max = 4096; /* which segments this small must hold two of */
     g_opts.max_keys = 0;
+    /* Written in few batches: a flush a claim would pad the log past twice its live bytes, and
+     * compaction would shrink it under the limit set below. */
+    g_opts.durability = IDEM_DURABILITY_NONE;
     store_open();
     char key[32];
     int64_t tok[3];
@@ -4620,6 +4632,7 @@ Test(capacity, past_max_disk_counting_the_checkpoints_a_new_claim_is_full)
         expect_outcome(c, IDEM_NEW);
         if (i < 3) tok[i] = c.token;
     }
+    g_opts.durability = IDEM_DURABILITY_SYNC;
     reopen(); /* the close writes a checkpoint; the one before it is kept */
     idem_stats st;
     idem_get_stats(g_s, &st);
@@ -4706,6 +4719,34 @@ Test(capacity, limits_past_the_machines_memory_are_refused_by_name)
     g_opts.max_memory_bytes = 0;
     g_opts.max_disk_bytes = 0;
     store_open();
+}
+
+/* The log takes two segments from the start and a third as it goes on: a disk limit below three
+ * answered FULL to every new claim of a store that opened without a word (64 MiB segments: 100
+ * MB from the first claim on). Refused at the open, by name, with the store's own segment size
+ * (set when it was made, whatever the options ask later); three segments open and take keys. */
+Test(capacity, a_disk_limit_below_three_log_segments_is_refused_by_name)
+{
+    store_gone();
+    g_opts.max_keys = 0;
+    g_opts.segment_bytes = 1 << 20;
+    store_open(); /* the store is made with 1 MiB segments */
+    store_close();
+    idem_store *s = NULL;
+    g_opts.segment_bytes = 0; /* the default (64 MiB) asked for: the store keeps its own */
+    g_opts.max_disk_bytes = 3 * (1 << 20) - 1;
+    cr_assert_eq(idem_open(g_dir, &g_opts, &s), IDEM_EINVAL);
+    cr_assert(strstr(idem_last_error(), "max_disk_bytes 3145727 is less than three log segments "
+                                        "of the store (3145728 bytes)"),
+              "\"%s\"", idem_last_error());
+    g_opts.max_disk_bytes = 3 * (1 << 20);
+    store_open();
+    char key[32];
+    for (int i = 0; i < 100; i++) {
+        snprintf(key, sizeof key, "floor-%03d", i);
+        expect_outcome(claim(key), IDEM_NEW);
+    }
+    g_opts.max_disk_bytes = 0;
 }
 
 /* ---- Behaviour a mutation of the code showed untested (twenty-first session) ---- */

@@ -4130,10 +4130,10 @@ Test(server, the_figures_wait_until_the_changes_they_count_are_durable, .timeout
     tu_rmtree(fail_dir);
 }
 
-/* Sends a claim with WAIT on a new raw TCP connection; returns it. */
-static int wait_claim_raw(const char *key, const char *owner)
+/* Sends a claim with WAIT on a new raw connection (TCP, or the unix socket); returns it. */
+static int wait_claim_raw(const char *key, const char *owner, int on_unix)
 {
-    int fd = raw_connect();
+    int fd = on_unix ? raw_connect_unix() : raw_connect();
     char req[256];
     int n = owner ? snprintf(req, sizeof req,
                              "*8\r\n$10\r\nIDEM.CLAIM\r\n$%zu\r\n%s\r\n$6\r\n600000\r\n"
@@ -4150,19 +4150,20 @@ static int wait_claim_raw(const char *key, const char *owner)
 }
 
 /* A WAIT claim granted `new` by a release whose reply waits for its flush, for a client that
- * resets meanwhile: no one ever hears of that `new`. It is released (the side effect certainly
- * did not happen), so the next claim gets `new` at once; on the build before, the key was held
- * for its whole lease and the claim after that got `recover`, a false alarm (under
- * `--on-lease-expiry review`, a key for a person). Not with OWNER: that worker may resume the
- * claim through another connection, and the key stays held. */
-Test(server, a_wait_claim_granted_new_after_its_client_left_is_released, .timeout = 60)
+ * resets meanwhile (on_unix: closes its unix socket): no one ever hears of that `new`. It is
+ * released (the side effect certainly did not happen), so the next claim gets `new` at once; on
+ * the build before, the key was held for its whole lease and the claim after that got `recover`,
+ * a false alarm (under `--on-lease-expiry review`, a key for a person). Not with OWNER: that
+ * worker may resume the claim through another connection, and the key stays held. */
+static void unheard_grant_released(int on_unix)
 {
     start_sync_preloaded("IDEM_TEST_HOLD_SYNC_FILE", NULL);
     redisContext *o = connect_tcp();
     long long tok1 = 0, tok2 = 0, left = 0;
     cr_assert_str_eq(outcome(cmd(o, "IDEM.CLAIM plain 600000 60000"), &tok1), "new");
     cr_assert_str_eq(outcome(cmd(o, "IDEM.CLAIM owned 600000 60000"), &tok2), "new");
-    int plain = wait_claim_raw("plain", NULL), owned = wait_claim_raw("owned", "w1");
+    int plain = wait_claim_raw("plain", NULL, on_unix),
+        owned = wait_claim_raw("owned", "w1", on_unix);
     usleep(200 * 1000); /* both parked */
     struct pollfd p[2] = {{plain, POLLIN, 0}, {owned, POLLIN, 0}};
     cr_assert_eq(poll(p, 2, 0), 0, "a WAIT claim answered before the release");
@@ -4174,10 +4175,11 @@ Test(server, a_wait_claim_granted_new_after_its_client_left_is_released, .timeou
     cr_assert_eq(poll(p, 2, 0), 0, "a grant answered while its flush is held");
     struct linger reset = {1, 0};
     for (int i = 0; i < 2; i++) {
-        cr_assert_eq(setsockopt(p[i].fd, SOL_SOCKET, SO_LINGER, &reset, sizeof reset), 0);
+        if (!on_unix)
+            cr_assert_eq(setsockopt(p[i].fd, SOL_SOCKET, SO_LINGER, &reset, sizeof reset), 0);
         close(p[i].fd);
     }
-    usleep(200 * 1000); /* the resets seen */
+    usleep(200 * 1000); /* the resets or closes seen */
     fail_end();
     for (int i = 0; i < 2; i++) {
         redisReply *r = NULL;
@@ -4204,6 +4206,111 @@ Test(server, a_wait_claim_granted_new_after_its_client_left_is_released, .timeou
     redisFree(o);
     redisFree(n);
     tu_rmtree(fail_dir);
+}
+
+Test(server, a_wait_claim_granted_new_after_its_client_left_is_released, .timeout = 60)
+{
+    unheard_grant_released(0);
+}
+
+/* A unix peer's close leaves its connection open (hung up) until what it sent is answered, its
+ * replies going nowhere: found by a review of the server, the `new` went there unheard and the
+ * key stayed held for its lease. */
+Test(server, a_wait_claim_granted_new_after_its_unix_client_closed_is_released, .timeout = 60)
+{
+    unheard_grant_released(1);
+}
+
+/* Found by a review of the server: a request of several keys whose last op the engine's queue
+ * refused was answered busy at once, while the ops it had taken were still due: their
+ * completions came later into whatever request had the slot by then (here a later EXISTS,
+ * answered ":1" for two keys that do not exist), or into a freed ring. The queue refuses only
+ * past what idemd keeps free (not reachable but through the test hook IDEM_TEST_SUBMIT_SHORT):
+ * the request is now answered once the ops taken complete, and each later one gets its own. */
+Test(server, a_request_the_engine_takes_in_part_is_answered_once_its_ops_complete, .timeout = 60)
+{
+    const char *extra[] = {"--test-clock", NULL};
+    setenv("IDEM_TEST_SUBMIT_SHORT", "1", 1); /* the first batch of several ops: its last */
+    start_sync_preloaded("IDEM_TEST_HOLD_SYNC_FILE", extra);
+    unsetenv("IDEM_TEST_SUBMIT_SHORT");
+    redisContext *y = connect_tcp();
+    int x = raw_connect(), closed = 0;
+    fail_now(); /* flushes held: reads of h wait for its claim to be durable */
+    cr_assert_eq(redisAppendCommand(y, "IDEM.CLAIM h 600000 60000"), REDIS_OK);
+    cr_assert_eq(redisBufferWrite(y, &(int){0}), REDIS_OK);
+    usleep(100 * 1000);                  /* in flight, its flush held */
+    raw_send(x, "EXISTS h zzz\r\n", 14); /* zzz refused; h's read waits */
+    usleep(100 * 1000);
+    static const char more[] = "PING\r\nPING\r\nPING\r\nPING\r\nPING\r\nPING\r\nPING\r\n"
+                               "EXISTS nope1 nope2\r\n";
+    raw_send(x, more, sizeof more - 1);
+    usleep(100 * 1000);
+    char got[512];
+    ssize_t before = recv(x, got, sizeof got - 1, MSG_DONTWAIT); /* the build before: all but
+                                                                  * the last answer came */
+    size_t early = before > 0 ? (size_t)before : 0;
+    fail_end();
+    static const char want[] = "-ERR server busy: engine queue full, retry\r\n"
+                               "+PONG\r\n+PONG\r\n+PONG\r\n+PONG\r\n+PONG\r\n+PONG\r\n"
+                               "+PONG\r\n:0\r\n";
+    size_t n =
+        early + raw_read(x, got + early, sizeof got - 1 - early, sizeof want - 1 - early, &closed);
+    got[n] = '\0';
+    cr_assert(!closed, "closed after: %s", got);
+    cr_assert_str_eq(got, want);
+    redisReply *r = NULL;
+    cr_assert_eq(redisGetReply(y, (void **)&r), REDIS_OK);
+    cr_assert_str_eq(outcome(r, NULL), "new");
+    close(x);
+    redisFree(y);
+    tu_rmtree(fail_dir);
+}
+
+/* The timer of idemd's side of the TCP connection whose client end is at port `client`, from
+ * /proc/net/tcp: *kind (the "tr" column: 0 none, 1 retransmit, 2 keepalive) and *left (its
+ * "tm->when", in clock ticks). Returns 1 when the connection was found. */
+static int server_side_timer(int client, int *kind, unsigned long *left)
+{
+    FILE *f = fopen("/proc/net/tcp", "r");
+    cr_assert_not_null(f);
+    char line[512];
+    int found = 0;
+    while (!found && fgets(line, sizeof line, f)) {
+        unsigned lport, rport;
+        if (sscanf(line, " %*d: %*8X:%4X %*8X:%4X %*2X %*8X:%*8X %2X:%8lX", &lport, &rport,
+                   (unsigned *)kind, left) == 4 &&
+            (int)lport == srv.port && (int)rport == client)
+            found = 1;
+    }
+    fclose(f);
+    return found;
+}
+
+/* Found by a review of the server: a TCP peer gone without a FIN or a reset (its host lost
+ * power) held its connection, and a place of --max-clients, for ever under the default
+ * --idle-timeout-ms. idemd's side of each TCP connection now sends keepalive probes after
+ * 300 s idle (as Redis's tcp-keepalive 300): its timer is a keepalive one, that far off. */
+Test(server, an_idle_tcp_connection_is_probed_by_keepalive, .init = start)
+{
+    int fd = raw_connect(), closed = 0;
+    struct sockaddr_in me;
+    socklen_t len = sizeof me;
+    cr_assert_eq(getsockname(fd, (struct sockaddr *)&me, &len), 0);
+    raw_send(fd, "PING\r\n", 6);
+    char got[16];
+    raw_read(fd, got, sizeof got - 1, 7, &closed);
+    cr_assert_str_eq(got, "+PONG\r\n");
+    int kind = -1;
+    unsigned long left = 0;
+    for (int i = 0; i < 100 && kind != 2; i++) { /* the PONG's ACK may still be due */
+        cr_assert(server_side_timer(ntohs(me.sin_port), &kind, &left), "no such connection");
+        if (kind != 2) usleep(10 * 1000);
+    }
+    long hz = sysconf(_SC_CLK_TCK);
+    cr_assert_eq(kind, 2, "the server side's timer is of kind %d, not keepalive", kind);
+    cr_assert(left > (unsigned long)(250 * hz) && left <= (unsigned long)(300 * hz),
+              "the first probe in %lu ticks of %ld", left, hz);
+    close(fd);
 }
 
 /* Reads from fd until `pongs` PONGs came after a claim's reply (5 s at most). Returns what was

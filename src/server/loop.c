@@ -202,6 +202,7 @@ static void conn_free(srv *s, srv_conn *c)
     c->slot_bytes = 0;
     conn_account(s, c);
     s->conns[c->index] = NULL;
+    s->conns_free[s->nconns_free++] = c->index;
     s->nconns--;
     free(c);
 }
@@ -295,19 +296,11 @@ static void reap_dead(srv *s)
     s->ndead = keep;
 }
 
-static int conn_slot_index(srv *s, srv_conn *c)
-{
-    (void)s;
-    for (uint32_t i = 0; i < s->conns_cap; i++)
-        if (!s->conns[i]) return (int)i;
-    (void)c;
-    return -1;
-}
-
 static void conn_new(srv *s, int fd, int is_unix, const char *peer)
 {
-    int idx = conn_slot_index(s, NULL);
-    int full = idx < 0 || s->nlive >= s->cfg.max_clients;
+    /* The lowest free place in conns (conns_free: a stack, taken once the connection is made). */
+    int full = s->nconns_free == 0 || s->nlive >= s->cfg.max_clients;
+    uint32_t idx = full ? 0 : s->conns_free[s->nconns_free - 1];
     srv_conn *c = full ? NULL : calloc(1, sizeof *c);
     /* Watched first: one the kernel would not watch (no memory for it) would never be served.
      * Logged through the out-of-memory gate (below, SRV_LOG_BURST lines a second at most): a
@@ -329,7 +322,7 @@ static void conn_new(srv *s, int fd, int is_unix, const char *peer)
         return;
     }
     c->id = ++s->next_id;
-    c->index = (uint32_t)idx;
+    c->index = idx;
     c->fd = fd;
     c->is_unix = is_unix;
     c->role = auth_initial_role(&s->cfg, is_unix);
@@ -350,6 +343,7 @@ static void conn_new(srv *s, int fd, int is_unix, const char *peer)
     c->reply_est = SRV_REPLY_SMALL;
     c->last_active_ms = c->accepted_ms = srv_now_ms();
     s->conns[idx] = c;
+    s->nconns_free--;
     s->nconns++;
     s->nlive++;
     s->total_connections++;
@@ -427,6 +421,20 @@ int srv_accept(srv *s, int lfd, struct sockaddr *sa, socklen_t *sl)
     return -1;
 }
 
+/* A TCP peer gone without a FIN or a reset (its host lost power, a firewall forgot the flow)
+ * would hold its connection, and a place of --max-clients, for ever under the default
+ * --idle-timeout-ms: keepalive probes after SRV_KEEPALIVE_S idle, a third of that apart, three
+ * of them, close it within twice that (Redis's tcp-keepalive 300 does the same). A failure
+ * leaves the connection without them. */
+static void tcp_keepalive(int fd)
+{
+    int on = 1, idle = SRV_KEEPALIVE_S, intvl = SRV_KEEPALIVE_S / 3, cnt = 3;
+    if (setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on) != 0) return;
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
+}
+
 static void accept_all(srv *s, int lfd, int is_unix)
 {
     for (int i = 0; i < 64; i++) {
@@ -439,6 +447,7 @@ static void accept_all(srv *s, int lfd, int is_unix)
             srv_addr_format((const struct sockaddr *)&ss, peer, sizeof peer);
             int one = 1;
             setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+            tcp_keepalive(fd);
         }
         conn_new(s, fd, is_unix, peer);
     }
@@ -591,10 +600,24 @@ static void log_resolve_result(const srv_conn *c, uint32_t seq, int err)
             (unsigned long long)c->id, seq, err ? idem_strerror(err) : "");
 }
 
+/* The answer to a request an op of which the engine refused (submit_batch), once none of its
+ * ops is due: nothing of it took effect but what those it took did. */
+static void queue_refused_answer(srv *s, srv_conn *c, uint32_t seq)
+{
+    if (c->dead || srv_slot_of(c, seq)->state != SLOT_PENDING) return;
+    resp_error(srv_reply_buf(c, seq), "ERR server busy: engine queue full, retry");
+    srv_reply_done(s, c, seq);
+}
+
 static void submit_batch(srv *s)
 {
     if (s->nops == 0) return;
-    int n = idem_submit(s->q, s->ops, s->nops);
+    uint32_t give = s->nops;
+    if (s->submit_short && give > 1) { /* tests: as if the engine's queue were full */
+        give--;
+        s->submit_short--;
+    }
+    int n = idem_submit(s->q, s->ops, give);
     uint32_t accepted = n < 0 ? 0 : (uint32_t)n;
     for (uint32_t i = accepted; i < s->nops; i++) {
         /* The engine refused the op (queue full): fail the request; nothing changed. */
@@ -608,12 +631,16 @@ static void submit_batch(srv *s)
             s->wait_due--;
             c->waits_due--;
         }
-        if (srv_slot_of(c, seq)->kind == RK_RESOLVE) log_resolve_result(c, seq, IDEM_EBUSY);
-        free(srv_slot_of(c, seq)->wait_key);
-        srv_slot_of(c, seq)->wait_key = NULL;
-        if (c->dead || srv_slot_of(c, seq)->state != SLOT_PENDING) continue;
-        resp_error(srv_reply_buf(c, seq), "ERR server busy: engine queue full, retry");
-        srv_reply_done(s, c, seq);
+        srv_slot *sl = srv_slot_of(c, seq);
+        if (sl->kind == RK_RESOLVE && !sl->queue_refused) log_resolve_result(c, seq, IDEM_EBUSY);
+        free(sl->wait_key);
+        sl->wait_key = NULL;
+        sl->remaining--;
+        sl->queue_refused = 1;
+        if (!sl->err) sl->err = IDEM_EBUSY; /* a DEL's outcome line says so */
+        /* Those of its ops the engine took are still due (a request of several keys): it is
+         * answered once they complete (complete_one), or its slot could be reused under them. */
+        if (sl->remaining == 0) queue_refused_answer(s, c, seq);
     }
     if (n < 0 || accepted < s->nops)
         srv_log("warn", "submit_short", "ops=%u accepted=%d", s->nops, n);
@@ -984,19 +1011,36 @@ static void conn_shed_input(srv *s, srv_conn *c)
     conn_account(s, c);
 }
 
-/* A connection with nothing outstanding gives back a reply ring grown past SRV_SLOTS_KEEP
- * entries by a burst of pipelined requests (about 110 bytes an entry, and their buffers). */
-static void conn_shed_slots(srv *s, srv_conn *c)
+/* A connection with nothing outstanding gives back reply buffers larger than
+ * SRV_IDLE_BUF_MAX (its output buffer once all of it was sent, and its slots'), its slots' past
+ * SRV_IDLE_SLOT_BYTES in all, and a reply ring grown past SRV_SLOTS_KEEP entries by a burst of
+ * pipelined requests (about 110 bytes an entry): one reply of 40 KB left 64 KiB kept for the
+ * connection's life, and ten thousand idle connections held most of the budget. The small
+ * buffers it keeps answer its next requests, also while no memory is left. */
+static void conn_shed_output(srv *s, srv_conn *c)
 {
-    if (c->head_seq != c->tail_seq || c->slot_cap <= SRV_SLOTS_KEEP) return;
-    for (uint32_t i = 0; i < c->slot_cap; i++) {
-        c->slot_bytes -= c->slots[i].buf_counted;
-        resp_buf_free(&c->slots[i].buf);
+    if (c->head_seq != c->tail_seq) return;
+    int ring = c->slot_cap > SRV_SLOTS_KEEP, shed = 0;
+    if (c->out.len == 0 && !c->out.overflow && c->out.cap > SRV_IDLE_BUF_MAX) {
+        resp_buf_free(&c->out);
+        shed = 1;
     }
-    free(c->slots);
-    c->slots = NULL;
-    c->slot_cap = 0; /* slot_alloc makes a small one at the next request */
-    conn_account(s, c);
+    for (uint32_t i = 0; i < c->slot_cap && (ring || c->slot_bytes > SRV_IDLE_BUF_MAX); i++) {
+        srv_slot *sl = &c->slots[i];
+        if (!sl->buf.cap ||
+            (!ring && sl->buf.cap <= SRV_IDLE_BUF_MAX && c->slot_bytes <= SRV_IDLE_SLOT_BYTES))
+            continue;
+        c->slot_bytes -= sl->buf_counted;
+        sl->buf_counted = 0;
+        resp_buf_free(&sl->buf);
+        shed = 1;
+    }
+    if (ring) {
+        free(c->slots);
+        c->slots = NULL;
+        c->slot_cap = 0; /* slot_alloc makes a small one at the next request */
+    }
+    if (shed) conn_account(s, c);
 }
 
 static int conn_may_parse(srv *s, srv_conn *c)
@@ -1299,7 +1343,11 @@ static void complete_one(srv *s, const idem_completion *cp)
         c->waits_due--;
     }
     if (sl->wait_key) {
-        if (sl->kind == RK_CLAIM && c->dead && cp->err == IDEM_OK && cp->outcome == IDEM_NEW) {
+        /* Its client closed (dead), or hung up both ways: a unix peer's close, which leaves
+         * the connection open until what it sent is answered, and sends its replies nowhere.
+         * The slot of a hung-up one is answered by the release (an +OK that goes nowhere). */
+        if (sl->kind == RK_CLAIM && (c->dead || c->hung_up) && cp->err == IDEM_OK &&
+            cp->outcome == IDEM_NEW) {
             sl->remaining--;
             unheard_add(s, c, seq, cp->token); /* c is freed after this turn's polls at best */
             return;
@@ -1311,6 +1359,10 @@ static void complete_one(srv *s, const idem_completion *cp)
     if (sl->state != SLOT_PENDING) return; /* answered already (drain) */
     sl->remaining--;
     if (sl->kind == RK_DEL) cmd_del_count(c, sl, cp); /* its outcome line, client gone or not */
+    if (sl->queue_refused) {
+        if (sl->remaining == 0) queue_refused_answer(s, c, seq);
+        return;
+    }
     if (c->dead) return;
     resp_buf *rb = srv_reply_buf(c, seq);
     size_t before = rb->len;
@@ -1409,7 +1461,7 @@ static srv_conn *housekeeping_sweep(srv *s, int64_t now)
             continue;
         }
         conn_shed_input(s, c);
-        conn_shed_slots(s, c);
+        conn_shed_output(s, c);
         big_release(s, c);
         /* A client waiting for an admission that no longer needs one: parsing brought its
          * input below the bound, or it cannot parse (its input is held as it is). */
@@ -1925,13 +1977,20 @@ static int setup_fds(srv *s)
         return -1;
     s->conns_cap = s->cfg.max_clients + s->cfg.max_clients / 4 + 16;
     s->conns = calloc(s->conns_cap, sizeof *s->conns);
+    s->conns_free = malloc(s->conns_cap * sizeof *s->conns_free);
+    for (uint32_t i = 0; s->conns_free && i < s->conns_cap; i++)
+        s->conns_free[i] = s->conns_cap - 1 - i; /* the lowest on top */
+    s->nconns_free = s->conns_free ? s->conns_cap : 0;
     s->dirty = calloc(2 * (size_t)s->conns_cap, sizeof *s->dirty); /* see write_dirty */
     s->held = calloc(s->conns_cap, sizeof *s->held);
     s->dead = calloc(s->conns_cap, sizeof *s->dead);
     s->ops = calloc(IDEM_BATCH_MAX, sizeof *s->ops);
     s->comps = calloc(COMPLETIONS_MAX, sizeof *s->comps);
     s->unheard = calloc(COMPLETIONS_MAX, sizeof *s->unheard);
-    return s->conns && s->dirty && s->held && s->dead && s->ops && s->comps && s->unheard ? 0 : -1;
+    return s->conns && s->conns_free && s->dirty && s->held && s->dead && s->ops && s->comps &&
+                   s->unheard
+               ? 0
+               : -1;
 }
 
 static int finish(srv *s, int rc)
@@ -1953,6 +2012,7 @@ static int finish(srv *s, int rc)
     for (uint32_t i = 0; s->conns && i < s->conns_cap; i++)
         if (s->conns[i]) conn_free(s, s->conns[i]);
     free(s->conns);
+    free(s->conns_free);
     free(s->dirty);
     free(s->held);
     free(s->dead);
@@ -1997,6 +2057,7 @@ int srv_run(srv *s)
     s->started_ms = srv_now_ms();
     s->unauth_ms = srv_test_ms(s, "IDEM_TEST_AUTH_WITHIN_MS", SRV_UNAUTH_MS);
     s->drain_answer_ms = srv_test_ms(s, "IDEM_TEST_DRAIN_ANSWER_MS", DRAIN_ANSWER_MS);
+    s->submit_short = (uint32_t)srv_test_ms(s, "IDEM_TEST_SUBMIT_SHORT", 0);
     clock_tick(s);
     if (setup_fds(s) < 0 || listen_all(s) < 0) return finish(s, 1);
     s->loading = 1;

@@ -13,7 +13,8 @@
  * `out` at once, any other waits in its slot's buffer until the slots before it are done. Slot
  * buffers count against the io budget (slot_bytes) and their replies against the client's output
  * (slot_ready) like `out`; once their replies have moved to `out`, a connection keeps at most
- * SRV_SLOT_KEEP bytes of them.
+ * SRV_SLOT_KEEP bytes of them, and once nothing is outstanding only small ones (conn_shed_output,
+ * at the next housekeeping), `out` too.
  */
 #ifndef IDEM_SERVER_SERVER_H
 #define IDEM_SERVER_SERVER_H
@@ -59,12 +60,15 @@
 #define SRV_IN_HELD_MAX       (256u * 1024) /* unparsed input kept for a held-back client */
 #define SRV_OWED_TIGHT        (1u << 20)    /* replies a client may be owed under memory pressure */
 #define SRV_SLOTS_KEEP        64     /* a slot ring this small is kept while idle, uncounted */
+#define SRV_KEEPALIVE_S       300    /* TCP keepalive: idle seconds before the first probe */
 #define SRV_REPLY_SMALL       512u   /* owed for a reply without a result (cmd_dispatch) */
 #define SRV_REPLY_LONG        32768u /* owed for INFO, COMMAND, CONFIG, IDEM.STATS (cmd_dispatch) */
 #define SRV_SHORT_DIV         4u     /* owed short of largest replies: --io-budget / this at most */
 #define SRV_READS_DIV         8u     /* reads in line may be owed --io-budget / this */
 #define SRV_STALL_BYTES       65536u /* unread replies that make a stalled client a slow reader */
-#define SRV_SLOT_KEEP         16384u /* slot buffers a connection keeps once their replies left */
+#define SRV_SLOT_KEEP         16384u /* slot buffers kept once their replies left, while busy */
+#define SRV_IDLE_BUF_MAX      1024u  /* an idle connection keeps reply buffers this small, */
+#define SRV_IDLE_SLOT_BYTES   4096u  /* this many bytes of them in its slots (conn_shed_output) */
 #define SRV_TEST_CLOCK_MS_MAX IDEM_CLOCK_MS_MAX /* DEBUG CLOCK: as far as the store may go */
 #define SRV_LAT_BUCKETS       16                /* latency histograms: util_latency_bucket */
 
@@ -155,6 +159,8 @@ typedef struct srv_slot {
                               (complete_one), then kept by that release until it completes */
     int64_t unheard_token; /* the token that release names */
     uint32_t remaining;    /* engine completions still due (EXISTS, DEL with several keys) */
+    uint8_t queue_refused; /* an op of it the engine refused (queue full): answered busy once
+                              those it took complete, their completions pointing into it */
     int64_t acc;           /* EXISTS: keys found so far; DEL: keys deleted so far */
     int err;               /* DEL: the first error other than not found; EXISTS: the first error */
     uint32_t keys_done;    /* DEL: completions so far (they come in the keys' order) */
@@ -299,7 +305,11 @@ typedef struct srv {
     int fatal;
     int64_t drain_started_ms;
     int64_t drain_answer_ms; /* DRAIN_ANSWER_MS; tests: IDEM_TEST_DRAIN_ANSWER_MS */
+    uint32_t submit_short;   /* tests (IDEM_TEST_SUBMIT_SHORT=N under --test-clock): the last op
+                                of each of the first N batches of several is refused */
     srv_conn **conns;
+    uint32_t *conns_free; /* the free places in conns, a stack (the lowest on top at start) */
+    uint32_t nconns_free;
     uint32_t conns_cap, nconns, nlive;
     uint64_t next_id;
     uint64_t io_used;
