@@ -1883,9 +1883,6 @@ Test(abuse, a_fast_reader_of_immediate_replies_under_pressure_is_served_in_turn,
     stop_idemd();
 }
 
-/* An idle connection keeps no input buffer (with 10,000 of them, 16 KiB each would hold a
- * large part of the budget): 1000 connections that sent a PING each shed theirs, and answer the
- * next PING; a request cut in two across the shedding is still answered. */
 /* Waits up to 3 s for io_buffer_bytes to fall below bound; returns how long it took, with the
  * last figure read in *io. */
 static int64_t buffers_fall_below(long long bound, long long *io)
@@ -1899,6 +1896,9 @@ static int64_t buffers_fall_below(long long bound, long long *io)
     return now_ms() - t0;
 }
 
+/* An idle connection keeps no input buffer (with 10,000 of them, 16 KiB each would hold a
+ * large part of the budget): 1000 connections that sent a PING each shed theirs, and answer the
+ * next PING; a request cut in two across the shedding is still answered. */
 Test(abuse, idle_connections_shed_their_input_buffers, .timeout = 60)
 {
     enum { N = 1000 };

@@ -2467,6 +2467,37 @@ Test(server, a_closed_connections_grown_ring_leaves_the_budget, .init = start)
     redisFree(a);
 }
 
+/* And not once its connection is idle: found by a review of the shedding of idle connections'
+ * buffers, a ring grown by 1,000 pipelined GETs, whose replies all went out in order (no slot
+ * buffer) and whose output buffer was freed as it was written, was given back but stayed
+ * counted in io_buffer_bytes until the connection's next request. */
+Test(server, an_idle_connections_grown_ring_leaves_the_budget, .init = start)
+{
+    redisContext *a = connect_unix(); /* admin: IDEM.STATS */
+    static char value[2001];
+    memset(value, 'v', sizeof value - 1);
+    expect_status(cmd(a, "SET ringv %s NX EX 3600", value), "OK");
+    long long before = stat_value(a, "io_buffer_bytes");
+    static char req[1000 * 12];
+    size_t len = 0;
+    for (int i = 0; i < 1000; i++)
+        len += (size_t)snprintf(req + len, sizeof req - len, "GET ringv\r\n");
+    int fd = raw_connect(), closed = 0;
+    raw_send(fd, req, len);
+    static char got[1000 * 2020];
+    size_t want = 1000 * (sizeof "$2000\r\n" - 1 + 2000 + 2);
+    cr_assert_eq(raw_read(fd, got, sizeof got - 1, want, &closed), want);
+    long long after = -1;
+    for (int64_t end = now_ms() + 3000; now_ms() < end; usleep(20 * 1000)) {
+        after = stat_value(a, "io_buffer_bytes");
+        if (after < before + 16384) break;
+    }
+    cr_assert_lt(after, before + 16384,
+                 "io_buffer_bytes %lld before, %lld with the connection idle", before, after);
+    close(fd);
+    redisFree(a);
+}
+
 /* Claims parked by WAIT of clients that went away must give their share of the queue back:
  * after 180 of them (more than half of a queue of 256; a connection parks one at a time, the
  * requests it pipelined after it wait their turn) WAIT still waits. */
@@ -4225,14 +4256,14 @@ Test(server, a_wait_claim_granted_new_after_its_unix_client_closed_is_released, 
  * refused was answered busy at once, while the ops it had taken were still due: their
  * completions came later into whatever request had the slot by then (here a later EXISTS,
  * answered ":1" for two keys that do not exist), or into a freed ring. The queue refuses only
- * past what idemd keeps free (not reachable but through the test hook IDEM_TEST_SUBMIT_SHORT):
+ * past what idemd keeps free (not reachable but through the test hook IDEM_TEST_SUBMIT_REFUSE):
  * the request is now answered once the ops taken complete, and each later one gets its own. */
 Test(server, a_request_the_engine_takes_in_part_is_answered_once_its_ops_complete, .timeout = 60)
 {
     const char *extra[] = {"--test-clock", NULL};
-    setenv("IDEM_TEST_SUBMIT_SHORT", "1", 1); /* the first batch of several ops: its last */
+    setenv("IDEM_TEST_SUBMIT_REFUSE", "zzz", 1); /* the op of zzz, once */
     start_sync_preloaded("IDEM_TEST_HOLD_SYNC_FILE", extra);
-    unsetenv("IDEM_TEST_SUBMIT_SHORT");
+    unsetenv("IDEM_TEST_SUBMIT_REFUSE");
     redisContext *y = connect_tcp();
     int x = raw_connect(), closed = 0;
     fail_now(); /* flushes held: reads of h wait for its claim to be durable */
@@ -4240,7 +4271,8 @@ Test(server, a_request_the_engine_takes_in_part_is_answered_once_its_ops_complet
     cr_assert_eq(redisBufferWrite(y, &(int){0}), REDIS_OK);
     usleep(100 * 1000);                  /* in flight, its flush held */
     raw_send(x, "EXISTS h zzz\r\n", 14); /* zzz refused; h's read waits */
-    usleep(100 * 1000);
+    for (int64_t end = now_ms() + 5000; !log_lines_with("event=submit_short"); usleep(10000))
+        cr_assert_lt(now_ms(), end, "the op of zzz was not refused");
     static const char more[] = "PING\r\nPING\r\nPING\r\nPING\r\nPING\r\nPING\r\nPING\r\n"
                                "EXISTS nope1 nope2\r\n";
     raw_send(x, more, sizeof more - 1);

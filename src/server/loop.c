@@ -298,7 +298,8 @@ static void reap_dead(srv *s)
 
 static void conn_new(srv *s, int fd, int is_unix, const char *peer)
 {
-    /* The lowest free place in conns (conns_free: a stack, taken once the connection is made). */
+    /* A free place in conns (conns_free: a stack, the place freed last on top; taken once the
+     * connection is made). */
     int full = s->nconns_free == 0 || s->nlive >= s->cfg.max_clients;
     uint32_t idx = full ? 0 : s->conns_free[s->nconns_free - 1];
     srv_conn *c = full ? NULL : calloc(1, sizeof *c);
@@ -613,9 +614,13 @@ static void submit_batch(srv *s)
 {
     if (s->nops == 0) return;
     uint32_t give = s->nops;
-    if (s->submit_short && give > 1) { /* tests: as if the engine's queue were full */
-        give--;
-        s->submit_short--;
+    for (uint32_t i = 0; s->test_refuse_key && i < give; i++) {
+        const idem_op *op = &s->ops[i];
+        if (op->key_len == strlen(s->test_refuse_key) &&
+            memcmp(op->key, s->test_refuse_key, op->key_len) == 0) {
+            give = i; /* tests: as if the engine's queue were full from this op on, once */
+            s->test_refuse_key = NULL;
+        }
     }
     int n = idem_submit(s->q, s->ops, give);
     uint32_t accepted = n < 0 ? 0 : (uint32_t)n;
@@ -1011,16 +1016,17 @@ static void conn_shed_input(srv *s, srv_conn *c)
     conn_account(s, c);
 }
 
-/* A connection with nothing outstanding gives back reply buffers larger than
- * SRV_IDLE_BUF_MAX (its output buffer once all of it was sent, and its slots'), its slots' past
- * SRV_IDLE_SLOT_BYTES in all, and a reply ring grown past SRV_SLOTS_KEEP entries by a burst of
- * pipelined requests (about 110 bytes an entry): one reply of 40 KB left 64 KiB kept for the
+/* A connection with nothing outstanding, idle SRV_IDLE_SHED_MS, gives back reply buffers larger
+ * than SRV_IDLE_BUF_MAX (its output buffer once all of it was sent, and its slots'), its slots'
+ * past SRV_IDLE_SLOT_BYTES in all, and a reply ring grown past SRV_SLOTS_KEEP entries by a burst
+ * of pipelined requests (about 110 bytes an entry): one reply of 40 KB left 64 KiB kept for the
  * connection's life, and ten thousand idle connections held most of the budget. The small
  * buffers it keeps answer its next requests, also while no memory is left. */
-static void conn_shed_output(srv *s, srv_conn *c)
+static void conn_shed_output(srv *s, srv_conn *c, int64_t now)
 {
-    if (c->head_seq != c->tail_seq) return;
-    int ring = c->slot_cap > SRV_SLOTS_KEEP, shed = 0;
+    /* Idle a second: a client of large replies one at a time keeps its buffers meanwhile. */
+    if (c->head_seq != c->tail_seq || now - c->last_active_ms < SRV_IDLE_SHED_MS) return;
+    int ring = c->slot_cap > SRV_SLOTS_KEEP, shed = ring; /* a ring this large is counted */
     if (c->out.len == 0 && !c->out.overflow && c->out.cap > SRV_IDLE_BUF_MAX) {
         resp_buf_free(&c->out);
         shed = 1;
@@ -1461,7 +1467,7 @@ static srv_conn *housekeeping_sweep(srv *s, int64_t now)
             continue;
         }
         conn_shed_input(s, c);
-        conn_shed_output(s, c);
+        conn_shed_output(s, c, now);
         big_release(s, c);
         /* A client waiting for an admission that no longer needs one: parsing brought its
          * input below the bound, or it cannot parse (its input is held as it is). */
@@ -2057,7 +2063,7 @@ int srv_run(srv *s)
     s->started_ms = srv_now_ms();
     s->unauth_ms = srv_test_ms(s, "IDEM_TEST_AUTH_WITHIN_MS", SRV_UNAUTH_MS);
     s->drain_answer_ms = srv_test_ms(s, "IDEM_TEST_DRAIN_ANSWER_MS", DRAIN_ANSWER_MS);
-    s->submit_short = (uint32_t)srv_test_ms(s, "IDEM_TEST_SUBMIT_SHORT", 0);
+    s->test_refuse_key = s->cfg.test_clock ? getenv("IDEM_TEST_SUBMIT_REFUSE") : NULL;
     clock_tick(s);
     if (setup_fds(s) < 0 || listen_all(s) < 0) return finish(s, 1);
     s->loading = 1;

@@ -69,6 +69,7 @@
 #define SRV_SLOT_KEEP         16384u /* slot buffers kept once their replies left, while busy */
 #define SRV_IDLE_BUF_MAX      1024u  /* an idle connection keeps reply buffers this small, */
 #define SRV_IDLE_SLOT_BYTES   4096u  /* this many bytes of them in its slots (conn_shed_output) */
+#define SRV_IDLE_SHED_MS      1000   /* idle (no request, no reply) this long: it sheds them */
 #define SRV_TEST_CLOCK_MS_MAX IDEM_CLOCK_MS_MAX /* DEBUG CLOCK: as far as the store may go */
 #define SRV_LAT_BUCKETS       16                /* latency histograms: util_latency_bucket */
 
@@ -304,9 +305,10 @@ typedef struct srv {
     int draining;
     int fatal;
     int64_t drain_started_ms;
-    int64_t drain_answer_ms; /* DRAIN_ANSWER_MS; tests: IDEM_TEST_DRAIN_ANSWER_MS */
-    uint32_t submit_short;   /* tests (IDEM_TEST_SUBMIT_SHORT=N under --test-clock): the last op
-                                of each of the first N batches of several is refused */
+    int64_t drain_answer_ms;     /* DRAIN_ANSWER_MS; tests: IDEM_TEST_DRAIN_ANSWER_MS */
+    const char *test_refuse_key; /* tests (IDEM_TEST_SUBMIT_REFUSE=KEY under --test-clock): the
+                                    engine's queue refuses the first op of KEY and those after
+                                    it in its batch */
     srv_conn **conns;
     uint32_t *conns_free; /* the free places in conns, a stack (the lowest on top at start) */
     uint32_t nconns_free;
