@@ -578,9 +578,8 @@ int idem_import_marked(const char *dir);
  * out before the backup was taken, and reports the generation in its stats. As idem_backup, it
  * copies into "<dest_dir>.partial" and renames that to dest_dir once the copy is durable and
  * passes idem_verify (IDEM_ECORRUPT, naming the first fault, for a damaged backup). A backup_dir
- * that a process holds open for writing is refused (IDEM_ELOCKED). IDEM_IMPORT_MARKER is not
- * copied: a caller that restores a marked backup marks dest_dir (idem_import_mark), as idemctl
- * restore does. */
+ * that a process holds open for writing is refused (IDEM_ELOCKED). A backup that holds
+ * IDEM_IMPORT_MARKER gives dest_dir one too, made before dest_dir is named. */
 int idem_restore(const char *backup_dir, const char *dest_dir);
 
 /* ---- Maintenance ---- */
@@ -601,8 +600,8 @@ int idem_compact(idem_store *s, int timeout_ms);
  * copy is made in "<dest>.partial" (which must not exist either) and renamed to dest once it is
  * whole and durable: dest never holds a copy cut short. A copy that fails removes its partial
  * directory; one cut short by a crash leaves it, and a later copy to dest refuses, naming it.
- * IDEM_IMPORT_MARKER is not copied: a caller that backs up a marked store (open read-only) marks
- * dest (idem_import_mark), as idemctl backup does. */
+ * A marked store (IDEM_IMPORT_MARKER; open read-only) gives dest the marker too, made before
+ * dest is named. */
 int idem_backup(idem_store *s, const char *dest_dir);
 
 /* ---- The store clock ---- */

@@ -3423,8 +3423,9 @@ static int copy_dir_end(struct io *io, struct copy_dir *d, int rc)
  * end_seq is 0 every segment up to the first absent one at or past the replay segment, from the
  * one after the last absent before it (retired after this superblock copy was written: the log
  * starts after it, and what is left before it is not copied, as the open has it:
- * wal_open_segments); the checkpoint sb names; the audit trail up to audit_len; then sb, naming
- * the log's first segment, as the copy's superblock, and dest synced. */
+ * wal_open_segments); the checkpoint sb names; the audit trail up to audit_len; the import
+ * marker if src holds one; then sb, naming the log's first segment, as the copy's superblock,
+ * and dest synced. */
 static int copy_store(struct io *rd, const char *src, struct io *wr, const char *dest,
                       const struct super *sb, uint64_t end_seq, uint32_t end_off,
                       uint64_t audit_len)
@@ -3452,6 +3453,14 @@ static int copy_store(struct io *rd, const char *src, struct io *wr, const char 
         snprintf(from, sizeof from, "%s/audit.log", src);
         snprintf(to, sizeof to, "%s/audit.log", dest);
         rc = copy_file(rd, wr, from, to, audit_len, 0, 1);
+    }
+    /* The copy of a store that an import cut short is marked as it is (import_mark.c), before
+     * the copy is named: marked after (by idemctl, as before), a crash or a failed mark between
+     * left a named copy that opened as a whole store, and keys the import never reached would
+     * have answered `new` again. */
+    if (rc == 0) {
+        int marked = idem_import_marked(src);
+        rc = marked < 0 ? marked : marked ? idem_import_mark(dest) : 0;
     }
     if (rc == 0) {
         struct super copy = *sb;

@@ -132,3 +132,42 @@ Test(import_mark, the_marker_is_removed_while_an_inspection_runs_and_kept_while_
     cr_assert_eq(idem_close(s), IDEM_OK);
     tu_rmtree(dir);
 }
+
+/* Found by a review of idemctl: the engine copied a marked store's files but not its marker, and
+ * idemctl marked the copy once it was named; a crash between, or a mark refused for space (on
+ * the disk a large copy had just filled), left a named copy that opened as a whole store, and
+ * keys the import never reached answered `new`. A backup (of the store opened read-only) and a
+ * restore (of that backup) now hold the marker as they are named, and refuse an open to write. */
+Test(import_mark, a_copy_of_a_marked_store_is_marked_as_it_is_named)
+{
+    char *dir = tu_mkdtemp("marked-src");
+    store_with_a_key(dir);
+    cr_assert_eq(idem_import_mark(dir), IDEM_OK, "%s", idem_last_error());
+    char *scratch = tu_mkdtemp("marked-copies");
+    char backup[4200], restored[4200], mark[4300];
+    snprintf(backup, sizeof backup, "%s/b", scratch);
+    snprintf(restored, sizeof restored, "%s/r", scratch);
+    idem_options o;
+    idem_options_init(&o);
+    o.read_only = 1;
+    idem_store *s;
+    cr_assert_eq(idem_open(dir, &o, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_backup(s, backup), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    cr_assert_eq(idem_import_marked(backup), 1, "the backup was named without the marker");
+    cr_assert_eq(idem_restore(backup, restored), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_import_marked(restored), 1, "the restored store was named without it");
+    snprintf(mark, sizeof mark, "%s/%s", restored, IDEM_IMPORT_MARKER);
+    cr_assert_eq(idem_open(restored, NULL, &s), IDEM_ECORRUPT,
+                 "a copy of a store cut short opened");
+    cr_assert(strstr(idem_last_error(), mark), "%s", idem_last_error());
+    /* An unmarked store's copies hold none. */
+    cr_assert_eq(idem_import_unmark(dir), IDEM_OK, "%s", idem_last_error());
+    snprintf(backup, sizeof backup, "%s/b2", scratch);
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_backup(s, backup), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    cr_assert_eq(idem_import_marked(backup), 0);
+    tu_rmtree(scratch);
+    tu_rmtree(dir);
+}

@@ -143,18 +143,12 @@ int cmd_verify(const struct ctl_opts *o)
 
 /* ---- backup, restore, checkpoint ---- */
 
-/* dest, a copy of the store in src that an import cut short, is marked as its source is. */
-static int copy_marked(const char *src, const char *dest)
+/* dest, a copy of the store in src that an import cut short, was marked as its source is (the
+ * engine's copy makes the marker before it names the copy): said. */
+static void copy_marked(const char *src, const char *dest)
 {
     import_marked_say(src);
-    int err = idem_import_mark(dest);
-    if (err != IDEM_OK) {
-        ctl_err("cannot mark the copy %s as its source is: %s (%s); remove the copy", dest,
-                idem_last_error(), idem_strerror(err));
-        return CTL_FAIL;
-    }
     ctl_err("the copy %s is marked the same way (%s)", dest, IDEM_IMPORT_MARKER);
-    return 0;
 }
 
 int cmd_backup(const struct ctl_opts *o)
@@ -163,8 +157,8 @@ int cmd_backup(const struct ctl_opts *o)
     struct ctl c;
     int rc = ctl_connect(&c, o, CTL_READ); /* offline: the files as they are, nothing repaired */
     if (rc) return rc;
-    /* The engine copies the store's files, not its import marker: the copy of a store that an
-     * import cut short is marked here, or it would open as a whole store. */
+    /* The copy of a store that an import cut short is marked too, or it would open as a whole
+     * store: the engine makes the marker in it before naming it. */
     int marked = c.online ? 0 : idem_import_marked(o->dir);
     if (marked < 0) {
         ctl_err("backup of %s: %s", o->dir, idem_last_error());
@@ -172,7 +166,7 @@ int cmd_backup(const struct ctl_opts *o)
     }
     rc = ctl_disconnect(&c, ctl_backup(&c, o->pos[0]));
     if (rc) return rc;
-    if (marked && (rc = copy_marked(o->dir, o->pos[0])) != 0) return rc;
+    if (marked) copy_marked(o->dir, o->pos[0]);
     if (o->json)
         printf("{\"backup\":\"ok\"}\n");
     else
@@ -197,7 +191,7 @@ int cmd_restore(const struct ctl_opts *o)
                 idem_last_error());
         return CTL_FAIL;
     }
-    if (marked && (err = copy_marked(o->pos[0], o->pos[1])) != 0) return err;
+    if (marked) copy_marked(o->pos[0], o->pos[1]);
     if (o->json)
         printf("{\"restore\":\"ok\"}\n");
     else
@@ -569,20 +563,22 @@ static void line_audit(struct line *l, idem_audit_entry *e)
     e->at_ms = num(l, "at_ms");
     uint32_t len;
     e->actor = bytes(l, "actor", &len, &p); /* base64_decode ends what it decodes with a NUL */
-    if (e->actor && memchr(e->actor, 0, len)) l->err = "actor";
+    /* The store's limits, checked here by line: a batch of entries goes to the store 256 at a
+     * time (audit_flush), and a bad file held that many copies of 7 MiB lines before it said. */
+    if (e->actor && (memchr(e->actor, 0, len) || len > IDEM_ACTOR_BYTES_MAX)) l->err = "actor";
     if (!e->actor) e->actor = "";
     f = jfield_get(l->f, l->n, "action");
     e->action = f && f->str ? f->str : "";
-    if (!f || !f->str || strlen(f->str) != f->len) l->err = "action";
+    if (!f || !f->str || strlen(f->str) != f->len || f->len > 255) l->err = "action";
     e->reason = bytes(l, "reason", &len, &p);
-    if (e->reason && memchr(e->reason, 0, len)) l->err = "reason";
+    if (e->reason && (memchr(e->reason, 0, len) || len > IDEM_NOTE_BYTES_MAX)) l->err = "reason";
     if (!e->reason) e->reason = "";
     e->key = bytes(l, "key", &e->key_len, &p);
     e->state_before = (int)num_in(l, "state_before", 0, IDEM_STATE_REVIEW);
     e->state_after = (int)num_in(l, "state_after", 0, IDEM_STATE_REVIEW);
     e->version_before = (uint64_t)num_in(l, "version_before", 0, INT64_MAX);
     e->version_after = (uint64_t)num_in(l, "version_after", 0, INT64_MAX);
-    if (!e->key) l->err = "key";
+    if (!e->key || e->key_len == 0 || e->key_len > IDEM_KEY_BYTES_MAX) l->err = "key";
 }
 
 /* What import has read of an export so far. */
