@@ -36,6 +36,7 @@ extern "C" {
 #define IDEM_OWNER_BYTES_MAX      256u
 #define IDEM_NOTE_BYTES_MAX       4096u
 #define IDEM_ACTOR_BYTES_MAX      256u
+#define IDEM_ACTION_BYTES_MAX     255u
 #define IDEM_RESULT_BYTES_DEFAULT (64u * 1024u)
 #define IDEM_RESULT_BYTES_LIMIT   (1024u * 1024u)
 #define IDEM_TTL_MS_MAX           (3650ull * 24 * 3600 * 1000) /* ten years */
@@ -546,6 +547,9 @@ int idem_import_audit(idem_queue *q, const idem_audit_entry *e);
  * a flush of its own). IDEM_EINVAL, with nothing written, if any entry is out of range. */
 #define IDEM_IMPORT_AUDIT_MAX 256u
 int idem_import_audit_n(idem_queue *q, const idem_audit_entry *e, size_t n);
+/* The field of e that idem_import_audit refuses ("actor", "action", "key", "reason" or "seq":
+ * missing or past its limit), NULL when it takes e. Strings are read to their first NUL. */
+const char *idem_audit_entry_invalid(const idem_audit_entry *e);
 /*
  * The import marker: a file of this name in a store's directory says that an import into the
  * store began and has not finished, so the store may hold only part of an export. idem_open

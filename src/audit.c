@@ -50,7 +50,8 @@
 #define AUDIT_GROUP_BYTES (256u * 1024)
 /* The largest entry: header, action, actor, key and reason at their limits. */
 #define AUDIT_ENTRY_MAX                                                                            \
-    (AUDIT_HDR + 255 + IDEM_ACTOR_BYTES_MAX + IDEM_KEY_BYTES_MAX + IDEM_NOTE_BYTES_MAX + 8)
+    (AUDIT_HDR + IDEM_ACTION_BYTES_MAX + IDEM_ACTOR_BYTES_MAX + IDEM_KEY_BYTES_MAX +               \
+     IDEM_NOTE_BYTES_MAX + 8)
 #define AUDIT_GROUP_MAX                                                                            \
     IDEM_ALIGN_UP(AUDIT_GROUP_BYTES + AUDIT_ENTRY_MAX + AUDIT_BLOCK, AUDIT_BLOCK)
 /* Disk space for audit.log is reserved ahead of its groups in steps of this many bytes
@@ -525,19 +526,24 @@ uint64_t audit_memory_bytes(const idem_store *s)
 }
 
 /* Whether e may be imported; if not, idem_last_error names the field. */
+const char *idem_audit_entry_invalid(const idem_audit_entry *e)
+{
+    return !e->actor || strlen(e->actor) > IDEM_ACTOR_BYTES_MAX            ? "actor"
+           : !e->action || strlen(e->action) > IDEM_ACTION_BYTES_MAX       ? "action"
+           : !e->key || e->key_len == 0 || e->key_len > IDEM_KEY_BYTES_MAX ? "key"
+           : e->reason && strlen(e->reason) > IDEM_NOTE_BYTES_MAX          ? "reason"
+           : e->seq > (uint64_t)INT64_MAX ? "seq" /* room for later seqs to grow */
+                                          : NULL;
+}
+
 static int import_entry_valid(const idem_audit_entry *e)
 {
-    const char *bad = !e->actor || strlen(e->actor) > IDEM_ACTOR_BYTES_MAX            ? "actor"
-                      : !e->action || strlen(e->action) > 255                         ? "action"
-                      : !e->key || e->key_len == 0 || e->key_len > IDEM_KEY_BYTES_MAX ? "key"
-                      : e->reason && strlen(e->reason) > IDEM_NOTE_BYTES_MAX          ? "reason"
-                      : e->seq > (uint64_t)INT64_MAX ? "seq" /* room for later seqs to grow */
-                                                     : NULL;
+    const char *bad = idem_audit_entry_invalid(e);
     if (bad)
         store_set_error("audit entry: field %s missing or past its limit (actor %u bytes, action "
-                        "255, key 1 to %u, reason %u, seq 2^63-1)",
-                        bad, (unsigned)IDEM_ACTOR_BYTES_MAX, (unsigned)IDEM_KEY_BYTES_MAX,
-                        (unsigned)IDEM_NOTE_BYTES_MAX);
+                        "%u, key 1 to %u, reason %u, seq 2^63-1)",
+                        bad, (unsigned)IDEM_ACTOR_BYTES_MAX, (unsigned)IDEM_ACTION_BYTES_MAX,
+                        (unsigned)IDEM_KEY_BYTES_MAX, (unsigned)IDEM_NOTE_BYTES_MAX);
     return !bad;
 }
 

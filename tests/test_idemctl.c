@@ -7,6 +7,7 @@
  * with the reason, when build/idemd is missing).
  */
 #include <criterion/criterion.h>
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
@@ -2016,6 +2017,19 @@ Test(idemctl_online, a_reply_that_trickles_in_is_cut_off_at_the_timeout, .init =
 }
 
 /* A stand-in for idemd on a unix socket: every request it reads is answered "+OK". */
+/* A unix socket listening at path (bound anew). */
+static int unix_listener(const char *path, int backlog)
+{
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    cr_assert_lt(strlen(path), sizeof sa.sun_path);
+    strcpy(sa.sun_path, path);
+    int fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    cr_assert_geq(fd, 0);
+    cr_assert_eq(bind(fd, (struct sockaddr *)&sa, sizeof sa), 0, "%s", strerror(errno));
+    cr_assert_eq(listen(fd, backlog), 0);
+    return fd;
+}
+
 struct ok_server {
     int fd;
     char path[200];
@@ -2053,13 +2067,9 @@ Test(idemctl, a_connect_to_a_full_listen_queue_ends_at_the_timeout, .init = setu
 {
     char path[200];
     snprintf(path, sizeof path, "%s/full.sock", scratch);
+    int l = unix_listener(path, 0);
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
-    cr_assert_lt(strlen(path), sizeof sa.sun_path);
     strcpy(sa.sun_path, path);
-    int l = socket(AF_UNIX, SOCK_STREAM, 0);
-    cr_assert_geq(l, 0);
-    cr_assert_eq(bind(l, (struct sockaddr *)&sa, sizeof sa), 0);
-    cr_assert_eq(listen(l, 0), 0);
     int held[4], nheld = 0; /* fill the queue: never accepted */
     for (; nheld < 4; nheld++) {
         held[nheld] = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK, 0);
@@ -2086,13 +2096,7 @@ Test(idemctl, a_reply_that_is_not_a_list_is_an_error, .init = setup, .fini = tea
 {
     struct ok_server o = {0};
     snprintf(o.path, sizeof o.path, "%s/ok.sock", scratch);
-    struct sockaddr_un sa = {.sun_family = AF_UNIX};
-    cr_assert_lt(strlen(o.path), sizeof sa.sun_path);
-    strcpy(sa.sun_path, o.path);
-    o.fd = socket(AF_UNIX, SOCK_STREAM, 0);
-    cr_assert_geq(o.fd, 0);
-    cr_assert_eq(bind(o.fd, (struct sockaddr *)&sa, sizeof sa), 0);
-    cr_assert_eq(listen(o.fd, 4), 0);
+    o.fd = unix_listener(o.path, 4);
     cr_assert_eq(pthread_create(&o.t, NULL, ok_server_main, &o), 0);
     cr_assert_eq(ctl("attention --socket %s", o.path), 1, "%s", out);
     cr_assert(strstr(err, "IDEM.ATTENTION: unexpected reply"), "%s", err);
@@ -2134,4 +2138,120 @@ Test(idemctl, a_reply_that_is_not_a_list_is_an_error, .init = setup, .fini = tea
     close(o.fd);
     pthread_join(o.t, NULL);
     free(big);
+}
+
+/* A fake idemd for one connection: it answers its i-th request with replies[i] and closes the
+ * connection at the first NULL. idemctl sends a request and waits for its reply: one a read. */
+struct script_server {
+    int fd;
+    char path[200];
+    pthread_t t;
+    const char *replies[8];
+};
+
+static void *script_server_main(void *arg)
+{
+    struct script_server *o = arg;
+    int c = accept(o->fd, NULL, NULL);
+    if (c < 0) return NULL;
+    char buf[4096];
+    for (int i = 0; i < 8 && o->replies[i] && read(c, buf, sizeof buf) > 0; i++)
+        if (send(c, o->replies[i], strlen(o->replies[i]), MSG_NOSIGNAL) < 0) break;
+    close(c);
+    return NULL;
+}
+
+static void script_server_run(struct script_server *o, const char *cmd)
+{
+    snprintf(o->path, sizeof o->path, "%s/script.sock", scratch);
+    unlink(o->path);
+    o->fd = unix_listener(o->path, 4);
+    cr_assert_eq(pthread_create(&o->t, NULL, script_server_main, o), 0);
+    ctl("%s --socket %s", cmd, o->path);
+    shutdown(o->fd, SHUT_RDWR);
+    close(o->fd);
+    pthread_join(o->t, NULL);
+}
+
+#define FLAT_REVIEW_V5                                                                             \
+    "*6\r\n$3\r\nkey\r\n$1\r\nk\r\n$5\r\nstate\r\n$6\r\nreview\r\n$7\r\nversion\r\n:5\r\n"
+#define FLAT_IN_FLIGHT_V7                                                                          \
+    "*6\r\n$3\r\nkey\r\n$1\r\nk\r\n$5\r\nstate\r\n$9\r\nin_flight\r\n$7\r\nversion\r\n:7\r\n"
+#define STATS_CLOCK "*2\r\n$14\r\nstore_clock_ms\r\n:1000\r\n"
+
+/* resolve reports the decision the store took, not a read after it: a read that failed printed
+ * nothing and exited 0 (the operator, seeing an error, decided again), and a worker's claim
+ * between the decision and the read was shown as the decision's outcome. */
+Test(idemctl, resolve_reports_the_decision_not_a_read_after_it, .init = setup, .fini = teardown)
+{
+    /* The read after the decision fails: idemd closes the connection. */
+    struct script_server o = {.replies = {FLAT_REVIEW_V5, STATS_CLOCK, "+OK\r\n", NULL}};
+    script_server_run(&o, "resolve k release --reason 'no charge'");
+    cr_assert(strstr(out, "k: review (version 5) -> released, the next claim gets new; recorded"),
+              "out: %s err: %s", out, err);
+    cr_assert(strstr(err, "the decision was recorded; reading the record after it failed"), "%s",
+              err);
+    /* A worker claimed the key in between: the release is reported, and the claim as a change. */
+    struct script_server o2 = {
+        .replies = {FLAT_REVIEW_V5, STATS_CLOCK, "+OK\r\n", FLAT_IN_FLIGHT_V7, NULL}};
+    script_server_run(&o2, "resolve k release --reason 'no charge'");
+    cr_assert(strstr(out, "k: review (version 5) -> released"), "out: %s err: %s", out, err);
+    cr_assert(strstr(out, "k changed since: it is now in_flight (version 7)"), "%s", out);
+    cr_assert_null(strstr(out, "-> in_flight"), "%s", out);
+    struct script_server o3 = {
+        .replies = {FLAT_REVIEW_V5, STATS_CLOCK, "+OK\r\n", FLAT_IN_FLIGHT_V7, NULL}};
+    script_server_run(&o3, "resolve k release --reason 'no charge' --json");
+    cr_assert(strstr(out, "\"decided\":\"absent\""), "%s", out);
+    cr_assert(strstr(out, "\"after\":{"), "%s", out);
+}
+
+/* scan --json closed its list after a scan cut short (exit 1), so a pipeline that does not look
+ * at the exit status read part of the keys as all of them. */
+Test(idemctl, a_scan_cut_short_leaves_its_json_list_open, .init = setup, .fini = teardown)
+{
+    struct script_server o = {.replies = {"*2\r\n$1\r\n7\r\n*1\r\n$1\r\na\r\n", NULL}};
+    script_server_run(&o, "scan --json");
+    cr_assert(strstr(out, "\"a\""), "out: %s err: %s", out, err);
+    cr_assert_null(strchr(out, ']'), "%s", out);
+}
+
+/* --result-max is the offline stand-in for idemd's limit: online it was taken and ignored. */
+Test(idemctl, result_max_online_is_a_usage_error, .init = setup, .fini = teardown)
+{
+    cr_assert_eq(
+        ctl("resolve k commit --result x --result-max 1 --reason r --socket %s/none.sock", scratch),
+        2, "%s", err);
+    cr_assert(strstr(err, "--result-max goes with --dir"), "%s", err);
+}
+
+/* The highest checkpoint id a store directory holds (0: none). */
+static unsigned long long ckpt_id_max(const char *d)
+{
+    DIR *dp = opendir(d);
+    cr_assert(dp);
+    unsigned long long max = 0, id;
+    const struct dirent *e;
+    while ((e = readdir(dp)))
+        if (sscanf(e->d_name, "index-%16llx.ckpt", &id) == 1 && id > max) max = id;
+    closedir(dp);
+    return max;
+}
+
+/* An offline resolve is acknowledged once its decision is in the log (durability sync): a
+ * checkpoint at close that then fails left the decision made and exited 1, and a script that
+ * ran it again was refused (the record was gone). */
+Test(idemctl, an_offline_decision_stands_when_the_close_after_it_fails, .init = setup,
+     .fini = teardown)
+{
+    write_store();
+    char path[4300];
+    snprintf(path, sizeof path, "%s/index-%016llx.ckpt", dir, ckpt_id_max(dir) + 1);
+    cr_assert_eq(mkdir(path, 0700), 0, "%s", strerror(errno)); /* the next checkpoint fails */
+    cr_assert_eq(ctl("resolve held-1 release --reason 'no charge' --dir %s", dir), 0,
+                 "out: %s err: %s", out, err);
+    cr_assert(strstr(out, "held-1: review (version"), "%s", out);
+    cr_assert(strstr(err, "closing the store") && strstr(err, "durable in its log"), "%s", err);
+    cr_assert_eq(rmdir(path), 0);
+    cr_assert_eq(ctl("get held-1 --dir %s", dir), 1, "out: %s err: %s", out, err);
+    cr_assert(strstr(err, "no record") || strstr(out, "no record"), "out: %s err: %s", out, err);
 }

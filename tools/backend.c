@@ -263,19 +263,33 @@ int ctl_connect(struct ctl *c, const struct ctl_opts *o, int access)
     return o->dir ? offline_open(c, o, access) : online_connect(c, o);
 }
 
-int ctl_disconnect(struct ctl *c, int rc)
+static int disconnect(struct ctl *c, int rc, int acked)
 {
     if (c->online) resp_close(&c->conn);
     if (c->q) idem_queue_close(c->q);
     if (c->s) {
         int err = idem_close(c->s);
-        if (err != IDEM_OK) {
+        if (err != IDEM_OK && acked && rc == CTL_OK)
+            ctl_err("closing the store: %s (%s); what was done is durable in its log all the "
+                    "same, and the next open replays it",
+                    idem_strerror(err), idem_last_error());
+        else if (err != IDEM_OK) {
             ctl_err("closing the store: %s (%s)", idem_strerror(err), idem_last_error());
             if (rc == CTL_OK) rc = CTL_FAIL;
         }
     }
     memset(c, 0, sizeof *c);
     return rc;
+}
+
+int ctl_disconnect(struct ctl *c, int rc)
+{
+    return disconnect(c, rc, 0);
+}
+
+int ctl_disconnect_acked(struct ctl *c, int rc)
+{
+    return disconnect(c, rc, 1);
 }
 
 /* Sends a command; prints and returns CTL_FAIL on I/O failure. Error replies are returned. */

@@ -440,19 +440,20 @@ int cmd_export(const struct ctl_opts *o)
     struct ctl_opts oo;
     int rc = offline_opts(o, &oo, "export");
     if (rc) return rc;
+    struct ctl c;
+    rc = ctl_connect(&c, &oo, CTL_OFFLINE_READ);
+    if (rc) return rc;
     /* An export of a store an import cut short would look whole, and a store imported from it
-     * in a new directory would be unmarked with part of the keys: refused. */
+     * in a new directory would be unmarked with part of the keys: refused. Looked for with the
+     * store open (its lock held), so that no import marks it between the look and the export. */
     int marked = idem_import_marked(oo.dir);
     if (marked != 0) {
         if (marked < 0)
             ctl_err("export of %s: %s", oo.dir, idem_last_error());
         else
             import_marked_say(oo.dir);
-        return CTL_FAIL;
+        return ctl_disconnect(&c, CTL_FAIL);
     }
-    struct ctl c;
-    rc = ctl_connect(&c, &oo, CTL_OFFLINE_READ);
-    if (rc) return rc;
     return ctl_disconnect(&c, export_run(&c));
 }
 
@@ -563,22 +564,24 @@ static void line_audit(struct line *l, idem_audit_entry *e)
     e->at_ms = num(l, "at_ms");
     uint32_t len;
     e->actor = bytes(l, "actor", &len, &p); /* base64_decode ends what it decodes with a NUL */
-    /* The store's limits, checked here by line: a batch of entries goes to the store 256 at a
-     * time (audit_flush), and a bad file held that many copies of 7 MiB lines before it said. */
-    if (e->actor && (memchr(e->actor, 0, len) || len > IDEM_ACTOR_BYTES_MAX)) l->err = "actor";
+    if (e->actor && memchr(e->actor, 0, len)) l->err = "actor"; /* the store reads to a NUL */
     if (!e->actor) e->actor = "";
     f = jfield_get(l->f, l->n, "action");
-    e->action = f && f->str ? f->str : "";
-    if (!f || !f->str || strlen(f->str) != f->len || f->len > 255) l->err = "action";
+    e->action = f && f->str ? f->str : NULL;
+    if (f && f->str && strlen(f->str) != f->len) l->err = "action";
     e->reason = bytes(l, "reason", &len, &p);
-    if (e->reason && (memchr(e->reason, 0, len) || len > IDEM_NOTE_BYTES_MAX)) l->err = "reason";
+    if (e->reason && memchr(e->reason, 0, len)) l->err = "reason";
     if (!e->reason) e->reason = "";
     e->key = bytes(l, "key", &e->key_len, &p);
     e->state_before = (int)num_in(l, "state_before", 0, IDEM_STATE_REVIEW);
     e->state_after = (int)num_in(l, "state_after", 0, IDEM_STATE_REVIEW);
     e->version_before = (uint64_t)num_in(l, "version_before", 0, INT64_MAX);
     e->version_after = (uint64_t)num_in(l, "version_after", 0, INT64_MAX);
-    if (!e->key || e->key_len == 0 || e->key_len > IDEM_KEY_BYTES_MAX) l->err = "key";
+    /* The store's limits, checked here by line: a batch of entries goes to the store 256 at a
+     * time (audit_flush), and a bad file held that many copies of 7 MiB lines before it said. */
+    const char *bad = idem_audit_entry_invalid(e);
+    if (bad && !l->err) l->err = bad;
+    if (!e->action) e->action = "";
 }
 
 /* What import has read of an export so far. */

@@ -285,9 +285,14 @@ static int resolve_precheck(const struct ctl_opts *o, const char *key, const ide
     return 0;
 }
 
-static void resolve_report(const struct ctl_opts *o, const idem_record *before,
+/* Reports a decision the store took: from the decision itself (release leaves no record, commit
+ * and settle a committed one), with what a read after it found, `after` (NULL: that read failed,
+ * and was said). A worker may have claimed the key in between: that is shown as a change since. */
+static void resolve_report(const struct ctl_opts *o, int action, const idem_record *before,
                            const struct ctl_record *after, int found, int64_t now)
 {
+    int decided = action == IDEM_RESOLVE_RELEASE ? 0 : IDEM_STATE_COMMITTED;
+    int moved = after && (found ? after->r.state : 0) != decided;
     if (o->json) {
         struct jw j;
         jw_init(&j, stdout);
@@ -296,25 +301,34 @@ static void resolve_report(const struct ctl_opts *o, const idem_record *before,
         jw_kblob_pub(&j, "reason", o->reason, strlen(o->reason)); /* any bytes, as audit's */
         jw_key(&j, "before");
         print_record_json(&j, before, now);
-        jw_key(&j, "after");
-        if (found)
-            print_record_json(&j, &after->r, now);
-        else
-            jw_null(&j);
+        jw_kstr(&j, "decided", decided ? idem_state_name(decided) : "absent");
+        if (after) { /* the record as read after the decision */
+            jw_key(&j, "after");
+            if (found)
+                print_record_json(&j, &after->r, now);
+            else
+                jw_null(&j);
+        }
         jw_obj_end(&j);
         fputc('\n', stdout);
         return;
     }
     char key[CTL_KEY_TEXT_CAP];
     bytes_escape(before->key, before->key_len, key, sizeof key);
-    if (found)
-        printf("%s: %s (version %llu) -> %s (version %llu) by %s; recorded in the audit trail\n",
-               key, idem_state_name(before->state), (unsigned long long)before->version,
-               idem_state_name(after->r.state), (unsigned long long)after->r.version, o->pos[1]);
+    printf("%s: %s (version %llu) -> ", key, idem_state_name(before->state),
+           (unsigned long long)before->version);
+    if (!decided)
+        printf("released, the next claim gets new");
+    else if (after && !moved)
+        printf("committed (version %llu) by %s", (unsigned long long)after->r.version, o->pos[1]);
     else
-        printf("%s: %s (version %llu) -> released, the next claim gets new; recorded in the "
-               "audit trail\n",
-               key, idem_state_name(before->state), (unsigned long long)before->version);
+        printf("committed by %s", o->pos[1]);
+    printf("; recorded in the audit trail\n");
+    if (moved && found)
+        printf("%s changed since: it is now %s (version %llu)\n", key,
+               idem_state_name(after->r.state), (unsigned long long)after->r.version);
+    else if (moved)
+        printf("%s changed since: it is now absent\n", key);
 }
 
 static int resolve_run(struct ctl *c, const struct ctl_opts *o, int action)
@@ -363,9 +377,13 @@ static int resolve_run(struct ctl *c, const struct ctl_opts *o, int action)
         else
             ctl_err("resolve %s %s refused: %s", shown, o->pos[1], msg);
     }
-    if (rc == 0 && ctl_get(c, key, klen, &now_rec, &found) == 0) {
-        resolve_report(o, &seen.r, &now_rec, found, now);
-        ctl_record_free(&now_rec);
+    if (rc == 0) {
+        /* The decision is recorded: reported whether or not the read after it is answered. */
+        int read = ctl_get(c, key, klen, &now_rec, &found) == 0;
+        if (!read)
+            ctl_err("%s: the decision was recorded; reading the record after it failed", shown);
+        resolve_report(o, action, &seen.r, read ? &now_rec : NULL, found, now);
+        ctl_record_free(&now_rec); /* zeroed by ctl_get, whatever it returned */
     }
     ctl_record_free(&seen);
     return rc;
@@ -401,10 +419,14 @@ int cmd_resolve(const struct ctl_opts *o)
                 strlen(o->result), (unsigned long long)limit);
         return CTL_USAGE;
     }
+    if (o->result_max && !o->dir) {
+        ctl_err("--result-max goes with --dir: online the limit is idemd's --result-max");
+        return CTL_USAGE;
+    }
     struct ctl c;
     int rc = ctl_connect(&c, o, CTL_WRITE);
     if (rc) return rc;
-    return ctl_disconnect(&c, resolve_run(&c, o, action));
+    return ctl_disconnect_acked(&c, resolve_run(&c, o, action));
 }
 
 /* ---- audit ---- */

@@ -347,7 +347,8 @@ static void status_human(const struct status *s, const struct ctl_opts *o)
     else
         snprintf(a, sizeof a, "-");
     table_add(tb, "leases run out", a,
-              s->leases_out >= 0 ? "in_flight: the next claim recovers the key"
+              s->leases_out >= 0
+                  ? "in_flight: the next claim recovers (or, by policy, reviews) the key"
               : s->leases_unread ? "not counted: the attention list could not be read"
                                  : "not counted (many records in flight or in review)");
     snprintf(a, sizeof a, "%llu", (unsigned long long)t->mismatches);
@@ -619,7 +620,7 @@ int cmd_scan(const struct ctl_opts *o)
     do
         rc = ctl_scan_step(&c, &cursor, o->state, o->has_older ? o->older_ms : 0, scan_key, &s);
     while (rc == 0 && cursor != 0 && !(o->has_count && s.n >= o->count));
-    if (o->json) {
+    if (o->json && rc == 0) { /* a scan cut short leaves the list open: not taken as whole */
         jw_arr_end(&s.j);
         fputc('\n', stdout);
     }

@@ -111,6 +111,9 @@ int ctl_connect(struct ctl *c, const struct ctl_opts *o, int access);
 /* Closes what ctl_connect opened. Returns rc, or CTL_FAIL when rc is CTL_OK and closing the
  * store failed (a change not made durable: the command must not exit 0). */
 int ctl_disconnect(struct ctl *c, int rc);
+/* The same for a command whose change the store acknowledged (offline stores open in durability
+ * sync: it is in the log): a failure closing the store after it is said, and rc is kept. */
+int ctl_disconnect_acked(struct ctl *c, int rc);
 int ctl_get(struct ctl *c, const void *key, size_t klen, struct ctl_record *out, int *found);
 void ctl_record_free(struct ctl_record *r);
 int ctl_stats(struct ctl *c, struct ctl_stats *st);

@@ -1974,8 +1974,10 @@ static int setup_fds(srv *s)
     s->backup_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     s->reads_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
-    if (s->epfd < 0 || s->sig_fd < 0 || s->load_fd < 0 || s->backup_fd < 0 || s->reads_fd < 0)
+    if (s->epfd < 0 || s->sig_fd < 0 || s->load_fd < 0 || s->backup_fd < 0 || s->reads_fd < 0) {
+        srv_log("error", "start_failed", "what=event_fds error=\"%s\"", strerror(errno));
         return -1;
+    }
     if (ep_add(s, s->sig_fd, TAG_SIG, EPOLLIN, "signals") != 0 ||
         ep_add(s, s->load_fd, TAG_LOAD, EPOLLIN, "load") != 0 ||
         ep_add(s, s->backup_fd, TAG_BACKUP, EPOLLIN, "backup") != 0 ||
@@ -1993,10 +1995,12 @@ static int setup_fds(srv *s)
     s->ops = calloc(IDEM_BATCH_MAX, sizeof *s->ops);
     s->comps = calloc(COMPLETIONS_MAX, sizeof *s->comps);
     s->unheard = calloc(COMPLETIONS_MAX, sizeof *s->unheard);
-    return s->conns && s->conns_free && s->dirty && s->held && s->dead && s->ops && s->comps &&
-                   s->unheard
-               ? 0
-               : -1;
+    int ok = s->conns && s->conns_free && s->dirty && s->held && s->dead && s->ops && s->comps &&
+             s->unheard;
+    if (!ok)
+        srv_log("error", "start_failed", "what=connection_table max_clients=%u error=\"%s\"",
+                s->cfg.max_clients, strerror(ENOMEM));
+    return ok ? 0 : -1;
 }
 
 static int finish(srv *s, int rc)
@@ -2067,7 +2071,11 @@ int srv_run(srv *s)
     clock_tick(s);
     if (setup_fds(s) < 0 || listen_all(s) < 0) return finish(s, 1);
     s->loading = 1;
-    if (pthread_create(&s->load_thread, NULL, load_main, s) != 0) return finish(s, 1);
+    int err = pthread_create(&s->load_thread, NULL, load_main, s);
+    if (err != 0) {
+        srv_log("error", "start_failed", "what=load_thread error=\"%s\"", strerror(err));
+        return finish(s, 1);
+    }
     s->load_started = 1;
     int64_t last_house = srv_now_ms();
     for (;;) {
