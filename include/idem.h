@@ -388,6 +388,18 @@ typedef struct idem_scan_args {
 int idem_scan(idem_queue *q, const idem_scan_args *a, uint64_t *next_cursor, const void ***keys,
               const uint32_t **key_lens, size_t *n);
 
+/* An audit entry's flags. */
+#define IDEM_AUDIT_FORCED 0x1u /* a resolve with FORCE: the record's lease still ran */
+#define IDEM_AUDIT_LEASE_LAPSED                                                                    \
+    0x2u /* a resolve of an in_flight record whose lease had run out                               \
+          */
+#define IDEM_AUDIT_RESULT                                                                          \
+    0x4u /* result_*: the result a resolve commit recorded, or a del erased                        \
+          */
+#define IDEM_AUDIT_FLAGS_KNOWN 0x7u
+/* The bytes of a result an audit entry keeps (its first ones; result_full_len says the rest). */
+#define IDEM_AUDIT_RESULT_KEPT 256u
+
 typedef struct idem_audit_entry {
     uint64_t seq;
     int64_t at_ms;
@@ -400,6 +412,10 @@ typedef struct idem_audit_entry {
     int state_after;
     uint64_t version_before;
     uint64_t version_after;
+    uint32_t flags;           /* IDEM_AUDIT_*; 0 in entries written before the flags were */
+    const void *result;       /* with IDEM_AUDIT_RESULT: the result's first result_len bytes */
+    uint32_t result_len;      /* min(result_full_len, IDEM_AUDIT_RESULT_KEPT) */
+    uint32_t result_full_len; /* the whole result's length */
 } idem_audit_entry;
 
 /* The newest `count` audit entries (of `key` when key != NULL), newest first, in *entries
@@ -547,8 +563,9 @@ int idem_import_audit(idem_queue *q, const idem_audit_entry *e);
  * a flush of its own). IDEM_EINVAL, with nothing written, if any entry is out of range. */
 #define IDEM_IMPORT_AUDIT_MAX 256u
 int idem_import_audit_n(idem_queue *q, const idem_audit_entry *e, size_t n);
-/* The field of e that idem_import_audit refuses ("actor", "action", "key", "reason" or "seq":
- * missing or past its limit), NULL when it takes e. Strings are read to their first NUL. */
+/* The field of e that idem_import_audit refuses ("actor", "action", "key", "reason", "seq",
+ * "flags" or "result": missing, past its limit, or a result whose lengths disagree), NULL when
+ * it takes e. Strings are read to their first NUL. */
 const char *idem_audit_entry_invalid(const idem_audit_entry *e);
 /*
  * The import marker: a file of this name in a store's directory says that an import into the

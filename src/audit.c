@@ -16,10 +16,12 @@
  * File: a sequence of units, each starting on a 4 KiB block, written once and never rewritten
  * (no block holding an acknowledged entry is written again). Little-endian.
  *   Entry (the unit of earlier versions, one per block, zero-padded; inside a group, padded
- *   to 8 bytes): 0 u64 XXH3-64 of [8, 8 + len), 8 u32 len, 12 u32 0, 16 u64 seq,
- *   24 i64 at_ms, 32 u64 lsn of the change, 40 u8 state before, 41 u8 state after,
- *   42 u16 key_len, 44 u16 actor_len, 46 u16 reason_len, 48 u64 version before,
- *   56 u64 version after, 64 u8 action_len, then action, actor, key, reason.
+ *   to 8 bytes): 0 u64 XXH3-64 of [8, 8 + len), 8 u32 len, 12 u32 flags (IDEM_AUDIT_*; 0
+ *   before SUPER_FEAT_AUDIT_FLAGS), 16 u64 seq, 24 i64 at_ms, 32 u64 lsn of the change,
+ *   40 u8 state before, 41 u8 state after, 42 u16 key_len, 44 u16 actor_len, 46 u16 reason_len,
+ *   48 u64 version before, 56 u64 version after, 64 u8 action_len, then action, actor, key,
+ *   reason; with IDEM_AUDIT_RESULT then u32 the result's whole length and its first
+ *   min(that, IDEM_AUDIT_RESULT_KEPT) bytes.
  *   Group (SUPER_FEAT_AUDIT_GROUPS): 0 u64 XXH3-64 of [8, group_len), 8 u32 group_len,
  *   12 u32 AUDIT_GROUP_MAGIC, 16 u32 count, 20 u32 0, then `count` entries from offset 24;
  *   group_len ends with the last entry's padding; zeros fill the last block.
@@ -48,10 +50,10 @@
 /* A group holds entries up to this many bytes (one entry more if the first is larger); a group
  * read back may be at most AUDIT_GROUP_MAX. */
 #define AUDIT_GROUP_BYTES (256u * 1024)
-/* The largest entry: header, action, actor, key and reason at their limits. */
+/* The largest entry: header, action, actor, key, reason and a result at their limits. */
 #define AUDIT_ENTRY_MAX                                                                            \
-    (AUDIT_HDR + IDEM_ACTION_BYTES_MAX + IDEM_ACTOR_BYTES_MAX + IDEM_KEY_BYTES_MAX +               \
-     IDEM_NOTE_BYTES_MAX + 8)
+    (AUDIT_HDR + IDEM_ACTION_BYTES_MAX + IDEM_ACTOR_BYTES_MAX + IDEM_KEY_BYTES_MAX + 4 +           \
+     IDEM_AUDIT_RESULT_KEPT + IDEM_NOTE_BYTES_MAX + 8)
 #define AUDIT_GROUP_MAX                                                                            \
     IDEM_ALIGN_UP(AUDIT_GROUP_BYTES + AUDIT_ENTRY_MAX + AUDIT_BLOCK, AUDIT_BLOCK)
 /* Disk space for audit.log is reserved ahead of its groups in steps of this many bytes
@@ -90,13 +92,18 @@ static bool filter_may(const uint64_t *f, const uint32_t bit[AUDIT_FILTER_K])
 uint32_t audit_entry_bytes(const uint8_t *p, size_t avail)
 {
     if (avail < AUDIT_HDR) return 0;
-    uint32_t len = util_get_u32(p + 8);
+    uint32_t len = util_get_u32(p + 8), flags = util_get_u32(p + 12);
     uint32_t klen = util_get_u16(p + 42), alen = util_get_u16(p + 44), rlen = util_get_u16(p + 46),
              aclen = p[64];
-    if (len + 8 > avail || util_get_u32(p + 12) != 0 ||
-        AUDIT_HDR - 8 + klen + alen + rlen + aclen != len)
-        return 0;
-    return len + 8;
+    uint32_t fixed = AUDIT_HDR + klen + alen + rlen + aclen; /* where a result's tail starts */
+    if (len + 8 > avail || (flags & ~IDEM_AUDIT_FLAGS_KNOWN) || fixed > len + 8) return 0;
+    uint32_t tail = 0;
+    if (flags & IDEM_AUDIT_RESULT) {
+        if (fixed + 4 > len + 8) return 0;
+        uint32_t full = util_get_u32(p + fixed);
+        tail = 4 + (full < IDEM_AUDIT_RESULT_KEPT ? full : IDEM_AUDIT_RESULT_KEPT);
+    }
+    return fixed + tail == len + 8 ? len + 8 : 0;
 }
 
 uint32_t audit_unit_bytes(const uint8_t *blk)
@@ -410,25 +417,33 @@ static void group_close(struct audit_buf *b)
     b->grp_n = 0;
 }
 
-/* The bytes an entry takes in its group. */
-static uint32_t entry_padded(const char *actor, const char *action, uint32_t key_len,
-                             uint32_t reason_len)
+/* The bytes of a result an entry keeps. */
+static uint32_t result_kept(uint32_t full)
 {
-    uint32_t len =
-        AUDIT_HDR - 8 + (uint32_t)strlen(action) + (uint32_t)strlen(actor) + key_len + reason_len;
-    return (uint32_t)IDEM_ALIGN_UP(len + 8, 8);
+    return full < IDEM_AUDIT_RESULT_KEPT ? full : IDEM_AUDIT_RESULT_KEPT;
+}
+
+/* The entry's len field: its bytes after the checksum. */
+static uint32_t entry_len(const struct audit_in *e)
+{
+    return AUDIT_HDR - 8 + (uint32_t)strlen(e->action) + (uint32_t)strlen(e->actor) + e->key_len +
+           e->reason_len + (e->flags & IDEM_AUDIT_RESULT ? 4 + result_kept(e->result_full) : 0);
+}
+
+/* The bytes an entry takes in its group. */
+static uint32_t entry_padded(const struct audit_in *e)
+{
+    return (uint32_t)IDEM_ALIGN_UP(entry_len(e) + 8, 8);
 }
 
 /* Adds one entry to the pending groups, after audit_reserve. */
-static void audit_put(idem_store *s, const char *actor, const char *action, const void *key,
-                      uint32_t key_len, const void *reason, uint32_t reason_len, int state_before,
-                      int state_after, uint64_t version_before, uint64_t version_after,
-                      uint64_t lsn, uint64_t seq, int64_t at_ms)
+static void audit_put(idem_store *s, const struct audit_in *e, uint64_t lsn, uint64_t seq,
+                      int64_t at_ms)
 {
     struct audit_buf *b = &s->audit_pend;
-    uint32_t alen = (uint32_t)strlen(actor), aclen = (uint32_t)strlen(action);
-    uint32_t len = AUDIT_HDR - 8 + aclen + alen + key_len + reason_len;
-    uint32_t padded = entry_padded(actor, action, key_len, reason_len);
+    uint32_t alen = (uint32_t)strlen(e->actor), aclen = (uint32_t)strlen(e->action);
+    uint32_t len = entry_len(e);
+    uint32_t padded = entry_padded(e);
     IDEM_ASSERT(len + 8 <= AUDIT_ENTRY_MAX);
     IDEM_ASSERT(seq >=
                 audit_next_seq(s)); /* seqs grow along the file: idem_audit_page skips by them */
@@ -441,22 +456,29 @@ static void audit_put(idem_store *s, const char *actor, const char *action, cons
     uint8_t *p = b->p + b->len;
     memset(p, 0, padded);
     util_put_u32(p + 8, len);
+    util_put_u32(p + 12, e->flags);
     util_put_u64(p + 16, seq);
     util_put_u64(p + 24, (uint64_t)at_ms);
     util_put_u64(p + 32, lsn);
-    p[40] = (uint8_t)state_before;
-    p[41] = (uint8_t)state_after;
-    util_put_u16(p + 42, (uint16_t)key_len);
+    p[40] = (uint8_t)e->state_before;
+    p[41] = (uint8_t)e->state_after;
+    util_put_u16(p + 42, (uint16_t)e->key_len);
     util_put_u16(p + 44, (uint16_t)alen);
-    util_put_u16(p + 46, (uint16_t)reason_len);
-    util_put_u64(p + 48, version_before);
-    util_put_u64(p + 56, version_after);
+    util_put_u16(p + 46, (uint16_t)e->reason_len);
+    util_put_u64(p + 48, e->version_before);
+    util_put_u64(p + 56, e->version_after);
     p[64] = (uint8_t)aclen;
     uint8_t *v = p + AUDIT_HDR;
-    memcpy(v, action, aclen);
-    memcpy(v + aclen, actor, alen);
-    memcpy(v + aclen + alen, key, key_len);
-    if (reason_len) memcpy(v + aclen + alen + key_len, reason, reason_len);
+    memcpy(v, e->action, aclen);
+    memcpy(v + aclen, e->actor, alen);
+    memcpy(v + aclen + alen, e->key, e->key_len);
+    v += aclen + alen + e->key_len;
+    if (e->reason_len) memcpy(v, e->reason, e->reason_len);
+    v += e->reason_len;
+    if (e->flags & IDEM_AUDIT_RESULT) {
+        util_put_u32(v, e->result_full);
+        if (result_kept(e->result_full)) memcpy(v + 4, e->result, result_kept(e->result_full));
+    }
     util_put_u64(p, XXH3_64bits(p + 8, len));
     b->len += padded;
     b->grp_n++;
@@ -464,12 +486,9 @@ static void audit_put(idem_store *s, const char *actor, const char *action, cons
     s->audit_pend_seq = seq;
 }
 
-void audit_append(idem_store *s, const char *actor, const char *action, const void *key,
-                  uint32_t key_len, const void *reason, uint32_t reason_len, int state_before,
-                  int state_after, uint64_t version_before, uint64_t version_after, uint64_t lsn)
+void audit_append(idem_store *s, const struct audit_in *e, uint64_t lsn)
 {
-    audit_put(s, actor, action, key, key_len, reason, reason_len, state_before, state_after,
-              version_before, version_after, lsn, audit_next_seq(s), store_now(s));
+    audit_put(s, e, lsn, audit_next_seq(s), store_now(s));
 }
 
 size_t audit_take(idem_store *s)
@@ -528,12 +547,18 @@ uint64_t audit_memory_bytes(const idem_store *s)
 /* Whether e may be imported; if not, idem_last_error names the field. */
 const char *idem_audit_entry_invalid(const idem_audit_entry *e)
 {
+    int res = (e->flags & IDEM_AUDIT_RESULT) != 0;
     return !e->actor || strlen(e->actor) > IDEM_ACTOR_BYTES_MAX            ? "actor"
            : !e->action || strlen(e->action) > IDEM_ACTION_BYTES_MAX       ? "action"
            : !e->key || e->key_len == 0 || e->key_len > IDEM_KEY_BYTES_MAX ? "key"
            : e->reason && strlen(e->reason) > IDEM_NOTE_BYTES_MAX          ? "reason"
-           : e->seq > (uint64_t)INT64_MAX ? "seq" /* room for later seqs to grow */
-                                          : NULL;
+           : e->seq > (uint64_t)INT64_MAX       ? "seq" /* room for later seqs to grow */
+           : e->flags & ~IDEM_AUDIT_FLAGS_KNOWN ? "flags"
+           : res
+               ? (e->result_len != result_kept(e->result_full_len) || (e->result_len && !e->result)
+                      ? "result"
+                      : NULL)
+               : (e->result_len || e->result_full_len ? "result" : NULL);
 }
 
 static int import_entry_valid(const idem_audit_entry *e)
@@ -541,10 +566,31 @@ static int import_entry_valid(const idem_audit_entry *e)
     const char *bad = idem_audit_entry_invalid(e);
     if (bad)
         store_set_error("audit entry: field %s missing or past its limit (actor %u bytes, action "
-                        "%u, key 1 to %u, reason %u, seq 2^63-1)",
+                        "%u, key 1 to %u, reason %u, seq 2^63-1, flags 0x%x, a result's first "
+                        "%u bytes of its whole length)",
                         bad, (unsigned)IDEM_ACTOR_BYTES_MAX, (unsigned)IDEM_ACTION_BYTES_MAX,
-                        (unsigned)IDEM_KEY_BYTES_MAX, (unsigned)IDEM_NOTE_BYTES_MAX);
+                        (unsigned)IDEM_KEY_BYTES_MAX, (unsigned)IDEM_NOTE_BYTES_MAX,
+                        (unsigned)IDEM_AUDIT_FLAGS_KNOWN, (unsigned)IDEM_AUDIT_RESULT_KEPT);
     return !bad;
+}
+
+/* An entry to import as audit_put takes it. */
+static struct audit_in audit_in_of(const idem_audit_entry *e)
+{
+    const char *reason = e->reason ? e->reason : "";
+    return (struct audit_in){.actor = e->actor,
+                             .action = e->action,
+                             .key = e->key,
+                             .key_len = e->key_len,
+                             .reason = reason,
+                             .reason_len = (uint32_t)strlen(reason),
+                             .state_before = e->state_before,
+                             .state_after = e->state_after,
+                             .version_before = e->version_before,
+                             .version_after = e->version_after,
+                             .flags = e->flags,
+                             .result = e->result,
+                             .result_full = e->result_full_len};
 }
 
 int idem_import_audit_n(idem_queue *q, const idem_audit_entry *e, size_t n)
@@ -583,17 +629,11 @@ int idem_import_audit_n(idem_queue *q, const idem_audit_entry *e, size_t n)
         struct audit_buf *b = &s->audit_pend;
         uint64_t seq = 0;
         for (size_t first = i; i < n; i++) {
-            const char *reason = e[i].reason ? e[i].reason : "";
-            uint32_t reason_len = (uint32_t)strlen(reason);
-            if (i > first &&
-                b->len - b->grp + entry_padded(e[i].actor, e[i].action, e[i].key_len, reason_len) >
-                    AUDIT_GROUP_BYTES)
-                break;
+            struct audit_in in = audit_in_of(&e[i]);
+            if (i > first && b->len - b->grp + entry_padded(&in) > AUDIT_GROUP_BYTES) break;
             uint64_t next = audit_next_seq(s);
             seq = e[i].seq >= next ? e[i].seq : next;
-            audit_put(s, e[i].actor, e[i].action, e[i].key, e[i].key_len, reason, reason_len,
-                      e[i].state_before, e[i].state_after, e[i].version_before, e[i].version_after,
-                      wal_complete_lsn(s->wal), seq, e[i].at_ms);
+            audit_put(s, &in, wal_complete_lsn(s->wal), seq, e[i].at_ms);
         }
         group_close(&s->audit_pend);
         /* The flusher writes it (flush_due): wait until it has. */
@@ -624,8 +664,10 @@ int idem_audit(idem_queue *q, const void *key, size_t key_len, uint32_t count,
 static int copy_entry(idem_queue *q, const uint8_t *p, size_t k, size_t *used)
 {
     uint32_t klen = util_get_u16(p + 42), alen = util_get_u16(p + 44), rlen = util_get_u16(p + 46),
-             aclen = p[64];
-    size_t need = (size_t)aclen + 1 + alen + 1 + klen + rlen + 1;
+             aclen = p[64], flags = util_get_u32(p + 12);
+    const uint8_t *tail = p + AUDIT_HDR + aclen + alen + klen + rlen; /* checked: entry_bytes */
+    uint32_t full = flags & IDEM_AUDIT_RESULT ? util_get_u32(tail) : 0, kept = result_kept(full);
+    size_t need = (size_t)aclen + 1 + alen + 1 + klen + rlen + 1 + kept;
     if (*used + need > q->audit_mem_cap) {
         size_t cap = q->audit_mem_cap ? 2 * q->audit_mem_cap : 4096;
         while (cap < *used + need)
@@ -643,15 +685,20 @@ static int copy_entry(idem_queue *q, const uint8_t *p, size_t k, size_t *used)
     m[aclen + 1 + alen] = 0;
     memcpy(m + aclen + alen + 2, v + aclen + alen, klen);
     memcpy(m + aclen + alen + 2 + klen, v + aclen + alen + klen, rlen);
-    m[need - 1] = 0;
-    q->audit_place[k] = (struct audit_place){.off = *used, .action_len = aclen, .actor_len = alen};
+    m[aclen + alen + 2 + klen + rlen] = 0;
+    if (kept) memcpy(m + aclen + alen + 2 + klen + rlen + 1, tail + 4, kept);
+    q->audit_place[k] = (struct audit_place){
+        .off = *used, .action_len = aclen, .actor_len = alen, .reason_len = rlen};
     q->audit[k] = (idem_audit_entry){.seq = util_get_u64(p + 16),
                                      .at_ms = (int64_t)util_get_u64(p + 24),
                                      .key_len = klen,
                                      .state_before = p[40],
                                      .state_after = p[41],
                                      .version_before = util_get_u64(p + 48),
-                                     .version_after = util_get_u64(p + 56)};
+                                     .version_after = util_get_u64(p + 56),
+                                     .flags = flags,
+                                     .result_len = kept,
+                                     .result_full_len = full};
     *used += need;
     return 0;
 }
@@ -766,6 +813,8 @@ int idem_audit_page(idem_queue *q, const void *key, size_t key_len, uint64_t bef
         out[i].actor = m + place[i].action_len + 1;
         out[i].key = m + place[i].action_len + place[i].actor_len + 2;
         out[i].reason = (const char *)out[i].key + out[i].key_len;
+        out[i].result =
+            out[i].flags & IDEM_AUDIT_RESULT ? out[i].reason + place[i].reason_len + 1 : NULL;
     }
     *entries = out;
     *n = k;

@@ -20,9 +20,11 @@
 #include "util.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <liburing.h>
 #include <stdlib.h>
 #include <time.h>
+#include <unistd.h>
 
 /* Largest single write; a longer one completes short and the caller continues. */
 #define IOU_WRITE_MAX ((size_t)1 << 30)
@@ -324,6 +326,28 @@ static const struct io_ops iou_ops = {
     .destroy = iou_destroy,
 };
 
+/* Writes one byte to /dev/null through the ring: 0 once it went round whole, else why not. */
+static int iou_probe_write(struct iou *u)
+{
+    static const char byte = 0;
+    int fd = open("/dev/null", O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return -errno;
+    struct io_uring_sqe *sqe = io_uring_get_sqe(&u->ring);
+    struct io_uring_cqe *cqe;
+    int rc = -EAGAIN;
+    if (sqe) {
+        io_uring_prep_write(sqe, fd, &byte, 1, 0);
+        rc = io_uring_submit_and_wait(&u->ring, 1);
+        if (rc >= 0) rc = io_uring_peek_cqe(&u->ring, &cqe);
+        if (rc == 0) {
+            rc = cqe->res == 1 ? 0 : cqe->res < 0 ? cqe->res : -EIO;
+            io_uring_cqe_seen(&u->ring, cqe);
+        }
+    }
+    close(fd);
+    return rc;
+}
+
 int io_uring_create(unsigned entries, struct io **out)
 {
     if (!out || entries == 0 || entries > 32768) return -EINVAL;
@@ -332,21 +356,11 @@ int io_uring_create(unsigned entries, struct io **out)
     int rc = io_uring_queue_init(entries, &u->ring, 0);
     if (rc < 0) goto out_free;
     /* A ring may be made where entering it is refused (a seccomp or LSM policy that lets
-     * io_uring_setup through): one no-op must go round, or the caller falls back to the thread
-     * backend now, not at the first write too large to make directly. */
-    struct io_uring_sqe *probe = io_uring_get_sqe(&u->ring);
-    struct io_uring_cqe *cqe;
-    if (!probe) {
-        rc = -EAGAIN;
-        goto out_ring;
-    }
-    io_uring_prep_nop(probe);
-    rc = io_uring_submit_and_wait(&u->ring, 1);
-    if (rc >= 0) rc = io_uring_peek_cqe(&u->ring, &cqe);
-    if (rc == 0) {
-        rc = cqe->res < 0 ? cqe->res : 0;
-        io_uring_cqe_seen(&u->ring, cqe);
-    }
+     * io_uring_setup through), or take requests but not writes (IORING_OP_WRITE came in Linux
+     * 5.6; a ring restricted to some opcodes, a sandbox's partial io_uring): one real write must
+     * go round, or the caller falls back to the thread backend now, not fails the store at the
+     * first write too large to make directly. */
+    rc = iou_probe_write(u);
     if (rc < 0) goto out_ring;
     u->slots_count = u->ring.sq.ring_entries;
     u->slots = calloc(u->slots_count, sizeof *u->slots);

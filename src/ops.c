@@ -557,7 +557,7 @@ enum claim_path { CP_MISMATCH, CP_DONE, CP_REVIEW, CP_RESUME, CP_BUSY, CP_LEASE_
 static enum claim_path claim_path_of(const struct rec *r, const idem_op *op, const uint8_t fp[16],
                                      int64_t now)
 {
-    if (r->state != IDEM_STATE_REVIEW && fp_differs(r, op, fp)) return CP_MISMATCH;
+    if (fp_differs(r, op, fp)) return CP_MISMATCH; /* a review record's answers review */
     if (r->state == IDEM_STATE_COMMITTED) return CP_DONE;
     if (r->state == IDEM_STATE_REVIEW) return CP_REVIEW;
     if (now < r->lease_until_ms) return owner_same(r, op) ? CP_RESUME : CP_BUSY;
@@ -575,7 +575,13 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, c
     sl->need_lsn = lsn;
     enum claim_path path = claim_path_of(r, op, fp, now);
     if (path == CP_MISMATCH) {
-        /* Rule 3: recorded, nothing else changes. */
+        /* Rule 3: recorded, nothing else changes. A record in review is answered `review` with
+         * its note (the outcome table), the other content recorded all the same: the person who
+         * decides it sees that a request of other content came for the key meanwhile. */
+        if (r->state == IDEM_STATE_REVIEW) {
+            sl->c.data = qslot_copy(sl, r->note, r->note_len);
+            sl->c.data_len = r->note_len;
+        }
         r->mismatch_count++;
         r->last_mismatch_ms = now;
         memcpy(r->last_mismatch_fp, fp, 16);
@@ -587,7 +593,8 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, c
         if (rc == 0)
             rc = write_version(s, slot, r->state, r, r->key, owner, note, result, result_len,
                                &sl->need_lsn);
-        sl->c.outcome = IDEM_MISMATCH;
+        sl->c.outcome = r->state == IDEM_STATE_REVIEW ? IDEM_REVIEW : IDEM_MISMATCH;
+        if (rc == 0 && r->state == IDEM_STATE_REVIEW) s->st.mismatches++; /* claims_review: out */
         goto out;
     }
     if (path == CP_DONE) {
@@ -1047,11 +1054,24 @@ static void op_del(idem_store *s, struct qslot *sl, const idem_op *op)
         sl->c.err = IDEM_ESTATE;
         return;
     }
-    uint64_t version = r.version;
+    /* The trail keeps the outcome erased (the next claim of the key gets new: the side effect
+     * may happen again). Read before the change: a result that cannot be read stops it. */
+    const void *result;
+    uint32_t result_len;
+    sl->c.err = copy_result(sl, &r, &result, &result_len);
+    if (sl->c.err != 0) return;
+    struct audit_in e = {.actor = actor_of(op),
+                         .action = "del",
+                         .key = op->key,
+                         .key_len = op->key_len,
+                         .reason = "",
+                         .state_before = IDEM_STATE_COMMITTED,
+                         .version_before = r.version,
+                         .flags = IDEM_AUDIT_RESULT,
+                         .result = result,
+                         .result_full = result_len};
     sl->c.err = write_delete(s, slot, r.state, op->key, op->key_len, &sl->need_lsn);
-    if (sl->c.err == 0)
-        audit_append(s, actor_of(op), "del", op->key, op->key_len, NULL, 0, IDEM_STATE_COMMITTED, 0,
-                     version, 0, sl->need_lsn);
+    if (sl->c.err == 0) audit_append(s, &e, sl->need_lsn);
 }
 
 /* The state of op's record if a delete group must not go ahead for it, else 0. */
@@ -1105,7 +1125,31 @@ static void op_resolve(idem_store *s, struct qslot *sl, const idem_op *op)
         return;
     }
     int before = r.state;
-    uint64_t version = r.version;
+    /* Rule 6: under the review policy a lapsed lease is a review case from its end, the
+     * transition made lazily by a claim, a WAIT wake-up or an operator's action: this one. The
+     * trail says the decision was made on a record in review (a live in_flight one needed
+     * FORCE), the version it was made on the in_flight record's. */
+    int audit_before = before == IDEM_STATE_IN_FLIGHT && now >= r.lease_until_ms &&
+                               s->opt.lease_policy == IDEM_LEASE_REVIEW
+                           ? IDEM_STATE_REVIEW
+                           : before;
+    struct audit_in e = {
+        .actor = actor_of(op),
+        .action = names[op->action],
+        .key = op->key,
+        .key_len = op->key_len,
+        .reason = op->data,
+        .reason_len = op->data_len,
+        .state_before = audit_before,
+        .state_after = op->action == IDEM_RESOLVE_RELEASE ? 0 : IDEM_STATE_COMMITTED,
+        .version_before = r.version,
+        /* FORCE only where it was needed; the result a commit records, empty or not. */
+        .flags = (before == IDEM_STATE_IN_FLIGHT && now < r.lease_until_ms ? IDEM_AUDIT_FORCED
+                  : before == IDEM_STATE_IN_FLIGHT                         ? IDEM_AUDIT_LEASE_LAPSED
+                                                                           : 0) |
+                 (op->action == IDEM_RESOLVE_COMMIT ? IDEM_AUDIT_RESULT : 0),
+        .result = op->result,
+        .result_full = op->action == IDEM_RESOLVE_COMMIT ? op->result_len : 0};
     int rc;
     if (op->action == IDEM_RESOLVE_RELEASE) {
         rc = write_delete(s, slot, r.state, op->key, op->key_len, &sl->need_lsn);
@@ -1124,11 +1168,10 @@ static void op_resolve(idem_store *s, struct qslot *sl, const idem_op *op)
         rc = write_version(s, slot, before, &r, r.key, NULL, op->data, result, result_len,
                            &sl->need_lsn);
     }
-    if (rc == 0)
-        audit_append(s, actor_of(op), names[op->action], op->key, op->key_len, op->data,
-                     op->data_len, before,
-                     op->action == IDEM_RESOLVE_RELEASE ? 0 : IDEM_STATE_COMMITTED, version,
-                     op->action == IDEM_RESOLVE_RELEASE ? 0 : r.version, sl->need_lsn);
+    if (rc == 0) {
+        e.version_after = op->action == IDEM_RESOLVE_RELEASE ? 0 : r.version;
+        audit_append(s, &e, sl->need_lsn);
+    }
     sl->c.err = rc;
     if (rc == 0) ops_wake(s, op->key, op->key_len);
 }

@@ -1846,6 +1846,11 @@ int idem_open(const char *dir, const idem_options *o, idem_store **out)
     /* IDEM_IO_BACKEND=thread|io_uring overrides an automatic choice (operators in sandboxes
      * that refuse io_uring quietly; the test suite runs once on each backend). */
     const char *env = getenv("IDEM_IO_BACKEND");
+    if (env && *env && strcmp(env, "thread") != 0 && strcmp(env, "io_uring") != 0) {
+        /* A misspelt override (the workaround for a sandbox) was taken for none. */
+        store_set_error("IDEM_IO_BACKEND=%.64s: not a backend (thread or io_uring)", env);
+        return IDEM_EINVAL;
+    }
     if (opt.io_backend == IDEM_IO_AUTO && env && strcmp(env, "thread") == 0)
         opt.io_backend = IDEM_IO_THREAD;
     if (opt.io_backend == IDEM_IO_AUTO && env && strcmp(env, "io_uring") == 0)

@@ -233,7 +233,7 @@ struct audit_buf {
  * reason one after the other from off. */
 struct audit_place {
     size_t off;
-    uint32_t action_len, actor_len;
+    uint32_t action_len, actor_len, reason_len;
 };
 
 /* A place in audit.log (audit.c): the unit that starts at off, its first entry numbered seq,
@@ -750,11 +750,24 @@ uint64_t audit_memory_bytes(const idem_store *s);
 int audit_reserve(idem_store *s);
 /* The same for n entries (a group of deletes, made before any of them). */
 int audit_reserve_n(idem_store *s, uint32_t n);
+/* An entry as audit_append takes it (strings NUL-terminated but reason, which is reason_len
+ * bytes; with IDEM_AUDIT_RESULT in flags, result holds at least the first
+ * min(result_full, IDEM_AUDIT_RESULT_KEPT) bytes of a result of result_full bytes). */
+struct audit_in {
+    const char *actor, *action;
+    const void *key;
+    uint32_t key_len;
+    const void *reason;
+    uint32_t reason_len;
+    int state_before, state_after;
+    uint64_t version_before, version_after;
+    uint32_t flags;
+    const void *result;
+    uint32_t result_full;
+};
 /* Adds the entry of a change just appended to the log, to be written before the batch that
  * carries the change. */
-void audit_append(idem_store *s, const char *actor, const char *action, const void *key,
-                  uint32_t key_len, const void *reason, uint32_t reason_len, int state_before,
-                  int state_after, uint64_t version_before, uint64_t version_after, uint64_t lsn);
+void audit_append(idem_store *s, const struct audit_in *e, uint64_t lsn);
 /* The flusher, as it closes a batch (mu held): takes the pending entries; returns their bytes. */
 size_t audit_take(idem_store *s);
 /* Writes and flushes what audit_take took (mu not held; only the flusher calls it). */

@@ -52,8 +52,12 @@
 /* SUPER_FEAT_COMPACT_RECORDS: the log may hold records in the compact form (record.h), which a
  * build that knows only the fixed form would take for damage. */
 #define SUPER_FEAT_COMPACT_RECORDS 0x4u
+/* SUPER_FEAT_AUDIT_FLAGS: audit entries may carry flags and a result (audit.c), which a build
+ * that reads the flags' word as zero would take for damage. */
+#define SUPER_FEAT_AUDIT_FLAGS 0x8u
 #define SUPER_FEATURES_KNOWN                                                                       \
-    (SUPER_FEAT_CKPT_CHUNKS | SUPER_FEAT_AUDIT_GROUPS | SUPER_FEAT_COMPACT_RECORDS)
+    (SUPER_FEAT_CKPT_CHUNKS | SUPER_FEAT_AUDIT_GROUPS | SUPER_FEAT_COMPACT_RECORDS |               \
+     SUPER_FEAT_AUDIT_FLAGS)
 /* The log never holds more segments than this (wal.h WAL_SEG_SLOTS). */
 #define SUPER_SEGMENTS_MAX 16384u
 /* Tokens one superblock write reserves ahead (store.c reserve_tokens): a copy's token_reserved

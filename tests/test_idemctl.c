@@ -594,6 +594,52 @@ Test(idemctl, export_import_round_trip, .init = setup, .fini = teardown)
     cr_assert_eq(ctl("import %s/nope.jsonl --dir %s/copy", scratch, scratch), 1);
 }
 
+/* An entry's flags and result (found by a review of the claim rules: the trail kept neither FORCE
+ * nor the outcome recorded) are shown by audit, and an export carries them to an import. */
+Test(idemctl, audit_flags_and_results_are_shown_exported_and_imported, .init = setup,
+     .fini = teardown)
+{
+    write_store();
+    cr_assert_eq(ctl("resolve live-1 commit --force --result INV-9 --reason paid --dir %s", dir), 0,
+                 "%s", err);
+    char big[301];
+    memset(big, 'x', 300);
+    big[300] = 0;
+    cr_assert_eq(ctl("resolve late-1 commit --result %s --reason seen --dir %s", big, dir), 0, "%s",
+                 err);
+    cr_assert_eq(ctl("audit --dir %s", dir), 0, "%s", err);
+    cr_assert(strstr(out, "resolve-commit (forced)") && strstr(out, "\"INV-9\""), "%s", out);
+    cr_assert(strstr(out, "resolve-commit (lease ran out)") && strstr(out, "...\" (300 bytes)"),
+              "%s", out);
+    export_to_file();
+    cr_assert(strstr(out, "\"flags\":5,\"result\":\"INV-9\",\"result_len\":5"), "%s", out);
+    cr_assert_eq(ctl("import %s/exp.jsonl --dir %s/copy", scratch, scratch), 0, "%s", err);
+    cr_assert_eq(ctl("audit --dir %s/copy --json", scratch), 0, "%s", err);
+    cr_assert(strstr(out, "\"forced\":true,\"lease_lapsed\":false,\"result\":\"INV-9\""), "%s",
+              out);
+    cr_assert(strstr(out, "\"forced\":false,\"lease_lapsed\":true"), "%s", out);
+    cr_assert(strstr(out, "\"result_len\":300"), "%s", out);
+    /* Flags this build does not know, or a result whose lengths disagree, are refused by line. */
+    char path[4200];
+    snprintf(path, sizeof path, "%s/bad.jsonl", scratch);
+    const char *bad[] = {"\"flags\":8", "\"flags\":4,\"result\":\"ab\",\"result_len\":3",
+                         "\"flags\":0,\"result\":\"ab\",\"result_len\":2"};
+    const char *field[] = {"field flags", "field result", "field result"};
+    for (int i = 0; i < 3; i++) {
+        FILE *f = fopen(path, "w");
+        cr_assert_not_null(f);
+        fprintf(f,
+                "{\"type\":\"export\",\"format\":2,\"token_next\":9}\n"
+                "{\"type\":\"audit\",\"seq\":1,\"at_ms\":5,\"actor\":\"a\",\"action\":"
+                "\"del\",\"key\":\"k\",\"reason\":\"\",%s}\n"
+                "{\"type\":\"end\",\"records\":0,\"audit_entries\":1}\n",
+                bad[i]);
+        fclose(f);
+        cr_assert_eq(ctl("import %s --dir %s/bad%d", path, scratch, i), 1, "%s", bad[i]);
+        cr_assert(strstr(err, ":2:") && strstr(err, field[i]), "%s: %s", bad[i], err);
+    }
+}
+
 /* Found by a review of export and import: an export carried only the tokens live records hold,
  * so the imported store handed out again, from its first claim, tokens the source store had
  * given to keys since released: a worker still holding one (its lease run out, the key released

@@ -2663,19 +2663,19 @@ Test(recovery, unknown_format_version_is_refused_by_name)
 }
 
 /* Every copy sets the features this build knows (checkpoint format 2, audit groups, compact
- * records); a feature bit it does not know refuses the store (an older build refuses this
- * build's stores so). */
+ * records, audit flags); a feature bit it does not know refuses the store (an older build
+ * refuses this build's stores so). */
 Test(recovery, unknown_feature_bit_is_refused_by_name)
 {
     idem_store *s;
     cr_assert_eq(open_sim(&s), IDEM_OK);
     cr_assert_eq(idem_close(s), IDEM_OK);
     uint8_t sb[8192];
-    cr_assert_eq(newest_super(sb)[12],
-                 SUPER_FEAT_CKPT_CHUNKS | SUPER_FEAT_AUDIT_GROUPS | SUPER_FEAT_COMPACT_RECORDS);
-    super_set_byte(12, SUPER_FEATURES_KNOWN | 0x8);
+    cr_assert_eq(newest_super(sb)[12], SUPER_FEAT_CKPT_CHUNKS | SUPER_FEAT_AUDIT_GROUPS |
+                                           SUPER_FEAT_COMPACT_RECORDS | SUPER_FEAT_AUDIT_FLAGS);
+    super_set_byte(12, SUPER_FEATURES_KNOWN | 0x10);
     cr_assert_eq(open_sim(&s), IDEM_EVERSION);
-    cr_assert(strstr(idem_last_error(), "features 0xf"), "message: %s", idem_last_error());
+    cr_assert(strstr(idem_last_error(), "features 0x1f"), "message: %s", idem_last_error());
 }
 
 /* A checkpoint whose header names a format this build does not know is refused by name. */

@@ -1638,6 +1638,36 @@ Test(server, roles_and_auth, .init = start_users)
     redisFree(c);
 }
 
+/* Found by a review of the claim rules: IDEM.AUDIT said neither that a resolve overrode a
+ * running lease nor which outcome it recorded, nor which one a DEL erased. */
+Test(server, the_audit_names_force_and_the_result_recorded_or_erased, .init = start)
+{
+    redisContext *c = connect_tcp(), *admin = connect_unix();
+    long long tok;
+    cr_assert_str_eq(outcome(cmd(c, "IDEM.CLAIM fa 600000 60000"), &tok), "new");
+    expect_status(cmd(admin, "IDEM.RESOLVE fa commit %s RESULT inv-9 FORCE", "bank says paid"),
+                  "OK");
+    expect_status(cmd(c, "SET gone ch_3R2b NX PX 600000"), "OK");
+    redisReply *r = cmd(admin, "DEL gone");
+    cr_assert_eq(r->integer, 1);
+    freeReplyObject(r);
+    r = cmd(admin, "IDEM.AUDIT COUNT 2");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
+    cr_assert_eq(r->elements, 2);
+    const redisReply *del = r->element[0], *res = r->element[1];
+    cr_assert_str_eq(field_of(del, "action"), "del");
+    cr_assert_str_eq(field_of(del, "forced"), "0");
+    cr_assert_str_eq(field_of(del, "result"), "ch_3R2b");
+    cr_assert_str_eq(field_of(del, "result_len"), "7");
+    cr_assert_str_eq(field_of(res, "action"), "resolve-commit");
+    cr_assert_str_eq(field_of(res, "forced"), "1");
+    cr_assert_str_eq(field_of(res, "lease_lapsed"), "0");
+    cr_assert_str_eq(field_of(res, "result"), "inv-9");
+    freeReplyObject(r);
+    redisFree(c);
+    redisFree(admin);
+}
+
 /* The actor of key's newest audit entry, by IDEM.AUDIT (copied into buf). */
 static const char *audited_actor(redisContext *c, const char *key, char *buf, size_t cap)
 {
@@ -4210,7 +4240,8 @@ static void unheard_grant_released(int on_unix)
             cr_assert_eq(setsockopt(p[i].fd, SOL_SOCKET, SO_LINGER, &reset, sizeof reset), 0);
         close(p[i].fd);
     }
-    usleep(200 * 1000); /* the resets or closes seen */
+    for (int64_t end = now_ms() + 5000; log_lines_with("event=half_close") < 2; usleep(10000))
+        cr_assert_lt(now_ms(), end, "idemd did not see the clients leave"); /* with work due */
     fail_end();
     for (int i = 0; i < 2; i++) {
         redisReply *r = NULL;

@@ -73,7 +73,8 @@ static int audit_own(struct ctl_audit *out, const idem_audit_entry *e)
     size_t al = strlen(e->actor ? e->actor : ""), acl = strlen(e->action ? e->action : "");
     size_t rl = strlen(e->reason ? e->reason : "");
     out->e = *e;
-    out->mem = malloc(al + acl + rl + e->key_len + 4);
+    uint32_t res = e->flags & IDEM_AUDIT_RESULT && e->result ? e->result_len : 0;
+    out->mem = malloc(al + acl + rl + e->key_len + res + 4);
     if (!out->mem) return -1;
     char *m = out->mem;
     memcpy(m, e->actor ? e->actor : "", al + 1);
@@ -88,6 +89,10 @@ static int audit_own(struct ctl_audit *out, const idem_audit_entry *e)
     memcpy(m, e->key, e->key_len);
     m[e->key_len] = 0;
     out->e.key = m;
+    m += e->key_len + 1;
+    if (res) memcpy(m, e->result, res);
+    out->e.result = m;
+    out->e.result_len = res;
     return 0;
 }
 
@@ -705,6 +710,13 @@ static int audit_online(struct ctl *c, const void *key, size_t klen, uint32_t co
         e.state_after = state_or_absent(resp_field(a, "state_after"));
         e.version_before = val_u64(resp_field(a, "version_before"));
         e.version_after = val_u64(resp_field(a, "version_after"));
+        e.flags = (val_u64(resp_field(a, "forced")) ? IDEM_AUDIT_FORCED : 0) |
+                  (val_u64(resp_field(a, "lease_lapsed")) ? IDEM_AUDIT_LEASE_LAPSED : 0);
+        if ((f = resp_field(a, "result_len"))) { /* an idemd before them sends none */
+            e.flags |= IDEM_AUDIT_RESULT;
+            blob(a, "result", &e.result, &e.result_len);
+            e.result_full_len = (uint32_t)val_u64(f);
+        }
         if (!e.key) e.key = "";
         if (audit_own(&(*out)[*n], &e) < 0) break;
         ++*n;

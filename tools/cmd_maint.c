@@ -315,6 +315,11 @@ static void export_audit_line(struct jw *j, const idem_audit_entry *e)
     jw_kint(j, "state_after", e->state_after);
     jw_kuint(j, "version_before", e->version_before);
     jw_kuint(j, "version_after", e->version_after);
+    jw_kuint(j, "flags", e->flags);
+    if (e->flags & IDEM_AUDIT_RESULT) {
+        jw_kblob_pub(j, "result", e->result, e->result_len);
+        jw_kuint(j, "result_len", e->result_full_len);
+    }
     jw_obj_end(j);
     fputc('\n', j->f);
 }
@@ -577,6 +582,9 @@ static void line_audit(struct line *l, idem_audit_entry *e)
     e->state_after = (int)num_in(l, "state_after", 0, IDEM_STATE_REVIEW);
     e->version_before = (uint64_t)num_in(l, "version_before", 0, INT64_MAX);
     e->version_after = (uint64_t)num_in(l, "version_after", 0, INT64_MAX);
+    e->flags = (uint32_t)num_in(l, "flags", 0, IDEM_AUDIT_FLAGS_KNOWN); /* none before them */
+    e->result = bytes(l, "result", &e->result_len, &p);
+    e->result_full_len = (uint32_t)num_in(l, "result_len", 0, UINT32_MAX);
     /* The store's limits, checked here by line: a batch of entries goes to the store 256 at a
      * time (audit_flush), and a bad file held that many copies of 7 MiB lines before it said. */
     const char *bad = idem_audit_entry_invalid(e);
@@ -606,7 +614,7 @@ struct import_state {
 static int audit_keep(struct import_state *st, const idem_audit_entry *e, uint64_t no)
 {
     size_t la = strlen(e->actor) + 1, lc = strlen(e->action) + 1, lr = strlen(e->reason) + 1;
-    char *m = malloc(la + lc + lr + e->key_len);
+    char *m = malloc(la + lc + lr + e->key_len + e->result_len);
     if (!m) return -1;
     idem_audit_entry *k = &st->e[st->ne];
     *k = *e;
@@ -614,6 +622,8 @@ static int audit_keep(struct import_state *st, const idem_audit_entry *e, uint64
     k->action = memcpy(m + la, e->action, lc);
     k->reason = memcpy(m + la + lc, e->reason, lr);
     k->key = memcpy(m + la + lc + lr, e->key, e->key_len);
+    k->result =
+        e->result_len ? memcpy(m + la + lc + lr + e->key_len, e->result, e->result_len) : NULL;
     st->e_mem[st->ne] = m;
     st->e_no[st->ne++] = no;
     return 0;
@@ -660,7 +670,10 @@ static int audit_in_already(struct ctl *c, const idem_audit_entry *e)
     return !strcmp(a->actor, e->actor) && !strcmp(a->action, e->action) &&
            !strcmp(a->reason, e->reason) && !memcmp(a->key, e->key, e->key_len) &&
            a->state_before == e->state_before && a->state_after == e->state_after &&
-           a->version_before == e->version_before && a->version_after == e->version_after;
+           a->version_before == e->version_before && a->version_after == e->version_after &&
+           a->flags == e->flags && a->result_full_len == e->result_full_len &&
+           a->result_len == e->result_len &&
+           (!a->result_len || !memcmp(a->result, e->result, a->result_len));
 }
 
 /* The header and the end line: 0, or prints why and returns CTL_FAIL. */

@@ -466,6 +466,14 @@ static void audit_json(const struct ctl_audit *a, size_t n)
         jw_kstr(&j, "state_after", state_or_absent(e->state_after));
         jw_kuint(&j, "version_before", e->version_before);
         jw_kuint(&j, "version_after", e->version_after);
+        jw_key(&j, "forced");
+        jw_bool(&j, (e->flags & IDEM_AUDIT_FORCED) != 0);
+        jw_key(&j, "lease_lapsed");
+        jw_bool(&j, (e->flags & IDEM_AUDIT_LEASE_LAPSED) != 0);
+        if (e->flags & IDEM_AUDIT_RESULT) { /* its first bytes, and its whole length */
+            jw_kblob_pub(&j, "result", e->result, e->result_len);
+            jw_kuint(&j, "result_len", e->result_full_len);
+        }
         jw_obj_end(&j);
     }
     jw_arr_end(&j);
@@ -478,12 +486,12 @@ static void audit_human(const struct ctl_audit *a, size_t n, const struct ctl_op
         printf("no decisions recorded\n");
         return;
     }
-    struct table *tb = table_new(7);
-    table_add(tb, "SEQ", "WHEN", "WHO", "ACTION", "KEY", "BEFORE -> AFTER", "REASON");
+    struct table *tb = table_new(8);
+    table_add(tb, "SEQ", "WHEN", "WHO", "ACTION", "KEY", "BEFORE -> AFTER", "RESULT", "REASON");
     for (size_t i = 0; i < n; i++) {
         const idem_audit_entry *e = &a[i].e;
-        char seq[24], when[40], key[CTL_KEY_TEXT_CAP], ch[104], reason[256], who[320], what[96];
-        char before[48], after[48];
+        char seq[24], when[40], key[CTL_KEY_TEXT_CAP], ch[104], reason[256], who[320], what[120];
+        char before[48], after[48], res[4 * IDEM_AUDIT_RESULT_KEPT + 48];
         snprintf(seq, sizeof seq, "%llu", (unsigned long long)e->seq);
         fmt_iso(e->at_ms, when, sizeof when);
         bytes_escape(e->key, e->key_len, key, sizeof key);
@@ -495,7 +503,22 @@ static void audit_human(const struct ctl_audit *a, size_t n, const struct ctl_op
          * gave, and control bytes would reach the terminal. */
         bytes_escape(e->actor, strlen(e->actor), who, sizeof who);
         bytes_escape(e->action, strlen(e->action), what, sizeof what);
-        table_add(tb, seq, when, who, what, key, ch, reason);
+        size_t wl = strlen(what);
+        if (e->flags & IDEM_AUDIT_FORCED) snprintf(what + wl, sizeof what - wl, " (forced)");
+        if (e->flags & IDEM_AUDIT_LEASE_LAPSED)
+            snprintf(what + wl, sizeof what - wl, " (lease ran out)");
+        /* The result a commit recorded or a DEL erased: "" for an empty one, - for none. */
+        snprintf(res, sizeof res, "-");
+        if (e->flags & IDEM_AUDIT_RESULT) {
+            res[0] = '"';
+            bytes_escape(e->result, e->result_len, res + 1, sizeof res - 32);
+            size_t rl = strlen(res);
+            if (e->result_full_len > e->result_len)
+                snprintf(res + rl, sizeof res - rl, "...\" (%u bytes)", e->result_full_len);
+            else
+                snprintf(res + rl, sizeof res - rl, "\"");
+        }
+        table_add(tb, seq, when, who, what, key, ch, res, reason);
     }
     table_print(tb, stdout, 1, o->color);
     table_free(tb);

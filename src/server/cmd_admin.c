@@ -147,10 +147,11 @@ static int state_parse(cmd_req *r, uint32_t i)
     return 0;
 }
 
-/* The largest an audit entry's reply can be: its key, reason and actor at their limits, the
- * action, six numbers and ten field names, with their framing. */
+/* The largest an audit entry's reply can be: its key, reason, actor and result at their
+ * limits, the action, nine numbers and fourteen field names, with their framing. */
 #define AUDIT_ENTRY_REPLY_MAX                                                                      \
-    (IDEM_KEY_BYTES_MAX + IDEM_NOTE_BYTES_MAX + IDEM_ACTOR_BYTES_MAX + 1024)
+    (IDEM_KEY_BYTES_MAX + IDEM_NOTE_BYTES_MAX + IDEM_ACTOR_BYTES_MAX + IDEM_AUDIT_RESULT_KEPT +    \
+     1024)
 
 /* The largest reply read a can make. */
 static uint64_t read_reply_max(const srv *s, const srv_read_args *a)
@@ -232,7 +233,8 @@ static void scan_reply(idem_queue *q, const idem_scan_args *a, resp_buf *b)
 
 static void audit_entry(resp_buf *b, const idem_audit_entry *e)
 {
-    resp_array(b, 20);
+    int result = (e->flags & IDEM_AUDIT_RESULT) != 0;
+    resp_array(b, result ? 28 : 24);
     resp_bulk_str(b, "seq");
     resp_bulk_u64(b, e->seq);
     resp_bulk_str(b, "at_ms");
@@ -253,6 +255,16 @@ static void audit_entry(resp_buf *b, const idem_audit_entry *e)
     resp_bulk_u64(b, e->version_before);
     resp_bulk_str(b, "version_after");
     resp_bulk_u64(b, e->version_after);
+    resp_bulk_str(b, "forced");
+    resp_bulk_u64(b, (e->flags & IDEM_AUDIT_FORCED) != 0);
+    resp_bulk_str(b, "lease_lapsed");
+    resp_bulk_u64(b, (e->flags & IDEM_AUDIT_LEASE_LAPSED) != 0);
+    if (result) { /* the result a resolve commit recorded, or a DEL erased: its first bytes */
+        resp_bulk_str(b, "result");
+        resp_bulk(b, e->result_len ? e->result : "", e->result_len);
+        resp_bulk_str(b, "result_len");
+        resp_bulk_u64(b, e->result_full_len);
+    }
 }
 
 /* IDEM.AUDIT [KEY key] [COUNT n] [BEFORE seq]: BEFORE pages back through the whole trail (the

@@ -1316,7 +1316,17 @@ static void submit_unheard(srv *s)
 /* The completion of submit_unheard's release of the claim token names. */
 static void unheard_released(srv *s, srv_conn *c, int err, int64_t token)
 {
-    if (err != IDEM_OK) return; /* the lease ran out and the key went on, or the store failed */
+    /* Stale or gone: the lease ran out and the key went on. Else (a full queue, a failed store)
+     * the key stays held for its lease, as it was before such releases: said. */
+    if (err == IDEM_ESTALE || err == IDEM_ENOTFOUND) return;
+    if (err != IDEM_OK) {
+        srv_log_gated(&s->log_unheard, "warn", "claim_release_failed",
+                      "id=%llu peer=%s token=%lld error=\"%s\" msg=\"a WAIT claim's new came after "
+                      "its client was gone, and its release failed: the key is held until its "
+                      "lease runs out\"",
+                      (unsigned long long)c->id, c->peer, (long long)token, idem_strerror(err));
+        return;
+    }
     s->claims_released_unheard++;
     srv_log_gated(&s->log_unheard, "info", "claim_released",
                   "id=%llu peer=%s token=%lld msg=\"a WAIT claim's new came after its client "
