@@ -1041,6 +1041,21 @@ static const char *actor_of(const idem_op *op)
     return op->actor && *op->actor ? op->actor : "unknown";
 }
 
+/* The first min(its length, IDEM_AUDIT_RESULT_KEPT) bytes of r's result in head, its whole
+ * length in *full: 0, or -1 for an LZ4 result that does not decode (only the bytes kept are
+ * decoded, whatever its length). */
+static int result_head(const struct rec *r, uint8_t head[IDEM_AUDIT_RESULT_KEPT], uint32_t *full)
+{
+    int lz4 = (r->flags & REC_F_LZ4) != 0;
+    *full = lz4 ? r->result_raw_len : r->result_len;
+    uint32_t keep = *full < IDEM_AUDIT_RESULT_KEPT ? *full : IDEM_AUDIT_RESULT_KEPT;
+    if (keep && !lz4) memcpy(head, r->result, keep);
+    if (!keep || !lz4) return 0;
+    int n = LZ4_decompress_safe_partial((const char *)r->result, (char *)head, (int)r->result_len,
+                                        (int)keep, IDEM_AUDIT_RESULT_KEPT);
+    return n >= (int)keep ? 0 : -1;
+}
+
 /* Operator calls (del, resolve) add an audit entry after their change, in the same hold of the
  * lock (ops_apply made room for it): the flusher writes it before the batch that carries the
  * change (audit.c), so the change is never durable without its entry. */
@@ -1055,11 +1070,10 @@ static void op_del(idem_store *s, struct qslot *sl, const idem_op *op)
         return;
     }
     /* The trail keeps the outcome erased (the next claim of the key gets new: the side effect
-     * may happen again). Read before the change: a result that cannot be read stops it. */
-    const void *result;
-    uint32_t result_len;
-    sl->c.err = copy_result(sl, &r, &result, &result_len);
-    if (sl->c.err != 0) return;
+     * may happen again): its first bytes, read before the change (the log may move them). */
+    uint8_t head[IDEM_AUDIT_RESULT_KEPT];
+    uint32_t full = 0;
+    int kept = result_head(&r, head, &full) == 0;
     struct audit_in e = {.actor = actor_of(op),
                          .action = "del",
                          .key = op->key,
@@ -1067,9 +1081,9 @@ static void op_del(idem_store *s, struct qslot *sl, const idem_op *op)
                          .reason = "",
                          .state_before = IDEM_STATE_COMMITTED,
                          .version_before = r.version,
-                         .flags = IDEM_AUDIT_RESULT,
-                         .result = result,
-                         .result_full = result_len};
+                         .flags = kept ? IDEM_AUDIT_RESULT : 0,
+                         .result = head,
+                         .result_full = kept ? full : 0};
     sl->c.err = write_delete(s, slot, r.state, op->key, op->key_len, &sl->need_lsn);
     if (sl->c.err == 0) audit_append(s, &e, sl->need_lsn);
 }

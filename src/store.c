@@ -1845,7 +1845,7 @@ int idem_open(const char *dir, const idem_options *o, idem_store **out)
     if (disk_limit_check(dir, opt.max_disk_bytes)) return IDEM_EINVAL;
     /* IDEM_IO_BACKEND=thread|io_uring overrides an automatic choice (operators in sandboxes
      * that refuse io_uring quietly; the test suite runs once on each backend). */
-    const char *env = getenv("IDEM_IO_BACKEND");
+    const char *env = opt.io_backend == IDEM_IO_AUTO ? getenv("IDEM_IO_BACKEND") : NULL;
     if (env && *env && strcmp(env, "thread") != 0 && strcmp(env, "io_uring") != 0) {
         /* A misspelt override (the workaround for a sandbox) was taken for none. */
         store_set_error("IDEM_IO_BACKEND=%.64s: not a backend (thread or io_uring)", env);

@@ -3818,7 +3818,9 @@ Test(recovery, leftover_files_are_found_by_listing_the_directory)
  * after the checkpoint: one group of two audit entries. golden-v4 holds the same in compact
  * records (record.h), fixed-form records in the log of v1-v3. golden-v5 adds claims after the
  * checkpoint until the log rolls into segment 2 and 3: SEGEND frames that name the next
- * segment's salt (v1-v4 never roll). */
+ * segment's salt (v1-v4 never roll). golden-v6 (audit flags, feature 0x8) adds a resolve with
+ * FORCE of a running claim to that submission: entries with flags and results (the one the
+ * delete erased, the ones the commits recorded). */
 #define GOLDEN_ROLL_KEYS 12
 static void golden_contents(idem_queue *q, int write, int version)
 {
@@ -3843,6 +3845,7 @@ static void golden_contents(idem_queue *q, int write, int version)
             cr_assert_eq(idem_claim(q, "golden-resolved", 15, &a, &c), IDEM_OK);
             cr_assert_eq(idem_hold(q, "golden-resolved", 15, c.token, "unsure", 6), IDEM_OK);
         }
+        if (version >= 6) cr_assert_eq(idem_claim(q, "golden-forced", 13, &a, &c), IDEM_OK);
         return;
     }
     for (int i = 0; version >= 5 && i < GOLDEN_ROLL_KEYS; i++) {
@@ -3861,7 +3864,22 @@ static void golden_contents(idem_queue *q, int write, int version)
         const idem_audit_entry *e;
         size_t n = 0;
         cr_assert_eq(idem_audit(q, NULL, 0, 10, &e, &n), IDEM_OK);
-        cr_assert_eq(n, 2, "%zu audit entries", n);
+        cr_assert_eq(n, version >= 6 ? 3 : 2, "%zu audit entries", n);
+        if (version >= 6) {
+            cr_assert_str_eq(e[0].action, "resolve-commit");
+            cr_assert_eq(e[0].flags, IDEM_AUDIT_FORCED | IDEM_AUDIT_RESULT);
+            cr_assert_eq(e[0].result_full_len, 5);
+            cr_assert(!memcmp(e[0].result, "ref-6", 5));
+            cr_assert_eq(e[1].flags, IDEM_AUDIT_RESULT); /* the commit's empty result */
+            cr_assert_eq(e[1].result_full_len, 0);
+            cr_assert_eq(e[2].flags, IDEM_AUDIT_RESULT); /* the result the delete erased */
+            cr_assert_eq(e[2].result_len, 4);
+            cr_assert(!memcmp(e[2].result, "gone", 4));
+            e++;
+        } else {
+            for (size_t i = 0; i < n; i++)
+                cr_assert_eq(e[i].flags, 0, "an entry from before the flags");
+        }
         cr_assert_str_eq(e[0].action, "resolve-commit");
         cr_assert_str_eq(e[0].reason, "checked by ops");
         cr_assert_eq(e[0].state_before, IDEM_STATE_REVIEW);
@@ -3927,6 +3945,19 @@ static void golden_write(const char *golden, int version)
              .actor = "ops"}};
         submit_expect(q, ops, 2, IDEM_OK);
     }
+    if (version >= 6) {
+        idem_op op = {.kind = IDEM_OP_RESOLVE,
+                      .flags = IDEM_F_FORCE,
+                      .key = "golden-forced",
+                      .key_len = 13,
+                      .action = IDEM_RESOLVE_COMMIT,
+                      .data = "forced by ops",
+                      .data_len = 13,
+                      .result = "ref-6",
+                      .result_len = 5,
+                      .actor = "ops"};
+        submit_expect(q, &op, 1, IDEM_OK);
+    }
     for (int i = 0; version >= 5 && i < GOLDEN_ROLL_KEYS; i++) { /* two batches each */
         char key[32];
         snprintf(key, sizeof key, "golden-roll-%d", i);
@@ -3988,6 +4019,11 @@ Test(golden, compact_records_store_opens_and_answers)
 Test(golden, segend_with_the_next_salt_store_opens_and_answers)
 {
     golden_check(5);
+}
+
+Test(golden, audit_flags_store_opens_and_answers)
+{
+    golden_check(6);
 }
 
 static void durability_mode_sync_makes_durable(int mode)

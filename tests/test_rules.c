@@ -1716,6 +1716,24 @@ Test(resolve, the_audit_keeps_force_a_lapsed_lease_and_the_result)
     }
 }
 
+/* A DEL of a result stored compressed keeps its first bytes decoded, and only those are: the
+ * whole result (up to the store's limit) was decoded under the lock to keep 256 bytes. */
+Test(del, the_audit_keeps_the_head_of_a_compressed_result_erased)
+{
+    static char big[3000];
+    memset(big, 'z', sizeof big - 1);
+    make_committed("z", NULL, big);
+    expect_rc(idem_del(g_q, "z", 1, "carol"), IDEM_OK);
+    const idem_audit_entry *e;
+    size_t n = 0;
+    expect_rc(idem_audit(g_q, "z", 1, 10, &e, &n), IDEM_OK);
+    cr_assert_eq(n, 1);
+    cr_assert_eq(e[0].flags, IDEM_AUDIT_RESULT);
+    cr_assert_eq(e[0].result_full_len, sizeof big - 1);
+    cr_assert_eq(e[0].result_len, IDEM_AUDIT_RESULT_KEPT);
+    cr_assert_eq(memcmp(e[0].result, big, IDEM_AUDIT_RESULT_KEPT), 0);
+}
+
 Test(resolve, every_resolve_appears_in_the_audit_newest_first)
 {
     make_review("a", "n1");

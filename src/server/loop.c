@@ -1983,11 +1983,11 @@ static int setup_fds(srv *s)
     s->load_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     s->backup_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
     s->reads_fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
-    s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (s->epfd < 0 || s->sig_fd < 0 || s->load_fd < 0 || s->backup_fd < 0 || s->reads_fd < 0) {
         srv_log("error", "start_failed", "what=event_fds error=\"%s\"", strerror(errno));
         return -1;
     }
+    s->spare_fd = open("/dev/null", O_RDONLY | O_CLOEXEC);
     if (ep_add(s, s->sig_fd, TAG_SIG, EPOLLIN, "signals") != 0 ||
         ep_add(s, s->load_fd, TAG_LOAD, EPOLLIN, "load") != 0 ||
         ep_add(s, s->backup_fd, TAG_BACKUP, EPOLLIN, "backup") != 0 ||

@@ -3,8 +3,8 @@
  * at a moment of their choosing. Once the file named by IDEM_TEST_FAIL_SYNC_FILE exists,
  * fdatasync and fsync fail with EIO; while the file named by IDEM_TEST_HOLD_SYNC_FILE exists,
  * they wait (a disk whose flushes take that long) and then are the system's; else they are the
- * system's. It reaches the thread backend's flushes (IDEM_IO_BACKEND=thread), not io_uring's,
- * which make no such call.
+ * system's. It reaches the flushes of both real backends: io_uring's are fdatasync calls too
+ * (io_uring.c), not ring requests.
  */
 #include <dlfcn.h>
 #include <errno.h>
