@@ -508,7 +508,8 @@ typedef struct idem_attention_args {
  * Costs no scan of all keys (the store keeps the unfinished and the mismatched records apart).
  * records[i] for i < n stay valid until the next call on q; order: review first, then in_flight
  * by first_seen, then mismatches. Cut to max, the list keeps the first groups and, within a
- * group, the oldest records (by first_seen; mismatches by their last mismatch); so is a list cut
+ * group, the oldest records (by first_seen; mismatches the latest, by their last mismatch: a
+ * new incident is not hidden behind committed ones listed until they expire); so is a list cut
  * to max_bytes. The store's
  * lock is taken in steps meanwhile, so other callers are not held up for the whole list; a
  * record whose state changes during the call is listed once, possibly in the group being read

@@ -17,7 +17,8 @@
 #include "util.h"
 
 #define ATTENTION_MAX_DEFAULT 1000u
-#define ATT_BUF_KEEP          (1u << 20) /* a larger buffer is not kept for the next call */
+#define ATT_BUF_KEEP          (1u << 20)   /* a larger buffer is not kept for the next call */
+#define ATT_STEP_BYTES        (256u << 10) /* records copied under one hold of mu, about */
 
 /* Bytes of the records returned by the last call, as offsets until the end (pointers after). */
 struct att_buf {
@@ -88,7 +89,8 @@ struct att_view {
     struct age_entry *v[ATT_GROUPS];
     size_t n[ATT_GROUPS];
     int64_t now, older_ms;
-    int err; /* IDEM_EFATAL: a record left out or listed rests on a clock never made durable */
+    int err; /* IDEM_EFATAL: a record left out or listed rests on a clock never made durable;
+              * IDEM_ENOMEM: a record had no room for its copy */
 };
 
 /* Whether the key's current version, at addr, is listed in group g for entry e of that group's
@@ -131,6 +133,7 @@ static int att_take(idem_store *s, struct att_view *av, struct qslot *tmp, uint6
     tmp->buf_used = 0;
     memset(&tmp->c, 0, sizeof tmp->c);
     ops_fill_record(tmp, &r, slot, s);
+    if (tmp->c.err == IDEM_ENOMEM) av->err = IDEM_ENOMEM; /* the call fails: no record left out */
     return tmp->c.err == 0;
 }
 
@@ -183,7 +186,8 @@ static int att_room(size_t k, size_t max, const struct att_buf *ab, uint64_t max
     return k < max && (max_bytes == 0 || ab->used < max_bytes);
 }
 
-/* Lists the records of group g, oldest first (by the heap's time), while att_room; entries are
+/* Lists the records of group g, oldest first (by the heap's time; mismatches newest first),
+ * while att_room; entries are
  * checked in steps of AGES_VIEW_STEP, with mu let go between steps. Each entry leads to the
  * slots holding its hash bits: the one still at its address, or one at another address that
  * marks its version kept apart (written since: att_take). */
@@ -193,17 +197,27 @@ static int att_group_list(idem_store *s, struct att_view *av, int g, struct qslo
 {
     int rc = 0;
     const struct age_entry *v = av->v[g];
+    /* Mismatches newest first: committed ones stay listed until they expire (days), and a list
+     * cut to COUNT kept the oldest, a new incident never shown. The copy stays in its order for
+     * att_take's bsearch; the walk goes from its end. */
+    int rev = att_order[g] == AGE_MISMATCH;
     store_lock(s);
-    for (size_t i = 0; i < av->n[g] && rc == 0 && att_room(*k, max, ab, max_bytes);) {
+    for (size_t i = 0; i < av->n[g] && rc == 0 && !av->err && att_room(*k, max, ab, max_bytes);) {
         if (i > 0) store_let_others_in(s);
+        /* A step ends at AGES_VIEW_STEP entries, or once ATT_STEP_BYTES of records are copied
+         * (each may hold a result of up to 1 MiB, decoded, copied and faulted in under mu). */
+        size_t step_from = ab->used;
         for (size_t end = i + AGES_VIEW_STEP;
-             i < av->n[g] && i < end && rc == 0 && att_room(*k, max, ab, max_bytes); i++) {
+             i < av->n[g] && i < end && rc == 0 && !av->err && att_room(*k, max, ab, max_bytes) &&
+             ab->used - step_from < ATT_STEP_BYTES;
+             i++) {
+            const struct age_entry *e = &v[rev ? av->n[g] - 1 - i : i];
             const struct index_slot *like[ATT_LIKE_MAX];
-            size_t nl = index_slots_like(s->ix, ages_entry_hash(&v[i]), like, ATT_LIKE_MAX);
+            size_t nl = index_slots_like(s->ix, ages_entry_hash(e), like, ATT_LIKE_MAX);
             for (size_t j = 0; j < nl && rc == 0 && att_room(*k, max, ab, max_bytes); j++) {
                 uint64_t addr = index_slot_addr(like[j]), h;
-                if ((addr != ages_entry_addr(&v[i]) && !(like[j]->aux & SLOT_AUX_APART)) ||
-                    !att_take(s, av, tmp, addr, g, &v[i], &h))
+                if ((addr != ages_entry_addr(e) && !(like[j]->aux & SLOT_AUX_APART)) ||
+                    !att_take(s, av, tmp, addr, g, e, &h))
                     continue;
                 struct att_seen *place =
                     att_set_place(set, ab, out, h, tmp->ext->record.key, tmp->ext->record.key_len);

@@ -384,8 +384,8 @@ void ops_fill_record(struct qslot *sl, const struct rec *r, struct index_slot *s
     }
     o->attempts = r->attempts;
     o->last_grant_ms = r->last_grant_ms;
-    if (r->state == IDEM_STATE_COMMITTED && copy_result(sl, r, &o->result, &o->result_len) < 0)
-        sl->c.err = IDEM_ECORRUPT;
+    int rc = r->state == IDEM_STATE_COMMITTED ? copy_result(sl, r, &o->result, &o->result_len) : 0;
+    if (rc < 0) sl->c.err = rc; /* IDEM_ECORRUPT, or IDEM_ENOMEM */
     if (r->note_len) {
         o->note = qslot_copy(sl, r->note, r->note_len);
         o->note_len = r->note_len;
@@ -396,6 +396,10 @@ void ops_fill_record(struct qslot *sl, const struct rec *r, struct index_slot *s
     memcpy(o->last_mismatch_fp, r->last_mismatch_fp, 16);
     o->version = r->version;
     sl->c.found = 1;
+    /* A field with no room for its copy: the record is not handed out with a NULL in its place
+     * (a reader would take key_len bytes from it). */
+    if (!sl->c.err && (!o->key || (o->owner_len && !o->owner) || (o->note_len && !o->note)))
+        sl->c.err = IDEM_ENOMEM;
 }
 
 /* ---- Validation ---- */

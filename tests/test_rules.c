@@ -4178,10 +4178,11 @@ Test(stats, attention_cut_to_max_keeps_the_oldest)
 }
 
 /* A list whose records hold large results ends once their bytes reach max_bytes, the record
- * that reaches it listed, oldest first: IDEM.ATTENTION COUNT 100000 over records with 64 KiB
- * results copied them all (6 GiB) before idemd refused the reply for its size. The buffer of a
- * large list is not kept past the next call. */
-Test(stats, attention_cut_to_its_byte_limit_keeps_the_oldest)
+ * that reaches it listed, mismatches the latest first (the oldest until the fifty-ninth
+ * session): IDEM.ATTENTION COUNT 100000 over records with 64 KiB results copied them all
+ * (6 GiB) before idemd refused the reply for its size. The buffer of a large list is not kept
+ * past the next call. */
+Test(stats, attention_cut_to_its_byte_limit_keeps_the_latest_mismatches)
 {
     enum { N = 10, LEN = 10000 };
     char *val = malloc(LEN + 1), key[32];
@@ -4200,8 +4201,8 @@ Test(stats, attention_cut_to_its_byte_limit_keeps_the_oldest)
     size_t n = 0;
     expect_rc(idem_attention(g_q, &aa, &recs, &n), IDEM_OK);
     cr_assert_eq(n, 3, "%zu records listed", n);
-    for (size_t i = 0; i < n; i++) {
-        snprintf(key, sizeof key, "big%zu", i);
+    for (size_t i = 0; i < n; i++) { /* big7, big8, big9, by first_seen */
+        snprintf(key, sizeof key, "big%zu", N - 3 + i);
         cr_assert(attention_has(recs + i, 1, key), "record %zu is not %s", i, key);
         cr_assert_eq(recs[i].result_len, LEN);
     }
@@ -4267,6 +4268,75 @@ Test(stats, attention_lists_records_rewritten_while_it_runs)
     for (size_t i = 0; i < n; i++)
         if (recs[i].key_len == 2 && memcmp(recs[i].key, "mm", 2) == 0)
             cr_assert_eq(recs[i].mismatch_count, 2);
+}
+
+static atomic_int g_let_go_calls;
+
+static void count_let_go(idem_store *s)
+{
+    (void)s;
+    atomic_fetch_add(&g_let_go_calls, 1);
+}
+
+/* Found by a review of the attention list: its steps were counted in entries alone (4,096), so
+ * 40 committed records with mismatches and 60,000-byte results (2.4 MB) were decoded, copied
+ * and faulted in under one hold of the lock, every claim waiting meanwhile (1000 records of
+ * 1 MiB results, the library's default count, would be 1 GiB). A step ends at 256 KiB too. */
+Test(stats, attention_lets_the_lock_go_between_large_records)
+{
+    enum { N = 40, LEN = 60000 };
+    char *val = malloc(LEN + 1), key[32];
+    cr_assert_not_null(val);
+    uint64_t x = 7;
+    for (int i = 0; i < LEN; i++) {
+        x = x * 6364136223846793005ull + 1442695040888963407ull;
+        val[i] = (char)('!' + (x >> 33) % 90); /* printable, poorly compressible */
+    }
+    val[LEN] = 0;
+    for (int i = 0; i < N; i++) {
+        snprintf(key, sizeof key, "big%d", i);
+        make_committed(key, "A", val);
+        expect_outcome(claim_fp(key, "B"), IDEM_MISMATCH);
+    }
+    free(val);
+    atomic_store(&g_let_go_calls, 0);
+    store_lock(g_s);
+    g_s->test_let_go = count_let_go;
+    store_unlock(g_s);
+    idem_attention_args aa = {.max = 100000}; /* no byte limit: the library's default */
+    const idem_record *recs;
+    size_t n = 0;
+    expect_rc(idem_attention(g_q, &aa, &recs, &n), IDEM_OK);
+    store_lock(g_s);
+    g_s->test_let_go = NULL;
+    store_unlock(g_s);
+    cr_assert_eq(n, N);
+    for (size_t i = 0; i < n; i++)
+        cr_assert_eq(recs[i].result_len, LEN);
+    /* 2.4 MB in steps of five records (256 KiB and the record that passes it): 7 let-goes */
+    cr_assert_geq(atomic_load(&g_let_go_calls), 6, "the lock was let go %d times for %d bytes",
+                  atomic_load(&g_let_go_calls), N * LEN);
+}
+
+/* Found by a review of the attention list: cut to COUNT, it kept the oldest mismatches, and
+ * committed records with mismatches stay listed until they expire (days), so a new incident
+ * never showed (idemctl called the list the most urgent, latest first). */
+Test(stats, attention_cut_in_the_mismatch_group_keeps_the_latest_incident)
+{
+    char key[32];
+    for (int i = 0; i < 3; i++) {
+        at(10 * i);
+        snprintf(key, sizeof key, "m%d", i);
+        make_committed(key, "A", "r");
+        expect_outcome(claim_fp(key, "B"), IDEM_MISMATCH);
+    }
+    idem_attention_args aa = {.max = 2};
+    const idem_record *recs;
+    size_t n = 0;
+    expect_rc(idem_attention(g_q, &aa, &recs, &n), IDEM_OK);
+    cr_assert_eq(n, 2);
+    cr_assert(attention_has(recs, n, "m2"), "the latest mismatch was cut");
+    cr_assert(attention_has(recs, n, "m1"));
 }
 
 Test(stats, empty_store_has_no_oldest_records)
