@@ -388,14 +388,13 @@ typedef struct idem_scan_args {
 int idem_scan(idem_queue *q, const idem_scan_args *a, uint64_t *next_cursor, const void ***keys,
               const uint32_t **key_lens, size_t *n);
 
-/* An audit entry's flags. */
-#define IDEM_AUDIT_FORCED 0x1u /* a resolve with FORCE: the record's lease still ran */
-#define IDEM_AUDIT_LEASE_LAPSED                                                                    \
-    0x2u /* a resolve of an in_flight record whose lease had run out                               \
-          */
-#define IDEM_AUDIT_RESULT                                                                          \
-    0x4u /* result_*: the result a resolve commit recorded, or a del erased                        \
-          */
+/* An audit entry's flags (idem_audit_entry.flags). */
+/* A resolve with FORCE: the record's lease still ran. */
+#define IDEM_AUDIT_FORCED 0x1u
+/* A resolve of an in_flight record whose lease had run out. */
+#define IDEM_AUDIT_LEASE_LAPSED 0x2u
+/* result_* hold the result a resolve commit recorded, or a del erased. */
+#define IDEM_AUDIT_RESULT      0x4u
 #define IDEM_AUDIT_FLAGS_KNOWN 0x7u
 /* The bytes of a result an audit entry keeps (its first ones; result_full_len says the rest). */
 #define IDEM_AUDIT_RESULT_KEPT 256u
@@ -481,6 +480,10 @@ typedef struct idem_stats {
     int64_t oldest_in_flight_age_ms, oldest_review_age_ms;
     uint64_t index_bytes; /* the index's blocks in use: what max_memory_bytes limits (part of
                              memory_bytes) */
+    /* New keys answered IDEM_EFULL because the index could not grow (no memory for its next
+     * block, or a segment at the deepest split full: keys sharing 24 bits of their hash), with
+     * every limit unreached: an event=full line names it. */
+    uint64_t index_refusals;
 } idem_stats;
 
 /* Counters in O(1): no scan of keys. Thread-safe. After a burst of claims it first filters the

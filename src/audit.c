@@ -101,7 +101,7 @@ uint32_t audit_entry_bytes(const uint8_t *p, size_t avail)
     if (flags & IDEM_AUDIT_RESULT) {
         if (fixed + 4 > len + 8) return 0;
         uint32_t full = util_get_u32(p + fixed);
-        tail = 4 + (full < IDEM_AUDIT_RESULT_KEPT ? full : IDEM_AUDIT_RESULT_KEPT);
+        tail = 4 + audit_result_kept(full);
     }
     return fixed + tail == len + 8 ? len + 8 : 0;
 }
@@ -417,17 +417,12 @@ static void group_close(struct audit_buf *b)
     b->grp_n = 0;
 }
 
-/* The bytes of a result an entry keeps. */
-static uint32_t result_kept(uint32_t full)
-{
-    return full < IDEM_AUDIT_RESULT_KEPT ? full : IDEM_AUDIT_RESULT_KEPT;
-}
-
 /* The entry's len field: its bytes after the checksum. */
 static uint32_t entry_len(const struct audit_in *e)
 {
     return AUDIT_HDR - 8 + (uint32_t)strlen(e->action) + (uint32_t)strlen(e->actor) + e->key_len +
-           e->reason_len + (e->flags & IDEM_AUDIT_RESULT ? 4 + result_kept(e->result_full) : 0);
+           e->reason_len +
+           (e->flags & IDEM_AUDIT_RESULT ? 4 + audit_result_kept(e->result_full) : 0);
 }
 
 /* The bytes an entry takes in its group. */
@@ -477,7 +472,8 @@ static void audit_put(idem_store *s, const struct audit_in *e, uint64_t lsn, uin
     v += e->reason_len;
     if (e->flags & IDEM_AUDIT_RESULT) {
         util_put_u32(v, e->result_full);
-        if (result_kept(e->result_full)) memcpy(v + 4, e->result, result_kept(e->result_full));
+        if (audit_result_kept(e->result_full))
+            memcpy(v + 4, e->result, audit_result_kept(e->result_full));
     }
     util_put_u64(p, XXH3_64bits(p + 8, len));
     b->len += padded;
@@ -547,18 +543,17 @@ uint64_t audit_memory_bytes(const idem_store *s)
 /* Whether e may be imported; if not, idem_last_error names the field. */
 const char *idem_audit_entry_invalid(const idem_audit_entry *e)
 {
-    int res = (e->flags & IDEM_AUDIT_RESULT) != 0;
-    return !e->actor || strlen(e->actor) > IDEM_ACTOR_BYTES_MAX            ? "actor"
-           : !e->action || strlen(e->action) > IDEM_ACTION_BYTES_MAX       ? "action"
-           : !e->key || e->key_len == 0 || e->key_len > IDEM_KEY_BYTES_MAX ? "key"
-           : e->reason && strlen(e->reason) > IDEM_NOTE_BYTES_MAX          ? "reason"
-           : e->seq > (uint64_t)INT64_MAX       ? "seq" /* room for later seqs to grow */
-           : e->flags & ~IDEM_AUDIT_FLAGS_KNOWN ? "flags"
-           : res
-               ? (e->result_len != result_kept(e->result_full_len) || (e->result_len && !e->result)
-                      ? "result"
-                      : NULL)
-               : (e->result_len || e->result_full_len ? "result" : NULL);
+    if (!e->actor || strlen(e->actor) > IDEM_ACTOR_BYTES_MAX) return "actor";
+    if (!e->action || strlen(e->action) > IDEM_ACTION_BYTES_MAX) return "action";
+    if (!e->key || e->key_len == 0 || e->key_len > IDEM_KEY_BYTES_MAX) return "key";
+    if (e->reason && strlen(e->reason) > IDEM_NOTE_BYTES_MAX) return "reason";
+    if (e->seq > (uint64_t)INT64_MAX) return "seq"; /* room for later seqs to grow */
+    if (e->flags & ~IDEM_AUDIT_FLAGS_KNOWN) return "flags";
+    if (!(e->flags & IDEM_AUDIT_RESULT))
+        return e->result_len || e->result_full_len ? "result" : NULL;
+    if (e->result_len != audit_result_kept(e->result_full_len) || (e->result_len && !e->result))
+        return "result";
+    return NULL;
 }
 
 static int import_entry_valid(const idem_audit_entry *e)
@@ -666,7 +661,8 @@ static int copy_entry(idem_queue *q, const uint8_t *p, size_t k, size_t *used)
     uint32_t klen = util_get_u16(p + 42), alen = util_get_u16(p + 44), rlen = util_get_u16(p + 46),
              aclen = p[64], flags = util_get_u32(p + 12);
     const uint8_t *tail = p + AUDIT_HDR + aclen + alen + klen + rlen; /* checked: entry_bytes */
-    uint32_t full = flags & IDEM_AUDIT_RESULT ? util_get_u32(tail) : 0, kept = result_kept(full);
+    uint32_t full = flags & IDEM_AUDIT_RESULT ? util_get_u32(tail) : 0,
+             kept = audit_result_kept(full);
     size_t need = (size_t)aclen + 1 + alen + 1 + klen + rlen + 1 + kept;
     if (*used + need > q->audit_mem_cap) {
         size_t cap = q->audit_mem_cap ? 2 * q->audit_mem_cap : 4096;

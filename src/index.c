@@ -117,6 +117,7 @@ struct index {
         uint64_t h, gen;
         struct index_slot *slot;
     } miss;
+    int test_refuse_rebuilds; /* index_test_refuse_rebuilds */
 };
 
 static inline uint32_t seg_home(uint32_t hash_lo, uint32_t cap)
@@ -376,6 +377,7 @@ static struct index_seg *seg_make_room_slow(struct index *ix, uint32_t top24)
         if (seg->count + 1 <= seg_limit(seg->cap)) return seg;
         if (seg->cap == SEG_CAP_MAX && seg->local_depth == INDEX_DEPTH_MAX)
             return seg->count + 1 <= HARD_LIMIT(seg->cap) ? seg : NULL;
+        if (ix->test_refuse_rebuilds) return NULL;
         int64_t t0_us = util_monotonic_us(), c0_us = util_thread_cpu_us();
         ix->gen++; /* slots move */
         if (ix->old_dir) dir_move_some(ix, ix->dir_move_step);
@@ -390,6 +392,11 @@ static struct index_seg *seg_make_room_slow(struct index *ix, uint32_t top24)
     }
     IDEM_ASSERT(!"seg_make_room did not converge");
     return NULL;
+}
+
+void index_test_refuse_rebuilds(struct index *ix, int on)
+{
+    ix->test_refuse_rebuilds = on;
 }
 
 /* The segment for top24 with room for one more entry (growing or splitting it if need be), or

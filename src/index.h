@@ -76,8 +76,11 @@ size_t index_slots_like(const struct index *ix, uint64_t h, const struct index_s
 
 /* Adds an entry; the caller has checked the key is absent. addr: 1..INDEX_ADDR_MASK. Returns
  * the slot, or NULL when memory for a split cannot be had or a segment at the deepest local
- * depth (24) is full (nothing changed then). */
+ * depth (24) is full: no entry was added then (rebuilds made on the way stay, as they would
+ * have been made for it). */
 struct index_slot *index_insert(struct index *ix, uint64_t h, uint64_t addr, uint32_t aux);
+/* Tests: while on, an insert that needs a rebuild (a grow or a split) fails as for memory. */
+void index_test_refuse_rebuilds(struct index *ix, int on);
 /* The bytes index_live_bytes rises by when hash h is inserted: 0 when its segment has room
  * (the insert uses a slot that is there, one a removal may have freed); else what the rebuild
  * of its segment, and the doubling of the directory a split may need, add (less, where the

@@ -357,8 +357,22 @@ void iarena_populate_plan(struct iarena *a, size_t ahead, void **p, size_t *n)
     *n = to - from;
 }
 
+static int test_refuse_err;
+static unsigned test_refuse_count;
+
+void iarena_test_refuse_populate(int err, unsigned count)
+{
+    test_refuse_err = err;
+    test_refuse_count = count;
+}
+
 size_t iarena_populate(void *p, size_t n)
 {
+    if (test_refuse_count > 0) {
+        test_refuse_count--;
+        errno = test_refuse_err;
+        return 0;
+    }
     /* Faults the pages in, writable, leaving their contents alone: the owner may be writing
      * blocks carved from this range meanwhile. An older kernel refuses (EINVAL): the pages are
      * then faulted in by their first use. */
@@ -376,7 +390,9 @@ size_t iarena_populate(void *p, size_t n)
         if (madvise((void *)from, end - from, MADV_POPULATE_WRITE) != 0) {
             /* Refused (a kernel before 5.14) or out of memory: take the advice back, so that the
              * owner faults this piece in 4 KiB at a time, and report only what was done. */
+            int err = errno;
             (void)madvise((void *)from, end - from, MADV_NOHUGEPAGE);
+            errno = err;
             return from > (uintptr_t)p ? (size_t)(from - (uintptr_t)p) : 0;
         }
         from = end;

@@ -63,8 +63,12 @@ void iarena_destroy(struct iarena *a);
  * populated (n 0: nothing to do); iarena_populate (any thread, any time) faults it in without
  * changing its contents; iarena_populate_done (serialised) records that it is resident. */
 void iarena_populate_plan(struct iarena *a, size_t ahead, void **p, size_t *n);
+/* Returns the bytes faulted in from p on; short, errno says why (EINVAL: a kernel without
+ * MADV_POPULATE_WRITE; ENOMEM: no memory just now). */
 size_t iarena_populate(void *p, size_t n);
 void iarena_populate_done(struct iarena *a, void *p, size_t n);
+/* Tests: the next count calls of iarena_populate are refused with err. */
+void iarena_test_refuse_populate(int err, unsigned count);
 /* Whether fewer than `ahead` bytes beyond the newest region's top are known resident. */
 bool iarena_short(const struct iarena *a, size_t ahead);
 /* Bytes resident or about to be: carved blocks, and what was populated beyond the tops. */

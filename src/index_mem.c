@@ -12,9 +12,13 @@
  * A block is zeroed by imem_alloc, outside m->lock (about 1 us for 16 KiB). Before the thread
  * starts (an index loaded at open), memory goes onto huge pages as it is made writable.
  *
- * The thread sleeps until woken, so an idle store wakes nobody.
+ * The thread sleeps until woken, so an idle store wakes nobody; after memory was refused (a
+ * cgroup at its limit), until woken or a second has passed, when it tries again.
  */
 #include "index_mem.h"
+
+#include <errno.h>
+#include <time.h>
 
 #include <string.h>
 
@@ -90,9 +94,18 @@ static void *ahead_main(void *arg)
         }
         pthread_mutex_unlock(&m->lock);
         size_t done = iarena_populate(p, n);
+        int err = done < n ? errno : 0;
         pthread_mutex_lock(&m->lock);
         iarena_populate_done(&m->arena, p, done);
-        if (done < n) break; /* refused: the owner faults its own memory in from here on */
+        if (done == n) continue;
+        /* No memory just now (a cgroup at its limit): tried again after a pause, or at the
+         * next block carved. Refused otherwise (a kernel before 5.14): the owner faults its
+         * own memory in from here on. */
+        if (err != ENOMEM && err != EAGAIN && err != EINTR) break;
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += 1;
+        if (!m->stop) pthread_cond_timedwait(&m->cond, &m->lock, &until);
     }
     pthread_mutex_unlock(&m->lock);
     return NULL;

@@ -11,6 +11,8 @@
  * either: the submitting thread makes them with pwrite, and they complete like a reaped CQE.
  * File-system calls are io_posix.c. A submit the kernel refuses for a moment (EAGAIN, EBUSY)
  * is tried again for up to 2 s (iou_enter): it consumed no SQE, so nothing is written twice.
+ * One refused for good kills the ring (iou_die): a failed wait is told only once the writes the
+ * kernel took have completed, since the caller then frees their buffers (iou_settle_dead).
  * Invariants: CQE user_data = slot index; a slot is busy from submit until its completion is
  * handed out; busy slots <= sq entries, each at most one CQE, so the CQ (2 x sq entries) never
  * overflows. A busy slot is in exactly one of: in flight (cqes_pending), due (awaiting the next
@@ -52,11 +54,14 @@ struct iou {
     uint32_t *due, *ready; /* slot indexes, slots_count each */
     uint32_t ndue, nready;
     uint32_t flush_writes_inflight; /* IO_W_FLUSH writes whose CQE has not come */
+    uint32_t cqes_inflight;         /* ring writes whose CQE has not come (taken or queued) */
     int refuse_err;                 /* tests: the next refuse_count submits fail with this, */
     uint32_t refuse_count;          /* the kernel not entered (io_uring_test_refuse) */
     /* A submit failed for good (iou_enter): its writes were answered with this error, so none
      * may run later from a buffer the caller freed or to a descriptor reused since. Every SQE
-     * the kernel had not taken became a no-op; new requests are refused with it. */
+     * the kernel had not taken became a no-op, the writes it had taken are waited for before
+     * the failure is told (iou_settle_dead), flushes due are not made (their files may be closed by
+     * then), and new requests are refused with it. */
     int dead;
 };
 
@@ -179,6 +184,7 @@ static int iou_submit_write(struct io *io, struct io_file *f, uint64_t off, cons
     uint32_t idx = iou_slot_take(u, f->fd, flush, user_data);
     u->slots[idx].cqes_pending = 1;
     u->slots[idx].off = off;
+    u->cqes_inflight++;
     u->flush_writes_inflight += (uint32_t)flush;
     struct io_uring_sqe *sqe = io_uring_get_sqe(&u->ring);
     IDEM_ASSERT(sqe != NULL); /* iou_sq_reserve made room */
@@ -218,18 +224,24 @@ static void iou_reap_one(struct iou *u, const struct io_uring_cqe *cqe)
     struct iou_slot *s = &u->slots[idx];
     IDEM_ASSERT(s->cqes_pending == 1);
     s->cqes_pending = 0;
+    u->cqes_inflight--;
     if (s->flush) u->flush_writes_inflight--;
     /* After iou_die a write may complete as the no-op it became: never as a success. */
     iou_account(u, idx, u->dead && cqe->res >= 0 ? u->dead : cqe->res);
 }
 
 /* One fdatasync per file among the due slots; each becomes ready with its write's count (or 0
- * for a flush request) if its file's fdatasync succeeded, else with that error. */
+ * for a flush request) if its file's fdatasync succeeded, else with that error. On a dead ring
+ * none is made: each becomes ready with the ring's error. */
 static void iou_flush_due(struct iou *u)
 {
     for (uint32_t i = 0; i < u->ndue; i++) {
         struct iou_slot *s = &u->slots[u->due[i]];
         int done = 0;
+        if (u->dead) {
+            s->res = u->dead;
+            continue;
+        }
         for (uint32_t j = 0; j < i && !done; j++)
             done = u->slots[u->due[j]].fd == s->fd;
         if (done) continue;
@@ -242,6 +254,25 @@ static void iou_flush_due(struct iou *u)
     for (uint32_t i = 0; i < u->ndue; i++)
         u->ready[u->nready++] = u->due[i];
     u->ndue = 0;
+}
+
+/* A wait that failed for good (the ring is dead): before the caller is told, and frees the
+ * buffers or closes the files of its writes, the writes the kernel took are waited for (a wait
+ * submits nothing: the no-ops still queued stay queued). Their completions are handed out by
+ * later waits, with the ring's error. Should even that wait be refused, those writes may read
+ * their buffers after the caller freed them: what they write lands past every durable mark, in
+ * files already failed, where checksums reject it (a kernel request holds its file, so a
+ * descriptor reused meanwhile is not written). */
+static void iou_settle_dead(struct iou *u)
+{
+    IDEM_ASSERT(u->dead);
+    while (u->cqes_inflight > io_uring_sq_ready(&u->ring)) {
+        struct io_uring_cqe *cqe;
+        int rc = io_uring_wait_cqe(&u->ring, &cqe);
+        if (rc == -EINTR) continue;
+        if (rc < 0) break;
+        iou_reap_all(u);
+    }
 }
 
 static int iou_submit_queued(struct iou *u)
@@ -257,7 +288,10 @@ static int iou_wait(struct io *io, struct io_completion *out, int max, int min)
     if (max < 0 || min < 0 || min > max || (uint32_t)min > iou_busy(u) || (max > 0 && !out))
         return -EINVAL;
     int rc = iou_submit_queued(u);
-    if (rc < 0) return rc;
+    if (rc < 0) {
+        iou_settle_dead(u);
+        return rc;
+    }
     int n = 0;
     /* Bounded: every round hands out, reaps, flushes, or blocks for a CQE; busy slots bound
      * the CQEs and the flushes. */
@@ -279,7 +313,10 @@ static int iou_wait(struct io *io, struct io_completion *out, int max, int min)
         if (reaped || u->nready > 0) continue;
         if (n >= min) break;
         rc = iou_enter(u, 1);
-        if (rc < 0) return n > 0 ? n : rc;
+        if (rc < 0) {
+            iou_settle_dead(u);
+            return n > 0 ? n : rc;
+        }
     }
     return n;
 }

@@ -15,6 +15,7 @@
  */
 #include <lz4.h>
 #include <stddef.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <unistd.h>
 #include <string.h>
@@ -246,6 +247,33 @@ static void state_count(idem_store *s, int state, int delta)
     if (c) *c += (uint64_t)(int64_t)delta;
 }
 
+/* Refused and pressed as at a limit: compaction takes expired keys out of the index. */
+static void capacity_pressed_now(idem_store *s, int64_t now)
+{
+    if (!s->cap_full_seen || now - s->cap_full_ms >= 1000) store_kick(s);
+    s->cap_full_seen = 1;
+    s->cap_full_ms = now;
+}
+
+/* A new key the index found no room for, every limit unreached: no memory for its next block,
+ * or keys sharing 24 bits of their hash filled its deepest segment. Answered FULL (nothing is
+ * stored or evicted), counted, and named in the log (once a minute at most). */
+static int index_refused(idem_store *s)
+{
+    int64_t now = store_now(s);
+    s->st.index_refusals++;
+    capacity_pressed_now(s, now);
+    if (!s->index_refused_logged || now - s->index_refused_ms >= 60000) {
+        fprintf(stderr,
+                "idem: event=full reason=\"the index cannot grow: no memory for its next block, "
+                "or too many keys share their hash bits\" dir=%s refusals=%llu\n",
+                s->dir, (unsigned long long)s->st.index_refusals);
+        s->index_refused_logged = 1;
+        s->index_refused_ms = now;
+    }
+    return IDEM_EFULL;
+}
+
 /* Writes version r of key (result given raw; compressed here when that saves space). slot is
  * the key's current slot or NULL for a new key. Returns 0 and *lsn, or an error (nothing
  * changed). Slot pointers are invalid afterwards. */
@@ -297,7 +325,7 @@ static int write_version(idem_store *s, struct index_slot *slot, int old_state, 
     if (!slot) {
         /* Insert first, so a failed insert leaves nothing in the log. */
         slot = index_insert(s->ix, h, 1, 0);
-        if (!slot) return IDEM_EFULL;
+        if (!slot) return index_refused(s);
     }
     uint64_t addr;
     int rc = wal_append(s->wal, WAL_T_RECORD, parts, lens, 5, &addr, lsn);
@@ -489,9 +517,7 @@ static int capacity_full(idem_store *s, const struct index_slot *replaces, const
           memory_full(s->ix, ops_hash(s, key, key_len), s->opt.max_memory_bytes)))
         return 0;
     /* Refused: compaction is pressed to take expired keys out (compact.c), once a second. */
-    if (!s->cap_full_seen || now - s->cap_full_ms >= 1000) store_kick(s);
-    s->cap_full_seen = 1;
-    s->cap_full_ms = now;
+    capacity_pressed_now(s, now);
     return 1;
 }
 
@@ -578,7 +604,7 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, c
     int rc = 0;
     sl->need_lsn = lsn;
     enum claim_path path = claim_path_of(r, op, fp, now);
-    if (path == CP_MISMATCH) {
+    if (path == CP_MISMATCH) { /* counted in mismatches too, answered mismatch or review */
         /* Rule 3: recorded, nothing else changes. A record in review is answered `review` with
          * its note (the outcome table), the other content recorded all the same: the person who
          * decides it sees that a request of other content came for the key meanwhile. */
@@ -598,7 +624,6 @@ static void claim_existing(idem_store *s, struct qslot *sl, const idem_op *op, c
             rc = write_version(s, slot, r->state, r, r->key, owner, note, result, result_len,
                                &sl->need_lsn);
         sl->c.outcome = r->state == IDEM_STATE_REVIEW ? IDEM_REVIEW : IDEM_MISMATCH;
-        if (rc == 0 && r->state == IDEM_STATE_REVIEW) s->st.mismatches++; /* claims_review: out */
         goto out;
     }
     if (path == CP_DONE) {
@@ -664,10 +689,10 @@ out:
         sl->c.outcome = 0;
         return; /* counted as nothing: no mismatch or recovery was recorded */
     }
+    if (path == CP_MISMATCH) s->st.mismatches++;
     switch (sl->c.outcome) {
     case IDEM_MISMATCH:
         s->st.claims_mismatch++;
-        s->st.mismatches++;
         break;
     case IDEM_DONE:
         s->st.claims_done++;
@@ -1045,14 +1070,14 @@ static const char *actor_of(const idem_op *op)
     return op->actor && *op->actor ? op->actor : "unknown";
 }
 
-/* The first min(its length, IDEM_AUDIT_RESULT_KEPT) bytes of r's result in head, its whole
+/* The first audit_result_kept(its length) bytes of r's result in head, its whole
  * length in *full: 0, or -1 for an LZ4 result that does not decode (only the bytes kept are
  * decoded, whatever its length). */
 static int result_head(const struct rec *r, uint8_t head[IDEM_AUDIT_RESULT_KEPT], uint32_t *full)
 {
     int lz4 = (r->flags & REC_F_LZ4) != 0;
     *full = lz4 ? r->result_raw_len : r->result_len;
-    uint32_t keep = *full < IDEM_AUDIT_RESULT_KEPT ? *full : IDEM_AUDIT_RESULT_KEPT;
+    uint32_t keep = audit_result_kept(*full);
     if (keep && !lz4) memcpy(head, r->result, keep);
     if (!keep || !lz4) return 0;
     int n = LZ4_decompress_safe_partial((const char *)r->result, (char *)head, (int)r->result_len,
@@ -1147,27 +1172,28 @@ static void op_resolve(idem_store *s, struct qslot *sl, const idem_op *op)
      * transition made lazily by a claim, a WAIT wake-up or an operator's action: this one. The
      * trail says the decision was made on a record in review (a live in_flight one needed
      * FORCE), the version it was made on the in_flight record's. */
-    int audit_before = before == IDEM_STATE_IN_FLIGHT && now >= r.lease_until_ms &&
-                               s->opt.lease_policy == IDEM_LEASE_REVIEW
-                           ? IDEM_STATE_REVIEW
-                           : before;
-    struct audit_in e = {
-        .actor = actor_of(op),
-        .action = names[op->action],
-        .key = op->key,
-        .key_len = op->key_len,
-        .reason = op->data,
-        .reason_len = op->data_len,
-        .state_before = audit_before,
-        .state_after = op->action == IDEM_RESOLVE_RELEASE ? 0 : IDEM_STATE_COMMITTED,
-        .version_before = r.version,
-        /* FORCE only where it was needed; the result a commit records, empty or not. */
-        .flags = (before == IDEM_STATE_IN_FLIGHT && now < r.lease_until_ms ? IDEM_AUDIT_FORCED
-                  : before == IDEM_STATE_IN_FLIGHT                         ? IDEM_AUDIT_LEASE_LAPSED
-                                                                           : 0) |
-                 (op->action == IDEM_RESOLVE_COMMIT ? IDEM_AUDIT_RESULT : 0),
-        .result = op->result,
-        .result_full = op->action == IDEM_RESOLVE_COMMIT ? op->result_len : 0};
+    const int lapsed = before == IDEM_STATE_IN_FLIGHT && now >= r.lease_until_ms;
+    int audit_before =
+        lapsed && s->opt.lease_policy == IDEM_LEASE_REVIEW ? IDEM_STATE_REVIEW : before;
+    /* FORCE only where it was needed; the result a commit records, empty or not. */
+    uint32_t flags = op->action == IDEM_RESOLVE_COMMIT ? IDEM_AUDIT_RESULT : 0;
+    if (lapsed)
+        flags |= IDEM_AUDIT_LEASE_LAPSED;
+    else if (before == IDEM_STATE_IN_FLIGHT)
+        flags |= IDEM_AUDIT_FORCED;
+    struct audit_in e = {.actor = actor_of(op),
+                         .action = names[op->action],
+                         .key = op->key,
+                         .key_len = op->key_len,
+                         .reason = op->data,
+                         .reason_len = op->data_len,
+                         .state_before = audit_before,
+                         .state_after =
+                             op->action == IDEM_RESOLVE_RELEASE ? 0 : IDEM_STATE_COMMITTED,
+                         .version_before = r.version,
+                         .flags = flags,
+                         .result = op->result,
+                         .result_full = op->action == IDEM_RESOLVE_COMMIT ? op->result_len : 0};
     int rc;
     if (op->action == IDEM_RESOLVE_RELEASE) {
         rc = write_delete(s, slot, r.state, op->key, op->key_len, &sl->need_lsn);

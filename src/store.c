@@ -1391,7 +1391,7 @@ static int store_recover(idem_store *s)
                                 .sync = wal_ordered_batches(s->sb.open_durability),
                                 .clean_lsn = s->sb.clean_lsn};
     rc = wal_recover(s->wal, s->sb.ckpt_seq, s->sb.ckpt_off, s->sb.ckpt_lsn, s->sb.ckpt_batch,
-                     &resume, ops_replay, s, s->opt.read_only);
+                     &resume, ops_replay, s);
     if (rc < 0) {
         /* The log's own message, else the replay's (ops_replay names the frame), else rc's. */
         if (*wal_error(s->wal))

@@ -410,6 +410,8 @@ struct idem_store {
      * that segment's SEGEND, flushed durable at once (flush_asked) in durability none too. */
     int64_t cap_full_ms, cap_rolled_ms;
     int cap_full_seen, cap_rolled_seen;
+    int64_t index_refused_ms; /* the last event=full of an index that could not grow */
+    int index_refused_logged;
     uint64_t cap_roll_lsn;
     /* compact_learn_horizon's pass over segment hz_seq (0: none): up to hz_off, max hz_max. */
     uint64_t hz_seq;
@@ -750,9 +752,15 @@ uint64_t audit_memory_bytes(const idem_store *s);
 int audit_reserve(idem_store *s);
 /* The same for n entries (a group of deletes, made before any of them). */
 int audit_reserve_n(idem_store *s, uint32_t n);
+/* The bytes an entry keeps of a result of full bytes: its first ones, up to
+ * IDEM_AUDIT_RESULT_KEPT. */
+static inline uint32_t audit_result_kept(uint32_t full)
+{
+    return full < IDEM_AUDIT_RESULT_KEPT ? full : IDEM_AUDIT_RESULT_KEPT;
+}
 /* An entry as audit_append takes it (strings NUL-terminated but reason, which is reason_len
  * bytes; with IDEM_AUDIT_RESULT in flags, result holds at least the first
- * min(result_full, IDEM_AUDIT_RESULT_KEPT) bytes of a result of result_full bytes). */
+ * audit_result_kept(result_full) bytes of a result of result_full bytes). */
 struct audit_in {
     const char *actor, *action;
     const void *key;

@@ -103,7 +103,8 @@ struct wal {
     int io_lost; /* the ring failed with writes of the batch in flight: their buffers are kept */
     int free_list[WAL_CHUNKS_MAX];
     int nfree;
-    int nbufs; /* chunk buffers allocated (lazily; kept until idle, wal_buffers_take) */
+    int nbufs;             /* chunk buffers allocated (lazily; kept until idle, wal_buffers_take) */
+    int test_fail_buffers; /* wal_test_fail_buffers */
     /* Within one operation (wal_check_scope), the last frame read from a map whose checksum
      * was checked: an update reads the version it replaces twice (lookup, then the bytes it
      * frees), and frames never change once written. Nothing outside an operation uses it. */
@@ -288,16 +289,30 @@ static struct wal_chunk *chunk_tail(struct wal *w)
     return w->npend ? &w->chunks[w->pend[w->npend - 1]] : NULL;
 }
 
-static struct wal_chunk *chunk_new(struct wal *w)
+/* The next n free chunks that chunk_new hands out have their buffers (each a mapping of its
+ * own: small pages, and unmapped when trimmed): 0, or IDEM_ENOMEM. */
+static int chunks_ready(struct wal *w, int n)
 {
-    if (w->nfree == 0) return NULL;
-    int i = w->free_list[w->nfree - 1];
-    struct wal_chunk *c = &w->chunks[i];
-    if (!c->buf) { /* a mapping of its own: small pages, and unmapped when trimmed */
-        c->buf = util_map_grow(NULL, 0, WAL_CHUNK_BYTES);
-        if (!c->buf) return NULL;
+    for (int k = 1; k <= n && k <= w->nfree; k++) {
+        struct wal_chunk *c = &w->chunks[w->free_list[w->nfree - k]];
+        if (c->buf) continue;
+        c->buf = w->test_fail_buffers ? NULL : util_map_grow(NULL, 0, WAL_CHUNK_BYTES);
+        if (!c->buf) return IDEM_ENOMEM;
         w->nbufs++;
     }
+    return 0;
+}
+
+void wal_test_fail_buffers(struct wal *w, int on)
+{
+    w->test_fail_buffers = on;
+}
+
+static struct wal_chunk *chunk_new(struct wal *w)
+{
+    if (w->nfree == 0 || chunks_ready(w, 1) < 0) return NULL;
+    int i = w->free_list[w->nfree - 1];
+    struct wal_chunk *c = &w->chunks[i];
     w->nfree--;
     IDEM_ASSERT(w->cur_off % WAL_BLOCK == 0);
     c->seq = w->cur_seq;
@@ -362,8 +377,11 @@ static int append_frame(struct wal *w, uint32_t type, const void *const *parts,
 {
     struct wal_chunk *c = chunk_tail(w);
     if (c && c->seq == w->cur_seq && c->len + flen <= c->cap) goto put;
-    /* Keep `reserve` free chunks for the END and SEGEND frames of a flush. */
+    /* Keep `reserve` free chunks, with their buffers, for a flush's END frame and a roll's
+     * SEGEND: a flush that found no memory for its END would fail the store. The frame is
+     * refused for memory instead, before anything is appended. */
     if (w->nfree <= reserve) return IDEM_EBUSY;
+    if (chunks_ready(w, 1 + reserve) < 0) return IDEM_ENOMEM;
     if (c && c->seq == w->cur_seq) chunk_close_block(w, c, 1);
     c = chunk_new(w);
     if (!c) return IDEM_ENOMEM;
@@ -1236,8 +1254,20 @@ int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int
                          (unsigned long long)seq, idem_strerror(rc));
                 return rc;
             }
-            while (seg_open(w, ++seq, read_only) == 0)
-                w->beyond_last_seq = seq;
+            /* Each of them is opened or known absent: one left unopened (no descriptor or
+             * memory just now) would hide its batches, and the damage would be taken for a
+             * torn tail. Another damaged or short one is passed over as this one is. */
+            for (int brc; (brc = seg_open(w, ++seq, read_only)) != IDEM_ENOTFOUND;) {
+                if (brc == 0) {
+                    w->beyond_last_seq = seq;
+                } else if (brc != IDEM_ECORRUPT) {
+                    snprintf(w->err, sizeof w->err,
+                             "log segment %llu (read past damaged segment %llu): %s",
+                             (unsigned long long)seq, (unsigned long long)w->damaged_seq,
+                             idem_strerror(brc));
+                    return brc;
+                }
+            }
             break;
         }
         if (rc < 0) {
@@ -1335,7 +1365,7 @@ static int damaged_install(struct wal *w, uint64_t seq, const uint8_t *segend, u
 
 int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t prev_lsn,
                 uint64_t prev_batch, const struct wal_resume *resume,
-                int (*fn)(void *ctx, const struct wal_frame *f), void *ctx, int read_only)
+                int (*fn)(void *ctx, const struct wal_frame *f), void *ctx)
 {
     struct scan_pos p = {start_seq, start_off}, batch_start = p;
     uint64_t last_lsn = prev_lsn, last_batch = prev_batch; /* of the last complete batch */
@@ -1419,6 +1449,5 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
         if (seg_of(w, q)) seg_close(w, seg_of(w, q));
     if (w->damaged.seq) seg_close(w, &w->damaged);
     w->damaged_seq = w->beyond_last_seq = w->named_seq = w->named_batch = 0;
-    (void)read_only;
     return 0;
 }

@@ -81,9 +81,10 @@ void wal_destroy(struct wal *w);
 /* A new store: creates the first segment (seq 1). */
 int wal_init_new(struct wal *w);
 
-/* Opens and checks segments first_seq.. (stops at the first absent one; a damaged one past
- * start_seq is a creation cut short and ends the list). IDEM_ECORRUPT if one the log needs is
- * missing or damaged. */
+/* Opens and checks segments first_seq.. up to the first absent one (below start_seq, absent ones
+ * are passed over). A damaged header past start_seq ends the log: a creation cut short, or rot;
+ * the segments after it are opened for wal_recover to tell the two apart by their batches.
+ * IDEM_ECORRUPT if one the log needs is missing or damaged; another error of an open fails. */
 int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int read_only);
 /* Whether addr names a place inside an open segment (no page is touched). */
 int wal_addr_valid(const struct wal *w, uint64_t addr);
@@ -135,13 +136,13 @@ static inline int wal_named_judged(uint64_t segend_batch, const struct wal_resum
 /*
  * Replays frames from (start_seq, start_off) calling fn for each RECORD and DELETE frame and the
  * END frames of complete batches (fn returns 0 or a negative idem_err to stop). A torn tail is
- * dropped: appends go on at the next block. A valid frame after a bad one that
+ * dropped: appends go on where its batch began. A valid frame after a bad one that
  * wal_beyond_is_corrupt calls corruption is reported (IDEM_ECORRUPT, with a message); other
- * valid frames past the end are counted (wal_frames_beyond). read_only: nothing is written.
+ * valid frames past the end are counted (wal_frames_beyond). Writes nothing.
  */
 int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t prev_lsn,
                 uint64_t prev_batch, const struct wal_resume *resume,
-                int (*fn)(void *ctx, const struct wal_frame *f), void *ctx, int read_only);
+                int (*fn)(void *ctx, const struct wal_frame *f), void *ctx);
 /* Before wal_recover, after an open that followed no clean close: flushes every open segment
  * from start_seq on and drops its clean cached pages, so that recovery reads what the disk
  * holds. What the last run wrote but did not flush (a kill during a flush, durability none)
@@ -235,6 +236,8 @@ uint64_t wal_durable_lsn(const struct wal *w);  /* last LSN on stable storage */
 int wal_pending(const struct wal *w);           /* nonzero: frames wait for a flush */
 uint64_t wal_flush_frames(const struct wal *w); /* RECORD/DELETE frames in the batch in flight */
 int wal_chunks_free(const struct wal *w);       /* chunk buffers not pending or in flight */
+/* Tests: while on, a chunk that needs its buffer finds no memory for it. */
+void wal_test_fail_buffers(struct wal *w, int on);
 uint64_t wal_buffer_bytes(const struct wal *w); /* chunk buffers allocated, in use or kept */
 /* Detaches the chunk buffers on the free list beyond `keep` allocated, the least recently used
  * first, into out[] (room for WAL_CHUNKS_MAX); returns how many. The caller unmaps them with

@@ -1742,6 +1742,7 @@ static int sock_cmd(const char *line, char *reply, size_t cap)
 static void start_idemd_with(const char *user);
 static void stop_idemd(void);
 static int load_delay_ms; /* start_idemd holds idemd in -LOADING so long, and returns then */
+static const char *idemd_extra[3]; /* more of idemd's flags, NULL-terminated */
 
 static void start_idemd(void)
 {
@@ -1763,11 +1764,15 @@ static void start_idemd_with(const char *user)
             snprintf(ms, sizeof ms, "%d", load_delay_ms);
             setenv("IDEM_TEST_LOAD_DELAY_MS", ms, 1);
         }
-        if (user)
-            execl(bin, "idemd", "--dir", dir, "--test-clock", "--port", "0", "--user", user,
-                  (char *)NULL);
-        else
-            execl(bin, "idemd", "--dir", dir, "--test-clock", "--port", "0", (char *)NULL);
+        const char *argv[12] = {"idemd", "--dir", dir, "--test-clock", "--port", "0"};
+        int k = 6;
+        if (user) {
+            argv[k++] = "--user";
+            argv[k++] = user;
+        }
+        for (int i = 0; idemd_extra[i]; i++)
+            argv[k++] = idemd_extra[i];
+        execv(bin, (char *const *)argv);
         _exit(127);
     }
     char reply[256];
@@ -1778,6 +1783,34 @@ static void start_idemd_with(const char *user)
         usleep(20000);
     }
     cr_assert_fail("idemd did not start");
+}
+
+/* idemd cuts the attention list to fit its reply: status counted the leases run out in a list
+ * cut so (27 of 40 with a 128 KiB limit) as all of them, and attention listed it as whole. */
+Test(idemctl_online, a_list_idemd_cut_for_its_reply_is_said_cut, .init = setup, .fini = stop_idemd)
+{
+    idemd_extra[0] = "--client-output-max";
+    idemd_extra[1] = "131072";
+    start_idemd();
+    idemd_extra[0] = idemd_extra[1] = NULL;
+    char reply[512], line[128], sock[4200];
+    snprintf(sock, sizeof sock, "--socket %s/idemd.sock", dir);
+    for (int i = 0; i < 40; i++) {
+        snprintf(line, sizeof line, "IDEM.CLAIM lapsed-%02d 3600000 1000\r\n", i);
+        cr_assert_eq(sock_cmd(line, reply, sizeof reply), 0);
+        cr_assert(strstr(reply, "new"), "%s", reply);
+    }
+    cr_assert_eq(sock_cmd("DEBUG CLOCK ADVANCE 5000\r\n", reply, sizeof reply), 0);
+    cr_assert_eq(ctl("status %s", sock), 0, "%s", err);
+    cr_assert(strstr(out, "at least 27 in_flight record(s) whose lease ran out"), "%s", out);
+    cr_assert(strstr(err, "idemd cut the list to fit its reply"), "%s", err);
+    cr_assert_eq(ctl("attention %s", sock), 0, "%s", err);
+    cr_assert(strstr(err, "idemd cut the list to fit its reply") &&
+                  strstr(err, "more may need attention"),
+              "%s", err);
+    cr_assert_eq(ctl("attention --count 20 %s", sock), 0, "%s", err);
+    cr_assert_null(strstr(err, "idemd cut the list"), "%s", err); /* cut to --count: said so */
+    cr_assert(strstr(err, "the 20 most urgent records are listed"), "%s", err);
 }
 
 /* An idemd that has not opened its store yet gets a verdict from status, not a failure. */
@@ -2159,14 +2192,6 @@ Test(idemctl, a_reply_that_is_not_a_list_is_an_error, .init = setup, .fini = tea
     o.reply_len = (size_t)n + 502;
     cr_assert_eq(ctl("scan --socket %s", o.path), 1, "%s", out);
     cr_assert(strstr(err, "IDEM.SCAN: unexpected reply"), "%s", err);
-    /* An attention list shorter than the store's review records (idemd cut it to its reply
-     * room, which its reply does not say): idemctl says more may need attention. */
-    o.reply = "*0\r\n";
-    o.reply_len = 4;
-    o.stats_reply = "*4\r\n$11\r\nkeys_review\r\n:3\r\n$14\r\nstore_clock_ms\r\n:1000\r\n";
-    cr_assert_eq(ctl("attention --socket %s", o.path), 0, "%s", err);
-    cr_assert(strstr(err, "the store holds 3 in review") && strstr(err, "more may need attention"),
-              "%s", err);
     /* A reply of more values than any idemctl asks for (7 M of 4 bytes, 28 MB): its tree took
      * 48 bytes a value, 12 times the bytes' bound. */
     size_t many = 7u << 20;
@@ -2217,6 +2242,28 @@ static void script_server_run(struct script_server *o, const char *cmd)
     shutdown(o->fd, SHUT_RDWR);
     close(o->fd);
     pthread_join(o->t, NULL);
+}
+
+/* idemd says whether it cut the attention list to its reply room (WITHCUT); one before that
+ * is told by fewer review records listed than the store holds. Either is said once. */
+Test(idemctl, an_attention_list_cut_by_idemd_is_said_cut, .init = setup, .fini = teardown)
+{
+    /* An attention list shorter than the store's review records, from an idemd before WITHCUT
+     * (which cut it to its reply room without a word): idemctl says more may need attention. */
+    struct script_server old = {
+        .replies = {"-ERR syntax error: option without a value\r\n", "*0\r\n",
+                    "*4\r\n$11\r\nkeys_review\r\n:3\r\n$14\r\nstore_clock_ms\r\n:1000\r\n", NULL}};
+    script_server_run(&old, "attention");
+    cr_assert(strstr(err, "the store holds 3 in review") && strstr(err, "more may need attention"),
+              "out: %s err: %s", out, err);
+    /* An idemd that says it cut the list, once, not twice. */
+    struct script_server cut = {.replies = {"*2\r\n:1\r\n*0\r\n",
+                                            "*4\r\n$11\r\nkeys_review\r\n:3\r\n$14\r\n"
+                                            "store_clock_ms\r\n:1000\r\n",
+                                            NULL}};
+    script_server_run(&cut, "attention");
+    cr_assert(strstr(err, "idemd cut the list to fit its reply"), "out: %s err: %s", out, err);
+    cr_assert_null(strstr(err, "the store holds 3 in review"), "%s", err);
 }
 
 #define FLAT_REVIEW_V5                                                                             \

@@ -13,10 +13,13 @@
 
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <liburing.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
+#include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,6 +27,7 @@
 #include <time.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -464,6 +468,80 @@ Test(uring, a_submit_refused_for_good_fails_after_a_bound, .init = setup_uring, 
                  (unsigned long long)size);
     cr_expect_eq(io_submit_write(fx.io, f, 0, buf, BIG_WRITE, 0, 2), -EAGAIN,
                  "the backend took a request after a submit failed for good");
+    io_close(fx.io, f);
+    free(buf);
+}
+
+/* The other end of a full FIFO: drains it after a pause, and notes whether any byte read was
+ * 'X' (written from a buffer the caller had taken back). */
+struct fifo_reader {
+    int fd;
+    atomic_int stop; /* set once the write is known complete: drain what is left and end */
+    int seen_x;
+    size_t bytes;
+};
+
+static void *fifo_drain(void *arg)
+{
+    struct fifo_reader *r = arg;
+    static uint8_t rd[65536];
+    usleep(300 * 1000); /* the failed wait is under way, the write still waiting for room */
+    for (;;) {
+        ssize_t n = read(r->fd, rd, sizeof rd);
+        for (ssize_t k = 0; k < n; k++)
+            r->seen_x |= rd[k] == 'X';
+        if (n > 0) r->bytes += (size_t)n;
+        if (n <= 0 && atomic_load(&r->stop)) return NULL;
+        if (n <= 0) usleep(2000);
+    }
+}
+
+/* A wait that fails for good while a write the kernel took is still running: the caller is told
+ * only once it completed, since once told it reuses or frees the buffer (and closes the file).
+ * A FIFO kept full holds the write in flight until a reader makes room. */
+Test(uring, a_failed_wait_returns_only_once_the_writes_taken_completed, .init = setup_uring,
+     .fini = teardown, .timeout = 30)
+{
+    need_uring();
+    char p[512];
+    path_in(p, sizeof p, "fifo");
+    cr_assert_eq(mkfifo(p, 0600), 0);
+    struct io_file *f = NULL;
+    cr_assert_eq(io_open(fx.io, p, 0, &f), 0); /* read and write: no wait for a reader */
+    struct fifo_reader r = {.fd = open(p, O_RDONLY | O_NONBLOCK | O_CLOEXEC)};
+    cr_assert_geq(r.fd, 0);
+    int side = open(p, O_WRONLY | O_NONBLOCK | O_CLOEXEC);
+    cr_assert_geq(side, 0);
+    static const uint8_t pad[4096];
+    while (write(side, pad, sizeof pad) > 0) {
+    } /* full: a write waits for room */
+    close(side);
+    uint8_t *buf = malloc(BIG_WRITE);
+    cr_assert(buf);
+    memset(buf, 'A', BIG_WRITE);
+    cr_assert_eq(io_submit_write(fx.io, f, 0, buf, BIG_WRITE, 0, 7), 0);
+    struct io_completion c;
+    cr_assert_eq(io_wait(fx.io, &c, 1, 0), 0); /* submitted, not complete */
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, fifo_drain, &r), 0);
+    io_uring_test_refuse(fx.io, -EPERM, 1);
+    int rc = io_wait(fx.io, &c, 1, 1);
+    memset(buf, 'X', BIG_WRITE); /* told: the buffer is the caller's again */
+    cr_expect_eq(rc, -EPERM);
+    /* The write's completion comes (at once with the mend, once the FIFO drains before it),
+     * with the ring's error. */
+    int reaped = 0;
+    for (int64_t t0 = mono_ms(); !reaped && mono_ms() - t0 < 10000;) {
+        reaped = io_wait(fx.io, &c, 1, 0) == 1;
+        if (!reaped) usleep(5000);
+    }
+    atomic_store(&r.stop, 1);
+    pthread_join(th, NULL);
+    cr_expect(reaped, "the write taken by the kernel never completed");
+    cr_expect_eq(c.res, -EPERM, "the write of a dead ring completed with %lld", (long long)c.res);
+    cr_expect(r.bytes > 0);
+    cr_expect(!r.seen_x, "the write read its buffer after the wait was told it failed");
+    close(r.fd);
     io_close(fx.io, f);
     free(buf);
 }

@@ -1046,6 +1046,61 @@ Test(recovery, an_append_that_wal_room_allowed_goes_through_after_a_roll, .timeo
     cr_assert_eq(rc, 0, "an append wal_room allowed answered %s", idem_strerror(rc));
 }
 
+/* Found by a review of the log: a batch whose last chunk filled up needs a chunk for its END
+ * frame, whose buffer was mapped then; no memory for it failed the flush, and so the store, as
+ * an I/O error. The chunks kept for END and SEGEND now get their buffers as a frame takes a
+ * chunk before them (that frame is refused for memory instead, before anything is appended). */
+Test(recovery, a_batch_ends_without_memory_for_a_new_buffer, .timeout = 60)
+{
+    struct io *io = io_sim_io(sim);
+    const uint32_t seg = 8u << 20; /* room for chunks of 2 MiB */
+    struct wal *w;
+    cr_assert_eq(wal_create(io, SIM_DIR, seg, &w), 0);
+    cr_assert_eq(wal_init_new(w), 0);
+    static uint8_t payload[2 * 65536];
+    const void *parts[1] = {payload};
+    uint64_t addr, lsn, sq;
+    uint32_t off, lens[1] = {65536 - 64}, start = 0;
+    /* Frames of about 64 KiB into the batch's first chunk, then one that leaves it 8 bytes
+     * short of full (padded to its end: no frame starts in a block's last bytes): no room for
+     * the END frame (40 bytes) there. */
+    int free0 = wal_chunks_free(w);
+    cr_assert_eq(wal_append(w, WAL_T_RECORD, parts, lens, 1, &addr, &lsn), 0);
+    cr_assert_eq(wal_chunks_free(w), free0 - 1);
+    start = wal_addr_off(addr);
+    for (;;) {
+        wal_position(w, &sq, &off);
+        uint32_t left = start + (2u << 20) - off;
+        if (left < 2 * 65536) {
+            lens[0] = left - 8 - WAL_FRAME_HDR; /* a frame of left - 8 bytes */
+            cr_assert_eq(wal_append(w, WAL_T_RECORD, parts, lens, 1, &addr, &lsn), 0);
+            break;
+        }
+        cr_assert_eq(wal_append(w, WAL_T_RECORD, parts, lens, 1, &addr, &lsn), 0);
+    }
+    cr_assert_eq(wal_chunks_free(w), free0 - 1, "the frames went past the batch's first chunk");
+    wal_position(w, &sq, &off);
+    cr_assert_lt(start + (2u << 20) - off, WAL_FRAME_HDR + 8, "start %u off %u", start, off);
+    wal_test_fail_buffers(w, 1); /* no memory from here on */
+    int rc = wal_flush_begin(w, 1);
+    cr_assert_gt(rc, 0, "the batch could not end: %s", idem_strerror(rc));
+    cr_assert_eq(wal_flush_io(w, 1), 0);
+    wal_flush_end(w, 1);
+    /* A frame that needs a chunk whose buffer is not there is refused, nothing appended. */
+    lens[0] = 1000;
+    int a = IDEM_OK;
+    for (int i = 0; i < 10000 && a == IDEM_OK; i++)
+        a = wal_append(w, WAL_T_RECORD, parts, lens, 1, &addr, &lsn);
+    cr_assert_eq(a, IDEM_ENOMEM, "%s", idem_strerror(a));
+    if (wal_pending(w)) { /* the frames that fitted end their batch */
+        cr_assert_gt(wal_flush_begin(w, 2), 0);
+        cr_assert_eq(wal_flush_io(w, 1), 0);
+        wal_flush_end(w, 1);
+    }
+    wal_destroy(w);
+    io_destroy(io);
+}
+
 /* A log segment the store cannot create for another reason than a full disk (here the file
  * system went read-only) stops the store, which says what it was doing, the call that failed and
  * its error. Nothing acknowledged is lost. */
@@ -1486,9 +1541,9 @@ static void sim_segment_cut(uint64_t seq, uint64_t len)
     io_destroy(io);
 }
 
-/* Fills a store with 1 MiB segments until the segment after the replay segment holds a few
- * batches, and leaves it as a crash would; returns the replay segment, sets *keys. */
-static uint64_t fill_into_the_next_segment(int *keys)
+/* Fills a store with 1 MiB segments until the segment ahead segments after the replay segment
+ * holds a few batches, and leaves it as a crash would; returns the replay segment, sets *keys. */
+static uint64_t fill_into_segment(uint64_t ahead, int *keys)
 {
     idem_store *s;
     cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK);
@@ -1498,12 +1553,18 @@ static uint64_t fill_into_the_next_segment(int *keys)
         fill(s, *keys, *keys + 10);
         *keys += 10;
         memcpy(&replay, newest_super(sb) + 72, 8);
-        if (sim_segment_written(replay + 1, 6)) break;
-        cr_assert_lt(*keys, 4000);
+        if (sim_segment_written(replay + ahead, 6)) break;
+        cr_assert_lt(*keys, 4000 * (int)ahead);
     }
-    cr_assert(!sim_segment_written(replay + 2, 1), "the log went past the segment after replay");
+    cr_assert(!sim_segment_written(replay + ahead + 1, 1), "the log went past segment %llu",
+              (unsigned long long)(replay + ahead));
     store_abandon(s);
     return replay;
+}
+
+static uint64_t fill_into_the_next_segment(int *keys)
+{
+    return fill_into_segment(1, keys);
 }
 
 /* Found by a review of recovery: the header of the segment the log was writing last rots
@@ -1541,6 +1602,40 @@ static void rotted_header_and_first_frames(int reopened)
 Test(recovery, a_rotted_header_and_first_frames_of_the_last_segment_are_corruption)
 {
     rotted_header_and_first_frames(0);
+}
+
+/* Found by a review of the log: past a segment whose header rotted, the segments after it are
+ * opened so that their batches tell rot from a creation cut short. An open refused there (no
+ * descriptor just now) ended that list without a word, and the batches acknowledged in the
+ * segments left unopened were dropped as a torn tail: the store opened without them. */
+Test(recovery, a_segment_past_a_damaged_one_that_cannot_be_opened_fails_the_open)
+{
+    int keys;
+    uint64_t replay = fill_into_segment(2, &keys);
+    char path[256], next[64];
+    snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)replay + 1);
+    /* The header, and every frame at a block's start: nothing of the segment can be read. */
+    cr_assert_eq(io_sim_corrupt(sim, path, 100, 0x01), 0);
+    for (uint64_t off = 4096 + 12; off < (1u << 20); off += 4096)
+        cr_assert_eq(io_sim_corrupt(sim, path, off, 0x01), 0);
+    snprintf(next, sizeof next, "wal-%016llx.log", (unsigned long long)replay + 2);
+    io_sim_fail_open(sim, next, -EMFILE);
+    idem_store *s;
+    int rc = open_sim_seg(&s, 1 << 20);
+    if (rc == IDEM_OK) store_abandon(s);
+    cr_assert_neq(rc, IDEM_OK, "the store opened without the batches of segment %llu",
+                  (unsigned long long)replay + 2);
+    cr_assert(strstr(idem_last_error(), "read past damaged segment"), "message: %s",
+              idem_last_error());
+    /* With the descriptor, the damage is named; mended, the store opens whole. */
+    rc = open_sim_seg(&s, 1 << 20);
+    cr_assert_eq(rc, IDEM_ECORRUPT, "got %s", idem_strerror(rc));
+    cr_assert_eq(io_sim_corrupt(sim, path, 100, 0x01), 0);
+    for (uint64_t off = 4096 + 12; off < (1u << 20); off += 4096)
+        cr_assert_eq(io_sim_corrupt(sim, path, off, 0x01), 0);
+    cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, keys);
+    cr_assert_eq(idem_close(s), IDEM_OK);
 }
 
 Test(recovery, a_log_that_ends_before_the_superblocks_durable_mark_is_corruption)

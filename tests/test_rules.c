@@ -4407,6 +4407,48 @@ Test(capacity, past_max_keys_a_new_claim_is_full_and_every_key_stays)
     expect_outcome(claim("cap-new"), IDEM_BUSY);
 }
 
+static void setup_no_sync(void)
+{
+    g_dir = tu_mkdtemp("rules");
+    cr_assert_not_null(g_dir);
+    idem_options_init(&g_opts);
+    g_opts.test_clock = 1;
+    g_opts.durability = IDEM_DURABILITY_NONE; /* thousands of keys, one flush each else */
+    store_open();
+}
+
+/* Found by a review of the index: a new key the index found no room for (no memory for its
+ * next block, or keys sharing 24 bits of their hash) was answered FULL with every limit
+ * unreached, nothing counted or logged, and compaction not pressed to take expired keys out. */
+Test(index_room, a_new_key_the_index_cannot_grow_for_is_full_counted_and_presses_compaction,
+     .init = setup_no_sync, .fini = teardown)
+{
+    index_test_refuse_rebuilds(g_s->ix, 1);
+    char key[32];
+    int rc = IDEM_OK, held = 0;
+    idem_completion c;
+    for (; held < 1000000 && rc == IDEM_OK; held++) {
+        snprintf(key, sizeof key, "grow-%07d", held);
+        rc = claim_rc(key, strlen(key), TTL, LEASE, NULL, NULL, &c);
+    }
+    held--; /* the last one was refused */
+    cr_assert_eq(rc, IDEM_EFULL, "%s", idem_strerror(rc));
+    idem_stats st = stats();
+    cr_assert_eq(st.index_refusals, 1);
+    cr_assert_eq(st.keys, (uint64_t)held);
+    pthread_mutex_lock(&g_s->mu);
+    int pressed = g_s->cap_full_seen;
+    pthread_mutex_unlock(&g_s->mu);
+    cr_assert(pressed, "compaction was not pressed to take expired keys out");
+    expect_outcome(claim("grow-0000000"), IDEM_BUSY); /* repeats go on */
+    cr_assert_eq(claim_rc(key, strlen(key), TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
+    cr_assert_eq(stats().index_refusals, 2);
+    index_test_refuse_rebuilds(g_s->ix, 0); /* memory back */
+    expect_outcome(claim(key), IDEM_NEW);
+    cr_assert_eq(stats().index_refusals, 2);
+    cr_assert_eq(stats().keys, (uint64_t)held + 1);
+}
+
 /* Claims key, a new one, until it is answered new: each FULL is a try more while compaction
  * takes expired keys out of the index on its own. Fails after 5 s. */
 static void claim_new_once_room_is_made(const char *key)

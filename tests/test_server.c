@@ -740,6 +740,18 @@ Test(server, attention_is_cut_to_fit_the_output_limit, .init = start_small_outpu
     redisContext *c = connect_unix();
     char *val = malloc(LEN), key[32];
     cr_assert_not_null(val);
+    /* WITHCUT: [cut, [records]], so a caller can tell a list cut for room from a whole one. */
+    redisReply *r = cmd(c, "IDEM.ATTENTION WITHCUT");
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY, "%s", r->type == REDIS_REPLY_ERROR ? r->str : "");
+    cr_assert_eq(r->elements, 2);
+    cr_assert_eq(r->element[0]->integer, 0);
+    cr_assert_eq(r->element[1]->type, REDIS_REPLY_ARRAY);
+    cr_assert_eq(r->element[1]->elements, 0);
+    freeReplyObject(r);
+    r = cmd(c, "IDEM.ATTENTION WITHCUT COUNT 5 WITHCUT");
+    cr_assert_eq(r->type, REDIS_REPLY_ERROR);
+    cr_assert(strstr(r->str, "WITHCUT given twice"), "%s", r->str);
+    freeReplyObject(r);
     memset(val, 'r', LEN);
     for (int i = 0; i < N; i++) {
         long long tok;
@@ -750,13 +762,23 @@ Test(server, attention_is_cut_to_fit_the_output_limit, .init = start_small_outpu
         freeReplyObject(cmd(c, "DEBUG CLOCK ADVANCE 1"));
     }
     free(val);
-    redisReply *r = cmd(c, "IDEM.ATTENTION COUNT 100");
+    r = cmd(c, "IDEM.ATTENTION COUNT 100");
     cr_assert_eq(r->type, REDIS_REPLY_ARRAY, "%s", r->type == REDIS_REPLY_ERROR ? r->str : "");
     cr_assert_eq(r->elements, 8, "listed %zu records of 64 KiB under 512 KiB", r->elements);
     for (size_t i = 0; i < r->elements; i++) { /* the latest mismatches, by first_seen */
         snprintf(key, sizeof key, "big%02zu", N - r->elements + i);
         cr_assert_str_eq(field_of(r->element[i], "key"), key);
     }
+    freeReplyObject(r);
+    r = cmd(c, "IDEM.ATTENTION COUNT 100 WITHCUT"); /* cut by its bytes */
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY, "%s", r->type == REDIS_REPLY_ERROR ? r->str : "");
+    cr_assert_eq(r->element[1]->elements, 8);
+    cr_assert_eq(r->element[0]->integer, 1, "a list cut for its room was said whole");
+    freeReplyObject(r);
+    r = cmd(c, "IDEM.ATTENTION COUNT 3 WITHCUT"); /* cut to COUNT: the caller knows */
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY, "%s", r->type == REDIS_REPLY_ERROR ? r->str : "");
+    cr_assert_eq(r->element[1]->elements, 3);
+    cr_assert_eq(r->element[0]->integer, 0);
     freeReplyObject(r);
     /* Many small records: their framing, uncounted, made the reply pass the limit too. With
      * 1 MiB of output, (1 MiB - 72 KiB - 64) / 2 / 1 KiB = 475 of them fit. */
@@ -768,6 +790,11 @@ Test(server, attention_is_cut_to_fit_the_output_limit, .init = start_small_outpu
     r = cmd(c, "IDEM.ATTENTION COUNT 5000");
     cr_assert_eq(r->type, REDIS_REPLY_ARRAY, "%s", r->type == REDIS_REPLY_ERROR ? r->str : "");
     cr_assert_eq(r->elements, 475, "listed %zu small records", r->elements);
+    freeReplyObject(r);
+    r = cmd(c, "IDEM.ATTENTION WITHCUT COUNT 5000"); /* cut by its framing */
+    cr_assert_eq(r->type, REDIS_REPLY_ARRAY, "%s", r->type == REDIS_REPLY_ERROR ? r->str : "");
+    cr_assert_eq(r->element[1]->elements, 475);
+    cr_assert_eq(r->element[0]->integer, 1, "a list cut for its room was said whole");
     freeReplyObject(r);
     expect_status(cmd(c, "PING"), "PONG");
     redisFree(c);
@@ -1635,6 +1662,14 @@ Test(server, roles_and_auth, .init = start_users)
     cr_assert_eq(r->type, REDIS_REPLY_ARRAY);
     cr_assert_eq(r->elements, 1);
     freeReplyObject(r);
+    /* Refused AUTHs are counted, for an alert on password guessing: the three above (AUTH,
+     * HELLO's AUTH, a name with a NUL byte), and each one more. */
+    cr_assert_eq(stat_value(c, "auth_failures"), 3);
+    redisContext *g = connect_tcp();
+    expect_error(cmd(g, "AUTH boss wrong"), "WRONGPASS");
+    expect_error(cmd(g, "HELLO 2 AUTH nobody pw-a"), "WRONGPASS");
+    cr_assert_eq(stat_value(c, "auth_failures"), 5);
+    redisFree(g);
     redisFree(c);
 }
 
@@ -3430,6 +3465,16 @@ static const char *write_file(const char *dir, const char *name, const char *tex
     return path;
 }
 
+/* idemd with flag naming a file (mode 0600) of text exits 2, its message holding want. */
+static void file_refused(const char *dir, const char *flag, const char *name, const char *text,
+                         const char *want)
+{
+    const char *p = write_file(dir, name, text, 0600);
+    const char *const args[] = {"--dir", dir, "--port", "0", flag, p, NULL};
+    cr_assert_eq(run_idemd(args), 2, "%s", name);
+    cr_assert(strstr(run_err, want), "%s: %s", name, run_err);
+}
+
 /* Settings that would leave idemd open or wrong are refused at start (exit 2), each by name:
  * users that do not come, passwords readable by others, a test clock by a typo, a timeout that
  * overflows, listeners that would bind what was not asked. */
@@ -3445,7 +3490,8 @@ Test(server, settings_that_would_weaken_the_server_are_refused_by_name)
     cr_assert_eq(mkdir(users_dir, 0700), 0);
     const char *const isdir[] = {"--dir", dir, "--port", "0", "--users-file", users_dir, NULL};
     cr_assert_eq(run_idemd(isdir), 2);
-    cr_assert(strstr(run_err, "cannot read users file"), "%s", run_err);
+    cr_assert(strstr(run_err, "cannot read") && strstr(run_err, "users.d: Is a directory"), "%s",
+              run_err);
     memset(long_line, 'x', 500);
     memcpy(long_line + 500, ":admin:pw\n", 11);
     p = write_file(dir, "long-users", long_line, 0600);
@@ -3454,10 +3500,30 @@ Test(server, settings_that_would_weaken_the_server_are_refused_by_name)
     cr_assert(strstr(run_err, "line longer than"), "%s", run_err);
     /* A blank at a line's end was taken into the password, which then never matched; an
      * indented comment was refused as a malformed user. */
-    p = write_file(dir, "blank-users", "  # ops\n\nops:admin:secret \n", 0600);
-    const char *const blank[] = {"--dir", dir, "--port", "0", "--users-file", p, NULL};
-    cr_assert_eq(run_idemd(blank), 2);
-    cr_assert(strstr(run_err, "blank-users:3: blanks at the start or end"), "%s", run_err);
+    file_refused(dir, "--users-file", "blank-users", "  # ops\n\nops:admin:secret \n",
+                 "blank-users:3: blanks at the end");
+    file_refused(dir, "--users-file", "lead-users", "\n ops:admin:secret\n",
+                 "lead-users:2: blanks at the start");
+    /* A CR within a line cut the password there: "abc" then let the admin in. */
+    file_refused(dir, "--users-file", "cr-users", "ops:admin:abc\rdefghijk\n",
+                 "cr-users:1: a control byte");
+    /* A comment after a password was taken into it: AUTH with the password seen failed. */
+    file_refused(dir, "--config", "comment.conf", "port 0\nuser ops:admin:s3cret   # billing\n",
+                 "comment.conf:2: a '#' after a blank");
+    file_refused(dir, "--config", "trail.conf", "user ops:admin:s3cret \n",
+                 "trail.conf:1: blanks at the end");
+    /* Names are written in log lines (user=...) and audit actors (user@peer): a name holding
+     * a blank or an @ made them ambiguous. */
+    const char *const names[] = {"ops@10.0.0.5:admin:pw", "a b:admin:pw", "x\ty:admin:pw",
+                                 "q\"t:admin:pw"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        const char *const u[] = {"--dir", dir, "--port", "0", "--user", names[i], NULL};
+        cr_assert_eq(run_idemd(u), 2, "%s", names[i]);
+        cr_assert(strstr(run_err, "user name holds"), "%s: %s", names[i], run_err);
+    }
+    const char *const ctl_pw[] = {"--dir", dir, "--port", "0", "--user", "ops:admin:a\x01b", NULL};
+    cr_assert_eq(run_idemd(ctl_pw), 2);
+    cr_assert(strstr(run_err, "the password holds a control byte"), "%s", run_err);
     char missing[700];
     snprintf(missing, sizeof missing, "%s/no-such-users", dir);
     const char *const gone[] = {"--dir", dir, "--port", "0", "--users-file", missing, NULL};
@@ -3573,7 +3639,11 @@ static void start_from_config(void)
     static char path[600], users[600];
     snprintf(users, sizeof users, "%s/users", dir);
     FILE *f = fopen(users, "w");
-    fputs("# users\nops:admin:pw-ops\n", f);
+    /* As editors write it: a byte order mark, CRLF ends; a comment longer than any line. */
+    fputs("\xef\xbb\xbf# users", f);
+    for (int i = 0; i < 100; i++)
+        fputs(" (comment)", f);
+    fputs("\r\nops:admin:pw-ops\r\n", f);
     fclose(f);
     chmod(users, 0600);
     snprintf(path, sizeof path, "%s/idemd.conf", dir);

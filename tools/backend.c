@@ -561,9 +561,16 @@ static int attention_online(struct ctl *c, int64_t older_ms, uint32_t max, struc
     char older[32], count[32];
     snprintf(older, sizeof older, "%lld", (long long)older_ms);
     snprintf(count, sizeof count, "%u", max);
-    const char *argv[5] = {"IDEM.ATTENTION", "OLDER", older, "COUNT", count};
+    const char *argv[6] = {"IDEM.ATTENTION", "OLDER", older, "COUNT", count, "WITHCUT"};
     resp_value *v;
-    if (call(c, &v, 5, argv, NULL)) return CTL_FAIL;
+    if (call(c, &v, 6, argv, NULL)) return CTL_FAIL;
+    int said_cut = 1;
+    if (v->type == RESP_ERROR && v->str && strstr(v->str, "syntax error")) {
+        /* An idemd before WITHCUT: its list may be cut to its reply room without a word. */
+        resp_free(v);
+        if (call(c, &v, 5, argv, NULL)) return CTL_FAIL;
+        said_cut = 0;
+    }
     if (v->type == RESP_ERROR) {
         if (v->str && strstr(v->str, "unknown command"))
             ctl_err("this idemd has no IDEM.ATTENTION command yet (%s); stop it and use --dir, "
@@ -574,16 +581,27 @@ static int attention_online(struct ctl *c, int64_t older_ms, uint32_t max, struc
         resp_free(v);
         return CTL_FAIL;
     }
-    if (v->type != RESP_ARRAY) { /* not "nothing needs attention" */
+    /* [cut, [records]] (WITHCUT), or the records alone from an idemd before it. */
+    const resp_value *list = v;
+    if (said_cut && (v->type != RESP_ARRAY || v->n != 2 || v->elems[0].type != RESP_INTEGER ||
+                     v->elems[1].type != RESP_ARRAY))
+        list = NULL;
+    else if (said_cut)
+        list = &v->elems[1];
+    if (!list || list->type != RESP_ARRAY) { /* not "nothing needs attention" */
         ctl_err("IDEM.ATTENTION: unexpected reply (not a list)");
         resp_free(v);
         return CTL_FAIL;
     }
+    c->attention_cut = said_cut && v->elems[0].integer != 0;
+    if (c->attention_cut)
+        fprintf(stderr, "idemctl: idemd cut the list to fit its reply (--client-output-max, or "
+                        "the memory it has left): more may need attention\n");
     int rc = 0;
     *n = 0;
-    *recs = calloc(v->n ? v->n : 1, sizeof **recs);
-    for (size_t i = 0; *recs && i < v->n && rc == 0; i++) {
-        if (record_from_flat(&v->elems[i], &(*recs)[*n]) < 0) {
+    *recs = calloc(list->n ? list->n : 1, sizeof **recs);
+    for (size_t i = 0; *recs && i < list->n && rc == 0; i++) {
+        if (record_from_flat(&list->elems[i], &(*recs)[*n]) < 0) {
             ctl_err("IDEM.ATTENTION: entry %zu is not a record", i);
             rc = CTL_FAIL;
         } else {

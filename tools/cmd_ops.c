@@ -173,6 +173,7 @@ int cmd_attention(const struct ctl_opts *o)
     int64_t now = 0;
     uint32_t max = o->has_count ? (uint32_t)o->count : ATTENTION_MAX_DEFAULT;
     rc = ctl_attention(&c, o->has_older ? o->older_ms : 0, max, &recs, &n);
+    const int cut = c.attention_cut; /* said on stderr already */
     struct ctl_stats st;
     if (rc == 0) rc = ctl_stats(&c, &st);
     if (rc == 0) now = st.s.store_clock_ms;
@@ -189,10 +190,10 @@ int cmd_attention(const struct ctl_opts *o)
         else
             attention_human(it, n, now, o);
         /* The list was cut to max, the most urgent kept: say so (on stderr, so the list on
-         * stdout stays what it is for scripts). idemd also cuts it to its reply room, without
-         * a word in the reply: every review record is listed (they never expire), so fewer of
-         * them than the store counts means a cut (or records made since). Keys with mismatches
-         * are counted expired too until compaction takes them out: no measure. */
+         * stdout stays what it is for scripts). An idemd before WITHCUT also cuts it to its
+         * reply room without a word: every review record is listed (they never expire), so
+         * fewer of them than the store counts means a cut (or records made since). Keys with
+         * mismatches are counted expired too until compaction takes them out: no measure. */
         uint64_t review = 0;
         for (size_t i = 0; i < n; i++)
             review += recs[i].r.state == IDEM_STATE_REVIEW;
@@ -201,7 +202,7 @@ int cmd_attention(const struct ctl_opts *o)
                     "idemctl: the %zu most urgent records are listed: more may need attention "
                     "(--count, at most %u)\n",
                     n, (unsigned)ATTENTION_MAX_LIMIT);
-        else if (review < st.s.keys_review)
+        else if (!cut && review < st.s.keys_review)
             fprintf(stderr,
                     "idemctl: %zu records are listed, but the store holds %llu in review (%llu "
                     "listed): the list was cut short (idemd's reply room, or 64 MiB of records "

@@ -80,7 +80,8 @@ struct ctl {
     idem_store *s;
     idem_queue *q;
     char actor[320];   /* offline decisions: who acts */
-    int attention_cut; /* the last offline ctl_attention ended at CTL_ATTENTION_BYTES */
+    int attention_cut; /* the last ctl_attention was cut to its room (idemd's reply, or
+                          CTL_ATTENTION_BYTES offline): more may need attention */
 };
 
 /* A record with its bytes owned (ctl_record_free). */

@@ -1,10 +1,13 @@
 /*
- * auth.c: users and roles. Users come from --user NAME:ROLE:PASSWORD flags and --users-file
- * (one such line each; the file must not be readable by group or others). With no users, a
- * connection's role follows its listener: unix socket admin, TCP worker. AUTH compares the
- * password with every user's, each over SRV_PASSWORD_MAX bytes, so its time tells neither whether
- * a name exists nor how long a password is. A users file that names no user is refused: it
- * would leave every connection unauthenticated.
+ * auth.c: users and roles, and the lines of the operator's files that hold them (a users file,
+ * a config file). Users come from --user NAME:ROLE:PASSWORD flags and --users-file (one such
+ * line each; the file must not be readable by group or others). With no users, a connection's
+ * role follows its listener: unix socket admin, TCP worker. AUTH compares the name and the
+ * password with every user's, over SRV_NAME_MAX and SRV_PASSWORD_MAX bytes, so its time tells
+ * neither whether a name exists nor how long a password is. A users file that names no user is
+ * refused: it would leave every connection unauthenticated. Names are printable ASCII without
+ * blanks or the characters that frame them in logs and audit entries; neither a name nor a
+ * password holds a control byte.
  */
 #include "server.h"
 
@@ -35,6 +38,13 @@ const char *auth_role_name(int role)
     }
 }
 
+/* The bytes a user name may not hold: blanks and control bytes, and those that frame it where
+ * it is written (key="value" log lines, the audit actor user@peer, a client name in parens). */
+static int name_byte_bad(unsigned char c)
+{
+    return c <= 0x20 || c >= 0x7f || strchr("@\"=()", c);
+}
+
 int auth_user_add(srv_config *cfg, const char *spec, char *err, size_t err_len)
 {
     const char *c1 = strchr(spec, ':');
@@ -60,6 +70,25 @@ int auth_user_add(srv_config *cfg, const char *spec, char *err, size_t err_len)
         snprintf(err, err_len, "empty password");
         return -1;
     }
+    for (size_t i = 0; i < name_len; i++) {
+        if (name_byte_bad((unsigned char)spec[i])) {
+            unsigned char c = (unsigned char)spec[i];
+            char what[16];
+            snprintf(what, sizeof what, c > 0x20 && c < 0x7f ? "'%c'" : "byte 0x%02x", c);
+            snprintf(err, err_len,
+                     "user name holds %s: names are printable ASCII without blanks, @, \", =, ( "
+                     "or )",
+                     what);
+            return -1;
+        }
+    }
+    for (size_t i = 0; i < pw_len; i++) {
+        unsigned char c = (unsigned char)c2[1 + i];
+        if (c < 0x20 || c == 0x7f) {
+            snprintf(err, err_len, "the password holds a control byte (0x%02x)", c);
+            return -1;
+        }
+    }
     memcpy(role, c1 + 1, role_len);
     role[role_len] = '\0';
     srv_user *u = &cfg->users[cfg->nusers];
@@ -81,6 +110,51 @@ int auth_user_add(srv_config *cfg, const char *spec, char *err, size_t err_len)
     return 0;
 }
 
+int conf_line_next(FILE *f, const char *path, char *line, size_t size, int *lineno, char **text,
+                   char *err, size_t err_len)
+{
+    for (;;) {
+        if (!fgets(line, (int)size, f)) {
+            if (!ferror(f)) return 0;
+            snprintf(err, err_len, "cannot read %s: %s", path, strerror(errno));
+            return -1;
+        }
+        ++*lineno;
+        char *t = line;
+        if (*lineno == 1 && strncmp(t, "\xef\xbb\xbf", 3) == 0) t += 3; /* a UTF-8 BOM */
+        t += strspn(t, " \t");
+        size_t len = strlen(line);
+        if ((len == 0 || line[len - 1] != '\n') && !feof(f)) {
+            if (*t == '#') { /* a long comment: skipped to its end */
+                int c;
+                while ((c = fgetc(f)) != EOF && c != '\n') {
+                }
+                continue;
+            }
+            snprintf(err, err_len, "%s:%d: line longer than %zu bytes", path, *lineno, size - 2);
+            return -1;
+        }
+        if (len > 0 && line[len - 1] == '\n') line[--len] = '\0';
+        if (len > 0 && line[len - 1] == '\r') line[--len] = '\0';
+        if (*t == '\0' || *t == '#') continue; /* blank, or a comment */
+        const char *why = NULL;
+        for (size_t i = (size_t)(t - line); i < len && !why; i++)
+            if (((unsigned char)line[i] < 0x20 && line[i] != '\t') || line[i] == 0x7f)
+                why = "a control byte";
+        if (!why && (line[len - 1] == ' ' || line[len - 1] == '\t'))
+            why = "blanks at the end of the line (they would be part of the value, a password)";
+        if (!why && (strstr(t, " #") || strstr(t, "\t#")))
+            why = "a '#' after a blank: comments take a line of their own (it would be part of "
+                  "the value, a password)";
+        if (why) {
+            snprintf(err, err_len, "%s:%d: %s", path, *lineno, why);
+            return -1;
+        }
+        *text = t;
+        return 1;
+    }
+}
+
 int auth_users_file(srv_config *cfg, const char *path, char *err, size_t err_len)
 {
     struct stat st;
@@ -99,36 +173,24 @@ int auth_users_file(srv_config *cfg, const char *path, char *err, size_t err_len
         return -1;
     }
     int rc = 0, lineno = 0, before = cfg->nusers;
-    while (rc == 0 && fgets(line, sizeof line, f)) {
-        lineno++;
-        if (!strchr(line, '\n') && !feof(f)) {
-            snprintf(err, err_len, "%s:%d: line longer than %zu bytes", path, lineno,
-                     sizeof line - 2);
-            rc = -1;
-            break;
-        }
-        line[strcspn(line, "\r\n")] = '\0';
-        const char *text = line + strspn(line, " \t");
-        if (text[0] == '\0' || text[0] == '#') continue; /* blank, or a comment */
-        size_t len = strlen(line);
-        if (text != line || line[len - 1] == ' ' || line[len - 1] == '\t') {
+    char *text;
+    while (rc == 0 &&
+           (rc = conf_line_next(f, path, line, sizeof line, &lineno, &text, err, err_len)) > 0) {
+        rc = 0;
+        if (text > line && (text[-1] == ' ' || text[-1] == '\t')) {
             snprintf(err, err_len,
-                     "%s:%d: blanks at the start or end of a line (they would be part of the "
-                     "name or the password)",
-                     path, lineno);
+                     "%s:%d: blanks at the start of a line (they would be part of the name)", path,
+                     lineno);
             rc = -1;
             break;
         }
-        char why[128];
-        if (auth_user_add(cfg, line, why, sizeof why) < 0) {
+        char why[160];
+        if (auth_user_add(cfg, text, why, sizeof why) < 0) {
             snprintf(err, err_len, "%s:%d: %s", path, lineno, why);
             rc = -1;
         }
     }
-    if (rc == 0 && ferror(f)) {
-        snprintf(err, err_len, "cannot read users file %s: %s", path, strerror(errno));
-        rc = -1;
-    } else if (rc == 0 && cfg->nusers == before) {
+    if (rc == 0 && cfg->nusers == before) {
         snprintf(err, err_len,
                  "users file %s names no user (without users every connection would be let in "
                  "unauthenticated)",
@@ -144,8 +206,12 @@ int auth_check(const srv_config *cfg, const char *user, const uint8_t *pw, uint3
     int role = ROLE_NONE;
     for (int i = 0; i < cfg->nusers; i++) {
         const srv_user *u = &cfg->users[i];
-        size_t ul = strlen(u->password);
-        unsigned diff = (unsigned)(ul != pw_len) | (unsigned)(strcmp(u->name, user) != 0);
+        size_t ul = strlen(u->password), nl = strlen(u->name), gl = strlen(user);
+        unsigned diff = (unsigned)(ul != pw_len) | (unsigned)(nl != gl);
+        for (size_t k = 0; k < SRV_NAME_MAX; k++) {
+            uint8_t a = k < nl ? (uint8_t)u->name[k] : 0, b = k < gl ? (uint8_t)user[k] : 0;
+            diff |= (unsigned)(a ^ b);
+        }
         for (size_t k = 0; k < SRV_PASSWORD_MAX; k++) {
             uint8_t a = k < ul ? (uint8_t)u->password[k] : 0, b = k < pw_len ? pw[k] : 0;
             diff |= (unsigned)(a ^ b);

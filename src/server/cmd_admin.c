@@ -42,6 +42,7 @@ int cmd_stats_list(const srv *s, const idem_stats *engine, cmd_stat *out)
     STAT("mismatches", st->mismatches);
     STAT("recoveries", st->recoveries);
     STAT("conflicting_commits", st->conflicting_commits);
+    STAT("index_refusals", st->index_refusals);
     STAT("expired_total", st->expired_total);
     STAT("oldest_in_flight_ms", st->oldest_in_flight_ms);
     STAT("oldest_review_ms", st->oldest_review_ms);
@@ -87,6 +88,7 @@ int cmd_stats_list(const srv *s, const idem_stats *engine, cmd_stat *out)
     STAT("clients_closed_output_stalled", s->closed_output_stalled);
     STAT("reads_withdrawn", s->reads_withdrawn);
     STAT("claims_released_unheard", s->claims_released_unheard);
+    STAT("auth_failures", s->auth_failures);
     STAT("io_buffer_bytes", s->io_used);
     STAT("claim_latency_us_count", s->claim_latencies);
     STAT("claim_latency_us_sum", s->claim_latency_us_sum);
@@ -306,16 +308,25 @@ static void audit_reply(idem_queue *q, const srv_read_args *a, resp_buf *b)
         audit_entry(b, &e[i]);
 }
 
-/* IDEM.ATTENTION [OLDER ms] [COUNT n]: the records that need a person or a reconciler (review,
- * in_flight past its lease or older than ms, recorded mismatches), each as IDEM.GET's array,
- * at most n, cut to fit the room its reply has (below). Costs no scan of all keys. */
+/* IDEM.ATTENTION [OLDER ms] [COUNT n] [WITHCUT]: the records that need a person or a reconciler
+ * (review, in_flight past its lease or older than ms, recorded mismatches), each as IDEM.GET's
+ * array, at most n, cut to fit the room its reply has (below). With WITHCUT the reply is
+ * [cut, [records]], cut 1 when that room cut the list: more may need attention. Costs no scan
+ * of all keys. */
 void cmd_attention(cmd_req *r)
 {
     uint64_t older = 0, count = 1000;
     static const char *const opts[] = {"OLDER", "COUNT"};
     unsigned seen = 0;
+    int with_cut = 0;
     for (uint32_t i = 1; i < r->argc; i += 2) {
-        int k = cmd_option(r, i, opts, IDEM_ARRAY_LEN(opts), &seen, "OLDER, COUNT");
+        if (cmd_is(r, i, "WITHCUT")) { /* a flag: no value follows */
+            if (with_cut) return cmd_fail(r, "ERR syntax error: WITHCUT given twice");
+            with_cut = 1;
+            i -= 1;
+            continue;
+        }
+        int k = cmd_option(r, i, opts, IDEM_ARRAY_LEN(opts), &seen, "OLDER, COUNT, WITHCUT");
         if (k < 0) return;
         if (k == 0 && cmd_u64(r->argv[i + 1], r->argl[i + 1], &older) == 0 &&
             older <= IDEM_TTL_MS_MAX) {
@@ -334,12 +345,15 @@ void cmd_attention(cmd_req *r)
     uint64_t avail = srv_reply_room(r->s, srv_reads_room(r->s)),
              rec = srv_record_reply_now(r->s) + 64;
     uint64_t room = avail > rec ? (avail - rec) / 2 : 0;
+    const uint64_t asked = count;
     if (count > room / SRV_RECORD_FRAMING_MAX) count = room / SRV_RECORD_FRAMING_MAX;
     srv_read_args a = {.kind = READ_ATTENTION,
                        .att = {.older_ms = (int64_t)older,
                                .max = count ? (uint32_t)count : 1,
                                .max_bytes = room ? room : 1},
-                       .output_max = r->s->cfg.client_output_max};
+                       .output_max = r->s->cfg.client_output_max,
+                       .with_cut = (uint8_t)with_cut,
+                       .count_cut = count < asked};
     read_request(r, &a);
 }
 
@@ -355,6 +369,16 @@ static void attention_reply(idem_queue *q, const srv_read_args *a, resp_buf *b)
         if (recs[i].result &&
             !cmd_reply_fits(b, recs[i].result_len, SRV_RECORD_REPLY_ROOM + 64, a->output_max))
             return;
+    if (a->with_cut) {
+        /* Cut for the room: the records allowed by it, or the bytes (the engine's measure)
+         * that ended the list. A list cut to COUNT is not: the caller knows its COUNT. */
+        uint64_t bytes = 0;
+        for (size_t i = 0; i < n; i++)
+            bytes += (uint64_t)recs[i].key_len + recs[i].owner_len + recs[i].note_len +
+                     recs[i].result_len;
+        resp_array(b, 2);
+        resp_integer(b, (a->count_cut && n >= a->att.max) || bytes >= a->att.max_bytes);
+    }
     resp_array(b, (int64_t)n);
     for (size_t i = 0; i < n; i++)
         cmd_reply_record(b, &recs[i]);
@@ -430,36 +454,30 @@ enum { INFO_SERVER = 1, INFO_CLIENTS = 2, INFO_PERSISTENCE = 4, INFO_IDEM = 8, I
 /* INFO's text; engine (the store's figures) only with the idem section, when not loading. */
 static void info_text(const srv *s, resp_buf *t, int sections, const idem_stats *engine)
 {
-    char line[256];
     int64_t up = (srv_now_ms() - s->started_ms) / 1000;
-#define LINE(...)                                                                                  \
-    do {                                                                                           \
-        int k_ = snprintf(line, sizeof line, __VA_ARGS__);                                         \
-        resp_buf_append(t, line, (size_t)k_);                                                      \
-    } while (0)
     if (sections & INFO_SERVER) {
-        LINE("# Server\r\nidem_version:%s\r\nredis_version:7.0.0\r\nredis_mode:standalone\r\n",
-             IDEM_VERSION_STRING);
-        LINE("process_id:%d\r\ntcp_port:%d\r\nuptime_in_seconds:%lld\r\n", (int)getpid(),
-             s->cfg.port, (long long)up);
-        LINE("io_backend:%s\r\n\r\n",
-             s->store && !s->loading ? idem_io_backend_name(s->store) : "unknown");
+        resp_buf_printf(
+            t, "# Server\r\nidem_version:%s\r\nredis_version:7.0.0\r\nredis_mode:standalone\r\n",
+            IDEM_VERSION_STRING);
+        resp_buf_printf(t, "process_id:%d\r\ntcp_port:%d\r\nuptime_in_seconds:%lld\r\n",
+                        (int)getpid(), s->cfg.port, (long long)up);
+        resp_buf_printf(t, "io_backend:%s\r\n\r\n",
+                        s->store && !s->loading ? idem_io_backend_name(s->store) : "unknown");
     }
     if (sections & INFO_CLIENTS)
-        LINE("# Clients\r\nconnected_clients:%u\r\nmaxclients:%u\r\n\r\n", s->nlive,
-             s->cfg.max_clients);
+        resp_buf_printf(t, "# Clients\r\nconnected_clients:%u\r\nmaxclients:%u\r\n\r\n", s->nlive,
+                        s->cfg.max_clients);
     if (sections & INFO_PERSISTENCE) {
-        LINE("# Persistence\r\nloading:%d\r\ndurability:%s\r\n\r\n", s->loading ? 1 : 0,
-             srv_durability_name(s->cfg.durability));
+        resp_buf_printf(t, "# Persistence\r\nloading:%d\r\ndurability:%s\r\n\r\n",
+                        s->loading ? 1 : 0, srv_durability_name(s->cfg.durability));
     }
     if (engine) {
         cmd_stat st[CMD_STATS_MAX];
         int n = cmd_stats_list(s, engine, st);
-        LINE("# Idem\r\n");
+        resp_buf_printf(t, "# Idem\r\n");
         for (int i = 0; i < n; i++)
-            LINE("%s:%lld\r\n", st[i].name, (long long)st[i].value);
+            resp_buf_printf(t, "%s:%lld\r\n", st[i].name, (long long)st[i].value);
     }
-#undef LINE
 }
 
 static void info_reply(srv *s, int sections, const idem_stats *engine, resp_buf *b)

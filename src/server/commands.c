@@ -189,6 +189,7 @@ static int authenticate(cmd_req *r, const uint8_t *user, uint32_t user_len, cons
         role = auth_check(&r->s->cfg, name, pw, pw_len);
     }
     if (role == ROLE_NONE) {
+        r->s->auth_failures++;
         srv_log_gated(&r->s->log_auth, "warn", "auth_failed", "id=%llu peer=%s",
                       (unsigned long long)r->c->id, r->c->peer);
         cmd_fail(r, "WRONGPASS invalid username-password pair or user is disabled.");
@@ -505,7 +506,7 @@ const cmd_def cmd_table[] = {
              OPT_INT("COUNT", "count"), OPT_INT("BEFORE", "seq"))),
     CMD("IDEM.ATTENTION", -1, ROLES_READ, 0, cmd_attention, NULL,
         "Lists the records that wait for a person or a reconciler", "idem",
-        ARGS(OPT_INT("OLDER", "ms"), OPT_INT("COUNT", "count"))),
+        ARGS(OPT_INT("OLDER", "ms"), OPT_INT("COUNT", "count"), OPT_PURE("WITHCUT"))),
     CMD("IDEM.BACKUP", 2, ROLE_ADMIN, 0, cmd_backup, NULL,
         "Writes a consistent copy of the store into a new directory (admin)", "idem",
         ARGS(STR("path"))),

@@ -1347,7 +1347,8 @@ static void complete_one(srv *s, const idem_completion *cp)
             &s->log_full, "warn", "full", "id=%llu peer=%s msg=\"%s\"", (unsigned long long)c->id,
             c->peer,
             "a change refused: capacity limit or full disk, or no file descriptor for the "
-            "log's next segment or the token reservation (nothing was evicted)");
+            "log's next segment or the token reservation, or an index that cannot grow "
+            "(index_refusals; nothing was evicted)");
     srv_slot *sl = srv_slot_of(c, seq);
     if (sl->kind == RK_RESOLVE) /* also when its client is gone: the decision took effect */
         log_resolve_result(c, seq, cp->err);

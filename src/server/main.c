@@ -218,17 +218,10 @@ static int config_file(srv_config *cfg, const char *path, char *err, size_t err_
     struct stat st;
     int shared = fstat(fileno(f), &st) != 0 || (st.st_mode & (S_IRWXG | S_IRWXO));
     int lineno = 0, rc = 0;
-    while (rc == 0 && fgets(line, sizeof line, f)) {
-        lineno++;
-        if (!strchr(line, '\n') && !feof(f)) {
-            snprintf(err, err_len, "%s:%d: line longer than %zu bytes", path, lineno,
-                     sizeof line - 2);
-            rc = -1;
-            break;
-        }
-        char *p = line + strspn(line, " \t");
-        p[strcspn(p, "\r\n")] = '\0';
-        if (*p == '\0' || *p == '#') continue;
+    char *p;
+    while (rc == 0 &&
+           (rc = conf_line_next(f, path, line, sizeof line, &lineno, &p, err, err_len)) > 0) {
+        rc = 0;
         char *sp = p + strcspn(p, " \t");
         char *val = *sp ? sp + 1 + strspn(sp + 1, " \t") : sp;
         *sp = '\0';
@@ -251,10 +244,6 @@ static int config_file(srv_config *cfg, const char *path, char *err, size_t err_
             rc = -1;
         }
         if (rc < 0) snprintf(err, err_len, "%s:%d: %s", path, lineno, why);
-    }
-    if (rc == 0 && ferror(f)) {
-        snprintf(err, err_len, "cannot read config file %s: %s", path, strerror(errno));
-        rc = -1;
     }
     fclose(f);
     return rc;

@@ -46,6 +46,9 @@ static const struct metric_info {
     {"conflicting_commits", 1,
      "Commits repeated by the holder with a different result (-CONFLICT): the sender may have "
      "handed out two references for one key."},
+    {"index_refusals", 1,
+     "New keys answered FULL because the index could not grow (no memory, or keys sharing their "
+     "hash bits), every limit unreached."},
     {"expired_total", 1, "Expired records removed by compaction or replaced by a new claim."},
     {"oldest_in_flight_ms", 0, "First-seen store time of the oldest in_flight record (0: none)."},
     {"oldest_review_ms", 0, "First-seen store time of the oldest review record (0: none)."},
@@ -86,6 +89,7 @@ static const struct metric_info {
     {"clients_closed_output_stalled", 1, "Clients closed by the I/O budget for replies not read."},
     {"reads_withdrawn", 1, "Queries, figures and scrapes not made: their client left."},
     {"claims_released_unheard", 1, "WAIT claims answered new after their client left: released."},
+    {"auth_failures", 1, "AUTH refused for a wrong name or password (password guessing)."},
     {"io_buffer_bytes", 0, "Bytes of client buffers, as --io-budget bounds them."},
     {"flush_latency_us", 0, "Group commit latency in microseconds (write and flush)."},
     {"claim_latency_us", 0, "IDEM.CLAIM latency in microseconds, parse to reply (WAIT left out)."},
@@ -102,12 +106,11 @@ static const struct metric_info *metric_info(const char *name)
 static void render_head(resp_buf *b, const char *name, const char *suffix, const char *type)
 {
     const struct metric_info *mi = metric_info(name);
-    char line[320];
-    int k = mi ? snprintf(line, sizeof line, "# HELP idem_%s%s %s\n", name, suffix, mi->help)
-               : snprintf(line, sizeof line, "# HELP idem_%s%s idem's %s.\n", name, suffix, name);
-    resp_buf_append(b, line, (size_t)k);
-    k = snprintf(line, sizeof line, "# TYPE idem_%s%s %s\n", name, suffix, type);
-    resp_buf_append(b, line, (size_t)k);
+    if (mi)
+        resp_buf_printf(b, "# HELP idem_%s%s %s\n", name, suffix, mi->help);
+    else
+        resp_buf_printf(b, "# HELP idem_%s%s idem's %s.\n", name, suffix, name);
+    resp_buf_printf(b, "# TYPE idem_%s%s %s\n", name, suffix, type);
 }
 
 /* Renders idem_<name> as a histogram: bucket i counts values up to 2^(i+4), the last the rest
@@ -115,23 +118,18 @@ static void render_head(resp_buf *b, const char *name, const char *suffix, const
 static void render_histogram(resp_buf *b, const char *name, const uint64_t *buckets, uint64_t sum,
                              uint64_t count)
 {
-    char line[200];
     uint64_t cum = 0;
-    int k;
     render_head(b, name, "", "histogram");
     for (int i = 0; i < SRV_LAT_BUCKETS; i++) {
         cum += buckets[i];
         if (i < SRV_LAT_BUCKETS - 1)
-            k = snprintf(line, sizeof line, "idem_%s_bucket{le=\"%llu\"} %llu\n", name,
-                         1ull << (i + 4), (unsigned long long)cum);
+            resp_buf_printf(b, "idem_%s_bucket{le=\"%llu\"} %llu\n", name, 1ull << (i + 4),
+                            (unsigned long long)cum);
         else
-            k = snprintf(line, sizeof line, "idem_%s_bucket{le=\"+Inf\"} %llu\n", name,
-                         (unsigned long long)cum);
-        resp_buf_append(b, line, (size_t)k);
+            resp_buf_printf(b, "idem_%s_bucket{le=\"+Inf\"} %llu\n", name, (unsigned long long)cum);
     }
-    k = snprintf(line, sizeof line, "idem_%s_sum %llu\nidem_%s_count %llu\n", name,
-                 (unsigned long long)sum, name, (unsigned long long)count);
-    resp_buf_append(b, line, (size_t)k);
+    resp_buf_printf(b, "idem_%s_sum %llu\nidem_%s_count %llu\n", name, (unsigned long long)sum,
+                    name, (unsigned long long)count);
 }
 
 static void render_histograms(const srv *s, const idem_stats *st, resp_buf *b)
@@ -149,8 +147,6 @@ static void render_histograms(const srv *s, const idem_stats *st, resp_buf *b)
  * server's; NULL while the store loads. */
 static void metrics_render(const srv *s, const idem_stats *engine, resp_buf *b)
 {
-    char line[200];
-    int k;
     if (!engine) {
         render_head(b, "loading", "", "gauge");
         resp_buf_append(b, "idem_loading 1\n", 15);
@@ -166,9 +162,7 @@ static void metrics_render(const srv *s, const idem_stats *engine, resp_buf *b)
         int counter = mi && mi->counter;
         const char *suffix = counter && !strstr(st[i].name, "_total") ? "_total" : "";
         render_head(b, st[i].name, suffix, counter ? "counter" : "gauge");
-        k = snprintf(line, sizeof line, "idem_%s%s %lld\n", st[i].name, suffix,
-                     (long long)st[i].value);
-        resp_buf_append(b, line, (size_t)k);
+        resp_buf_printf(b, "idem_%s%s %lld\n", st[i].name, suffix, (long long)st[i].value);
     }
     render_histograms(s, engine, b);
 }

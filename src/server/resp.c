@@ -436,6 +436,28 @@ int resp_buf_append(resp_buf *b, const void *p, size_t n)
     return 0;
 }
 
+int resp_buf_printf(resp_buf *b, const char *fmt, ...)
+{
+    char line[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(line, sizeof line, fmt, ap);
+    va_end(ap);
+    if (n < 0) return -1;
+    if ((size_t)n < sizeof line) return resp_buf_append(b, line, (size_t)n);
+    char *whole = malloc((size_t)n + 1); /* longer than the line: made whole, never cut */
+    if (!whole) {
+        b->overflow = b->no_memory = 1;
+        return -1;
+    }
+    va_start(ap, fmt);
+    vsnprintf(whole, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    int rc = resp_buf_append(b, whole, (size_t)n);
+    free(whole);
+    return rc;
+}
+
 static int append_line(resp_buf *b, char type, const char *s, size_t n)
 {
     char head = type;

@@ -122,6 +122,8 @@ void resp_buf_free(resp_buf *b);
 void resp_buf_consume(resp_buf *b, size_t n);
 /* Appends raw bytes. Returns 0, or -1 (overflow set) past the limit or without memory. */
 int resp_buf_append(resp_buf *b, const void *p, size_t n);
+/* Appends the text fmt makes, whatever its length. */
+int resp_buf_printf(resp_buf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
 int resp_simple(resp_buf *b, const char *s); /* +s */
 int resp_error(resp_buf *b, const char *s);  /* -s (CR/LF replaced by blanks) */

@@ -20,6 +20,7 @@
 #define IDEM_SERVER_SERVER_H
 
 #include <stdint.h>
+#include <stdio.h>
 #include <sys/socket.h>
 #include <pthread.h>
 #include <sys/types.h>
@@ -262,6 +263,8 @@ typedef struct srv_read_args {
     uint32_t key_len;    /* READ_AUDIT: 0, every key */
     uint32_t count;      /* READ_AUDIT */
     uint64_t output_max; /* READ_ATTENTION: --client-output-max (cmd_reply_fits) */
+    uint8_t with_cut;    /* READ_ATTENTION: WITHCUT, the reply says whether it was cut */
+    uint8_t count_cut;   /* READ_ATTENTION: att.max is below COUNT, for the reply's room */
     uint64_t before_seq; /* READ_AUDIT: entries older than this seq (0: from the newest) */
 } srv_read_args;
 
@@ -351,6 +354,7 @@ typedef struct srv {
     srv_log_gate log_connect, log_disconnect, log_half_close, log_budget_pause, log_oom;
     srv_log_gate log_unheard;
     uint64_t claims_released_unheard; /* WAIT claims' `new` released: nobody heard it */
+    uint64_t auth_failures;           /* AUTH (or HELLO's) refused for a name or password */
     struct srv_unheard {
         uint32_t conn, seq;
     } * unheard; /* releases due once the round's completions are read (submit_unheard) */
@@ -528,9 +532,17 @@ int auth_role_parse(const char *s);
 const char *auth_role_name(int role);
 /* Parses NAME:ROLE:PASSWORD into cfg->users. Returns 0 or -1 (message in err). */
 int auth_user_add(srv_config *cfg, const char *spec, char *err, size_t err_len);
+/* The next line of an operator's file (users or config) into line, its end of line off, and
+ * *text at its first byte past blanks (and a UTF-8 byte order mark at the file's start): 1; 0
+ * at the end of the file; -1 with err naming the line. Blank lines and comments (a '#' first on
+ * a line, of any length) are skipped. Refused: a line longer than size - 2 bytes, a control
+ * byte but a tab, blanks at the end, and a '#' after a blank (comments take a line of their own:
+ * either would be part of a value, a password). */
+int conf_line_next(FILE *f, const char *path, char *line, size_t size, int *lineno, char **text,
+                   char *err, size_t err_len);
 /* Loads a users file (must not be readable by group or others). Returns 0 or -1. */
 int auth_users_file(srv_config *cfg, const char *path, char *err, size_t err_len);
-/* Checks user/password (constant time in the password); returns the role or ROLE_NONE. */
+/* Checks user/password (its time independent of both); returns the role or ROLE_NONE. */
 int auth_check(const srv_config *cfg, const char *user, const uint8_t *pw, uint32_t pw_len);
 /* The role of a new connection before any AUTH. */
 int auth_initial_role(const srv_config *cfg, int is_unix);
