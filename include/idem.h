@@ -517,6 +517,8 @@ typedef struct idem_attention_args {
  * lock is taken in steps meanwhile, so other callers are not held up for the whole list; a
  * record whose state changes during the call is listed once, possibly in the group being read
  * when it changed. In sync mode the call returns once what it lists is durable (as idem_scan).
+ * IDEM_ECORRUPT when a record it would list fails its checksum (as idem_get of its key): it is
+ * not left out of a list that succeeds; idem_verify names it.
  */
 int idem_attention(idem_queue *q, const idem_attention_args *a, const idem_record **records,
                    size_t *n);

@@ -106,7 +106,13 @@ static int att_take(idem_store *s, struct att_view *av, struct qslot *tmp, uint6
     uint64_t lsn;
     const uint8_t *p = wal_payload(s->wal, addr, &len, &lsn);
     struct rec r, cur;
-    if (!p || rec_decode(p, len, &r) < 0) return 0;
+    if (!p || rec_decode(p, len, &r) < 0) {
+        /* The index points at the very version the entry was pushed for, and it cannot be
+         * read: a record that needs attention, damaged. Reported, not left out (the list said
+         * nothing needs attention while idem_get of the key answered IDEM_ECORRUPT). */
+        if (addr == ages_entry_addr(e)) av->err = IDEM_ECORRUPT;
+        return 0;
+    }
     struct index_slot *slot = ops_find(s, r.key, r.key_len, &cur, &lsn);
     if (!slot || index_slot_addr(slot) != addr) return 0; /* another key with those hash bits */
     if (ops_rec_expired(&r, av->now)) {                   /* gone, though no sweep reached it yet */

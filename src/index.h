@@ -10,7 +10,9 @@
  * comparison for candidates, so keys are always compared in full by the caller.
  *
  * Slot pointers returned by find/insert stay valid only until the next insert or remove.
- * Not thread-safe: the store serialises access.
+ * Threads: the store serialises every call that changes the index, and index_find (which notes
+ * where a miss stopped) with them; index_lookup, index_peek, index_prefetch and index_has_hash
+ * change nothing, and run side by side under the store's read lock.
  */
 #ifndef IDEM_INDEX_H
 #define IDEM_INDEX_H

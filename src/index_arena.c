@@ -358,18 +358,21 @@ void iarena_populate_plan(struct iarena *a, size_t ahead, void **p, size_t *n)
 }
 
 static int test_refuse_err;
-static unsigned test_refuse_count;
+static unsigned test_refuse_count; /* atomic: the thread that faults memory in reads it */
 
 void iarena_test_refuse_populate(int err, unsigned count)
 {
     test_refuse_err = err;
-    test_refuse_count = count;
+    __atomic_store_n(&test_refuse_count, count, __ATOMIC_RELEASE);
 }
 
 size_t iarena_populate(void *p, size_t n)
 {
-    if (test_refuse_count > 0) {
-        test_refuse_count--;
+    unsigned left = __atomic_load_n(&test_refuse_count, __ATOMIC_ACQUIRE);
+    while (left > 0 && !__atomic_compare_exchange_n(&test_refuse_count, &left, left - 1, 0,
+                                                    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+    }
+    if (left > 0) {
         errno = test_refuse_err;
         return 0;
     }

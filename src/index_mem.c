@@ -37,7 +37,11 @@ void imem_init(struct index_mem *m)
 {
     memset(m, 0, sizeof(*m));
     pthread_mutex_init(&m->lock, NULL);
-    pthread_cond_init(&m->cond, NULL);
+    pthread_condattr_t ca; /* the retry's pause (ahead_main) on the monotonic clock */
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&m->cond, &ca);
+    pthread_condattr_destroy(&ca);
     iarena_init(&m->arena);
 }
 
@@ -103,7 +107,7 @@ static void *ahead_main(void *arg)
          * own memory in from here on. */
         if (err != ENOMEM && err != EAGAIN && err != EINTR) break;
         struct timespec until;
-        clock_gettime(CLOCK_REALTIME, &until);
+        clock_gettime(CLOCK_MONOTONIC, &until);
         until.tv_sec += 1;
         if (!m->stop) pthread_cond_timedwait(&m->cond, &m->lock, &until);
     }

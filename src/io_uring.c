@@ -259,18 +259,25 @@ static void iou_flush_due(struct iou *u)
 /* A wait that failed for good (the ring is dead): before the caller is told, and frees the
  * buffers or closes the files of its writes, the writes the kernel took are waited for (a wait
  * submits nothing: the no-ops still queued stay queued). Their completions are handed out by
- * later waits, with the ring's error. Should even that wait be refused, those writes may read
- * their buffers after the caller freed them: what they write lands past every durable mark, in
- * files already failed, where checksums reject it (a kernel request holds its file, so a
- * descriptor reused meanwhile is not written). */
+ * later waits, with the ring's error. The wait is bounded (IOU_SETTLE_S: a device that hangs
+ * must not keep a failed store from being told so). Should it be refused or run out, those
+ * writes may read their buffers after the caller freed them: what they write lands past every
+ * durable mark, in files already failed, where checksums reject it (a kernel request holds its
+ * file, so a descriptor reused meanwhile is not written). */
+#define IOU_SETTLE_S 30
 static void iou_settle_dead(struct iou *u)
 {
     IDEM_ASSERT(u->dead);
-    while (u->cqes_inflight > io_uring_sq_ready(&u->ring)) {
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);
+    const time_t until = now.tv_sec + IOU_SETTLE_S;
+    while (u->cqes_inflight > io_uring_sq_ready(&u->ring) && now.tv_sec < until) {
         struct io_uring_cqe *cqe;
-        int rc = io_uring_wait_cqe(&u->ring, &cqe);
+        struct __kernel_timespec left = {.tv_sec = until - now.tv_sec};
+        int rc = io_uring_wait_cqe_timeout(&u->ring, &cqe, &left);
+        clock_gettime(CLOCK_MONOTONIC, &now);
         if (rc == -EINTR) continue;
-        if (rc < 0) break;
+        if (rc < 0) break; /* refused, or the time ran out (-ETIME) */
         iou_reap_all(u);
     }
 }

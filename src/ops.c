@@ -908,6 +908,24 @@ static struct index_slot *owner_lookup(idem_store *s, struct qslot *sl, const id
     return slot;
 }
 
+/* Rule 7: a commit repeated by the owner with another result: the target may have handed out
+ * two references for one key. Counted, and the key named in the log (once a second at most:
+ * the count says the rest), so an operator can find the record and the target's references. */
+static void conflict_noted(idem_store *s, const idem_op *op, int64_t now)
+{
+    s->st.conflicting_commits++;
+    if (s->conflict_logged && now - s->conflict_logged_ms < 1000) return;
+    char key[96];
+    util_printable(key, sizeof key, op->key, op->key_len);
+    fprintf(stderr,
+            "idem: event=conflicting_commit dir=%s key=\"%s\" key_len=%u token=%lld "
+            "conflicting_commits=%llu\n",
+            s->dir, key, op->key_len, (long long)op->token,
+            (unsigned long long)s->st.conflicting_commits);
+    s->conflict_logged = 1;
+    s->conflict_logged_ms = now;
+}
+
 static void op_commit(idem_store *s, struct qslot *sl, const idem_op *op)
 {
     int64_t now = store_now(s);
@@ -924,7 +942,7 @@ static void op_commit(idem_store *s, struct qslot *sl, const idem_op *op)
         int rc = copy_result(sl, &r, &old, &old_len);
         if (rc == 0 && (old_len != op->data_len || memcmp(old, op->data, old_len) != 0)) {
             rc = IDEM_ECONFLICT;
-            s->st.conflicting_commits++;
+            conflict_noted(s, op, now);
         }
         sl->c.err = rc;
         return;

@@ -1254,17 +1254,20 @@ static uint64_t index_presize_keys(const idem_store *s)
 }
 
 /* The index is made for the checkpoint's entries at once (their count is checked by then), at
- * about the size growth would have reached, so it hardly grows while they load. Without memory
- * for that, the index grows as usual. */
-static void ckpt_sized(void *ctx, uint64_t count)
+ * about the size growth would have reached, so it hardly grows while they load. The empty one
+ * made at open is let go first: both at once could pass the memory the store has (the first is
+ * resident, up to half of max_memory_bytes). Without memory for that, the index starts small
+ * and grows as usual. */
+static int ckpt_sized(void *ctx, uint64_t count)
 {
     idem_store *s = ctx;
-    struct index *ix;
-    if (count > index_presize_keys(s) && count < (UINT64_C(1) << 34) && /* made up: grow */
-        index_create_snug(count, &ix) == 0) {
-        index_destroy(s->ix);
-        s->ix = ix;
-    }
+    if (count <= index_presize_keys(s) || count >= (UINT64_C(1) << 34)) return 0; /* grows */
+    IDEM_ASSERT(index_count(s->ix) == 0);
+    index_destroy(s->ix);
+    s->ix = NULL;
+    if (index_create_snug(count, &s->ix) == 0 || index_create(0, &s->ix) == 0) return 0;
+    s->ix = NULL;
+    return IDEM_ENOMEM;
 }
 
 static uint64_t ckpt_entry_hash(const struct ckpt_entry *e)
@@ -1307,6 +1310,12 @@ static int ckpt_entry_load(void *ctx, const struct ckpt_entry *e)
             return IDEM_ECORRUPT;
         }
         if (ops_find(s, r.key, r.key_len, &cur, &lsn)) return 0;
+        /* The key's first listing fails its checksum: this one would index it twice. */
+        if (s->find_corrupt) {
+            store_set_error("checkpoint %llu names a record that fails its checksum",
+                            (unsigned long long)s->sb.ckpt_id);
+            return IDEM_ECORRUPT;
+        }
     }
     struct index_slot *slot = index_insert_ordered(s->ix, h, addr);
     if (!slot) return IDEM_ENOMEM;
@@ -1427,8 +1436,8 @@ static int store_recover(idem_store *s)
     if (wal_frames_beyond(s->wal))
         fprintf(stderr, "idem: event=recovery_dropped_tail dir=%s frames=%llu reason=\"%s\"\n",
                 s->dir, (unsigned long long)wal_frames_beyond(s->wal),
-                resume.sync ? "the batch in flight at the crash"
-                            : "unflushed batches of an open with durability none");
+                resume.sync ? "the batch in flight at a crash, or leftovers of earlier ones"
+                            : "unflushed batches of an open with durability none, or leftovers");
     s->durable_lsn = wal_last_lsn(s->wal);
     return 0;
 }
@@ -3121,8 +3130,14 @@ static int ckpt_run_step(idem_store *s, int now)
     /* Written: install once everything up to L1 is durable. */
     if (s->durable_lsn < s->ckr.end_lsn) {
         if (wal_pending(s->wal)) return 0; /* the flusher's next flush gets there */
-        /* Nothing pending, but written without a flush (durability none). */
-        if (sync_written(s) < 0) return IDEM_EFATAL;
+        /* Nothing pending, but written without a flush (durability none): a failed flush of
+         * the log is named as such, not as the checkpoint's write (ckpt_run_failed keeps the
+         * first reason). */
+        int rc = sync_written(s);
+        if (rc < 0) {
+            store_fail(s, rc, "flushing the log before a checkpoint is installed");
+            return IDEM_EFATAL;
+        }
         s->durable_lsn = wal_durable_lsn(s->wal);
         notify_ready(s);
         if (s->durable_lsn < s->ckr.end_lsn) return IDEM_EFATAL;

@@ -28,7 +28,9 @@
 #define STORE_BATCH_FLUSH_MS  10   /* batch mode: flush at least this often */
 #define STORE_FRAMES_PER_STEP 128  /* frames flushed that earn compaction one more step */
 #define STORE_BUFFERS_IDLE_MS 1000 /* no flush for this long: log buffers are trimmed */
-#define STORE_BUFFERS_KEPT    2    /* log chunk buffers kept through an idle log */
+#define STORE_BUFFERS_KEPT                                                                         \
+    3 /* log chunk buffers kept through an idle log: a frame's, and                                \
+          the two held for a flush's END and a SEGEND */
 #define STORE_CLOCK_MS_MAX    IDEM_CLOCK_MS_MAX /* as the superblock and log allow */
 #define STORE_STEPS_PER_FLUSH 8                 /* at most this many more after one flush */
 #define STORE_SLEW_PER_S_MS   100 /* the store clock follows the wall clock by <= 10% */
@@ -412,6 +414,8 @@ struct idem_store {
     int cap_full_seen, cap_rolled_seen;
     int64_t index_refused_ms; /* the last event=full of an index that could not grow */
     int index_refused_logged;
+    int64_t conflict_logged_ms; /* the last event=conflicting_commit (once a second at most) */
+    int conflict_logged;
     uint64_t cap_roll_lsn;
     /* compact_learn_horizon's pass over segment hz_seq (0: none): up to hz_off, max hz_max. */
     uint64_t hz_seq;

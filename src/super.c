@@ -698,7 +698,7 @@ static void ckpt_reader_stop(struct ckpt_reader *r)
     r->started = 0;
 }
 
-int ckpt_load(struct io *io, const char *dir, uint64_t id, void (*sized)(void *ctx, uint64_t count),
+int ckpt_load(struct io *io, const char *dir, uint64_t id, int (*sized)(void *ctx, uint64_t count),
               int (*fn)(void *ctx, const struct ckpt_entry *e),
               int (*plain)(void *ctx, const uint8_t *run, uint64_t n), void *ctx, char *err,
               size_t errcap)
@@ -731,7 +731,7 @@ int ckpt_load(struct io *io, const char *dir, uint64_t id, void (*sized)(void *c
     if (rc == 0) ckpt_reader_start(&rd, m, 4096, cf.end);
     /* Only a checked count sizes anything (fuzz_checkpoint: a damaged trailer once asked for
      * gigabytes before its checksum was looked at). */
-    if (rc == 0 && sized) sized(ctx, cf.count);
+    if (rc == 0 && sized) rc = sized(ctx, cf.count);
     struct ckpt_cursor cur = {.pos = 4096};
     struct ckpt_chunk ch;
     while (rc == 0 && (rc = ckpt_parse_chunk(&cf, &cur, &ch, name, err, errcap)) == 1)

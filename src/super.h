@@ -202,11 +202,11 @@ uint32_t ckpt_decode(const struct ckpt_file *cf, const uint8_t *p, struct ckpt_e
 /* Reads checkpoint id, passing each entry on only after the checksum that covers it held (in
  * format 2 chunk by chunk, so the disk reads ahead while earlier chunks load). sized (if not
  * NULL) is called first with the entry count from the trailer (checked, and bounded by the
- * file's length), so a loader can size its table; then, in file order, plain with each run of n
- * plain entries (format 2, 16 bytes each, flags 0: u64 addr_tag, u32 hash_lo, u32 0) and fn
- * with every other entry, decoded. A file that fails a check part-way leaves the entries before
- * it passed on: the caller discards what it built. */
-int ckpt_load(struct io *io, const char *dir, uint64_t id, void (*sized)(void *ctx, uint64_t count),
+ * file's length), so a loader can size its table (its error ends the load); then, in file order,
+ * plain with each run of n plain entries (format 2, 16 bytes each, flags 0: u64 addr_tag, u32
+ * hash_lo, u32 0) and fn with every other entry, decoded. A file that fails a check part-way leaves
+ * the entries before it passed on: the caller discards what it built. */
+int ckpt_load(struct io *io, const char *dir, uint64_t id, int (*sized)(void *ctx, uint64_t count),
               int (*fn)(void *ctx, const struct ckpt_entry *e),
               int (*plain)(void *ctx, const uint8_t *run, uint64_t n), void *ctx, char *err,
               size_t errcap);

@@ -1,6 +1,6 @@
 /*
- * util.c: the always-on assertion handler, the system clock readers, the memory limit reader
- * and the mapped arrays of util.h.
+ * util.c: the always-on assertion handler, the system clock readers, the memory limit reader,
+ * bytes made printable for logs, and the mapped arrays of util.h.
  */
 #include "util.h"
 
@@ -157,4 +157,15 @@ void *util_map_grow(void *p, size_t old_bytes, size_t new_bytes)
 void util_map_free(void *p, size_t bytes)
 {
     if (p) munmap(p, map_round(bytes));
+}
+
+void util_printable(char *dst, size_t cap, const void *p, size_t n)
+{
+    const uint8_t *b = p;
+    size_t k = 0;
+    for (size_t i = 0; i < n && k + 1 < cap; i++)
+        dst[k++] = b[i] >= 0x20 && b[i] < 0x7f && b[i] != '\'' && b[i] != '"' && b[i] != '\\'
+                       ? (char)b[i]
+                       : '?';
+    if (cap) dst[k] = '\0';
 }

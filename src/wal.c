@@ -284,6 +284,14 @@ int wal_init_new(struct wal *w)
 
 /* ---- Appending ---- */
 
+/* Whether no frame may start at off: within a block's last WAL_FRAME_HDR - 1 bytes, where its
+ * header would cross into the next block. The writer pads past them, and replay and walks skip
+ * them, by this one rule. */
+static inline int frame_start_barred(uint32_t off)
+{
+    return off % WAL_BLOCK && WAL_BLOCK - off % WAL_BLOCK < WAL_FRAME_HDR;
+}
+
 static struct wal_chunk *chunk_tail(struct wal *w)
 {
     return w->npend ? &w->chunks[w->pend[w->npend - 1]] : NULL;
@@ -346,7 +354,7 @@ static void frame_put(struct wal *w, struct wal_chunk *c, uint32_t type, const v
     c->len += flen;
     c->last_lsn = w->lsn_last;
     w->cur_off = c->off + c->len;
-    if (WAL_BLOCK - w->cur_off % WAL_BLOCK < WAL_FRAME_HDR && w->cur_off % WAL_BLOCK) {
+    if (frame_start_barred(w->cur_off)) {
         uint32_t gap = WAL_BLOCK - w->cur_off % WAL_BLOCK;
         memset(c->buf + c->len, 0, gap);
         c->len += gap;
@@ -835,7 +843,7 @@ int wal_view_next(const struct wal_seg_view *v, uint32_t *off, struct wal_frame 
 {
     while (*off + WAL_FRAME_HDR <= v->seg_bytes) {
         uint32_t o = *off;
-        if (o % WAL_BLOCK && WAL_BLOCK - o % WAL_BLOCK < WAL_FRAME_HDR) {
+        if (frame_start_barred(o)) {
             *off = (uint32_t)IDEM_ALIGN_UP(o, WAL_BLOCK);
             continue;
         }
@@ -1073,7 +1081,7 @@ static int scan_step(struct wal *w, struct scan_pos *p, uint32_t type, uint32_t 
         return 0;
     }
     p->off += len;
-    if (type == WAL_T_END || (p->off % WAL_BLOCK && WAL_BLOCK - p->off % WAL_BLOCK < WAL_FRAME_HDR))
+    if (type == WAL_T_END || frame_start_barred(p->off))
         p->off = (uint32_t)IDEM_ALIGN_UP(p->off, WAL_BLOCK);
     return 0;
 }

@@ -2218,6 +2218,8 @@ struct script_server {
     char path[200];
     pthread_t t;
     const char *replies[8];
+    char got[8][512]; /* the requests read (their first bytes), in turn */
+    int rc;           /* idemctl's exit status */
 };
 
 static void *script_server_main(void *arg)
@@ -2226,8 +2228,13 @@ static void *script_server_main(void *arg)
     int c = accept(o->fd, NULL, NULL);
     if (c < 0) return NULL;
     char buf[4096];
-    for (int i = 0; i < 8 && o->replies[i] && read(c, buf, sizeof buf) > 0; i++)
+    ssize_t n;
+    for (int i = 0; i < 8 && o->replies[i] && (n = read(c, buf, sizeof buf)) > 0; i++) {
+        size_t keep = (size_t)n < sizeof o->got[i] - 1 ? (size_t)n : sizeof o->got[i] - 1;
+        memcpy(o->got[i], buf, keep);
+        o->got[i][keep] = 0;
         if (send(c, o->replies[i], strlen(o->replies[i]), MSG_NOSIGNAL) < 0) break;
+    }
     close(c);
     return NULL;
 }
@@ -2238,10 +2245,20 @@ static void script_server_run(struct script_server *o, const char *cmd)
     unlink(o->path);
     o->fd = unix_listener(o->path, 4);
     cr_assert_eq(pthread_create(&o->t, NULL, script_server_main, o), 0);
-    ctl("%s --socket %s", cmd, o->path);
+    o->rc = ctl("%s --socket %s", cmd, o->path);
     shutdown(o->fd, SHUT_RDWR);
     close(o->fd);
     pthread_join(o->t, NULL);
+}
+
+/* An error reply's bytes reached the terminal as they were (keys and actors are escaped
+ * everywhere else): an escape sequence in it was the terminal's to act on. */
+Test(idemctl, an_error_reply_reaches_the_terminal_escaped, .init = setup, .fini = teardown)
+{
+    struct script_server o = {.replies = {"-ERR boom\x1b[2J\r\n", NULL}};
+    script_server_run(&o, "attention");
+    cr_assert(strstr(err, "IDEM.ATTENTION: ERR boom\\x1b[2J"), "%s", err);
+    cr_assert_null(strchr(err, '\x1b'), "%s", err);
 }
 
 /* idemd says whether it cut the attention list to its reply room (WITHCUT); one before that
@@ -2254,6 +2271,11 @@ Test(idemctl, an_attention_list_cut_by_idemd_is_said_cut, .init = setup, .fini =
         .replies = {"-ERR syntax error: option without a value\r\n", "*0\r\n",
                     "*4\r\n$11\r\nkeys_review\r\n:3\r\n$14\r\nstore_clock_ms\r\n:1000\r\n", NULL}};
     script_server_run(&old, "attention");
+    cr_assert_eq(old.rc, 0, "out: %s err: %s", out, err);
+    cr_assert(strstr(old.got[0], "IDEM.ATTENTION") && strstr(old.got[0], "WITHCUT"), "%s",
+              old.got[0]);
+    cr_assert(strstr(old.got[1], "IDEM.ATTENTION") && !strstr(old.got[1], "WITHCUT"),
+              "the request to an idemd before WITHCUT: %s", old.got[1]);
     cr_assert(strstr(err, "the store holds 3 in review") && strstr(err, "more may need attention"),
               "out: %s err: %s", out, err);
     /* An idemd that says it cut the list, once, not twice. */
@@ -2262,6 +2284,7 @@ Test(idemctl, an_attention_list_cut_by_idemd_is_said_cut, .init = setup, .fini =
                                             "store_clock_ms\r\n:1000\r\n",
                                             NULL}};
     script_server_run(&cut, "attention");
+    cr_assert_eq(cut.rc, 0, "out: %s err: %s", out, err);
     cr_assert(strstr(err, "idemd cut the list to fit its reply"), "out: %s err: %s", out, err);
     cr_assert_null(strstr(err, "the store holds 3 in review"), "%s", err);
 }

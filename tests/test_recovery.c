@@ -2623,7 +2623,8 @@ static idem_store *open_filled(idem_queue **q)
 }
 
 /* The same for readers outside an operation: the attention list, read right after an operation
- * checked the frame, refuses the damaged record. */
+ * checked the frame, refuses the damaged record, and says so: it was left out of a list that
+ * succeeded, which then said nothing needed attention (a review of the attention list). */
 Test(recovery, a_frame_damaged_after_a_read_is_not_served_by_the_attention_list)
 {
     idem_queue *q;
@@ -2644,6 +2645,10 @@ Test(recovery, a_frame_damaged_after_a_read_is_not_served_by_the_attention_list)
         cr_assert(recs[i].note_len != 12 || memcmp(recs[i].note, "NOTEABCDEFGH", 12) == 0,
                   "the attention list served a damaged note");
     }
+    cr_assert_eq(rc, IDEM_ECORRUPT,
+                 "a damaged review record was left out of a list (%zu) that "
+                 "answered %s",
+                 n, idem_strerror(rc));
     cr_assert_eq(idem_get(q, "held-key", 8, &c), IDEM_ECORRUPT);
     idem_queue_close(q);
     store_abandon(s);

@@ -4076,6 +4076,17 @@ Test(stats, an_idle_log_gives_back_the_buffers_of_a_burst, .timeout = 60)
         usleep(10000);
     cr_assert_eq(log_buffer_bytes(), kept);
     cr_assert_eq(stats().memory_bytes, mem_before - (before - kept));
+    /* The buffers kept hold the next batch, its END's and a SEGEND's included: a claim after
+     * the idle second maps none (with two kept, one was mapped for every such claim, and
+     * refused for memory where mapping failed). */
+    store_lock(g_s);
+    wal_test_fail_buffers(g_s->wal, 1);
+    store_unlock(g_s);
+    expect_outcome(claim("after-idle"), IDEM_NEW);
+    store_lock(g_s);
+    wal_test_fail_buffers(g_s->wal, 0);
+    store_unlock(g_s);
+    cr_assert_eq(log_buffer_bytes(), kept);
     idem_completion c;
     for (int i = 0; i < N; i += 7) {
         char key[32];

@@ -111,10 +111,12 @@ static int read_password_file(const char *path, char *out, size_t cap)
     return 0;
 }
 
-/* Prints an error reply of idemd with what it means for the operator. */
+/* Prints an error reply of idemd with what it means for the operator (escaped, as keys are:
+ * a reply's bytes do not reach the terminal as they are). */
 static void reply_error(const resp_value *v, const char *what)
 {
-    const char *m = v->str ? v->str : "";
+    char m[1024];
+    bytes_escape(v->str ? v->str : "", v->str ? v->len : 0, m, sizeof m);
     if (strncmp(m, "NOPERM", 6) == 0)
         ctl_err("%s: idemd refused it for this user's role (%s); read commands need the reader "
                 "role, resolve needs admin",
@@ -573,9 +575,8 @@ static int attention_online(struct ctl *c, int64_t older_ms, uint32_t max, struc
     }
     if (v->type == RESP_ERROR) {
         if (v->str && strstr(v->str, "unknown command"))
-            ctl_err("this idemd has no IDEM.ATTENTION command yet (%s); stop it and use --dir, "
-                    "or upgrade idemd",
-                    v->str);
+            ctl_err("this idemd has no IDEM.ATTENTION command yet; stop it and use --dir, or "
+                    "upgrade idemd");
         else
             reply_error(v, "IDEM.ATTENTION");
         resp_free(v);

@@ -1144,7 +1144,10 @@ int cmd_import(const struct ctl_opts *o)
             slash[slash == parent] = 0;
         int fd = open(parent, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
         if (fd < 0 || fsync(fd) < 0) {
-            ctl_err("cannot sync %s: %s", parent, strerror(errno));
+            ctl_err("the store is in place at %s, but the sync of its directory %s failed: %s; "
+                    "its name may not survive a power loss (sync the file system before "
+                    "relying on it; a second import into it is refused, as it holds keys)",
+                    dest, parent, strerror(errno));
             rc = CTL_FAIL;
         }
         if (fd >= 0) close(fd);

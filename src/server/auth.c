@@ -13,6 +13,7 @@
 
 #include <errno.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 
@@ -113,44 +114,52 @@ int auth_user_add(srv_config *cfg, const char *spec, char *err, size_t err_len)
 int conf_line_next(FILE *f, const char *path, char *line, size_t size, int *lineno, char **text,
                    char *err, size_t err_len)
 {
+    /* Read whole with its length: a NUL within a line is a byte of it (fgets and strlen would
+     * end the line there, and take the rest for the next one). */
+    char *buf = NULL;
+    size_t cap = 0;
     for (;;) {
-        if (!fgets(line, (int)size, f)) {
+        errno = 0;
+        ssize_t got = getline(&buf, &cap, f);
+        if (got < 0) {
+            int e = errno;
+            free(buf);
             if (!ferror(f)) return 0;
-            snprintf(err, err_len, "cannot read %s: %s", path, strerror(errno));
+            snprintf(err, err_len, "cannot read %s: %s", path, strerror(e));
             return -1;
         }
         ++*lineno;
-        char *t = line;
-        if (*lineno == 1 && strncmp(t, "\xef\xbb\xbf", 3) == 0) t += 3; /* a UTF-8 BOM */
-        t += strspn(t, " \t");
-        size_t len = strlen(line);
-        if ((len == 0 || line[len - 1] != '\n') && !feof(f)) {
-            if (*t == '#') { /* a long comment: skipped to its end */
-                int c;
-                while ((c = fgetc(f)) != EOF && c != '\n') {
-                }
-                continue;
-            }
+        size_t len = (size_t)got, t = 0;
+        if (len > 0 && buf[len - 1] == '\n') len--;
+        if (len > 0 && buf[len - 1] == '\r') len--;
+        if (*lineno == 1 && len >= 3 && memcmp(buf, "\xef\xbb\xbf", 3) == 0) t = 3; /* a BOM */
+        while (t < len && (buf[t] == ' ' || buf[t] == '\t'))
+            t++;
+        if (t == len || buf[t] == '#') continue; /* blank, or a comment (of any length) */
+        if (len > size - 2) {
             snprintf(err, err_len, "%s:%d: line longer than %zu bytes", path, *lineno, size - 2);
+            free(buf);
             return -1;
         }
-        if (len > 0 && line[len - 1] == '\n') line[--len] = '\0';
-        if (len > 0 && line[len - 1] == '\r') line[--len] = '\0';
-        if (*t == '\0' || *t == '#') continue; /* blank, or a comment */
         const char *why = NULL;
-        for (size_t i = (size_t)(t - line); i < len && !why; i++)
-            if (((unsigned char)line[i] < 0x20 && line[i] != '\t') || line[i] == 0x7f)
+        for (size_t i = t; i < len && !why; i++)
+            if (((unsigned char)buf[i] < 0x20 && buf[i] != '\t') || buf[i] == 0x7f)
                 why = "a control byte";
-        if (!why && (line[len - 1] == ' ' || line[len - 1] == '\t'))
+        if (!why && (buf[len - 1] == ' ' || buf[len - 1] == '\t'))
             why = "blanks at the end of the line (they would be part of the value, a password)";
-        if (!why && (strstr(t, " #") || strstr(t, "\t#")))
-            why = "a '#' after a blank: comments take a line of their own (it would be part of "
-                  "the value, a password)";
+        for (size_t i = t + 1; i < len && !why; i++)
+            if (buf[i] == '#' && (buf[i - 1] == ' ' || buf[i - 1] == '\t'))
+                why = "a '#' after a blank: comments take a line of their own (it would be part "
+                      "of the value, a password)";
         if (why) {
             snprintf(err, err_len, "%s:%d: %s", path, *lineno, why);
+            free(buf);
             return -1;
         }
-        *text = t;
+        memcpy(line, buf, len);
+        line[len] = '\0';
+        *text = line + t;
+        free(buf);
         return 1;
     }
 }

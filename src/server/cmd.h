@@ -96,9 +96,6 @@ int cmd_key_ok(cmd_req *r, uint32_t i);
 /* The actor recorded in the audit trail for this connection. */
 const char *cmd_actor(srv_conn *c);
 uint32_t cmd_result_max(const srv *s);
-/* p[0..n) for a log line or an error: at most cap - 1 bytes, the unprintable, quotes and
- * backslashes as '?'. */
-void cmd_printable(char *dst, size_t cap, const uint8_t *p, uint32_t n);
 /* Logs an operator decision (IDEM.RESOLVE, DEL) as requested: event=operator, with c's id and
  * the request's number, which its outcome's line (event=operator_result) repeats. */
 void cmd_log_operator(cmd_req *r, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

@@ -435,7 +435,7 @@ void cmd_del(cmd_req *r)
     for (uint32_t i = 1; i < r->argc; i++)
         if (cmd_key_ok(r, i) < 0) return;
     char key[80];
-    cmd_printable(key, sizeof key, r->argv[1], r->argl[1]);
+    util_printable(key, sizeof key, r->argv[1], r->argl[1]);
     cmd_log_operator(r, "cmd=DEL keys=%u key=\"%s\" key_len=%u", r->argc - 1, key, r->argl[1]);
     for (uint32_t i = 1; i < r->argc; i++) {
         idem_op op = {.kind = IDEM_OP_DEL,

@@ -252,8 +252,8 @@ void cmd_resolve(cmd_req *r)
     op.actor = cmd_actor(r->c);
     static const char *const actions[] = {"?", "commit", "release", "settle"};
     char key[80], reason[80], expect[24] = "none";
-    cmd_printable(key, sizeof key, op.key, (uint32_t)op.key_len);
-    cmd_printable(reason, sizeof reason, op.data, op.data_len);
+    util_printable(key, sizeof key, op.key, (uint32_t)op.key_len);
+    util_printable(reason, sizeof reason, op.data, op.data_len);
     if (op.flags & IDEM_F_EXPECT)
         snprintf(expect, sizeof expect, "%llu", (unsigned long long)op.expect_version);
     cmd_log_operator(r,

@@ -6,6 +6,7 @@
  * ones in cmd_admin.c.
  */
 #include "cmd.h"
+#include "util.h"
 
 #include <stdarg.h>
 #include <stdio.h>
@@ -634,16 +635,6 @@ const cmd_def *cmd_find(const uint8_t *name, uint32_t n)
     return NULL;
 }
 
-void cmd_printable(char *dst, size_t cap, const uint8_t *p, uint32_t n)
-{
-    size_t k = 0;
-    for (uint32_t i = 0; i < n && k + 1 < cap; i++)
-        dst[k++] = p[i] >= 0x20 && p[i] < 0x7f && p[i] != '\'' && p[i] != '"' && p[i] != '\\'
-                       ? (char)p[i]
-                       : '?';
-    dst[k] = '\0';
-}
-
 void cmd_log_operator(cmd_req *r, const char *fmt, ...)
 {
     char what[768];
@@ -660,7 +651,7 @@ static void unknown_command(cmd_req *r)
     char name[48];
     int i = refused_index(r->argv[0], r->argl[0]);
     if (i >= 0) return cmd_fail(r, "ERR %s is refused: %s", refused[i].name, refused[i].why);
-    cmd_printable(name, sizeof name, r->argv[0], r->argl[0]);
+    util_printable(name, sizeof name, r->argv[0], r->argl[0]);
     cmd_fail(r, "ERR unknown command '%s'", name);
 }
 
