@@ -89,9 +89,15 @@ struct att_view {
     struct age_entry *v[ATT_GROUPS];
     size_t n[ATT_GROUPS];
     int64_t now, older_ms;
-    int err; /* IDEM_EFATAL: a record left out or listed rests on a clock never made durable;
-              * IDEM_ENOMEM: a record had no room for its copy */
+    int err; /* the first of: IDEM_EFATAL, a record left out or listed rests on a clock never
+              * made durable; IDEM_ENOMEM, a record had no room for its copy; IDEM_ECORRUPT, a
+              * record to list fails its checksum. The walk stops at it. */
 };
+
+static void att_fail(struct att_view *av, int err)
+{
+    if (!av->err) av->err = err;
+}
 
 /* Whether the key's current version, at addr, is listed in group g for entry e of that group's
  * heap; fills tmp's record and *h (the key's hash). At the entry's own address the version is
@@ -110,13 +116,13 @@ static int att_take(idem_store *s, struct att_view *av, struct qslot *tmp, uint6
         /* The index points at the very version the entry was pushed for, and it cannot be
          * read: a record that needs attention, damaged. Reported, not left out (the list said
          * nothing needs attention while idem_get of the key answered IDEM_ECORRUPT). */
-        if (addr == ages_entry_addr(e)) av->err = IDEM_ECORRUPT;
+        if (addr == ages_entry_addr(e)) att_fail(av, IDEM_ECORRUPT);
         return 0;
     }
     struct index_slot *slot = ops_find(s, r.key, r.key_len, &cur, &lsn);
     if (!slot || index_slot_addr(slot) != addr) return 0; /* another key with those hash bits */
     if (ops_rec_expired(&r, av->now)) {                   /* gone, though no sweep reached it yet */
-        if (store_clock_need(s, r.expires_at_ms) < 0) av->err = IDEM_EFATAL;
+        if (store_clock_need(s, r.expires_at_ms) < 0) att_fail(av, IDEM_EFATAL);
         return 0;
     }
     int kind = att_order[g], rg = att_group(&r, av->now, av->older_ms);
@@ -133,13 +139,14 @@ static int att_take(idem_store *s, struct att_view *av, struct qslot *tmp, uint6
     }
     /* Listed because its lease ran out: that holds after a crash once the clock is durable. */
     if (rg == 1 && av->now >= r.lease_until_ms && store_clock_need(s, r.lease_until_ms) < 0) {
-        av->err = IDEM_EFATAL;
+        att_fail(av, IDEM_EFATAL);
         return 0;
     }
     tmp->buf_used = 0;
     memset(&tmp->c, 0, sizeof tmp->c);
     ops_fill_record(tmp, &r, slot, s);
-    if (tmp->c.err == IDEM_ENOMEM) av->err = IDEM_ENOMEM; /* the call fails: no record left out */
+    if (tmp->c.err == IDEM_ENOMEM)
+        att_fail(av, IDEM_ENOMEM); /* the call fails: no record left out */
     return tmp->c.err == 0;
 }
 
@@ -220,7 +227,8 @@ static int att_group_list(idem_store *s, struct att_view *av, int g, struct qslo
             const struct age_entry *e = &v[rev ? av->n[g] - 1 - i : i];
             const struct index_slot *like[ATT_LIKE_MAX];
             size_t nl = index_slots_like(s->ix, ages_entry_hash(e), like, ATT_LIKE_MAX);
-            for (size_t j = 0; j < nl && rc == 0 && att_room(*k, max, ab, max_bytes); j++) {
+            for (size_t j = 0; j < nl && rc == 0 && !av->err && att_room(*k, max, ab, max_bytes);
+                 j++) {
                 uint64_t addr = index_slot_addr(like[j]), h;
                 if ((addr != ages_entry_addr(e) && !(like[j]->aux & SLOT_AUX_APART)) ||
                     !att_take(s, av, tmp, addr, g, e, &h))

@@ -357,23 +357,18 @@ void iarena_populate_plan(struct iarena *a, size_t ahead, void **p, size_t *n)
     *n = to - from;
 }
 
-static int test_refuse_err;
-static unsigned test_refuse_count; /* atomic: the thread that faults memory in reads it */
-
-void iarena_test_refuse_populate(int err, unsigned count)
+void iarena_test_refuse_populate(struct iarena *a, int err, unsigned count)
 {
-    test_refuse_err = err;
-    __atomic_store_n(&test_refuse_count, count, __ATOMIC_RELEASE);
+    a->test_refuse_err = err;
+    __atomic_store_n(&a->test_refusals, count, __ATOMIC_RELEASE);
 }
 
-size_t iarena_populate(void *p, size_t n)
+size_t iarena_populate(struct iarena *a, void *p, size_t n)
 {
-    unsigned left = __atomic_load_n(&test_refuse_count, __ATOMIC_ACQUIRE);
-    while (left > 0 && !__atomic_compare_exchange_n(&test_refuse_count, &left, left - 1, 0,
-                                                    __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
-    }
-    if (left > 0) {
-        errno = test_refuse_err;
+    unsigned left = __atomic_load_n(&a->test_refusals, __ATOMIC_ACQUIRE);
+    if (left > 0) { /* only the thread that faults memory in calls it: no other decrement */
+        __atomic_store_n(&a->test_refusals, left - 1, __ATOMIC_RELEASE);
+        errno = a->test_refuse_err;
         return 0;
     }
     /* Faults the pages in, writable, leaving their contents alone: the owner may be writing

@@ -47,6 +47,9 @@ struct iarena {
     /* Advise memory onto huge pages as it is made writable: while nothing runs ahead (an index
      * being loaded at open, where a huge page fault holds up no caller). */
     bool huge_on_commit;
+    /* Tests (iarena_test_refuse_populate): populate calls still to refuse, and with what. */
+    unsigned test_refusals; /* atomic: the thread that faults memory in reads it */
+    int test_refuse_err;
 };
 
 void iarena_init(struct iarena *a);
@@ -65,10 +68,10 @@ void iarena_destroy(struct iarena *a);
 void iarena_populate_plan(struct iarena *a, size_t ahead, void **p, size_t *n);
 /* Returns the bytes faulted in from p on; short, errno says why (EINVAL: a kernel without
  * MADV_POPULATE_WRITE; ENOMEM: no memory just now). */
-size_t iarena_populate(void *p, size_t n);
+size_t iarena_populate(struct iarena *a, void *p, size_t n);
 void iarena_populate_done(struct iarena *a, void *p, size_t n);
-/* Tests: the next count calls of iarena_populate are refused with err. */
-void iarena_test_refuse_populate(int err, unsigned count);
+/* Tests: the next count calls of iarena_populate on a are refused with err. */
+void iarena_test_refuse_populate(struct iarena *a, int err, unsigned count);
 /* Whether fewer than `ahead` bytes beyond the newest region's top are known resident. */
 bool iarena_short(const struct iarena *a, size_t ahead);
 /* Bytes resident or about to be: carved blocks, and what was populated beyond the tops. */

@@ -97,7 +97,7 @@ static void *ahead_main(void *arg)
             continue;
         }
         pthread_mutex_unlock(&m->lock);
-        size_t done = iarena_populate(p, n);
+        size_t done = iarena_populate(&m->arena, p, n);
         int err = done < n ? errno : 0;
         pthread_mutex_lock(&m->lock);
         iarena_populate_done(&m->arena, p, done);

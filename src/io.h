@@ -136,6 +136,8 @@ int io_thread_create(struct io **out);
 /* Tests: the next count submits of an io_uring backend fail with err (-EAGAIN, -EBUSY, ...)
  * without entering the kernel, as the kernel refuses a submit when short of memory. */
 void io_uring_test_refuse(struct io *io, int err, uint32_t count);
+/* Tests: how many of those refusals are still to come (any thread may ask). */
+uint32_t io_uring_test_refusals_left(struct io *io);
 
 /* Convenience wrappers over the vtable. */
 static inline int io_open(struct io *io, const char *path, unsigned flags, struct io_file **out)

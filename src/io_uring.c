@@ -61,8 +61,9 @@ struct iou {
      * may run later from a buffer the caller freed or to a descriptor reused since. Every SQE
      * the kernel had not taken became a no-op, the writes it had taken are waited for before
      * the failure is told (iou_settle_dead), flushes due are not made (their files may be closed by
-     * then), and new requests are refused with it. */
+     * then), and new requests are refused with it. The first such error is kept. */
     int dead;
+    time_t settle_until; /* CLOCK_MONOTONIC seconds: iou_settle_dead waits no longer, in all */
 };
 
 static struct iou *iou_of(struct io *io)
@@ -76,6 +77,9 @@ static uint32_t iou_busy(const struct iou *u)
 }
 
 static void iou_reap_one(struct iou *u, const struct io_uring_cqe *cqe);
+
+/* How long, in all, the writes the kernel took are waited for once the ring died. */
+#define IOU_SETTLE_S 30
 
 /* After a submit failed for good: every SQE queued and not yet taken by the kernel becomes a
  * no-op with the same user_data (its completion then reads no buffer and writes no file), and
@@ -96,7 +100,12 @@ static void iou_die(struct iou *u, int err)
         io_uring_prep_nop(sqe);
         sqe->user_data = ud;
     }
-    u->dead = err;
+    if (!u->dead) {
+        struct timespec now;
+        clock_gettime(CLOCK_MONOTONIC, &now);
+        u->dead = err;
+        u->settle_until = now.tv_sec + IOU_SETTLE_S;
+    }
 }
 
 /* Accounts every CQE there is; returns how many. */
@@ -123,8 +132,9 @@ static int iou_enter(struct iou *u, unsigned wait_nr)
 {
     for (int64_t waited_us = 0, pause_us = 50;;) {
         int rc;
-        if (u->refuse_count > 0) {
-            u->refuse_count--;
+        uint32_t refusals = __atomic_load_n(&u->refuse_count, __ATOMIC_ACQUIRE);
+        if (refusals > 0) { /* atomic: a test's other thread watches it */
+            __atomic_store_n(&u->refuse_count, refusals - 1, __ATOMIC_RELEASE);
             rc = u->refuse_err;
         } else {
             rc = wait_nr ? io_uring_submit_and_wait(&u->ring, wait_nr) : io_uring_submit(&u->ring);
@@ -259,21 +269,20 @@ static void iou_flush_due(struct iou *u)
 /* A wait that failed for good (the ring is dead): before the caller is told, and frees the
  * buffers or closes the files of its writes, the writes the kernel took are waited for (a wait
  * submits nothing: the no-ops still queued stay queued). Their completions are handed out by
- * later waits, with the ring's error. The wait is bounded (IOU_SETTLE_S: a device that hangs
- * must not keep a failed store from being told so). Should it be refused or run out, those
+ * later waits, with the ring's error. The waits are bounded, IOU_SETTLE_S from the ring's death
+ * in all (a device that hangs must not keep a failed store from saying so); with EXT_ARG
+ * (Linux 5.11) the timed wait submits nothing. Should it be refused or run out, those
  * writes may read their buffers after the caller freed them: what they write lands past every
  * durable mark, in files already failed, where checksums reject it (a kernel request holds its
  * file, so a descriptor reused meanwhile is not written). */
-#define IOU_SETTLE_S 30
 static void iou_settle_dead(struct iou *u)
 {
     IDEM_ASSERT(u->dead);
     struct timespec now;
     clock_gettime(CLOCK_MONOTONIC, &now);
-    const time_t until = now.tv_sec + IOU_SETTLE_S;
-    while (u->cqes_inflight > io_uring_sq_ready(&u->ring) && now.tv_sec < until) {
+    while (u->cqes_inflight > io_uring_sq_ready(&u->ring) && now.tv_sec < u->settle_until) {
         struct io_uring_cqe *cqe;
-        struct __kernel_timespec left = {.tv_sec = until - now.tv_sec};
+        struct __kernel_timespec left = {.tv_sec = u->settle_until - now.tv_sec};
         int rc = io_uring_wait_cqe_timeout(&u->ring, &cqe, &left);
         clock_gettime(CLOCK_MONOTONIC, &now);
         if (rc == -EINTR) continue;
@@ -441,5 +450,10 @@ void io_uring_test_refuse(struct io *io, int err, uint32_t count)
 {
     struct iou *u = iou_of(io);
     u->refuse_err = err;
-    u->refuse_count = count;
+    __atomic_store_n(&u->refuse_count, count, __ATOMIC_RELEASE);
+}
+
+uint32_t io_uring_test_refusals_left(struct io *io)
+{
+    return __atomic_load_n(&iou_of(io)->refuse_count, __ATOMIC_ACQUIRE);
 }

@@ -247,8 +247,9 @@ static void state_count(idem_store *s, int state, int delta)
     if (c) *c += (uint64_t)(int64_t)delta;
 }
 
-/* Refused and pressed as at a limit: compaction takes expired keys out of the index. */
-static void capacity_pressed_now(idem_store *s, int64_t now)
+/* A new key refused at a limit: compaction is pressed to take expired keys out of the index
+ * (compact.c), once a second. */
+static void compaction_press(idem_store *s, int64_t now)
 {
     if (!s->cap_full_seen || now - s->cap_full_ms >= 1000) store_kick(s);
     s->cap_full_seen = 1;
@@ -258,18 +259,18 @@ static void capacity_pressed_now(idem_store *s, int64_t now)
 /* A new key the index found no room for, every limit unreached: no memory for its next block,
  * or keys sharing 24 bits of their hash filled its deepest segment. Answered FULL (nothing is
  * stored or evicted), counted, and named in the log (once a minute at most). */
-static int index_refused(idem_store *s)
+static int index_refusal_noted(idem_store *s)
 {
-    int64_t now = store_now(s);
     s->st.index_refusals++;
-    capacity_pressed_now(s, now);
-    if (!s->index_refused_logged || now - s->index_refused_ms >= 60000) {
+    compaction_press(s, store_now(s));
+    int64_t mono = s->clock.monotonic_ms(s->clock.ctx); /* a timer: the elapsed time's clock */
+    if (!s->index_refused_logged || mono - s->index_refused_ms >= 60000) {
         fprintf(stderr,
                 "idem: event=full reason=\"the index cannot grow: no memory for its next block, "
                 "or too many keys share their hash bits\" dir=%s refusals=%llu\n",
                 s->dir, (unsigned long long)s->st.index_refusals);
         s->index_refused_logged = 1;
-        s->index_refused_ms = now;
+        s->index_refused_ms = mono;
     }
     return IDEM_EFULL;
 }
@@ -325,7 +326,7 @@ static int write_version(idem_store *s, struct index_slot *slot, int old_state, 
     if (!slot) {
         /* Insert first, so a failed insert leaves nothing in the log. */
         slot = index_insert(s->ix, h, 1, 0);
-        if (!slot) return index_refused(s);
+        if (!slot) return index_refusal_noted(s);
     }
     uint64_t addr;
     int rc = wal_append(s->wal, WAL_T_RECORD, parts, lens, 5, &addr, lsn);
@@ -516,8 +517,7 @@ static int capacity_full(idem_store *s, const struct index_slot *replaces, const
         !(s->opt.max_memory_bytes &&
           memory_full(s->ix, ops_hash(s, key, key_len), s->opt.max_memory_bytes)))
         return 0;
-    /* Refused: compaction is pressed to take expired keys out (compact.c), once a second. */
-    capacity_pressed_now(s, now);
+    compaction_press(s, now);
     return 1;
 }
 
@@ -911,10 +911,11 @@ static struct index_slot *owner_lookup(idem_store *s, struct qslot *sl, const id
 /* Rule 7: a commit repeated by the owner with another result: the target may have handed out
  * two references for one key. Counted, and the key named in the log (once a second at most:
  * the count says the rest), so an operator can find the record and the target's references. */
-static void conflict_noted(idem_store *s, const idem_op *op, int64_t now)
+static void conflict_noted(idem_store *s, const idem_op *op)
 {
     s->st.conflicting_commits++;
-    if (s->conflict_logged && now - s->conflict_logged_ms < 1000) return;
+    int64_t mono = s->clock.monotonic_ms(s->clock.ctx); /* a timer: the elapsed time's clock */
+    if (s->conflict_logged && mono - s->conflict_logged_ms < 1000) return;
     char key[96];
     util_printable(key, sizeof key, op->key, op->key_len);
     fprintf(stderr,
@@ -923,7 +924,7 @@ static void conflict_noted(idem_store *s, const idem_op *op, int64_t now)
             s->dir, key, op->key_len, (long long)op->token,
             (unsigned long long)s->st.conflicting_commits);
     s->conflict_logged = 1;
-    s->conflict_logged_ms = now;
+    s->conflict_logged_ms = mono;
 }
 
 static void op_commit(idem_store *s, struct qslot *sl, const idem_op *op)
@@ -942,7 +943,7 @@ static void op_commit(idem_store *s, struct qslot *sl, const idem_op *op)
         int rc = copy_result(sl, &r, &old, &old_len);
         if (rc == 0 && (old_len != op->data_len || memcmp(old, op->data, old_len) != 0)) {
             rc = IDEM_ECONFLICT;
-            conflict_noted(s, op, now);
+            conflict_noted(s, op);
         }
         sl->c.err = rc;
         return;

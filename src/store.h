@@ -28,9 +28,9 @@
 #define STORE_BATCH_FLUSH_MS  10   /* batch mode: flush at least this often */
 #define STORE_FRAMES_PER_STEP 128  /* frames flushed that earn compaction one more step */
 #define STORE_BUFFERS_IDLE_MS 1000 /* no flush for this long: log buffers are trimmed */
-#define STORE_BUFFERS_KEPT                                                                         \
-    3 /* log chunk buffers kept through an idle log: a frame's, and                                \
-          the two held for a flush's END and a SEGEND */
+/* Log chunk buffers kept through an idle log: a frame's, and the two held for a flush's END
+ * and a SEGEND. */
+#define STORE_BUFFERS_KEPT    3
 #define STORE_CLOCK_MS_MAX    IDEM_CLOCK_MS_MAX /* as the superblock and log allow */
 #define STORE_STEPS_PER_FLUSH 8                 /* at most this many more after one flush */
 #define STORE_SLEW_PER_S_MS   100 /* the store clock follows the wall clock by <= 10% */

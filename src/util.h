@@ -122,11 +122,11 @@ uint64_t util_cgroup_memory_limit(const char *proc_cgroup, const char *cgroup_ro
  * arrays written at their end (the age heaps). util_map_grow makes (p NULL, old_bytes 0) or
  * grows the array to new_bytes, keeping its contents; it returns the new address, or NULL with
  * p unchanged. */
+void *util_map_grow(void *p, size_t old_bytes, size_t new_bytes);
+void util_map_free(void *p, size_t bytes);
+
 /* p[0..n) for a log line or an error: at most cap - 1 bytes, the unprintable, quotes and
  * backslashes as '?'. */
 void util_printable(char *dst, size_t cap, const void *p, size_t n);
-
-void *util_map_grow(void *p, size_t old_bytes, size_t new_bytes);
-void util_map_free(void *p, size_t bytes);
 
 #endif /* IDEM_UTIL_H */

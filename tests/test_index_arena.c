@@ -225,7 +225,7 @@ Test(index_arena, blocks_faulted_in_ahead_live_on_a_mapping_advised_for_huge_pag
     void *p;
     size_t n;
     iarena_populate_plan(&a, (size_t)4 << 20, &p, &n);
-    iarena_populate(p, n);
+    iarena_populate(&a, p, n);
     iarena_populate_done(&a, p, n);
     uint8_t *b = iarena_alloc(&a, 16400);
     cr_assert_not_null(b);
@@ -283,7 +283,7 @@ Test(index_arena, faulting_in_ahead_leaves_what_the_owner_writes_alone, .timeout
         pthread_mutex_lock(&lock);
         iarena_populate_plan(&a, (size_t)4 << 20, &p, &n);
         pthread_mutex_unlock(&lock);
-        iarena_populate(p, n);
+        iarena_populate(&a, p, n);
         pthread_mutex_lock(&lock);
         iarena_populate_done(&a, p, n);
         pthread_mutex_unlock(&lock);
@@ -310,7 +310,7 @@ Test(index_arena, the_plan_covers_ahead_of_the_top_and_then_asks_for_nothing)
     size_t before = iarena_resident_bytes(&a);
     iarena_populate_plan(&a, (size_t)4 << 20, &p, &n);
     cr_assert_geq(n, ((size_t)4 << 20) - 100000);
-    iarena_populate(p, n);
+    iarena_populate(&a, p, n);
     iarena_populate_done(&a, p, n);
     cr_assert_not(iarena_short(&a, (size_t)4 << 20));
     cr_assert_eq(iarena_resident_bytes(&a), before + n);
@@ -386,7 +386,7 @@ Test(index_arena, imem_thread_tries_again_after_memory_was_refused, .timeout = 6
     struct index_mem m;
     imem_init(&m);
     void *first = imem_alloc(&m, 16400);
-    iarena_test_refuse_populate(ENOMEM, 1);
+    iarena_test_refuse_populate(&m.arena, ENOMEM, 1);
     cr_assert_eq(imem_start(&m), 0);
     wait_ahead_resident(&m, "nothing faulted in 10 s after one refusal");
     imem_free(&m, first, 16400);

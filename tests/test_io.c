@@ -481,10 +481,14 @@ struct fifo_reader {
     size_t bytes;
 };
 
+/* Drains the FIFO once the wait was refused (the injected refusal used: the write cannot have
+ * been reaped before it) and the wait had time to go on. */
 static void *fifo_drain(void *arg)
 {
     struct fifo_reader *r = arg;
     static uint8_t rd[65536];
+    for (int i = 0; i < 10000 && io_uring_test_refusals_left(fx.io) > 0; i++)
+        usleep(1000);
     usleep(300 * 1000); /* the failed wait is under way, the write still waiting for room */
     for (;;) {
         ssize_t n = read(r->fd, rd, sizeof rd);
@@ -522,9 +526,9 @@ Test(uring, a_failed_wait_returns_only_once_the_writes_taken_completed, .init = 
     cr_assert_eq(io_submit_write(fx.io, f, 0, buf, BIG_WRITE, 0, 7), 0);
     struct io_completion c;
     cr_assert_eq(io_wait(fx.io, &c, 1, 0), 0); /* submitted, not complete */
+    io_uring_test_refuse(fx.io, -EPERM, 1);    /* the next wait's submit, before the reader runs */
     pthread_t th;
     cr_assert_eq(pthread_create(&th, NULL, fifo_drain, &r), 0);
-    io_uring_test_refuse(fx.io, -EPERM, 1);
     int rc = io_wait(fx.io, &c, 1, 1);
     memset(buf, 'X', BIG_WRITE); /* told: the buffer is the caller's again */
     cr_expect_eq(rc, -EPERM);

@@ -4077,8 +4077,9 @@ Test(stats, an_idle_log_gives_back_the_buffers_of_a_burst, .timeout = 60)
     cr_assert_eq(log_buffer_bytes(), kept);
     cr_assert_eq(stats().memory_bytes, mem_before - (before - kept));
     /* The buffers kept hold the next batch, its END's and a SEGEND's included: a claim after
-     * the idle second maps none (with two kept, one was mapped for every such claim, and
-     * refused for memory where mapping failed). */
+     * the idle second maps none (a guard of the pairing of STORE_BUFFERS_KEPT with the chunks
+     * a frame holds back: with two kept, every such claim mapped one, refused for memory where
+     * mapping failed). */
     store_lock(g_s);
     wal_test_fail_buffers(g_s->wal, 1);
     store_unlock(g_s);
@@ -4434,7 +4435,9 @@ static void setup_no_sync(void)
 Test(index_room, a_new_key_the_index_cannot_grow_for_is_full_counted_and_presses_compaction,
      .init = setup_no_sync, .fini = teardown)
 {
+    store_lock(g_s);
     index_test_refuse_rebuilds(g_s->ix, 1);
+    store_unlock(g_s);
     char key[32];
     int rc = IDEM_OK, held = 0;
     idem_completion c;
@@ -4454,7 +4457,9 @@ Test(index_room, a_new_key_the_index_cannot_grow_for_is_full_counted_and_presses
     expect_outcome(claim("grow-0000000"), IDEM_BUSY); /* repeats go on */
     cr_assert_eq(claim_rc(key, strlen(key), TTL, LEASE, NULL, NULL, &c), IDEM_EFULL);
     cr_assert_eq(stats().index_refusals, 2);
+    store_lock(g_s);
     index_test_refuse_rebuilds(g_s->ix, 0); /* memory back */
+    store_unlock(g_s);
     expect_outcome(claim(key), IDEM_NEW);
     cr_assert_eq(stats().index_refusals, 2);
     cr_assert_eq(stats().keys, (uint64_t)held + 1);

@@ -3528,8 +3528,9 @@ Test(server, settings_that_would_weaken_the_server_are_refused_by_name)
                  "trail.conf:1: blanks at the end");
     file_refused(dir, "--users-file", "hash-users", "ops:admin:s3cret # billing\n",
                  "hash-users:1: a '#' after a blank");
-    /* A NUL ended a line for the reader: a comment holding one took the next line with it
-     * (a user line: idemd started without users, every TCP client let in as a worker). */
+    /* A NUL ended a line for the reader (fgets, then strlen): a comment holding one looked
+     * longer than the buffer, and its skip to the line's end took the next line with it (a
+     * user line: idemd started without users, every TCP client let in as a worker). */
     static const char nul_conf[] = "# users\0x\nport abc\n";
     bytes_refused(dir, "--config", "nul.conf", nul_conf, sizeof nul_conf - 1, "nul.conf:2:");
     static const char nul_user[] = "ops:admin:s3\0cret\n";
@@ -3954,9 +3955,9 @@ Test(server, a_conflicting_commit_is_logged_with_its_key, .init = start)
     for (int i = 0; i < 3; i++)
         expect_error(cmd(c, "IDEM.COMMIT pay:7 %lld ref-2", tok), "CONFLICT");
     cr_assert_eq(stat_value(c, "conflicting_commits"), 3);
-    cr_assert_eq(log_lines_with("event=conflicting_commit"), 1, "the test clock stands still");
+    cr_assert_eq(log_lines_with("event=conflicting_commit"), 1, "once a second at most");
     cr_assert_eq(log_lines_with("key=\"pay:7\" key_len=5"), 1);
-    freeReplyObject(cmd(c, "DEBUG CLOCK ADVANCE 1000"));
+    usleep(1100 * 1000); /* elapsed time, not the store clock, paces the line */
     expect_error(cmd(c, "IDEM.COMMIT pay:7 %lld ref-3", tok), "CONFLICT");
     cr_assert_eq(log_lines_with("event=conflicting_commit"), 2);
     cr_assert_eq(log_lines_with("conflicting_commits=4"), 1);

@@ -810,7 +810,7 @@ static int resolve_online(struct ctl *c, const void *key, size_t klen, int actio
     int rc = 0;
     if (v->type == RESP_ERROR) {
         *changed = v->str && strncmp(v->str, "CHANGED", 7) == 0;
-        snprintf(msg, cap, "%s", v->str ? v->str : "error");
+        bytes_escape(v->str ? v->str : "error", v->str ? v->len : 5, msg, cap);
         rc = CTL_FAIL;
     }
     resp_free(v);

@@ -122,10 +122,10 @@ int conf_line_next(FILE *f, const char *path, char *line, size_t size, int *line
         errno = 0;
         ssize_t got = getline(&buf, &cap, f);
         if (got < 0) {
-            int e = errno;
+            int e = errno; /* getline out of memory sets it, not the stream's error flag */
             free(buf);
-            if (!ferror(f)) return 0;
-            snprintf(err, err_len, "cannot read %s: %s", path, strerror(e));
+            if (e == 0 && !ferror(f)) return 0;
+            snprintf(err, err_len, "cannot read %s: %s", path, strerror(e ? e : EIO));
             return -1;
         }
         ++*lineno;

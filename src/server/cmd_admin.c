@@ -353,7 +353,7 @@ void cmd_attention(cmd_req *r)
                                .max_bytes = room ? room : 1},
                        .output_max = r->s->cfg.client_output_max,
                        .with_cut = (uint8_t)with_cut,
-                       .count_cut = count < asked};
+                       .count_lowered = count < asked};
     read_request(r, &a);
 }
 
@@ -377,7 +377,7 @@ static void attention_reply(idem_queue *q, const srv_read_args *a, resp_buf *b)
             bytes += (uint64_t)recs[i].key_len + recs[i].owner_len + recs[i].note_len +
                      recs[i].result_len;
         resp_array(b, 2);
-        resp_integer(b, (a->count_cut && n >= a->att.max) || bytes >= a->att.max_bytes);
+        resp_integer(b, (a->count_lowered && n >= a->att.max) || bytes >= a->att.max_bytes);
     }
     resp_array(b, (int64_t)n);
     for (size_t i = 0; i < n; i++)

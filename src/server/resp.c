@@ -438,12 +438,16 @@ int resp_buf_append(resp_buf *b, const void *p, size_t n)
 
 int resp_buf_printf(resp_buf *b, const char *fmt, ...)
 {
+    if (b->overflow) return -1; /* as resp_buf_append: nothing more once a part was refused */
     char line[512];
     va_list ap;
     va_start(ap, fmt);
     int n = vsnprintf(line, sizeof line, fmt, ap);
     va_end(ap);
-    if (n < 0) return -1;
+    if (n < 0) {
+        b->overflow = 1;
+        return -1;
+    }
     if ((size_t)n < sizeof line) return resp_buf_append(b, line, (size_t)n);
     char *whole = malloc((size_t)n + 1); /* longer than the line: made whole, never cut */
     if (!whole) {

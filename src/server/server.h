@@ -260,12 +260,12 @@ typedef struct srv_read_args {
     idem_scan_args scan;     /* READ_SCAN */
     idem_attention_args att; /* READ_ATTENTION */
     uint8_t key[IDEM_KEY_BYTES_MAX];
-    uint32_t key_len;    /* READ_AUDIT: 0, every key */
-    uint32_t count;      /* READ_AUDIT */
-    uint64_t output_max; /* READ_ATTENTION: --client-output-max (cmd_reply_fits) */
-    uint8_t with_cut;    /* READ_ATTENTION: WITHCUT, the reply says whether it was cut */
-    uint8_t count_cut;   /* READ_ATTENTION: att.max is below COUNT, for the reply's room */
-    uint64_t before_seq; /* READ_AUDIT: entries older than this seq (0: from the newest) */
+    uint32_t key_len;      /* READ_AUDIT: 0, every key */
+    uint32_t count;        /* READ_AUDIT */
+    uint64_t output_max;   /* READ_ATTENTION: --client-output-max (cmd_reply_fits) */
+    uint8_t with_cut;      /* READ_ATTENTION: WITHCUT, the reply says whether it was cut */
+    uint8_t count_lowered; /* READ_ATTENTION: att.max lowered below COUNT for the reply's room */
+    uint64_t before_seq;   /* READ_AUDIT: entries older than this seq (0: from the newest) */
 } srv_read_args;
 
 /* A read handed to the reads thread (reads.c). */
