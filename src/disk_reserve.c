@@ -90,7 +90,11 @@ int disk_reserve_hold(struct disk_reserve *r, uint64_t bytes)
     if (rc == 0 && r->made) { /* the open made both paths before */
         (void)reserve_path(r->dir, DISK_RESERVE_MAKING, from);
         (void)reserve_path(r->dir, DISK_RESERVE_NAME, to);
-        if (rename(from, to) != 0) { /* still the making name: given back, tried again */
+        /* The allocation is made durable before the name: a crash must not leave an empty
+         * `reserve` (a release) where none was let go, as a file system that does not commit
+         * a rename after the allocation before it could. On failure the file keeps the
+         * making name: given back, tried again. */
+        if (fsync(r->fd) != 0 || rename(from, to) != 0) {
             int err = errno;
             int cut = ftruncate(r->fd, size);
             (void)cut;

@@ -192,9 +192,9 @@ int filler_create(struct io *io, struct filler **out)
     return 0;
 }
 
-void filler_destroy(struct filler *fl)
+int filler_destroy(struct filler *fl)
 {
-    if (!fl) return;
+    if (!fl) return 0;
     pthread_mutex_lock(&fl->mu);
     fl->stop = 1;
     pthread_cond_broadcast(&fl->cond);
@@ -202,10 +202,12 @@ void filler_destroy(struct filler *fl)
     if (fl->started) pthread_join(fl->thread, NULL);
     while (fl->njobs)
         job_drop(fl, 0);
+    int err = fl->err;
     pthread_mutex_destroy(&fl->mu);
     pthread_cond_destroy(&fl->cond);
     munmap((void *)fl->zeros, FILLER_PIECE);
     free(fl);
+    return err;
 }
 
 int filler_add(struct filler *fl, uint64_t seq, const char *path, uint64_t from, uint64_t to)

@@ -34,8 +34,9 @@ struct filler;
 #define FILLER_RATE_MAX (64u << 20)
 
 int filler_create(struct io *io, struct filler **out);
-/* Cancels the jobs, waits for the piece in progress, and frees the filler. */
-void filler_destroy(struct filler *fl);
+/* Cancels the jobs, waits for the piece in progress, and frees the filler. Returns the first
+ * failed write (-errno, as filler_error), that piece's too, or 0. */
+int filler_destroy(struct filler *fl);
 /* Queues zero-filling [from, to) of the file at path, which holds log segment seq (from and
  * to multiples of 4 KiB). Jobs run in the order queued; a full queue drops the job (returns
  * IDEM_EBUSY: it only costs speed). */

@@ -81,9 +81,10 @@ int idem_import_marked(const char *dir)
     return IDEM_EIO;
 }
 
-int idem_import_mark(const char *dir)
+/* Creates dir's marker holding line (len bytes), durable: the file flushed, then the directory
+ * synced. One there already (a re-run) is kept as it is and synced again. */
+static int mark_create(const char *dir, const char *line, size_t len)
 {
-    if (!dir || !*dir) return IDEM_EINVAL;
     char path[4096];
     if (mark_path(dir, path, sizeof path) < 0) return IDEM_EINVAL;
     int e = 0;
@@ -101,14 +102,8 @@ int idem_import_mark(const char *dir)
         store_set_error("cannot create %s: %s", path, strerror(e));
         return UTIL_NO_SPACE(-e) ? IDEM_EFULL : IDEM_EIO;
     }
-    char host[128] = "";
-    gethostname(host, sizeof host - 1);
-    char line[MARK_LINE_MAX];
-    int len = snprintf(line, sizeof line, "pid=%d host=%s started_ms=%lld\n", (int)getpid(), host,
-                       (long long)util_realtime_ms());
-    if (len < 0 || (size_t)len >= sizeof line) len = (int)strlen(line);
     errno = EIO; /* a short write sets none */
-    if (write(fd, line, (size_t)len) != len || fsync(fd) < 0) e = errno;
+    if ((len && write(fd, line, len) != (ssize_t)len) || fsync(fd) < 0) e = errno;
     close(fd);
     if (e == 0) e = -mark_sync_dir(dir);
     if (e != 0) {
@@ -119,6 +114,32 @@ int idem_import_mark(const char *dir)
         return UTIL_NO_SPACE(-e) ? IDEM_EFULL : IDEM_EIO;
     }
     return IDEM_OK;
+}
+
+int idem_import_mark(const char *dir)
+{
+    if (!dir || !*dir) return IDEM_EINVAL;
+    char host[128] = "";
+    gethostname(host, sizeof host - 1);
+    char line[MARK_LINE_MAX];
+    int len = snprintf(line, sizeof line, "pid=%d host=%s started_ms=%lld\n", (int)getpid(), host,
+                       (long long)util_realtime_ms());
+    if (len < 0 || (size_t)len >= sizeof line) len = (int)strlen(line);
+    return mark_create(dir, line, (size_t)len);
+}
+
+int import_mark_copy(const char *src, const char *dest)
+{
+    int marked = idem_import_marked(src); /* any entry of the name marks it (lstat) */
+    if (marked <= 0) return marked;
+    /* Its content names the import; a marker that is no file to read (a link, a directory)
+     * still marks, and its copy is an empty one. */
+    char path[4096], line[MARK_LINE_MAX];
+    if (mark_path(src, path, sizeof path) < 0) return IDEM_EINVAL;
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+    ssize_t n = fd < 0 ? -1 : pread(fd, line, sizeof line, 0);
+    if (fd >= 0) close(fd);
+    return mark_create(dest, line, n > 0 ? (size_t)n : 0);
 }
 
 int idem_import_unmark(const char *dir)

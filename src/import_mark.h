@@ -19,4 +19,9 @@
  * tests (which has no lock file either). */
 int import_mark_check(const char *dir, const idem_options *o) __attribute__((warn_unused_result));
 
+/* Marks dest, a store's copy made before it is named (backup, restore), as src is marked, with
+ * its marker's content (naming the import that was cut short; empty when it cannot be read),
+ * durable; src unmarked: nothing. Returns 0, or an error (set in idem_last_error). */
+int import_mark_copy(const char *src, const char *dest) __attribute__((warn_unused_result));
+
 #endif

@@ -263,15 +263,11 @@ static int index_refusal_noted(idem_store *s)
 {
     s->st.index_refusals++;
     compaction_press(s, store_now(s));
-    int64_t mono = s->clock.monotonic_ms(s->clock.ctx); /* a timer: the elapsed time's clock */
-    if (!s->index_refused_logged || mono - s->index_refused_ms >= 60000) {
+    if (log_gate_open(&s->index_refused_said, s->clock.monotonic_ms(s->clock.ctx), 60000))
         fprintf(stderr,
                 "idem: event=full reason=\"the index cannot grow: no memory for its next block, "
                 "or too many keys share their hash bits\" dir=%s refusals=%llu\n",
                 s->dir, (unsigned long long)s->st.index_refusals);
-        s->index_refused_logged = 1;
-        s->index_refused_ms = mono;
-    }
     return IDEM_EFULL;
 }
 
@@ -914,8 +910,7 @@ static struct index_slot *owner_lookup(idem_store *s, struct qslot *sl, const id
 static void conflict_noted(idem_store *s, const idem_op *op)
 {
     s->st.conflicting_commits++;
-    int64_t mono = s->clock.monotonic_ms(s->clock.ctx); /* a timer: the elapsed time's clock */
-    if (s->conflict_logged && mono - s->conflict_logged_ms < 1000) return;
+    if (!log_gate_open(&s->conflict_said, s->clock.monotonic_ms(s->clock.ctx), 1000)) return;
     char key[96];
     util_printable(key, sizeof key, op->key, op->key_len);
     fprintf(stderr,
@@ -923,8 +918,6 @@ static void conflict_noted(idem_store *s, const idem_op *op)
             "conflicting_commits=%llu\n",
             s->dir, key, op->key_len, (long long)op->token,
             (unsigned long long)s->st.conflicting_commits);
-    s->conflict_logged = 1;
-    s->conflict_logged_ms = mono;
 }
 
 static void op_commit(idem_store *s, struct qslot *sl, const idem_op *op)

@@ -5,6 +5,8 @@
  *   - queue holds the paths not yet taken by the thread, oldest first; busy is set while the
  *     thread deletes one or syncs the directory with mu released.
  *   - dirty: a file was deleted since the last directory sync.
+ *   - err: the first directory sync that failed for the disk, kept (a later sync may succeed
+ *     over entries lost); retrying: one refused for descriptors, memory or space waits.
  *   - drained (queue empty, not busy, not dirty) is broadcast on cond.
  */
 #include "remover.h"
@@ -14,9 +16,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "idem.h"
 #include "io.h"
+#include "util.h"
 
 struct rm_item {
     struct rm_item *next;
@@ -32,7 +36,7 @@ struct remover {
     pthread_mutex_t mu;
     pthread_cond_t cond;
     pthread_t thread;
-    int started, stop, busy, dirty;
+    int started, stop, busy, dirty, err, retrying;
     struct rm_item *head, *tail;
 };
 
@@ -66,15 +70,35 @@ static void delete_one(struct remover *r, const char *path, struct io_file *f, c
     if (rc == 0) r->dirty = 1;
 }
 
-static void sync_dir(struct remover *r)
+/* Syncs the directory once files were deleted (mu held; let go meanwhile). A sync refused for
+ * descriptors, memory or space (the directory's open, or btrfs's commit without room for its
+ * metadata: not the disk failing, as the flusher's own directory syncs have it) is tried again
+ * a second later on the thread (may_wait), at the next delete otherwise, and given up at stop
+ * (the next open removes what a crash brings back: remove_leftovers). Any other failure is kept
+ * for remover_error: the store fails with it. */
+static void sync_dir(struct remover *r, int may_wait)
 {
     r->dirty = 0;
     pthread_mutex_unlock(&r->mu);
     int rc = io_sync_dir(r->io, r->dir);
-    if (rc < 0)
-        fprintf(stderr, "idem: event=delete_failed dir=%s error=\"directory sync: %s\"\n", r->dir,
-                strerror(-rc));
     pthread_mutex_lock(&r->mu);
+    if (rc == 0) {
+        r->retrying = 0;
+    } else if (UTIL_OPEN_ERR(rc) != IDEM_EIO) {
+        if (!r->retrying)
+            fprintf(stderr,
+                    "idem: event=delete_failed dir=%s error=\"directory sync: %s\": tried "
+                    "again each second\n",
+                    r->dir, strerror(-rc));
+        r->retrying = 1;
+        r->dirty = !r->stop;
+        struct timespec until;
+        clock_gettime(CLOCK_REALTIME, &until);
+        until.tv_sec += 1;
+        if (may_wait && !r->stop) pthread_cond_timedwait(&r->cond, &r->mu, &until);
+    } else if (!r->err) {
+        r->err = rc;
+    }
 }
 
 static void *remover_main(void *arg)
@@ -91,7 +115,7 @@ static void *remover_main(void *arg)
             free(it);
         } else if (r->dirty) {
             r->busy = 1;
-            sync_dir(r);
+            sync_dir(r, 1);
         } else {
             r->busy = 0;
             pthread_cond_broadcast(&r->cond); /* drained */
@@ -114,7 +138,7 @@ void remover_add_open(struct remover *r, const char *path, struct io_file *f, co
     if (!it || !r->started) { /* no memory or no thread: here, at once */
         free(it);
         delete_one(r, path, f, map, map_len);
-        if (r->dirty) sync_dir(r);
+        if (r->dirty) sync_dir(r, 0);
         pthread_mutex_unlock(&r->mu);
         return;
     }
@@ -150,17 +174,27 @@ void remover_drain(struct remover *r)
     pthread_mutex_unlock(&r->mu);
 }
 
-void remover_destroy(struct remover *r)
+int remover_error(struct remover *r)
 {
-    if (!r) return;
+    pthread_mutex_lock(&r->mu);
+    int err = r->err;
+    pthread_mutex_unlock(&r->mu);
+    return err;
+}
+
+int remover_destroy(struct remover *r)
+{
+    if (!r) return 0;
     pthread_mutex_lock(&r->mu);
     r->stop = 1;
     pthread_cond_broadcast(&r->cond);
     int started = r->started;
     pthread_mutex_unlock(&r->mu);
     if (started) pthread_join(r->thread, NULL);
+    int err = r->err;
     pthread_mutex_destroy(&r->mu);
     pthread_cond_destroy(&r->cond);
     free(r->dir);
     free(r);
+    return err;
 }

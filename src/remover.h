@@ -9,7 +9,9 @@
  * may still include: an open skips it once missing, wal_open_segments), so a delete that a
  * crash cuts short leaves a file the next open removes (store.c, remove_leftovers). The directory
  * is synced once the queue runs dry. A failed delete is reported, never fatal: the file is a
- * leftover. Thread-safe.
+ * leftover. A directory sync that failed for the disk is kept for the store to fail with
+ * (remover_error): what the directory's later syncs report cannot be trusted after it; one
+ * refused for descriptors, memory or space is tried again. Thread-safe.
  */
 #ifndef IDEM_REMOVER_H
 #define IDEM_REMOVER_H
@@ -34,7 +36,9 @@ void remover_add_open(struct remover *r, const char *path, struct io_file *f, co
 int remover_pending(struct remover *r);
 /* Waits until every file queued so far is deleted and the directory synced. */
 void remover_drain(struct remover *r);
-/* Drains, stops the thread and frees r (NULL: nothing). */
-void remover_destroy(struct remover *r);
+/* The first directory sync that failed for the disk (-errno), or 0. */
+int remover_error(struct remover *r);
+/* Drains, stops the thread and frees r (NULL: nothing). Returns remover_error's answer. */
+int remover_destroy(struct remover *r);
 
 #endif

@@ -542,6 +542,28 @@ static int sync_mark_save(idem_store *s)
                                                                                                : 0;
 }
 
+/* The zero-filler's failed write or the remover's failed directory sync (-errno each, one of
+ * them set) fails the store, with mu held. The call is theirs, not one this thread saw fail.
+ * A later sync of the directory from another descriptor may not report what was lost. */
+static void helper_failed(idem_store *s, int fill_err, int rm_err)
+{
+    io_fault_clear();
+    store_fail(s, fill_err ? fill_err : rm_err,
+               fill_err ? "zero-filling the log ahead"
+                        : "syncing the store directory after deleting retired files");
+}
+
+/* Whether the zero-filler or the remover failed (then the store is failed with it, mu held):
+ * looked at before a flush is acknowledged and between batches. */
+static int helpers_failed(idem_store *s)
+{
+    int fill_err = s->filler ? filler_error(s->filler) : 0,
+        rm_err = s->remover ? remover_error(s->remover) : 0;
+    if (!fill_err && !rm_err) return 0;
+    helper_failed(s, fill_err, rm_err);
+    return 1;
+}
+
 static void flush_once(idem_store *s)
 {
     int64_t now = store_now(s);
@@ -573,7 +595,7 @@ static void flush_once(idem_store *s)
     audit_taken_done(s, rc); /* entries of a batch that failed are not shown */
     if (rc < 0) store_fail(s, rc, audit_rc < 0 ? "writing the audit trail" : "writing the log");
     if (begin_rc < 0) ckpt_run_failed(s, begin_rc);
-    if (rc < 0) return;
+    if (rc < 0 || helpers_failed(s)) return;
     if (n == 0) {
         /* An imported entry, written once every change before it was durable. */
         if (wal_durable_lsn(s->wal) == wal_last_lsn(s->wal)) s->audit_durable_off = s->audit_off;
@@ -861,11 +883,7 @@ static int flusher_maintain(idem_store *s)
     if (s->fatal) return 0;
     /* A failed zero write fails the store, also while it closes (the close's checkpoint may be
      * the last flush its segment gets: idem_close returned 0 over it). */
-    int fill_err = s->filler ? filler_error(s->filler) : 0;
-    if (fill_err) {
-        store_fail(s, fill_err, "zero-filling the log ahead");
-        return 0;
-    }
+    if (helpers_failed(s)) return 0;
     if (s->closing) return 0;
     int released = 0;
     int64_t mono = mono_now(s);
@@ -1494,8 +1512,8 @@ static int store_validate_options(idem_options *o, uint64_t ram)
 
 static void store_free(idem_store *s)
 {
-    filler_destroy(s->filler);            /* before the segments it writes are closed */
-    remover_destroy(s->remover);          /* the deletes queued: finished */
+    (void)filler_destroy(s->filler);      /* before the segments it writes are closed */
+    (void)remover_destroy(s->remover);    /* the deletes queued: finished */
     if (s->ckr.cw) ckpt_abort(s->ckr.cw); /* a checkpoint in steps, cut short */
     if (s->wal) wal_destroy(s->wal);
     if (s->ix) index_destroy(s->ix);
@@ -1894,10 +1912,25 @@ int idem_close(idem_store *s)
     s->closing = 1;
     ops_wake(s, NULL, 0); /* parked claims answer busy */
     int rc = 0;
+    io_fault_clear(); /* a failure below is named by the calls of the close (store_fail) */
     if (!s->opt.read_only && !s->fatal) rc = checkpoint_at_close(s);
+    /* A failed open, write or flush of the closing checkpoint is named as any other (a full
+     * disk or no descriptor or memory is not: the log holds everything). */
+    if ((rc == IDEM_EIO || rc == IDEM_EFATAL) && !s->fatal)
+        store_fail(s, 0, "writing the closing checkpoint");
     pthread_cond_signal(&s->cond_flush);
     store_unlock(s);
     if (s->flusher_started) pthread_join(s->flusher, NULL);
+    /* The helpers' last writes and syncs (a piece of zeros, the directory after the closing
+     * retirement's deletes) fail the close as they would fail the store. */
+    int fill_err = filler_destroy(s->filler), rm_err = remover_destroy(s->remover);
+    s->filler = NULL;
+    s->remover = NULL;
+    if ((fill_err || rm_err) && !s->fatal) {
+        store_lock(s);
+        helper_failed(s, fill_err, rm_err);
+        store_unlock(s);
+    }
     while (s->queues)
         idem_queue_close(s->queues);
     if (s->fatal) rc = IDEM_EFATAL;
@@ -3321,6 +3354,11 @@ static int copy_file(struct io *rd, struct io *wr, const char *from, const char 
         size_t want = len - off < (1 << 20) ? (size_t)(len - off) : (size_t)1 << 20;
         int64_t n = io_read(rd, in, off, buf, want);
         if (n < 0) rc = IDEM_EIO, err = (int)-n, what = "reading";
+        if (n == 0 && len != UINT64_MAX) { /* what the copy names as held is not there */
+            rc = IDEM_EIO;
+            store_set_error("%s ends at %llu bytes, before the %llu the copy holds of it", from,
+                            (unsigned long long)off, (unsigned long long)len);
+        }
         if (n <= 0) break;
         /* Flushed chunk by chunk: a copy's dirty pages, written back all at once, would hold up
          * the log's flushes on the same disk for as long. */
@@ -3474,14 +3512,11 @@ static int copy_store(struct io *rd, const char *src, struct io *wr, const char 
         snprintf(to, sizeof to, "%s/audit.log", dest);
         rc = copy_file(rd, wr, from, to, audit_len, 0, 1);
     }
-    /* The copy of a store that an import cut short is marked as it is (import_mark.c), before
-     * the copy is named: marked after (by idemctl, as before), a crash or a failed mark between
-     * left a named copy that opened as a whole store, and keys the import never reached would
-     * have answered `new` again. */
-    if (rc == 0) {
-        int marked = idem_import_marked(src);
-        rc = marked < 0 ? marked : marked ? idem_import_mark(dest) : 0;
-    }
+    /* The copy of a store that an import cut short is marked as it is, the marker's content
+     * naming that import (import_mark.c), before the copy is named: marked after (by idemctl, as
+     * before), a crash or a failed mark between left a named copy that opened as a whole store, and
+     * keys the import never reached would have answered `new` again. */
+    if (rc == 0) rc = import_mark_copy(src, dest);
     if (rc == 0) {
         struct super copy = *sb;
         copy.generation = 0;

@@ -246,6 +246,21 @@ struct audit_mark {
     uint64_t *filter;
 };
 
+/* A log line said at most once per period of elapsed time (the monotonic clock): the first
+ * always, then none until the period since the last one said has passed. */
+struct log_gate {
+    int64_t said_ms;
+    int said;
+};
+
+static inline int log_gate_open(struct log_gate *g, int64_t mono_ms, int64_t period_ms)
+{
+    if (g->said && mono_ms - g->said_ms < period_ms) return 0;
+    g->said = 1;
+    g->said_ms = mono_ms;
+    return 1;
+}
+
 struct idem_store {
     pthread_mutex_t mu;
     pthread_rwlock_t rw;       /* write side with mu (store_lock); read side: ops_read_* */
@@ -412,10 +427,8 @@ struct idem_store {
      * that segment's SEGEND, flushed durable at once (flush_asked) in durability none too. */
     int64_t cap_full_ms, cap_rolled_ms;
     int cap_full_seen, cap_rolled_seen;
-    int64_t index_refused_ms; /* the last event=full of an index that could not grow */
-    int index_refused_logged;
-    int64_t conflict_logged_ms; /* the last event=conflicting_commit (once a second at most) */
-    int conflict_logged;
+    struct log_gate index_refused_said; /* event=full of an index that cannot grow */
+    struct log_gate conflict_said;      /* event=conflicting_commit */
     uint64_t cap_roll_lsn;
     /* compact_learn_horizon's pass over segment hz_seq (0: none): up to hz_off, max hz_max. */
     uint64_t hz_seq;

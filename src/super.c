@@ -31,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -273,16 +274,36 @@ int lock_acquire(const char *dir, enum lock_mode mode, int *fd_out, char *err, s
     *fd_out = -1;
     /* Readers share the lock (flock needs only a read-only descriptor), so inspections run
      * side by side and the file keeps naming the last owner; an owner holds it alone. */
-    int fd = mode == LOCK_AS_OWNER    ? open(path, O_RDWR | O_CLOEXEC | O_CREAT, 0600)
+    int fd;
+    for (int tries = 0;; tries++) {
+        fd = mode == LOCK_AS_OWNER    ? open(path, O_RDWR | O_CLOEXEC | O_CREAT, 0600)
              : mode == LOCK_AS_SHARER ? open(path, O_RDONLY | O_CLOEXEC | O_CREAT, 0600)
                                       : open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0 && mode == LOCK_AS_READER && errno == ENOENT) return 0;
-    if (fd < 0) {
-        snprintf(err, errcap, "cannot open %s: %s", path, strerror(errno));
-        return IDEM_EIO;
+        if (fd < 0 && mode == LOCK_AS_READER && errno == ENOENT) return 0;
+        if (fd < 0) {
+            snprintf(err, errcap, "cannot open %s: %s", path, strerror(errno));
+            return IDEM_EIO;
+        }
+        int rc = lock_take(fd, dir, mode != LOCK_AS_OWNER, err, errcap);
+        if (rc < 0) return rc;
+        /* The file locked must still be the one named LOCK: a holder that removed it before
+         * letting go (idemctl emptying a directory after a failed import) leaves a lock on a
+         * file no later opener sees, which would then own the store beside this one. */
+        struct stat held, named;
+        int gone = stat(path, &named) != 0;
+        if ((gone && errno != ENOENT) || fstat(fd, &held) != 0) {
+            snprintf(err, errcap, "cannot look at %s: %s", path, strerror(errno));
+            close(fd);
+            return IDEM_EIO;
+        }
+        if (!gone && held.st_dev == named.st_dev && held.st_ino == named.st_ino) break;
+        close(fd);
+        if (tries == 8) {
+            snprintf(err, errcap, "cannot lock %s: the file was replaced each time it was locked",
+                     path);
+            return IDEM_EIO;
+        }
     }
-    int rc = lock_take(fd, dir, mode != LOCK_AS_OWNER, err, errcap);
-    if (rc < 0) return rc;
     if (mode == LOCK_AS_OWNER) {
         char host[128] = "";
         gethostname(host, sizeof host - 1);

@@ -1631,6 +1631,77 @@ Test(compact, a_delete_that_hangs_holds_up_no_acknowledgement, .timeout = 60)
     io_sim_destroy(sim);
 }
 
+/* Found by a review of compaction: the remover's failed sync of the directory after its deletes
+ * was logged and nothing more. A later sync of the directory, from a fresh descriptor, may not
+ * report what was lost (the error is seen once), so the store went on acknowledging. */
+/* A store whose compaction retired segments, their deletes held (io_sim_hold_unlinks). */
+static idem_store *retired_with_deletes_held(struct io_sim *sim, idem_queue **q)
+{
+    idem_store *s = open_with_segments(sim, q);
+    store_lock(s);
+    uint64_t first = s->sb.wal_first_seq;
+    store_unlock(s);
+    io_sim_hold_unlinks(sim, 1);
+    cr_assert_eq(idem_compact(s, 20000), IDEM_OK);
+    store_lock(s);
+    cr_assert_gt(s->sb.wal_first_seq, first, "nothing retired");
+    store_unlock(s);
+    return s;
+}
+
+Test(compact, a_failed_directory_sync_after_deletes_fails_the_store, .timeout = 60)
+{
+    struct io_sim *sim;
+    cr_assert_eq(io_sim_create(41, &sim), 0);
+    idem_queue *q;
+    idem_store *s = retired_with_deletes_held(sim, &q);
+    io_sim_fail_sync_dir(sim, -EIO); /* the remover's, once its deletes are let go */
+    io_sim_hold_unlinks(sim, 0);
+    remover_drain(s->remover);
+    cr_assert_eq(remover_error(s->remover), -EIO, "another sync of the directory took the fault");
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 1000};
+    idem_completion c = {0};
+    for (int i = 0; i < 500 && !idem_is_fatal(s); i++) {
+        char key[32];
+        snprintf(key, sizeof key, "after-%d", i);
+        if (idem_claim(q, key, strlen(key), &a, &c) != IDEM_OK) break;
+        usleep(2000);
+    }
+    cr_assert(idem_is_fatal(s), "the store went on after a failed directory sync");
+    cr_assert(strstr(idem_fatal_reason(s), "after deleting retired files"), "reason: %s",
+              idem_fatal_reason(s));
+    cr_assert_eq(idem_claim(q, "later", 5, &a, &c), IDEM_EFATAL);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_EFATAL);
+    io_sim_destroy(sim);
+}
+
+/* A directory sync refused for space (btrfs, a commit without room for its metadata) is not the
+ * disk failing: the remover tries it again a second later, as the flusher's own syncs are. */
+Test(compact, a_directory_sync_after_deletes_refused_for_space_is_tried_again, .timeout = 60)
+{
+    struct io_sim *sim;
+    cr_assert_eq(io_sim_create(43, &sim), 0);
+    idem_queue *q;
+    idem_store *s = retired_with_deletes_held(sim, &q);
+    struct io_sim_counts before, after;
+    io_sim_counts(sim, &before);
+    io_sim_fail_sync_dir(sim, -ENOSPC);
+    io_sim_hold_unlinks(sim, 0);
+    remover_drain(s->remover); /* returns once a sync succeeded */
+    io_sim_counts(sim, &after);
+    cr_assert_geq(after.dir_syncs, before.dir_syncs + 1, "no sync made after the refused one");
+    cr_assert_eq(remover_error(s->remover), 0);
+    cr_assert(!idem_is_fatal(s), "%s", idem_fatal_reason(s));
+    idem_claim_args a = {.ttl_ms = 3600000, .lease_ms = 1000};
+    idem_completion c = {0};
+    cr_assert_eq(idem_claim(q, "after", 5, &a, &c), IDEM_OK);
+    cr_assert_eq(c.outcome, IDEM_NEW);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    io_sim_destroy(sim);
+}
+
 /* Claims key (committed) again n times: repeats, counted in memory, not logged. */
 static void repeat_claims(idem_queue *q, const char *key, int n)
 {

@@ -578,6 +578,41 @@ static void export_to_file(void)
     fclose(f);
 }
 
+/* Found by a review of idemctl: JSON output wrote every well-formed UTF-8 character raw, the
+ * C1 controls and direction overrides among them: a client's key holding U+009B (a CSI) then
+ * drove the terminal of an operator running export. They are written as JSON's
+ * escapes, which read back as the same bytes. */
+Test(idemctl, json_output_escapes_characters_a_terminal_acts_on, .init = setup, .fini = teardown)
+{
+    static const char key[] = "k\xc2\x9b"
+                              "2J\xe2\x80\xae"
+                              "gnp.exe\xe2\x81\xa6";
+    idem_store *s;
+    idem_queue *q;
+    idem_completion c;
+    cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
+    claim(q, key, 60000, "fp", &c);
+    cr_assert_eq(idem_commit(q, key, sizeof key - 1, c.token, "r\xc2\x85", 3), IDEM_OK);
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+    export_to_file();
+    cr_assert(strstr(out, "\\u009b2J\\u202egnp.exe\\u2066") && strstr(out, "\"r\\u0085\""), "%s",
+              out);
+    cr_assert(!strstr(out, "\xc2\x9b") && !strstr(out, "\xe2\x80\xae") && !strstr(out, "\xc2\x85"),
+              "raw bytes in the export");
+    char to[4200];
+    snprintf(to, sizeof to, "%s/copy", scratch);
+    cr_assert_eq(ctl("import %s/exp.jsonl --dir %s", scratch, to), 0, "%s", err);
+    cr_assert_eq(idem_open(to, NULL, &s), IDEM_OK, "%s", idem_last_error());
+    cr_assert_eq(idem_queue_open(s, 8, &q), IDEM_OK);
+    cr_assert_eq(idem_get(q, key, sizeof key - 1, &c), IDEM_OK);
+    cr_assert(c.found && c.record.result_len == 3 && memcmp(c.record.result, "r\xc2\x85", 3) == 0,
+              "the key or its result came back changed");
+    idem_queue_close(q);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
 Test(idemctl, export_import_round_trip, .init = setup, .fini = teardown)
 {
     write_store();
@@ -1243,7 +1278,7 @@ static const char *empty_store(const char *rel)
 
 static int marked(const char *store)
 {
-    char p[4200];
+    char p[4300];
     snprintf(p, sizeof p, "%s/%s", store, IDEM_IMPORT_MARKER);
     return access(p, F_OK) == 0;
 }
@@ -1355,6 +1390,41 @@ static int feed_end(struct feed *f)
     slurp(o, out, sizeof out);
     slurp(e, err, sizeof err);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/* Found by a review of idemctl: a failed import into an empty directory emptied it of
+ * everything, recursively, also of what someone put there while the import ran (a config file,
+ * a directory of certificates). Only the store's own files are removed now. */
+Test(idemctl, a_failed_import_leaves_what_it_did_not_make, .init = setup, .fini = teardown)
+{
+    export_with_decisions();
+    char d[4200], p[4300];
+    snprintf(d, sizeof d, "%s/svc", scratch);
+    cr_assert_eq(mkdir(d, 0750), 0);
+    struct feed f;
+    feed_start(&f, d, 0);
+    feed_write(&f, export_text, lines_len(export_text, 3)); /* the header and two records */
+    feed_wait_reading(&f);
+    cr_assert(in_scratch("svc/super") && marked(d), "the import is not writing in place");
+    snprintf(p, sizeof p, "%s/idemd.conf", d);
+    FILE *c = fopen(p, "w");
+    cr_assert_not_null(c);
+    fputs("port 7379\n", c);
+    fclose(c);
+    snprintf(p, sizeof p, "%s/tls", d);
+    cr_assert_eq(mkdir(p, 0700), 0);
+    snprintf(p, sizeof p, "%s/tls/key.pem", d);
+    c = fopen(p, "w");
+    cr_assert_not_null(c);
+    fclose(c);
+    cr_assert_eq(feed_end(&f), 1, "an export without its end line went in");
+    cr_assert(strstr(err, "cut short"), "%s", err);
+    cr_assert(in_scratch("svc/idemd.conf") && in_scratch("svc/tls/key.pem"),
+              "the failed import removed files it did not make");
+    cr_assert(strstr(err, "left in place"), "%s", err);
+    cr_assert(!in_scratch("svc/super") && !in_scratch("svc/audit.log") &&
+                  !in_scratch("svc/wal-0000000000000001.log") && !marked(d),
+              "the import's files stayed");
 }
 
 /* idemd, started on store, exits at once with an error that names the marker. */

@@ -143,8 +143,17 @@ Test(import_mark, a_copy_of_a_marked_store_is_marked_as_it_is_named)
     char *dir = tu_mkdtemp("marked-src");
     store_with_a_key(dir);
     cr_assert_eq(idem_import_mark(dir), IDEM_OK, "%s", idem_last_error());
+    /* The marker names the import that was cut short; its copies name it too (they were
+     * marked afresh, naming the backup's process as that import). */
+    static const char line[] = "pid=1 host=the-import started_ms=5\n";
+    char mark[4300], got[128];
+    snprintf(mark, sizeof mark, "%s/%s", dir, IDEM_IMPORT_MARKER);
+    FILE *f = fopen(mark, "w");
+    cr_assert_not_null(f);
+    fputs(line, f);
+    fclose(f);
     char *scratch = tu_mkdtemp("marked-copies");
-    char backup[4200], restored[4200], mark[4300];
+    char backup[4200], restored[4200];
     snprintf(backup, sizeof backup, "%s/b", scratch);
     snprintf(restored, sizeof restored, "%s/r", scratch);
     idem_options o;
@@ -158,6 +167,12 @@ Test(import_mark, a_copy_of_a_marked_store_is_marked_as_it_is_named)
     cr_assert_eq(idem_restore(backup, restored), IDEM_OK, "%s", idem_last_error());
     cr_assert_eq(idem_import_marked(restored), 1, "the restored store was named without it");
     snprintf(mark, sizeof mark, "%s/%s", restored, IDEM_IMPORT_MARKER);
+    f = fopen(mark, "r");
+    cr_assert_not_null(f);
+    size_t n = fread(got, 1, sizeof got - 1, f);
+    got[n] = 0;
+    fclose(f);
+    cr_assert_str_eq(got, line, "the copy's marker names another import");
     cr_assert_eq(idem_open(restored, NULL, &s), IDEM_ECORRUPT,
                  "a copy of a store cut short opened");
     cr_assert(strstr(idem_last_error(), mark), "%s", idem_last_error());

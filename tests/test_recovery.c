@@ -1608,16 +1608,23 @@ Test(recovery, a_rotted_header_and_first_frames_of_the_last_segment_are_corrupti
  * opened so that their batches tell rot from a creation cut short. An open refused there (no
  * descriptor just now) ended that list without a word, and the batches acknowledged in the
  * segments left unopened were dropped as a torn tail: the store opened without them. */
+/* Flips one bit of segment seq's header and of every frame at a block's start: nothing of the
+ * segment can be read. Called again, mends it. */
+static void segment_unreadable(uint64_t seq)
+{
+    char path[256];
+    snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)seq);
+    cr_assert_eq(io_sim_corrupt(sim, path, 100, 0x01), 0);
+    for (uint64_t off = 4096 + 12; off < (1u << 20); off += 4096)
+        cr_assert_eq(io_sim_corrupt(sim, path, off, 0x01), 0);
+}
+
 Test(recovery, a_segment_past_a_damaged_one_that_cannot_be_opened_fails_the_open)
 {
     int keys;
     uint64_t replay = fill_into_segment(2, &keys);
-    char path[256], next[64];
-    snprintf(path, sizeof path, SIM_DIR "/wal-%016llx.log", (unsigned long long)replay + 1);
-    /* The header, and every frame at a block's start: nothing of the segment can be read. */
-    cr_assert_eq(io_sim_corrupt(sim, path, 100, 0x01), 0);
-    for (uint64_t off = 4096 + 12; off < (1u << 20); off += 4096)
-        cr_assert_eq(io_sim_corrupt(sim, path, off, 0x01), 0);
+    char next[64];
+    segment_unreadable(replay + 1);
     snprintf(next, sizeof next, "wal-%016llx.log", (unsigned long long)replay + 2);
     io_sim_fail_open(sim, next, -EMFILE);
     idem_store *s;
@@ -1630,9 +1637,27 @@ Test(recovery, a_segment_past_a_damaged_one_that_cannot_be_opened_fails_the_open
     /* With the descriptor, the damage is named; mended, the store opens whole. */
     rc = open_sim_seg(&s, 1 << 20);
     cr_assert_eq(rc, IDEM_ECORRUPT, "got %s", idem_strerror(rc));
-    cr_assert_eq(io_sim_corrupt(sim, path, 100, 0x01), 0);
-    for (uint64_t off = 4096 + 12; off < (1u << 20); off += 4096)
-        cr_assert_eq(io_sim_corrupt(sim, path, off, 0x01), 0);
+    segment_unreadable(replay + 1);
+    cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, keys);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+/* Found by the same review: a second damaged segment past the first also ended the list, and
+ * the batches acknowledged in the segments after both were dropped as a torn tail. */
+Test(recovery, two_damaged_segments_do_not_hide_the_batches_after_them)
+{
+    int keys;
+    uint64_t replay = fill_into_segment(3, &keys);
+    segment_unreadable(replay + 1);
+    segment_unreadable(replay + 2);
+    idem_store *s;
+    int rc = open_sim_seg(&s, 1 << 20);
+    if (rc == IDEM_OK) store_abandon(s);
+    cr_assert_eq(rc, IDEM_ECORRUPT, "got %s: the batches of segment %llu were dropped",
+                 idem_strerror(rc), (unsigned long long)replay + 3);
+    segment_unreadable(replay + 1);
+    segment_unreadable(replay + 2);
     cr_assert_eq(open_sim_seg(&s, 1 << 20), IDEM_OK, "%s", idem_last_error());
     expect_committed(s, 0, keys);
     cr_assert_eq(idem_close(s), IDEM_OK);
@@ -1940,6 +1965,38 @@ Test(recovery, a_checkpoint_refused_for_space_at_its_flush_or_directory_sync_is_
     io_sim_crash(sim, IO_SIM_CRASH_LOSE_ALL);
     cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
     expect_committed(s, 0, 30);
+    cr_assert_eq(idem_close(s), IDEM_OK);
+}
+
+/* Found by a review of the close: a failed flush of the closing checkpoint was returned as
+ * IDEM_EFATAL, but the store was not failed, and no line named the call (the same failure on
+ * the flusher is named). The image is never trusted: no superblock names it. */
+Test(recovery, a_failed_flush_of_the_closing_checkpoint_is_named, .timeout = 60)
+{
+    idem_store *s;
+    cr_assert_eq(open_sim(&s), IDEM_OK);
+    fill(s, 0, 10);
+    io_sim_fail_flush_of(sim, ".ckpt", -EIO);
+    char log[8192] = "";
+    FILE *err = tmpfile();
+    cr_assert(err);
+    fflush(stderr);
+    int saved = dup(STDERR_FILENO);
+    dup2(fileno(err), STDERR_FILENO);
+    int rc = idem_close(s);
+    fflush(stderr);
+    dup2(saved, STDERR_FILENO);
+    close(saved);
+    rewind(err);
+    size_t got = fread(log, 1, sizeof log - 1, err);
+    log[got] = 0;
+    fclose(err);
+    cr_assert_eq(rc, IDEM_EFATAL, "got %s", idem_strerror(rc));
+    cr_assert(strstr(log, "event=fatal_io_error") &&
+                  strstr(log, "during=\"writing the closing checkpoint\""),
+              "log: %s", log);
+    cr_assert_eq(open_sim(&s), IDEM_OK, "%s", idem_last_error());
+    expect_committed(s, 0, 10);
     cr_assert_eq(idem_close(s), IDEM_OK);
 }
 

@@ -3536,6 +3536,21 @@ Test(server, settings_that_would_weaken_the_server_are_refused_by_name)
     static const char nul_user[] = "ops:admin:s3\0cret\n";
     bytes_refused(dir, "--users-file", "nul-users", nul_user, sizeof nul_user - 1,
                   "nul-users:1: a control byte");
+    /* A line is read into a bounded buffer: a comment or a blank line of any length is one
+     * line, and a file that never ends a line is refused at once (it was read whole into
+     * memory). Lines: 3000 blanks; 3000 blanks and a comment; a comment of 5000 bytes. */
+    static char long_comment[3001 + 3004 + 5001 + 10];
+    memset(long_comment, ' ', sizeof long_comment);
+    long_comment[3000] = '\n';
+    memcpy(long_comment + 6001, "# x\n", 4);
+    memset(long_comment + 6005, 'c', 5000);
+    long_comment[6005] = '#';
+    memcpy(long_comment + 11005, "\nport abc\n", 10);
+    bytes_refused(dir, "--config", "long-comment.conf", long_comment, sizeof long_comment,
+                  "long-comment.conf:4:");
+    const char *const zero[] = {"--dir", dir, "--port", "0", "--config", "/dev/zero", NULL};
+    cr_assert_eq(run_idemd(zero), 2);
+    cr_assert(strstr(run_err, "/dev/zero:1: line longer than"), "%s", run_err);
     /* Names are written in log lines (user=...) and audit actors (user@peer): a name holding
      * a blank or an @ made them ambiguous. */
     const char *const names[] = {"ops@10.0.0.5:admin:pw", "a b:admin:pw", "x\ty:admin:pw",
@@ -3597,6 +3612,24 @@ Test(server, settings_that_would_weaken_the_server_are_refused_by_name)
         cr_assert_eq(run_idemd(port), 2, "'%s'", ports[i]);
         cr_assert(strstr(run_err, "port"), "'%s': %s", ports[i], run_err);
     }
+    /* strtoull took a blank and a sign (" -1": no limit at all), and a time took a size's
+     * suffix (1m: 1,048,576 ms); --test-clock=VALUE was an unknown setting. */
+    static const char *const numbers[][2] = {
+        {"--max-keys", " -1"},      {"--max-clients", "+5"}, {"--idle-timeout-ms", "1m"},
+        {"--socket-mode", " 0600"}, {"--max-disk", "+1g"},   {"--test-clock", "maybe"}};
+    for (size_t i = 0; i < sizeof numbers / sizeof numbers[0]; i++) {
+        char flag[64];
+        snprintf(flag, sizeof flag, "%s=%s", numbers[i][0], numbers[i][1]);
+        const char *const num[] = {"--dir", dir, flag, NULL};
+        cr_assert_eq(run_idemd(num), 2, "%s", flag);
+        cr_assert(strstr(run_err, numbers[i][0] + 2), "%s: %s", flag, run_err);
+    }
+    /* A user line written `name=value`, or a users file's line in a config file, was echoed
+     * whole in the error: its password went to the log. */
+    file_refused(dir, "--config", "eq.conf", "user=ops:admin:s3cret\n", "eq.conf:1: 'user...'");
+    cr_assert(!strstr(run_err, "s3cret"), "%s", run_err);
+    file_refused(dir, "--config", "bare.conf", "ops:admin:s3cret\n", "unknown setting 'ops...'");
+    cr_assert(!strstr(run_err, "s3cret"), "%s", run_err);
     memset(long_opt, 'o', sizeof long_opt - 1);
     long_opt[0] = long_opt[1] = '-';
     long_opt[sizeof long_opt - 1] = 0;
@@ -3636,6 +3669,20 @@ Test(server, socket_mode_sets_the_sockets_permissions, .init = start_group_socke
         cr_assert_eq(run_idemd(args), 2, "--socket-mode '%s'", bad[i]);
         cr_assert(strstr(run_err, "socket-mode"), "'%s': %s", bad[i], run_err);
     }
+    tu_rmtree(dir);
+}
+
+/* A --socket path held by something other than a socket is left alone (it was unlinked as a
+ * stale socket, whatever it was). */
+Test(server, a_socket_path_that_is_no_socket_is_not_removed)
+{
+    char *dir = tu_mkdtemp("socket-file");
+    const char *p = write_file(dir, "idem.conf", "port 0\n", 0600);
+    const char *const args[] = {"--dir", dir, "--port", "0", "--socket", p, NULL};
+    cr_assert_eq(run_idemd(args), 1);
+    cr_assert(strstr(run_err, "exists and is not a socket"), "%s", run_err);
+    struct stat st;
+    cr_assert(stat(p, &st) == 0 && S_ISREG(st.st_mode), "the file was removed");
     tu_rmtree(dir);
 }
 
@@ -3865,6 +3912,8 @@ Test(server, a_scrape_request_in_parts_is_answered_at_its_end, .init = start_met
 
 /* Connections that take every scrape slot and send nothing do not keep a scrape out: it takes
  * the oldest silent one's slot and is answered at once. */
+static int log_line_with(const char *const *parts, char *line, size_t cap);
+
 Test(server, silent_connections_in_every_metrics_slot_do_not_keep_a_scrape_out,
      .init = start_metrics)
 {
@@ -3884,6 +3933,14 @@ Test(server, silent_connections_in_every_metrics_slot_do_not_keep_a_scrape_out,
     cr_assert_lt(took, METRICS_WAIT_MS / 3, "the scrape waited %lld ms", (long long)took);
     for (int i = 0; i < 20; i++)
         close(silent[i]);
+    /* Each slot taken from one that had not asked is a scrape closed unanswered: counted and
+     * logged, so connections that keep every slot busy do not keep a scraper out unseen. */
+    redisContext *c = connect_unix();
+    cr_assert_geq(stat_value(c, "metrics_refused"), 5);
+    redisFree(c);
+    char line[2048];
+    static const char *const parts[] = {"event=metrics_refused", "took its slot", NULL};
+    cr_assert(log_line_with(parts, line, sizeof line), "no event=metrics_refused line");
 }
 
 /* ---- huge pages for the index (huge_pages.c) ---- */

@@ -9,6 +9,7 @@
  * is in and the store closed: a crash part-way leaves a store that idemd refuses. verify reports
  * the marker as a fault; backup --dir and restore carry it to the copy.
  */
+#include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -918,14 +919,39 @@ static int unlink_synced(const char *dir, const char *name)
     return rc;
 }
 
-/* Empties a directory that was empty before an import into it failed, the store closed: the
- * import made all it holds but lost+found, and the directory itself stays, with its owner and
- * mode. The store's lock is taken again for it (an idemd started meanwhile is refused, and one
- * that holds it keeps its store), and the marker goes only after every other file, so that no
- * part of an export is ever left unmarked. Returns 0, or -1 with errno (the marker stays). */
-static int dir_clear(const char *dir)
+/* Whether name is exactly prefix, 16 lower-case hex digits and suffix. */
+static int name_numbered(const char *name, const char *prefix, const char *suffix)
+{
+    size_t lp = strlen(prefix), ls = strlen(suffix);
+    if (strlen(name) != lp + 16 + ls || strncmp(name, prefix, lp) != 0 ||
+        strcmp(name + lp + 16, suffix) != 0)
+        return 0;
+    for (size_t i = lp; i < lp + 16; i++)
+        if (!isdigit((unsigned char)name[i]) && !(name[i] >= 'a' && name[i] <= 'f')) return 0;
+    return 1;
+}
+
+/* Whether name is one of the files a store's open and writes make (LOCK and the marker aside). */
+static int store_file_name(const char *name)
+{
+    static const char *const fixed[] = {"super", "super.tmp", "audit.log", "reserve",
+                                        "reserve.new"};
+    for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++)
+        if (!strcmp(name, fixed[i])) return 1;
+    return name_numbered(name, "wal-", ".log") || name_numbered(name, "index-", ".ckpt");
+}
+
+/* Empties a directory that was empty before an import into it failed, the store closed, of the
+ * files the import made: the store's own names, each a file (nothing else is removed: what
+ * someone put there meanwhile stays, and is named in *kept, "" if none). The directory itself
+ * stays, with its owner and mode. The store's lock is taken again for it (an idemd started
+ * meanwhile is refused, and one that holds it keeps its store), and the marker goes only after
+ * every store file, so that no part of an export is ever left unmarked. Returns 0, or -1 with
+ * errno (the marker stays). */
+static int dir_clear(const char *dir, char *kept, size_t kept_cap)
 {
     char lock[8200];
+    *kept = 0;
     snprintf(lock, sizeof lock, "%s/LOCK", dir);
     int lfd = open(lock, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
     if (lfd < 0) return -1;
@@ -934,20 +960,24 @@ static int dir_clear(const char *dir)
         return -1;
     }
     DIR *d = opendir(dir);
-    int rc = d ? 0 : -1;
+    int rc = d ? 0 : -1, e = d ? 0 : errno;
     for (struct dirent *de; d && (de = readdir(d));) {
         if (entry_ignored(de->d_name) || !strcmp(de->d_name, "LOCK") ||
             !strcmp(de->d_name, IDEM_IMPORT_MARKER))
             continue;
-        char path[8200];
-        snprintf(path, sizeof path, "%s/%s", dir, de->d_name);
-        if (nftw(path, rm_one, 16, FTW_DEPTH | FTW_PHYS) != 0) rc = -1;
+        if (!store_file_name(de->d_name)) {
+            if (!*kept) bytes_escape(de->d_name, strlen(de->d_name), kept, kept_cap);
+            continue;
+        }
+        if (unlinkat(dirfd(d), de->d_name, 0) != 0 && errno != ENOENT) {
+            rc = -1;
+            e = errno;
+        }
     }
     if (d) closedir(d);
-    int e = errno;
     if (rc == 0) rc = unlink_synced(dir, IDEM_IMPORT_MARKER);
     if (rc == 0) rc = unlink_synced(dir, "LOCK");
-    if (rc != 0) e = errno;
+    if (rc != 0 && e == 0) e = errno;
     close(lfd);
     errno = e;
     return rc;
@@ -1049,6 +1079,10 @@ int cmd_import(const struct ctl_opts *o)
     if (rc) return rc;
     const char *file = o->pos[0];
     char dest[4096], partial[4200];
+    if (strlen(oo.dir) >= sizeof dest - sizeof ".partial") { /* cut, it could name another */
+        ctl_err("--dir is longer than %zu bytes", sizeof dest - sizeof ".partial" - 1);
+        return CTL_USAGE;
+    }
     snprintf(dest, sizeof dest, "%s", oo.dir);
     for (size_t n = strlen(dest); n > 1 && dest[n - 1] == '/'; n--)
         dest[n - 1] = 0;
@@ -1154,10 +1188,15 @@ int cmd_import(const struct ctl_opts *o)
     }
     if (staged && rc != 0) nftw(partial, rm_one, 16, FTW_DEPTH | FTW_PHYS);
     if (own && marking && rc != 0) {
-        if (dir_clear(dest) != 0)
+        char kept[256];
+        if (dir_clear(dest, kept, sizeof kept) != 0)
             ctl_err("cannot empty %s again after the failed import: %s; it keeps its marker %s "
                     "(idemd refuses it): remove what it holds but lost+found",
                     dest, strerror(errno), IDEM_IMPORT_MARKER);
+        else if (*kept)
+            ctl_err("%s was emptied of the import's files; %s, which the import did not make, "
+                    "was left in place",
+                    dest, kept);
         marking = 0;
     } else if (!staged && rc != 0 && ist.nrec + ist.naud > 0)
         ctl_err("%llu records and %llu audit entries read before that were written into the "

@@ -178,11 +178,30 @@ static size_t utf8_len(const uint8_t *p, size_t n)
     return len;
 }
 
+/* Whether the UTF-8 sequence at p (l bytes, l > 1, well-formed) is a character a terminal acts
+ * on rather than shows: a C1 control (U+009B is a CSI), a line or paragraph separator, or a
+ * direction mark or override (text that reads other than it is). Keys and results are clients'
+ * bytes. */
+static int utf8_acts(const uint8_t *p, size_t l, uint32_t *cp)
+{
+    *cp = l == 2   ? (uint32_t)(p[0] & 0x1f) << 6 | (p[1] & 0x3f)
+          : l == 3 ? (uint32_t)(p[0] & 0x0f) << 12 | (uint32_t)(p[1] & 0x3f) << 6 | (p[2] & 0x3f)
+                   : 0x10000;
+    return (*cp >= 0x80 && *cp <= 0x9f) || *cp == 0x061c || *cp == 0x200e || *cp == 0x200f ||
+           (*cp >= 0x2028 && *cp <= 0x202e) || (*cp >= 0x2066 && *cp <= 0x2069);
+}
+
 static void jw_raw_string(FILE *f, const uint8_t *p, size_t n)
 {
     fputc('"', f);
     for (size_t i = 0; i < n;) {
         size_t l = utf8_len(p + i, n - i);
+        uint32_t cp;
+        if (l > 1 && utf8_acts(p + i, l, &cp)) { /* the same character, read back as such */
+            fprintf(f, "\\u%04x", (unsigned)cp);
+            i += l;
+            continue;
+        }
         if (l > 1) {
             fwrite(p + i, 1, l, f);
             i += l;

@@ -111,55 +111,75 @@ int auth_user_add(srv_config *cfg, const char *spec, char *err, size_t err_len)
     return 0;
 }
 
+/* Where the text of a line read so far starts: past a BOM (on the first line) and blanks. */
+static size_t conf_text_start(const char *line, size_t len, int first)
+{
+    size_t t = first && len >= 3 && memcmp(line, "\xef\xbb\xbf", 3) == 0 ? 3 : 0;
+    while (t < len && (line[t] == ' ' || line[t] == '\t'))
+        t++;
+    return t;
+}
+
 int conf_line_next(FILE *f, const char *path, char *line, size_t size, int *lineno, char **text,
                    char *err, size_t err_len)
 {
-    /* Read whole with its length: a NUL within a line is a byte of it (fgets and strlen would
-     * end the line there, and take the rest for the next one). */
-    char *buf = NULL;
-    size_t cap = 0;
+    /* Read byte by byte into line: a NUL within a line is a byte of it (fgets and strlen would
+     * end the line there, and take the rest for the next one), and a line longer than line is
+     * refused as soon as it is seen to be no comment or blank line, so no file costs memory (a
+     * device that never ends a line, a file that is no config at all). */
     for (;;) {
+        size_t len = 0, t;
+        int c, over = 0, any = 0, skip = 0;
         errno = 0;
-        ssize_t got = getline(&buf, &cap, f);
-        if (got < 0) {
-            int e = errno; /* getline out of memory sets it, not the stream's error flag */
-            free(buf);
-            if (e == 0 && !ferror(f)) return 0;
-            snprintf(err, err_len, "cannot read %s: %s", path, strerror(e ? e : EIO));
+        while ((c = getc(f)) != EOF && c != '\n') {
+            any = 1;
+            if (len < size - 1) {
+                line[len++] = (char)c;
+                continue;
+            }
+            /* Longer than line: a blank line or a comment (of any length) is skipped, anything
+             * else refused below. c is the first byte not kept. */
+            over = 1;
+            t = conf_text_start(line, len, *lineno == 0);
+            if (t == len)
+                while (c == ' ' || c == '\t')
+                    c = getc(f);
+            int hash = t < len ? line[t] == '#' : c == '#';
+            skip = hash || (t == len && (c == '\n' || c == EOF));
+            while (hash && (c = getc(f)) != EOF && c != '\n')
+                ;
+            break;
+        }
+        if (c == EOF && ferror(f)) {
+            snprintf(err, err_len, "cannot read %s: %s", path, strerror(errno ? errno : EIO));
             return -1;
         }
+        if (c == EOF && !any) return 0;
         ++*lineno;
-        size_t len = (size_t)got, t = 0;
-        if (len > 0 && buf[len - 1] == '\n') len--;
-        if (len > 0 && buf[len - 1] == '\r') len--;
-        if (*lineno == 1 && len >= 3 && memcmp(buf, "\xef\xbb\xbf", 3) == 0) t = 3; /* a BOM */
-        while (t < len && (buf[t] == ' ' || buf[t] == '\t'))
-            t++;
-        if (t == len || buf[t] == '#') continue; /* blank, or a comment (of any length) */
-        if (len > size - 2) {
+        if (skip) continue;
+        if (len > 0 && line[len - 1] == '\r' && !over) len--;
+        t = conf_text_start(line, len, *lineno == 1);
+        if ((t == len && !over) || (t < len && line[t] == '#')) continue; /* blank, or a comment */
+        if (over || len > size - 2) {
             snprintf(err, err_len, "%s:%d: line longer than %zu bytes", path, *lineno, size - 2);
-            free(buf);
             return -1;
         }
         const char *why = NULL;
         for (size_t i = t; i < len && !why; i++)
-            if (((unsigned char)buf[i] < 0x20 && buf[i] != '\t') || buf[i] == 0x7f)
+            if (((unsigned char)line[i] < 0x20 && line[i] != '\t') || line[i] == 0x7f)
                 why = "a control byte";
-        if (!why && (buf[len - 1] == ' ' || buf[len - 1] == '\t'))
+        if (!why && (line[len - 1] == ' ' || line[len - 1] == '\t'))
             why = "blanks at the end of the line (they would be part of the value, a password)";
         for (size_t i = t + 1; i < len && !why; i++)
-            if (buf[i] == '#' && (buf[i - 1] == ' ' || buf[i - 1] == '\t'))
+            if (line[i] == '#' && (line[i - 1] == ' ' || line[i - 1] == '\t'))
                 why = "a '#' after a blank: comments take a line of their own (it would be part "
                       "of the value, a password)";
         if (why) {
             snprintf(err, err_len, "%s:%d: %s", path, *lineno, why);
-            free(buf);
             return -1;
         }
-        memcpy(line, buf, len);
         line[len] = '\0';
         *text = line + t;
-        free(buf);
         return 1;
     }
 }

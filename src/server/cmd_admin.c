@@ -89,6 +89,7 @@ int cmd_stats_list(const srv *s, const idem_stats *engine, cmd_stat *out)
     STAT("reads_withdrawn", s->reads_withdrawn);
     STAT("claims_released_unheard", s->claims_released_unheard);
     STAT("auth_failures", s->auth_failures);
+    STAT("metrics_refused", s->metrics_refused);
     STAT("io_buffer_bytes", s->io_used);
     STAT("claim_latency_us_count", s->claim_latencies);
     STAT("claim_latency_us_sum", s->claim_latency_us_sum);
@@ -319,19 +320,20 @@ void cmd_attention(cmd_req *r)
     static const char *const opts[] = {"OLDER", "COUNT"};
     unsigned seen = 0;
     int with_cut = 0;
-    for (uint32_t i = 1; i < r->argc; i += 2) {
+    for (uint32_t i = 1; i < r->argc;) {
         if (cmd_is(r, i, "WITHCUT")) { /* a flag: no value follows */
             if (with_cut) return cmd_fail(r, "ERR syntax error: WITHCUT given twice");
             with_cut = 1;
-            i -= 1;
+            i += 1;
             continue;
         }
         int k = cmd_option(r, i, opts, IDEM_ARRAY_LEN(opts), &seen, "OLDER, COUNT, WITHCUT");
         if (k < 0) return;
-        if (k == 0 && cmd_u64(r->argv[i + 1], r->argl[i + 1], &older) == 0 &&
-            older <= IDEM_TTL_MS_MAX) {
-        } else if (k == 1 && cmd_u64(r->argv[i + 1], r->argl[i + 1], &count) == 0 && count > 0 &&
-                   count <= 100000) {
+        const uint8_t *v = r->argv[i + 1];
+        uint32_t vl = r->argl[i + 1];
+        i += 2;
+        if (k == 0 && cmd_u64(v, vl, &older) == 0 && older <= IDEM_TTL_MS_MAX) {
+        } else if (k == 1 && cmd_u64(v, vl, &count) == 0 && count > 0 && count <= 100000) {
         } else {
             return cmd_fail(r, "ERR syntax error (OLDER ms of at most %llu, COUNT 1..100000)",
                             (unsigned long long)IDEM_TTL_MS_MAX);

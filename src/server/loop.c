@@ -1586,20 +1586,34 @@ static int listen_unix(srv *s)
     if (mkdir(s->cfg.dir, 0700) != 0 && errno != EEXIST)
         srv_log("warn", "mkdir_failed", "dir=%s error=\"%s\"", s->cfg.dir, strerror(errno));
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        srv_log("error", "listen_failed", "socket=%s error=\"%s\"", s->cfg.socket_path,
+                strerror(errno));
+        return -1;
+    }
     if (unix_in_use(&a)) {
         srv_log("error", "listen_failed", "socket=%s msg=\"another server answers there\"",
                 s->cfg.socket_path);
-        if (fd >= 0) close(fd);
+        close(fd);
         return -1;
     }
-    unlink(a.sun_path); /* a stale socket of a server that is gone */
+    /* A stale socket of a server that is gone is removed; anything else at the path (a file
+     * the flag named by mistake) is not. */
+    struct stat st;
+    if (lstat(a.sun_path, &st) == 0 && !S_ISSOCK(st.st_mode)) {
+        srv_log("error", "listen_failed", "socket=%s msg=\"the path exists and is not a socket\"",
+                s->cfg.socket_path);
+        close(fd);
+        return -1;
+    }
+    unlink(a.sun_path);
     mode_t old = umask(0777);
-    int rc = fd < 0 ? -1 : bind(fd, (struct sockaddr *)&a, sizeof a);
+    int rc = bind(fd, (struct sockaddr *)&a, sizeof a);
     umask(old);
     if (rc != 0 || chmod(a.sun_path, s->cfg.socket_mode) != 0 || listen(fd, 511) != 0) {
         srv_log("error", "listen_failed", "socket=%s error=\"%s\"", s->cfg.socket_path,
                 strerror(errno));
-        if (fd >= 0) close(fd);
+        close(fd);
         return -1;
     }
     s->unix_fd = fd;

@@ -7,6 +7,7 @@
 #include "server.h"
 #include "huge_pages.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <malloc.h>
 #include <stdio.h>
@@ -63,13 +64,30 @@ static const char usage_text[] =
     "Signals: SIGTERM or SIGINT drain (stop accepting, answer in-flight requests, make\n"
     "everything durable) and exit 0. A fatal store error exits 1.\n";
 
+/* Parses a count of digits alone (strtoull would take blanks, a sign, and wrap a minus). */
+static int parse_digits(const char *v, uint64_t *out, char **end)
+{
+    if (!isdigit((unsigned char)v[0])) return -1;
+    errno = 0;
+    unsigned long long n = strtoull(v, end, 10);
+    if (errno) return -1;
+    *out = n;
+    return 0;
+}
+
+/* A time in milliseconds: digits alone (a suffix would read as powers of 1024: 1m, 1,048,576). */
+static int parse_ms(const char *v, uint64_t *out)
+{
+    char *end;
+    return parse_digits(v, out, &end) < 0 || *end != '\0' ? -1 : 0;
+}
+
 /* Parses a byte count with an optional k/m/g suffix (powers of 1024). */
 static int parse_size(const char *v, uint64_t *out)
 {
     char *end;
-    errno = 0;
-    unsigned long long n = strtoull(v, &end, 10);
-    if (errno || end == v || v[0] == '-') return -1;
+    uint64_t n;
+    if (parse_digits(v, &n, &end) < 0) return -1;
     uint64_t mult = 1;
     if (*end == 'k' || *end == 'K')
         mult = 1024;
@@ -128,6 +146,26 @@ static int bad_listen(const char *v)
 
 static int config_file(srv_config *cfg, const char *path, char *err, size_t err_len);
 
+/* How much of a setting's name an error shows: up to 64 bytes, and not past a ':' or '=' (a
+ * user line written wrong, `user=NAME:ROLE:PASSWORD` or the line alone, holds a password). */
+static int shown(const char *name)
+{
+    size_t n = strcspn(name, ":=");
+    return n < 64 ? (int)n : 64;
+}
+
+/* The value of a yes/no setting (empty: yes, as the flag alone). Returns 0 or 1, or -1. */
+static int parse_yes_no(const char *v)
+{
+    static const char *const yes[] = {"", "yes", "on", "true", "1"};
+    static const char *const no[] = {"no", "off", "false", "0"};
+    for (size_t i = 0; i < sizeof yes / sizeof yes[0]; i++)
+        if (strcmp(v, yes[i]) == 0) return 1;
+    for (size_t i = 0; i < sizeof no / sizeof no[0]; i++)
+        if (strcmp(v, no[i]) == 0) return 0;
+    return -1;
+}
+
 /* Applies one setting. Returns 0, or -1 with a message in err. */
 static int apply(srv_config *cfg, const char *name, const char *v, char *err, size_t err_len)
 {
@@ -140,8 +178,10 @@ static int apply(srv_config *cfg, const char *name, const char *v, char *err, si
         cfg->socket_path_set = 1;
     } else if (strcmp(name, "socket-mode") == 0) {
         char *end;
-        cfg->socket_mode = (unsigned)strtoul(v, &end, 8);
-        bad = *v == '\0' || *end != '\0' || cfg->socket_mode > 0777;
+        errno = 0;
+        unsigned long mode = strtoul(v, &end, 8);
+        bad = !isdigit((unsigned char)*v) || *end != '\0' || errno || mode > 0777;
+        cfg->socket_mode = bad ? 0 : (unsigned)mode;
     } else if (strcmp(name, "bind") == 0)
         bad = set_string(cfg->bind_addr, sizeof cfg->bind_addr, v) || bad_addr(v);
     else if (strcmp(name, "port") == 0)
@@ -163,7 +203,14 @@ static int apply(srv_config *cfg, const char *name, const char *v, char *err, si
         return auth_users_file(cfg, v, err, err_len);
     else if (strcmp(name, "config") == 0)
         return config_file(cfg, v, err, err_len);
-    else if (strcmp(name, "max-keys") == 0)
+    else if (strcmp(name, "test-clock") == 0) {
+        int yes = parse_yes_no(v);
+        if (yes < 0) {
+            snprintf(err, err_len, "test-clock takes yes or no, not '%s'", v);
+            return -1;
+        }
+        cfg->test_clock = yes;
+    } else if (strcmp(name, "max-keys") == 0)
         bad = parse_size(v, &cfg->max_keys);
     else if (strcmp(name, "max-memory") == 0)
         bad = parse_size(v, &cfg->max_memory_bytes);
@@ -184,25 +231,14 @@ static int apply(srv_config *cfg, const char *name, const char *v, char *err, si
     else if (strcmp(name, "io-budget") == 0)
         bad = parse_size(v, &cfg->io_budget_bytes) || cfg->io_budget_bytes < SRV_IO_BUDGET_MIN;
     else if (strcmp(name, "idle-timeout-ms") == 0)
-        bad = parse_size(v, &n) || n > SRV_IDLE_TIMEOUT_MS_MAX, cfg->idle_timeout_ms = n;
+        bad = parse_ms(v, &n) || n > SRV_IDLE_TIMEOUT_MS_MAX, cfg->idle_timeout_ms = n;
     else {
-        snprintf(err, err_len, "unknown setting '%s' (see --help)", name);
+        snprintf(err, err_len, "unknown setting '%.*s%s' (see --help)", shown(name), name,
+                 name[shown(name)] ? "..." : "");
         return -1;
     }
     if (bad) snprintf(err, err_len, "bad value '%s' for %s (see --help)", v, name);
     return bad ? -1 : 0;
-}
-
-/* The value of a yes/no setting (empty: yes, as the flag alone). Returns 0 or 1, or -1. */
-static int parse_yes_no(const char *v)
-{
-    static const char *const yes[] = {"", "yes", "on", "true", "1"};
-    static const char *const no[] = {"no", "off", "false", "0"};
-    for (size_t i = 0; i < sizeof yes / sizeof yes[0]; i++)
-        if (strcmp(v, yes[i]) == 0) return 1;
-    for (size_t i = 0; i < sizeof no / sizeof no[0]; i++)
-        if (strcmp(v, no[i]) == 0) return 0;
-    return -1;
 }
 
 /* A config file may hold users (passwords): then, as a users file, it must not be accessible by
@@ -226,12 +262,12 @@ static int config_file(srv_config *cfg, const char *path, char *err, size_t err_
         char *val = *sp ? sp + 1 + strspn(sp + 1, " \t") : sp;
         *sp = '\0';
         char why[256];
-        if (strcmp(p, "test-clock") == 0) {
-            cfg->test_clock = parse_yes_no(val);
-            if (cfg->test_clock < 0) {
-                snprintf(why, sizeof why, "test-clock takes yes or no, not '%s'", val);
-                rc = -1;
-            }
+        if (strchr(p, '=')) {
+            /* Not echoed whole: a user line so written holds a password. */
+            snprintf(why, sizeof why,
+                     "'%.*s...': settings are written `name value` (a blank, not '=')", shown(p),
+                     p);
+            rc = -1;
         } else if (strcmp(p, "user") == 0 && shared) {
             snprintf(why, sizeof why,
                      "a user line (a password) in a file accessible by group or others: chmod "

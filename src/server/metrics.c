@@ -91,6 +91,8 @@ static const struct metric_info {
     {"claims_released_unheard", 1, "WAIT claims answered new after their client left: released."},
     {"auth_failures", 1,
      "AUTH, or HELLO's AUTH, refused for a wrong name or password (password guessing)."},
+    {"metrics_refused", 1,
+     "Metrics scrapes closed unanswered: every slot answering, or a newer one took theirs."},
     {"io_buffer_bytes", 0, "Bytes of client buffers, as --io-budget bounds them."},
     {"flush_latency_us", 0, "Group commit latency in microseconds (write and flush)."},
     {"claim_latency_us", 0, "IDEM.CLAIM latency in microseconds, parse to reply (WAIT left out)."},
@@ -295,6 +297,15 @@ void metrics_answer(srv *s, uint32_t index, uint64_t id, const idem_stats *engin
     if (m->fd >= 0 && m->id == id && m->answering == MCONN_READING)
         mconn_reply(s, m, index, engine);
 }
+/* A scrape closed unanswered (why), counted and logged (rate-limited): connections that keep
+ * every slot busy keep Prometheus out, and that is said. */
+static void metrics_refused(srv *s, const char *why)
+{
+    s->metrics_refused++;
+    srv_log_gated(&s->log_metrics_refused, "warn", "metrics_refused", "reason=\"%s\" refused=%llu",
+                  why, (unsigned long long)s->metrics_refused);
+}
+
 /* A free slot for a new connection: a free one, else that of the oldest connection that has not
  * asked yet or is done (which is closed). Returns SRV_METRICS_CONNS when every one is answering
  * (its figures being read, or its reply written). */
@@ -310,7 +321,11 @@ static uint32_t mconn_slot(srv *s)
             (oldest == SRV_METRICS_CONNS || m->since_ms < s->mconns[oldest].since_ms))
             oldest = i;
     }
-    if (oldest < SRV_METRICS_CONNS) mconn_close(s, &s->mconns[oldest]);
+    if (oldest == SRV_METRICS_CONNS) return oldest;
+    srv_metrics_conn *m = &s->mconns[oldest];
+    if (m->answering == 0) /* a scrape that may yet ask: never served */
+        metrics_refused(s, "a newer connection took its slot before it asked");
+    mconn_close(s, m);
     return oldest;
 }
 
@@ -329,6 +344,7 @@ void metrics_accept(srv *s)
         uint32_t i = mconn_slot(s);
         if (i == SRV_METRICS_CONNS) { /* as many replies as are written at once: refused */
             close(fd);
+            metrics_refused(s, "every slot is answering");
             continue;
         }
         srv_metrics_conn *m = &s->mconns[i];

@@ -352,9 +352,10 @@ typedef struct srv {
     int64_t accept_paused_until_ms;
     srv_log_gate log_accept, log_protocol, log_auth, log_auth_ok, log_full;
     srv_log_gate log_connect, log_disconnect, log_half_close, log_budget_pause, log_oom;
-    srv_log_gate log_unheard;
+    srv_log_gate log_unheard, log_metrics_refused;
     uint64_t claims_released_unheard; /* WAIT claims' `new` released: nobody heard it */
     uint64_t auth_failures;           /* AUTH (or HELLO's) refused for a name or password */
+    uint64_t metrics_refused; /* scrapes closed unanswered: no slot, or one taken before it asked */
     struct srv_unheard {
         uint32_t conn, seq;
     } * unheard; /* releases due once the round's completions are read (submit_unheard) */
