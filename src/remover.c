@@ -49,7 +49,11 @@ int remover_create(struct io *io, const char *dir, struct remover **out)
     }
     r->io = io;
     pthread_mutex_init(&r->mu, NULL);
-    pthread_cond_init(&r->cond, NULL);
+    pthread_condattr_t ca; /* the retry's second is elapsed time */
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&r->cond, &ca);
+    pthread_condattr_destroy(&ca);
     *out = r;
     return 0;
 }
@@ -93,7 +97,7 @@ static void sync_dir(struct remover *r, int may_wait)
         r->retrying = 1;
         r->dirty = !r->stop;
         struct timespec until;
-        clock_gettime(CLOCK_REALTIME, &until);
+        clock_gettime(CLOCK_MONOTONIC, &until);
         until.tv_sec += 1;
         if (may_wait && !r->stop) pthread_cond_timedwait(&r->cond, &r->mu, &until);
     } else if (!r->err) {
@@ -161,7 +165,7 @@ void remover_add(struct remover *r, const char *path)
 int remover_pending(struct remover *r)
 {
     pthread_mutex_lock(&r->mu);
-    int pending = r->head || r->busy;
+    int pending = r->head || (r->busy && !r->retrying); /* deleted: only their sync waits */
     pthread_mutex_unlock(&r->mu);
     return pending;
 }

@@ -32,13 +32,17 @@ void remover_add(struct remover *r, const char *path);
  * the file closed first (0.6-1 ms for a 64 MiB segment), on the remover's thread too. */
 void remover_add_open(struct remover *r, const char *path, struct io_file *f, const void *map,
                       size_t map_len);
-/* Whether files are queued or being deleted (their room is not free yet). */
+/* Whether files are queued or being deleted (their room is not free yet); not while only a
+ * directory sync refused for descriptors, memory or space waits to be tried again. */
 int remover_pending(struct remover *r);
-/* Waits until every file queued so far is deleted and the directory synced. */
+/* Waits until every file queued so far is deleted and the directory synced (a sync refused for
+ * descriptors, memory or space: until one succeeds). */
 void remover_drain(struct remover *r);
 /* The first directory sync that failed for the disk (-errno), or 0. */
 int remover_error(struct remover *r);
-/* Drains, stops the thread and frees r (NULL: nothing). Returns remover_error's answer. */
+/* Drains, stops the thread and frees r (NULL: nothing); a sync refused for descriptors, memory
+ * or space is tried once more, then given up (the next open removes what a crash brings
+ * back). Returns remover_error's answer. */
 int remover_destroy(struct remover *r);
 
 #endif

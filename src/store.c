@@ -651,7 +651,7 @@ static int flush_due(idem_store *s)
             int rc = sync_written(s);
             if (rc < 0)
                 store_fail(s, rc, "flushing the log");
-            else if (sync_mark_save(s) == 0)
+            else if (!helpers_failed(s) && sync_mark_save(s) == 0)
                 s->durable_lsn = wal_durable_lsn(s->wal);
             notify_ready(s);
             /* Appends made while mu was let go found nobody to wake (store_appended). */
@@ -2961,6 +2961,9 @@ static int quiesce_durable(idem_store *s)
  * (remover.h): deleting a checkpoint of 10 M keys frees 160 MB of cached pages. */
 static int ckpt_install(idem_store *s, struct super *sb, int off_lock)
 {
+    /* The checkpoint's file and its directory entry must be durable before a superblock names
+     * it: not after a sync of the directory that failed on another thread. */
+    if (helpers_failed(s)) return IDEM_EFATAL;
     io_fault_clear();
     char old_path[4096] = "";
     if (s->sb.ckpt_id > 1) ckpt_path(s->dir, s->sb.ckpt_id - 1, old_path, sizeof old_path);

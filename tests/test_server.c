@@ -3630,6 +3630,8 @@ Test(server, settings_that_would_weaken_the_server_are_refused_by_name)
     cr_assert(!strstr(run_err, "s3cret"), "%s", run_err);
     file_refused(dir, "--config", "bare.conf", "ops:admin:s3cret\n", "unknown setting 'ops...'");
     cr_assert(!strstr(run_err, "s3cret"), "%s", run_err);
+    file_refused(dir, "--users-file", "order-users", "ops:s3cret:admin\n", "role must be");
+    cr_assert(!strstr(run_err, "s3cret"), "%s", run_err);
     memset(long_opt, 'o', sizeof long_opt - 1);
     long_opt[0] = long_opt[1] = '-';
     long_opt[sizeof long_opt - 1] = 0;

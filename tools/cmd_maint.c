@@ -907,16 +907,26 @@ static int rm_one(const char *path, const struct stat *st, int flag, struct FTW 
     return remove(path) < 0 ? -1 : 0;
 }
 
+/* Syncs directory dir: the names made or removed in it are durable. 0, or -1 with errno. */
+static int dir_synced(const char *dir)
+{
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    int rc = fd >= 0 && fsync(fd) == 0 ? 0 : -1;
+    if (fd >= 0) {
+        int e = errno;
+        close(fd);
+        errno = e;
+    }
+    return rc;
+}
+
 /* Removes dir/name and makes that durable. */
 static int unlink_synced(const char *dir, const char *name)
 {
     char path[8200];
     snprintf(path, sizeof path, "%s/%s", dir, name);
     if (unlink(path) < 0 && errno != ENOENT) return -1;
-    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    int rc = fd >= 0 && fsync(fd) == 0 ? 0 : -1;
-    if (fd >= 0) close(fd);
-    return rc;
+    return dir_synced(dir);
 }
 
 /* Whether name is exactly prefix, 16 lower-case hex digits and suffix. */
@@ -975,6 +985,7 @@ static int dir_clear(const char *dir, char *kept, size_t kept_cap)
         }
     }
     if (d) closedir(d);
+    if (rc == 0) rc = dir_synced(dir); /* the store's files gone for good before the marker */
     if (rc == 0) rc = unlink_synced(dir, IDEM_IMPORT_MARKER);
     if (rc == 0) rc = unlink_synced(dir, "LOCK");
     if (rc != 0 && e == 0) e = errno;

@@ -95,7 +95,8 @@ int auth_user_add(srv_config *cfg, const char *spec, char *err, size_t err_len)
     srv_user *u = &cfg->users[cfg->nusers];
     u->role = auth_role_parse(role);
     if (u->role == ROLE_NONE) {
-        snprintf(err, err_len, "role must be worker, reader or admin, not '%s'", role);
+        /* Not echoed: a line written NAME:PASSWORD:ROLE holds the password there. */
+        snprintf(err, err_len, "role must be worker, reader or admin (NAME:ROLE:PASSWORD)");
         return -1;
     }
     memcpy(u->name, spec, name_len);
