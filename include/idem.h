@@ -158,9 +158,11 @@ int idem_open(const char *dir, const idem_options *o, idem_store **out)
 /* Makes everything durable, writes a checkpoint (unless read-only or fatal), frees the store and
  * every queue still open on it: no call may be in progress on the store or its queues, and none
  * may use them afterwards (idem_queue_close included). To stop callers blocked in a WAIT,
- * idem_cancel_waits answers them busy; close once they have returned. Returns IDEM_OK,
- * IDEM_EFATAL if the store had failed, or the checkpoint's error (IDEM_EFULL, IDEM_EIO; what
- * was acknowledged is in the log all the same). */
+ * idem_cancel_waits answers them busy; close once they have returned. Returns IDEM_OK;
+ * IDEM_EFATAL if the store had failed, or failed in the close (a failed write or flush of the
+ * closing checkpoint, or of the zero-filler's or the remover's last work: named on stderr,
+ * event=fatal_io_error); or the closing checkpoint's IDEM_EFULL or IDEM_ENOMEM (no space, no
+ * descriptor or memory: what was acknowledged is in the log all the same). */
 int idem_close(idem_store *s);
 
 /* The last open or I/O failure of this thread, as a sentence. Never NULL. */

@@ -3174,6 +3174,9 @@ static int ckpt_run_step(idem_store *s, int now)
             store_fail(s, rc, "flushing the log before a checkpoint is installed");
             return IDEM_EFATAL;
         }
+        /* Answered as flush_due answers it: not after a helper failed, and with the flush
+         * recorded in the superblock first. */
+        if (helpers_failed(s) || sync_mark_save(s) < 0) return IDEM_EFATAL;
         s->durable_lsn = wal_durable_lsn(s->wal);
         notify_ready(s);
         if (s->durable_lsn < s->ckr.end_lsn) return IDEM_EFATAL;
