@@ -602,6 +602,10 @@ int idem_import_unmark(const char *dir) __attribute__((warn_unused_result));
 /* 1 when dir holds IDEM_IMPORT_MARKER, 0 when not, IDEM_EINVAL or IDEM_EIO when that cannot be
  * told (idem_last_error says why). Thread-safe. */
 int idem_import_marked(const char *dir);
+/* 1 when name (a directory entry's) is one of the files a store makes in its directory (log
+ * segments, checkpoints, the superblock, the audit trail, the disk reserve; LOCK and
+ * IDEM_IMPORT_MARKER aside), else 0: what a failed import into an empty directory removes. */
+int idem_store_file_name(const char *name);
 /* Makes dest_dir (absent) a copy of the backup in backup_dir, under a new store generation:
  * the restored store hands out tokens above every token the backup's store could have handed
  * out before the backup was taken, and reports the generation in its stats. As idem_backup, it

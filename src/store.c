@@ -881,8 +881,8 @@ static int reserve_maintain(idem_store *s, int64_t mono)
 static int flusher_maintain(idem_store *s)
 {
     if (s->fatal) return 0;
-    /* A failed zero write fails the store, also while it closes (the close's checkpoint may be
-     * the last flush its segment gets: idem_close returned 0 over it). */
+    /* A helper's failure (a zero write, the directory's sync after deletes) fails the store
+     * also between flushes and while it closes. */
     if (helpers_failed(s)) return 0;
     if (s->closing) return 0;
     int released = 0;
@@ -1565,6 +1565,16 @@ static int name_numbered(const char *name, const char *prefix, const char *suffi
     }
     *n = v;
     return 1;
+}
+
+int idem_store_file_name(const char *name)
+{
+    static const char *const fixed[] = {"super", "super.tmp", "audit.log", DISK_RESERVE_NAME,
+                                        DISK_RESERVE_MAKING};
+    for (size_t i = 0; i < IDEM_ARRAY_LEN(fixed); i++)
+        if (strcmp(name, fixed[i]) == 0) return 1;
+    uint64_t n;
+    return name_numbered(name, "wal-", ".log", &n) || name_numbered(name, "index-", ".ckpt", &n);
 }
 
 static int leftover_seen(const char *name, void *ctx)

@@ -9,7 +9,6 @@
  * is in and the store closed: a crash part-way leaves a store that idemd refuses. verify reports
  * the marker as a fault; backup --dir and restore carry it to the copy.
  */
-#include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -929,28 +928,6 @@ static int unlink_synced(const char *dir, const char *name)
     return dir_synced(dir);
 }
 
-/* Whether name is exactly prefix, 16 lower-case hex digits and suffix. */
-static int name_numbered(const char *name, const char *prefix, const char *suffix)
-{
-    size_t lp = strlen(prefix), ls = strlen(suffix);
-    if (strlen(name) != lp + 16 + ls || strncmp(name, prefix, lp) != 0 ||
-        strcmp(name + lp + 16, suffix) != 0)
-        return 0;
-    for (size_t i = lp; i < lp + 16; i++)
-        if (!isdigit((unsigned char)name[i]) && !(name[i] >= 'a' && name[i] <= 'f')) return 0;
-    return 1;
-}
-
-/* Whether name is one of the files a store's open and writes make (LOCK and the marker aside). */
-static int store_file_name(const char *name)
-{
-    static const char *const fixed[] = {"super", "super.tmp", "audit.log", "reserve",
-                                        "reserve.new"};
-    for (size_t i = 0; i < sizeof fixed / sizeof fixed[0]; i++)
-        if (!strcmp(name, fixed[i])) return 1;
-    return name_numbered(name, "wal-", ".log") || name_numbered(name, "index-", ".ckpt");
-}
-
 /* Empties a directory that was empty before an import into it failed, the store closed, of the
  * files the import made: the store's own names, each a file (nothing else is removed: what
  * someone put there meanwhile stays, and is named in *kept, "" if none). The directory itself
@@ -975,7 +952,7 @@ static int dir_clear(const char *dir, char *kept, size_t kept_cap)
         if (entry_ignored(de->d_name) || !strcmp(de->d_name, "LOCK") ||
             !strcmp(de->d_name, IDEM_IMPORT_MARKER))
             continue;
-        if (!store_file_name(de->d_name)) {
+        if (!idem_store_file_name(de->d_name)) {
             if (!*kept) bytes_escape(de->d_name, strlen(de->d_name), kept, kept_cap);
             continue;
         }

@@ -158,9 +158,9 @@ int conf_line_next(FILE *f, const char *path, char *line, size_t size, int *line
         if (c == EOF && !any) return 0;
         ++*lineno;
         if (skip) continue;
-        if (len > 0 && line[len - 1] == '\r' && !over) len--;
+        if (!over && len > 0 && line[len - 1] == '\r') len--;
         t = conf_text_start(line, len, *lineno == 1);
-        if ((t == len && !over) || (t < len && line[t] == '#')) continue; /* blank, or a comment */
+        if (!over && (t == len || line[t] == '#')) continue; /* blank, or a comment */
         if (over || len > size - 2) {
             snprintf(err, err_len, "%s:%d: line longer than %zu bytes", path, *lineno, size - 2);
             return -1;
