@@ -37,11 +37,7 @@ void imem_init(struct index_mem *m)
 {
     memset(m, 0, sizeof(*m));
     pthread_mutex_init(&m->lock, NULL);
-    pthread_condattr_t ca; /* the retry's pause (ahead_main) on the monotonic clock */
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&m->cond, &ca);
-    pthread_condattr_destroy(&ca);
+    util_cond_init_monotonic(&m->cond); /* the retry's pause (ahead_main) */
     iarena_init(&m->arena);
 }
 

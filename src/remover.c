@@ -49,11 +49,7 @@ int remover_create(struct io *io, const char *dir, struct remover **out)
     }
     r->io = io;
     pthread_mutex_init(&r->mu, NULL);
-    pthread_condattr_t ca; /* the retry's second is elapsed time */
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    pthread_cond_init(&r->cond, &ca);
-    pthread_condattr_destroy(&ca);
+    util_cond_init_monotonic(&r->cond); /* the retry's second is elapsed time */
     *out = r;
     return 0;
 }

@@ -129,18 +129,6 @@ static int clock_set_locked(idem_store *s, int64_t ms)
     return 0;
 }
 
-/* Timed waits on c count elapsed time, whatever the wall clock does (the flusher, idem_poll's
- * timeout, idem_compact). Returns pthread_cond_init's result. */
-static int cond_init_monotonic(pthread_cond_t *c)
-{
-    pthread_condattr_t ca;
-    pthread_condattr_init(&ca);
-    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
-    int rc = pthread_cond_init(c, &ca);
-    pthread_condattr_destroy(&ca);
-    return rc;
-}
-
 int store_clock_saved(const idem_store *s)
 {
     return s->clk_save_ms <= s->sb.store_clock_ms || s->clk_save_ms <= s->clk_durable_ms;
@@ -1739,8 +1727,8 @@ int store_open_io(const char *dir, const idem_options *o, struct io *io, int sim
     /* Held for a few stores (a counter entry taken): spins like mu. */
     pthread_mutex_init(&s->seen_mu, &ma);
     pthread_mutexattr_destroy(&ma);
-    cond_init_monotonic(&s->cond_ready);
-    cond_init_monotonic(&s->cond_flush);
+    util_cond_init_monotonic(&s->cond_ready);
+    util_cond_init_monotonic(&s->cond_flush);
     s->lock_fd = -1;
     s->reserve.fd = -1;
     s->io = io;
@@ -2015,7 +2003,7 @@ int idem_queue_open(idem_store *s, uint32_t depth, idem_queue **out)
         err = ENOMEM;
     else if ((q->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC)) < 0)
         err = errno, what = "its eventfd";
-    else if ((err = cond_init_monotonic(&q->cond)) != 0)
+    else if ((err = util_cond_init_monotonic(&q->cond)) != 0)
         what = "its condition variable";
     if (err) {
         store_set_error("cannot make a queue of depth %u: %s: %s", (unsigned)depth, what,

@@ -24,6 +24,16 @@ static int64_t clock_ns(clockid_t id)
     return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+int util_cond_init_monotonic(pthread_cond_t *c)
+{
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    int rc = pthread_cond_init(c, &ca);
+    pthread_condattr_destroy(&ca);
+    return rc;
+}
+
 int64_t util_boottime_ms(void)
 {
     return clock_ns(CLOCK_BOOTTIME) / 1000000;

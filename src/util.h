@@ -7,6 +7,7 @@
 #define IDEM_UTIL_H
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -104,6 +105,9 @@ static inline int util_latency_bucket(uint64_t us, int buckets)
 int64_t util_boottime_ms(void);
 int64_t util_realtime_ms(void);
 int64_t util_monotonic_us(void);
+/* Inits c so that its timed waits count elapsed time (CLOCK_MONOTONIC), whatever the wall
+ * clock does. Returns pthread_cond_init's result. */
+int util_cond_init_monotonic(pthread_cond_t *c);
 /* CPU time the calling thread has used, in us (a pause without the time it was preempted). */
 int64_t util_thread_cpu_us(void);
 
