@@ -572,8 +572,9 @@ int idem_import_audit(idem_queue *q, const idem_audit_entry *e);
 #define IDEM_IMPORT_AUDIT_MAX 256u
 int idem_import_audit_n(idem_queue *q, const idem_audit_entry *e, size_t n);
 /* The field of e that idem_import_audit refuses ("actor", "action", "key", "reason", "seq",
- * "flags" or "result": missing, past its limit, or a result whose lengths disagree), NULL when
- * it takes e. Strings are read to their first NUL. */
+ * "state_before", "state_after", "flags" or "result": missing, past its limit or out of range,
+ * or a result whose lengths disagree), NULL when it takes e. Strings are read to their first
+ * NUL. */
 const char *idem_audit_entry_invalid(const idem_audit_entry *e);
 /*
  * The import marker: a file of this name in a store's directory says that an import into the

@@ -28,7 +28,9 @@
  * A unit that fails its checksum, or holds an entry whose change (lsn) did not reach the
  * recovered log, ends the trail at open: it and what follows are cut off, unless a later unit
  * names changes in the recovered log (then the first was damaged after it was written: the open
- * reports corruption). A group is kept or dropped whole; its changes are all in one batch of the
+ * reports corruption). A later unit starts on a block that could start one
+ * (audit_block_may_start): an entry of a group may start on a block boundary in the form of a
+ * one-entry unit. A group is kept or dropped whole; its changes are all in one batch of the
  * log, which recovery also keeps or drops whole. Imported entries name no change to come: they
  * get groups of their own (idem_import_audit_n: as many as fit one), written after every
  * pending one.
@@ -108,10 +110,25 @@ uint32_t audit_entry_bytes(const uint8_t *p, size_t avail)
 
 uint32_t audit_unit_bytes(const uint8_t *blk)
 {
-    if (util_get_u32(blk + 12) != AUDIT_GROUP_MAGIC) return AUDIT_BLOCK;
+    if (!audit_unit_is_group(blk)) return AUDIT_BLOCK;
     uint32_t glen = util_get_u32(blk + 8);
     if (glen < AUDIT_GROUP_HDR + AUDIT_HDR || glen > AUDIT_GROUP_MAX) return 0;
     return (uint32_t)IDEM_ALIGN_UP(glen, AUDIT_BLOCK);
+}
+
+bool audit_unit_is_group(const uint8_t *blk)
+{
+    return util_get_u32(blk + 12) == AUDIT_GROUP_MAGIC;
+}
+
+bool audit_block_may_start(const uint8_t *blk, bool groups_seen)
+{
+    if (audit_unit_is_group(blk)) return true;
+    uint32_t len = util_get_u32(blk + 8);
+    if (groups_seen || len > AUDIT_BLOCK - 8) return false;
+    for (uint32_t i = 8 + len; i < AUDIT_BLOCK; i++)
+        if (blk[i]) return false;
+    return true;
 }
 
 /* Whether the checksum at p is that of the len bytes from p + 8. */
@@ -122,7 +139,7 @@ static bool sum_ok(const uint8_t *p, uint32_t len)
 
 int audit_unit_next(const uint8_t *u, uint32_t bytes, uint32_t *pos, const uint8_t **entry)
 {
-    if (util_get_u32(u + 12) != AUDIT_GROUP_MAGIC) { /* one entry per block */
+    if (!audit_unit_is_group(u)) { /* one entry per block */
         if (*pos) return 0;
         uint32_t len = util_get_u32(u + 8);
         if (len > bytes - 8 || !sum_ok(u, len)) return AUDIT_TORN;
@@ -150,7 +167,7 @@ int audit_unit_next(const uint8_t *u, uint32_t bytes, uint32_t *pos, const uint8
  * what its header says. */
 static bool unit_end_ok(const uint8_t *u, uint32_t pos, int n)
 {
-    return util_get_u32(u + 12) != AUDIT_GROUP_MAGIC ||
+    return !audit_unit_is_group(u) ||
            ((uint32_t)n == util_get_u32(u + 16) && pos == util_get_u32(u + 8));
 }
 
@@ -173,7 +190,7 @@ static void audit_mark(idem_store *s, uint64_t off, const uint8_t *u)
     size_t n = s->naudit_marks;
     if (n && off < s->audit_marks[n - 1].off + AUDIT_STRETCH) return;
     /* The unit's first entry: after the group header, or the unit itself (one entry). */
-    const uint8_t *e = util_get_u32(u + 12) == AUDIT_GROUP_MAGIC ? u + AUDIT_GROUP_HDR : u;
+    const uint8_t *e = audit_unit_is_group(u) ? u + AUDIT_GROUP_HDR : u;
     uint64_t seq = util_get_u64(e + 16);
     if (n == s->audit_marks_cap) {
         size_t cap = n ? 2 * n : 16;
@@ -193,7 +210,7 @@ static void audit_mark(idem_store *s, uint64_t off, const uint8_t *u)
 static void audit_filter_add(idem_store *s, const uint8_t *u, uint32_t bytes)
 {
     uint64_t *f = s->naudit_marks ? s->audit_marks[s->naudit_marks - 1].filter : NULL;
-    int group = util_get_u32(u + 12) == AUDIT_GROUP_MAGIC;
+    int group = audit_unit_is_group(u);
     uint32_t pos = group ? AUDIT_GROUP_HDR : 0, end = group ? util_get_u32(u + 8) : bytes, n;
     while (f && pos < end && (n = audit_entry_bytes(u + pos, end - pos)) != 0) {
         const uint8_t *e = u + pos;
@@ -283,6 +300,8 @@ int audit_open(idem_store *s)
     uint64_t last = wal_recovered_lsn(s->wal), lsn_min, lsn_max, seq_last = 0, size = 0;
     uint32_t bytes;
     uint64_t off = 0;
+    bool groups =
+        false; /* a group came before: no one-entry unit follows (audit_block_may_start) */
     for (;;) {
         int n = read_unit(s, off, u, &bytes, &lsn_min, &lsn_max, &seq_last);
         if (n == AUDIT_BAD) {
@@ -298,6 +317,7 @@ int audit_open(idem_store *s)
             break;
         }
         if (n > 0 && lsn_max <= last) {
+            groups |= audit_unit_is_group(u);
             s->audit_seq = seq_last;
             audit_mark(s, off, u);
             audit_filter_add(s, u, bytes);
@@ -310,15 +330,25 @@ int audit_open(idem_store *s)
          * crash): the trail ends here, and what follows is cut off so it cannot come back once
          * the log's LSNs grow past it. Units are written in order, each flushed before the
          * next batch: nothing after such a unit names a change in the recovered log, so one
-         * that does means this unit was damaged later (corruption, never cut off). */
+         * that does means this unit was damaged later (corruption, never cut off). The search
+         * takes no entry inside a group for a unit (an import's entries name changes in the
+         * log: a torn import read as damage kept the store from opening); it starts at the
+         * next block, this unit's length being no more trusted than the rest of it. */
         s->audit_off = off;
-        if (io_size(s->io, s->audit_f, &size) < 0) {
+        int err = io_size(s->io, s->audit_f, &size);
+        if (err < 0) {
+            store_set_error("%s: cannot read its size: %s", path, strerror(-err));
             rc = IDEM_EIO;
             break;
         }
-        for (uint64_t o = off + AUDIT_BLOCK; rc == 0 && o < size; o += AUDIT_BLOCK) {
+        groups |= audit_unit_is_group(u);
+        for (uint64_t o = off + AUDIT_BLOCK; rc == 0 && o < size;) {
             int k = read_unit(s, o, u, &bytes, &lsn_min, &lsn_max, &seq_last);
-            if (k == IDEM_EIO) rc = IDEM_EIO;
+            if (k == IDEM_EIO) {
+                store_set_error("%s: cannot read at offset %llu", path, (unsigned long long)o);
+                rc = IDEM_EIO;
+            }
+            if (k > 0 && !audit_block_may_start(u, groups)) k = AUDIT_TORN;
             if (k > 0 && lsn_min <= last) {
                 store_set_error("%s: the entries at offset %llu are damaged, and the entries at "
                                 "offset %llu after them name changes in the log: %s",
@@ -326,11 +356,16 @@ int audit_open(idem_store *s)
                                 idem_strerror(IDEM_ECORRUPT));
                 rc = IDEM_ECORRUPT;
             }
+            o += k > 0 ? bytes : AUDIT_BLOCK;
         }
         if (rc == 0 && off < s->sb.audit_len) rc = audit_missing(s, path, off);
         if (rc == 0 && !s->opt.read_only && size > off &&
-            (io_truncate(s->io, s->audit_f, off) < 0 || io_flush_sync(s->io, s->audit_f) < 0))
+            ((err = io_truncate(s->io, s->audit_f, off)) < 0 ||
+             (err = io_flush_sync(s->io, s->audit_f)) < 0)) {
+            store_set_error("%s: cannot cut off the torn entries at offset %llu: %s", path,
+                            (unsigned long long)off, strerror(-err));
             rc = IDEM_EIO;
+        }
         break;
     }
     if (rc == 0 && s->audit_off < s->sb.audit_len) rc = audit_missing(s, path, s->audit_off);
@@ -548,6 +583,8 @@ const char *idem_audit_entry_invalid(const idem_audit_entry *e)
     if (!e->key || e->key_len == 0 || e->key_len > IDEM_KEY_BYTES_MAX) return "key";
     if (e->reason && strlen(e->reason) > IDEM_NOTE_BYTES_MAX) return "reason";
     if (e->seq > (uint64_t)INT64_MAX) return "seq"; /* room for later seqs to grow */
+    if (e->state_before < 0 || e->state_before > IDEM_STATE_REVIEW) return "state_before";
+    if (e->state_after < 0 || e->state_after > IDEM_STATE_REVIEW) return "state_after";
     if (e->flags & ~IDEM_AUDIT_FLAGS_KNOWN) return "flags";
     if (!(e->flags & IDEM_AUDIT_RESULT))
         return e->result_len || e->result_full_len ? "result" : NULL;
@@ -561,8 +598,8 @@ static int import_entry_valid(const idem_audit_entry *e)
     const char *bad = idem_audit_entry_invalid(e);
     if (bad)
         store_set_error("audit entry: field %s missing or past its limit (actor %u bytes, action "
-                        "%u, key 1 to %u, reason %u, seq 2^63-1, flags 0x%x, a result's first "
-                        "%u bytes of its whole length)",
+                        "%u, key 1 to %u, reason %u, seq 2^63-1, states 0 to 3, flags 0x%x, a "
+                        "result's first %u bytes of its whole length)",
                         bad, (unsigned)IDEM_ACTOR_BYTES_MAX, (unsigned)IDEM_ACTION_BYTES_MAX,
                         (unsigned)IDEM_KEY_BYTES_MAX, (unsigned)IDEM_NOTE_BYTES_MAX,
                         (unsigned)IDEM_AUDIT_FLAGS_KNOWN, (unsigned)IDEM_AUDIT_RESULT_KEPT);

@@ -95,7 +95,10 @@ static void sync_dir(struct remover *r, int may_wait)
         struct timespec until;
         clock_gettime(CLOCK_MONOTONIC, &until);
         until.tv_sec += 1;
-        if (may_wait && !r->stop) pthread_cond_timedwait(&r->cond, &r->mu, &until);
+        /* The whole second (a delete queued meanwhile, or a spurious wakeup, does not end it),
+         * unless the remover stops. */
+        while (may_wait && !r->stop && pthread_cond_timedwait(&r->cond, &r->mu, &until) == 0)
+            ;
     } else if (!r->err) {
         r->err = rc;
     }

@@ -950,6 +950,20 @@ static int flusher_save_clock(idem_store *s)
     return 1;
 }
 
+/* The audit trail's length goes to the superblock (store_super_marks) once nothing is pending
+ * after a flush that made audit units durable: the open tells a unit damaged or lost after it
+ * was durable from a torn one only up to the length a superblock holds, and on a quiet store
+ * the last write of one could be hours before. Operator calls are rare: one superblock write
+ * at the idle moment after them. Returns 1 when it did anything (the round goes on). */
+static int flusher_save_audit_len(idem_store *s)
+{
+    if (s->fatal || s->closing || s->abandoned || s->sb.audit_len >= s->audit_durable_off ||
+        wal_pending(s->wal))
+        return 0;
+    return superblock_save(s, "audit_length_deferred",
+                           "writing the audit trail's length to the superblock") > 0;
+}
+
 static int checkpoint_at_close(idem_store *s);
 static int ckpt_run_step(idem_store *s, int now);
 
@@ -1035,6 +1049,7 @@ static void *flusher_main(void *arg)
             stepped = 1;
         }
         stepped |= flusher_save_clock(s);
+        stepped |= flusher_save_audit_len(s);
         /* A step of the age heaps' filtering (ages.c), then callers get the lock again. */
         int tidied = !s->abandoned && !s->fatal && !s->closing && ages_tidy(s);
         if (tidied) {
@@ -1498,10 +1513,21 @@ static int store_validate_options(idem_options *o, uint64_t ram)
     return IDEM_EINVAL;
 }
 
+/* Ends the zero-filler (before the segments it writes are closed) and the remover (the
+ * deletes queued: finished), the log let go of the filler first; each one's first error. */
+static void helpers_stop(idem_store *s, int *fill_err, int *rm_err)
+{
+    if (s->wal) wal_set_filler(s->wal, NULL);
+    *fill_err = filler_destroy(s->filler);
+    *rm_err = remover_destroy(s->remover);
+    s->filler = NULL;
+    s->remover = NULL;
+}
+
 static void store_free(idem_store *s)
 {
-    (void)filler_destroy(s->filler);      /* before the segments it writes are closed */
-    (void)remover_destroy(s->remover);    /* the deletes queued: finished */
+    int fill_err, rm_err;
+    helpers_stop(s, &fill_err, &rm_err);  /* their failures: idem_close's to report */
     if (s->ckr.cw) ckpt_abort(s->ckr.cw); /* a checkpoint in steps, cut short */
     if (s->wal) wal_destroy(s->wal);
     if (s->ix) index_destroy(s->ix);
@@ -1921,9 +1947,8 @@ int idem_close(idem_store *s)
     if (s->flusher_started) pthread_join(s->flusher, NULL);
     /* The helpers' last writes and syncs (a piece of zeros, the directory after the closing
      * retirement's deletes) fail the close as they would fail the store. */
-    int fill_err = filler_destroy(s->filler), rm_err = remover_destroy(s->remover);
-    s->filler = NULL;
-    s->remover = NULL;
+    int fill_err, rm_err;
+    helpers_stop(s, &fill_err, &rm_err);
     if ((fill_err || rm_err) && !s->fatal) {
         store_lock(s);
         helper_failed(s, fill_err, rm_err);

@@ -810,6 +810,14 @@ void audit_taken_done(idem_store *s, int rc);
 uint32_t audit_unit_bytes(const uint8_t *blk);
 int audit_unit_valid(const uint8_t *u, uint32_t bytes);
 int audit_unit_next(const uint8_t *u, uint32_t bytes, uint32_t *pos, const uint8_t **entry);
+/* Whether the unit whose first block is blk is a group (its header's magic). */
+bool audit_unit_is_group(const uint8_t *blk);
+/* After a unit that ends the trail (torn, or naming changes the log lacks), whether the block
+ * blk may start a unit of its own: a group's header may; an entry inside a group that happens
+ * to start on a block boundary has the form of a one-entry unit of earlier versions, so one
+ * counts only where no group came before it (groups_seen false) and it is zero-padded to the
+ * block's end, as those units were. */
+bool audit_block_may_start(const uint8_t *blk, bool groups_seen);
 /* The length (8 + len) of the entry at p if its lengths agree and it fits in avail, else 0. */
 uint32_t audit_entry_bytes(const uint8_t *p, size_t avail);
 

@@ -405,6 +405,8 @@ static uint32_t frame_valid(const struct vctx *v, const struct vseg *s, uint32_t
     uint32_t len = util_get_u32(f + 24);
     if (len < WAL_FRAME_HDR || len % 8 || len > v->sb.seg_bytes - off) return 0;
     if (util_get_u64(f) != XXH3_64bits_withSeed(f + 8, len - 8, s->salt)) return 0;
+    if (util_get_u64(f + 8) >= WAL_NUMBER_LIMIT || util_get_u64(f + 16) >= WAL_NUMBER_LIMIT)
+        return 0; /* as the log's own reader */
     return len;
 }
 
@@ -668,7 +670,9 @@ static void walk_beyond(struct vctx *v, const struct walk *w)
         if (!s && v->segs[seq - v->sb.wal_first_seq].short_whole)
             s = &v->segs[seq - v->sb.wal_first_seq]; /* read with its own header's salt */
         if (!s) continue; /* a damaged header: the segments after it are read all the same */
-        uint32_t off = seq == w->batch_start.seq ? w->batch_start.off + WAL_BLOCK : WAL_BLOCK;
+        /* From where the log stops (a frame of a later batch may lie there itself), as
+         * recovery reads it. */
+        uint32_t off = seq == w->batch_start.seq ? w->batch_start.off : WAL_BLOCK;
         for (; off + WAL_FRAME_HDR <= v->sb.seg_bytes; off += WAL_BLOCK) {
             if (!frame_valid(v, s, off)) continue;
             uint64_t batch = util_get_u64(s->f.map + off + 16);
@@ -716,6 +720,11 @@ static void walk_checkpoint_mark(struct vctx *v, struct walk *w, struct vpos ckp
 
 static int verify_log(struct vctx *v)
 {
+    /* As recovery (wal_open_segments): the log is read from the checkpoint's replay segment,
+     * which must exist (a store that never wrote a checkpoint has its first one there). */
+    if (v->sb.ckpt_seq < v->sb.wal_first_seq || v->sb.ckpt_seq - v->sb.wal_first_seq >= v->nsegs)
+        fault(v, "wal-%016llx.log is missing: the checkpoint's replay position is in it",
+              (unsigned long long)v->sb.ckpt_seq);
     for (size_t i = 0; i < v->nsegs; i++) {
         /* As recovery (wal_open_segments): past the replay segment, a damaged header may be a
          * creation cut short by a crash; the segments after it are read for later batches
@@ -762,7 +771,9 @@ static int verify_log(struct vctx *v)
               "wal-%016llx.log offset %u: a complete batch at the checkpoint's position has "
               "LSNs at or below the checkpoint's (%llu): recovery would drop it",
               (unsigned long long)ckpt.seq, ckpt.off, (unsigned long long)v->sb.ckpt_lsn);
-    walk_beyond(v, &w);
+    /* As recovery: after a clean close that the log's end matches, nothing past it is read. */
+    int clean = v->sb.clean_lsn && w.last_lsn == v->sb.clean_lsn && w.cur_lsn == w.last_lsn;
+    if (!clean) walk_beyond(v, &w);
     /* A run that closed cleanly made its spare whole (re-created over any a crash cut short):
      * damage there is rot. One further on may be left from a crash before that run. */
     if (v->damaged_seq && v->sb.clean_lsn && v->damaged_seq <= w.batch_start.seq + 1)
@@ -1078,18 +1089,30 @@ static int verify_audit(struct vctx *v)
      * damaged after it was written. After a clean close no write was cut short: any damage is. */
     int crashed = !v->sb.clean_lsn;
     uint64_t prev_seq = 0, empty_at = UINT64_MAX, trail_end = UINT64_MAX, whole_end = 0;
+    bool groups = false; /* as audit_open's: a group came before */
     for (uint64_t off = 0; off + V_AUDIT_BLOCK <= f.size;) {
         const uint8_t *u = f.map + off;
         uint32_t bytes = audit_unit_bytes(u);
         if (bytes == 0 || bytes > f.size - off) bytes = V_AUDIT_BLOCK;
         if (all_zero(u, V_AUDIT_BLOCK)) {
+            /* After a crash, a block a torn write lost (it reads as zeros) ends the trail, as
+             * for the open, which reads it as a torn unit: the blocks after it are judged as
+             * after one (an entry of its group on the next block is no unit of its own). */
+            if (crashed && trail_end == UINT64_MAX) trail_end = off;
             empty_at = empty_at == UINT64_MAX ? off : empty_at;
             off += V_AUDIT_BLOCK;
             continue;
         }
+        if (trail_end != UINT64_MAX && !audit_block_may_start(u, groups)) {
+            off += V_AUDIT_BLOCK; /* inside a group: no unit of its own */
+            continue;
+        }
         int n = audit_unit_valid(u, bytes);
         if (n == AUDIT_TORN && crashed) {
-            if (trail_end == UINT64_MAX) trail_end = off;
+            if (trail_end == UINT64_MAX) { /* as audit_open: the unit that ends the trail */
+                trail_end = off;
+                groups |= audit_unit_is_group(u);
+            }
             off += V_AUDIT_BLOCK;
             continue;
         }
@@ -1108,9 +1131,10 @@ static int verify_audit(struct vctx *v)
             lsn_max = lsn > lsn_max ? lsn : lsn_max;
         }
         if (crashed && (trail_end != UINT64_MAX || lsn_max > v->log_last_lsn)) {
-            if (trail_end == UINT64_MAX)
-                trail_end = off; /* entries of changes that never reached the log */
-            else if (lsn_min <= v->log_last_lsn)
+            if (trail_end == UINT64_MAX) { /* entries of changes that never reached the log */
+                trail_end = off;
+                groups |= audit_unit_is_group(u);
+            } else if (lsn_min <= v->log_last_lsn)
                 fault(v,
                       "audit.log offset %llu: the entries there are damaged, and those at offset "
                       "%llu after them name changes in the log",
@@ -1118,6 +1142,7 @@ static int verify_audit(struct vctx *v)
             off += bytes;
             continue;
         }
+        groups |= audit_unit_is_group(u);
         if (empty_at != UINT64_MAX)
             fault(v, "audit.log offset %llu: an empty block before the entry at %llu",
                   (unsigned long long)empty_at, (unsigned long long)off);

@@ -492,6 +492,7 @@ int wal_overwrites_in_place(struct wal *w)
 void wal_set_filler(struct wal *w, struct filler *fl)
 {
     w->filler = fl;
+    if (!fl) return;
     /* The segment current at open is timed from now: it started before, so it looks faster
      * than it is, and a fast log is not filled for one more segment. */
     w->cur_since_us = (uint64_t)util_monotonic_us();
@@ -1057,6 +1058,8 @@ static uint32_t frame_valid_in(const uint8_t *map, uint64_t salt, uint32_t seg_b
     uint32_t len = util_get_u32(f + 24);
     if (len < WAL_FRAME_HDR || len % 8 || len > seg_bytes - off) return 0;
     if (util_get_u64(f) != frame_checksum(salt, f, len)) return 0;
+    if (util_get_u64(f + 8) >= WAL_NUMBER_LIMIT || util_get_u64(f + 16) >= WAL_NUMBER_LIMIT)
+        return 0;
     return len;
 }
 
@@ -1448,8 +1451,19 @@ int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t 
     if (cur_lsn > max_lsn) max_lsn = cur_lsn;
     w->lsn_last = w->lsn_written = w->lsn_durable = w->lsn_durable_at_open = max_lsn;
     w->lsn_recovered = last_lsn;
-    /* At least two above the last complete batch: the torn batch's number is never reused. */
+    /* At least two above the last complete batch: the torn batch's number is never reused. Nor
+     * is the first batch of the open that wrote the tail, which it may have written unseen (a
+     * tear that kept no block where one of its frames starts): frames of two runs' torn batches
+     * numbered alike could read as one batch. */
     w->batch = (max_batch > last_batch + 1 ? max_batch : last_batch + 1) + 1;
+    if (resume->first_batch >= w->batch) w->batch = resume->first_batch + 1;
+    if (w->batch >= WAL_NUMBER_LIMIT || w->lsn_last + 1 >= WAL_NUMBER_LIMIT) {
+        snprintf(w->err, sizeof w->err,
+                 "log corrupt: the next batch (%llu) or LSN (%llu) reaches 2^62, which no "
+                 "store numbers up to",
+                 (unsigned long long)w->batch, (unsigned long long)w->lsn_last + 1);
+        return IDEM_ECORRUPT;
+    }
     w->cur_seq = batch_start.seq;
     w->cur_off = batch_start.off;
     /* Segments past the end are stale; they are re-created (new salt) when the log gets there. */

@@ -50,8 +50,12 @@
 #define WAL_SEG_SLOTS     16384u
 #define WAL_SEG_BYTES_MAX (512u * 1024u * 1024u)
 #define WAL_SEG_BYTES_MIN (64u * 1024u)
-#define WAL_CHUNK_BYTES   (2u << 20)
-#define WAL_CHUNKS_MAX    32u
+/* LSNs and batch numbers stay below this (as the superblock's fields must, super.c): a frame
+ * that names one at or above it is no frame of this store, however its checksum reads (one
+ * taken would wrap the next open's batch numbers, and its batches would read as stale). */
+#define WAL_NUMBER_LIMIT (UINT64_C(1) << 62)
+#define WAL_CHUNK_BYTES  (2u << 20)
+#define WAL_CHUNKS_MAX   32u
 /* A SEGEND frame's payload: u64 salt of the next segment. Stores written before it have none
  * (an empty payload); readers take either. */
 #define WAL_SEGEND_PAYLOAD 8u
@@ -90,7 +94,8 @@ int wal_open_segments(struct wal *w, uint64_t first_seq, uint64_t start_seq, int
 int wal_addr_valid(const struct wal *w, uint64_t addr);
 
 /* What recovery knows about the open that wrote the log's last batches (from the superblock
- * it wrote before writing any): the number of its first batch (0: not recorded) and whether it
+ * it wrote before writing any): the number of its first batch (0: not recorded; the next open
+ * numbers its own above it, wal_recover) and whether it
  * flushed every batch before writing the next (sync or batch mode, or not recorded); and clean_lsn,
  * the log's last LSN when that open closed cleanly (0: it did not, or the copy predates the mark).
  * When the replay ends exactly there, nothing past the end was ever written by that open, and
@@ -138,7 +143,9 @@ static inline int wal_named_judged(uint64_t segend_batch, const struct wal_resum
  * END frames of complete batches (fn returns 0 or a negative idem_err to stop). A torn tail is
  * dropped: appends go on where its batch began. A valid frame after a bad one that
  * wal_beyond_is_corrupt calls corruption is reported (IDEM_ECORRUPT, with a message); other
- * valid frames past the end are counted (wal_frames_beyond). Writes nothing.
+ * valid frames past the end are counted (wal_frames_beyond). Writes nothing. The next batch
+ * number is above every one seen and above resume->first_batch; frames that name an LSN or
+ * batch at or above WAL_NUMBER_LIMIT are no frames, and a log numbered up to it is refused.
  */
 int wal_recover(struct wal *w, uint64_t start_seq, uint32_t start_off, uint64_t prev_lsn,
                 uint64_t prev_batch, const struct wal_resume *resume,
@@ -188,7 +195,8 @@ int wal_spare_end(struct wal *w, struct wal_segment *made, int rc);
 
 /* Zero-fills space ahead of the log from now on (filler.h): the rest of the current segment
  * from the next piece boundary but one, each spare as it is installed; every write of a batch
- * passes filler_fence first. Lock held; call once, after recovery and the first spare. */
+ * passes filler_fence first. Lock held; call once, after recovery and the first spare; and
+ * with NULL before the filler is destroyed (at close, once the flusher is joined: no lock). */
 struct filler;
 void wal_set_filler(struct wal *w, struct filler *fl);
 /* io_overwrites_in_place of the current segment's file (on btrfs it depends on the file). */

@@ -14,6 +14,7 @@
 #include "remover.h"
 #include "store.h"
 #include "testutil.h"
+#include "util.h"
 
 #define SIM_DIR "/sim/store"
 
@@ -1687,6 +1688,7 @@ Test(compact, a_directory_sync_after_deletes_refused_for_space_is_tried_again, .
     struct io_sim_counts before, after;
     io_sim_counts(sim, &before);
     io_sim_fail_sync_dir(sim, -ENOSPC);
+    int64_t let_go_us = util_monotonic_us();
     io_sim_hold_unlinks(sim, 0);
     /* The files are deleted: their room is free while the sync waits (idem_compact waited for
      * ever on a full disk when the wait counted as files pending). */
@@ -1695,6 +1697,10 @@ Test(compact, a_directory_sync_after_deletes_refused_for_space_is_tried_again, .
         usleep(10 * 1000);
     cr_assert(!pending, "the deletes counted as pending while their directory sync waited");
     remover_drain(s->remover); /* returns once a sync succeeded */
+    /* The remover's sync took the refusal (the fault is one-shot, any caller's): it waited its
+     * second before the next. */
+    cr_assert_geq(util_monotonic_us() - let_go_us, 900 * 1000,
+                  "the remover did not wait: another sync of the directory took the refusal");
     io_sim_counts(sim, &after);
     cr_assert_geq(after.dir_syncs, before.dir_syncs + 1, "no sync made after the refused one");
     cr_assert_eq(remover_error(s->remover), 0);

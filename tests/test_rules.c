@@ -2376,6 +2376,16 @@ Test(audit, imported_seqs_are_kept_and_later_entries_follow_them)
     expect_rc(resolve("r1", IDEM_RESOLVE_SETTLE, "one", IDEM_F_FORCE), IDEM_OK);
     in.seq = UINT64_MAX;
     expect_rc(idem_import_audit(g_q, &in), IDEM_EINVAL);
+    /* A state out of range was kept as its low byte (-1 read back as 255, 256 as absent), and
+     * verify then found the store faulty. */
+    in.seq = 1001;
+    const int bad_states[] = {-1, 4, 256};
+    for (int i = 0; i < 6; i++) {
+        idem_audit_entry b = in;
+        *(i < 3 ? &b.state_before : &b.state_after) = bad_states[i % 3];
+        expect_rc(idem_import_audit(g_q, &b), IDEM_EINVAL);
+        cr_assert_str_eq(idem_audit_entry_invalid(&b), i < 3 ? "state_before" : "state_after");
+    }
     in.seq = (uint64_t)INT64_MAX;
     expect_rc(idem_import_audit(g_q, &in), IDEM_OK);
     claim_new("r2");

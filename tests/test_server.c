@@ -3538,16 +3538,18 @@ Test(server, settings_that_would_weaken_the_server_are_refused_by_name)
                   "nul-users:1: a control byte");
     /* A line is read into a bounded buffer: a comment or a blank line of any length is one
      * line, and a file that never ends a line is refused at once (it was read whole into
-     * memory). Lines: 3000 blanks; 3000 blanks and a comment; a comment of 5000 bytes. */
-    static char long_comment[3001 + 3004 + 5001 + 10];
+     * memory). Lines: 3000 blanks; 2999 blanks ending CRLF (as an editor writes it); 3000
+     * blanks and a comment; a comment of 5000 bytes. */
+    static char long_comment[3001 + 3001 + 3004 + 5001 + 10];
     memset(long_comment, ' ', sizeof long_comment);
     long_comment[3000] = '\n';
-    memcpy(long_comment + 6001, "# x\n", 4);
-    memset(long_comment + 6005, 'c', 5000);
-    long_comment[6005] = '#';
-    memcpy(long_comment + 11005, "\nport abc\n", 10);
+    memcpy(long_comment + 3001 + 2999, "\r\n", 2);
+    memcpy(long_comment + 3001 + 6001, "# x\n", 4);
+    memset(long_comment + 3001 + 6005, 'c', 5000);
+    long_comment[3001 + 6005] = '#';
+    memcpy(long_comment + 3001 + 11005, "\nport abc\n", 10);
     bytes_refused(dir, "--config", "long-comment.conf", long_comment, sizeof long_comment,
-                  "long-comment.conf:4:");
+                  "long-comment.conf:5:");
     const char *const zero[] = {"--dir", dir, "--port", "0", "--config", "/dev/zero", NULL};
     cr_assert_eq(run_idemd(zero), 2);
     cr_assert(strstr(run_err, "/dev/zero:1: line longer than"), "%s", run_err);
@@ -4381,6 +4383,97 @@ static int wait_claim_raw(const char *key, const char *owner, int on_unix)
     cr_assert(n > 0 && (size_t)n < sizeof req);
     raw_send(fd, req, (size_t)n);
     return fd;
+}
+
+/* A backup still copying 30 s into a drain (1 s here: IDEM_TEST_DRAIN_ANSWER_MS) is waited for
+ * after the connections close; its client is told so, not that its outcome is unknown and "made
+ * durable at the close" (as any other request left unanswered was, the backup too), and the log
+ * says how the copy ended. The copy waits for a flush held by the disk (fail_sync.c). */
+Test(server, a_backup_running_late_in_a_drain_is_told_it_goes_on, .timeout = 60)
+{
+    setenv("IDEM_TEST_DRAIN_ANSWER_MS", "1000", 1);
+    start_sync_preloaded("IDEM_TEST_HOLD_SYNC_FILE", NULL);
+    unsetenv("IDEM_TEST_DRAIN_ANSWER_MS");
+    redisContext *c = connect_unix(), *w = connect_unix();
+    expect_status(cmd(c, "PING"), "PONG");
+    char *bdir = tu_mkdtemp("drain-backup"), dest[600];
+    snprintf(dest, sizeof dest, "%s/copy", bdir);
+    fail_now(); /* flushes wait from here on */
+    cr_assert_eq(redisAppendCommand(w, "IDEM.CLAIM pending 600000 60000"), REDIS_OK);
+    cr_assert_eq(redisBufferWrite(w, &(int){0}), REDIS_OK);
+    usleep(100 * 1000);
+    cr_assert_eq(redisAppendCommand(c, "IDEM.BACKUP %s", dest), REDIS_OK);
+    cr_assert_eq(redisBufferWrite(c, &(int){0}), REDIS_OK);
+    usleep(300 * 1000); /* the backup waits for the held flush */
+    kill(srv.pid, SIGTERM);
+    redisReply *r = NULL;
+    cr_assert_eq(redisGetReply(c, (void **)&r), REDIS_OK);
+    cr_assert_eq(r->type, REDIS_REPLY_ERROR, "type %d", r->type);
+    cr_assert_str_eq(r->str, "ERR server is shutting down: the backup goes on until the copy "
+                             "ends, and its outcome is logged (event=backup_done or "
+                             "event=backup_failed)");
+    freeReplyObject(r);
+    cr_assert_eq(redisGetReply(w, (void **)&r), REDIS_OK);
+    cr_assert(r->type == REDIS_REPLY_ERROR && strstr(r->str, "its outcome is unknown"), "%s",
+              r->str ? r->str : "");
+    freeReplyObject(r);
+    fail_end();
+    int status = exit_status();
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "status %d", status);
+    EXPECT_LOG("event=shutdown_waits_for_backup");
+    EXPECT_LOG("event=backup_done", dest);
+    cr_assert_eq(access(dest, F_OK), 0, "the copy was not made");
+    redisFree(c);
+    redisFree(w);
+    tu_rmtree(bdir);
+    tu_rmtree(fail_dir);
+}
+
+/* --idle-timeout-ms closes idle connections, never one with a request outstanding. A request
+ * read while the engine's queue is full waits unparsed (idemd's wait, not the client's): it
+ * was closed as idle once the wait outlasted the timeout, unanswered. The queue (256, less the
+ * room kept for one request's operations) is filled by 127 claims parked by WAIT (at most half
+ * the queue) and 120 claims waiting for a held flush (more than fit). */
+Test(server, a_request_held_for_room_in_the_engine_is_not_closed_as_idle, .timeout = 90)
+{
+    const char *extra[] = {"--queue-depth", "256", "--idle-timeout-ms", "1000", NULL};
+    start_sync_preloaded("IDEM_TEST_HOLD_SYNC_FILE", extra);
+    redisContext *a = connect_tcp(), *b = connect_tcp();
+    cr_assert_str_eq(outcome(cmd(a, "IDEM.CLAIM busy 600000 60000"), NULL), "new");
+    enum { WAITS = 127, N = 120 };
+    int waiting[WAITS];
+    for (int i = 0; i < WAITS; i++)
+        waiting[i] = wait_claim_raw("busy", NULL, 0);
+    fail_now(); /* flushes wait from here on */
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(redisAppendCommand(a, "IDEM.CLAIM held-%d 600000 60000", i), REDIS_OK);
+    int done = 0;
+    while (!done)
+        cr_assert_eq(redisBufferWrite(a, &done), REDIS_OK);
+    usleep(500 * 1000); /* the waits parked, the claims in the queue with their flush held */
+    cr_assert_eq(redisAppendCommand(b, "PING"), REDIS_OK);
+    cr_assert_eq(redisBufferWrite(b, &done), REDIS_OK);
+    struct pollfd p = {b->fd, POLLIN, 0};
+    if (poll(&p, 1, 2500) != 0) {
+        redisReply *r = NULL;
+        int rc = redisGetReply(b, (void **)&r);
+        cr_assert_fail("the held PING's connection was closed or answered: %d %s", rc,
+                       r && r->str ? r->str : b->errstr);
+    }
+    fail_end();
+    redisReply *pong = NULL;
+    cr_assert_eq(redisGetReply(b, (void **)&pong), REDIS_OK, "the held PING's connection closed");
+    expect_status(pong, "PONG");
+    for (int i = 0; i < N; i++) {
+        redisReply *r = NULL;
+        cr_assert_eq(redisGetReply(a, (void **)&r), REDIS_OK);
+        cr_assert_str_eq(outcome(r, NULL), "new", "claim %d", i);
+    }
+    for (int i = 0; i < WAITS; i++)
+        close(waiting[i]);
+    redisFree(a);
+    redisFree(b);
+    tu_rmtree(fail_dir);
 }
 
 /* A WAIT claim granted `new` by a release whose reply waits for its flush, for a client that

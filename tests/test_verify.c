@@ -481,6 +481,79 @@ Test(verify, a_durable_audit_group_damaged_or_lost_is_corruption, .init = setup,
     cr_assert(access(path, F_OK) != 0, "the refused open made a new trail");
 }
 
+/* A child imports three audit entries into a new store (one group of three blocks, its second
+ * entry starting on the second block) and exits without a close. */
+static void import_group_and_crash(void)
+{
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        idem_store *s;
+        idem_queue *q;
+        if (idem_open(dir, NULL, &s) != IDEM_OK || idem_queue_open(s, 4, &q) != IDEM_OK) _exit(2);
+        claim_commit(q, "order-1", "inv");
+        idem_audit_entry in[3];
+        tu_audit_entries_across_blocks(in);
+        if (idem_import_audit_n(q, in, 3) != IDEM_OK) _exit(3);
+        _exit(0);
+    }
+    int st;
+    cr_assert_eq(waitpid(pid, &st, 0), pid);
+    cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "writer status %d", st);
+}
+
+/* An entry inside a group that starts on a block boundary has the form of a one-entry unit of
+ * earlier versions, and its checksum holds: past a torn group the open searched the blocks for
+ * later units, took that entry for one naming a change in the log, and refused the store as
+ * damaged (verify reported it so), where the group is only a torn tail: cut off. The torn group
+ * here is a second import of the same entries, written after the first and torn by a power
+ * loss: its third block damaged; its header's magic too; its first block lost (zeros, which
+ * verify took for an empty block before the entry on the next one). */
+Test(verify, a_torn_import_whose_entry_starts_a_block_is_a_torn_tail, .init = setup,
+     .fini = teardown)
+{
+    for (int tear = 0; tear < 3; tear++) {
+        import_group_and_crash();
+        char path[4096];
+        snprintf(path, sizeof path, "%s/audit.log", dir);
+        uint8_t *group;
+        cr_assert_eq(read_all(path, &group), 3 * 4096, "one group of three blocks");
+        FILE *f = fopen(path, "ab");
+        cr_assert_not_null(f);
+        cr_assert_eq(fwrite(group, 1, 3 * 4096, f), 3 * 4096);
+        cr_assert_eq(fclose(f), 0);
+        free(group);
+        flip_bit("audit.log", 3 * 4096 + 2 * 4096 + 20, 0);     /* the third entry's reason */
+        if (tear == 1) flip_bit("audit.log", 3 * 4096 + 12, 0); /* the header's magic */
+        if (tear == 2) {
+            static const uint8_t zeros[4096];
+            f = fopen(path, "r+b");
+            cr_assert_not_null(f);
+            cr_assert_eq(fseek(f, 3 * 4096, SEEK_SET), 0);
+            cr_assert_eq(fwrite(zeros, 1, sizeof zeros, f), sizeof zeros);
+            cr_assert_eq(fclose(f), 0);
+        }
+        idem_verify_report r = verify_ok();
+        cr_assert_eq(r.errors, 0, "tear %d: %s", tear, r.first_error);
+        idem_store *s;
+        cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "tear %d: %s", tear, idem_last_error());
+        idem_queue *q;
+        cr_assert_eq(idem_queue_open(s, 4, &q), IDEM_OK);
+        const idem_audit_entry *e;
+        size_t n = 0;
+        cr_assert_eq(idem_audit(q, NULL, 0, 10, &e, &n), IDEM_OK);
+        cr_assert_eq(n, 3, "tear %d: %zu entries, not the first import's three", tear, n);
+        idem_queue_close(q);
+        cr_assert_eq(idem_close(s), IDEM_OK);
+        struct stat st;
+        cr_assert_eq(stat(path, &st), 0);
+        cr_assert_eq(st.st_size, 3 * 4096, "tear %d: the torn group was not cut off", tear);
+        cr_assert_eq(verify_ok().errors, 0);
+        tu_rmtree(dir);
+        dir = tu_mkdtemp("verify");
+    }
+}
+
 /* libidem's mmap (the symbol "mmap": this file is built with _FILE_OFFSET_BITS=64, where the
  * name stands for mmap64), interposed for this binary: while guard_maps is set, every read-only
  * private map of a file (as verify makes) is placed right before a PROT_NONE page, so a read
@@ -651,6 +724,35 @@ static void write_pairs_and_crash(int pairs)
     int st;
     cr_assert_eq(waitpid(pid, &st, 0), pid);
     cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 0, "writer status %d", st);
+}
+
+/* A store whose replay position is still in its first segment (no checkpoint since it was made,
+ * after a crash; or closed with nothing written) loses that segment: the open refuses it ("log
+ * segment 1 is missing"), and verify found nothing (its walk stopped at the missing segment,
+ * at the replay position itself), so a restore took such a copy for sound. */
+Test(verify, a_missing_replay_segment_is_found, .init = setup, .fini = teardown)
+{
+    for (int closed = 0; closed < 2; closed++) {
+        if (closed) {
+            idem_store *s;
+            cr_assert_eq(idem_open(dir, NULL, &s), IDEM_OK, "%s", idem_last_error());
+            cr_assert_eq(idem_close(s), IDEM_OK);
+        } else {
+            write_pairs_and_crash(5);
+        }
+        cr_assert_eq(verify_ok().errors, 0, "%s", verify_ok().first_error);
+        char path[4096];
+        snprintf(path, sizeof path, "%s/wal-0000000000000001.log", dir);
+        cr_assert_eq(unlink(path), 0);
+        idem_verify_report r = verify_ok();
+        cr_assert_gt(r.errors, 0, "closed %d: the missing segment was not found", closed);
+        cr_assert(strstr(r.first_error, "wal-0000000000000001.log is missing"), "%s",
+                  r.first_error);
+        idem_store *s;
+        cr_assert_eq(idem_open(dir, NULL, &s), IDEM_ECORRUPT, "closed %d", closed);
+        tu_rmtree(dir);
+        dir = tu_mkdtemp("verify");
+    }
 }
 
 /* The header of the segment the log was writing last rots after a crash (no clean close, so the

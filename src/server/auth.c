@@ -142,9 +142,14 @@ int conf_line_next(FILE *f, const char *path, char *line, size_t size, int *line
              * else refused below. c is the first byte not kept. */
             over = 1;
             t = conf_text_start(line, len, *lineno == 0);
-            if (t == len)
+            if (t == len) {
                 while (c == ' ' || c == '\t')
                     c = getc(f);
+                if (c == '\r' && (c = getc(f)) != '\n' && c != EOF) {
+                    ungetc(c, f); /* a CR within the line: refused below */
+                    c = '\r';
+                }
+            }
             int hash = t < len ? line[t] == '#' : c == '#';
             skip = hash || (t == len && (c == '\n' || c == EOF));
             while (hash && (c = getc(f)) != EOF && c != '\n')

@@ -610,6 +610,8 @@ static void queue_refused_answer(srv *s, srv_conn *c, uint32_t seq)
     srv_reply_done(s, c, seq);
 }
 
+static void unheard_released(srv *s, srv_conn *c, int err, int64_t token);
+
 static void submit_batch(srv *s)
 {
     if (s->nops == 0) return;
@@ -638,6 +640,9 @@ static void submit_batch(srv *s)
         }
         srv_slot *sl = srv_slot_of(c, seq);
         if (sl->kind == RK_RESOLVE && !sl->queue_refused) log_resolve_result(c, seq, IDEM_EBUSY);
+        /* The release of a WAIT claim's unheard `new` (submit_unheard), refused: said. */
+        if (sl->kind == RK_OWNER && sl->wait_key)
+            unheard_released(s, c, IDEM_EBUSY, sl->unheard_token);
         free(sl->wait_key);
         sl->wait_key = NULL;
         sl->remaining--;
@@ -962,10 +967,15 @@ static void big_admit(srv *s, srv_conn *c)
 }
 
 /* An admitted client gives its admission up once its large request is parsed, or once it
- * cannot parse (its input is then held by conn_update_events, and counted by big_back_count). */
+ * cannot parse, or is not read (paused for the replies it leaves unread): its input is then
+ * held by conn_update_events, and counted by big_back_count. Kept, the admission held the
+ * others' large requests back while the bytes it kept sending piled up in its socket, which
+ * the sweep took for a sender going as fast as it is read. */
 static void big_release(srv *s, srv_conn *c)
 {
-    if (!c->big_admitted || (conn_in_pending(c) >= SRV_IN_HEAVY_BYTES && !c->deferred)) return;
+    if (!c->big_admitted ||
+        (conn_in_pending(c) >= SRV_IN_HEAVY_BYTES && !c->deferred && !c->paused))
+        return;
     c->big_admitted = 0;
     s->big_admitted--;
     big_back_count(s, c);
@@ -978,6 +988,7 @@ static void budget_check(srv *s, srv_conn *c)
     if (conn_out_weight(c) >= SRV_HEAVY_BYTES) {
         if (conn_unread(c) >= SRV_HEAVY_BYTES / 2) c->read_slow_ms = srv_now_ms();
         conn_pause(s, c, PAUSE_OUTPUT); /* its requests would only wait unparsed */
+        big_release(s, c);              /* not read meanwhile: nor admitted */
     } else if (conn_in_pending(c) >= SRV_IN_HEAVY_BYTES && !c->big_admitted && !c->deferred) {
         if (s->big_waiting == 0 && s->big_admitted < big_slots(s) && big_admissible(s, c))
             big_admit(s, c);
@@ -988,10 +999,13 @@ static void budget_check(srv *s, srv_conn *c)
 
 static int engine_room(const srv *s)
 {
-    /* engine_due also counts the reads out on the reads thread and a backup: neither holds a
-     * slot of q, and slow reads (as many as connections) must not hold claims back. */
+    /* engine_due counts the operations not yet submitted (s->ops) with those in q (it counted
+     * them twice here: a full queue was never reached, its room only halved turn by turn);
+     * also the reads out on the reads thread and a backup: neither holds a slot of q, and slow
+     * reads (as many as connections) must not hold claims back. Room is kept for one more
+     * request's operations. */
     uint32_t in_q = s->engine_due - s->reads_out - (s->backup_running ? 1u : 0u);
-    return in_q + s->nops + RESP_ARGV_MAX < s->cfg.queue_depth;
+    return in_q + RESP_ARGV_MAX < s->cfg.queue_depth;
 }
 
 /* An idle connection keeps no input buffer: with ten thousand of them, 16 KiB each would hold
@@ -1107,6 +1121,7 @@ static void conn_parse_requests(srv *s, srv_conn *c)
 {
     if (c->deferred) {
         c->deferred = 0;
+        c->last_active_ms = srv_now_ms(); /* the wait was idemd's (the idle timeout's rule) */
         conn_update_events(s, c);
     }
     while (c->fd >= 0 && !c->close_after_write) {
@@ -1546,10 +1561,11 @@ static void housekeeping(srv *s, int64_t now)
         /* Connections that hold a slot without a password cannot fill --max-clients for good. */
         if (c->fd >= 0 && c->role == ROLE_NONE && now - c->accepted_ms >= s->unauth_ms)
             conn_close(s, c, "auth_timeout");
-        /* Not one idemd stopped reading (paused): its silence is idemd's; the budget's rules
-         * time it. */
-        if (c->fd >= 0 && !c->hung_up && !c->paused && s->cfg.idle_timeout_ms &&
-            c->head_seq == c->tail_seq && c->out.len == 0 &&
+        /* Not one idemd stopped reading (paused), nor one whose request idemd holds unparsed
+         * (deferred: no room in the engine's queue, or for its input): its silence is idemd's;
+         * the budget's rules time it. */
+        if (c->fd >= 0 && !c->hung_up && !c->paused && !(c->deferred && conn_in_pending(c) > 0) &&
+            s->cfg.idle_timeout_ms && c->head_seq == c->tail_seq && c->out.len == 0 &&
             now - c->last_active_ms > (int64_t)s->cfg.idle_timeout_ms)
             conn_close(s, c, "idle_timeout");
     }
@@ -1781,6 +1797,11 @@ static void answer_pending(srv *s, int waits_only, const char *err)
                 resp_array(b, 2);
                 resp_bulk_str(b, "busy");
                 resp_integer(b, 0);
+            } else if (s->backup_running && i == s->backup_conn && q == s->backup_seq) {
+                /* A copy still running: waited for after the connections close. */
+                resp_error(b, "ERR server is shutting down: the backup goes on until the copy "
+                              "ends, and its outcome is logged (event=backup_done or "
+                              "event=backup_failed)");
             } else {
                 resp_error(b, err);
             }
@@ -1836,7 +1857,7 @@ static int drain_step(srv *s)
         snprintf(msg, sizeof msg,
                  "ERR server is shutting down and this request had no answer within %lld s: its "
                  "outcome is unknown (made durable at the close if it was carried out)",
-                 (long long)(s->drain_answer_ms / 1000));
+                 (long long)((s->drain_answer_ms + 999) / 1000));
         answer_pending(s, 1, NULL);
         answer_pending(s, 0, msg);
     }

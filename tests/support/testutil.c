@@ -130,3 +130,17 @@ void tu_fill_incompressible(struct idem_queue *q, int keys)
         val[i] = (char)tu_rand(&rng);
     tu_set_nx(q, "fill", 0, keys, val, sizeof val, 3600000);
 }
+
+void tu_audit_entries_across_blocks(struct idem_audit_entry *out)
+{
+    static char long_reason[4000];
+    memset(long_reason, 'r', sizeof long_reason - 1);
+    static const char *const keys[3] = {"k0", "k1", "k2"};
+    for (int i = 0; i < 3; i++)
+        out[i] = (idem_audit_entry){.at_ms = 5 + i,
+                                    .actor = "ops",
+                                    .action = "del",
+                                    .key = keys[i],
+                                    .key_len = 2,
+                                    .reason = i == 1 ? "r" : long_reason};
+}

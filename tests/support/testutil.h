@@ -34,5 +34,11 @@ void tu_set_nx(struct idem_queue *q, const char *prefix, int base, int keys, con
 /* tu_set_nx of keys fill-0 .. fill-(keys-1) to the same 4 KiB of incompressible bytes for an
  * hour: a log of keys x 4 KiB. */
 void tu_fill_incompressible(struct idem_queue *q, int keys);
+/* Three audit entries (actor "ops", action "del", keys k0..k2) an import writes as one group of
+ * three 4 KiB blocks whose second entry starts on the second block (65 bytes of header, "del",
+ * "ops", a key of 2 and a reason of 3999: 4072, after the group's header of 24), the third
+ * right after it (4176); the group ends at 8248. out holds three. */
+struct idem_audit_entry;
+void tu_audit_entries_across_blocks(struct idem_audit_entry *out);
 
 #endif
